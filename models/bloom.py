@@ -1,0 +1,63 @@
+"""BLOOM: ALiBi attention, LayerNorm on the word embeddings, tanh-GELU, tied embeddings; and the
+mapping to and from Hugging Face `BloomForCausalLM` tensors (whose fused QKV already uses the
+per-head [heads, 3, head_dim] order, so no permutation is needed)."""
+from __future__ import annotations
+
+import torch
+
+from parallel.topology import ParallelTopology
+
+from .config import TransformerConfig
+from .language_model import WORD_EMBEDDINGS, TransformerLanguageModel
+
+
+class BloomModel(TransformerLanguageModel):
+    def __init__(self, config: TransformerConfig, topo: ParallelTopology, **kwargs):
+        if config.position_embedding != "alibi" or not config.embedding_layernorm:
+            raise ValueError("BloomModel needs position_embedding='alibi' and embedding_layernorm=True")
+        super().__init__(config, topo, **kwargs)
+
+
+def config_from_hf(hf) -> TransformerConfig:
+    """A TransformerConfig from a `transformers.BloomConfig`."""
+    if hf.apply_residual_connection_post_layernorm:
+        raise ValueError("BLOOM with apply_residual_connection_post_layernorm=True is not supported")
+    return TransformerConfig(
+        vocab_size=hf.vocab_size, hidden_size=hf.hidden_size, num_layers=hf.n_layer,
+        num_attention_heads=hf.n_head, ffn_hidden_size=4 * hf.hidden_size,
+        max_position_embeddings=getattr(hf, "seq_length", None) or 2048, position_embedding="alibi",
+        embedding_layernorm=True, layernorm_epsilon=hf.layer_norm_epsilon, activation="gelu_tanh",
+        hidden_dropout=hf.hidden_dropout, attention_dropout=hf.attention_dropout,
+        init_method_std=hf.initializer_range, tie_word_embeddings=True)
+
+
+_LAYER = {  # megazoo suffix -> HF suffix, identical layouts
+    "input_norm": "input_layernorm", "attention.qkv": "self_attention.query_key_value",
+    "attention.dense": "self_attention.dense", "post_attention_norm": "post_attention_layernorm",
+    "mlp.fc1": "mlp.dense_h_to_4h", "mlp.fc2": "mlp.dense_4h_to_h",
+}
+_TOP = {"embedding.word_embeddings": "word_embeddings", "embedding.norm": "word_embeddings_layernorm",
+        "final_norm": "ln_f"}
+
+
+def _pairs(config: TransformerConfig):
+    """(megazoo name, HF name without the 'transformer.' prefix) for every tensor."""
+    for mz, hf in _TOP.items():
+        for kind in ("weight", "bias"):
+            if mz == "embedding.word_embeddings" and kind == "bias":
+                continue
+            yield f"{mz}.{kind}", f"{hf}.{kind}"
+    for i in range(config.num_layers):
+        for mz, hf in _LAYER.items():
+            for kind in ("weight", "bias"):
+                yield f"layers.{i}.{mz}.{kind}", f"h.{i}.{hf}.{kind}"
+
+
+def from_hf_state_dict(sd: dict[str, torch.Tensor], config: TransformerConfig) -> dict[str, torch.Tensor]:
+    sd = {k.removeprefix("transformer."): v for k, v in sd.items()}
+    return {mz: sd[hf].contiguous() for mz, hf in _pairs(config)}
+
+
+def to_hf_state_dict(full: dict[str, torch.Tensor], config: TransformerConfig) -> dict[str, torch.Tensor]:
+    assert WORD_EMBEDDINGS in full
+    return {"transformer." + hf: full[mz].contiguous() for mz, hf in _pairs(config)}

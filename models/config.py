@@ -1,0 +1,106 @@
+"""One typed configuration for every model in the zoo, and named presets."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class TransformerConfig:
+    vocab_size: int = 50257
+    hidden_size: int = 768
+    num_layers: int = 12
+    num_attention_heads: int = 12
+    ffn_hidden_size: int | None = None  # default 4 * hidden_size
+    max_position_embeddings: int = 1024
+    position_embedding: str = "learned"  # learned | alibi
+    normalization: str = "layernorm"  # layernorm
+    layernorm_epsilon: float = 1e-5
+    activation: str = "gelu_tanh"  # gelu_tanh | gelu
+    embedding_layernorm: bool = False  # BLOOM normalises the word embeddings
+    tie_word_embeddings: bool = True
+    bias: bool = True
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+    init_method_std: float = 0.02
+    make_vocab_size_divisible_by: int = 128
+    params_dtype: str = "float32"
+    recompute_layers: bool = False  # full activation checkpointing of every transformer layer
+    seed: int = 1234  # initialisation seed: the same full weights for every layout
+
+    def __post_init__(self):
+        if self.ffn_hidden_size is None:
+            self.ffn_hidden_size = 4 * self.hidden_size
+        if self.hidden_size % self.num_attention_heads != 0:
+            raise ValueError(f"--hidden-size {self.hidden_size} is not divisible by "
+                             f"--num-attention-heads {self.num_attention_heads}")
+        for name, value, allowed in (("position_embedding", self.position_embedding, ("learned", "alibi")),
+                                     ("normalization", self.normalization, ("layernorm",)),
+                                     ("activation", self.activation, ("gelu_tanh", "gelu")),
+                                     ("params_dtype", self.params_dtype, tuple(_DTYPES))):
+            if value not in allowed:
+                raise ValueError(f"{name}={value!r} is not supported; choose one of {allowed}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return _DTYPES[self.params_dtype]
+
+    def padded_vocab_size(self, tp: int) -> int:
+        multiple = self.make_vocab_size_divisible_by * tp
+        return -(-self.vocab_size // multiple) * multiple
+
+    def replace(self, **changes) -> "TransformerConfig":
+        return dataclasses.replace(self, **changes)
+
+    def num_parameters(self) -> int:
+        """Parameters of the unpadded model (tied embeddings counted once)."""
+        h, f, v, L = self.hidden_size, self.ffn_hidden_size, self.vocab_size, self.num_layers
+        b = 1 if self.bias else 0
+        per_layer = 4 * h * h + 2 * h * f + b * (3 * h + h + f + h) + 4 * h
+        emb = v * h + (self.max_position_embeddings * h if self.position_embedding == "learned" else 0)
+        emb += 2 * h if self.embedding_layernorm else 0
+        head = 0 if self.tie_word_embeddings else v * h
+        return emb + L * per_layer + 2 * h + head
+
+
+_GPT = dict(vocab_size=50257, position_embedding="learned", activation="gelu_tanh")
+_MEGATRON_GPT = dict(_GPT, max_position_embeddings=2048)
+_BLOOM = dict(vocab_size=250880, position_embedding="alibi", activation="gelu_tanh",
+              embedding_layernorm=True, max_position_embeddings=2048)
+
+PRESETS: dict[str, dict] = {
+    # GPT-2 (Radford et al. 2019)
+    "gpt2": dict(_GPT, hidden_size=768, num_layers=12, num_attention_heads=12),
+    "gpt2-medium": dict(_GPT, hidden_size=1024, num_layers=24, num_attention_heads=16),
+    "gpt2-large": dict(_GPT, hidden_size=1280, num_layers=36, num_attention_heads=20),
+    "gpt2-xl": dict(_GPT, hidden_size=1600, num_layers=48, num_attention_heads=25),
+    # Megatron-LM / GPT-3 family shapes (Brown et al. 2020, Narayanan et al. 2021)
+    "gpt-1.3b": dict(_MEGATRON_GPT, hidden_size=2048, num_layers=24, num_attention_heads=16),
+    "gpt-2.7b": dict(_MEGATRON_GPT, hidden_size=2560, num_layers=32, num_attention_heads=32),
+    "gpt-6.7b": dict(_MEGATRON_GPT, hidden_size=4096, num_layers=32, num_attention_heads=32),
+    "gpt-13b": dict(_MEGATRON_GPT, hidden_size=5120, num_layers=40, num_attention_heads=40),
+    "gpt-39b": dict(_MEGATRON_GPT, hidden_size=8192, num_layers=48, num_attention_heads=64),
+    "gpt-175b": dict(_MEGATRON_GPT, hidden_size=12288, num_layers=96, num_attention_heads=96),
+    # BLOOM (BigScience 2022)
+    "bloom-560m": dict(_BLOOM, hidden_size=1024, num_layers=24, num_attention_heads=16),
+    "bloom-1b1": dict(_BLOOM, hidden_size=1536, num_layers=24, num_attention_heads=16),
+    "bloom-1b7": dict(_BLOOM, hidden_size=2048, num_layers=24, num_attention_heads=16),
+    "bloom-3b": dict(_BLOOM, hidden_size=2560, num_layers=30, num_attention_heads=32),
+    "bloom-7b1": dict(_BLOOM, hidden_size=4096, num_layers=30, num_attention_heads=32),
+    "bloom-176b": dict(_BLOOM, hidden_size=14336, num_layers=70, num_attention_heads=112),
+}
+
+
+def preset(name: str, **overrides) -> TransformerConfig:
+    """A named preset; keyword overrides win (as individual flags do over --model)."""
+    if name not in PRESETS:
+        raise ValueError(f"--model {name!r} is not a known preset; choose one of {sorted(PRESETS)}")
+    return TransformerConfig(**{**PRESETS[name], **overrides})

@@ -1,0 +1,85 @@
+"""GPT (GPT-2 architecture, Megatron's GPT): learned positions, pre-LayerNorm, tanh-GELU, tied
+embeddings; and the mapping to and from Hugging Face `GPT2LMHeadModel` tensors."""
+from __future__ import annotations
+
+import torch
+
+from parallel.topology import ParallelTopology
+
+from .config import TransformerConfig
+from .language_model import WORD_EMBEDDINGS, TransformerLanguageModel
+
+
+class GPTModel(TransformerLanguageModel):
+    def __init__(self, config: TransformerConfig, topo: ParallelTopology, **kwargs):
+        if config.position_embedding != "learned" or config.embedding_layernorm:
+            raise ValueError("GPTModel needs position_embedding='learned' and no embedding "
+                             "layernorm; use BloomModel for ALiBi models")
+        super().__init__(config, topo, **kwargs)
+
+
+def config_from_hf(hf) -> TransformerConfig:
+    """A TransformerConfig from a `transformers.GPT2Config`."""
+    act = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
+    if hf.activation_function not in act:
+        raise ValueError(f"GPT-2 activation {hf.activation_function!r} is not supported")
+    return TransformerConfig(
+        vocab_size=hf.vocab_size, hidden_size=hf.n_embd, num_layers=hf.n_layer,
+        num_attention_heads=hf.n_head, ffn_hidden_size=hf.n_inner or 4 * hf.n_embd,
+        max_position_embeddings=hf.n_positions, position_embedding="learned",
+        layernorm_epsilon=hf.layer_norm_epsilon, activation=act[hf.activation_function],
+        hidden_dropout=hf.resid_pdrop, attention_dropout=hf.attn_pdrop,
+        init_method_std=hf.initializer_range, tie_word_embeddings=True)
+
+
+def _qkv_hf_to_mz(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """[q | k | v] blocks (HF GPT-2) -> per-head [heads, 3, head_dim] (Megatron) along dim 0."""
+    return t.reshape(3, heads, -1, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
+
+
+def _qkv_mz_to_hf(t: torch.Tensor, heads: int) -> torch.Tensor:
+    return t.reshape(heads, 3, -1, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
+
+
+def from_hf_state_dict(sd: dict[str, torch.Tensor], config: TransformerConfig) -> dict[str, torch.Tensor]:
+    """HF GPT-2 tensors (Conv1D weights are [in, out]) -> full megazoo tensors."""
+    sd = {k.removeprefix("transformer."): v for k, v in sd.items()}
+    heads = config.num_attention_heads
+    out = {WORD_EMBEDDINGS: sd["wte.weight"], "embedding.position_embeddings.weight": sd["wpe.weight"],
+           "final_norm.weight": sd["ln_f.weight"], "final_norm.bias": sd["ln_f.bias"]}
+    for i in range(config.num_layers):
+        h, m = f"h.{i}.", f"layers.{i}."
+        out.update({
+            m + "input_norm.weight": sd[h + "ln_1.weight"], m + "input_norm.bias": sd[h + "ln_1.bias"],
+            m + "attention.qkv.weight": _qkv_hf_to_mz(sd[h + "attn.c_attn.weight"].t(), heads),
+            m + "attention.qkv.bias": _qkv_hf_to_mz(sd[h + "attn.c_attn.bias"], heads),
+            m + "attention.dense.weight": sd[h + "attn.c_proj.weight"].t(),
+            m + "attention.dense.bias": sd[h + "attn.c_proj.bias"],
+            m + "post_attention_norm.weight": sd[h + "ln_2.weight"],
+            m + "post_attention_norm.bias": sd[h + "ln_2.bias"],
+            m + "mlp.fc1.weight": sd[h + "mlp.c_fc.weight"].t(), m + "mlp.fc1.bias": sd[h + "mlp.c_fc.bias"],
+            m + "mlp.fc2.weight": sd[h + "mlp.c_proj.weight"].t(), m + "mlp.fc2.bias": sd[h + "mlp.c_proj.bias"],
+        })
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def to_hf_state_dict(full: dict[str, torch.Tensor], config: TransformerConfig) -> dict[str, torch.Tensor]:
+    """Full megazoo tensors -> HF GPT2LMHeadModel tensors (lm_head tied to wte)."""
+    heads = config.num_attention_heads
+    out = {"transformer.wte.weight": full[WORD_EMBEDDINGS],
+           "transformer.wpe.weight": full["embedding.position_embeddings.weight"],
+           "transformer.ln_f.weight": full["final_norm.weight"], "transformer.ln_f.bias": full["final_norm.bias"]}
+    for i in range(config.num_layers):
+        h, m = f"transformer.h.{i}.", f"layers.{i}."
+        out.update({
+            h + "ln_1.weight": full[m + "input_norm.weight"], h + "ln_1.bias": full[m + "input_norm.bias"],
+            h + "attn.c_attn.weight": _qkv_mz_to_hf(full[m + "attention.qkv.weight"], heads).t(),
+            h + "attn.c_attn.bias": _qkv_mz_to_hf(full[m + "attention.qkv.bias"], heads),
+            h + "attn.c_proj.weight": full[m + "attention.dense.weight"].t(),
+            h + "attn.c_proj.bias": full[m + "attention.dense.bias"],
+            h + "ln_2.weight": full[m + "post_attention_norm.weight"],
+            h + "ln_2.bias": full[m + "post_attention_norm.bias"],
+            h + "mlp.c_fc.weight": full[m + "mlp.fc1.weight"].t(), h + "mlp.c_fc.bias": full[m + "mlp.fc1.bias"],
+            h + "mlp.c_proj.weight": full[m + "mlp.fc2.weight"].t(), h + "mlp.c_proj.bias": full[m + "mlp.fc2.bias"],
+        })
+    return {k: v.contiguous() for k, v in out.items()}

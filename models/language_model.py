@@ -1,0 +1,126 @@
+"""A decoder-only language model (or one pipeline chunk of it) from the shared blocks.
+
+    tokens -> Embedding -> TransformerLayer x L -> final norm -> vocab-parallel head -> loss
+
+A pipeline chunk builds only its part: the embedding when `pre_process`, the global layers
+`layer_range`, the norm, head and loss when `post_process`. Parameter names carry global layer
+numbers (`layers.7.mlp.fc1.weight`), so chunks of any split share one naming.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from parallel.comm import gather_last_dim, scatter_to_sequence
+from parallel.random import RNGStreams, checkpoint
+from parallel.tensor_parallel import (VocabParallelEmbedding, parallel_lm_logits,
+                                      vocab_parallel_cross_entropy)
+from parallel.topology import LayoutError, ParallelTopology
+
+from .blocks import LayerNorm, TransformerLayer
+from .config import TransformerConfig
+from .init import Initializer
+
+WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
+
+
+class Embedding(nn.Module):
+    """Word (+ learned position) embeddings -> [s, b, h], sequence-scattered under SP."""
+
+    def __init__(self, config: TransformerConfig, topo: ParallelTopology, init: Initializer,
+                 rng: RNGStreams | None):
+        super().__init__()
+        self.topo, self.rng, self.dropout = topo, rng, config.hidden_dropout
+        self.word_embeddings = VocabParallelEmbedding(
+            config.vocab_size, config.padded_vocab_size(topo.tp), config.hidden_size, topo,
+            init.normal(WORD_EMBEDDINGS), dtype=config.dtype)
+        self.word_embeddings.weight.tied_embedding = config.tie_word_embeddings
+        self.position_embeddings = None
+        if config.position_embedding == "learned":
+            weight = torch.empty(config.max_position_embeddings, config.hidden_size)
+            init.normal("embedding.position_embeddings.weight")(weight)
+            self.position_embeddings = nn.Embedding.from_pretrained(
+                weight.to(device=topo.device, dtype=config.dtype), freeze=False)
+        self.norm = LayerNorm(config, topo, in_sequence_region=False) if config.embedding_layernorm else None
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.word_embeddings(ids)
+        if self.position_embeddings is not None:
+            x = x + self.position_embeddings(torch.arange(ids.shape[1], device=ids.device))
+        x = x.transpose(0, 1).contiguous()  # [s, b, h]
+        if self.norm is not None:
+            x = self.norm(x)
+        if self.topo.sequence_parallel:
+            x = scatter_to_sequence(x, self.topo.tp_group)
+        if self.training and self.dropout > 0:
+            forked = self.rng is not None and self.topo.sequence_parallel
+            with self.rng.fork() if forked else contextlib.nullcontext():
+                x = F.dropout(x, self.dropout, training=True)
+        return x
+
+
+class TransformerLanguageModel(nn.Module):
+    def __init__(self, config: TransformerConfig, topo: ParallelTopology, *,
+                 pre_process: bool = True, post_process: bool = True,
+                 layer_range: tuple[int, int] | None = None, rng: RNGStreams | None = None):
+        super().__init__()
+        if config.num_attention_heads % topo.tp != 0:
+            raise LayoutError(f"--num-attention-heads {config.num_attention_heads} is not divisible by "
+                              f"--tensor-model-parallel-size {topo.tp}; pick a tp that divides it")
+        self.config, self.topo, self.rng = config, topo, rng
+        self.pre_process, self.post_process = pre_process, post_process
+        self.layer_range = layer_range or (0, config.num_layers)
+        init = Initializer(config)
+        self.embedding = Embedding(config, topo, init, rng) if pre_process else None
+        self.layers = nn.ModuleDict({str(i): TransformerLayer(config, topo, init, i, rng)
+                                     for i in range(*self.layer_range)})
+        self.final_norm = self.head_weight = None
+        if post_process:
+            self.final_norm = LayerNorm(config, topo)
+            if not (config.tie_word_embeddings and pre_process):
+                # Untied head, or the last stage's copy of a tied embedding (kept equal to the
+                # first stage's by summing their gradients over the embedding group).
+                head = VocabParallelEmbedding(config.vocab_size, config.padded_vocab_size(topo.tp),
+                                              config.hidden_size, topo,
+                                              init.normal(self.canonical_name("head_weight")),
+                                              dtype=config.dtype)
+                self.head_weight = head.weight
+                self.head_weight.tied_embedding = config.tie_word_embeddings
+
+    def canonical_name(self, name: str) -> str:
+        """The full-model tensor a parameter holds (a tied head copy holds the embedding)."""
+        if name == "head_weight" and self.config.tie_word_embeddings:
+            return WORD_EMBEDDINGS
+        return name
+
+    def output_weight(self) -> torch.Tensor:
+        return self.head_weight if self.head_weight is not None else self.embedding.word_embeddings.weight
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        """x: token ids [b, s] (first chunk) or hidden states [s, b, h] (later chunks).
+
+        Returns hidden states unless this chunk is the last; then per-token loss [b, s] when
+        `labels` are given, else this rank's vocabulary shard of the logits [b, s, v/tp].
+        """
+        h = self.embedding(x) if self.pre_process else x
+        for layer in self.layers.values():
+            if self.config.recompute_layers and self.training and torch.is_grad_enabled():
+                h = checkpoint(layer, self.rng, h)
+            else:
+                h = layer(h)
+        if not self.post_process:
+            return h
+        logits = parallel_lm_logits(self.final_norm(h), self.output_weight(), self.topo,
+                                    self.config.vocab_size)  # [s, b, v/tp]
+        if labels is None:
+            return logits.transpose(0, 1)
+        loss = vocab_parallel_cross_entropy(logits, labels.t(), self.topo.tp_group)
+        return loss.t()
+
+
+def gather_logits(local_logits: torch.Tensor, topo: ParallelTopology, vocab_size: int) -> torch.Tensor:
+    """Full, unpadded logits from each rank's vocabulary shard (for tools and tests)."""
+    return gather_last_dim(local_logits, topo.tp_group)[..., :vocab_size]

@@ -1,0 +1,65 @@
+"""Move between full (unsharded) tensors and this rank's tensor-parallel shards.
+
+Works from the attributes the parallel layers set (`tensor_model_parallel`, `partition_dim`,
+`full_size`), so it needs no knowledge of the model. Full tensors are unpadded: vocabulary
+padding is added on sharding and trimmed on gathering.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+from .comm import all_gather
+from .tensor_parallel import shard_of
+from .topology import ParallelTopology
+
+
+def local_shard(param: torch.Tensor, full: torch.Tensor, topo: ParallelTopology) -> torch.Tensor:
+    """This rank's part of `full` for a parameter shaped like `param`."""
+    if not getattr(param, "tensor_model_parallel", False):
+        return full
+    dim = param.partition_dim
+    return shard_of(full, dim, topo.tp_rank, topo.tp, padded_size=param.shape[dim] * topo.tp)
+
+
+def full_tensor(param: torch.Tensor, topo: ParallelTopology, tensor: torch.Tensor | None = None):
+    """Gather a TP-sharded tensor (the parameter, or e.g. its gradient) into its full shape."""
+    t = param.detach() if tensor is None else tensor
+    if not getattr(param, "tensor_model_parallel", False):
+        return t
+    dim = param.partition_dim
+    return all_gather(t.movedim(dim, 0).contiguous(), topo.tp_group, dim=0) \
+        .movedim(0, dim).narrow(dim, 0, param.full_size)
+
+
+def _name_of(model: nn.Module) -> Callable[[str], str]:
+    return getattr(model, "canonical_name", lambda n: n)
+
+
+@torch.no_grad()
+def load_full_state_dict(model: nn.Module, full: dict[str, torch.Tensor], topo: ParallelTopology) -> None:
+    """Copy full tensors into a (possibly sharded) model; every parameter must be present."""
+    canonical = _name_of(model)
+    missing = [canonical(n) for n, _ in model.named_parameters() if canonical(n) not in full]
+    if missing:
+        raise KeyError(f"the state dict lacks {len(missing)} parameters of this model, e.g. {missing[:3]}")
+    for name, p in model.named_parameters():
+        local = local_shard(p, full[canonical(name)], topo)
+        if local.shape != p.shape:
+            raise ValueError(f"{canonical(name)}: shape {tuple(local.shape)} does not fit the "
+                             f"parameter's {tuple(p.shape)}; the checkpoint is for another model")
+        p.copy_(local)
+
+
+def gather_full_state_dict(model: nn.Module, topo: ParallelTopology, grads: bool = False) -> dict:
+    """Full parameters (or their gradients) of this rank's model part, keyed by canonical name."""
+    canonical = _name_of(model)
+    out = {}
+    for name, p in model.named_parameters():
+        t = p.grad if grads else p.detach()
+        if t is None:
+            continue
+        out[canonical(name) if not grads else name] = full_tensor(p, topo, t).cpu()
+    return out

@@ -1,0 +1,210 @@
+"""Tensor-parallel layers (Shoeybi et al. 2019) and sequence parallelism (Korthikanti et al. 2022).
+
+Every sharded parameter records how it was cut, so checkpoints, converters and tests can
+gather or re-slice it without knowing the model:
+
+    param.tensor_model_parallel = True
+    param.partition_dim          # the dimension split over TP ranks
+    param.full_size              # that dimension's unpadded global size (vocabulary padding aside)
+
+Initialisation builds the full tensor from a generator the caller seeds, then keeps this rank's
+slice: the same seed gives the same full weight for every TP size.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .comm import (copy_to_tp, gather_from_sequence, gather_last_dim, group_rank, group_size,
+                   reduce_from_tp, reduce_scatter_to_sequence, all_reduce)
+from .topology import ParallelTopology
+
+InitFn = Callable[[torch.Tensor], None]  # fills a full (unsharded) fp32 tensor in place
+
+
+def vocab_size_with_padding(vocab_size: int, divisible_by: int, tp: int) -> int:
+    """Megatron's padding: a multiple of make_vocab_size_divisible_by x tp."""
+    multiple = divisible_by * tp
+    return -(-vocab_size // multiple) * multiple
+
+
+def mark_tensor_parallel(param: nn.Parameter, partition_dim: int, full_size: int) -> None:
+    param.tensor_model_parallel = True
+    param.partition_dim = partition_dim
+    param.full_size = full_size
+
+
+def shard_of(full: torch.Tensor, dim: int, tp_rank: int, tp: int, padded_size: int | None = None):
+    """This rank's slice of a full tensor, zero-padding `dim` to `padded_size` first."""
+    if padded_size is not None and padded_size > full.shape[dim]:
+        pad_shape = list(full.shape)
+        pad_shape[dim] = padded_size - full.shape[dim]
+        full = torch.cat([full, full.new_zeros(pad_shape)], dim=dim)
+    if full.shape[dim] % tp != 0:
+        raise ValueError(f"cannot split dimension {dim} of size {full.shape[dim]} over {tp} ranks")
+    return full.chunk(tp, dim=dim)[tp_rank].clone()
+
+
+def _sharded_parameter(shape_full, dim, topo: ParallelTopology, init_fn: InitFn, dtype,
+                       padded_size: int | None = None) -> nn.Parameter:
+    full = torch.empty(shape_full, dtype=torch.float32)
+    init_fn(full)
+    local = shard_of(full, dim, topo.tp_rank, topo.tp, padded_size)
+    param = nn.Parameter(local.to(device=topo.device, dtype=dtype))
+    mark_tensor_parallel(param, dim, shape_full[dim])
+    return param
+
+
+def _replicated_parameter(shape, topo, dtype, init_fn: InitFn | None = None) -> nn.Parameter:
+    t = torch.zeros(shape, dtype=torch.float32)
+    if init_fn is not None:
+        init_fn(t)
+    return nn.Parameter(t.to(device=topo.device, dtype=dtype))
+
+
+def sequence_parallel_param(param: torch.Tensor, topo: ParallelTopology) -> torch.Tensor:
+    """Use a TP-replicated parameter inside a sequence-sharded region.
+
+    Each TP rank sees only its chunk of the sequence, so its gradient is partial; routing the
+    parameter through copy_to_tp sums the gradient over TP in backward, keeping replicas equal.
+    """
+    return copy_to_tp(param, topo.tp_group) if topo.sequence_parallel else param
+
+
+class ColumnParallelLinear(nn.Module):
+    """Y = X A with A split by columns: each rank computes Y_i = X A_i (output dim sharded).
+
+    Input is replicated [s, b, h] (or sequence-sharded [s/tp, b, h] under sequence parallelism,
+    then all-gathered here); output is [s, b, out/tp] unless gather_output.
+    """
+
+    def __init__(self, in_features: int, out_features: int, topo: ParallelTopology,
+                 init_fn: InitFn, *, bias: bool = True, gather_output: bool = False,
+                 dtype=torch.float32):
+        super().__init__()
+        if out_features % topo.tp != 0:
+            raise ValueError(f"output size {out_features} is not divisible by tensor parallel "
+                             f"size {topo.tp}")
+        self.topo, self.gather_output = topo, gather_output
+        self.weight = _sharded_parameter((out_features, in_features), 0, topo, init_fn, dtype)
+        if bias:
+            self.bias = _replicated_parameter((out_features // topo.tp,), topo, dtype)
+            mark_tensor_parallel(self.bias, 0, out_features)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        group = self.topo.tp_group
+        x = gather_from_sequence(x, group) if self.topo.sequence_parallel else copy_to_tp(x, group)
+        y = F.linear(x, self.weight, self.bias)
+        return gather_last_dim(y, group) if self.gather_output else y
+
+
+class RowParallelLinear(nn.Module):
+    """Y = X A with A split by rows: input sharded on its last dim, partial outputs summed.
+
+    Under sequence parallelism the sum is a reduce-scatter along the sequence instead.
+    """
+
+    def __init__(self, in_features: int, out_features: int, topo: ParallelTopology,
+                 init_fn: InitFn, *, bias: bool = True, dtype=torch.float32):
+        super().__init__()
+        if in_features % topo.tp != 0:
+            raise ValueError(f"input size {in_features} is not divisible by tensor parallel "
+                             f"size {topo.tp}")
+        self.topo = topo
+        self.weight = _sharded_parameter((out_features, in_features), 1, topo, init_fn, dtype)
+        if bias:
+            self.bias = _replicated_parameter((out_features,), topo, dtype)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        group = self.topo.tp_group
+        if self.topo.sequence_parallel:
+            y = reduce_scatter_to_sequence(y, group)
+        else:
+            y = reduce_from_tp(y, group)
+        if self.bias is not None:
+            y = y + sequence_parallel_param(self.bias, self.topo)
+        return y
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding with the (padded) vocabulary split over TP ranks; lookups are summed over TP."""
+
+    def __init__(self, vocab_size: int, padded_vocab_size: int, hidden_size: int,
+                 topo: ParallelTopology, init_fn: InitFn, dtype=torch.float32):
+        super().__init__()
+        self.topo = topo
+        self.vocab_size, self.padded_vocab_size = vocab_size, padded_vocab_size
+        self.per_rank = padded_vocab_size // topo.tp
+        self.start = topo.tp_rank * self.per_rank
+        self.weight = _sharded_parameter((vocab_size, hidden_size), 0, topo, init_fn, dtype,
+                                         padded_size=padded_vocab_size)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.topo.tp == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.per_rank)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_tp(out, self.topo.tp_group)
+
+
+def parallel_lm_logits(hidden: torch.Tensor, weight: torch.Tensor, topo: ParallelTopology,
+                       vocab_size: int) -> torch.Tensor:
+    """Logits for this rank's vocabulary shard, [s, b, v/tp]; padded entries are -inf."""
+    group = topo.tp_group
+    hidden = gather_from_sequence(hidden, group) if topo.sequence_parallel else copy_to_tp(hidden, group)
+    logits = F.linear(hidden, weight)
+    per_rank = weight.shape[0]
+    start = topo.tp_rank * per_rank
+    if start + per_rank > vocab_size:  # padded rows must never win a softmax or an argmax
+        pad = torch.arange(start, start + per_rank, device=logits.device) >= vocab_size
+        logits = logits.masked_fill(pad, float("-inf"))
+    return logits
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Cross-entropy over vocabulary-sharded logits; only [s, b] scalars cross ranks."""
+
+    @staticmethod
+    def forward(ctx, logits, target, group):
+        logits = logits.float()
+        per_rank = logits.shape[-1]
+        start = group_rank(group) * per_rank
+        # Stabilise with the global max (detached: it cancels out of the loss).
+        logits_max = all_reduce(logits.max(dim=-1).values, group, op=torch.distributed.ReduceOp.MAX)
+        shifted = logits - logits_max.unsqueeze(-1)
+        local_t = target - start
+        outside = (local_t < 0) | (local_t >= per_rank)
+        local_t = local_t.masked_fill(outside, 0)
+        picked = shifted.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+        picked = all_reduce(picked, group)
+        exp = shifted.exp()
+        sum_exp = all_reduce(exp.sum(dim=-1), group)
+        loss = sum_exp.log() - picked
+        ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), local_t, outside)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        softmax, local_t, outside = ctx.saved_tensors
+        grad = softmax
+        onehot = (~outside).to(grad.dtype).unsqueeze(-1)
+        grad.scatter_add_(-1, local_t.unsqueeze(-1), -onehot)
+        return grad * grad_loss.unsqueeze(-1), None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group) -> torch.Tensor:
+    """Per-token loss from logits sharded over the vocabulary; never gathers the full logits."""
+    if group_size(group) == 1:
+        return F.cross_entropy(logits.float().flatten(0, -2), target.flatten(),
+                               reduction="none").view(target.shape)
+    return _VocabParallelCrossEntropy.apply(logits, target, group)
