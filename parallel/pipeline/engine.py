@@ -1,0 +1,219 @@
+"""Execute one rank's pipeline step list: forwards, backwards and batched p2p.
+
+The schedule (see `schedules.py`) decides *what* runs when; this file only does it:
+
+* each run of consecutive Comm steps becomes one `dist.batch_isend_irecv` on the pipeline group,
+  waited on before the next compute step (the simulator proved the grouping deadlock-free);
+* received tensors have a shape known in advance (`tensor_shape`, e.g. [s/tp, b, h] under
+  sequence parallelism), so no shape messages are exchanged;
+* after an activation is sent its storage is released, keeping only the autograd node, since
+  the next stage has its own copy and the backward needs the graph, not the values;
+* the last virtual stage's forward returns a scalar loss; its backward runs on loss / m, so the
+  accumulated `.grad` is the gradient of the mean loss over the microbatches. Gradients are left
+  in `.grad`; data-parallel and tied-embedding reductions happen afterwards, elsewhere.
+
+Tensor parallelism needs nothing here: each TP rank talks to the same TP rank of the neighbour
+stage (`topo.stage_rank`), and every TP rank of a stage runs the same list.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from parallel.pipeline.schedules import (Backward, Comm, Compute, Forward, RecvActivation,
+                                         RecvGrad, SendActivation, SendGrad, Step, comm_batches)
+from parallel.topology import ParallelTopology
+
+logger = logging.getLogger(__name__)
+
+# forward_fn(chunk_module, input_or_None, microbatch) -> hidden tensor, or the scalar loss on the
+# last virtual stage. The input is None on the first virtual stage (read the microbatch instead).
+ForwardFn = Callable[[nn.Module, "torch.Tensor | None", dict], torch.Tensor]
+
+
+@dataclass
+class PipelineStats:
+    """What the engine measured on this rank during one `run_pipeline` call."""
+
+    peak_activations: int = 0  # most (microbatch, chunk) pairs alive between F and B
+    peak_saved_bytes: int = 0  # most bytes autograd kept for them (parameters excluded)
+    saved_bytes: dict = field(default_factory=dict)  # (mb, chunk) -> bytes saved by its forward
+
+
+@dataclass
+class Timeline:
+    """Start and end of every forward and backward on this rank (time.perf_counter seconds)."""
+
+    rank: int = 0
+    events: list = field(default_factory=list)  # (kind "F"/"B", mb, chunk, start, end)
+
+    def to_dict(self) -> dict:
+        return {"rank": self.rank, "events": [list(e) for e in self.events]}
+
+
+def deallocate(t: torch.Tensor) -> None:
+    """Drop a sent activation's values but keep its autograd node (Megatron's trick)."""
+    t.data = torch.empty((1,), device=t.device, dtype=t.dtype)
+
+
+def backward_through(output: torch.Tensor, grad: torch.Tensor) -> None:
+    """Backward from `output` with upstream `grad`, even when `output`'s values were released.
+
+    torch.autograd.backward checks that grad and output shapes agree, which a deallocated output
+    no longer satisfies, so call the autograd engine directly.
+    """
+    from torch.autograd import Variable  # noqa: PLC0415 - private entry point, kept local
+    Variable._execution_engine.run_backward(  # noqa: SLF001
+        (output,), (grad,), False, False, (), True, True)
+
+
+class _SavedBytes:
+    """Counts bytes autograd saves during a forward, skipping the parameters (shared, not
+    activations), so the engine can report the activation memory it keeps alive."""
+
+    def __init__(self, chunks: list[nn.Module]):
+        self.param_ptrs = {p.untyped_storage().data_ptr() for c in chunks for p in c.parameters()}
+        self.total = 0
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() not in self.param_ptrs:
+            self.total += t.numel() * t.element_size()
+        return t
+
+    @staticmethod
+    def unpack(t: torch.Tensor) -> torch.Tensor:
+        return t
+
+
+class _Runner:
+    def __init__(self, chunks, microbatches, topo, tensor_shape, dtype, forward_fn, vpp,
+                 stats, timeline, deallocate_outputs):
+        self.chunks, self.microbatches, self.topo = chunks, microbatches, topo
+        self.shape, self.dtype, self.forward_fn = tuple(tensor_shape), dtype, forward_fn
+        self.pp, self.vpp = topo.pp, vpp
+        self.stats = stats if stats is not None else PipelineStats()
+        self.timeline, self.deallocate_outputs = timeline, deallocate_outputs
+        self.inputs: dict = {}  # (mb, chunk) -> received activation (leaf, requires grad)
+        self.outputs: dict = {}  # (mb, chunk) -> output (or loss) kept for the backward
+        self.out_grads: dict = {}  # (mb, chunk) -> received gradient of the output
+        self.in_grads: dict = {}  # (mb, chunk) -> gradient of the input, waiting to be sent
+        self.losses: dict = {}  # mb -> detached loss (last stage only)
+        self.live_bytes = 0
+        self.saved = _SavedBytes(chunks)
+
+    def stage(self, chunk: int) -> int:
+        return chunk * self.pp + self.topo.pp_rank
+
+    def is_last(self, chunk: int) -> bool:
+        return self.stage(chunk) == self.pp * self.vpp - 1
+
+    # ---- compute ------------------------------------------------------------------------
+    def forward(self, op: Forward) -> None:
+        key = (op.mb, op.chunk)
+        inp = self.inputs.get(key)
+        before = self.saved.total
+        with torch.autograd.graph.saved_tensors_hooks(self.saved.pack, self.saved.unpack):
+            out = self.forward_fn(self.chunks[op.chunk], inp, self.microbatches[op.mb])
+        self.stats.saved_bytes[key] = self.saved.total - before
+        self.live_bytes += self.stats.saved_bytes[key]
+        self.stats.peak_saved_bytes = max(self.stats.peak_saved_bytes, self.live_bytes)
+        if self.is_last(op.chunk):
+            if out.dim() != 0:
+                raise ValueError(f"forward_fn must return a scalar loss on the last stage, got "
+                                 f"shape {tuple(out.shape)}")
+            self.losses[op.mb] = out.detach()
+            out = out / len(self.microbatches)
+        elif tuple(out.shape) != self.shape:
+            raise ValueError(f"stage {self.stage(op.chunk)} produced shape {tuple(out.shape)}, "
+                             f"but the pipeline was told tensor_shape={self.shape}")
+        self.outputs[key] = out
+        self.stats.peak_activations = max(self.stats.peak_activations, len(self.outputs))
+
+    def backward(self, op: Backward) -> None:
+        key = (op.mb, op.chunk)
+        out = self.outputs.pop(key)
+        if self.is_last(op.chunk):
+            out.backward()
+        else:
+            backward_through(out, self.out_grads.pop(key))
+        inp = self.inputs.pop(key, None)
+        if inp is not None:
+            self.in_grads[key] = inp.grad
+        self.live_bytes -= self.stats.saved_bytes[key]
+
+    # ---- communication ------------------------------------------------------------------
+    def communicate(self, batch: list[Comm]) -> None:
+        ops, received = [], []
+        for step in batch:
+            key = (step.mb, step.chunk)
+            peer = self.topo.stage_rank(step.peer)
+            if isinstance(step, (RecvActivation, RecvGrad)):
+                buf = torch.empty(self.shape, dtype=self.dtype, device=self.topo.device)
+                ops.append(dist.P2POp(dist.irecv, buf, peer, self.topo.pp_group))
+                received.append((step, buf))
+            elif isinstance(step, SendActivation):
+                ops.append(dist.P2POp(dist.isend, self.outputs[key].detach().contiguous(), peer,
+                                      self.topo.pp_group))
+            elif isinstance(step, SendGrad):
+                ops.append(dist.P2POp(dist.isend, self.in_grads.pop(key).contiguous(), peer,
+                                      self.topo.pp_group))
+        for req in dist.batch_isend_irecv(ops):
+            req.wait()
+        for step, buf in received:
+            key = (step.mb, step.chunk)
+            if isinstance(step, RecvActivation):
+                self.inputs[key] = buf.requires_grad_()
+            else:
+                self.out_grads[key] = buf
+        if self.deallocate_outputs:
+            for step in batch:
+                if isinstance(step, SendActivation):
+                    deallocate(self.outputs[(step.mb, step.chunk)])
+
+    # ---- driver -------------------------------------------------------------------------
+    def run(self, steps: list[Step]) -> list[torch.Tensor]:
+        for unit in comm_batches(steps):
+            if isinstance(unit, list):
+                self.communicate(unit)
+                continue
+            start = self._now()
+            (self.forward if isinstance(unit, Forward) else self.backward)(unit)
+            if self.timeline is not None:
+                self.timeline.events.append(("F" if isinstance(unit, Forward) else "B", unit.mb,
+                                             unit.chunk, start, self._now()))
+        if self.outputs or self.in_grads or self.out_grads:
+            raise RuntimeError("pipeline schedule left work behind: "
+                               f"{list(self.outputs)} {list(self.in_grads)} {list(self.out_grads)}")
+        return [self.losses[mb] for mb in sorted(self.losses)]
+
+    def _now(self) -> float:
+        # Device work is asynchronous; only a synchronised clock measures it.
+        if self.timeline is not None and self.topo.device.type == "cuda":
+            torch.cuda.synchronize(self.topo.device)
+        return time.perf_counter()
+
+
+def run_pipeline(steps: list[Step], chunks: list[nn.Module], microbatches: list[dict],
+                 topo: ParallelTopology, tensor_shape, dtype: torch.dtype, forward_fn: ForwardFn,
+                 *, stats: PipelineStats | None = None, timeline: Timeline | None = None,
+                 deallocate_outputs: bool = True) -> list[torch.Tensor]:
+    """Run this rank's `steps` over its model `chunks` (one per virtual stage, in chunk order).
+
+    Returns the per-microbatch losses (detached, in microbatch order) on the rank holding the
+    last virtual stage, and [] elsewhere. Parameter
+    gradients are accumulated into `.grad` as d(mean loss over microbatches).
+    """
+    if any(isinstance(s, Comm) for s in steps) and topo.pp == 1:
+        raise ValueError("a schedule with p2p steps needs a topology with pp > 1")
+    runner = _Runner(chunks, microbatches, topo, tensor_shape, dtype, forward_fn, len(chunks),
+                     stats, timeline, deallocate_outputs)
+    losses = runner.run(steps)
+    logger.debug("pipeline rank %d: peak %d activations, %d saved bytes", topo.pp_rank,
+                 runner.stats.peak_activations, runner.stats.peak_saved_bytes)
+    return losses

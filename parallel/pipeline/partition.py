@@ -1,0 +1,97 @@
+"""Which transformer layers sit on which (pipeline rank, virtual chunk).
+
+The model is cut into `pp * vpp` contiguous blocks ("virtual stages") numbered in model order.
+Megatron's interleaved placement puts block `s` on rank `s % pp` as that rank's chunk `s // pp`,
+so rank r holds blocks r, r + pp, r + 2*pp, ... An activation therefore travels
+rank 0 -> 1 -> ... -> pp-1 -> 0 (next chunk) -> ... and the pipeline is walked vpp times.
+
+The embedding lives in block 0 (rank 0, chunk 0); the final norm, head and loss in the last block
+(rank pp-1, chunk vpp-1). Those stages also do extra work, which is why an explicit option may give
+the first and last rank fewer layers than the others.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from parallel.topology import LayoutError
+
+
+@dataclass(frozen=True)
+class ChunkSpec:
+    """What one model chunk builds: `TransformerLanguageModel(config, topo, **spec.kwargs())`."""
+
+    rank: int
+    chunk: int
+    stage: int  # index of this block along the model: chunk * pp + rank
+    layer_range: tuple[int, int]  # [start, stop) global layer indices
+    pre_process: bool  # holds the embedding (first virtual stage)
+    post_process: bool  # holds final norm, head and loss (last virtual stage)
+
+    def kwargs(self) -> dict:
+        return dict(pre_process=self.pre_process, post_process=self.post_process,
+                    layer_range=self.layer_range)
+
+
+def block_sizes(num_layers: int, pp: int, vpp: int = 1, *, first_stage_layers: int | None = None,
+                last_stage_layers: int | None = None) -> list[int]:
+    """Layers per block in model order (block s goes to rank s % pp, chunk s // pp).
+
+    Without options every block gets num_layers / (pp*vpp) layers and anything else is an error.
+    `first_stage_layers` / `last_stage_layers` fix the total on rank 0 / rank pp-1 (split evenly
+    over that rank's vpp chunks, as Megatron does); the remaining layers are split evenly over the
+    other ranks' blocks.
+    """
+    if pp < 1 or vpp < 1:
+        raise LayoutError(f"pipeline sizes must be >= 1, got pp={pp} vpp={vpp}")
+    blocks = pp * vpp
+    if first_stage_layers is None and last_stage_layers is None:
+        if num_layers % blocks != 0:
+            raise LayoutError(
+                f"--num-layers {num_layers} is not divisible by pp {pp} x vpp {vpp} = {blocks}; "
+                f"change --num-layers, or give first_stage_layers/last_stage_layers explicitly")
+        return [num_layers // blocks] * blocks
+    if pp == 1:
+        raise LayoutError("first_stage_layers/last_stage_layers need pp > 1 (one stage is both)")
+
+    per_rank = {}  # rank -> total layers on that rank
+    for rank, value, name in ((0, first_stage_layers, "first_stage_layers"),
+                              (pp - 1, last_stage_layers, "last_stage_layers")):
+        if value is None:
+            continue
+        if value < 0 or value % vpp != 0:
+            raise LayoutError(f"{name}={value} must be >= 0 and divisible by vpp {vpp}")
+        per_rank[rank] = value
+    free_ranks = [r for r in range(pp) if r not in per_rank]
+    rest = num_layers - sum(per_rank.values())
+    if rest < 0:
+        raise LayoutError(f"first/last stage layers {per_rank} exceed --num-layers {num_layers}")
+    if free_ranks:
+        if rest % (len(free_ranks) * vpp) != 0:
+            raise LayoutError(
+                f"the remaining {rest} layers do not split evenly over {len(free_ranks)} ranks x "
+                f"vpp {vpp}; adjust first_stage_layers/last_stage_layers or --num-layers")
+        for r in free_ranks:
+            per_rank[r] = rest // len(free_ranks)
+    elif rest != 0:
+        raise LayoutError(f"first_stage_layers + last_stage_layers must equal --num-layers "
+                          f"{num_layers} when pp = 2")
+    return [per_rank[s % pp] // vpp for s in range(blocks)]
+
+
+def partition(num_layers: int, pp: int, vpp: int = 1, *, first_stage_layers: int | None = None,
+              last_stage_layers: int | None = None) -> list[list[ChunkSpec]]:
+    """`specs[rank][chunk]` for every rank of a pipeline (pure; the same on every process)."""
+    sizes = block_sizes(num_layers, pp, vpp, first_stage_layers=first_stage_layers,
+                        last_stage_layers=last_stage_layers)
+    starts = [sum(sizes[:s]) for s in range(len(sizes))]
+    last = pp * vpp - 1
+    def spec(r: int, v: int) -> ChunkSpec:
+        s = v * pp + r
+        return ChunkSpec(rank=r, chunk=v, stage=s, layer_range=(starts[s], starts[s] + sizes[s]),
+                         pre_process=(s == 0), post_process=(s == last))
+    return [[spec(r, v) for v in range(vpp)] for r in range(pp)]
+
+
+def rank_chunks(num_layers: int, pp: int, vpp: int, rank: int, **uneven) -> list[ChunkSpec]:
+    """The chunks one pipeline rank builds, in chunk order."""
+    return partition(num_layers, pp, vpp, **uneven)[rank]

@@ -1,0 +1,51 @@
+"""Keep the tied word embedding identical on the first and last pipeline stage.
+
+With pp > 1 the embedding (first stage) and the output head (last stage) are two parameters
+holding the same matrix; both carry `param.tied_embedding = True`. They start equal (broadcast
+from the first stage) and stay equal because, before every optimizer step, each receives the sum
+of both gradients, which is exactly the gradient of the one shared matrix in the unsplit model.
+Ranks between the two stages hold neither and take no part.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from parallel.topology import ParallelTopology
+
+
+def tied_parameters(chunks: list[nn.Module]) -> list[torch.nn.Parameter]:
+    """This rank's tied-embedding parameters, in chunk then registration order.
+
+    The first stage has the embedding in chunk 0 and the last stage the head in its last chunk,
+    one each, so the lists on both ends line up.
+    """
+    return [p for c in chunks for p in c.parameters() if getattr(p, "tied_embedding", False)]
+
+
+def _group(topo: ParallelTopology):
+    # No group when pp == 1 (one module holds one shared parameter) or on middle stages.
+    return topo.embedding_group if topo.pp > 1 else None
+
+
+def allreduce_tied_embedding_grads(chunks: list[nn.Module], topo: ParallelTopology) -> None:
+    """Sum the tied embedding's gradient over the first and last stage (after the backward)."""
+    group = _group(topo)
+    if group is None:
+        return
+    for p in tied_parameters(chunks):
+        if p.grad is None:  # a stage whose loss did not reach it still takes part in the sum
+            p.grad = torch.zeros_like(p)
+        dist.all_reduce(p.grad, group=group)
+
+
+def broadcast_tied_embedding(chunks: list[nn.Module], topo: ParallelTopology) -> None:
+    """Copy the first stage's embedding into the last stage's head (at initialisation)."""
+    group = _group(topo)
+    if group is None:
+        return
+    src = topo.group_ranks["embedding"][0]
+    with torch.no_grad():
+        for p in tied_parameters(chunks):
+            dist.broadcast(p.data, src=src, group=group)
