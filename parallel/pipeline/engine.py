@@ -104,6 +104,7 @@ class _Runner:
         self.out_grads: dict = {}  # (mb, chunk) -> received gradient of the output
         self.in_grads: dict = {}  # (mb, chunk) -> gradient of the input, waiting to be sent
         self.losses: dict = {}  # mb -> detached loss (last stage only)
+        self.forward_only = False  # set by run(): evaluation keeps no graph and no outputs
         self.live_bytes = 0
         self.saved = _SavedBytes(chunks)
 
@@ -116,9 +117,10 @@ class _Runner:
     # ---- compute ------------------------------------------------------------------------
     def forward(self, op: Forward) -> None:
         key = (op.mb, op.chunk)
-        inp = self.inputs.get(key)
+        inp = self.inputs.pop(key, None) if self.forward_only else self.inputs.get(key)
         before = self.saved.total
-        with torch.autograd.graph.saved_tensors_hooks(self.saved.pack, self.saved.unpack):
+        with torch.autograd.graph.saved_tensors_hooks(self.saved.pack, self.saved.unpack), \
+                torch.set_grad_enabled(not self.forward_only):
             out = self.forward_fn(self.chunks[op.chunk], inp, self.microbatches[op.mb])
         self.stats.saved_bytes[key] = self.saved.total - before
         self.live_bytes += self.stats.saved_bytes[key]
@@ -128,6 +130,8 @@ class _Runner:
                 raise ValueError(f"forward_fn must return a scalar loss on the last stage, got "
                                  f"shape {tuple(out.shape)}")
             self.losses[op.mb] = out.detach()
+            if self.forward_only:
+                return
             out = out / len(self.microbatches)
         elif tuple(out.shape) != self.shape:
             raise ValueError(f"stage {self.stage(op.chunk)} produced shape {tuple(out.shape)}, "
@@ -168,16 +172,19 @@ class _Runner:
         for step, buf in received:
             key = (step.mb, step.chunk)
             if isinstance(step, RecvActivation):
-                self.inputs[key] = buf.requires_grad_()
+                self.inputs[key] = buf if self.forward_only else buf.requires_grad_()
             else:
                 self.out_grads[key] = buf
-        if self.deallocate_outputs:
-            for step in batch:
-                if isinstance(step, SendActivation):
+        for step in batch:
+            if isinstance(step, SendActivation):
+                if self.forward_only:
+                    del self.outputs[(step.mb, step.chunk)]
+                elif self.deallocate_outputs:
                     deallocate(self.outputs[(step.mb, step.chunk)])
 
     # ---- driver -------------------------------------------------------------------------
     def run(self, steps: list[Step]) -> list[torch.Tensor]:
+        self.forward_only = not any(isinstance(s, Backward) for s in steps)
         for unit in comm_batches(steps):
             if isinstance(unit, list):
                 self.communicate(unit)

@@ -161,6 +161,17 @@ def order_interleaved(pp: int, vpp: int, rank: int,
             + [[b] for b in bwd[steady:]])
 
 
+def order_forward_only(pp: int, vpp: int, rank: int, num_microbatches: int) -> list[Compute]:
+    """Evaluation: forwards only, in the interleaved order (plain order when vpp == 1)."""
+    _check(pp, rank, num_microbatches, vpp)
+    if vpp == 1:
+        return [Forward(mb, 0) for mb in range(num_microbatches)]
+    if num_microbatches % pp != 0:
+        raise LayoutError(f"forward-only with virtual stages needs the number of microbatches "
+                          f"({num_microbatches}) to be a multiple of pp ({pp})")
+    return [Forward(*_interleaved_unit(k, pp, vpp, True)) for k in range(num_microbatches * vpp)]
+
+
 # ---- communication ------------------------------------------------------------------------
 
 def _recvs_for(op: Compute, pp: int, vpp: int, rank: int) -> list[Comm]:
@@ -218,7 +229,7 @@ def comm_batches(steps: list[Step]) -> list[Compute | list[Comm]]:
 
 # ---- public entry points --------------------------------------------------------------------
 
-SCHEDULES = ("no_pipelining", "gpipe", "1f1b", "interleaved")
+SCHEDULES = ("no_pipelining", "gpipe", "1f1b", "interleaved", "forward_only")
 
 
 def build_schedule(name: str, pp: int, rank: int, num_microbatches: int,
@@ -226,6 +237,8 @@ def build_schedule(name: str, pp: int, rank: int, num_microbatches: int,
     """The full step list (compute + p2p) for one pipeline rank."""
     if name == "interleaved":
         order = order_interleaved(pp, vpp, rank, num_microbatches)
+    elif name == "forward_only":
+        order = order_forward_only(pp, vpp, rank, num_microbatches)
     elif vpp != 1:
         raise LayoutError(f"schedule {name!r} runs one chunk per rank; use 'interleaved' for "
                           f"vpp={vpp}")
@@ -262,6 +275,8 @@ def activation_bound(name: str, pp: int, rank: int, num_microbatches: int, vpp: 
     """Most (microbatch, chunk) activations the schedule keeps alive at once on `rank`."""
     if name == "no_pipelining":
         return 1
+    if name == "forward_only":
+        return 1  # no graph is kept; one output at most waits for its send
     if name == "gpipe":
         return num_microbatches
     if name == "1f1b":

@@ -54,6 +54,8 @@ def simulate(schedules: list[list[Step]], vpp: int = 1, forward_time: float = 1.
     """Execute all ranks' lists together; raise ScheduleError on any defect."""
     pp = len(schedules)
     units = [comm_batches(s) for s in schedules]
+    # Evaluation schedules have no backwards and keep nothing alive.
+    forward_only = not any(isinstance(s, Backward) for steps in schedules for s in steps)
     pc = [0] * pp  # index of the next unit per rank
     clock = [0.0] * pp
     posted = [False] * pp  # is the batch at pc[r] already posted?
@@ -92,8 +94,8 @@ def simulate(schedules: list[list[Step]], vpp: int = 1, forward_time: float = 1.
                 raise ScheduleError(f"rank {r} runs {op} twice")
             if stage > 0 and key not in have_input:
                 raise ScheduleError(f"rank {r} runs {op} before receiving its input")
-            forwarded[key] = False
-            live[r] += 1
+            forwarded[key] = forward_only
+            live[r] += 0 if forward_only else 1
             peak[r] = max(peak[r], live[r])
             duration, kind = forward_time, "F"
         else:
@@ -144,10 +146,14 @@ def simulate(schedules: list[list[Step]], vpp: int = 1, forward_time: float = 1.
 
 
 def check_complete(schedules: list[list[Step]], vpp: int, num_microbatches: int) -> None:
-    """Every rank runs exactly one forward and one backward of every (microbatch, chunk)."""
+    """Every rank runs exactly one forward and one backward of every (microbatch, chunk)
+    (no backward at all for an evaluation schedule)."""
     expected = {(mb, v) for mb in range(num_microbatches) for v in range(vpp)}
+    kinds = (Forward, Backward)
+    if not any(isinstance(s, Backward) for steps in schedules for s in steps):
+        kinds = (Forward,)
     for r, steps in enumerate(schedules):
-        for kind in (Forward, Backward):
+        for kind in kinds:
             got = [(s.mb, s.chunk) for s in steps if isinstance(s, kind)]
             if sorted(got) != sorted(expected):
                 raise ScheduleError(f"rank {r}: {kind.__name__} covers {sorted(got)}, "
