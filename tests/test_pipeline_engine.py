@@ -194,6 +194,9 @@ def test_pipeline_matches_single_process_4_ranks():
     gpipe, onef = CASES_4.index(("gpipe", 4, 1, 4, False, None)), 0
     assert [r[gpipe]["peak"] for r in out] == [4, 4, 4, 4]
     assert [r[onef]["peak"] for r in out] == [4, 3, 2, 1]
+    # Interleaved (pp=4, vpp=2, m=8): warm-up + 1 (microbatch, chunk) units, half a layer stack
+    # each: 2(pp-rank-1) + (vpp-1)pp + 1.
+    assert [r[1]["peak"] for r in out] == [11, 9, 7, 5]
 
 
 def test_backward_through_a_deallocated_output():

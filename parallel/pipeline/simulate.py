@@ -19,7 +19,7 @@ from collections import defaultdict, deque
 from dataclasses import dataclass, field
 
 from parallel.pipeline.schedules import (RECVS, Backward, Comm, Compute, Forward, RecvActivation,
-                                         SendActivation, Step, comm_batches)
+                                         SendActivation, SendGrad, Step, comm_batches)
 
 
 class ScheduleError(AssertionError):
@@ -45,8 +45,9 @@ def _message(step: Comm, src: int, pp: int) -> tuple[str, int, int]:
         return ("act", step.mb, stage + 1)
     if isinstance(step, RecvActivation):
         return ("act", step.mb, stage)
-    # Gradients flow to the previous stage; a RecvGrad is addressed to this stage's output.
-    return ("grad", step.mb, stage - 1) if not isinstance(step, RECVS) else ("grad", step.mb, stage)
+    if isinstance(step, SendGrad):
+        return ("grad", step.mb, stage - 1)  # the gradient of my input, for the previous stage
+    return ("grad", step.mb, stage)  # RecvGrad: the gradient of my own output
 
 
 def simulate(schedules: list[list[Step]], vpp: int = 1, forward_time: float = 1.0,
