@@ -213,11 +213,18 @@ def run_pipeline(steps: list[Step], chunks: list[nn.Module], microbatches: list[
     """Run this rank's `steps` over its model `chunks` (one per virtual stage, in chunk order).
 
     Returns the per-microbatch losses (detached, in microbatch order) on the rank holding the
-    last virtual stage, and [] elsewhere. Parameter
-    gradients are accumulated into `.grad` as d(mean loss over microbatches).
+    last virtual stage, and [] elsewhere. Parameter gradients are accumulated into `.grad` as
+    d(mean loss over microbatches).
     """
     if any(isinstance(s, Comm) for s in steps) and topo.pp == 1:
         raise ValueError("a schedule with p2p steps needs a topology with pp > 1")
+    if len(chunks) != topo.vpp:
+        raise ValueError(f"got {len(chunks)} model chunks for {topo.vpp} virtual pipeline stages "
+                         f"per rank; build one chunk per (rank, chunk) of partition()")
+    used = {s.mb for s in steps}
+    if used and max(used) >= len(microbatches):
+        raise ValueError(f"the schedule runs {max(used) + 1} microbatches, {len(microbatches)} "
+                         f"were given")
     runner = _Runner(chunks, microbatches, topo, tensor_shape, dtype, forward_fn, len(chunks),
                      stats, timeline, deallocate_outputs)
     losses = runner.run(steps)
