@@ -104,7 +104,9 @@ CASES_4 = [
 ]
 
 CASES_8 = [
+    ("1f1b", 4, 1, 4, 1, False, True),  # (4,1,4) x dp=2
     ("interleaved", 4, 2, 4, 1, False, True),  # (4,2,4) x dp=2
+    ("1f1b", 4, 1, 8, 2, False, False),  # (4,1,8) x tp=2
     ("interleaved", 4, 2, 8, 2, True, False),  # (4,2,8) x tp=2, sequence parallel
     ("1f1b", 2, 1, 4, 2, True, True),  # tp=2 x pp=2 x dp=2
 ]
