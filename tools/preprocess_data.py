@@ -160,7 +160,7 @@ def _process_files(files, builders, args, pool, totals, bar, skipped_log) -> Non
         if bar is not None:
             bar.update(disk)
             if totals.docs // args.log_interval != (totals.docs - result.docs) // args.log_interval or not result.docs:
-                elapsed = max(time.perf_counter() - bar.start_t, 1e-9)
+                elapsed = max(bar.format_dict["elapsed"], 1e-9)
                 bar.set_postfix(docs=totals.docs, docs_s=f"{totals.docs / elapsed:.0f}", tok_s=f"{totals.tokens / elapsed:.3g}", bad=totals.bad)
 
     records = iter_records(files, args.json_keys)
