@@ -1,0 +1,200 @@
+"""Megatron-LM flag names, mapped onto the typed configs in one place, validated at start.
+
+A preset (`--model gpt2-medium`) fills the model shape; any individual model flag overrides it.
+Inconsistent values fail before any process group or weight exists, with one clear line.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+
+from models.config import PRESETS, TransformerConfig, preset
+from parallel.topology import LayoutError, ParallelConfig
+from parallel.zero.config import LossScaleConfig, OptimizerConfig
+
+from .config import (CheckpointConfig, DataConfig, LoggingConfig, RunConfig, ScheduleConfig)
+
+
+class ArgumentError(ValueError):
+    """Inconsistent command-line values; the message names the flag."""
+
+
+def build_parser(default_model: str | None = None) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description="megazoo pretraining (Megatron-LM flag names)")
+    a = p.add_argument
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default=default_model, help=f"preset: {', '.join(sorted(PRESETS))}")
+    for flag in ("--num-layers", "--hidden-size", "--num-attention-heads", "--ffn-hidden-size",
+                 "--max-position-embeddings", "--make-vocab-size-divisible-by"):
+        g.add_argument(flag, type=int)
+    g.add_argument("--seq-length", type=int, default=None)
+    g.add_argument("--hidden-dropout", type=float)
+    g.add_argument("--attention-dropout", type=float)
+    g.add_argument("--init-method-std", type=float)
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int)
+    g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--pipeline-schedule", default="1f1b", choices=["1f1b", "gpipe", "no_pipelining"])
+    g = p.add_argument_group("batch and schedule")
+    g.add_argument("--micro-batch-size", type=int, default=1)
+    g.add_argument("--global-batch-size", type=int)
+    g.add_argument("--rampup-batch-size", nargs=3, type=int, metavar=("START", "INCREMENT", "SAMPLES"))
+    g.add_argument("--train-iters", type=int)
+    g.add_argument("--train-samples", type=int)
+    g.add_argument("--lr", type=float, default=1e-3)
+    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--lr-decay-style", default="cosine", choices=["constant", "linear", "cosine"])
+    g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr-warmup-samples", type=int)
+    g.add_argument("--lr-decay-iters", type=int)
+    g = p.add_argument_group("optimizer")
+    g.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd"])
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.999)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--bf16", action="store_true")
+    g.add_argument("--fp16", action="store_true")
+    g.add_argument("--initial-loss-scale", type=float, default=2.0 ** 16)
+    g.add_argument("--loss-scale-window", type=int, default=1000)
+    g.add_argument("--hysteresis", type=int, default=2)
+    g.add_argument("--min-loss-scale", type=float, default=1.0)
+    g.add_argument("--zero-stage", type=int, default=0)
+    g.add_argument("--offload-optimizer", default="none", choices=["none", "cpu", "nvme"])
+    g.add_argument("--offload-dir")
+    g.add_argument("--recompute-granularity", choices=["full"])
+    g.add_argument("--recompute-method", choices=["uniform", "block"], default="uniform")
+    g.add_argument("--recompute-num-layers", type=int, default=1)
+    g = p.add_argument_group("data")
+    g.add_argument("--data-path", nargs="*", default=[])
+    g.add_argument("--mock-data", action="store_true", help="synthetic tokens instead of --data-path")
+    g.add_argument("--split", default="969,30,1")
+    g.add_argument("--tokenizer-type", default="GPT2BPETokenizer")
+    g.add_argument("--vocab-file")
+    g.add_argument("--merge-file")
+    g.add_argument("--tokenizer-model")
+    g.add_argument("--vocab-size", type=int, help="model vocabulary when no tokenizer is given")
+    g.add_argument("--data-cache-path")
+    g = p.add_argument_group("checkpoints")
+    g.add_argument("--save")
+    g.add_argument("--load")
+    g.add_argument("--save-interval", type=int)
+    g.add_argument("--finetune", action="store_true")
+    g = p.add_argument_group("logging")
+    g.add_argument("--log-interval", type=int, default=10)
+    g.add_argument("--eval-interval", type=int, default=100)
+    g.add_argument("--eval-iters", type=int, default=10)
+    g.add_argument("--wandb-project")
+    g.add_argument("--wandb-exp-name")
+    g.add_argument("--wandb-save-dir")
+    g.add_argument("--peak-flops", type=float, help="per-device peak FLOP/s for MFU")
+    a("--seed", type=int, default=1234)
+    return p
+
+
+def _fail(msg: str):
+    raise ArgumentError(msg)
+
+
+def to_run_config(args: argparse.Namespace, vocab_size: int | None = None,
+                  world_size: int | None = None) -> RunConfig:
+    """Map parsed flags onto the configs and check that they fit together."""
+    world = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
+    overrides = {k: v for k, v in dict(
+        num_layers=args.num_layers, hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads, ffn_hidden_size=args.ffn_hidden_size,
+        max_position_embeddings=args.max_position_embeddings,
+        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+        hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
+        init_method_std=args.init_method_std, vocab_size=vocab_size or args.vocab_size).items()
+        if v is not None}
+    overrides.update(seed=args.seed, recompute_layers=args.recompute_granularity == "full",
+                     params_dtype="bfloat16" if args.bf16 else "float16" if args.fp16 else "float32")
+    if args.model:
+        model = preset(args.model, **overrides)
+    else:
+        missing = [f for f in ("num_layers", "hidden_size", "num_attention_heads") if f not in overrides]
+        if missing:
+            _fail(f"--{missing[0].replace('_', '-')} is required without --model (or give a preset)")
+        model = TransformerConfig(**overrides)
+    seq = args.seq_length or model.max_position_embeddings
+    if model.position_embedding == "learned" and seq > model.max_position_embeddings:
+        _fail(f"--seq-length {seq} exceeds --max-position-embeddings {model.max_position_embeddings}")
+
+    vpp = 1
+    if args.num_layers_per_virtual_pipeline_stage:
+        per_rank = model.num_layers // max(args.pipeline_model_parallel_size, 1)
+        if per_rank % args.num_layers_per_virtual_pipeline_stage:
+            _fail(f"--num-layers-per-virtual-pipeline-stage {args.num_layers_per_virtual_pipeline_stage}"
+                  f" does not divide the {per_rank} layers per pipeline stage")
+        vpp = per_rank // args.num_layers_per_virtual_pipeline_stage
+    parallel = ParallelConfig(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
+                              vpp=vpp, sequence_parallel=args.sequence_parallel)
+    dp = parallel.validate(world)
+    parallel.validate_model(num_layers=model.num_layers, num_attention_heads=model.num_attention_heads)
+    if parallel.sequence_parallel and seq % parallel.tp:
+        _fail(f"--seq-length {seq} must be divisible by --tensor-model-parallel-size {parallel.tp} "
+              f"with --sequence-parallel")
+
+    mbs = args.micro_batch_size
+    gbs = args.global_batch_size or mbs * dp
+    if gbs % (mbs * dp):
+        _fail(f"--global-batch-size {gbs} is not divisible by --micro-batch-size {mbs} x "
+              f"data-parallel size {dp}")
+    num_micro = gbs // (mbs * dp)
+    if vpp > 1 and num_micro % parallel.pp:
+        _fail(f"interleaved pipelining needs the {num_micro} microbatches per step "
+              f"(--global-batch-size / (--micro-batch-size x dp)) to be a multiple of "
+              f"--pipeline-model-parallel-size {parallel.pp}")
+    if args.train_iters is None and args.train_samples is None:
+        _fail("give --train-iters or --train-samples")
+    train_iters = args.train_iters or -(-args.train_samples // gbs)
+    warmup = args.lr_warmup_iters
+    if args.lr_warmup_samples:
+        warmup = -(-args.lr_warmup_samples // gbs)
+    if args.rampup_batch_size:
+        start, inc, _ = args.rampup_batch_size
+        if start % (mbs * dp) or inc % (mbs * dp):
+            _fail(f"--rampup-batch-size start {start} and increment {inc} must be multiples of "
+                  f"--micro-batch-size x dp = {mbs * dp}")
+    if args.bf16 and args.fp16:
+        _fail("choose one of --bf16 and --fp16")
+    schedule_name = "interleaved" if vpp > 1 else args.pipeline_schedule
+
+    optimizer = OptimizerConfig(
+        zero_stage=args.zero_stage, optimizer=args.optimizer, lr=args.lr,
+        betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps, weight_decay=args.weight_decay,
+        clip_grad=args.clip_grad, precision="bf16" if args.bf16 else "fp16" if args.fp16 else "fp32",
+        loss_scale=LossScaleConfig(initial_scale=args.initial_loss_scale,
+                                   growth_interval=args.loss_scale_window,
+                                   hysteresis=args.hysteresis, min_scale=args.min_loss_scale),
+        offload=args.offload_optimizer, offload_dir=args.offload_dir)
+    try:
+        optimizer.validate(pp=parallel.pp)
+    except ValueError as e:
+        _fail(str(e))
+    if not args.data_path and not args.mock_data:
+        _fail("give --data-path PREFIX (from tools/preprocess_data.py) or --mock-data")
+    return RunConfig(
+        model=model, parallel=parallel, optimizer=optimizer, seed=args.seed,
+        schedule=ScheduleConfig(micro_batch_size=mbs, global_batch_size=gbs,
+                                rampup_batch_size=tuple(args.rampup_batch_size) if args.rampup_batch_size else None,
+                                train_iters=train_iters, lr=args.lr, min_lr=args.min_lr,
+                                lr_decay_style=args.lr_decay_style, lr_warmup_iters=warmup,
+                                lr_decay_iters=args.lr_decay_iters, pipeline_schedule=schedule_name),
+        data=DataConfig(data_path=args.data_path, split=args.split, seq_length=seq,
+                        tokenizer_type=args.tokenizer_type, vocab_file=args.vocab_file,
+                        merge_file=args.merge_file, tokenizer_model=args.tokenizer_model,
+                        data_cache_path=args.data_cache_path, mock_data=args.mock_data),
+        checkpoint=CheckpointConfig(save=args.save, load=args.load, save_interval=args.save_interval,
+                                    finetune=args.finetune),
+        logging=LoggingConfig(log_interval=args.log_interval, eval_interval=args.eval_interval,
+                              eval_iters=args.eval_iters, wandb_project=args.wandb_project,
+                              wandb_exp_name=args.wandb_exp_name, wandb_save_dir=args.wandb_save_dir,
+                              peak_flops=args.peak_flops))
+
+
+__all__ = ["ArgumentError", "LayoutError", "build_parser", "to_run_config"]

@@ -1,0 +1,140 @@
+"""Atomic, sharded checkpoints in safetensors (nothing is unpickled on load).
+
+Layout of `--save DIR`:
+
+    DIR/latest                      "iter_0000200" (written last, by rename)
+    DIR/iter_0000200/meta.json      iteration, data position, layout, model config, file list
+    DIR/iter_0000200/rank_00003.safetensors   this rank's model shards, optimizer shards, RNG
+
+Every rank writes into `iter_N.tmp/`; after a barrier rank 0 writes meta.json, renames the folder
+to `iter_N`, then replaces `latest`. A crash at any point leaves `latest` naming the previous
+complete checkpoint; a stale `.tmp` folder is ignored and cleared by the next save.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from dataclasses import asdict
+
+import torch
+import torch.distributed as dist
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+logger = logging.getLogger(__name__)
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used; the message names the file and what to do."""
+
+
+def _barrier():
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _fsync_write(path: str, text: str) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def iteration_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def rank_file(folder: str, rank: int) -> str:
+    return os.path.join(folder, f"rank_{rank:05d}.safetensors")
+
+
+def save_checkpoint(root: str, iteration: int, rank: int, world_size: int,
+                    tensors: dict[str, torch.Tensor], meta: dict) -> str:
+    """Collective: every rank passes its own tensors; rank 0's `meta` is recorded."""
+    final, tmp = iteration_dir(root, iteration), iteration_dir(root, iteration) + ".tmp"
+    if rank == 0:
+        os.makedirs(root, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a crash during an earlier save
+        os.makedirs(tmp)
+    _barrier()
+    path = rank_file(tmp, rank)
+    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, path)
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
+    _barrier()
+    if rank == 0:
+        meta = dict(meta, iteration=iteration, world_size=world_size,
+                    files=[os.path.basename(rank_file(tmp, r)) for r in range(world_size)])
+        _fsync_write(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1, default=_jsonable))
+        if os.path.exists(final):  # re-saving an iteration (e.g. after a resume): move the old aside
+            shutil.rmtree(final + ".old", ignore_errors=True)
+            os.replace(final, final + ".old")
+        os.replace(tmp, final)
+        _fsync_write(os.path.join(root, "latest"), os.path.basename(final))
+        shutil.rmtree(final + ".old", ignore_errors=True)
+        logger.info("saved checkpoint %s", final)
+    _barrier()
+    return final
+
+
+def _jsonable(obj):
+    if hasattr(obj, "__dataclass_fields__"):
+        return asdict(obj)
+    if isinstance(obj, torch.dtype):
+        return str(obj)
+    return str(obj)
+
+
+def latest_checkpoint(root: str) -> str | None:
+    pointer = os.path.join(root, "latest")
+    if not os.path.exists(pointer):
+        return None
+    with open(pointer) as f:
+        name = f.read().strip()
+    folder = os.path.join(root, name)
+    if not os.path.isdir(folder):
+        raise CheckpointError(f"{pointer} names {name}, which does not exist; point it at a "
+                              f"complete iter_* folder")
+    return folder
+
+
+def read_meta(folder: str) -> dict:
+    path = os.path.join(folder, "meta.json")
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: unreadable checkpoint metadata ({e}); the checkpoint is "
+                              f"incomplete, use an earlier one") from None
+
+
+def load_rank_tensors(folder: str, rank: int) -> dict[str, torch.Tensor]:
+    path = rank_file(folder, rank)
+    if not os.path.exists(path):
+        raise CheckpointError(f"{path} is missing: the checkpoint was written by fewer ranks or is "
+                              f"incomplete")
+    try:
+        return load_file(path)
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: corrupt or truncated shard ({e}); use an earlier "
+                              f"checkpoint") from None
+
+
+def check_compatible(meta: dict, *, model: dict, layout: dict, folder: str) -> None:
+    """Refuse checkpoints of another model or another parallel layout, naming the difference."""
+    saved_model = meta.get("model", {})
+    diffs = [k for k in ("vocab_size", "hidden_size", "num_layers", "num_attention_heads",
+                         "ffn_hidden_size", "position_embedding", "embedding_layernorm")
+             if saved_model.get(k) != model.get(k)]
+    if diffs:
+        k = diffs[0]
+        raise CheckpointError(f"{folder} holds another model: {k}={saved_model.get(k)!r} there, "
+                              f"{model.get(k)!r} here; pass matching model flags or another --load")
+    saved_layout = meta.get("layout", {})
+    if saved_layout != layout:
+        raise CheckpointError(f"{folder} was saved with layout {saved_layout}, this run uses "
+                              f"{layout}; relaunch with the saved layout")

@@ -1,0 +1,72 @@
+"""The run's typed configuration: one dataclass per concern, composed into `RunConfig`.
+
+Command-line flags (Megatron names) are mapped onto these in exactly one place,
+`training/arguments.py`; everything below the scripts reads only these objects.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from models.config import TransformerConfig
+from parallel.topology import ParallelConfig
+from parallel.zero.config import OptimizerConfig
+
+
+@dataclass
+class ScheduleConfig:
+    """Batch sizes, iteration counts and the learning-rate schedule."""
+
+    micro_batch_size: int = 1
+    global_batch_size: int = 8
+    rampup_batch_size: tuple[int, int, int] | None = None  # (start, increment, ramp samples)
+    train_iters: int = 100
+    lr: float = 1e-3
+    min_lr: float = 0.0
+    lr_decay_style: str = "cosine"  # constant | linear | cosine
+    lr_warmup_iters: int = 0
+    lr_decay_iters: int | None = None  # default: train_iters
+    pipeline_schedule: str = "1f1b"  # 1f1b | gpipe | interleaved (chosen from vpp) | no_pipelining
+
+
+@dataclass
+class DataConfig:
+    data_path: list[str] = field(default_factory=list)  # Megatron form: [w1] prefix1 [w2] prefix2
+    split: str = "969,30,1"
+    seq_length: int = 128
+    tokenizer_type: str = "GPT2BPETokenizer"
+    vocab_file: str | None = None
+    merge_file: str | None = None
+    tokenizer_model: str | None = None
+    data_cache_path: str | None = None
+    mock_data: bool = False  # synthetic tokens, for smoke tests and benchmarks
+
+
+@dataclass
+class CheckpointConfig:
+    save: str | None = None
+    load: str | None = None
+    save_interval: int | None = None
+    finetune: bool = False  # load weights only; reset iteration, optimizer and data position
+
+
+@dataclass
+class LoggingConfig:
+    log_interval: int = 10
+    eval_interval: int = 100
+    eval_iters: int = 10
+    wandb_project: str | None = None
+    wandb_exp_name: str | None = None
+    wandb_save_dir: str | None = None
+    peak_flops: float | None = None  # per-device peak FLOP/s for MFU; measured on CPU if unset
+
+
+@dataclass
+class RunConfig:
+    model: TransformerConfig
+    parallel: ParallelConfig
+    optimizer: OptimizerConfig
+    schedule: ScheduleConfig
+    data: DataConfig
+    checkpoint: CheckpointConfig
+    logging: LoggingConfig
+    seed: int = 1234

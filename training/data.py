@@ -1,0 +1,55 @@
+"""From the data configuration to per-rank microbatches of tokens and labels.
+
+Every rank reads its own microbatches (the datasets are memory-mapped, the sampler is
+deterministic), so no broadcast of data across TP or PP ranks is needed.
+"""
+from __future__ import annotations
+
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from data.blended import build_train_valid_test_datasets
+from data.samplers import PretrainingSampler
+
+from .config import DataConfig
+
+
+class MockGPTDataset:
+    """Deterministic synthetic samples (--mock-data): a noisy repeating pattern that is learnable."""
+
+    def __init__(self, num_samples: int, seq_length: int, vocab_size: int, seed: int):
+        self.n, self.seq, self.vocab, self.seed = num_samples, seq_length, vocab_size, seed
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, idx: int) -> dict:
+        rng = np.random.default_rng(self.seed * 1_000_003 + idx)
+        period = int(rng.integers(2, 9))
+        pattern = rng.integers(0, self.vocab, size=period)
+        tokens = np.resize(pattern, self.seq + 1)
+        return {"tokens": tokens.astype(np.int64)}
+
+
+def build_datasets(cfg: DataConfig, *, seed: int, vocab_size: int, num_samples: tuple[int, int, int]):
+    """(train, valid, test); valid/test may be None."""
+    if cfg.mock_data:
+        return tuple(MockGPTDataset(max(n, 1), cfg.seq_length, vocab_size, seed + i)
+                     for i, n in enumerate(num_samples))
+    return build_train_valid_test_datasets(cfg.data_path, cfg.split, cfg.seq_length, seed,
+                                           num_samples, cfg.data_cache_path)
+
+
+def microbatches(dataset, *, consumed_samples: int, micro_batch_size: int, dp_rank: int, dp: int,
+                 device: torch.device) -> Iterator[dict]:
+    """Endless stream of {"tokens": [b, s], "labels": [b, s]} for this DP rank, from `consumed`."""
+    total = len(dataset)
+    while True:
+        sampler = PretrainingSampler(total, consumed_samples % total, micro_batch_size, dp_rank, dp)
+        for indices in sampler:
+            sample = np.stack([np.asarray(dataset[i]["tokens"], dtype=np.int64) for i in indices])
+            t = torch.from_numpy(sample).to(device)
+            yield {"tokens": t[:, :-1].contiguous(), "labels": t[:, 1:].contiguous()}
+        consumed_samples = 0  # wrapped around the dataset: start another pass

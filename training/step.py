@@ -1,0 +1,76 @@
+"""One optimizer step (and one evaluation step) over a global batch of microbatches.
+
+The pipeline engine runs this rank's schedule (with pp = 1 the "no pipelining" schedule is plain
+gradient accumulation); the ZeRO optimizer reduces gradients over data parallelism and steps.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from parallel.pipeline.engine import run_pipeline
+from parallel.pipeline.schedules import build_schedule
+from parallel.topology import ParallelTopology
+
+
+
+def activation_shape(topo: ParallelTopology, seq_length: int, micro_batch_size: int, hidden: int):
+    """Shape of the tensors passed between pipeline stages ([s/tp, b, h] under SP)."""
+    seq = seq_length // topo.tp if topo.sequence_parallel else seq_length
+    return (seq, micro_batch_size, hidden)
+
+
+def make_forward_fn(loss_scale: float = 1.0):
+    """forward_fn for the engine: tokens into the first chunk, mean token loss out of the last."""
+    def forward_fn(chunk, x, mb):
+        inputs = mb["tokens"] if chunk.pre_process else x
+        if not chunk.post_process:
+            return chunk(inputs)
+        loss = chunk(inputs, labels=mb["labels"]).float().mean()
+        return loss * loss_scale if loss_scale != 1.0 else loss
+    return forward_fn
+
+
+def mean_over_world(losses: list[torch.Tensor], topo: ParallelTopology) -> float:
+    """Mean microbatch loss over every rank that holds a loss (last stages of every DP replica)."""
+    t = torch.zeros(2, dtype=torch.float64, device=topo.device)
+    if losses:
+        t[0] = torch.stack([l.double() for l in losses]).sum()
+        t[1] = len(losses)
+    if dist.is_initialized():
+        dist.all_reduce(t)
+    return (t[0] / t[1]).item() if t[1] > 0 else float("nan")
+
+
+def train_step(chunks, microbatches: list[dict], topo: ParallelTopology, optimizer, *,
+               schedule: str, shape, stats=None, timeline=None):
+    """Forward and backward over the microbatches, then the optimizer step.
+
+    Returns (mean loss over the global batch, StepResult).
+    """
+    steps = build_schedule(schedule if topo.pp > 1 else "no_pipelining", topo.pp, topo.pp_rank,
+                           len(microbatches), vpp=len(chunks))
+    scale = optimizer.loss_scale
+    # Stages 0-1 accumulate microbatch gradients locally and reduce once, after the last one.
+    with optimizer.no_sync():
+        losses = run_pipeline(steps, chunks, microbatches, topo, shape,
+                              optimizer.cfg.model_dtype, make_forward_fn(scale),
+                              stats=stats, timeline=timeline)
+    optimizer.grad_sync.launch_remaining()
+    loss = mean_over_world([l / scale for l in losses], topo)
+    result = optimizer.step(loss=loss)
+    optimizer.zero_grad()
+    return loss, result
+
+
+def eval_step(chunks, microbatches: list[dict], topo: ParallelTopology, *, shape, dtype) -> float:
+    """Mean loss over the microbatches, forward only (no graph kept)."""
+    steps = build_schedule("forward_only", topo.pp, topo.pp_rank, len(microbatches), vpp=len(chunks))
+    for c in chunks:
+        c.eval()
+    try:
+        losses = run_pipeline(steps, chunks, microbatches, topo, shape, dtype, make_forward_fn())
+    finally:
+        for c in chunks:
+            c.train()
+    return mean_over_world(losses, topo)
