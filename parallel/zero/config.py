@@ -1,0 +1,88 @@
+"""Typed configuration of the ZeRO / mixed-precision optimizer, validated with clear errors."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class ZeroConfigError(ValueError):
+    """A bad optimizer configuration; the message names the flag and the fix."""
+
+
+@dataclass(frozen=True)
+class LossScaleConfig:
+    """Dynamic loss scaling for fp16 (Megatron / DeepSpeed defaults)."""
+
+    initial_scale: float = 2.0 ** 16  # --initial-loss-scale
+    growth_interval: int = 1000  # --loss-scale-window: clean steps before the scale doubles
+    hysteresis: int = 2  # --hysteresis: overflows tolerated before the scale is lowered
+    min_scale: float = 1.0  # --min-loss-scale
+    backoff: float = 0.5
+    growth: float = 2.0
+    static_scale: float | None = None  # --loss-scale: a fixed scale, no dynamics
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    zero_stage: int = 0  # --zero-stage 0..3
+    optimizer: str = "adamw"  # --optimizer adamw | sgd
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    momentum: float = 0.0  # sgd only
+    # Megatron convention: no decay on biases and norm weights (any parameter with ndim < 2).
+    decay_biases_and_norms: bool = False
+    clip_grad: float = 0.0  # --clip-grad; 0 disables clipping (the norm is still reported)
+    precision: str = "fp32"  # fp32 | bf16 | fp16: dtype of the model weights
+    # Gradient buffer dtype. "fp32" accumulates micro-batch gradients and reduces them in fp32
+    # (accurate, Megatron's default); "model" keeps them in the model dtype (DeepSpeed's and
+    # the ZeRO paper's accounting: 2 bytes per gradient).
+    grad_dtype: str = "fp32"
+    loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
+    bucket_numel: int = 40_000_000  # elements per gradient bucket (stages 0-2)
+    max_inflight_buckets: int = 2  # stage 2/3: unreduced bucket buffers alive at once
+    zero3_prefetch: bool = True  # stage 3: gather the next layer while this one runs
+    offload: str = "none"  # none | cpu | nvme
+    offload_dir: str | None = None  # nvme: directory for the swap files
+    offload_resident_buckets: int = 1  # nvme: buckets whose states may sit in memory at once
+    raise_on_nonfinite: bool = False  # raise instead of skipping when the loss/grads are NaN/inf
+
+    @property
+    def model_dtype(self) -> torch.dtype:
+        return PRECISIONS[self.precision]
+
+    @property
+    def grad_torch_dtype(self) -> torch.dtype:
+        return torch.float32 if self.grad_dtype == "fp32" else self.model_dtype
+
+    def validate(self, pp: int = 1) -> None:
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ZeroConfigError(f"--zero-stage must be 0, 1, 2 or 3, got {self.zero_stage}")
+        if self.zero_stage == 3 and pp > 1:
+            raise ZeroConfigError(
+                "--zero-stage 3 does not compose with --pipeline-model-parallel-size > 1; "
+                "use --zero-stage 1 or 2 with pipelines")
+        if self.precision not in PRECISIONS:
+            raise ZeroConfigError(f"--precision must be one of {sorted(PRECISIONS)}, "
+                                  f"got {self.precision!r}")
+        if self.grad_dtype not in ("fp32", "model"):
+            raise ZeroConfigError(f"grad_dtype must be 'fp32' or 'model', got {self.grad_dtype!r}")
+        if self.optimizer not in ("adamw", "sgd"):
+            raise ZeroConfigError(f"--optimizer must be adamw or sgd, got {self.optimizer!r}")
+        if self.offload not in ("none", "cpu", "nvme"):
+            raise ZeroConfigError(f"--offload must be none, cpu or nvme, got {self.offload!r}")
+        if self.offload == "nvme" and not self.offload_dir:
+            raise ZeroConfigError("--offload nvme needs --offload-dir (a local-disk directory)")
+        if self.offload != "none" and self.zero_stage == 0:
+            raise ZeroConfigError("--offload needs --zero-stage >= 1 (offload moves the sharded "
+                                  "optimizer states); set --zero-stage 1")
+        if self.clip_grad < 0:
+            raise ZeroConfigError(f"--clip-grad must be >= 0, got {self.clip_grad}")
+        if self.bucket_numel < 1 or self.max_inflight_buckets < 1 or \
+                self.offload_resident_buckets < 1:
+            raise ZeroConfigError("bucket_numel, max_inflight_buckets and "
+                                  "offload_resident_buckets must be >= 1")

@@ -1,0 +1,186 @@
+"""Bucketed gradient synchronisation over data parallelism, overlapped with backward.
+
+Each parameter gets a post-accumulate-grad hook that adds its fresh gradient into its bucket's
+flat gradient buffer (fp32 by default, so micro-batches accumulate in fp32 even for bf16/fp16
+weights) and drops `param.grad`. When the last parameter of a bucket has reported in the
+micro-batch that synchronises, the bucket's collective is launched asynchronously while
+backward carries on with earlier layers:
+
+    stage 0      all-reduce the full bucket (every rank keeps the full mean gradient)
+    stage 1      reduce-scatter; the full buffer persists for accumulation, only my shard is valid
+    stage 2, 3   reduce-scatter every micro-batch into a persistent shard; the full bucket is
+                 transient and at most `max_inflight` of them are alive at once
+
+Gradients are divided by the DP size before the collective (a mean, as in DDP). The tied word
+embedding's bucket is first summed over the embedding group (first + last pipeline stage).
+Collectives are launched in the order backward completes buckets, which is the same on every
+DP rank because they run the same graph; `finish()` launches the rest in a fixed order.
+"""
+from __future__ import annotations
+
+import logging
+from contextlib import contextmanager
+from typing import Callable
+
+import torch
+from torch.autograd import Variable
+
+from . import collectives as C
+from .flat_buffer import FlatBuffer
+
+logger = logging.getLogger(__name__)
+
+
+class GradSync:
+    def __init__(self, buffers: list[FlatBuffer], *, stage: int, dp_group, embedding_group,
+                 max_inflight: int = 2):
+        self.buffers, self.stage = buffers, stage
+        self.dp_group, self.embedding_group = dp_group, embedding_group
+        self.dp = C.group_size(dp_group)
+        self.max_inflight = max_inflight
+        self._sync = True
+        self._end_queued = False
+        self._unsynced = False  # gradients accumulated under no_sync, not yet reduced
+        self._deferred: list[int] = []  # tied-embedding buckets, reduced at finish()
+        self._finishing = False
+        self._where = {id(s.param): (b, s) for b in buffers for s in b.slots}
+        self._seen: dict[int, set[int]] = {}  # bucket idx -> slot offsets seen this micro-batch
+        self._launched: set[int] = set()
+        self._inflight: dict[int, C.Pending] = {}  # bucket idx -> reduction in flight
+        self._handles = []
+        self.on_launched: list[Callable[[FlatBuffer], None]] = []  # ZeRO-3 releases params here
+        self._index = {id(b): i for i, b in enumerate(buffers)}
+
+    # ---- hooks ---------------------------------------------------------------------------
+    def install_hooks(self) -> None:
+        for b in self.buffers:
+            for s in b.slots:
+                self._handles.append(s.param.register_post_accumulate_grad_hook(self._hook))
+
+    def remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def _hook(self, param: torch.Tensor) -> None:
+        bucket, slot = self._where[id(param)]
+        if param.grad is None:
+            return
+        i = self._index[id(bucket)]
+        self._wait(i)  # an earlier micro-batch's reduction may still be using this buffer
+        with torch.no_grad():
+            bucket.grad_view(slot).add_(param.grad.reshape(-1))
+        param.grad = None  # the bucket owns the gradient now; free the per-tensor copy
+        if not self.sync_enabled:
+            self._unsynced = True
+            return
+        if not self._end_queued:
+            # Like DDP: run once when this backward pass ends, to launch the buckets whose
+            # parameters got no gradient and to start the next micro-batch afresh.
+            self._end_queued = True
+            Variable._execution_engine.queue_callback(self._end_of_backward)
+        seen = self._seen.setdefault(i, set())
+        seen.add(slot.offset)
+        if len(seen) == len(bucket.slots) and i not in self._launched:
+            self._launch(i)
+
+    # ---- micro-batch control ---------------------------------------------------------------
+    @property
+    def sync_enabled(self) -> bool:
+        # Sharded gradients cannot be accumulated unreduced: ZeRO-2/3 reduce every micro-batch.
+        return self._sync or self.stage >= 2
+
+    @contextmanager
+    def no_sync(self):
+        """Accumulate gradients locally (stages 0-1) without communicating, like DDP.no_sync."""
+        old, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = old
+
+    # ---- collectives -----------------------------------------------------------------------
+    def _launch(self, i: int) -> None:
+        b = self.buffers[i]
+        self._launched.add(i)
+        self._wait(i)
+        tied = b.key.tied and self.embedding_group is not None
+        if tied and not self._finishing:
+            # The embedding group spans the first and last pipeline stage, which are at
+            # different points of the schedule during backward: a collective between them
+            # here would deadlock against the pipeline's p2p. Reduce it in finish() instead
+            # (its gradient keeps accumulating in the bucket until then).
+            self._deferred.append(i)
+            return
+        full = b.grads if b.grads is not None else b.take_transient()
+        if tied:
+            C.all_reduce(full, self.embedding_group, async_op=False).wait()
+        if self.dp > 1:
+            full.div_(self.dp)
+        if self.stage == 0:
+            self._inflight[i] = C.all_reduce(full, self.dp_group)
+        else:
+            out = torch.empty(b.shard_numel, dtype=full.dtype, device=full.device)
+            pending = C.reduce_scatter(out, full, self.dp_group)
+            if self.stage == 1:
+                then = lambda b=b, out=out: _land_stage1(b, out, self.dp)  # noqa: E731
+            else:  # `full` stays referenced by the closure until the reduction has landed
+                then = lambda b=b, out=out, full=full: b.grad_shard.add_(out)  # noqa: E731
+            self._inflight[i] = C.Pending(pending, then)
+            while self.stage >= 2 and len(self._inflight) > self.max_inflight:
+                self._wait(next(iter(self._inflight)))
+        for fn in self.on_launched:
+            fn(b)
+
+    def _end_of_backward(self) -> None:
+        self._end_queued = False
+        self._unsynced = False  # every bucket is launched below, carrying earlier micro-batches
+        for i in range(len(self.buffers)):
+            if i not in self._launched:
+                self._launch(i)
+        self._launched.clear()
+        self._seen.clear()
+
+    def launch_remaining(self) -> None:
+        """After backward passes run under no_sync(): reduce every bucket now (the pipeline
+        engine runs many backward passes per step, so the last one cannot be singled out)."""
+        self._end_of_backward()
+
+    def finish(self) -> None:
+        """Wait until every reduction has landed in the gradient buffers.
+
+        Gradients accumulated entirely under `no_sync` (e.g. a pipeline schedule run inside it)
+        are reduced here, without overlap.
+        """
+        if self._unsynced:
+            self._end_of_backward()
+        self._finishing = True
+        try:
+            for i in sorted(set(self._deferred)):
+                self._launch(i)
+        finally:
+            self._finishing = False
+        self._deferred.clear()
+        self._launched.clear()
+        for i in list(self._inflight):
+            self._wait(i)
+        for b in self.buffers:
+            if b.synced:  # stage 1: shards were left at dp x the mean (see _land_stage1)
+                b.grad_shard.div_(self.dp)
+                b.synced = False
+
+    def _wait(self, i: int) -> None:
+        pending = self._inflight.pop(i, None)
+        if pending is not None:
+            pending.wait()
+
+
+def _land_stage1(b: FlatBuffer, out: torch.Tensor, dp: int) -> None:
+    # Stage 1 keeps one full gradient buffer across micro-batches. Outside my shard it holds
+    # local gradients that are now reduced into other ranks' shards: zero them so a later
+    # reduction does not count them twice. My shard keeps dp x the mean, so that if another
+    # micro-batch adds its local gradient and reduces again (dividing by dp first), the earlier
+    # mean survives intact; finish() divides by dp once at the end.
+    b.grads.zero_()
+    b.grad_shard.copy_(out).mul_(dp)
+    b.synced = True

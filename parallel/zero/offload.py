@@ -1,0 +1,107 @@
+"""Where the optimizer states of each bucket shard live: memory (device or CPU) or files.
+
+`MemoryStates` keeps every bucket's states resident: on the device, or on the CPU for
+`offload="cpu"` (the step then runs on the CPU, as in ZeRO-Offload). `FileStates` is the NVMe
+offload of ZeRO-Infinity reduced to its essence: each bucket's states (fp32 master weights, Adam
+moments) live in one file per state on local disk; `checkout(i)` reads bucket i into one of
+`resident` reusable staging buffers, the caller steps it in place, and the buffer is written back
+on exit. The resident optimizer-state memory is therefore `resident` x the largest bucket's
+states, however large the model; the staging buffers are the only state tensors allocated.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from contextlib import contextmanager
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+StateSpec = dict[str, int]  # state name -> numel (all fp32)
+
+
+class MemoryStates:
+    def __init__(self, specs: list[StateSpec], device: torch.device):
+        self.states = [{n: torch.zeros(k, dtype=torch.float32, device=device)
+                        for n, k in spec.items()} for spec in specs]
+
+    @contextmanager
+    def checkout(self, i: int):
+        yield self.states[i]
+
+    def resident_bytes(self) -> int:
+        return sum(t.nbytes for s in self.states for t in s.values())
+
+    peak_resident_bytes = property(resident_bytes)
+
+    def total_bytes(self) -> int:
+        return self.resident_bytes()
+
+
+class FileStates:
+    def __init__(self, specs: list[StateSpec], directory: str, rank: int, resident: int = 1):
+        self.specs, self.dir = specs, directory
+        os.makedirs(directory, exist_ok=True)
+        self.paths = [{n: os.path.join(directory, f"rank{rank:05d}_bucket{i:04d}_{n}.bin")
+                       for n in spec} for i, spec in enumerate(specs)]
+        widest = max((sum(spec.values()) for spec in specs), default=0)
+        # Staging buffers, reused: the whole resident set of optimizer states.
+        self._free = [torch.empty(widest, dtype=torch.float32) for _ in range(resident)]
+        self._staging_bytes = sum(t.nbytes for t in self._free)
+        self._in_use = 0
+        self.peak_resident_bytes = 0
+        zeros = torch.zeros(widest, dtype=torch.float32)
+        for spec, paths in zip(specs, self.paths):
+            for n, k in spec.items():
+                _write(paths[n], zeros[:k])
+
+    def _views(self, i: int, buf: torch.Tensor) -> dict[str, torch.Tensor]:
+        views, off = {}, 0
+        for n, k in self.specs[i].items():
+            views[n] = buf[off:off + k]
+            off += k
+        return views
+
+    @contextmanager
+    def checkout(self, i: int):
+        if not self._free:
+            raise RuntimeError("nvme offload: more buckets checked out than offload_resident_buckets")
+        buf = self._free.pop()
+        self._in_use += 1
+        self.peak_resident_bytes = max(self.peak_resident_bytes, self._in_use * buf.nbytes)
+        try:
+            views = self._views(i, buf)
+            for n, t in views.items():
+                _read(self.paths[i][n], t)
+            yield views
+            for n, t in views.items():
+                _write(self.paths[i][n], t)
+        finally:
+            self._in_use -= 1
+            self._free.append(buf)
+
+    def resident_bytes(self) -> int:
+        return self._staging_bytes
+
+    def total_bytes(self) -> int:
+        return 4 * sum(sum(spec.values()) for spec in self.specs)
+
+
+def _read(path: str, out: torch.Tensor) -> None:
+    with open(path, "rb", buffering=0) as f:
+        n = f.readinto(memoryview(out.numpy()).cast("B"))
+    if n != out.nbytes:
+        raise IOError(f"nvme offload: {path} holds {n} bytes, expected {out.nbytes}")
+
+
+def _write(path: str, t: torch.Tensor) -> None:
+    with open(path, "wb", buffering=0) as f:
+        f.write(memoryview(t.contiguous().numpy()).cast("B"))
+
+
+def build_states(specs: list[StateSpec], *, offload: str, device: torch.device,
+                 directory: str | None, rank: int, resident: int):
+    if offload == "nvme":
+        return FileStates(specs, directory, rank, resident)
+    return MemoryStates(specs, torch.device("cpu") if offload == "cpu" else device)

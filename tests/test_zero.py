@@ -1,0 +1,146 @@
+"""ZeRO stages 0-3 against plain data parallelism on a small GPT, in gloo worlds.
+
+fp32: losses per step and final parameters equal the reference within rtol = atol = 1e-5, for
+dp in {2, 4}, with tp = 2 (stages 0-3) and pp = 2 (stages 0-2). bf16 and fp16 weights stay within
+a stated tolerance of the fp32 run. AdamW's eps is 1e-6 in these tests: the attention key bias
+has a mathematically zero gradient, so its computed gradient is rounding noise, and with eps
+1e-8 Adam turns noise into full-size steps whose sign depends on the summation order.
+"""
+from __future__ import annotations
+
+import torch
+
+from models.language_model import TransformerLanguageModel
+from parallel.pipeline.engine import run_pipeline
+from parallel.pipeline.partition import partition
+from parallel.pipeline.schedules import build_schedule
+from parallel.pipeline.tied import broadcast_tied_embedding
+from parallel.zero import build_optimizer
+from tests.distributed import run_distributed
+from tests.test_zero_common import (SEQ, STEPS, assert_params_close, batch, dp_mean,
+                                    full_model_parameters, opt_config, reference_run, small_gpt,
+                                    topology, zero_run)
+
+# Mixed precision against the fp32 ZeRO run of the same stage after STEPS steps: the relative
+# loss difference, and the deviation of the weights relative to how far fp32 training moved them,
+# ||w - w_fp32|| / ||w_fp32 - w_init|| over all parameters. (A per-element bound is meaningless
+# for Adam: an element whose gradient is rounding noise moves by +-lr either way.)
+MIXED_TOL = {"bf16": dict(loss=1e-3, update=0.1), "fp16": dict(loss=3e-4, update=0.03)}
+
+
+def update_deviation(params, fp32_params, init_params) -> float:
+    num = sum((params[n] - fp32_params[n]).square().sum() for n in params)
+    den = sum((fp32_params[n] - init_params[n]).square().sum() for n in params)
+    return (num / den).sqrt().item()
+
+
+def _check_parity(topo, cfg, stages, where, microbatches=1):
+    ref_losses, ref_params, ref_norms = reference_run(topo, cfg)
+    checked = []
+    for stage in stages:
+        losses, params, results, _ = zero_run(topo, cfg, opt_config(zero_stage=stage),
+                                              microbatches=microbatches)
+        tag = f"{where} zero={stage} microbatches={microbatches}"
+        torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-5, msg=tag)
+        torch.testing.assert_close([r.grad_norm for r in results], ref_norms, rtol=1e-5,
+                                   atol=1e-5, msg=tag)
+        assert not any(r.skipped for r in results), tag
+        assert_params_close(params, ref_params, tag)
+        checked.append(tag)
+    assert ref_norms[0] > 0.5, "the test should exercise clipping (clip_grad = 0.5)"
+    return checked
+
+
+def _dp_worker(rank, world):
+    topo = topology()
+    cfg = small_gpt()
+    checked = _check_parity(topo, cfg, [0, 1, 2, 3], f"dp={topo.dp}")
+    if world == 2:
+        # Gradient accumulation: two micro-batches, the first under no_sync (stages 0-1).
+        checked += _check_parity(topo, cfg, [0, 1, 2, 3], f"dp={topo.dp}", microbatches=2)
+        return checked
+    # Mixed precision against the fp32 run of the same stage.
+    init = zero_run(topo, cfg, opt_config(zero_stage=0), steps=0)[1]
+    for stage, precision in ((1, "fp16"), (2, "bf16"), (3, "bf16"), (0, "bf16")):
+        f_losses, f_params, _, _ = zero_run(topo, cfg, opt_config(zero_stage=stage))
+        losses, params, results, opt = zero_run(topo, cfg, opt_config(zero_stage=stage,
+                                                                       precision=precision))
+        tol, tag = MIXED_TOL[precision], f"zero={stage} {precision}"
+        assert not any(r.skipped for r in results), tag
+        assert all(p.dtype == opt.cfg.model_dtype for p in opt.modules[0].parameters())
+        loss_diff = max(abs(a - b) / abs(b) for a, b in zip(losses, f_losses))
+        deviation = update_deviation(params, f_params, init)
+        assert loss_diff < tol["loss"] and deviation < tol["update"], (tag, loss_diff, deviation)
+        checked.append(f"{tag}: loss rel diff {loss_diff:.1e}, weight deviation {deviation:.1e}")
+    return checked
+
+
+def test_zero_stages_match_data_parallel_dp2():
+    results = run_distributed(_dp_worker, 2, 2, timeout=300)
+    assert len(results[0]) == 8
+
+
+def test_zero_stages_match_data_parallel_dp4_and_mixed_precision():
+    results = run_distributed(_dp_worker, 4, 4, timeout=300)
+    assert len(results[0]) == 8
+    print("\n".join(results[0][4:]))
+
+
+def _tp_worker(rank):
+    topo = topology(tp=2)
+    return _check_parity(topo, small_gpt(), [0, 1, 2, 3], f"tp=2 dp={topo.dp}")
+
+
+def test_zero_with_tensor_parallel():
+    assert len(run_distributed(_tp_worker, 4, timeout=300)[0]) == 4
+
+
+def _loss_fn(chunk, inp, mb):
+    out = chunk(mb["tokens"] if inp is None else inp,
+                labels=mb["labels"] if chunk.post_process else None)
+    return out.mean() if chunk.post_process else out
+
+
+def _pp_worker(rank):
+    topo = topology(pp=2)
+    cfg = small_gpt()
+    ref_losses, ref_params, _ = reference_run(topo, cfg)
+    specs = partition(cfg.num_layers, topo.pp, 1)[topo.pp_rank]
+    schedule, m = build_schedule("1f1b", topo.pp, topo.pp_rank, 2), 2
+    checked = []
+    # Stage 1 without no_sync reduces after every micro-batch; with no_sync, once at the step.
+    for stage, no_sync in ((0, True), (1, False), (1, True), (2, True)):
+        chunks = [TransformerLanguageModel(cfg, topo, **s.kwargs()) for s in specs]
+        broadcast_tied_embedding(chunks, topo)
+        opt = build_optimizer(chunks, topo, opt_config(zero_stage=stage))
+        losses = []
+        for step in range(STEPS):
+            ids, labels = batch(step, topo)
+            mbs = [{"tokens": t, "labels": y} for t, y in zip(ids.chunk(m), labels.chunk(m))]
+            shape = (SEQ, mbs[0]["tokens"].shape[0], cfg.hidden_size)
+            with opt.no_sync() if no_sync else _nothing():
+                out = run_pipeline(schedule, chunks, mbs, topo, shape, torch.float32, _loss_fn)
+            result = opt.step()
+            opt.zero_grad()
+            assert not result.skipped
+            if topo.is_last_stage:
+                losses.append(dp_mean(torch.stack(out).mean().item(), topo))
+        tag = f"pp=2 dp={topo.dp} zero={stage} no_sync={no_sync}"
+        if topo.is_last_stage:
+            torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-5, msg=tag)
+        for chunk in chunks:
+            assert_params_close(full_model_parameters(chunk, opt, topo), ref_params, tag)
+        checked.append(tag)
+    return checked
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_zero_with_pipeline_parallel():
+    assert len(run_distributed(_pp_worker, 4, timeout=300)[0]) == 4
