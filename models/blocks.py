@@ -51,13 +51,35 @@ def alibi_slopes(num_heads: int) -> torch.Tensor:
     return torch.tensor(slopes, dtype=torch.float32)
 
 
-def causal_alibi_bias(slopes: torch.Tensor, seq_len: int, dtype, device) -> torch.Tensor:
-    """[heads, s, s] additive bias: slope * (key - query) on and below the diagonal, -inf above."""
-    pos = torch.arange(seq_len, device=device)
-    distance = (pos[None, :] - pos[:, None]).to(torch.float32)  # key - query, <= 0 where visible
-    bias = slopes.to(device)[:, None, None] * distance
-    bias = bias.masked_fill(distance > 0, float("-inf"))
-    return bias.to(dtype)
+def causal_bias(slopes: torch.Tensor | None, q_len: int, k_len: int, dtype, device) -> torch.Tensor:
+    """Additive attention bias [heads or 1, q, k]: -inf where key > query (queries are the last
+    q_len of k_len positions, as when decoding with a KV cache), plus ALiBi's slope * (key - query)
+    where slopes are given."""
+    q_pos = torch.arange(k_len - q_len, k_len, device=device)
+    distance = (torch.arange(k_len, device=device)[None, :] - q_pos[:, None]).to(torch.float32)
+    bias = distance.new_zeros(distance.shape)[None] if slopes is None \
+        else slopes.to(device)[:, None, None] * distance
+    return bias.masked_fill(distance > 0, float("-inf")).to(dtype)
+
+
+class KVCache:
+    """Keys and values of earlier positions, per layer, for incremental decoding.
+
+    `offset` is the number of positions already cached; the model advances it after each forward.
+    Tensors are [b, heads_local, positions, head_dim] (this TP rank's heads only).
+    """
+
+    def __init__(self):
+        self.keys: dict[int, torch.Tensor] = {}
+        self.values: dict[int, torch.Tensor] = {}
+        self.offset = 0
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if layer in self.keys:
+            k = torch.cat([self.keys[layer], k], dim=2)
+            v = torch.cat([self.values[layer], v], dim=2)
+        self.keys[layer], self.values[layer] = k, v
+        return k, v
 
 
 class ParallelAttention(nn.Module):
@@ -80,13 +102,15 @@ class ParallelAttention(nn.Module):
         else:
             self.alibi_slopes = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
         qkv = self.qkv(x)  # [s, b, heads_local * 3 * head_dim], full sequence
         s, b, _ = qkv.shape
         q, k, v = qkv.view(s, b, self.heads_local, 3, self.head_dim).permute(3, 1, 2, 0, 4).unbind(0)
+        if cache is not None:
+            k, v = cache.update(layer, k, v)
         mask = None
-        if self.alibi_slopes is not None:
-            mask = causal_alibi_bias(self.alibi_slopes, s, q.dtype, q.device)
+        if self.alibi_slopes is not None or k.shape[2] != s:
+            mask = causal_bias(self.alibi_slopes, s, k.shape[2], q.dtype, q.device)
         p = self.dropout if self.training else 0.0
         # Heads differ per TP rank, so attention dropout draws from the tensor-parallel stream.
         with self.rng.fork() if (self.rng is not None and p > 0) else contextlib.nullcontext():
@@ -117,6 +141,7 @@ class TransformerLayer(nn.Module):
                  layer_number: int, rng: RNGStreams | None):
         super().__init__()
         prefix = f"layers.{layer_number}."
+        self.layer_number = layer_number
         self.topo, self.rng, self.dropout = topo, rng, config.hidden_dropout
         self.input_norm = LayerNorm(config, topo)
         self.attention = ParallelAttention(config, topo, init, prefix + "attention.", rng)
@@ -130,6 +155,6 @@ class TransformerLayer(nn.Module):
         with self.rng.fork() if (self.rng is not None and self.topo.sequence_parallel) else contextlib.nullcontext():
             return F.dropout(x, self.dropout, training=True)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.residual_dropout(self.attention(self.input_norm(x)))
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        x = x + self.residual_dropout(self.attention(self.input_norm(x), cache, self.layer_number))
         return x + self.residual_dropout(self.mlp(self.post_attention_norm(x)))

@@ -20,7 +20,7 @@ from parallel.tensor_parallel import (VocabParallelEmbedding, parallel_lm_logits
                                       vocab_parallel_cross_entropy)
 from parallel.topology import LayoutError, ParallelTopology
 
-from .blocks import LayerNorm, TransformerLayer
+from .blocks import KVCache, LayerNorm, TransformerLayer
 from .config import TransformerConfig
 from .init import Initializer
 
@@ -46,10 +46,11 @@ class Embedding(nn.Module):
                 weight.to(device=topo.device, dtype=config.dtype), freeze=False)
         self.norm = LayerNorm(config, topo, in_sequence_region=False) if config.embedding_layernorm else None
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, position_offset: int = 0) -> torch.Tensor:
         x = self.word_embeddings(ids)
         if self.position_embeddings is not None:
-            x = x + self.position_embeddings(torch.arange(ids.shape[1], device=ids.device))
+            positions = torch.arange(position_offset, position_offset + ids.shape[1], device=ids.device)
+            x = x + self.position_embeddings(positions)
         x = x.transpose(0, 1).contiguous()  # [s, b, h]
         if self.norm is not None:
             x = self.norm(x)
@@ -99,18 +100,23 @@ class TransformerLanguageModel(nn.Module):
     def output_weight(self) -> torch.Tensor:
         return self.head_weight if self.head_weight is not None else self.embedding.word_embeddings.weight
 
-    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None,
+                cache: KVCache | None = None) -> torch.Tensor:
         """x: token ids [b, s] (first chunk) or hidden states [s, b, h] (later chunks).
 
         Returns hidden states unless this chunk is the last; then per-token loss [b, s] when
         `labels` are given, else this rank's vocabulary shard of the logits [b, s, v/tp].
+        With a `cache` (inference), x continues the cached positions and the cache advances.
         """
-        h = self.embedding(x) if self.pre_process else x
+        offset = cache.offset if cache is not None else 0
+        h = self.embedding(x, offset) if self.pre_process else x
         for layer in self.layers.values():
             if self.config.recompute_layers and self.training and torch.is_grad_enabled():
                 h = checkpoint(layer, self.rng, h)
             else:
-                h = layer(h)
+                h = layer(h, cache)
+        if cache is not None and self.post_process:
+            cache.offset += h.shape[0] * (self.topo.tp if self.topo.sequence_parallel else 1)
         if not self.post_process:
             return h
         logits = parallel_lm_logits(self.final_norm(h), self.output_weight(), self.topo,

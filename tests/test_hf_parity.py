@@ -59,3 +59,21 @@ def test_model_class_checks_architecture():
     with pytest.raises(ValueError, match="BloomModel"):
         gpt.GPTModel(bloom.config_from_hf(BloomConfig(hidden_size=16, n_layer=1, n_head=2, vocab_size=10)),
                      ParallelTopology.single())
+
+
+@pytest.mark.parametrize("position_embedding", ["learned", "alibi"])
+def test_kv_cache_decoding_matches_full_forward(position_embedding):
+    from models.blocks import KVCache
+    from models.config import TransformerConfig
+    from models.language_model import TransformerLanguageModel
+    cfg = TransformerConfig(vocab_size=50, hidden_size=32, num_layers=2, num_attention_heads=4,
+                            max_position_embeddings=32, position_embedding=position_embedding,
+                            embedding_layernorm=position_embedding == "alibi")
+    model = TransformerLanguageModel(cfg, ParallelTopology.single()).eval()
+    ids = torch.randint(0, 50, (2, 10), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        full = model(ids)
+        cache = KVCache()
+        steps = [model(ids[:, :6], cache=cache)] + [model(ids[:, i:i + 1], cache=cache) for i in range(6, 10)]
+    assert cache.offset == 10
+    torch.testing.assert_close(torch.cat(steps, 1)[..., :50], full[..., :50], rtol=0, atol=1e-5)
