@@ -28,6 +28,7 @@ from parallel.topology import initialize
 from parallel.zero.optimizer import build_optimizer
 
 from . import checkpointing as ckpt
+from .resume import TrainState, layout_of, load, save
 from .config import RunConfig
 from .data import build_datasets, microbatches
 from .log import RunLogger
@@ -36,13 +37,6 @@ from .metrics import device_peak_flops, model_flops_per_token, peak_memory_bytes
 from .step import activation_shape, eval_step, train_step
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class TrainState:
-    iteration: int = 0
-    consumed_samples: int = 0
-    skipped_steps: int = 0
 
 
 @dataclass
@@ -81,53 +75,6 @@ def build_chunks(model_provider, run: RunConfig, topo, rng):
     return chunks
 
 
-def _layout(run: RunConfig, topo) -> dict:
-    return dict(tp=topo.tp, pp=topo.pp, dp=topo.dp, vpp=topo.vpp, world_size=topo.world_size,
-                zero_stage=run.optimizer.zero_stage)
-
-
-def _rank_tensors(chunks, opt, rng, zero_stage: int) -> dict[str, torch.Tensor]:
-    tensors = {f"optim.{k}": v for k, v in opt.state_dict().items()}
-    tensors.update({f"rng.{k}": v for k, v in rng.get_states().items()})
-    if zero_stage < 3:  # under ZeRO-3 the weights live in the optimizer's shards only
-        for c, chunk in enumerate(chunks):
-            tensors.update({f"model.{c}.{n}": p for n, p in chunk.named_parameters()})
-    return tensors
-
-
-def save(run: RunConfig, topo, chunks, opt, rng, state: TrainState) -> str:
-    meta = dict(consumed_samples=state.consumed_samples, skipped_steps=state.skipped_steps,
-                model=dataclasses.asdict(run.model), layout=_layout(run, topo),
-                seq_length=run.data.seq_length, seed=run.seed)
-    return ckpt.save_checkpoint(run.checkpoint.save, state.iteration, topo.rank, topo.world_size,
-                                _rank_tensors(chunks, opt, rng, run.optimizer.zero_stage), meta)
-
-
-def load(run: RunConfig, topo, chunks, opt, rng) -> TrainState:
-    folder = ckpt.latest_checkpoint(run.checkpoint.load)
-    if folder is None:
-        logger.warning("--load %s holds no checkpoint yet ('latest' missing); starting from scratch",
-                       run.checkpoint.load)
-        return TrainState()
-    meta = ckpt.read_meta(folder)
-    ckpt.check_compatible(meta, model=dataclasses.asdict(run.model), layout=_layout(run, topo),
-                          folder=folder)
-    tensors = ckpt.load_rank_tensors(folder, topo.rank)
-    with torch.no_grad():
-        for c, chunk in enumerate(chunks):
-            for n, p in chunk.named_parameters():
-                key = f"model.{c}.{n}"
-                if key in tensors:
-                    p.copy_(tensors[key])
-    if run.checkpoint.finetune:
-        logger.info("fine-tuning from %s: weights only, iteration and optimizer reset", folder)
-        return TrainState()
-    opt.load_state_dict({k[len("optim."):]: v for k, v in tensors.items() if k.startswith("optim.")})
-    rng.set_states({k[len("rng."):]: v for k, v in tensors.items() if k.startswith("rng.")})
-    logger.info("resumed from %s at iteration %d", folder, meta["iteration"])
-    return TrainState(meta["iteration"], meta["consumed_samples"], meta.get("skipped_steps", 0))
-
-
 def pretrain(model_provider, run: RunConfig) -> TrainResult:
     topo = initialize(run.parallel)
     rng = model_parallel_seed(run.seed, topo)
@@ -149,7 +96,7 @@ def pretrain(model_provider, run: RunConfig) -> TrainResult:
     log = RunLogger(run.logging, {"run": dataclasses.asdict(run)}, enabled=topo.rank == 0)
     if topo.rank == 0:
         logger.info("model: %.2fM parameters; layout %s; peak %.3g FLOP/s per rank (%s)",
-                    mcfg.num_parameters() / 1e6, _layout(run, topo), peak, peak_source)
+                    mcfg.num_parameters() / 1e6, layout_of(run, topo), peak, peak_source)
         logger.info("memory per rank (bytes): %s", opt.memory_report())
 
     sigterm, result = _SigtermFlag(), TrainResult(state, [], [], None)
