@@ -142,9 +142,10 @@ class GradSync:
         self._seen.clear()
 
     def launch_remaining(self) -> None:
-        """After backward passes run under no_sync(): reduce every bucket now (the pipeline
-        engine runs many backward passes per step, so the last one cannot be singled out)."""
-        self._end_of_backward()
+        """Start reducing gradients accumulated under `no_sync` now (e.g. right after a
+        pipeline schedule), so the reductions overlap whatever runs before `step()`."""
+        if self._unsynced:
+            self._end_of_backward()
 
     def finish(self) -> None:
         """Wait until every reduction has landed in the gradient buffers.
@@ -152,8 +153,7 @@ class GradSync:
         Gradients accumulated entirely under `no_sync` (e.g. a pipeline schedule run inside it)
         are reduced here, without overlap.
         """
-        if self._unsynced:
-            self._end_of_backward()
+        self.launch_remaining()
         self._finishing = True
         try:
             for i in sorted(set(self._deferred)):

@@ -121,7 +121,7 @@ class ZeroOptimizer:
                        for j, layer in enumerate(layers)]
             for name, module, j, items in groups:
                 unit = Unit(name, module, r, j)
-                for key, bucket in plan_buckets(items, self._key, 1 << 62):
+                for key, bucket in plan_buckets(items, self._key, self.cfg.bucket_numel):
                     unit.buffers.append(self._buffer(bucket, key))
                 buffers += unit.buffers
                 self.units.append(unit)

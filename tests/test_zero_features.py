@@ -1,0 +1,239 @@
+"""ZeRO features beyond parity: memory against the ZeRO paper, ZeRO-3's gathered-parameter bound,
+fp16 overflow handling, NaN reporting, file (NVMe) offload, checkpoints and collective fallbacks.
+
+One 4-rank world (dp = 4) runs every distributed check; the rest are single-process unit tests.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+import torch
+
+from models.language_model import TransformerLanguageModel
+from parallel.topology import ParallelTopology
+from parallel.zero import (LossScaleConfig, NonFiniteError, OptimizerConfig, ZeroConfigError,
+                           build_optimizer)
+from parallel.zero import collectives
+from parallel.zero.loss_scaler import DynamicLossScaler
+from tests.distributed import run_distributed
+from tests.test_zero_common import (assert_params_close, batch, full_model_parameters, opt_config,
+                                    small_gpt, topology, zero_run)
+
+# The ZeRO paper's model-state bytes per rank for mixed-precision Adam (2-byte weights and
+# gradients, 12 bytes of fp32 master + two moments), P parameters, N = dp.
+PAPER = {0: lambda P, N: 16 * P, 1: lambda P, N: 4 * P + 12 * P / N,
+         2: lambda P, N: 2 * P + 14 * P / N, 3: lambda P, N: 16 * P / N}
+# With fp32 gradient buffers (our default: fp32 accumulation) gradients cost 4 bytes, not 2.
+FP32_GRADS = {0: lambda P, N: 18 * P, 1: lambda P, N: 6 * P + 12 * P / N,
+              2: lambda P, N: 2 * P + 16 * P / N, 3: lambda P, N: 18 * P / N}
+
+
+def _memory(topo, out):
+    cfg = small_gpt(num_layers=4)
+    for stage in (0, 1, 2, 3):
+        for grad_dtype, table in (("model", PAPER), ("fp32", FP32_GRADS)):
+            _, _, _, opt = zero_run(topo, cfg, opt_config(zero_stage=stage, precision="bf16",
+                                                          grad_dtype=grad_dtype), steps=1)
+            rep = opt.memory_report()
+            expected = table[stage](rep["numel"], topo.dp)
+            ratio = rep["model_states"] / expected
+            assert abs(ratio - 1) < 0.05, (stage, grad_dtype, rep, expected)
+            out[f"memory zero={stage} grads={grad_dtype}"] = (rep["model_states"], expected, ratio)
+    # ZeRO-3: during forward only the root (embeddings, final norm) and the layers gathered at
+    # once are materialised: the current one, plus the next one when prefetching.
+    for prefetch, layers_at_once in ((True, 2), (False, 1)):
+        model = TransformerLanguageModel(cfg, topo)
+        opt = build_optimizer(model, topo, opt_config(zero_stage=3, precision="bf16",
+                                                      zero3_prefetch=prefetch))
+        root, *layers = opt.units
+        unit_bytes = [sum(b.padded * b.params.element_size() for b in u.buffers)
+                      for u in opt.units]
+        full_bytes = sum(unit_bytes)
+        bound = unit_bytes[0] + layers_at_once * max(unit_bytes[1:])
+        ids, labels = batch(0, topo)
+        opt.zero3.peak_gathered_bytes = 0
+        loss = model(ids, labels=labels).float().mean()
+        forward_peak = opt.zero3.peak_gathered_bytes
+        assert forward_peak <= bound < full_bytes, (prefetch, forward_peak, bound, full_bytes)
+        assert all(not u.buffers[0].gathered for u in layers)  # layers released after forward
+        opt.backward(loss)
+        opt.step()
+        assert all(not b.gathered for b in opt.buffers)  # everything released after the step
+        out[f"zero3 forward peak prefetch={prefetch}"] = (forward_peak, bound, full_bytes)
+
+
+def _overflow(topo, out):
+    cfg = small_gpt()
+    snapshots = {}
+
+    def keep(step, model, opt):
+        snapshots[step] = full_model_parameters(model, opt, topo)
+
+    # Hysteresis 2 (the default): the first overflow is skipped without lowering the scale, the
+    # second consecutive one halves it. Weights do not move on a skipped step.
+    for stage in (1, 3):
+        snapshots.clear()
+        losses, _, results, opt = zero_run(topo, cfg, opt_config(zero_stage=stage,
+                                                                 precision="fp16"),
+                                           steps=5, inject_inf_at=(2, 3), on_step=keep)
+        scales = [r.loss_scale for r in results]
+        assert [r.skipped for r in results] == [False, False, True, True, False], results
+        assert scales[:4] == [2.0 ** 16] * 4 and scales[4] == 2.0 ** 15, scales
+        assert "step 3" in results[2].reason and "step 4" in results[3].reason
+        assert_params_close(snapshots[2], snapshots[1], "skipped step 3", rtol=0, atol=0)
+        assert_params_close(snapshots[3], snapshots[1], "skipped step 4", rtol=0, atol=0)
+        assert opt.applied_steps == 3 and torch.isfinite(torch.tensor(losses[4]))
+        assert (snapshots[4]["layers.0.mlp.fc1.weight"]
+                != snapshots[3]["layers.0.mlp.fc1.weight"]).any()  # training continued
+    # Hysteresis 1: one overflow halves the scale at once.
+    ls = LossScaleConfig(hysteresis=1)
+    _, _, results, _ = zero_run(topo, cfg, opt_config(zero_stage=2, precision="fp16",
+                                                      loss_scale=ls), steps=3, inject_inf_at=(1,))
+    assert [r.skipped for r in results] == [False, True, False]
+    assert [r.loss_scale for r in results] == [2.0 ** 16, 2.0 ** 16, 2.0 ** 15]
+    # bf16 has no scaler: a NaN is reported with its step and skipped, or raised if asked.
+    _, _, results, _ = zero_run(topo, cfg, opt_config(zero_stage=2, precision="bf16"), steps=3,
+                                inject_inf_at=(1,))
+    assert [r.skipped for r in results] == [False, True, False]
+    assert results[1].reason.startswith("step 2: non-finite")
+    with pytest.raises(NonFiniteError, match="step 2"):
+        zero_run(topo, cfg, opt_config(zero_stage=1, raise_on_nonfinite=True), steps=2,
+                 inject_inf_at=(1,))
+    out["overflow"] = "ok"
+
+
+def _offload(topo, out, tmp):
+    cfg = small_gpt()
+    for stage, precision in ((1, "fp32"), (2, "bf16"), (3, "fp16")):
+        base = dict(zero_stage=stage, precision=precision, bucket_numel=4000)
+        mem_losses, mem_params, _, mem_opt = zero_run(topo, cfg, opt_config(**base))
+        for offload in ("cpu", "nvme"):
+            losses, params, _, opt = zero_run(topo, cfg, opt_config(
+                **base, offload=offload, offload_dir=os.path.join(tmp, f"swap{stage}")))
+            tag = f"offload={offload} zero={stage} {precision}"
+            assert losses == mem_losses, tag
+            assert_params_close(params, mem_params, tag, rtol=0, atol=0)
+        in_memory = sum(t.nbytes for s in mem_opt.states.states for t in s.values())
+        rep = opt.memory_report()
+        assert rep["offload_files"] == in_memory, (rep, in_memory)
+        peak = opt.states.peak_resident_bytes
+        assert 0 < peak <= rep["offload_resident"] and len(opt.buffers) >= 8, (peak, rep)
+        assert peak * 4 < in_memory, (peak, in_memory)
+        files = [f for f in os.listdir(os.path.join(tmp, f"swap{stage}"))
+                 if f.startswith(f"rank{topo.rank:05d}")]
+        assert len(files) == len(opt.buffers) * (2 + (precision != "fp32")), files
+        out[f"nvme zero={stage} {precision}"] = (peak, in_memory, len(opt.buffers))
+
+
+def _checkpoint_and_fallbacks(topo, out):
+    cfg = small_gpt()
+    for stage in (1, 3):
+        ocfg = opt_config(zero_stage=stage, precision="bf16")
+        saved = {}
+
+        def keep(step, model, opt):
+            if step == 1:
+                saved.update(opt.state_dict())
+        _, want, _, _ = zero_run(topo, cfg, ocfg, steps=3, on_step=keep)
+        assert all(isinstance(v, torch.Tensor) for v in saved.values())
+        assert saved["bucket0.ranges"].shape[1] == 4
+        model = TransformerLanguageModel(cfg, topo)
+        opt = build_optimizer(model, topo, ocfg)
+        opt.load_state_dict(saved)
+        assert opt.applied_steps == 2
+        ids, labels = batch(2, topo)
+        opt.backward(model(ids, labels=labels).float().mean())
+        opt.step()
+        assert_params_close(full_model_parameters(model, opt, topo), want, f"resume zero={stage}",
+                            rtol=0, atol=0)
+    # Backends without fused reduce-scatter / all-gather take the all_reduce / list fallbacks.
+    _, want, _, _ = zero_run(topo, cfg, opt_config(zero_stage=3))
+    collectives._SUPPORT.update({("gloo", "reduce_scatter"): False, ("gloo", "all_gather"): False})
+    try:
+        _, got, _, _ = zero_run(topo, cfg, opt_config(zero_stage=3))
+    finally:
+        collectives._SUPPORT.clear()
+    assert_params_close(got, want, "fallback collectives", rtol=1e-6, atol=1e-6)
+    out["checkpoint+fallbacks"] = "ok"
+
+
+def _features_worker(rank, tmp):
+    topo = topology()
+    out = {}
+    _memory(topo, out)
+    _overflow(topo, out)
+    _offload(topo, out, tmp)
+    _checkpoint_and_fallbacks(topo, out)
+    return out
+
+
+def test_zero_features_dp4():
+    with tempfile.TemporaryDirectory() as tmp:
+        out = run_distributed(_features_worker, 4, tmp, timeout=300)[0]
+    for k, v in out.items():
+        print(k, v)
+
+
+# ---- single process ------------------------------------------------------------------------
+
+def test_dynamic_loss_scaler():
+    s = DynamicLossScaler(LossScaleConfig(initial_scale=8.0, growth_interval=3, hysteresis=2,
+                                          min_scale=2.0))
+    s.update(True)
+    assert s.scale == 8.0  # hysteresis absorbs the first overflow
+    s.update(True)
+    assert s.scale == 4.0
+    s.update(True)
+    s.update(True)
+    assert s.scale == 2.0  # never below the minimum
+    for _ in range(3):
+        s.update(False)
+    assert s.scale == 4.0 and s.hysteresis_tracker == 2  # growth refills the hysteresis
+    s.update(True)
+    assert s.scale == 4.0
+    t = DynamicLossScaler(LossScaleConfig())
+    t.load_state_dict(s.state_dict())
+    assert (t.scale, t.growth_tracker, t.hysteresis_tracker) == (4.0, 0, 1)
+
+
+@pytest.mark.parametrize("cfg, pp, match", [
+    (OptimizerConfig(zero_stage=3), 2, "--zero-stage 3 does not compose with --pipeline"),
+    (OptimizerConfig(zero_stage=4), 1, "--zero-stage must be"),
+    (OptimizerConfig(precision="fp8"), 1, "--precision"),
+    (OptimizerConfig(zero_stage=1, offload="nvme"), 1, "--offload-dir"),
+    (OptimizerConfig(offload="cpu"), 1, "--zero-stage >= 1"),
+])
+def test_bad_configs_name_the_flag(cfg, pp, match):
+    with pytest.raises(ZeroConfigError, match=match):
+        cfg.validate(pp)
+
+
+@pytest.mark.parametrize("name", ["adamw", "sgd"])
+def test_single_process_matches_torch_optimizers(name):
+    """dp = 1: the flat-shard AdamW / SGD (momentum, decay) equal torch.optim's."""
+    cfg, topo = small_gpt(), ParallelTopology.single()
+    ref = TransformerLanguageModel(cfg, topo)
+    model = TransformerLanguageModel(cfg, topo)
+    hyper = dict(lr=1e-2, weight_decay=0.1)
+    groups = [{"params": [p for p in ref.parameters() if p.dim() >= 2]},
+              {"params": [p for p in ref.parameters() if p.dim() < 2], "weight_decay": 0.0}]
+    if name == "adamw":
+        torch_opt = torch.optim.AdamW(groups, betas=(0.9, 0.95), eps=1e-6, **hyper)
+        opt = build_optimizer(model, topo, OptimizerConfig(zero_stage=1, betas=(0.9, 0.95),
+                                                           eps=1e-6, **hyper))
+    else:
+        torch_opt = torch.optim.SGD(groups, momentum=0.9, **hyper)
+        opt = build_optimizer(model, topo, OptimizerConfig(zero_stage=2, optimizer="sgd",
+                                                           momentum=0.9, **hyper))
+    for step in range(3):
+        ids, labels = batch(step)
+        ref(ids, labels=labels).mean().backward()
+        torch_opt.step()
+        torch_opt.zero_grad()
+        opt.backward(model(ids, labels=labels).mean())
+        opt.step()
+        opt.zero_grad()
+    for (n, p), q in zip(ref.named_parameters(), model.parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-5, msg=n)
