@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from data.indexed import IndexedDataset
+from data.text_sources import iter_records
 from data.tokenizers import build_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -114,11 +115,14 @@ def test_datasets_formats(tmp_path, tok):
 
     pq.write_table(pa.table({"text": DOCS[:2], "n": [1, 2]}), tmp_path / "d.parquet")
     (tmp_path / "d.csv").write_text('text,n\n"csv, quoted",1\nplain,2\n')
-    out = preprocess("--input", tmp_path / "d.parquet", tmp_path / "d.csv", "--output-prefix", tmp_path / "o")
+    table = pa.table({"text": ["from arrow"]})
+    with pa.OSFile(str(tmp_path / "d.arrow"), "wb") as f, pa.ipc.new_stream(f, table.schema) as w:
+        w.write_table(table)
+    out = preprocess("--input", tmp_path / "d.parquet", tmp_path / "d.csv", tmp_path / "d.arrow", "--output-prefix", tmp_path / "o")
     docs, _ = read_docs(tmp_path / "o_text_document")
-    assert docs == expected(tok, DOCS[:2] + ["csv, quoted", "plain"], eod=False)
-    out = preprocess("--input", tmp_path / "d.parquet", "--output-prefix", tmp_path / "k", "--json-keys", "body", ok=False)
-    assert "no column(s) ['body']" in out
+    assert docs == expected(tok, DOCS[:2] + ["csv, quoted", "plain", "from arrow"], eod=False)
+    with pytest.raises(KeyError, match=r"d.parquet: no column\(s\) \['body'\].*--json-keys"):
+        list(iter_records([("parquet", str(tmp_path / "d.parquet"))], ["body"]))
 
 
 def test_empty_corpus_is_an_error(tmp_path):

@@ -32,7 +32,7 @@ from tqdm import tqdm  # noqa: E402
 
 from data.indexed import IndexedDatasetBuilder, IndexedDatasetError, merge_datasets, optimal_dtype  # noqa: E402
 from data.text_sources import DEFAULT_TEXT_SUFFIXES, iter_records, parse_record, resolve_inputs  # noqa: E402
-from data.tokenizers import build_tokenizer  # noqa: E402
+from data.tokenizers import TokenizerError, build_tokenizer  # noqa: E402
 
 BATCH_BYTES = 1 << 20  # ~1 MB of input per task: large enough to amortise IPC, small enough to stream
 BATCH_RECORDS = 512
@@ -183,10 +183,14 @@ def _process_files(files, builders, args, pool, totals, bar, skipped_log) -> Non
 def main(argv=None) -> int:
     args = get_args(argv)
     suffixes = None if args.text_suffixes == "all" else tuple(s if s.startswith(".") else "." + s for s in args.text_suffixes.split(","))
-    plan = resolve_inputs(args.input, suffixes)
     tok_kwargs = dict(tokenizer_type=args.tokenizer_type, vocab_file=args.vocab_file,
                       merge_file=args.merge_file, tokenizer_model=args.tokenizer_model)
-    tokenizer = build_tokenizer(**tok_kwargs)
+    try:
+        plan = resolve_inputs(args.input, suffixes)
+        tokenizer = build_tokenizer(**tok_kwargs)
+    except (FileNotFoundError, TokenizerError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     dtype = optimal_dtype(tokenizer.vocab_size)
     out_dir = os.path.dirname(os.path.abspath(args.output_prefix))
     os.makedirs(out_dir, exist_ok=True)
@@ -234,7 +238,7 @@ def main(argv=None) -> int:
                 for p in part_prefixes[k]:
                     os.remove(p + ".bin")
                     os.remove(p + ".idx")
-    except (MalformedRecord, IndexedDatasetError, KeyError, FileNotFoundError) as e:
+    except BaseException as e:  # includes Ctrl-C and worker failures: clean up, then report
         for b in builders.values():
             b.abort()
         for k in final:  # never leave a half-written dataset that looks complete
@@ -242,6 +246,8 @@ def main(argv=None) -> int:
                 for ext in (".bin", ".idx"):
                     if os.path.exists(p + ext):
                         os.remove(p + ext)
+        if not isinstance(e, (MalformedRecord, IndexedDatasetError, KeyError, FileNotFoundError)):
+            raise
         print(f"error: {e}", file=sys.stderr)
         return 1
     finally:
