@@ -107,3 +107,38 @@ def test_full_build_separate_last_epoch_is_deterministic():
         np.testing.assert_array_equal(x, y)
     assert not np.array_equal(a[2], c[2])
     assert len(a[1]) - 1 >= 300
+
+
+def reference_gpt_indices(sizes, documents, num_samples, seq_length, seed):
+    """Megatron core's _build_document_sample_shuffle_indices, transcribed step by step."""
+    tokens_per_epoch = int(np.sum(sizes[documents]))
+    num_epochs, num_tokens = 1, tokens_per_epoch
+    while num_tokens < num_samples * seq_length + 1:
+        num_epochs += 1
+        num_tokens += tokens_per_epoch
+    separate = False
+    if num_epochs > 1:
+        before_last = ((num_epochs - 1) * tokens_per_epoch - 1) // seq_length
+        per_epoch = (tokens_per_epoch - 1) // seq_length
+        separate = num_samples - before_last < int(0.80 * per_epoch)
+    rng = np.random.RandomState(seed)
+    doc_idx = reference_document_index(documents, num_epochs, rng, separate)
+    sample_idx = reference_sample_index(sizes, doc_idx, seq_length, num_epochs, tokens_per_epoch)
+    n = sample_idx.shape[0] - 1
+    first = np.arange(before_last if separate else n, dtype=np.uint32)
+    rng.shuffle(first)
+    if not separate:
+        return doc_idx, sample_idx, first
+    last = np.arange(before_last, n, dtype=np.uint32)
+    rng.shuffle(last)
+    return doc_idx, sample_idx, np.concatenate((first, last))
+
+
+@pytest.mark.parametrize("num_samples", [1, 40, 70, 95, 130, 333])  # 70: 2 epochs, not separated
+def test_full_build_matches_reference(num_samples):
+    sizes = np.random.default_rng(num_samples).integers(0, 60, size=30).astype(np.int32)
+    documents = np.arange(3, 27)  # a split in the middle of the dataset
+    got = build_gpt_indices(sizes, documents, num_samples, seq_length=16, seed=1234)
+    want = reference_gpt_indices(sizes, documents, num_samples, 16, 1234)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)

@@ -144,3 +144,27 @@ def test_merge_tool(tmp_path, tok):
                     "--output-prefix", str(tmp_path / "all")], check=True, capture_output=True)
     docs, _ = read_docs(tmp_path / "all")
     assert docs == expected(tok, DOCS)
+
+
+def test_end_to_end_into_a_dataloader(tmp_path, tok):
+    import torch
+
+    from data.blended import build_train_valid_test_datasets
+    from data.samplers import PretrainingSampler
+
+    texts = [f"Document {i}: " + "lorem ipsum dolor " * (i % 5 + 1) for i in range(40)]
+    write_jsonl(tmp_path / "c.jsonl", texts)
+    preprocess("--input", tmp_path / "c.jsonl", "--output-prefix", tmp_path / "c", "--append-eod")
+    train, valid, test = build_train_valid_test_datasets(
+        [str(tmp_path / "c_text_document")], "90,10,0", seq_length=32, seed=7, num_samples=(64, 8, 0),
+        cache_dir=str(tmp_path / "cache"))
+    assert test is None and len(train) >= 64 and len(valid) >= 8
+    sampler = PretrainingSampler(64, consumed_samples=16, micro_batch_size=4, dp_rank=1, dp_size=2)
+    loader = torch.utils.data.DataLoader(train, batch_sampler=sampler)
+    batches = list(loader)
+    assert len(batches) == 6 and batches[0]["tokens"].shape == (4, 33) and batches[0]["tokens"].dtype == torch.int64
+    # Every sample decodes to pieces of the documents, cut at the eod tokens between them.
+    for row in torch.cat([b["tokens"] for b in batches]):
+        pieces = tok.decode(row.tolist()).split("<|endoftext|>")
+        assert all(any(piece in t for t in texts) for piece in pieces), pieces
+        assert all(piece in texts for piece in pieces[1:-1])  # inner pieces are whole documents
