@@ -234,6 +234,7 @@ class IndexedDataset:
         if seq_count and np.any(self.sequence_lengths < 0):
             self._fail(p, "negative sequence length")
         item = self.dtype.itemsize
+        self._check_pointers(p, item)
         want = int(self.sequence_pointers[-1]) + int(self.sequence_lengths[-1]) * item if seq_count else 0
         self._bin_bytes = os.path.getsize(self._bin_file)
         if self._bin_bytes != want:
@@ -242,6 +243,18 @@ class IndexedDataset:
                 f"{self._bin_file}: {kind} ({self._bin_bytes} bytes, the .idx expects {want}); "
                 f"the .bin and .idx do not belong together or a write was cut short: re-run tools/preprocess_data.py"
             )
+
+    def _check_pointers(self, path: str, item: int, chunk: int = 1 << 22) -> None:
+        """Pointers must be the running byte offsets of the lengths (chunked: bounded memory)."""
+        lengths, pointers = self.sequence_lengths, self.sequence_pointers
+        start = 0
+        for lo in range(0, len(lengths), chunk):
+            hi = min(lo + chunk, len(lengths))
+            expect = start + np.concatenate(([0], np.cumsum(lengths[lo : hi - 1], dtype=np.int64) * item))
+            if not np.array_equal(pointers[lo:hi], expect):
+                bad = lo + int(np.argmax(pointers[lo:hi] != expect))
+                self._fail(path, f"sequence pointer {bad} is {int(pointers[bad])}, lengths imply {int(expect[bad - lo])}")
+            start = int(expect[-1]) + int(lengths[hi - 1]) * item
 
     def __len__(self) -> int:
         return len(self.sequence_lengths)

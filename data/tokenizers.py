@@ -136,6 +136,9 @@ class SentencePieceTokenizer:
     def encode(self, text: str) -> list[int]:
         return self._sp.encode(text)
 
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return self._sp.encode(list(texts))  # one C++ call for the whole batch
+
     def decode(self, ids: Sequence[int]) -> str:
         return self._sp.decode([int(i) for i in ids])
 

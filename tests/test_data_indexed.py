@@ -136,3 +136,12 @@ def test_index_size_mismatch_and_bad_header(tmp_path):
 def test_missing_files(tmp_path):
     with pytest.raises(FileNotFoundError, match="preprocess_data"):
         IndexedDataset(str(tmp_path / "nothing"))
+
+
+def test_inconsistent_pointers(tmp_path):
+    write(tmp_path / "p", [[1, 2, 3], [4, 5]], np.uint16)
+    data = bytearray((tmp_path / "p.idx").read_bytes())
+    data[34 + 8 + 8 : 34 + 8 + 16] = (4).to_bytes(8, "little")  # second pointer: 4 instead of 6
+    (tmp_path / "p.idx").write_bytes(bytes(data))
+    with pytest.raises(IndexedDatasetError, match="sequence pointer 1 is 4, lengths imply 6"):
+        IndexedDataset(str(tmp_path / "p"))

@@ -56,6 +56,7 @@ def test_sentencepiece_models_round_trip(model):
     ids = tok.encode(text)
     assert ids and all(0 <= i < tok.vocab_size for i in ids)
     assert tok.decode(ids) == text
+    assert tok.encode_batch([text, ""]) == [ids, []]
 
 
 def test_hf_tokenizer_json_and_folder(tmp_path):
@@ -69,6 +70,18 @@ def test_hf_tokenizer_json_and_folder(tmp_path):
         assert tok.eod == 50256 and tok.vocab_size == 50257
         assert [tok.encode(t) for t in TEXTS] == [gpt2.encode(t) for t in TEXTS]
         assert tok.decode(tok.encode(TEXTS[5])) == TEXTS[5]
+
+
+def test_hf_folder_without_tokenizer_json(tmp_path):
+    import shutil
+
+    for name in ("vocab.json", "merges.txt"):
+        shutil.copy(GPT2 / name, tmp_path / name)
+    (tmp_path / "tokenizer_config.json").write_text('{"tokenizer_class": "GPT2Tokenizer"}')
+    tok = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=str(tmp_path))  # via AutoTokenizer
+    gpt2 = build_tokenizer("GPT2BPETokenizer", str(GPT2 / "vocab.json"), str(GPT2 / "merges.txt"))
+    assert tok.eod == 50256 and tok.vocab_size == 50257
+    assert [tok.encode(t) for t in TEXTS[:6]] == [gpt2.encode(t) for t in TEXTS[:6]]
 
 
 def test_bad_tokenizer_arguments(tmp_path):
