@@ -1,5 +1,8 @@
 """tools/preprocess_data.py and tools/merge_datasets.py end to end, on inputs built in tmp_path."""
+import contextlib
 import gzip
+import importlib.util
+import io
 import json
 import subprocess
 import sys
@@ -24,12 +27,31 @@ def tok():
     return build_tokenizer("GPT2BPETokenizer", str(GPT2 / "vocab.json"), str(GPT2 / "merges.txt"))
 
 
-def preprocess(*args, ok=True):
-    cmd = [sys.executable, str(ROOT / "tools" / "preprocess_data.py"), "--tokenizer-type", "GPT2BPETokenizer",
-           "--vocab-file", str(GPT2 / "vocab.json"), "--merge-file", str(GPT2 / "merges.txt"), "--no-progress", *map(str, args)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    assert (proc.returncode == 0) == ok, proc.stdout + proc.stderr
-    return proc.stdout + proc.stderr
+def _load_tool(name):
+    """Import tools/<name>.py (not a package); registered so dataclasses and pickling (fork) work."""
+    if f"tool_{name}" not in sys.modules:
+        spec = importlib.util.spec_from_file_location(f"tool_{name}", ROOT / "tools" / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[f"tool_{name}"]
+
+
+def preprocess(*args, ok=True, subprocess_run=False):
+    """Run the tool in this process (fast: no interpreter start), or as the real script."""
+    argv = ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", str(GPT2 / "vocab.json"),
+            "--merge-file", str(GPT2 / "merges.txt"), "--no-progress", *map(str, args)]
+    if subprocess_run:
+        proc = subprocess.run([sys.executable, str(ROOT / "tools" / "preprocess_data.py"), *argv],
+                              capture_output=True, text=True, timeout=120)
+        rc, out = proc.returncode, proc.stdout + proc.stderr
+    else:
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
+            rc = _load_tool("preprocess_data").main(argv)
+        out = buf.getvalue()
+    assert (rc == 0) == ok, out
+    return out
 
 
 def read_docs(prefix):
@@ -47,7 +69,8 @@ def write_jsonl(path, docs, key="text"):
 
 def test_jsonl_matches_direct_tokenization(tmp_path, tok):
     write_jsonl(tmp_path / "c.jsonl", DOCS)
-    out = preprocess("--input", tmp_path / "c.jsonl", "--output-prefix", tmp_path / "o", "--append-eod")
+    out = preprocess("--input", tmp_path / "c.jsonl", "--output-prefix", tmp_path / "o", "--append-eod",
+                     subprocess_run=True)  # once as the real command line, from the checkout
     docs, ds = read_docs(tmp_path / "o_text_document")
     assert docs == expected(tok, DOCS)
     assert ds.dtype == np.uint16
@@ -140,8 +163,7 @@ def test_merge_tool(tmp_path, tok):
     preprocess("--input", tmp_path / "a.jsonl", "--output-prefix", tmp_path / "shards" / "a", "--append-eod")
     preprocess("--input", tmp_path / "b.jsonl", "--output-prefix", tmp_path / "shards" / "b", "--append-eod")
     (tmp_path / "shards" / "a_skipped.txt").unlink(missing_ok=True)
-    subprocess.run([sys.executable, str(ROOT / "tools" / "merge_datasets.py"), "--input", str(tmp_path / "shards"),
-                    "--output-prefix", str(tmp_path / "all")], check=True, capture_output=True)
+    assert _load_tool("merge_datasets").main(["--input", str(tmp_path / "shards"), "--output-prefix", str(tmp_path / "all")]) == 0
     docs, _ = read_docs(tmp_path / "all")
     assert docs == expected(tok, DOCS)
 
