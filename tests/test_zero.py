@@ -58,6 +58,9 @@ def _dp_worker(rank, world):
     if world == 2:
         # Gradient accumulation: two micro-batches, the first under no_sync (stages 0-1).
         checked += _check_parity(topo, cfg, [0, 1, 2, 3], f"dp={topo.dp}", microbatches=2)
+        # ZeRO-3 with activation checkpointing: layers are recomputed inside backward.
+        checked += _check_parity(topo, small_gpt(recompute_layers=True), [3],
+                                 f"dp={topo.dp} recompute")
         return checked
     # Mixed precision against the fp32 run of the same stage.
     init = zero_run(topo, cfg, opt_config(zero_stage=0), steps=0)[1]
@@ -77,7 +80,7 @@ def _dp_worker(rank, world):
 
 def test_zero_stages_match_data_parallel_dp2():
     results = run_distributed(_dp_worker, 2, 2, timeout=300)
-    assert len(results[0]) == 8
+    assert len(results[0]) == 9
 
 
 def test_zero_stages_match_data_parallel_dp4_and_mixed_precision():

@@ -61,7 +61,11 @@ def _memory(topo, out):
         opt.backward(loss)
         opt.step()
         assert all(not b.gathered for b in opt.buffers)  # everything released after the step
-        out[f"zero3 forward peak prefetch={prefetch}"] = (forward_peak, bound, full_bytes)
+        # Backward holds the root, the layer in backward and the one prefetched before it.
+        step_peak = opt.zero3.peak_gathered_bytes
+        assert step_peak <= bound, (prefetch, step_peak, bound)
+        out[f"zero3 forward/step peak prefetch={prefetch}"] = (forward_peak, step_peak, bound,
+                                                                full_bytes)
 
 
 def _overflow(topo, out):

@@ -21,10 +21,24 @@ logger = logging.getLogger(__name__)
 StateSpec = dict[str, int]  # state name -> numel (all fp32)
 
 
+def _initial(init: list[dict[str, torch.Tensor]] | None, i: int, name: str):
+    return init[i].get(name) if init is not None else None
+
+
 class MemoryStates:
-    def __init__(self, specs: list[StateSpec], device: torch.device):
-        self.states = [{n: torch.zeros(k, dtype=torch.float32, device=device)
-                        for n, k in spec.items()} for spec in specs]
+    """`init[i][name]`, where given, is adopted (moved to `device` if needed) rather than
+    copied, so building the optimizer never holds two fp32 master copies."""
+
+    def __init__(self, specs: list[StateSpec], device: torch.device,
+                 init: list[dict[str, torch.Tensor]] | None = None):
+        self.states = []
+        for i, spec in enumerate(specs):
+            state = {}
+            for n, k in spec.items():
+                t = _initial(init, i, n)
+                state[n] = t.to(device, torch.float32) if t is not None else \
+                    torch.zeros(k, dtype=torch.float32, device=device)
+            self.states.append(state)
 
     @contextmanager
     def checkout(self, i: int):
@@ -40,7 +54,8 @@ class MemoryStates:
 
 
 class FileStates:
-    def __init__(self, specs: list[StateSpec], directory: str, rank: int, resident: int = 1):
+    def __init__(self, specs: list[StateSpec], directory: str, rank: int, resident: int = 1,
+                 init: list[dict[str, torch.Tensor]] | None = None):
         self.specs, self.dir = specs, directory
         os.makedirs(directory, exist_ok=True)
         self.paths = [{n: os.path.join(directory, f"rank{rank:05d}_bucket{i:04d}_{n}.bin")
@@ -52,9 +67,10 @@ class FileStates:
         self._in_use = 0
         self.peak_resident_bytes = 0
         zeros = torch.zeros(widest, dtype=torch.float32)
-        for spec, paths in zip(specs, self.paths):
+        for i, (spec, paths) in enumerate(zip(specs, self.paths)):
             for n, k in spec.items():
-                _write(paths[n], zeros[:k])
+                t = _initial(init, i, n)
+                _write(paths[n], t.detach().float().cpu() if t is not None else zeros[:k])
 
     def _views(self, i: int, buf: torch.Tensor) -> dict[str, torch.Tensor]:
         views, off = {}, 0
@@ -101,7 +117,8 @@ def _write(path: str, t: torch.Tensor) -> None:
 
 
 def build_states(specs: list[StateSpec], *, offload: str, device: torch.device,
-                 directory: str | None, rank: int, resident: int):
+                 directory: str | None, rank: int, resident: int,
+                 init: list[dict[str, torch.Tensor]] | None = None):
     if offload == "nvme":
-        return FileStates(specs, directory, rank, resident)
-    return MemoryStates(specs, torch.device("cpu") if offload == "cpu" else device)
+        return FileStates(specs, directory, rank, resident, init)
+    return MemoryStates(specs, torch.device("cpu") if offload == "cpu" else device, init)

@@ -68,14 +68,14 @@ class ZeroOptimizer:
         self.buffers = self._build_buffers(named)
         specs = [dict(({"master": b.shard_numel} if self.separate_master else {}),
                       **{n: b.shard_numel for n in self.inner.state_names}) for b in self.buffers]
+        init = [{"master": b.initial_master} if self.separate_master else {}
+                for b in self.buffers]
+        for b in self.buffers:
+            b.initial_master = None  # the state store adopts it (or writes it to its file)
         self.states = build_states(specs, offload=cfg.offload, device=topo.device,
                                    directory=cfg.offload_dir, rank=topo.rank,
-                                   resident=cfg.offload_resident_buckets)
-        for i, b in enumerate(self.buffers):
-            if self.separate_master:
-                with self.states.checkout(i) as st:
-                    st["master"].copy_(b.initial_master)
-            b.initial_master = None
+                                   resident=cfg.offload_resident_buckets, init=init)
+        del init
 
         self.grad_sync = GradSync(self.buffers, stage=self.stage, dp_group=topo.dp_group,
                                   embedding_group=topo.embedding_group,

@@ -1,8 +1,8 @@
 """ZeRO-3: parameters sharded over DP, gathered one layer at a time just before use.
 
-A *unit* is one layer (each child of an `nn.ModuleList` in the model) or the root (everything
-else: embeddings, final norm, head). Outside its use a unit's parameters are released (their flat
-buffer's storage has size 0); hooks bring them back:
+A *unit* is one layer (each child of an `nn.ModuleList` / `nn.ModuleDict` in the model) or the
+root (everything else: embeddings, final norm, head). Outside its use a unit's parameters are
+released (their flat buffer's storage has size 0); hooks bring them back:
 
     forward pre-hook     gather this unit (waiting on its prefetch), prefetch the next layer
     forward hook         release the layer; hook its outputs so backward gathers it again
@@ -11,7 +11,9 @@ buffer's storage has size 0); hooks bring them back:
 
 The root stays gathered from its forward until its gradients are in, since the head runs last in
 forward and first in backward. With activation checkpointing the recompute runs inside backward,
-after the output-grad hook; the forward hook then leaves the layer gathered.
+after the output-grad hook; the forward hook then leaves the layer gathered. (With reentrant
+checkpointing the recompute comes first and releases the layer; the output-grad hook then gathers
+it again before its backward: one extra all-gather, same values, views stay valid.)
 """
 from __future__ import annotations
 
@@ -54,10 +56,13 @@ class Unit:
         self.pending += [b.gather(async_op) for b in self.buffers if not b.gathered]
 
     def wait(self) -> None:
-        self.gather(async_op=False)  # anything released since a prefetch is gathered now
         for p in self.pending:
             p.wait()
         self.pending.clear()
+
+    def ensure_gathered(self) -> None:
+        self.gather(async_op=False)  # whatever no prefetch covered is gathered now
+        self.wait()
 
     def release(self) -> None:
         self.wait()  # never free storage an in-flight all-gather is writing into
@@ -92,7 +97,7 @@ class Zero3Hooks:
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, now)
 
     def _use(self, unit: Unit, direction: int) -> None:
-        unit.wait()
+        unit.ensure_gathered()
         nxt = self._neighbour(unit, direction) if self.prefetch else None
         if nxt is not None:
             nxt.gather(async_op=True)

@@ -1,0 +1,238 @@
+"""megazoo ZeRO vs DeepSpeed ZeRO: the same GPT, ranks and batch, side by side, on CPU (gloo).
+
+DeepSpeed is not a megazoo dependency. Install it in a separate virtual environment that sees
+the system torch, without building its C++/CUDA ops:
+
+    python -m venv /tmp/dsvenv --system-site-packages
+    DS_BUILD_OPS=0 /tmp/dsvenv/bin/pip install deepspeed
+    DS_ACCELERATOR=cpu python bench/bench_zero_vs_deepspeed.py --ds-python /tmp/dsvenv/bin/python
+
+Each (side, stage) runs as its own world of `--world` processes, one thread each. Both sides
+train `TransformerLanguageModel` from the same seed on the same token stream with bf16 weights,
+fp32 master weights, torch's AdamW (weight decay 0; DS_BUILD_OPS=0 leaves DeepSpeed no fused
+Adam) and gradient clipping 1.0. Reported per stage: tokens/s over the timed steps (after
+warm-up), peak RSS per rank (max over ranks) and its growth over the RSS just before the model
+was built, and the final loss of each side as a sanity check. Results go to
+bench/results/zero_vs_deepspeed.{json,md}.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import socket
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+
+def _rss_now() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _model(args, topo):
+    from models.config import TransformerConfig
+    from models.language_model import TransformerLanguageModel
+    cfg = TransformerConfig(vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers,
+                            num_attention_heads=args.heads, max_position_embeddings=args.seq,
+                            make_vocab_size_divisible_by=128, seed=1234)
+    return TransformerLanguageModel(cfg, topo)
+
+
+def _tokens(args, step: int, rank: int):
+    import torch
+    g = torch.Generator().manual_seed(step * 1000 + rank)
+    t = torch.randint(0, args.vocab, (args.micro_batch, args.seq + 1), generator=g)
+    return t[:, :-1].contiguous(), t[:, 1:].contiguous()
+
+
+def _train(args, rank: int, backward_step) -> dict:
+    """Run warm-up + timed steps with `backward_step(ids, labels) -> loss`; rank-local stats."""
+    import torch.distributed as dist
+    losses = []
+    for step in range(args.warmup + args.steps):
+        if step == args.warmup:
+            dist.barrier()
+            start = time.perf_counter()
+        ids, labels = _tokens(args, step, rank)
+        losses.append(backward_step(ids, labels))
+    dist.barrier()
+    elapsed = time.perf_counter() - start
+    tokens = args.steps * args.micro_batch * args.seq * dist.get_world_size()
+    return dict(tokens_per_s=tokens / elapsed, peak_rss=resource.getrusage(
+        resource.RUSAGE_SELF).ru_maxrss * 1024, final_loss=losses[-1])
+
+
+def _megazoo_rank(args):
+    from parallel.topology import ParallelConfig, ParallelTopology
+    from parallel.zero import OptimizerConfig, build_optimizer
+    topo = ParallelTopology.from_config(ParallelConfig())
+    base = _rss_now()
+    model = _model(args, topo)
+    opt = build_optimizer(model, topo, OptimizerConfig(
+        zero_stage=args.stage, lr=args.lr, weight_decay=0.0, clip_grad=1.0, precision="bf16",
+        bucket_numel=args.bucket_numel))
+
+    def step(ids, labels):
+        loss = model(ids, labels=labels).float().mean()
+        opt.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        return loss.item()
+    out = _train(args, topo.rank, step)
+    out.update(base_rss=base, model_states=opt.memory_report()["model_states"])
+    return out
+
+
+def _deepspeed_rank(args):
+    import deepspeed
+    import torch
+    from parallel.topology import ParallelTopology
+    base = _rss_now()
+    model = _model(args, ParallelTopology.single())
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    config = {"train_micro_batch_size_per_gpu": args.micro_batch,
+              "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
+              "bf16": {"enabled": True}, "zero_allow_untested_optimizer": True,
+              "zero_optimization": {"stage": args.stage,
+                                    "reduce_bucket_size": args.bucket_numel,
+                                    "allgather_bucket_size": args.bucket_numel},
+              "steps_per_print": 10 ** 9}
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config)
+
+    def step(ids, labels):
+        loss = engine(ids, labels=labels).float().mean()
+        engine.backward(loss)
+        engine.step()
+        return loss.item()
+    out = _train(args, int(os.environ["RANK"]), step)
+    out.update(base_rss=base)
+    return out
+
+
+def _rank_main(rank, args, port, queue):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      LOCAL_RANK=str(rank), WORLD_SIZE=str(args.world),
+                      LOCAL_WORLD_SIZE=str(args.world))
+    import torch
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    if args.worker == "deepspeed":
+        import deepspeed
+        deepspeed.init_distributed(dist_backend="gloo")
+        queue.put((rank, _deepspeed_rank(args)))
+    else:
+        dist.init_process_group("gloo", rank=rank, world_size=args.world)
+        queue.put((rank, _megazoo_rank(args)))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _worker(args) -> None:
+    """One world for one (side, stage); prints a JSON line with the per-rank results."""
+    import torch.multiprocessing as mp
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_rank_main, args=(r, args, port, queue)) for r in range(args.world)]
+    for p in procs:
+        p.start()
+    results = dict(queue.get(timeout=args.timeout) for _ in procs)
+    for p in procs:
+        p.join()
+    print("RESULT " + json.dumps([results[r] for r in range(args.world)]), flush=True)
+
+
+def _run_side(args, side: str, stage: int) -> list[dict] | str:
+    python = args.ds_python if side == "deepspeed" else sys.executable
+    cmd = [python, os.path.abspath(__file__), "--worker", side, "--stage", str(stage)]
+    for k in ("world", "steps", "warmup", "hidden", "layers", "heads", "vocab", "seq",
+              "micro_batch", "lr", "bucket_numel", "timeout"):
+        cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
+    env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=ROOT)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    return f"failed (exit {proc.returncode}): {proc.stderr.strip()[-400:]}"
+
+
+def _summary(ranks: list[dict]) -> dict:
+    return dict(tokens_per_s=min(r["tokens_per_s"] for r in ranks),
+                peak_rss_mib=max(r["peak_rss"] for r in ranks) / 2 ** 20,
+                rss_growth_mib=max(r["peak_rss"] - r["base_rss"] for r in ranks) / 2 ** 20,
+                final_loss=sum(r["final_loss"] for r in ranks) / len(ranks))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--worker", choices=["megazoo", "deepspeed"], help=argparse.SUPPRESS)
+    p.add_argument("--stage", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3])
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--bucket-numel", type=int, default=5_000_000)
+    p.add_argument("--timeout", type=float, default=900)
+    p.add_argument("--ds-python", default="/tmp/dsvenv/bin/python")
+    p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "zero_vs_deepspeed"))
+    args = p.parse_args()
+    if args.worker:
+        return _worker(args)
+
+    rows = []
+    for stage in args.stages:
+        row = {"stage": stage}
+        for side in ("megazoo", "deepspeed"):
+            got = _run_side(args, side, stage)
+            row[side] = _summary(got) if isinstance(got, list) else got
+            print(f"zero-{stage} {side}: {row[side]}", flush=True)
+        if all(isinstance(row[s], dict) for s in ("megazoo", "deepspeed")):
+            mz, ds = row["megazoo"], row["deepspeed"]
+            row["throughput_ratio"] = mz["tokens_per_s"] / ds["tokens_per_s"]
+            row["peak_rss_ratio"] = mz["peak_rss_mib"] / ds["peak_rss_mib"]
+        rows.append(row)
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    setup = {k: getattr(args, k) for k in ("world", "steps", "warmup", "hidden", "layers", "heads",
+                                           "vocab", "seq", "micro_batch", "bucket_numel")}
+    with open(args.out + ".json", "w") as f:
+        json.dump(dict(setup=setup, rows=rows), f, indent=2)
+    with open(args.out + ".md", "w") as f:
+        f.write(_markdown(setup, rows))
+    print(_markdown(setup, rows))
+
+
+def _markdown(setup: dict, rows: list[dict]) -> str:
+    lines = [f"setup: {json.dumps(setup)}", "",
+             "| stage | megazoo tok/s | DeepSpeed tok/s | ratio | megazoo peak RSS MiB "
+             "(growth) | DeepSpeed peak RSS MiB (growth) | RSS ratio | final loss mz / ds |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        mz, ds = r["megazoo"], r["deepspeed"]
+        if not (isinstance(mz, dict) and isinstance(ds, dict)):
+            lines.append(f"| {r['stage']} | {mz} | {ds} | | | | | |")
+            continue
+        lines.append(
+            f"| {r['stage']} | {mz['tokens_per_s']:.0f} | {ds['tokens_per_s']:.0f} | "
+            f"{r['throughput_ratio']:.2f} | {mz['peak_rss_mib']:.0f} ({mz['rss_growth_mib']:.0f}) | "
+            f"{ds['peak_rss_mib']:.0f} ({ds['rss_growth_mib']:.0f}) | {r['peak_rss_ratio']:.2f} | "
+            f"{mz['final_loss']:.4f} / {ds['final_loss']:.4f} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
