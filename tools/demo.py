@@ -81,7 +81,7 @@ def main() -> None:
            "--weight-decay", "0.01", "--clip-grad", "1.0", "--hidden-dropout", "0.0",
            "--attention-dropout", "0.0", "--data-path", data, "--split", "949,50,1",
            "--vocab-file", vocab, "--merge-file", merges, "--log-interval", "20",
-           "--eval-interval", "100", "--eval-iters", "10", "--save", args.save]
+           "--eval-interval", str(min(100, args.train_iters)), "--eval-iters", "10", "--save", args.save]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     out = run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     log = out.stdout

@@ -13,6 +13,7 @@ from parallel.topology import LayoutError, ParallelConfig
 from parallel.zero.config import LossScaleConfig, OptimizerConfig
 
 from .config import (CheckpointConfig, DataConfig, LoggingConfig, RunConfig, ScheduleConfig)
+from .health import HealthConfig
 
 
 class ArgumentError(ValueError):
@@ -91,6 +92,19 @@ def build_parser(default_model: str | None = None) -> argparse.ArgumentParser:
     g.add_argument("--wandb-exp-name")
     g.add_argument("--wandb-save-dir")
     g.add_argument("--peak-flops", type=float, help="per-device peak FLOP/s for MFU")
+    g.add_argument("--tensorboard-dir")
+    g = p.add_argument_group("health")
+    g.add_argument("--health-policy", default="warn", choices=["warn", "skip", "rollback"],
+                   help="on a loss spike or NaN: log it, drop the step's update, or reload the last "
+                        "checkpoint and skip the offending samples")
+    g.add_argument("--spike-zscore", type=float, default=6.0)
+    g.add_argument("--spike-window", type=int, default=50)
+    g.add_argument("--collective-timeout", type=float, default=0.0,
+                   help="seconds before a hung collective ends the job naming the missing ranks")
+    g.add_argument("--straggler-threshold", type=float, default=1.25)
+    g.add_argument("--inject-nan-at-iteration", type=int, help="fault drill: NaN gradients once")
+    g.add_argument("--inject-hang", nargs=3, type=float, metavar=("RANK", "ITERATION", "SECONDS"),
+                   help="fault drill: RANK sleeps SECONDS before a collective at ITERATION")
     a("--seed", type=int, default=1234)
     return p
 
@@ -176,10 +190,22 @@ def to_run_config(args: argparse.Namespace, vocab_size: int | None = None,
         optimizer.validate(pp=parallel.pp)
     except ValueError as e:
         _fail(str(e))
+    health = HealthConfig(
+        policy=args.health_policy, spike_zscore=args.spike_zscore, spike_window=args.spike_window,
+        collective_timeout=args.collective_timeout, straggler_threshold=args.straggler_threshold,
+        inject_nan_at=args.inject_nan_at_iteration,
+        inject_hang=(int(args.inject_hang[0]), int(args.inject_hang[1]), args.inject_hang[2])
+        if args.inject_hang else None)
+    try:
+        health.validate()
+    except ValueError as e:
+        _fail(str(e))
+    if args.health_policy == "rollback" and not (args.save and args.save_interval):
+        _fail("--health-policy rollback needs --save and --save-interval (checkpoints to roll back to)")
     if not args.data_path and not args.mock_data:
         _fail("give --data-path PREFIX (from tools/preprocess_data.py) or --mock-data")
     return RunConfig(
-        model=model, parallel=parallel, optimizer=optimizer, seed=args.seed,
+        model=model, parallel=parallel, optimizer=optimizer, seed=args.seed, health=health,
         schedule=ScheduleConfig(micro_batch_size=mbs, global_batch_size=gbs,
                                 rampup_batch_size=tuple(args.rampup_batch_size) if args.rampup_batch_size else None,
                                 train_iters=train_iters, lr=args.lr, min_lr=args.min_lr,
@@ -194,7 +220,7 @@ def to_run_config(args: argparse.Namespace, vocab_size: int | None = None,
         logging=LoggingConfig(log_interval=args.log_interval, eval_interval=args.eval_interval,
                               eval_iters=args.eval_iters, wandb_project=args.wandb_project,
                               wandb_exp_name=args.wandb_exp_name, wandb_save_dir=args.wandb_save_dir,
-                              peak_flops=args.peak_flops))
+                              peak_flops=args.peak_flops, tensorboard_dir=args.tensorboard_dir))
 
 
 __all__ = ["ArgumentError", "LayoutError", "build_parser", "to_run_config"]

@@ -11,6 +11,8 @@ from models.config import TransformerConfig
 from parallel.topology import ParallelConfig
 from parallel.zero.config import OptimizerConfig
 
+from .health import HealthConfig
+
 
 @dataclass
 class ScheduleConfig:
@@ -57,6 +59,7 @@ class LoggingConfig:
     wandb_project: str | None = None
     wandb_exp_name: str | None = None
     wandb_save_dir: str | None = None
+    tensorboard_dir: str | None = None
     peak_flops: float | None = None  # per-device peak FLOP/s for MFU; measured on CPU if unset
 
 
@@ -69,4 +72,10 @@ class RunConfig:
     data: DataConfig
     checkpoint: CheckpointConfig
     logging: LoggingConfig
+    health: HealthConfig = field(default_factory=HealthConfig)
     seed: int = 1234
+
+    @property
+    def run_dir(self) -> str | None:
+        """Where the journal, metrics and report of the run go: beside the checkpoints."""
+        return self.checkpoint.save or self.logging.tensorboard_dir

@@ -14,6 +14,7 @@ from data.blended import build_train_valid_test_datasets
 from data.samplers import PretrainingSampler
 
 from .config import DataConfig
+from .health import SkippingDataset, merge_ranges
 
 
 class MockGPTDataset:
@@ -53,3 +54,28 @@ def microbatches(dataset, *, consumed_samples: int, micro_batch_size: int, dp_ra
             t = torch.from_numpy(sample).to(device)
             yield {"tokens": t[:, :-1].contiguous(), "labels": t[:, 1:].contiguous()}
         consumed_samples = 0  # wrapped around the dataset: start another pass
+
+
+class TrainData:
+    """The training stream: a dataset view without skipped samples, read from a consumed count."""
+
+    def __init__(self, dataset, skip, *, micro_batch_size: int, dp_rank: int, dp: int, device):
+        self.base, self.mbs, self.dp_rank, self.dp, self.device = dataset, micro_batch_size, dp_rank, dp, device
+        self.view = SkippingDataset(dataset, list(skip))
+        self._it = None
+
+    def restart(self, consumed_samples: int) -> None:
+        self._it = microbatches(self.view, consumed_samples=consumed_samples, micro_batch_size=self.mbs,
+                                dp_rank=self.dp_rank, dp=self.dp, device=self.device)
+
+    def next_global_batch(self, batch: int) -> list[dict]:
+        return [next(self._it) for _ in range(batch // (self.mbs * self.dp))]
+
+    def physical_ranges(self, consumed_samples: int, batch: int) -> list[tuple[int, int]]:
+        """Dataset sample ranges behind the global batch that starts at `consumed_samples`."""
+        n = len(self.view)
+        return merge_ranges([(p, p + 1) for p in (self.view.physical((consumed_samples + i) % n)
+                                                   for i in range(batch))])
+
+    def skip(self, ranges: list[tuple[int, int]]) -> None:
+        self.view = SkippingDataset(self.base, self.view.skip + list(ranges))

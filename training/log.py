@@ -1,10 +1,12 @@
-"""Run logging: one console line per log interval, and wandb when a project is given."""
+"""Run logging: one console line per log interval; wandb and TensorBoard when asked; and the
+metrics file beside the checkpoints that `tools/report.py` draws."""
 from __future__ import annotations
 
 import logging
 import os
 
 from .config import LoggingConfig
+from .journal import RunJournal
 
 logger = logging.getLogger("megazoo.train")
 
@@ -12,25 +14,36 @@ logger = logging.getLogger("megazoo.train")
 class RunLogger:
     """Writes metrics from the rank that owns them (rank 0 after reduction)."""
 
-    def __init__(self, cfg: LoggingConfig, run_config: dict, enabled: bool):
-        self.enabled, self.wandb = enabled, None
-        if enabled and cfg.wandb_project:
+    def __init__(self, cfg: LoggingConfig, run_config: dict, enabled: bool, journal: RunJournal):
+        self.enabled, self.journal, self.wandb, self.tensorboard = enabled, journal, None, None
+        if not enabled:
+            return
+        if cfg.wandb_project:
             if not os.environ.get("WANDB_API_KEY"):
                 os.environ.setdefault("WANDB_MODE", "offline")  # no key: keep the run local
             import wandb
             self.wandb = wandb.init(project=cfg.wandb_project, name=cfg.wandb_exp_name,
                                     dir=cfg.wandb_save_dir, config=run_config)
+        if cfg.tensorboard_dir:
+            from torch.utils.tensorboard import SummaryWriter
+            self.tensorboard = SummaryWriter(cfg.tensorboard_dir)
 
     def log(self, metrics: dict, step: int, prefix: str = "train") -> None:
         if not self.enabled:
             return
         logger.info(" | ".join([f"{prefix} iter {step}"] + [_fmt(k, v) for k, v in metrics.items()]))
+        self.journal.metrics(step, prefix, metrics)
         if self.wandb is not None:
             self.wandb.log({f"{prefix}/{k}": v for k, v in metrics.items()}, step=step)
+        if self.tensorboard is not None:
+            for k, v in metrics.items():
+                self.tensorboard.add_scalar(f"{prefix}/{k}", v, step)
 
     def close(self) -> None:
         if self.wandb is not None:
             self.wandb.finish()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
 
 
 def _fmt(key: str, value) -> str:

@@ -5,6 +5,8 @@ gradient accumulation); the ZeRO optimizer reduces gradients over data paralleli
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
@@ -20,14 +22,19 @@ def activation_shape(topo: ParallelTopology, seq_length: int, micro_batch_size: 
     return (seq, micro_batch_size, hidden)
 
 
-def make_forward_fn(loss_scale: float = 1.0):
-    """forward_fn for the engine: tokens into the first chunk, mean token loss out of the last."""
+def make_forward_fn(loss_scale: float = 1.0, poison: bool = False):
+    """forward_fn for the engine: tokens into the first chunk, mean token loss out of the last.
+
+    `poison` multiplies the loss by NaN (a fault-injection drill: every gradient becomes NaN).
+    """
+    factor = loss_scale * (float("nan") if poison else 1.0)
+
     def forward_fn(chunk, x, mb):
         inputs = mb["tokens"] if chunk.pre_process else x
         if not chunk.post_process:
             return chunk(inputs)
         loss = chunk(inputs, labels=mb["labels"]).float().mean()
-        return loss * loss_scale if loss_scale != 1.0 else loss
+        return loss * factor if factor != 1.0 else loss
     return forward_fn
 
 
@@ -42,25 +49,37 @@ def mean_over_world(losses: list[torch.Tensor], topo: ParallelTopology) -> float
     return (t[0] / t[1]).item() if t[1] > 0 else float("nan")
 
 
-def train_step(chunks, microbatches: list[dict], topo: ParallelTopology, optimizer, *,
-               schedule: str, shape, stats=None, timeline=None):
-    """Forward and backward over the microbatches, then the optimizer step.
+def forward_backward(chunks, microbatches: list[dict], topo: ParallelTopology, optimizer, *,
+                     schedule: str, shape, watchdog=None, poison: bool = False) -> float:
+    """Forward and backward over the microbatches; returns the mean loss over the global batch.
 
-    Returns (mean loss over the global batch, StepResult).
+    Gradients end up reduced (or being reduced) in the optimizer's buckets, ready for its step.
     """
     steps = build_schedule(schedule if topo.pp > 1 else "no_pipelining", topo.pp, topo.pp_rank,
                            len(microbatches), vpp=len(chunks))
     scale = optimizer.loss_scale
+    guard = watchdog.collective if watchdog is not None else _unmonitored
     # Stages 0-1 accumulate microbatch gradients locally and reduce once, after the last one.
-    with optimizer.no_sync():
+    with guard("pipeline forward/backward (p2p, tensor-parallel collectives)"), optimizer.no_sync():
         losses = run_pipeline(steps, chunks, microbatches, topo, shape,
-                              optimizer.cfg.model_dtype, make_forward_fn(scale),
-                              stats=stats, timeline=timeline)
+                              optimizer.cfg.model_dtype, make_forward_fn(scale, poison))
     optimizer.grad_sync.launch_remaining()
-    loss = mean_over_world([l / scale for l in losses], topo)
+    with guard("all_reduce(loss)"):
+        return mean_over_world([l / scale for l in losses], topo)
+
+
+def train_step(chunks, microbatches: list[dict], topo: ParallelTopology, optimizer, *,
+               schedule: str, shape):
+    """forward_backward, then the optimizer step: returns (loss, StepResult)."""
+    loss = forward_backward(chunks, microbatches, topo, optimizer, schedule=schedule, shape=shape)
     result = optimizer.step(loss=loss)
     optimizer.zero_grad()
     return loss, result
+
+
+@contextlib.contextmanager
+def _unmonitored(_what: str):
+    yield
 
 
 def eval_step(chunks, microbatches: list[dict], topo: ParallelTopology, *, shape, dtype) -> float:

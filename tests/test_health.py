@@ -1,0 +1,108 @@
+"""Operations: spike/NaN detection, rollback that skips the bad samples, the collective watchdog,
+straggler reports, the run report and checkpoint inspection."""
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+from safetensors.torch import load_file
+
+from tests.distributed import run_distributed
+from tests.test_training import REPO, TINY, _pretrain
+from training.health import HealthConfig, HealthMonitor, SkippingDataset, merge_ranges
+from training.journal import read_jsonl
+
+
+def test_monitor_flags_nonfinite_and_spikes():
+    m = HealthMonitor(HealthConfig(spike_zscore=6.0, spike_window=20))
+    assert m.check(float("nan")).kind == "nonfinite"
+    assert m.check(2.0, grad_norm=float("inf")).kind == "nonfinite"
+    for i in range(20):
+        loss = 3.0 - 0.01 * i + 0.02 * math.sin(i)
+        assert m.check(loss).healthy
+        m.record_healthy(loss)
+    assert m.check(2.9).healthy
+    v = m.check(5.0)
+    assert v.kind == "spike" and "z-score" in v.detail
+
+
+def test_skipping_dataset_maps_logical_to_physical():
+    assert merge_ranges([(5, 6), (2, 4), (3, 5)]) == [(2, 6)]
+    view = SkippingDataset(list(range(10)), [(2, 4), (5, 6)])
+    assert len(view) == 7
+    assert [view[i] for i in range(7)] == [0, 1, 4, 6, 7, 8, 9]
+
+
+ROLLBACK = TINY + ["--train-iters", "8", "--save-interval", "2", "--spike-zscore", "0"]
+
+
+def _rollback_worker(rank, bad_dir, ref_dir):
+    a = _pretrain(ROLLBACK + ["--save", bad_dir, "--health-policy", "rollback",
+                              "--inject-nan-at-iteration", "5"], 2)
+    skips = [e for e in read_jsonl(os.path.join(bad_dir, "journal.jsonl")) if e["kind"] == "skip_samples"]
+    if rank == 0:  # the reference run never sees those samples: same skip list from the start
+        os.makedirs(ref_dir, exist_ok=True)
+        with open(os.path.join(ref_dir, "journal.jsonl"), "w") as f:
+            f.writelines(json.dumps(e) + "\n" for e in skips)
+    import torch.distributed as dist
+    dist.barrier()
+    b = _pretrain(ROLLBACK + ["--save", ref_dir], 2)
+    return a.losses, b.losses, a.state.iteration
+
+
+def test_nan_rollback_equals_a_run_without_those_samples(tmp_path):
+    bad, ref = str(tmp_path / "bad"), str(tmp_path / "ref")
+    losses_a, losses_b, it = run_distributed(_rollback_worker, 2, bad, ref, timeout=300)[0]
+    assert it == 8
+    events = read_jsonl(os.path.join(bad, "journal.jsonl"))
+    kinds = [e["kind"] for e in events]
+    assert "nonfinite" in kinds and "rollback" in kinds
+    rollback = next(e for e in events if e["kind"] == "rollback")
+    assert rollback["iteration"] == 5 and rollback["to_iteration"] == 4
+    assert rollback["samples"] == [[32, 40]]  # iteration 5's global batch of 8 samples
+    # The rolled-back run's losses after the rollback equal the clean run's, and so do the weights.
+    assert losses_a[-4:] == losses_b[-4:]
+    for r in range(2):
+        wa = load_file(os.path.join(bad, "iter_0000008", f"rank_{r:05d}.safetensors"))
+        wb = load_file(os.path.join(ref, "iter_0000008", f"rank_{r:05d}.safetensors"))
+        for k in wa:
+            if k.startswith("model."):
+                assert (wa[k] == wb[k]).all(), k
+    assert os.path.getsize(os.path.join(bad, "report.png")) > 10_000
+
+
+def _hang_worker(rank, run_dir):
+    _pretrain(TINY + ["--train-iters", "5", "--collective-timeout", "3", "--inject-hang", "1", "3", "60",
+                      "--tensorboard-dir", run_dir], 2)
+
+
+def test_hung_collective_ends_the_job_naming_the_rank(tmp_path):
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"ranks \[0\] died"):
+        run_distributed(_hang_worker, 2, str(tmp_path), timeout=120)
+    assert time.monotonic() - start < 45
+    hangs = [e for e in read_jsonl(os.path.join(tmp_path, "journal.jsonl")) if e["kind"] == "hang"]
+    assert hangs and hangs[0]["rank"] == 0
+    assert "all_reduce(loss) over world timed out after 3 s" in hangs[0]["detail"]
+    assert "ranks that did not arrive: [1]" in hangs[0]["detail"]
+
+
+def test_inspect_checkpoint_verifies_and_flags_truncation(tmp_path):
+    run_distributed(_save_worker, 2, str(tmp_path), timeout=120)
+    tool = [sys.executable, os.path.join(REPO, "tools", "inspect_checkpoint.py"), str(tmp_path)]
+    ok = subprocess.run(tool, capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr
+    assert "iteration 2" in ok.stdout and "tp=1 pp=1 dp=2" in ok.stdout and "all 2 shards readable" in ok.stdout
+    shard = os.path.join(tmp_path, "iter_0000002", "rank_00001.safetensors")
+    with open(shard, "r+b") as f:
+        f.truncate(os.path.getsize(shard) // 2)
+    bad = subprocess.run(tool, capture_output=True, text=True)
+    assert bad.returncode == 1
+    assert "rank_00001.safetensors" in bad.stdout + bad.stderr and "truncated" in bad.stdout + bad.stderr
+
+
+def _save_worker(rank, root):
+    _pretrain(TINY + ["--train-iters", "2", "--save", root], 2)

@@ -1,0 +1,85 @@
+"""Print a megazoo checkpoint's layout, iteration, model and tensors, and verify every shard.
+
+    python tools/inspect_checkpoint.py CKPT_DIR [--tensors]
+
+CKPT_DIR is a --save folder (its `latest` checkpoint is inspected) or one iter_* folder. Every
+rank's shard must be present and fully readable; the exit status is 1 otherwise.
+"""
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from safetensors import safe_open  # noqa: E402
+
+from training.checkpointing import CheckpointError, latest_checkpoint, read_meta, rank_file  # noqa: E402
+
+
+def _folder(path: str) -> str:
+    if os.path.exists(os.path.join(path, "meta.json")):
+        return path
+    folder = latest_checkpoint(path)
+    if folder is None:
+        raise CheckpointError(f"{path}: neither a checkpoint folder (meta.json) nor a --save folder "
+                              f"with a 'latest' pointer")
+    return folder
+
+
+def _verify(path: str) -> tuple[dict, int]:
+    """name -> (dtype, shape) and total bytes; reads every tensor, so truncation cannot hide."""
+    shapes, total = {}, 0
+    with safe_open(path, framework="pt") as f:
+        for name in f.keys():
+            t = f.get_tensor(name)
+            shapes[name] = (str(t.dtype).removeprefix("torch."), tuple(t.shape))
+            total += t.numel() * t.element_size()
+    return shapes, total
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("path")
+    ap.add_argument("--tensors", action="store_true", help="list every tensor of every shard")
+    args = ap.parse_args()
+    try:
+        folder = _folder(args.path)
+        meta = read_meta(folder)
+    except CheckpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    lay, model = meta.get("layout", {}), meta.get("model", {})
+    print(f"{folder}: iteration {meta.get('iteration')}, consumed samples {meta.get('consumed_samples')}")
+    print(f"layout: tp={lay.get('tp')} pp={lay.get('pp')} dp={lay.get('dp')} vpp={lay.get('vpp')} "
+          f"zero={lay.get('zero_stage')} world={lay.get('world_size')}")
+    print("model: " + ", ".join(f"{k}={model[k]}" for k in (
+        "vocab_size", "hidden_size", "num_layers", "num_attention_heads", "ffn_hidden_size",
+        "position_embedding", "params_dtype") if k in model))
+    problems = []
+    files = meta.get("files") or [os.path.basename(rank_file(folder, r)) for r in range(meta.get("world_size", 1))]
+    for name in files:
+        path = os.path.join(folder, name)
+        if not os.path.exists(path):
+            problems.append(f"{path}: missing")
+            continue
+        try:
+            shapes, total = _verify(path)
+        except Exception as e:  # noqa: BLE001 - any failure to read is what we report
+            problems.append(f"{path}: unreadable, corrupt or truncated ({type(e).__name__}: {e})")
+            continue
+        n_model = sum(k.startswith("model.") for k in shapes)
+        print(f"  {name}: {len(shapes)} tensors ({n_model} model, {len(shapes) - n_model} optimizer/RNG), "
+              f"{total / 2**20:.2f} MiB")
+        if args.tensors:
+            for k, (dtype, shape) in sorted(shapes.items()):
+                print(f"    {k:60s} {dtype:9s} {shape}")
+    if problems:
+        for p in problems:
+            print(f"PROBLEM {p}")
+        return 1
+    print(f"all {len(files)} shards readable")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
