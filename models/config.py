@@ -17,10 +17,13 @@ class TransformerConfig:
     num_attention_heads: int = 12
     ffn_hidden_size: int | None = None  # default 4 * hidden_size
     max_position_embeddings: int = 1024
-    position_embedding: str = "learned"  # learned | alibi
-    normalization: str = "layernorm"  # layernorm
+    position_embedding: str = "learned"  # learned | alibi | rope
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # HF's dict: {"rope_type": "linear" | "llama3", "factor": ...}
+    normalization: str = "layernorm"  # layernorm | rmsnorm
     layernorm_epsilon: float = 1e-5
-    activation: str = "gelu_tanh"  # gelu_tanh | gelu
+    activation: str = "gelu_tanh"  # gelu_tanh | gelu | swiglu (ffn_hidden_size is the gate width)
+    num_query_groups: int | None = None  # key/value heads (grouped-query attention); default: heads
     embedding_layernorm: bool = False  # BLOOM normalises the word embeddings
     tie_word_embeddings: bool = True
     bias: bool = True
@@ -35,15 +38,26 @@ class TransformerConfig:
     def __post_init__(self):
         if self.ffn_hidden_size is None:
             self.ffn_hidden_size = 4 * self.hidden_size
+        if self.num_query_groups is None:
+            self.num_query_groups = self.num_attention_heads
         if self.hidden_size % self.num_attention_heads != 0:
             raise ValueError(f"--hidden-size {self.hidden_size} is not divisible by "
                              f"--num-attention-heads {self.num_attention_heads}")
-        for name, value, allowed in (("position_embedding", self.position_embedding, ("learned", "alibi")),
-                                     ("normalization", self.normalization, ("layernorm",)),
-                                     ("activation", self.activation, ("gelu_tanh", "gelu")),
-                                     ("params_dtype", self.params_dtype, tuple(_DTYPES))):
+        if self.num_attention_heads % self.num_query_groups != 0:
+            raise ValueError(f"--num-attention-heads {self.num_attention_heads} is not divisible by "
+                             f"--num-query-groups {self.num_query_groups}")
+        for name, value, allowed in (
+                ("position_embedding", self.position_embedding, ("learned", "alibi", "rope")),
+                ("normalization", self.normalization, ("layernorm", "rmsnorm")),
+                ("activation", self.activation, ("gelu_tanh", "gelu", "swiglu")),
+                ("params_dtype", self.params_dtype, tuple(_DTYPES))):
             if value not in allowed:
                 raise ValueError(f"{name}={value!r} is not supported; choose one of {allowed}")
+        if self.rope_scaling is not None:
+            kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
+            if kind not in ("default", "linear", "llama3"):
+                raise ValueError(f"rope_scaling type {kind!r} is not supported; choose one of "
+                                 f"('default', 'linear', 'llama3')")
 
     @property
     def head_dim(self) -> int:
@@ -64,17 +78,25 @@ class TransformerConfig:
         """Parameters of the unpadded model (tied embeddings counted once)."""
         h, f, v, L = self.hidden_size, self.ffn_hidden_size, self.vocab_size, self.num_layers
         b = 1 if self.bias else 0
-        per_layer = 4 * h * h + 2 * h * f + b * (3 * h + h + f + h) + 4 * h
+        qkv = h + 2 * self.num_query_groups * self.head_dim
+        fc1 = 2 * f if self.activation == "swiglu" else f
+        norm = 2 * h if self.normalization == "layernorm" else h
+        per_layer = (qkv * h + h * h + fc1 * h + f * h) + b * (qkv + h + fc1 + h) + 2 * norm
         emb = v * h + (self.max_position_embeddings * h if self.position_embedding == "learned" else 0)
-        emb += 2 * h if self.embedding_layernorm else 0
+        emb += norm if self.embedding_layernorm else 0
         head = 0 if self.tie_word_embeddings else v * h
-        return emb + L * per_layer + 2 * h + head
+        return emb + L * per_layer + norm + head
 
 
 _GPT = dict(vocab_size=50257, position_embedding="learned", activation="gelu_tanh")
 _MEGATRON_GPT = dict(_GPT, max_position_embeddings=2048)
 _BLOOM = dict(vocab_size=250880, position_embedding="alibi", activation="gelu_tanh",
               embedding_layernorm=True, max_position_embeddings=2048)
+_LLAMA = dict(position_embedding="rope", normalization="rmsnorm", activation="swiglu", bias=False,
+              tie_word_embeddings=False, layernorm_epsilon=1e-5)
+_LLAMA2 = dict(_LLAMA, vocab_size=32000, max_position_embeddings=4096, rope_theta=10000.0)
+_LLAMA3 = dict(_LLAMA, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0)
+_SMOLLM2 = dict(_LLAMA, vocab_size=49152, max_position_embeddings=8192, tie_word_embeddings=True)
 
 PRESETS: dict[str, dict] = {
     # GPT-2 (Radford et al. 2019)
@@ -96,6 +118,25 @@ PRESETS: dict[str, dict] = {
     "bloom-3b": dict(_BLOOM, hidden_size=2560, num_layers=30, num_attention_heads=32),
     "bloom-7b1": dict(_BLOOM, hidden_size=4096, num_layers=30, num_attention_heads=32),
     "bloom-176b": dict(_BLOOM, hidden_size=14336, num_layers=70, num_attention_heads=112),
+    # SmolLM2 (Hugging Face 2024), from the released config.json files
+    "smollm2-135m": dict(_SMOLLM2, hidden_size=576, num_layers=30, num_attention_heads=9,
+                         num_query_groups=3, ffn_hidden_size=1536, rope_theta=100000.0),
+    "smollm2-360m": dict(_SMOLLM2, hidden_size=960, num_layers=32, num_attention_heads=15,
+                         num_query_groups=5, ffn_hidden_size=2560, rope_theta=100000.0),
+    "smollm2-1.7b": dict(_SMOLLM2, hidden_size=2048, num_layers=24, num_attention_heads=32,
+                         num_query_groups=32, ffn_hidden_size=8192, rope_theta=130000.0),
+    # Llama 2 (Touvron et al. 2023); only 70B uses grouped-query attention
+    "llama2-7b": dict(_LLAMA2, hidden_size=4096, num_layers=32, num_attention_heads=32,
+                      ffn_hidden_size=11008),
+    "llama2-13b": dict(_LLAMA2, hidden_size=5120, num_layers=40, num_attention_heads=40,
+                       ffn_hidden_size=13824),
+    "llama2-70b": dict(_LLAMA2, hidden_size=8192, num_layers=80, num_attention_heads=64,
+                       num_query_groups=8, ffn_hidden_size=28672),
+    # Llama 3 (Meta 2024): 128K vocabulary, GQA with 8 KV heads at every size
+    "llama3-8b": dict(_LLAMA3, hidden_size=4096, num_layers=32, num_attention_heads=32,
+                      num_query_groups=8, ffn_hidden_size=14336),
+    "llama3-70b": dict(_LLAMA3, hidden_size=8192, num_layers=80, num_attention_heads=64,
+                       num_query_groups=8, ffn_hidden_size=28672),
 }
 
 

@@ -18,11 +18,13 @@ from parallel.comm import gather_last_dim, scatter_to_sequence
 from parallel.random import RNGStreams, checkpoint
 from parallel.tensor_parallel import (VocabParallelEmbedding, parallel_lm_logits,
                                       vocab_parallel_cross_entropy)
-from parallel.topology import LayoutError, ParallelTopology
+from parallel.topology import ParallelTopology
 
-from .blocks import KVCache, LayerNorm, TransformerLayer
+from .attention import check_attention_layout
+from .blocks import KVCache, TransformerLayer
 from .config import TransformerConfig
 from .init import Initializer
+from .norms import build_norm
 
 WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
 
@@ -44,7 +46,7 @@ class Embedding(nn.Module):
             init.normal("embedding.position_embeddings.weight")(weight)
             self.position_embeddings = nn.Embedding.from_pretrained(
                 weight.to(device=topo.device, dtype=config.dtype), freeze=False)
-        self.norm = LayerNorm(config, topo, in_sequence_region=False) if config.embedding_layernorm else None
+        self.norm = build_norm(config, topo, in_sequence_region=False) if config.embedding_layernorm else None
 
     def forward(self, ids: torch.Tensor, position_offset: int = 0) -> torch.Tensor:
         x = self.word_embeddings(ids)
@@ -68,9 +70,7 @@ class TransformerLanguageModel(nn.Module):
                  pre_process: bool = True, post_process: bool = True,
                  layer_range: tuple[int, int] | None = None, rng: RNGStreams | None = None):
         super().__init__()
-        if config.num_attention_heads % topo.tp != 0:
-            raise LayoutError(f"--num-attention-heads {config.num_attention_heads} is not divisible by "
-                              f"--tensor-model-parallel-size {topo.tp}; pick a tp that divides it")
+        check_attention_layout(config, topo.tp)
         self.config, self.topo, self.rng = config, topo, rng
         self.pre_process, self.post_process = pre_process, post_process
         self.layer_range = layer_range or (0, config.num_layers)
@@ -80,7 +80,7 @@ class TransformerLanguageModel(nn.Module):
                                      for i in range(*self.layer_range)})
         self.final_norm = self.head_weight = None
         if post_process:
-            self.final_norm = LayerNorm(config, topo)
+            self.final_norm = build_norm(config, topo)
             if not (config.tie_word_embeddings and pre_process):
                 # Untied head, or the last stage's copy of a tied embedding (kept equal to the
                 # first stage's by summing their gradients over the embedding group).

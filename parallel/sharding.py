@@ -1,8 +1,9 @@
 """Move between full (unsharded) tensors and this rank's tensor-parallel shards.
 
 Works from the attributes the parallel layers set (`tensor_model_parallel`, `partition_dim`,
-`full_size`), so it needs no knowledge of the model. Full tensors are unpadded: vocabulary
-padding is added on sharding and trimmed on gathering.
+`full_size`, and `tp_layout` where shards are not contiguous chunks), so it needs no knowledge
+of the model. Full tensors are unpadded: vocabulary padding is added on sharding and trimmed on
+gathering.
 """
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ def local_shard(param: torch.Tensor, full: torch.Tensor, topo: ParallelTopology)
     if not getattr(param, "tensor_model_parallel", False):
         return full
     dim = param.partition_dim
-    return shard_of(full, dim, topo.tp_rank, topo.tp, padded_size=param.shape[dim] * topo.tp)
+    return shard_of(full, dim, topo.tp_rank, topo.tp, padded_size=param.shape[dim] * topo.tp,
+                    layout=getattr(param, "tp_layout", None))
 
 
 def full_tensor(param: torch.Tensor, topo: ParallelTopology, tensor: torch.Tensor | None = None):
@@ -30,8 +32,11 @@ def full_tensor(param: torch.Tensor, topo: ParallelTopology, tensor: torch.Tenso
     if not getattr(param, "tensor_model_parallel", False):
         return t
     dim = param.partition_dim
-    return all_gather(t.movedim(dim, 0).contiguous(), topo.tp_group, dim=0) \
-        .movedim(0, dim).narrow(dim, 0, param.full_size)
+    gathered = all_gather(t.movedim(dim, 0).contiguous(), topo.tp_group, dim=0).movedim(0, dim)
+    layout = getattr(param, "tp_layout", None)
+    if layout is not None:  # shards are not contiguous chunks of the full tensor
+        return layout.unshard(list(gathered.chunk(topo.tp, dim)), dim)
+    return gathered.narrow(dim, 0, param.full_size)
 
 
 def _name_of(model: nn.Module) -> Callable[[str], str]:

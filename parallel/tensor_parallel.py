@@ -6,6 +6,8 @@ gather or re-slice it without knowing the model:
     param.tensor_model_parallel = True
     param.partition_dim          # the dimension split over TP ranks
     param.full_size              # that dimension's unpadded global size (vocabulary padding aside)
+    param.tp_layout              # optional: how shards map to the full tensor when they are not
+                                 # contiguous chunks (see StridedLayout, GroupedLayout)
 
 Initialisation builds the full tensor from a generator the caller seeds, then keeps this rank's
 slice: the same seed gives the same full weight for every TP size.
@@ -31,14 +33,127 @@ def vocab_size_with_padding(vocab_size: int, divisible_by: int, tp: int) -> int:
     return -(-vocab_size // multiple) * multiple
 
 
-def mark_tensor_parallel(param: nn.Parameter, partition_dim: int, full_size: int) -> None:
+def mark_tensor_parallel(param: nn.Parameter, partition_dim: int, full_size: int,
+                         layout: "ShardLayout | None" = None) -> None:
     param.tensor_model_parallel = True
     param.partition_dim = partition_dim
     param.full_size = full_size
+    if layout is not None:
+        param.tp_layout = layout
 
 
-def shard_of(full: torch.Tensor, dim: int, tp_rank: int, tp: int, padded_size: int | None = None):
+class ShardLayout:
+    """How a full tensor maps to TP shards along `partition_dim` when not as contiguous chunks.
+
+    `shard(full, dim, rank, tp)` gives rank's part; `unshard(parts, dim)` rebuilds the full tensor
+    from every rank's part (in rank order). Parts always have equal sizes.
+    """
+
+    def local_size(self, full_size: int, tp: int) -> int:
+        return full_size // tp
+
+    def shard(self, full: torch.Tensor, dim: int, rank: int, tp: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def unshard(self, parts: list[torch.Tensor], dim: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def replicated_rows(self, tp: int) -> int:
+        """Trailing rows of each shard that are copies held by several ranks (0: none)."""
+        return 0
+
+
+class StridedLayout(ShardLayout):
+    """The full tensor is `stride` equal blocks (e.g. a fused [gate; up]); each block is split
+    over TP and rank i holds [block_0 chunk i; block_1 chunk i; ...] (Megatron's partition_stride)."""
+
+    def __init__(self, stride: int):
+        self.stride = stride
+
+    def shard(self, full, dim, rank, tp):
+        return torch.cat([b.chunk(tp, dim)[rank] for b in full.chunk(self.stride, dim)], dim)
+
+    def unshard(self, parts, dim):
+        pieces = [p.chunk(self.stride, dim) for p in parts]
+        return torch.cat([pieces[r][j] for j in range(self.stride) for r in range(len(parts))], dim)
+
+
+class GroupedLayout(ShardLayout):
+    """`groups` groups of [split rows | shared rows] (grouped-query attention: per KV head, its
+    query heads, then its key and value). With tp <= groups every rank holds whole groups
+    (contiguous chunks). With tp > groups each group's ranks split its `split` rows and each
+    hold a copy of its `shared` rows, whose gradients `ReplicaGradSum` sums over the copies."""
+
+    def __init__(self, groups: int, split: int, shared: int):
+        self.groups, self.split, self.shared = groups, split, shared
+
+    def _replicas(self, tp: int) -> int:
+        if tp % self.groups and self.groups % tp:
+            raise ValueError(f"{self.groups} groups cannot be split over or replicated on {tp} ranks")
+        return max(tp // self.groups, 1)
+
+    def local_size(self, full_size, tp):
+        rep = self._replicas(tp)
+        return full_size // tp if rep == 1 else self.split // rep + self.shared
+
+    def replicated_rows(self, tp):
+        return self.shared if self._replicas(tp) > 1 else 0
+
+    def shard(self, full, dim, rank, tp):
+        rep = self._replicas(tp)
+        if rep == 1:
+            return full.chunk(tp, dim)[rank]
+        group = full.narrow(dim, rank // rep * (self.split + self.shared), self.split + self.shared)
+        split, shared = group.split([self.split, self.shared], dim)
+        return torch.cat([split.chunk(rep, dim)[rank % rep], shared], dim)
+
+    def unshard(self, parts, dim):
+        rep = self._replicas(len(parts))
+        if rep == 1:
+            return torch.cat(parts, dim)
+        out = []
+        for g in range(self.groups):
+            mine = [p.split([self.split // rep, self.shared], dim) for p in parts[g * rep:(g + 1) * rep]]
+            out += [m[0] for m in mine] + [mine[0][1]]  # the copies are equal: take the first
+        return torch.cat(out, dim)
+
+
+class _ReplicaGradSum(torch.autograd.Function):
+    """Identity forward; backward sums the gradient of a GroupedLayout's shared rows over the
+    ranks holding copies of them (each copy saw only its own rank's query heads), so the copies
+    get the full gradient and stay equal."""
+
+    @staticmethod
+    def forward(ctx, w, layout, topo):
+        ctx.layout, ctx.topo = layout, topo
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, g):
+        layout, topo = ctx.layout, ctx.topo
+        rows = layout.replicated_rows(topo.tp)
+        own, shared = g.split([g.shape[0] - rows, rows], 0)
+        # One all-reduce over the TP group into one slot per group: no extra process groups.
+        group = topo.tp_rank // (topo.tp // layout.groups)
+        slots = shared.new_zeros((layout.groups,) + tuple(shared.shape))
+        slots[group] = shared
+        slots = all_reduce(slots, topo.tp_group)
+        return torch.cat([own, slots[group]], 0), None, None
+
+
+def replica_grad_sum(param: torch.Tensor, topo: ParallelTopology) -> torch.Tensor:
+    """Use a parameter whose layout may replicate rows over TP ranks (see GroupedLayout)."""
+    layout = getattr(param, "tp_layout", None)
+    if layout is None or layout.replicated_rows(topo.tp) == 0:
+        return param
+    return _ReplicaGradSum.apply(param, layout, topo)
+
+
+def shard_of(full: torch.Tensor, dim: int, tp_rank: int, tp: int, padded_size: int | None = None,
+             layout: ShardLayout | None = None):
     """This rank's slice of a full tensor, zero-padding `dim` to `padded_size` first."""
+    if layout is not None:
+        return layout.shard(full, dim, tp_rank, tp).clone()
     if padded_size is not None and padded_size > full.shape[dim]:
         pad_shape = list(full.shape)
         pad_shape[dim] = padded_size - full.shape[dim]
@@ -49,12 +164,12 @@ def shard_of(full: torch.Tensor, dim: int, tp_rank: int, tp: int, padded_size: i
 
 
 def _sharded_parameter(shape_full, dim, topo: ParallelTopology, init_fn: InitFn, dtype,
-                       padded_size: int | None = None) -> nn.Parameter:
+                       padded_size: int | None = None, layout: ShardLayout | None = None) -> nn.Parameter:
     full = torch.empty(shape_full, dtype=torch.float32)
     init_fn(full)
-    local = shard_of(full, dim, topo.tp_rank, topo.tp, padded_size)
+    local = shard_of(full, dim, topo.tp_rank, topo.tp, padded_size, layout)
     param = nn.Parameter(local.to(device=topo.device, dtype=dtype))
-    mark_tensor_parallel(param, dim, shape_full[dim])
+    mark_tensor_parallel(param, dim, shape_full[dim], layout)
     return param
 
 
@@ -79,27 +194,30 @@ class ColumnParallelLinear(nn.Module):
 
     Input is replicated [s, b, h] (or sequence-sharded [s/tp, b, h] under sequence parallelism,
     then all-gathered here); output is [s, b, out/tp] unless gather_output.
+    A `layout` shards the output dimension other than in contiguous chunks (see ShardLayout).
     """
 
     def __init__(self, in_features: int, out_features: int, topo: ParallelTopology,
                  init_fn: InitFn, *, bias: bool = True, gather_output: bool = False,
-                 dtype=torch.float32):
+                 dtype=torch.float32, layout: ShardLayout | None = None):
         super().__init__()
-        if out_features % topo.tp != 0:
+        if layout is None and out_features % topo.tp != 0:
             raise ValueError(f"output size {out_features} is not divisible by tensor parallel "
                              f"size {topo.tp}")
         self.topo, self.gather_output = topo, gather_output
-        self.weight = _sharded_parameter((out_features, in_features), 0, topo, init_fn, dtype)
+        self.weight = _sharded_parameter((out_features, in_features), 0, topo, init_fn, dtype,
+                                         layout=layout)
         if bias:
-            self.bias = _replicated_parameter((out_features // topo.tp,), topo, dtype)
-            mark_tensor_parallel(self.bias, 0, out_features)
+            self.bias = _replicated_parameter((self.weight.shape[0],), topo, dtype)
+            mark_tensor_parallel(self.bias, 0, out_features, layout)
         else:
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         group = self.topo.tp_group
         x = gather_from_sequence(x, group) if self.topo.sequence_parallel else copy_to_tp(x, group)
-        y = F.linear(x, self.weight, self.bias)
+        bias = None if self.bias is None else replica_grad_sum(self.bias, self.topo)
+        y = F.linear(x, replica_grad_sum(self.weight, self.topo), bias)
         return gather_last_dim(y, group) if self.gather_output else y
 
 

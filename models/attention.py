@@ -1,0 +1,131 @@
+"""Tensor-parallel causal self-attention: multi-head or grouped-query, learned/ALiBi/rotary
+positions, and the KV cache for incremental decoding.
+
+Fused QKV layout, per key/value group: [its q_per_group query heads, 1 key, 1 value] x head_dim.
+With one query head per group this is Megatron/BLOOM's per-head [heads, 3, head_dim] order. A
+column split over TP keeps whole groups on a rank while tp <= groups; with more ranks than
+groups, each group's key and value are replicated on the ranks sharing its query heads
+(`GroupedLayout`), so every rank attends with the right key/value head.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from parallel.random import RNGStreams
+from parallel.tensor_parallel import ColumnParallelLinear, GroupedLayout, RowParallelLinear
+from parallel.topology import LayoutError, ParallelTopology
+
+from .config import TransformerConfig
+from .init import Initializer
+from .rope import RotaryEmbedding
+
+
+def alibi_slopes(num_heads: int) -> torch.Tensor:
+    """ALiBi slopes (Press et al. 2022) for any head count, the standard interleaving for
+    non-powers of two: the closest power of two's geometric series, then every other slope
+    of the series for twice as many heads."""
+    closest = 2 ** math.floor(math.log2(num_heads))
+    base = 2.0 ** (-8.0 / closest)
+    slopes = [base ** (i + 1) for i in range(closest)]
+    if closest < num_heads:
+        extra_base = 2.0 ** (-4.0 / closest)
+        slopes += [extra_base ** (2 * i + 1) for i in range(num_heads - closest)]
+    return torch.tensor(slopes, dtype=torch.float32)
+
+
+def causal_bias(slopes: torch.Tensor | None, q_len: int, k_len: int, dtype, device) -> torch.Tensor:
+    """Additive attention bias [heads or 1, q, k]: -inf where key > query (queries are the last
+    q_len of k_len positions, as when decoding with a KV cache), plus ALiBi's slope * (key - query)
+    where slopes are given."""
+    q_pos = torch.arange(k_len - q_len, k_len, device=device)
+    distance = (torch.arange(k_len, device=device)[None, :] - q_pos[:, None]).to(torch.float32)
+    bias = distance.new_zeros(distance.shape)[None] if slopes is None \
+        else slopes.to(device)[:, None, None] * distance
+    return bias.masked_fill(distance > 0, float("-inf")).to(dtype)
+
+
+class KVCache:
+    """Keys and values of earlier positions, per layer, for incremental decoding.
+
+    `offset` is the number of positions already cached; the model advances it after each forward.
+    Tensors are [b, kv_heads_local, positions, head_dim] (this TP rank's key/value heads only;
+    keys are stored after the rotary embedding).
+    """
+
+    def __init__(self):
+        self.keys: dict[int, torch.Tensor] = {}
+        self.values: dict[int, torch.Tensor] = {}
+        self.offset = 0
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if layer in self.keys:
+            k = torch.cat([self.keys[layer], k], dim=2)
+            v = torch.cat([self.values[layer], v], dim=2)
+        self.keys[layer], self.values[layer] = k, v
+        return k, v
+
+
+def check_attention_layout(config: TransformerConfig, tp: int) -> None:
+    heads, groups = config.num_attention_heads, config.num_query_groups
+    if heads % tp != 0:
+        raise LayoutError(f"--num-attention-heads {heads} is not divisible by "
+                          f"--tensor-model-parallel-size {tp}; pick a tp that divides it")
+    if groups % tp != 0 and tp % groups != 0:
+        raise LayoutError(f"--num-query-groups {groups} and --tensor-model-parallel-size {tp}: one "
+                          f"must divide the other (split whole KV heads, or replicate each)")
+
+
+class ParallelAttention(nn.Module):
+    """Causal self-attention; query heads split over TP ranks; fused QKV grouped per KV head."""
+
+    def __init__(self, config: TransformerConfig, topo: ParallelTopology, init: Initializer,
+                 prefix: str, rng: RNGStreams | None):
+        super().__init__()
+        check_attention_layout(config, topo.tp)
+        h, heads, groups, d = (config.hidden_size, config.num_attention_heads,
+                               config.num_query_groups, config.head_dim)
+        self.heads_local, self.head_dim = heads // topo.tp, d
+        self.groups_local = max(groups // topo.tp, 1)  # 1 when KV heads are replicated
+        self.q_per_group_local = self.heads_local // self.groups_local
+        self.dropout, self.rng = config.attention_dropout, rng
+        per_group = heads // groups
+        # Multi-head attention keeps plain contiguous shards (GPT and BLOOM checkpoints as before).
+        layout = None if groups == heads else GroupedLayout(groups, per_group * d, 2 * d)
+        self.qkv = ColumnParallelLinear(h, (heads + 2 * groups) * d, topo, init.normal(prefix + "qkv.weight"),
+                                        bias=config.bias, dtype=config.dtype, layout=layout)
+        self.dense = RowParallelLinear(h, h, topo, init.scaled_normal(prefix + "dense.weight"),
+                                       bias=config.bias, dtype=config.dtype)
+        self.rotary = RotaryEmbedding(config, topo.device) if config.position_embedding == "rope" else None
+        if config.position_embedding == "alibi":
+            first = topo.tp_rank * self.heads_local
+            self.register_buffer("alibi_slopes",
+                                 alibi_slopes(heads)[first:first + self.heads_local], persistent=False)
+        else:
+            self.alibi_slopes = None
+
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
+        qkv = self.qkv(x)  # [s, b, local (q, k, v) features], full sequence even under SP
+        s, b, _ = qkv.shape
+        g, qg, d = self.groups_local, self.q_per_group_local, self.head_dim
+        qkv = qkv.view(s, b, g, qg + 2, d)
+        q = qkv[:, :, :, :qg].reshape(s, b, g * qg, d).permute(1, 2, 0, 3)  # [b, heads, s, d]
+        k, v = qkv[:, :, :, qg].permute(1, 2, 0, 3), qkv[:, :, :, qg + 1].permute(1, 2, 0, 3)
+        if self.rotary is not None:
+            q, k = self.rotary(q, k, cache.offset if cache is not None else 0)
+        if cache is not None:
+            k, v = cache.update(layer, k, v)
+        mask = None
+        if self.alibi_slopes is not None or k.shape[2] != s:
+            mask = causal_bias(self.alibi_slopes, s, k.shape[2], q.dtype, q.device)
+        p = self.dropout if self.training else 0.0
+        # Heads differ per TP rank, so attention dropout draws from the tensor-parallel stream.
+        with self.rng.fork() if (self.rng is not None and p > 0) else contextlib.nullcontext():
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p,
+                                                 is_causal=mask is None, enable_gqa=qg > 1)
+        out = out.permute(2, 0, 1, 3).reshape(s, b, self.heads_local * d)
+        return self.dense(out)

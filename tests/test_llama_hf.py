@@ -1,0 +1,126 @@
+"""megazoo Llama against Hugging Face `LlamaForCausalLM` with the same random weights, fp32, one
+process: logits and loss (GQA, MQA and MHA; tied and untied; default, linear and llama3 rope;
+an odd vocabulary that needs padding), the exact HF -> megazoo -> HF round trip, the config
+round trip, KV-cache decoding, greedy generation against `generate`, and the presets' sizes.
+"""
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from models import llama
+from models.blocks import KVCache
+from models.config import PRESETS, preset
+from parallel.sharding import gather_full_state_dict, load_full_state_dict
+from parallel.topology import ParallelTopology
+
+VOCAB = 101  # odd on purpose: padded to 104
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 8}  # short: all three frequency bands occur
+
+
+def hf_llama(heads=6, kv_heads=2, tied=False, scaling=None, theta=500.0, layers=2, seed=0, hidden=48,
+             bias=False):
+    """A random HF Llama; every tensor perturbed (HF inits norms to 1, which would hide mistakes)."""
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=80,
+                         num_hidden_layers=layers, num_attention_heads=heads,
+                         num_key_value_heads=kv_heads, max_position_embeddings=64,
+                         rms_norm_eps=1e-5, tie_word_embeddings=tied,
+                         rope_parameters={"rope_type": "default", **(scaling or {}), "rope_theta": theta},
+                         attention_bias=bias, mlp_bias=bias,
+                         bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    return model.eval()
+
+
+def converted(hf, topo=None):
+    cfg = llama.config_from_hf(hf.config).replace(make_vocab_size_divisible_by=8)
+    topo = topo or ParallelTopology.single()
+    model = llama.LlamaModel(cfg, topo).eval()
+    load_full_state_dict(model, llama.from_hf_state_dict(hf.state_dict(), cfg), topo)
+    return cfg, model
+
+
+CASES = {  # name: hf_llama kwargs
+    "gqa-untied-default": dict(heads=6, kv_heads=2),
+    "gqa-tied-linear": dict(heads=6, kv_heads=3, tied=True, scaling={"rope_type": "linear", "factor": 2.0}),
+    "mqa-untied-llama3": dict(heads=4, kv_heads=1, scaling=LLAMA3),
+    "mha-tied-llama3": dict(heads=4, kv_heads=4, tied=True, scaling=LLAMA3, theta=10000.0),
+    "gqa-bias": dict(heads=6, kv_heads=2, bias=True),  # attention_bias = mlp_bias = True
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_logits_loss_and_round_trip_match_transformers(name):
+    hf = hf_llama(**CASES[name])
+    cfg, model = converted(hf)
+    ids = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = hf(ids, labels=ids)
+        logits = model(ids)
+        loss = model(ids[:, :-1], labels=ids[:, 1:]).mean()
+    assert logits.shape[-1] == 104 and torch.isinf(logits[..., VOCAB:]).all()
+    torch.testing.assert_close(logits[..., :VOCAB], ref.logits, rtol=0, atol=1e-5)
+    torch.testing.assert_close(loss, ref.loss, rtol=1e-6, atol=1e-6)
+    # HF -> megazoo -> HF gives HF's tensors back bit for bit (HF does not save a tied lm_head).
+    back = llama.to_hf_state_dict(gather_full_state_dict(model, ParallelTopology.single()), cfg)
+    hf_sd = {k: v for k, v in hf.state_dict().items() if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
+    assert back.keys() == hf_sd.keys()
+    for k in hf_sd:
+        assert torch.equal(back[k], hf_sd[k]), k
+    # Config round trip, and HF's own model built from the exported config loads the tensors.
+    hf2_config = llama.hf_config(cfg.replace(make_vocab_size_divisible_by=128))
+    assert llama.config_from_hf(hf2_config) == cfg.replace(make_vocab_size_divisible_by=128)
+    hf2 = LlamaForCausalLM(hf2_config).eval()
+    hf2.load_state_dict(back, strict=not cfg.tie_word_embeddings)
+    with torch.no_grad():
+        torch.testing.assert_close(hf2(ids).logits, ref.logits, rtol=0, atol=0)
+
+
+def _greedy(model, prompt, steps):
+    cache, ids, step = KVCache(), prompt, prompt
+    with torch.no_grad():
+        for _ in range(steps):
+            token = model(step, cache=cache)[:, -1, :VOCAB].argmax(-1, keepdim=True)
+            ids, step = torch.cat([ids, token], 1), token
+    return ids
+
+
+def test_kv_cache_decoding_and_greedy_generation_match():
+    hf = hf_llama(heads=6, kv_heads=2, scaling=LLAMA3)
+    _, model = converted(hf)
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        full = model(ids)
+        cache = KVCache()
+        steps = [model(ids[:, :5], cache=cache)] + [model(ids[:, i:i + 1], cache=cache) for i in range(5, 12)]
+    assert cache.offset == 12
+    torch.testing.assert_close(torch.cat(steps, 1)[..., :VOCAB], full[..., :VOCAB], rtol=0, atol=1e-5)
+    prompt = ids[:, :4]
+    expected = hf.generate(prompt, max_new_tokens=20, do_sample=False, pad_token_id=0,
+                           attention_mask=torch.ones_like(prompt))
+    assert torch.equal(_greedy(model, prompt, 20), expected)
+
+
+def test_model_class_checks_architecture():
+    with pytest.raises(ValueError, match="LlamaModel needs"):
+        llama.LlamaModel(preset("gpt2", num_layers=1), ParallelTopology.single())
+
+
+LLAMA_PRESETS = [n for n, p in PRESETS.items() if p.get("activation") == "swiglu"]
+PUBLISHED = {"smollm2-135m": 134_515_008, "llama2-7b": 6_738_415_616, "llama2-70b": 68_976_648_192,
+             "llama3-8b": 8_030_261_248}  # parameter counts of the released checkpoints
+
+
+@pytest.mark.parametrize("name", LLAMA_PRESETS)
+def test_presets_build_the_hf_shapes(name):
+    """Each preset's parameter count equals HF's model from the exported config (on meta)."""
+    cfg = preset(name)
+    with torch.device("meta"):
+        hf = LlamaForCausalLM(llama.hf_config(cfg))
+    assert sum(p.numel() for p in hf.parameters()) == cfg.num_parameters()
+    assert cfg.num_parameters() == PUBLISHED.get(name, cfg.num_parameters())
