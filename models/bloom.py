@@ -61,3 +61,19 @@ def from_hf_state_dict(sd: dict[str, torch.Tensor], config: TransformerConfig) -
 def to_hf_state_dict(full: dict[str, torch.Tensor], config: TransformerConfig) -> dict[str, torch.Tensor]:
     assert WORD_EMBEDDINGS in full
     return {"transformer." + hf: full[mz].contiguous() for mz, hf in _pairs(config)}
+
+
+def hf_config(config: TransformerConfig):
+    """The `transformers.BloomConfig` of a megazoo BLOOM configuration (for export)."""
+    from transformers import BloomConfig
+    if config.ffn_hidden_size != 4 * config.hidden_size or config.activation != "gelu_tanh":
+        raise ValueError("HF BLOOM fixes ffn_hidden_size = 4 * hidden_size and tanh-GELU; this "
+                         "model differs and cannot be exported as BLOOM")
+    hf = BloomConfig(
+        vocab_size=config.vocab_size, hidden_size=config.hidden_size, n_layer=config.num_layers,
+        n_head=config.num_attention_heads, layer_norm_epsilon=config.layernorm_epsilon,
+        initializer_range=config.init_method_std, hidden_dropout=config.hidden_dropout,
+        attention_dropout=config.attention_dropout, tie_word_embeddings=True,
+        architectures=["BloomForCausalLM"])
+    hf.seq_length = config.max_position_embeddings  # read back by config_from_hf
+    return hf

@@ -83,3 +83,20 @@ def to_hf_state_dict(full: dict[str, torch.Tensor], config: TransformerConfig) -
             h + "mlp.c_proj.weight": full[m + "mlp.fc2.weight"].t(), h + "mlp.c_proj.bias": full[m + "mlp.fc2.bias"],
         })
     return {k: v.contiguous() for k, v in out.items()}
+
+
+def hf_config(config: TransformerConfig):
+    """The `transformers.GPT2Config` of a megazoo GPT configuration (for export)."""
+    from transformers import GPT2Config
+    act = {"gelu_tanh": "gelu_new", "gelu": "gelu"}
+    return GPT2Config(
+        vocab_size=config.vocab_size, n_positions=config.max_position_embeddings,
+        n_embd=config.hidden_size, n_layer=config.num_layers, n_head=config.num_attention_heads,
+        n_inner=config.ffn_hidden_size, activation_function=act[config.activation],
+        resid_pdrop=config.hidden_dropout, embd_pdrop=config.hidden_dropout,
+        attn_pdrop=config.attention_dropout, layer_norm_epsilon=config.layernorm_epsilon,
+        initializer_range=config.init_method_std, tie_word_embeddings=True,
+        architectures=["GPT2LMHeadModel"],
+        # GPT-2's <|endoftext|> is 50256; smaller vocabularies have no such token
+        bos_token_id=50256 if config.vocab_size > 50256 else None,
+        eos_token_id=50256 if config.vocab_size > 50256 else None)

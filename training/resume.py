@@ -2,7 +2,8 @@
 
 Per rank: the model chunks' parameters (this rank's shards), the optimizer's state dict (its
 ZeRO shards, loss scaler, step counters) and the RNG streams; in the metadata: the iteration,
-the consumed-samples count (the data position), the layout and the model configuration.
+the consumed-samples count (the data position), the layout, the model configuration and family.
+Each rank file also holds its parameter table, so any other layout can read it (reshard.py).
 """
 from __future__ import annotations
 
@@ -12,7 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
+from models.hf import family_of
+
 from . import checkpointing as ckpt
+from . import reshard
 from .config import RunConfig
 
 logger = logging.getLogger(__name__)
@@ -32,6 +36,7 @@ def layout_of(run: RunConfig, topo) -> dict:
 
 def _rank_tensors(chunks, opt, rng, zero_stage: int) -> dict[str, torch.Tensor]:
     tensors = {f"optim.{k}": v for k, v in opt.state_dict().items()}
+    tensors[reshard.PARAMS] = ckpt.json_tensor(reshard.param_table(chunks, opt))
     tensors.update({f"rng.{k}": v for k, v in rng.get_states().items()})
     if zero_stage < 3:  # under ZeRO-3 the weights live in the optimizer's shards only
         for c, chunk in enumerate(chunks):
@@ -42,31 +47,61 @@ def _rank_tensors(chunks, opt, rng, zero_stage: int) -> dict[str, torch.Tensor]:
 def save(run: RunConfig, topo, chunks, opt, rng, state: TrainState) -> str:
     meta = dict(consumed_samples=state.consumed_samples, skipped_steps=state.skipped_steps,
                 model=dataclasses.asdict(run.model), layout=layout_of(run, topo),
-                seq_length=run.data.seq_length, seed=run.seed)
+                seq_length=run.data.seq_length, seed=run.seed, family=family_of(chunks[0]))
     return ckpt.save_checkpoint(run.checkpoint.save, state.iteration, topo.rank, topo.world_size,
                                 _rank_tensors(chunks, opt, rng, run.optimizer.zero_stage), meta)
 
 
+def _same_buckets(tensors: dict, opt) -> bool:
+    """Whether this rank's file holds exactly the optimizer shards this optimizer would write."""
+    live = {k: v for k, v in opt.state_dict().items() if k.endswith(".ranges")}
+    saved = {k[len("optim."):]: v for k, v in tensors.items()
+             if k.startswith("optim.bucket") and k.endswith(".ranges")}
+    return live.keys() == saved.keys() and all(torch.equal(live[k], saved[k]) for k in live)
+
+
 def load(run: RunConfig, topo, chunks, opt, rng) -> TrainState:
+    """Resume (or, with --finetune, take the weights only) from --load.
+
+    A checkpoint of the same layout loads shard by shard. Any other layout (tp, pp, vpp, dp,
+    ZeRO stage, bucket size), an imported model, or --finetune goes through full tensors
+    (`training/reshard.py`); RNG streams are restored only with the same layout.
+    """
     folder = ckpt.latest_checkpoint(run.checkpoint.load)
     if folder is None:
         logger.warning("--load %s holds no checkpoint yet ('latest' missing); starting from scratch",
                        run.checkpoint.load)
         return TrainState()
     meta = ckpt.read_meta(folder)
-    ckpt.check_compatible(meta, model=dataclasses.asdict(run.model), layout=layout_of(run, topo),
-                          folder=folder)
-    tensors = ckpt.load_rank_tensors(folder, topo.rank)
-    with torch.no_grad():
-        for c, chunk in enumerate(chunks):
-            for n, p in chunk.named_parameters():
-                key = f"model.{c}.{n}"
-                if key in tensors:
-                    p.copy_(tensors[key])
-    if run.checkpoint.finetune:
+    ckpt.check_compatible(meta, model=dataclasses.asdict(run.model), folder=folder)
+    finetune = run.checkpoint.finetune
+    same_layout = meta.get("layout") == layout_of(run, topo)
+    tensors = ckpt.load_rank_tensors(folder, topo.rank) if same_layout else {}
+    if same_layout and not finetune and _same_buckets(tensors, opt):
+        with torch.no_grad():
+            for c, chunk in enumerate(chunks):
+                for n, p in chunk.named_parameters():
+                    key = f"model.{c}.{n}"
+                    if key in tensors:
+                        p.copy_(tensors[key])
+        opt.load_state_dict({k[len("optim."):]: v for k, v in tensors.items()
+                             if k.startswith("optim.")})
+    else:
+        if meta.get("weights_only") and not finetune:
+            raise ckpt.CheckpointError(f"{folder} holds weights only (an imported model); add "
+                                       f"--finetune to start training from it")
+        names = {row[2] for row in reshard.param_table(chunks)}
+        full = reshard.read_full_state(folder, names)
+        logger.info("loading %s (layout %s) into layout %s through full tensors%s", folder,
+                    meta.get("layout"), layout_of(run, topo), " (weights only)" if finetune else "")
+        reshard.load_into(full, chunks, opt, topo, weights_only=finetune, folder=folder)
+    if finetune:
         logger.info("fine-tuning from %s: weights only, iteration and optimizer reset", folder)
         return TrainState()
-    opt.load_state_dict({k[len("optim."):]: v for k, v in tensors.items() if k.startswith("optim.")})
-    rng.set_states({k[len("rng."):]: v for k, v in tensors.items() if k.startswith("rng.")})
+    rng_states = {k[len("rng."):]: v for k, v in tensors.items() if k.startswith("rng.")}
+    if rng_states:
+        rng.set_states(rng_states)
+    else:
+        logger.info("RNG streams not restored: the checkpoint's layout differs from this run's")
     logger.info("resumed from %s at iteration %d", folder, meta["iteration"])
     return TrainState(meta["iteration"], meta["consumed_samples"], meta.get("skipped_steps", 0))

@@ -1,0 +1,231 @@
+"""Hugging Face <-> megazoo conversion and generation, against `transformers` (fp32).
+
+One spawned world of 4 ranks runs every (import layout x load layout) pair for a random GPT-2 and
+a random BLOOM (vocabulary 101: padded; 12 heads: not a power of two): logits match
+`transformers` within 1e-5 and, with pp=1, greedy generation (KV cache, TP) equals
+`generate(do_sample=False)` token for token, eos padding included.
+"""
+import json
+import os
+import pytest
+import torch
+
+from tests.distributed import run_distributed
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VOCAB = 101
+IMPORT_LAYOUTS = [(2, 2, 2), (4, 1, 1)]  # (tp, pp, vpp)
+LOAD_LAYOUTS = [(2, 2, 2), (4, 1, 1), (1, 4, 1), (2, 1, 1)]
+NEW_TOKENS = 8
+
+
+def _hf_models():
+    # imported here, not at module level: spawned ranks re-import this module, and transformers
+    # costs seconds per process
+    from transformers import BloomConfig, BloomForCausalLM, GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(0)
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=48, n_layer=4,
+                                      n_head=4, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0,
+                                      bos_token_id=0, eos_token_id=0))
+    bloom = BloomForCausalLM(BloomConfig(vocab_size=VOCAB, hidden_size=48, n_layer=4, n_head=12,
+                                         hidden_dropout=0, attention_dropout=0,
+                                         bos_token_id=0, eos_token_id=0))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # HF inits biases to 0 and norms to 1, which would hide mistakes
+        for model in (gpt2, bloom):
+            for p in model.parameters():
+                p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    return {"gpt2": gpt2.eval(), "bloom": bloom.eval()}
+
+
+def _save_hf(name, model, folder):
+    if name == "gpt2":  # sharded safetensors with an index
+        model.save_pretrained(folder, max_shard_size="40KB")
+        assert os.path.exists(os.path.join(folder, "model.safetensors.index.json"))
+    else:  # a (sharded) pytorch_model.bin: loaded with weights_only=True
+        model.config.save_pretrained(folder)
+        sd, half = model.state_dict(), len(model.state_dict()) // 2
+        parts = [dict(list(sd.items())[:half]), dict(list(sd.items())[half:])]
+        index = {"weight_map": {}}
+        for i, part in enumerate(parts):
+            fname = f"pytorch_model-{i + 1:05d}-of-00002.bin"
+            torch.save(part, os.path.join(folder, fname))
+            index["weight_map"].update({k: fname for k in part})
+        json.dump(index, open(os.path.join(folder, "pytorch_model.bin.index.json"), "w"))
+
+
+def _pipeline_logits(chunks, topo, ids, hidden):
+    """Forward through the virtual stages in model order (stage s: rank s % pp, chunk s // pp)."""
+    import torch.distributed as dist
+
+    from models.language_model import gather_logits
+    h, last = None, topo.pp * topo.vpp - 1
+    for s in range(last + 1):
+        if topo.pp_rank != s % topo.pp:
+            continue
+        if s > 0:
+            h = torch.empty(ids.shape[1], ids.shape[0], hidden)
+            dist.recv(h, topo.stage_rank(topo.pp_rank - 1))
+        out = chunks[s // topo.pp](ids if s == 0 else h)
+        if s < last:
+            dist.send(out.contiguous(), topo.stage_rank(topo.pp_rank + 1))
+        else:
+            return gather_logits(out, topo, chunks[-1].config.vocab_size)
+    return None
+
+
+def _worker(rank, cases):
+    from models.generation import SamplingConfig, generate
+    from models.hf import model_class
+    from parallel.topology import ParallelConfig, ParallelTopology
+    from parallel.pipeline.partition import rank_chunks
+    from training.checkpointing import latest_checkpoint
+    from training.convert import checkpoint_config
+    from training.reshard import load_weights
+    errors, samples = [], []
+    for tp, pp, vpp in LOAD_LAYOUTS:  # creating groups is slow: one topology per layout
+        topo = ParallelTopology.from_config(ParallelConfig(tp=tp, pp=pp, vpp=vpp))
+        for case in cases:
+            folder = latest_checkpoint(case["ckpt"])
+            _, config, module = checkpoint_config(folder)
+            chunks = [model_class(module)(config, topo, **spec.kwargs()).eval()
+                      for spec in rank_chunks(config.num_layers, pp, vpp, topo.pp_rank)]
+            load_weights(folder, chunks, topo)
+            with torch.no_grad():
+                logits = _pipeline_logits(chunks, topo, case["ids"], config.hidden_size)
+            if logits is not None:
+                torch.testing.assert_close(logits, case["logits"], rtol=0, atol=1e-5)
+                errors.append((logits - case["logits"]).abs().max().item())
+            if pp == 1:
+                cfg = SamplingConfig(eos_id=case["eos"])
+                out = generate(chunks[0], topo, case["prompt"], NEW_TOKENS, cfg)
+                assert torch.equal(out, case["greedy"]), (case["family"], tp, out, case["greedy"])
+                top1 = generate(chunks[0], topo, case["prompt"], NEW_TOKENS,
+                                SamplingConfig(greedy=False, top_k=1, eos_id=case["eos"]))
+                assert torch.equal(top1, case["greedy"])
+                g = torch.Generator().manual_seed(1000 + rank)  # differs per rank: broadcast wins
+                sampled = generate(chunks[0], topo, case["prompt"], NEW_TOKENS,
+                                   SamplingConfig(greedy=False, top_k=20, top_p=0.9,
+                                                  temperature=0.8), generator=g)
+                samples.append(((case["ckpt"], tp, topo.dp_rank), sampled))
+    return max(errors), samples
+
+
+def test_import_export_logits_and_generation(tmp_path):
+    from training.convert import export_hf, import_hf
+    ids = torch.randint(0, VOCAB, (3, 17), generator=torch.Generator().manual_seed(1))
+    prompt = ids[:2, :5]
+    cases = []
+    for name, hf in _hf_models().items():
+        hf_dir = str(tmp_path / f"hf_{name}")
+        _save_hf(name, hf, hf_dir)
+        with torch.no_grad():
+            logits = hf(ids).logits
+            free = hf.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
+                               max_new_tokens=NEW_TOKENS, eos_token_id=None, pad_token_id=0)
+            eos = int(free[0, prompt.shape[1] + 2])  # row 0 stops after 3 tokens: padding path
+            greedy = hf.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
+                                 max_new_tokens=NEW_TOKENS, eos_token_id=eos, pad_token_id=eos)
+        for tp, pp, vpp in IMPORT_LAYOUTS:
+            ckpt = str(tmp_path / f"mz_{name}_{tp}{pp}{vpp}")
+            import_hf(hf_dir, ckpt, tp=tp, pp=pp, vpp=vpp)
+            cases.append(dict(family=name, ckpt=ckpt, ids=ids, logits=logits, prompt=prompt,
+                              eos=eos, greedy=greedy))
+            # HF -> megazoo (tp, pp) -> HF gives identical tensors
+            out = str(tmp_path / f"back_{name}_{tp}{pp}{vpp}")
+            export_hf(ckpt, out)
+            cls = type(hf)
+            back = cls.from_pretrained(out, local_files_only=True)
+            ref_sd, back_sd = hf.state_dict(), back.state_dict()
+            assert ref_sd.keys() == back_sd.keys()
+            for k in ref_sd:
+                assert torch.equal(ref_sd[k], back_sd[k]), k
+            assert back.config.eos_token_id == 0 and back.config.vocab_size == VOCAB
+
+    results = run_distributed(_worker, 4, cases, timeout=400)
+    assert max(r[0] for r in results) <= 1e-5
+    by_group = {}
+    for _, samples in results:  # sampling: every TP rank of a group emits the same tokens
+        for key, tokens in samples:
+            by_group.setdefault(key, []).append(tokens)
+    assert len(by_group) == 4 * (1 + 2)  # 4 imports x (tp4 + tp2 x dp2)
+    for key, outs in by_group.items():
+        assert all(torch.equal(outs[0], o) for o in outs), key
+        assert outs[0].shape[1] <= 5 + NEW_TOKENS and int(outs[0].max()) < VOCAB
+
+
+def _tool(*argv):
+    """tools/convert_hf.py's main, in this process (tools/ is not a package)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("convert_hf", os.path.join(REPO, "tools/convert_hf.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main(list(argv))
+
+
+def test_bad_inputs_give_one_line_errors(tmp_path, capsys):
+    from tests.test_reshard import _hf_gpt2
+    from tests.test_training import TINY
+    from training.arguments import build_parser, to_run_config
+    from training.checkpointing import CheckpointError
+    from training.convert import ConversionError, import_hf, read_hf_weights
+    from training.loop import build_chunks
+    from training.resume import load
+    from train_gpt import model_provider
+    from parallel.random import model_parallel_seed
+    from parallel.topology import ParallelTopology
+    from parallel.zero.optimizer import build_optimizer
+
+    hf_dir, ckpt = str(tmp_path / "hf"), str(tmp_path / "mz")
+    _hf_gpt2(hf_dir)
+    assert _tool("import", "--hf-dir", hf_dir, "--save", ckpt,
+                 "--tensor-model-parallel-size", "2") == 0
+
+    def run_load(*extra):
+        run = to_run_config(build_parser().parse_args(TINY + ["--train-iters", "1", "--load", ckpt,
+                                                              *extra]), world_size=1)
+        topo = ParallelTopology.single()
+        chunks = build_chunks(model_provider, run, topo, model_parallel_seed(run.seed, topo))
+        return load(run, topo, chunks, build_optimizer(chunks, topo, run.optimizer), None)
+
+    assert run_load("--finetune").iteration == 0  # tp2 import -> tp1 run, weights only
+    with pytest.raises(CheckpointError, match="holds weights only .*add --finetune"):
+        run_load()
+    with pytest.raises(CheckpointError, match="holds another model: hidden_size=32 there, 64 here"):
+        run_load("--finetune", "--hidden-size", "64")
+
+    # A truncated rank file names itself.
+    rank1 = os.path.join(ckpt, "iter_0000000", "rank_00001.safetensors")
+    with open(rank1, "r+b") as f:
+        f.truncate(200)
+    with pytest.raises(CheckpointError, match="rank_00001.safetensors: corrupt or truncated"):
+        run_load("--finetune")
+    assert _tool("export", "--load", ckpt, "--save", str(tmp_path / "out")) == 1
+    assert "rank_00001.safetensors: corrupt or truncated" in capsys.readouterr().err
+
+    # Hugging Face folders: another architecture, a missing config, a pickle that is not weights,
+    # a truncated weights file.
+    other = tmp_path / "t5"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({"model_type": "t5"}))
+    with pytest.raises(ConversionError, match="model_type 't5' is not supported; convert one of"):
+        import_hf(str(other), str(tmp_path / "x"))
+    with pytest.raises(ConversionError, match="config.json is missing"):
+        import_hf(str(tmp_path), str(tmp_path / "x"))
+    evil = tmp_path / "evil"
+    evil.mkdir()
+    torch.save({"w": torch.ones(1), "obj": _NotAWeight()}, evil / "pytorch_model.bin")
+    with pytest.raises(ConversionError, match="pytorch_model.bin: corrupt, truncated or not a weights"):
+        read_hf_weights(str(evil))
+    weights = os.path.join(hf_dir, "model.safetensors")
+    with open(weights, "r+b") as f:
+        f.truncate(1000)
+    with pytest.raises(ConversionError, match="model.safetensors: corrupt, truncated"):
+        import_hf(hf_dir, str(tmp_path / "x"))
+
+
+class _NotAWeight:
+    """An arbitrary object: torch.load(weights_only=True) must refuse to build it."""
+
+    def __reduce__(self):
+        return (os.getcwd, ())

@@ -1,0 +1,98 @@
+"""Checkpoints across layouts, in spawned gloo worlds (fp32):
+
+- saved under (tp2, pp2, dp1, ZeRO-1), loaded under (tp4, pp1, dp1) directly and under
+  (tp1, pp1, dp2, ZeRO-2) directly and through tools/reshard.py: the next iteration's loss equals
+  the unchanged layout's continuation (1e-5); likewise (dp2, ZeRO-2) -> (tp2, ZeRO-1);
+- --finetune from an imported GPT-2 (weights only) under any dp/ZeRO: the first loss equals
+  transformers' loss on the same batch (1e-5) and iteration and optimizer start from zero.
+"""
+import os
+import sys
+
+import torch
+
+from tests.distributed import run_distributed
+from tests.test_training import TINY, _pretrain
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TP2PP2 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+          "--zero-stage", "1"]
+TP4 = ["--tensor-model-parallel-size", "4"]
+DP2 = ["--zero-stage", "2"]
+
+
+def _world4(rank, root, imported):
+    saved = _pretrain(TINY + TP2PP2 + ["--train-iters", "3", "--save", root], 4)
+    cont = _pretrain(TINY + TP2PP2 + ["--train-iters", "4", "--load", root], 4)
+    tp4 = _pretrain(TINY + TP4 + ["--train-iters", "4", "--load", root], 4)
+    fine = _pretrain(TINY + ["--zero-stage", "2", "--train-iters", "2", "--load", imported,
+                             "--finetune"], 4)
+    fine_tp = _pretrain(TINY + TP2PP2 + ["--train-iters", "2", "--load", imported, "--finetune"], 4)
+    again = _pretrain(TINY + TP4 + ["--train-iters", "2", "--load", root, "--finetune"], 4)
+    return dict(saved=saved.losses, cont=cont.losses, cont_it=cont.state.iteration,
+                tp4=tp4.losses, fine=fine.losses, fine_it=fine.state.iteration,
+                fine_tp=fine_tp.losses, again=again.losses, again_it=again.state.iteration)
+
+
+def _world2(rank, root, tool_root, root_dp2):
+    direct = _pretrain(TINY + DP2 + ["--train-iters", "4", "--load", root, "--save", root_dp2], 2)
+    tool = _pretrain(TINY + DP2 + ["--train-iters", "4", "--load", tool_root], 2)
+    # a ZeRO-2 checkpoint whose optimizer states are split over 2 data-parallel ranks
+    cont = _pretrain(TINY + DP2 + ["--train-iters", "5", "--load", root_dp2], 2)
+    tp2 = _pretrain(TINY + ["--tensor-model-parallel-size", "2", "--zero-stage", "1",
+                            "--train-iters", "5", "--load", root_dp2], 2)
+    return direct.losses, tool.losses, tool.state.iteration, cont.losses, tp2.losses
+
+
+def _hf_gpt2(folder):
+    """A random GPT-2 with TINY's shape, and transformers' loss on the first mock batch."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from training.data import MockGPTDataset
+    torch.manual_seed(0)
+    hf = GPT2LMHeadModel(GPT2Config(vocab_size=61, n_positions=16, n_embd=32, n_layer=4, n_head=4,
+                                    resid_pdrop=0, embd_pdrop=0, attn_pdrop=0)).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(torch.randn(p.shape) * 0.05)
+    hf.save_pretrained(folder)
+    data = MockGPTDataset(2 * 8, 16, 61, seed=5)  # train_iters x global batch, TINY's --seed
+    tokens = torch.stack([torch.from_numpy(data[i]["tokens"]) for i in range(8)])
+    with torch.no_grad():
+        logits = hf(tokens[:, :-1]).logits
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).item()
+
+
+def test_reshard_and_finetune(tmp_path):
+    from training.convert import import_hf
+    root, imported = str(tmp_path / "run"), str(tmp_path / "imported")
+    hf_loss = _hf_gpt2(str(tmp_path / "hf"))
+    import_hf(str(tmp_path / "hf"), imported, tp=2, pp=2)
+    r = run_distributed(_world4, 4, root, imported, timeout=400)[0]
+
+    # Same layout: exact resume; the reference for the other layouts is its 4th loss.
+    assert r["cont_it"] == 4 and len(r["cont"]) == 1
+    ref = r["cont"][0]
+    assert abs(r["tp4"][0] - ref) <= 1e-5, (r["tp4"], ref)
+
+    tool_root = str(tmp_path / "resharded")
+    import subprocess
+    out = subprocess.run([sys.executable, os.path.join(REPO, "tools/reshard.py"), "--load", root,
+                          "--save", tool_root, "--data-parallel-size", "2", "--zero-stage", "2"],
+                         capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=REPO))
+    assert out.returncode == 0, out.stderr
+    direct, tool, it, cont, tp2 = run_distributed(_world2, 2, root, tool_root,
+                                                  str(tmp_path / "dp2"), timeout=300)[0]
+    assert it == 4 and len(tool) == 1
+    assert abs(direct[0] - ref) <= 1e-5 and abs(tool[0] - ref) <= 1e-5, (direct, tool, ref)
+    assert len(cont) == len(tp2) == 1 and abs(cont[0] - tp2[0]) <= 1e-5, (cont, tp2)
+
+    # --finetune: imported weights, iteration 0, fresh optimizer, under two layouts.
+    assert r["fine_it"] == 2 and len(r["fine"]) == 2
+    assert abs(r["fine"][0] - hf_loss) <= 1e-5, (r["fine"], hf_loss)
+    for a, b in zip(r["fine"], r["fine_tp"]):
+        assert abs(a - b) <= 1e-5, (r["fine"], r["fine_tp"])
+    # --finetune from a trained checkpoint: its weights (lower loss on batch 0 than at
+    # initialisation), but iteration and data position restart at 0
+    assert r["again_it"] == 2 and len(r["again"]) == 2
+    assert r["again"][0] < r["saved"][0] - 1e-3, (r["again"], r["saved"])

@@ -1,0 +1,64 @@
+"""Rewrite a checkpoint for another (tp, pp, vpp, dp, ZeRO stage) layout, optimizer state included.
+
+    python tools/reshard.py --load ckpt/run1 --save ckpt/run1_tp4 \
+        --tensor-model-parallel-size 4 --pipeline-model-parallel-size 1 \
+        --data-parallel-size 2 --zero-stage 1
+
+Training can also load another layout directly (`--load` reshards in memory); this tool does it
+once, offline, so that every later load reads only its own rank's files.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from models.config import TransformerConfig  # noqa: E402
+from models.hf import FAMILIES, model_class  # noqa: E402
+from models.language_model import TransformerLanguageModel  # noqa: E402
+from training import checkpointing as ckpt  # noqa: E402
+from training.reshard import read_full_state, write_layout  # noqa: E402
+
+
+def reshard(load: str, save: str, *, tp: int, pp: int, vpp: int = 1, dp: int = 1,
+            zero_stage: int = 0) -> str:
+    folder = ckpt.resolve(load)
+    meta = ckpt.read_meta(folder)
+    config = TransformerConfig(**meta["model"])
+    family = meta.get("family")
+    cls = model_class(FAMILIES[family]) if family in FAMILIES else TransformerLanguageModel
+    full = read_full_state(folder)
+    return write_layout(full, save, model_cls=cls, config=config, tp=tp, pp=pp, vpp=vpp, dp=dp,
+                        zero_stage=zero_stage, iteration=meta["iteration"], meta=meta,
+                        weights_only=bool(meta.get("weights_only")))
+
+
+def main(argv=None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--load", required=True)
+    p.add_argument("--save", required=True)
+    p.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    p.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=1,
+                   help="model chunks per pipeline rank")
+    p.add_argument("--data-parallel-size", type=int, default=1)
+    p.add_argument("--zero-stage", type=int, default=0)
+    args = p.parse_args(argv)
+    try:
+        out = reshard(args.load, args.save, tp=args.tensor_model_parallel_size,
+                      pp=args.pipeline_model_parallel_size,
+                      vpp=args.virtual_pipeline_model_parallel_size, dp=args.data_parallel_size,
+                      zero_stage=args.zero_stage)
+    except (ckpt.CheckpointError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

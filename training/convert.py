@@ -1,0 +1,166 @@
+"""Hugging Face folders <-> megazoo checkpoints of any layout.
+
+Import reads `config.json` and the weights (`model.safetensors`, `pytorch_model.bin`, or their
+sharded `*.index.json` forms; `.bin` files with `torch.load(weights_only=True)`, so nothing
+arbitrary is unpickled), maps them to megazoo's full tensors with the family's
+`from_hf_state_dict` (GPT-2's Conv1D transposes and [q|k|v] -> per-head QKV order live there)
+and writes a weights-only checkpoint for the target (tp, pp, vpp). Tokenizer files are copied
+into the checkpoint's `tokenizer/` folder.
+
+Export gathers full tensors from a checkpoint of any layout (vocabulary padding trimmed, drifted
+replicas averaged), maps them back with `to_hf_state_dict` and writes `config.json`,
+`model.safetensors` and the tokenizer files, which `from_pretrained` loads offline.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pickle
+import shutil
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from models.config import TransformerConfig
+from models.hf import family, model_class
+
+from . import checkpointing as ckpt
+from .reshard import FullState, read_full_state, write_layout
+
+logger = logging.getLogger(__name__)
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json",
+                   "generation_config.json")
+TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+class ConversionError(ValueError):
+    """A folder that cannot be converted; the message names the file and the fix."""
+
+
+def read_hf_config(folder: str):
+    path = os.path.join(folder, "config.json")
+    if not os.path.isfile(path):
+        raise ConversionError(f"{path} is missing; pass a Hugging Face model folder "
+                              f"(save_pretrained output)")
+    from transformers import AutoConfig
+    try:
+        model_type = json.load(open(path)).get("model_type")
+        module = family(model_type, path)
+        return model_type, module, AutoConfig.from_pretrained(folder, local_files_only=True)
+    except (ValueError, json.JSONDecodeError, OSError) as e:
+        raise ConversionError(str(e) if isinstance(e, ValueError) and "model_type" in str(e)
+                              else f"{path}: unreadable config ({e})") from None
+
+
+def _weight_files(folder: str) -> list[str]:
+    for index in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+        path = os.path.join(folder, index)
+        if os.path.isfile(path):
+            try:
+                files = sorted(set(json.load(open(path))["weight_map"].values()))
+            except (json.JSONDecodeError, KeyError) as e:
+                raise ConversionError(f"{path}: not a weight index ({e})") from None
+            return [os.path.join(folder, f) for f in files]
+    for single in ("model.safetensors", "pytorch_model.bin"):
+        if os.path.isfile(os.path.join(folder, single)):
+            return [os.path.join(folder, single)]
+    raise ConversionError(f"{folder}: no model.safetensors, pytorch_model.bin or *.index.json; "
+                          f"pass a folder written by save_pretrained")
+
+
+def read_hf_weights(folder: str) -> dict[str, torch.Tensor]:
+    sd = {}
+    for path in _weight_files(folder):
+        if not os.path.isfile(path):
+            raise ConversionError(f"{path} is missing (named by the weight index); copy all shards")
+        try:
+            if path.endswith(".safetensors"):
+                sd.update(load_file(path))
+            else:  # weights_only: tensors and plain containers only, never arbitrary objects
+                sd.update(torch.load(path, map_location="cpu", weights_only=True))
+        except (SafetensorError, OSError, RuntimeError, EOFError, pickle.UnpicklingError,
+                ValueError) as e:
+            raise ConversionError(f"{path}: corrupt, truncated or not a weights file "
+                                  f"({str(e).splitlines()[0][:200]}); download it again") from None
+    return sd
+
+
+def copy_tokenizer(src: str | None, dst: str) -> list[str]:
+    if not src or not os.path.isdir(src):
+        return []
+    copied = [f for f in TOKENIZER_FILES if os.path.isfile(os.path.join(src, f))]
+    if copied:
+        os.makedirs(dst, exist_ok=True)
+        for f in copied:
+            shutil.copy2(os.path.join(src, f), os.path.join(dst, f))
+    return copied
+
+
+def hf_to_full(folder: str) -> tuple[str, TransformerConfig, FullState]:
+    """A Hugging Face folder as (family name, megazoo config, full fp32 tensors)."""
+    model_type, module, hf = read_hf_config(folder)
+    config = module.config_from_hf(hf)
+    sd = read_hf_weights(folder)
+    try:
+        full = module.from_hf_state_dict(sd, config)
+    except KeyError as e:
+        raise ConversionError(f"{folder}: the weights lack {e}; they do not match config.json "
+                              f"({model_type}) or are incomplete") from None
+    meta = dict(family=model_type, consumed_samples=0, skipped_steps=0,
+                hf_config={k: getattr(hf, k, None) for k in TOKEN_IDS})
+    return model_type, config, FullState(meta, {k: v.float() for k, v in full.items()})
+
+
+def import_hf(folder: str, save: str, *, tp: int = 1, pp: int = 1, vpp: int = 1,
+              make_vocab_size_divisible_by: int | None = None) -> str:
+    """Convert a Hugging Face folder into a weights-only megazoo checkpoint for (tp, pp, vpp)."""
+    model_type, config, full = hf_to_full(folder)
+    if make_vocab_size_divisible_by:
+        config = config.replace(make_vocab_size_divisible_by=make_vocab_size_divisible_by)
+    module = family(model_type)
+    out = write_layout(full, save, model_cls=model_class(module), config=config, tp=tp, pp=pp,
+                       vpp=vpp, weights_only=True)
+    copied = copy_tokenizer(folder, os.path.join(save, "tokenizer"))
+    logger.info("imported %s (%s) into %s at tp=%d pp=%d vpp=%d; tokenizer files: %s", folder,
+                model_type, out, tp, pp, vpp, copied or "none")
+    return out
+
+
+def checkpoint_config(folder: str) -> tuple[dict, TransformerConfig, object]:
+    """(meta, config, family module) of a checkpoint folder, with clear errors."""
+    meta = ckpt.read_meta(folder)
+    if "model" not in meta:
+        raise ckpt.CheckpointError(f"{folder}/meta.json records no model; not a megazoo checkpoint")
+    name = meta.get("family")
+    if name is None:
+        raise ckpt.CheckpointError(f"{folder}/meta.json records no model family (a plain "
+                                   f"TransformerLanguageModel); it has no Hugging Face form")
+    return meta, TransformerConfig(**meta["model"]), family(name, f"{folder}/meta.json")
+
+
+def export_hf(load: str, save: str, *, tokenizer_dir: str | None = None) -> str:
+    """Write a checkpoint (`--load` root or an iter_* folder) as a Hugging Face folder."""
+    folder = ckpt.resolve(load)
+    meta, config, module = checkpoint_config(folder)
+    zero3 = meta.get("layout", {}).get("zero_stage", 0) == 3  # weights live in the optimizer
+    full = read_full_state(folder, optimizer=zero3)
+    sd = module.to_hf_state_dict(full.weights, config)
+    hf = module.hf_config(config)
+    recorded = meta.get("hf_config") or {}
+    for k in TOKEN_IDS:  # keep the imported model's special tokens; drop ids outside the vocab
+        value = recorded.get(k, getattr(hf, k, None))
+        setattr(hf, k, value if isinstance(value, int) and 0 <= value < config.vocab_size else None)
+    hf.dtype = str(config.dtype).removeprefix("torch.")
+    os.makedirs(save, exist_ok=True)
+    hf.save_pretrained(save)
+    save_file({k: v.detach().to(config.dtype).clone().contiguous() for k, v in sd.items()},
+              os.path.join(save, "model.safetensors"), metadata={"format": "pt"})
+    tok_src = tokenizer_dir or os.path.join(os.path.dirname(folder), "tokenizer")
+    copied = copy_tokenizer(tok_src, save)
+    logger.info("exported %s to %s (%d tensors; tokenizer files: %s)", folder, save, len(sd),
+                copied or "none")
+    return save

@@ -1,0 +1,305 @@
+"""Checkpoints of any (tp, pp, vpp, dp, zero) layout as full tensors, and back into any layout.
+
+Every rank file carries a parameter table (`PARAMS`, JSON in a uint8 tensor), one row per
+parameter in the optimizer's order:
+
+    [chunk, name in the chunk, canonical name, local shape, TP partition dim (-1: replicated),
+     full (unpadded) size of that dim]
+
+With it, `read_full_state` turns the files of any layout into full, unpadded tensors keyed by
+canonical name: the model weights (`model.{chunk}.{name}`) and, per optimizer state (fp32
+`master`, `exp_avg`, `exp_avg_sq`), the parameter slices that the ZeRO buckets' `ranges` rows
+place in each data-parallel shard. `load_into` then fills a live rank's model and optimizer by
+slicing those full tensors the way that rank's own optimizer asks (its fresh `ranges`), so a
+checkpoint loads under any layout, bucket size or ZeRO stage. `write_layout` writes a checkpoint
+for a target layout from one process (the conversion and resharding tools).
+
+Copies that should be equal (replicated parameters on every TP rank, the tied embedding on the
+first and last pipeline stages) are averaged when they differ, and taken as they are otherwise.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import re
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+from safetensors import SafetensorError
+
+from parallel.pipeline.partition import rank_chunks
+from parallel.sharding import load_full_state_dict, local_shard
+from parallel.topology import ParallelConfig, ParallelTopology
+
+from . import checkpointing as ckpt
+
+logger = logging.getLogger(__name__)
+
+PARAMS = "megazoo.params"  # the parameter table's key in every rank file
+_BUCKET = re.compile(r"optim\.bucket(\d+)\.(\w+)")
+SCALARS = ("iteration", "applied_steps")  # optimizer counters carried across layouts
+
+
+@dataclass
+class FullState:
+    """A checkpoint as full tensors, independent of any layout."""
+
+    meta: dict
+    weights: dict[str, torch.Tensor]  # canonical name -> what the model computes with
+    optim: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)  # state -> name -> full
+    scalars: dict[str, torch.Tensor] = field(default_factory=dict)  # optimizer counters, scaler
+
+    @property
+    def master(self) -> dict[str, torch.Tensor]:
+        return self.optim.get("master", {})
+
+
+def param_table(chunks, opt=None) -> list[list]:
+    """The parameter table of one rank's chunks, in the optimizer's parameter order."""
+    rows = []
+    for c, chunk in enumerate(chunks):
+        canonical = getattr(chunk, "canonical_name", lambda n: n)
+        for n, p in chunk.named_parameters():
+            if not p.requires_grad:
+                continue
+            sharded = bool(getattr(p, "tensor_model_parallel", False))
+            rows.append([c, n, canonical(n), list(p.shape), p.partition_dim if sharded else -1,
+                         p.full_size if sharded else 0])
+    if opt is not None:  # the optimizer numbers parameters the same way; make sure of it
+        prefix = (lambda c: f"chunk{c}.") if len(chunks) > 1 else (lambda c: "")
+        if [prefix(r[0]) + r[1] for r in rows] != list(opt.param_names):
+            raise RuntimeError("the optimizer's parameter order differs from the chunks'; "
+                               "training/reshard.py must follow parallel/zero/optimizer.py")
+    return rows
+
+
+def _layout(meta: dict, folder: str) -> tuple[int, int, int]:
+    layout = meta.get("layout")
+    if not layout or "tp" not in layout:
+        raise ckpt.CheckpointError(f"{folder}/meta.json records no layout; it is not a megazoo "
+                                   f"checkpoint")
+    return layout["tp"], layout.get("dp", 1), layout.get("zero_stage", 0)
+
+
+def _read_rank(folder, rank, coords, names, optimizer, pieces, states, covered, scalars):
+    pp_r, dp_r, tp_r = coords
+    path = ckpt.rank_file(folder, rank)
+    f = ckpt.open_rank_file(folder, rank)
+    try:
+        keys = set(f.keys())
+        if PARAMS not in keys:
+            raise ckpt.CheckpointError(
+                f"{path} has no parameter table (written before megazoo recorded one); load it "
+                f"with the layout it was saved with")
+        rows = ckpt.tensor_json(f.get_tensor(PARAMS))
+        wanted = lambda row: names is None or row[2] in names  # noqa: E731
+        for c, n, canon, shape, dim, full in rows:
+            key = f"model.{c}.{n}"
+            if dp_r == 0 and key in keys and wanted([c, n, canon]):
+                pieces[canon][(pp_r, c, tp_r)] = f.get_tensor(key)
+        if not optimizer:
+            return rows
+        if rank == 0:
+            scalars.update({k[len("optim."):]: f.get_tensor(k) for k in keys
+                            if k in {f"optim.{s}" for s in SCALARS} or k.startswith("optim.scaler.")})
+        for key in sorted(k for k in keys if k.endswith(".ranges") and _BUCKET.fullmatch(k)):
+            b = key[len("optim."):-len(".ranges")]
+            ranges = f.get_tensor(key).tolist()
+            if not any(wanted(rows[r[0]]) for r in ranges):
+                continue
+            names_here = [k for k in keys if k.startswith(f"optim.{b}.") and k != key]
+            for skey in names_here:
+                state, flat = skey.rsplit(".", 1)[1], f.get_tensor(skey)
+                for idx, start, end, off in ranges:
+                    c, _, canon, shape, _, _ = rows[idx]
+                    if not wanted(rows[idx]):
+                        continue
+                    buf = states[state][canon].setdefault(
+                        (pp_r, c, tp_r), torch.zeros(math.prod(shape), dtype=torch.float32))
+                    buf[start:end] = flat[off:off + end - start]
+                    covered[(state, canon, (pp_r, c, tp_r))] += end - start
+        return rows
+    except SafetensorError as e:
+        raise ckpt.CheckpointError(f"{path}: corrupt or truncated shard ({e}); use an earlier "
+                                   f"checkpoint") from None
+
+
+def _merge(copies: list[torch.Tensor], what: str) -> torch.Tensor:
+    first = copies[0]
+    if all(torch.equal(first, t) for t in copies[1:]):
+        return first
+    logger.warning("%s: %d copies differ (max %.3g); using their mean", what, len(copies),
+                   max((t.float() - first.float()).abs().max().item() for t in copies))
+    return torch.stack([t.float() for t in copies]).mean(0).to(first.dtype)
+
+
+def _assemble(parts: dict, info: dict, what: str) -> dict[str, torch.Tensor]:
+    """{canonical: {(pp, chunk, tp): local}} -> {canonical: full}: TP shards concatenated (vocab
+    padding cut), replicas merged."""
+    out = {}
+    for canon, by_copy in parts.items():
+        shape, dim, full_size, tp = info[canon]
+        copies = defaultdict(dict)
+        for (pp_r, c, tp_r), t in by_copy.items():
+            copies[(pp_r, c)][tp_r] = t.reshape(shape[(pp_r, c)])
+        merged = []
+        for key, shards in copies.items():
+            if len(shards) != tp:
+                raise ckpt.CheckpointError(f"{what}: {canon} lacks tensor-parallel shards "
+                                           f"{sorted(set(range(tp)) - set(shards))}")
+            ordered = [shards[r] for r in range(tp)]
+            if dim >= 0:
+                merged.append(torch.cat(ordered, dim).narrow(dim, 0, full_size))
+            else:
+                merged.append(_merge(ordered, f"{canon} across tensor-parallel ranks"))
+        out[canon] = _merge(merged, f"{canon} across pipeline stages")
+    return out
+
+
+def read_full_state(folder: str, names: set[str] | None = None, optimizer: bool = True) -> FullState:
+    """Full tensors of a checkpoint folder of any layout (only `names`, when given)."""
+    meta = ckpt.read_meta(folder)
+    tp, dp, zero = _layout(meta, folder)
+    world = meta.get("world_size", 1)
+    pieces = defaultdict(dict)
+    states = defaultdict(lambda: defaultdict(dict))
+    covered, scalars, info = defaultdict(int), {}, {}
+    for rank in range(world):
+        coords = (rank // (tp * dp), (rank // tp) % dp, rank % tp)
+        if coords[1] > 0 and (zero == 0 or not optimizer):
+            continue  # ZeRO-0 data-parallel ranks hold copies of dp rank 0's states
+        rows = _read_rank(folder, rank, coords, names, optimizer, pieces, states, covered, scalars)
+        for c, _, canon, shape, dim, full in rows:
+            info.setdefault(canon, [{}, dim, full, tp])[0][(coords[0], c)] = shape
+    for (state, canon, key), n in covered.items():
+        if n < math.prod(info[canon][0][key[:2]]):
+            raise ckpt.CheckpointError(f"{folder}: optimizer state {state} of {canon} is incomplete "
+                                       f"({n} elements); the checkpoint is damaged")
+    weights = _assemble(pieces, info, folder)
+    optim = {state: _assemble(parts, info, folder) for state, parts in states.items()}
+    for canon in info:
+        if (names is None or canon in names) and canon not in weights:
+            if canon not in optim.get("master", {}):
+                raise ckpt.CheckpointError(f"{folder} holds no weights for {canon}")
+            weights[canon] = optim["master"][canon]  # ZeRO-3 keeps weights in the optimizer only
+    return FullState(meta, weights, optim, scalars)
+
+
+@torch.no_grad()
+def load_into(full: FullState, chunks, opt, topo, *, weights_only: bool, folder: str) -> None:
+    """Fill this rank's chunks and optimizer from full tensors (collective over data parallel).
+
+    weights_only: the optimizer starts fresh (zero moments, step 0) from the weights.
+    """
+    rows = param_table(chunks, opt)
+    missing = sorted({r[2] for r in rows} - set(full.weights))
+    if missing:
+        raise ckpt.CheckpointError(f"{folder} lacks {len(missing)} tensors of this model, e.g. "
+                                   f"{missing[:3]}; the checkpoint is for another model")
+    params = {s.index: s.param for b in opt.buffers for s in b.slots}
+    sd = opt.state_dict()  # fresh: its `ranges` say which slices this rank's shards hold
+    for key in list(sd):
+        m = re.fullmatch(r"bucket(\d+)\.(\w+)", key)
+        if not m or m[2] == "ranges":
+            continue
+        state = m[2]
+        source = full.weights if weights_only and state == "master" else \
+            None if weights_only else full.optim.get(state)
+        if source is None and not weights_only:
+            raise ckpt.CheckpointError(f"{folder} holds no optimizer state {state!r} (an imported "
+                                       f"model, or another optimizer); add --finetune to load "
+                                       f"the weights only")
+        if source is None:
+            continue  # fresh moments: zeros
+        out = torch.zeros_like(sd[key])
+        for idx, start, end, off in sd[f"bucket{m[1]}.ranges"].tolist():
+            local = local_shard(params[idx], source[rows[idx][2]].float(), topo).reshape(-1)
+            if local.numel() != math.prod(rows[idx][3]):
+                raise ckpt.CheckpointError(f"{folder}: {rows[idx][2]} has shape "
+                                           f"{tuple(source[rows[idx][2]].shape)}, which does not "
+                                           f"fit this model; the checkpoint is for another model")
+            out[off:off + end - start] = local[start:end]
+        sd[key] = out
+    if not weights_only:
+        sd.update({k: v for k, v in full.scalars.items() if k in sd})
+    opt.load_state_dict(sd)  # writes the model weights from the masters and all-gathers them
+
+
+def build_rank_chunks(model_cls, config, *, tp: int, pp: int, vpp: int, dp: int, rank: int):
+    """One rank's model chunks, built on the CPU without process groups (to learn their names,
+    shapes and TP slicing)."""
+    topo = ParallelTopology(config=ParallelConfig(tp=tp, pp=pp, vpp=vpp), rank=rank,
+                            world_size=tp * pp * dp, dp=dp)
+    specs = rank_chunks(config.num_layers, pp, vpp, topo.pp_rank)
+    return topo, [model_cls(config, topo, **spec.kwargs()) for spec in specs]
+
+
+def write_layout(full: FullState, root: str, *, model_cls, config, tp: int, pp: int, vpp: int = 1,
+                 dp: int = 1, zero_stage: int = 0, iteration: int = 0, meta: dict | None = None,
+                 weights_only: bool = False) -> str:
+    """Write `full` as a checkpoint for the target layout, one file per target rank.
+
+    Optimizer states go into one bucket per rank whose `ranges` split every parameter evenly over
+    the data-parallel ranks (all of it on each rank for ZeRO-0); loading re-slices them into the
+    live optimizer's buckets.
+    """
+    import dataclasses
+    ParallelConfig(tp=tp, pp=pp, vpp=vpp).validate_model(
+        num_layers=config.num_layers, num_attention_heads=config.num_attention_heads)
+    world = tp * pp * dp
+    with_optim = bool(full.optim) and not weights_only
+    tmp = ckpt.begin_offline(root, iteration)
+    for rank in range(world):
+        topo, chunks = build_rank_chunks(model_cls, config, tp=tp, pp=pp, vpp=vpp, dp=dp, rank=rank)
+        rows = param_table(chunks)
+        named = [p for chunk in chunks for _, p in chunk.named_parameters() if p.requires_grad]
+        tensors = {PARAMS: ckpt.json_tensor(rows)}
+        for (c, n, canon, *_), p in zip(rows, named):
+            if canon not in full.weights:
+                raise ckpt.CheckpointError(f"the source lacks {canon}; it is another model")
+            local = local_shard(p, full.weights[canon], topo)
+            if local.shape != p.shape:
+                raise ckpt.CheckpointError(f"{canon}: shape {tuple(full.weights[canon].shape)} does "
+                                           f"not fit this model; the source is another model")
+            tensors[f"model.{c}.{n}"] = local.to(config.dtype)
+        if with_optim:
+            ranges, flats = [], defaultdict(list)
+            offset = 0
+            for idx, ((c, n, canon, *_), p) in enumerate(zip(rows, named)):
+                numel = p.numel()
+                per = -(-numel // dp) if zero_stage > 0 else numel
+                lo = topo.dp_rank * per if zero_stage > 0 else 0
+                hi = min(numel, lo + per)
+                if hi <= lo:
+                    continue
+                ranges.append([idx, lo, hi, offset])
+                offset += hi - lo
+                for state, values in full.optim.items():
+                    flats[state].append(local_shard(p, values[canon].float(), topo).reshape(-1)[lo:hi])
+            tensors["optim.bucket0.ranges"] = torch.tensor(ranges, dtype=torch.int64).reshape(-1, 4)
+            tensors.update({f"optim.bucket0.{s}": torch.cat(v) for s, v in flats.items()})
+            tensors.update({f"optim.{k}": v for k, v in full.scalars.items()})
+        ckpt.write_rank_file(tmp, rank, tensors)
+        del chunks
+    base = {k: v for k, v in (meta or full.meta).items()
+            if k not in ("layout", "model", "iteration", "world_size", "files")}
+    base.update(model=dataclasses.asdict(config), layout=dict(
+        tp=tp, pp=pp, dp=dp, vpp=vpp, world_size=world, zero_stage=zero_stage))
+    if not with_optim:
+        base["weights_only"] = True
+    return ckpt.commit(root, iteration, world, base)
+
+
+def load_weights(folder: str, chunks, topo) -> FullState:
+    """Only the weights of a checkpoint of any layout into these chunks (no optimizer):
+    for generation, evaluation and tools."""
+    meta = ckpt.read_meta(folder)
+    zero3 = meta.get("layout", {}).get("zero_stage", 0) == 3  # weights live in the optimizer
+    full = read_full_state(folder, {row[2] for row in param_table(chunks)}, optimizer=zero3)
+    try:
+        for chunk in chunks:
+            load_full_state_dict(chunk, full.weights, topo)
+    except (KeyError, ValueError) as e:
+        raise ckpt.CheckpointError(f"{folder}: {str(e).strip(chr(34))}") from None
+    return full
