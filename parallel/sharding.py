@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from .comm import all_gather
-from .tensor_parallel import shard_of
+from .tensor_parallel import shard_of, unshard
 from .topology import ParallelTopology
 
 
@@ -33,10 +33,8 @@ def full_tensor(param: torch.Tensor, topo: ParallelTopology, tensor: torch.Tenso
         return t
     dim = param.partition_dim
     gathered = all_gather(t.movedim(dim, 0).contiguous(), topo.tp_group, dim=0).movedim(0, dim)
-    layout = getattr(param, "tp_layout", None)
-    if layout is not None:  # shards are not contiguous chunks of the full tensor
-        return layout.unshard(list(gathered.chunk(topo.tp, dim)), dim)
-    return gathered.narrow(dim, 0, param.full_size)
+    return unshard(list(gathered.chunk(topo.tp, dim)), dim, param.full_size,
+                   getattr(param, "tp_layout", None))
 
 
 def _name_of(model: nn.Module) -> Callable[[str], str]:

@@ -62,6 +62,10 @@ class ShardLayout:
         """Trailing rows of each shard that are copies held by several ranks (0: none)."""
         return 0
 
+    def spec(self) -> dict:
+        """A JSON-able description (for checkpoint parameter tables); see `layout_from_spec`."""
+        return {"kind": type(self).__name__, **vars(self)}
+
 
 class StridedLayout(ShardLayout):
     """The full tensor is `stride` equal blocks (e.g. a fused [gate; up]); each block is split
@@ -116,6 +120,25 @@ class GroupedLayout(ShardLayout):
             mine = [p.split([self.split // rep, self.shared], dim) for p in parts[g * rep:(g + 1) * rep]]
             out += [m[0] for m in mine] + [mine[0][1]]  # the copies are equal: take the first
         return torch.cat(out, dim)
+
+
+def layout_from_spec(spec: dict | None) -> ShardLayout | None:
+    if not spec:
+        return None
+    kinds = {"StridedLayout": StridedLayout, "GroupedLayout": GroupedLayout}
+    args = {k: v for k, v in spec.items() if k != "kind"}
+    return kinds[spec["kind"]](**args)
+
+
+def unshard(parts: list[torch.Tensor], dim: int, full_size: int,
+            layout: ShardLayout | dict | None = None) -> torch.Tensor:
+    """The full tensor from every TP rank's part (rank order): concatenated and trimmed of
+    vocabulary padding, or rebuilt by the parameter's layout (a ShardLayout or its spec)."""
+    if isinstance(layout, dict):
+        layout = layout_from_spec(layout)
+    if layout is not None:
+        return layout.unshard(parts, dim)
+    return torch.cat(parts, dim).narrow(dim, 0, full_size)
 
 
 class _ReplicaGradSum(torch.autograd.Function):
