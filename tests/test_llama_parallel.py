@@ -5,7 +5,8 @@ Weights come from random HF `LlamaForCausalLM` models (converted once per rank).
 without sequence parallelism (tp = 4 > KV heads replicates them), and for pp = 2 (1F1B; and
 interleaved with vpp = 2 x tp = 2 x SP; tied embeddings split over stages with replicated KV):
 logits equal HF's, loss and every gradient equal the unsharded model's (fp32, 1e-5), replicated
-KV rows hold equal gradients, and gathering the shards gives back the loaded tensors exactly.
+KV rows hold equal gradients, gathering the shards gives back the loaded tensors exactly, and
+KV-cache decoding under tp > 1 equals the full forward.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from models import llama
+from models.blocks import KVCache
 from models.language_model import gather_logits
 from parallel.comm import all_gather
 from parallel.pipeline.engine import run_pipeline
@@ -100,6 +102,13 @@ def _worker(rank):
                                                msg=lambda m: f"{where} grad {n}: {m}")
                     err("grads_vs_tp1", g, ref_grads[model.canonical_name(n)])
                 _check_shards([model], topo, full, cfg, where)
+                if tp > 1 and not sp:  # incremental decoding with this rank's (maybe copied) KV heads
+                    cache = KVCache()
+                    with torch.no_grad():
+                        steps = [model(ids[:, :3], cache=cache)] + [model(ids[:, i:i + 1], cache=cache)
+                                                                    for i in range(3, SEQ)]
+                    decoded = gather_logits(torch.cat(steps, 1), topo, cfg.vocab_size)
+                    torch.testing.assert_close(decoded, logits, **TOL, msg=f"{where} KV cache")
                 checked.append(where)
 
     for name, schedule, pp, vpp, m, tp, sp in PIPELINES:
