@@ -11,8 +11,10 @@ Each (side, stage) runs as its own world of `--world` processes, one thread each
 train `TransformerLanguageModel` from the same seed on the same token stream with bf16 weights,
 fp32 master weights, torch's AdamW (weight decay 0; DS_BUILD_OPS=0 leaves DeepSpeed no fused
 Adam) and gradient clipping 1.0. Reported per stage: tokens/s over the timed steps (after
-warm-up), peak RSS per rank (max over ranks) and its growth over the RSS just before the model
-was built, and the final loss of each side as a sanity check. Results go to
+warm-up, slowest rank), peak RSS per rank (max over ranks) and its growth over the RSS just
+before the model was built, and the final loss of each side as a sanity check. Each side runs
+`--repeats` times in alternating order and the best throughput is kept (a shared host's other
+load only ever slows a run down); the load average is recorded. Results go to
 bench/results/zero_vs_deepspeed.{json,md}.
 """
 from __future__ import annotations
@@ -187,6 +189,7 @@ def main() -> None:
     p.add_argument("--micro-batch", type=int, default=4)
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--bucket-numel", type=int, default=5_000_000)
+    p.add_argument("--repeats", type=int, default=2, help="runs per side; best throughput kept")
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--ds-python", default="/tmp/dsvenv/bin/python")
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "zero_vs_deepspeed"))
@@ -195,12 +198,20 @@ def main() -> None:
         return _worker(args)
 
     rows = []
+    load_before = os.getloadavg()
     for stage in args.stages:
         row = {"stage": stage}
-        for side in ("megazoo", "deepspeed"):
-            got = _run_side(args, side, stage)
-            row[side] = _summary(got) if isinstance(got, list) else got
-            print(f"zero-{stage} {side}: {row[side]}", flush=True)
+        runs: dict[str, list] = {"megazoo": [], "deepspeed": []}
+        for rep in range(args.repeats):
+            # Alternate the order so that a change in background load hits both sides alike.
+            for side in ("megazoo", "deepspeed") if rep % 2 == 0 else ("deepspeed", "megazoo"):
+                got = _run_side(args, side, stage)
+                runs[side].append(_summary(got) if isinstance(got, list) else got)
+                print(f"zero-{stage} {side} run {rep}: {runs[side][-1]}", flush=True)
+        for side, got in runs.items():
+            ok = [g for g in got if isinstance(g, dict)]
+            # Best of the repeats: throughput is only ever lowered by other load on the host.
+            row[side] = max(ok, key=lambda g: g["tokens_per_s"]) if ok else got[-1]
         if all(isinstance(row[s], dict) for s in ("megazoo", "deepspeed")):
             mz, ds = row["megazoo"], row["deepspeed"]
             row["throughput_ratio"] = mz["tokens_per_s"] / ds["tokens_per_s"]
@@ -208,7 +219,10 @@ def main() -> None:
         rows.append(row)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     setup = {k: getattr(args, k) for k in ("world", "steps", "warmup", "hidden", "layers", "heads",
-                                           "vocab", "seq", "micro_batch", "bucket_numel")}
+                                           "vocab", "seq", "micro_batch", "bucket_numel",
+                                           "repeats")}
+    setup.update(cpus=os.cpu_count(), load_avg_before=load_before[0],
+                 load_avg_after=os.getloadavg()[0])
     with open(args.out + ".json", "w") as f:
         json.dump(dict(setup=setup, rows=rows), f, indent=2)
     with open(args.out + ".md", "w") as f:
