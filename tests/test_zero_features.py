@@ -152,6 +152,15 @@ def _checkpoint_and_fallbacks(topo, out):
         opt.step()
         assert_params_close(full_model_parameters(model, opt, topo), want, f"resume zero={stage}",
                             rtol=0, atol=0)
+    # Overlap: with many buckets, reductions start (and some land) during backward, before step.
+    model = TransformerLanguageModel(cfg, topo)
+    opt = build_optimizer(model, topo, opt_config(zero_stage=2, bucket_numel=2000))
+    ids, labels = batch(0, topo)
+    opt.backward(model(ids, labels=labels).float().mean())
+    landed = [bool(b.grad_shard.any()) for b in opt.buffers]
+    assert len(opt.buffers) >= 10 and sum(landed) >= len(opt.buffers) - 2, landed
+    assert len(opt.grad_sync._inflight) <= opt.cfg.max_inflight_buckets
+    opt.step()
     # Backends without fused reduce-scatter / all-gather take the all_reduce / list fallbacks.
     _, want, _, _ = zero_run(topo, cfg, opt_config(zero_stage=3))
     collectives._SUPPORT.update({("gloo", "reduce_scatter"): False, ("gloo", "all_gather"): False})
