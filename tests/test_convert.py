@@ -38,6 +38,27 @@ def _hf_models():
     return {"gpt2": gpt2.eval(), "bloom": bloom.eval()}
 
 
+def _save_tokenizer(folder):
+    """A word-level tokenizer.json over the 101-token vocabulary (w0..w99, <|endoftext|>)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    vocab = {f"w{i}": i for i in range(VOCAB - 1)}
+    vocab["<|endoftext|>"] = VOCAB - 1
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(os.path.join(folder, "tokenizer.json"))
+    return tok
+
+
+def _generate_tool(argv):
+    """tools/generate.py's main in this (spawned) process; returns what it printed."""
+    import contextlib
+    import io
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert _tool_module("generate").main(argv) == 0
+    return out.getvalue().strip()
+
+
 def _save_hf(name, model, folder):
     if name == "gpt2":  # sharded safetensors with an index
         model.save_pretrained(folder, max_shard_size="40KB")
@@ -74,7 +95,7 @@ def _pipeline_logits(chunks, topo, ids, hidden):
     return None
 
 
-def _worker(rank, cases):
+def _worker(rank, cases, tool_case):
     from models.generation import SamplingConfig, generate
     from models.hf import model_class
     from parallel.topology import ParallelConfig, ParallelTopology
@@ -108,7 +129,10 @@ def _worker(rank, cases):
                                    SamplingConfig(greedy=False, top_k=20, top_p=0.9,
                                                   temperature=0.8), generator=g)
                 samples.append(((case["ckpt"], tp, topo.dp_rank), sampled))
-    return max(errors), samples
+    # tools/generate.py under tp=4 (the world size), text through the imported tokenizer folder
+    text = _generate_tool(["--load", tool_case["ckpt"], "--prompt", tool_case["prompt"],
+                           "--max-new-tokens", str(NEW_TOKENS), "--no-eos-stop"])
+    return max(errors), samples, text
 
 
 def test_import_export_logits_and_generation(tmp_path):
@@ -119,6 +143,14 @@ def test_import_export_logits_and_generation(tmp_path):
     for name, hf in _hf_models().items():
         hf_dir = str(tmp_path / f"hf_{name}")
         _save_hf(name, hf, hf_dir)
+        if name == "gpt2":
+            tok = _save_tokenizer(hf_dir)
+            words = "w7 w42 w3"
+            with torch.no_grad():
+                ref = hf.generate(torch.tensor([tok.encode(words).ids]), do_sample=False,
+                                  max_new_tokens=NEW_TOKENS, eos_token_id=None, pad_token_id=0)
+            tool_case = dict(prompt=words, text=tok.decode(ref[0].tolist()),
+                             ckpt=str(tmp_path / "mz_gpt2_222"))
         with torch.no_grad():
             logits = hf(ids).logits
             free = hf.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
@@ -130,7 +162,7 @@ def test_import_export_logits_and_generation(tmp_path):
             ckpt = str(tmp_path / f"mz_{name}_{tp}{pp}{vpp}")
             import_hf(hf_dir, ckpt, tp=tp, pp=pp, vpp=vpp)
             cases.append(dict(family=name, ckpt=ckpt, ids=ids, logits=logits, prompt=prompt,
-                              eos=eos, greedy=greedy))
+                              eos=eos, greedy=greedy, hf_ln=hf.state_dict().get("transformer.h.0.ln_1.weight")))
             # HF -> megazoo (tp, pp) -> HF gives identical tensors
             out = str(tmp_path / f"back_{name}_{tp}{pp}{vpp}")
             export_hf(ckpt, out)
@@ -141,11 +173,14 @@ def test_import_export_logits_and_generation(tmp_path):
             for k in ref_sd:
                 assert torch.equal(ref_sd[k], back_sd[k]), k
             assert back.config.eos_token_id == 0 and back.config.vocab_size == VOCAB
+            assert os.path.exists(os.path.join(out, "tokenizer.json")) == (name == "gpt2")
 
-    results = run_distributed(_worker, 4, cases, timeout=400)
+    results = run_distributed(_worker, 4, cases, tool_case, timeout=400)
     assert max(r[0] for r in results) <= 1e-5
+    assert results[0][2] == tool_case["text"] and len(tool_case["text"].split()) == 3 + NEW_TOKENS
+    assert all(r[2] == "" for r in results[1:])  # rank 0 prints
     by_group = {}
-    for _, samples in results:  # sampling: every TP rank of a group emits the same tokens
+    for _, samples, _ in results:  # sampling: every TP rank of a group emits the same tokens
         for key, tokens in samples:
             by_group.setdefault(key, []).append(tokens)
     assert len(by_group) == 4 * (1 + 2)  # 4 imports x (tp4 + tp2 x dp2)
@@ -153,14 +188,29 @@ def test_import_export_logits_and_generation(tmp_path):
         assert all(torch.equal(outs[0], o) for o in outs), key
         assert outs[0].shape[1] <= 5 + NEW_TOKENS and int(outs[0].max()) < VOCAB
 
+    # Replicas that drifted apart across TP ranks are averaged on export.
+    from safetensors.torch import load_file, save_file
+    path = str(tmp_path / "mz_gpt2_411" / "iter_0000000" / "rank_00001.safetensors")
+    tensors = load_file(path)
+    key = "model.0.layers.0.input_norm.weight"  # replicated over the 4 TP ranks
+    tensors[key] = tensors[key] + 0.4
+    save_file(tensors, path)
+    _tool("export", "--load", str(tmp_path / "mz_gpt2_411"), "--save", str(tmp_path / "drift"))
+    drifted = load_file(str(tmp_path / "drift" / "model.safetensors"))["transformer.h.0.ln_1.weight"]
+    torch.testing.assert_close(drifted, cases[0]["hf_ln"] + 0.1, rtol=0, atol=1e-6)
 
-def _tool(*argv):
-    """tools/convert_hf.py's main, in this process (tools/ is not a package)."""
+
+def _tool_module(name):
+    """A tools/ script as a module (tools/ is not a package)."""
     import importlib.util
-    spec = importlib.util.spec_from_file_location("convert_hf", os.path.join(REPO, "tools/convert_hf.py"))
+    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, f"tools/{name}.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.main(list(argv))
+    return module
+
+
+def _tool(*argv):
+    return _tool_module("convert_hf").main(list(argv))
 
 
 def test_bad_inputs_give_one_line_errors(tmp_path, capsys):

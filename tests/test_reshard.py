@@ -34,14 +34,17 @@ def _world4(rank, root, imported):
                 fine_tp=fine_tp.losses, again=again.losses, again_it=again.state.iteration)
 
 
-def _world2(rank, root, tool_root, root_dp2):
+def _world2(rank, root, tool_root, root_dp2, saves):
     direct = _pretrain(TINY + DP2 + ["--train-iters", "4", "--load", root, "--save", root_dp2], 2)
     tool = _pretrain(TINY + DP2 + ["--train-iters", "4", "--load", tool_root], 2)
-    # a ZeRO-2 checkpoint whose optimizer states are split over 2 data-parallel ranks
-    cont = _pretrain(TINY + DP2 + ["--train-iters", "5", "--load", root_dp2], 2)
+    # a ZeRO-2 checkpoint whose optimizer states are split over 2 data-parallel ranks, continued
+    # under ZeRO-2 (same layout), (tp2, ZeRO-1) and ZeRO-3; each saves iteration 5
+    cont = _pretrain(TINY + DP2 + ["--train-iters", "5", "--load", root_dp2, "--save", saves[0]], 2)
     tp2 = _pretrain(TINY + ["--tensor-model-parallel-size", "2", "--zero-stage", "1",
-                            "--train-iters", "5", "--load", root_dp2], 2)
-    return direct.losses, tool.losses, tool.state.iteration, cont.losses, tp2.losses
+                            "--train-iters", "5", "--load", root_dp2, "--save", saves[1]], 2)
+    z3 = _pretrain(TINY + ["--zero-stage", "3", "--train-iters", "5", "--load", root_dp2,
+                           "--save", saves[2]], 2)
+    return direct.losses, tool.losses, tool.state.iteration, cont.losses, tp2.losses, z3.losses
 
 
 def _hf_gpt2(folder):
@@ -81,11 +84,23 @@ def test_reshard_and_finetune(tmp_path):
                           "--save", tool_root, "--data-parallel-size", "2", "--zero-stage", "2"],
                          capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=REPO))
     assert out.returncode == 0, out.stderr
-    direct, tool, it, cont, tp2 = run_distributed(_world2, 2, root, tool_root,
-                                                  str(tmp_path / "dp2"), timeout=300)[0]
+    saves = [str(tmp_path / f"iter5_{k}") for k in ("zero2", "tp2", "zero3")]
+    direct, tool, it, cont, tp2, z3 = run_distributed(_world2, 2, root, tool_root,
+                                                      str(tmp_path / "dp2"), saves, timeout=300)[0]
     assert it == 4 and len(tool) == 1
     assert abs(direct[0] - ref) <= 1e-5 and abs(tool[0] - ref) <= 1e-5, (direct, tool, ref)
-    assert len(cont) == len(tp2) == 1 and abs(cont[0] - tp2[0]) <= 1e-5, (cont, tp2)
+    assert len(cont) == len(tp2) == len(z3) == 1, (cont, tp2, z3)
+    assert abs(cont[0] - tp2[0]) <= 1e-5 and abs(cont[0] - z3[0]) <= 1e-5, (cont, tp2, z3)
+    # The three layouts' iteration-5 checkpoints export to the same Hugging Face tensors (ZeRO-3
+    # keeps its weights only in the optimizer's shards).
+    from safetensors.torch import load_file
+
+    from training.convert import export_hf
+    exported = [load_file(os.path.join(export_hf(s, s + "_hf"), "model.safetensors")) for s in saves]
+    for other in exported[1:]:
+        assert other.keys() == exported[0].keys()
+        for k in other:
+            torch.testing.assert_close(other[k], exported[0][k], rtol=0, atol=1e-6)
 
     # --finetune: imported weights, iteration 0, fresh optimizer, under two layouts.
     assert r["fine_it"] == 2 and len(r["fine"]) == 2

@@ -4,7 +4,7 @@ Every rank file carries a parameter table (`PARAMS`, JSON in a uint8 tensor), on
 parameter in the optimizer's order:
 
     [chunk, name in the chunk, canonical name, local shape, TP partition dim (-1: replicated),
-     full (unpadded) size of that dim]
+     full (unpadded) size of that dim, shard layout spec (None: contiguous chunks)]
 
 With it, `read_full_state` turns the files of any layout into full, unpadded tensors keyed by
 canonical name: the model weights (`model.{chunk}.{name}`) and, per optimizer state (fp32
@@ -30,6 +30,7 @@ from safetensors import SafetensorError
 
 from parallel.pipeline.partition import rank_chunks
 from parallel.sharding import load_full_state_dict, local_shard
+from parallel.tensor_parallel import unshard
 from parallel.topology import ParallelConfig, ParallelTopology
 
 from . import checkpointing as ckpt
@@ -64,8 +65,9 @@ def param_table(chunks, opt=None) -> list[list]:
             if not p.requires_grad:
                 continue
             sharded = bool(getattr(p, "tensor_model_parallel", False))
+            layout = getattr(p, "tp_layout", None) if sharded else None
             rows.append([c, n, canonical(n), list(p.shape), p.partition_dim if sharded else -1,
-                         p.full_size if sharded else 0])
+                         p.full_size if sharded else 0, layout.spec() if layout else None])
     if opt is not None:  # the optimizer numbers parameters the same way; make sure of it
         prefix = (lambda c: f"chunk{c}.") if len(chunks) > 1 else (lambda c: "")
         if [prefix(r[0]) + r[1] for r in rows] != list(opt.param_names):
@@ -94,7 +96,7 @@ def _read_rank(folder, rank, coords, names, optimizer, pieces, states, covered, 
                 f"with the layout it was saved with")
         rows = ckpt.tensor_json(f.get_tensor(PARAMS))
         wanted = lambda row: names is None or row[2] in names  # noqa: E731
-        for c, n, canon, shape, dim, full in rows:
+        for c, n, canon, *_ in rows:
             key = f"model.{c}.{n}"
             if dp_r == 0 and key in keys and wanted([c, n, canon]):
                 pieces[canon][(pp_r, c, tp_r)] = f.get_tensor(key)
@@ -112,7 +114,7 @@ def _read_rank(folder, rank, coords, names, optimizer, pieces, states, covered, 
             for skey in names_here:
                 state, flat = skey.rsplit(".", 1)[1], f.get_tensor(skey)
                 for idx, start, end, off in ranges:
-                    c, _, canon, shape, _, _ = rows[idx]
+                    c, _, canon, shape = rows[idx][:4]
                     if not wanted(rows[idx]):
                         continue
                     buf = states[state][canon].setdefault(
@@ -135,11 +137,11 @@ def _merge(copies: list[torch.Tensor], what: str) -> torch.Tensor:
 
 
 def _assemble(parts: dict, info: dict, what: str) -> dict[str, torch.Tensor]:
-    """{canonical: {(pp, chunk, tp): local}} -> {canonical: full}: TP shards concatenated (vocab
-    padding cut), replicas merged."""
+    """{canonical: {(pp, chunk, tp): local}} -> {canonical: full}: TP shards joined (vocabulary
+    padding cut; non-contiguous layouts rebuilt by `unshard`), replicas merged."""
     out = {}
     for canon, by_copy in parts.items():
-        shape, dim, full_size, tp = info[canon]
+        shape, dim, full_size, tp, layout = info[canon]
         copies = defaultdict(dict)
         for (pp_r, c, tp_r), t in by_copy.items():
             copies[(pp_r, c)][tp_r] = t.reshape(shape[(pp_r, c)])
@@ -150,7 +152,7 @@ def _assemble(parts: dict, info: dict, what: str) -> dict[str, torch.Tensor]:
                                            f"{sorted(set(range(tp)) - set(shards))}")
             ordered = [shards[r] for r in range(tp)]
             if dim >= 0:
-                merged.append(torch.cat(ordered, dim).narrow(dim, 0, full_size))
+                merged.append(unshard(ordered, dim, full_size, layout))
             else:
                 merged.append(_merge(ordered, f"{canon} across tensor-parallel ranks"))
         out[canon] = _merge(merged, f"{canon} across pipeline stages")
@@ -170,8 +172,10 @@ def read_full_state(folder: str, names: set[str] | None = None, optimizer: bool 
         if coords[1] > 0 and (zero == 0 or not optimizer):
             continue  # ZeRO-0 data-parallel ranks hold copies of dp rank 0's states
         rows = _read_rank(folder, rank, coords, names, optimizer, pieces, states, covered, scalars)
-        for c, _, canon, shape, dim, full in rows:
-            info.setdefault(canon, [{}, dim, full, tp])[0][(coords[0], c)] = shape
+        for row in rows:
+            c, _, canon, shape, dim, full = row[:6]
+            layout = row[6] if len(row) > 6 else None
+            info.setdefault(canon, [{}, dim, full, tp, layout])[0][(coords[0], c)] = shape
     for (state, canon, key), n in covered.items():
         if n < math.prod(info[canon][0][key[:2]]):
             raise ckpt.CheckpointError(f"{folder}: optimizer state {state} of {canon} is incomplete "

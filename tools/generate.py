@@ -1,0 +1,83 @@
+"""Generate text from a megazoo checkpoint of any layout, with tensor parallelism and a KV cache.
+
+    python tools/generate.py --load ckpt/gpt2 --prompt "Hello" --max-new-tokens 32
+    torchrun --nproc_per_node 2 tools/generate.py --load ckpt/gpt2 --prompt "Hello" \
+        --top-k 50 --top-p 0.9 --temperature 0.8 --seed 1
+
+Every process is one tensor-parallel rank (tp = the world size). The tokenizer is the
+checkpoint's `tokenizer/` folder (written by tools/convert_hf.py import) unless tokenizer flags
+are given. Greedy decoding is the default; any of --temperature/--top-k/--top-p samples.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from data.tokenizers import TokenizerError, build_tokenizer  # noqa: E402
+from models.generation import SamplingConfig, generate  # noqa: E402
+from models.hf import model_class  # noqa: E402
+from parallel.topology import LayoutError, ParallelConfig, initialize  # noqa: E402
+from training import checkpointing as ckpt  # noqa: E402
+from training.convert import checkpoint_config  # noqa: E402
+from training.reshard import load_weights  # noqa: E402
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--load", required=True, help="checkpoint root (with 'latest') or iter_* folder")
+    p.add_argument("--prompt", action="append", required=True, help="repeat for a batch")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--no-eos-stop", action="store_true", help="keep going past end-of-text")
+    p.add_argument("--tokenizer-type", default="HuggingFaceTokenizer")
+    p.add_argument("--tokenizer-model", help="default: the checkpoint's tokenizer/ folder")
+    p.add_argument("--vocab-file")
+    p.add_argument("--merge-file")
+    return p
+
+
+def main(argv=None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        folder = ckpt.resolve(args.load)
+        _, config, module = checkpoint_config(folder)
+        tok_path = args.tokenizer_model or os.path.join(os.path.dirname(folder), "tokenizer")
+        tok = build_tokenizer(args.tokenizer_type, vocab_file=args.vocab_file,
+                              merge_file=args.merge_file, tokenizer_model=tok_path)
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        topo = initialize(ParallelConfig(tp=world))
+        model = model_class(module)(config, topo).eval()
+        load_weights(folder, [model], topo)
+    except (ckpt.CheckpointError, TokenizerError, LayoutError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    encoded = [tok.encode(p) for p in args.prompt]
+    if len({len(e) for e in encoded}) != 1:  # no padding support: the cache has no attention mask
+        print("error: prompts must encode to the same number of tokens; run them one at a time",
+              file=sys.stderr)
+        return 1
+    sampling = SamplingConfig(
+        greedy=args.temperature is None and args.top_k == 0 and args.top_p == 1.0,
+        temperature=args.temperature or 1.0, top_k=args.top_k, top_p=args.top_p,
+        eos_id=None if args.no_eos_stop else tok.eod)
+    generator = torch.Generator().manual_seed(args.seed)
+    prompt = torch.tensor(encoded, dtype=torch.long, device=topo.device)
+    out = generate(model, topo, prompt, args.max_new_tokens, sampling, generator)
+    if topo.rank == 0:
+        for row in out.tolist():
+            print(tok.decode(row))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
