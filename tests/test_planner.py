@@ -1,0 +1,141 @@
+"""The planner (training/planner.py): memory formulas, layout checks, ranking, published runs,
+and predicted vs measured model-state memory of the ZeRO optimizer in one small gloo world."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from models.config import TransformerConfig, preset
+from tests.distributed import run_distributed
+from training.planner import (CLUSTERS, GiB, Layout, PlanError, check_layout,
+                              layer_activation_bytes, memory_per_gpu, model_state_bytes, plan,
+                              published_runs, rank_layouts, stage_params, step_time)
+
+P = 1_000_000.0
+
+
+@pytest.mark.parametrize("n", [1, 4, 64])
+def test_zero_paper_model_state_formulas(n):
+    """Rajbhandari et al. 2020, Fig. 1 (mixed-precision Adam, K = 12, 2-byte gradients)."""
+    def total(stage):
+        return sum(model_state_bytes(P, Layout(dp=n, zero=stage, grad_bytes=2)))
+    assert total(0) == pytest.approx(16 * P)
+    assert total(1) == pytest.approx(4 * P + 12 * P / n)
+    assert total(2) == pytest.approx(2 * P + 14 * P / n)
+    assert total(3) == pytest.approx(16 * P / n)
+    # fp32 training: the weights are the masters (4 + 4 + 8 bytes)
+    assert sum(model_state_bytes(P, Layout(dp=n, precision="fp32"))) == pytest.approx(16 * P)
+
+
+def test_parameter_count_matches_the_model_config():
+    for name in ("gpt2", "gpt-1.3b", "bloom-560m", "llama2-7b"):
+        cfg = preset(name, make_vocab_size_divisible_by=1)
+        assert stage_params(cfg, 1, 1, "only") == pytest.approx(cfg.num_parameters(), rel=1e-9)
+        # tp shards everything but the replicated norms, row-parallel biases and positions
+        pos = cfg.max_position_embeddings * cfg.hidden_size if cfg.position_embedding == "learned" else 0
+        assert stage_params(cfg, 8, 1, "only") == pytest.approx((cfg.num_parameters() - pos) / 8 + pos,
+                                                                rel=0.01)
+    cfg = preset("gpt-1.3b")
+    first, last = stage_params(cfg, 1, 4, "first"), stage_params(cfg, 1, 4, "last")
+    words = cfg.padded_vocab_size(1) * cfg.hidden_size
+    h = cfg.hidden_size
+    assert first - last == pytest.approx(cfg.max_position_embeddings * h - 2 * h)  # positions vs final norm
+    assert first > words and last > words  # both ends hold a copy of the tied embedding
+
+
+def test_korthikanti_activation_formulas():
+    cfg = TransformerConfig(hidden_size=1024, num_attention_heads=16, num_layers=4)
+    s, b, h, a = 2048, 2, 1024, 16
+    base = dict(seq_length=s, micro_batch=b)
+    assert layer_activation_bytes(cfg, Layout(**base))[0] == pytest.approx(s * b * h * (34 + 5 * a * s / h))
+    t = 4
+    assert layer_activation_bytes(cfg, Layout(tp=t, **base))[0] == pytest.approx(
+        s * b * h * (10 + 24 / t + 5 * a * s / (h * t)))
+    assert layer_activation_bytes(cfg, Layout(tp=t, sequence_parallel=True, **base))[0] == \
+        pytest.approx(s * b * h / t * (34 + 5 * a * s / h))
+    assert layer_activation_bytes(cfg, Layout(tp=t, sequence_parallel=True, recompute="selective",
+                                              **base))[0] == pytest.approx(s * b * h * 34 / t)
+    kept, working = layer_activation_bytes(cfg, Layout(recompute="full", **base))
+    assert kept == pytest.approx(2 * s * b * h) and working > kept
+    # 1F1B: the first stage holds pp microbatches of its L/pp layers, i.e. L layers' worth
+    lay = Layout(pp=4, dp=1, micro_batch=b, global_batch=64, seq_length=s)
+    one = layer_activation_bytes(cfg, lay)[0]
+    assert memory_per_gpu(cfg, lay).activations >= cfg.num_layers * one
+
+
+def test_invalid_and_non_fitting_layouts_are_rejected():
+    cfg = preset("gpt-175b")
+    cluster = CLUSTERS["dgx-a100-80gb"].replace(num_gpus=64)
+    with pytest.raises(PlanError):
+        check_layout(cfg, Layout(tp=7, dp=1), None)  # 96 heads % 7
+    with pytest.raises(PlanError):
+        check_layout(cfg, Layout(pp=2, zero=3, dp=32), None)
+    with pytest.raises(PlanError):
+        check_layout(cfg, Layout(tp=8, pp=8, dp=1, global_batch=10, micro_batch=4), None)
+    # 175B without model parallelism: ZeRO-1 keeps 6 bytes/param of full weights and gradients
+    # per GPU (about 1 TB): rejected; ZeRO-3 over 64 GPUs shards all 18 bytes: 49 GB fits
+    p = plan(cfg, Layout(dp=64, zero=1, recompute="full", global_batch=64), cluster)
+    assert not p.fits and p.memory.model_states > 900 * GiB
+    assert plan(cfg, Layout(dp=64, zero=3, recompute="full", global_batch=64), cluster).fits
+    # a ranking only lists layouts that fit, fastest first
+    plans = rank_layouts(cfg, cluster, global_batch=128, seq_length=2048, fixed={"micro_batch": 1})
+    assert plans and all(q.fits for q in plans)
+    times = [q.time.total for q in plans]
+    assert times == sorted(times)
+    assert all(q.memory.total <= cluster.memory_bytes for q in plans)
+
+
+def test_step_time_terms_behave():
+    cfg = preset("gpt-13b")
+    cluster = CLUSTERS["dgx-a100-80gb"].replace(num_gpus=64)
+    base = Layout(tp=8, pp=4, dp=2, micro_batch=1, global_batch=64, recompute="full")
+    t = step_time(cfg, base, cluster)
+    assert t.bubble == pytest.approx((t.compute + t.tp_comm + t.pp_comm) * 3 / 32)
+    inter = step_time(cfg, Layout(**{**base.__dict__, "vpp": 2}), cluster)
+    assert inter.bubble == pytest.approx(t.bubble / 2, rel=0.01)  # + twice the p2p per slot
+    assert step_time(cfg, Layout(**{**base.__dict__, "recompute": "none"}), cluster).mfu > t.mfu
+    assert t.hardware_flops == pytest.approx(t.model_flops * 4 / 3, rel=0.02)
+
+
+@pytest.mark.parametrize("run", published_runs(), ids=lambda r: r.name)
+def test_published_runs_fit_and_are_predicted_within_25_percent(run):
+    p = plan(run.model, run.layout, run.cluster)
+    assert p.fits, f"{run.name}: predicted {p.memory.total / GiB:.1f} GiB"
+    assert p.time.tflops_per_gpu == pytest.approx(run.tflops_per_gpu, rel=0.25)
+
+
+# ---- predicted vs measured: the ZeRO optimizer's model states on 2 gloo ranks -----------------
+
+TINY = dict(vocab_size=1000, hidden_size=64, num_layers=2, num_attention_heads=4,
+            max_position_embeddings=32)
+
+
+def _measure_states(rank):
+    from models.gpt import GPTModel
+    from parallel.topology import ParallelConfig, ParallelTopology
+    from parallel.zero import OptimizerConfig, build_optimizer
+    import torch
+    topo = ParallelTopology.from_config(ParallelConfig())
+    out = {}
+    for precision in ("fp32", "bf16"):
+        for stage in (0, 1, 2, 3):
+            model = GPTModel(TransformerConfig(**TINY), topo)
+            opt = build_optimizer(model, topo, OptimizerConfig(zero_stage=stage, precision=precision))
+            ids = torch.randint(0, 1000, (2, 16), generator=torch.Generator().manual_seed(rank))
+            opt.backward(model(ids, labels=ids).float().mean())
+            opt.step()
+            opt.zero_grad()
+            out[(precision, stage)] = opt.memory_report()
+    return out
+
+
+def test_model_state_memory_matches_the_zero_optimizer():
+    reports = run_distributed(_measure_states, 2, timeout=120)
+    cfg = TransformerConfig(**TINY)
+    n = stage_params(cfg, 1, 1, "only")
+    for (precision, stage), rep in reports[0].items():
+        assert rep["numel"] == n
+        predicted = sum(model_state_bytes(n, Layout(dp=2, zero=stage, precision=precision)))
+        assert math.isclose(rep["model_states"], predicted, rel_tol=0.10), \
+            (precision, stage, rep, predicted)

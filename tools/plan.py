@@ -1,0 +1,153 @@
+"""Plan a training run: per-GPU memory, step time and MFU of layouts, ranked (training/planner.py).
+
+    # rank every layout of gpt-175b on 1024 A100-80GB that fits
+    python tools/plan.py --model gpt-175b --cluster dgx-a100-80gb --gpus 1024 \\
+        --global-batch-size 1536 --seq-length 2048 --top 10
+    # one layout, broken down
+    python tools/plan.py --model bloom-176b --cluster jean-zay-a100-80gb --gpus 384 \\
+        --tp 4 --pp 12 --zero-stage 1 --recompute full --micro-batch-size 2 --global-batch-size 2048
+    # your own model and cluster
+    python tools/plan.py --hidden-size 4096 --num-layers 32 --num-attention-heads 32 \\
+        --gpus 64 --gpus-per-node 8 --gpu-memory-gb 80 --peak-tflops 989 \\
+        --intra-node-gbps 370 --inter-node-gbps 50 --global-batch-size 512
+    # predicted vs published runs (the table in docs/planner.md)
+    python tools/plan.py --published
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from models.config import PRESETS, TransformerConfig, preset  # noqa: E402
+from training.planner import (CLUSTERS, GiB, MATMUL_EFFICIENCY, Cluster, Layout,  # noqa: E402
+                              PlanError, plan, published_runs, rank_layouts)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    m = p.add_argument_group("model")
+    m.add_argument("--model", help=f"preset: {', '.join(sorted(PRESETS))}")
+    for flag in ("--hidden-size", "--num-layers", "--num-attention-heads", "--ffn-hidden-size",
+                 "--vocab-size", "--num-query-groups"):
+        m.add_argument(flag, type=int)
+    c = p.add_argument_group("cluster")
+    c.add_argument("--cluster", default="dgx-a100-80gb", choices=sorted(CLUSTERS))
+    c.add_argument("--gpus", type=int, help="number of GPUs (default: one node)")
+    c.add_argument("--gpus-per-node", type=int)
+    c.add_argument("--gpu-memory-gb", type=float, help="GiB per GPU")
+    c.add_argument("--peak-tflops", type=float, help="dense 16-bit peak per GPU")
+    c.add_argument("--intra-node-gbps", type=float, help="GB/s per GPU, all-reduce bus bandwidth")
+    c.add_argument("--inter-node-gbps", type=float, help="GB/s per GPU across nodes")
+    lay = p.add_argument_group("layout (any given value is pinned; the rest are searched)")
+    lay.add_argument("--tp", type=int)
+    lay.add_argument("--pp", type=int)
+    lay.add_argument("--vpp", type=int)
+    lay.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3])
+    lay.add_argument("--recompute", choices=["none", "selective", "full"])
+    lay.add_argument("--sequence-parallel", action="store_true", default=None)
+    lay.add_argument("--micro-batch-size", type=int)
+    lay.add_argument("--global-batch-size", type=int, default=512)
+    lay.add_argument("--seq-length", type=int, default=2048)
+    lay.add_argument("--precision", choices=["bf16", "fp32"], default="bf16")
+    lay.add_argument("--grad-bytes", type=int, choices=[2, 4], default=4)
+    lay.add_argument("--flash-attention", action="store_true")
+    lay.add_argument("--overlap-dp", action="store_true")
+    p.add_argument("--top", type=int, default=10)
+    p.add_argument("--published", action="store_true", help="predicted vs published runs")
+    return p.parse_args(argv)
+
+
+def build_model(a) -> TransformerConfig:
+    overrides = {k: v for k, v in dict(
+        hidden_size=a.hidden_size, num_layers=a.num_layers, num_attention_heads=a.num_attention_heads,
+        ffn_hidden_size=a.ffn_hidden_size, vocab_size=a.vocab_size,
+        num_query_groups=a.num_query_groups, max_position_embeddings=a.seq_length).items()
+        if v is not None}
+    if a.model:
+        return preset(a.model, **overrides)
+    if not {"hidden_size", "num_layers", "num_attention_heads"} <= set(overrides):
+        sys.exit("give --model, or --hidden-size, --num-layers and --num-attention-heads")
+    return TransformerConfig(**overrides)
+
+
+def build_cluster(a) -> Cluster:
+    base = CLUSTERS[a.cluster]
+    changes = {k: v for k, v in dict(
+        num_gpus=a.gpus or base.num_gpus, gpus_per_node=a.gpus_per_node,
+        memory_bytes=a.gpu_memory_gb * GiB if a.gpu_memory_gb else None,
+        peak_flops=a.peak_tflops * 1e12 if a.peak_tflops else None,
+        intra_node_bw=a.intra_node_gbps * 1e9 if a.intra_node_gbps else None,
+        inter_node_bw=a.inter_node_gbps * 1e9 if a.inter_node_gbps else None).items() if v is not None}
+    return base.replace(**changes)
+
+
+def row(p) -> str:
+    m, t = p.memory, p.time
+    return (f"{p.layout.describe():52} {m.params / GiB:6.1f} {m.grads / GiB:6.1f} "
+            f"{m.optimizer / GiB:6.1f} {m.activations / GiB:6.1f} {m.total / GiB:7.1f} "
+            f"{t.total:8.2f} {t.tflops_per_gpu:7.1f} {100 * t.mfu:5.1f}%")
+
+
+HEADER = (f"{'layout':52} {'params':>6} {'grads':>6} {'optim':>6} {'activ':>6} {'GiB':>7} "
+          f"{'step s':>8} {'TFLOP/s':>7} {'MFU':>6}")
+
+
+def published_table() -> str:
+    lines = ["| run | layout | GPUs | params | predicted GiB/GPU | fits | published TFLOP/s/GPU | "
+             "predicted | error |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in published_runs():
+        p = plan(r.model, r.layout, r.cluster)
+        err = p.time.tflops_per_gpu / r.tflops_per_gpu - 1
+        lines.append(f"| {r.name} | {r.layout.describe()} | {r.cluster.num_gpus} | "
+                     f"{r.model.num_parameters() / 1e9:.1f}B | {p.memory.total / GiB:.1f} | "
+                     f"{'yes' if p.fits else 'NO'} | {r.tflops_per_gpu:.0f} | "
+                     f"{p.time.tflops_per_gpu:.0f} | {100 * err:+.0f}% |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    a = parse_args(argv)
+    if a.published:
+        print(f"MATMUL_EFFICIENCY = {MATMUL_EFFICIENCY}\n")
+        print(published_table())
+        return
+    cfg, cluster = build_model(a), build_cluster(a)
+    fixed = {k: v for k, v in dict(tp=a.tp, pp=a.pp, vpp=a.vpp, zero=a.zero_stage,
+                                   recompute=a.recompute, sequence_parallel=a.sequence_parallel,
+                                   micro_batch=a.micro_batch_size).items() if v is not None}
+    common = dict(precision=a.precision, grad_bytes=a.grad_bytes,
+                  flash_attention=a.flash_attention, overlap_dp=a.overlap_dp)
+    print(f"model: {cfg.num_parameters() / 1e9:.2f}B parameters (h={cfg.hidden_size}, "
+          f"L={cfg.num_layers}, heads={cfg.num_attention_heads}, V={cfg.vocab_size}); cluster: "
+          f"{cluster.num_gpus} x {cluster.memory_bytes / GiB:.0f} GiB, "
+          f"{cluster.peak_flops / 1e12:.0f} TFLOP/s peak")
+    if {"tp", "pp", "zero", "recompute", "micro_batch"} <= set(fixed):
+        dp = cluster.num_gpus // (a.tp * a.pp)
+        layout = Layout(tp=a.tp, pp=a.pp, dp=dp, vpp=a.vpp or 1, zero=a.zero_stage,
+                        sequence_parallel=bool(a.sequence_parallel), recompute=a.recompute,
+                        micro_batch=a.micro_batch_size, global_batch=a.global_batch_size,
+                        seq_length=a.seq_length, **common)
+        try:
+            p = plan(cfg, layout, cluster)
+        except PlanError as e:
+            sys.exit(f"invalid layout: {e}")
+        print(HEADER + "\n" + row(p))
+        t = p.time
+        print(f"fits: {p.fits} ({p.memory.stage} stage);  time: compute {t.compute:.2f} s, TP "
+              f"{t.tp_comm:.2f}, PP p2p {t.pp_comm:.2f}, bubble {t.bubble:.2f}, DP {t.dp_comm:.2f}, "
+              f"optimizer {t.optimizer:.3f};  {t.tokens_per_s:,.0f} tokens/s")
+        return
+    plans = rank_layouts(cfg, cluster, global_batch=a.global_batch_size, seq_length=a.seq_length,
+                         fixed=fixed, **common)
+    if not plans:
+        sys.exit("no layout fits: add GPUs, memory, recompute or ZeRO, or shrink the batch")
+    print(f"{len(plans)} layouts fit; the fastest {min(a.top, len(plans))}:\n{HEADER}")
+    for p in plans[:a.top]:
+        print(row(p))
+
+
+if __name__ == "__main__":
+    main()

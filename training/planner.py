@@ -1,0 +1,416 @@
+"""Capacity planner: per-GPU memory, step time and MFU of a (model, cluster, layout), and a ranking
+of the layouts that fit. Pure functions over dataclasses; `tools/plan.py` is the command line.
+
+Memory per GPU (bytes), for the heaviest pipeline stage (the first, or the last when it holds a
+large untied/copied head and fewer activations):
+
+* model states per parameter held by this rank (its TP shard of its stage's layers, plus the
+  word embedding on the first stage and the head copy on the last): weights `w` (2 bf16, 4 fp32),
+  gradients `g` (4 when gradients are accumulated in fp32 as Megatron and megazoo do by default,
+  2 as the ZeRO paper counts them), optimizer `k` (fp32 master 4 when it is separate + Adam 8).
+  ZeRO over N = dp ranks: stage 0 w+g+k, 1 w+g+k/N, 2 w+(g+k)/N, 3 (w+g+k)/N (Rajbhandari et al.
+  2020: with g=2, k=12, stage 1 is 4P + 12P/N, stage 2 2P + 14P/N, stage 3 16P/N).
+* activations per layer and microbatch after Korthikanti et al. 2022 (16-bit, dropout masks
+  included): s*b*h*(34 + 5*a*s/h) without tensor parallelism; s*b*h*(10 + 24/t + 5*a*s/(h*t))
+  with TP; everything /t with sequence parallelism; selective recompute (or flash attention)
+  drops the 5*a*s/h score term; full recompute keeps only each layer's input, 2*s*b*h (/t with
+  SP), plus one layer's full activations while it is recomputed. Under 1F1B the first stage holds
+  min(pp, m) microbatches of its L/pp layers (L*(1 + (p-1)/(p*v)) layer-microbatches when
+  interleaved); the last stage also holds the logits, 4*s*b*V/t.
+  Not modelled: allocator caching/fragmentation, communication buffers, framework workspace.
+
+Step time per iteration: each pipeline stage runs m = global/(dp*micro) microbatches; one
+microbatch costs compute (hardware FLOPs, i.e. including recompute, of its layers /tp, at
+`MATMUL_EFFICIENCY` x peak) + TP collectives (4 all-reduces of s*b*h activations per layer, 6 with
+full recompute, ring cost 2(t-1)/t x bytes over the intra-node bandwidth) + the p2p send/receive
+to the neighbour stage. The pipeline takes (m + (p-1)/v) microbatch slots (bubble (p-1)/(v*m));
+then the data-parallel gradient reduction (ring all-reduce; ZeRO-1/2 reduce-scatter grads +
+all-gather weights once; ZeRO-2 reduce-scatters after every microbatch, ZeRO-3 also gathers the
+weights twice per microbatch) over the inter-node bandwidth when the DP group spans nodes,
+exposed unless `overlap_dp`; then the optimizer, memory-bound.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from dataclasses import dataclass
+
+from models.config import TransformerConfig
+
+# The ONE calibration constant: the fraction of the GPU's dense peak that a transformer layer's
+# compute (its GEMMs and the fused elementwise kernels between them) sustains. Fitted once, as the
+# geometric mean of the efficiency implied by the ten runs of Narayanan et al. 2021 Table 1 under
+# this model (0.52 ... 0.64, geometric mean 0.583; see docs/planner.md). BLOOM-176B and MT-NLG 530B
+# are held out: predicted with this constant, never fitted.
+MATMUL_EFFICIENCY = 0.58
+OPTIMIZER_BYTES_PER_PARAM = 40  # memory traffic of one Adam step per local fp32 element (r/w)
+
+
+@dataclass(frozen=True)
+class Cluster:
+    name: str
+    num_gpus: int
+    gpus_per_node: int
+    memory_bytes: float  # per GPU
+    peak_flops: float  # dense 16-bit FLOP/s per GPU
+    intra_node_bw: float  # bytes/s per GPU: NCCL all-reduce bus bandwidth inside a node
+    inter_node_bw: float  # bytes/s per GPU across nodes (node's NIC bandwidth / GPUs per node)
+    hbm_bw: float = 2.0e12  # bytes/s per GPU (optimizer step)
+
+    def replace(self, **kw) -> "Cluster":
+        return dataclasses.replace(self, **kw)
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    vpp: int = 1
+    zero: int = 0
+    sequence_parallel: bool = False
+    recompute: str = "none"  # none | selective | full
+    micro_batch: int = 1
+    global_batch: int = 1
+    seq_length: int = 2048
+    precision: str = "bf16"  # bf16 (fp32 masters) | fp32
+    grad_bytes: int = 4  # 4: fp32 gradient accumulation (Megatron, megazoo); 2: ZeRO paper
+    flash_attention: bool = False  # attention scores never stored (SDPA / FlashAttention)
+    overlap_dp: bool = False
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def microbatches(self) -> int:
+        return self.global_batch // (self.dp * self.micro_batch)
+
+    def describe(self) -> str:
+        extra = (f" vpp{self.vpp}" if self.vpp > 1 else "") + (" sp" if self.sequence_parallel else "")
+        return (f"tp{self.tp} pp{self.pp} dp{self.dp}{extra} zero{self.zero} rc={self.recompute} "
+                f"mbs{self.micro_batch} gbs{self.global_batch}")
+
+
+@dataclass
+class Memory:
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+    stage: str  # "first" | "last" | "only"
+
+    @property
+    def model_states(self) -> float:
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def total(self) -> float:
+        return self.model_states + self.activations
+
+
+@dataclass
+class StepTime:
+    compute: float
+    tp_comm: float
+    pp_comm: float
+    bubble: float
+    dp_comm: float
+    optimizer: float
+    total: float
+    model_flops: float  # per iteration, whole job, no recompute
+    hardware_flops: float  # per iteration, whole job, recompute included
+    tflops_per_gpu: float  # hardware FLOP/s per GPU / 1e12 (what Megatron-style logs report)
+    mfu: float  # model FLOPs / (time * gpus * peak)
+    tokens_per_s: float
+
+
+@dataclass
+class Plan:
+    layout: Layout
+    memory: Memory
+    time: StepTime
+    fits: bool
+
+
+class PlanError(ValueError):
+    """A layout that cannot run at all (not one that merely does not fit)."""
+
+
+# ---- parameter counts ------------------------------------------------------------------------
+
+def _layer_params(cfg: TransformerConfig, tp: int) -> float:
+    """Parameters of one transformer layer held by one TP rank (replicated norms/biases whole)."""
+    h, f, d = cfg.hidden_size, cfg.ffn_hidden_size, cfg.head_dim
+    qkv = (cfg.num_attention_heads + 2 * max(cfg.num_query_groups, tp)) * d
+    fc1 = 2 * f if cfg.activation == "swiglu" else f
+    bias = 1 if cfg.bias else 0
+    norm = 2 * h if cfg.normalization == "layernorm" else h
+    sharded = qkv * h + h * h + fc1 * h + f * h + bias * (qkv + fc1)
+    return sharded / tp + bias * 2 * h + 2 * norm
+
+
+def stage_params(cfg: TransformerConfig, tp: int, pp: int, stage: str) -> float:
+    """Parameters one rank of the `stage` ("first", "last", "only") holds."""
+    h = cfg.hidden_size
+    layers = math.ceil(cfg.num_layers / pp)
+    norm = 2 * h if cfg.normalization == "layernorm" else h
+    words = cfg.padded_vocab_size(tp) * h / tp
+    n = layers * _layer_params(cfg, tp)
+    if stage in ("first", "only"):
+        n += words + (cfg.max_position_embeddings * h if cfg.position_embedding == "learned" else 0)
+        n += norm if cfg.embedding_layernorm else 0
+    if stage in ("last", "only"):
+        n += norm  # final norm
+        if stage == "last" or not cfg.tie_word_embeddings:
+            n += words  # untied head, or the last stage's copy of the tied embedding
+    return n
+
+
+# ---- memory ----------------------------------------------------------------------------------
+
+def state_bytes_per_param(layout: Layout) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer) bytes per parameter before ZeRO sharding."""
+    if layout.precision == "fp32":
+        return 4.0, 4.0, 8.0  # the fp32 weights are the masters; Adam m and v
+    return 2.0, float(layout.grad_bytes), 12.0  # fp32 master + Adam m and v
+
+
+def model_state_bytes(n_params: float, layout: Layout) -> tuple[float, float, float]:
+    w, g, k = state_bytes_per_param(layout)
+    n = layout.dp
+    shard = {0: (1, 1, 1), 1: (1, 1, n), 2: (1, n, n), 3: (n, n, n)}[layout.zero]
+    return n_params * w / shard[0], n_params * g / shard[1], n_params * k / shard[2]
+
+
+def layer_activation_bytes(cfg: TransformerConfig, layout: Layout) -> tuple[float, float]:
+    """(bytes kept per layer and microbatch, bytes of one layer's full activations)."""
+    s, b, h, a, t = (layout.seq_length, layout.micro_batch, cfg.hidden_size,
+                     cfg.num_attention_heads, layout.tp)
+    scale = 2.0 if layout.precision == "fp32" else 1.0  # the formulas count 16-bit activations
+    scores = 0.0 if (layout.flash_attention or layout.recompute == "selective") else 5 * a * s / h
+    sp = layout.sequence_parallel and t > 1
+    full = s * b * h * ((34 + scores) / t if sp else 10 + 24 / t + scores / t)
+    if layout.recompute == "full":
+        return scale * 2 * s * b * h / (t if sp else 1), scale * full
+    return scale * full, 0.0
+
+
+def activation_bytes(cfg: TransformerConfig, layout: Layout, stage: str) -> float:
+    s, b, h, t = layout.seq_length, layout.micro_batch, cfg.hidden_size, layout.tp
+    kept, working = layer_activation_bytes(cfg, layout)
+    layers = math.ceil(cfg.num_layers / layout.pp)
+    m = max(layout.microbatches, 1)
+    if stage == "first" and layout.vpp > 1:
+        in_flight = cfg.num_layers * (1 + (layout.pp - 1) / (layout.pp * layout.vpp))
+    elif stage == "first":
+        in_flight = layers * min(layout.pp, m)
+    else:
+        in_flight = layers  # the last stage runs each microbatch's backward right away
+    total = kept * in_flight + working
+    if stage in ("first", "only"):
+        total += 3 * s * b * h * (min(layout.pp, m) if stage == "first" else 1)  # embedding out + mask
+    if stage in ("last", "only"):
+        total += 4 * s * b * cfg.padded_vocab_size(t) / t  # fp32 logits for the loss
+    return total
+
+
+def memory_per_gpu(cfg: TransformerConfig, layout: Layout) -> Memory:
+    stages = ["only"] if layout.pp == 1 else ["first", "last"]
+    best = None
+    for stage in stages:
+        p, g, o = model_state_bytes(stage_params(cfg, layout.tp, layout.pp, stage), layout)
+        mem = Memory(p, g, o, activation_bytes(cfg, layout, stage), stage)
+        if best is None or mem.total > best.total:
+            best = mem
+    return best
+
+
+# ---- FLOPs and time ---------------------------------------------------------------------------
+
+def forward_flops_per_token(cfg: TransformerConfig, seq: int) -> tuple[float, float, float]:
+    """(dense layer GEMMs, attention scores+values, logits) forward FLOPs per token, all layers."""
+    h, f, d = cfg.hidden_size, cfg.ffn_hidden_size, cfg.head_dim
+    qkv = (cfg.num_attention_heads + 2 * cfg.num_query_groups) * d
+    fc1 = 2 * f if cfg.activation == "swiglu" else f
+    dense = 2 * cfg.num_layers * (h * qkv + h * h + h * fc1 + f * h)
+    return dense, 4 * cfg.num_layers * seq * h, 2 * h * cfg.vocab_size
+
+
+def step_time(cfg: TransformerConfig, layout: Layout, cluster: Cluster,
+              efficiency: float = MATMUL_EFFICIENCY) -> StepTime:
+    s, b, h, t, p, v = (layout.seq_length, layout.micro_batch, cfg.hidden_size, layout.tp,
+                        layout.pp, layout.vpp)
+    m = layout.microbatches
+    dense, attn, logits = forward_flops_per_token(cfg, s)
+    model_per_token = 3 * (dense + attn + logits)
+    extra = {"full": dense + attn, "selective": attn}.get(layout.recompute, 0.0)
+    hw_per_token = model_per_token + extra
+    tokens = layout.global_batch * s
+    gpus = layout.world
+    # The slowest stage has ceil(L/p) layers; stages are otherwise balanced (the logits' share is
+    # spread, as Megatron-style partitions that count the embedding as a layer do).
+    imbalance = math.ceil(cfg.num_layers / p) * p / cfg.num_layers
+    flop_rate = cluster.peak_flops * efficiency
+    compute_mb = hw_per_token * b * s / (t * p) * imbalance / flop_rate
+    act = b * s * h * 2.0
+    n_ar = 6 if layout.recompute == "full" else 4
+    tp_bw = cluster.intra_node_bw if t <= cluster.gpus_per_node else cluster.inter_node_bw
+    tp_mb = (n_ar * math.ceil(cfg.num_layers / p) * 2 * (t - 1) / t * act / tp_bw) if t > 1 else 0.0
+    same_node = t * layout.dp < cluster.gpus_per_node
+    p2p_bw = cluster.intra_node_bw if same_node else cluster.inter_node_bw
+    pp_mb = (2 * v * act / (t if t > 1 else 1) / p2p_bw) if p > 1 else 0.0
+    slot = compute_mb + tp_mb + pp_mb
+    bubble = slot * (p - 1) / v if p > 1 else 0.0
+    pipeline = slot * m + bubble
+    # data-parallel reduction of this rank's gradients (its largest stage)
+    n_local = stage_params(cfg, t, p, "first" if p > 1 else "only")
+    w_b, g_b, _ = state_bytes_per_param(layout)
+    d = layout.dp
+    dp_bw = cluster.intra_node_bw if t * d <= cluster.gpus_per_node else cluster.inter_node_bw
+    if d == 1:
+        dp = 0.0
+    elif layout.zero == 0:
+        dp = 2 * (d - 1) / d * n_local * g_b / dp_bw
+    else:
+        # ZeRO-2/3 keep no full gradient to accumulate into: they reduce-scatter after every
+        # microbatch; stage 3 also all-gathers the weights in forward and again in backward.
+        grad_rounds = m if layout.zero >= 2 else 1
+        gathers = 2 if layout.zero == 3 else 1
+        dp = (d - 1) / d * n_local * (g_b * grad_rounds + w_b * gathers * (m if layout.zero == 3
+                                                                             else 1)) / dp_bw
+    if layout.overlap_dp:
+        dp = max(0.0, dp - pipeline * 2 / 3)  # hidden behind backward
+    opt = n_local / (d if layout.zero >= 1 else 1) * OPTIMIZER_BYTES_PER_PARAM / cluster.hbm_bw
+    total = pipeline + dp + opt
+    return StepTime(compute=compute_mb * m, tp_comm=tp_mb * m, pp_comm=pp_mb * m, bubble=bubble,
+                    dp_comm=dp, optimizer=opt, total=total,
+                    model_flops=model_per_token * tokens, hardware_flops=hw_per_token * tokens,
+                    tflops_per_gpu=hw_per_token * tokens / (total * gpus) / 1e12,
+                    mfu=model_per_token * tokens / (total * gpus * cluster.peak_flops),
+                    tokens_per_s=tokens / total)
+
+
+# ---- validation and ranking --------------------------------------------------------------------
+
+def check_layout(cfg: TransformerConfig, layout: Layout, cluster: Cluster | None = None) -> None:
+    if cluster is not None and layout.world != cluster.num_gpus:
+        raise PlanError(f"tp*pp*dp = {layout.world} != {cluster.num_gpus} GPUs")
+    if cfg.num_attention_heads % layout.tp:
+        raise PlanError(f"{cfg.num_attention_heads} heads are not divisible by tp {layout.tp}")
+    if layout.global_batch % (layout.dp * layout.micro_batch):
+        raise PlanError(f"global batch {layout.global_batch} is not divisible by dp x micro batch "
+                        f"{layout.dp} x {layout.micro_batch}")
+    if layout.zero == 3 and layout.pp > 1:
+        raise PlanError("ZeRO-3 does not compose with pipeline parallelism")
+    if layout.vpp > 1 and (layout.pp == 1 or cfg.num_layers % (layout.pp * layout.vpp)):
+        raise PlanError("virtual stages need pp > 1 and layers divisible by pp * vpp")
+    if layout.pp > cfg.num_layers:
+        raise PlanError(f"pp {layout.pp} exceeds {cfg.num_layers} layers")
+    if layout.recompute not in ("none", "selective", "full"):
+        raise PlanError(f"recompute must be none, selective or full, got {layout.recompute!r}")
+
+
+def plan(cfg: TransformerConfig, layout: Layout, cluster: Cluster) -> Plan:
+    check_layout(cfg, layout)
+    mem = memory_per_gpu(cfg, layout)
+    return Plan(layout, mem, step_time(cfg, layout, cluster), mem.total <= cluster.memory_bytes)
+
+
+def candidate_layouts(cfg: TransformerConfig, cluster: Cluster, *, global_batch: int,
+                      seq_length: int, fixed: dict | None = None, **common):
+    """Every valid layout of the cluster's GPUs; `fixed` pins fields (e.g. {"tp": 8})."""
+    fixed = fixed or {}
+    pow2 = [x for x in (1, 2, 4, 8, 16) if x <= cluster.gpus_per_node]
+    axes = dict(tp=pow2, pp=[x for x in range(1, min(cfg.num_layers, cluster.num_gpus) + 1)
+                              if cluster.num_gpus % x == 0],
+                vpp=[1, 2], zero=[0, 1, 2, 3], sequence_parallel=[False, True],
+                recompute=["none", "selective", "full"], micro_batch=[1, 2, 4, 8])
+    axes.update({k: [v] for k, v in fixed.items() if k in axes})
+    for tp, pp, vpp, zero, sp, rc, mbs in itertools.product(*axes.values()):
+        if cluster.num_gpus % (tp * pp) or (sp and tp == 1):
+            continue
+        dp = cluster.num_gpus // (tp * pp)
+        if "dp" in fixed and fixed["dp"] != dp:
+            continue
+        layout = Layout(tp=tp, pp=pp, dp=dp, vpp=vpp, zero=zero, sequence_parallel=sp,
+                        recompute=rc, micro_batch=mbs, global_batch=global_batch,
+                        seq_length=seq_length, **common)
+        try:
+            check_layout(cfg, layout, cluster)
+        except PlanError:
+            continue
+        yield layout
+
+
+def rank_layouts(cfg: TransformerConfig, cluster: Cluster, *, global_batch: int,
+                 seq_length: int, fixed: dict | None = None, **common) -> list[Plan]:
+    """The layouts that fit in memory, fastest first (ties: less memory first)."""
+    plans = [plan(cfg, lay, cluster) for lay in candidate_layouts(
+        cfg, cluster, global_batch=global_batch, seq_length=seq_length, fixed=fixed, **common)]
+    fitting = [p for p in plans if p.fits]
+    return sorted(fitting, key=lambda p: (p.time.total, p.memory.total))
+
+
+# ---- clusters and published runs ---------------------------------------------------------------
+
+GiB = 2 ** 30
+CLUSTERS: dict[str, Cluster] = {
+    # DGX A100 80GB (Selene): NVLink3 all-reduce bus bandwidth ~230 GB/s (nccl-tests), one
+    # 200 Gb/s HDR InfiniBand NIC per GPU.
+    "dgx-a100-80gb": Cluster("dgx-a100-80gb", 8, 8, 80 * GiB, 312e12, 230e9, 25e9),
+    "dgx-a100-40gb": Cluster("dgx-a100-40gb", 8, 8, 40 * GiB, 312e12, 230e9, 25e9, hbm_bw=1.5e12),
+    # Jean Zay A100 80GB partition (BLOOM): NVLink inside a node, 4 x 100 Gb/s Omni-Path per node.
+    "jean-zay-a100-80gb": Cluster("jean-zay-a100-80gb", 8, 8, 80 * GiB, 312e12, 230e9, 50e9 / 8),
+    "dgx-h100-80gb": Cluster("dgx-h100-80gb", 8, 8, 80 * GiB, 989e12, 370e9, 50e9, hbm_bw=3.3e12),
+}
+
+
+@dataclass(frozen=True)
+class PublishedRun:
+    name: str
+    model: TransformerConfig
+    cluster: Cluster
+    layout: Layout
+    tflops_per_gpu: float  # as reported: hardware FLOPs (recompute included) per GPU
+    source: str
+
+
+def _gpt(h: int, layers: int, heads: int, vocab: int = 51200) -> TransformerConfig:
+    return TransformerConfig(vocab_size=vocab, hidden_size=h, num_layers=layers,
+                             num_attention_heads=heads, max_position_embeddings=2048)
+
+
+def published_runs() -> list[PublishedRun]:
+    """Runs whose layout and throughput are published (assumptions in docs/planner.md)."""
+    runs = []
+    a100 = CLUSTERS["dgx-a100-80gb"]
+    # Narayanan et al. 2021 (SC21), Table 1: (billions, heads, hidden, layers, tp, pp, GPUs,
+    # global batch, TFLOP/s per GPU). fp16, full recompute, micro batch 1, no ZeRO.
+    table1 = [(1.7, 24, 2304, 24, 1, 1, 32, 512, 137), (3.6, 32, 3072, 30, 2, 1, 64, 512, 138),
+              (7.5, 32, 4096, 36, 4, 1, 128, 512, 142), (18.4, 48, 6144, 40, 8, 1, 256, 1024, 135),
+              (39.1, 64, 8192, 48, 8, 2, 512, 1536, 138), (76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140),
+              (145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148),
+              (310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155),
+              (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163),
+              (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163)]
+    for size, heads, h, layers, tp, pp, gpus, gbs, tflops in table1:
+        runs.append(PublishedRun(
+            f"Megatron-LM {size}B", _gpt(h, layers, heads), a100.replace(num_gpus=gpus),
+            Layout(tp=tp, pp=pp, dp=gpus // (tp * pp), recompute="full", micro_batch=1,
+                   global_batch=gbs), tflops, "Narayanan et al. 2021, Table 1"))
+    bloom = TransformerConfig(vocab_size=250880, hidden_size=14336, num_layers=70,
+                              num_attention_heads=112, position_embedding="alibi",
+                              embedding_layernorm=True, max_position_embeddings=2048)
+    runs.append(PublishedRun(
+        "BLOOM-176B", bloom, CLUSTERS["jean-zay-a100-80gb"].replace(num_gpus=384),
+        Layout(tp=4, pp=12, dp=8, zero=1, recompute="full", micro_batch=2, global_batch=2048),
+        150, "BigScience 2022 (model card: ~150 TFLOP/s per GPU, 384 A100-80GB)"))
+    for nodes, tflops in ((280, 126), (350, 121), (420, 113)):
+        runs.append(PublishedRun(
+            f"MT-NLG 530B ({nodes * 8} GPUs)", _gpt(20480, 105, 128, vocab=50257),
+            a100.replace(num_gpus=nodes * 8),
+            Layout(tp=8, pp=35, dp=nodes * 8 // 280, zero=1, recompute="full", micro_batch=1,
+                   global_batch=1920), tflops, "Smith et al. 2022, Table 1"))
+    return runs
