@@ -48,7 +48,8 @@ class OptimizerConfig:
     zero3_prefetch: bool = True  # stage 3: gather the next layer while this one runs
     offload: str = "none"  # none | cpu | nvme
     offload_dir: str | None = None  # nvme: directory for the swap files
-    offload_resident_buckets: int = 1  # nvme: buckets whose states may sit in memory at once
+    # nvme: buckets whose states may sit in memory at once; >= 2 reads ahead and writes behind
+    offload_resident_buckets: int = 2
     raise_on_nonfinite: bool = False  # raise instead of skipping when the loss/grads are NaN/inf
 
     @property

@@ -173,18 +173,21 @@ class FlatBuffer:
 
 
 def plan_buckets(named: list[tuple[int, str, torch.nn.Parameter]], key_of, bucket_numel: int):
-    """Group parameters by key, in order, cutting a new bucket past `bucket_numel` elements.
+    """Group parameters by key, in order, into buckets of at most `bucket_numel` elements (or
+    one parameter, if it alone is larger).
 
     Parameters arrive in reverse registration order (roughly the order backward produces their
     gradients), so the first bucket fills first and its collective starts earliest.
     """
-    open_: dict[BucketKey, list] = {}
+    open_: dict[BucketKey, tuple[list, int]] = {}
     done: list[tuple[BucketKey, list]] = []
     for item in named:
-        key = key_of(item[2])
-        bucket = open_.setdefault(key, [])
+        key, n = key_of(item[2]), item[2].numel()
+        bucket, size = open_.get(key, ([], 0))
+        if bucket and size + n > bucket_numel:
+            done.append((key, bucket))
+            bucket, size = [], 0
         bucket.append(item)
-        if sum(p.numel() for _, _, p in bucket) >= bucket_numel:
-            done.append((key, open_.pop(key)))
-    done.extend(open_.items())
+        open_[key] = (bucket, size + n)
+    done.extend((key, bucket) for key, (bucket, _) in open_.items())
     return done

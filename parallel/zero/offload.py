@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
 import torch
@@ -43,6 +44,10 @@ class MemoryStates:
     @contextmanager
     def checkout(self, i: int):
         yield self.states[i]
+
+    def sweep(self, indices):
+        for i in indices:
+            yield i, self.states[i]
 
     def resident_bytes(self) -> int:
         return sum(t.nbytes for s in self.states for t in s.values())
@@ -96,6 +101,42 @@ class FileStates:
         finally:
             self._in_use -= 1
             self._free.append(buf)
+
+    def sweep(self, indices):
+        """Yield (i, states) for each bucket in turn. With two or more staging buffers a worker
+        thread reads the next bucket and writes back the previous one while the caller steps
+        the current one (file I/O and torch kernels both release the GIL)."""
+        indices = list(indices)
+        if len(self._free) < 2 or len(indices) < 2:
+            for i in indices:
+                with self.checkout(i) as views:
+                    yield i, views
+            return
+        # One worker runs loads and stores in submission order, so the store of bucket k
+        # (which frees its buffer) always precedes the load of bucket k + 2 that reuses it.
+        with ThreadPoolExecutor(max_workers=1) as io:
+            nxt = io.submit(self._load, indices[0])
+            for k, i in enumerate(indices):
+                buf, views = nxt.result()
+                if k + 1 < len(indices):
+                    nxt = io.submit(self._load, indices[k + 1])
+                yield i, views
+                io.submit(self._store, i, buf, views)
+
+    def _load(self, i: int):
+        buf = self._free.pop()
+        self._in_use += 1
+        self.peak_resident_bytes = max(self.peak_resident_bytes, self._in_use * buf.nbytes)
+        views = self._views(i, buf)
+        for n, t in views.items():
+            _read(self.paths[i][n], t)
+        return buf, views
+
+    def _store(self, i: int, buf: torch.Tensor, views: dict[str, torch.Tensor]) -> None:
+        for n, t in views.items():
+            _write(self.paths[i][n], t)
+        self._in_use -= 1
+        self._free.append(buf)
 
     def resident_bytes(self) -> int:
         return self._staging_bytes

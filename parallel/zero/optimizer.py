@@ -159,19 +159,19 @@ class ZeroOptimizer:
             return self._skip(norm, scale, loss_value)
         mult = clip_coefficient(norm, self.cfg.clip_grad) / scale
         self.applied_steps += 1
-        for i, b in enumerate(self.buffers):
+        for i, st in self.states.sweep(range(len(self.buffers))):
+            b = self.buffers[i]
             hyper = Hyper(self.lr, self.cfg.weight_decay if b.key.decay else 0.0,
                           self.applied_steps)
-            with self.states.checkout(i) as st:
-                grad = b.grad_shard.to(self.state_device, torch.float32)
-                if mult != 1.0:
-                    grad = grad * mult
-                if self.separate_master:
-                    self.inner.update(st["master"], grad, st, hyper)
-                    b.write_params(st["master"])
-                else:  # fp32 on the device: the weights' own shard is the master
-                    master = b.param_shard if b.shard_params else b.params.data[b.shard_slice]
-                    self.inner.update(master, grad, st, hyper)
+            grad = b.grad_shard.to(self.state_device, torch.float32)
+            if mult != 1.0:
+                grad = grad * mult
+            if self.separate_master:
+                self.inner.update(st["master"], grad, st, hyper)
+                b.write_params(st["master"])
+            else:  # fp32 on the device: the weights' own shard is the master
+                master = b.param_shard if b.shard_params else b.params.data[b.shard_slice]
+                self.inner.update(master, grad, st, hyper)
         for pending in [b.all_gather_params() for b in self.buffers]:
             pending.wait()
         if self.zero3 is not None:
