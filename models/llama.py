@@ -20,8 +20,8 @@ from .rope import rope_type
 
 class LlamaModel(TransformerLanguageModel):
     def __init__(self, config: TransformerConfig, topo: ParallelTopology, **kwargs):
-        if (config.position_embedding, config.normalization, config.activation) != ("rope", "rmsnorm", "swiglu") \
-                or config.embedding_layernorm:
+        shape = (config.position_embedding, config.normalization, config.activation)
+        if shape != ("rope", "rmsnorm", "swiglu") or config.embedding_layernorm:
             raise ValueError("LlamaModel needs position_embedding='rope', normalization='rmsnorm', "
                              "activation='swiglu' and no embedding layernorm")
         super().__init__(config, topo, **kwargs)
@@ -118,7 +118,8 @@ def from_hf_state_dict(sd: dict[str, torch.Tensor], config: TransformerConfig) -
     for m, h, kind in _fused(config):
         q, k, v = (sd[h + f"self_attn.{x}_proj.{kind}"] for x in "qkv")
         out[m + f"attention.qkv.{kind}"] = _fuse_qkv(q, k, v, config.num_query_groups)
-        out[m + f"mlp.fc1.{kind}"] = torch.cat([sd[h + f"mlp.gate_proj.{kind}"], sd[h + f"mlp.up_proj.{kind}"]])
+        gate, up = sd[h + f"mlp.gate_proj.{kind}"], sd[h + f"mlp.up_proj.{kind}"]
+        out[m + f"mlp.fc1.{kind}"] = torch.cat([gate, up])
     return {k: v.contiguous() for k, v in out.items()}
 
 
@@ -128,5 +129,6 @@ def to_hf_state_dict(full: dict[str, torch.Tensor], config: TransformerConfig) -
     for m, h, kind in _fused(config):
         for x, t in zip("qkv", _split_qkv(full[m + f"attention.qkv.{kind}"], config)):
             out[h + f"self_attn.{x}_proj.{kind}"] = t
-        out[h + f"mlp.gate_proj.{kind}"], out[h + f"mlp.up_proj.{kind}"] = full[m + f"mlp.fc1.{kind}"].chunk(2)
+        gate, up = full[m + f"mlp.fc1.{kind}"].chunk(2)
+        out[h + f"mlp.gate_proj.{kind}"], out[h + f"mlp.up_proj.{kind}"] = gate, up
     return {k: v.contiguous() for k, v in out.items()}

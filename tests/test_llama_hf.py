@@ -5,7 +5,6 @@ round trip, KV-cache decoding, greedy generation against `generate`, and the pre
 """
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from models import llama
 from models.blocks import KVCache
@@ -21,6 +20,9 @@ LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_fr
 def hf_llama(heads=6, kv_heads=2, tied=False, scaling=None, theta=500.0, layers=2, seed=0, hidden=48,
              bias=False):
     """A random HF Llama; every tensor perturbed (HF inits norms to 1, which would hide mistakes)."""
+    # imported here: spawned test ranks import this module's constants, and transformers costs
+    # seconds per process
+    from transformers import LlamaConfig, LlamaForCausalLM
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=80,
                          num_hidden_layers=layers, num_attention_heads=heads,
                          num_key_value_heads=kv_heads, max_position_embeddings=64,
@@ -68,14 +70,15 @@ def test_logits_loss_and_round_trip_match_transformers(name):
     torch.testing.assert_close(loss, ref.loss, rtol=1e-6, atol=1e-6)
     # HF -> megazoo -> HF gives HF's tensors back bit for bit (HF does not save a tied lm_head).
     back = llama.to_hf_state_dict(gather_full_state_dict(model, ParallelTopology.single()), cfg)
-    hf_sd = {k: v for k, v in hf.state_dict().items() if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
+    hf_sd = {k: v for k, v in hf.state_dict().items()
+             if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
     assert back.keys() == hf_sd.keys()
     for k in hf_sd:
         assert torch.equal(back[k], hf_sd[k]), k
     # Config round trip, and HF's own model built from the exported config loads the tensors.
     hf2_config = llama.hf_config(cfg.replace(make_vocab_size_divisible_by=128))
     assert llama.config_from_hf(hf2_config) == cfg.replace(make_vocab_size_divisible_by=128)
-    hf2 = LlamaForCausalLM(hf2_config).eval()
+    hf2 = type(hf)(hf2_config).eval()
     hf2.load_state_dict(back, strict=not cfg.tie_word_embeddings)
     with torch.no_grad():
         torch.testing.assert_close(hf2(ids).logits, ref.logits, rtol=0, atol=0)
@@ -119,6 +122,7 @@ PUBLISHED = {"smollm2-135m": 134_515_008, "llama2-7b": 6_738_415_616, "llama2-70
 @pytest.mark.parametrize("name", LLAMA_PRESETS)
 def test_presets_build_the_hf_shapes(name):
     """Each preset's parameter count equals HF's model from the exported config (on meta)."""
+    from transformers import LlamaForCausalLM
     cfg = preset(name)
     with torch.device("meta"):
         hf = LlamaForCausalLM(llama.hf_config(cfg))

@@ -24,11 +24,11 @@ from parallel.pipeline.tied import allreduce_tied_embedding_grads, broadcast_tie
 from parallel.sharding import full_tensor, load_full_state_dict
 from parallel.topology import ParallelConfig, ParallelTopology
 from tests.distributed import run_distributed
-from tests.test_llama_hf import LLAMA3, VOCAB, hf_llama
+from tests.test_llama_hf import LLAMA3, VOCAB
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 SEQ, BATCH = 8, 4
-MODELS = {
+MODELS = {  # hf_llama keyword arguments
     "gqa2-untied-llama3": dict(hidden=64, heads=8, kv_heads=2, scaling=LLAMA3, layers=4),
     "mqa-tied-linear": dict(hidden=32, heads=4, kv_heads=1, tied=True, layers=4,
                             scaling={"rope_type": "linear", "factor": 2.0}),
@@ -61,7 +61,23 @@ def _check_shards(chunks, topo, full, cfg, where):
                                                msg=f"{where} {name}: KV copies differ")
 
 
-def _worker(rank):
+def hf_references() -> dict:
+    """Per model: megazoo config, full tensors converted from HF, HF's logits and loss. Computed
+    once in the test process, so the ranks need not import transformers (seconds each)."""
+    from tests.test_llama_hf import hf_llama
+    ids, labels = _batch()
+    out = {}
+    for name, kw in MODELS.items():
+        hf = hf_llama(**kw)
+        cfg = llama.config_from_hf(hf.config).replace(make_vocab_size_divisible_by=8)
+        with torch.no_grad():
+            hf_logits = hf(ids).logits
+        hf_loss = F.cross_entropy(hf_logits.flatten(0, 1), labels.flatten())
+        out[name] = (cfg, llama.from_hf_state_dict(hf.state_dict(), cfg), hf_logits, hf_loss)
+    return out
+
+
+def _worker(rank, hf_refs):
     torch.use_deterministic_algorithms(True)
     ids, labels = _batch()
     errors = {"logits_vs_hf": 0.0, "grads_vs_tp1": 0.0, "loss_vs_hf": 0.0}
@@ -71,13 +87,7 @@ def _worker(rank):
         errors[kind] = max(errors[kind], (a - b).abs().max().item())
 
     refs = {}
-    for name, kw in MODELS.items():
-        hf = hf_llama(**kw)
-        cfg = llama.config_from_hf(hf.config).replace(make_vocab_size_divisible_by=8)
-        full = llama.from_hf_state_dict(hf.state_dict(), cfg)
-        with torch.no_grad():
-            hf_logits = hf(ids).logits
-        hf_loss = F.cross_entropy(hf_logits.flatten(0, 1), labels.flatten())
+    for name, (cfg, full, hf_logits, hf_loss) in hf_refs.items():
         single = ParallelTopology.single()
         ref = llama.LlamaModel(cfg, single)
         load_full_state_dict(ref, full, single)
@@ -153,7 +163,7 @@ def _worker(rank):
 
 
 def test_llama_tensor_and_pipeline_parallel_match_hf_and_tp1():
-    results = run_distributed(_worker, 4, timeout=300)
+    results = run_distributed(_worker, 4, hf_references(), timeout=300)
     checked, errors = results[0]
     assert len(checked) == 2 * 5 + len(PIPELINES)
     print("max abs errors over ranks:", {k: max(r[1][k] for r in results) for k in errors})
