@@ -97,21 +97,14 @@ def _pipeline_logits(chunks, topo, ids, hidden):
 
 def _worker(rank, cases, tool_case):
     from models.generation import SamplingConfig, generate
-    from models.hf import model_class
     from parallel.topology import ParallelConfig, ParallelTopology
-    from parallel.pipeline.partition import rank_chunks
     from training.checkpointing import latest_checkpoint
-    from training.convert import checkpoint_config
-    from training.reshard import load_weights
+    from training.convert import load_model_chunks
     errors, samples = [], []
     for tp, pp, vpp in LOAD_LAYOUTS:  # creating groups is slow: one topology per layout
         topo = ParallelTopology.from_config(ParallelConfig(tp=tp, pp=pp, vpp=vpp))
         for case in cases:
-            folder = latest_checkpoint(case["ckpt"])
-            _, config, module = checkpoint_config(folder)
-            chunks = [model_class(module)(config, topo, **spec.kwargs()).eval()
-                      for spec in rank_chunks(config.num_layers, pp, vpp, topo.pp_rank)]
-            load_weights(folder, chunks, topo)
+            config, chunks = load_model_chunks(latest_checkpoint(case["ckpt"]), topo)
             with torch.no_grad():
                 logits = _pipeline_logits(chunks, topo, case["ids"], config.hidden_size)
             if logits is not None:
@@ -217,7 +210,7 @@ def test_bad_inputs_give_one_line_errors(tmp_path, capsys):
     from tests.test_reshard import _hf_gpt2
     from tests.test_training import TINY
     from training.arguments import build_parser, to_run_config
-    from training.checkpointing import CheckpointError
+    from training.checkpointing import CheckpointError, latest_checkpoint, read_meta
     from training.convert import ConversionError, import_hf, read_hf_weights
     from training.loop import build_chunks
     from training.resume import load
@@ -228,8 +221,10 @@ def test_bad_inputs_give_one_line_errors(tmp_path, capsys):
 
     hf_dir, ckpt = str(tmp_path / "hf"), str(tmp_path / "mz")
     _hf_gpt2(hf_dir)
-    assert _tool("import", "--hf-dir", hf_dir, "--save", ckpt,
-                 "--tensor-model-parallel-size", "2") == 0
+    assert _tool("import", "--hf-dir", hf_dir, "--save", ckpt, "--tensor-model-parallel-size", "2",
+                 "--pipeline-model-parallel-size", "2",
+                 "--num-layers-per-virtual-pipeline-stage", "1") == 0
+    assert read_meta(latest_checkpoint(ckpt))["layout"]["vpp"] == 2
 
     def run_load(*extra):
         run = to_run_config(build_parser().parse_args(TINY + ["--train-iters", "1", "--load", ckpt,
@@ -238,7 +233,7 @@ def test_bad_inputs_give_one_line_errors(tmp_path, capsys):
         chunks = build_chunks(model_provider, run, topo, model_parallel_seed(run.seed, topo))
         return load(run, topo, chunks, build_optimizer(chunks, topo, run.optimizer), None)
 
-    assert run_load("--finetune").iteration == 0  # tp2 import -> tp1 run, weights only
+    assert run_load("--finetune").iteration == 0  # (tp2, pp2, vpp2) import -> tp1 run
     with pytest.raises(CheckpointError, match="holds weights only .*add --finetune"):
         run_load()
     with pytest.raises(CheckpointError, match="holds another model: hidden_size=32 there, 64 here"):

@@ -31,6 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
     imp.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     imp.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=1,
                      help="model chunks per pipeline rank")
+    imp.add_argument("--num-layers-per-virtual-pipeline-stage", type=int,
+                     help="Megatron's form of the same (overrides the above)")
     imp.add_argument("--make-vocab-size-divisible-by", type=int)
     exp = sub.add_parser("export", help="megazoo checkpoint -> Hugging Face folder")
     exp.add_argument("--load", required=True, help="checkpoint root (with 'latest') or iter_* folder")
@@ -48,6 +50,7 @@ def main(argv=None) -> int:
             out = import_hf(args.hf_dir, args.save, tp=args.tensor_model_parallel_size,
                             pp=args.pipeline_model_parallel_size,
                             vpp=args.virtual_pipeline_model_parallel_size,
+                            layers_per_virtual_stage=args.num_layers_per_virtual_pipeline_stage,
                             make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
         else:
             out = export_hf(args.load, args.save, tokenizer_dir=args.tokenizer_dir)

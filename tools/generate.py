@@ -21,11 +21,9 @@ import torch  # noqa: E402
 
 from data.tokenizers import TokenizerError, build_tokenizer  # noqa: E402
 from models.generation import SamplingConfig, generate  # noqa: E402
-from models.hf import model_class  # noqa: E402
 from parallel.topology import LayoutError, ParallelConfig, initialize  # noqa: E402
 from training import checkpointing as ckpt  # noqa: E402
-from training.convert import checkpoint_config  # noqa: E402
-from training.reshard import load_weights  # noqa: E402
+from training.convert import load_model_chunks  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,14 +48,12 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         folder = ckpt.resolve(args.load)
-        _, config, module = checkpoint_config(folder)
         tok_path = args.tokenizer_model or os.path.join(os.path.dirname(folder), "tokenizer")
         tok = build_tokenizer(args.tokenizer_type, vocab_file=args.vocab_file,
                               merge_file=args.merge_file, tokenizer_model=tok_path)
         world = int(os.environ.get("WORLD_SIZE", "1"))
         topo = initialize(ParallelConfig(tp=world))
-        model = model_class(module)(config, topo).eval()
-        load_weights(folder, [model], topo)
+        _, (model,) = load_model_chunks(folder, topo)
     except (ckpt.CheckpointError, TokenizerError, LayoutError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -19,15 +19,18 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from models.config import TransformerConfig  # noqa: E402
 from models.hf import FAMILIES, model_class  # noqa: E402
 from models.language_model import TransformerLanguageModel  # noqa: E402
+from parallel.zero.config import OptimizerConfig  # noqa: E402
 from training import checkpointing as ckpt  # noqa: E402
-from training.reshard import read_full_state, write_layout  # noqa: E402
+from training.reshard import read_full_state, virtual_chunks, write_layout  # noqa: E402
 
 
 def reshard(load: str, save: str, *, tp: int, pp: int, vpp: int = 1, dp: int = 1,
-            zero_stage: int = 0) -> str:
+            zero_stage: int = 0, layers_per_virtual_stage: int | None = None) -> str:
     folder = ckpt.resolve(load)
     meta = ckpt.read_meta(folder)
     config = TransformerConfig(**meta["model"])
+    vpp = virtual_chunks(config.num_layers, pp, vpp, layers_per_virtual_stage)
+    OptimizerConfig(zero_stage=zero_stage).validate(pp)  # e.g. ZeRO-3 does not compose with pp > 1
     family = meta.get("family")
     cls = model_class(FAMILIES[family]) if family in FAMILIES else TransformerLanguageModel
     full = read_full_state(folder)
@@ -45,6 +48,8 @@ def main(argv=None) -> int:
     p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     p.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=1,
                    help="model chunks per pipeline rank")
+    p.add_argument("--num-layers-per-virtual-pipeline-stage", type=int,
+                   help="Megatron's form of the same (overrides the above)")
     p.add_argument("--data-parallel-size", type=int, default=1)
     p.add_argument("--zero-stage", type=int, default=0)
     args = p.parse_args(argv)
@@ -52,7 +57,8 @@ def main(argv=None) -> int:
         out = reshard(args.load, args.save, tp=args.tensor_model_parallel_size,
                       pp=args.pipeline_model_parallel_size,
                       vpp=args.virtual_pipeline_model_parallel_size, dp=args.data_parallel_size,
-                      zero_stage=args.zero_stage)
+                      zero_stage=args.zero_stage,
+                      layers_per_virtual_stage=args.num_layers_per_virtual_pipeline_stage)
     except (ckpt.CheckpointError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -25,9 +25,10 @@ from safetensors.torch import load_file, save_file
 
 from models.config import TransformerConfig
 from models.hf import family, model_class
+from parallel.pipeline.partition import rank_chunks
 
 from . import checkpointing as ckpt
-from .reshard import FullState, read_full_state, write_layout
+from .reshard import FullState, load_weights, read_full_state, virtual_chunks, write_layout
 
 logger = logging.getLogger(__name__)
 
@@ -116,9 +117,11 @@ def hf_to_full(folder: str) -> tuple[str, TransformerConfig, FullState]:
 
 
 def import_hf(folder: str, save: str, *, tp: int = 1, pp: int = 1, vpp: int = 1,
+              layers_per_virtual_stage: int | None = None,
               make_vocab_size_divisible_by: int | None = None) -> str:
     """Convert a Hugging Face folder into a weights-only megazoo checkpoint for (tp, pp, vpp)."""
     model_type, config, full = hf_to_full(folder)
+    vpp = virtual_chunks(config.num_layers, pp, vpp, layers_per_virtual_stage)
     if make_vocab_size_divisible_by:
         config = config.replace(make_vocab_size_divisible_by=make_vocab_size_divisible_by)
     module = family(model_type)
@@ -140,6 +143,15 @@ def checkpoint_config(folder: str) -> tuple[dict, TransformerConfig, object]:
         raise ckpt.CheckpointError(f"{folder}/meta.json records no model family (a plain "
                                    f"TransformerLanguageModel); it has no Hugging Face form")
     return meta, TransformerConfig(**meta["model"]), family(name, f"{folder}/meta.json")
+
+
+def load_model_chunks(folder: str, topo) -> tuple[TransformerConfig, list]:
+    """This rank's model chunks for `topo` (eval mode), with a checkpoint's weights of any layout."""
+    _, config, module = checkpoint_config(folder)
+    chunks = [model_class(module)(config, topo, **spec.kwargs()).eval()
+              for spec in rank_chunks(config.num_layers, topo.pp, topo.vpp, topo.pp_rank)]
+    load_weights(folder, chunks, topo)
+    return config, chunks
 
 
 def export_hf(load: str, save: str, *, tokenizer_dir: str | None = None) -> str:

@@ -230,6 +230,17 @@ def load_into(full: FullState, chunks, opt, topo, *, weights_only: bool, folder:
     opt.load_state_dict(sd)  # writes the model weights from the masters and all-gathers them
 
 
+def virtual_chunks(num_layers: int, pp: int, vpp: int = 1, layers_per_virtual_stage: int | None = None) -> int:
+    """vpp from Megatron's --num-layers-per-virtual-pipeline-stage, when given."""
+    if not layers_per_virtual_stage:
+        return vpp
+    per_rank = num_layers // pp
+    if num_layers % pp or per_rank % layers_per_virtual_stage:
+        raise ValueError(f"--num-layers-per-virtual-pipeline-stage {layers_per_virtual_stage} does "
+                         f"not divide the {per_rank} layers per pipeline stage")
+    return per_rank // layers_per_virtual_stage
+
+
 def build_rank_chunks(model_cls, config, *, tp: int, pp: int, vpp: int, dp: int, rank: int):
     """One rank's model chunks, built on the CPU without process groups (to learn their names,
     shapes and TP slicing)."""
