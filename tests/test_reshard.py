@@ -3,8 +3,8 @@
 - saved under (tp2, pp2, dp1, ZeRO-1), loaded under (tp4, pp1, dp1) directly and under
   (tp1, pp1, dp2, ZeRO-2) directly and through tools/reshard.py: the next iteration's loss equals
   the unchanged layout's continuation (1e-5); likewise (dp2, ZeRO-2) -> (tp2, ZeRO-1);
-- --finetune from an imported GPT-2 (weights only) under any dp/ZeRO: the first loss equals
-  transformers' loss on the same batch (1e-5) and iteration and optimizer start from zero.
+- --finetune from an imported GPT-2 or BLOOM (weights only) under any tp/pp/dp/ZeRO: the first
+  loss equals transformers' loss on the same batch (1e-5); iteration and optimizer start at zero.
 """
 import os
 import sys
@@ -21,7 +21,15 @@ TP4 = ["--tensor-model-parallel-size", "4"]
 DP2 = ["--zero-stage", "2"]
 
 
-def _world4(rank, root, imported):
+def _pretrain_bloom(argv, world):
+    from train_bloom import model_provider
+    from training.arguments import build_parser, to_run_config
+    from training.loop import pretrain
+    run = to_run_config(build_parser("bloom-560m").parse_args(argv), world_size=world)
+    return pretrain(model_provider, run)
+
+
+def _world4(rank, root, imported, imported_bloom):
     saved = _pretrain(TINY + TP2PP2 + ["--train-iters", "3", "--save", root], 4)
     cont = _pretrain(TINY + TP2PP2 + ["--train-iters", "4", "--load", root], 4)
     tp4 = _pretrain(TINY + TP4 + ["--train-iters", "4", "--load", root], 4)
@@ -29,7 +37,9 @@ def _world4(rank, root, imported):
                              "--finetune"], 4)
     fine_tp = _pretrain(TINY + TP2PP2 + ["--train-iters", "2", "--load", imported, "--finetune"], 4)
     again = _pretrain(TINY + TP4 + ["--train-iters", "2", "--load", root, "--finetune"], 4)
-    return dict(saved=saved.losses, cont=cont.losses, cont_it=cont.state.iteration,
+    bloom = _pretrain_bloom(TINY + TP2PP2 + ["--train-iters", "1", "--load", imported_bloom,
+                                             "--finetune"], 4)
+    return dict(bloom=bloom.losses, saved=saved.losses, cont=cont.losses, cont_it=cont.state.iteration,
                 tp4=tp4.losses, fine=fine.losses, fine_it=fine.state.iteration,
                 fine_tp=fine_tp.losses, again=again.losses, again_it=again.state.iteration)
 
@@ -47,18 +57,20 @@ def _world2(rank, root, tool_root, root_dp2, saves):
     return direct.losses, tool.losses, tool.state.iteration, cont.losses, tp2.losses, z3.losses
 
 
-def _hf_gpt2(folder):
-    """A random GPT-2 with TINY's shape, and transformers' loss on the first mock batch."""
-    from transformers import GPT2Config, GPT2LMHeadModel
+def _hf_gpt2(folder, bloom=False):
+    """A random GPT-2 (or BLOOM) with TINY's shape, and transformers' loss on the first mock
+    batch."""
+    from transformers import BloomConfig, BloomForCausalLM, GPT2Config, GPT2LMHeadModel
 
     from training.data import MockGPTDataset
     torch.manual_seed(0)
-    hf = GPT2LMHeadModel(GPT2Config(vocab_size=61, n_positions=16, n_embd=32, n_layer=4, n_head=4,
-                                    resid_pdrop=0, embd_pdrop=0, attn_pdrop=0)).eval()
+    hf = BloomForCausalLM(BloomConfig(vocab_size=61, hidden_size=32, n_layer=4, n_head=4)) if bloom \
+        else GPT2LMHeadModel(GPT2Config(vocab_size=61, n_positions=16, n_embd=32, n_layer=4,
+                                        n_head=4, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0))
     with torch.no_grad():
         for p in hf.parameters():
             p.add_(torch.randn(p.shape) * 0.05)
-    hf.save_pretrained(folder)
+    hf.eval().save_pretrained(folder)
     data = MockGPTDataset(2 * 8, 16, 61, seed=5)  # train_iters x global batch, TINY's --seed
     tokens = torch.stack([torch.from_numpy(data[i]["tokens"]) for i in range(8)])
     with torch.no_grad():
@@ -71,7 +83,9 @@ def test_reshard_and_finetune(tmp_path):
     root, imported = str(tmp_path / "run"), str(tmp_path / "imported")
     hf_loss = _hf_gpt2(str(tmp_path / "hf"))
     import_hf(str(tmp_path / "hf"), imported, tp=2, pp=2)
-    r = run_distributed(_world4, 4, root, imported, timeout=400)[0]
+    bloom_loss = _hf_gpt2(str(tmp_path / "hf_bloom"), bloom=True)
+    import_hf(str(tmp_path / "hf_bloom"), imported + "_bloom", tp=4)
+    r = run_distributed(_world4, 4, root, imported, imported + "_bloom", timeout=400)[0]
 
     # Same layout: exact resume; the reference for the other layouts is its 4th loss.
     assert r["cont_it"] == 4 and len(r["cont"]) == 1
@@ -107,6 +121,8 @@ def test_reshard_and_finetune(tmp_path):
     assert abs(r["fine"][0] - hf_loss) <= 1e-5, (r["fine"], hf_loss)
     for a, b in zip(r["fine"], r["fine_tp"]):
         assert abs(a - b) <= 1e-5, (r["fine"], r["fine_tp"])
+    # ... and BLOOM through train_bloom's model provider: (tp4) import -> (tp2, pp2, ZeRO-1) run
+    assert len(r["bloom"]) == 1 and abs(r["bloom"][0] - bloom_loss) <= 1e-5, (r["bloom"], bloom_loss)
     # --finetune from a trained checkpoint: its weights (lower loss on batch 0 than at
     # initialisation), but iteration and data position restart at 0
     assert r["again_it"] == 2 and len(r["again"]) == 2
