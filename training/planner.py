@@ -212,7 +212,8 @@ def activation_bytes(cfg: TransformerConfig, layout: Layout, stage: str) -> floa
     if stage in ("first", "only"):
         total += 3 * s * b * h * (min(layout.pp, m) if stage == "first" else 1)  # embedding out + mask
     if stage in ("last", "only"):
-        total += 4 * s * b * cfg.padded_vocab_size(t) / t  # fp32 logits for the loss
+        scale = 2.0 if layout.precision == "fp32" else 1.0
+        total += scale * 4 * s * b * cfg.padded_vocab_size(t) / t  # logits for the loss
     return total
 
 

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Rerun every benchmark in bench/ that exists, one after another (they share the CPU, so never
+# in parallel); each writes its JSON (and PNG where it draws one) under bench/results/.
+#
+#   bash bench/run_all.sh              # everything (~20 min on 2 cores)
+#   bash bench/run_all.sh train_step   # only the scripts whose name contains a word given
+#
+# The ZeRO-vs-DeepSpeed benchmark needs DeepSpeed in a separate virtual environment (see its
+# docstring); set DS_PYTHON=/path/to/that/python to include it, otherwise it is skipped.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python}
+failed=()
+want() {  # no filter words, or one of them is in the script's name
+  [ $# -eq 1 ] && return 0
+  local name=$1; shift
+  for w in "$@"; do [[ $name == *"$w"* ]] && return 0; done
+  return 1
+}
+for script in bench/bench_*.py; do
+  name=$(basename "$script" .py)
+  want "$name" "$@" || continue
+  args=()
+  if [[ $name == bench_zero_vs_deepspeed ]]; then
+    if [[ -z ${DS_PYTHON:-} ]]; then echo "== $name: skipped (set DS_PYTHON)"; continue; fi
+    args=(--ds-python "$DS_PYTHON")
+    export DS_ACCELERATOR=cpu
+  fi
+  echo "== $name $(date +%H:%M:%S)"
+  start=$SECONDS
+  if ! "$PY" "$script" "${args[@]}"; then failed+=("$name"); fi
+  echo "== $name done in $((SECONDS - start)) s"
+done
+if [ ${#failed[@]} -gt 0 ]; then echo "FAILED: ${failed[*]}"; exit 1; fi
+echo "all benchmarks done; results in bench/results/"
