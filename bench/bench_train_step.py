@@ -5,8 +5,9 @@ same weights (copied through the HF name mappings; the first losses printed must
 same tokens, the same thread count (default 1) and dtype. Variants, all alive in one process
 and timed in interleaved rounds (each round runs every variant once, rotating who goes first):
 
-  fp32   megazoo: `training.step.train_step` (what `pretrain` runs: pipeline engine with no
-         pipelining, ZeRO optimizer stage 0).  HF: `model(ids)` + the same fp32 cross-entropy,
+  fp32   megazoo: `training.step.train_step`'s two halves (what `pretrain` runs: pipeline engine
+         with no pipelining, ZeRO optimizer stage 0), timed apart: forward_backward, then update
+         (optimizer.step + zero_grad); HF is split the same way (backward | clip + AdamW).  HF: `model(ids)` + the same fp32 cross-entropy,
          `clip_grad_norm_`, `torch.optim.AdamW(fused=True)` (HF Trainer's default optimizer
          with torch >= 2.8, "adamw_torch_fused").
   bf16   megazoo: the ZeRO optimizer with precision="bf16": bf16 weights and activations, fp32
@@ -32,12 +33,15 @@ Writes bench/results/train_step.json and train_step.png.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
 import statistics
 import sys
 import time
+from dataclasses import dataclass
+from typing import Callable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -51,7 +55,7 @@ from models.gpt import GPTModel  # noqa: E402
 from parallel.topology import ParallelTopology  # noqa: E402
 from parallel.zero import OptimizerConfig, build_optimizer  # noqa: E402
 from training.metrics import model_flops_per_token  # noqa: E402
-from training.step import activation_shape, train_step  # noqa: E402
+from training.step import activation_shape, forward_backward  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "bench", "results")
 LR, WD, CLIP = 1e-4, 0.01, 1.0
@@ -66,7 +70,19 @@ def model_config(arch: str, args) -> TransformerConfig:
     return TransformerConfig(position_embedding="alibi", embedding_layernorm=True, **common)
 
 
-# ---- the step functions: each returns a callable(ids, labels) -> float loss -------------------
+# ---- the variants: forward+backward and the update, timed separately -------------------------
+
+@dataclass
+class Step:
+    """One variant's training step, split where the phases are timed apart."""
+    forward_backward: Callable  # (ids, labels) -> float loss; gradients ready
+    update: Callable  # () -> None: clipping, the optimizer, zeroing gradients
+
+    def __call__(self, ids, labels) -> float:
+        loss = self.forward_backward(ids, labels)
+        self.update()
+        return loss
+
 
 class FusedAdamW:
     """PROTOTYPE of a proposed change to parallel/zero/inner.py (not shipped): the same AdamW
@@ -84,7 +100,9 @@ class FusedAdamW:
                             amsgrad=False, maximize=False)
 
 
-def megazoo_step(arch: str, cfg: TransformerConfig, precision: str, init_sd, fused_adam=False):
+def megazoo_step(arch: str, cfg: TransformerConfig, precision: str, init_sd,
+                 fused_adam=False) -> Step:
+    """`training.step.train_step`, split: forward_backward, then optimizer.step + zero_grad."""
     topo = ParallelTopology.single()
     model = (GPTModel if arch == "gpt" else BloomModel)(cfg, topo)
     model.load_state_dict(init_sd)
@@ -92,15 +110,19 @@ def megazoo_step(arch: str, cfg: TransformerConfig, precision: str, init_sd, fus
         zero_stage=0, lr=LR, weight_decay=WD, clip_grad=CLIP, precision=precision))
     if fused_adam:
         opt.inner = FusedAdamW(opt.cfg.betas, opt.cfg.eps)
-    b, s = None, None
+    last = {}
 
-    def step(ids, labels):
-        nonlocal b, s
+    def fb(ids, labels):
         b, s = ids.shape
-        loss, result = train_step([model], [{"tokens": ids, "labels": labels}], topo, opt,
-                                  schedule="1f1b", shape=activation_shape(topo, s, b, cfg.hidden_size))
-        return loss
-    return step, model
+        last["loss"] = forward_backward([model], [{"tokens": ids, "labels": labels}], topo, opt,
+                                        schedule="1f1b",
+                                        shape=activation_shape(topo, s, b, cfg.hidden_size))
+        return last["loss"]
+
+    def update():
+        opt.step(loss=last["loss"])
+        opt.zero_grad()
+    return Step(fb, update)
 
 
 def hf_model(arch: str, cfg: TransformerConfig, init_sd):
@@ -125,36 +147,39 @@ def _hf_loss_direct(model, ids, labels):
     return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
 
 
-def hf_fp32_step(arch, cfg, init_sd, autocast: bool = False):
+def hf_fp32_step(arch, cfg, init_sd, autocast: bool = False) -> Step:
     """fp32 weights and AdamW; with `autocast`, forward under torch.autocast(bfloat16)."""
-    import contextlib
     model = hf_model(arch, cfg, init_sd)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, fused=True)
 
-    def step(ids, labels):
+    def fb(ids, labels):
         with torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext():
             loss = _hf_loss_direct(model, ids, labels)
         loss.backward()
+        return loss.item()
+
+    def update():
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return loss.item()
-    return step, model
+    return Step(fb, update)
 
 
-def hf_bf16_master_step(arch, cfg, init_sd):
+def hf_bf16_master_step(arch, cfg, init_sd) -> Step:
     model = hf_model(arch, cfg, init_sd).to(torch.bfloat16)
-    params = [p for p in model.parameters() if p.requires_grad]
-    masters = [p.detach().float().clone().requires_grad_(True) for p in params]
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    params = [p for _, p in named]
     # the fp32 masters start from the fp32 weights, not from their bf16 rounding
     fp32 = dict(hf_model(arch, cfg, init_sd).named_parameters())
-    for m, (name, _) in zip(masters, [(n, p) for n, p in model.named_parameters() if p.requires_grad]):
-        m.data.copy_(fp32[name].data)
+    masters = [fp32[n].detach().clone() for n, _ in named]
     opt = torch.optim.AdamW(masters, lr=LR, weight_decay=WD, fused=True)
 
-    def step(ids, labels):
+    def fb(ids, labels):
         loss = _hf_loss_direct(model, ids, labels)
         loss.backward()
+        return loss.item()
+
+    def update():
         for m, p in zip(masters, params):
             m.grad = p.grad.float()
             p.grad = None
@@ -163,8 +188,7 @@ def hf_bf16_master_step(arch, cfg, init_sd):
         opt.zero_grad(set_to_none=True)
         with torch.no_grad():
             torch._foreach_copy_(params, masters)  # fp32 -> bf16 rounding in one fused pass
-        return loss.item()
-    return step, model
+    return Step(fb, update)
 
 
 # ---- measurement ---------------------------------------------------------------------------
@@ -197,16 +221,16 @@ def build_variants(arch: str, dtypes: list[str], args) -> tuple[TransformerConfi
     del ref
     variants = {}
     if "fp32" in dtypes:
-        variants["megazoo-fp32"] = megazoo_step(arch, cfg, "fp32", init_sd)[0]
-        variants["hf-fp32"] = hf_fp32_step(arch, cfg, init_sd)[0]
+        variants["megazoo-fp32"] = megazoo_step(arch, cfg, "fp32", init_sd)
+        variants["hf-fp32"] = hf_fp32_step(arch, cfg, init_sd)
         if args.prototype:
-            variants["proto-fp32"] = megazoo_step(arch, cfg, "fp32", init_sd, fused_adam=True)[0]
+            variants["proto-fp32"] = megazoo_step(arch, cfg, "fp32", init_sd, fused_adam=True)
     if "bf16" in dtypes:
-        variants["megazoo-bf16"] = megazoo_step(arch, cfg, "bf16", init_sd)[0]
-        variants["hf-bf16-master"] = hf_bf16_master_step(arch, cfg, init_sd)[0]
-        variants["hf-autocast"] = hf_fp32_step(arch, cfg, init_sd, autocast=True)[0]
+        variants["megazoo-bf16"] = megazoo_step(arch, cfg, "bf16", init_sd)
+        variants["hf-bf16-master"] = hf_bf16_master_step(arch, cfg, init_sd)
+        variants["hf-autocast"] = hf_fp32_step(arch, cfg, init_sd, autocast=True)
         if args.prototype:
-            variants["proto-bf16"] = megazoo_step(arch, cfg, "bf16", init_sd, fused_adam=True)[0]
+            variants["proto-bf16"] = megazoo_step(arch, cfg, "bf16", init_sd, fused_adam=True)
     return cfg, variants
 
 
@@ -229,16 +253,21 @@ def run_arch(arch: str, args) -> dict:
             first_loss.setdefault(name, float(loss))
     cpu = {name: [] for name in variants}
     wall = {name: [] for name in variants}
+    fwd_bwd = {name: [] for name in variants}  # CPU s of forward + backward; the rest is the update
     names = list(variants)
     peaks = {"fp32": [], "bf16": []}
     for r in range(args.rounds):
         order = names[r % len(names):] + names[:r % len(names)]  # rotate who goes first
         for name in order:
-            w0, c0 = time.perf_counter(), time.process_time()
+            w0, c0, fb_cpu = time.perf_counter(), time.process_time(), 0.0
             for i in range(args.steps):
-                variants[name](*data[args.warmup + i])
+                f0 = time.process_time()
+                variants[name].forward_backward(*data[args.warmup + i])
+                fb_cpu += time.process_time() - f0
+                variants[name].update()
             cpu[name].append((time.process_time() - c0) / args.steps)
             wall[name].append((time.perf_counter() - w0) / args.steps)
+            fwd_bwd[name].append(fb_cpu / args.steps)
         for dt in args.dtypes:  # the peak is sampled under the same load as the steps
             peaks[dt].append(matmul_peak(torch.float32 if dt == "fp32" else torch.bfloat16))
         print(f"  {arch} round {r + 1}/{args.rounds} (CPU s / wall s): " +
@@ -257,6 +286,8 @@ def run_arch(arch: str, args) -> dict:
         achieved = flops_tok * tokens / med
         out["variants"][name] = {
             "cpu_s": cpu[name], "wall_s": wall[name], "median_cpu_s": med,
+            "median_forward_backward_cpu_s": statistics.median(fwd_bwd[name]),
+            "median_update_cpu_s": statistics.median(c - f for c, f in zip(cpu[name], fwd_bwd[name])),
             "median_wall_s": statistics.median(wall[name]), "min_wall_s": min(wall[name]),
             "tokens_per_s": tokens / med, "tokens_per_wall_s": tokens / statistics.median(wall[name]),
             "model_tflops": achieved / 1e12, "mfu": achieved / out[f"matmul_peak_{dt}_flops"]}
@@ -336,10 +367,12 @@ def main(argv=None) -> dict:
     with open(args.out + ".json", "w") as f:
         json.dump(result, f, indent=1)
     plot(result, args.out + ".png")
-    print(f"\n{'model':6} {'variant':15} {'CPU s':>7} {'wall s':>7} {'tokens/s':>9} {'TFLOP/s':>8} {'MFU':>6}")
+    print(f"\n{'model':6} {'variant':15} {'CPU s':>7} {'fwd+bwd':>7} {'update':>7} {'wall s':>7} "
+          f"{'tokens/s':>9} {'TFLOP/s':>8} {'MFU':>6}")
     for arch, r in result["models"].items():
         for name, v in r["variants"].items():
-            print(f"{arch:6} {name:15} {v['median_cpu_s']:7.3f} {v['median_wall_s']:7.3f} {v['tokens_per_s']:9.0f} "
+            print(f"{arch:6} {name:15} {v['median_cpu_s']:7.3f} {v['median_forward_backward_cpu_s']:7.3f} "
+                  f"{v['median_update_cpu_s']:7.3f} {v['median_wall_s']:7.3f} {v['tokens_per_s']:9.0f} "
                   f"{v['model_tflops']:8.3f} {100 * v['mfu']:5.1f}%")
         for dt in args.dtypes:
             print(f"{arch:6} matmul peak {dt}: {r[f'matmul_peak_{dt}_flops'] / 1e9:.0f} GFLOP/s")

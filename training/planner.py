@@ -314,7 +314,7 @@ def check_layout(cfg: TransformerConfig, layout: Layout, cluster: Cluster | None
 
 
 def plan(cfg: TransformerConfig, layout: Layout, cluster: Cluster) -> Plan:
-    check_layout(cfg, layout)
+    check_layout(cfg, layout, cluster)
     mem = memory_per_gpu(cfg, layout)
     return Plan(layout, mem, step_time(cfg, layout, cluster), mem.total <= cluster.memory_bytes)
 
