@@ -49,9 +49,6 @@ class ShardLayout:
     from every rank's part (in rank order). Parts always have equal sizes.
     """
 
-    def local_size(self, full_size: int, tp: int) -> int:
-        return full_size // tp
-
     def shard(self, full: torch.Tensor, dim: int, rank: int, tp: int) -> torch.Tensor:
         raise NotImplementedError
 
@@ -86,7 +83,7 @@ class GroupedLayout(ShardLayout):
     """`groups` groups of [split rows | shared rows] (grouped-query attention: per KV head, its
     query heads, then its key and value). With tp <= groups every rank holds whole groups
     (contiguous chunks). With tp > groups each group's ranks split its `split` rows and each
-    hold a copy of its `shared` rows, whose gradients `ReplicaGradSum` sums over the copies."""
+    hold a copy of its `shared` rows, whose gradients `_ReplicaGradSum` sums over the copies."""
 
     def __init__(self, groups: int, split: int, shared: int):
         self.groups, self.split, self.shared = groups, split, shared
@@ -95,10 +92,6 @@ class GroupedLayout(ShardLayout):
         if tp % self.groups and self.groups % tp:
             raise ValueError(f"{self.groups} groups cannot be split over or replicated on {tp} ranks")
         return max(tp // self.groups, 1)
-
-    def local_size(self, full_size, tp):
-        rep = self._replicas(tp)
-        return full_size // tp if rep == 1 else self.split // rep + self.shared
 
     def replicated_rows(self, tp):
         return self.shared if self._replicas(tp) > 1 else 0

@@ -115,8 +115,10 @@ def test_model_class_checks_architecture():
 
 
 LLAMA_PRESETS = [n for n, p in PRESETS.items() if p.get("activation") == "swiglu"]
-PUBLISHED = {"smollm2-135m": 134_515_008, "llama2-7b": 6_738_415_616, "llama2-70b": 68_976_648_192,
-             "llama3-8b": 8_030_261_248}  # parameter counts of the released checkpoints
+PUBLISHED = {  # parameter counts of the released checkpoints
+    "smollm2-135m": 134_515_008, "smollm2-360m": 361_821_120, "smollm2-1.7b": 1_711_376_384,
+    "llama2-7b": 6_738_415_616, "llama2-13b": 13_015_864_320, "llama2-70b": 68_976_648_192,
+    "llama3-8b": 8_030_261_248, "llama3-70b": 70_553_706_496}
 
 
 @pytest.mark.parametrize("name", LLAMA_PRESETS)
@@ -127,4 +129,4 @@ def test_presets_build_the_hf_shapes(name):
     with torch.device("meta"):
         hf = LlamaForCausalLM(llama.hf_config(cfg))
     assert sum(p.numel() for p in hf.parameters()) == cfg.num_parameters()
-    assert cfg.num_parameters() == PUBLISHED.get(name, cfg.num_parameters())
+    assert cfg.num_parameters() == PUBLISHED[name]
