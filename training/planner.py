@@ -57,6 +57,9 @@ class Cluster:
     intra_node_bw: float  # bytes/s per GPU: NCCL all-reduce bus bandwidth inside a node
     inter_node_bw: float  # bytes/s per GPU across nodes (node's NIC bandwidth / GPUs per node)
     hbm_bw: float = 2.0e12  # bytes/s per GPU (optimizer step)
+    # Share of the memory the predicted tensors may fill: the rest is for what the model leaves
+    # out (CUDA context, NCCL buffers, allocator fragmentation, workspaces).
+    usable_fraction: float = 0.9
 
     def replace(self, **kw) -> "Cluster":
         return dataclasses.replace(self, **kw)
@@ -316,7 +319,8 @@ def check_layout(cfg: TransformerConfig, layout: Layout, cluster: Cluster | None
 def plan(cfg: TransformerConfig, layout: Layout, cluster: Cluster) -> Plan:
     check_layout(cfg, layout, cluster)
     mem = memory_per_gpu(cfg, layout)
-    return Plan(layout, mem, step_time(cfg, layout, cluster), mem.total <= cluster.memory_bytes)
+    return Plan(layout, mem, step_time(cfg, layout, cluster),
+                mem.total <= cluster.memory_bytes * cluster.usable_fraction)
 
 
 def candidate_layouts(cfg: TransformerConfig, cluster: Cluster, *, global_batch: int,
@@ -333,8 +337,8 @@ def candidate_layouts(cfg: TransformerConfig, cluster: Cluster, *, global_batch:
         if cluster.num_gpus % (tp * pp) or (sp and tp == 1):
             continue
         dp = cluster.num_gpus // (tp * pp)
-        if "dp" in fixed and fixed["dp"] != dp:
-            continue
+        if ("dp" in fixed and fixed["dp"] != dp) or (dp == 1 and zero > 0 and "zero" not in fixed):
+            continue  # ZeRO over one replica is stage 0
         layout = Layout(tp=tp, pp=pp, dp=dp, vpp=vpp, zero=zero, sequence_parallel=sp,
                         recompute=rc, micro_batch=mbs, global_batch=global_batch,
                         seq_length=seq_length, **common)
