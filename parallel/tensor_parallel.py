@@ -157,6 +157,14 @@ class _ReplicaGradSum(torch.autograd.Function):
         return torch.cat([own, slots[group]], 0), None, None
 
 
+def duplicate_rows(param: torch.Tensor, topo: ParallelTopology) -> int:
+    """Trailing rows of this rank's shard that another rank holds too and should count instead
+    (for a global gradient norm): replicated rows on all but the first copy, else 0."""
+    layout = getattr(param, "tp_layout", None)
+    rows = layout.replicated_rows(topo.tp) if layout is not None else 0
+    return rows if rows and topo.tp_rank % (topo.tp // layout.groups) else 0
+
+
 def replica_grad_sum(param: torch.Tensor, topo: ParallelTopology) -> torch.Tensor:
     """Use a parameter whose layout may replicate rows over TP ranks (see GroupedLayout)."""
     layout = getattr(param, "tp_layout", None)

@@ -1,6 +1,10 @@
-"""train_llama.py end to end: a shrunken SmolLM2 preset (RoPE, RMSNorm, SwiGLU, 3 KV heads for 6
-query heads) trains on mock data, and data-parallel and pipeline-parallel runs give the same
-loss curve."""
+"""train_llama.py end to end: a shrunken SmolLM2 preset (RoPE, RMSNorm, SwiGLU) made multi-query
+(one KV head) trains on mock data, and data-parallel, pipeline-parallel and tensor-parallel runs
+(tp = 2 replicates the KV head; ZeRO-1) give the same loss curve."""
+import dataclasses
+
+import pytest
+
 from tests.distributed import run_distributed
 from training.arguments import build_parser, to_run_config
 
@@ -9,6 +13,7 @@ TINY = ["--model", "smollm2-135m", "--num-layers", "2", "--hidden-size", "48",
         "--mock-data", "--vocab-size", "61", "--micro-batch-size", "2", "--global-batch-size", "8",
         "--lr", "3e-3", "--lr-warmup-iters", "2", "--log-interval", "100", "--eval-interval", "1000",
         "--seed", "5", "--train-iters", "8"]
+TP2 = ["--tensor-model-parallel-size", "2", "--zero-stage", "1"]
 
 
 def _worker(rank, layouts):
@@ -18,13 +23,26 @@ def _worker(rank, layouts):
     for layout in layouts:
         run = to_run_config(build_parser("smollm2-135m").parse_args(TINY + layout), world_size=2)
         assert run.model.num_query_groups == 3 and run.model.activation == "swiglu"
+        # No flag sets the KV heads yet: make the model multi-query by hand.
+        run = dataclasses.replace(run, model=run.model.replace(num_query_groups=1))
         curves.append(pretrain(model_provider, run).losses)
     return curves
 
 
-def test_train_llama_dp_and_pp_give_the_same_loss_curve():
-    layouts = [[], ["--pipeline-model-parallel-size", "2"]]
-    dp, pp = run_distributed(_worker, 2, layouts, timeout=300)[0]
+def test_train_llama_dp_pp_and_tp_give_the_same_loss_curve():
+    no_clip = ["--clip-grad", "0"]  # see the next test
+    layouts = [no_clip, no_clip + ["--pipeline-model-parallel-size", "2"], no_clip + TP2]
+    dp, pp, tp = run_distributed(_worker, 2, layouts, timeout=300)[0]
     assert len(dp) == 8 and min(dp[1:]) < dp[0]  # mock tokens: little to learn, but it moves
-    for a, b in zip(dp, pp):
-        assert abs(a - b) <= 1e-4 * abs(a), (dp, pp)
+    for curve in (pp, tp):  # measured: <= 3e-8
+        for a, b in zip(dp, curve):
+            assert abs(a - b) <= 1e-5 * abs(a), (dp, curve)
+
+
+@pytest.mark.xfail(strict=True, reason="the ZeRO gradient norm counts replicated KV rows once per "
+                   "copy (tp > KV heads), so clipping differs from tp = 1; fix in "
+                   "parallel/zero: leave out parallel.tensor_parallel.duplicate_rows(param, topo)")
+def test_clipping_with_replicated_kv_heads_matches_tp1():
+    dp, tp = run_distributed(_worker, 2, [[], TP2], timeout=300)[0]  # --clip-grad 1.0, AdamW
+    for a, b in zip(dp, tp):  # measured: 1.5e-4 apart; 3e-8 with 2 KV heads split over tp = 2
+        assert abs(a - b) <= 1e-6 * abs(a), (dp, tp)
