@@ -15,8 +15,6 @@ and timed in interleaved rounds (each round runs every variant once, rotating wh
          against the FASTER one, so it never flatters megazoo:
            hf-bf16-master  model.to(bfloat16) + fp32 master copies (Megatron/DeepSpeed style);
            hf-autocast     fp32 weights under torch.autocast("cpu", bfloat16) (Trainer --bf16).
-  proto-*  megazoo with a PROPOSED change that is not shipped (parallel/ belongs to others):
-         AdamW through torch's fused kernel (`FusedAdamW` below). Reported separately.
 
 Timing is CPU time of this process (time.process_time), not wall time: the machine is shared
 with other jobs, and with one thread CPU time is the wall time the step would take on an idle
@@ -84,32 +82,13 @@ class Step:
         return loss
 
 
-class FusedAdamW:
-    """PROTOTYPE of a proposed change to parallel/zero/inner.py (not shipped): the same AdamW
-    on a flat fp32 shard, in torch's fused CPU/GPU kernel (one pass, no temporaries) instead of
-    six separate elementwise passes that allocate `sqrt`/`div` temporaries."""
-    state_names = ("exp_avg", "exp_avg_sq")
-
-    def __init__(self, betas, eps):
-        self.beta1, self.beta2, self.eps = betas[0], betas[1], eps
-
-    def update(self, param, grad, state, h) -> None:
-        torch._fused_adamw_([param], [grad], [state["exp_avg"]], [state["exp_avg_sq"]], [],
-                            [torch.tensor(float(h.step))], lr=h.lr, beta1=self.beta1,
-                            beta2=self.beta2, weight_decay=h.weight_decay, eps=self.eps,
-                            amsgrad=False, maximize=False)
-
-
-def megazoo_step(arch: str, cfg: TransformerConfig, precision: str, init_sd,
-                 fused_adam=False) -> Step:
+def megazoo_step(arch: str, cfg: TransformerConfig, precision: str, init_sd) -> Step:
     """`training.step.train_step`, split: forward_backward, then optimizer.step + zero_grad."""
     topo = ParallelTopology.single()
     model = (GPTModel if arch == "gpt" else BloomModel)(cfg, topo)
     model.load_state_dict(init_sd)
     opt = build_optimizer(model, topo, OptimizerConfig(
         zero_stage=0, lr=LR, weight_decay=WD, clip_grad=CLIP, precision=precision))
-    if fused_adam:
-        opt.inner = FusedAdamW(opt.cfg.betas, opt.cfg.eps)
     last = {}
 
     def fb(ids, labels):
@@ -223,14 +202,10 @@ def build_variants(arch: str, dtypes: list[str], args) -> tuple[TransformerConfi
     if "fp32" in dtypes:
         variants["megazoo-fp32"] = megazoo_step(arch, cfg, "fp32", init_sd)
         variants["hf-fp32"] = hf_fp32_step(arch, cfg, init_sd)
-        if args.prototype:
-            variants["proto-fp32"] = megazoo_step(arch, cfg, "fp32", init_sd, fused_adam=True)
     if "bf16" in dtypes:
         variants["megazoo-bf16"] = megazoo_step(arch, cfg, "bf16", init_sd)
         variants["hf-bf16-master"] = hf_bf16_master_step(arch, cfg, init_sd)
         variants["hf-autocast"] = hf_fp32_step(arch, cfg, init_sd, autocast=True)
-        if args.prototype:
-            variants["proto-bf16"] = megazoo_step(arch, cfg, "bf16", init_sd, fused_adam=True)
     return cfg, variants
 
 
@@ -292,15 +267,14 @@ def run_arch(arch: str, args) -> dict:
             "tokens_per_s": tokens / med, "tokens_per_wall_s": tokens / statistics.median(wall[name]),
             "model_tflops": achieved / 1e12, "mfu": achieved / out[f"matmul_peak_{dt}_flops"]}
     v = out["variants"]
-    out["ratios"], out["prototype_ratios"] = {}, {}
+    out["ratios"] = {}
     for dt in args.dtypes:
         # bf16: against the faster HF recipe, so the ratio never flatters megazoo
         hf = "hf-fp32" if dt == "fp32" else max(("hf-bf16-master", "hf-autocast"),
                                                 key=lambda n: v[n]["tokens_per_s"])
-        for key, name in (("ratios", f"megazoo-{dt}"), ("prototype_ratios", f"proto-{dt}")):
-            if name in v:
-                out[key][dt] = {"vs": hf, "ratio": v[name]["tokens_per_s"] / v[hf]["tokens_per_s"],
-                                "wall_ratio": v[name]["tokens_per_wall_s"] / v[hf]["tokens_per_wall_s"]}
+        name = f"megazoo-{dt}"
+        out["ratios"][dt] = {"vs": hf, "ratio": v[name]["tokens_per_s"] / v[hf]["tokens_per_s"],
+                             "wall_ratio": v[name]["tokens_per_wall_s"] / v[hf]["tokens_per_wall_s"]}
     if args.profile:
         out["profile"] = {name: profile_variant(name, fn, data) for name, fn in variants.items()}
         for text in out["profile"].values():
@@ -318,8 +292,7 @@ def plot(result: dict, path: str) -> None:
         r = result["models"][arch]
         names = list(r["variants"])
         tps = [r["variants"][n]["tokens_per_s"] for n in names]
-        colors = ["tab:blue" if n.startswith("megazoo") else "tab:cyan" if n.startswith("proto")
-                  else "tab:gray" for n in names]
+        colors = ["tab:blue" if n.startswith("megazoo") else "tab:gray" for n in names]
         bars = ax.bar(range(len(names)), tps, color=colors)
         for b_, n in zip(bars, names):
             ax.text(b_.get_x() + b_.get_width() / 2, b_.get_height(),
@@ -349,8 +322,6 @@ def main(argv=None) -> dict:
     p.add_argument("--steps", type=int, default=1, help="steps per timing sample")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--profile", action="store_true")
-    p.add_argument("--no-prototype", dest="prototype", action="store_false",
-                   help="skip the proto-* variants (megazoo + the proposed fused AdamW)")
     p.add_argument("--out", default=os.path.join(RESULTS, "train_step"))
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -376,10 +347,9 @@ def main(argv=None) -> dict:
                   f"{v['model_tflops']:8.3f} {100 * v['mfu']:5.1f}%")
         for dt in args.dtypes:
             print(f"{arch:6} matmul peak {dt}: {r[f'matmul_peak_{dt}_flops'] / 1e9:.0f} GFLOP/s")
-        for label, key in (("megazoo", "ratios"), ("prototype (fused AdamW)", "prototype_ratios")):
-            for dt, x in r[key].items():
-                print(f"{arch:6} {dt} ratio {label} / {x['vs']}: {x['ratio']:.2f}x per CPU-second "
-                      f"({x['wall_ratio']:.2f}x by median wall time)")
+        for dt, x in r["ratios"].items():
+            print(f"{arch:6} {dt} ratio megazoo / {x['vs']}: {x['ratio']:.2f}x per CPU-second "
+                  f"({x['wall_ratio']:.2f}x by median wall time)")
         print(f"{arch:6} first losses: " + ", ".join(f"{k} {v:.4f}" for k, v in r["first_loss"].items()))
     print(f"wrote {args.out}.json and .png")
     return result

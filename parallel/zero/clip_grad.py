@@ -4,7 +4,9 @@ Each rank sums the squares of the gradients it owns: its shard of every bucket u
 (shards partition the bucket, so the DP sum covers it once), or the full bucket under stage 0
 (every DP rank holds the same reduced gradient, so no DP sum). Buckets whose key is not
 `counted` hold duplicates (replicated parameters on TP ranks > 0, the tied embedding on the
-last stage) and are skipped. The model-parallel sum then covers TP and PP.
+last stage) and are skipped; so are rows that a TP rank holds as a copy of another rank's
+(key/value heads replicated when tp > KV heads, see `duplicate_ranges`). The model-parallel sum
+then covers TP and PP.
 """
 from __future__ import annotations
 
@@ -13,16 +15,36 @@ import math
 import torch
 
 from . import collectives as C
+from parallel.tensor_parallel import duplicate_rows
+
 from .flat_buffer import FlatBuffer
 
 
+def duplicate_ranges(b: FlatBuffer, topo) -> list[tuple[int, int]]:
+    """[start, end) ranges of `b.grad_shard` holding rows another TP rank counts instead."""
+    out = []
+    for slot, lo, hi in b.shard_ranges():
+        rows = duplicate_rows(slot.param, topo)
+        if rows:
+            start = slot.offset + slot.numel - rows * (slot.numel // slot.param.shape[0])
+            s, e = max(lo, start), hi
+            if s < e:
+                out.append((s - b.shard_start, e - b.shard_start))
+    return out
+
+
 def global_grad_norm(buffers: list[FlatBuffer], *, sharded: bool, dp_group, mp_group,
-                     device: torch.device) -> float:
-    """The L2 norm of the (still loss-scaled) gradients; inf or NaN when any gradient is."""
+                     device: torch.device, exclude: dict[int, list[tuple[int, int]]] | None = None
+                     ) -> float:
+    """The L2 norm of the (still loss-scaled) gradients; inf or NaN when any gradient is.
+
+    `exclude`: per buffer index, shard ranges left out (from `duplicate_ranges`)."""
     sq = torch.zeros((), dtype=torch.float32, device=device)
-    for b in buffers:
+    for i, b in enumerate(buffers):
         if b.key.counted and b.numel:
             sq += torch.linalg.vector_norm(b.grad_shard, dtype=torch.float32).square()
+            for s, e in (exclude or {}).get(i, ()):
+                sq -= torch.linalg.vector_norm(b.grad_shard[s:e], dtype=torch.float32).square()
     if sharded:
         C.all_reduce(sq, dp_group, async_op=False)
     C.all_reduce(sq, mp_group, async_op=False)

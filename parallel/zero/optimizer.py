@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .clip_grad import clip_coefficient, global_grad_norm
+from .clip_grad import clip_coefficient, duplicate_ranges, global_grad_norm
 from .config import OptimizerConfig
 from .flat_buffer import FlatBuffer, param_key, plan_buckets
 from .grad_sync import GradSync
@@ -77,6 +77,9 @@ class ZeroOptimizer:
                                    resident=cfg.offload_resident_buckets, init=init)
         del init
 
+        # Rows a TP rank holds as copies of another's (replicated KV heads) count once in norms.
+        self.norm_exclusions = {i: r for i, b in enumerate(self.buffers)
+                                if (r := duplicate_ranges(b, topo))}
         self.grad_sync = GradSync(self.buffers, stage=self.stage, dp_group=topo.dp_group,
                                   embedding_group=topo.embedding_group,
                                   max_inflight=cfg.max_inflight_buckets)
@@ -153,7 +156,7 @@ class ZeroOptimizer:
         scale = self.scaler.scale
         norm = global_grad_norm(self.buffers, sharded=self.stage >= 1,
                                 dp_group=self.topo.dp_group, mp_group=self.topo.mp_group,
-                                device=self.topo.device) / scale
+                                device=self.topo.device, exclude=self.norm_exclusions) / scale
         loss_value = float(loss) if loss is not None else None
         if not math.isfinite(norm) or (loss_value is not None and not math.isfinite(loss_value)):
             return self._skip(norm, scale, loss_value)
@@ -164,14 +167,12 @@ class ZeroOptimizer:
             hyper = Hyper(self.lr, self.cfg.weight_decay if b.key.decay else 0.0,
                           self.applied_steps)
             grad = b.grad_shard.to(self.state_device, torch.float32)
-            if mult != 1.0:
-                grad = grad * mult
             if self.separate_master:
-                self.inner.update(st["master"], grad, st, hyper)
+                self.inner.update(st["master"], grad, st, hyper, mult)
                 b.write_params(st["master"])
             else:  # fp32 on the device: the weights' own shard is the master
                 master = b.param_shard if b.shard_params else b.params.data[b.shard_slice]
-                self.inner.update(master, grad, st, hyper)
+                self.inner.update(master, grad, st, hyper, mult)
         for pending in [b.all_gather_params() for b in self.buffers]:
             pending.wait()
         if self.zero3 is not None:
