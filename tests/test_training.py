@@ -136,3 +136,18 @@ def test_two_simulated_nodes_train_together(tmp_path):
     assert all(a.returncode == 0 for a in agents), outs
     assert "train iter 3" in outs[0] and "world_size': 4" in outs[0], outs[0]
     assert open(os.path.join(tmp_path, "latest")).read().strip() == "iter_0000003"
+
+
+def test_llama_flags_map_onto_the_config():
+    argv = TINY + ["--train-iters", "1", "--swiglu", "--group-query-attention", "--num-query-groups", "2",
+                   "--position-embedding-type", "rope", "--rotary-base", "500000", "--normalization",
+                   "RMSNorm", "--untie-embeddings-and-output-weights", "--disable-bias-linear"]
+    m = to_run_config(build_parser().parse_args(argv), world_size=1).model
+    assert (m.activation, m.num_query_groups, m.position_embedding, m.rope_theta, m.normalization,
+            m.tie_word_embeddings, m.bias) == ("swiglu", 2, "rope", 500000.0, "rmsnorm", False, False)
+    from training.metrics import model_flops_per_token
+    dense = m.replace(num_query_groups=4, activation="gelu_tanh")
+    # GQA saves 2 of the 4 K/V head projections; SwiGLU adds a third h x f matrix.
+    h, f, L = m.hidden_size, m.ffn_hidden_size, m.num_layers
+    expected = model_flops_per_token(dense, 16) + 3 * 2 * L * (h * f - h * h)
+    assert model_flops_per_token(m, 16) == pytest.approx(expected)

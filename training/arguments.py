@@ -32,6 +32,15 @@ def build_parser(default_model: str | None = None) -> argparse.ArgumentParser:
     g.add_argument("--hidden-dropout", type=float)
     g.add_argument("--attention-dropout", type=float)
     g.add_argument("--init-method-std", type=float)
+    g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope", "alibi"])
+    g.add_argument("--rotary-base", type=float, help="RoPE theta")
+    g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"])
+    g.add_argument("--norm-epsilon", type=float)
+    g.add_argument("--swiglu", action="store_true", default=None)
+    g.add_argument("--group-query-attention", action="store_true")
+    g.add_argument("--num-query-groups", type=int)
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true", default=None)
+    g.add_argument("--disable-bias-linear", action="store_true", default=None)
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
@@ -123,7 +132,16 @@ def to_run_config(args: argparse.Namespace, vocab_size: int | None = None,
         max_position_embeddings=args.max_position_embeddings,
         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
         hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
-        init_method_std=args.init_method_std, vocab_size=vocab_size or args.vocab_size).items()
+        init_method_std=args.init_method_std, vocab_size=vocab_size or args.vocab_size,
+        position_embedding={"learned_absolute": "learned"}.get(args.position_embedding_type,
+                                                               args.position_embedding_type),
+        rope_theta=args.rotary_base, layernorm_epsilon=args.norm_epsilon,
+        normalization=args.normalization.lower() if args.normalization else None,
+        activation="swiglu" if args.swiglu else None,
+        num_query_groups=args.num_query_groups if args.group_query_attention or args.num_query_groups
+        else None,
+        tie_word_embeddings=False if args.untie_embeddings_and_output_weights else None,
+        bias=False if args.disable_bias_linear else None).items()
         if v is not None}
     overrides.update(seed=args.seed, recompute_layers=args.recompute_granularity == "full",
                      params_dtype="bfloat16" if args.bf16 else "float16" if args.fp16 else "float32")

@@ -184,8 +184,10 @@ def check_compatible(meta: dict, *, model: dict, folder: str) -> None:
     `training/reshard.py` maps any layout onto any other)."""
     saved_model = meta.get("model", {})
     diffs = [k for k in ("vocab_size", "hidden_size", "num_layers", "num_attention_heads",
-                         "ffn_hidden_size", "position_embedding", "embedding_layernorm")
-             if saved_model.get(k) != model.get(k)]
+                         "ffn_hidden_size", "position_embedding", "embedding_layernorm",
+                         "num_query_groups", "normalization", "activation", "rope_theta",
+                         "rope_scaling", "tie_word_embeddings", "bias")
+             if k in saved_model and saved_model.get(k) != model.get(k)]
     if diffs:
         k = diffs[0]
         raise CheckpointError(f"{folder} holds another model: {k}={saved_model.get(k)!r} there, "

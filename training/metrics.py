@@ -19,12 +19,15 @@ PEAK_FLOPS = [
 def model_flops_per_token(cfg: TransformerConfig, seq_length: int) -> float:
     """Forward + backward FLOPs per token (3x forward), no recompute (the MFU convention).
 
-    Forward per token: 2 FLOPs per multiply-add over QKV (3h^2), attention output (h^2) and MLP
-    (2hf) weights per layer, attention scores and values (2 * 2 * s * h per layer), and the
-    logits (h * V).
+    Forward per token: 2 FLOPs per multiply-add over the QKV projection (h^2 for queries plus
+    2 h^2 * kv_heads / heads for keys and values), the attention output (h^2), the MLP (2hf, or
+    3hf for SwiGLU's gate, up and down), the attention scores and values (2 * 2 * s * h per
+    layer), and the logits (h * V).
     """
     h, f, L, v = cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_layers, cfg.vocab_size
-    forward = 2 * L * (4 * h * h + 2 * h * f) + 4 * L * seq_length * h + 2 * h * v
+    kv = (cfg.num_query_groups or cfg.num_attention_heads) / cfg.num_attention_heads
+    mlp = (3 if cfg.activation == "swiglu" else 2) * h * f
+    forward = 2 * L * ((2 + 2 * kv) * h * h + mlp) + 4 * L * seq_length * h + 2 * h * v
     return 3.0 * forward
 
 
