@@ -235,8 +235,8 @@ def init_distributed(timeout_s: float = 600.0) -> None:
             "MASTER_ADDR" not in os.environ:
         return
     device = default_device()
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    if device.type != "cpu":  # one accelerator per process, chosen by LOCAL_RANK
+        torch.get_device_module(device).set_device(device)
     dist.init_process_group(backend=default_backend(),
                             timeout=datetime.timedelta(seconds=timeout_s))
 

@@ -201,8 +201,8 @@ class _Runner:
 
     def _now(self) -> float:
         # Device work is asynchronous; only a synchronised clock measures it.
-        if self.timeline is not None and self.topo.device.type == "cuda":
-            torch.cuda.synchronize(self.topo.device)
+        if self.timeline is not None and self.topo.device.type != "cpu":
+            torch.get_device_module(self.topo.device).synchronize(self.topo.device)
         return time.perf_counter()
 
 
