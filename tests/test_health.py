@@ -106,3 +106,16 @@ def test_inspect_checkpoint_verifies_and_flags_truncation(tmp_path):
 
 def _save_worker(rank, root):
     _pretrain(TINY + ["--train-iters", "2", "--save", root], 2)
+
+
+def _straggler_worker(rank, run_dir):
+    _pretrain(TINY + ["--train-iters", "4", "--log-interval", "2", "--inject-hang", "1", "3", "1.0",
+                      "--tensorboard-dir", run_dir], 2)
+
+
+def test_slow_rank_is_named(tmp_path):
+    run_distributed(_straggler_worker, 2, str(tmp_path), timeout=120)
+    events = [e for e in read_jsonl(os.path.join(tmp_path, "journal.jsonl")) if e["kind"] == "straggler"]
+    assert [(e["iteration"], e["ranks"]) for e in events] == [(4, [1])]
+    assert events[0]["times"][1] > 1.0 > events[0]["times"][0]
+    assert any(f.startswith("events.out.tfevents") for f in os.listdir(tmp_path))  # TensorBoard

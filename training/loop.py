@@ -109,10 +109,11 @@ def pretrain(model_provider, run: RunConfig) -> TrainResult:
 
     monitor, rollbacks, nan_injected = HealthMonitor(run.health), 0, False
     sigterm, result = _SigtermFlag(), TrainResult(state, [], [], None)
-    window = dict(loss=0.0, n=0, tokens=0, time=0.0)
+    window = dict(loss=0.0, n=0, tokens=0, time=0.0, lag=0.0)
     try:
         while state.iteration < sched.train_iters:
             it = state.iteration + 1  # the iteration this step makes
+            step_begin, timings = time.perf_counter(), {}
             batch = global_batch_size(sched, state.consumed_samples)
             microbatch_list = data.next_global_batch(batch)
             opt.lr = learning_rate(sched, state.iteration)
@@ -121,7 +122,7 @@ def pretrain(model_provider, run: RunConfig) -> TrainResult:
             nan_injected |= poison
             start = time.perf_counter()
             loss = forward_backward(chunks, microbatch_list, topo, opt, schedule=sched.pipeline_schedule,
-                                    shape=shape, watchdog=watchdog, poison=poison)
+                                    shape=shape, watchdog=watchdog, poison=poison, timings=timings)
             verdict = monitor.check(loss)
             step = None
             if verdict.healthy or run.health.policy == "warn":
@@ -151,7 +152,8 @@ def pretrain(model_provider, run: RunConfig) -> TrainResult:
             state.skipped_steps += int(step is None or step.skipped)
             result.losses.append(loss)
             window.update(loss=window["loss"] + loss, n=window["n"] + 1,
-                          tokens=window["tokens"] + batch * seq, time=window["time"] + elapsed)
+                          tokens=window["tokens"] + batch * seq, time=window["time"] + elapsed,
+                          lag=window["lag"] + timings["ready"] - step_begin)
             if state.iteration % run.logging.log_interval == 0 or state.iteration == sched.train_iters:
                 tokens_s = window["tokens"] / window["time"]
                 flops_rank = flops_per_token * tokens_s / topo.world_size
@@ -164,9 +166,9 @@ def pretrain(model_provider, run: RunConfig) -> TrainResult:
                              mfu=flops_rank / peak if peak else float("nan"),
                              mem_gib=_max_over_ranks(peak_memory_bytes(topo.device), topo) / 2**30),
                         state.iteration)
-                _check_stragglers(window["time"], topo, run.health.straggler_threshold, journal,
-                                  state.iteration)
-                window = dict(loss=0.0, n=0, tokens=0, time=0.0)
+                _check_stragglers(window["lag"], window["n"], topo, run.health.straggler_threshold,
+                                  journal, state.iteration)
+                window = dict(loss=0.0, n=0, tokens=0, time=0.0, lag=0.0)
             if valid_ds is not None and run.logging.eval_interval and \
                     state.iteration % run.logging.eval_interval == 0:
                 vloss = evaluate(chunks, valid_ds, topo, run, shape, opt.cfg.model_dtype, state)
@@ -222,21 +224,26 @@ def _roll_back(run, topo, chunks, opt, rng, data, journal, iteration, samples) -
     return state
 
 
-def _check_stragglers(step_time: float, topo, threshold: float, journal, iteration: int) -> None:
-    """Compare per-rank step times over the log interval; name the ranks that lag."""
+def _check_stragglers(ready_time: float, steps: int, topo, threshold: float, journal,
+                      iteration: int) -> None:
+    """Name the ranks that lag. Waiting inside collectives makes every rank's step equally long,
+    so what is compared is each rank's time from the start of the step until it was ready for
+    the step's global loss reduction, summed over the log interval."""
     if not dist.is_initialized() or topo.world_size == 1:
         return
-    t = torch.tensor([step_time], dtype=torch.float64, device=topo.device)
+    t = torch.tensor([ready_time], dtype=torch.float64, device=topo.device)
     times = [torch.zeros_like(t) for _ in range(topo.world_size)]
     dist.all_gather(times, t)
     if topo.rank != 0:
         return
     times = [x.item() for x in times]
-    median = sorted(times)[len(times) // 2]
-    slow = [r for r, x in enumerate(times) if median > 0 and x > threshold * median]
+    median = sorted(times)[(len(times) - 1) // 2]  # the lower median: with 2 ranks, the faster
+    # 1 ms per step of slack keeps scheduler noise on tiny steps from naming anyone.
+    slow = [r for r, x in enumerate(times) if x > threshold * median + 1e-3 * steps]
     if slow:
-        logger.warning("iteration %d: slow ranks %s (%s s vs median %.3g s)", iteration, slow,
-                       [round(times[r], 3) for r in slow], median)
+        logger.warning("iteration %d: slow ranks %s (%s s to reach the loss reduction over %d steps, "
+                       "median %.3g s)", iteration, slow, [round(times[r], 3) for r in slow], steps,
+                       median)
         journal.event("straggler", iteration=iteration, ranks=slow, times=times)
 
 

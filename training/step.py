@@ -6,6 +6,7 @@ gradient accumulation); the ZeRO optimizer reduces gradients over data paralleli
 from __future__ import annotations
 
 import contextlib
+import time
 
 import torch
 import torch.distributed as dist
@@ -50,10 +51,12 @@ def mean_over_world(losses: list[torch.Tensor], topo: ParallelTopology) -> float
 
 
 def forward_backward(chunks, microbatches: list[dict], topo: ParallelTopology, optimizer, *,
-                     schedule: str, shape, watchdog=None, poison: bool = False) -> float:
+                     schedule: str, shape, watchdog=None, poison: bool = False,
+                     timings: dict | None = None) -> float:
     """Forward and backward over the microbatches; returns the mean loss over the global batch.
 
     Gradients end up reduced (or being reduced) in the optimizer's buckets, ready for its step.
+    `timings["ready"]` receives the moment this rank reached the step's global collective.
     """
     steps = build_schedule(schedule if topo.pp > 1 else "no_pipelining", topo.pp, topo.pp_rank,
                            len(microbatches), vpp=len(chunks))
@@ -64,6 +67,8 @@ def forward_backward(chunks, microbatches: list[dict], topo: ParallelTopology, o
         losses = run_pipeline(steps, chunks, microbatches, topo, shape,
                               optimizer.cfg.model_dtype, make_forward_fn(scale, poison))
     optimizer.grad_sync.launch_remaining()
+    if timings is not None:
+        timings["ready"] = time.perf_counter()
     with guard("all_reduce(loss)"):
         return mean_over_world([l / scale for l in losses], topo)
 
