@@ -18,20 +18,15 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from . import collectives as C
 
-def group_size(group) -> int:
-    return 1 if group is None else dist.get_world_size(group)
+
+group_size = C.group_size
 
 
 def group_rank(group) -> int:
     return 0 if group is None else dist.get_rank(group)
 
-
-def _has_tensor_collectives(group) -> bool:
-    return dist.get_backend(group) != "gloo"
-
-
-# ---- raw (non-autograd) collectives with gloo fallbacks -----------------------------------
 
 def all_reduce(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
     if group_size(group) > 1:
@@ -45,14 +40,10 @@ def all_gather(x: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
     n = group_size(group)
     if n == 1:
         return x
-    x = x.contiguous()
-    if dim == 0 and _has_tensor_collectives(group):
-        out = torch.empty((n * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-        dist.all_gather_into_tensor(out, x, group=group)
-        return out
-    parts = [torch.empty_like(x) for _ in range(n)]
-    dist.all_gather(parts, x, group=group)
-    return torch.cat(parts, dim=dim)
+    x = x.movedim(dim, 0).contiguous()
+    out = torch.empty((n * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+    C.all_gather(out.view(-1), x.view(-1), group, async_op=False).wait()  # dim-0 chunks are flat ranges
+    return out.movedim(0, dim)
 
 
 def reduce_scatter(x: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
@@ -62,12 +53,10 @@ def reduce_scatter(x: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
         return x
     if x.shape[dim] % n != 0:
         raise ValueError(f"dimension {dim} of size {x.shape[dim]} is not divisible by group size {n}")
-    if dim == 0 and _has_tensor_collectives(group):
-        out = torch.empty((x.shape[0] // n,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-        dist.reduce_scatter_tensor(out, x.contiguous(), group=group)
-        return out
-    # gloo has no reduce-scatter: all-reduce, then keep our slice.
-    return split(all_reduce(x.clone(), group), group, dim)
+    x = x.movedim(dim, 0).contiguous()
+    out = torch.empty((x.shape[0] // n,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+    C.reduce_scatter(out.view(-1), x.view(-1), group, async_op=False).wait()
+    return out.movedim(0, dim)
 
 
 def split(x: torch.Tensor, group, dim: int) -> torch.Tensor:

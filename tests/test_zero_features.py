@@ -15,7 +15,7 @@ from models.language_model import TransformerLanguageModel
 from parallel.topology import ParallelTopology
 from parallel.zero import (LossScaleConfig, NonFiniteError, OptimizerConfig, ZeroConfigError,
                            build_optimizer)
-from parallel.zero import collectives
+from parallel import collectives
 from parallel.zero.loss_scaler import DynamicLossScaler
 from tests.distributed import run_distributed
 from tests.test_zero_common import (assert_params_close, batch, full_model_parameters, opt_config,

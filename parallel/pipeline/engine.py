@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from parallel.pipeline.schedules import (Backward, Comm, Compute, Forward, RecvActivation,
+from parallel.pipeline.schedules import (Backward, Comm, Forward, RecvActivation,
                                          RecvGrad, SendActivation, SendGrad, Step, comm_batches)
 from parallel.topology import ParallelTopology
 

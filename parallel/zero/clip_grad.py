@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from . import collectives as C
+from .. import collectives as C
 from parallel.tensor_parallel import duplicate_rows
 
 from .flat_buffer import FlatBuffer

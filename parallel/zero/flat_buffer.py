@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import collectives as C
+from .. import collectives as C
 
 logger = logging.getLogger(__name__)
 

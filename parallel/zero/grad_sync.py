@@ -25,7 +25,7 @@ from typing import Callable
 import torch
 from torch.autograd import Variable
 
-from . import collectives as C
+from .. import collectives as C
 from .flat_buffer import FlatBuffer
 
 logger = logging.getLogger(__name__)

@@ -22,7 +22,7 @@ import logging
 import torch
 from torch import nn
 
-from . import collectives as C
+from .. import collectives as C
 from .flat_buffer import FlatBuffer
 
 logger = logging.getLogger(__name__)

@@ -1,4 +1,4 @@
-"""DP collectives for flat buffers, with fallbacks for backends that lack the fused forms.
+"""Collectives on flat tensors, with fallbacks for backends that lack the fused forms.
 
 NCCL has reduce-scatter and all-gather into one contiguous tensor. Older gloo builds lack
 reduce-scatter (torch 2.13's gloo has both); where a fused collective is missing we fall back
