@@ -16,8 +16,8 @@ from torch import nn
 
 from parallel.comm import gather_last_dim, scatter_to_sequence
 from parallel.random import RNGStreams, checkpoint
-from parallel.tensor_parallel import (VocabParallelEmbedding, parallel_lm_logits,
-                                      vocab_parallel_cross_entropy)
+from parallel.fused_cross_entropy import lm_head_cross_entropy
+from parallel.tensor_parallel import VocabParallelEmbedding, parallel_lm_logits
 from parallel.topology import ParallelTopology
 
 from .attention import check_attention_layout
@@ -119,12 +119,12 @@ class TransformerLanguageModel(nn.Module):
             cache.offset += h.shape[0] * (self.topo.tp if self.topo.sequence_parallel else 1)
         if not self.post_process:
             return h
-        logits = parallel_lm_logits(self.final_norm(h), self.output_weight(), self.topo,
-                                    self.config.vocab_size)  # [s, b, v/tp]
-        if labels is None:
-            return logits.transpose(0, 1)
-        loss = vocab_parallel_cross_entropy(logits, labels.t(), self.topo.tp_group)
-        return loss.t()
+        h = self.final_norm(h)
+        if labels is not None:  # the head and the loss fused: the logits are never materialised
+            return lm_head_cross_entropy(h, self.output_weight(), labels.t(), self.topo,
+                                         self.config.vocab_size).t()
+        logits = parallel_lm_logits(h, self.output_weight(), self.topo, self.config.vocab_size)
+        return logits.transpose(0, 1)  # [b, s, v/tp]
 
 
 def gather_logits(local_logits: torch.Tensor, topo: ParallelTopology, vocab_size: int) -> torch.Tensor:

@@ -1,0 +1,113 @@
+"""The language-model head fused with the vocabulary-parallel cross-entropy.
+
+Unfused, the head writes logits [tokens, vocab/tp] in the model's dtype; the loss reads them back
+as an fp32 copy and writes log-probabilities; its backward allocates a zeroed [tokens, vocab/tp]
+gradient, scatters the targets into it and makes one more pass for the softmax: five trips
+through memory over the largest activation of the model before the two backward matmuls.
+
+Fused, tokens go through the head in chunks: the matmul, then max, exp and sum in place on the
+chunk's fp32 scratch, and the gradient of the logits (softmax minus one-hot) is written once, in the weight's dtype, which is the precision the unfused backward
+rounds it to before its matmuls anyway (fp16 keeps it in fp32, see below). Backward is just the
+two matmuls. Only [tokens]-sized vectors cross TP ranks: the max, the sum of exponentials and
+the target's logit, each one all-reduce per call. This is what Megatron's
+`--cross-entropy-loss-fusion` and Liger's fused linear cross-entropy do.
+
+The per-token gradient g arriving at the loss (1/N for a mean, zero where a loss mask is off)
+is applied in backward without touching the big tensor: with G = softmax - one-hot,
+dX = g * (G W) row by row, and dW = Gᵀ (g * X).
+
+Targets below zero (ignore_index style, e.g. -100) give zero loss and zero gradient.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .comm import all_reduce, copy_to_tp, gather_from_sequence, group_rank, group_size
+from .topology import ParallelTopology
+
+# Tokens per chunk. Smaller chunks keep the scratch in cache but starve the matmul: measured on
+# one CPU core (vocab 16k and 50k, hidden 512), fp32 wants >= 256 rows, bf16 (AMX) >= 64, and
+# 1024 costs at most 10% against the best of either; the fp32 scratch is 4 kB x vocab/tp.
+CHUNK_TOKENS = 1024
+
+
+class _LMHeadCrossEntropy(torch.autograd.Function):
+    """hidden [N, H], weight [V/tp, H], target [N] (global ids) -> per-token loss [N] in fp32."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, target, group, vocab_size):
+        n, v_local = hidden.shape[0], weight.shape[0]
+        tp, start = group_size(group), group_rank(group) * weight.shape[0]
+        pad_from = max(vocab_size - start, 0)  # local columns from here on are vocabulary padding
+        local_t = target - start
+        inside = (local_t >= 0) & (local_t < v_local)
+        local_t = local_t.clamp(0, v_local - 1).unsqueeze(1)
+        # fp16 would flush small probabilities to zero before the loss scale reaches them
+        store = torch.float32 if weight.dtype == torch.float16 else weight.dtype
+        grad_logits = torch.empty(n, v_local, dtype=store, device=hidden.device)
+        row_max = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        sum_exp = torch.empty_like(row_max)
+        picked = torch.empty_like(row_max)
+        w_t, step = weight.t(), CHUNK_TOKENS
+
+        def subtract_onehot_and_store(rows, probs):
+            probs.scatter_add_(1, local_t[rows], -inside[rows].unsqueeze(1).to(probs.dtype))
+            grad_logits[rows] = probs
+
+        for i in range(0, n, step):
+            rows = slice(i, min(i + step, n))
+            logits = torch.mm(hidden[rows], w_t)
+            f = logits.float()  # the same tensor when fp32: it is a scratch chunk either way
+            if pad_from < v_local:  # padded rows must never enter the softmax
+                f[:, pad_from:] = float("-inf")
+            picked[rows] = f.gather(1, local_t[rows]).squeeze(1)
+            row_max[rows] = m = f.amax(1)
+            if tp == 1:  # finish the chunk while it is in cache
+                f.sub_(m.unsqueeze(1)).exp_()
+                sum_exp[rows] = total = f.sum(1)
+                subtract_onehot_and_store(rows, f.div_(total.unsqueeze(1)))
+            else:  # keep the logits (exact: they came out of the matmul in this dtype)
+                finite_max = m.clamp_min(torch.finfo(m.dtype).min)  # a shard of padding only: -inf
+                sum_exp[rows] = torch.exp(f - finite_max.unsqueeze(1)).sum(1)
+                grad_logits[rows] = f
+        if tp == 1:
+            lse = row_max + sum_exp.log()
+        else:  # combine the shards' (max, sum of exp), then a second pass for the softmax
+            global_max = all_reduce(row_max.clone(), group, op=dist.ReduceOp.MAX)
+            sum_exp = all_reduce(sum_exp * torch.exp(row_max - global_max), group)
+            lse = global_max + sum_exp.log()
+            for i in range(0, n, step):
+                rows = slice(i, min(i + step, n))
+                f = grad_logits[rows].float()
+                subtract_onehot_and_store(rows, f.sub_(lse[rows].unsqueeze(1)).exp_())
+        picked = picked.masked_fill(~inside, 0.0)
+        if tp > 1:
+            picked = all_reduce(picked, group)
+        valid = target >= 0
+        ctx.save_for_backward(grad_logits, hidden, weight, valid)
+        return (lse - picked).masked_fill(~valid, 0.0)
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_logits, hidden, weight, valid = ctx.saved_tensors
+        g = (grad_loss.float() * valid).unsqueeze(1)
+        if grad_logits.dtype != weight.dtype:  # fp16: scale in fp32, then round once
+            scaled = (grad_logits * g).to(weight.dtype)
+            return scaled @ weight, scaled.t() @ hidden, None, None, None
+        grad_hidden = (grad_logits @ weight).mul_(g.to(weight.dtype))
+        grad_weight = grad_logits.t() @ (hidden * g.to(hidden.dtype))
+        return grad_hidden, grad_weight, None, None, None
+
+
+def lm_head_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
+                          topo: ParallelTopology, vocab_size: int) -> torch.Tensor:
+    """Per-token loss [s, b] (fp32) from the final hidden states [s, b(/tp under SP), h], this
+    rank's vocabulary shard of the output weight, and target ids [s, b]; never materialises
+    the logits of the whole microbatch."""
+    group = topo.tp_group
+    hidden = gather_from_sequence(hidden, group) if topo.sequence_parallel else copy_to_tp(hidden, group)
+    s, b, h = hidden.shape
+    loss = _LMHeadCrossEntropy.apply(hidden.reshape(s * b, h), weight, target.reshape(s * b),
+                                     group, vocab_size)
+    return loss.view(s, b)

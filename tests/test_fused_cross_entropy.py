@@ -1,0 +1,41 @@
+"""The fused LM head + cross-entropy against the unfused head and `F.cross_entropy`.
+
+Single process (tp = 1); the vocabulary-parallel paths (tp 2 and 4, shards of padding only) are
+checked through whole models against the tp = 1 model in test_tensor_parallel.py.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import parallel.fused_cross_entropy as fused
+
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
+       torch.float16: dict(atol=2e-3, rtol=2e-3)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("padded,chunk", [(0, 1024), (24, 1024), (24, 7)])
+def test_matches_unfused(dtype, padded, chunk, monkeypatch):
+    monkeypatch.setattr(fused, "CHUNK_TOKENS", chunk)  # several chunks, the last one ragged
+    g = torch.Generator().manual_seed(0)
+    vocab, n, h = 1000, 45, 64
+    hidden = torch.randn(n, h, generator=g).to(dtype)
+    weight = (0.3 * torch.randn(vocab + padded, h, generator=g)).to(dtype)
+    target = torch.randint(0, vocab, (n,), generator=g)
+    target[3] = -100  # ignored: zero loss, zero gradient
+    per_token = torch.rand(n, generator=g)  # a loss mask / mean: any per-token weights
+
+    x1, w1 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    loss = fused._LMHeadCrossEntropy.apply(x1, w1, target, None, vocab)
+    (loss * per_token).sum().backward()
+
+    x2, w2 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    logits = (x2 @ w2.t()).masked_fill(torch.arange(vocab + padded) >= vocab, float("-inf"))
+    ref = F.cross_entropy(logits.float(), target, reduction="none", ignore_index=-100)
+    (ref * per_token).sum().backward()
+
+    assert loss.dtype == torch.float32 and loss[3] == 0
+    torch.testing.assert_close(loss, ref, **TOL[dtype])
+    torch.testing.assert_close(x1.grad, x2.grad, **TOL[dtype])
+    torch.testing.assert_close(w1.grad, w2.grad, **TOL[dtype])
+    assert not w1.grad[vocab:].any()  # padded rows get no gradient
