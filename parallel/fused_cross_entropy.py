@@ -77,10 +77,10 @@ class _LMHeadCrossEntropy(torch.autograd.Function):
             global_max = all_reduce(row_max.clone(), group, op=dist.ReduceOp.MAX)
             sum_exp = all_reduce(sum_exp * torch.exp(row_max - global_max), group)
             lse = global_max + sum_exp.log()
-            for i in range(0, n, step):
+            for i in range(0, n, step):  # exp(x - max) / sum, as tp = 1 computes it
                 rows = slice(i, min(i + step, n))
-                f = grad_logits[rows].float()
-                subtract_onehot_and_store(rows, f.sub_(lse[rows].unsqueeze(1)).exp_())
+                f = grad_logits[rows].float().sub_(global_max[rows].unsqueeze(1)).exp_()
+                subtract_onehot_and_store(rows, f.div_(sum_exp[rows].unsqueeze(1)))
         picked = picked.masked_fill(~inside, 0.0)
         if tp > 1:
             picked = all_reduce(picked, group)

@@ -290,11 +290,15 @@ class VocabParallelEmbedding(nn.Module):
                                          padded_size=padded_vocab_size)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        # Row-sparse gradients when whoever collects them says it takes them (the ZeRO
+        # optimizer's hooks): no zeroed [vocab, h] gradient per micro-batch, and a tied head's
+        # dense gradient absorbs the rows with an index_add instead of a full-size add.
+        sparse = getattr(self.weight, "accepts_sparse_grad", False)
         if self.topo.tp == 1:
-            return F.embedding(ids, self.weight)
+            return F.embedding(ids, self.weight, sparse=sparse)
         local = ids - self.start
         outside = (local < 0) | (local >= self.per_rank)
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight, sparse=sparse)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
         return reduce_from_tp(out, self.topo.tp_group)
 

@@ -96,6 +96,10 @@ class FlatBuffer:
             self.grads = torch.zeros(self.padded, dtype=grad_dtype, device=device)
             self.grad_shard = self.grads[self.shard_slice]
         self._transient: torch.Tensor | None = None
+        # Zeroing is lazy: a slot's first gradient after zero_grad (or in a fresh transient
+        # bucket) is copied in instead of added to zeros, which saves a pass over every
+        # bucket per step; `materialize` zeroes the slots that got none before anyone reads.
+        self._unwritten: set[int] = set()  # offsets of slots whose region holds no gradient
         self.synced = False  # stage 1: my shard holds a reduced mean since the last zero_grad
 
     # ---- layout ------------------------------------------------------------------------
@@ -118,18 +122,49 @@ class FlatBuffer:
         if self.grads is not None:
             return self.grads[slot.offset:slot.offset + slot.numel]
         if self._transient is None:
-            self._transient = torch.zeros(self.padded, dtype=self.grad_dtype, device=self.device)
+            self._transient = torch.empty(self.padded, dtype=self.grad_dtype, device=self.device)
+            self._transient[self.numel:].zero_()  # padding
+            self._unwritten = {s.offset for s in self.slots}
         return self._transient[slot.offset:slot.offset + slot.numel]
+
+    def accumulate(self, slot: Slot, grad: torch.Tensor) -> None:
+        """Add a parameter's gradient (dense, or row-sparse from an embedding) into the bucket."""
+        view = self.grad_view(slot)
+        first = slot.offset in self._unwritten
+        self._unwritten.discard(slot.offset)
+        if grad.is_sparse:
+            if first:
+                view.zero_()
+            rows = grad._values().reshape(-1, *slot.param.shape[1:]).to(view.dtype)
+            view.view(slot.param.shape).index_add_(0, grad._indices()[0], rows)
+        elif first:
+            view.copy_(grad.reshape(-1))
+        else:
+            view.add_(grad.reshape(-1))
+
+    def materialize(self) -> None:
+        """Zero the slots that got no gradient since the last zero_grad."""
+        full = self.grads if self.grads is not None else self._transient
+        if full is not None:
+            for s in self.slots:
+                if s.offset in self._unwritten:
+                    full[s.offset:s.offset + s.numel].zero_()
+        self._unwritten.clear()
 
     def take_transient(self) -> torch.Tensor:
         """Hand over the transient full gradient bucket (allocating zeros if nothing arrived)."""
         if self._transient is None:
             self._transient = torch.zeros(self.padded, dtype=self.grad_dtype, device=self.device)
+        self.materialize()
         t, self._transient = self._transient, None
         return t
 
     def zero_grad(self) -> None:
-        (self.grads if self.grads is not None else self.grad_shard).zero_()
+        if self.grads is not None:
+            self._unwritten = {s.offset for s in self.slots}  # padding stays zero throughout
+        else:
+            self.grad_shard.zero_()
+            self._unwritten = set()
         self._transient = None
         self.synced = False
 

@@ -56,11 +56,15 @@ class GradSync:
         for b in self.buffers:
             for s in b.slots:
                 self._handles.append(s.param.register_post_accumulate_grad_hook(self._hook))
+                s.param.accepts_sparse_grad = True  # FlatBuffer.accumulate adds rows
 
     def remove_hooks(self) -> None:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        for b in self.buffers:
+            for s in b.slots:
+                s.param.__dict__.pop("accepts_sparse_grad", None)
 
     def _hook(self, param: torch.Tensor) -> None:
         bucket, slot = self._where[id(param)]
@@ -69,7 +73,7 @@ class GradSync:
         i = self._index[id(bucket)]
         self._wait(i)  # an earlier micro-batch's reduction may still be using this buffer
         with torch.no_grad():
-            bucket.grad_view(slot).add_(param.grad.reshape(-1))
+            bucket.accumulate(slot, param.grad)
         param.grad = None  # the bucket owns the gradient now; free the per-tensor copy
         if not self.sync_enabled:
             self._unsynced = True
@@ -112,6 +116,7 @@ class GradSync:
             # (its gradient keeps accumulating in the bucket until then).
             self._deferred.append(i)
             return
+        b.materialize()
         full = b.grads if b.grads is not None else b.take_transient()
         if tied:
             C.all_reduce(full, self.embedding_group, async_op=False).wait()
@@ -165,6 +170,7 @@ class GradSync:
         for i in list(self._inflight):
             self._wait(i)
         for b in self.buffers:
+            b.materialize()  # a step without any backward still reads zeros
             if b.synced:  # stage 1: shards were left at dp x the mean (see _land_stage1)
                 b.grad_shard.div_(self.dp)
                 b.synced = False
