@@ -112,9 +112,11 @@ class ParallelAttention(nn.Module):
         qkv = self.qkv(x)  # [s, b, local (q, k, v) features], full sequence even under SP
         s, b, _ = qkv.shape
         g, qg, d = self.groups_local, self.q_per_group_local, self.head_dim
-        qkv = qkv.view(s, b, g, qg + 2, d)
-        q = qkv[:, :, :, :qg].reshape(s, b, g * qg, d).permute(1, 2, 0, 3)  # [b, heads, s, d]
-        k, v = qkv[:, :, :, qg].permute(1, 2, 0, 3), qkv[:, :, :, qg + 1].permute(1, 2, 0, 3)
+        # split, not three slices: its backward is one concatenation, where slices would each
+        # scatter into a zeroed full-size gradient to be summed
+        q, k, v = qkv.view(s, b, g, qg + 2, d).split([qg, 1, 1], dim=3)
+        q = q.reshape(s, b, g * qg, d).permute(1, 2, 0, 3)  # [b, heads, s, d]
+        k, v = k.squeeze(3).permute(1, 2, 0, 3), v.squeeze(3).permute(1, 2, 0, 3)
         if self.rotary is not None:
             q, k = self.rotary(q, k, cache.offset if cache is not None else 0)
         if cache is not None:

@@ -51,13 +51,20 @@ class _LMHeadCrossEntropy(torch.autograd.Function):
         picked = torch.empty_like(row_max)
         w_t, step = weight.t(), CHUNK_TOKENS
 
+        # fp32: the matmul writes straight into the stored tensor and everything after is in place
+        direct = store == weight.dtype == hidden.dtype == torch.float32
+
+        def store_rows(rows, values):
+            if values.data_ptr() != grad_logits[rows].data_ptr():
+                grad_logits[rows] = values
+
         def subtract_onehot_and_store(rows, probs):
             probs.scatter_add_(1, local_t[rows], -inside[rows].unsqueeze(1).to(probs.dtype))
-            grad_logits[rows] = probs
+            store_rows(rows, probs)
 
         for i in range(0, n, step):
             rows = slice(i, min(i + step, n))
-            logits = torch.mm(hidden[rows], w_t)
+            logits = torch.mm(hidden[rows], w_t, out=grad_logits[rows] if direct else None)
             f = logits.float()  # the same tensor when fp32: it is a scratch chunk either way
             if pad_from < v_local:  # padded rows must never enter the softmax
                 f[:, pad_from:] = float("-inf")
@@ -70,7 +77,7 @@ class _LMHeadCrossEntropy(torch.autograd.Function):
             else:  # keep the logits (exact: they came out of the matmul in this dtype)
                 finite_max = m.clamp_min(torch.finfo(m.dtype).min)  # a shard of padding only: -inf
                 sum_exp[rows] = torch.exp(f - finite_max.unsqueeze(1)).sum(1)
-                grad_logits[rows] = f
+                store_rows(rows, f)
         if tp == 1:
             lse = row_max + sum_exp.log()
         else:  # combine the shards' (max, sum of exp), then a second pass for the softmax
