@@ -36,7 +36,7 @@ class _LMHeadCrossEntropy(torch.autograd.Function):
     """hidden [N, H], weight [V/tp, H], target [N] (global ids) -> per-token loss [N] in fp32."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, target, group, vocab_size):
+    def forward(ctx, hidden, weight, target, group, vocab_size, shared_with_embedding):
         n, v_local = hidden.shape[0], weight.shape[0]
         tp, start = group_size(group), group_rank(group) * weight.shape[0]
         pad_from = max(vocab_size - start, 0)  # local columns from here on are vocabulary padding
@@ -93,6 +93,8 @@ class _LMHeadCrossEntropy(torch.autograd.Function):
             picked = all_reduce(picked, group)
         valid = target >= 0
         ctx.save_for_backward(grad_logits, hidden, weight, valid)
+        ctx.accumulate_wgrad = getattr(weight, "accumulate_wgrad", None)  # see grad_fusion.py
+        ctx.shared = shared_with_embedding
         return (lse - picked).masked_fill(~valid, 0.0)
 
     @staticmethod
@@ -101,20 +103,27 @@ class _LMHeadCrossEntropy(torch.autograd.Function):
         g = (grad_loss.float() * valid).unsqueeze(1)
         if grad_logits.dtype != weight.dtype:  # fp16: scale in fp32, then round once
             scaled = (grad_logits * g).to(weight.dtype)
-            return scaled @ weight, scaled.t() @ hidden, None, None, None
+            return scaled @ weight, scaled.t() @ hidden, None, None, None, None
         grad_hidden = (grad_logits @ weight).mul_(g.to(weight.dtype))
-        grad_weight = grad_logits.t() @ (hidden * g.to(hidden.dtype))
-        return grad_hidden, grad_weight, None, None, None
+        scaled_hidden = hidden * g.to(hidden.dtype)
+        if ctx.accumulate_wgrad is None:
+            grad_weight = grad_logits.t() @ scaled_hidden
+        else:  # straight into the gradient bucket; a tied embedding's rows follow through autograd
+            ctx.accumulate_wgrad(grad_logits.t(), scaled_hidden, placeholder=not ctx.shared)
+            grad_weight = None if ctx.shared else torch.empty_like(weight)
+        return grad_hidden, grad_weight, None, None, None, None
 
 
 def lm_head_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
-                          topo: ParallelTopology, vocab_size: int) -> torch.Tensor:
+                          topo: ParallelTopology, vocab_size: int,
+                          shared_with_embedding: bool = False) -> torch.Tensor:
     """Per-token loss [s, b] (fp32) from the final hidden states [s, b(/tp under SP), h], this
     rank's vocabulary shard of the output weight, and target ids [s, b]; never materialises
-    the logits of the whole microbatch."""
+    the logits of the whole microbatch. `shared_with_embedding`: the weight is also the input
+    embedding in this forward (tied, same pipeline stage)."""
     group = topo.tp_group
     hidden = gather_from_sequence(hidden, group) if topo.sequence_parallel else copy_to_tp(hidden, group)
     s, b, h = hidden.shape
     loss = _LMHeadCrossEntropy.apply(hidden.reshape(s * b, h), weight, target.reshape(s * b),
-                                     group, vocab_size)
+                                     group, vocab_size, shared_with_embedding)
     return loss.view(s, b)

@@ -22,6 +22,7 @@ from torch import nn
 
 from .comm import (copy_to_tp, gather_from_sequence, gather_last_dim, group_rank, group_size,
                    reduce_from_tp, reduce_scatter_to_sequence, all_reduce)
+from .grad_fusion import linear
 from .topology import ParallelTopology
 
 InitFn = Callable[[torch.Tensor], None]  # fills a full (unsharded) fp32 tensor in place
@@ -241,7 +242,7 @@ class ColumnParallelLinear(nn.Module):
         group = self.topo.tp_group
         x = gather_from_sequence(x, group) if self.topo.sequence_parallel else copy_to_tp(x, group)
         bias = None if self.bias is None else replica_grad_sum(self.bias, self.topo)
-        y = F.linear(x, replica_grad_sum(self.weight, self.topo), bias)
+        y = linear(x, replica_grad_sum(self.weight, self.topo), bias)
         return gather_last_dim(y, group) if self.gather_output else y
 
 
@@ -265,7 +266,7 @@ class RowParallelLinear(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = linear(x, self.weight)
         group = self.topo.tp_group
         if self.topo.sequence_parallel:
             y = reduce_scatter_to_sequence(y, group)

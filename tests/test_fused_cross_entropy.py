@@ -26,7 +26,7 @@ def test_matches_unfused(dtype, padded, chunk, monkeypatch):
     per_token = torch.rand(n, generator=g)  # a loss mask / mean: any per-token weights
 
     x1, w1 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-    loss = fused._LMHeadCrossEntropy.apply(x1, w1, target, None, vocab)
+    loss = fused._LMHeadCrossEntropy.apply(x1, w1, target, None, vocab, False)
     (loss * per_token).sum().backward()
 
     x2, w2 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()

@@ -142,6 +142,15 @@ class FlatBuffer:
         else:
             view.add_(grad.reshape(-1))
 
+    def accumulate_matmul(self, slot: Slot, a: torch.Tensor, b: torch.Tensor) -> None:
+        """Add the gradient a @ b into the bucket without materialising it elsewhere."""
+        view = self.grad_view(slot).view(slot.param.shape)
+        if slot.offset in self._unwritten:
+            self._unwritten.discard(slot.offset)
+            torch.mm(a, b, out=view)
+        else:
+            view.addmm_(a, b)
+
     def materialize(self) -> None:
         """Zero the slots that got no gradient since the last zero_grad."""
         full = self.grads if self.grads is not None else self._transient

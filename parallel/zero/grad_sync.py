@@ -18,6 +18,7 @@ DP rank because they run the same graph; `finish()` launches the rest in a fixed
 """
 from __future__ import annotations
 
+import functools
 import logging
 from contextlib import contextmanager
 from typing import Callable
@@ -57,6 +58,8 @@ class GradSync:
             for s in b.slots:
                 self._handles.append(s.param.register_post_accumulate_grad_hook(self._hook))
                 s.param.accepts_sparse_grad = True  # FlatBuffer.accumulate adds rows
+                if s.param.dim() == 2 and s.param.dtype == b.grad_dtype:  # see grad_fusion.py
+                    s.param.accumulate_wgrad = functools.partial(self._accumulate_wgrad, s.param)
 
     def remove_hooks(self) -> None:
         for h in self._handles:
@@ -65,6 +68,22 @@ class GradSync:
         for b in self.buffers:
             for s in b.slots:
                 s.param.__dict__.pop("accepts_sparse_grad", None)
+                s.param.__dict__.pop("accumulate_wgrad", None)
+
+    def _accumulate_wgrad(self, param: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *,
+                          placeholder: bool = True) -> None:
+        """Called from a layer's backward: its weight gradient a @ b, into the bucket.
+
+        With `placeholder`, the layer returns a placeholder to autograd and the hook skips it;
+        without, it returns None and any other gradient of the same weight (a tied embedding's
+        rows) reaches the hook alone and is added as usual.
+        """
+        bucket, slot = self._where[id(param)]
+        self._wait(self._index[id(bucket)])
+        with torch.no_grad():
+            bucket.accumulate_matmul(slot, a, b)
+        if placeholder:
+            param.wgrad_in_bucket = True
 
     def _hook(self, param: torch.Tensor) -> None:
         bucket, slot = self._where[id(param)]
@@ -72,8 +91,9 @@ class GradSync:
             return
         i = self._index[id(bucket)]
         self._wait(i)  # an earlier micro-batch's reduction may still be using this buffer
-        with torch.no_grad():
-            bucket.accumulate(slot, param.grad)
+        if not param.__dict__.pop("wgrad_in_bucket", False):
+            with torch.no_grad():
+                bucket.accumulate(slot, param.grad)
         param.grad = None  # the bucket owns the gradient now; free the per-tensor copy
         if not self.sync_enabled:
             self._unsynced = True

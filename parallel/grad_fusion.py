@@ -1,0 +1,43 @@
+"""Weight gradients written straight into the optimizer's gradient buckets.
+
+Megatron's gradient-accumulation fusion: autograd would compute a linear layer's weight gradient
+into a fresh tensor, which the bucket's hook then copies (or adds) into the flat gradient buffer:
+one extra pass over every weight per micro-batch. When the buffer has the weight's dtype, the
+gradient sync attaches `param.accumulate_wgrad(a, b)` to the parameter, and `linear` below calls
+it from backward: one matmul writes a @ b into the bucket, or adds it there (addmm) when an
+earlier micro-batch is already in. Autograd then receives an uninitialised placeholder so that
+its usual bookkeeping (and the bucket's readiness hook) still runs; the hook knows to skip it.
+
+Without the attribute (no ZeRO optimizer, bf16 weights with fp32 buffers, tests that read
+`.grad`), `linear` is plain `F.linear`.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+class _LinearWgradIntoBucket(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        # taken now: the tensor saved_tensors hands back (e.g. under recompute) may be another
+        # object without the attribute
+        ctx.accumulate_wgrad = weight.accumulate_wgrad
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        grad_x = grad_out @ weight if ctx.needs_input_grad[0] else None
+        dy = grad_out.reshape(-1, grad_out.shape[-1])
+        ctx.accumulate_wgrad(dy.t(), x.reshape(-1, x.shape[-1]))
+        grad_bias = dy.sum(0) if ctx.has_bias else None
+        return grad_x, torch.empty_like(weight), grad_bias
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    if getattr(weight, "accumulate_wgrad", None) is not None and torch.is_grad_enabled():
+        return _LinearWgradIntoBucket.apply(x, weight, bias)
+    return F.linear(x, weight, bias)
