@@ -8,7 +8,7 @@ import pytest
 
 from models.config import TransformerConfig, preset
 from tests.distributed import run_distributed
-from training.planner import (CLUSTERS, GiB, Layout, PlanError, check_layout,
+from training.planner import (CLUSTERS, GiB, Layout, PlanError, activation_bytes, check_layout,
                               layer_activation_bytes, memory_per_gpu, model_state_bytes, plan,
                               published_runs, rank_layouts, stage_params, step_time)
 
@@ -45,19 +45,32 @@ def test_parameter_count_matches_the_model_config():
 
 
 def test_korthikanti_activation_formulas():
-    cfg = TransformerConfig(hidden_size=1024, num_attention_heads=16, num_layers=4)
+    """In Korthikanti et al.'s setting (16-bit, dropout, unfused attention) the per-tensor count
+    is their formula; megazoo's own departures from it are checked term by term."""
+    cfg = TransformerConfig(hidden_size=1024, num_attention_heads=16, num_layers=4,
+                            hidden_dropout=0.1, attention_dropout=0.1)
     s, b, h, a = 2048, 2, 1024, 16
     base = dict(seq_length=s, micro_batch=b)
     assert layer_activation_bytes(cfg, Layout(**base))[0] == pytest.approx(s * b * h * (34 + 5 * a * s / h))
     t = 4
     assert layer_activation_bytes(cfg, Layout(tp=t, **base))[0] == pytest.approx(
         s * b * h * (10 + 24 / t + 5 * a * s / (h * t)))
+    # SP: megazoo keeps the all-gathered QKV and fc1 inputs whole (4sbh), not Korthikanti's /t
     assert layer_activation_bytes(cfg, Layout(tp=t, sequence_parallel=True, **base))[0] == \
-        pytest.approx(s * b * h / t * (34 + 5 * a * s / h))
+        pytest.approx(s * b * h * (4 + 30 / t + 5 * a * s / (h * t)))
     assert layer_activation_bytes(cfg, Layout(tp=t, sequence_parallel=True, recompute="selective",
-                                              **base))[0] == pytest.approx(s * b * h * 34 / t)
+                                              **base))[0] == pytest.approx(s * b * h * (4 + 30 / t))
     kept, working = layer_activation_bytes(cfg, Layout(recompute="full", **base))
     assert kept == pytest.approx(2 * s * b * h) and working > kept
+    # flash attention: no scores, but the kernel's output is kept beside the dense input; no
+    # dropout: no masks; fp32: 4-byte elements. 17 sbh elements per layer.
+    plain = TransformerConfig(hidden_size=1024, num_attention_heads=16, num_layers=4)
+    fp32 = Layout(precision="fp32", flash_attention=True, **base)
+    assert layer_activation_bytes(plain, fp32)[0] == pytest.approx(4 * 17 * s * b * h)
+    # the fused head keeps its input and the gradient of the logits (fp32 here), not the logits
+    v = plain.padded_vocab_size(1)
+    head = activation_bytes(plain, fp32, "last") - plain.num_layers * 4 * 17 * s * b * h
+    assert head == pytest.approx(4 * s * b * (2 * h + v))
     # 1F1B: the first stage holds pp microbatches of its L/pp layers, i.e. L layers' worth
     lay = Layout(pp=4, dp=1, micro_batch=b, global_batch=64, seq_length=s)
     one = layer_activation_bytes(cfg, lay)[0]
@@ -139,6 +152,44 @@ def test_model_state_memory_matches_the_zero_optimizer():
         predicted = sum(model_state_bytes(n, Layout(dp=2, zero=stage, precision=precision)))
         assert math.isclose(rep["model_states"], predicted, rel_tol=0.10), \
             (precision, stage, rep, predicted)
+
+
+# ---- predicted vs measured: the bytes autograd saves in one forward, tp 2 with and without SP ----
+
+ACT = dict(vocab_size=1024, hidden_size=128, num_layers=2, num_attention_heads=2,
+           max_position_embeddings=64)
+
+
+def _measure_activations(rank):
+    import torch
+    from models.language_model import TransformerLanguageModel
+    from parallel.topology import ParallelConfig, ParallelTopology
+    out = {}
+    for sp in (False, True):
+        topo = ParallelTopology.from_config(ParallelConfig(tp=2, sequence_parallel=sp))
+        for dtype in ("float32", "bfloat16"):
+            model = TransformerLanguageModel(TransformerConfig(**ACT, params_dtype=dtype), topo)
+            params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+            saved = []
+
+            def pack(t):
+                if t.untyped_storage().data_ptr() not in params:
+                    saved.append(t.numel() * t.element_size())
+                return t
+            ids = torch.randint(0, 1000, (2, 64), generator=torch.Generator().manual_seed(0))
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                model(ids, labels=ids).float().mean().backward()
+            out[(sp, dtype)] = sum(saved)
+    return out
+
+
+def test_activation_memory_matches_what_autograd_saves():
+    measured = run_distributed(_measure_activations, 2, timeout=120)[0]
+    cfg = TransformerConfig(**ACT)
+    for (sp, dtype), got in measured.items():
+        layout = Layout(tp=2, sequence_parallel=sp, precision="fp32" if dtype == "float32" else "bf16",
+                        flash_attention=True, micro_batch=2, global_batch=2, seq_length=64)
+        assert math.isclose(activation_bytes(cfg, layout, "only"), got, rel_tol=0.05), (sp, dtype, got)
 
 
 def test_plan_tool_ranks_and_breaks_down(capsys):

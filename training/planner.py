@@ -10,13 +10,10 @@ large untied/copied head and fewer activations):
   2 as the ZeRO paper counts them), optimizer `k` (fp32 master 4 when it is separate + Adam 8).
   ZeRO over N = dp ranks: stage 0 w+g+k, 1 w+g+k/N, 2 w+(g+k)/N, 3 (w+g+k)/N (Rajbhandari et al.
   2020: with g=2, k=12, stage 1 is 4P + 12P/N, stage 2 2P + 14P/N, stage 3 16P/N).
-* activations per layer and microbatch after Korthikanti et al. 2022 (16-bit, dropout masks
-  included): s*b*h*(34 + 5*a*s/h) without tensor parallelism; s*b*h*(10 + 24/t + 5*a*s/(h*t))
-  with TP; everything /t with sequence parallelism; selective recompute (or flash attention)
-  drops the 5*a*s/h score term; full recompute keeps only each layer's input, 2*s*b*h (/t with
-  SP), plus one layer's full activations while it is recomputed. Under 1F1B the first stage holds
-  min(pp, m) microbatches of its L/pp layers (L*(1 + (p-1)/(p*v)) layer-microbatches when
-  interleaved); the last stage also holds the logits, 4*s*b*V/t.
+* activations per layer and microbatch: Korthikanti et al. 2022's per-tensor count, redone for
+  what megazoo saves (`layer_activation_bytes`). Under 1F1B the first stage holds min(pp, m)
+  microbatches of its L/pp layers (L*(1 + (p-1)/(p*v)) layer-microbatches when interleaved); the
+  last stage adds what the fused LM head saves, mainly the gradient of the logits, s*b*V/t.
   Not modelled: allocator caching/fragmentation, communication buffers, framework workspace.
 
 Step time per iteration: each pipeline stage runs m = global/(dp*micro) microbatches; one
@@ -77,7 +74,7 @@ class Layout:
     micro_batch: int = 1
     global_batch: int = 1
     seq_length: int = 2048
-    precision: str = "bf16"  # bf16 (fp32 masters) | fp32
+    precision: str = "bf16"  # bf16 | fp16 (16-bit weights, fp32 masters) | fp32
     grad_bytes: int = 4  # 4: fp32 gradient accumulation (Megatron, megazoo); 2: ZeRO paper
     flash_attention: bool = False  # attention scores never stored (SDPA / FlashAttention)
     overlap_dp: bool = False
@@ -187,21 +184,66 @@ def model_state_bytes(n_params: float, layout: Layout) -> tuple[float, float, fl
     return n_params * w / shard[0], n_params * g / shard[1], n_params * k / shard[2]
 
 
+def activation_element_bytes(layout: Layout) -> int:
+    """Bytes of one activation element: the model's dtype (4 fp32, 2 bf16 or fp16)."""
+    return 4 if layout.precision == "fp32" else 2
+
+
+def _norm_input_bytes(cfg: TransformerConfig, e: int) -> int:
+    return e if cfg.normalization == "layernorm" else 4 + e  # RMSNorm: + its fp32 copy
+
+
 def layer_activation_bytes(cfg: TransformerConfig, layout: Layout) -> tuple[float, float]:
-    """(bytes kept per layer and microbatch, bytes of one layer's full activations)."""
+    """(bytes kept per layer and microbatch, bytes of one layer's full activations).
+
+    Korthikanti et al. 2022's s*b*h*(34 + 5*a*s/h) bytes (16-bit, dropout, unfused attention),
+    counted again tensor by tensor for what megazoo's layer saves for backward. Per s*b*h, with
+    e = bytes per activation element (4 fp32, 2 bf16/fp16), t = tp, u = t under SP else 1:
+      norm inputs     2n/u   n = e (LayerNorm), 4 + e (RMSNorm: an fp32 copy and its output)
+      QKV, fc1 input  2e     whole under SP too: ColumnParallelLinear saves its all-gathered
+                             input (Megatron saves the shard and gathers again in backward,
+                             hence Korthikanti's /t)
+      q, k, v         e(a + 2max(g, t))d/(ht), 3e/t with one key/value head per query head
+      attention out   e/t, the dense input; flash attention (SDPA) also keeps its own output,
+                      +e/t (on CPU the dense input is a view of it, but the engine's
+                      measurement counts both, and kernels writing [b, s, heads, d] need a copy)
+      scores          as/(ht)(e + 1 + e): softmax out, dropout mask and out (e alone without
+                      attention dropout); none with flash attention or selective recompute
+      MLP             2ef/(ht) GELU (its input, fc2's); 4ef/(ht) SwiGLU (gate, up, silu, fc2's)
+      dropout masks   2/u    1-byte masks after attention and MLP, when hidden_dropout > 0
+    In Korthikanti's setting (f = 4h) this is their 34 + 5as/h, and 10 + 24/t + 5as/(ht) with
+    TP; with SP 4 + 30/t + 5as/(ht) instead of their (34 + 5as/h)/t. Per-token vectors (norm
+    statistics, log-sum-exp) are left out. Full recompute keeps each layer's input, e*s*b*h/u,
+    plus one layer's full activations while it is recomputed.
+    """
     s, b, h, a, t = (layout.seq_length, layout.micro_batch, cfg.hidden_size,
                      cfg.num_attention_heads, layout.tp)
-    scale = 2.0 if layout.precision == "fp32" else 1.0  # the formulas count 16-bit activations
-    scores = 0.0 if (layout.flash_attention or layout.recompute == "selective") else 5 * a * s / h
-    sp = layout.sequence_parallel and t > 1
-    full = s * b * h * ((34 + scores) / t if sp else 10 + 24 / t + scores / t)
+    e = activation_element_bytes(layout)
+    u = t if layout.sequence_parallel and t > 1 else 1
+    flash = layout.flash_attention
+    norm = _norm_input_bytes(cfg, e)
+    qkv = e * (a + 2 * max(cfg.num_query_groups, t)) * cfg.head_dim / (h * t)
+    attn_out = (2 if flash else 1) * e / t
+    per_score = e + ((1 + e) if cfg.attention_dropout > 0 else 0)
+    scores = 0.0 if (flash or layout.recompute == "selective") else a * s / (h * t) * per_score
+    mlp = e * (4 if cfg.activation == "swiglu" else 2) * cfg.ffn_hidden_size / (h * t)
+    masks = 2 / u if cfg.hidden_dropout > 0 else 0.0
+    full = s * b * h * (2 * norm / u + 2 * e + qkv + attn_out + scores + mlp + masks)
     if layout.recompute == "full":
-        return scale * 2 * s * b * h / (t if sp else 1), scale * full
-    return scale * full, 0.0
+        return e * s * b * h / u, full
+    return full, 0.0
 
 
 def activation_bytes(cfg: TransformerConfig, layout: Layout, stage: str) -> float:
+    """Activation bytes one rank of `stage` keeps at its peak: its layers' for the microbatches
+    in flight; on the first stage per microbatch in flight the token ids (int64), the embedding
+    LayerNorm's input (e*s*b*h, BLOOM) and dropout mask (s*b*h/u); on the last the final norm's
+    input (n*s*b*h/u) and what the fused head saves (parallel/fused_cross_entropy.py): its input
+    after the SP gather (e*s*b*h, whole) and the gradient of the logits, s*b*V/t elements in the
+    weights' dtype (fp32 for fp16 models); the logits themselves are never materialised."""
     s, b, h, t = layout.seq_length, layout.micro_batch, cfg.hidden_size, layout.tp
+    e = activation_element_bytes(layout)
+    u = t if layout.sequence_parallel and t > 1 else 1
     kept, working = layer_activation_bytes(cfg, layout)
     layers = math.ceil(cfg.num_layers / layout.pp)
     m = max(layout.microbatches, 1)
@@ -212,11 +254,15 @@ def activation_bytes(cfg: TransformerConfig, layout: Layout, stage: str) -> floa
     else:
         in_flight = layers  # the last stage runs each microbatch's backward right away
     total = kept * in_flight + working
+    sbh = s * b * h
     if stage in ("first", "only"):
-        total += 3 * s * b * h * (min(layout.pp, m) if stage == "first" else 1)  # embedding out + mask
+        embedding = 8 * s * b + (e * sbh if cfg.embedding_layernorm else 0.0) + \
+            (sbh / u if cfg.hidden_dropout > 0 else 0.0)
+        total += embedding * (min(layout.pp, m) if stage == "first" else 1)
     if stage in ("last", "only"):
-        scale = 2.0 if layout.precision == "fp32" else 1.0
-        total += scale * 4 * s * b * cfg.padded_vocab_size(t) / t  # logits for the loss
+        norm = _norm_input_bytes(cfg, e)
+        grad_logits = 2 if layout.precision == "bf16" else 4
+        total += norm * sbh / u + e * sbh + grad_logits * s * b * cfg.padded_vocab_size(t) / t
     return total
 
 
@@ -383,8 +429,10 @@ class PublishedRun:
 
 
 def _gpt(h: int, layers: int, heads: int, vocab: int = 51200) -> TransformerConfig:
+    # Megatron-LM's default dropout (0.1): its masks are part of the activations kept
     return TransformerConfig(vocab_size=vocab, hidden_size=h, num_layers=layers,
-                             num_attention_heads=heads, max_position_embeddings=2048)
+                             num_attention_heads=heads, max_position_embeddings=2048,
+                             hidden_dropout=0.1, attention_dropout=0.1)
 
 
 def published_runs() -> list[PublishedRun]:
