@@ -45,14 +45,15 @@ class _LMHeadCrossEntropy(torch.autograd.Function):
         local_t = local_t.clamp(0, v_local - 1).unsqueeze(1)
         # fp16 would flush small probabilities to zero before the loss scale reaches them
         store = torch.float32 if weight.dtype == torch.float16 else weight.dtype
-        grad_logits = torch.empty(n, v_local, dtype=store, device=hidden.device)
+        need_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]  # not when evaluating
+        grad_logits = torch.empty(n if need_grad else 0, v_local, dtype=store, device=hidden.device)
         row_max = torch.empty(n, dtype=torch.float32, device=hidden.device)
         sum_exp = torch.empty_like(row_max)
         picked = torch.empty_like(row_max)
         w_t, step = weight.t(), CHUNK_TOKENS
 
         # fp32: the matmul writes straight into the stored tensor and everything after is in place
-        direct = store == weight.dtype == hidden.dtype == torch.float32
+        direct = need_grad and store == weight.dtype == hidden.dtype == torch.float32
 
         def store_rows(rows, values):
             if values.data_ptr() != grad_logits[rows].data_ptr():
@@ -70,21 +71,23 @@ class _LMHeadCrossEntropy(torch.autograd.Function):
                 f[:, pad_from:] = float("-inf")
             picked[rows] = f.gather(1, local_t[rows]).squeeze(1)
             row_max[rows] = m = f.amax(1)
-            if tp == 1:  # finish the chunk while it is in cache
+            finite_max = m.clamp_min(torch.finfo(m.dtype).min)  # a shard of padding only: -inf
+            if tp == 1 and need_grad:  # finish the chunk while it is in cache
                 f.sub_(m.unsqueeze(1)).exp_()
                 sum_exp[rows] = total = f.sum(1)
                 subtract_onehot_and_store(rows, f.div_(total.unsqueeze(1)))
-            else:  # keep the logits (exact: they came out of the matmul in this dtype)
-                finite_max = m.clamp_min(torch.finfo(m.dtype).min)  # a shard of padding only: -inf
+            elif need_grad:  # keep the logits (exact: they came out of the matmul in this dtype)
                 sum_exp[rows] = torch.exp(f - finite_max.unsqueeze(1)).sum(1)
                 store_rows(rows, f)
+            else:  # the loss alone
+                sum_exp[rows] = f.sub_(finite_max.unsqueeze(1)).exp_().sum(1)
         if tp == 1:
             lse = row_max + sum_exp.log()
         else:  # combine the shards' (max, sum of exp), then a second pass for the softmax
             global_max = all_reduce(row_max.clone(), group, op=dist.ReduceOp.MAX)
             sum_exp = all_reduce(sum_exp * torch.exp(row_max - global_max), group)
             lse = global_max + sum_exp.log()
-            for i in range(0, n, step):  # exp(x - max) / sum, as tp = 1 computes it
+            for i in range(0, n if need_grad else 0, step):  # exp(x - max) / sum, as tp = 1 does
                 rows = slice(i, min(i + step, n))
                 f = grad_logits[rows].float().sub_(global_max[rows].unsqueeze(1)).exp_()
                 subtract_onehot_and_store(rows, f.div_(sum_exp[rows].unsqueeze(1)))

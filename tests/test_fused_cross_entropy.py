@@ -39,3 +39,15 @@ def test_matches_unfused(dtype, padded, chunk, monkeypatch):
     torch.testing.assert_close(x1.grad, x2.grad, **TOL[dtype])
     torch.testing.assert_close(w1.grad, w2.grad, **TOL[dtype])
     assert not w1.grad[vocab:].any()  # padded rows get no gradient
+
+
+def test_evaluation_computes_the_loss_alone():
+    """Without gradients (evaluation) the loss takes the short path and is bitwise the same."""
+    g = torch.Generator().manual_seed(1)
+    hidden, weight = torch.randn(30, 16, generator=g), torch.randn(104, 16, generator=g)
+    target = torch.randint(0, 100, (30,), generator=g)
+    with_grad = fused._LMHeadCrossEntropy.apply(hidden.requires_grad_(), weight, target, None,
+                                                100, False)
+    with torch.no_grad():
+        alone = fused._LMHeadCrossEntropy.apply(hidden, weight, target, None, 100, False)
+    torch.testing.assert_close(alone, with_grad.detach(), rtol=0, atol=0)
