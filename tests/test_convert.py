@@ -123,7 +123,9 @@ def _worker(rank, cases, tool_case):
                                                   temperature=0.8), generator=g)
                 samples.append(((case["ckpt"], tp, topo.dp_rank), sampled))
     # tools/generate.py under tp=4 (the world size), text through the imported tokenizer folder
+    # prompts of two lengths: batched by length, printed in the order given
     text = _generate_tool(["--load", tool_case["ckpt"], "--prompt", tool_case["prompt"],
+                           "--prompt", tool_case["short_prompt"], "--prompt", tool_case["prompt"],
                            "--max-new-tokens", str(NEW_TOKENS), "--no-eos-stop"])
     return max(errors), samples, text
 
@@ -142,7 +144,10 @@ def test_import_export_logits_and_generation(tmp_path):
             with torch.no_grad():
                 ref = hf.generate(torch.tensor([tok.encode(words).ids]), do_sample=False,
                                   max_new_tokens=NEW_TOKENS, eos_token_id=None, pad_token_id=0)
-            tool_case = dict(prompt=words, text=tok.decode(ref[0].tolist()),
+                short = hf.generate(torch.tensor([tok.encode("w5").ids]), do_sample=False,
+                                    max_new_tokens=NEW_TOKENS, eos_token_id=None, pad_token_id=0)
+            tool_case = dict(prompt=words, text=tok.decode(ref[0].tolist()), short_prompt="w5",
+                             short_text=tok.decode(short[0].tolist()),
                              ckpt=str(tmp_path / "mz_gpt2_222"))
         with torch.no_grad():
             logits = hf(ids).logits
@@ -170,7 +175,8 @@ def test_import_export_logits_and_generation(tmp_path):
 
     results = run_distributed(_worker, 4, cases, tool_case, timeout=400)
     assert max(r[0] for r in results) <= 1e-5
-    assert results[0][2] == tool_case["text"] and len(tool_case["text"].split()) == 3 + NEW_TOKENS
+    assert results[0][2].split("\n") == [tool_case["text"], tool_case["short_text"], tool_case["text"]]
+    assert len(tool_case["text"].split()) == 3 + NEW_TOKENS
     assert all(r[2] == "" for r in results[1:])  # rank 0 prints
     by_group = {}
     for _, samples, _ in results:  # sampling: every TP rank of a group emits the same tokens

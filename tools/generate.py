@@ -58,20 +58,27 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     encoded = [tok.encode(p) for p in args.prompt]
-    if len({len(e) for e in encoded}) != 1:  # no padding support: the cache has no attention mask
-        print("error: prompts must encode to the same number of tokens; run them one at a time",
-              file=sys.stderr)
+    if not all(encoded):
+        print("error: a --prompt encodes to no tokens", file=sys.stderr)
         return 1
     sampling = SamplingConfig(
         greedy=args.temperature is None and args.top_k == 0 and args.top_p == 1.0,
         temperature=args.temperature or 1.0, top_k=args.top_k, top_p=args.top_p,
         eos_id=None if args.no_eos_stop else tok.eod)
     generator = torch.Generator().manual_seed(args.seed)
-    prompt = torch.tensor(encoded, dtype=torch.long, device=topo.device)
-    out = generate(model, topo, prompt, args.max_new_tokens, sampling, generator)
+    # The KV cache has no padding mask, so prompts of one length form one batch; the outputs
+    # are printed in the order the prompts were given.
+    by_length: dict[int, list[int]] = {}
+    for i, e in enumerate(encoded):
+        by_length.setdefault(len(e), []).append(i)
+    outputs: dict[int, list[int]] = {}
+    for indices in by_length.values():
+        prompt = torch.tensor([encoded[i] for i in indices], dtype=torch.long, device=topo.device)
+        out = generate(model, topo, prompt, args.max_new_tokens, sampling, generator)
+        outputs.update(zip(indices, out.tolist()))
     if topo.rank == 0:
-        for row in out.tolist():
-            print(tok.decode(row))
+        for i in range(len(encoded)):
+            print(tok.decode(outputs[i]))
     return 0
 
 
