@@ -23,6 +23,7 @@ from torch import nn
 from .comm import (copy_to_tp, gather_from_sequence, gather_last_dim, group_rank, group_size,
                    reduce_from_tp, reduce_scatter_to_sequence, all_reduce)
 from .grad_fusion import linear
+from .sequence_parallel_linear import sequence_gathered_linear
 from .topology import ParallelTopology
 
 InitFn = Callable[[torch.Tensor], None]  # fills a full (unsharded) fp32 tensor in place
@@ -240,9 +241,12 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         group = self.topo.tp_group
-        x = gather_from_sequence(x, group) if self.topo.sequence_parallel else copy_to_tp(x, group)
         bias = None if self.bias is None else replica_grad_sum(self.bias, self.topo)
-        y = linear(x, replica_grad_sum(self.weight, self.topo), bias)
+        weight = replica_grad_sum(self.weight, self.topo)
+        if self.topo.sequence_parallel and self.topo.tp > 1:  # keeps the chunk, not the gather
+            y = sequence_gathered_linear(x, weight, bias, group)
+        else:
+            y = linear(copy_to_tp(x, group), weight, bias)
         return gather_last_dim(y, group) if self.gather_output else y
 
 

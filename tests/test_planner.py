@@ -57,9 +57,9 @@ def test_korthikanti_activation_formulas():
         s * b * h * (10 + 24 / t + 5 * a * s / (h * t)))
     # SP: megazoo keeps the all-gathered QKV and fc1 inputs whole (4sbh), not Korthikanti's /t
     assert layer_activation_bytes(cfg, Layout(tp=t, sequence_parallel=True, **base))[0] == \
-        pytest.approx(s * b * h * (4 + 30 / t + 5 * a * s / (h * t)))
+        pytest.approx(s * b * h * (34 + 5 * a * s / h) / t)
     assert layer_activation_bytes(cfg, Layout(tp=t, sequence_parallel=True, recompute="selective",
-                                              **base))[0] == pytest.approx(s * b * h * (4 + 30 / t))
+                                              **base))[0] == pytest.approx(s * b * h * 34 / t)
     kept, working = layer_activation_bytes(cfg, Layout(recompute="full", **base))
     assert kept == pytest.approx(2 * s * b * h) and working > kept
     # flash attention: no scores, but the kernel's output is kept beside the dense input; no

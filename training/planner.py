@@ -200,9 +200,8 @@ def layer_activation_bytes(cfg: TransformerConfig, layout: Layout) -> tuple[floa
     counted again tensor by tensor for what megazoo's layer saves for backward. Per s*b*h, with
     e = bytes per activation element (4 fp32, 2 bf16/fp16), t = tp, u = t under SP else 1:
       norm inputs     2n/u   n = e (LayerNorm), 4 + e (RMSNorm: an fp32 copy and its output)
-      QKV, fc1 input  2e     whole under SP too: ColumnParallelLinear saves its all-gathered
-                             input (Megatron saves the shard and gathers again in backward,
-                             hence Korthikanti's /t)
+      QKV, fc1 input  2e/u   under SP the sequence shard: the gather is redone in backward
+                             (parallel/sequence_parallel_linear.py, as Megatron does)
       q, k, v         e(a + 2max(g, t))d/(ht), 3e/t with one key/value head per query head
       attention out   e/t, the dense input; flash attention (SDPA) also keeps its own output,
                       +e/t (on CPU the dense input is a view of it, but the engine's
@@ -212,7 +211,7 @@ def layer_activation_bytes(cfg: TransformerConfig, layout: Layout) -> tuple[floa
       MLP             2ef/(ht) GELU (its input, fc2's); 4ef/(ht) SwiGLU (gate, up, silu, fc2's)
       dropout masks   2/u    1-byte masks after attention and MLP, when hidden_dropout > 0
     In Korthikanti's setting (f = 4h) this is their 34 + 5as/h, and 10 + 24/t + 5as/(ht) with
-    TP; with SP 4 + 30/t + 5as/(ht) instead of their (34 + 5as/h)/t. Per-token vectors (norm
+    TP, and their (34 + 5as/h)/t with SP. Per-token vectors (norm
     statistics, log-sum-exp) are left out. Full recompute keeps each layer's input, e*s*b*h/u,
     plus one layer's full activations while it is recomputed.
     """
@@ -228,7 +227,7 @@ def layer_activation_bytes(cfg: TransformerConfig, layout: Layout) -> tuple[floa
     scores = 0.0 if (flash or layout.recompute == "selective") else a * s / (h * t) * per_score
     mlp = e * (4 if cfg.activation == "swiglu" else 2) * cfg.ffn_hidden_size / (h * t)
     masks = 2 / u if cfg.hidden_dropout > 0 else 0.0
-    full = s * b * h * (2 * norm / u + 2 * e + qkv + attn_out + scores + mlp + masks)
+    full = s * b * h * (2 * norm / u + 2 * e / u + qkv + attn_out + scores + mlp + masks)
     if layout.recompute == "full":
         return e * s * b * h / u, full
     return full, 0.0

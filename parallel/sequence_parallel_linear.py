@@ -1,0 +1,66 @@
+"""A column-parallel matmul on a sequence-sharded input that keeps only the shard for backward.
+
+Under sequence parallelism (Korthikanti et al. 2022) the inputs of the QKV and fc1 matmuls arrive
+as this rank's [s/tp, b, h] chunk and are all-gathered to [s, b, h] first. Autograd would keep
+the gathered tensor for the weight gradient: tp times the memory sequence parallelism set out to
+save, in the two largest inputs of every layer. As in Megatron, this keeps the chunk and gathers
+again in backward. The gather is launched first and overlaps the input-gradient matmul; the
+input gradient's reduce-scatter overlaps the weight-gradient matmul.
+
+The weight gradient goes straight into the optimizer's bucket when the weight offers
+`accumulate_wgrad` (see grad_fusion.py).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from . import collectives as C
+from .comm import all_gather
+
+
+def _gather_launch(x_local: torch.Tensor, group) -> tuple[torch.Tensor, C.Pending]:
+    n = C.group_size(group)
+    x_local = x_local.contiguous()
+    full = torch.empty((n * x_local.shape[0],) + tuple(x_local.shape[1:]), dtype=x_local.dtype,
+                       device=x_local.device)
+    return full, C.all_gather(full.view(-1), x_local.view(-1), group)
+
+
+class _SequenceGatheredLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_local, weight, bias, group):
+        ctx.save_for_backward(x_local, weight)
+        ctx.group, ctx.has_bias = group, bias is not None
+        ctx.accumulate_wgrad = getattr(weight, "accumulate_wgrad", None)
+        return F.linear(all_gather(x_local, group, dim=0), weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x_local, weight = ctx.saved_tensors
+        x_full, gathering = _gather_launch(x_local, ctx.group)
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            grad_full = (grad_out @ weight).contiguous()  # partial sums: this rank's weight shard
+            grad_x = torch.empty_like(x_local)
+            gathering.wait()
+            scattering = C.reduce_scatter(grad_x.view(-1), grad_full.view(-1), ctx.group)
+        else:
+            gathering.wait()
+            scattering = C.Pending()
+        dy = grad_out.reshape(-1, grad_out.shape[-1])
+        x = x_full.view(-1, x_full.shape[-1])
+        if ctx.accumulate_wgrad is not None:
+            ctx.accumulate_wgrad(dy.t(), x)
+            grad_weight = torch.empty_like(weight)  # a placeholder the bucket's hook skips
+        else:
+            grad_weight = dy.t() @ x
+        grad_bias = dy.sum(0) if ctx.has_bias else None
+        scattering.wait()
+        return grad_x, grad_weight, grad_bias, None
+
+
+def sequence_gathered_linear(x_local: torch.Tensor, weight: torch.Tensor,
+                             bias: torch.Tensor | None, group) -> torch.Tensor:
+    """F.linear(all_gather over the sequence (dim 0) of x_local, weight, bias)."""
+    return _SequenceGatheredLinear.apply(x_local, weight, bias, group)
