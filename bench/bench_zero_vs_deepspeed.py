@@ -15,7 +15,7 @@ warm-up, slowest rank), peak RSS per rank (max over ranks) and its growth over t
 before the model was built, and the final loss of each side as a sanity check. Each side runs
 `--repeats` times in alternating order and the best throughput is kept (a shared host's other
 load only ever slows a run down); the load average is recorded. Results go to
-bench/results/zero_vs_deepspeed.{json,md}.
+bench/results/zero_vs_deepspeed.{json,md,png} (`--plot-only` redraws the PNG from the JSON).
 """
 from __future__ import annotations
 
@@ -193,9 +193,13 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--ds-python", default="/tmp/dsvenv/bin/python")
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "zero_vs_deepspeed"))
+    p.add_argument("--plot-only", action="store_true", help="redraw the PNG from the saved JSON")
     args = p.parse_args()
     if args.worker:
         return _worker(args)
+    if args.plot_only:
+        with open(args.out + ".json") as f:
+            return plot(json.load(f)["rows"], args.out + ".png")
 
     rows = []
     load_before = os.getloadavg()
@@ -227,7 +231,34 @@ def main() -> None:
         json.dump(dict(setup=setup, rows=rows), f, indent=2)
     with open(args.out + ".md", "w") as f:
         f.write(_markdown(setup, rows))
+    plot(rows, args.out + ".png")
     print(_markdown(setup, rows))
+
+
+def plot(rows: list[dict], path: str) -> None:
+    """Tokens/s and peak RSS per rank, megazoo next to DeepSpeed, per ZeRO stage."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = [r for r in rows if "throughput_ratio" in r]
+    x = range(len(rows))
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    for ax, key, label in ((axes[0], "tokens_per_s", "tokens/s (2 ranks)"),
+                           (axes[1], "peak_rss_mib", "peak RSS per rank, MiB")):
+        for k, (side, color) in enumerate((("megazoo", "tab:blue"), ("deepspeed", "tab:gray"))):
+            ax.bar([i + 0.4 * k for i in x], [r[side][key] for r in rows], 0.4, color=color,
+                   label=side)
+        ratio = "throughput_ratio" if key == "tokens_per_s" else "peak_rss_ratio"
+        for i, r in zip(x, rows):
+            ax.text(i + 0.2, max(r["megazoo"][key], r["deepspeed"][key]), f"{r[ratio]:.2f}x",
+                    ha="center", va="bottom", fontsize=8)
+        ax.set_xticks([i + 0.2 for i in x], [f"ZeRO-{r['stage']}" for r in rows])
+        ax.set_ylabel(label)
+    axes[0].legend(fontsize=8)
+    fig.suptitle("megazoo vs DeepSpeed, same model and batch, bf16 (labels: megazoo / DeepSpeed)",
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
 
 
 def _markdown(setup: dict, rows: list[dict]) -> str:
