@@ -122,8 +122,7 @@ class TransformerLanguageModel(nn.Module):
         h = self.final_norm(h)
         if labels is not None:  # the head and the loss fused: the logits are never materialised
             return lm_head_cross_entropy(h, self.output_weight(), labels.t(), self.topo,
-                                         self.config.vocab_size,
-                                         shared_with_embedding=self.head_weight is None).t()
+                                         self.config.vocab_size).t()
         logits = parallel_lm_logits(h, self.output_weight(), self.topo, self.config.vocab_size)
         return logits.transpose(0, 1)  # [b, s, v/tp]
 

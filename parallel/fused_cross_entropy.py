@@ -37,7 +37,7 @@ class _LMHeadCrossEntropy(torch.autograd.Function):
     """hidden [N, H], weight [V/tp, H], target [N] (global ids) -> per-token loss [N] in fp32."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, target, group, vocab_size, shared_with_embedding):
+    def forward(ctx, hidden, weight, target, group, vocab_size, need_grad):
         n, v_local = hidden.shape[0], weight.shape[0]
         tp, start = group_size(group), group_rank(group) * weight.shape[0]
         pad_from = max(vocab_size - start, 0)  # local columns from here on are vocabulary padding
@@ -46,7 +46,6 @@ class _LMHeadCrossEntropy(torch.autograd.Function):
         local_t = local_t.clamp(0, v_local - 1).unsqueeze(1)
         # fp16 would flush small probabilities to zero before the loss scale reaches them
         store = torch.float32 if weight.dtype == torch.float16 else weight.dtype
-        need_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]  # not when evaluating
         grad_logits = torch.empty(n if need_grad else 0, v_local, dtype=store, device=hidden.device)
         row_max = torch.empty(n, dtype=torch.float32, device=hidden.device)
         sum_exp = torch.empty_like(row_max)
@@ -98,36 +97,41 @@ class _LMHeadCrossEntropy(torch.autograd.Function):
         valid = target >= 0
         ctx.save_for_backward(grad_logits, hidden, weight, valid)
         ctx.accumulate_wgrad = getattr(weight, "accumulate_wgrad", None)  # see grad_fusion.py
-        ctx.shared = shared_with_embedding
         return (lse - picked).masked_fill(~valid, 0.0)
 
     @staticmethod
     def backward(ctx, grad_loss):
         grad_logits, hidden, weight, valid = ctx.saved_tensors
+        need_hidden, need_weight = ctx.needs_input_grad[:2]
         g = (grad_loss.float() * valid).unsqueeze(1)
+        grad_hidden = grad_weight = None
         if grad_logits.dtype != weight.dtype:  # fp16: scale in fp32, then round once
             scaled = (grad_logits * g).to(weight.dtype)
-            return scaled @ weight, scaled.t() @ hidden, None, None, None, None
-        grad_hidden = (grad_logits @ weight).mul_(g.to(weight.dtype))
-        scaled_hidden = hidden * g.to(hidden.dtype)
-        if ctx.accumulate_wgrad is None:
-            grad_weight = grad_logits.t() @ scaled_hidden
-        else:  # straight into the gradient bucket; a tied embedding's rows follow through autograd
-            ctx.accumulate_wgrad(grad_logits.t(), scaled_hidden, placeholder=not ctx.shared)
-            grad_weight = None if ctx.shared else torch.empty_like(weight)
+            grad_hidden = scaled @ weight if need_hidden else None
+            grad_weight = scaled.t() @ hidden if need_weight else None
+            return grad_hidden, grad_weight, None, None, None, None
+        if need_hidden:  # the per-token scale is applied in fp32, rounded once
+            grad_hidden = (grad_logits @ weight).float().mul_(g).to(hidden.dtype)
+        if need_weight:
+            scaled_hidden = (hidden.float() * g).to(hidden.dtype)
+            if ctx.accumulate_wgrad is None:
+                grad_weight = grad_logits.t() @ scaled_hidden
+            else:  # straight into the gradient bucket; autograd gets a zero (grad_fusion.py)
+                grad_weight = ctx.accumulate_wgrad(grad_logits.t(), scaled_hidden)
         return grad_hidden, grad_weight, None, None, None, None
 
 
 def lm_head_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
-                          topo: ParallelTopology, vocab_size: int,
-                          shared_with_embedding: bool = False) -> torch.Tensor:
+                          topo: ParallelTopology, vocab_size: int) -> torch.Tensor:
     """Per-token loss [s, b] (fp32) from the final hidden states [s, b(/tp under SP), h], this
     rank's vocabulary shard of the output weight, and target ids [s, b]; never materialises
-    the logits of the whole microbatch. `shared_with_embedding`: the weight is also the input
-    embedding in this forward (tied, same pipeline stage)."""
+    the logits of the whole microbatch."""
     group = topo.tp_group
     hidden = gather_from_sequence(hidden, group) if topo.sequence_parallel else copy_to_tp(hidden, group)
     s, b, h = hidden.shape
+    # decided here: inside forward, grad mode is always off and needs_input_grad only says
+    # which inputs require grad
+    need_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     loss = _LMHeadCrossEntropy.apply(hidden.reshape(s * b, h), weight, target.reshape(s * b),
-                                     group, vocab_size, shared_with_embedding)
+                                     group, vocab_size, need_grad)
     return loss.view(s, b)

@@ -5,8 +5,9 @@ into a fresh tensor, which the bucket's hook then copies (or adds) into the flat
 one extra pass over every weight per micro-batch. When the buffer has the weight's dtype, the
 gradient sync attaches `param.accumulate_wgrad(a, b)` to the parameter, and `linear` below calls
 it from backward: one matmul writes a @ b into the bucket, or adds it there (addmm) when an
-earlier micro-batch is already in. Autograd then receives an uninitialised placeholder so that
-its usual bookkeeping (and the bucket's readiness hook) still runs; the hook knows to skip it.
+earlier micro-batch is already in. Autograd then receives an empty row-sparse gradient (an
+exact zero, at no cost), so its bookkeeping and the bucket's readiness hook still run once all
+of the weight's gradients are in, and any other gradient of the same weight is added as usual.
 
 Without the attribute (no ZeRO optimizer, bf16 weights with fp32 buffers, tests that read
 `.grad`), `linear` is plain `F.linear`.
@@ -32,9 +33,11 @@ class _LinearWgradIntoBucket(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         grad_x = grad_out @ weight if ctx.needs_input_grad[0] else None
         dy = grad_out.reshape(-1, grad_out.shape[-1])
-        ctx.accumulate_wgrad(dy.t(), x.reshape(-1, x.shape[-1]))
-        grad_bias = dy.sum(0) if ctx.has_bias else None
-        return grad_x, torch.empty_like(weight), grad_bias
+        grad_weight = None
+        if ctx.needs_input_grad[1]:  # False for a weight frozen after the optimizer was built
+            grad_weight = ctx.accumulate_wgrad(dy.t(), x.reshape(-1, x.shape[-1]))
+        grad_bias = dy.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return grad_x, grad_weight, grad_bias
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

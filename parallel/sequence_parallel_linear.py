@@ -50,12 +50,11 @@ class _SequenceGatheredLinear(torch.autograd.Function):
             scattering = C.Pending()
         dy = grad_out.reshape(-1, grad_out.shape[-1])
         x = x_full.view(-1, x_full.shape[-1])
-        if ctx.accumulate_wgrad is not None:
-            ctx.accumulate_wgrad(dy.t(), x)
-            grad_weight = torch.empty_like(weight)  # a placeholder the bucket's hook skips
-        else:
-            grad_weight = dy.t() @ x
-        grad_bias = dy.sum(0) if ctx.has_bias else None
+        grad_weight = None
+        if ctx.needs_input_grad[1]:  # into the bucket when it offers (autograd then gets a zero)
+            grad_weight = ctx.accumulate_wgrad(dy.t(), x) if ctx.accumulate_wgrad is not None \
+                else dy.t() @ x
+        grad_bias = dy.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         scattering.wait()
         return grad_x, grad_weight, grad_bias, None
 

@@ -26,7 +26,7 @@ def test_matches_unfused(dtype, padded, chunk, monkeypatch):
     per_token = torch.rand(n, generator=g)  # a loss mask / mean: any per-token weights
 
     x1, w1 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-    loss = fused._LMHeadCrossEntropy.apply(x1, w1, target, None, vocab, False)
+    loss = fused._LMHeadCrossEntropy.apply(x1, w1, target, None, vocab, True)
     (loss * per_token).sum().backward()
 
     x2, w2 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
@@ -41,13 +41,21 @@ def test_matches_unfused(dtype, padded, chunk, monkeypatch):
     assert not w1.grad[vocab:].any()  # padded rows get no gradient
 
 
-def test_evaluation_computes_the_loss_alone():
-    """Without gradients (evaluation) the loss takes the short path and is bitwise the same."""
+def test_evaluation_computes_the_loss_alone(monkeypatch):
+    """Without gradients (evaluation) the loss takes the short path, bitwise the same, and no
+    [tokens, vocabulary] gradient is allocated."""
+    from parallel.topology import ParallelTopology
     g = torch.Generator().manual_seed(1)
-    hidden, weight = torch.randn(30, 16, generator=g), torch.randn(104, 16, generator=g)
-    target = torch.randint(0, 100, (30,), generator=g)
-    with_grad = fused._LMHeadCrossEntropy.apply(hidden.requires_grad_(), weight, target, None,
-                                                100, False)
+    hidden = torch.randn(30, 1, 16, generator=g).requires_grad_()
+    weight = torch.randn(104, 16, generator=g).requires_grad_()  # as a model's parameter
+    target = torch.randint(0, 100, (30, 1), generator=g)
+    topo = ParallelTopology.single()
+    with_grad = fused.lm_head_cross_entropy(hidden, weight, target, topo, 100)
+    shapes = []
+    real_empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: shapes.append(tuple(a[0]) if a and
+                        isinstance(a[0], (tuple, list, torch.Size)) else a) or real_empty(*a, **k))
     with torch.no_grad():
-        alone = fused._LMHeadCrossEntropy.apply(hidden, weight, target, None, 100, False)
+        alone = fused.lm_head_cross_entropy(hidden, weight, target, topo, 100)
     torch.testing.assert_close(alone, with_grad.detach(), rtol=0, atol=0)
+    assert shapes and all(s[0] * s[-1] < 30 * 104 for s in shapes if len(s) == 2), shapes

@@ -49,3 +49,61 @@ def test_bucket_gradients_equal_autograd(precision, stage, tied):
                 want = ref_params[names[id(s.param)]].grad.float()
                 got = b.grad_shard[s.offset:s.offset + s.numel].view(want.shape)
                 torch.testing.assert_close(got, want, **tol, msg=f"step {step} {s.name}")
+
+
+def _fp32_pair(tied: bool):
+    cfg = small_gpt(tie_word_embeddings=tied)
+    topo = ParallelTopology.single()
+    ref, model = TransformerLanguageModel(cfg, topo), TransformerLanguageModel(cfg, topo)
+    model.load_state_dict(ref.state_dict())
+    opt = build_optimizer(model, topo, OptimizerConfig(zero_stage=0, precision="fp32"))
+    return model, ref, opt
+
+
+def _bucket_grads(model, opt) -> dict[str, torch.Tensor]:
+    opt.grad_sync.finish()
+    names = {id(p): n for n, p in model.named_parameters()}
+    return {names[id(s.param)]: b.grad_shard[s.offset:s.offset + s.numel].view(s.param.shape).clone()
+            for b in opt.buffers for s in b.slots}
+
+
+def test_fused_weight_used_elsewhere_too():
+    """A weight whose gradient the layer writes into the bucket may get more gradient from
+    elsewhere in the same backward (an auxiliary z-loss on the untied head, a penalty on a
+    linear weight): the bucket must hold the sum, as autograd's .grad does."""
+    model, ref, opt = _fp32_pair(tied=False)
+    ids, labels = batch(0)
+
+    def loss_of(m):
+        logits = m(ids).float()  # the head used a second time, outside the fused loss
+        fc1 = m.layers["0"].mlp.fc1.weight
+        return m(ids, labels=labels).mean() + 0.1 * logits.logsumexp(-1).pow(2).mean() + \
+            (fc1 * 3).sum()
+
+    opt.zero_grad()
+    opt.backward(loss_of(model))
+    loss_of(ref).backward()
+    got = _bucket_grads(model, opt)
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(got[name], p.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_gradients_not_asked_for_are_not_written():
+    """torch.autograd.grad for activations only, and weights frozen after the optimizer was
+    built, leave the buckets alone; the next backward is unaffected."""
+    model, ref, opt = _fp32_pair(tied=True)
+    ids, labels = batch(0)
+    opt.zero_grad()
+    hidden = model.embedding(ids)
+    out = model.layers["0"](hidden)
+    torch.autograd.grad(out.sum(), hidden)  # activations only
+    assert all(not g.any() for g in _bucket_grads(model, opt).values())
+    opt.zero_grad()
+    model.layers["1"].mlp.fc1.weight.requires_grad_(False)
+    ref.layers["1"].mlp.fc1.weight.requires_grad_(False)
+    opt.backward(model(ids, labels=labels).mean())
+    ref(ids, labels=labels).mean().backward()
+    got = _bucket_grads(model, opt)
+    for name, p in ref.named_parameters():
+        want = p.grad if p.grad is not None else torch.zeros_like(p)
+        torch.testing.assert_close(got[name], want, rtol=1e-5, atol=1e-6, msg=name)

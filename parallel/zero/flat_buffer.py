@@ -99,7 +99,7 @@ class FlatBuffer:
         # Zeroing is lazy: a slot's first gradient after zero_grad (or in a fresh transient
         # bucket) is copied in instead of added to zeros, which saves a pass over every
         # bucket per step; `materialize` zeroes the slots that got none before anyone reads.
-        self._unwritten: set[int] = set()  # offsets of slots whose region holds no gradient
+        self._unwritten: set[int] = set()  # indices of slots whose region holds no gradient
         self.synced = False  # stage 1: my shard holds a reduced mean since the last zero_grad
 
     # ---- layout ------------------------------------------------------------------------
@@ -124,17 +124,18 @@ class FlatBuffer:
         if self._transient is None:
             self._transient = torch.empty(self.padded, dtype=self.grad_dtype, device=self.device)
             self._transient[self.numel:].zero_()  # padding
-            self._unwritten = {s.offset for s in self.slots}
+            self._unwritten = {s.index for s in self.slots}
         return self._transient[slot.offset:slot.offset + slot.numel]
 
     def accumulate(self, slot: Slot, grad: torch.Tensor) -> None:
         """Add a parameter's gradient (dense, or row-sparse from an embedding) into the bucket."""
         view = self.grad_view(slot)
-        first = slot.offset in self._unwritten
-        self._unwritten.discard(slot.offset)
+        first = slot.index in self._unwritten
+        self._unwritten.discard(slot.index)
         if grad.is_sparse:
             if first:
                 view.zero_()
+            grad = grad.coalesce()  # unique rows: the same sums in any order (CUDA atomics)
             rows = grad._values().reshape(-1, *slot.param.shape[1:]).to(view.dtype)
             view.view(slot.param.shape).index_add_(0, grad._indices()[0], rows)
         elif first:
@@ -145,8 +146,8 @@ class FlatBuffer:
     def accumulate_matmul(self, slot: Slot, a: torch.Tensor, b: torch.Tensor) -> None:
         """Add the gradient a @ b into the bucket without materialising it elsewhere."""
         view = self.grad_view(slot).view(slot.param.shape)
-        if slot.offset in self._unwritten:
-            self._unwritten.discard(slot.offset)
+        if slot.index in self._unwritten:
+            self._unwritten.discard(slot.index)
             torch.mm(a, b, out=view)
         else:
             view.addmm_(a, b)
@@ -156,7 +157,7 @@ class FlatBuffer:
         full = self.grads if self.grads is not None else self._transient
         if full is not None:
             for s in self.slots:
-                if s.offset in self._unwritten:
+                if s.index in self._unwritten:
                     full[s.offset:s.offset + s.numel].zero_()
         self._unwritten.clear()
 
@@ -170,7 +171,7 @@ class FlatBuffer:
 
     def zero_grad(self) -> None:
         if self.grads is not None:
-            self._unwritten = {s.offset for s in self.slots}  # padding stays zero throughout
+            self._unwritten = {s.index for s in self.slots}  # padding stays zero throughout
         else:
             self.grad_shard.zero_()
             self._unwritten = set()

@@ -45,7 +45,8 @@ class GradSync:
         self._deferred: list[int] = []  # tied-embedding buckets, reduced at finish()
         self._finishing = False
         self._where = {id(s.param): (b, s) for b in buffers for s in b.slots}
-        self._seen: dict[int, set[int]] = {}  # bucket idx -> slot offsets seen this micro-batch
+        self._seen: dict[int, set[int]] = {}  # bucket idx -> slot indices seen this micro-batch
+        self._grad_nodes: dict[int, object] = {}  # id(param) -> its AccumulateGrad node
         self._launched: set[int] = set()
         self._inflight: dict[int, C.Pending] = {}  # bucket idx -> reduction in flight
         self._handles = []
@@ -54,36 +55,45 @@ class GradSync:
 
     # ---- hooks ---------------------------------------------------------------------------
     def install_hooks(self) -> None:
-        for b in self.buffers:
-            for s in b.slots:
-                self._handles.append(s.param.register_post_accumulate_grad_hook(self._hook))
-                s.param.accepts_sparse_grad = True  # FlatBuffer.accumulate adds rows
-                if s.param.dim() == 2 and s.param.dtype == b.grad_dtype:  # see grad_fusion.py
-                    s.param.accumulate_wgrad = functools.partial(self._accumulate_wgrad, s.param)
+        with torch.enable_grad():
+            for b in self.buffers:
+                for s in b.slots:
+                    self._handles.append(s.param.register_post_accumulate_grad_hook(self._hook))
+                    s.param.accepts_sparse_grad = True  # FlatBuffer.accumulate adds rows
+                    if s.param.dim() == 2 and s.param.dtype == b.grad_dtype:  # grad_fusion.py
+                        s.param.accumulate_wgrad = functools.partial(self._accumulate_wgrad,
+                                                                     s.param)
+                        # the weight's gradient-accumulation node (autograd keeps one per
+                        # leaf while it is referenced): tells whether a backward computes it
+                        self._grad_nodes[id(s.param)] = \
+                            s.param.view_as(s.param).grad_fn.next_functions[0][0]
 
     def remove_hooks(self) -> None:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        self._grad_nodes.clear()
         for b in self.buffers:
             for s in b.slots:
                 s.param.__dict__.pop("accepts_sparse_grad", None)
                 s.param.__dict__.pop("accumulate_wgrad", None)
 
-    def _accumulate_wgrad(self, param: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *,
-                          placeholder: bool = True) -> None:
-        """Called from a layer's backward: its weight gradient a @ b, into the bucket.
-
-        With `placeholder`, the layer returns a placeholder to autograd and the hook skips it;
-        without, it returns None and any other gradient of the same weight (a tied embedding's
-        rows) reaches the hook alone and is added as usual.
-        """
+    def _accumulate_wgrad(self, param: torch.Tensor, a: torch.Tensor,
+                          b: torch.Tensor) -> torch.Tensor | None:
+        """Called from a layer's backward with its weight gradient as a product a @ b, computed
+        straight into the bucket. Returns what the layer hands autograd for the weight: an
+        empty row-sparse gradient (an exact zero), so that the hook still runs once every
+        gradient of the weight is in and adds any other one (a tied embedding's rows, another
+        use of the weight) as usual. None, with nothing written, when this backward does not
+        compute the weight's gradient (torch.autograd.grad for other inputs)."""
+        node = self._grad_nodes.get(id(param))
+        if node is not None and not _will_execute(node):
+            return None
         bucket, slot = self._where[id(param)]
         self._wait(self._index[id(bucket)])
         with torch.no_grad():
             bucket.accumulate_matmul(slot, a, b)
-        if placeholder:
-            param.wgrad_in_bucket = True
+        return _zero_rows(param)
 
     def _hook(self, param: torch.Tensor) -> None:
         bucket, slot = self._where[id(param)]
@@ -91,9 +101,8 @@ class GradSync:
             return
         i = self._index[id(bucket)]
         self._wait(i)  # an earlier micro-batch's reduction may still be using this buffer
-        if not param.__dict__.pop("wgrad_in_bucket", False):
-            with torch.no_grad():
-                bucket.accumulate(slot, param.grad)
+        with torch.no_grad():
+            bucket.accumulate(slot, param.grad)
         param.grad = None  # the bucket owns the gradient now; free the per-tensor copy
         if not self.sync_enabled:
             self._unsynced = True
@@ -104,7 +113,7 @@ class GradSync:
             self._end_queued = True
             Variable._execution_engine.queue_callback(self._end_of_backward)
         seen = self._seen.setdefault(i, set())
-        seen.add(slot.offset)
+        seen.add(slot.index)
         if len(seen) == len(bucket.slots) and i not in self._launched:
             self._launch(i)
 
@@ -199,6 +208,19 @@ class GradSync:
         pending = self._inflight.pop(i, None)
         if pending is not None:
             pending.wait()
+
+
+def _will_execute(node) -> bool:
+    check = getattr(torch._C, "_will_engine_execute_node", None)  # what FSDP asks, torch >= 2.0
+    return True if check is None else check(node)
+
+
+def _zero_rows(param: torch.Tensor) -> torch.Tensor:
+    """An empty row-sparse tensor shaped like `param`: a gradient of exactly zero, for free."""
+    rows = torch.empty(1, 0, dtype=torch.long, device=param.device)
+    values = torch.empty((0,) + tuple(param.shape[1:]), dtype=param.dtype, device=param.device)
+    return torch.sparse_coo_tensor(rows, values, param.shape, is_coalesced=True,
+                                   check_invariants=False)
 
 
 def _land_stage1(b: FlatBuffer, out: torch.Tensor, dp: int) -> None:
