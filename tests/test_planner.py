@@ -8,9 +8,10 @@ import pytest
 
 from models.config import TransformerConfig, preset
 from tests.distributed import run_distributed
-from training.planner import (CLUSTERS, GiB, Layout, PlanError, activation_bytes, check_layout,
+from training.planner import (Layout, PlanError, activation_bytes, check_layout,
                               layer_activation_bytes, memory_per_gpu, model_state_bytes, plan,
-                              published_runs, rank_layouts, stage_params, step_time)
+                              rank_layouts, stage_params, step_time)
+from training.reference_runs import CLUSTERS, GiB, published_runs
 
 P = 1_000_000.0
 
