@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from .comm import all_reduce, copy_to_tp, gather_from_sequence, group_rank, group_size
+from .grad_fusion import weight_grad
 from .topology import ParallelTopology
 
 # Tokens per chunk. Smaller chunks keep the scratch in cache but starve the matmul: measured on
@@ -114,10 +115,7 @@ class _LMHeadCrossEntropy(torch.autograd.Function):
             grad_hidden = (grad_logits @ weight).float().mul_(g).to(hidden.dtype)
         if need_weight:
             scaled_hidden = (hidden.float() * g).to(hidden.dtype)
-            if ctx.accumulate_wgrad is None:
-                grad_weight = grad_logits.t() @ scaled_hidden
-            else:  # straight into the gradient bucket; autograd gets a zero (grad_fusion.py)
-                grad_weight = ctx.accumulate_wgrad(grad_logits.t(), scaled_hidden)
+            grad_weight = weight_grad(ctx.accumulate_wgrad, grad_logits.t(), scaled_hidden)
         return grad_hidden, grad_weight, None, None, None, None
 
 

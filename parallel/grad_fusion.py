@@ -35,9 +35,15 @@ class _LinearWgradIntoBucket(torch.autograd.Function):
         dy = grad_out.reshape(-1, grad_out.shape[-1])
         grad_weight = None
         if ctx.needs_input_grad[1]:  # False for a weight frozen after the optimizer was built
-            grad_weight = ctx.accumulate_wgrad(dy.t(), x.reshape(-1, x.shape[-1]))
+            grad_weight = weight_grad(ctx.accumulate_wgrad, dy.t(), x.reshape(-1, x.shape[-1]))
         grad_bias = dy.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return grad_x, grad_weight, grad_bias
+
+
+def weight_grad(accumulate_wgrad, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
+    """The weight gradient a @ b for autograd, or, when the weight's bucket offers
+    `accumulate_wgrad`, written there and an exact zero (or None) for autograd."""
+    return a @ b if accumulate_wgrad is None else accumulate_wgrad(a, b)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

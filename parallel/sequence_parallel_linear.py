@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from . import collectives as C
 from .comm import all_gather
+from .grad_fusion import weight_grad
 
 
 def _gather_launch(x_local: torch.Tensor, group) -> tuple[torch.Tensor, C.Pending]:
@@ -51,9 +52,8 @@ class _SequenceGatheredLinear(torch.autograd.Function):
         dy = grad_out.reshape(-1, grad_out.shape[-1])
         x = x_full.view(-1, x_full.shape[-1])
         grad_weight = None
-        if ctx.needs_input_grad[1]:  # into the bucket when it offers (autograd then gets a zero)
-            grad_weight = ctx.accumulate_wgrad(dy.t(), x) if ctx.accumulate_wgrad is not None \
-                else dy.t() @ x
+        if ctx.needs_input_grad[1]:
+            grad_weight = weight_grad(ctx.accumulate_wgrad, dy.t(), x)
         grad_bias = dy.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         scattering.wait()
         return grad_x, grad_weight, grad_bias, None
