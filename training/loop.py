@@ -110,6 +110,9 @@ def pretrain(model_provider, run: RunConfig) -> TrainResult:
     monitor, rollbacks, nan_injected = HealthMonitor(run.health), 0, False
     sigterm, result = _SigtermFlag(), TrainResult(state, [], [], None)
     window = dict(loss=0.0, n=0, tokens=0, time=0.0, lag=0.0)
+    # The first step of a (re)start pays one-off costs unevenly across ranks (connections,
+    # allocations, kernel choice): its window is not judged for stragglers.
+    first_step = state.iteration + 1
     try:
         while state.iteration < sched.train_iters:
             it = state.iteration + 1  # the iteration this step makes
@@ -166,8 +169,9 @@ def pretrain(model_provider, run: RunConfig) -> TrainResult:
                              mfu=flops_rank / peak if peak else float("nan"),
                              mem_gib=_max_over_ranks(peak_memory_bytes(topo.device), topo) / 2**30),
                         state.iteration)
-                _check_stragglers(window["lag"], window["n"], topo, run.health.straggler_threshold,
-                                  journal, state.iteration)
+                if state.iteration - window["n"] >= first_step:
+                    _check_stragglers(window["lag"], window["n"], topo,
+                                      run.health.straggler_threshold, journal, state.iteration)
                 window = dict(loss=0.0, n=0, tokens=0, time=0.0, lag=0.0)
             if valid_ds is not None and run.logging.eval_interval and \
                     state.iteration % run.logging.eval_interval == 0:
