@@ -4,7 +4,7 @@
 
 1. corpus: the standard library's top-level *.py files (about 5 MB of real code and docstrings);
 2. tokenizer: a 4,096-token byte-level BPE trained on that corpus (tools/train_tokenizer.py), or
-   the GPT-2 tokenizer from ../shared/data/tokenizers/gpt2 with --gpt2-tokenizer;
+   the GPT-2 tokenizer shipped in tests/fixtures/gpt2 (MIT) with --gpt2-tokenizer;
 3. preprocessing into Megatron's .bin/.idx (tools/preprocess_data.py);
 4. training under torchrun (train_gpt.py or train_bloom.py), validation every 100 iterations,
    a checkpoint at the end; then the validation loss is set against the corpus' unigram entropy.
@@ -24,7 +24,7 @@ import numpy as np
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-GPT2 = os.path.join(REPO, "..", "shared", "data", "tokenizers", "gpt2")
+GPT2 = os.path.join(REPO, "tests", "fixtures", "gpt2")
 
 
 def run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
