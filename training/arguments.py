@@ -75,9 +75,12 @@ def build_parser(default_model: str | None = None) -> argparse.ArgumentParser:
     g.add_argument("--zero-stage", type=int, default=0)
     g.add_argument("--offload-optimizer", default="none", choices=["none", "cpu", "nvme"])
     g.add_argument("--offload-dir")
-    g.add_argument("--recompute-granularity", choices=["full"])
-    g.add_argument("--recompute-method", choices=["uniform", "block"], default="uniform")
-    g.add_argument("--recompute-num-layers", type=int, default=1)
+    g.add_argument("--recompute-granularity", choices=["full", "selective"],
+                   help="full: whole layers (see --recompute-method); selective: the attention core")
+    g.add_argument("--recompute-method", choices=["uniform", "block"],
+                   help="full only: units of N layers (uniform, default) or the first N layers "
+                        "of each pipeline chunk (block)")
+    g.add_argument("--recompute-num-layers", type=int, help="full only: N (default 1)")
     g = p.add_argument_group("data")
     g.add_argument("--data-path", nargs="*", default=[])
     g.add_argument("--mock-data", action="store_true", help="synthetic tokens instead of --data-path")
@@ -143,7 +146,9 @@ def to_run_config(args: argparse.Namespace, vocab_size: int | None = None,
         tie_word_embeddings=False if args.untie_embeddings_and_output_weights else None,
         bias=False if args.disable_bias_linear else None).items()
         if v is not None}
-    overrides.update(seed=args.seed, recompute_layers=args.recompute_granularity == "full",
+    overrides.update(seed=args.seed, recompute_granularity=args.recompute_granularity,
+                     recompute_method=args.recompute_method,
+                     recompute_num_layers=args.recompute_num_layers,
                      params_dtype="bfloat16" if args.bf16 else "float16" if args.fp16 else "float32")
     if args.model:
         model = preset(args.model, **overrides)
