@@ -67,3 +67,12 @@ def assert_params_equal(got: dict, want: dict, where: str) -> None:
     for name, t in got.items():
         torch.testing.assert_close(t, want[name], rtol=0, atol=0,
                                    msg=lambda m: f"{where} {name}: {m}")
+
+
+def assert_curves_close(got, want, where, rtol: float = 0.0, atol: float = 0.0) -> None:
+    """Two loss curves: the same non-zero length, then |got - want| <= atol + rtol |want| per step
+    (a bare zip would pass on an empty or truncated curve)."""
+    got, want = list(got), list(want)
+    assert want and len(got) == len(want), (where, len(got), len(want), got, want)
+    for step, (a, b) in enumerate(zip(got, want)):
+        assert abs(a - b) <= atol + rtol * abs(b), (where, step, got, want)
