@@ -16,9 +16,9 @@ moved them*: for every tensor t,
 with `rel` = 1e-3 by default. The floor lr * sqrt(numel) is one Adam step of every element: a
 tensor that training barely moved (a gradient that is mathematically zero) is judged against the
 smallest move Adam makes, not against its own noise. Rounding moves a tensor by far less than
-1e-3 of its update (measured on the ZeRO parity tests, 3 AdamW steps at lr 1e-2: at most 8.5e-6,
-tp = 2 dp = 2, with the default and with ATEN_CPU_CAPABILITY=avx2 kernels); a parallel bug changes
-the update itself (skipping the data-parallel all-reduce of one gradient bucket: 0.82 on
+1e-3 of its update (measured on the ZeRO parity tests, 3 AdamW steps at lr 1e-2, tp = 2 dp = 2:
+at most 8.5e-6 with the default kernels, 1.1e-5 with ATEN_CPU_CAPABILITY=avx2); a parallel bug
+changes the update itself (skipping the data-parallel all-reduce of one gradient bucket: 0.82 on
 layers.1.mlp.fc2.weight).
 Exact results (resume from a checkpoint, skipped steps, offload vs in-memory) are compared with
 `assert_params_equal`, bit for bit.
