@@ -52,7 +52,6 @@ from models.config import TransformerConfig  # noqa: E402
 from models.gpt import GPTModel  # noqa: E402
 from parallel.topology import ParallelTopology  # noqa: E402
 from parallel.zero import OptimizerConfig, build_optimizer  # noqa: E402
-from training.metrics import model_flops_per_token  # noqa: E402
 from training.step import activation_shape, forward_backward  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "bench", "results")
@@ -248,7 +247,7 @@ def run_arch(arch: str, args) -> dict:
         print(f"  {arch} round {r + 1}/{args.rounds} (CPU s / wall s): " +
               "  ".join(f"{n} {cpu[n][-1]:.2f}/{wall[n][-1]:.2f}" for n in names), flush=True)
     tokens = args.batch * args.seq
-    flops_tok = model_flops_per_token(cfg, args.seq)
+    flops_tok = cfg.model_flops_per_token(args.seq)
     out = {"config": {k: getattr(cfg, k) for k in ("vocab_size", "hidden_size", "num_layers",
                                                      "num_attention_heads", "ffn_hidden_size",
                                                      "position_embedding")},

@@ -14,13 +14,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from parallel.comm import gather_last_dim, scatter_to_sequence
+from parallel.mappings import gather_last_dim, scatter_to_sequence
 from parallel.random import RNGStreams, checkpoint
 from parallel.fused_cross_entropy import lm_head_cross_entropy
 from parallel.tensor_parallel import VocabParallelEmbedding, parallel_lm_logits
 from parallel.topology import ParallelTopology
 
-from .attention import check_attention_layout
 from .blocks import KVCache, TransformerLayer
 from .config import TransformerConfig
 from .init import Initializer
@@ -70,7 +69,7 @@ class TransformerLanguageModel(nn.Module):
                  pre_process: bool = True, post_process: bool = True,
                  layer_range: tuple[int, int] | None = None, rng: RNGStreams | None = None):
         super().__init__()
-        check_attention_layout(config, topo.tp)
+        config.check_layout(topo.config)  # the one layout rule set, once per model chunk
         self.config, self.topo, self.rng = config, topo, rng
         self.pre_process, self.post_process = pre_process, post_process
         self.layer_range = layer_range or (0, config.num_layers)

@@ -24,7 +24,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .comm import all_reduce, copy_to_tp, gather_from_sequence, group_rank, group_size
+from .collectives import all_reduce, group_rank, group_size
+from .mappings import copy_to_tp, gather_from_sequence
 from .grad_fusion import weight_grad
 from .topology import ParallelTopology
 

@@ -12,7 +12,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from .comm import all_gather
+from .collectives import all_gather
 from .tensor_parallel import shard_of, unshard
 from .topology import ParallelTopology
 

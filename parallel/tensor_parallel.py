@@ -20,8 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .comm import (copy_to_tp, gather_from_sequence, gather_last_dim, group_rank, group_size,
-                   reduce_from_tp, reduce_scatter_to_sequence, all_reduce)
+from .collectives import all_reduce, group_rank, group_size
+from .mappings import (copy_to_tp, gather_from_sequence, gather_last_dim, reduce_from_tp,
+                       reduce_scatter_to_sequence)
 from .grad_fusion import linear
 from .sequence_parallel_linear import sequence_gathered_linear
 from .topology import ParallelTopology

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from models import llama
 from models.blocks import KVCache
 from models.language_model import gather_logits
-from parallel.comm import all_gather
+from parallel.collectives import all_gather
 from parallel.pipeline.engine import run_pipeline
 from parallel.pipeline.partition import partition
 from parallel.pipeline.schedules import build_schedule

@@ -189,7 +189,10 @@ class FlatBuffer:
         self.params.untyped_storage().resize_(self.padded * self.params.element_size())
         # Write through .data: the flat buffer's version counter is not the parameters', so
         # refilling it does not trip autograd's saved-tensor checks.
-        return C.all_gather(self.params.data, self.param_shard, self.dp_group, async_op)
+        pending = C.all_gather_into(self.params.data, self.param_shard, self.dp_group)
+        if not async_op:
+            pending.wait()
+        return pending
 
     def release(self) -> None:
         self.params.untyped_storage().resize_(0)
@@ -204,7 +207,7 @@ class FlatBuffer:
         if self.dp == 1 or self.shard_params:
             return C.Pending()
         mine = self.params.data[self.shard_slice].clone()  # fused all-gather needs no aliasing
-        return C.all_gather(self.params.data, mine, self.dp_group)
+        return C.all_gather_into(self.params.data, mine, self.dp_group)
 
     # ---- accounting ------------------------------------------------------------------------
     def param_bytes(self) -> int:

@@ -151,14 +151,14 @@ class GradSync:
         b.materialize()
         full = b.grads if b.grads is not None else b.take_transient()
         if tied:
-            C.all_reduce(full, self.embedding_group, async_op=False).wait()
+            C.all_reduce(full, self.embedding_group)
         if self.dp > 1:
             full.div_(self.dp)
         if self.stage == 0:
-            self._inflight[i] = C.all_reduce(full, self.dp_group)
+            self._inflight[i] = C.all_reduce_async(full, self.dp_group)
         else:
             out = torch.empty(b.shard_numel, dtype=full.dtype, device=full.device)
-            pending = C.reduce_scatter(out, full, self.dp_group)
+            pending = C.reduce_scatter_into(out, full, self.dp_group)
             if self.stage == 1:
                 then = lambda b=b, out=out: _land_stage1(b, out, self.dp)  # noqa: E731
             else:  # `full` stays referenced by the closure until the reduction has landed
