@@ -5,7 +5,7 @@ same weights (copied through the HF name mappings; the first losses printed must
 same tokens, the same thread count (default 1) and dtype. Variants, all alive in one process
 and timed in interleaved rounds (each round runs every variant once, rotating who goes first):
 
-  fp32   megazoo: `training.step.train_step`'s two halves (what `pretrain` runs: pipeline engine
+  fp32   megazoo: `training.step.forward_backward` then the optimizer step (what `pretrain` runs: pipeline engine
          with no pipelining, ZeRO optimizer stage 0), timed apart: forward_backward, then update
          (optimizer.step + zero_grad); HF is split the same way (backward | clip + AdamW).  HF: `model(ids)` + the same fp32 cross-entropy,
          `clip_grad_norm_`, `torch.optim.AdamW(fused=True)` (HF Trainer's default optimizer
@@ -82,7 +82,7 @@ class Step:
 
 
 def megazoo_step(arch: str, cfg: TransformerConfig, precision: str, init_sd) -> Step:
-    """`training.step.train_step`, split: forward_backward, then optimizer.step + zero_grad."""
+    """What `pretrain` runs per step: forward_backward, then optimizer.step + zero_grad."""
     topo = ParallelTopology.single()
     model = (GPTModel if arch == "gpt" else BloomModel)(cfg, topo)
     model.load_state_dict(init_sd)

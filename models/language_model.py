@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from parallel.param_spec import set_spec
 from parallel.mappings import gather_last_dim, scatter_to_sequence
 from parallel.random import RNGStreams, checkpoint
 from parallel.fused_cross_entropy import lm_head_cross_entropy
@@ -38,7 +39,7 @@ class Embedding(nn.Module):
         self.word_embeddings = VocabParallelEmbedding(
             config.vocab_size, config.padded_vocab_size(topo.tp), config.hidden_size, topo,
             init.normal(WORD_EMBEDDINGS), dtype=config.dtype)
-        self.word_embeddings.weight.tied_embedding = config.tie_word_embeddings
+        set_spec(self.word_embeddings.weight, tied_embedding=config.tie_word_embeddings)
         self.position_embeddings = None
         if config.position_embedding == "learned":
             weight = torch.empty(config.max_position_embeddings, config.hidden_size)
@@ -88,7 +89,7 @@ class TransformerLanguageModel(nn.Module):
                                               init.normal(self.canonical_name("head_weight")),
                                               dtype=config.dtype)
                 self.head_weight = head.weight
-                self.head_weight.tied_embedding = config.tie_word_embeddings
+                set_spec(self.head_weight, tied_embedding=config.tie_word_embeddings)
 
     def canonical_name(self, name: str) -> str:
         """The full-model tensor a parameter holds (a tied head copy holds the embedding)."""

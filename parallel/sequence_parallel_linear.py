@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from . import collectives as C
 from .collectives import all_gather
 from .grad_fusion import weight_grad
+from .param_spec import spec_of
 
 
 def _gather_launch(x_local: torch.Tensor, group) -> tuple[torch.Tensor, C.Pending]:
@@ -33,7 +34,7 @@ class _SequenceGatheredLinear(torch.autograd.Function):
     def forward(ctx, x_local, weight, bias, group):
         ctx.save_for_backward(x_local, weight)
         ctx.group, ctx.has_bias = group, bias is not None
-        ctx.accumulate_wgrad = getattr(weight, "accumulate_wgrad", None)
+        ctx.accumulate_wgrad = spec_of(weight).accumulate_wgrad
         return F.linear(all_gather(x_local, group, dim=0), weight, bias)
 
     @staticmethod

@@ -3,7 +3,8 @@
     topo   = initialize(parallel layout)             torch.distributed from torchrun's environment
     chunks = this rank's pipeline chunks             model_provider(config, topo, pre/post, layers)
     opt    = ZeRO optimizer over the chunks
-    loop:  microbatches -> train_step -> log -> evaluate -> save (every N iterations, on SIGTERM)
+    loop:  microbatches -> forward_backward -> health check -> optimizer step -> log -> evaluate
+           -> save (every N iterations, on SIGTERM)
 
 Resume is exact: the checkpoint holds the weights, optimizer shards, loss scaler, every rank's
 RNG streams, the iteration and the consumed-samples count (the LR and batch-size schedules are

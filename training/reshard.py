@@ -29,6 +29,7 @@ import torch
 from safetensors import SafetensorError
 
 from parallel.layout import Grid
+from parallel.param_spec import spec_of
 from parallel.pipeline.partition import chunk_prefix
 from parallel.sharding import load_full_state_dict, local_shard
 from parallel.tensor_parallel import unshard
@@ -65,10 +66,10 @@ def param_table(chunks, opt=None) -> list[list]:
         for n, p in chunk.named_parameters():
             if not p.requires_grad:
                 continue
-            sharded = bool(getattr(p, "tensor_model_parallel", False))
-            layout = getattr(p, "tp_layout", None) if sharded else None
-            rows.append([c, n, canonical(n), list(p.shape), p.partition_dim if sharded else -1,
-                         p.full_size if sharded else 0, layout.spec() if layout else None])
+            split = spec_of(p).tp_split
+            layout = split.layout if split else None
+            rows.append([c, n, canonical(n), list(p.shape), split.dim if split else -1,
+                         split.full_size if split else 0, layout.spec() if layout else None])
     if opt is not None:  # the optimizer numbers parameters the same way; make sure of it
         if [chunk_prefix(r[0], len(chunks)) + r[1] for r in rows] != list(opt.param_names):
             raise RuntimeError("the optimizer's parameter order differs from the chunks'; "

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import collectives as C
+from ..param_spec import spec_of
 
 logger = logging.getLogger(__name__)
 
@@ -32,8 +33,8 @@ class BucketKey:
 
 def param_key(param: torch.nn.Parameter, *, tp_rank: int, is_first_stage: bool,
               decay_biases_and_norms: bool) -> BucketKey:
-    tp_sharded = bool(getattr(param, "tensor_model_parallel", False))
-    tied = bool(getattr(param, "tied_embedding", False))
+    spec = spec_of(param)
+    tp_sharded, tied = spec.tensor_parallel, spec.tied_embedding
     # A replicated parameter holds the same gradient on every TP rank: count it on rank 0 only.
     # The tied embedding's copy on the last stage is the first stage's: count it there only.
     counted = (tp_sharded or tp_rank == 0) and (not tied or is_first_stage)
