@@ -1,9 +1,6 @@
 """train_llama.py end to end: a shrunken SmolLM2 preset (RoPE, RMSNorm, SwiGLU) made multi-query
 (one KV head) trains on mock data, and data-parallel, pipeline-parallel and tensor-parallel runs
 (tp = 2 replicates the KV head; ZeRO-1) give the same loss curve."""
-import dataclasses
-
-
 from tests.distributed import run_distributed
 from tests.tolerances import assert_curves_close
 from training.arguments import build_parser, to_run_config
@@ -12,7 +9,7 @@ TINY = ["--model", "smollm2-135m", "--num-layers", "2", "--hidden-size", "48",
         "--num-attention-heads", "6", "--ffn-hidden-size", "64", "--seq-length", "16",
         "--mock-data", "--vocab-size", "61", "--micro-batch-size", "2", "--global-batch-size", "8",
         "--lr", "3e-3", "--lr-warmup-iters", "2", "--log-interval", "100", "--eval-interval", "1000",
-        "--seed", "5", "--train-iters", "8"]
+        "--seed", "5", "--train-iters", "8", "--group-query-attention", "--num-query-groups", "1"]
 TP2 = ["--tensor-model-parallel-size", "2", "--zero-stage", "1"]
 
 
@@ -22,9 +19,7 @@ def _worker(rank, layouts):
     curves = []
     for layout in layouts:
         run = to_run_config(build_parser("smollm2-135m").parse_args(TINY + layout), world_size=2)
-        assert run.model.num_query_groups == 3 and run.model.activation == "swiglu"
-        # No flag sets the KV heads yet: make the model multi-query by hand.
-        run = dataclasses.replace(run, model=run.model.replace(num_query_groups=1))
+        assert run.model.num_query_groups == 1 and run.model.activation == "swiglu"
         curves.append(pretrain(model_provider, run).losses)
     return curves
 
