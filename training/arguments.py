@@ -20,8 +20,15 @@ class ArgumentError(ValueError):
     """Inconsistent command-line values; the message names the flag."""
 
 
+class _Parser(argparse.ArgumentParser):
+    """Flag errors raise ArgumentError (printed once by the script, no usage dump per rank)."""
+
+    def error(self, message):
+        raise ArgumentError(f"{message} (--help lists the flags)")
+
+
 def build_parser(default_model: str | None = None) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description="megazoo pretraining (Megatron-LM flag names)")
+    p = _Parser(description="megazoo pretraining (Megatron-LM flag names)", allow_abbrev=False)
     a = p.add_argument
     g = p.add_argument_group("model")
     g.add_argument("--model", default=default_model, help=f"preset: {', '.join(sorted(PRESETS))}")

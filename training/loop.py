@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import signal
 import time
 from dataclasses import dataclass
 
@@ -38,6 +37,7 @@ from .lr_schedule import global_batch_size, learning_rate
 from .metrics import device_peak_flops, peak_memory_bytes
 from .report import write_report
 from .step import activation_shape, eval_step, forward_backward
+from .stop import StopRequests
 from .watchdog import CollectiveWatchdog
 
 logger = logging.getLogger(__name__)
@@ -49,26 +49,7 @@ class TrainResult:
     losses: list[float]  # training loss of every iteration run in this process
     valid_losses: list[tuple[int, float]]
     checkpoint: str | None
-
-
-class _SigtermFlag:
-    """SIGTERM asks for a checkpoint at the end of the current step, then a clean exit."""
-
-    def __init__(self):
-        self.raised = False
-        self._old = signal.signal(signal.SIGTERM, self._handle)
-
-    def _handle(self, *_):
-        self.raised = True
-
-    def any_rank(self, device) -> bool:
-        t = torch.tensor([1.0 if self.raised else 0.0], device=device)
-        if dist.is_initialized():
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return bool(t.item())
-
-    def restore(self):
-        signal.signal(signal.SIGTERM, self._old)
+    stop_signal: int = 0  # SIGTERM or SIGINT that stopped the run early (0: none)
 
 
 def build_chunks(model_provider, run: RunConfig, topo, rng):
@@ -108,7 +89,7 @@ def pretrain(model_provider, run: RunConfig) -> TrainResult:
         logger.info("memory per rank (bytes): %s", opt.memory_report())
 
     monitor, rollbacks, nan_injected = HealthMonitor(run.health), 0, False
-    sigterm, result = _SigtermFlag(), TrainResult(state, [], [], None)
+    stops, result = StopRequests().__enter__(), TrainResult(state, [], [], None)
     window = dict(loss=0.0, n=0, tokens=0, time=0.0, lag=0.0)
     # The first step of a (re)start pays one-off costs unevenly across ranks (connections,
     # allocations, kernel choice): its window is not judged for stragglers.
@@ -178,12 +159,14 @@ def pretrain(model_provider, run: RunConfig) -> TrainResult:
                 vloss = evaluate(chunks, valid_ds, topo, run, shape, opt.cfg.model_dtype, state)
                 result.valid_losses.append((state.iteration, vloss))
                 log.log(dict(loss=vloss, ppl=math.exp(min(vloss, 50))), state.iteration, "valid")
-            stop = sigterm.any_rank(topo.device)
+            signum, stop = stops.agreed(state.iteration, topo.device)
             interval = run.checkpoint.save_interval
             if run.checkpoint.save and (stop or (interval and state.iteration % interval == 0)):
                 result.checkpoint = save(run, topo, chunks, opt, rng, state)
             if stop:
-                logger.warning("SIGTERM: checkpoint written, stopping at iteration %d", state.iteration)
+                result.stop_signal = signum
+                (logger.warning if topo.rank == 0 else logger.debug)("%s: stopping at iteration %d%s", stop, state.iteration,
+                               ", checkpoint written" if run.checkpoint.save else "")
                 break
         if run.checkpoint.save and result.checkpoint != ckpt.iteration_dir(run.checkpoint.save,
                                                                            state.iteration):
@@ -191,7 +174,7 @@ def pretrain(model_provider, run: RunConfig) -> TrainResult:
         if topo.rank == 0 and run.run_dir:
             logger.info("run report: %s", write_report(run.run_dir))
     finally:
-        sigterm.restore()
+        stops.__exit__()
         log.close()
     return result
 
