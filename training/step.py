@@ -15,6 +15,7 @@ from parallel.pipeline.engine import run_pipeline
 from parallel.pipeline.schedules import build_schedule
 from parallel.topology import ParallelTopology
 
+from .data import microbatches
 
 
 def activation_shape(topo: ParallelTopology, seq_length: int, micro_batch_size: int, hidden: int):
@@ -89,3 +90,14 @@ def eval_step(chunks, microbatches: list[dict], topo: ParallelTopology, *, shape
         for c in chunks:
             c.train()
     return mean_over_world(losses, topo)
+
+
+def evaluate(chunks, dataset, topo: ParallelTopology, run, shape, dtype) -> float:
+    """Validation loss over --eval-iters global batches (the same batches at every evaluation)."""
+    mbs = run.schedule.micro_batch_size
+    it = microbatches(dataset, consumed_samples=0, micro_batch_size=mbs, dp_rank=topo.dp_rank,
+                      dp=topo.dp, device=topo.device)
+    per_step = run.schedule.global_batch_size // (mbs * topo.dp)
+    losses = [eval_step(chunks, [next(it) for _ in range(per_step)], topo, shape=shape, dtype=dtype)
+              for _ in range(run.logging.eval_iters)]
+    return sum(losses) / len(losses)
