@@ -21,7 +21,7 @@ __all__ = ["TrainResult", "build_chunks", "pretrain"]
 def pretrain(model_provider, run: RunConfig) -> TrainResult:
     trainer = Trainer(model_provider, run)
     try:
-        with StopRequests() as stops:
+        with StopRequests(run.schedule.exit_interval, run.schedule.exit_duration_mins) as stops:
             while not trainer.done:
                 if not trainer.step():  # rolled back to the last checkpoint
                     continue

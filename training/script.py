@@ -28,12 +28,14 @@ USER_ERRORS = (ArgumentError, LayoutError, TokenizerError, IndexedDatasetError, 
                FileNotFoundError)
 
 
-def tokenizer_vocab_size(args) -> int | None:
-    if args.mock_data and not (args.vocab_file or args.tokenizer_model):
+def build_run_tokenizer(args):
+    """The run's tokenizer (its vocabulary size and end-of-document id), or None for mock data."""
+    if args.mock_data and not (args.vocab_file or args.tokenizer_model) and \
+            args.tokenizer_type != "NullTokenizer":
         return None
     from data.tokenizers import build_tokenizer
-    return build_tokenizer(args.tokenizer_type, vocab_file=args.vocab_file,
-                           merge_file=args.merge_file, tokenizer_model=args.tokenizer_model).vocab_size
+    return build_tokenizer(args.tokenizer_type, vocab_file=args.vocab_file, merge_file=args.merge_file,
+                           tokenizer_model=args.tokenizer_model, vocab_size=args.vocab_size)
 
 
 def _rank() -> int:
@@ -55,7 +57,9 @@ def main(model_provider, default_model: str, argv=None):
         logging.getLogger().setLevel(logging.WARNING)  # one voice: rank 0 logs, others warn
     try:  # before any process group: every rank sees the same error, rank 0 says it
         args = build_parser(default_model).parse_args(argv)
-        run = to_run_config(args, vocab_size=tokenizer_vocab_size(args))
+        tok = build_run_tokenizer(args)
+        run = to_run_config(args, vocab_size=tok.vocab_size if tok else None,
+                            eod_token=tok.eod if tok else None)
     except (ValueError, FileNotFoundError) as e:
         _fail(str(e), 2)
     except KeyboardInterrupt:

@@ -67,15 +67,18 @@ class Trainer:
             run.data, seed=run.seed, vocab_size=mcfg.vocab_size,
             num_samples=(self.sched.train_iters * gbs, evals * run.logging.eval_iters * gbs, 0))
         self.data = TrainData(train_ds, journal.skipped_samples(), micro_batch_size=self.sched.micro_batch_size,
-                              dp_rank=topo.dp_rank, dp=topo.dp, device=topo.device)
+                              dp_rank=topo.dp_rank, dp=topo.dp, device=topo.device,
+                              num_workers=run.data.num_workers, eod_mask_token=run.data.eod_mask_token)
         self.data.restart(self.state.consumed_samples)
         self.shape = activation_shape(topo, seq, self.sched.micro_batch_size, mcfg.hidden_size)
-        peak, peak_source = device_peak_flops(topo.device, run.logging.peak_flops)
+        peak, peak_source = device_peak_flops(topo.device, run.logging.peak_flops, run.optimizer.precision)
         self.window = LogWindow(mcfg.model_flops_per_token(seq), peak, topo, self.state.iteration + 1)
-        self.log = RunLogger(run.logging, {"run": dataclasses.asdict(run)}, topo.rank == 0, journal)
+        self.log = RunLogger(run.logging, {"run": dataclasses.asdict(run)}, topo.rank == 0, journal,
+                             self.state.iteration)
         if topo.rank == 0:
-            logger.info("model: %.2fM parameters; layout %s; peak %.3g FLOP/s per rank (%s)",
-                        mcfg.num_parameters() / 1e6, layout_of(run, topo), peak, peak_source)
+            logger.info("model: %.2fM parameters; layout %s; %s", mcfg.num_parameters() / 1e6,
+                        layout_of(run, topo), f"peak {peak:.3g} FLOP/s per rank ({peak_source})" if peak
+                        else peak_source)
             logger.info("memory per rank (bytes): %s", self.opt.memory_report())
         self.monitor, self.rollbacks, self.nan_injected = HealthMonitor(run.health), 0, False
         self.last_step, self.batch = None, 0
@@ -126,7 +129,8 @@ class Trainer:
         state.consumed_samples += batch
         state.skipped_steps += int(step is None or step.skipped)
         self.result.losses.append(loss)
-        self.window.add(loss, batch * run.data.seq_length, elapsed, timings["ready"] - step_begin)
+        self.window.add(loss, batch * run.data.seq_length, elapsed, timings["ready"] - step_begin,
+                        time.perf_counter() - step_begin)
         self.last_step, self.batch = step, batch
         return True
 

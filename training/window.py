@@ -7,7 +7,7 @@ import logging
 import torch
 import torch.distributed as dist
 
-from .metrics import peak_memory_bytes
+from .metrics import mfu, peak_memory_bytes
 
 logger = logging.getLogger("training.loop")
 
@@ -21,26 +21,31 @@ class LogWindow:
         self.reset()
 
     def reset(self) -> None:
-        self.loss, self.n, self.tokens, self.time, self.lag = 0.0, 0, 0, 0.0, 0.0
+        self.loss, self.n, self.tokens, self.time, self.lag, self.wall = 0.0, 0, 0, 0.0, 0.0, 0.0
 
-    def add(self, loss: float, tokens: int, seconds: float, lag: float) -> None:
-        """One step: its loss, tokens, compute seconds and time until it was ready to reduce."""
+    def add(self, loss: float, tokens: int, seconds: float, lag: float, wall: float) -> None:
+        """One step: its loss, tokens, compute seconds (forward, backward, optimizer), time until it
+        was ready to reduce, and wall seconds (the batch's reading included)."""
         self.loss += loss
         self.n += 1
         self.tokens += tokens
         self.time += seconds
         self.lag += lag
+        self.wall += wall
 
     def metrics(self, opt, step, state, batch: int) -> dict:
         """The window's train metrics (collective: the memory peak is the maximum over ranks)."""
         tokens_s = self.tokens / self.time
         flops_rank = self.flops_per_token * tokens_s / self.topo.world_size
         last = step or opt
-        return dict(loss=self.loss / self.n, lr=opt.lr, grad_norm=step.grad_norm if step else float("nan"),
-                    loss_scale=last.loss_scale, skipped=state.skipped_steps, batch=batch,
-                    tokens_per_s=tokens_s, tflops_per_rank=flops_rank / 1e12,
-                    mfu=flops_rank / self.peak if self.peak else float("nan"),
-                    mem_gib=max_over_ranks(peak_memory_bytes(self.topo.device), self.topo) / 2**30)
+        out = dict(loss=self.loss / self.n, lr=opt.lr, grad_norm=step.grad_norm if step else float("nan"),
+                   loss_scale=last.loss_scale, skipped=state.skipped_steps, batch=batch,
+                   consumed_samples=state.consumed_samples, ms_per_iter=1e3 * self.wall / self.n,
+                   tokens_per_s=tokens_s, tflops_per_rank=flops_rank / 1e12)
+        if self.peak:  # no peak, no MFU (training/metrics.py)
+            out["mfu"] = mfu(flops_rank, self.peak)
+        out["mem_gib"] = max_over_ranks(peak_memory_bytes(self.topo.device), self.topo) / 2**30
+        return out
 
     def check_stragglers(self, threshold: float, journal, iteration: int) -> None:
         if iteration - self.n >= self.first_step:
