@@ -11,22 +11,18 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+from tests.distributed import free_port  # noqa: E402
+
 TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
         "--max-position-embeddings", "16", "--mock-data", "--vocab-size", "61", "--micro-batch-size", "2",
         "--global-batch-size", "8", "--train-iters", "4", "--log-interval", "2", "--save-interval", "2"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def one_run(nproc: int, tp: int) -> tuple[int, str, float]:
