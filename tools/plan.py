@@ -107,6 +107,10 @@ def trainer_argv(cfg: TransformerConfig, lay: Layout) -> list[str]:
         argv += ["--num-layers-per-virtual-pipeline-stage", max(cfg.num_layers // (lay.pp * lay.vpp), 1)]
     if lay.sequence_parallel:
         argv.append("--sequence-parallel")
+    if lay.first_stage_layers is not None:
+        argv += ["--decoder-first-pipeline-num-layers", lay.first_stage_layers]
+    if lay.last_stage_layers is not None:
+        argv += ["--decoder-last-pipeline-num-layers", lay.last_stage_layers]
     if lay.recompute != "none":
         argv += ["--recompute-granularity", lay.recompute]
     if lay.precision in ("bf16", "fp16"):

@@ -137,8 +137,11 @@ class Trainer:
     def log_if_due(self) -> None:
         """Every --log-interval iterations (and at the last): the window's metrics, then stragglers."""
         it = self.state.iteration
-        if it % self.run.logging.log_interval and it != self.sched.train_iters:
-            return
+        if it % self.run.logging.log_interval == 0 or it == self.sched.train_iters:
+            self.log_window()
+
+    def log_window(self) -> None:
+        it = self.state.iteration
         self.log.log(self.window.metrics(self.opt, self.last_step, self.state, self.batch), it)
         self.window.check_stragglers(self.run.health.straggler_threshold, self.journal, it)
         self.window.reset()
@@ -159,6 +162,9 @@ class Trainer:
             self.result.checkpoint = save(self.run, self.topo, self.chunks, self.opt, self.rng, self.state)
 
     def stop(self, signum: int, why: str) -> None:
+        """Stopping early: the steps since the last log line are logged, then the reason."""
+        if self.window.n:
+            self.log_window()
         self.result.stop_signal = signum
         if self.topo.rank == 0:
             logger.warning("%s: stopping at iteration %d%s", why, self.state.iteration,
@@ -170,7 +176,10 @@ class Trainer:
         if save_dir and self.result.checkpoint != ckpt.iteration_dir(save_dir, self.state.iteration):
             self.result.checkpoint = save(self.run, self.topo, self.chunks, self.opt, self.rng, self.state)
         if self.topo.rank == 0 and self.run.run_dir:
-            logger.info("run report: %s", write_report(self.run.run_dir))
+            try:
+                logger.info("run report: %s", write_report(self.run.run_dir))
+            except FileNotFoundError as e:  # no iteration logged in this folder yet
+                logger.info("no run report: %s", e)
 
     def close(self) -> None:
         self.log.close()
