@@ -92,10 +92,13 @@ class TrainData:
         self._it = None
 
     def restart(self, consumed_samples: int) -> None:
-        if self._it is not None:
-            self._it.close()  # stops its read-ahead threads
+        self.close()
         self._it = microbatches(self.view, consumed_samples=consumed_samples, micro_batch_size=self.mbs,
                                 dp_rank=self.dp_rank, dp=self.dp, device=self.device, **self.reading)
+
+    def close(self) -> None:
+        if self._it is not None:
+            self._it.close()  # stops its read-ahead threads
 
     def next_global_batch(self, batch: int) -> list[dict]:
         return [next(self._it) for _ in range(batch // (self.mbs * self.dp))]

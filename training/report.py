@@ -40,13 +40,13 @@ def write_report(run_dir: str, out_path: str | None = None) -> str:
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for ax, (key, title) in zip(axes.flat, PANELS):
         for k, rows in enumerate(runs):
-            colour, name = colours[k % len(colours)], f"run {k + 1}" if len(runs) > 1 else "train"
+            colour, name = colours[k % len(colours)], f"run {k + 1} " if len(runs) > 1 else ""
             pts = [(r["iteration"], r[key]) for r in rows if r["split"] == "train" and key in r]
-            if pts:
-                ax.plot(*zip(*pts), color=colour, label=name, lw=1.2)
+            if pts:  # markers: a short run's single point stays visible
+                ax.plot(*zip(*pts), ".-", color=colour, label=f"{name}train", lw=1.2, ms=3)
             valid = [(r["iteration"], r["loss"]) for r in rows if r["split"] == "valid"]
             if key == "loss" and valid:
-                ax.plot(*zip(*valid), "o--", color=colour, label=f"{name} validation", ms=4)
+                ax.plot(*zip(*valid), "o--", color=colour, label=f"{name}validation", ms=4)
         if key == "loss":
             ax.legend(fontsize=8)
         for e in events:

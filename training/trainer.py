@@ -182,4 +182,5 @@ class Trainer:
                 logger.info("no run report: %s", e)
 
     def close(self) -> None:
+        self.data.close()
         self.log.close()
