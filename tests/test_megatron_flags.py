@@ -65,7 +65,7 @@ def test_every_flag_has_help_and_shows_its_default():
     p = build_parser()
     assert [a.option_strings for a in p._actions if not a.help] == []
     text = p.format_help()
-    assert "--micro-batch-size MICRO_BATCH_SIZE" in text and "(default: 1)" in text
+    assert "--micro-batch-size MICRO_BATCH_SIZE" in text and "(default: 1)" in text and "(default: 0.0)" in text
     assert "(default: None)" not in text and "(default: False)" not in text
 
 

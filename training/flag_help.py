@@ -102,7 +102,7 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Shows '(default: X)' except where there is no default to show (None, False)."""
 
     def _get_help_string(self, action):
-        if action.default in (None, False) or action.default == []:
+        if action.default is None or action.default is False or action.default == []:
             return action.help
         return super()._get_help_string(action)
 
