@@ -11,6 +11,8 @@ pure functions of those counters). Stopping early (SIGTERM, SIGINT, --exit-inter
 """
 from __future__ import annotations
 
+import time
+
 from .config import RunConfig
 from .stop import StopRequests
 from .trainer import TrainResult, Trainer, build_chunks
@@ -19,9 +21,10 @@ __all__ = ["TrainResult", "build_chunks", "pretrain"]
 
 
 def pretrain(model_provider, run: RunConfig) -> TrainResult:
+    start = time.monotonic()  # --exit-duration-in-mins counts the setup too, as Megatron does
     trainer = Trainer(model_provider, run)
     try:
-        with StopRequests(run.schedule.exit_interval, run.schedule.exit_duration_mins) as stops:
+        with StopRequests(run.schedule.exit_interval, run.schedule.exit_duration_mins, start) as stops:
             while not trainer.done:
                 if not trainer.step():  # rolled back to the last checkpoint
                     continue

@@ -28,10 +28,12 @@ class StopRequests:
     """Records SIGTERM/SIGINT while installed (a context manager); `agreed` decides, collectively,
     whether the run stops after this step and why."""
 
-    def __init__(self, exit_interval: int | None = None, exit_duration_mins: float | None = None):
+    def __init__(self, exit_interval: int | None = None, exit_duration_mins: float | None = None,
+                 start: float | None = None):
+        """`start`: time.monotonic() when the run began (its setup counts towards the duration)."""
         self.signum = 0
         self.exit_interval, self.exit_duration_mins = exit_interval, exit_duration_mins
-        self.start = time.monotonic()
+        self.start = time.monotonic() if start is None else start
         self._old: dict[int, object] = {}
 
     def __enter__(self) -> "StopRequests":
