@@ -1,9 +1,11 @@
 """Print a megazoo checkpoint's layout, iteration, model and tensors, and verify every shard.
 
-    python tools/inspect_checkpoint.py CKPT_DIR [--tensors]
+    python tools/inspect_checkpoint.py CKPT_DIR [--tensors] [--verify]
 
 CKPT_DIR is a --save folder (its `latest` checkpoint is inspected) or one iter_* folder. Every
-rank's shard must be present and fully readable; the exit status is 1 otherwise.
+rank's shard must be present and fully readable; with --verify every tensor is also checked
+against the crc32 recorded at save (one line per damaged file and tensor). The exit status is 1
+when anything is wrong.
 """
 import argparse
 import os
@@ -11,29 +13,20 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from safetensors import safe_open  # noqa: E402
-
-from training.checkpointing import CheckpointError, latest_checkpoint, read_meta, rank_file  # noqa: E402
-
-
-def _folder(path: str) -> str:
-    if os.path.exists(os.path.join(path, "meta.json")):
-        return path
-    folder = latest_checkpoint(path)
-    if folder is None:
-        raise CheckpointError(f"{path}: neither a checkpoint folder (meta.json) nor a --save folder "
-                              f"with a 'latest' pointer")
-    return folder
+from training.checkpointing import (CheckpointError, VerifiedReader, read_meta, rank_file,  # noqa: E402
+                                    resolve, verify_folder)
 
 
-def _verify(path: str) -> tuple[dict, int]:
+def _shapes(path: str, verify: bool) -> tuple[dict, int]:
     """name -> (dtype, shape) and total bytes; reads every tensor, so truncation cannot hide."""
+    reader = VerifiedReader(path)
+    if not verify:
+        reader.table = None  # read everything, compare nothing
     shapes, total = {}, 0
-    with safe_open(path, framework="pt") as f:
-        for name in f.keys():
-            t = f.get_tensor(name)
-            shapes[name] = (str(t.dtype).removeprefix("torch."), tuple(t.shape))
-            total += t.numel() * t.element_size()
+    for name in reader.keys():
+        t = reader.get_tensor(name)
+        shapes[name] = (str(t.dtype).removeprefix("torch."), tuple(t.shape))
+        total += t.numel() * t.element_size()
     return shapes, total
 
 
@@ -41,9 +34,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("path")
     ap.add_argument("--tensors", action="store_true", help="list every tensor of every shard")
+    ap.add_argument("--verify", action="store_true", help="check every tensor against its checksum")
     args = ap.parse_args()
     try:
-        folder = _folder(args.path)
+        folder = resolve(args.path)
         meta = read_meta(folder)
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -63,7 +57,7 @@ def main() -> int:
             problems.append(f"{path}: missing")
             continue
         try:
-            shapes, total = _verify(path)
+            shapes, total = _shapes(path, verify=False)
         except Exception as e:  # noqa: BLE001 - any failure to read is what we report
             problems.append(f"{path}: unreadable, corrupt or truncated ({type(e).__name__}: {e})")
             continue
@@ -73,11 +67,13 @@ def main() -> int:
         if args.tensors:
             for k, (dtype, shape) in sorted(shapes.items()):
                 print(f"    {k:60s} {dtype:9s} {shape}")
+    if args.verify and not problems:
+        problems = verify_folder(folder)
     if problems:
         for p in problems:
             print(f"PROBLEM {p}")
         return 1
-    print(f"all {len(files)} shards readable")
+    print(f"all {len(files)} shards readable" + (", every tensor matches its checksum" if args.verify else ""))
     return 0
 
 

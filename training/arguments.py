@@ -6,7 +6,10 @@ Inconsistent values fail before any process group or weight exists, with one cle
 from __future__ import annotations
 
 import argparse
+import math
 import os
+
+from data.blended import check_blend
 
 from models.config import PRESETS, TransformerConfig, preset
 from parallel.topology import LayoutError, ParallelConfig
@@ -114,8 +117,46 @@ def build_parser(default_model: str | None = None) -> argparse.ArgumentParser:
     g.add_argument("--inject-nan-at-iteration", type=int, help="fault drill: NaN gradients once")
     g.add_argument("--inject-hang", nargs=3, type=float, metavar=("RANK", "ITERATION", "SECONDS"),
                    help="fault drill: RANK sleeps SECONDS before a collective at ITERATION")
+    g = p.add_argument_group("checkpoint storage / health")
+    g.add_argument("--keep-last", type=int, help="keep only the newest N checkpoints (default: all)")
+    g.add_argument("--keep-every", type=int,
+                   help="with --keep-last: also keep every checkpoint whose iteration is a multiple of K")
+    g.add_argument("--max-bad-steps", type=int, default=20,
+                   help="stop the run (exit status 1) after this many consecutive steps with a "
+                        "non-finite loss or a skipped update, under any --health-policy")
     a("--seed", type=int, default=1234)
     return p
+
+
+def validate_values(args: argparse.Namespace) -> None:
+    """Values that are wrong on their own (whatever the other flags), refused in one line."""
+    positive = ("micro_batch_size", "global_batch_size", "train_iters", "train_samples",
+                "log_interval", "save_interval", "keep_last", "keep_every", "max_bad_steps",
+                "seq_length", "num_layers", "hidden_size", "num_attention_heads")
+    for name in positive:
+        value = getattr(args, name, None)
+        if value is not None and value < 1:
+            _fail(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    for name in ("eval_interval", "eval_iters", "lr_warmup_iters", "lr_decay_iters", "zero_stage"):
+        value = getattr(args, name, None)
+        if value is not None and value < 0:
+            _fail(f"--{name.replace('_', '-')} must be >= 0, got {value}")
+    for name in ("lr", "min_lr", "weight_decay", "clip_grad", "adam_eps", "collective_timeout",
+                 "initial_loss_scale", "min_loss_scale", "hidden_dropout", "attention_dropout"):
+        value = getattr(args, name, None)
+        if value is not None and not (math.isfinite(value) and value >= 0):
+            _fail(f"--{name.replace('_', '-')} must be a finite number >= 0, got {value}")
+    if args.min_lr > args.lr:
+        _fail(f"--min-lr {args.min_lr} exceeds --lr {args.lr}")
+    for name in ("adam_beta1", "adam_beta2"):
+        if not 0 <= getattr(args, name) < 1:
+            _fail(f"--{name.replace('_', '-')} must be in [0, 1), got {getattr(args, name)}")
+    if args.keep_every and not args.keep_last:
+        _fail("--keep-every K only refines --keep-last N; give --keep-last too")
+    try:
+        check_blend(args.data_path)
+    except ValueError as e:
+        _fail(str(e))
 
 
 def _fail(msg: str):
@@ -125,6 +166,7 @@ def _fail(msg: str):
 def to_run_config(args: argparse.Namespace, vocab_size: int | None = None,
                   world_size: int | None = None) -> RunConfig:
     """Map parsed flags onto the configs and check that they fit together."""
+    validate_values(args)
     world = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
     overrides = {k: v for k, v in dict(
         num_layers=args.num_layers, hidden_size=args.hidden_size,
@@ -211,6 +253,7 @@ def to_run_config(args: argparse.Namespace, vocab_size: int | None = None,
     health = HealthConfig(
         policy=args.health_policy, spike_zscore=args.spike_zscore, spike_window=args.spike_window,
         collective_timeout=args.collective_timeout, straggler_threshold=args.straggler_threshold,
+        max_bad_steps=args.max_bad_steps,
         inject_nan_at=args.inject_nan_at_iteration,
         inject_hang=(int(args.inject_hang[0]), int(args.inject_hang[1]), args.inject_hang[2])
         if args.inject_hang else None)
@@ -234,7 +277,8 @@ def to_run_config(args: argparse.Namespace, vocab_size: int | None = None,
                         merge_file=args.merge_file, tokenizer_model=args.tokenizer_model,
                         data_cache_path=args.data_cache_path, mock_data=args.mock_data),
         checkpoint=CheckpointConfig(save=args.save, load=args.load, save_interval=args.save_interval,
-                                    finetune=args.finetune),
+                                    finetune=args.finetune, keep_last=args.keep_last,
+                                    keep_every=args.keep_every),
         logging=LoggingConfig(log_interval=args.log_interval, eval_interval=args.eval_interval,
                               eval_iters=args.eval_iters, wandb_project=args.wandb_project,
                               wandb_exp_name=args.wandb_exp_name, wandb_save_dir=args.wandb_save_dir,

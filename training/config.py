@@ -49,6 +49,8 @@ class CheckpointConfig:
     load: str | None = None
     save_interval: int | None = None
     finetune: bool = False  # load weights only; reset iteration, optimizer and data position
+    keep_last: int | None = None  # --keep-last N: delete older checkpoints (None: keep all)
+    keep_every: int | None = None  # --keep-every K: ... except every K-th iteration
 
 
 @dataclass

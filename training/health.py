@@ -24,6 +24,7 @@ class HealthConfig:
     spike_window: int = 50  # --spike-window: healthy losses the statistics are taken over
     spike_min_history: int = 10  # no spike verdicts before this many healthy losses
     max_rollbacks: int = 5  # give up (raise) after this many rollbacks in one run
+    max_bad_steps: int = 20  # --max-bad-steps: consecutive non-finite or skipped steps -> stop
     collective_timeout: float = 0.0  # --collective-timeout seconds; 0 disables the watchdog
     straggler_threshold: float = 1.25  # --straggler-threshold: slow if step time > x * median
     inject_nan_at: int | None = None  # --inject-nan-at-iteration: fault drill, once

@@ -28,6 +28,7 @@ from parallel.topology import initialize
 from parallel.zero.optimizer import build_optimizer
 
 from . import checkpointing as ckpt
+from . import storage
 from .resume import TrainState, layout_of, load, save
 from .config import RunConfig
 from .data import TrainData, build_datasets, microbatches
@@ -84,6 +85,7 @@ def pretrain(model_provider, run: RunConfig) -> TrainResult:
     rng = model_parallel_seed(run.seed, topo)
     chunks = build_chunks(model_provider, run, topo, rng)
     opt = build_optimizer(chunks, topo, run.optimizer)
+    lock = storage.SaveLock(run.checkpoint.save) if run.checkpoint.save and topo.rank == 0 else None
     state = load(run, topo, chunks, opt, rng) if run.checkpoint.load else TrainState()
     journal = RunJournal(run.run_dir)
     watchdog = CollectiveWatchdog(run.health.collective_timeout, topo.rank, topo.world_size,
@@ -193,6 +195,8 @@ def pretrain(model_provider, run: RunConfig) -> TrainResult:
     finally:
         sigterm.restore()
         log.close()
+        if lock is not None:
+            lock.release()
     return result
 
 
