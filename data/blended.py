@@ -17,6 +17,7 @@ import numpy as np
 from data.gpt_dataset import GPTDataset, GPTDatasetConfig, build_split_datasets
 from data.index_cache import CachedIndices
 from data.indexed import IndexedDataset
+from data.token_stats import check_vocabulary
 
 logger = logging.getLogger(__name__)
 
@@ -147,9 +148,15 @@ def build_train_valid_test_datasets(
     seed: int,
     num_samples: tuple[int, int, int],
     cache_dir: str | None = None,
+    vocab_size: int | None = None,
 ):
-    """(train, valid, test) datasets for Megatron-style arguments; None for a split with no share."""
+    """(train, valid, test) datasets for Megatron-style arguments; None for a split with no share.
+
+    With `vocab_size`, every prefix is first checked against the model's vocabulary (token ids
+    and .idx dtype, `data/token_stats.py`)."""
     blend = parse_data_path(data_path)
+    if vocab_size is not None:
+        check_vocabulary(blend.prefixes, vocab_size)
     config = GPTDatasetConfig(seq_length=seq_length, seed=seed, cache_dir=cache_dir)
     if len(blend.prefixes) == 1:
         return tuple(build_split_datasets(blend.prefixes[0], split, tuple(num_samples), config))

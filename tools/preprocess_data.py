@@ -31,6 +31,7 @@ import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from data.indexed import IndexedDatasetBuilder, IndexedDatasetError, merge_datasets, optimal_dtype  # noqa: E402
+from data.token_stats import stats_path, write_stats  # noqa: E402
 from data.text_sources import DEFAULT_TEXT_SUFFIXES, iter_records, parse_record, resolve_inputs  # noqa: E402
 from data.tokenizers import TokenizerError, build_tokenizer  # noqa: E402
 
@@ -221,12 +222,14 @@ def main(argv=None) -> int:
                                              desc="tokenizing", dynamic_ncols=True)
     t0 = time.perf_counter()
     builders: dict[str, IndexedDatasetBuilder] = {}
+    id_ranges: dict[str, list[int]] = {k: [] for k in final}
     try:
         for i, files in enumerate(groups):
             builders = {k: IndexedDatasetBuilder(part_prefixes[k][i] + ".bin", dtype=dtype) for k in final}
             _process_files(files, builders, args, pool, totals, bar, skipped_log)
             for k, b in builders.items():
                 b.finalize(part_prefixes[k][i] + ".idx")
+                id_ranges[k] += [x for x in (b.min_id, b.max_id) if x is not None]
             builders = {}
         if totals.docs == 0:
             raise IndexedDatasetError(
@@ -238,14 +241,19 @@ def main(argv=None) -> int:
                 for p in part_prefixes[k]:
                     os.remove(p + ".bin")
                     os.remove(p + ".idx")
+        made_with = dict(type=args.tokenizer_type, vocab_size=tokenizer.vocab_size,
+                         **{k: v for k, v in tok_kwargs.items() if k != "tokenizer_type"})
+        for k in final:  # the id range, so that training can check it against the model's vocabulary
+            write_stats(final[k], dtype, min(id_ranges[k], default=None), max(id_ranges[k], default=None),
+                        made_with)
     except BaseException as e:  # includes Ctrl-C and worker failures: clean up, then report
         for b in builders.values():
             b.abort()
         for k in final:  # never leave a half-written dataset that looks complete
             for p in part_prefixes[k] + [final[k]]:
-                for ext in (".bin", ".idx"):
-                    if os.path.exists(p + ext):
-                        os.remove(p + ext)
+                for path in (p + ".bin", p + ".idx", stats_path(p)):
+                    if os.path.exists(path):
+                        os.remove(path)
         if not isinstance(e, (MalformedRecord, IndexedDatasetError, KeyError, FileNotFoundError)):
             raise
         print(f"error: {e}", file=sys.stderr)
