@@ -32,7 +32,7 @@ from . import storage
 from .resume import TrainState, layout_of, load, save
 from .config import RunConfig
 from .data import TrainData, build_datasets, microbatches
-from .health import HealthConfig, HealthMonitor, Verdict
+from .health import HealthConfig, HealthMonitor, ProgressGuard, after_step
 from .journal import RunJournal
 from .log import RunLogger
 from .lr_schedule import global_batch_size, learning_rate
@@ -109,7 +109,7 @@ def pretrain(model_provider, run: RunConfig) -> TrainResult:
                     mcfg.num_parameters() / 1e6, layout_of(run, topo), peak, peak_source)
         logger.info("memory per rank (bytes): %s", opt.memory_report())
 
-    monitor, rollbacks, nan_injected = HealthMonitor(run.health), 0, False
+    monitor, guard, nan_injected = HealthMonitor(run.health), ProgressGuard(run.health), False
     sigterm, result = _SigtermFlag(), TrainResult(state, [], [], None)
     window = dict(loss=0.0, n=0, tokens=0, time=0.0, lag=0.0)
     # The first step of a (re)start pays one-off costs unevenly across ranks (connections,
@@ -133,21 +133,19 @@ def pretrain(model_provider, run: RunConfig) -> TrainResult:
             if verdict.healthy or run.health.policy == "warn":
                 with watchdog.collective("optimizer step (dp reduce, grad norm, all-gather)"):
                     step = opt.step(loss=loss)
-                if step.skipped and verdict.healthy:
-                    verdict = Verdict(False, "nonfinite", step.reason)
+                verdict = after_step(verdict, step.skipped, step.reason, opt.scaler.dynamic)
             else:  # skip / rollback: drop this step's update
                 opt.grad_sync.finish()
             opt.zero_grad()
             elapsed = time.perf_counter() - start
+            guard.count(step is not None and not step.skipped, it,
+                        verdict.detail or (step.reason if step else ""))
             if not verdict.healthy:
                 samples = data.physical_ranges(state.consumed_samples, batch)
                 _report_unhealthy(journal, topo, it, verdict, samples, run.health.policy)
                 if run.health.policy == "rollback":
-                    rollbacks += 1
-                    if rollbacks > run.health.max_rollbacks:
-                        raise RuntimeError(f"{rollbacks} rollbacks in one run (more than "
-                                           f"max_rollbacks={run.health.max_rollbacks}); stopping")
-                    state = _roll_back(run, topo, chunks, opt, rng, data, journal, it, samples)
+                    skip = guard.roll_back(it, samples)
+                    state = _roll_back(run, topo, chunks, opt, rng, data, journal, it, samples, skip)
                     result.state = state
                     continue
             else:
@@ -217,18 +215,21 @@ def _report_unhealthy(journal, topo, iteration, verdict, samples, policy) -> Non
                       samples=samples, policy=policy)
 
 
-def _roll_back(run, topo, chunks, opt, rng, data, journal, iteration, samples) -> TrainState:
-    """Reload the latest checkpoint, leave the offending samples out of the stream, carry on."""
+def _roll_back(run, topo, chunks, opt, rng, data, journal, iteration, samples, skip) -> TrainState:
+    """Reload the latest checkpoint and replay; samples that failed twice are left out."""
     source = dataclasses.replace(run, checkpoint=dataclasses.replace(
         run.checkpoint, load=run.checkpoint.save, finetune=False))
     state = load(source, topo, chunks, opt, rng)
-    data.skip(samples)
+    if skip:
+        data.skip(samples)
     data.restart(state.consumed_samples)
     if topo.rank == 0:
-        journal.event("skip_samples", iteration=iteration, ranges=samples)
-        journal.event("rollback", iteration=iteration, to_iteration=state.iteration, samples=samples)
-    logger.warning("rolled back from iteration %d to %d; samples %s will be skipped", iteration,
-                   state.iteration, samples)
+        if skip:
+            journal.event("skip_samples", iteration=iteration, ranges=samples)
+        journal.event("rollback", iteration=iteration, to_iteration=state.iteration, samples=samples,
+                      skipped=skip)
+    logger.warning("rolled back from iteration %d to %d; samples %s %s", iteration, state.iteration,
+                   samples, "failed again and will be skipped" if skip else "will be replayed once")
     return state
 
 
