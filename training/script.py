@@ -5,8 +5,13 @@ import logging
 import os
 import sys
 
+from data.token_stats import VocabularyMismatch
+
 from .arguments import ArgumentError, build_parser, to_run_config
+from .checkpointing import CheckpointError
+from .health import RunHalted
 from .loop import pretrain
+from .storage import SaveLockError
 
 
 def tokenizer_vocab_size(args) -> int | None:
@@ -27,7 +32,10 @@ def main(model_provider, default_model: str, argv=None):
         run = to_run_config(args, vocab_size=tokenizer_vocab_size(args))
     except (ArgumentError, ValueError) as e:
         sys.exit(f"error: {e}")
-    result = pretrain(model_provider, run)
+    try:
+        result = pretrain(model_provider, run)
+    except (CheckpointError, SaveLockError, RunHalted, VocabularyMismatch) as e:
+        sys.exit(f"error: {e}")  # a damaged checkpoint, a held --save, no progress, foreign data
     if result.checkpoint and int(os.environ.get("RANK", "0")) == 0:
         logging.getLogger("megazoo.train").info(
             "checkpoint: %s  (resume: add --load %s to the same command)", result.checkpoint,
