@@ -71,3 +71,34 @@ def test_samples_are_skipped_only_when_they_fail_twice(tmp_path, monkeypatch):
     rollbacks = [(e["iteration"], e["skipped"]) for e in events if e["kind"] == "rollback"]
     assert rollbacks == [(5, False), (5, True)]
     assert [e["ranges"] for e in events if e["kind"] == "skip_samples"] == [[[32, 40]]]
+
+
+def _frozen_worker(rank, run_dir):
+    import signal
+
+    import training.step as step
+    real, calls = step.mean_over_world, []
+
+    def freeze_inside(losses, topo):  # rank 1 arrives at iteration 3's loss all-reduce, then freezes
+        calls.append(1)
+        if rank == 1 and len(calls) == 3:
+            os.kill(os.getpid(), signal.SIGSTOP)
+        return real(losses, topo)
+    step.mean_over_world = freeze_inside
+    _pretrain(TINY + ["--train-iters", "5", "--collective-timeout", "3", "--tensorboard-dir", run_dir], 2)
+
+
+def test_a_sigstopped_rank_is_named_within_the_timeout(tmp_path):
+    import time
+
+    from tests.distributed import run_distributed
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"ranks \[0\] died"):
+        run_distributed(_frozen_worker, 2, str(tmp_path), timeout=120)
+    assert time.monotonic() - start < 45
+    hangs = [e for e in read_jsonl(os.path.join(tmp_path, "journal.jsonl")) if e["kind"] == "hang"]
+    assert hangs and hangs[0]["rank"] == 0, hangs
+    detail = hangs[0]["detail"]
+    assert "all_reduce(loss) over world timed out after 3 s on rank 0: ranks that did not arrive: " \
+           "none (all arrived); frozen ranks (no heartbeat for 1.5 s): [1] (rank 1: iteration 3, " \
+           "all_reduce(loss) over world)" in detail, detail

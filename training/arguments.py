@@ -111,8 +111,9 @@ def build_parser(default_model: str | None = None) -> argparse.ArgumentParser:
                         "checkpoint and skip the offending samples")
     g.add_argument("--spike-zscore", type=float, default=6.0)
     g.add_argument("--spike-window", type=int, default=50)
-    g.add_argument("--collective-timeout", type=float, default=0.0,
-                   help="seconds before a hung collective ends the job naming the missing ranks")
+    g.add_argument("--collective-timeout", type=float, default=HealthConfig.collective_timeout,
+                   help="seconds (default 5 minutes; 0: off) before a hung collective ends the job "
+                        "naming the ranks that did not arrive or froze")
     g.add_argument("--straggler-threshold", type=float, default=1.25)
     g.add_argument("--inject-nan-at-iteration", type=int, help="fault drill: NaN gradients once")
     g.add_argument("--inject-hang", nargs=3, type=float, metavar=("RANK", "ITERATION", "SECONDS"),

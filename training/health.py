@@ -33,7 +33,7 @@ class HealthConfig:
     spike_min_history: int = 10  # no spike verdicts before this many healthy losses
     max_rollbacks: int = 5  # give up (raise) after this many rollbacks in one run
     max_bad_steps: int = 20  # --max-bad-steps: consecutive non-finite or skipped steps -> stop
-    collective_timeout: float = 0.0  # --collective-timeout seconds; 0 disables the watchdog
+    collective_timeout: float = 300.0  # --collective-timeout seconds; 0 disables the watchdog
     straggler_threshold: float = 1.25  # --straggler-threshold: slow if step time > x * median
     inject_nan_at: int | None = None  # --inject-nan-at-iteration: fault drill, once
     inject_hang: tuple[int, int, float] | None = None  # --inject-hang RANK ITER SECONDS: drill

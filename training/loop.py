@@ -39,7 +39,7 @@ from .lr_schedule import global_batch_size, learning_rate
 from .metrics import device_peak_flops, model_flops_per_token, peak_memory_bytes
 from .report import write_report
 from .step import activation_shape, eval_step, forward_backward
-from .watchdog import CollectiveWatchdog
+from .watchdog import CollectiveWatchdog, backend_timeout
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ def build_chunks(model_provider, run: RunConfig, topo, rng):
 
 
 def pretrain(model_provider, run: RunConfig) -> TrainResult:
-    topo = initialize(run.parallel)
+    topo = initialize(run.parallel, timeout_s=backend_timeout(run.health.collective_timeout))
     rng = model_parallel_seed(run.seed, topo)
     chunks = build_chunks(model_provider, run, topo, rng)
     opt = build_optimizer(chunks, topo, run.optimizer)
@@ -118,6 +118,7 @@ def pretrain(model_provider, run: RunConfig) -> TrainResult:
     try:
         while state.iteration < sched.train_iters:
             it = state.iteration + 1  # the iteration this step makes
+            watchdog.at_iteration(it)
             step_begin, timings = time.perf_counter(), {}
             batch = global_batch_size(sched, state.consumed_samples)
             microbatch_list = data.next_global_batch(batch)
