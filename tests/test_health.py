@@ -73,15 +73,21 @@ def _hang_worker(rank, run_dir):
                       "--tensorboard-dir", run_dir], 2)
 
 
-def test_hung_collective_ends_the_job_naming_the_rank(tmp_path):
+def hang_detail(worker, run_dir) -> str:
+    """Run a 2-rank world that hangs; rank 0's watchdog must end it within 45 s: its message."""
     start = time.monotonic()
     with pytest.raises(RuntimeError, match=r"ranks \[0\] died"):
-        run_distributed(_hang_worker, 2, str(tmp_path), timeout=120)
+        run_distributed(worker, 2, str(run_dir), timeout=120)
     assert time.monotonic() - start < 45
-    hangs = [e for e in read_jsonl(os.path.join(tmp_path, "journal.jsonl")) if e["kind"] == "hang"]
-    assert hangs and hangs[0]["rank"] == 0
-    assert "all_reduce(loss) over world timed out after 3 s" in hangs[0]["detail"]
-    assert "ranks that did not arrive: [1]" in hangs[0]["detail"]
+    hangs = [e for e in read_jsonl(os.path.join(run_dir, "journal.jsonl")) if e["kind"] == "hang"]
+    assert hangs and hangs[0]["rank"] == 0, hangs
+    return hangs[0]["detail"]
+
+
+def test_hung_collective_ends_the_job_naming_the_rank(tmp_path):
+    detail = hang_detail(_hang_worker, tmp_path)
+    assert "all_reduce(loss) over world timed out after 3 s" in detail
+    assert "ranks that did not arrive: [1]" in detail
 
 
 def test_inspect_checkpoint_verifies_and_flags_truncation(tmp_path):

@@ -13,12 +13,12 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from training.checkpointing import (CheckpointError, VerifiedReader, read_meta, rank_file,  # noqa: E402
-                                    resolve, verify_folder)
+from training.checkpointing import CheckpointError, VerifiedReader, listed_files, read_meta, resolve  # noqa: E402
 
 
 def _shapes(path: str, verify: bool) -> tuple[dict, int]:
-    """name -> (dtype, shape) and total bytes; reads every tensor, so truncation cannot hide."""
+    """name -> (dtype, shape) and total bytes; reads every tensor, so truncation cannot hide, and
+    with `verify` checks each against its checksum (the first mismatch is raised)."""
     reader = VerifiedReader(path)
     if not verify:
         reader.table = None  # read everything, compare nothing
@@ -27,6 +27,8 @@ def _shapes(path: str, verify: bool) -> tuple[dict, int]:
         t = reader.get_tensor(name)
         shapes[name] = (str(t.dtype).removeprefix("torch."), tuple(t.shape))
         total += t.numel() * t.element_size()
+    if verify and reader.unlisted():
+        raise CheckpointError(f"{path}: tensor {reader.unlisted()[0]} is missing (the file was cut or edited)")
     return shapes, total
 
 
@@ -50,14 +52,17 @@ def main() -> int:
         "vocab_size", "hidden_size", "num_layers", "num_attention_heads", "ffn_hidden_size",
         "position_embedding", "params_dtype") if k in model))
     problems = []
-    files = meta.get("files") or [os.path.basename(rank_file(folder, r)) for r in range(meta.get("world_size", 1))]
-    for name in files:
-        path = os.path.join(folder, name)
+    files = listed_files(folder, meta)
+    for path in files:
+        name = os.path.basename(path)
         if not os.path.exists(path):
             problems.append(f"{path}: missing")
             continue
         try:
-            shapes, total = _shapes(path, verify=False)
+            shapes, total = _shapes(path, verify=args.verify)
+        except CheckpointError as e:  # names the file and, for a checksum, the tensor
+            problems.append(str(e))
+            continue
         except Exception as e:  # noqa: BLE001 - any failure to read is what we report
             problems.append(f"{path}: unreadable, corrupt or truncated ({type(e).__name__}: {e})")
             continue
@@ -67,8 +72,6 @@ def main() -> int:
         if args.tensors:
             for k, (dtype, shape) in sorted(shapes.items()):
                 print(f"    {k:60s} {dtype:9s} {shape}")
-    if args.verify and not problems:
-        problems = verify_folder(folder)
     if problems:
         for p in problems:
             print(f"PROBLEM {p}")

@@ -327,17 +327,21 @@ def load_rank_tensors(folder: str, rank: int) -> dict[str, torch.Tensor]:
     return {k: reader.get_tensor(k) for k in reader.keys()}
 
 
+def listed_files(folder: str, meta: dict) -> list[str]:
+    """Paths of the rank files a checkpoint's meta.json lists."""
+    names = meta.get("files") or [os.path.basename(rank_file(folder, r))
+                                  for r in range(meta.get("world_size", 1))]
+    return [os.path.join(folder, n) for n in names]
+
+
 def verify_folder(folder: str) -> list[str]:
     """Problems of a checkpoint folder (one line each; empty when every tensor verifies)."""
     try:
         meta = read_meta(folder)
     except CheckpointError as e:
         return [str(e)]
-    files = meta.get("files") or [os.path.basename(rank_file(folder, r))
-                                  for r in range(meta.get("world_size", 1))]
     problems = []
-    for name in files:
-        path = os.path.join(folder, name)
+    for path in listed_files(folder, meta):
         if not os.path.exists(path):
             problems.append(f"{path} is missing: the checkpoint is incomplete")
             continue
