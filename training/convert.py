@@ -25,10 +25,10 @@ from safetensors.torch import load_file, save_file
 
 from models.config import TransformerConfig
 from models.hf import family, model_class
-from parallel.pipeline.partition import rank_chunks
+from parallel.layout import virtual_stages
 
 from . import checkpointing as ckpt
-from .reshard import FullState, load_weights, read_full_state, virtual_chunks, write_layout
+from .reshard import FullState, load_weights, read_full_state, write_layout
 
 logger = logging.getLogger(__name__)
 
@@ -121,7 +121,8 @@ def import_hf(folder: str, save: str, *, tp: int = 1, pp: int = 1, vpp: int = 1,
               make_vocab_size_divisible_by: int | None = None) -> str:
     """Convert a Hugging Face folder into a weights-only megazoo checkpoint for (tp, pp, vpp)."""
     model_type, config, full = hf_to_full(folder)
-    vpp = virtual_chunks(config.num_layers, pp, vpp, layers_per_virtual_stage)
+    vpp = virtual_stages(config.num_layers, pp, layers_per_virtual_stage) \
+        if layers_per_virtual_stage else vpp
     if make_vocab_size_divisible_by:
         config = config.replace(make_vocab_size_divisible_by=make_vocab_size_divisible_by)
     module = family(model_type)
@@ -149,7 +150,7 @@ def load_model_chunks(folder: str, topo) -> tuple[TransformerConfig, list]:
     """This rank's model chunks for `topo` (eval mode), with a checkpoint's weights of any layout."""
     _, config, module = checkpoint_config(folder)
     chunks = [model_class(module)(config, topo, **spec.kwargs()).eval()
-              for spec in rank_chunks(config.num_layers, topo.pp, topo.vpp, topo.pp_rank)]
+              for spec in topo.config.chunk_specs(config.num_layers, topo.pp_rank)]
     load_weights(folder, chunks, topo)
     return config, chunks
 
