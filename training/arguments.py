@@ -10,7 +10,6 @@ import math
 import os
 
 from data.blended import check_blend
-
 from models.config import PRESETS, TransformerConfig, preset
 from parallel.layout import LayoutError, ParallelConfig, microbatches_per_step, virtual_stages
 from parallel.zero.config import LossScaleConfig, OptimizerConfig
