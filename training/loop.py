@@ -194,6 +194,7 @@ def pretrain(model_provider, run: RunConfig) -> TrainResult:
     finally:
         sigterm.restore()
         log.close()
+        watchdog.close()
         if lock is not None:
             lock.release()
     return result

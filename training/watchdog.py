@@ -58,9 +58,14 @@ class CollectiveWatchdog:
         self._armed: tuple[int, str, list[int], float] | None = None
         self._lock = threading.Lock()
         self.fired: str | None = None
+        self._stop = threading.Event()
         if self.enabled:
             threading.Thread(target=self._watch, name="collective-watchdog", daemon=True).start()
             threading.Thread(target=self._beat, name="heartbeat", daemon=True).start()
+
+    def close(self) -> None:
+        """Stop watching and beating (the run is over; a later run in this process has its own)."""
+        self._stop.set()
 
     def at_iteration(self, iteration: int) -> None:
         """The iteration this rank is working on (reported with its heartbeat)."""
@@ -90,12 +95,12 @@ class CollectiveWatchdog:
         self.store.set(f"heartbeat/{self.rank}", f"{next(self._beats)}|{self.iteration}|{phase}")
 
     def _beat(self) -> None:
-        while True:
+        while not self._stop.is_set():
             try:
                 self._beat_now()
             except Exception:  # noqa: BLE001 - the store is gone: the job is ending anyway
                 return
-            time.sleep(self.beat_s)
+            self._stop.wait(self.beat_s)
 
     def _heartbeats(self) -> dict[int, str | None]:
         beats = {}
@@ -118,8 +123,7 @@ class CollectiveWatchdog:
 
     def _watch(self) -> None:
         snapshot = None  # heartbeats at half the timeout of the collective now armed
-        while True:
-            time.sleep(min(0.2, self.timeout / 4))
+        while not self._stop.wait(min(0.2, self.timeout / 4)):
             with self._lock:
                 armed = self._armed
             waited = time.monotonic() - armed[3] if armed else 0.0
