@@ -157,11 +157,10 @@ def load_model_chunks(folder: str, topo) -> tuple[TransformerConfig, list]:
 
 def export_hf(load: str, save: str, *, tokenizer_dir: str | None = None) -> str:
     """Write a checkpoint (`--load` root or an iter_* folder) as a Hugging Face folder."""
-    folder = ckpt.resolve(load)
+    folder = ckpt.require_verified(ckpt.resolve(load))
     meta, config, module = checkpoint_config(folder)
-    zero3 = meta.get("layout", {}).get("zero_stage", 0) == 3  # weights live in the optimizer
-    full = read_full_state(folder, optimizer=zero3)
-    sd = module.to_hf_state_dict(full.weights, config)
+    full = read_full_state(folder)  # the fp32 masters when present: the copy a resume continues
+    sd = module.to_hf_state_dict({**full.weights, **full.master}, config)
     hf = module.hf_config(config)
     recorded = meta.get("hf_config") or {}
     for k in TOKEN_IDS:  # keep the imported model's special tokens; drop ids outside the vocab
