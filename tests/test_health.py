@@ -19,7 +19,6 @@ from training.journal import read_jsonl
 def test_monitor_flags_nonfinite_and_spikes():
     m = HealthMonitor(HealthConfig(spike_zscore=6.0, spike_window=20))
     assert m.check(float("nan")).kind == "nonfinite"
-    assert m.check(2.0, grad_norm=float("inf")).kind == "nonfinite"
     for i in range(20):
         loss = 3.0 - 0.01 * i + 0.02 * math.sin(i)
         assert m.check(loss).healthy

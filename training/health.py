@@ -57,11 +57,11 @@ class HealthMonitor:
         self.cfg = cfg
         self.history: deque[float] = deque(maxlen=cfg.spike_window)
 
-    def check(self, loss: float, grad_norm: float | None = None) -> Verdict:
+    def check(self, loss: float) -> Verdict:
+        """The verdict on a step's loss, before its update (a non-finite gradient norm is the
+        optimizer's to find: it skips the step, and `after_step` turns that into a verdict)."""
         if not math.isfinite(loss):
             return Verdict(False, "nonfinite", f"loss is {loss}")
-        if grad_norm is not None and not math.isfinite(grad_norm):
-            return Verdict(False, "nonfinite", f"gradient norm is {grad_norm}")
         z = self.zscore(loss)
         if self.cfg.spike_zscore > 0 and z is not None and z > self.cfg.spike_zscore:
             return Verdict(False, "spike", f"loss {loss:.4f} has robust z-score {z:.1f} over the last "
