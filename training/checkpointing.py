@@ -135,12 +135,20 @@ def begin_offline(root: str, iteration: int) -> str:
     return tmp
 
 
+def honour_umask(path: str) -> None:
+    """safetensors creates its files 0600; give them the mode open() would (0644 under umask 022)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
+
+
 def write_rank_file(tmp: str, rank: int, tensors: dict[str, torch.Tensor]) -> None:
     """One rank's tensors, with their checksums in the file's header, flushed to disk."""
     path = rank_file(tmp, rank)
     cpu = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
     try:
         save_file(cpu, path, metadata=integrity.header(cpu))
+        honour_umask(path)
         with open(path, "rb+") as f:
             os.fsync(f.fileno())
     except OSError as e:

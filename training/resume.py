@@ -84,7 +84,8 @@ def load(run: RunConfig, topo, chunks, opt, rng) -> TrainState:
     """
     folders = ckpt.candidates(run.checkpoint.load)
     if not folders:
-        if ckpt.latest_checkpoint(run.checkpoint.load) is None:  # raises on a dangling 'latest'
+        if ckpt.latest_checkpoint(run.checkpoint.load) is None and topo.rank == 0:
+            # (latest_checkpoint raises on a dangling 'latest')
             logger.warning("--load %s holds no checkpoint yet ('latest' missing); starting from "
                            "scratch", run.checkpoint.load)
         return TrainState()
@@ -115,6 +116,7 @@ def _read(run: RunConfig, topo, chunks, opt, folder: str):
     meta = ckpt.read_meta(folder)
     ckpt.check_compatible(meta, model=dataclasses.asdict(run.model), folder=folder)
     finetune = run.checkpoint.finetune
+    weights_only = finetune or not run.checkpoint.load_optim  # --no-load-optim keeps the progress
     saved_seq = meta.get("seq_length")
     if not finetune and saved_seq is not None and saved_seq != run.data.seq_length:
         raise ckpt.CheckpointError(
@@ -123,9 +125,9 @@ def _read(run: RunConfig, topo, chunks, opt, folder: str):
             f"--finetune to start a new data stream from these weights")
     same_layout = meta.get("layout") == layout_of(run, topo)
     tensors = ckpt.load_rank_tensors(folder, topo.rank) if same_layout else {}
-    if same_layout and not finetune and _same_buckets(tensors, opt):
+    if same_layout and not weights_only and _same_buckets(tensors, opt):
         return meta, tensors
-    if meta.get("weights_only") and not finetune:
+    if meta.get("weights_only") and not weights_only:
         raise ckpt.CheckpointError(f"{folder} holds weights only (an imported model); add "
                                    f"--finetune to start training from it")
     names = {row[2] for row in reshard.param_table(chunks)}
@@ -134,6 +136,7 @@ def _read(run: RunConfig, topo, chunks, opt, folder: str):
 
 def _apply(run: RunConfig, topo, chunks, opt, rng, folder: str, meta: dict, source) -> TrainState:
     finetune = run.checkpoint.finetune
+    weights_only = finetune or not run.checkpoint.load_optim
     if isinstance(source, dict):
         tensors = source
         with torch.no_grad():
@@ -147,13 +150,15 @@ def _apply(run: RunConfig, topo, chunks, opt, rng, folder: str, meta: dict, sour
     else:
         tensors, full = source
         logger.info("loading %s (layout %s) into layout %s through full tensors%s", folder,
-                    meta.get("layout"), layout_of(run, topo), " (weights only)" if finetune else "")
-        reshard.load_into(full, chunks, opt, topo, weights_only=finetune, folder=folder)
+                    meta.get("layout"), layout_of(run, topo), " (weights only)" if weights_only else "")
+        reshard.load_into(full, chunks, opt, topo, weights_only=weights_only, folder=folder)
     if finetune:
         logger.info("fine-tuning from %s: weights only, iteration and optimizer reset", folder)
         return TrainState()
     rng_states = {k[len("rng."):]: v for k, v in tensors.items() if k.startswith("rng.")}
-    if rng_states:
+    if not run.checkpoint.load_rng:
+        logger.info("RNG streams not restored (--no-load-rng): seeded from --seed")
+    elif rng_states:
         rng.set_states(rng_states)
     else:
         logger.info("RNG streams not restored: the checkpoint's layout differs from this run's")
