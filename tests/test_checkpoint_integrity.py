@@ -13,6 +13,7 @@ import torch
 
 import training.checkpointing as ckpt
 from tests.distributed import run_distributed
+from tests.test_health_progress import one_thread  # noqa: F401 - autouse: in-process runs, 1 thread
 from tests.test_training import REPO, TINY, _pretrain
 from training import storage
 

@@ -11,9 +11,8 @@ import pytest
 from data import long_documents
 from data.indexed import IndexedDataset, IndexedDatasetBuilder
 from data.long_documents import safe_slices
-from tests.test_data_preprocess import GPT2, ROOT, _load_tool, preprocess, read_docs, write_jsonl
-
-pytestmark = pytest.mark.skipif(not GPT2.is_dir(), reason="../shared/data/tokenizers not present")
+from tests.fixtures import GPT2, SENTENCEPIECE_MODELS
+from tests.test_data_preprocess import _load_tool, preprocess, read_docs, write_jsonl
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +52,7 @@ def test_a_long_document_is_tokenized_in_slices(tmp_path, tok, monkeypatch):
 
 
 def test_unsliceable_tokenizer_refuses_a_too_long_document(tmp_path):
-    sp = GPT2.parent / "sentencepiece" / "botchan_en_bpe_1000.model"
+    sp = next(m for m in SENTENCEPIECE_MODELS if m.name == "botchan_en_bpe_1000.model")
     write_jsonl(tmp_path / "c.jsonl", ["short", "x " * 600, "fine"])
     argv = ["--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", str(sp), "--no-progress",
             "--input", str(tmp_path / "c.jsonl"), "--output-prefix", str(tmp_path / "o"),

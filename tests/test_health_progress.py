@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-import training.loop as loop
+import training.trainer as trainer
 from tests.test_training import TINY, _pretrain
 from training.health import RunHalted
 from training.journal import read_jsonl
@@ -34,13 +34,13 @@ def test_fp16_rollback_over_200_iterations_never_rolls_back(tmp_path):
 
 def _poisoning(monkeypatch, when):
     """forward_backward with NaN gradients whenever `when(call number, microbatches)` says so."""
-    real, calls = loop.forward_backward, []
+    real, calls = trainer.forward_backward, []
 
     def fb(chunks, microbatches, *a, **kw):
         calls.append(microbatches[0]["tokens"].clone())
         kw["poison"] = kw.get("poison") or when(len(calls), microbatches, calls)
         return real(chunks, microbatches, *a, **kw)
-    monkeypatch.setattr(loop, "forward_backward", fb)
+    monkeypatch.setattr(trainer, "forward_backward", fb)
 
 
 @pytest.mark.parametrize("policy", ["warn", "skip"])
