@@ -73,16 +73,24 @@ def backward_through(output: torch.Tensor, grad: torch.Tensor) -> None:
         (output,), (grad,), False, False, (), True, True)
 
 
-class _SavedBytes:
+def _storage_id(t: torch.Tensor) -> int:
+    """Identity of the storage a tensor views (shared by all views of one allocation)."""
+    return t.untyped_storage()._cdata  # noqa: SLF001 - the StorageImpl, stable across views
+
+
+class SavedBytes:
     """Counts bytes autograd saves during a forward, skipping the parameters (shared, not
-    activations), so the engine can report the activation memory it keeps alive."""
+    activations), so the engine can report the activation memory it keeps alive.
+
+    Storages are told apart by their identity, not their address: `meta` tensors (the dry run,
+    tools/dry_run.py) and released ZeRO-3 buckets all have address 0."""
 
     def __init__(self, chunks: list[nn.Module]):
-        self.param_ptrs = {p.untyped_storage().data_ptr() for c in chunks for p in c.parameters()}
+        self.param_storages = {_storage_id(p) for c in chunks for p in c.parameters()}
         self.total = 0
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
-        if t.untyped_storage().data_ptr() not in self.param_ptrs:
+        if _storage_id(t) not in self.param_storages:
             self.total += t.numel() * t.element_size()
         return t
 
@@ -106,7 +114,7 @@ class _Runner:
         self.losses: dict = {}  # mb -> detached loss (last stage only)
         self.forward_only = False  # set by run(): evaluation keeps no graph and no outputs
         self.live_bytes = 0
-        self.saved = _SavedBytes(chunks)
+        self.saved = SavedBytes(chunks)
 
     def stage(self, chunk: int) -> int:
         return chunk * self.pp + self.topo.pp_rank
