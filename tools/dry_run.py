@@ -69,6 +69,7 @@ class RankReport:
     predicted_activations: float  # planner
     checkpoint: dict  # file name, tensors, bytes
     groups: dict  # kind -> list of global ranks
+    inconsistent: list  # groups some member sees differently (none expected)
     seconds: dict = field(default_factory=dict)  # groups / build / step
 
 
@@ -135,6 +136,13 @@ def chosen_ranks(spec: str, grid: Grid) -> list[int]:
             raise ArgumentError(f"--ranks: rank {r} is outside the world of {world} ranks")
         out.append(r)
     return list(dict.fromkeys(out))
+
+
+def inconsistent_groups(grid: Grid, groups: dict) -> list[str]:
+    """Groups (as the topology built them) that some member would see differently: each member's
+    own groups are derived from its coordinates alone (`Grid.groups_of`), another code path."""
+    return [f"{kind} {ranks}: rank {m} sees {grid.groups_of(m)[kind]}"
+            for kind, ranks in groups.items() for m in ranks if grid.groups_of(m)[kind] != ranks]
 
 
 # ---- one rank ----------------------------------------------------------------------------------
@@ -221,7 +229,9 @@ def dry_run_rank(run, world_size: int, rank: int, provider, step_microbatches: i
                                                            pp_rank=topo.pp_rank),
             checkpoint=dict(file=os.path.basename(rank_file("", rank)), tensors=len(tensors),
                             bytes=safetensors_bytes(tensors)),
-            groups=dict(topo.group_ranks), seconds=seconds)
+            groups=dict(topo.group_ranks), inconsistent=inconsistent_groups(topo.grid,
+                                                                            topo.group_ranks),
+            seconds=seconds)
 
 
 def _microbatches_to_peak(schedule: str, topo, m: int, bound: int) -> int:
@@ -253,20 +263,40 @@ class _FusedAttentionShapes(torch.autograd.Function):
         return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), None
 
 
+class _DropoutShapes(torch.autograd.Function):
+    """Dropout keeps a 1-byte mask on CPUs and GPUs; on meta it would keep one in the input's
+    dtype."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(torch.empty(x.shape, dtype=torch.bool, device=x.device))
+        return torch.empty_like(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return torch.empty_like(grad)
+
+
 @contextlib.contextmanager
 def _fused_attention_on_meta():
-    """Meta-tensor attention goes through `_FusedAttentionShapes` (forward and recompute)."""
-    sdpa = F.scaled_dot_product_attention
+    """Meta-tensor attention and dropout keep what the device kernels keep (forward and
+    recompute): `_FusedAttentionShapes`, `_DropoutShapes`."""
+    sdpa, dropout = F.scaled_dot_product_attention, F.dropout
 
     def attention(q, k, v, attn_mask=None, **kwargs):
         if q.is_meta:
             return _FusedAttentionShapes.apply(q, k, v, attn_mask)
         return sdpa(q, k, v, attn_mask=attn_mask, **kwargs)
-    F.scaled_dot_product_attention = attention
+
+    def drop(x, p=0.5, training=True, inplace=False):
+        if x.is_meta and training and p > 0:
+            return _DropoutShapes.apply(x)
+        return dropout(x, p, training, inplace)
+    F.scaled_dot_product_attention, F.dropout = attention, drop
     try:
         yield
     finally:
-        F.scaled_dot_product_attention = sdpa
+        F.scaled_dot_product_attention, F.dropout = sdpa, dropout
 
 
 def _recompute_working_bytes(run, topo, chunks) -> int:
@@ -342,7 +372,9 @@ def rank_text(r: RankReport) -> str:
         f"  checkpoint  {r.checkpoint['file']}: {r.checkpoint['tensors']} tensors, "
         f"{r.checkpoint['bytes']:,} bytes ({_gib(r.checkpoint['bytes'])})",
         "  groups      " + "; ".join(f"{k} {ranks_text(v)}" for k, v in r.groups.items()
-                                     if len(v) > 1),
+                                     if len(v) > 1)
+        + ("; the same on every member" if not r.inconsistent else
+           f"; INCONSISTENT: {r.inconsistent[:3]}"),
         "  seconds     " + ", ".join(f"{k} {v:.2f}" for k, v in r.seconds.items()),
     ]
     return "\n".join(lines)

@@ -83,14 +83,19 @@ class SavedBytes:
     activations), so the engine can report the activation memory it keeps alive.
 
     Storages are told apart by their identity, not their address: `meta` tensors (the dry run,
-    tools/dry_run.py) and released ZeRO-3 buckets all have address 0."""
+    tools/dry_run.py) and released ZeRO-3 buckets all have address 0. A tensor saved twice
+    (RMSNorm's fp32 input, by both its square and its product) counts once."""
 
     def __init__(self, chunks: list[nn.Module]):
         self.param_storages = {_storage_id(p) for c in chunks for p in c.parameters()}
         self.total = 0
+        self.seen: set = set()  # views saved so far in this forward (alive: autograd holds them)
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
-        if _storage_id(t) not in self.param_storages:
+        sid = _storage_id(t)
+        view = (sid, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+        if sid not in self.param_storages and view not in self.seen:
+            self.seen.add(view)
             self.total += t.numel() * t.element_size()
         return t
 
@@ -126,7 +131,7 @@ class _Runner:
     def forward(self, op: Forward) -> None:
         key = (op.mb, op.chunk)
         inp = self.inputs.pop(key, None) if self.forward_only else self.inputs.get(key)
-        before = self.saved.total
+        before, self.saved.seen = self.saved.total, set()
         with torch.autograd.graph.saved_tensors_hooks(self.saved.pack, self.saved.unpack), \
                 torch.set_grad_enabled(not self.forward_only):
             out = self.forward_fn(self.chunks[op.chunk], inp, self.microbatches[op.mb])
