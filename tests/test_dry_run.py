@@ -98,3 +98,16 @@ def test_command_line_prints_and_refuses(capsys):
     with pytest.raises(SystemExit):
         D.main(["--model", "gpt2", "--world-size", "6", "--tensor-model-parallel-size", "4"])
     assert "not divisible" in capsys.readouterr().err
+
+
+def test_gpu_check_refuses_without_cuda():
+    import subprocess
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present: bench/gpu_check.sh runs for real there")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run(["bash", os.path.join(root, "bench", "gpu_check.sh"), "--skip-step"],
+                          capture_output=True, text=True, timeout=120, env=dict(os.environ,
+                                                                               PYTHONPATH=root))
+    assert done.returncode == 1 and done.stdout == ""
+    assert done.stderr.strip().endswith("python -m pytest -q tests")
+    assert "no CUDA device here" in done.stderr and "Traceback" not in done.stderr
