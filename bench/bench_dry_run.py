@@ -2,12 +2,14 @@
 sizes, and how group construction and a one-rank dry run scale with the world size.
 
     python bench/bench_dry_run.py            # the table in docs/planner.md, bench/results/dry_run.json
+    python bench/bench_dry_run.py --table    # the tables again, from the JSON
 
 Per layout: the first, a middle and the last rank with one training step's schedule, and one rank
 per pipeline stage (built, not stepped) for the distinct parameter count.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -59,10 +61,17 @@ def scaling() -> list[dict]:
         flags = [f for f in base.flags]
         flags[flags.index("--global-batch-size") + 1] = str(world // 128 * 32)
         _, run = D.parse(["--world-size", str(world), *flags])
-        t = time.perf_counter()
-        r = D.dry_run_rank(run, world, world - 1, D.model_provider(run, None))
-        out.append(dict(world=world, groups=r.seconds["groups"], build=r.seconds["build"],
-                        step=r.seconds["step"], total=time.perf_counter() - t))
+        groups = {tuple(g) for gs in run.parallel.grid(world).groups().values() for g in gs
+                  if len(g) > 1}
+        best = None
+        for _ in range(3):  # the machine is shared: the fastest of three
+            t = time.perf_counter()
+            r = D.dry_run_rank(run, world, world - 1, D.model_provider(run, None))
+            row = dict(world=world, process_groups=len(groups), groups=r.seconds["groups"],
+                       build=r.seconds["build"], step=r.seconds["step"],
+                       total=time.perf_counter() - t)
+            best = row if best is None or row["total"] < best["total"] else best
+        out.append(best)
         print(out[-1], flush=True)
     return out
 
@@ -89,17 +98,23 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main():
-    results = [run_layout(layout) for layout in published_layouts()]
-    scale = scaling()
-    os.makedirs(os.path.dirname(OUT), exist_ok=True)
-    with open(OUT, "w") as f:
-        json.dump(dict(layouts=results, scaling=scale), f, indent=1)
-    print(table(results))
-    print("| world | groups s | build s | step s | total s |\n|---|---|---|---|---|")
-    for s in scale:
-        print(f"| {s['world']} | {s['groups']:.2f} | {s['build']:.2f} | {s['step']:.2f} | "
-              f"{s['total']:.2f} |")
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--table", action="store_true", help="print the tables from the JSON only")
+    if not p.parse_args(argv).table:
+        results = [run_layout(layout) for layout in published_layouts()]
+        scale = scaling()
+        os.makedirs(os.path.dirname(OUT), exist_ok=True)
+        with open(OUT, "w") as f:
+            json.dump(dict(layouts=results, scaling=scale), f, indent=1)
+    with open(OUT) as f:
+        saved = json.load(f)
+    print(table(saved["layouts"]))
+    print("\n| world | process groups | groups s | build s | step s | one rank, total s |\n"
+          "|---|---|---|---|---|---|")
+    for s in saved["scaling"]:
+        print(f"| {s['world']} | {s['process_groups']:,} | {s['groups']:.2f} | {s['build']:.2f} | "
+              f"{s['step']:.2f} | {s['total']:.2f} |")
 
 
 if __name__ == "__main__":
