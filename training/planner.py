@@ -11,8 +11,9 @@ large untied/copied head and fewer activations):
   ZeRO over N = dp ranks: stage 0 w+g+k, 1 w+g+k/N, 2 w+(g+k)/N, 3 (w+g+k)/N (Rajbhandari et al.
   2020: with g=2, k=12, stage 1 is 4P + 12P/N, stage 2 2P + 14P/N, stage 3 16P/N).
 * activations per layer and microbatch: Korthikanti et al. 2022's per-tensor count, redone for
-  what megazoo saves (`layer_activation_bytes`). Under 1F1B the first stage holds min(pp, m)
-  microbatches of its L/pp layers (L*(1 + (p-1)/(p*v)) layer-microbatches when interleaved); the
+  what megazoo saves (`layer_activation_bytes`), for each rank's layers of the trainer's partition
+  and the (microbatch, chunk) pairs its schedule keeps alive (`activation_bound`: under 1F1B
+  min(pp, m) microbatches on the first stage, L*(1 + (p-1)/(p*v)) layer-microbatches interleaved); the
   last stage adds what the fused LM head saves, mainly the gradient of the logits, s*b*V/t.
   Not modelled: allocator caching/fragmentation, communication buffers, framework workspace.
 
@@ -152,24 +153,19 @@ class PlanError(ValueError):
 # ---- parameter counts ------------------------------------------------------------------------
 
 def stage_name(pp_rank: int, pp: int) -> str:
-    """"only" (no pipeline), "first", "last" or "middle": what a pipeline rank holds besides
-    its layers (the embedding, the final norm and head)."""
-    if pp == 1:
-        return "only"
-    return "first" if pp_rank == 0 else "last" if pp_rank == pp - 1 else "middle"
+    """"only", "first", "middle" or "last": what a pipeline rank holds besides its layers."""
+    return "only" if pp == 1 else "first" if pp_rank == 0 else \
+        "last" if pp_rank == pp - 1 else "middle"
 
 
 def _stage_rank(stage: str, pp: int, pp_rank: int | None) -> int:
-    if pp_rank is not None:
-        return pp_rank
-    if stage == "middle":
+    if pp_rank is None and stage == "middle":
         raise PlanError("a middle pipeline stage needs its pp_rank")
-    return pp - 1 if stage == "last" else 0
+    return pp_rank if pp_rank is not None else pp - 1 if stage == "last" else 0
 
 
 def rank_layers(cfg: TransformerConfig, layout: "Layout", pp_rank: int) -> int:
-    """Transformer layers pipeline rank `pp_rank` holds over its virtual chunks: the trainer's
-    partition (uneven with --decoder-first/last-pipeline-num-layers)."""
+    """Layers pipeline rank `pp_rank` holds over its chunks, as the trainer partitions them."""
     sizes = layout.parallel_config().layers_per_block(cfg.num_layers)
     return sum(sizes[pp_rank::layout.pp])
 
@@ -232,8 +228,8 @@ def layer_activation_bytes(cfg: TransformerConfig, layout: Layout) -> tuple[floa
                       attention dropout); none with flash attention or selective recompute
       MLP             2ef/(ht) GELU (its input, fc2's); 4ef/(ht) SwiGLU (gate, up, silu, fc2's)
       dropout masks   2/u    1-byte masks after attention and MLP, when hidden_dropout > 0
-      ALiBi bias      e*a*s/(h*t*b) (per s*b*h): with flash attention the kernel keeps the [1, a/t, s, s]
-                      additive bias it was given (BLOOM), shared by the microbatch's sequences
+      ALiBi bias      e*a*s/(h*t*b): with flash attention the kernel keeps the additive bias
+                      [1, a/t, s, s] it was given (BLOOM), shared by the microbatch's sequences
     In Korthikanti's setting (f = 4h) this is their 34 + 5as/h, and 10 + 24/t + 5as/(ht) with
     TP, and their (34 + 5as/h)/t with SP. Per-token vectors (norm
     statistics, log-sum-exp) are left out. Full recompute keeps each layer's input, e*s*b*h/u,
@@ -252,8 +248,8 @@ def layer_activation_bytes(cfg: TransformerConfig, layout: Layout) -> tuple[floa
     mlp = e * (4 if cfg.activation == "swiglu" else 2) * cfg.ffn_hidden_size / (h * t)
     masks = 2 / u if cfg.hidden_dropout > 0 else 0.0
     # A fused kernel given ALiBi's additive bias [1, a/t, s, s] keeps it (one per microbatch).
-    alibi = e * a / t * s / b if flash and cfg.position_embedding == "alibi" else 0.0
-    full = s * b * h * (2 * norm / u + 2 * e / u + qkv + attn_out + scores + mlp + masks + alibi / h)
+    alibi = e * a * s / (h * t * b) if flash and cfg.position_embedding == "alibi" else 0.0
+    full = s * b * h * (2 * norm / u + 2 * e / u + qkv + attn_out + scores + mlp + masks + alibi)
     if layout.recompute == "full":
         return e * s * b * h / u, full
     return full, 0.0
@@ -267,9 +263,7 @@ def pipeline_schedule(layout: Layout) -> str:
 def activation_bytes(cfg: TransformerConfig, layout: Layout, stage: str,
                      pp_rank: int | None = None) -> float:
     """Activation bytes one rank of `stage` keeps at its peak: its layers' for the (microbatch,
-    chunk) pairs in flight (`activation_bound` of the schedule: min(pp, m) microbatches of L/pp
-    layers on the first stage under 1F1B, L*(1 + (p-1)/(p*v)) layer-microbatches interleaved);
-    on the first stage per microbatch in flight the token ids (int64), the embedding
+    chunk) pairs its schedule keeps alive (`activation_bound`); on the first stage per microbatch in flight the token ids (int64), the embedding
     LayerNorm's input (e*s*b*h, BLOOM) and dropout mask (s*b*h/u); on the last the final norm's
     input (n*s*b*h/u) and what the fused head saves (parallel/fused_cross_entropy.py): its input
     after the SP gather (e*s*b*h, whole) and the gradient of the logits, s*b*V/t elements in the
