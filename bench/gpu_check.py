@@ -170,12 +170,12 @@ def check_generation(dev) -> str:
 # ---- 2. a bf16 training step of gpt-1.3b -----------------------------------------------------
 
 def train_step(dev, compile_layers: bool, micro_batch: int, steps: int, model_name="gpt-1.3b",
-               seq: int = 2048) -> dict:
+               seq: int = 2048, peak_flops: float | None = None) -> dict:
     from models.config import preset
     from models.gpt import GPTModel
     from parallel.topology import ParallelTopology
     from parallel.zero import OptimizerConfig, build_optimizer
-    from training.metrics import device_peak_flops
+    from training.metrics import device_peak_flops, mfu as model_flops_utilisation
     from training.planner import Layout, memory_per_gpu
     from training.step import activation_shape, forward_backward
     cuda = dev.type == "cuda"
@@ -206,9 +206,10 @@ def train_step(dev, compile_layers: bool, micro_batch: int, steps: int, model_na
         if i >= 2:
             times.append(time.perf_counter() - t)
     step = sorted(times)[len(times) // 2]
-    peak, source = device_peak_flops(dev)
+    peak, source = device_peak_flops(dev, peak_flops, precision="bf16")
     tokens_per_s = micro_batch * seq / step
-    mfu = cfg.model_flops_per_token(seq) * tokens_per_s / peak if peak else float("nan")
+    mfu = model_flops_utilisation(cfg.model_flops_per_token(seq) * tokens_per_s, peak) \
+        if peak else float("nan")
     planned = memory_per_gpu(cfg, Layout(micro_batch=micro_batch, global_batch=micro_batch,
                                          seq_length=seq, precision="bf16", flash_attention=True))
     return dict(compile=compile_layers, micro_batch=micro_batch, seq=seq, step_s=step,
@@ -225,6 +226,8 @@ def main(argv=None) -> dict:
     p.add_argument("--skip-step", action="store_true", help="correctness checks only")
     p.add_argument("--micro-batch-size", type=int, default=4)
     p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--peak-flops", type=float, help="bf16 peak FLOP/s of a GPU not in "
+                   "training/metrics.py's table")
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "gpu_check.json"))
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -251,7 +254,8 @@ def main(argv=None) -> dict:
     torch.backends.cuda.matmul.allow_tf32 = True
     if not args.skip_step:
         for compile_layers in (False, True):
-            r = train_step(dev, compile_layers, args.micro_batch_size, args.steps)
+            r = train_step(dev, compile_layers, args.micro_batch_size, args.steps,
+                           peak_flops=args.peak_flops)
             report["train_step"].append(r)
             print(f"gpt-1.3b bf16 seq {r['seq']} mbs {r['micro_batch']} compile "
                   f"{'on ' if compile_layers else 'off'}: {r['step_s'] * 1e3:.0f} ms/step, "

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from parallel.random import RNGStreams
+from parallel.random import RNGStreams, checkpoint
 from parallel.tensor_parallel import ColumnParallelLinear, GroupedLayout, RowParallelLinear
 from parallel.topology import ParallelTopology
 
@@ -82,6 +82,8 @@ class ParallelAttention(nn.Module):
         self.groups_local = max(groups // topo.tp, 1)  # 1 when KV heads are replicated
         self.q_per_group_local = self.heads_local // self.groups_local
         self.dropout, self.rng = config.attention_dropout, rng
+        # --recompute-granularity selective: the core is recomputed in backward (models/recompute.py)
+        self.recompute_core = config.recompute_granularity == "selective"
         per_group = heads // groups
         # Multi-head attention keeps plain contiguous shards (GPT and BLOOM checkpoints as before).
         layout = None if groups == heads else GroupedLayout(groups, per_group * d, 2 * d)
@@ -96,6 +98,15 @@ class ParallelAttention(nn.Module):
                                  alibi_slopes(heads)[first:first + self.heads_local], persistent=False)
         else:
             self.alibi_slopes = None
+
+    def core_attention(self, q, k, v, mask) -> torch.Tensor:
+        """softmax(QK^T / sqrt(d) + mask) V with attention dropout: [b, heads, s, d] each."""
+        p = self.dropout if self.training else 0.0
+        # Heads differ per TP rank, so attention dropout draws from the tensor-parallel stream.
+        with self.rng.fork() if (self.rng is not None and p > 0) else contextlib.nullcontext():
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p,
+                                                  is_causal=mask is None,
+                                                  enable_gqa=self.q_per_group_local > 1)
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
         qkv = self.qkv(x)  # [s, b, local (q, k, v) features], full sequence even under SP
@@ -115,10 +126,9 @@ class ParallelAttention(nn.Module):
             # 4-D [1, heads, q, k]: the shape SDPA's fused CPU kernel takes (a 3-D mask falls
             # back to the unfused math path, 1.5x slower here)
             mask = causal_bias(self.alibi_slopes, s, k.shape[2], q.dtype, q.device)[None]
-        p = self.dropout if self.training else 0.0
-        # Heads differ per TP rank, so attention dropout draws from the tensor-parallel stream.
-        with self.rng.fork() if (self.rng is not None and p > 0) else contextlib.nullcontext():
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p,
-                                                 is_causal=mask is None, enable_gqa=qg > 1)
+        if self.recompute_core and self.training and torch.is_grad_enabled():
+            out = checkpoint(self.core_attention, self.rng, q, k, v, mask)
+        else:
+            out = self.core_attention(q, k, v, mask)
         out = out.permute(2, 0, 1, 3).reshape(s, b, self.heads_local * d)
         return self.dense(out)

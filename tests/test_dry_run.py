@@ -93,11 +93,14 @@ def test_command_line_prints_and_refuses(capsys):
     assert "distinct parameters over every pipeline stage: 67,736,832 (the model: 67,736,832" in out
     for r in reports:
         _check_rank(r)
-    with pytest.raises(SystemExit, match="rank 9 is outside the world of 8"):
-        D.main(["--model", "gpt2", "--world-size", "8", "--ranks", "first,9"])
-    with pytest.raises(SystemExit):
-        D.main(["--model", "gpt2", "--world-size", "6", "--tensor-model-parallel-size", "4"])
-    assert "not divisible" in capsys.readouterr().err
+    for argv, message in ((["--ranks", "first,9"], "rank 9 is outside the world of 8"),
+                          (["--tensor-model-parallel-size", "3"], "world size 8 is not divisible"),
+                          (["--no-such-flag"], "unrecognized arguments: --no-such-flag")):
+        with pytest.raises(SystemExit) as done:
+            D.main(["--model", "gpt2", "--world-size", "8", *argv])
+        err = capsys.readouterr().err
+        assert done.value.code == 2 and err.startswith("error: ") and message in err, err
+        assert err.count("\n") == 1
 
 
 def test_gpu_check_refuses_without_cuda():

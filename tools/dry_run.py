@@ -151,14 +151,18 @@ def parse(argv=None):
                         "schedule's activation peak on the rank)")
     g.add_argument("--no-step", action="store_true", help="build only; skip the training step")
     p.set_defaults(train_iters=1, mock_data=True)
-    args = p.parse_args(argv)
-    if args.world_size < 1:
-        p.error("--world-size must be >= 1")
     try:
-        run = to_run_config(args, world_size=args.world_size)
-    except (ArgumentError, ValueError) as e:
-        p.error(str(e))
-    return args, run
+        args = p.parse_args(argv)
+        if args.world_size < 1:
+            raise ArgumentError(f"--world-size must be >= 1, got {args.world_size}")
+        return args, to_run_config(args, world_size=args.world_size)
+    except ValueError as e:  # ArgumentError, LayoutError: one line, as the training scripts
+        _fail(str(e))
+
+
+def _fail(message: str):
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    sys.exit(2)
 
 
 def main(argv=None) -> list[RankReport]:
@@ -167,7 +171,7 @@ def main(argv=None) -> list[RankReport]:
     try:
         ranks = chosen_ranks(str(args.rank) if args.rank is not None else args.ranks, grid)
     except ArgumentError as e:
-        sys.exit(f"error: {e}")
+        _fail(str(e))
     provider = model_provider(run, args.arch)
     reports = []
     for rank in ranks:

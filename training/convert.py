@@ -172,6 +172,7 @@ def export_hf(load: str, save: str, *, tokenizer_dir: str | None = None) -> str:
     hf.save_pretrained(save)
     save_file({k: v.detach().to(config.dtype).clone().contiguous() for k, v in sd.items()},
               os.path.join(save, "model.safetensors"), metadata={"format": "pt"})
+    ckpt.honour_umask(os.path.join(save, "model.safetensors"))
     tok_src = tokenizer_dir or os.path.join(os.path.dirname(folder), "tokenizer")
     copied = copy_tokenizer(tok_src, save)
     logger.info("exported %s to %s (%d tensors; tokenizer files: %s)", folder, save, len(sd),

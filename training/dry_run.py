@@ -73,7 +73,8 @@ def planner_layout(run, dp: int) -> planner.Layout:
     return planner.Layout(
         tp=p.tp, pp=p.pp, dp=dp, vpp=p.vpp, zero=opt.zero_stage,
         sequence_parallel=p.sequence_parallel and p.tp > 1,
-        recompute="full" if run.model.recompute_layers else "none",
+        # the planner models full recompute as Megatron's default, uniform units of one layer
+        recompute=run.model.recompute_granularity or "none",
         micro_batch=run.schedule.micro_batch_size, global_batch=run.schedule.global_batch_size,
         seq_length=run.data.seq_length, precision=opt.precision,
         grad_bytes=torch.empty((), dtype=opt.grad_torch_dtype).element_size(),
@@ -132,9 +133,9 @@ def dry_run_rank(run, world_size: int, rank: int, provider, step_microbatches: i
         t = time.perf_counter()
         topo = ParallelTopology.from_config(run.parallel)
         seconds["groups"] = time.perf_counter() - t
-        topo.device = META
         t = time.perf_counter()
-        rng = model_parallel_seed(run.seed, topo)
+        rng = model_parallel_seed(run.seed, topo)  # on the CPU: meta tensors draw no numbers
+        topo.device = META
         with torch.device(META):
             chunks = build_chunks(provider, run, topo, rng)
             opt = build_optimizer(chunks, topo, run.optimizer)
@@ -183,18 +184,23 @@ def _microbatches_to_peak(schedule: str, topo, m: int, bound: int) -> int:
             return n
     return m
 
+
 def _recompute_working_bytes(run, topo, chunks) -> int:
-    """Under full recompute, what one layer saves while its backward recomputes it (the
-    engine sees only the checkpointed inputs): one layer's forward, uncheckpointed, counted."""
-    if not run.model.recompute_layers:
+    """Under full recompute, what one checkpointed unit saves while its backward recomputes it
+    (the engine sees only the units' inputs): the first unit's forward, uncheckpointed, counted."""
+    cfg = run.model
+    if cfg.recompute_granularity != "full":
         return 0
-    layer = next(layer for c in chunks for layer in c.layers.values())
+    unit = cfg.recompute_num_layers if cfg.recompute_method == "uniform" else 1
+    layers = [layer for c in chunks for layer in c.layers.values()][:unit]
     x = torch.empty(activation_shape(topo, run.data.seq_length, run.schedule.micro_batch_size,
                                      run.model.hidden_size), dtype=run.model.dtype, device=META)
     counter = SavedBytes(chunks)
     with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack), \
             device_kernels_on_meta():
-        layer(x.requires_grad_())
+        x.requires_grad_()
+        for layer in layers:
+            x = layer(x)
     return counter.total
 
 def _one_step(run, topo, chunks, opt, schedule: str, n: int, stats: PipelineStats) -> None:
