@@ -42,6 +42,7 @@ def model_provider(run, arch: str | None):
         return cls(config, topo, **kwargs)
     return provide
 
+
 def chosen_ranks(spec: str, grid: Grid) -> list[int]:
     """`all`, `positions` (one rank per (pp, tp)), `stages` (one per pipeline stage), or a list
     of ranks and the words `first` (rank 0) / `last` (the last rank)."""
@@ -65,6 +66,7 @@ def chosen_ranks(spec: str, grid: Grid) -> list[int]:
             raise ArgumentError(f"--ranks: rank {r} is outside the world of {world} ranks")
         out.append(r)
     return list(dict.fromkeys(out))
+
 
 # ---- printing ----------------------------------------------------------------------------------
 

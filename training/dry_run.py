@@ -52,6 +52,7 @@ class RankReport:
     inconsistent: list  # groups some member sees differently (none expected)
     seconds: dict = field(default_factory=dict)  # groups / build / step
 
+
 # ---- the fake world ----------------------------------------------------------------------------
 
 @contextlib.contextmanager
@@ -67,6 +68,7 @@ def fake_world(world_size: int, rank: int):
     finally:
         dist.destroy_process_group()
 
+
 def planner_layout(run, dp: int) -> planner.Layout:
     """The planner's view of a run: the same layout, batch and precision (SDPA: flash)."""
     opt, p = run.optimizer, run.parallel
@@ -81,11 +83,13 @@ def planner_layout(run, dp: int) -> planner.Layout:
         flash_attention=True, first_stage_layers=p.first_stage_layers,
         last_stage_layers=p.last_stage_layers)
 
+
 def inconsistent_groups(grid: Grid, groups: dict) -> list[str]:
     """Groups (as the topology built them) that some member would see differently: each member's
     own groups are derived from its coordinates alone (`Grid.groups_of`), another code path."""
     return [f"{kind} {ranks}: rank {m} sees {grid.groups_of(m)[kind]}"
             for kind, ranks in groups.items() for m in ranks if grid.groups_of(m)[kind] != ranks]
+
 
 # ---- one rank ----------------------------------------------------------------------------------
 
@@ -175,6 +179,7 @@ def dry_run_rank(run, world_size: int, rank: int, provider, step_microbatches: i
                                                                             topo.group_ranks),
             seconds=seconds)
 
+
 def _microbatches_to_peak(schedule: str, topo, m: int, bound: int) -> int:
     """The fewest microbatches whose schedule reaches the full step's activation peak on this
     rank (a multiple of pp when interleaved); more only repeat the steady state."""
@@ -202,6 +207,7 @@ def _recompute_working_bytes(run, topo, chunks) -> int:
         for layer in layers:
             x = layer(x)
     return counter.total
+
 
 def _one_step(run, topo, chunks, opt, schedule: str, n: int, stats: PipelineStats) -> None:
     """training/step.py's forward_backward on meta microbatches, up to the gradient
