@@ -6,7 +6,7 @@ Megatron-LM flags; see train_gpt.py. Example, 4 CPU processes, tp=2 x pp=2, a sh
         --data-path my_text_document --tokenizer-type HuggingFaceTokenizer --tokenizer-model smollm2_folder \
         --seq-length 128 --micro-batch-size 4 --global-batch-size 16 --train-iters 100
 
-Presets: smollm2-135m/360m/1.7b, llama2-7b/13b/70b, llama3-8b/70b. Start from released weights
+Presets: smollm2-135m/360m/1.7b, llama2-7b/13b/70b, llama3-8b/70b/405b. Start from released weights
 by importing a Hugging Face folder (tools/convert_hf.py import) and adding --load ... --finetune.
 """
 from models.llama import LlamaModel

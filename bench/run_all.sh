@@ -2,7 +2,7 @@
 # Rerun every benchmark in bench/ that exists, one after another (they share the CPU, so never
 # in parallel); each writes its JSON (and PNG where it draws one) under bench/results/.
 #
-#   bash bench/run_all.sh              # everything (~20 min on 2 cores)
+#   bash bench/run_all.sh              # everything (~25 min on 2 cores)
 #   bash bench/run_all.sh train_step   # only the scripts whose name contains a word given
 #
 # The ZeRO-vs-DeepSpeed benchmark needs DeepSpeed in a separate virtual environment (see its

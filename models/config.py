@@ -181,6 +181,8 @@ PRESETS: dict[str, dict] = {
                       num_query_groups=8, ffn_hidden_size=14336),
     "llama3-70b": dict(_LLAMA3, hidden_size=8192, num_layers=80, num_attention_heads=64,
                        num_query_groups=8, ffn_hidden_size=28672),
+    "llama3-405b": dict(_LLAMA3, hidden_size=16384, num_layers=126, num_attention_heads=128,
+                        num_query_groups=8, ffn_hidden_size=53248),
 }
 
 

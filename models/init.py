@@ -24,7 +24,8 @@ class Initializer:
     def normal(self, name: str):
         """N(0, std) (Megatron's init_method_normal)."""
         def fill(t: torch.Tensor) -> None:
-            t.normal_(0.0, self.std, generator=self._generator(name))
+            if not t.is_meta:  # a meta tensor (tools/dry_run.py) has no values to fill
+                t.normal_(0.0, self.std, generator=self._generator(name))
         return fill
 
     def scaled_normal(self, name: str):
@@ -32,5 +33,6 @@ class Initializer:
         std = self.std / math.sqrt(2.0 * self.num_layers)
 
         def fill(t: torch.Tensor) -> None:
-            t.normal_(0.0, std, generator=self._generator(name))
+            if not t.is_meta:
+                t.normal_(0.0, std, generator=self._generator(name))
         return fill

@@ -118,7 +118,7 @@ LLAMA_PRESETS = [n for n, p in PRESETS.items() if p.get("activation") == "swiglu
 PUBLISHED = {  # parameter counts of the released checkpoints
     "smollm2-135m": 134_515_008, "smollm2-360m": 361_821_120, "smollm2-1.7b": 1_711_376_384,
     "llama2-7b": 6_738_415_616, "llama2-13b": 13_015_864_320, "llama2-70b": 68_976_648_192,
-    "llama3-8b": 8_030_261_248, "llama3-70b": 70_553_706_496}
+    "llama3-8b": 8_030_261_248, "llama3-70b": 70_553_706_496, "llama3-405b": 405_853_388_800}
 
 
 @pytest.mark.parametrize("name", LLAMA_PRESETS)

@@ -11,8 +11,9 @@ large untied/copied head and fewer activations):
   ZeRO over N = dp ranks: stage 0 w+g+k, 1 w+g+k/N, 2 w+(g+k)/N, 3 (w+g+k)/N (Rajbhandari et al.
   2020: with g=2, k=12, stage 1 is 4P + 12P/N, stage 2 2P + 14P/N, stage 3 16P/N).
 * activations per layer and microbatch: Korthikanti et al. 2022's per-tensor count, redone for
-  what megazoo saves (`layer_activation_bytes`). Under 1F1B the first stage holds min(pp, m)
-  microbatches of its L/pp layers (L*(1 + (p-1)/(p*v)) layer-microbatches when interleaved); the
+  what megazoo saves (`layer_activation_bytes`), for each rank's layers of the trainer's partition
+  and the (microbatch, chunk) pairs its schedule keeps alive (`activation_bound`: under 1F1B
+  min(pp, m) microbatches on the first stage, L*(1 + (p-1)/(p*v)) layer-microbatches interleaved); the
   last stage adds what the fused LM head saves, mainly the gradient of the logits, s*b*V/t.
   Not modelled: allocator caching/fragmentation, communication buffers, framework workspace.
 
@@ -35,6 +36,7 @@ from dataclasses import dataclass
 
 from models.config import TransformerConfig
 from parallel.layout import LayoutError, ParallelConfig, microbatches_per_step
+from parallel.pipeline.schedules import activation_bound
 from parallel.zero.config import OptimizerConfig, ZeroConfigError
 
 # The ONE calibration constant: the fraction of the GPU's dense peak that a transformer layer's
@@ -150,9 +152,30 @@ class PlanError(ValueError):
 
 # ---- parameter counts ------------------------------------------------------------------------
 
-def stage_params(cfg: TransformerConfig, tp: int, pp: int, stage: str) -> float:
-    """Parameters one rank of the `stage` ("first", "last", "only") holds."""
-    n = math.ceil(cfg.num_layers / pp) * cfg.layer_parameters(tp)
+def stage_name(pp_rank: int, pp: int) -> str:
+    """"only", "first", "middle" or "last": what a pipeline rank holds besides its layers."""
+    return "only" if pp == 1 else "first" if pp_rank == 0 else \
+        "last" if pp_rank == pp - 1 else "middle"
+
+
+def _stage_rank(stage: str, pp: int, pp_rank: int | None) -> int:
+    if pp_rank is None and stage == "middle":
+        raise PlanError("a middle pipeline stage needs its pp_rank")
+    return pp_rank if pp_rank is not None else pp - 1 if stage == "last" else 0
+
+
+def rank_layers(cfg: TransformerConfig, layout: "Layout", pp_rank: int) -> int:
+    """Layers pipeline rank `pp_rank` holds over its chunks, as the trainer partitions them."""
+    sizes = layout.parallel_config().layers_per_block(cfg.num_layers)
+    return sum(sizes[pp_rank::layout.pp])
+
+
+def stage_params(cfg: TransformerConfig, tp: int, pp: int, stage: str,
+                 layers: int | None = None) -> float:
+    """Parameters one rank of the `stage` ("first", "middle", "last", "only") holds: `layers`
+    transformer layers (default an even split, ceil(L/pp); `rank_layers` gives a layout's)."""
+    layers = math.ceil(cfg.num_layers / pp) if layers is None else layers
+    n = layers * cfg.layer_parameters(tp)
     words = cfg.padded_vocab_size(tp) * cfg.hidden_size / tp
     if stage in ("first", "only"):
         n += cfg.embedding_parameters(tp, padded=True)
@@ -205,6 +228,8 @@ def layer_activation_bytes(cfg: TransformerConfig, layout: Layout) -> tuple[floa
                       attention dropout); none with flash attention or selective recompute
       MLP             2ef/(ht) GELU (its input, fc2's); 4ef/(ht) SwiGLU (gate, up, silu, fc2's)
       dropout masks   2/u    1-byte masks after attention and MLP, when hidden_dropout > 0
+      ALiBi bias      e*a*s/(h*t*b): with flash attention the kernel keeps the additive bias
+                      [1, a/t, s, s] it was given (BLOOM), shared by the microbatch's sequences
     In Korthikanti's setting (f = 4h) this is their 34 + 5as/h, and 10 + 24/t + 5as/(ht) with
     TP, and their (34 + 5as/h)/t with SP. Per-token vectors (norm
     statistics, log-sum-exp) are left out. Full recompute keeps each layer's input, e*s*b*h/u,
@@ -222,15 +247,23 @@ def layer_activation_bytes(cfg: TransformerConfig, layout: Layout) -> tuple[floa
     scores = 0.0 if (flash or layout.recompute == "selective") else a * s / (h * t) * per_score
     mlp = e * (4 if cfg.activation == "swiglu" else 2) * cfg.ffn_hidden_size / (h * t)
     masks = 2 / u if cfg.hidden_dropout > 0 else 0.0
-    full = s * b * h * (2 * norm / u + 2 * e / u + qkv + attn_out + scores + mlp + masks)
+    # A fused kernel given ALiBi's additive bias [1, a/t, s, s] keeps it (one per microbatch).
+    alibi = e * a * s / (h * t * b) if flash and cfg.position_embedding == "alibi" else 0.0
+    full = s * b * h * (2 * norm / u + 2 * e / u + qkv + attn_out + scores + mlp + masks + alibi)
     if layout.recompute == "full":
         return e * s * b * h / u, full
     return full, 0.0
 
 
-def activation_bytes(cfg: TransformerConfig, layout: Layout, stage: str) -> float:
-    """Activation bytes one rank of `stage` keeps at its peak: its layers' for the microbatches
-    in flight; on the first stage per microbatch in flight the token ids (int64), the embedding
+def pipeline_schedule(layout: Layout) -> str:
+    """The schedule the trainer runs for this layout (training/arguments.py's default)."""
+    return "no_pipelining" if layout.pp == 1 else "interleaved" if layout.vpp > 1 else "1f1b"
+
+
+def activation_bytes(cfg: TransformerConfig, layout: Layout, stage: str,
+                     pp_rank: int | None = None) -> float:
+    """Activation bytes one rank of `stage` keeps at its peak: its layers' for the (microbatch,
+    chunk) pairs its schedule keeps alive (`activation_bound`); on the first stage per microbatch in flight the token ids (int64), the embedding
     LayerNorm's input (e*s*b*h, BLOOM) and dropout mask (s*b*h/u); on the last the final norm's
     input (n*s*b*h/u) and what the fused head saves (parallel/fused_cross_entropy.py): its input
     after the SP gather (e*s*b*h, whole) and the gradient of the logits, s*b*V/t elements in the
@@ -239,14 +272,10 @@ def activation_bytes(cfg: TransformerConfig, layout: Layout, stage: str) -> floa
     e = activation_element_bytes(layout)
     u = t if layout.sequence_parallel and t > 1 else 1
     kept, working = layer_activation_bytes(cfg, layout)
-    layers = math.ceil(cfg.num_layers / layout.pp)
     m = max(layout.microbatches, 1)
-    if stage == "first" and layout.vpp > 1:
-        in_flight = cfg.num_layers * (1 + (layout.pp - 1) / (layout.pp * layout.vpp))
-    elif stage == "first":
-        in_flight = layers * min(layout.pp, m)
-    else:
-        in_flight = layers  # the last stage runs each microbatch's backward right away
+    rank = _stage_rank(stage, layout.pp, pp_rank)
+    units = activation_bound(pipeline_schedule(layout), layout.pp, rank, m, layout.vpp)
+    in_flight = rank_layers(cfg, layout, rank) / layout.vpp * units
     total = kept * in_flight + working
     sbh = s * b * h
     if stage in ("first", "only"):
@@ -264,7 +293,8 @@ def memory_per_gpu(cfg: TransformerConfig, layout: Layout) -> Memory:
     stages = ["only"] if layout.pp == 1 else ["first", "last"]
     best = None
     for stage in stages:
-        p, g, o = model_state_bytes(stage_params(cfg, layout.tp, layout.pp, stage), layout)
+        layers = rank_layers(cfg, layout, _stage_rank(stage, layout.pp, None))
+        p, g, o = model_state_bytes(stage_params(cfg, layout.tp, layout.pp, stage, layers), layout)
         mem = Memory(p, g, o, activation_bytes(cfg, layout, stage), stage)
         if best is None or mem.total > best.total:
             best = mem

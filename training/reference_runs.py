@@ -75,3 +75,61 @@ def published_runs() -> list[PublishedRun]:
             Layout(tp=8, pp=35, dp=nodes * 8 // 280, zero=1, recompute="full", micro_batch=1,
                    global_batch=1920), tflops, "Smith et al. 2022, Table 1"))
     return runs
+
+
+@dataclass(frozen=True)
+class PublishedLayout:
+    """A published run's layout as the training scripts' flags, for tools/dry_run.py."""
+
+    name: str
+    params: float  # the published model size
+    world_size: int
+    flags: tuple[str, ...]
+    source: str
+
+
+def _flags(text: str) -> tuple[str, ...]:
+    return tuple(text.split())
+
+
+def published_layouts() -> list[PublishedLayout]:
+    """Layouts rehearsed by the dry run (bench/bench_dry_run.py, tests/test_dry_run.py)."""
+    megatron = ("--hidden-dropout 0.1 --attention-dropout 0.1 --max-position-embeddings 2048 "
+                "--seq-length 2048 --micro-batch-size 1 --recompute-granularity full ")
+    return [
+        PublishedLayout(
+            "BLOOM-176B", 176_247_271_424, 384, _flags(
+                "--model bloom-176b --tensor-model-parallel-size 4 --pipeline-model-parallel-size "
+                "12 --decoder-first-pipeline-num-layers 5 --decoder-last-pipeline-num-layers 5 "
+                "--zero-stage 1 --bf16 --recompute-granularity full --micro-batch-size 2 "
+                "--global-batch-size 2048 --seq-length 2048"),
+            "BigScience 2022: tp4 pp12 dp8, 384 A100-80GB, ZeRO-1, bf16"),
+        PublishedLayout(
+            "MT-NLG 530B", 530e9, 2240, _flags(
+                megatron + "--num-layers 105 --hidden-size 20480 --num-attention-heads 128 "
+                "--vocab-size 50257 --tensor-model-parallel-size 8 --pipeline-model-parallel-size "
+                "35 --zero-stage 1 --bf16 --global-batch-size 1920"),
+            "Smith et al. 2022: tp8 pp35, 280 DGX A100 nodes (dp8), ZeRO-1, bf16"),
+        PublishedLayout(
+            "Megatron-LM 1T", 1008.0e9, 3072, _flags(
+                megatron + "--num-layers 128 --hidden-size 25600 --num-attention-heads 160 "
+                "--vocab-size 51200 --tensor-model-parallel-size 8 --pipeline-model-parallel-size "
+                "64 --fp16 --global-batch-size 3072"),
+            "Narayanan et al. 2021, Table 1: tp8 pp64 dp6, 3072 A100, fp16, no ZeRO"),
+        PublishedLayout(
+            "Llama-3-70B", 70_553_706_496, 512, _flags(
+                "--model llama3-70b --tensor-model-parallel-size 8 --sequence-parallel "
+                "--pipeline-model-parallel-size 4 --num-layers-per-virtual-pipeline-stage 4 "
+                "--zero-stage 1 --bf16 --seq-length 8192 --micro-batch-size 1 "
+                "--global-batch-size 512"),
+            "Meta published no 70B layout: tp8 pp4 (interleaved, 5 chunks) dp16 as Megatron "
+            "recipes run it"),
+        PublishedLayout(
+            "Llama-3-405B", 405_853_388_800, 8192, _flags(
+                "--model llama3-405b --tensor-model-parallel-size 8 --sequence-parallel "
+                "--pipeline-model-parallel-size 16 --decoder-first-pipeline-num-layers 7 "
+                "--decoder-last-pipeline-num-layers 7 --zero-stage 1 --bf16 --seq-length 8192 "
+                "--micro-batch-size 1 --global-batch-size 2048"),
+            "Llama Team 2024, Table 4: tp8 cp1 pp16 dp64 on 8192 H100, seq 8192, 16M tokens per "
+            "batch; first and last stage one layer short"),
+    ]

@@ -42,7 +42,8 @@ def layout_of(run: RunConfig, topo) -> dict:
     return layout
 
 
-def _rank_tensors(chunks, opt, rng, zero_stage: int) -> dict[str, torch.Tensor]:
+def rank_tensors(chunks, opt, rng, zero_stage: int) -> dict[str, torch.Tensor]:
+    """What one rank's checkpoint file holds (tools/dry_run.py sizes it on meta tensors)."""
     tensors = {f"optim.{k}": v for k, v in opt.state_dict().items()}
     tensors[reshard.PARAMS] = ckpt.json_tensor(reshard.param_table(chunks, opt))
     tensors.update({f"rng.{k}": v for k, v in rng.get_states().items()})
@@ -58,7 +59,7 @@ def save(run: RunConfig, topo, chunks, opt, rng, state: TrainState) -> str:
                 seq_length=run.data.seq_length, seed=run.seed, family=family_of(chunks[0]))
     root = run.checkpoint.save
     folder = ckpt.save_checkpoint(root, state.iteration, topo.rank, topo.world_size,
-                                  _rank_tensors(chunks, opt, rng, run.optimizer.zero_stage), meta,
+                                  rank_tensors(chunks, opt, rng, run.optimizer.zero_stage), meta,
                                   device=topo.device)
     if topo.rank == 0:
         storage.prune(ckpt.candidates(root), run.checkpoint.keep_last, run.checkpoint.keep_every)

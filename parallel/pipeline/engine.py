@@ -73,16 +73,29 @@ def backward_through(output: torch.Tensor, grad: torch.Tensor) -> None:
         (output,), (grad,), False, False, (), True, True)
 
 
-class _SavedBytes:
+def _storage_id(t: torch.Tensor) -> int:
+    """Identity of the storage a tensor views (shared by all views of one allocation)."""
+    return t.untyped_storage()._cdata  # noqa: SLF001 - the StorageImpl, stable across views
+
+
+class SavedBytes:
     """Counts bytes autograd saves during a forward, skipping the parameters (shared, not
-    activations), so the engine can report the activation memory it keeps alive."""
+    activations), so the engine can report the activation memory it keeps alive.
+
+    Storages are told apart by their identity, not their address: `meta` tensors (the dry run,
+    tools/dry_run.py) and released ZeRO-3 buckets all have address 0. A tensor saved twice
+    (RMSNorm's fp32 input, by both its square and its product) counts once."""
 
     def __init__(self, chunks: list[nn.Module]):
-        self.param_ptrs = {p.untyped_storage().data_ptr() for c in chunks for p in c.parameters()}
+        self.param_storages = {_storage_id(p) for c in chunks for p in c.parameters()}
         self.total = 0
+        self.seen: set = set()  # views saved so far in this forward (alive: autograd holds them)
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
-        if t.untyped_storage().data_ptr() not in self.param_ptrs:
+        sid = _storage_id(t)
+        view = (sid, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+        if sid not in self.param_storages and view not in self.seen:
+            self.seen.add(view)
             self.total += t.numel() * t.element_size()
         return t
 
@@ -106,7 +119,7 @@ class _Runner:
         self.losses: dict = {}  # mb -> detached loss (last stage only)
         self.forward_only = False  # set by run(): evaluation keeps no graph and no outputs
         self.live_bytes = 0
-        self.saved = _SavedBytes(chunks)
+        self.saved = SavedBytes(chunks)
 
     def stage(self, chunk: int) -> int:
         return chunk * self.pp + self.topo.pp_rank
@@ -118,7 +131,7 @@ class _Runner:
     def forward(self, op: Forward) -> None:
         key = (op.mb, op.chunk)
         inp = self.inputs.pop(key, None) if self.forward_only else self.inputs.get(key)
-        before = self.saved.total
+        before, self.saved.seen = self.saved.total, set()
         with torch.autograd.graph.saved_tensors_hooks(self.saved.pack, self.saved.unpack), \
                 torch.set_grad_enabled(not self.forward_only):
             out = self.forward_fn(self.chunks[op.chunk], inp, self.microbatches[op.mb])

@@ -136,6 +136,8 @@ class FlatBuffer:
         if grad.is_sparse:
             if first:
                 view.zero_()
+            if grad.is_meta:  # shapes only (tools/dry_run.py): no sparse kernels on meta
+                return
             grad = grad.coalesce()  # unique rows: the same sums in any order (CUDA atomics)
             rows = grad._values().reshape(-1, *slot.param.shape[1:]).to(view.dtype)
             view.view(slot.param.shape).index_add_(0, grad._indices()[0], rows)

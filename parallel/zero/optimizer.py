@@ -249,10 +249,10 @@ class ZeroOptimizer:
             sd[f"bucket{i}.ranges"] = torch.tensor(rows, dtype=torch.int64).reshape(-1, 4)
             with self.states.checkout(i) as st:
                 for name, t in st.items():
-                    sd[f"bucket{i}.{name}"] = t.detach().cpu().clone()
+                    sd[f"bucket{i}.{name}"] = _host_copy(t)
             if not self.separate_master:
                 master = b.param_shard if b.shard_params else b.params.data[b.shard_slice]
-                sd[f"bucket{i}.master"] = master.detach().cpu().float().clone()
+                sd[f"bucket{i}.master"] = _host_copy(master.float())
         return sd
 
     def load_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
@@ -269,6 +269,12 @@ class ZeroOptimizer:
             pending.wait()
         if self.zero3 is not None:
             self.zero3.release_all()
+
+
+def _host_copy(t: torch.Tensor) -> torch.Tensor:
+    """A CPU copy for a checkpoint; a `meta` tensor stays meta (the dry run sizes checkpoints
+    without data: tools/dry_run.py)."""
+    return t.detach().clone() if t.is_meta else t.detach().cpu().clone()
 
 
 def _named(module: nn.Module, chunk: int, modules: list[nn.Module]):

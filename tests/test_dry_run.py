@@ -1,0 +1,116 @@
+"""tools/dry_run.py: the published layouts' ranks built and stepped on a fake world with meta
+tensors, against the planner and the published model sizes (bench/bench_dry_run.py runs more
+ranks; the table is in docs/planner.md)."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tools import dry_run as D
+from training.reference_runs import published_layouts
+
+LAYOUTS = {x.name: x for x in published_layouts()}
+
+
+def _run(name: str, *extra: str):
+    layout = LAYOUTS[name]
+    _, run = D.parse(["--world-size", str(layout.world_size), *layout.flags, *extra])
+    return layout, run
+
+
+def _check_rank(report: D.RankReport) -> None:
+    mem = report.memory
+    # model states: the bytes the ZeRO buffers hold are the planner's, to the byte
+    assert mem["model_states"] == sum(report.predicted_states)
+    assert (mem["params"], mem["grads"]) == report.predicted_states[:2]
+    assert report.activation_units == report.activation_bound
+    assert report.activation_bytes == pytest.approx(report.predicted_activations, rel=0.05)
+    assert not report.inconsistent
+    assert report.checkpoint["bytes"] > mem["params"] + mem["master_params"]
+
+
+def test_published_sizes():
+    for layout in published_layouts():
+        _, run = D.parse(["--world-size", str(layout.world_size), *layout.flags])
+        assert run.model.num_parameters() == pytest.approx(layout.params, rel=0.005), layout.name
+
+
+def test_bloom_176b_every_stage_and_the_last_rank_stepped():
+    layout, run = _run("BLOOM-176B")
+    grid = run.parallel.grid(layout.world_size)
+    provider = D.model_provider(run, None)
+    last = D.dry_run_rank(run, layout.world_size, layout.world_size - 1, provider)
+    _check_rank(last)
+    assert [c[1:3] for c in last.chunks] == [(65, 70)]  # --decoder-last-pipeline-num-layers 5
+    distinct = {}
+    for rank in D.chosen_ranks("stages", grid):
+        distinct.update(D.dry_run_rank(run, layout.world_size, rank, provider, step=False).distinct)
+    assert sum(distinct.values()) == run.model.num_parameters() == 176_247_271_424
+
+
+def test_llama3_405b_last_rank_at_8192_ranks():
+    layout, run = _run("Llama-3-405B")
+    report = D.dry_run_rank(run, layout.world_size, layout.world_size - 1,
+                            D.model_provider(run, None))
+    _check_rank(report)
+    assert [c[1:3] for c in report.chunks] == [(119, 126)]
+    assert len(report.groups["dp"]) == 64 and len(report.groups["mp"]) == 128
+
+
+def test_mtnlg_and_megatron_1t_build_at_full_world():
+    for name in ("MT-NLG 530B", "Megatron-LM 1T"):
+        layout, run = _run(name)
+        report = D.dry_run_rank(run, layout.world_size, 0, D.model_provider(run, None),
+                                step=False)
+        assert report.memory["model_states"] == sum(report.predicted_states)
+        assert not report.inconsistent
+
+
+def test_interleaved_llama3_70b_last_rank():
+    layout, run = _run("Llama-3-70B")
+    report = D.dry_run_rank(run, layout.world_size, layout.world_size - 1,
+                            D.model_provider(run, None))
+    assert len(report.chunks) == 5 and report.chunks[-1][4]  # five chunks, the head in the last
+    _check_rank(report)
+
+
+def test_safetensors_size_is_the_files(tmp_path):
+    from safetensors.torch import save_file
+    tensors = {"b.weight": torch.zeros(3, 5, dtype=torch.bfloat16), "a": torch.zeros(7),
+               "ids": torch.zeros(2, dtype=torch.int64), "u": torch.zeros(3, dtype=torch.uint8)}
+    save_file(tensors, tmp_path / "x.safetensors")
+    assert D.safetensors_bytes(tensors) == os.path.getsize(tmp_path / "x.safetensors")
+
+
+def test_command_line_prints_and_refuses(capsys):
+    reports = D.main(["--model", "gpt2", "--num-layers", "4", "--world-size", "8",
+                      "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                      "--zero-stage", "1", "--bf16", "--seq-length", "128",
+                      "--micro-batch-size", "2", "--global-batch-size", "16", "--ranks", "stages"])
+    out = capsys.readouterr().out
+    assert "distinct parameters over every pipeline stage: 67,736,832 (the model: 67,736,832" in out
+    for r in reports:
+        _check_rank(r)
+    for argv, message in ((["--ranks", "first,9"], "rank 9 is outside the world of 8"),
+                          (["--tensor-model-parallel-size", "3"], "world size 8 is not divisible"),
+                          (["--no-such-flag"], "unrecognized arguments: --no-such-flag")):
+        with pytest.raises(SystemExit) as done:
+            D.main(["--model", "gpt2", "--world-size", "8", *argv])
+        err = capsys.readouterr().err
+        assert done.value.code == 2 and err.startswith("error: ") and message in err, err
+        assert err.count("\n") == 1
+
+
+def test_gpu_check_refuses_without_cuda():
+    import subprocess
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present: bench/gpu_check.sh runs for real there")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run(["bash", os.path.join(root, "bench", "gpu_check.sh"), "--skip-step"],
+                          capture_output=True, text=True, timeout=120, env=dict(os.environ,
+                                                                               PYTHONPATH=root))
+    assert done.returncode == 1 and done.stdout == ""
+    assert done.stderr.strip().endswith("python -m pytest -q tests")
+    assert "no CUDA device here" in done.stderr and "Traceback" not in done.stderr
