@@ -24,6 +24,11 @@ class TransformerConfig:
     layernorm_epsilon: float = 1e-5
     activation: str = "gelu_tanh"  # gelu_tanh | gelu | swiglu (ffn_hidden_size is the gate width)
     num_query_groups: int | None = None  # key/value heads (grouped-query attention); default: heads
+    kv_channels: int | None = None  # head_dim; default hidden_size // heads (Qwen3 decouples it)
+    add_qkv_bias: bool = False  # bias on the QKV projection only (Qwen2), whatever `bias` says
+    qk_layernorm: bool = False  # RMSNorm over head_dim on each query and key head (Qwen3)
+    scale_attn_weights: bool = True  # scores / sqrt(head_dim) (GPT-2 can turn it off)
+    scale_attn_by_inverse_layer_idx: bool = False  # scores / (layer + 1) as well (GPT-2)
     embedding_layernorm: bool = False  # BLOOM normalises the word embeddings
     tie_word_embeddings: bool = True
     bias: bool = True
@@ -40,7 +45,7 @@ class TransformerConfig:
             self.ffn_hidden_size = 4 * self.hidden_size
         if self.num_query_groups is None:
             self.num_query_groups = self.num_attention_heads
-        if self.hidden_size % self.num_attention_heads != 0:
+        if self.kv_channels is None and self.hidden_size % self.num_attention_heads != 0:
             raise ValueError(f"--hidden-size {self.hidden_size} is not divisible by "
                              f"--num-attention-heads {self.num_attention_heads}")
         if self.num_attention_heads % self.num_query_groups != 0:
@@ -61,7 +66,7 @@ class TransformerConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
 
     @property
     def dtype(self) -> torch.dtype:
@@ -78,10 +83,13 @@ class TransformerConfig:
         """Parameters of the unpadded model (tied embeddings counted once)."""
         h, f, v, L = self.hidden_size, self.ffn_hidden_size, self.vocab_size, self.num_layers
         b = 1 if self.bias else 0
-        qkv = h + 2 * self.num_query_groups * self.head_dim
+        attn = self.num_attention_heads * self.head_dim  # = h unless kv_channels decouples it
+        qkv = attn + 2 * self.num_query_groups * self.head_dim
         fc1 = 2 * f if self.activation == "swiglu" else f
         norm = 2 * h if self.normalization == "layernorm" else h
-        per_layer = (qkv * h + h * h + fc1 * h + f * h) + b * (qkv + h + fc1 + h) + 2 * norm
+        per_layer = (qkv * h + attn * h + fc1 * h + f * h) + b * (h + fc1 + h) + 2 * norm
+        per_layer += qkv if (self.bias or self.add_qkv_bias) else 0
+        per_layer += 2 * self.head_dim if self.qk_layernorm else 0
         emb = v * h + (self.max_position_embeddings * h if self.position_embedding == "learned" else 0)
         emb += norm if self.embedding_layernorm else 0
         head = 0 if self.tie_word_embeddings else v * h
