@@ -45,6 +45,8 @@ class TransformerConfig:
             self.ffn_hidden_size = 4 * self.hidden_size
         if self.num_query_groups is None:
             self.num_query_groups = self.num_attention_heads
+        if self.kv_channels is not None and self.kv_channels * self.num_attention_heads == self.hidden_size:
+            self.kv_channels = None  # one spelling of the default, so equal configs compare equal
         if self.kv_channels is None and self.hidden_size % self.num_attention_heads != 0:
             raise ValueError(f"--hidden-size {self.hidden_size} is not divisible by "
                              f"--num-attention-heads {self.num_attention_heads}")
@@ -105,6 +107,10 @@ _LLAMA = dict(position_embedding="rope", normalization="rmsnorm", activation="sw
 _LLAMA2 = dict(_LLAMA, vocab_size=32000, max_position_embeddings=4096, rope_theta=10000.0)
 _LLAMA3 = dict(_LLAMA, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0)
 _SMOLLM2 = dict(_LLAMA, vocab_size=49152, max_position_embeddings=8192, tie_word_embeddings=True)
+_QWEN = dict(_LLAMA, vocab_size=151936, rope_theta=1000000.0, layernorm_epsilon=1e-6,
+             tie_word_embeddings=True)
+_QWEN2 = dict(_QWEN, add_qkv_bias=True)
+_QWEN3 = dict(_QWEN, qk_layernorm=True, max_position_embeddings=40960)
 
 PRESETS: dict[str, dict] = {
     # GPT-2 (Radford et al. 2019)
@@ -145,6 +151,20 @@ PRESETS: dict[str, dict] = {
                       num_query_groups=8, ffn_hidden_size=14336),
     "llama3-70b": dict(_LLAMA3, hidden_size=8192, num_layers=80, num_attention_heads=64,
                        num_query_groups=8, ffn_hidden_size=28672),
+    # Qwen2 / Qwen2.5 (Alibaba 2024): Llama + bias on q, k, v; from the released config.json files
+    "qwen2-0.5b": dict(_QWEN2, hidden_size=896, num_layers=24, num_attention_heads=14,
+                       num_query_groups=2, ffn_hidden_size=4864, max_position_embeddings=131072),
+    "qwen2.5-0.5b": dict(_QWEN2, hidden_size=896, num_layers=24, num_attention_heads=14,
+                         num_query_groups=2, ffn_hidden_size=4864, max_position_embeddings=32768),
+    # Qwen3 (Alibaba 2025): Llama + per-head q/k RMSNorm, head_dim 128 whatever the width
+    "qwen3-0.6b": dict(_QWEN3, hidden_size=1024, num_layers=28, num_attention_heads=16,
+                       num_query_groups=8, kv_channels=128, ffn_hidden_size=3072),
+    "qwen3-1.7b": dict(_QWEN3, hidden_size=2048, num_layers=28, num_attention_heads=16,
+                       num_query_groups=8, kv_channels=128, ffn_hidden_size=6144),
+    # a Qwen3-shaped toy for smoke tests and CPU demos (not a released model)
+    "qwen3-tiny": dict(_QWEN3, hidden_size=128, num_layers=4, num_attention_heads=4,
+                       num_query_groups=2, kv_channels=64, ffn_hidden_size=256,
+                       max_position_embeddings=2048),
 }
 
 

@@ -25,6 +25,9 @@ class LlamaModel(TransformerLanguageModel):
         if shape != ("rope", "rmsnorm", "swiglu") or config.embedding_layernorm:
             raise ValueError("LlamaModel needs position_embedding='rope', normalization='rmsnorm', "
                              "activation='swiglu' and no embedding layernorm")
+        if type(self) is LlamaModel and (config.add_qkv_bias or config.qk_layernorm):
+            raise ValueError("a QKV bias or q/k norm makes a Qwen2/Qwen3 model: train it with "
+                             "train_qwen.py (models/qwen2.py, models/qwen3.py)")
         super().__init__(config, topo, **kwargs)
 
 
