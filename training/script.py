@@ -6,6 +6,7 @@ import os
 import sys
 
 from .arguments import ArgumentError, build_parser, to_run_config
+from .checkpoint_tokenizer import store_training_tokenizer
 from .loop import pretrain
 
 
@@ -27,6 +28,8 @@ def main(model_provider, default_model: str, argv=None):
         run = to_run_config(args, vocab_size=tokenizer_vocab_size(args))
     except (ArgumentError, ValueError) as e:
         sys.exit(f"error: {e}")
+    if int(os.environ.get("RANK", "0")) == 0:  # the tokenizer travels with the checkpoint
+        store_training_tokenizer(run.data, run.checkpoint)
     result = pretrain(model_provider, run)
     if result.checkpoint and int(os.environ.get("RANK", "0")) == 0:
         logging.getLogger("megazoo.train").info(
