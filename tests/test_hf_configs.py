@@ -201,3 +201,19 @@ def test_fields_and_qwen_round_trip_and_match_transformers_under_tp_pp(tmp_path)
     errors_and_checked = run_distributed(_worker, 4, cases, timeout=500)
     assert max(e for e, _ in errors_and_checked) <= 1e-5
     assert len(errors_and_checked[0][1]) == len(SUPPORTED) * len(LOAD_LAYOUTS)
+
+
+def test_import_layout_errors_name_the_flag_and_field(tmp_path, capsys):
+    from tests.test_convert import _tool
+    _llama(hidden_size=36, num_attention_heads=9, num_key_value_heads=9, head_dim=4,
+           intermediate_size=1536, num_hidden_layers=2).save_pretrained(tmp_path / "hf")
+    capsys.readouterr()  # save_pretrained's progress bar
+    for flags, expected in (
+            (["--tensor-model-parallel-size", "0"], "--tensor-model-parallel-size must be >= 1"),
+            (["--tensor-model-parallel-size", "9"], "MLP width 1536 (config.json intermediate_size"),
+            (["--virtual-pipeline-model-parallel-size", "2"], "--pipeline-model-parallel-size > 1")):
+        assert _tool("import", "--hf-dir", str(tmp_path / "hf"), "--save", str(tmp_path / "mz"),
+                     *flags) == 1
+        err = capsys.readouterr().err
+        assert expected in err and err.count("\n") == 1, err
+    assert not (tmp_path / "mz").exists()
