@@ -75,7 +75,6 @@ def _worker(rank, hidden, layers, tp, pp, microbatches, zero, steps, sp, precisi
 
     from models.language_model import TransformerLanguageModel
     from parallel.pipeline.engine import PipelineStats, run_pipeline
-    from parallel.pipeline.partition import rank_chunks
     from parallel.pipeline.schedules import build_schedule
     from parallel.pipeline.tied import broadcast_tied_embedding
     from parallel.topology import ParallelConfig, ParallelTopology
@@ -85,7 +84,7 @@ def _worker(rank, hidden, layers, tp, pp, microbatches, zero, steps, sp, precisi
     cfg = _config(hidden, layers, precision)
     topo = ParallelTopology.from_config(ParallelConfig(tp=tp, pp=pp, sequence_parallel=sp))
     chunks = [TransformerLanguageModel(cfg, topo, **s.kwargs())
-              for s in rank_chunks(layers, pp, 1, topo.pp_rank)]
+              for s in topo.config.chunk_specs(layers, topo.pp_rank)]
     broadcast_tied_embedding(chunks, topo)
     opt = build_optimizer(chunks, topo, OptimizerConfig(zero_stage=zero, lr=1e-4, precision=precision))
     g = torch.Generator().manual_seed(1000 + topo.dp_rank)

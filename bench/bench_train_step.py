@@ -5,7 +5,7 @@ same weights (copied through the HF name mappings; the first losses printed must
 same tokens, the same thread count (default 1) and dtype. Variants, all alive in one process
 and timed in interleaved rounds (each round runs every variant once, rotating who goes first):
 
-  fp32   megazoo: `training.step.train_step`'s two halves (what `pretrain` runs: pipeline engine
+  fp32   megazoo: `training.step.forward_backward` then the optimizer step (what `pretrain` runs: pipeline engine
          with no pipelining, ZeRO optimizer stage 0), timed apart: forward_backward, then update
          (optimizer.step + zero_grad); HF is split the same way (backward | clip + AdamW).  HF: `model(ids)` + the same fp32 cross-entropy,
          `clip_grad_norm_`, `torch.optim.AdamW(fused=True)` (HF Trainer's default optimizer
@@ -52,7 +52,6 @@ from models.config import TransformerConfig  # noqa: E402
 from models.gpt import GPTModel  # noqa: E402
 from parallel.topology import ParallelTopology  # noqa: E402
 from parallel.zero import OptimizerConfig, build_optimizer  # noqa: E402
-from training.metrics import model_flops_per_token  # noqa: E402
 from training.step import activation_shape, forward_backward  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "bench", "results")
@@ -83,7 +82,7 @@ class Step:
 
 
 def megazoo_step(arch: str, cfg: TransformerConfig, precision: str, init_sd) -> Step:
-    """`training.step.train_step`, split: forward_backward, then optimizer.step + zero_grad."""
+    """What `pretrain` runs per step: forward_backward, then optimizer.step + zero_grad."""
     topo = ParallelTopology.single()
     model = (GPTModel if arch == "gpt" else BloomModel)(cfg, topo)
     model.load_state_dict(init_sd)
@@ -248,7 +247,7 @@ def run_arch(arch: str, args) -> dict:
         print(f"  {arch} round {r + 1}/{args.rounds} (CPU s / wall s): " +
               "  ".join(f"{n} {cpu[n][-1]:.2f}/{wall[n][-1]:.2f}" for n in names), flush=True)
     tokens = args.batch * args.seq
-    flops_tok = model_flops_per_token(cfg, args.seq)
+    flops_tok = cfg.model_flops_per_token(args.seq)
     out = {"config": {k: getattr(cfg, k) for k in ("vocab_size", "hidden_size", "num_layers",
                                                      "num_attention_heads", "ffn_hidden_size",
                                                      "position_embedding")},

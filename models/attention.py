@@ -18,7 +18,7 @@ from torch import nn
 
 from parallel.random import RNGStreams
 from parallel.tensor_parallel import ColumnParallelLinear, GroupedLayout, RowParallelLinear
-from parallel.topology import LayoutError, ParallelTopology
+from parallel.topology import ParallelTopology
 
 from .config import TransformerConfig
 from .init import Initializer
@@ -71,23 +71,12 @@ class KVCache:
         return k, v
 
 
-def check_attention_layout(config: TransformerConfig, tp: int) -> None:
-    heads, groups = config.num_attention_heads, config.num_query_groups
-    if heads % tp != 0:
-        raise LayoutError(f"--num-attention-heads {heads} is not divisible by "
-                          f"--tensor-model-parallel-size {tp}; pick a tp that divides it")
-    if groups % tp != 0 and tp % groups != 0:
-        raise LayoutError(f"--num-query-groups {groups} and --tensor-model-parallel-size {tp}: one "
-                          f"must divide the other (split whole KV heads, or replicate each)")
-
-
 class ParallelAttention(nn.Module):
     """Causal self-attention; query heads split over TP ranks; fused QKV grouped per KV head."""
 
     def __init__(self, config: TransformerConfig, topo: ParallelTopology, init: Initializer,
                  prefix: str, rng: RNGStreams | None):
         super().__init__()
-        check_attention_layout(config, topo.tp)
         h, heads, groups, d = (config.hidden_size, config.num_attention_heads,
                                config.num_query_groups, config.head_dim)
         self.heads_local, self.head_dim = heads // topo.tp, d

@@ -81,21 +81,57 @@ class TransformerConfig:
     def replace(self, **changes) -> "TransformerConfig":
         return dataclasses.replace(self, **changes)
 
+    # ---- counts shared by the trainer's metrics, the planner and the dry run ------------------
+    def layer_parameters(self, tp: int = 1) -> float:
+        """Parameters of one transformer layer held by one TP rank (replicated norms and biases
+        whole; key/value heads replicated when tp exceeds their number)."""
+        h, f, d = self.hidden_size, self.ffn_hidden_size, self.head_dim
+        attn = self.num_attention_heads * d  # = h unless kv_channels decouples the head size
+        qkv = (self.num_attention_heads + 2 * max(self.num_query_groups, tp)) * d
+        fc1 = 2 * f if self.activation == "swiglu" else f
+        bias = 1 if self.bias else 0
+        qkv_bias = 1 if (self.bias or self.add_qkv_bias) else 0
+        sharded = qkv * h + attn * h + fc1 * h + f * h + qkv_bias * qkv + bias * fc1
+        qk_norms = 2 * d if self.qk_layernorm else 0
+        return sharded / tp + bias * 2 * h + 2 * self.norm_parameters() + qk_norms
+
+    def embedding_parameters(self, tp: int = 1, padded: bool = False) -> float:
+        """Word embedding (one TP rank's share; padded as built, or the unpadded vocabulary),
+        learned positions and the embedding norm."""
+        words = (self.padded_vocab_size(tp) if padded else self.vocab_size) * self.hidden_size / tp
+        positions = self.max_position_embeddings * self.hidden_size \
+            if self.position_embedding == "learned" else 0
+        return words + positions + (self.norm_parameters() if self.embedding_layernorm else 0)
+
+    def norm_parameters(self) -> int:
+        """Parameters of one norm (LayerNorm has a bias, RMSNorm not)."""
+        return 2 * self.hidden_size if self.normalization == "layernorm" else self.hidden_size
+
     def num_parameters(self) -> int:
         """Parameters of the unpadded model (tied embeddings counted once)."""
-        h, f, v, L = self.hidden_size, self.ffn_hidden_size, self.vocab_size, self.num_layers
-        b = 1 if self.bias else 0
-        attn = self.num_attention_heads * self.head_dim  # = h unless kv_channels decouples it
-        qkv = attn + 2 * self.num_query_groups * self.head_dim
+        head = 0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size
+        return int(self.embedding_parameters() + self.num_layers * self.layer_parameters()
+                   + self.norm_parameters() + head)
+
+    def forward_flops_per_token(self, seq_length: int) -> tuple[float, float, float]:
+        """(dense layer matmuls, attention scores and values, logits): forward FLOPs per token over
+        all layers, 2 per multiply-add (Narayanan et al. 2021's count, with GQA and SwiGLU)."""
+        h, f, d = self.hidden_size, self.ffn_hidden_size, self.head_dim
+        attn = self.num_attention_heads * d  # = h unless kv_channels decouples the head size
+        qkv = (self.num_attention_heads + 2 * self.num_query_groups) * d
         fc1 = 2 * f if self.activation == "swiglu" else f
-        norm = 2 * h if self.normalization == "layernorm" else h
-        per_layer = (qkv * h + attn * h + fc1 * h + f * h) + b * (h + fc1 + h) + 2 * norm
-        per_layer += qkv if (self.bias or self.add_qkv_bias) else 0
-        per_layer += 2 * self.head_dim if self.qk_layernorm else 0
-        emb = v * h + (self.max_position_embeddings * h if self.position_embedding == "learned" else 0)
-        emb += norm if self.embedding_layernorm else 0
-        head = 0 if self.tie_word_embeddings else v * h
-        return emb + L * per_layer + norm + head
+        dense = 2 * self.num_layers * (h * qkv + attn * h + h * fc1 + f * h)
+        return dense, 4 * self.num_layers * seq_length * attn, 2 * h * self.vocab_size
+
+    def model_flops_per_token(self, seq_length: int) -> float:
+        """Forward + backward (3x forward) FLOPs per token without recompute: the MFU convention."""
+        return 3.0 * sum(self.forward_flops_per_token(seq_length))
+
+    def check_layout(self, parallel, seq_length: int | None = None) -> None:
+        """Refuse a parallel layout this model cannot take (the rules: parallel/layout.py)."""
+        parallel.check_model(num_layers=self.num_layers, num_attention_heads=self.num_attention_heads,
+                             num_query_groups=self.num_query_groups,
+                             ffn_hidden_size=self.ffn_hidden_size, seq_length=seq_length)
 
 
 _GPT = dict(vocab_size=50257, position_embedding="learned", activation="gelu_tanh")

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from parallel.comm import copy_to_tp
+from parallel.mappings import copy_to_tp
 from parallel.tensor_parallel import sequence_parallel_param
 from parallel.topology import ParallelTopology
 

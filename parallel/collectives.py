@@ -1,26 +1,23 @@
-"""Collectives on flat tensors, with fallbacks for backends that lack the fused forms.
+"""The one home of megazoo's raw collectives (everything above them: `parallel/mappings.py`).
 
-NCCL has reduce-scatter and all-gather into one contiguous tensor. Older gloo builds lack
-reduce-scatter (torch 2.13's gloo has both); where a fused collective is missing we fall back
-to all_reduce + slice (reduce-scatter) or `dist.all_gather` into a list (all-gather). The probe
-runs once per backend: a missing collective fails the same way on every rank, so every rank
-takes the same path and nothing deadlocks.
+Two families, named for what they do:
 
-Every function returns a `Pending` whose `wait()` completes the operation (and runs the
-fallback's copy-out), so callers can overlap communication with computation uniformly.
-A group of None means a group of one: the collective is the identity.
+    blocking, on any tensor            all_reduce(x, g)  all_gather(x, g, dim)  reduce_scatter(x, g, dim)  split(x, g, dim)
+    launched, on flat buffers          all_reduce_async(t, g)  all_gather_into(out, inp, g)  reduce_scatter_into(out, inp, g)
+
+The blocking verbs return a tensor; the launched ones return a `Pending` whose `wait()` completes
+the operation (and runs an optional follow-up), so buckets can overlap communication with
+computation. A group of None means a group of one: every collective is then the identity.
+
+NCCL and gloo (torch >= 2.4) both have the fused reduce-scatter and all-gather into one
+contiguous tensor, so there is no fallback path to choose and no backend state to remember.
 """
 from __future__ import annotations
 
-import logging
 from typing import Callable
 
 import torch
 import torch.distributed as dist
-
-logger = logging.getLogger(__name__)
-
-_SUPPORT: dict[tuple[str, str], bool] = {}  # (backend, collective) -> fused form works
 
 # torch >= 2.10 renamed the fused collectives; the old names still work but warn.
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -28,7 +25,7 @@ _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 
 
 class Pending:
-    """A launched collective; `wait()` blocks until it is done and its output is in place."""
+    """A launched collective; `wait()` blocks until it is done, then runs `then` once."""
 
     def __init__(self, work=None, then: Callable[[], None] | None = None):
         self._work, self._then = work, then
@@ -46,55 +43,77 @@ def group_size(group) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
-def _backend(group) -> str:
-    return str(dist.get_backend(group))
+def group_rank(group) -> int:
+    return 0 if group is None else dist.get_rank(group)
 
 
-def _try_fused(name: str, fn, output, input, group, async_op: bool) -> Pending | None:
-    """Run the fused collective, or return None (remembered per backend) if it is missing."""
-    key = (_backend(group), name)
-    if not _SUPPORT.get(key, True):
-        return None
-    try:
-        return Pending(fn(output, input, group=group, async_op=async_op))
-    except (RuntimeError, NotImplementedError) as exc:
-        _SUPPORT[key] = False
-        logger.info("backend %s has no fused %s (%s); using the fallback", key[0], name, exc)
-        return None
+def _check_divisible(x: torch.Tensor, dim: int, n: int) -> None:
+    if x.shape[dim] % n != 0:
+        raise ValueError(f"dimension {dim} of size {x.shape[dim]} is not divisible by group size {n}")
 
 
-def all_reduce(tensor: torch.Tensor, group, op=dist.ReduceOp.SUM, async_op: bool = True) -> Pending:
+# ---- blocking verbs ------------------------------------------------------------------------
+
+def all_reduce(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """Reduce `x` over the group in place (made contiguous first) and return it."""
+    if group_size(group) > 1:
+        x = x.contiguous()
+        dist.all_reduce(x, op=op, group=group)
+    return x
+
+
+def all_gather(x: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
+    """Concatenate every rank's `x` along `dim` (in group-rank order)."""
+    n = group_size(group)
+    if n == 1:
+        return x
+    x = x.movedim(dim, 0).contiguous()
+    out = torch.empty((n * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+    all_gather_into(out.view(-1), x.view(-1), group).wait()  # dim-0 chunks are flat ranges
+    return out.movedim(0, dim)
+
+
+def reduce_scatter(x: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
+    """Sum `x` over the group and keep this rank's chunk along `dim`."""
+    n = group_size(group)
+    if n == 1:
+        return x
+    _check_divisible(x, dim, n)
+    x = x.movedim(dim, 0).contiguous()
+    out = torch.empty((x.shape[0] // n,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+    reduce_scatter_into(out.view(-1), x.view(-1), group).wait()
+    return out.movedim(0, dim)
+
+
+def split(x: torch.Tensor, group, dim: int) -> torch.Tensor:
+    """This rank's contiguous chunk of `x` along `dim` (no communication)."""
+    n = group_size(group)
+    if n == 1:
+        return x
+    _check_divisible(x, dim, n)
+    return x.chunk(n, dim=dim)[group_rank(group)].contiguous()
+
+
+# ---- launched verbs on flat buffers -----------------------------------------------------------
+
+def all_reduce_async(tensor: torch.Tensor, group, op=dist.ReduceOp.SUM) -> Pending:
+    """Launch an in-place all-reduce of a contiguous tensor."""
     if group is None:
         return Pending()
-    work = dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
-    return Pending(work if async_op else None)
+    return Pending(dist.all_reduce(tensor, op=op, group=group, async_op=True))
 
 
-def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group,
-                   async_op: bool = True) -> Pending:
-    """Sum `input` (numel = size * output.numel()) over the group; rank r keeps chunk r."""
+def reduce_scatter_into(output: torch.Tensor, input: torch.Tensor, group) -> Pending:
+    """Launch: sum `input` (numel = size * output.numel()) over the group; rank r keeps chunk r."""
     if group is None:
         output.copy_(input)
         return Pending()
-    fused = _try_fused("reduce_scatter", _REDUCE_SCATTER, output, input, group, async_op)
-    if fused is not None:
-        return fused
-    # Fallback: all-reduce a copy (the caller's input may be a live buffer) and keep my chunk.
-    rank, n = dist.get_rank(group), output.numel()
-    scratch = input.clone()
-    work = dist.all_reduce(scratch, group=group, async_op=async_op)
-    return Pending(work, lambda: output.copy_(scratch[rank * n:(rank + 1) * n]))
+    return Pending(_REDUCE_SCATTER(output, input, group=group, async_op=True))
 
 
-def all_gather(output: torch.Tensor, input: torch.Tensor, group, async_op: bool = True) -> Pending:
-    """Concatenate every rank's `input` into `output` (rank order)."""
+def all_gather_into(output: torch.Tensor, input: torch.Tensor, group) -> Pending:
+    """Launch: concatenate every rank's `input` into `output` (rank order)."""
     if group is None:
         output.copy_(input)
         return Pending()
-    fused = _try_fused("all_gather", _ALL_GATHER, output, input, group, async_op)
-    if fused is not None:
-        return fused
-    chunks = list(output.chunk(group_size(group)))
-    # dist.all_gather writes into the list's tensors; chunks of a contiguous 1-D output are
-    # contiguous views, so the result lands in `output` directly.
-    return Pending(dist.all_gather(chunks, input, group=group, async_op=async_op))
+    return Pending(_ALL_GATHER(output, input, group=group, async_op=True))

@@ -24,8 +24,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .comm import all_reduce, copy_to_tp, gather_from_sequence, group_rank, group_size
+from .collectives import all_reduce, group_rank, group_size
+from .mappings import copy_to_tp, gather_from_sequence
 from .grad_fusion import weight_grad
+from .param_spec import spec_of
 from .topology import ParallelTopology
 
 # Tokens per chunk. Smaller chunks keep the scratch in cache but starve the matmul: measured on
@@ -97,7 +99,7 @@ class _LMHeadCrossEntropy(torch.autograd.Function):
             picked = all_reduce(picked, group)
         valid = target >= 0
         ctx.save_for_backward(grad_logits, hidden, weight, valid)
-        ctx.accumulate_wgrad = getattr(weight, "accumulate_wgrad", None)  # see grad_fusion.py
+        ctx.accumulate_wgrad = spec_of(weight).accumulate_wgrad  # see grad_fusion.py
         return (lse - picked).masked_fill(~valid, 0.0)
 
     @staticmethod

@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .param_spec import spec_of
+
 
 class _LinearWgradIntoBucket(torch.autograd.Function):
     @staticmethod
@@ -25,7 +27,7 @@ class _LinearWgradIntoBucket(torch.autograd.Function):
         ctx.has_bias = bias is not None
         # taken now: the tensor saved_tensors hands back (e.g. under recompute) may be another
         # object without the attribute
-        ctx.accumulate_wgrad = weight.accumulate_wgrad
+        ctx.accumulate_wgrad = spec_of(weight).accumulate_wgrad
         return F.linear(x, weight, bias)
 
     @staticmethod
@@ -47,6 +49,6 @@ def weight_grad(accumulate_wgrad, a: torch.Tensor, b: torch.Tensor) -> torch.Ten
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    if getattr(weight, "accumulate_wgrad", None) is not None and torch.is_grad_enabled():
+    if spec_of(weight).accumulate_wgrad is not None and torch.is_grad_enabled():
         return _LinearWgradIntoBucket.apply(x, weight, bias)
     return F.linear(x, weight, bias)

@@ -16,8 +16,9 @@ import torch
 import torch.nn.functional as F
 
 from . import collectives as C
-from .comm import all_gather
+from .collectives import all_gather
 from .grad_fusion import weight_grad
+from .param_spec import spec_of
 
 
 def _gather_launch(x_local: torch.Tensor, group) -> tuple[torch.Tensor, C.Pending]:
@@ -25,7 +26,7 @@ def _gather_launch(x_local: torch.Tensor, group) -> tuple[torch.Tensor, C.Pendin
     x_local = x_local.contiguous()
     full = torch.empty((n * x_local.shape[0],) + tuple(x_local.shape[1:]), dtype=x_local.dtype,
                        device=x_local.device)
-    return full, C.all_gather(full.view(-1), x_local.view(-1), group)
+    return full, C.all_gather_into(full.view(-1), x_local.view(-1), group)
 
 
 class _SequenceGatheredLinear(torch.autograd.Function):
@@ -33,7 +34,7 @@ class _SequenceGatheredLinear(torch.autograd.Function):
     def forward(ctx, x_local, weight, bias, group):
         ctx.save_for_backward(x_local, weight)
         ctx.group, ctx.has_bias = group, bias is not None
-        ctx.accumulate_wgrad = getattr(weight, "accumulate_wgrad", None)
+        ctx.accumulate_wgrad = spec_of(weight).accumulate_wgrad
         return F.linear(all_gather(x_local, group, dim=0), weight, bias)
 
     @staticmethod
@@ -45,7 +46,7 @@ class _SequenceGatheredLinear(torch.autograd.Function):
             grad_full = (grad_out @ weight).contiguous()  # partial sums: this rank's weight shard
             grad_x = torch.empty_like(x_local)
             gathering.wait()
-            scattering = C.reduce_scatter(grad_x.view(-1), grad_full.view(-1), ctx.group)
+            scattering = C.reduce_scatter_into(grad_x.view(-1), grad_full.view(-1), ctx.group)
         else:
             gathering.wait()
             scattering = C.Pending()

@@ -1,8 +1,7 @@
 """Move between full (unsharded) tensors and this rank's tensor-parallel shards.
 
-Works from the attributes the parallel layers set (`tensor_model_parallel`, `partition_dim`,
-`full_size`, and `tp_layout` where shards are not contiguous chunks), so it needs no knowledge
-of the model. Full tensors are unpadded: vocabulary padding is added on sharding and trimmed on
+Works from the split each parallel layer records (`spec_of(param).tp_split`), so it needs no
+knowledge of the model. Full tensors are unpadded: vocabulary padding is added on sharding and trimmed on
 gathering.
 """
 from __future__ import annotations
@@ -12,29 +11,30 @@ from typing import Callable
 import torch
 from torch import nn
 
-from .comm import all_gather
+from .collectives import all_gather
+from .param_spec import spec_of
 from .tensor_parallel import shard_of, unshard
 from .topology import ParallelTopology
 
 
 def local_shard(param: torch.Tensor, full: torch.Tensor, topo: ParallelTopology) -> torch.Tensor:
     """This rank's part of `full` for a parameter shaped like `param`."""
-    if not getattr(param, "tensor_model_parallel", False):
+    split = spec_of(param).tp_split
+    if split is None:
         return full
-    dim = param.partition_dim
-    return shard_of(full, dim, topo.tp_rank, topo.tp, padded_size=param.shape[dim] * topo.tp,
-                    layout=getattr(param, "tp_layout", None))
+    return shard_of(full, split.dim, topo.tp_rank, topo.tp,
+                    padded_size=param.shape[split.dim] * topo.tp, layout=split.layout)
 
 
 def full_tensor(param: torch.Tensor, topo: ParallelTopology, tensor: torch.Tensor | None = None):
     """Gather a TP-sharded tensor (the parameter, or e.g. its gradient) into its full shape."""
     t = param.detach() if tensor is None else tensor
-    if not getattr(param, "tensor_model_parallel", False):
+    split = spec_of(param).tp_split
+    if split is None:
         return t
-    dim = param.partition_dim
+    dim = split.dim
     gathered = all_gather(t.movedim(dim, 0).contiguous(), topo.tp_group, dim=0).movedim(0, dim)
-    return unshard(list(gathered.chunk(topo.tp, dim)), dim, param.full_size,
-                   getattr(param, "tp_layout", None))
+    return unshard(list(gathered.chunk(topo.tp, dim)), dim, split.full_size, split.layout)
 
 
 def _name_of(model: nn.Module) -> Callable[[str], str]:

@@ -1,13 +1,9 @@
 """Tensor-parallel layers (Shoeybi et al. 2019) and sequence parallelism (Korthikanti et al. 2022).
 
-Every sharded parameter records how it was cut, so checkpoints, converters and tests can
-gather or re-slice it without knowing the model:
-
-    param.tensor_model_parallel = True
-    param.partition_dim          # the dimension split over TP ranks
-    param.full_size              # that dimension's unpadded global size (vocabulary padding aside)
-    param.tp_layout              # optional: how shards map to the full tensor when they are not
-                                 # contiguous chunks (see StridedLayout, GroupedLayout)
+Every sharded parameter records how it was cut (`spec_of(param).tp_split`, see
+`parallel/param_spec.py`: the split dimension, its unpadded full size and, where shards are not
+contiguous chunks, a `StridedLayout` or `GroupedLayout`), so checkpoints, converters and tests can
+gather or re-slice it without knowing the model.
 
 Initialisation builds the full tensor from a generator the caller seeds, then keeps this rank's
 slice: the same seed gives the same full weight for every TP size.
@@ -20,28 +16,25 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .comm import (copy_to_tp, gather_from_sequence, gather_last_dim, group_rank, group_size,
-                   reduce_from_tp, reduce_scatter_to_sequence, all_reduce)
+from .collectives import all_reduce
+from .mappings import (copy_to_tp, gather_from_sequence, gather_last_dim, reduce_from_tp,
+                       reduce_scatter_to_sequence)
 from .grad_fusion import linear
+from .param_spec import TensorParallelSplit, set_spec, spec_of
 from .sequence_parallel_linear import sequence_gathered_linear
 from .topology import ParallelTopology
 
 InitFn = Callable[[torch.Tensor], None]  # fills a full (unsharded) fp32 tensor in place
 
 
-def vocab_size_with_padding(vocab_size: int, divisible_by: int, tp: int) -> int:
-    """Megatron's padding: a multiple of make_vocab_size_divisible_by x tp."""
-    multiple = divisible_by * tp
-    return -(-vocab_size // multiple) * multiple
-
-
 def mark_tensor_parallel(param: nn.Parameter, partition_dim: int, full_size: int,
                          layout: "ShardLayout | None" = None) -> None:
-    param.tensor_model_parallel = True
-    param.partition_dim = partition_dim
-    param.full_size = full_size
-    if layout is not None:
-        param.tp_layout = layout
+    set_spec(param, tp_split=TensorParallelSplit(partition_dim, full_size, layout))
+
+
+def tp_layout(param: torch.Tensor) -> "ShardLayout | None":
+    split = spec_of(param).tp_split
+    return split.layout if split is not None else None
 
 
 class ShardLayout:
@@ -162,14 +155,14 @@ class _ReplicaGradSum(torch.autograd.Function):
 def duplicate_rows(param: torch.Tensor, topo: ParallelTopology) -> int:
     """Trailing rows of this rank's shard that another rank holds too and should count instead
     (for a global gradient norm): replicated rows on all but the first copy, else 0."""
-    layout = getattr(param, "tp_layout", None)
+    layout = tp_layout(param)
     rows = layout.replicated_rows(topo.tp) if layout is not None else 0
     return rows if rows and topo.tp_rank % (topo.tp // layout.groups) else 0
 
 
 def replica_grad_sum(param: torch.Tensor, topo: ParallelTopology) -> torch.Tensor:
     """Use a parameter whose layout may replicate rows over TP ranks (see GroupedLayout)."""
-    layout = getattr(param, "tp_layout", None)
+    layout = tp_layout(param)
     if layout is None or layout.replicated_rows(topo.tp) == 0:
         return param
     return _ReplicaGradSum.apply(param, layout, topo)
@@ -298,7 +291,7 @@ class VocabParallelEmbedding(nn.Module):
         # Row-sparse gradients when whoever collects them says it takes them (the ZeRO
         # optimizer's hooks): no zeroed [vocab, h] gradient per micro-batch, and a tied head's
         # dense gradient absorbs the rows with an index_add instead of a full-size add.
-        sparse = getattr(self.weight, "accepts_sparse_grad", False)
+        sparse = spec_of(self.weight).accepts_sparse_grad
         if self.topo.tp == 1:
             return F.embedding(ids, self.weight, sparse=sparse)
         local = ids - self.start
@@ -320,42 +313,3 @@ def parallel_lm_logits(hidden: torch.Tensor, weight: torch.Tensor, topo: Paralle
         pad = torch.arange(start, start + per_rank, device=logits.device) >= vocab_size
         logits = logits.masked_fill(pad, float("-inf"))
     return logits
-
-
-class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Cross-entropy over vocabulary-sharded logits; only [s, b] scalars cross ranks."""
-
-    @staticmethod
-    def forward(ctx, logits, target, group):
-        logits = logits.float()
-        per_rank = logits.shape[-1]
-        start = group_rank(group) * per_rank
-        # Stabilise with the global max (detached: it cancels out of the loss).
-        logits_max = all_reduce(logits.max(dim=-1).values, group, op=torch.distributed.ReduceOp.MAX)
-        shifted = logits - logits_max.unsqueeze(-1)
-        local_t = target - start
-        outside = (local_t < 0) | (local_t >= per_rank)
-        local_t = local_t.masked_fill(outside, 0)
-        picked = shifted.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
-        picked = all_reduce(picked, group)
-        exp = shifted.exp()
-        sum_exp = all_reduce(exp.sum(dim=-1), group)
-        loss = sum_exp.log() - picked
-        ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), local_t, outside)
-        return loss
-
-    @staticmethod
-    def backward(ctx, grad_loss):
-        softmax, local_t, outside = ctx.saved_tensors
-        grad = softmax
-        onehot = (~outside).to(grad.dtype).unsqueeze(-1)
-        grad.scatter_add_(-1, local_t.unsqueeze(-1), -onehot)
-        return grad * grad_loss.unsqueeze(-1), None, None
-
-
-def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group) -> torch.Tensor:
-    """Per-token loss from logits sharded over the vocabulary; never gathers the full logits."""
-    if group_size(group) == 1:
-        return F.cross_entropy(logits.float().flatten(0, -2), target.flatten(),
-                               reduction="none").view(target.shape)
-    return _VocabParallelCrossEntropy.apply(logits, target, group)

@@ -1,13 +1,9 @@
-"""Process topology: which rank holds which (pipeline, data, tensor) coordinate, and its groups.
+"""Process topology: this rank's coordinates and its process groups.
 
-Rank order follows Megatron-LM: tensor-parallel ranks are adjacent (they talk most, so they
-share a node), then data-parallel, then pipeline-parallel:
-
-    rank = pp_rank * (dp * tp) + dp_rank * tp + tp_rank
-
-A `ParallelTopology` is an explicit object handed to every layer, schedule and optimizer that
+The layout rules, the rank order and the group lists live in `parallel/layout.py`; this file
+turns them into process groups. A `ParallelTopology` is an explicit object handed to every layer, schedule and optimizer that
 needs to communicate; nothing reads a global. With world size 1 every group is `None` and every
-collective in `parallel.comm` is the identity, so the same model code runs unsharded.
+collective in `parallel.collectives` is the identity, so the same model code runs unsharded.
 """
 from __future__ import annotations
 
@@ -19,80 +15,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from .layout import Coords, Grid, LayoutError, ParallelConfig  # noqa: F401 - re-exported
+
 logger = logging.getLogger(__name__)
-
-
-class LayoutError(ValueError):
-    """An impossible parallel layout; the message names the flag to change."""
-
-
-@dataclass(frozen=True)
-class ParallelConfig:
-    """The layout a user asks for (Megatron flag names in comments)."""
-
-    tp: int = 1  # --tensor-model-parallel-size
-    pp: int = 1  # --pipeline-model-parallel-size
-    vpp: int = 1  # virtual pipeline chunks per rank (from --num-layers-per-virtual-pipeline-stage)
-    sequence_parallel: bool = False  # --sequence-parallel
-
-    def validate(self, world_size: int) -> int:
-        """Check the layout against the world size and return the data-parallel size."""
-        for name, flag, value in (("tp", "--tensor-model-parallel-size", self.tp),
-                                  ("pp", "--pipeline-model-parallel-size", self.pp),
-                                  ("vpp", "--num-layers-per-virtual-pipeline-stage", self.vpp)):
-            if value < 1:
-                raise LayoutError(f"{flag} must be >= 1, got {value} ({name})")
-        if world_size % (self.tp * self.pp) != 0:
-            raise LayoutError(
-                f"world size {world_size} is not divisible by --tensor-model-parallel-size {self.tp} "
-                f"x --pipeline-model-parallel-size {self.pp}; launch tp*pp*dp processes")
-        if self.vpp > 1 and self.pp == 1:
-            raise LayoutError("virtual pipeline stages need --pipeline-model-parallel-size > 1")
-        if self.sequence_parallel and self.tp == 1:
-            logger.info("--sequence-parallel has no effect with tensor-model-parallel-size 1")
-        return world_size // (self.tp * self.pp)
-
-    def validate_model(self, *, num_layers: int, num_attention_heads: int,
-                       num_query_groups: int | None = None) -> None:
-        """Model-dependent checks, run before any process group or weight is created."""
-        if num_attention_heads % self.tp != 0:
-            raise LayoutError(
-                f"--num-attention-heads {num_attention_heads} is not divisible by "
-                f"--tensor-model-parallel-size {self.tp}; pick a tp that divides the head count")
-        if num_query_groups is not None and num_query_groups % self.tp != 0 \
-                and self.tp % num_query_groups != 0:
-            raise LayoutError(
-                f"--num-query-groups {num_query_groups} and --tensor-model-parallel-size {self.tp} "
-                f"must divide one another")
-        chunks = self.pp * self.vpp
-        if num_layers % chunks != 0:
-            raise LayoutError(
-                f"--num-layers {num_layers} is not divisible by --pipeline-model-parallel-size "
-                f"{self.pp} x virtual stages {self.vpp} = {chunks}; change --num-layers or the "
-                f"pipeline layout")
-
-
-def _coords(rank: int, tp: int, dp: int) -> tuple[int, int, int]:
-    """(pp_rank, dp_rank, tp_rank) of a global rank in Megatron order."""
-    return rank // (tp * dp), (rank // tp) % dp, rank % tp
-
-
-def rank_of(pp_rank: int, dp_rank: int, tp_rank: int, tp: int, dp: int) -> int:
-    return pp_rank * tp * dp + dp_rank * tp + tp_rank
-
-
-def group_rank_lists(tp: int, pp: int, dp: int) -> dict[str, list[list[int]]]:
-    """Every group of every kind, as lists of global ranks (pure; testable without processes)."""
-    r = lambda p, d, t: rank_of(p, d, t, tp, dp)  # noqa: E731
-    groups = {
-        "tp": [[r(p, d, t) for t in range(tp)] for p in range(pp) for d in range(dp)],
-        "dp": [[r(p, d, t) for d in range(dp)] for p in range(pp) for t in range(tp)],
-        "pp": [[r(p, d, t) for p in range(pp)] for d in range(dp) for t in range(tp)],
-        "mp": [[r(p, d, t) for p in range(pp) for t in range(tp)] for d in range(dp)],
-    }
-    # Embedding group: first and last stage of each pipeline (they hold the tied word embedding).
-    groups["embedding"] = [sorted({ranks[0], ranks[-1]}) for ranks in groups["pp"]]
-    return groups
 
 
 @dataclass
@@ -112,10 +37,9 @@ class ParallelTopology:
     def single(cls, config: ParallelConfig | None = None, device: torch.device | str = "cpu"):
         """The unsharded topology: one process, no groups. Used by references and tools."""
         config = config or ParallelConfig()
-        if config.tp * config.pp != 1:
-            raise LayoutError("a single-process topology needs tp = pp = 1")
-        return cls(config=config, device=torch.device(device),
-                   group_ranks={k: [0] for k in ("tp", "dp", "pp", "mp", "embedding")})
+        if config.tp * config.pp * config.cp * config.ep != 1:
+            raise LayoutError("a single-process topology needs tp = pp = cp = ep = 1")
+        return cls(config=config, device=torch.device(device), group_ranks=Grid().groups_of(0))
 
     @classmethod
     def from_config(cls, config: ParallelConfig) -> "ParallelTopology":
@@ -125,10 +49,14 @@ class ParallelTopology:
         world, rank = dist.get_world_size(), dist.get_rank()
         dp = config.validate(world)
         topo = cls(config=config, rank=rank, world_size=world, dp=dp, device=default_device())
-        # Every rank must create every group, in the same order, even those it is not in.
-        for kind, lists in group_rank_lists(config.tp, config.pp, dp).items():
+        # Every rank must create every group, in the same order, even those it is not in. Kinds
+        # that coincide (dp_cp is dp when cp = 1) share one process group.
+        made: dict[tuple[int, ...], object] = {}
+        for kind, lists in topo.grid.groups().items():
             for ranks in lists:
-                group = dist.new_group(ranks) if len(ranks) > 1 else None
+                if len(ranks) > 1 and tuple(ranks) not in made:
+                    made[tuple(ranks)] = dist.new_group(ranks)
+                group = made.get(tuple(ranks))
                 if rank in ranks:
                     topo.groups[kind] = group
                     topo.group_ranks[kind] = ranks
@@ -152,20 +80,36 @@ class ParallelTopology:
         return self.config.sequence_parallel and self.config.tp > 1
 
     @property
-    def coords(self) -> tuple[int, int, int]:
-        return _coords(self.rank, self.tp, self.dp)
+    def cp(self) -> int:
+        return self.config.cp
+
+    @property
+    def ep(self) -> int:
+        return self.config.ep
+
+    @property
+    def grid(self) -> Grid:
+        return Grid(tp=self.tp, cp=self.cp, dp=self.dp, pp=self.pp, ep=self.ep)
+
+    @property
+    def coords(self) -> Coords:
+        return self.grid.coords(self.rank)
 
     @property
     def pp_rank(self) -> int:
-        return self.coords[0]
+        return self.coords.pp
 
     @property
     def dp_rank(self) -> int:
-        return self.coords[1]
+        return self.coords.dp
+
+    @property
+    def cp_rank(self) -> int:
+        return self.coords.cp
 
     @property
     def tp_rank(self) -> int:
-        return self.coords[2]
+        return self.coords.tp
 
     @property
     def tp_group(self):
@@ -174,6 +118,24 @@ class ParallelTopology:
     @property
     def dp_group(self):
         return self.groups.get("dp")
+
+    @property
+    def cp_group(self):
+        return self.groups.get("cp")
+
+    @property
+    def dp_cp_group(self):
+        """Data x context parallel: replicated parameters' gradients are reduced over it."""
+        return self.groups.get("dp_cp")
+
+    @property
+    def ep_group(self):
+        return self.groups.get("ep")
+
+    @property
+    def edp_group(self):
+        """Expert data parallel: the ranks holding the same experts."""
+        return self.groups.get("edp")
 
     @property
     def pp_group(self):
@@ -197,7 +159,8 @@ class ParallelTopology:
 
     def stage_rank(self, pp_rank: int) -> int:
         """Global rank of the pipeline stage `pp_rank` in my pipeline (same dp and tp rank)."""
-        return rank_of(pp_rank % self.pp, self.dp_rank, self.tp_rank, self.tp, self.dp)
+        c = self.coords
+        return self.grid.rank(pp_rank % self.pp, c.dp, c.cp, c.tp)
 
     @property
     def next_rank(self) -> int:
@@ -209,7 +172,8 @@ class ParallelTopology:
 
     def describe(self) -> str:
         return (f"rank {self.rank}/{self.world_size} pp={self.pp_rank}/{self.pp} "
-                f"dp={self.dp_rank}/{self.dp} tp={self.tp_rank}/{self.tp} vpp={self.vpp} "
+                f"dp={self.dp_rank}/{self.dp} cp={self.cp_rank}/{self.cp} tp={self.tp_rank}/{self.tp} "
+                f"ep={self.ep} vpp={self.vpp} "
                 f"device={self.device}")
 
 

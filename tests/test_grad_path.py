@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from models.language_model import TransformerLanguageModel
+from parallel.param_spec import spec_of
 from parallel.topology import ParallelTopology
 from parallel.zero import OptimizerConfig, build_optimizer
 from tests.test_zero_common import batch, small_gpt
@@ -32,7 +33,7 @@ def test_bucket_gradients_equal_autograd(precision, stage, tied):
     names = {id(p): n for n, p in model.named_parameters()}
     ref_params = dict(ref.named_parameters())
     g = torch.Generator().manual_seed(3)
-    fused_linears = [p for p in model.parameters() if getattr(p, "accumulate_wgrad", None)]
+    fused_linears = [p for p in model.parameters() if spec_of(p).accumulate_wgrad]
     assert bool(fused_linears) == (precision == "fp32")  # the fusion needs buckets of the weights' dtype
     for step in range(2):  # the second step starts from lazily zeroed buckets
         opt.zero_grad()

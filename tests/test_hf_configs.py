@@ -209,8 +209,8 @@ def test_import_layout_errors_name_the_flag_and_field(tmp_path, capsys):
            intermediate_size=1536, num_hidden_layers=2).save_pretrained(tmp_path / "hf")
     capsys.readouterr()  # save_pretrained's progress bar
     for flags, expected in (
-            (["--tensor-model-parallel-size", "0"], "--tensor-model-parallel-size must be >= 1"),
-            (["--tensor-model-parallel-size", "9"], "MLP width 1536 (config.json intermediate_size"),
+            (["--tensor-model-parallel-size", "0"], "--tensor-model-parallel-size must be an integer >= 1"),
+            (["--tensor-model-parallel-size", "9"], "--ffn-hidden-size 1536 (HF intermediate_size)"),
             (["--virtual-pipeline-model-parallel-size", "2"], "--pipeline-model-parallel-size > 1")):
         assert _tool("import", "--hf-dir", str(tmp_path / "hf"), "--save", str(tmp_path / "mz"),
                      *flags) == 1

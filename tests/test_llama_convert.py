@@ -22,7 +22,6 @@ NEW_TOKENS = 8
 def _worker(rank, cases, tool_case):
     from models.generation import SamplingConfig, generate
     from models.hf import model_class
-    from parallel.pipeline.partition import rank_chunks
     from parallel.topology import ParallelConfig, ParallelTopology
     from tests.test_convert import _generate_tool, _pipeline_logits
     from training.checkpointing import latest_checkpoint
@@ -35,7 +34,7 @@ def _worker(rank, cases, tool_case):
             folder = latest_checkpoint(case["ckpt"])
             _, config, module = checkpoint_config(folder)
             chunks = [model_class(module)(config, topo, **spec.kwargs()).eval()
-                      for spec in rank_chunks(config.num_layers, pp, vpp, topo.pp_rank)]
+                      for spec in topo.config.chunk_specs(config.num_layers, topo.pp_rank)]
             load_weights(folder, chunks, topo)
             with torch.no_grad():
                 logits = _pipeline_logits(chunks, topo, case["ids"], config.hidden_size)

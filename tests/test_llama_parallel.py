@@ -16,11 +16,13 @@ import torch.nn.functional as F
 from models import llama
 from models.blocks import KVCache
 from models.language_model import gather_logits
-from parallel.comm import all_gather
+from parallel.collectives import all_gather
 from parallel.pipeline.engine import run_pipeline
 from parallel.pipeline.partition import partition
 from parallel.pipeline.schedules import build_schedule
-from parallel.pipeline.tied import allreduce_tied_embedding_grads, broadcast_tied_embedding
+from parallel.pipeline.tied import broadcast_tied_embedding
+from parallel.tensor_parallel import tp_layout
+from tests.distributed import sum_tied_embedding_grads
 from parallel.sharding import full_tensor, load_full_state_dict
 from parallel.topology import ParallelConfig, ParallelTopology
 from tests.distributed import run_distributed
@@ -51,7 +53,7 @@ def _check_shards(chunks, topo, full, cfg, where):
     for chunk in chunks:
         for name, p in chunk.named_parameters():
             assert torch.equal(full_tensor(p, topo), full[chunk.canonical_name(name)]), (where, name)
-            layout = getattr(p, "tp_layout", None)
+            layout = tp_layout(p)
             rows = layout.replicated_rows(topo.tp) if layout is not None else 0
             if rows:
                 copies = all_gather(p.grad[-rows:], topo.tp_group).chunk(topo.tp)
@@ -145,7 +147,7 @@ def _worker(rank, hf_refs):
         shape = (SEQ // tp if sp else SEQ, BATCH // m, cfg.hidden_size)
         losses = run_pipeline(build_schedule(schedule, pp, topo.pp_rank, m, vpp), chunks, mbs, topo,
                               shape, torch.float32, forward_fn)
-        allreduce_tied_embedding_grads(chunks, topo)
+        sum_tied_embedding_grads(chunks, topo)
         if losses:  # last stage
             logits = torch.cat([captured[i] for i in range(m)])
             torch.testing.assert_close(logits, hf_logits, **TOL, msg=where)

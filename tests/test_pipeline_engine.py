@@ -14,7 +14,9 @@ from torch import nn
 from parallel.pipeline.engine import PipelineStats, run_pipeline
 from parallel.pipeline.partition import partition
 from parallel.pipeline.schedules import activation_bound, build_schedule
-from parallel.pipeline.tied import allreduce_tied_embedding_grads, broadcast_tied_embedding
+from parallel.param_spec import set_spec
+from parallel.pipeline.tied import broadcast_tied_embedding
+from tests.distributed import sum_tied_embedding_grads
 from parallel.topology import ParallelConfig, ParallelTopology
 from tests.distributed import run_distributed
 
@@ -46,10 +48,10 @@ class ToyChunk(nn.Module):
         self.layers = nn.ModuleDict({str(i): ToyLayer(i) for i in range(*layer_range)})
         if pre_process:
             self.embedding = nn.Parameter(_init((VOCAB, HIDDEN), 7))
-            self.embedding.tied_embedding = True
+            set_spec(self.embedding, tied_embedding=True)
         if post_process and not pre_process:
             self.head = nn.Parameter(torch.zeros(VOCAB, HIDDEN))  # filled by the broadcast
-            self.head.tied_embedding = True
+            set_spec(self.head, tied_embedding=True)
 
     def forward(self, x, labels=None):
         h = F.embedding(x, self.embedding).transpose(0, 1) if self.pre_process else x
@@ -141,7 +143,7 @@ def _pipeline_worker(rank, cases):
                                 grads=None, peak=stats.peak_activations, bound=1,
                                 peak_bytes=stats.peak_saved_bytes, per_unit=0))
             continue
-        allreduce_tied_embedding_grads(chunks, topo)
+        sum_tied_embedding_grads(chunks, topo)
         grads = {n: p.grad for c in chunks for n, p in c.named_parameters()}
         if dp_split:
             data_parallel_mean(list(grads.values()) + ([loss] if loss is not None else []), topo)

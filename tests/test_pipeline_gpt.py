@@ -14,7 +14,8 @@ from models.language_model import TransformerLanguageModel
 from parallel.pipeline.engine import PipelineStats, run_pipeline
 from parallel.pipeline.partition import partition
 from parallel.pipeline.schedules import activation_bound, build_schedule
-from parallel.pipeline.tied import allreduce_tied_embedding_grads, broadcast_tied_embedding
+from parallel.pipeline.tied import broadcast_tied_embedding
+from tests.distributed import sum_tied_embedding_grads
 from parallel.sharding import full_tensor
 from parallel.topology import ParallelConfig, ParallelTopology
 from tests.distributed import run_distributed
@@ -58,7 +59,7 @@ def _gpt_worker(rank, cases):
         stats = PipelineStats()
         losses = run_pipeline(build_schedule(name, pp, topo.pp_rank, m, vpp), chunks, mbs, topo,
                               shape, torch.float32, mean_loss_forward, stats=stats)
-        allreduce_tied_embedding_grads(chunks, topo)
+        sum_tied_embedding_grads(chunks, topo)
         params = [(c.canonical_name(n), p) for c in chunks for n, p in c.named_parameters()]
         loss = torch.stack(losses).mean() if losses else None
         if dp_split:

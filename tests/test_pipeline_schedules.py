@@ -143,10 +143,10 @@ def test_uneven_first_and_last_stage():
     ((6, 4), {}, "--num-layers 6 is not divisible by pp 4 x vpp 1"),
     ((8, 2, 3), {}, "not divisible"),
     ((10, 4), dict(first_stage_layers=2), "do not split evenly"),
-    ((8, 2, 2), dict(first_stage_layers=3), "divisible by vpp 2"),
+    ((8, 2, 2), dict(first_stage_layers=3), "divisible by the virtual stages per rank .2."),
     ((4, 4), dict(first_stage_layers=3, last_stage_layers=3), "exceed"),
     ((4, 2), dict(first_stage_layers=1, last_stage_layers=1), "must equal"),
-    ((4, 1), dict(first_stage_layers=1), "need pp > 1"),
+    ((4, 1), dict(first_stage_layers=1), "need --pipeline-model-parallel-size > 1"),
 ])
 def test_bad_partitions_are_rejected(args, kwargs, match):
     with pytest.raises(LayoutError, match=match):

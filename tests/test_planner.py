@@ -203,9 +203,15 @@ def test_plan_tool_ranks_and_breaks_down(capsys):
     tool.main(["--model", "gpt-1.3b", "--gpus", "8", "--global-batch-size", "64", "--top", "3"])
     out = capsys.readouterr().out
     assert "layouts fit; the fastest 3" in out and out.count("gbs64") == 3
+    # 70 layers over 12 stages: refused as the trainer would, naming the flag that fixes it.
+    with pytest.raises(SystemExit, match="--num-layers 70 is not divisible.*--decoder-first"):
+        tool.main(["--model", "bloom-176b", "--cluster", "jean-zay-a100-80gb", "--gpus", "384",
+                   "--tp", "4", "--pp", "12", "--zero-stage", "1", "--recompute", "full",
+                   "--micro-batch-size", "2", "--global-batch-size", "2048"])
     tool.main(["--model", "bloom-176b", "--cluster", "jean-zay-a100-80gb", "--gpus", "384",
                "--tp", "4", "--pp", "12", "--zero-stage", "1", "--recompute", "full",
-               "--micro-batch-size", "2", "--global-batch-size", "2048"])
+               "--micro-batch-size", "2", "--global-batch-size", "2048",
+               "--decoder-first-pipeline-num-layers", "5", "--decoder-last-pipeline-num-layers", "5"])
     assert "fits: True" in capsys.readouterr().out
     tool.main(["--published"])
     assert capsys.readouterr().out.count("| yes |") == len(published_runs())

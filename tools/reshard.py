@@ -21,7 +21,8 @@ from models.hf import FAMILIES, model_class  # noqa: E402
 from models.language_model import TransformerLanguageModel  # noqa: E402
 from parallel.zero.config import OptimizerConfig  # noqa: E402
 from training import checkpointing as ckpt  # noqa: E402
-from training.reshard import read_full_state, virtual_chunks, write_layout  # noqa: E402
+from parallel.layout import virtual_stages  # noqa: E402
+from training.reshard import read_full_state, write_layout  # noqa: E402
 
 
 def reshard(load: str, save: str, *, tp: int, pp: int, vpp: int = 1, dp: int = 1,
@@ -29,7 +30,8 @@ def reshard(load: str, save: str, *, tp: int, pp: int, vpp: int = 1, dp: int = 1
     folder = ckpt.resolve(load)
     meta = ckpt.read_meta(folder)
     config = TransformerConfig(**meta["model"])
-    vpp = virtual_chunks(config.num_layers, pp, vpp, layers_per_virtual_stage)
+    vpp = virtual_stages(config.num_layers, pp, layers_per_virtual_stage) \
+        if layers_per_virtual_stage else vpp
     OptimizerConfig(zero_stage=zero_stage).validate(pp)  # e.g. ZeRO-3 does not compose with pp > 1
     family = meta.get("family")
     cls = model_class(FAMILIES[family]) if family in FAMILIES else TransformerLanguageModel

@@ -9,7 +9,7 @@ import argparse
 import os
 
 from models.config import PRESETS, TransformerConfig, preset
-from parallel.topology import LayoutError, ParallelConfig
+from parallel.layout import LayoutError, ParallelConfig, microbatches_per_step, virtual_stages
 from parallel.zero.config import LossScaleConfig, OptimizerConfig
 
 from .config import (CheckpointConfig, DataConfig, LoggingConfig, RunConfig, ScheduleConfig)
@@ -45,6 +45,11 @@ def build_parser(default_model: str | None = None) -> argparse.ArgumentParser:
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int)
+    g.add_argument("--decoder-first-pipeline-num-layers", type=int,
+                   help="layers on the first pipeline stage (uneven split; it also holds the "
+                        "embedding); the other stages share the rest evenly")
+    g.add_argument("--decoder-last-pipeline-num-layers", type=int,
+                   help="layers on the last pipeline stage (it also holds the head and loss)")
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--pipeline-schedule", default="1f1b", choices=["1f1b", "gpipe", "no_pipelining"])
     g = p.add_argument_group("batch and schedule")
@@ -156,31 +161,22 @@ def to_run_config(args: argparse.Namespace, vocab_size: int | None = None,
     if model.position_embedding == "learned" and seq > model.max_position_embeddings:
         _fail(f"--seq-length {seq} exceeds --max-position-embeddings {model.max_position_embeddings}")
 
-    vpp = 1
-    if args.num_layers_per_virtual_pipeline_stage:
-        per_rank = model.num_layers // max(args.pipeline_model_parallel_size, 1)
-        if per_rank % args.num_layers_per_virtual_pipeline_stage:
-            _fail(f"--num-layers-per-virtual-pipeline-stage {args.num_layers_per_virtual_pipeline_stage}"
-                  f" does not divide the {per_rank} layers per pipeline stage")
-        vpp = per_rank // args.num_layers_per_virtual_pipeline_stage
-    parallel = ParallelConfig(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
-                              vpp=vpp, sequence_parallel=args.sequence_parallel)
-    dp = parallel.validate(world)
-    parallel.validate_model(num_layers=model.num_layers, num_attention_heads=model.num_attention_heads)
-    if parallel.sequence_parallel and seq % parallel.tp:
-        _fail(f"--seq-length {seq} must be divisible by --tensor-model-parallel-size {parallel.tp} "
-              f"with --sequence-parallel")
-
-    mbs = args.micro_batch_size
-    gbs = args.global_batch_size or mbs * dp
-    if gbs % (mbs * dp):
-        _fail(f"--global-batch-size {gbs} is not divisible by --micro-batch-size {mbs} x "
-              f"data-parallel size {dp}")
-    num_micro = gbs // (mbs * dp)
-    if vpp > 1 and num_micro % parallel.pp:
-        _fail(f"interleaved pipelining needs the {num_micro} microbatches per step "
-              f"(--global-batch-size / (--micro-batch-size x dp)) to be a multiple of "
-              f"--pipeline-model-parallel-size {parallel.pp}")
+    try:
+        parallel = ParallelConfig(
+            tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
+            vpp=virtual_stages(model.num_layers, args.pipeline_model_parallel_size,
+                               args.num_layers_per_virtual_pipeline_stage),
+            sequence_parallel=args.sequence_parallel,
+            first_stage_layers=args.decoder_first_pipeline_num_layers,
+            last_stage_layers=args.decoder_last_pipeline_num_layers)
+        dp = parallel.validate(world)
+        model.check_layout(parallel, seq_length=seq)
+        mbs = args.micro_batch_size
+        gbs = args.global_batch_size or mbs * dp
+        microbatches_per_step(gbs, mbs, dp, parallel.pp, parallel.vpp)
+    except LayoutError as e:
+        _fail(str(e))
+    vpp = parallel.vpp
     if args.train_iters is None and args.train_samples is None:
         _fail("give --train-iters or --train-samples")
     train_iters = args.train_iters or -(-args.train_samples // gbs)

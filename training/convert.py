@@ -27,14 +27,13 @@ from safetensors.torch import load_file, save_file
 
 from models.config import TransformerConfig
 from models.hf import family, model_class
-from parallel.pipeline.partition import rank_chunks
-from parallel.topology import LayoutError, ParallelConfig
+from parallel.layout import ParallelConfig, virtual_stages
 
 from . import checkpointing as ckpt
 from .checkpoint_tokenizer import TOKEN_IDS, copy_tokenizer, hf_token_record, read_record
 from .checkpoint_tokenizer import tokenizer_dir as checkpoint_tokenizer_dir
 from .checkpoint_tokenizer import write_record
-from .reshard import FullState, load_weights, read_full_state, virtual_chunks, write_layout
+from .reshard import FullState, load_weights, read_full_state, write_layout
 
 logger = logging.getLogger(__name__)
 
@@ -109,27 +108,17 @@ def hf_to_full(folder: str) -> tuple[str, TransformerConfig, FullState]:
     return model_type, config, FullState(meta, {k: v.float() for k, v in full.items()})
 
 
-def check_import_layout(config: TransformerConfig, tp: int, pp: int, vpp: int) -> None:
-    """The target layout fits the model; one line naming the flag and the config.json field."""
-    layout = ParallelConfig(tp=tp, pp=pp, vpp=vpp)
-    layout.validate(tp * pp)
-    layout.validate_model(num_layers=config.num_layers, num_attention_heads=config.num_attention_heads,
-                          num_query_groups=config.num_query_groups)
-    if config.ffn_hidden_size % tp:
-        raise LayoutError(f"the MLP width {config.ffn_hidden_size} (config.json intermediate_size; "
-                          f"GPT-2 n_inner; --ffn-hidden-size) is not divisible by "
-                          f"--tensor-model-parallel-size {tp}; pick a tp that divides it")
-
-
 def import_hf(folder: str, save: str, *, tp: int = 1, pp: int = 1, vpp: int = 1,
               layers_per_virtual_stage: int | None = None,
               make_vocab_size_divisible_by: int | None = None) -> str:
     """Convert a Hugging Face folder into a weights-only megazoo checkpoint for (tp, pp, vpp)."""
     model_type, module, hf = read_hf_config(folder)
     config = module.config_from_hf(hf)  # refuses unmodelled fields before the weights are read
-    ParallelConfig(tp=tp, pp=pp).validate(tp * pp)  # tp, pp >= 1 before anything divides by them
-    vpp = virtual_chunks(config.num_layers, pp, vpp, layers_per_virtual_stage)
-    check_import_layout(config, tp, pp, vpp)
+    vpp = virtual_stages(config.num_layers, pp, layers_per_virtual_stage) \
+        if layers_per_virtual_stage else vpp
+    layout = ParallelConfig(tp=tp, pp=pp, vpp=vpp)
+    layout.validate(tp * pp)  # one line each (tp 0, vpp without pp, ...) before any work
+    config.check_layout(layout)
     model_type, config, full = hf_to_full(folder)
     if make_vocab_size_divisible_by:
         config = config.replace(make_vocab_size_divisible_by=make_vocab_size_divisible_by)
@@ -161,7 +150,7 @@ def load_model_chunks(folder: str, topo) -> tuple[TransformerConfig, list]:
     """This rank's model chunks for `topo` (eval mode), with a checkpoint's weights of any layout."""
     _, config, module = checkpoint_config(folder)
     chunks = [model_class(module)(config, topo, **spec.kwargs()).eval()
-              for spec in rank_chunks(config.num_layers, topo.pp, topo.vpp, topo.pp_rank)]
+              for spec in topo.config.chunk_specs(config.num_layers, topo.pp_rank)]
     load_weights(folder, chunks, topo)
     return config, chunks
 

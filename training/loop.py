@@ -3,7 +3,8 @@
     topo   = initialize(parallel layout)             torch.distributed from torchrun's environment
     chunks = this rank's pipeline chunks             model_provider(config, topo, pre/post, layers)
     opt    = ZeRO optimizer over the chunks
-    loop:  microbatches -> train_step -> log -> evaluate -> save (every N iterations, on SIGTERM)
+    loop:  microbatches -> forward_backward -> health check -> optimizer step -> log -> evaluate
+           -> save (every N iterations, on SIGTERM)
 
 Resume is exact: the checkpoint holds the weights, optimizer shards, loss scaler, every rank's
 RNG streams, the iteration and the consumed-samples count (the LR and batch-size schedules are
@@ -21,7 +22,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from parallel.pipeline.partition import rank_chunks
 from parallel.pipeline.tied import broadcast_tied_embedding
 from parallel.random import model_parallel_seed
 from parallel.topology import initialize
@@ -35,7 +35,7 @@ from .health import HealthConfig, HealthMonitor, Verdict
 from .journal import RunJournal
 from .log import RunLogger
 from .lr_schedule import global_batch_size, learning_rate
-from .metrics import device_peak_flops, model_flops_per_token, peak_memory_bytes
+from .metrics import device_peak_flops, peak_memory_bytes
 from .report import write_report
 from .step import activation_shape, eval_step, forward_backward
 from .watchdog import CollectiveWatchdog
@@ -72,7 +72,7 @@ class _SigtermFlag:
 
 
 def build_chunks(model_provider, run: RunConfig, topo, rng):
-    specs = rank_chunks(run.model.num_layers, topo.pp, topo.vpp, topo.pp_rank)
+    specs = topo.config.chunk_specs(run.model.num_layers, topo.pp_rank)
     chunks = [model_provider(run.model, topo, rng=rng, **spec.kwargs()) for spec in specs]
     if topo.pp > 1:
         broadcast_tied_embedding(chunks, topo)
@@ -99,7 +99,7 @@ def pretrain(model_provider, run: RunConfig) -> TrainResult:
                      dp=topo.dp, device=topo.device)
     data.restart(state.consumed_samples)
     shape = activation_shape(topo, seq, mbs, mcfg.hidden_size)
-    flops_per_token = model_flops_per_token(mcfg, seq)
+    flops_per_token = mcfg.model_flops_per_token(seq)
     peak, peak_source = device_peak_flops(topo.device, run.logging.peak_flops)
     log = RunLogger(run.logging, {"run": dataclasses.asdict(run)}, topo.rank == 0, journal)
     if topo.rank == 0:

@@ -1,4 +1,5 @@
-"""Throughput accounting: model FLOPs per step, peak FLOP/s per device, memory per rank."""
+"""Throughput accounting: peak FLOP/s per device and memory per rank (the model's FLOPs per token
+come from `TransformerConfig.model_flops_per_token`)."""
 from __future__ import annotations
 
 import resource
@@ -7,28 +8,11 @@ import time
 
 import torch
 
-from models.config import TransformerConfig
-
 # Dense bf16/fp16 tensor-core peaks (FLOP/s) by device-name substring, most specific first.
 PEAK_FLOPS = [
     ("H200", 989e12), ("H100", 989e12), ("A100", 312e12), ("A10G", 125e12), ("L40S", 362e12),
     ("L4", 121e12), ("V100", 125e12), ("T4", 65e12), ("MI300X", 1307e12), ("MI250X", 383e12),
 ]
-
-
-def model_flops_per_token(cfg: TransformerConfig, seq_length: int) -> float:
-    """Forward + backward FLOPs per token (3x forward), no recompute (the MFU convention).
-
-    Forward per token: 2 FLOPs per multiply-add over the QKV projection (h^2 for queries plus
-    2 h^2 * kv_heads / heads for keys and values), the attention output (h^2), the MLP (2hf, or
-    3hf for SwiGLU's gate, up and down), the attention scores and values (2 * 2 * s * h per
-    layer), and the logits (h * V).
-    """
-    h, f, L, v = cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_layers, cfg.vocab_size
-    kv = (cfg.num_query_groups or cfg.num_attention_heads) / cfg.num_attention_heads
-    mlp = (3 if cfg.activation == "swiglu" else 2) * h * f
-    forward = 2 * L * ((2 + 2 * kv) * h * h + mlp) + 4 * L * seq_length * h + 2 * h * v
-    return 3.0 * forward
 
 
 def device_peak_flops(device: torch.device, override: float | None = None) -> tuple[float, str]:

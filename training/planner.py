@@ -34,6 +34,8 @@ import math
 from dataclasses import dataclass
 
 from models.config import TransformerConfig
+from parallel.layout import LayoutError, ParallelConfig, microbatches_per_step
+from parallel.zero.config import OptimizerConfig, ZeroConfigError
 
 # The ONE calibration constant: the fraction of the GPU's dense peak that a transformer layer's
 # compute (its GEMMs and the fused elementwise kernels between them) sustains. Fitted once, as the
@@ -78,6 +80,14 @@ class Layout:
     grad_bytes: int = 4  # 4: fp32 gradient accumulation (Megatron, megazoo); 2: ZeRO paper
     flash_attention: bool = False  # attention scores never stored (SDPA / FlashAttention)
     overlap_dp: bool = False
+    first_stage_layers: int | None = None  # uneven pipeline split, as the trainer's flags
+    last_stage_layers: int | None = None
+
+    def parallel_config(self) -> ParallelConfig:
+        return ParallelConfig(tp=self.tp, pp=self.pp, vpp=self.vpp,
+                              sequence_parallel=self.sequence_parallel,
+                              first_stage_layers=self.first_stage_layers,
+                              last_stage_layers=self.last_stage_layers)
 
     @property
     def world(self) -> int:
@@ -140,29 +150,14 @@ class PlanError(ValueError):
 
 # ---- parameter counts ------------------------------------------------------------------------
 
-def _layer_params(cfg: TransformerConfig, tp: int) -> float:
-    """Parameters of one transformer layer held by one TP rank (replicated norms/biases whole)."""
-    h, f, d = cfg.hidden_size, cfg.ffn_hidden_size, cfg.head_dim
-    qkv = (cfg.num_attention_heads + 2 * max(cfg.num_query_groups, tp)) * d
-    fc1 = 2 * f if cfg.activation == "swiglu" else f
-    bias = 1 if cfg.bias else 0
-    norm = 2 * h if cfg.normalization == "layernorm" else h
-    sharded = qkv * h + h * h + fc1 * h + f * h + bias * (qkv + fc1)
-    return sharded / tp + bias * 2 * h + 2 * norm
-
-
 def stage_params(cfg: TransformerConfig, tp: int, pp: int, stage: str) -> float:
     """Parameters one rank of the `stage` ("first", "last", "only") holds."""
-    h = cfg.hidden_size
-    layers = math.ceil(cfg.num_layers / pp)
-    norm = 2 * h if cfg.normalization == "layernorm" else h
-    words = cfg.padded_vocab_size(tp) * h / tp
-    n = layers * _layer_params(cfg, tp)
+    n = math.ceil(cfg.num_layers / pp) * cfg.layer_parameters(tp)
+    words = cfg.padded_vocab_size(tp) * cfg.hidden_size / tp
     if stage in ("first", "only"):
-        n += words + (cfg.max_position_embeddings * h if cfg.position_embedding == "learned" else 0)
-        n += norm if cfg.embedding_layernorm else 0
+        n += cfg.embedding_parameters(tp, padded=True)
     if stage in ("last", "only"):
-        n += norm  # final norm
+        n += cfg.norm_parameters()  # final norm
         if stage == "last" or not cfg.tie_word_embeddings:
             n += words  # untied head, or the last stage's copy of the tied embedding
     return n
@@ -278,21 +273,12 @@ def memory_per_gpu(cfg: TransformerConfig, layout: Layout) -> Memory:
 
 # ---- FLOPs and time ---------------------------------------------------------------------------
 
-def forward_flops_per_token(cfg: TransformerConfig, seq: int) -> tuple[float, float, float]:
-    """(dense layer GEMMs, attention scores+values, logits) forward FLOPs per token, all layers."""
-    h, f, d = cfg.hidden_size, cfg.ffn_hidden_size, cfg.head_dim
-    qkv = (cfg.num_attention_heads + 2 * cfg.num_query_groups) * d
-    fc1 = 2 * f if cfg.activation == "swiglu" else f
-    dense = 2 * cfg.num_layers * (h * qkv + h * h + h * fc1 + f * h)
-    return dense, 4 * cfg.num_layers * seq * h, 2 * h * cfg.vocab_size
-
-
 def step_time(cfg: TransformerConfig, layout: Layout, cluster: Cluster,
               efficiency: float = MATMUL_EFFICIENCY) -> StepTime:
     s, b, h, t, p, v = (layout.seq_length, layout.micro_batch, cfg.hidden_size, layout.tp,
                         layout.pp, layout.vpp)
     m = layout.microbatches
-    dense, attn, logits = forward_flops_per_token(cfg, s)
+    dense, attn, logits = cfg.forward_flops_per_token(s)
     model_per_token = 3 * (dense + attn + logits)
     extra = {"full": dense + attn, "selective": attn}.get(layout.recompute, 0.0)
     hw_per_token = model_per_token + extra
@@ -344,21 +330,21 @@ def step_time(cfg: TransformerConfig, layout: Layout, cluster: Cluster,
 # ---- validation and ranking --------------------------------------------------------------------
 
 def check_layout(cfg: TransformerConfig, layout: Layout, cluster: Cluster | None = None) -> None:
+    """Refuse what the trainer would refuse: the same rules (parallel/layout.py, the optimizer's
+    config), so the planner never ranks a layout that cannot be launched."""
     if cluster is not None and layout.world != cluster.num_gpus:
         raise PlanError(f"tp*pp*dp = {layout.world} != {cluster.num_gpus} GPUs")
-    if cfg.num_attention_heads % layout.tp:
-        raise PlanError(f"{cfg.num_attention_heads} heads are not divisible by tp {layout.tp}")
-    if layout.global_batch % (layout.dp * layout.micro_batch):
-        raise PlanError(f"global batch {layout.global_batch} is not divisible by dp x micro batch "
-                        f"{layout.dp} x {layout.micro_batch}")
-    if layout.zero == 3 and layout.pp > 1:
-        raise PlanError("ZeRO-3 does not compose with pipeline parallelism")
-    if layout.vpp > 1 and (layout.pp == 1 or cfg.num_layers % (layout.pp * layout.vpp)):
-        raise PlanError("virtual stages need pp > 1 and layers divisible by pp * vpp")
-    if layout.pp > cfg.num_layers:
-        raise PlanError(f"pp {layout.pp} exceeds {cfg.num_layers} layers")
     if layout.recompute not in ("none", "selective", "full"):
         raise PlanError(f"recompute must be none, selective or full, got {layout.recompute!r}")
+    try:
+        parallel = layout.parallel_config()
+        parallel.validate(layout.world)
+        cfg.check_layout(parallel, seq_length=layout.seq_length)
+        microbatches_per_step(layout.global_batch, layout.micro_batch, layout.dp, layout.pp,
+                              layout.vpp)
+        OptimizerConfig(zero_stage=layout.zero).validate(pp=layout.pp)
+    except (LayoutError, ZeroConfigError) as e:
+        raise PlanError(str(e)) from None
 
 
 def plan(cfg: TransformerConfig, layout: Layout, cluster: Cluster) -> Plan:

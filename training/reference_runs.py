@@ -63,7 +63,10 @@ def published_runs() -> list[PublishedRun]:
                               embedding_layernorm=True, max_position_embeddings=2048)
     runs.append(PublishedRun(
         "BLOOM-176B", bloom, CLUSTERS["jean-zay-a100-80gb"].replace(num_gpus=384),
-        Layout(tp=4, pp=12, dp=8, zero=1, recompute="full", micro_batch=2, global_batch=2048),
+        # 70 layers over 12 stages: the first and last hold 5 (they also hold the embedding and
+        # the head, which Megatron-DeepSpeed's partition counts as layers), the others 6.
+        Layout(tp=4, pp=12, dp=8, zero=1, recompute="full", micro_batch=2, global_batch=2048,
+               first_stage_layers=5, last_stage_layers=5),
         150, "BigScience 2022 (model card: ~150 TFLOP/s per GPU, 384 A100-80GB)"))
     for nodes, tflops in ((280, 126), (350, 121), (420, 113)):
         runs.append(PublishedRun(

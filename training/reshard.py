@@ -28,7 +28,9 @@ from dataclasses import dataclass, field
 import torch
 from safetensors import SafetensorError
 
-from parallel.pipeline.partition import rank_chunks
+from parallel.layout import Grid
+from parallel.param_spec import spec_of
+from parallel.pipeline.partition import chunk_prefix
 from parallel.sharding import load_full_state_dict, local_shard
 from parallel.tensor_parallel import unshard
 from parallel.topology import ParallelConfig, ParallelTopology
@@ -64,13 +66,12 @@ def param_table(chunks, opt=None) -> list[list]:
         for n, p in chunk.named_parameters():
             if not p.requires_grad:
                 continue
-            sharded = bool(getattr(p, "tensor_model_parallel", False))
-            layout = getattr(p, "tp_layout", None) if sharded else None
-            rows.append([c, n, canonical(n), list(p.shape), p.partition_dim if sharded else -1,
-                         p.full_size if sharded else 0, layout.spec() if layout else None])
+            split = spec_of(p).tp_split
+            layout = split.layout if split else None
+            rows.append([c, n, canonical(n), list(p.shape), split.dim if split else -1,
+                         split.full_size if split else 0, layout.spec() if layout else None])
     if opt is not None:  # the optimizer numbers parameters the same way; make sure of it
-        prefix = (lambda c: f"chunk{c}.") if len(chunks) > 1 else (lambda c: "")
-        if [prefix(r[0]) + r[1] for r in rows] != list(opt.param_names):
+        if [chunk_prefix(r[0], len(chunks)) + r[1] for r in rows] != list(opt.param_names):
             raise RuntimeError("the optimizer's parameter order differs from the chunks'; "
                                "training/reshard.py must follow parallel/zero/optimizer.py")
     return rows
@@ -85,7 +86,7 @@ def _layout(meta: dict, folder: str) -> tuple[int, int, int]:
 
 
 def _read_rank(folder, rank, coords, names, optimizer, pieces, states, covered, scalars):
-    pp_r, dp_r, tp_r = coords
+    pp_r, dp_r, _, tp_r = coords
     path = ckpt.rank_file(folder, rank)
     f = ckpt.open_rank_file(folder, rank)
     try:
@@ -164,18 +165,19 @@ def read_full_state(folder: str, names: set[str] | None = None, optimizer: bool 
     meta = ckpt.read_meta(folder)
     tp, dp, zero = _layout(meta, folder)
     world = meta.get("world_size", 1)
+    grid = Grid(tp=tp, dp=dp, pp=world // (tp * dp))
     pieces = defaultdict(dict)
     states = defaultdict(lambda: defaultdict(dict))
     covered, scalars, info = defaultdict(int), {}, {}
     for rank in range(world):
-        coords = (rank // (tp * dp), (rank // tp) % dp, rank % tp)
-        if coords[1] > 0 and (zero == 0 or not optimizer):
+        coords = grid.coords(rank)
+        if coords.dp > 0 and (zero == 0 or not optimizer):
             continue  # ZeRO-0 data-parallel ranks hold copies of dp rank 0's states
         rows = _read_rank(folder, rank, coords, names, optimizer, pieces, states, covered, scalars)
         for row in rows:
             c, _, canon, shape, dim, full = row[:6]
             layout = row[6] if len(row) > 6 else None
-            info.setdefault(canon, [{}, dim, full, tp, layout])[0][(coords[0], c)] = shape
+            info.setdefault(canon, [{}, dim, full, tp, layout])[0][(coords.pp, c)] = shape
     for (state, canon, key), n in covered.items():
         if n < math.prod(info[canon][0][key[:2]]):
             raise ckpt.CheckpointError(f"{folder}: optimizer state {state} of {canon} is incomplete "
@@ -230,23 +232,12 @@ def load_into(full: FullState, chunks, opt, topo, *, weights_only: bool, folder:
     opt.load_state_dict(sd)  # writes the model weights from the masters and all-gathers them
 
 
-def virtual_chunks(num_layers: int, pp: int, vpp: int = 1, layers_per_virtual_stage: int | None = None) -> int:
-    """vpp from Megatron's --num-layers-per-virtual-pipeline-stage, when given."""
-    if not layers_per_virtual_stage:
-        return vpp
-    per_rank = num_layers // pp
-    if num_layers % pp or per_rank % layers_per_virtual_stage:
-        raise ValueError(f"--num-layers-per-virtual-pipeline-stage {layers_per_virtual_stage} does "
-                         f"not divide the {per_rank} layers per pipeline stage")
-    return per_rank // layers_per_virtual_stage
-
-
 def build_rank_chunks(model_cls, config, *, tp: int, pp: int, vpp: int, dp: int, rank: int):
     """One rank's model chunks, built on the CPU without process groups (to learn their names,
     shapes and TP slicing)."""
     topo = ParallelTopology(config=ParallelConfig(tp=tp, pp=pp, vpp=vpp), rank=rank,
                             world_size=tp * pp * dp, dp=dp)
-    specs = rank_chunks(config.num_layers, pp, vpp, topo.pp_rank)
+    specs = topo.config.chunk_specs(config.num_layers, topo.pp_rank)
     return topo, [model_cls(config, topo, **spec.kwargs()) for spec in specs]
 
 
@@ -260,8 +251,7 @@ def write_layout(full: FullState, root: str, *, model_cls, config, tp: int, pp: 
     live optimizer's buckets.
     """
     import dataclasses
-    ParallelConfig(tp=tp, pp=pp, vpp=vpp).validate_model(
-        num_layers=config.num_layers, num_attention_heads=config.num_attention_heads)
+    config.check_layout(ParallelConfig(tp=tp, pp=pp, vpp=vpp))
     world = tp * pp * dp
     with_optim = bool(full.optim) and not weights_only
     tmp = ckpt.begin_offline(root, iteration)

@@ -30,8 +30,16 @@ class TrainState:
 
 
 def layout_of(run: RunConfig, topo) -> dict:
-    return dict(tp=topo.tp, pp=topo.pp, dp=topo.dp, vpp=topo.vpp, world_size=topo.world_size,
-                zero_stage=run.optimizer.zero_stage)
+    """The layout a checkpoint records. Dimensions added later are recorded only when used, so
+    older checkpoints of the same layout still compare equal."""
+    layout = dict(tp=topo.tp, pp=topo.pp, dp=topo.dp, vpp=topo.vpp, world_size=topo.world_size,
+                  zero_stage=run.optimizer.zero_stage)
+    c = topo.config
+    layout.update({k: v for k, v in dict(cp=c.cp, ep=c.ep).items() if v != 1})
+    layout.update({k: v for k, v in dict(first_stage_layers=c.first_stage_layers,
+                                         last_stage_layers=c.last_stage_layers).items()
+                   if v is not None})
+    return layout
 
 
 def _rank_tensors(chunks, opt, rng, zero_stage: int) -> dict[str, torch.Tensor]:

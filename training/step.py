@@ -73,15 +73,6 @@ def forward_backward(chunks, microbatches: list[dict], topo: ParallelTopology, o
         return mean_over_world([l / scale for l in losses], topo)
 
 
-def train_step(chunks, microbatches: list[dict], topo: ParallelTopology, optimizer, *,
-               schedule: str, shape):
-    """forward_backward, then the optimizer step: returns (loss, StepResult)."""
-    loss = forward_backward(chunks, microbatches, topo, optimizer, schedule=schedule, shape=shape)
-    result = optimizer.step(loss=loss)
-    optimizer.zero_grad()
-    return loss, result
-
-
 @contextlib.contextmanager
 def _unmonitored(_what: str):
     yield

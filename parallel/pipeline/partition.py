@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from parallel.topology import LayoutError
+from parallel.layout import LayoutError
 
 
 @dataclass(frozen=True)
@@ -48,10 +48,12 @@ def block_sizes(num_layers: int, pp: int, vpp: int = 1, *, first_stage_layers: i
         if num_layers % blocks != 0:
             raise LayoutError(
                 f"--num-layers {num_layers} is not divisible by pp {pp} x vpp {vpp} = {blocks}; "
-                f"change --num-layers, or give first_stage_layers/last_stage_layers explicitly")
+                f"change --num-layers, or split unevenly with --decoder-first-pipeline-num-layers / "
+                f"--decoder-last-pipeline-num-layers")
         return [num_layers // blocks] * blocks
     if pp == 1:
-        raise LayoutError("first_stage_layers/last_stage_layers need pp > 1 (one stage is both)")
+        raise LayoutError("--decoder-first/last-pipeline-num-layers need "
+                          "--pipeline-model-parallel-size > 1 (one stage is both)")
 
     per_rank = {}  # rank -> total layers on that rank
     for rank, value, name in ((0, first_stage_layers, "first_stage_layers"),
@@ -59,21 +61,24 @@ def block_sizes(num_layers: int, pp: int, vpp: int = 1, *, first_stage_layers: i
         if value is None:
             continue
         if value < 0 or value % vpp != 0:
-            raise LayoutError(f"{name}={value} must be >= 0 and divisible by vpp {vpp}")
+            raise LayoutError(f"--decoder-{name.split('_')[0]}-pipeline-num-layers {value} must be "
+                              f">= 0 and divisible by the virtual stages per rank ({vpp})")
         per_rank[rank] = value
     free_ranks = [r for r in range(pp) if r not in per_rank]
     rest = num_layers - sum(per_rank.values())
     if rest < 0:
-        raise LayoutError(f"first/last stage layers {per_rank} exceed --num-layers {num_layers}")
+        raise LayoutError(f"--decoder-first/last-pipeline-num-layers {per_rank} exceed "
+                          f"--num-layers {num_layers}")
     if free_ranks:
         if rest % (len(free_ranks) * vpp) != 0:
             raise LayoutError(
                 f"the remaining {rest} layers do not split evenly over {len(free_ranks)} ranks x "
-                f"vpp {vpp}; adjust first_stage_layers/last_stage_layers or --num-layers")
+                f"vpp {vpp}; adjust --decoder-first/last-pipeline-num-layers or --num-layers")
         for r in free_ranks:
             per_rank[r] = rest // len(free_ranks)
     elif rest != 0:
-        raise LayoutError(f"first_stage_layers + last_stage_layers must equal --num-layers "
+        raise LayoutError(f"--decoder-first-pipeline-num-layers + --decoder-last-pipeline-num-layers "
+                          f"must equal --num-layers "
                           f"{num_layers} when pp = 2")
     return [per_rank[s % pp] // vpp for s in range(blocks)]
 
@@ -92,6 +97,7 @@ def partition(num_layers: int, pp: int, vpp: int = 1, *, first_stage_layers: int
     return [[spec(r, v) for v in range(vpp)] for r in range(pp)]
 
 
-def rank_chunks(num_layers: int, pp: int, vpp: int, rank: int, **uneven) -> list[ChunkSpec]:
-    """The chunks one pipeline rank builds, in chunk order."""
-    return partition(num_layers, pp, vpp, **uneven)[rank]
+def chunk_prefix(chunk: int, num_chunks: int) -> str:
+    """How a rank with several model chunks names their parameters: "chunk{c}." before each
+    name (nothing with one chunk). The optimizer and the checkpoint tables both use it."""
+    return f"chunk{chunk}." if num_chunks > 1 else ""

@@ -255,22 +255,6 @@ def build_schedule(name: str, pp: int, rank: int, num_microbatches: int,
     return with_communication(order, pp, vpp, rank)
 
 
-def schedule_1f1b(pp: int, rank: int, num_microbatches: int) -> list[Step]:
-    return build_schedule("1f1b", pp, rank, num_microbatches)
-
-
-def schedule_gpipe(pp: int, rank: int, num_microbatches: int) -> list[Step]:
-    return build_schedule("gpipe", pp, rank, num_microbatches)
-
-
-def schedule_no_pipelining(pp: int, rank: int, num_microbatches: int) -> list[Step]:
-    return build_schedule("no_pipelining", pp, rank, num_microbatches)
-
-
-def schedule_interleaved(pp: int, vpp: int, rank: int, num_microbatches: int) -> list[Step]:
-    return build_schedule("interleaved", pp, rank, num_microbatches, vpp)
-
-
 def activation_bound(name: str, pp: int, rank: int, num_microbatches: int, vpp: int = 1) -> int:
     """Most (microbatch, chunk) activations the schedule keeps alive at once on `rank`."""
     if name == "no_pipelining":

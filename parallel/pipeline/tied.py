@@ -1,9 +1,11 @@
 """Keep the tied word embedding identical on the first and last pipeline stage.
 
 With pp > 1 the embedding (first stage) and the output head (last stage) are two parameters
-holding the same matrix; both carry `param.tied_embedding = True`. They start equal (broadcast
-from the first stage) and stay equal because, before every optimizer step, each receives the sum
-of both gradients, which is exactly the gradient of the one shared matrix in the unsplit model.
+holding the same matrix; both are marked `spec_of(param).tied_embedding`. They start equal
+(broadcast from the first stage) and stay equal because, before every optimizer step, each
+receives the sum of both gradients (the gradient sync all-reduces their buckets over the
+embedding group: `parallel/zero/grad_sync.py`), which is exactly the gradient of the one shared
+matrix in the unsplit model.
 Ranks between the two stages hold neither and take no part.
 """
 from __future__ import annotations
@@ -12,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from parallel.param_spec import spec_of
 from parallel.topology import ParallelTopology
 
 
@@ -21,28 +24,17 @@ def tied_parameters(chunks: list[nn.Module]) -> list[torch.nn.Parameter]:
     The first stage has the embedding in chunk 0 and the last stage the head in its last chunk,
     one each, so the lists on both ends line up.
     """
-    return [p for c in chunks for p in c.parameters() if getattr(p, "tied_embedding", False)]
+    return [p for c in chunks for p in c.parameters() if spec_of(p).tied_embedding]
 
 
-def _group(topo: ParallelTopology):
+def embedding_group(topo: ParallelTopology):
     # No group when pp == 1 (one module holds one shared parameter) or on middle stages.
     return topo.embedding_group if topo.pp > 1 else None
 
 
-def allreduce_tied_embedding_grads(chunks: list[nn.Module], topo: ParallelTopology) -> None:
-    """Sum the tied embedding's gradient over the first and last stage (after the backward)."""
-    group = _group(topo)
-    if group is None:
-        return
-    for p in tied_parameters(chunks):
-        if p.grad is None:  # a stage whose loss did not reach it still takes part in the sum
-            p.grad = torch.zeros_like(p)
-        dist.all_reduce(p.grad, group=group)
-
-
 def broadcast_tied_embedding(chunks: list[nn.Module], topo: ParallelTopology) -> None:
     """Copy the first stage's embedding into the last stage's head (at initialisation)."""
-    group = _group(topo)
+    group = embedding_group(topo)
     if group is None:
         return
     src = topo.group_ranks["embedding"][0]

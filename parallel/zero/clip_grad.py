@@ -46,8 +46,8 @@ def global_grad_norm(buffers: list[FlatBuffer], *, sharded: bool, dp_group, mp_g
             for s, e in (exclude or {}).get(i, ()):
                 sq -= torch.linalg.vector_norm(b.grad_shard[s:e], dtype=torch.float32).square()
     if sharded:
-        C.all_reduce(sq, dp_group, async_op=False)
-    C.all_reduce(sq, mp_group, async_op=False)
+        C.all_reduce(sq, dp_group)
+    C.all_reduce(sq, mp_group)
     return math.sqrt(sq.item()) if math.isfinite(sq.item()) else sq.item()
 
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import collectives as C
+from ..param_spec import spec_of
 
 logger = logging.getLogger(__name__)
 
@@ -32,8 +33,8 @@ class BucketKey:
 
 def param_key(param: torch.nn.Parameter, *, tp_rank: int, is_first_stage: bool,
               decay_biases_and_norms: bool) -> BucketKey:
-    tp_sharded = bool(getattr(param, "tensor_model_parallel", False))
-    tied = bool(getattr(param, "tied_embedding", False))
+    spec = spec_of(param)
+    tp_sharded, tied = spec.tensor_parallel, spec.tied_embedding
     # A replicated parameter holds the same gradient on every TP rank: count it on rank 0 only.
     # The tied embedding's copy on the last stage is the first stage's: count it there only.
     counted = (tp_sharded or tp_rank == 0) and (not tied or is_first_stage)
@@ -189,7 +190,10 @@ class FlatBuffer:
         self.params.untyped_storage().resize_(self.padded * self.params.element_size())
         # Write through .data: the flat buffer's version counter is not the parameters', so
         # refilling it does not trip autograd's saved-tensor checks.
-        return C.all_gather(self.params.data, self.param_shard, self.dp_group, async_op)
+        pending = C.all_gather_into(self.params.data, self.param_shard, self.dp_group)
+        if not async_op:
+            pending.wait()
+        return pending
 
     def release(self) -> None:
         self.params.untyped_storage().resize_(0)
@@ -204,7 +208,7 @@ class FlatBuffer:
         if self.dp == 1 or self.shard_params:
             return C.Pending()
         mine = self.params.data[self.shard_slice].clone()  # fused all-gather needs no aliasing
-        return C.all_gather(self.params.data, mine, self.dp_group)
+        return C.all_gather_into(self.params.data, mine, self.dp_group)
 
     # ---- accounting ------------------------------------------------------------------------
     def param_bytes(self) -> int:

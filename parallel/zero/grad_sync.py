@@ -30,6 +30,7 @@ import torch
 from torch.autograd import Variable
 
 from .. import collectives as C
+from ..param_spec import set_spec
 from .flat_buffer import FlatBuffer
 
 logger = logging.getLogger(__name__)
@@ -62,24 +63,14 @@ class GradSync:
             for b in self.buffers:
                 for s in b.slots:
                     self._handles.append(s.param.register_post_accumulate_grad_hook(self._hook))
-                    s.param.accepts_sparse_grad = True  # FlatBuffer.accumulate adds rows
+                    set_spec(s.param, accepts_sparse_grad=True)  # FlatBuffer.accumulate adds rows
                     if s.param.dim() == 2 and s.param.dtype == b.grad_dtype:  # grad_fusion.py
-                        s.param.accumulate_wgrad = functools.partial(self._accumulate_wgrad,
-                                                                     s.param)
+                        set_spec(s.param, accumulate_wgrad=functools.partial(
+                            self._accumulate_wgrad, s.param))
                         # the weight's gradient-accumulation node (autograd keeps one per
                         # leaf while it is referenced): tells whether a backward computes it
                         self._grad_nodes[id(s.param)] = \
                             s.param.view_as(s.param).grad_fn.next_functions[0][0]
-
-    def remove_hooks(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
-        self._grad_nodes.clear()
-        for b in self.buffers:
-            for s in b.slots:
-                s.param.__dict__.pop("accepts_sparse_grad", None)
-                s.param.__dict__.pop("accumulate_wgrad", None)
 
     def _accumulate_wgrad(self, param: torch.Tensor, a: torch.Tensor,
                           b: torch.Tensor) -> torch.Tensor | None:
@@ -151,14 +142,14 @@ class GradSync:
         b.materialize()
         full = b.grads if b.grads is not None else b.take_transient()
         if tied:
-            C.all_reduce(full, self.embedding_group, async_op=False).wait()
+            C.all_reduce(full, self.embedding_group)
         if self.dp > 1:
             full.div_(self.dp)
         if self.stage == 0:
-            self._inflight[i] = C.all_reduce(full, self.dp_group)
+            self._inflight[i] = C.all_reduce_async(full, self.dp_group)
         else:
             out = torch.empty(b.shard_numel, dtype=full.dtype, device=full.device)
-            pending = C.reduce_scatter(out, full, self.dp_group)
+            pending = C.reduce_scatter_into(out, full, self.dp_group)
             if self.stage == 1:
                 then = lambda b=b, out=out: _land_stage1(b, out, self.dp)  # noqa: E731
             else:  # `full` stays referenced by the closure until the reduction has landed

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from .clip_grad import clip_coefficient, duplicate_ranges, global_grad_norm
+from ..pipeline.partition import chunk_prefix
 from .config import OptimizerConfig
 from .flat_buffer import FlatBuffer, param_key, plan_buckets
 from .grad_sync import GradSync
@@ -271,7 +272,7 @@ class ZeroOptimizer:
 
 
 def _named(module: nn.Module, chunk: int, modules: list[nn.Module]):
-    prefix = f"chunk{chunk}." if len(modules) > 1 else ""
+    prefix = chunk_prefix(chunk, len(modules))
     return [(prefix + n, p) for n, p in module.named_parameters() if p.requires_grad]
 
 

@@ -2,7 +2,8 @@
 
 Each function is a pair of conjugate operations: what the forward does on activations, the
 backward does (transposed) on gradients. With a group of size 1 (or None) all are identities,
-so unsharded models run through the same code.
+so unsharded models run through the same code. The raw collectives they are built from live
+in `parallel/collectives.py`.
 
     copy_to_tp            fwd identity          bwd all-reduce       (enter a column-parallel region)
     reduce_from_tp        fwd all-reduce        bwd identity         (leave a row-parallel region)
@@ -16,57 +17,8 @@ Activations are laid out [sequence, batch, hidden], so the sequence dimension is
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-from . import collectives as C
-
-
-group_size = C.group_size
-
-
-def group_rank(group) -> int:
-    return 0 if group is None else dist.get_rank(group)
-
-
-def all_reduce(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
-    if group_size(group) > 1:
-        x = x.contiguous()
-        dist.all_reduce(x, op=op, group=group)
-    return x
-
-
-def all_gather(x: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
-    """Concatenate every rank's `x` along `dim` (in group-rank order)."""
-    n = group_size(group)
-    if n == 1:
-        return x
-    x = x.movedim(dim, 0).contiguous()
-    out = torch.empty((n * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    C.all_gather(out.view(-1), x.view(-1), group, async_op=False).wait()  # dim-0 chunks are flat ranges
-    return out.movedim(0, dim)
-
-
-def reduce_scatter(x: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
-    """Sum `x` over the group and keep this rank's chunk along `dim`."""
-    n = group_size(group)
-    if n == 1:
-        return x
-    if x.shape[dim] % n != 0:
-        raise ValueError(f"dimension {dim} of size {x.shape[dim]} is not divisible by group size {n}")
-    x = x.movedim(dim, 0).contiguous()
-    out = torch.empty((x.shape[0] // n,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    C.reduce_scatter(out.view(-1), x.view(-1), group, async_op=False).wait()
-    return out.movedim(0, dim)
-
-
-def split(x: torch.Tensor, group, dim: int) -> torch.Tensor:
-    """This rank's contiguous chunk of `x` along `dim`."""
-    n = group_size(group)
-    if n == 1:
-        return x
-    if x.shape[dim] % n != 0:
-        raise ValueError(f"dimension {dim} of size {x.shape[dim]} is not divisible by group size {n}")
-    return x.chunk(n, dim=dim)[group_rank(group)].contiguous()
+from .collectives import all_gather, all_reduce, group_size, reduce_scatter, split
 
 
 # ---- autograd functions -------------------------------------------------------------------
