@@ -37,8 +37,9 @@ MAPPED = frozenset({
     "rms_norm_eps", "tie_word_embeddings", "rope_parameters", "rope_scaling", "rope_theta",
     "attention_dropout", "attention_bias", "mlp_bias", "head_dim"})
 # transformers' LlamaForCausalLM ignores these (pretraining_tp only split the same matmuls in
-# older versions; the others are SmolLM2's and transformers.js' notes)
-IGNORED = frozenset({"pretraining_tp", "is_llama_config", "rope_interleaved"})
+# older versions; max_sequence_length is LLaMA-1 conversions' copy of max_position_embeddings;
+# the others are SmolLM2's notes)
+IGNORED = frozenset({"pretraining_tp", "is_llama_config", "rope_interleaved", "max_sequence_length"})
 
 
 def rope_from_hf(hf, family: str) -> tuple[float, dict | None]:

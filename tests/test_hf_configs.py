@@ -119,6 +119,22 @@ def test_real_config_files_with_training_leftovers_are_accepted():
     llama.config_from_hf(LlamaConfig(is_llama_config=True, rope_interleaved=False, pretraining_tp=2))
 
 
+def test_released_config_files_are_accepted(tmp_path):
+    """config.json files of released checkpoints (GPT-2, DistilGPT2, BLOOM-560m, LLaMA-1, Llama 2,
+    Llama 3.1, SmolLM2-Instruct, Qwen2.5-Instruct, Qwen3; tests/fixtures/released_hf_configs.json)
+    import without a refusal and give the released parameter counts."""
+    import json
+    import os
+
+    from training.convert import read_hf_config
+    fixture = os.path.join(os.path.dirname(__file__), "fixtures", "released_hf_configs.json")
+    for name, entry in json.load(open(fixture)).items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(entry["config"]))
+        _, module, hf = read_hf_config(str(tmp_path / name))
+        assert module.config_from_hf(hf).num_parameters() == entry["parameters"], name
+
+
 def _worker(rank, cases):
     from models.generation import SamplingConfig, generate
     from models.hf import family, model_class
