@@ -136,29 +136,16 @@ def test_released_config_files_are_accepted(tmp_path):
 
 
 def _worker(rank, cases):
-    from models.generation import SamplingConfig, generate
     from models.hf import family, model_class
     from parallel.sharding import full_tensor, load_full_state_dict
     from parallel.topology import ParallelConfig, ParallelTopology
-    from tests.test_convert import _pipeline_logits
-    from training.checkpointing import latest_checkpoint
-    from training.convert import load_model_chunks
+    from tests.test_convert import check_against_hf
     torch.use_deterministic_algorithms(True)
     errors, checked = [0.0], []
     for tp, pp, vpp in LOAD_LAYOUTS:  # one topology per layout: creating groups is slow
         topo = ParallelTopology.from_config(ParallelConfig(tp=tp, pp=pp, vpp=vpp))
         for case in cases:
-            config, chunks = load_model_chunks(latest_checkpoint(case["ckpt"]), topo)
-            with torch.no_grad():
-                logits = _pipeline_logits(chunks, topo, case["ids"], config.hidden_size)
-            if logits is not None:
-                torch.testing.assert_close(logits, case["logits"], rtol=0, atol=1e-5,
-                                           msg=f"{case['name']} at {(tp, pp, vpp)}")
-                errors.append((logits - case["logits"]).abs().max().item())
-            if pp == 1:
-                out = generate(chunks[0], topo, case["prompt"], NEW_TOKENS,
-                               SamplingConfig(eos_id=case["eos"]))
-                assert torch.equal(out, case["greedy"]), (case["name"], tp, out, case["greedy"])
+            errors.append(check_against_hf(case, topo, NEW_TOKENS)[1])
             checked.append((case["name"], tp, pp))
     # Qwen3's q/k norm weights are replicated but see other heads on each TP rank: their
     # gradients (summed over TP) equal the unsharded model's, with and without SP.
@@ -181,6 +168,7 @@ def _worker(rank, cases):
 def test_fields_and_qwen_round_trip_and_match_transformers_under_tp_pp(tmp_path):
     from transformers import AutoModelForCausalLM
 
+    from tests.test_convert import hf_reference
     from training.convert import export_hf, hf_to_full, import_hf
     ids = torch.randint(0, VOCAB, (2, 17), generator=torch.Generator().manual_seed(1))
     prompt = ids[:, :5]
@@ -190,13 +178,7 @@ def test_fields_and_qwen_round_trip_and_match_transformers_under_tp_pp(tmp_path)
         hf = _perturbed(build(**fields), seed=i)
         hf_dir, ckpt, out = (str(tmp_path / f"{k}_{name}") for k in ("hf", "mz", "back"))
         hf.save_pretrained(hf_dir)
-        with torch.no_grad():
-            logits = hf(ids).logits
-            free = hf.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
-                               max_new_tokens=NEW_TOKENS, eos_token_id=None, pad_token_id=0)
-            eos = int(free[0, prompt.shape[1] + 2])  # row 0 stops after 3 tokens: padding path
-            greedy = hf.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
-                                 max_new_tokens=NEW_TOKENS, eos_token_id=eos, pad_token_id=eos)
+        ref = hf_reference(hf, ids, prompt, NEW_TOKENS)
         import_hf(hf_dir, ckpt)
         export_hf(ckpt, out)
         back = AutoModelForCausalLM.from_pretrained(out, local_files_only=True).eval()
@@ -209,10 +191,9 @@ def test_fields_and_qwen_round_trip_and_match_transformers_under_tp_pp(tmp_path)
         for k in ref_sd:
             assert torch.equal(ref_sd[k], back_sd[k]), (name, k)
         with torch.no_grad():
-            torch.testing.assert_close(back(ids).logits, logits, rtol=0, atol=0)
+            torch.testing.assert_close(back(ids).logits, ref["logits"], rtol=0, atol=0)
         model_type, config, full = hf_to_full(hf_dir)
-        cases.append(dict(name=name, ckpt=ckpt, ids=ids, logits=logits, prompt=prompt, eos=eos,
-                          greedy=greedy, family=model_type, full=full.weights,
+        cases.append(dict(ref, name=name, ckpt=ckpt, family=model_type, full=full.weights,
                           config=config.replace(make_vocab_size_divisible_by=8)))
     errors_and_checked = run_distributed(_worker, 4, cases, timeout=500)
     assert max(e for e, _ in errors_and_checked) <= 1e-5
