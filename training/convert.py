@@ -92,9 +92,10 @@ def read_hf_weights(folder: str) -> dict[str, torch.Tensor]:
     return sd
 
 
-def hf_to_full(folder: str) -> tuple[str, TransformerConfig, FullState]:
-    """A Hugging Face folder as (family name, megazoo config, full fp32 tensors)."""
-    model_type, module, hf = read_hf_config(folder)
+def hf_to_full(folder: str, parsed: tuple | None = None) -> tuple[str, TransformerConfig, FullState]:
+    """A Hugging Face folder as (family name, megazoo config, full fp32 tensors); `parsed` is
+    read_hf_config's answer when the caller has it already."""
+    model_type, module, hf = parsed or read_hf_config(folder)
     config = module.config_from_hf(hf)
     sd = read_hf_weights(folder)
     try:
@@ -112,14 +113,14 @@ def import_hf(folder: str, save: str, *, tp: int = 1, pp: int = 1, vpp: int = 1,
               layers_per_virtual_stage: int | None = None,
               make_vocab_size_divisible_by: int | None = None) -> str:
     """Convert a Hugging Face folder into a weights-only megazoo checkpoint for (tp, pp, vpp)."""
-    model_type, module, hf = read_hf_config(folder)
-    config = module.config_from_hf(hf)  # refuses unmodelled fields before the weights are read
+    parsed = read_hf_config(folder)
+    config = parsed[1].config_from_hf(parsed[2])  # refuses unmodelled fields before weights are read
     vpp = virtual_stages(config.num_layers, pp, layers_per_virtual_stage) \
         if layers_per_virtual_stage else vpp
     layout = ParallelConfig(tp=tp, pp=pp, vpp=vpp)
     layout.validate(tp * pp)  # one line each (tp 0, vpp without pp, ...) before any work
     config.check_layout(layout)
-    model_type, config, full = hf_to_full(folder)
+    model_type, config, full = hf_to_full(folder, parsed)
     if make_vocab_size_divisible_by:
         config = config.replace(make_vocab_size_divisible_by=make_vocab_size_divisible_by)
     module = family(model_type)
