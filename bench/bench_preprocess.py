@@ -2,7 +2,7 @@
 
 Corpus: the Python standard library's *.py files (site-packages and __pycache__ excluded), one
 document per file; files that are not UTF-8 are skipped by both (the tool reports them).
-Tokenizer: GPT-2 BPE from ../shared/data/tokenizers/gpt2 (the same object for both sides).
+Tokenizer: GPT-2 BPE from tests/fixtures/gpt2 (the same object for both sides).
 Each configuration runs as its own process tree; peak memory is the largest sum of RSS over the
 tree (main process + workers), sampled every 20 ms.
 
@@ -22,7 +22,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-GPT2 = os.path.join(ROOT, "..", "shared", "data", "tokenizers", "gpt2")
+GPT2 = os.path.join(ROOT, "tests", "fixtures", "gpt2")
 
 
 def tree_rss_kb(pid: int) -> int:

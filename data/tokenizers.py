@@ -22,6 +22,7 @@ GPT2_EOD = "<|endoftext|>"
 GPT2_TYPES = {"GPT2BPETokenizer", "gpt2"}
 SENTENCEPIECE_TYPES = {"SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer", "sentencepiece"}
 HF_TYPES = {"HuggingFaceTokenizer", "huggingface"}
+NULL_TYPES = {"NullTokenizer"}
 
 
 class TokenizerError(ValueError):
@@ -250,11 +251,30 @@ class SentencePieceTokenizer:
         return self._sp.decode([int(i) for i in ids])
 
 
+class NullTokenizer:
+    """Megatron's NullTokenizer, for data tokenized elsewhere: text is space-separated ids, ids are
+    0 .. --vocab-size - 1, and the end-of-document id is --vocab-size (so the vocabulary holds
+    --vocab-size + 1 ids)."""
+
+    def __init__(self, vocab_size: int | None) -> None:
+        if not vocab_size or vocab_size < 1:
+            raise TokenizerError("--tokenizer-type NullTokenizer needs --vocab-size N (the ids of the "
+                                 "pre-tokenized data are 0 .. N-1; N is the end-of-document id)")
+        self.eod, self.vocab_size = vocab_size, vocab_size + 1
+
+    def encode(self, text: str) -> list[int]:
+        return [int(x) for x in text.split()]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return " ".join(str(int(i)) for i in ids)
+
+
 def build_tokenizer(
     tokenizer_type: str,
     vocab_file: str | None = None,
     merge_file: str | None = None,
     tokenizer_model: str | None = None,
+    vocab_size: int | None = None,
 ):
     """Build a tokenizer from Megatron-style arguments."""
     if tokenizer_type in GPT2_TYPES:
@@ -269,8 +289,10 @@ def build_tokenizer(
             tok = SentencePieceTokenizer(sp_model)
         else:
             tok = HFTokenizer(tokenizer_model, fast, config)
+    elif tokenizer_type in NULL_TYPES:
+        tok = NullTokenizer(vocab_size)
     else:
-        known = sorted(GPT2_TYPES | SENTENCEPIECE_TYPES | HF_TYPES)
+        known = sorted(GPT2_TYPES | SENTENCEPIECE_TYPES | HF_TYPES | NULL_TYPES)
         raise TokenizerError(f"unknown --tokenizer-type {tokenizer_type!r}; use one of {known}")
     logger.info("tokenizer %s: vocab size %d, eod %d", tokenizer_type, tok.vocab_size, tok.eod)
     return tok

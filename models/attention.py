@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from parallel.random import RNGStreams
+from parallel.random import RNGStreams, checkpoint
 from parallel.tensor_parallel import ColumnParallelLinear, GroupedLayout, RowParallelLinear
 from parallel.topology import ParallelTopology
 
@@ -85,6 +85,8 @@ class ParallelAttention(nn.Module):
         self.dropout, self.rng = config.attention_dropout, rng
         self.scale_attn_weights = config.scale_attn_weights
         self.scale_by_layer = config.scale_attn_by_inverse_layer_idx
+        # --recompute-granularity selective: the core is recomputed in backward (models/recompute.py)
+        self.recompute_core = config.recompute_granularity == "selective"
         per_group = heads // groups
         # Multi-head attention keeps plain contiguous shards (GPT and BLOOM checkpoints as before).
         layout = None if groups == heads else GroupedLayout(groups, per_group * d, 2 * d)
@@ -114,6 +116,16 @@ class ParallelAttention(nn.Module):
         scale = self.head_dim ** -0.5 if self.scale_attn_weights else 1.0
         return scale / (layer + 1) if self.scale_by_layer else scale
 
+    def core_attention(self, q, k, v, mask, scale: float | None = None) -> torch.Tensor:
+        """softmax(QK^T * scale + mask) V with attention dropout: [b, heads, s, d] each."""
+        p = self.dropout if self.training else 0.0
+        # Heads differ per TP rank, so attention dropout draws from the tensor-parallel stream.
+        with self.rng.fork() if (self.rng is not None and p > 0) else contextlib.nullcontext():
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p,
+                                                  is_causal=mask is None,
+                                                  enable_gqa=self.q_per_group_local > 1,
+                                                  scale=scale)
+
     def forward(self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
         qkv = self.qkv(x)  # [s, b, local (q, k, v) features], full sequence even under SP
         s, b, _ = qkv.shape
@@ -134,11 +146,9 @@ class ParallelAttention(nn.Module):
             # 4-D [1, heads, q, k]: the shape SDPA's fused CPU kernel takes (a 3-D mask falls
             # back to the unfused math path, 1.5x slower here)
             mask = causal_bias(self.alibi_slopes, s, k.shape[2], q.dtype, q.device)[None]
-        p = self.dropout if self.training else 0.0
-        # Heads differ per TP rank, so attention dropout draws from the tensor-parallel stream.
-        with self.rng.fork() if (self.rng is not None and p > 0) else contextlib.nullcontext():
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p,
-                                                 is_causal=mask is None, enable_gqa=qg > 1,
-                                                 scale=self._scale(layer))
+        if self.recompute_core and self.training and torch.is_grad_enabled():
+            out = checkpoint(self.core_attention, self.rng, q, k, v, mask, self._scale(layer))
+        else:
+            out = self.core_attention(q, k, v, mask, self._scale(layer))
         out = out.permute(2, 0, 1, 3).reshape(s, b, self.heads_local * d)
         return self.dense(out)

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .recompute import resolve_recompute
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -37,7 +39,11 @@ class TransformerConfig:
     init_method_std: float = 0.02
     make_vocab_size_divisible_by: int = 128
     params_dtype: str = "float32"
-    recompute_layers: bool = False  # full activation checkpointing of every transformer layer
+    # Activation recompute (models/recompute.py): None | "full" | "selective"; full's method
+    # ("uniform" | "block") and layer count N default to uniform, 1.
+    recompute_granularity: str | None = None
+    recompute_method: str | None = None
+    recompute_num_layers: int | None = None
     seed: int = 1234  # initialisation seed: the same full weights for every layout
 
     def __post_init__(self):
@@ -60,6 +66,9 @@ class TransformerConfig:
                 ("params_dtype", self.params_dtype, tuple(_DTYPES))):
             if value not in allowed:
                 raise ValueError(f"{name}={value!r} is not supported; choose one of {allowed}")
+        self.recompute_method, self.recompute_num_layers = resolve_recompute(
+            self.recompute_granularity, self.recompute_method, self.recompute_num_layers,
+            self.num_layers)
         if self.rope_scaling is not None:
             kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
             if kind not in ("default", "linear", "llama3"):

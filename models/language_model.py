@@ -25,6 +25,7 @@ from .blocks import KVCache, TransformerLayer
 from .config import TransformerConfig
 from .init import Initializer
 from .norms import build_norm
+from .recompute import layer_units
 
 WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
 
@@ -110,11 +111,14 @@ class TransformerLanguageModel(nn.Module):
         """
         offset = cache.offset if cache is not None else 0
         h = self.embedding(x, offset) if self.pre_process else x
-        for layer in self.layers.values():
-            if self.config.recompute_layers and self.training and torch.is_grad_enabled():
-                h = checkpoint(layer, self.rng, h)
+        layers = list(self.layers.values())
+        recompute = self.training and torch.is_grad_enabled() and cache is None
+        for start, end, checkpointed in layer_units(self.config, len(layers)):
+            if checkpointed and recompute:
+                h = checkpoint(_run_layers(layers[start:end]), self.rng, h)
             else:
-                h = layer(h, cache)
+                for layer in layers[start:end]:
+                    h = layer(h, cache)
         if cache is not None and self.post_process:
             cache.offset += h.shape[0] * (self.topo.tp if self.topo.sequence_parallel else 1)
         if not self.post_process:
@@ -125,6 +129,15 @@ class TransformerLanguageModel(nn.Module):
                                          self.config.vocab_size).t()
         logits = parallel_lm_logits(h, self.output_weight(), self.topo, self.config.vocab_size)
         return logits.transpose(0, 1)  # [b, s, v/tp]
+
+
+def _run_layers(layers: list[nn.Module]):
+    """One checkpointed unit: consecutive layers run as a single function of their input."""
+    def run(h: torch.Tensor) -> torch.Tensor:
+        for layer in layers:
+            h = layer(h)
+        return h
+    return run
 
 
 def gather_logits(local_logits: torch.Tensor, topo: ParallelTopology, vocab_size: int) -> torch.Tensor:

@@ -9,9 +9,7 @@ but as an explicit object owned by the caller rather than a module global.
 from __future__ import annotations
 
 import contextlib
-import random as py_random
 
-import numpy as np
 import torch
 import torch.utils.checkpoint
 
@@ -19,16 +17,24 @@ TP_STREAM = "tensor-parallel"
 
 
 def _get_device_state(device: torch.device) -> torch.Tensor:
-    if device.type == "cuda":
-        return torch.cuda.get_rng_state(device)
-    return torch.get_rng_state()
+    if device.type == "cpu":
+        return torch.get_rng_state()
+    return torch.get_device_module(device).get_rng_state(device)
 
 
 def _set_device_state(device: torch.device, state: torch.Tensor) -> None:
-    if device.type == "cuda":
-        torch.cuda.set_rng_state(state, device)
-    else:
+    if device.type == "cpu":
         torch.set_rng_state(state)
+    else:
+        torch.get_device_module(device).set_rng_state(state, device)
+
+
+def _seed_device(device: torch.device, seed: int) -> None:
+    """Seed this device's default generator only (torch.manual_seed would seed every device)."""
+    if device.type == "cpu":
+        torch.default_generator.manual_seed(seed)
+    else:
+        torch.get_device_module(device).manual_seed(seed)
 
 
 class RNGStreams:
@@ -42,7 +48,7 @@ class RNGStreams:
         if name in self.states:
             raise ValueError(f"RNG stream {name!r} already exists")
         saved = _get_device_state(self.device)
-        torch.manual_seed(seed) if self.device.type == "cpu" else torch.cuda.manual_seed(seed)
+        _seed_device(self.device, seed)
         self.states[name] = _get_device_state(self.device)
         _set_device_state(self.device, saved)
 
@@ -70,17 +76,16 @@ class RNGStreams:
 
 
 def model_parallel_seed(seed: int, topo) -> RNGStreams:
-    """Seed every generator for this rank and return its streams.
+    """Seed torch's generators for this rank and return its streams.
 
-    Default generator: seed + 100 * pp_rank (identical across TP and DP ranks of a stage).
-    Tensor-parallel stream: seed + 2718 + tp_rank (different on every TP rank).
+    Default generator: seed + 100 * pp_rank (identical across TP and DP ranks of a stage); the CPU
+    generator gets it too when the model runs on an accelerator. Tensor-parallel stream: seed + 2718 +
+    tp_rank (different on every TP rank). Python's and NumPy's global generators are left alone:
+    megazoo draws nothing from them (datasets and mock data use their own seeded generators).
     """
-    py_random.seed(seed)
-    np.random.seed(seed % 2**32)
     default_seed = seed + 100 * topo.pp_rank
-    torch.manual_seed(default_seed)
-    if topo.device.type == "cuda":
-        torch.cuda.manual_seed(default_seed)
+    torch.default_generator.manual_seed(default_seed)
+    _seed_device(topo.device, default_seed)
     streams = RNGStreams(topo.device)
     streams.add(TP_STREAM, seed + 2718 + topo.tp_rank)
     return streams

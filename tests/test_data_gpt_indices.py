@@ -103,6 +103,7 @@ def test_full_build_separate_last_epoch_is_deterministic():
     a = build_gpt_indices(sizes, docs, num_samples=300, seq_length=32, seed=5)
     b = build_gpt_indices(sizes, docs, num_samples=300, seq_length=32, seed=5)
     c = build_gpt_indices(sizes, docs, num_samples=300, seq_length=32, seed=6)
+    assert len(a) == len(b) == 3
     for x, y in zip(a, b):
         np.testing.assert_array_equal(x, y)
     assert not np.array_equal(a[2], c[2])
@@ -140,5 +141,6 @@ def test_full_build_matches_reference(num_samples):
     documents = np.arange(3, 27)  # a split in the middle of the dataset
     got = build_gpt_indices(sizes, documents, num_samples, seq_length=16, seed=1234)
     want = reference_gpt_indices(sizes, documents, num_samples, 16, 1234)
+    assert len(got) == len(want) == 3
     for g, w in zip(got, want):
         np.testing.assert_array_equal(g, w)

@@ -14,10 +14,9 @@ import pytest
 from data.indexed import IndexedDataset
 from data.text_sources import iter_records
 from data.tokenizers import build_tokenizer
+from tests.fixtures import GPT2
 
 ROOT = Path(__file__).resolve().parents[1]
-GPT2 = ROOT.parent / "shared" / "data" / "tokenizers" / "gpt2"
-pytestmark = pytest.mark.skipif(not GPT2.is_dir(), reason="../shared/data/tokenizers not present")
 
 DOCS = ["first document\n", "second one with émoji 😀", "third\n\n  spaced   out", "x" * 5000]
 

@@ -1,4 +1,5 @@
-"""Tokenizers over the real files in ../shared/data/tokenizers, and tools/train_tokenizer.py."""
+"""Tokenizers over the real files in tests/fixtures, and tools/train_tokenizer.py."""
+import json
 import os
 import subprocess
 import sys
@@ -7,13 +8,9 @@ from pathlib import Path
 import pytest
 
 from data.tokenizers import TokenizerError, build_tokenizer
+from tests.fixtures import GPT2, SENTENCEPIECE_MODELS as SP_MODELS
 
 ROOT = Path(__file__).resolve().parents[1]
-TOK_DIR = ROOT.parent / "shared" / "data" / "tokenizers"
-GPT2 = TOK_DIR / "gpt2"
-SP_MODELS = sorted((TOK_DIR / "sentencepiece").glob("*.model"))
-
-pytestmark = pytest.mark.skipif(not GPT2.is_dir(), reason="../shared/data/tokenizers not present")
 
 TEXTS = [
     "Hello world",
@@ -37,9 +34,19 @@ def hf_gpt2():
     return GPT2Tokenizer.from_pretrained(str(GPT2), local_files_only=True)
 
 
+def _openai_layout(folder: Path) -> Path:
+    """The same tokenizer in OpenAI's original files: encoder.json (spaced JSON), vocab.bpe."""
+    vocab = json.loads((GPT2 / "vocab.json").read_text(encoding="utf-8"))
+    (folder / "encoder.json").write_text(json.dumps(vocab), encoding="utf-8")
+    merges = (GPT2 / "merges.txt").read_text(encoding="utf-8").split("\n", 1)[1]
+    (folder / "vocab.bpe").write_text("#version: 0.2\n" + merges, encoding="utf-8")
+    return folder
+
+
 @pytest.mark.parametrize("files", [("vocab.json", "merges.txt"), ("encoder.json", "vocab.bpe")])
-def test_gpt2_matches_transformers(hf_gpt2, files):
-    tok = build_tokenizer("GPT2BPETokenizer", str(GPT2 / files[0]), str(GPT2 / files[1]))
+def test_gpt2_matches_transformers(hf_gpt2, files, tmp_path):
+    folder = GPT2 if files[0] == "vocab.json" else _openai_layout(tmp_path)
+    tok = build_tokenizer("GPT2BPETokenizer", str(folder / files[0]), str(folder / files[1]))
     assert tok.vocab_size == 50257 and tok.eod == 50256
     for text in TEXTS:
         ids = tok.encode(text)

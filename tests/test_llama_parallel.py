@@ -148,6 +148,7 @@ def _worker(rank, hf_refs):
         losses = run_pipeline(build_schedule(schedule, pp, topo.pp_rank, m, vpp), chunks, mbs, topo,
                               shape, torch.float32, forward_fn)
         sum_tied_embedding_grads(chunks, topo)
+        assert bool(losses) == topo.is_last_stage, (where, losses)
         if losses:  # last stage
             logits = torch.cat([captured[i] for i in range(m)])
             torch.testing.assert_close(logits, hf_logits, **TOL, msg=where)

@@ -77,31 +77,45 @@ def test_tensor_parallel_matches_reference():
     assert len(results[0]) == 10
 
 
+# Every recompute setting (models/recompute.py) on 3 layers: units of 1 and 2 layers, the first
+# layer only, the attention core only.
+RECOMPUTE = {"none": {}, "full uniform 1": dict(recompute_granularity="full"),
+             "full uniform 2": dict(recompute_granularity="full", recompute_num_layers=2),
+             "full block 1": dict(recompute_granularity="full", recompute_method="block"),
+             "selective": dict(recompute_granularity="selective")}
+
+
 def _recompute_worker(rank):
     ids, labels = _batch()
-    grads = {}
+    checked = []
     for kind in ("gpt", "bloom"):
-        for recompute in (False, True):
-            cfg = small_config(kind, hidden_dropout=0.2, attention_dropout=0.2, recompute_layers=recompute)
+        grads = {}
+        for name, recompute in RECOMPUTE.items():
+            cfg = small_config(kind, num_layers=3, hidden_dropout=0.2, attention_dropout=0.2,
+                               **recompute)
             topo = ParallelTopology.from_config(ParallelConfig(tp=2, sequence_parallel=True))
             rng = model_parallel_seed(11, topo)
             model = TransformerLanguageModel(cfg, topo, rng=rng).train()
             loss = model(ids, labels=labels).mean()
             loss.backward()
-            grads[(kind, recompute)] = (loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()})
-        (l0, g0), (l1, g1) = grads[(kind, False)], grads[(kind, True)]
-        assert torch.equal(l0, l1), kind
-        for n in g0:
-            assert torch.equal(g0[n], g1[n]), f"{kind}: {n} differs with recompute"
+            grads[name] = (loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()})
+        l0, g0 = grads["none"]
+        for name, (l1, g1) in grads.items():
+            assert torch.equal(l0, l1), (kind, name)
+            assert g0.keys() == g1.keys() and g0, (kind, name)
+            for n in g0:
+                assert torch.equal(g0[n], g1[n]), f"{kind}: {n} differs with recompute {name}"
+            checked.append(f"{kind} {name}")
         # Dropout really is active: an eval-mode loss differs.
         model.eval()
         with torch.no_grad():
-            assert not torch.allclose(model(ids, labels=labels).mean(), l1)
-    return True
+            assert not torch.allclose(model(ids, labels=labels).mean(), l0)
+    return checked
 
 
 def test_dropout_with_recompute_is_exact():
-    assert all(run_distributed(_recompute_worker, 2, timeout=300))
+    results = run_distributed(_recompute_worker, 2, timeout=300)
+    assert all(len(r) == 2 * len(RECOMPUTE) for r in results), results
 
 
 def test_heads_not_divisible_by_tp_is_rejected():

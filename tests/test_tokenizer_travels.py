@@ -138,3 +138,10 @@ def test_tokenizer_travels_through_training_fine_tuning_and_export(tmp_path):
     with contextlib.redirect_stderr(err):
         rc, _ = _generate("--load", bare, "--prompt", "Hello")
     assert rc == 1 and "--tokenizer-model" in err.getvalue() and err.getvalue().count("\n") == 1
+
+    # 4. NullTokenizer (pre-tokenized ids): recorded, rebuilt from the model's vocabulary
+    null = str(tmp_path / "null")
+    run_distributed(_train, 1, TINY + ["--tokenizer-type", "NullTokenizer", "--vocab-size", "60",
+                                       "--save", null], timeout=300)
+    rc, text = _generate("--load", null, "--prompt", "1 2 3", "--max-new-tokens", "2", "--no-eos-stop")
+    assert rc == 0 and text.startswith("1 2 3 ") and len(text.split()) == 5

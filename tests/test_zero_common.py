@@ -71,6 +71,13 @@ def reference_run(topo: ParallelTopology, cfg: TransformerConfig, steps: int = S
     return losses, {n: full_tensor(p, single).clone() for n, p in named}, norms
 
 
+def initial_parameters(cfg: TransformerConfig) -> dict[str, torch.Tensor]:
+    """Full parameters before training (weights are seeded by name: the same for every layout)."""
+    single = ParallelTopology.single()
+    model = TransformerLanguageModel(cfg, single)
+    return {n: full_tensor(p, single).detach().clone() for n, p in model.named_parameters()}
+
+
 def opt_config(**kw) -> OptimizerConfig:
     return OptimizerConfig(**{**HYPER, **kw})
 
@@ -114,13 +121,6 @@ class _null:
 
     def __exit__(self, *exc):
         return False
-
-
-def assert_params_close(got: dict, want: dict, where: str, rtol=1e-5, atol=1e-5) -> None:
-    assert set(got) <= set(want), (where, set(got) - set(want))
-    for name, t in got.items():
-        torch.testing.assert_close(t, want[name], rtol=rtol, atol=atol,
-                                   msg=lambda m: f"{where} {name}: {m}")
 
 
 def topology(**kw) -> ParallelTopology:

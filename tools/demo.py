@@ -4,10 +4,14 @@
 
 1. corpus: the standard library's top-level *.py files (about 5 MB of real code and docstrings);
 2. tokenizer: a 4,096-token byte-level BPE trained on that corpus (tools/train_tokenizer.py), or
-   the GPT-2 tokenizer from ../shared/data/tokenizers/gpt2 with --gpt2-tokenizer;
+   the GPT-2 tokenizer shipped in tests/fixtures/gpt2 (MIT) with --gpt2-tokenizer;
 3. preprocessing into Megatron's .bin/.idx (tools/preprocess_data.py);
-4. training under torchrun (train_gpt.py or train_bloom.py), validation every 100 iterations,
-   a checkpoint at the end; then the validation loss is set against the corpus' unigram entropy.
+4. training under torchrun (train_gpt.py or train_bloom.py), its output streamed as it runs,
+   validation every 100 iterations, a checkpoint at the end, in one run folder per architecture
+   (runs/demo-gpt, runs/demo-bloom: checkpoints, journal, metrics.jsonl, report.png); then the
+   validation loss is set against the corpus' unigram entropy.
+
+torchrun's port is MASTER_PORT when set, else a free one (torchrun --standalone).
 """
 from __future__ import annotations
 
@@ -24,12 +28,28 @@ import numpy as np
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-GPT2 = os.path.join(REPO, "..", "shared", "data", "tokenizers", "gpt2")
+GPT2 = os.path.join(REPO, "tests", "fixtures", "gpt2")
 
 
 def run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
     print("$", " ".join(cmd), flush=True)
     return subprocess.run(cmd, cwd=REPO, check=True, **kw)
+
+
+def stream(cmd: list[str], env: dict) -> list[str]:
+    """Run cmd, printing its output as it comes (Python warnings left out); returns the lines.
+    A failure ends the demo with the exit code after the output that explains it."""
+    print("$", " ".join(cmd), flush=True)
+    lines = []
+    with subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          bufsize=1) as proc:
+        for line in proc.stdout:
+            lines.append(line)
+            if "Warning" not in line and "warn(" not in line:
+                print(line, end="", flush=True)
+    if proc.returncode != 0:
+        sys.exit(f"demo: training failed (exit code {proc.returncode}); the output above says why")
+    return lines
 
 
 def unigram_entropy(prefix: str) -> float:
@@ -47,8 +67,9 @@ def main() -> None:
     ap.add_argument("--gpt2-tokenizer", action="store_true", help="GPT-2's 50,257-token BPE (slower)")
     ap.add_argument("--train-iters", type=int, default=400)
     ap.add_argument("--workdir", default=os.path.join(REPO, "demo_data"))
-    ap.add_argument("--save", default=os.path.join(REPO, "runs", "demo"))
+    ap.add_argument("--save", help="run folder (default: runs/demo-ARCH)")
     args = ap.parse_args()
+    args.save = args.save or os.path.join(REPO, "runs", f"demo-{args.arch}")
     os.makedirs(args.workdir, exist_ok=True)
     files = sorted(glob.glob(os.path.join(sysconfig.get_path("stdlib"), "*.py")))
     print(f"corpus: {len(files)} standard-library files, "
@@ -71,8 +92,9 @@ def main() -> None:
     data = prefix + "_text_document"
 
     script = "train_gpt.py" if args.arch == "gpt" else "train_bloom.py"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_port",
-           os.environ.get("MASTER_PORT", "29533"), script,
+    # MASTER_PORT when set, else torchrun's --standalone rendezvous on a free port
+    port = ["--master_port", os.environ["MASTER_PORT"]] if os.environ.get("MASTER_PORT") else ["--standalone"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", *port, script,
            "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
            "--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4",
            "--seq-length", "128", "--max-position-embeddings", "128",
@@ -81,17 +103,16 @@ def main() -> None:
            "--weight-decay", "0.01", "--clip-grad", "1.0", "--hidden-dropout", "0.0",
            "--attention-dropout", "0.0", "--data-path", data, "--split", "949,50,1",
            "--vocab-file", vocab, "--merge-file", merges, "--log-interval", "20",
-           "--eval-interval", str(min(100, args.train_iters)), "--eval-iters", "10", "--save", args.save]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    out = run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    log = out.stdout
-    print("\n".join(l for l in log.splitlines() if "Warning" not in l and "warn(" not in l))
+           "--eval-interval", str(min(100, args.train_iters)), "--eval-iters", "10", "--save", args.save,
+           "--log-throughput"]
+    log = "".join(stream(cmd, env=dict(os.environ, OMP_NUM_THREADS="1")))
     valid = [float(v) for v in re.findall(r"valid iter \d+ \| loss ([0-9.]+)", log)]
     entropy = unigram_entropy(data)
     print(f"\nunigram entropy of the corpus: {entropy:.3f} nats/token; validation loss: "
           f"{valid[0]:.3f} at the first evaluation, {valid[-1]:.3f} at the end "
           f"({math.exp(valid[-1]):.1f} perplexity)")
-    print(f"checkpoint: {args.save} (latest: {open(os.path.join(args.save, 'latest')).read().strip()})")
+    print(f"checkpoint: {args.save} (latest: {open(os.path.join(args.save, 'latest')).read().strip()}); "
+          f"report: {os.path.join(args.save, 'report.png')}")
     print("resume or extend: rerun the torchrun command above with --load", args.save,
           "and a larger --train-iters")
 

@@ -1,5 +1,7 @@
 """Plan a training run: per-GPU memory, step time and MFU of layouts, ranked (training/planner.py).
 
+Only layouts the trainer accepts are ranked: each is checked by train_*.py's own flag validation.
+
     # rank every layout of gpt-175b on 1024 A100-80GB that fits
     python tools/plan.py --model gpt-175b --cluster dgx-a100-80gb --gpus 1024 \\
         --global-batch-size 1536 --seq-length 2048 --top 10
@@ -24,6 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from models.config import PRESETS, TransformerConfig, preset  # noqa: E402
 from training.planner import (MATMUL_EFFICIENCY, Cluster, Layout, PlanError, plan,  # noqa: E402
                               rank_layouts)
+from training.arguments import build_parser, to_run_config  # noqa: E402
 from training.reference_runs import CLUSTERS, GiB, published_runs  # noqa: E402
 
 
@@ -89,6 +92,42 @@ def build_cluster(a) -> Cluster:
     return base.replace(**changes)
 
 
+def trainer_argv(cfg: TransformerConfig, lay: Layout) -> list[str]:
+    """The train_gpt.py flags of this model and layout (mock data, one iteration)."""
+    argv = ["--num-layers", cfg.num_layers, "--hidden-size", cfg.hidden_size,
+            "--num-attention-heads", cfg.num_attention_heads, "--ffn-hidden-size", cfg.ffn_hidden_size,
+            "--vocab-size", cfg.vocab_size, "--max-position-embeddings", cfg.max_position_embeddings,
+            "--seq-length", lay.seq_length, "--tensor-model-parallel-size", lay.tp,
+            "--pipeline-model-parallel-size", lay.pp, "--zero-stage", lay.zero,
+            "--micro-batch-size", lay.micro_batch, "--global-batch-size", lay.global_batch,
+            "--mock-data", "--train-iters", 1]
+    if cfg.num_query_groups:
+        argv += ["--group-query-attention", "--num-query-groups", cfg.num_query_groups]
+    if lay.vpp > 1:
+        argv += ["--num-layers-per-virtual-pipeline-stage", max(cfg.num_layers // (lay.pp * lay.vpp), 1)]
+    if lay.sequence_parallel:
+        argv.append("--sequence-parallel")
+    if lay.first_stage_layers is not None:
+        argv += ["--decoder-first-pipeline-num-layers", lay.first_stage_layers]
+    if lay.last_stage_layers is not None:
+        argv += ["--decoder-last-pipeline-num-layers", lay.last_stage_layers]
+    if lay.recompute != "none":
+        argv += ["--recompute-granularity", lay.recompute]
+    if lay.precision in ("bf16", "fp16"):
+        argv.append(f"--{lay.precision}")
+    return [str(x) for x in argv]
+
+
+def trainer_refusal(cfg: TransformerConfig, lay: Layout, parser=None) -> str | None:
+    """Why the trainer would refuse this layout (its own flag validation), or None if it accepts it."""
+    try:
+        args = (parser or build_parser()).parse_args(trainer_argv(cfg, lay))
+        to_run_config(args, world_size=lay.world)
+    except ValueError as e:  # ArgumentError, LayoutError, ZeroConfigError
+        return str(e)
+    return None
+
+
 def row(p) -> str:
     m, t = p.memory, p.time
     return (f"{p.layout.describe():52} {m.params / GiB:6.1f} {m.grads / GiB:6.1f} "
@@ -146,9 +185,14 @@ def main(argv=None) -> None:
         print(f"fits: {p.fits} ({p.memory.stage} stage);  time: compute {t.compute:.2f} s, TP "
               f"{t.tp_comm:.2f}, PP p2p {t.pp_comm:.2f}, bubble {t.bubble:.2f}, DP {t.dp_comm:.2f}, "
               f"optimizer {t.optimizer:.3f};  {t.tokens_per_s:,.0f} tokens/s")
+        refusal = trainer_refusal(cfg, layout)
+        if refusal:
+            print(f"note: train_*.py refuses this layout: {refusal}")
         return
-    plans = rank_layouts(cfg, cluster, global_batch=a.global_batch_size, seq_length=a.seq_length,
-                         fixed=fixed, **common)
+    parser = build_parser()
+    plans = [p for p in rank_layouts(cfg, cluster, global_batch=a.global_batch_size,
+                                     seq_length=a.seq_length, fixed=fixed, **common)
+             if trainer_refusal(cfg, p.layout, parser) is None]  # only what train_*.py accepts
     if not plans:
         sys.exit("no layout fits: add GPUs, memory, recompute or ZeRO, or shrink the batch")
     print(f"{len(plans)} layouts fit; the fastest {min(a.top, len(plans))}:\n{HEADER}")

@@ -13,15 +13,25 @@ from parallel.layout import LayoutError, ParallelConfig, microbatches_per_step, 
 from parallel.zero.config import LossScaleConfig, OptimizerConfig
 
 from .config import (CheckpointConfig, DataConfig, LoggingConfig, RunConfig, ScheduleConfig)
+from .flag_help import HelpFormatter, apply_help
 from .health import HealthConfig
+from .megatron_compat import add_megatron_compat_flags, resolve_megatron_compat
 
 
 class ArgumentError(ValueError):
     """Inconsistent command-line values; the message names the flag."""
 
 
+class _Parser(argparse.ArgumentParser):
+    """Flag errors raise ArgumentError (printed once by the script, no usage dump per rank)."""
+
+    def error(self, message):
+        raise ArgumentError(f"{message} (--help lists the flags)")
+
+
 def build_parser(default_model: str | None = None) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description="megazoo pretraining (Megatron-LM flag names)")
+    p = _Parser(description="megazoo pretraining (Megatron-LM flag names; docs/megatron.md maps them)",
+                allow_abbrev=False, formatter_class=HelpFormatter)
     a = p.add_argument
     g = p.add_argument_group("model")
     g.add_argument("--model", default=default_model, help=f"preset: {', '.join(sorted(PRESETS))}")
@@ -77,12 +87,15 @@ def build_parser(default_model: str | None = None) -> argparse.ArgumentParser:
     g.add_argument("--loss-scale-window", type=int, default=1000)
     g.add_argument("--hysteresis", type=int, default=2)
     g.add_argument("--min-loss-scale", type=float, default=1.0)
-    g.add_argument("--zero-stage", type=int, default=0)
+    g.add_argument("--zero-stage", type=int)
     g.add_argument("--offload-optimizer", default="none", choices=["none", "cpu", "nvme"])
     g.add_argument("--offload-dir")
-    g.add_argument("--recompute-granularity", choices=["full"])
-    g.add_argument("--recompute-method", choices=["uniform", "block"], default="uniform")
-    g.add_argument("--recompute-num-layers", type=int, default=1)
+    g.add_argument("--recompute-granularity", choices=["full", "selective"],
+                   help="full: whole layers (see --recompute-method); selective: the attention core")
+    g.add_argument("--recompute-method", choices=["uniform", "block"],
+                   help="full only: units of N layers (uniform, default) or the first N layers "
+                        "of each pipeline chunk (block)")
+    g.add_argument("--recompute-num-layers", type=int, help="full only: N (default 1)")
     g = p.add_argument_group("data")
     g.add_argument("--data-path", nargs="*", default=[])
     g.add_argument("--mock-data", action="store_true", help="synthetic tokens instead of --data-path")
@@ -119,7 +132,9 @@ def build_parser(default_model: str | None = None) -> argparse.ArgumentParser:
     g.add_argument("--inject-nan-at-iteration", type=int, help="fault drill: NaN gradients once")
     g.add_argument("--inject-hang", nargs=3, type=float, metavar=("RANK", "ITERATION", "SECONDS"),
                    help="fault drill: RANK sleeps SECONDS before a collective at ITERATION")
+    add_megatron_compat_flags(p)
     a("--seed", type=int, default=1234)
+    apply_help(p)
     return p
 
 
@@ -128,9 +143,12 @@ def _fail(msg: str):
 
 
 def to_run_config(args: argparse.Namespace, vocab_size: int | None = None,
-                  world_size: int | None = None) -> RunConfig:
-    """Map parsed flags onto the configs and check that they fit together."""
+                  world_size: int | None = None, eod_token: int | None = None) -> RunConfig:
+    """Map parsed flags onto the configs and check that they fit together.
+
+    `vocab_size` and `eod_token` come from the tokenizer when there is one (training/script.py)."""
     world = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
+    compat = resolve_megatron_compat(args, eod_token)
     overrides = {k: v for k, v in dict(
         num_layers=args.num_layers, hidden_size=args.hidden_size,
         num_attention_heads=args.num_attention_heads, ffn_hidden_size=args.ffn_hidden_size,
@@ -148,7 +166,9 @@ def to_run_config(args: argparse.Namespace, vocab_size: int | None = None,
         tie_word_embeddings=False if args.untie_embeddings_and_output_weights else None,
         bias=False if args.disable_bias_linear else None).items()
         if v is not None}
-    overrides.update(seed=args.seed, recompute_layers=args.recompute_granularity == "full",
+    overrides.update(seed=args.seed, recompute_granularity=args.recompute_granularity,
+                     recompute_method=args.recompute_method,
+                     recompute_num_layers=args.recompute_num_layers,
                      params_dtype="bfloat16" if args.bf16 else "float16" if args.fp16 else "float32")
     if args.model:
         model = preset(args.model, **overrides)
@@ -183,6 +203,8 @@ def to_run_config(args: argparse.Namespace, vocab_size: int | None = None,
     warmup = args.lr_warmup_iters
     if args.lr_warmup_samples:
         warmup = -(-args.lr_warmup_samples // gbs)
+    if args.lr_warmup_fraction is not None:  # Megatron: a fraction of the decay iterations
+        warmup = int(args.lr_warmup_fraction * (args.lr_decay_iters or train_iters))
     if args.rampup_batch_size:
         start, inc, _ = args.rampup_batch_size
         if start % (mbs * dp) or inc % (mbs * dp):
@@ -193,7 +215,7 @@ def to_run_config(args: argparse.Namespace, vocab_size: int | None = None,
     schedule_name = "interleaved" if vpp > 1 else args.pipeline_schedule
 
     optimizer = OptimizerConfig(
-        zero_stage=args.zero_stage, optimizer=args.optimizer, lr=args.lr,
+        zero_stage=compat.zero_stage, optimizer=args.optimizer, lr=args.lr,
         betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps, weight_decay=args.weight_decay,
         clip_grad=args.clip_grad, precision="bf16" if args.bf16 else "fp16" if args.fp16 else "fp32",
         loss_scale=LossScaleConfig(initial_scale=args.initial_loss_scale,
@@ -218,23 +240,31 @@ def to_run_config(args: argparse.Namespace, vocab_size: int | None = None,
         _fail("--health-policy rollback needs --save and --save-interval (checkpoints to roll back to)")
     if not args.data_path and not args.mock_data:
         _fail("give --data-path PREFIX (from tools/preprocess_data.py) or --mock-data")
+    for path in args.data_path:
+        if path.endswith((".bin", ".idx")):
+            _fail(f"--data-path {path}: give the prefix without the suffix, --data-path {path[:-4]}")
     return RunConfig(
         model=model, parallel=parallel, optimizer=optimizer, seed=args.seed, health=health,
         schedule=ScheduleConfig(micro_batch_size=mbs, global_batch_size=gbs,
                                 rampup_batch_size=tuple(args.rampup_batch_size) if args.rampup_batch_size else None,
                                 train_iters=train_iters, lr=args.lr, min_lr=args.min_lr,
                                 lr_decay_style=args.lr_decay_style, lr_warmup_iters=warmup,
-                                lr_decay_iters=args.lr_decay_iters, pipeline_schedule=schedule_name),
+                                lr_decay_iters=args.lr_decay_iters, pipeline_schedule=schedule_name,
+                                exit_interval=args.exit_interval,
+                                exit_duration_mins=args.exit_duration_in_mins),
         data=DataConfig(data_path=args.data_path, split=args.split, seq_length=seq,
                         tokenizer_type=args.tokenizer_type, vocab_file=args.vocab_file,
                         merge_file=args.merge_file, tokenizer_model=args.tokenizer_model,
-                        data_cache_path=args.data_cache_path, mock_data=args.mock_data),
+                        data_cache_path=args.data_cache_path, mock_data=args.mock_data,
+                        num_workers=args.num_workers, eod_mask_token=compat.eod_mask_token),
         checkpoint=CheckpointConfig(save=args.save, load=args.load, save_interval=args.save_interval,
-                                    finetune=args.finetune),
+                                    finetune=args.finetune, load_optim=not args.no_load_optim,
+                                    load_rng=not args.no_load_rng),
         logging=LoggingConfig(log_interval=args.log_interval, eval_interval=args.eval_interval,
                               eval_iters=args.eval_iters, wandb_project=args.wandb_project,
                               wandb_exp_name=args.wandb_exp_name, wandb_save_dir=args.wandb_save_dir,
-                              peak_flops=args.peak_flops, tensorboard_dir=args.tensorboard_dir))
+                              peak_flops=args.peak_flops, tensorboard_dir=args.tensorboard_dir,
+                              log_throughput=args.log_throughput))
 
 
 __all__ = ["ArgumentError", "LayoutError", "build_parser", "to_run_config"]

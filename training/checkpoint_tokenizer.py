@@ -14,7 +14,8 @@ import logging
 import os
 import shutil
 
-from data.tokenizers import GPT2_TYPES, HF_TYPES, SENTENCEPIECE_TYPES, TokenizerError, build_tokenizer
+from data.tokenizers import (GPT2_TYPES, HF_TYPES, NULL_TYPES, SENTENCEPIECE_TYPES, TokenizerError,
+                             build_tokenizer)
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +103,8 @@ def store_training_tokenizer(data, checkpoint) -> str | None:
         copy_tokenizer(os.path.dirname(data.tokenizer_model), dst)
     elif kind in HF_TYPES and data.tokenizer_model:
         copy_tokenizer(data.tokenizer_model, dst)
+    elif kind in NULL_TYPES:  # no files: ids are text; the vocabulary size is the model's
+        pass
     elif loaded and os.path.isdir(loaded):
         copy_tokenizer(loaded, dst)
         kind = record.get("tokenizer_type", "HuggingFaceTokenizer")
@@ -122,6 +125,9 @@ def checkpoint_tokenizer(checkpoint: str, tokenizer_type: str | None = None, *,
     if vocab_file or merge_file or tokenizer_model:
         return build_tokenizer(kind, vocab_file=vocab_file, merge_file=merge_file,
                                tokenizer_model=tokenizer_model)
+    if kind in NULL_TYPES:  # its end-of-document id is the last of the model's vocabulary
+        from .checkpointing import read_meta
+        return build_tokenizer(kind, vocab_size=read_meta(checkpoint)["model"]["vocab_size"] - 1)
     if not any(os.path.isfile(os.path.join(folder, f)) for f in TOKENIZER_FILES[:-1]):
         raise TokenizerError(f"{folder}: not found, the checkpoint carries no tokenizer; pass "
                              f"--tokenizer-model (or --vocab-file and --merge-file)")

@@ -82,9 +82,17 @@ def begin_offline(root: str, iteration: int) -> str:
     return tmp
 
 
+def honour_umask(path: str) -> None:
+    """safetensors creates its files 0600; give them the mode open() would (0644 under umask 022)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
+
+
 def write_rank_file(tmp: str, rank: int, tensors: dict[str, torch.Tensor]) -> None:
     path = rank_file(tmp, rank)
     save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, path)
+    honour_umask(path)
     with open(path, "rb+") as f:
         os.fsync(f.fileno())
 

@@ -28,6 +28,8 @@ class ScheduleConfig:
     lr_warmup_iters: int = 0
     lr_decay_iters: int | None = None  # default: train_iters
     pipeline_schedule: str = "1f1b"  # 1f1b | gpipe | interleaved (chosen from vpp) | no_pipelining
+    exit_interval: int | None = None  # stop (with a checkpoint) when iteration % N == 0
+    exit_duration_mins: float | None = None  # stop (with a checkpoint) after this many minutes
 
 
 @dataclass
@@ -41,6 +43,8 @@ class DataConfig:
     tokenizer_model: str | None = None
     data_cache_path: str | None = None
     mock_data: bool = False  # synthetic tokens, for smoke tests and benchmarks
+    num_workers: int = 0  # threads reading samples ahead of the step (0: read in the step)
+    eod_mask_token: int | None = None  # --eod-mask-loss: no loss where the input is this token
 
 
 @dataclass
@@ -49,6 +53,8 @@ class CheckpointConfig:
     load: str | None = None
     save_interval: int | None = None
     finetune: bool = False  # load weights only; reset iteration, optimizer and data position
+    load_optim: bool = True  # False (--no-load-optim): fresh optimizer state, masters from the weights
+    load_rng: bool = True  # False (--no-load-rng): RNG streams seeded anew, not restored
 
 
 @dataclass
@@ -60,7 +66,8 @@ class LoggingConfig:
     wandb_exp_name: str | None = None
     wandb_save_dir: str | None = None
     tensorboard_dir: str | None = None
-    peak_flops: float | None = None  # per-device peak FLOP/s for MFU; measured on CPU if unset
+    peak_flops: float | None = None  # per-device peak FLOP/s for MFU (training/metrics.py)
+    log_throughput: bool = False  # tokens/s, TFLOP/s and MFU on the console line too
 
 
 @dataclass

@@ -187,6 +187,7 @@ def export_hf(load: str, save: str, *, tokenizer_dir: str | None = None,
     hf.save_pretrained(save)
     save_file({k: v.detach().to(getattr(torch, dtype)).clone().contiguous() for k, v in sd.items()},
               os.path.join(save, "model.safetensors"), metadata={"format": "pt"})
+    ckpt.honour_umask(os.path.join(save, "model.safetensors"))
     tok_src = tokenizer_dir or checkpoint_tokenizer_dir(folder)
     copied = copy_tokenizer(tok_src, save)
     logger.info("exported %s to %s (%d tensors; tokenizer files: %s)", folder, save, len(sd),

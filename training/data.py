@@ -5,6 +5,8 @@ deterministic), so no broadcast of data across TP or PP ranks is needed.
 """
 from __future__ import annotations
 
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from typing import Iterator
 
 import numpy as np
@@ -44,29 +46,59 @@ def build_datasets(cfg: DataConfig, *, seed: int, vocab_size: int, num_samples: 
 
 
 def microbatches(dataset, *, consumed_samples: int, micro_batch_size: int, dp_rank: int, dp: int,
-                 device: torch.device) -> Iterator[dict]:
-    """Endless stream of {"tokens": [b, s], "labels": [b, s]} for this DP rank, from `consumed`."""
-    total = len(dataset)
-    while True:
-        sampler = PretrainingSampler(total, consumed_samples % total, micro_batch_size, dp_rank, dp)
-        for indices in sampler:
-            sample = np.stack([np.asarray(dataset[i]["tokens"], dtype=np.int64) for i in indices])
-            t = torch.from_numpy(sample).to(device)
-            yield {"tokens": t[:, :-1].contiguous(), "labels": t[:, 1:].contiguous()}
-        consumed_samples = 0  # wrapped around the dataset: start another pass
+                 device: torch.device, num_workers: int = 0,
+                 eod_mask_token: int | None = None) -> Iterator[dict]:
+    """Endless stream of {"tokens": [b, s], "labels": [b, s]} for this DP rank, from `consumed`.
+
+    With `num_workers` threads, the next 2 x num_workers microbatches are read ahead (same order);
+    with `eod_mask_token`, "loss_mask" [b, s] is 0 where the input token is that id (--eod-mask-loss).
+    """
+    def indices():
+        consumed, total = consumed_samples, len(dataset)
+        while True:
+            yield from PretrainingSampler(total, consumed % total, micro_batch_size, dp_rank, dp)
+            consumed = 0  # wrapped around the dataset: start another pass
+
+    def read(idx) -> np.ndarray:
+        return np.stack([np.asarray(dataset[i]["tokens"], dtype=np.int64) for i in idx])
+
+    def to_batch(sample: np.ndarray) -> dict:
+        t = torch.from_numpy(sample).to(device)
+        mb = {"tokens": t[:, :-1].contiguous(), "labels": t[:, 1:].contiguous()}
+        if eod_mask_token is not None:
+            mb["loss_mask"] = (mb["tokens"] != eod_mask_token).float()
+        return mb
+
+    if num_workers == 0:
+        for idx in indices():
+            yield to_batch(read(idx))
+        return
+    with ThreadPoolExecutor(num_workers, thread_name_prefix="megazoo-data") as pool:
+        ahead: deque = deque()
+        for idx in indices():
+            ahead.append(pool.submit(read, idx))
+            if len(ahead) > 2 * num_workers:
+                yield to_batch(ahead.popleft().result())
 
 
 class TrainData:
     """The training stream: a dataset view without skipped samples, read from a consumed count."""
 
-    def __init__(self, dataset, skip, *, micro_batch_size: int, dp_rank: int, dp: int, device):
+    def __init__(self, dataset, skip, *, micro_batch_size: int, dp_rank: int, dp: int, device,
+                 num_workers: int = 0, eod_mask_token: int | None = None):
         self.base, self.mbs, self.dp_rank, self.dp, self.device = dataset, micro_batch_size, dp_rank, dp, device
+        self.reading = dict(num_workers=num_workers, eod_mask_token=eod_mask_token)
         self.view = SkippingDataset(dataset, list(skip))
         self._it = None
 
     def restart(self, consumed_samples: int) -> None:
+        self.close()
         self._it = microbatches(self.view, consumed_samples=consumed_samples, micro_batch_size=self.mbs,
-                                dp_rank=self.dp_rank, dp=self.dp, device=self.device)
+                                dp_rank=self.dp_rank, dp=self.dp, device=self.device, **self.reading)
+
+    def close(self) -> None:
+        if self._it is not None:
+            self._it.close()  # stops its read-ahead threads
 
     def next_global_batch(self, batch: int) -> list[dict]:
         return [next(self._it) for _ in range(batch // (self.mbs * self.dp))]

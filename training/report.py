@@ -1,5 +1,9 @@
-"""A one-page PNG of a run: losses, learning rate, gradient norm, loss scale, throughput, memory,
-with every rollback and skipped step marked. Reads only the run folder's JSON-lines files."""
+"""A one-page PNG of a run folder: losses, learning rate, gradient norm, loss scale, throughput,
+memory, with every rollback and skipped step marked. Reads only the folder's JSON-lines files.
+
+Each run in the folder (a fresh start or a resume, marked by a `"split": "start"` line in
+metrics.jsonl) is drawn in its own colour, so a rerun or a resumed segment stays distinguishable.
+"""
 from __future__ import annotations
 
 import os
@@ -10,38 +14,55 @@ PANELS = [("loss", "loss"), ("lr", "learning rate"), ("grad_norm", "gradient nor
           ("loss_scale", "loss scale"), ("tokens_per_s", "tokens/s"), ("mem_gib", "peak memory per rank (GiB)")]
 
 
+def run_segments(rows: list[dict]) -> list[list[dict]]:
+    """The metrics rows split at each run's start line (files without start lines: one run)."""
+    runs: list[list[dict]] = [[]]
+    for r in rows:
+        if r["split"] == "start":
+            if runs[-1]:
+                runs.append([])
+        else:
+            runs[-1].append(r)
+    return [r for r in runs if r]
+
+
 def write_report(run_dir: str, out_path: str | None = None) -> str:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = read_jsonl(os.path.join(run_dir, METRICS))
-    if not rows:
+    runs = run_segments(read_jsonl(os.path.join(run_dir, METRICS)))
+    if not runs:
         raise FileNotFoundError(f"{os.path.join(run_dir, METRICS)}: no metrics; is this a megazoo run folder "
                                 f"(the --save or --tensorboard-dir of a run)?")
     events = read_jsonl(os.path.join(run_dir, JOURNAL))
-    train = [r for r in rows if r["split"] == "train"]
-    valid = [r for r in rows if r["split"] == "valid"]
     fig, axes = plt.subplots(3, 2, figsize=(11, 9), sharex=True)
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for ax, (key, title) in zip(axes.flat, PANELS):
-        pts = [(r["iteration"], r[key]) for r in train if key in r]
-        if pts:
-            ax.plot(*zip(*pts), label="train", lw=1.2)
-        if key == "loss" and valid:
-            ax.plot([r["iteration"] for r in valid], [r["loss"] for r in valid], "o-", label="validation")
-            ax.legend()
+        for k, rows in enumerate(runs):
+            colour, name = colours[k % len(colours)], f"run {k + 1} " if len(runs) > 1 else ""
+            pts = [(r["iteration"], r[key]) for r in rows if r["split"] == "train" and key in r]
+            if pts:  # markers: a short run's single point stays visible
+                ax.plot(*zip(*pts), ".-", color=colour, label=f"{name}train", lw=1.2, ms=3)
+            valid = [(r["iteration"], r["loss"]) for r in rows if r["split"] == "valid"]
+            if key == "loss" and valid:
+                ax.plot(*zip(*valid), "o--", color=colour, label=f"{name}validation", ms=4)
+        if key == "loss":
+            ax.legend(fontsize=8)
         for e in events:
             if e["kind"] == "rollback":
                 ax.axvline(e["iteration"], color="red", ls="--", lw=1)
             elif e["kind"] in ("spike", "nonfinite"):
                 ax.axvline(e["iteration"], color="orange", ls=":", lw=1)
         ax.set_title(title)
-        if key in ("loss_scale",) and pts and min(v for _, v in pts) > 0:
+        values = [r[key] for rows in runs for r in rows if r["split"] == "train" and key in r]
+        if key == "loss_scale" and values and min(values) > 0:
             ax.set_yscale("log")
     for ax in axes[-1]:
         ax.set_xlabel("iteration")
     rollbacks = sum(e["kind"] == "rollback" for e in events)
-    fig.suptitle(f"{os.path.basename(os.path.abspath(run_dir))}: {len(train)} logged steps, "
+    logged = sum(r["split"] == "train" for rows in runs for r in rows)
+    fig.suptitle(f"{os.path.basename(os.path.abspath(run_dir))}: {len(runs)} run(s), {logged} logged steps, "
                  f"{rollbacks} rollbacks (red), unhealthy steps (orange)")
     fig.tight_layout()
     out_path = out_path or os.path.join(run_dir, "report.png")

@@ -77,15 +77,17 @@ def load(run: RunConfig, topo, chunks, opt, rng) -> TrainState:
     """
     folder = ckpt.latest_checkpoint(run.checkpoint.load)
     if folder is None:
-        logger.warning("--load %s holds no checkpoint yet ('latest' missing); starting from scratch",
-                       run.checkpoint.load)
+        if topo.rank == 0:
+            logger.warning("--load %s holds no checkpoint yet ('latest' missing); starting from scratch",
+                           run.checkpoint.load)
         return TrainState()
     meta = ckpt.read_meta(folder)
     ckpt.check_compatible(meta, model=dataclasses.asdict(run.model), folder=folder)
     finetune = run.checkpoint.finetune
+    weights_only = finetune or not run.checkpoint.load_optim  # --no-load-optim keeps the progress
     same_layout = meta.get("layout") == layout_of(run, topo)
     tensors = ckpt.load_rank_tensors(folder, topo.rank) if same_layout else {}
-    if same_layout and not finetune and _same_buckets(tensors, opt):
+    if same_layout and not weights_only and _same_buckets(tensors, opt):
         with torch.no_grad():
             for c, chunk in enumerate(chunks):
                 for n, p in chunk.named_parameters():
@@ -95,19 +97,21 @@ def load(run: RunConfig, topo, chunks, opt, rng) -> TrainState:
         opt.load_state_dict({k[len("optim."):]: v for k, v in tensors.items()
                              if k.startswith("optim.")})
     else:
-        if meta.get("weights_only") and not finetune:
+        if meta.get("weights_only") and not weights_only:
             raise ckpt.CheckpointError(f"{folder} holds weights only (an imported model); add "
                                        f"--finetune to start training from it")
         names = {row[2] for row in reshard.param_table(chunks)}
         full = reshard.read_full_state(folder, names)
         logger.info("loading %s (layout %s) into layout %s through full tensors%s", folder,
-                    meta.get("layout"), layout_of(run, topo), " (weights only)" if finetune else "")
-        reshard.load_into(full, chunks, opt, topo, weights_only=finetune, folder=folder)
+                    meta.get("layout"), layout_of(run, topo), " (weights only)" if weights_only else "")
+        reshard.load_into(full, chunks, opt, topo, weights_only=weights_only, folder=folder)
     if finetune:
         logger.info("fine-tuning from %s: weights only, iteration and optimizer reset", folder)
         return TrainState()
     rng_states = {k[len("rng."):]: v for k, v in tensors.items() if k.startswith("rng.")}
-    if rng_states:
+    if not run.checkpoint.load_rng:
+        logger.info("RNG streams not restored (--no-load-rng): seeded from --seed")
+    elif rng_states:
         rng.set_states(rng_states)
     else:
         logger.info("RNG streams not restored: the checkpoint's layout differs from this run's")

@@ -1,38 +1,84 @@
-"""What every reference script shares: parse flags, build the tokenizer, run `pretrain`."""
+"""What every reference script shares: parse flags, build the tokenizer, run `pretrain`, end cleanly.
+
+Exit codes: 0 on success (also after --exit-interval / --exit-duration-in-mins), 2 for a bad flag or
+configuration (one line from rank 0, no traceback), 1 for a run that fails with a user error (a
+missing or corrupt file: one line, no traceback) or a bug (traceback), 143 / 130 after SIGTERM / SIGINT
+(the checkpoint written first when --save is set). The process groups are destroyed on every path.
+"""
 from __future__ import annotations
 
 import logging
 import os
 import sys
 
+import torch.distributed as dist
+
+from data.indexed import IndexedDatasetError
+from data.tokenizers import TokenizerError
+from parallel.topology import LayoutError
+
 from .arguments import ArgumentError, build_parser, to_run_config
 from .checkpoint_tokenizer import store_training_tokenizer
+from .checkpointing import CheckpointError
 from .loop import pretrain
+from .stop import exit_code
+
+logger = logging.getLogger("megazoo.train")
+# Raised by a run for something the user can fix (the message names the file or flag): no traceback.
+USER_ERRORS = (ArgumentError, LayoutError, TokenizerError, IndexedDatasetError, CheckpointError,
+               FileNotFoundError)
 
 
-def tokenizer_vocab_size(args) -> int | None:
-    if args.mock_data and not (args.vocab_file or args.tokenizer_model):
+def build_run_tokenizer(args):
+    """The run's tokenizer (its vocabulary size and end-of-document id), or None for mock data."""
+    if args.mock_data and not (args.vocab_file or args.tokenizer_model) and \
+            args.tokenizer_type != "NullTokenizer":
         return None
     from data.tokenizers import build_tokenizer
-    return build_tokenizer(args.tokenizer_type, vocab_file=args.vocab_file,
-                           merge_file=args.merge_file, tokenizer_model=args.tokenizer_model).vocab_size
+    return build_tokenizer(args.tokenizer_type, vocab_file=args.vocab_file, merge_file=args.merge_file,
+                           tokenizer_model=args.tokenizer_model, vocab_size=args.vocab_size)
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def _fail(message: str, code: int, every_rank: bool = False):
+    """One line on stderr (rank 0 only, unless the error may be this rank's alone), then exit."""
+    if every_rank or _rank() == 0:
+        prefix = f"error (rank {_rank()})" if every_rank and "WORLD_SIZE" in os.environ else "error"
+        print(f"{prefix}: {message}", file=sys.stderr, flush=True)
+    sys.exit(code)
 
 
 def main(model_provider, default_model: str, argv=None):
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
-    if int(os.environ.get("RANK", "0")) != 0:
+    if _rank() != 0:
         logging.getLogger().setLevel(logging.WARNING)  # one voice: rank 0 logs, others warn
-    args = build_parser(default_model).parse_args(argv)
+    try:  # before any process group: every rank sees the same error, rank 0 says it
+        args = build_parser(default_model).parse_args(argv)
+        tok = build_run_tokenizer(args)
+        run = to_run_config(args, vocab_size=tok.vocab_size if tok else None,
+                            eod_token=tok.eod if tok else None)
+    except (ValueError, FileNotFoundError) as e:
+        _fail(str(e), 2)
+    except KeyboardInterrupt:
+        sys.exit(exit_code(2))
     try:
-        run = to_run_config(args, vocab_size=tokenizer_vocab_size(args))
-    except (ArgumentError, ValueError) as e:
-        sys.exit(f"error: {e}")
-    if int(os.environ.get("RANK", "0")) == 0:  # the tokenizer travels with the checkpoint
-        store_training_tokenizer(run.data, run.checkpoint)
-    result = pretrain(model_provider, run)
-    if result.checkpoint and int(os.environ.get("RANK", "0")) == 0:
-        logging.getLogger("megazoo.train").info(
-            "checkpoint: %s  (resume: add --load %s to the same command)", result.checkpoint,
-            run.checkpoint.save)
+        if _rank() == 0:  # the tokenizer travels with the checkpoint
+            store_training_tokenizer(run.data, run.checkpoint)
+        result = pretrain(model_provider, run)
+    except USER_ERRORS as e:  # after the groups exist, a file may be missing on one rank only
+        _fail(str(e), 1, every_rank=True)
+    except KeyboardInterrupt:  # Ctrl-C before the training loop took over the signal
+        _fail("interrupted before training started", exit_code(2))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    if result.checkpoint and _rank() == 0:
+        logger.info("checkpoint: %s  (resume: add --load %s to the same command)", result.checkpoint,
+                    run.checkpoint.save)
+    if result.stop_signal:
+        sys.exit(exit_code(result.stop_signal))
     return result

@@ -15,6 +15,7 @@ from parallel.pipeline.engine import run_pipeline
 from parallel.pipeline.schedules import build_schedule
 from parallel.topology import ParallelTopology
 
+from .data import microbatches
 
 
 def activation_shape(topo: ParallelTopology, seq_length: int, micro_batch_size: int, hidden: int):
@@ -26,7 +27,8 @@ def activation_shape(topo: ParallelTopology, seq_length: int, micro_batch_size: 
 def make_forward_fn(loss_scale: float = 1.0, poison: bool = False):
     """forward_fn for the engine: tokens into the first chunk, mean token loss out of the last.
 
-    `poison` multiplies the loss by NaN (a fault-injection drill: every gradient becomes NaN).
+    `poison` multiplies the loss by NaN (a fault-injection drill: every gradient becomes NaN). A
+    microbatch with a "loss_mask" averages only over the positions where it is 1.
     """
     factor = loss_scale * (float("nan") if poison else 1.0)
 
@@ -34,7 +36,11 @@ def make_forward_fn(loss_scale: float = 1.0, poison: bool = False):
         inputs = mb["tokens"] if chunk.pre_process else x
         if not chunk.post_process:
             return chunk(inputs)
-        loss = chunk(inputs, labels=mb["labels"]).float().mean()
+        per_token = chunk(inputs, labels=mb["labels"]).float()
+        if "loss_mask" in mb:  # --eod-mask-loss: the mean over the positions that count
+            loss = (per_token * mb["loss_mask"]).sum() / mb["loss_mask"].sum().clamp(min=1)
+        else:
+            loss = per_token.mean()
         return loss * factor if factor != 1.0 else loss
     return forward_fn
 
@@ -89,3 +95,14 @@ def eval_step(chunks, microbatches: list[dict], topo: ParallelTopology, *, shape
         for c in chunks:
             c.train()
     return mean_over_world(losses, topo)
+
+
+def evaluate(chunks, dataset, topo: ParallelTopology, run, shape, dtype) -> float:
+    """Validation loss over --eval-iters global batches (the same batches at every evaluation)."""
+    mbs = run.schedule.micro_batch_size
+    it = microbatches(dataset, consumed_samples=0, micro_batch_size=mbs, dp_rank=topo.dp_rank,
+                      dp=topo.dp, device=topo.device, eod_mask_token=run.data.eod_mask_token)
+    per_step = run.schedule.global_batch_size // (mbs * topo.dp)
+    losses = [eval_step(chunks, [next(it) for _ in range(per_step)], topo, shape=shape, dtype=dtype)
+              for _ in range(run.logging.eval_iters)]
+    return sum(losses) / len(losses)

@@ -1,0 +1,163 @@
+"""A Megatron-LM launch script runs unchanged: its flags parse, the ones megazoo implements change
+behaviour (checked here), the aliases say in one log line what megazoo does instead."""
+import logging
+import time
+
+import pytest
+import torch
+
+from tests.distributed import run_distributed
+from tests.test_training import TINY, _pretrain
+from training.arguments import ArgumentError, build_parser, to_run_config
+
+# Megatron-LM's examples/pretrain_gpt.sh (GPT-2 345M), plus the flags of its distributed launch.
+MEGATRON_345M = """--num-layers 24 --hidden-size 1024 --num-attention-heads 16 --seq-length 1024
+    --max-position-embeddings 1024 --micro-batch-size 4 --global-batch-size 8 --lr 0.00015
+    --train-iters 500000 --lr-decay-iters 320000 --lr-decay-style cosine --min-lr 1.0e-5 --weight-decay 1e-2
+    --lr-warmup-fraction .01 --clip-grad 1.0 --fp16 --data-path my-gpt2_text_document
+    --vocab-file gpt2-vocab.json --merge-file gpt2-merges.txt --split 949,50,1 --log-interval 100
+    --save-interval 10000 --eval-interval 1000 --eval-iters 10 --distributed-backend nccl
+    --save ckpt --load ckpt --use-distributed-optimizer --overlap-grad-reduce --use-flash-attn""".split()
+
+
+def test_megatron_345m_launch_parses_unchanged(caplog):
+    with caplog.at_level(logging.INFO, logger="megazoo.train"):
+        run = to_run_config(build_parser().parse_args(MEGATRON_345M), vocab_size=50257, world_size=1)
+    m, s = run.model, run.schedule
+    assert (m.num_layers, m.hidden_size, m.num_attention_heads, run.data.seq_length) == (24, 1024, 16, 1024)
+    assert (s.micro_batch_size, s.global_batch_size, s.train_iters, s.lr_decay_iters) == (4, 8, 500000, 320000)
+    assert s.lr_warmup_iters == 3200  # .01 x --lr-decay-iters, as Megatron computes it
+    assert run.optimizer.zero_stage == 1 and run.optimizer.precision == "fp16"
+    assert run.data.split == "949,50,1" and run.checkpoint.save == run.checkpoint.load == "ckpt"
+    lines = [r.getMessage() for r in caplog.records]
+    for flag in ("--use-distributed-optimizer", "--overlap-grad-reduce", "--use-flash-attn",
+                 "--distributed-backend"):
+        assert sum(line.startswith(flag) for line in lines) == 1, (flag, lines)
+
+
+def _config(*extra, world=1, **kw):
+    return to_run_config(build_parser().parse_args(TINY + ["--train-iters", "10", *extra]), world_size=world, **kw)
+
+
+def test_compat_flags_map_and_refuse():
+    assert _config("--zero-stage", "2", "--use-distributed-optimizer").optimizer.zero_stage == 2
+    assert _config().optimizer.zero_stage == 0
+    assert _config("--lr-warmup-iters", "0", "--lr-warmup-fraction", "0.3").schedule.lr_warmup_iters == 3
+    c = _config("--exit-interval", "4", "--exit-duration-in-mins", "2", "--num-workers", "3", "--no-load-optim",
+                "--no-load-rng", "--log-throughput", "--eod-mask-loss", eod_token=60)
+    assert (c.schedule.exit_interval, c.schedule.exit_duration_mins, c.data.num_workers) == (4, 2.0, 3)
+    assert (c.checkpoint.load_optim, c.checkpoint.load_rng, c.logging.log_throughput) == (False, False, True)
+    assert c.data.eod_mask_token == 60
+    for extra, match in [(["--seq-len", "8"], "unrecognized arguments: --seq-len"),  # allow_abbrev=False
+                         (["--eod-mask-loss"], "--eod-mask-loss needs a tokenizer"),
+                         (["--lr-warmup-fraction", "0.1"], "give one of"),  # TINY has --lr-warmup-iters 2
+                         (["--exit-interval", "0"], "--exit-interval must be >= 1"),
+                         (["--distributed-backend", "mpi"], "invalid choice"),
+                         (["--data-path", "corpus_text_document.bin"],
+                          "--data-path corpus_text_document.bin: give the prefix without the suffix, "
+                          "--data-path corpus_text_document$")]:
+        with pytest.raises(ArgumentError, match=match):
+            _config(*extra)
+
+
+def test_every_flag_has_help_and_shows_its_default():
+    p = build_parser()
+    assert [a.option_strings for a in p._actions if not a.help] == []
+    text = p.format_help()
+    assert "--micro-batch-size MICRO_BATCH_SIZE" in text and "(default: 1)" in text and "(default: 0.0)" in text
+    assert "(default: None)" not in text and "(default: False)" not in text
+
+
+def test_null_tokenizer():
+    from data.tokenizers import TokenizerError, build_tokenizer
+    tok = build_tokenizer("NullTokenizer", vocab_size=60)
+    assert (tok.vocab_size, tok.eod, tok.encode("3 5 59"), tok.decode([3, 5])) == (61, 60, [3, 5, 59], "3 5")
+    with pytest.raises(TokenizerError, match="NullTokenizer needs --vocab-size"):
+        build_tokenizer("NullTokenizer")
+
+
+def test_read_ahead_workers_and_eod_mask():
+    from training.data import MockGPTDataset, microbatches
+    ds = MockGPTDataset(50, 16, 7, seed=3)
+    kw = dict(consumed_samples=6, micro_batch_size=2, dp_rank=1, dp=2, device=torch.device("cpu"))
+    plain, ahead = microbatches(ds, **kw), microbatches(ds, num_workers=3, eod_mask_token=6, **kw)
+    for _ in range(30):  # wraps around the 50 samples
+        a, b = next(plain), next(ahead)
+        assert torch.equal(a["tokens"], b["tokens"]) and torch.equal(a["labels"], b["labels"])
+        assert torch.equal(b["loss_mask"], (b["tokens"] != 6).float())
+    ahead.close()
+    from training.step import make_forward_fn
+
+    class Last(torch.nn.Module):
+        pre_process, post_process = True, True
+
+        def forward(self, tokens, labels):
+            return tokens.float()  # the "per-token loss" is the token id
+
+    mb = {"tokens": torch.tensor([[1, 6, 3]]), "labels": torch.zeros(1, 3), "loss_mask": torch.tensor([[1., 0, 1]])}
+    assert make_forward_fn()(Last(), None, mb).item() == 2.0  # (1 + 3) / 2: the eod position left out
+
+
+def test_stop_requests_exit_interval_and_duration():
+    from training.stop import StopRequests
+    cpu = torch.device("cpu")
+    stops = StopRequests(exit_interval=4)
+    assert stops.agreed(3, cpu) == (0, "") and stops.agreed(8, cpu) == (0, "--exit-interval 4")
+    timed = StopRequests(exit_duration_mins=1e-4)
+    time.sleep(0.01)
+    assert timed.agreed(1, cpu)[1].startswith("--exit-duration-in-mins")
+
+
+def _load_flags_worker(rank, root):
+    argv = TINY + ["--hidden-dropout", "0.1", "--zero-stage", "1"]
+    straight = _pretrain(argv + ["--train-iters", "6"], 2)
+    first = _pretrain(argv + ["--train-iters", "6", "--exit-interval", "3", "--save", root], 2)
+    no_optim = _pretrain(argv + ["--train-iters", "6", "--load", root, "--no-load-optim"], 2)
+    no_rng = _pretrain(argv + ["--train-iters", "6", "--load", root, "--no-load-rng"], 2)
+    return straight.losses, first, no_optim.losses, no_rng.losses
+
+
+def test_exit_interval_and_load_without_optimizer_or_rng(tmp_path):
+    straight, first, no_optim, no_rng = run_distributed(_load_flags_worker, 2, str(tmp_path), timeout=300)[0]
+    assert first.state.iteration == 3 and first.stop_signal == 0 and first.checkpoint.endswith("iter_0000003")
+    assert first.losses == straight[:3]
+    # Fresh Adam moments: the first resumed step's loss (same weights, data, dropout) is the same,
+    # the update differs.
+    assert len(no_optim) == 3 and no_optim[0] == straight[3] and no_optim[1] != straight[4]
+    assert len(no_rng) == 3 and no_rng[0] != straight[3]  # other dropout masks
+
+
+def test_log_line_and_throughput_flag(caplog):
+    from training.config import LoggingConfig
+    from training.journal import RunJournal
+    from training.log import RunLogger
+    metrics = dict(loss=2.123456789, lr=1e-3, consumed_samples=64, ms_per_iter=12.345, tokens_per_s=1e4,
+                   tflops_per_rank=1.5)
+    with caplog.at_level(logging.INFO, logger="megazoo.train"):
+        RunLogger(LoggingConfig(), {}, True, RunJournal(None)).log(metrics, 8)
+        RunLogger(LoggingConfig(log_throughput=True), {}, True, RunJournal(None)).log(metrics, 8)
+    quiet, loud = [r.getMessage() for r in caplog.records]
+    assert "loss 2.123457" in quiet and "consumed_samples 64" in quiet and "ms_per_iter 12.3" in quiet
+    assert "tokens_per_s" not in quiet and "tokens_per_s 1.0000e+04" in loud and "tflops_per_rank 1.5" in loud
+
+
+def test_plan_ranks_only_layouts_the_trainer_accepts(capsys):
+    import importlib.util
+    import os
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "plan.py")
+    spec = importlib.util.spec_from_file_location("plan_tool", path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    from models.config import preset
+    from training.planner import Layout, rank_layouts
+    from training.reference_runs import CLUSTERS
+    cfg, cluster = preset("gpt-1.3b"), CLUSTERS["dgx-a100-80gb"].replace(num_gpus=8)
+    zero3_pipeline = Layout(tp=1, pp=2, dp=4, zero=3, micro_batch=1, global_batch=64, seq_length=2048)
+    assert "--zero-stage 3" in tool.trainer_refusal(cfg, zero3_pipeline)
+    assert tool.trainer_refusal(cfg, Layout(tp=2, pp=1, dp=4, zero=1, micro_batch=1, global_batch=64)) is None
+    plans = rank_layouts(cfg, cluster, global_batch=64, seq_length=2048)
+    refused = [p for p in plans if tool.trainer_refusal(cfg, p.layout)]
+    tool.main(["--model", "gpt-1.3b", "--gpus", "8", "--global-batch-size", "64", "--top", "1000"])
+    shown = capsys.readouterr().out
+    assert f"{len(plans) - len(refused)} layouts fit" in shown
+    assert not any(p.layout.describe() in shown for p in refused)

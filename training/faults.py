@@ -1,0 +1,47 @@
+"""What the loop does about a bad step (the health policy's actions) and the fault drills.
+
+The verdicts come from `training/health.py`; here they are reported (log + journal), and under
+--health-policy rollback the run reloads its latest checkpoint and leaves the offending samples out.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+from .health import HealthConfig
+from .resume import TrainState, load
+
+logger = logging.getLogger("training.loop")
+
+
+def maybe_hang(cfg: HealthConfig, rank: int, iteration: int) -> None:
+    """Fault drill (--inject-hang): this rank stalls before its next collective."""
+    if cfg.inject_hang and cfg.inject_hang[0] == rank and cfg.inject_hang[1] == iteration:
+        logger.warning("fault drill: rank %d sleeps %.0f s at iteration %d", rank, cfg.inject_hang[2],
+                       iteration)
+        time.sleep(cfg.inject_hang[2])
+
+
+def report_unhealthy(journal, topo, iteration, verdict, samples, policy) -> None:
+    action = {"warn": "kept", "skip": "update dropped", "rollback": "rolling back"}[policy]
+    logger.warning("iteration %d: %s (%s) on rank %d; data samples %s; %s", iteration, verdict.kind,
+                   verdict.detail, topo.rank, samples, action)
+    if topo.rank == 0:
+        journal.event(verdict.kind, iteration=iteration, rank=topo.rank, detail=verdict.detail,
+                      samples=samples, policy=policy)
+
+
+def roll_back(run, topo, chunks, opt, rng, data, journal, iteration, samples) -> TrainState:
+    """Reload the latest checkpoint, leave the offending samples out of the stream, carry on."""
+    source = dataclasses.replace(run, checkpoint=dataclasses.replace(
+        run.checkpoint, load=run.checkpoint.save, finetune=False))
+    state = load(source, topo, chunks, opt, rng)
+    data.skip(samples)
+    data.restart(state.consumed_samples)
+    if topo.rank == 0:
+        journal.event("skip_samples", iteration=iteration, ranges=samples)
+        journal.event("rollback", iteration=iteration, to_iteration=state.iteration, samples=samples)
+    logger.warning("rolled back from iteration %d to %d; samples %s will be skipped", iteration,
+                   state.iteration, samples)
+    return state

@@ -1,0 +1,186 @@
+"""One rank's run: what `pretrain` sets up (topology, chunks, optimizer, data, logging) and the
+pieces of an iteration it calls in order: a step under the health policy, the log window, the
+evaluation, the checkpoint."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from dataclasses import dataclass
+
+from parallel.pipeline.tied import broadcast_tied_embedding
+from parallel.random import model_parallel_seed
+from parallel.topology import initialize
+from parallel.zero.optimizer import build_optimizer
+
+from . import checkpointing as ckpt
+from .config import RunConfig
+from .data import TrainData, build_datasets
+from .faults import maybe_hang, report_unhealthy, roll_back
+from .health import HealthMonitor, Verdict
+from .journal import RunJournal
+from .log import RunLogger
+from .lr_schedule import global_batch_size, learning_rate
+from .metrics import device_peak_flops
+from .report import write_report
+from .resume import TrainState, layout_of, load, save
+from .step import activation_shape, evaluate, forward_backward
+from .watchdog import CollectiveWatchdog
+from .window import LogWindow
+
+logger = logging.getLogger("training.loop")
+
+
+@dataclass
+class TrainResult:
+    state: TrainState
+    losses: list[float]  # training loss of every iteration run in this process
+    valid_losses: list[tuple[int, float]]
+    checkpoint: str | None
+    stop_signal: int = 0  # SIGTERM or SIGINT that stopped the run early (0: none)
+
+
+def build_chunks(model_provider, run: RunConfig, topo, rng):
+    specs = topo.config.chunk_specs(run.model.num_layers, topo.pp_rank)
+    chunks = [model_provider(run.model, topo, rng=rng, **spec.kwargs()) for spec in specs]
+    if topo.pp > 1:
+        broadcast_tied_embedding(chunks, topo)
+    return chunks
+
+
+class Trainer:
+    def __init__(self, model_provider, run: RunConfig):
+        self.run, self.sched = run, run.schedule
+        self.topo = topo = initialize(run.parallel)
+        self.rng = model_parallel_seed(run.seed, topo)
+        self.chunks = build_chunks(model_provider, run, topo, self.rng)
+        self.opt = build_optimizer(self.chunks, topo, run.optimizer)
+        self.state = load(run, topo, self.chunks, self.opt, self.rng) if run.checkpoint.load else TrainState()
+        self.journal = journal = RunJournal(run.run_dir)
+        self.watchdog = CollectiveWatchdog(
+            run.health.collective_timeout, topo.rank, topo.world_size,
+            on_timeout=lambda msg: journal.event("hang", rank=topo.rank, detail=msg))
+        mcfg, seq, gbs = run.model, run.data.seq_length, self.sched.global_batch_size
+        evals = self.sched.train_iters // max(run.logging.eval_interval, 1) + 1
+        train_ds, self.valid_ds, _ = build_datasets(
+            run.data, seed=run.seed, vocab_size=mcfg.vocab_size,
+            num_samples=(self.sched.train_iters * gbs, evals * run.logging.eval_iters * gbs, 0))
+        self.data = TrainData(train_ds, journal.skipped_samples(), micro_batch_size=self.sched.micro_batch_size,
+                              dp_rank=topo.dp_rank, dp=topo.dp, device=topo.device,
+                              num_workers=run.data.num_workers, eod_mask_token=run.data.eod_mask_token)
+        self.data.restart(self.state.consumed_samples)
+        self.shape = activation_shape(topo, seq, self.sched.micro_batch_size, mcfg.hidden_size)
+        peak, peak_source = device_peak_flops(topo.device, run.logging.peak_flops, run.optimizer.precision)
+        self.window = LogWindow(mcfg.model_flops_per_token(seq), peak, topo, self.state.iteration + 1)
+        self.log = RunLogger(run.logging, {"run": dataclasses.asdict(run)}, topo.rank == 0, journal,
+                             self.state.iteration)
+        if topo.rank == 0:
+            logger.info("model: %.2fM parameters; layout %s; %s", mcfg.num_parameters() / 1e6,
+                        layout_of(run, topo), f"peak {peak:.3g} FLOP/s per rank ({peak_source})" if peak
+                        else peak_source)
+            logger.info("memory per rank (bytes): %s", self.opt.memory_report())
+        self.monitor, self.rollbacks, self.nan_injected = HealthMonitor(run.health), 0, False
+        self.last_step, self.batch = None, 0
+        self.result = TrainResult(self.state, [], [], None)
+
+    @property
+    def done(self) -> bool:
+        return self.state.iteration >= self.sched.train_iters
+
+    def step(self) -> bool:
+        """One optimizer step under the health policy; False when it rolled back instead."""
+        run, topo, opt, state, health = self.run, self.topo, self.opt, self.state, self.run.health
+        it = state.iteration + 1  # the iteration this step makes
+        step_begin, timings = time.perf_counter(), {}
+        batch = global_batch_size(self.sched, state.consumed_samples)
+        microbatch_list = self.data.next_global_batch(batch)
+        opt.lr = learning_rate(self.sched, state.iteration)
+        maybe_hang(health, topo.rank, it)
+        poison = health.inject_nan_at == it and not self.nan_injected
+        self.nan_injected |= poison
+        start = time.perf_counter()
+        loss = forward_backward(self.chunks, microbatch_list, topo, opt, schedule=self.sched.pipeline_schedule,
+                                shape=self.shape, watchdog=self.watchdog, poison=poison, timings=timings)
+        verdict, step = self.monitor.check(loss), None
+        if verdict.healthy or health.policy == "warn":
+            with self.watchdog.collective("optimizer step (dp reduce, grad norm, all-gather)"):
+                step = opt.step(loss=loss)
+            if step.skipped and verdict.healthy:
+                verdict = Verdict(False, "nonfinite", step.reason)
+        else:  # skip / rollback: drop this step's update
+            opt.grad_sync.finish()
+        opt.zero_grad()
+        elapsed = time.perf_counter() - start
+        if not verdict.healthy:
+            samples = self.data.physical_ranges(state.consumed_samples, batch)
+            report_unhealthy(self.journal, topo, it, verdict, samples, health.policy)
+            if health.policy == "rollback":
+                self.rollbacks += 1
+                if self.rollbacks > health.max_rollbacks:
+                    raise RuntimeError(f"{self.rollbacks} rollbacks in one run (more than "
+                                       f"max_rollbacks={health.max_rollbacks}); stopping")
+                self.state = self.result.state = roll_back(run, topo, self.chunks, opt, self.rng, self.data,
+                                                           self.journal, it, samples)
+                return False
+        else:
+            self.monitor.record_healthy(loss)
+        state.iteration += 1
+        state.consumed_samples += batch
+        state.skipped_steps += int(step is None or step.skipped)
+        self.result.losses.append(loss)
+        self.window.add(loss, batch * run.data.seq_length, elapsed, timings["ready"] - step_begin,
+                        time.perf_counter() - step_begin)
+        self.last_step, self.batch = step, batch
+        return True
+
+    def log_if_due(self) -> None:
+        """Every --log-interval iterations (and at the last): the window's metrics, then stragglers."""
+        it = self.state.iteration
+        if it % self.run.logging.log_interval == 0 or it == self.sched.train_iters:
+            self.log_window()
+
+    def log_window(self) -> None:
+        it = self.state.iteration
+        self.log.log(self.window.metrics(self.opt, self.last_step, self.state, self.batch), it)
+        self.window.check_stragglers(self.run.health.straggler_threshold, self.journal, it)
+        self.window.reset()
+
+    def evaluate_if_due(self) -> None:
+        interval, it = self.run.logging.eval_interval, self.state.iteration
+        if self.valid_ds is None or not interval or it % interval:
+            return
+        vloss = evaluate(self.chunks, self.valid_ds, self.topo, self.run, self.shape,
+                         self.opt.cfg.model_dtype)
+        self.result.valid_losses.append((it, vloss))
+        self.log.log(dict(loss=vloss, ppl=math.exp(min(vloss, 50))), it, "valid")
+
+    def save_if_due(self, stopping: bool) -> None:
+        """Every --save-interval iterations, and when the run stops early."""
+        interval = self.run.checkpoint.save_interval
+        if self.run.checkpoint.save and (stopping or (interval and self.state.iteration % interval == 0)):
+            self.result.checkpoint = save(self.run, self.topo, self.chunks, self.opt, self.rng, self.state)
+
+    def stop(self, signum: int, why: str) -> None:
+        """Stopping early: the steps since the last log line are logged, then the reason."""
+        if self.window.n:
+            self.log_window()
+        self.result.stop_signal = signum
+        if self.topo.rank == 0:
+            logger.warning("%s: stopping at iteration %d%s", why, self.state.iteration,
+                           ", checkpoint written" if self.run.checkpoint.save else "")
+
+    def finish(self) -> None:
+        """The final state saved (unless just saved), and the run report."""
+        save_dir = self.run.checkpoint.save
+        if save_dir and self.result.checkpoint != ckpt.iteration_dir(save_dir, self.state.iteration):
+            self.result.checkpoint = save(self.run, self.topo, self.chunks, self.opt, self.rng, self.state)
+        if self.topo.rank == 0 and self.run.run_dir:
+            try:
+                logger.info("run report: %s", write_report(self.run.run_dir))
+            except FileNotFoundError as e:  # no iteration logged in this folder yet
+                logger.info("no run report: %s", e)
+
+    def close(self) -> None:
+        self.data.close()
+        self.log.close()
