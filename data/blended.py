@@ -17,6 +17,7 @@ import numpy as np
 from data.gpt_dataset import GPTDataset, GPTDatasetConfig, build_split_datasets
 from data.index_cache import CachedIndices
 from data.indexed import IndexedDataset
+from data.token_stats import check_vocabulary
 
 logger = logging.getLogger(__name__)
 
@@ -29,23 +30,50 @@ class Blend:
     weights: list[float]  # normalised to sum to 1
 
 
+def _tokens(data_path: list[str] | str) -> list[str]:
+    return data_path.split() if isinstance(data_path, str) else [t for item in data_path for t in str(item).split()]
+
+
+def _number(token: str) -> float | None:
+    try:
+        return float(token)
+    except ValueError:
+        return None
+
+
+def check_blend(data_path: list[str] | str) -> tuple[list[float], list[str]] | None:
+    """(weights, prefixes) of a weighted ``--data-path``, None for plain prefixes; a malformed
+    blend (odd length, a weight that is nan, inf or negative, all zero) is a ValueError."""
+    tokens = _tokens(data_path)
+    if len(tokens) < 2 or _number(tokens[0]) is None:
+        return None
+    if len(tokens) % 2:
+        raise ValueError(f"--data-path has {len(tokens)} items; a blend alternates weights and prefixes "
+                         f"(W1 PREFIX1 W2 PREFIX2 ...)")
+    weights, prefixes = [_number(w) for w in tokens[0::2]], tokens[1::2]
+    for w, raw, prefix in zip(weights, tokens[0::2], prefixes):
+        if w is None or not math.isfinite(w) or w < 0:
+            raise ValueError(f"--data-path weight {raw!r} of {prefix} must be a finite number >= 0")
+    if sum(weights) <= 0:
+        raise ValueError(f"--data-path weights {weights} are all zero")
+    return weights, prefixes
+
+
 def parse_data_path(data_path: list[str] | str) -> Blend:
     """Megatron ``--data-path`` tokens -> prefixes and normalised weights.
 
     Without weights, several prefixes are weighted by their token counts (plain concatenation).
     """
-    tokens = data_path.split() if isinstance(data_path, str) else [t for item in data_path for t in str(item).split()]
+    tokens = _tokens(data_path)
     if not tokens:
         raise ValueError("--data-path is empty; pass a prefix such as my-corpus_text_document")
     if len(tokens) == 1:
         return Blend([tokens[0]], [1.0])
-    try:
-        weights = [float(w) for w in tokens[0::2]]
-        prefixes = tokens[1::2]
-        weighted = len(tokens) % 2 == 0
-    except ValueError:
-        weighted = False
-    if not weighted:
+    blend = check_blend(tokens)
+    weighted = blend is not None
+    if weighted:
+        weights, prefixes = blend
+    else:
         prefixes = tokens
         weights = [float(IndexedDataset(p).sequence_lengths.sum(dtype=np.int64)) for p in prefixes]
     if any(w < 0 for w in weights) or sum(weights) <= 0:
@@ -120,9 +148,15 @@ def build_train_valid_test_datasets(
     seed: int,
     num_samples: tuple[int, int, int],
     cache_dir: str | None = None,
+    vocab_size: int | None = None,
 ):
-    """(train, valid, test) datasets for Megatron-style arguments; None for a split with no share."""
+    """(train, valid, test) datasets for Megatron-style arguments; None for a split with no share.
+
+    With `vocab_size`, every prefix is first checked against the model's vocabulary (token ids
+    and .idx dtype, `data/token_stats.py`)."""
     blend = parse_data_path(data_path)
+    if vocab_size is not None:
+        check_vocabulary(blend.prefixes, vocab_size)
     config = GPTDatasetConfig(seq_length=seq_length, seed=seed, cache_dir=cache_dir)
     if len(blend.prefixes) == 1:
         return tuple(build_split_datasets(blend.prefixes[0], split, tuple(num_samples), config))

@@ -98,6 +98,8 @@ class IndexedDatasetBuilder:
         self._out = open(bin_file, "wb")
         self._lengths = array("i")
         self._doc_ends = array("q", [0])
+        self.min_id: int | None = None
+        self.max_id: int | None = None
         info = np.iinfo(self.dtype) if self.dtype.kind in "iu" else None
         self._lo, self._hi = (info.min, info.max) if info else (None, None)
 
@@ -113,6 +115,7 @@ class IndexedDatasetBuilder:
                 )
         self._out.write(arr.astype(self.dtype, copy=False).tobytes(order="C"))
         self._lengths.append(int(arr.size))
+        self._track(arr)
 
     def add_items(self, tokens: np.ndarray, lengths: Sequence[int]) -> None:
         """Append many sequences at once from one flat array (the fast path for workers)."""
@@ -126,6 +129,14 @@ class IndexedDatasetBuilder:
             raise IndexedDatasetError(f"{self.bin_file}: lengths sum to {int(np.sum(lengths))}, tokens are {arr.size}")
         self._out.write(arr.astype(self.dtype, copy=False).tobytes(order="C"))
         self._lengths.extend(int(n) for n in lengths)
+        self._track(arr)
+
+    def _track(self, arr: np.ndarray) -> None:
+        """Keep the smallest and largest id written (for the `.stats.json` sidecar)."""
+        if arr.size:
+            lo, hi = int(arr.min()), int(arr.max())
+            self.min_id = lo if self.min_id is None else min(self.min_id, lo)
+            self.max_id = hi if self.max_id is None else max(self.max_id, hi)
 
     def add_documents(self, tokens: np.ndarray, lengths: Sequence[int]) -> None:
         """Append many one-sequence documents from one flat array."""
@@ -276,6 +287,10 @@ class IndexedDataset:
 
     def __getitem__(self, idx: int) -> np.ndarray:
         return self.get(idx)
+
+    def all_tokens(self) -> np.ndarray:
+        """The whole .bin as one memory-mapped array (every sequence, back to back)."""
+        return self._bin
 
     def __iter__(self) -> Iterable[np.ndarray]:
         for i in range(len(self)):

@@ -14,6 +14,7 @@ import gzip
 import json
 import logging
 import os
+import zlib
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -27,6 +28,10 @@ DEFAULT_TEXT_SUFFIXES = (".txt", ".text", ".md", ".rst", ".py")
 DEFAULT_EXCLUDES = ("__pycache__", ".*", "site-packages", "dist-packages")
 
 Record = tuple  # (kind: str, source: str, line: int | None, payload)
+
+
+class CorruptInput(ValueError):
+    """An input file that cannot be read to its end (a truncated or damaged .gz)."""
 
 
 @dataclass
@@ -94,20 +99,27 @@ def iter_records(files: list[tuple[str, str]], json_keys: list[str]) -> Iterator
         if kind == "text":
             yield ("file", path, None, path), os.path.getsize(path)
         elif kind == "jsonl":
-            compressed = path.lower().endswith(".gz")
-            with _open_binary(path) as f:
-                last = 0
-                for lineno, raw in enumerate(f, start=1):
-                    if not raw.strip():
-                        continue  # blank lines are layout, not documents
-                    if compressed:  # progress in compressed bytes, so the total stays the file size
-                        pos = f.fileobj.tell()
-                        done, last = pos - last, pos
-                    else:
-                        done = len(raw)
-                    yield ("json", path, lineno, raw), done
+            yield from _iter_jsonl(path)
         else:
             yield from _iter_datasets_rows(kind, path, json_keys)
+
+
+def _iter_jsonl(path: str) -> Iterator[tuple[Record, int]]:
+    compressed, lineno = path.lower().endswith(".gz"), 0
+    try:
+        with _open_binary(path) as f:
+            last = 0
+            for lineno, raw in enumerate(f, start=1):
+                if not raw.strip():
+                    continue  # blank lines are layout, not documents
+                if compressed:  # progress in compressed bytes, so the total stays the file size
+                    pos = f.fileobj.tell()
+                    done, last = pos - last, pos
+                else:
+                    done = len(raw)
+                yield ("json", path, lineno, raw), done
+    except (EOFError, gzip.BadGzipFile, zlib.error) as e:
+        raise CorruptInput(f"{path}: truncated or corrupt compressed data after line {lineno} ({e})") from None
 
 
 def _iter_datasets_rows(kind: str, path: str, json_keys: list[str]) -> Iterator[tuple[Record, int]]:

@@ -74,6 +74,9 @@ def test_jsonl_matches_direct_tokenization(tmp_path, tok):
     assert docs == expected(tok, DOCS)
     assert ds.dtype == np.uint16
     assert "4 documents" in out
+    stats = json.load(open(tmp_path / "o_text_document.stats.json"))  # for the vocabulary check
+    assert stats["max_token_id"] == max(max(d) for d in docs) and stats["dtype"] == "uint16"
+    assert stats["tokenizer"]["type"] == "GPT2BPETokenizer" and stats["tokenizer"]["vocab_size"] == 50257
 
 
 def test_workers_partitions_gz_give_identical_files(tmp_path):

@@ -70,13 +70,13 @@ def _crash_worker(rank, root):
     _pretrain(TINY + ["--train-iters", "2", "--save", root], 2)
     real = ckpt.save_file
 
-    def dying_save(tensors, path):  # rank 1 dies halfway through writing its second checkpoint
+    def dying_save(tensors, path, **kw):  # rank 1 dies halfway through writing its 2nd checkpoint
         if rank == 1 and "iter_0000004" in path:
-            real(tensors, path)
+            real(tensors, path, **kw)
             with open(path, "r+b") as f:
                 f.truncate(100)
             os.kill(os.getpid(), signal.SIGKILL)
-        return real(tensors, path)
+        return real(tensors, path, **kw)
 
     ckpt.save_file = dying_save
     _pretrain(TINY + ["--train-iters", "4", "--load", root, "--save", root], 2)

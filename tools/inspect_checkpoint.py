@@ -1,9 +1,11 @@
 """Print a megazoo checkpoint's layout, iteration, model and tensors, and verify every shard.
 
-    python tools/inspect_checkpoint.py CKPT_DIR [--tensors]
+    python tools/inspect_checkpoint.py CKPT_DIR [--tensors] [--verify]
 
 CKPT_DIR is a --save folder (its `latest` checkpoint is inspected) or one iter_* folder. Every
-rank's shard must be present and fully readable; the exit status is 1 otherwise.
+rank's shard must be present and fully readable; with --verify every tensor is also checked
+against the crc32 recorded at save (one line per damaged file and tensor). The exit status is 1
+when anything is wrong.
 """
 import argparse
 import os
@@ -11,29 +13,22 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from safetensors import safe_open  # noqa: E402
-
-from training.checkpointing import CheckpointError, latest_checkpoint, read_meta, rank_file  # noqa: E402
+from training.checkpointing import CheckpointError, VerifiedReader, listed_files, read_meta, resolve  # noqa: E402
 
 
-def _folder(path: str) -> str:
-    if os.path.exists(os.path.join(path, "meta.json")):
-        return path
-    folder = latest_checkpoint(path)
-    if folder is None:
-        raise CheckpointError(f"{path}: neither a checkpoint folder (meta.json) nor a --save folder "
-                              f"with a 'latest' pointer")
-    return folder
-
-
-def _verify(path: str) -> tuple[dict, int]:
-    """name -> (dtype, shape) and total bytes; reads every tensor, so truncation cannot hide."""
+def _shapes(path: str, verify: bool) -> tuple[dict, int]:
+    """name -> (dtype, shape) and total bytes; reads every tensor, so truncation cannot hide, and
+    with `verify` checks each against its checksum (the first mismatch is raised)."""
+    reader = VerifiedReader(path)
+    if not verify:
+        reader.table = None  # read everything, compare nothing
     shapes, total = {}, 0
-    with safe_open(path, framework="pt") as f:
-        for name in f.keys():
-            t = f.get_tensor(name)
-            shapes[name] = (str(t.dtype).removeprefix("torch."), tuple(t.shape))
-            total += t.numel() * t.element_size()
+    for name in reader.keys():
+        t = reader.get_tensor(name)
+        shapes[name] = (str(t.dtype).removeprefix("torch."), tuple(t.shape))
+        total += t.numel() * t.element_size()
+    if verify and reader.unlisted():
+        raise CheckpointError(f"{path}: tensor {reader.unlisted()[0]} is missing (the file was cut or edited)")
     return shapes, total
 
 
@@ -41,9 +36,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("path")
     ap.add_argument("--tensors", action="store_true", help="list every tensor of every shard")
+    ap.add_argument("--verify", action="store_true", help="check every tensor against its checksum")
     args = ap.parse_args()
     try:
-        folder = _folder(args.path)
+        folder = resolve(args.path)
         meta = read_meta(folder)
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -56,14 +52,17 @@ def main() -> int:
         "vocab_size", "hidden_size", "num_layers", "num_attention_heads", "ffn_hidden_size",
         "position_embedding", "params_dtype") if k in model))
     problems = []
-    files = meta.get("files") or [os.path.basename(rank_file(folder, r)) for r in range(meta.get("world_size", 1))]
-    for name in files:
-        path = os.path.join(folder, name)
+    files = listed_files(folder, meta)
+    for path in files:
+        name = os.path.basename(path)
         if not os.path.exists(path):
             problems.append(f"{path}: missing")
             continue
         try:
-            shapes, total = _verify(path)
+            shapes, total = _shapes(path, verify=args.verify)
+        except CheckpointError as e:  # names the file and, for a checksum, the tensor
+            problems.append(str(e))
+            continue
         except Exception as e:  # noqa: BLE001 - any failure to read is what we report
             problems.append(f"{path}: unreadable, corrupt or truncated ({type(e).__name__}: {e})")
             continue
@@ -77,7 +76,7 @@ def main() -> int:
         for p in problems:
             print(f"PROBLEM {p}")
         return 1
-    print(f"all {len(files)} shards readable")
+    print(f"all {len(files)} shards readable" + (", every tensor matches its checksum" if args.verify else ""))
     return 0
 
 

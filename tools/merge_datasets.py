@@ -16,6 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tqdm import tqdm  # noqa: E402
 
 from data.indexed import IndexedDatasetError, merge_datasets  # noqa: E402
+from data.token_stats import merge_stats  # noqa: E402
 
 
 def expand(inputs: list[str]) -> list[str]:
@@ -39,6 +40,7 @@ def main(argv=None) -> int:
     try:
         prefixes = expand(args.input)
         merged = merge_datasets(prefixes, args.output_prefix, progress=lambda xs: tqdm(xs, desc="merging", unit="dataset"))
+        merge_stats(prefixes, args.output_prefix)
     except (IndexedDatasetError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -22,7 +22,6 @@ import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from itertools import chain
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # workers are the parallelism; no fork warnings
@@ -30,8 +29,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # workers are the para
 import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
+from data import long_documents  # noqa: E402
+from data.long_documents import MAX_UNSLICED_CHARS, encode_long, too_long  # noqa: E402
 from data.indexed import IndexedDatasetBuilder, IndexedDatasetError, merge_datasets, optimal_dtype  # noqa: E402
-from data.text_sources import DEFAULT_TEXT_SUFFIXES, iter_records, parse_record, resolve_inputs  # noqa: E402
+from data.token_stats import stats_path, write_stats  # noqa: E402
+from data.text_sources import DEFAULT_TEXT_SUFFIXES, CorruptInput, iter_records, parse_record, resolve_inputs  # noqa: E402
 from data.tokenizers import TokenizerError, build_tokenizer  # noqa: E402
 
 BATCH_BYTES = 1 << 20  # ~1 MB of input per task: large enough to amortise IPC, small enough to stream
@@ -47,6 +49,9 @@ def get_args(argv=None) -> argparse.Namespace:
     g.add_argument("--text-suffixes", default=",".join(DEFAULT_TEXT_SUFFIXES),
                    help="suffixes of text files taken from folders ('all' for every file)")
     g.add_argument("--strict", action="store_true", help="fail on the first malformed record instead of skipping it")
+    g.add_argument("--max-unsliced-chars", type=int, default=MAX_UNSLICED_CHARS,
+                   help="longest document for tokenizers that cannot be tokenized in slices (GPT-2 BPE "
+                        "always can); longer ones are skipped and listed")
     g = p.add_argument_group("tokenizer")
     g.add_argument("--tokenizer-type", required=True,
                    help="GPT2BPETokenizer | SentencePieceTokenizer | GPTSentencePieceTokenizer | HuggingFaceTokenizer")
@@ -68,8 +73,10 @@ def get_args(argv=None) -> argparse.Namespace:
 _WORKER: dict = {}
 
 
-def _init_worker(tokenizer_kwargs: dict, json_keys: list[str], append_eod: bool) -> None:
-    _WORKER.update(tok=build_tokenizer(**tokenizer_kwargs), keys=json_keys, append_eod=append_eod)
+def _init_worker(tokenizer_kwargs: dict, json_keys: list[str], append_eod: bool,
+                 max_unsliced: int = MAX_UNSLICED_CHARS) -> None:
+    _WORKER.update(tok=build_tokenizer(**tokenizer_kwargs), keys=json_keys, append_eod=append_eod,
+                   max_unsliced=max_unsliced)
 
 
 @dataclass
@@ -82,12 +89,28 @@ class BatchResult:
     bad: list = field(default_factory=list)  # (source, line, reason)
 
 
+def _encode_texts(tok, texts: list[str]) -> list[np.ndarray]:
+    """int32 ids per text: short texts in one batched call, long ones in bounded-memory slices."""
+    out: list = [None] * len(texts)
+    short = [i for i, t in enumerate(texts) if len(t) <= long_documents.SLICE_CHARS]
+    batch = [texts[i] for i in short]
+    ids = tok.encode_batch(batch) if hasattr(tok, "encode_batch") else [tok.encode(t) for t in batch]
+    for i, doc in zip(short, ids):
+        out[i] = np.asarray(doc, dtype=np.int32)
+    for i, t in enumerate(texts):
+        if out[i] is None:
+            out[i] = encode_long(tok, t, _WORKER["max_unsliced"])
+    return out
+
+
 def encode_batch(records: list) -> BatchResult:
     tok, keys, append_eod = _WORKER["tok"], _WORKER["keys"], _WORKER["append_eod"]
     texts: dict[str, list[str]] = {k: [] for k in keys}
     result = BatchResult({}, {})
     for record in records:
         parsed, nbytes, error = parse_record(record, keys)
+        if error is None and parsed is not None:
+            error = next(filter(None, (too_long(tok, t, _WORKER["max_unsliced"]) for t in parsed.values())), None)
         if error is not None:
             result.bad.append((record[1], record[2], error))
         elif parsed is not None:
@@ -98,14 +121,11 @@ def encode_batch(records: list) -> BatchResult:
                 texts[k].append(parsed[k])
             result.docs += 1
             result.text_bytes += nbytes
+    eod = np.asarray([tok.eod] if append_eod else [], dtype=np.int32)
     for k in keys:
-        ids = tok.encode_batch(texts[k]) if hasattr(tok, "encode_batch") else [tok.encode(t) for t in texts[k]]
-        if append_eod:
-            for doc in ids:
-                doc.append(tok.eod)
-        lengths = np.fromiter((len(d) for d in ids), dtype=np.int32, count=len(ids))
-        result.lengths[k] = lengths
-        result.tokens[k] = np.fromiter(chain.from_iterable(ids), dtype=np.int32, count=int(lengths.sum()))
+        ids = [np.concatenate([d, eod]) if append_eod else d for d in _encode_texts(tok, texts[k])]
+        result.lengths[k] = np.fromiter((len(d) for d in ids), dtype=np.int32, count=len(ids))
+        result.tokens[k] = np.concatenate(ids) if ids else np.zeros(0, np.int32)
     return result
 
 
@@ -131,10 +151,20 @@ class Totals:
     empty: int = 0
     bad: int = 0
     shown: list = field(default_factory=list)
+    corrupt: str | None = None  # the input that could not be read to its end
 
 
 class MalformedRecord(RuntimeError):
     pass
+
+
+def _until_corrupt(records, totals):
+    """The records, ending (not failing) at a corrupt input, which `totals.corrupt` then names:
+    everything read before it is still tokenized and written."""
+    try:
+        yield from records
+    except CorruptInput as e:
+        totals.corrupt = str(e)
 
 
 def _process_files(files, builders, args, pool, totals, bar, skipped_log) -> None:
@@ -163,7 +193,7 @@ def _process_files(files, builders, args, pool, totals, bar, skipped_log) -> Non
                 elapsed = max(bar.format_dict["elapsed"], 1e-9)
                 bar.set_postfix(docs=totals.docs, docs_s=f"{totals.docs / elapsed:.0f}", tok_s=f"{totals.tokens / elapsed:.3g}", bad=totals.bad)
 
-    records = iter_records(files, args.json_keys)
+    records = _until_corrupt(iter_records(files, args.json_keys), totals)
     if pool is None:
         for batch, disk in _batches(records):
             handle(encode_batch(batch), disk)
@@ -193,7 +223,11 @@ def main(argv=None) -> int:
         return 1
     dtype = optimal_dtype(tokenizer.vocab_size)
     out_dir = os.path.dirname(os.path.abspath(args.output_prefix))
-    os.makedirs(out_dir, exist_ok=True)
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as e:
+        print(f"error: {_io_error(e, out_dir)}", file=sys.stderr)
+        return 1
     final = {k: f"{args.output_prefix}_{k}_document" for k in args.json_keys}
     n_parts = max(1, min(args.partitions, len(plan.files)))
     groups = [plan.files[i * len(plan.files) // n_parts:(i + 1) * len(plan.files) // n_parts] for i in range(n_parts)]
@@ -214,20 +248,25 @@ def main(argv=None) -> int:
     pool = None
     if args.workers > 1:
         pool = mp.get_context("fork" if sys.platform == "linux" else "spawn").Pool(
-            args.workers, initializer=_init_worker, initargs=(tok_kwargs, args.json_keys, args.append_eod))
+            args.workers, initializer=_init_worker, initargs=(tok_kwargs, args.json_keys, args.append_eod, args.max_unsliced_chars))
     else:
-        _init_worker(tok_kwargs, args.json_keys, args.append_eod)
+        _init_worker(tok_kwargs, args.json_keys, args.append_eod, args.max_unsliced_chars)
     bar = None if args.no_progress else tqdm(total=plan.total_bytes, unit="B", unit_scale=True, unit_divisor=1000,
                                              desc="tokenizing", dynamic_ncols=True)
     t0 = time.perf_counter()
     builders: dict[str, IndexedDatasetBuilder] = {}
+    id_ranges: dict[str, list[int]] = {k: [] for k in final}
     try:
         for i, files in enumerate(groups):
             builders = {k: IndexedDatasetBuilder(part_prefixes[k][i] + ".bin", dtype=dtype) for k in final}
             _process_files(files, builders, args, pool, totals, bar, skipped_log)
             for k, b in builders.items():
                 b.finalize(part_prefixes[k][i] + ".idx")
+                id_ranges[k] += [x for x in (b.min_id, b.max_id) if x is not None]
             builders = {}
+            if totals.corrupt:  # keep what was read; the files after it are not read
+                part_prefixes = {k: v[:i + 1] for k, v in part_prefixes.items()}
+                break
         if totals.docs == 0:
             raise IndexedDatasetError(
                 f"{' '.join(args.input)}: no documents written ({totals.bad} malformed, {totals.empty} empty, "
@@ -238,15 +277,23 @@ def main(argv=None) -> int:
                 for p in part_prefixes[k]:
                     os.remove(p + ".bin")
                     os.remove(p + ".idx")
+        made_with = dict(type=args.tokenizer_type, vocab_size=tokenizer.vocab_size,
+                         **{k: v for k, v in tok_kwargs.items() if k != "tokenizer_type"})
+        for k in final:  # the id range, so that training can check it against the model's vocabulary
+            write_stats(final[k], dtype, min(id_ranges[k], default=None), max(id_ranges[k], default=None),
+                        made_with)
     except BaseException as e:  # includes Ctrl-C and worker failures: clean up, then report
         for b in builders.values():
             b.abort()
         for k in final:  # never leave a half-written dataset that looks complete
             for p in part_prefixes[k] + [final[k]]:
-                for ext in (".bin", ".idx"):
-                    if os.path.exists(p + ext):
-                        os.remove(p + ext)
-        if not isinstance(e, (MalformedRecord, IndexedDatasetError, KeyError, FileNotFoundError)):
+                for path in (p + ".bin", p + ".idx", stats_path(p)):
+                    if os.path.exists(path):
+                        os.remove(path)
+        if isinstance(e, OSError):
+            print(f"error: {_io_error(e, args.output_prefix)}; nothing written", file=sys.stderr)
+            return 1
+        if not isinstance(e, (MalformedRecord, IndexedDatasetError, KeyError)):
             raise
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -267,7 +314,16 @@ def main(argv=None) -> int:
             print(f"  {line}")
         if totals.bad > len(totals.shown):
             print(f"  ... and {totals.bad - len(totals.shown)} more")
+    if totals.corrupt:
+        print(f"error: {totals.corrupt}; kept the {totals.docs} documents read before it, the "
+              f"input files after it were not read", file=sys.stderr)
+        return 1
     return 0
+
+
+def _io_error(e: OSError, where: str) -> str:
+    """One line for a failed read or write: the file and the reason."""
+    return f"{e.filename or where}: {e.strerror or e}"
 
 
 if __name__ == "__main__":

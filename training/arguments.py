@@ -6,8 +6,10 @@ Inconsistent values fail before any process group or weight exists, with one cle
 from __future__ import annotations
 
 import argparse
+import math
 import os
 
+from data.blended import check_blend
 from models.config import PRESETS, TransformerConfig, preset
 from parallel.layout import LayoutError, ParallelConfig, microbatches_per_step, virtual_stages
 from parallel.zero.config import LossScaleConfig, OptimizerConfig
@@ -126,16 +128,55 @@ def build_parser(default_model: str | None = None) -> argparse.ArgumentParser:
                         "checkpoint and skip the offending samples")
     g.add_argument("--spike-zscore", type=float, default=6.0)
     g.add_argument("--spike-window", type=int, default=50)
-    g.add_argument("--collective-timeout", type=float, default=0.0,
-                   help="seconds before a hung collective ends the job naming the missing ranks")
+    g.add_argument("--collective-timeout", type=float, default=HealthConfig.collective_timeout,
+                   help="seconds (default 5 minutes; 0: off) before a hung collective ends the job "
+                        "naming the ranks that did not arrive or froze")
     g.add_argument("--straggler-threshold", type=float, default=1.25)
     g.add_argument("--inject-nan-at-iteration", type=int, help="fault drill: NaN gradients once")
     g.add_argument("--inject-hang", nargs=3, type=float, metavar=("RANK", "ITERATION", "SECONDS"),
                    help="fault drill: RANK sleeps SECONDS before a collective at ITERATION")
+    g = p.add_argument_group("checkpoint storage / health")
+    g.add_argument("--keep-last", type=int, help="keep only the newest N checkpoints (default: all)")
+    g.add_argument("--keep-every", type=int,
+                   help="with --keep-last: also keep every checkpoint whose iteration is a multiple of K")
+    g.add_argument("--max-bad-steps", type=int, default=20,
+                   help="stop the run (exit status 1) after this many consecutive steps with a "
+                        "non-finite loss or a skipped update, under any --health-policy")
     add_megatron_compat_flags(p)
     a("--seed", type=int, default=1234)
     apply_help(p)
     return p
+
+
+def validate_values(args: argparse.Namespace) -> None:
+    """Values that are wrong on their own (whatever the other flags), refused in one line."""
+    positive = ("micro_batch_size", "global_batch_size", "train_iters", "train_samples",
+                "log_interval", "save_interval", "keep_last", "keep_every", "max_bad_steps",
+                "seq_length", "num_layers", "hidden_size", "num_attention_heads")
+    for name in positive:
+        value = getattr(args, name, None)
+        if value is not None and value < 1:
+            _fail(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    for name in ("eval_interval", "eval_iters", "lr_warmup_iters", "lr_decay_iters", "zero_stage"):
+        value = getattr(args, name, None)
+        if value is not None and value < 0:
+            _fail(f"--{name.replace('_', '-')} must be >= 0, got {value}")
+    for name in ("lr", "min_lr", "weight_decay", "clip_grad", "adam_eps", "collective_timeout",
+                 "initial_loss_scale", "min_loss_scale", "hidden_dropout", "attention_dropout"):
+        value = getattr(args, name, None)
+        if value is not None and not (math.isfinite(value) and value >= 0):
+            _fail(f"--{name.replace('_', '-')} must be a finite number >= 0, got {value}")
+    if args.min_lr > args.lr:
+        _fail(f"--min-lr {args.min_lr} exceeds --lr {args.lr}")
+    for name in ("adam_beta1", "adam_beta2"):
+        if not 0 <= getattr(args, name) < 1:
+            _fail(f"--{name.replace('_', '-')} must be in [0, 1), got {getattr(args, name)}")
+    if args.keep_every and not args.keep_last:
+        _fail("--keep-every K only refines --keep-last N; give --keep-last too")
+    try:
+        check_blend(args.data_path)
+    except ValueError as e:
+        _fail(str(e))
 
 
 def _fail(msg: str):
@@ -147,6 +188,7 @@ def to_run_config(args: argparse.Namespace, vocab_size: int | None = None,
     """Map parsed flags onto the configs and check that they fit together.
 
     `vocab_size` and `eod_token` come from the tokenizer when there is one (training/script.py)."""
+    validate_values(args)
     world = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
     compat = resolve_megatron_compat(args, eod_token)
     overrides = {k: v for k, v in dict(
@@ -229,6 +271,7 @@ def to_run_config(args: argparse.Namespace, vocab_size: int | None = None,
     health = HealthConfig(
         policy=args.health_policy, spike_zscore=args.spike_zscore, spike_window=args.spike_window,
         collective_timeout=args.collective_timeout, straggler_threshold=args.straggler_threshold,
+        max_bad_steps=args.max_bad_steps,
         inject_nan_at=args.inject_nan_at_iteration,
         inject_hang=(int(args.inject_hang[0]), int(args.inject_hang[1]), args.inject_hang[2])
         if args.inject_hang else None)
@@ -259,7 +302,8 @@ def to_run_config(args: argparse.Namespace, vocab_size: int | None = None,
                         num_workers=args.num_workers, eod_mask_token=compat.eod_mask_token),
         checkpoint=CheckpointConfig(save=args.save, load=args.load, save_interval=args.save_interval,
                                     finetune=args.finetune, load_optim=not args.no_load_optim,
-                                    load_rng=not args.no_load_rng),
+                                    load_rng=not args.no_load_rng, keep_last=args.keep_last,
+                                    keep_every=args.keep_every),
         logging=LoggingConfig(log_interval=args.log_interval, eval_interval=args.eval_interval,
                               eval_iters=args.eval_iters, wandb_project=args.wandb_project,
                               wandb_exp_name=args.wandb_exp_name, wandb_save_dir=args.wandb_save_dir,

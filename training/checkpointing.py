@@ -6,15 +6,22 @@ Layout of `--save DIR`:
     DIR/iter_0000200/meta.json      iteration, data position, layout, model config, file list
     DIR/iter_0000200/rank_00003.safetensors   this rank's model shards, optimizer shards, RNG
 
-Every rank writes into `iter_N.tmp/`; after a barrier rank 0 writes meta.json, renames the folder
-to `iter_N`, then replaces `latest`. A crash at any point leaves `latest` naming the previous
-complete checkpoint; a stale `.tmp` folder is ignored and cleared by the next save.
+Every rank writes into `iter_N.tmp/`; once every rank has, rank 0 writes meta.json, renames the
+folder to `iter_N`, then replaces `latest`. A crash at any point leaves `latest` naming a complete
+checkpoint; a stale `.tmp` folder is ignored and cleared by the next save. A rank that cannot
+write (no space, I/O error) stops every rank with one line; the previous checkpoint stays.
+
+Every rank file records a crc32 per tensor in its header (`training/integrity.py`); every reader
+here verifies what it reads, and a resume falls back to the newest checkpoint that verifies
+(`candidates`). Disk space, retention and the folder lock: `training/storage.py`.
 """
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
+import re
 import shutil
 from dataclasses import asdict
 
@@ -22,7 +29,9 @@ import torch
 import torch.distributed as dist
 from safetensors import SafetensorError
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
+
+from . import integrity, storage
 
 logger = logging.getLogger(__name__)
 
@@ -31,9 +40,8 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used; the message names the file and what to do."""
 
 
-def _barrier():
-    if dist.is_initialized():
-        dist.barrier()
+class IntegrityError(CheckpointError):
+    """A damaged checkpoint (missing, truncated or altered bytes): an earlier one may serve."""
 
 
 def _fsync_write(path: str, text: str) -> None:
@@ -54,18 +62,63 @@ def rank_file(folder: str, rank: int) -> str:
 
 
 def save_checkpoint(root: str, iteration: int, rank: int, world_size: int,
-                    tensors: dict[str, torch.Tensor], meta: dict) -> str:
-    """Collective: every rank passes its own tensors; rank 0's `meta` is recorded."""
+                    tensors: dict[str, torch.Tensor], meta: dict, device=None) -> str:
+    """Collective: every rank passes its own tensors; rank 0's `meta` is recorded.
+
+    Every phase ends with an agreement over all ranks, so a rank that cannot write (no space,
+    I/O error) stops every rank with the same one-line error and `latest` keeps naming the
+    previous complete checkpoint."""
     final, tmp = iteration_dir(root, iteration), iteration_dir(root, iteration) + ".tmp"
-    if rank == 0:
-        _prepare(root, tmp)
-    _barrier()
-    write_rank_file(tmp, rank, tensors)
-    _barrier()
-    if rank == 0:
-        commit(root, iteration, world_size, meta)
-    _barrier()
+    _phase(root, iteration, device, lambda: _fail(storage.free_space_problem(
+        root, sum(t.numel() * t.element_size() for t in tensors.values()), world_size,
+        latest_checkpoint(root) if os.path.isdir(root) else None)))
+    _phase(root, iteration, device, lambda: _prepare(root, tmp) if rank == 0 else None)
+    _phase(root, iteration, device, lambda: write_rank_file(tmp, rank, tensors), cleanup=tmp)
+    _phase(root, iteration, device, lambda: commit(root, iteration, world_size, meta)
+           if rank == 0 else None, cleanup=tmp)
     return final
+
+
+def _phase(root: str, iteration: int, device, work, cleanup: str | None = None) -> None:
+    """Run one save phase on this rank and agree with the others whether every rank succeeded."""
+    error = None
+    try:
+        work()
+    except CheckpointError as e:
+        error = str(e)
+    except OSError as e:
+        error = f"{root}: {_os_error(e)}"
+    if all_ranks_ok(error is None, device):
+        return
+    if cleanup and (not dist.is_initialized() or dist.get_rank() == 0):
+        shutil.rmtree(cleanup, ignore_errors=True)
+    kept = _pointer(root)
+    raise CheckpointError(f"{error or 'another rank could not write its part'}; checkpoint "
+                          f"{iteration} not saved, the previous one is kept "
+                          f"({'latest = ' + kept if kept else 'no earlier checkpoint'})")
+
+
+def _fail(problem: str | None) -> None:
+    if problem:
+        raise CheckpointError(problem)
+
+
+def all_ranks_ok(ok: bool, device=None) -> bool:
+    """Whether `ok` holds on every rank (a collective when torch.distributed is up)."""
+    if not dist.is_initialized():
+        return ok
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) \
+            if dist.get_backend() == "nccl" else torch.device("cpu")
+    t = torch.tensor([1.0 if ok else 0.0], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return bool(t.item())
+
+
+def _os_error(e: OSError) -> str:
+    if e.errno == errno.ENOSPC:
+        return "no space left on device"
+    return f"{e.strerror or e}" + (f" ({e.filename})" if e.filename else "")
 
 
 def _prepare(root: str, tmp: str) -> None:
@@ -90,27 +143,61 @@ def honour_umask(path: str) -> None:
 
 
 def write_rank_file(tmp: str, rank: int, tensors: dict[str, torch.Tensor]) -> None:
+    """One rank's tensors, with their checksums in the file's header, flushed to disk."""
     path = rank_file(tmp, rank)
-    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, path)
-    honour_umask(path)
-    with open(path, "rb+") as f:
-        os.fsync(f.fileno())
+    cpu = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+    try:
+        save_file(cpu, path, metadata=integrity.header(cpu))
+        honour_umask(path)
+        with open(path, "rb+") as f:
+            os.fsync(f.fileno())
+    except OSError as e:
+        raise CheckpointError(f"{path}: {_os_error(e)}") from None
+    except SafetensorError as e:  # the writer's I/O errors arrive as text
+        full = "no space left on device" if "StorageFull" in str(e) or "No space" in str(e) \
+            else str(e).splitlines()[0][:200]
+        raise CheckpointError(f"{path}: {full}") from None
 
 
 def commit(root: str, iteration: int, world_size: int, meta: dict) -> str:
-    """Write meta.json, move the complete folder into place, then point `latest` at it."""
+    """Write meta.json, move the complete folder into place, then point `latest` at it.
+
+    `latest` names a complete folder at every moment: when an iteration is saved again (after
+    a rollback or resume), the old folder first gets a second name (hard links, no copy),
+    `latest` moves to that name, and only then is the old folder replaced."""
     final, tmp = iteration_dir(root, iteration), iteration_dir(root, iteration) + ".tmp"
+    old = final + ".old"
     meta = dict(meta, iteration=iteration, world_size=world_size,
                 files=[os.path.basename(rank_file(tmp, r)) for r in range(world_size)])
     _fsync_write(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1, default=_jsonable))
-    if os.path.exists(final):  # re-saving an iteration (e.g. after a resume): move the old aside
-        shutil.rmtree(final + ".old", ignore_errors=True)
-        os.replace(final, final + ".old")
+    if os.path.isdir(final):
+        if _pointer(root) != os.path.basename(old):
+            shutil.rmtree(old, ignore_errors=True)
+            _link_tree(final, old)
+            _fsync_write(os.path.join(root, "latest"), os.path.basename(old))
+        shutil.rmtree(final)
     os.replace(tmp, final)
     _fsync_write(os.path.join(root, "latest"), os.path.basename(final))
-    shutil.rmtree(final + ".old", ignore_errors=True)
+    shutil.rmtree(old, ignore_errors=True)
     logger.info("saved checkpoint %s", final)
     return final
+
+
+def _link_tree(src: str, dst: str) -> None:
+    os.makedirs(dst)
+    for name in os.listdir(src):
+        try:
+            os.link(os.path.join(src, name), os.path.join(dst, name))
+        except OSError:  # a filesystem without hard links: copy
+            shutil.copy2(os.path.join(src, name), os.path.join(dst, name))
+
+
+def _pointer(root: str) -> str | None:
+    try:
+        with open(os.path.join(root, "latest")) as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
 
 
 def _jsonable(obj):
@@ -130,22 +217,55 @@ def tensor_json(t: torch.Tensor):
     return json.loads(bytes(t.numpy().tobytes()).decode())
 
 
+_FOLDER = re.compile(r"iter_(\d+)(\.tmp|\.old)?")
+
+
+def candidates(root: str) -> list[str]:
+    """Complete checkpoint folders under a --save root, the one to resume from first.
+
+    Normally: the folder `latest` names, then the older complete ones, newest first (the
+    fallbacks when one fails verification). When `latest` names a missing folder (a crash at
+    the wrong moment, a folder deleted by hand), every complete folder, newest first: a
+    `.tmp` folder holding meta.json was complete before its rename, an `.old` one before its
+    replacement."""
+    if not os.path.isdir(root):
+        return []
+    found = []
+    for name in os.listdir(root):
+        m = _FOLDER.fullmatch(name)
+        if m and os.path.isfile(os.path.join(root, name, "meta.json")):
+            found.append((int(m[1]), {None: 2, ".tmp": 1, ".old": 0}[m[2]], name))
+    found.sort(reverse=True)
+    named = _pointer(root)
+    by_name = {name: (it, pref) for it, pref, name in found}
+    if named in by_name:
+        it = by_name[named][0]
+        return [os.path.join(root, named)] + [os.path.join(root, n) for i, _, n in found
+                                               if i < it]
+    if named is not None and found:
+        logger.warning("%s names %s, which is missing or incomplete; using the newest complete "
+                       "checkpoint, %s", os.path.join(root, "latest"), named, found[0][2])
+    if named is None and found:
+        logger.warning("%s has no 'latest' pointer; using the newest complete checkpoint, %s",
+                       root, found[0][2])
+    return [os.path.join(root, n) for _, _, n in found]
+
+
 def latest_checkpoint(root: str) -> str | None:
+    """The checkpoint a resume starts from (see `candidates`); None when the root has none."""
     pointer = os.path.join(root, "latest")
-    if not os.path.exists(pointer):
-        return None
-    with open(pointer) as f:
-        name = f.read().strip()
-    folder = os.path.join(root, name)
-    if not os.path.isdir(folder):
-        raise CheckpointError(f"{pointer} names {name}, which does not exist; point it at a "
-                              f"complete iter_* folder")
-    return folder
+    folders = candidates(root)
+    if folders:
+        return folders[0]
+    if os.path.exists(pointer):
+        raise CheckpointError(f"{pointer} names {_pointer(root)}, which does not exist, and no "
+                              f"complete iter_* folder is left; point it at a complete checkpoint")
+    return None
 
 
 def resolve(path: str) -> str:
     """A checkpoint folder from a --save/--load root (through `latest`) or an iter_* folder."""
-    folder = latest_checkpoint(path) if os.path.exists(os.path.join(path, "latest")) else path
+    folder = path if os.path.isfile(os.path.join(path, "meta.json")) else latest_checkpoint(path)
     if folder is None or not os.path.isfile(os.path.join(folder, "meta.json")):
         raise CheckpointError(f"{path}: no checkpoint here ('latest' or meta.json); pass the "
                               f"--save folder of a training run or of tools/convert_hf.py import")
@@ -157,34 +277,100 @@ def read_meta(folder: str) -> dict:
     try:
         with open(path) as f:
             return json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: unreadable checkpoint metadata ({e}); the checkpoint is "
-                              f"incomplete, use an earlier one") from None
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise IntegrityError(f"{path}: unreadable checkpoint metadata ({e}); the checkpoint is "
+                             f"incomplete, use an earlier one") from None
+
+
+class VerifiedReader:
+    """A lazy reader of one rank file whose `get_tensor` checks each tensor's checksum."""
+
+    def __init__(self, path: str):
+        self.path = path
+        try:
+            self._f = safe_open(path, framework="pt")
+            self.table = integrity.recorded(self._f.metadata())
+        except (SafetensorError, OSError, ValueError) as e:
+            raise IntegrityError(f"{path}: corrupt or truncated shard ({e}); use an earlier "
+                                 f"checkpoint") from None
+        if self.table is None:
+            logger.warning("%s records no checksums (written before megazoo did); its tensors "
+                           "are not verified", path)
+
+    def keys(self) -> list[str]:
+        return list(self._f.keys())
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        try:
+            t = self._f.get_tensor(name)
+        except (SafetensorError, OSError, ValueError) as e:
+            raise IntegrityError(f"{self.path}: corrupt or truncated shard ({e}); use an earlier "
+                                 f"checkpoint") from None
+        bad = integrity.problem(name, t, self.table)
+        if bad:
+            raise IntegrityError(f"{self.path}: {bad}; use an earlier checkpoint")
+        return t
+
+    def unlisted(self) -> list[str]:
+        """Checksummed tensors the file does not hold (it was cut or edited)."""
+        return sorted(set(self.table or ()) - set(self.keys()))
+
+
+def _existing(folder: str, rank: int) -> str:
+    path = rank_file(folder, rank)
+    if not os.path.exists(path):
+        raise IntegrityError(f"{path} is missing: the checkpoint was written by fewer ranks or is "
+                             f"incomplete")
+    return path
+
+
+def open_rank_file(folder: str, rank: int) -> VerifiedReader:
+    """A lazy, verifying reader of one rank's file, with clear errors."""
+    return VerifiedReader(_existing(folder, rank))
 
 
 def load_rank_tensors(folder: str, rank: int) -> dict[str, torch.Tensor]:
-    path = rank_file(folder, rank)
-    if not os.path.exists(path):
-        raise CheckpointError(f"{path} is missing: the checkpoint was written by fewer ranks or is "
-                              f"incomplete")
-    try:
-        return load_file(path)
-    except (SafetensorError, OSError, ValueError) as e:
-        raise CheckpointError(f"{path}: corrupt or truncated shard ({e}); use an earlier "
-                              f"checkpoint") from None
+    """Every tensor of one rank's file, each verified against its checksum."""
+    reader = open_rank_file(folder, rank)
+    return {k: reader.get_tensor(k) for k in reader.keys()}
 
 
-def open_rank_file(folder: str, rank: int):
-    """A lazy reader (`safetensors.safe_open`) of one rank's file, with clear errors."""
-    path = rank_file(folder, rank)
-    if not os.path.exists(path):
-        raise CheckpointError(f"{path} is missing: the checkpoint was written by fewer ranks or is "
-                              f"incomplete")
+def listed_files(folder: str, meta: dict) -> list[str]:
+    """Paths of the rank files a checkpoint's meta.json lists."""
+    names = meta.get("files") or [os.path.basename(rank_file(folder, r))
+                                  for r in range(meta.get("world_size", 1))]
+    return [os.path.join(folder, n) for n in names]
+
+
+def verify_folder(folder: str) -> list[str]:
+    """Problems of a checkpoint folder (one line each; empty when every tensor verifies)."""
     try:
-        return safe_open(path, framework="pt")
-    except (SafetensorError, OSError, ValueError) as e:
-        raise CheckpointError(f"{path}: corrupt or truncated shard ({e}); use an earlier "
-                              f"checkpoint") from None
+        meta = read_meta(folder)
+    except CheckpointError as e:
+        return [str(e)]
+    problems = []
+    for path in listed_files(folder, meta):
+        if not os.path.exists(path):
+            problems.append(f"{path} is missing: the checkpoint is incomplete")
+            continue
+        try:
+            reader = VerifiedReader(path)
+            for k in reader.keys():
+                reader.get_tensor(k)
+            problems += [f"{path}: tensor {k} is missing (the file was cut or edited)"
+                         for k in reader.unlisted()]
+        except CheckpointError as e:
+            problems.append(str(e))
+    return problems
+
+
+def require_verified(folder: str) -> str:
+    """`folder` when every tensor of every rank file verifies; else the first problem, raised."""
+    problems = verify_folder(folder)
+    if problems:
+        more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""
+        raise IntegrityError(problems[0] + more)
+    return folder
 
 
 def check_compatible(meta: dict, *, model: dict, folder: str) -> None:

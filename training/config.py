@@ -55,6 +55,8 @@ class CheckpointConfig:
     finetune: bool = False  # load weights only; reset iteration, optimizer and data position
     load_optim: bool = True  # False (--no-load-optim): fresh optimizer state, masters from the weights
     load_rng: bool = True  # False (--no-load-rng): RNG streams seeded anew, not restored
+    keep_last: int | None = None  # --keep-last N: delete older checkpoints (None: keep all)
+    keep_every: int | None = None  # --keep-every K: ... except every K-th iteration
 
 
 @dataclass

@@ -171,11 +171,10 @@ def export_hf(load: str, save: str, *, tokenizer_dir: str | None = None,
     checkpoint's dtype (an imported model's own) unless `dtype` is given."""
     if dtype is not None and dtype not in _DTYPES:
         raise ConversionError(f"--dtype {dtype!r} is not supported; choose one of {_DTYPES}")
-    folder = ckpt.resolve(load)
+    folder = ckpt.require_verified(ckpt.resolve(load))
     meta, config, module = checkpoint_config(folder)
-    zero3 = meta.get("layout", {}).get("zero_stage", 0) == 3  # weights live in the optimizer
-    full = read_full_state(folder, optimizer=zero3)
-    sd = module.to_hf_state_dict(full.weights, config)
+    full = read_full_state(folder)  # the fp32 masters when present: the copy a resume continues
+    sd = module.to_hf_state_dict({**full.weights, **full.master}, config)
     hf = module.hf_config(config)
     # the model's special tokens, recorded at import and carried by the tokenizer folder
     recorded = {**(meta.get("hf_config") or {}), **read_record(checkpoint_tokenizer_dir(folder))}

@@ -42,7 +42,7 @@ def build_datasets(cfg: DataConfig, *, seed: int, vocab_size: int, num_samples: 
         return tuple(MockGPTDataset(max(n, 1), cfg.seq_length, vocab_size, seed + i)
                      for i, n in enumerate(num_samples))
     return build_train_valid_test_datasets(cfg.data_path, cfg.split, cfg.seq_length, seed,
-                                           num_samples, cfg.data_cache_path)
+                                           num_samples, cfg.data_cache_path, vocab_size=vocab_size)
 
 
 def microbatches(dataset, *, consumed_samples: int, micro_batch_size: int, dp_rank: int, dp: int,

@@ -1,7 +1,8 @@
 """What the loop does about a bad step (the health policy's actions) and the fault drills.
 
 The verdicts come from `training/health.py`; here they are reported (log + journal), and under
---health-policy rollback the run reloads its latest checkpoint and leaves the offending samples out.
+--health-policy rollback the run reloads its latest checkpoint and replays (samples that fail again
+are left out).
 """
 from __future__ import annotations
 
@@ -32,16 +33,19 @@ def report_unhealthy(journal, topo, iteration, verdict, samples, policy) -> None
                       samples=samples, policy=policy)
 
 
-def roll_back(run, topo, chunks, opt, rng, data, journal, iteration, samples) -> TrainState:
-    """Reload the latest checkpoint, leave the offending samples out of the stream, carry on."""
+def roll_back(run, topo, chunks, opt, rng, data, journal, iteration, samples, skip) -> TrainState:
+    """Reload the latest checkpoint and replay; samples that failed twice are left out."""
     source = dataclasses.replace(run, checkpoint=dataclasses.replace(
         run.checkpoint, load=run.checkpoint.save, finetune=False))
     state = load(source, topo, chunks, opt, rng)
-    data.skip(samples)
+    if skip:
+        data.skip(samples)
     data.restart(state.consumed_samples)
     if topo.rank == 0:
-        journal.event("skip_samples", iteration=iteration, ranges=samples)
-        journal.event("rollback", iteration=iteration, to_iteration=state.iteration, samples=samples)
-    logger.warning("rolled back from iteration %d to %d; samples %s will be skipped", iteration,
-                   state.iteration, samples)
+        if skip:
+            journal.event("skip_samples", iteration=iteration, ranges=samples)
+        journal.event("rollback", iteration=iteration, to_iteration=state.iteration, samples=samples,
+                      skipped=skip)
+    logger.warning("rolled back from iteration %d to %d; samples %s %s", iteration, state.iteration,
+                   samples, "failed again and will be skipped" if skip else "will be replayed once")
     return state

@@ -16,7 +16,7 @@ import torch
 from models.hf import family_of
 
 from . import checkpointing as ckpt
-from . import reshard
+from . import reshard, storage
 from .config import RunConfig
 
 logger = logging.getLogger(__name__)
@@ -56,8 +56,13 @@ def save(run: RunConfig, topo, chunks, opt, rng, state: TrainState) -> str:
     meta = dict(consumed_samples=state.consumed_samples, skipped_steps=state.skipped_steps,
                 model=dataclasses.asdict(run.model), layout=layout_of(run, topo),
                 seq_length=run.data.seq_length, seed=run.seed, family=family_of(chunks[0]))
-    return ckpt.save_checkpoint(run.checkpoint.save, state.iteration, topo.rank, topo.world_size,
-                                _rank_tensors(chunks, opt, rng, run.optimizer.zero_stage), meta)
+    root = run.checkpoint.save
+    folder = ckpt.save_checkpoint(root, state.iteration, topo.rank, topo.world_size,
+                                  _rank_tensors(chunks, opt, rng, run.optimizer.zero_stage), meta,
+                                  device=topo.device)
+    if topo.rank == 0:
+        storage.prune(ckpt.candidates(root), run.checkpoint.keep_last, run.checkpoint.keep_every)
+    return folder
 
 
 def _same_buckets(tensors: dict, opt) -> bool:
@@ -73,21 +78,67 @@ def load(run: RunConfig, topo, chunks, opt, rng) -> TrainState:
 
     A checkpoint of the same layout loads shard by shard. Any other layout (tp, pp, vpp, dp,
     ZeRO stage, bucket size), an imported model, or --finetune goes through full tensors
-    (`training/reshard.py`); RNG streams are restored only with the same layout.
+    (`training/reshard.py`); RNG streams are restored only with the same layout. Every tensor
+    read is verified against its checksum; when any rank finds damage, all ranks fall back to
+    the next older complete checkpoint (logged), and only a verified one is applied.
     """
-    folder = ckpt.latest_checkpoint(run.checkpoint.load)
-    if folder is None:
-        if topo.rank == 0:
-            logger.warning("--load %s holds no checkpoint yet ('latest' missing); starting from scratch",
-                           run.checkpoint.load)
+    folders = ckpt.candidates(run.checkpoint.load)
+    if not folders:
+        if ckpt.latest_checkpoint(run.checkpoint.load) is None and topo.rank == 0:
+            # (latest_checkpoint raises on a dangling 'latest')
+            logger.warning("--load %s holds no checkpoint yet ('latest' missing); starting from "
+                           "scratch", run.checkpoint.load)
         return TrainState()
+    failures = []
+    for folder in folders:
+        error = None
+        try:
+            meta, source = _read(run, topo, chunks, opt, folder)
+        except ckpt.IntegrityError as e:
+            error = str(e)
+            logger.error("%s", error)
+        if ckpt.all_ranks_ok(error is None, topo.device):
+            break
+        failures.append(f"{folder}: {error or 'damaged on another rank'}")
+        logger.warning("checkpoint %s does not verify; trying the next older one", folder)
+    else:
+        raise ckpt.CheckpointError(f"no checkpoint under {run.checkpoint.load} verifies ("
+                                   f"{'; '.join(failures)}); restore one from a backup or start "
+                                   f"without --load")
+    if failures and topo.rank == 0:
+        logger.warning("fell back to %s: %d newer checkpoint(s) failed verification", folder,
+                       len(failures))
+    return _apply(run, topo, chunks, opt, rng, folder, meta, source)
+
+
+def _read(run: RunConfig, topo, chunks, opt, folder: str):
+    """(meta, what to load) of one checkpoint, every tensor read verified; nothing applied."""
     meta = ckpt.read_meta(folder)
     ckpt.check_compatible(meta, model=dataclasses.asdict(run.model), folder=folder)
     finetune = run.checkpoint.finetune
     weights_only = finetune or not run.checkpoint.load_optim  # --no-load-optim keeps the progress
+    saved_seq = meta.get("seq_length")
+    if not finetune and saved_seq is not None and saved_seq != run.data.seq_length:
+        raise ckpt.CheckpointError(
+            f"--seq-length {run.data.seq_length} differs from {saved_seq} in {folder}: the saved "
+            f"data position counts {saved_seq}-token samples; pass --seq-length {saved_seq}, or "
+            f"--finetune to start a new data stream from these weights")
     same_layout = meta.get("layout") == layout_of(run, topo)
     tensors = ckpt.load_rank_tensors(folder, topo.rank) if same_layout else {}
     if same_layout and not weights_only and _same_buckets(tensors, opt):
+        return meta, tensors
+    if meta.get("weights_only") and not weights_only:
+        raise ckpt.CheckpointError(f"{folder} holds weights only (an imported model); add "
+                                   f"--finetune to start training from it")
+    names = {row[2] for row in reshard.param_table(chunks)}
+    return meta, (tensors, reshard.read_full_state(folder, names))
+
+
+def _apply(run: RunConfig, topo, chunks, opt, rng, folder: str, meta: dict, source) -> TrainState:
+    finetune = run.checkpoint.finetune
+    weights_only = finetune or not run.checkpoint.load_optim
+    if isinstance(source, dict):
+        tensors = source
         with torch.no_grad():
             for c, chunk in enumerate(chunks):
                 for n, p in chunk.named_parameters():
@@ -97,11 +148,7 @@ def load(run: RunConfig, topo, chunks, opt, rng) -> TrainState:
         opt.load_state_dict({k[len("optim."):]: v for k, v in tensors.items()
                              if k.startswith("optim.")})
     else:
-        if meta.get("weights_only") and not weights_only:
-            raise ckpt.CheckpointError(f"{folder} holds weights only (an imported model); add "
-                                       f"--finetune to start training from it")
-        names = {row[2] for row in reshard.param_table(chunks)}
-        full = reshard.read_full_state(folder, names)
+        tensors, full = source
         logger.info("loading %s (layout %s) into layout %s through full tensors%s", folder,
                     meta.get("layout"), layout_of(run, topo), " (weights only)" if weights_only else "")
         reshard.load_into(full, chunks, opt, topo, weights_only=weights_only, folder=folder)

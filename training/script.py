@@ -14,19 +14,23 @@ import sys
 import torch.distributed as dist
 
 from data.indexed import IndexedDatasetError
+from data.token_stats import VocabularyMismatch
 from data.tokenizers import TokenizerError
 from parallel.topology import LayoutError
 
 from .arguments import ArgumentError, build_parser, to_run_config
 from .checkpoint_tokenizer import store_training_tokenizer
 from .checkpointing import CheckpointError
+from .health import RunHalted
 from .loop import pretrain
 from .stop import exit_code
+from .storage import SaveLockError
 
 logger = logging.getLogger("megazoo.train")
 # Raised by a run for something the user can fix (the message names the file or flag): no traceback.
+# A damaged checkpoint, a held --save, a run that makes no progress and foreign data are among them.
 USER_ERRORS = (ArgumentError, LayoutError, TokenizerError, IndexedDatasetError, CheckpointError,
-               FileNotFoundError)
+               FileNotFoundError, SaveLockError, RunHalted, VocabularyMismatch)
 
 
 def build_run_tokenizer(args):

@@ -15,10 +15,11 @@ from parallel.topology import initialize
 from parallel.zero.optimizer import build_optimizer
 
 from . import checkpointing as ckpt
+from . import storage
 from .config import RunConfig
 from .data import TrainData, build_datasets
 from .faults import maybe_hang, report_unhealthy, roll_back
-from .health import HealthMonitor, Verdict
+from .health import HealthMonitor, ProgressGuard, after_step
 from .journal import RunJournal
 from .log import RunLogger
 from .lr_schedule import global_batch_size, learning_rate
@@ -26,7 +27,7 @@ from .metrics import device_peak_flops
 from .report import write_report
 from .resume import TrainState, layout_of, load, save
 from .step import activation_shape, evaluate, forward_backward
-from .watchdog import CollectiveWatchdog
+from .watchdog import CollectiveWatchdog, backend_timeout
 from .window import LogWindow
 
 logger = logging.getLogger("training.loop")
@@ -52,10 +53,13 @@ def build_chunks(model_provider, run: RunConfig, topo, rng):
 class Trainer:
     def __init__(self, model_provider, run: RunConfig):
         self.run, self.sched = run, run.schedule
-        self.topo = topo = initialize(run.parallel)
+        self.topo = topo = initialize(run.parallel,
+                                      timeout_s=backend_timeout(run.health.collective_timeout))
         self.rng = model_parallel_seed(run.seed, topo)
         self.chunks = build_chunks(model_provider, run, topo, self.rng)
         self.opt = build_optimizer(self.chunks, topo, run.optimizer)
+        self.lock = storage.SaveLock(run.checkpoint.save) \
+            if run.checkpoint.save and topo.rank == 0 else None
         self.state = load(run, topo, self.chunks, self.opt, self.rng) if run.checkpoint.load else TrainState()
         self.journal = journal = RunJournal(run.run_dir)
         self.watchdog = CollectiveWatchdog(
@@ -80,7 +84,8 @@ class Trainer:
                         layout_of(run, topo), f"peak {peak:.3g} FLOP/s per rank ({peak_source})" if peak
                         else peak_source)
             logger.info("memory per rank (bytes): %s", self.opt.memory_report())
-        self.monitor, self.rollbacks, self.nan_injected = HealthMonitor(run.health), 0, False
+        self.monitor, self.guard = HealthMonitor(run.health), ProgressGuard(run.health)
+        self.nan_injected = False
         self.last_step, self.batch = None, 0
         self.result = TrainResult(self.state, [], [], None)
 
@@ -92,6 +97,7 @@ class Trainer:
         """One optimizer step under the health policy; False when it rolled back instead."""
         run, topo, opt, state, health = self.run, self.topo, self.opt, self.state, self.run.health
         it = state.iteration + 1  # the iteration this step makes
+        self.watchdog.at_iteration(it)
         step_begin, timings = time.perf_counter(), {}
         batch = global_batch_size(self.sched, state.consumed_samples)
         microbatch_list = self.data.next_global_batch(batch)
@@ -106,22 +112,20 @@ class Trainer:
         if verdict.healthy or health.policy == "warn":
             with self.watchdog.collective("optimizer step (dp reduce, grad norm, all-gather)"):
                 step = opt.step(loss=loss)
-            if step.skipped and verdict.healthy:
-                verdict = Verdict(False, "nonfinite", step.reason)
+            verdict = after_step(verdict, step.skipped, step.reason, opt.scaler.dynamic)
         else:  # skip / rollback: drop this step's update
             opt.grad_sync.finish()
         opt.zero_grad()
         elapsed = time.perf_counter() - start
+        self.guard.count(step is not None and not step.skipped, it,
+                         verdict.detail or (step.reason if step else ""))
         if not verdict.healthy:
             samples = self.data.physical_ranges(state.consumed_samples, batch)
             report_unhealthy(self.journal, topo, it, verdict, samples, health.policy)
             if health.policy == "rollback":
-                self.rollbacks += 1
-                if self.rollbacks > health.max_rollbacks:
-                    raise RuntimeError(f"{self.rollbacks} rollbacks in one run (more than "
-                                       f"max_rollbacks={health.max_rollbacks}); stopping")
+                skip = self.guard.roll_back(it, samples)
                 self.state = self.result.state = roll_back(run, topo, self.chunks, opt, self.rng, self.data,
-                                                           self.journal, it, samples)
+                                                           self.journal, it, samples, skip)
                 return False
         else:
             self.monitor.record_healthy(loss)
@@ -184,3 +188,6 @@ class Trainer:
     def close(self) -> None:
         self.data.close()
         self.log.close()
+        self.watchdog.close()
+        if self.lock is not None:
+            self.lock.release()

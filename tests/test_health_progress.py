@@ -1,0 +1,96 @@
+"""Health checks that understand mixed precision: fp16 loss-scaler overflows are not health events,
+runs without progress stop with a message under every policy, and samples are left out only when
+they fail twice."""
+import os
+
+import pytest
+
+import training.loop as loop
+from tests.test_training import TINY, _pretrain
+from training.health import RunHalted
+from training.journal import read_jsonl
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """In-process runs of a tiny model: threads only add contention."""
+    import torch
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_fp16_rollback_over_200_iterations_never_rolls_back(tmp_path):
+    run = _pretrain(TINY + ["--micro-batch-size", "4", "--global-batch-size", "4",
+                            "--fp16", "--loss-scale-window", "3", "--hysteresis", "1",
+                            "--health-policy", "rollback", "--save", str(tmp_path),
+                            "--save-interval", "50", "--train-iters", "200", "--num-layers", "2"], 1)
+    assert run.state.iteration == 200
+    events = read_jsonl(os.path.join(tmp_path, "journal.jsonl"))
+    assert [e for e in events if e["kind"] in ("rollback", "nonfinite", "skip_samples")] == []
+    assert run.state.skipped_steps >= 30  # the scaler probed a higher scale every few steps
+
+
+def _poisoning(monkeypatch, when):
+    """forward_backward with NaN gradients whenever `when(call number, microbatches)` says so."""
+    real, calls = loop.forward_backward, []
+
+    def fb(chunks, microbatches, *a, **kw):
+        calls.append(microbatches[0]["tokens"].clone())
+        kw["poison"] = kw.get("poison") or when(len(calls), microbatches, calls)
+        return real(chunks, microbatches, *a, **kw)
+    monkeypatch.setattr(loop, "forward_backward", fb)
+
+
+@pytest.mark.parametrize("policy", ["warn", "skip"])
+def test_nan_at_every_step_stops_the_run(tmp_path, monkeypatch, policy):
+    _poisoning(monkeypatch, lambda n, mb, calls: n >= 3)
+    with pytest.raises(RunHalted, match=r"iteration 7: 5 consecutive steps without an update \(last: "
+                                        r"loss is nan\); stopping \(--max-bad-steps 5\)"):
+        _pretrain(TINY + ["--train-iters", "50", "--max-bad-steps", "5", "--health-policy", policy], 1)
+
+
+def test_fp16_skipping_every_step_stops_the_run():
+    with pytest.raises(RunHalted, match=r"iteration 20: 20 consecutive steps without an update"):
+        _pretrain(TINY + ["--train-iters", "50", "--fp16", "--initial-loss-scale", "1e300"], 1)
+
+
+def test_samples_are_skipped_only_when_they_fail_twice(tmp_path, monkeypatch):
+    bad = []
+
+    def when(n, mb, calls):
+        if n == 5:  # iteration 5's first attempt; later, whenever the same samples come back
+            bad.append(calls[-1])
+        return bool(bad) and any(c.equal(bad[0]) for c in calls[-1:])
+    _poisoning(monkeypatch, when)
+    run = _pretrain(TINY + ["--train-iters", "8", "--save", str(tmp_path), "--save-interval", "2",
+                            "--health-policy", "rollback", "--spike-zscore", "0"], 1)
+    assert run.state.iteration == 8
+    events = read_jsonl(os.path.join(tmp_path, "journal.jsonl"))
+    rollbacks = [(e["iteration"], e["skipped"]) for e in events if e["kind"] == "rollback"]
+    assert rollbacks == [(5, False), (5, True)]
+    assert [e["ranges"] for e in events if e["kind"] == "skip_samples"] == [[[32, 40]]]
+
+
+def _frozen_worker(rank, run_dir):
+    import signal
+
+    import training.step as step
+    real, calls = step.mean_over_world, []
+
+    def freeze_inside(losses, topo):  # rank 1 arrives at iteration 3's loss all-reduce, then freezes
+        calls.append(1)
+        if rank == 1 and len(calls) == 3:
+            os.kill(os.getpid(), signal.SIGSTOP)
+        return real(losses, topo)
+    step.mean_over_world = freeze_inside
+    _pretrain(TINY + ["--train-iters", "5", "--collective-timeout", "3", "--tensorboard-dir", run_dir], 2)
+
+
+def test_a_sigstopped_rank_is_named_within_the_timeout(tmp_path):
+    from tests.test_health import hang_detail
+    detail = hang_detail(_frozen_worker, tmp_path)
+    assert "all_reduce(loss) over world timed out after 3 s on rank 0: ranks that did not arrive: " \
+           "none (all arrived); frozen ranks (no heartbeat for 1.5 s): [1] (rank 1: iteration 3, " \
+           "all_reduce(loss) over world)" in detail, detail
