@@ -2,7 +2,8 @@
 
 - GPT-2 byte-level BPE files: ``vocab.json`` + ``merges.txt`` (Hugging Face names) or
   ``encoder.json`` + ``vocab.bpe`` (OpenAI's names); the contents are the same format.
-- A Hugging Face ``tokenizer.json`` or a local tokenizer folder.
+- A Hugging Face ``tokenizer.json`` or a local tokenizer folder (tokenizer.json; else vocab.json +
+  merges.txt built as transformers builds byte-level BPE; else a sentencepiece tokenizer.model).
 - A sentencepiece ``.model``.
 
 Everything runs on the Rust ``tokenizers`` library or sentencepiece's C++; nothing is downloaded.
@@ -36,25 +37,44 @@ def _require_file(path: str | None, flag: str, kind: str) -> str:
     return path
 
 
+# transformers' Qwen2Tokenizer splits text with this pattern (then byte-level without a regex)
+QWEN2_SPLIT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+               r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
+
+
+def byte_level_bpe(vocab_file: str, merge_file: str, *, add_prefix_space: bool = False,
+                   qwen2_split: bool = False):
+    """A byte-level BPE `tokenizers.Tokenizer` from vocab (json) + merges (text), built as
+    transformers converts GPT2Tokenizer (or, with `qwen2_split`, Qwen2Tokenizer: NFC and its
+    split pattern)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+    try:
+        bpe = models.BPE.from_file(vocab_file, merge_file)
+    except Exception as e:  # the Rust error is terse; say which files and what they must be
+        raise TokenizerError(
+            f"{vocab_file} / {merge_file}: not a byte-level BPE vocab (json) + merges (text) pair "
+            f"({str(e).splitlines()[0] if str(e) else type(e).__name__}); pass vocab.json+merges.txt "
+            "or encoder.json+vocab.bpe") from None
+    tok = Tokenizer(bpe)
+    if qwen2_split:
+        tok.normalizer = normalizers.NFC()
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=add_prefix_space, use_regex=False)])
+    else:  # GPT-2's own regex over bytes mapped to printable unicode
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=add_prefix_space, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
 class GPT2BPETokenizer:
     """GPT-2's byte-level BPE; ids equal transformers' GPT2Tokenizer on the same files."""
 
     def __init__(self, vocab_file: str, merge_file: str) -> None:
-        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
         _require_file(vocab_file, "--vocab-file", "GPT2BPETokenizer")
         _require_file(merge_file, "--merge-file", "GPT2BPETokenizer")
-        try:
-            bpe = models.BPE.from_file(vocab_file, merge_file)
-        except Exception as e:  # the Rust error is terse; say which files and what they must be
-            raise TokenizerError(
-                f"{vocab_file} / {merge_file}: not a GPT-2 vocab (json) + merges (text) pair ({e}); "
-                "pass vocab.json+merges.txt or encoder.json+vocab.bpe"
-            ) from e
-        tok = Tokenizer(bpe)
-        # GPT-2 splits with its own regex over bytes mapped to printable unicode; no prefix space.
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-        tok.decoder = decoders.ByteLevel()
+        tok = byte_level_bpe(vocab_file, merge_file)
         self._tok = tok
         with open(vocab_file, encoding="utf-8") as f:
             vocab = json.load(f)
@@ -78,25 +98,107 @@ class GPT2BPETokenizer:
         return self._tok.decode(list(ids), skip_special_tokens=False)
 
 
+def _read_json(path: str) -> dict:
+    if not os.path.isfile(path):
+        return {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise TokenizerError(f"{path}: not valid JSON ({e}); repair or remove it") from None
+
+
+def _token_text(value) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string or {"content": ...}."""
+    return value.get("content") if isinstance(value, dict) else value
+
+
+def _add_folder_tokens(tok, folder: str, config: dict) -> None:
+    """The added and special tokens of tokenizer_config.json / added_tokens.json /
+    special_tokens_map.json, with the ids those files give them (as transformers loads them)."""
+    from tokenizers import AddedToken
+
+    wanted: dict[int, tuple[str, dict]] = {}
+    for tid, spec in (config.get("added_tokens_decoder") or {}).items():
+        flags = {k: spec[k] for k in ("single_word", "lstrip", "rstrip", "normalized", "special")
+                 if k in spec}
+        wanted[int(tid)] = (spec["content"], flags)
+    for content, tid in _read_json(os.path.join(folder, "added_tokens.json")).items():
+        wanted.setdefault(int(tid), (content, {"special": True}))
+    specials = {**config, **_read_json(os.path.join(folder, "special_tokens_map.json"))}
+    for key in ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token"):
+        text = _token_text(specials.get(key))
+        tid = tok.token_to_id(text) if text else None
+        if tid is not None:
+            wanted.setdefault(tid, (text, {"special": True}))
+    for tid in sorted(wanted):
+        content, flags = wanted[tid]
+        flags.setdefault("special", True)
+        if flags.get("special"):  # transformers keeps special tokens un-normalised
+            flags.setdefault("normalized", False)
+        tok.add_tokens([AddedToken(content, **flags)])
+        if tok.token_to_id(content) != tid:
+            raise TokenizerError(f"{folder}: added token {content!r} gets id {tok.token_to_id(content)}"
+                                 f", the tokenizer files say {tid}; the files do not belong together")
+    for key in ("additional_special_tokens", "extra_special_tokens"):  # no ids: appended in order
+        extra = specials.get(key) or []
+        for value in (extra.values() if isinstance(extra, dict) else extra):
+            tok.add_tokens([AddedToken(_token_text(value), special=True, normalized=False)])
+
+
+def load_hf_folder(path: str):
+    """(tokenizers.Tokenizer or None, tokenizer_config dict) of a Hugging Face tokenizer: a
+    tokenizer.json file or a folder holding one, else vocab.json + merges.txt built as transformers
+    does for byte-level BPE. None when the folder has neither (a sentencepiece folder)."""
+    from tokenizers import Tokenizer
+
+    folder = os.path.dirname(path) if path.endswith(".json") else path
+    config = _read_json(os.path.join(folder, "tokenizer_config.json"))
+    json_file = path if path.endswith(".json") else os.path.join(path, "tokenizer.json")
+    if os.path.isfile(json_file):
+        try:
+            return Tokenizer.from_file(json_file), config
+        except Exception as e:  # noqa: BLE001 - the Rust error is one terse line
+            raise TokenizerError(f"{json_file}: not a tokenizers JSON file ({e}); pass another "
+                                 f"--tokenizer-model") from None
+    vocab, merges = os.path.join(folder, "vocab.json"), os.path.join(folder, "merges.txt")
+    if not (os.path.isfile(vocab) and os.path.isfile(merges)):
+        return None, config
+    tok = byte_level_bpe(vocab, merges, add_prefix_space=bool(config.get("add_prefix_space", False)),
+                         qwen2_split=str(config.get("tokenizer_class", "")).startswith("Qwen2"))
+    _add_folder_tokens(tok, folder, config)
+    return tok, config
+
+
+def chat_template_of(folder: str, config: dict) -> str | None:
+    """The chat template of a tokenizer folder (chat_template.jinja or tokenizer_config.json)."""
+    jinja = os.path.join(folder, "chat_template.jinja")
+    if os.path.isfile(jinja):
+        with open(jinja, encoding="utf-8") as f:
+            return f.read()
+    template = config.get("chat_template")
+    if isinstance(template, list):  # named templates: the default one
+        template = next((t["template"] for t in template if t.get("name") == "default"), None)
+    return template
+
+
 class HFTokenizer:
-    """A Hugging Face ``tokenizer.json`` file, or a local folder loadable by AutoTokenizer."""
+    """A Hugging Face tokenizer: ``tokenizer.json``, or a folder with tokenizer.json or
+    vocab.json + merges.txt (+ tokenizer_config.json's special tokens); `chat_template` and the
+    special-token strings come from the folder's tokenizer_config.json."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, tok=None, config: dict | None = None) -> None:
         _require_file(path, "--tokenizer-model", "HuggingFaceTokenizer")
-        json_file = path if path.endswith(".json") else os.path.join(path, "tokenizer.json")
-        self._fast = None
-        if os.path.isfile(json_file):
-            from tokenizers import Tokenizer
-
-            self._fast = Tokenizer.from_file(json_file)
-            vocab = self._fast.get_vocab(with_added_tokens=True)
-            self.vocab_size = self._fast.get_vocab_size(with_added_tokens=True)
-        else:
-            from transformers import AutoTokenizer
-
-            self._hf = AutoTokenizer.from_pretrained(path, local_files_only=True)
-            vocab = self._hf.get_vocab()
-            self.vocab_size = len(self._hf)
+        if tok is None:
+            tok, config = load_hf_folder(path)
+        if tok is None:
+            raise TokenizerError(f"{path}: no tokenizer.json, vocab.json + merges.txt or "
+                                 f"tokenizer.model; pass --tokenizer-model <tokenizer folder>")
+        self._fast, self.config = tok, config or {}
+        self.folder = os.path.dirname(path) if path.endswith(".json") else path
+        self.chat_template = chat_template_of(self.folder, self.config)
+        vocab = tok.get_vocab(with_added_tokens=True)
+        self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
         eod = None
         for name in (GPT2_EOD, "</s>", "<|end_of_text|>", "<eos>", "[SEP]"):
             if name in vocab:
@@ -106,15 +208,20 @@ class HFTokenizer:
             raise TokenizerError(f"{path}: no end-of-document token (<|endoftext|>, </s>, ...) in the vocabulary; add one")
         self.eod = eod
 
+    def special_tokens(self) -> dict[str, str]:
+        """bos_token, eos_token, ... as strings (for chat templates)."""
+        return {k: _token_text(v) for k, v in self.config.items()
+                if k.endswith("_token") and _token_text(v) is not None}
+
     def encode(self, text: str) -> list[int]:
-        if self._fast is not None:
-            return self._fast.encode(text, add_special_tokens=False).ids
-        return self._hf.encode(text, add_special_tokens=False)
+        return self._fast.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        fast = getattr(self._fast, "encode_batch_fast", self._fast.encode_batch)
+        return [e.ids for e in fast(list(texts), add_special_tokens=False)]
 
     def decode(self, ids: Sequence[int]) -> str:
-        if self._fast is not None:
-            return self._fast.decode(list(ids), skip_special_tokens=False)
-        return self._hf.decode(list(ids))
+        return self._fast.decode(list(ids), skip_special_tokens=False)
 
 
 class SentencePieceTokenizer:
@@ -175,7 +282,13 @@ def build_tokenizer(
     elif tokenizer_type in SENTENCEPIECE_TYPES:
         tok = SentencePieceTokenizer(tokenizer_model)
     elif tokenizer_type in HF_TYPES:
-        tok = HFTokenizer(tokenizer_model)
+        _require_file(tokenizer_model, "--tokenizer-model", "HuggingFaceTokenizer")
+        fast, config = load_hf_folder(tokenizer_model)
+        sp_model = os.path.join(tokenizer_model, "tokenizer.model")
+        if fast is None and os.path.isfile(sp_model):  # a sentencepiece-only folder
+            tok = SentencePieceTokenizer(sp_model)
+        else:
+            tok = HFTokenizer(tokenizer_model, fast, config)
     elif tokenizer_type in NULL_TYPES:
         tok = NullTokenizer(vocab_size)
     else:

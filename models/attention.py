@@ -22,6 +22,7 @@ from parallel.topology import ParallelTopology
 
 from .config import TransformerConfig
 from .init import Initializer
+from .norms import RMSNorm
 from .rope import RotaryEmbedding
 
 
@@ -82,15 +83,23 @@ class ParallelAttention(nn.Module):
         self.groups_local = max(groups // topo.tp, 1)  # 1 when KV heads are replicated
         self.q_per_group_local = self.heads_local // self.groups_local
         self.dropout, self.rng = config.attention_dropout, rng
+        self.scale_attn_weights = config.scale_attn_weights
+        self.scale_by_layer = config.scale_attn_by_inverse_layer_idx
         # --recompute-granularity selective: the core is recomputed in backward (models/recompute.py)
         self.recompute_core = config.recompute_granularity == "selective"
         per_group = heads // groups
         # Multi-head attention keeps plain contiguous shards (GPT and BLOOM checkpoints as before).
         layout = None if groups == heads else GroupedLayout(groups, per_group * d, 2 * d)
         self.qkv = ColumnParallelLinear(h, (heads + 2 * groups) * d, topo, init.normal(prefix + "qkv.weight"),
-                                        bias=config.bias, dtype=config.dtype, layout=layout)
-        self.dense = RowParallelLinear(h, h, topo, init.scaled_normal(prefix + "dense.weight"),
+                                        bias=config.bias or config.add_qkv_bias, dtype=config.dtype,
+                                        layout=layout)
+        self.dense = RowParallelLinear(heads * d, h, topo, init.scaled_normal(prefix + "dense.weight"),
                                        bias=config.bias, dtype=config.dtype)
+        # Qwen3: RMSNorm over head_dim, one weight shared by all query (key) heads
+        self.q_norm = self.k_norm = None
+        if config.qk_layernorm:
+            self.q_norm = RMSNorm(config, topo, in_sequence_region=False, size=d, over_tp_heads=True)
+            self.k_norm = RMSNorm(config, topo, in_sequence_region=False, size=d, over_tp_heads=True)
         self.rotary = RotaryEmbedding(config, topo.device) if config.position_embedding == "rope" else None
         if config.position_embedding == "alibi":
             first = topo.tp_rank * self.heads_local
@@ -99,14 +108,23 @@ class ParallelAttention(nn.Module):
         else:
             self.alibi_slopes = None
 
-    def core_attention(self, q, k, v, mask) -> torch.Tensor:
-        """softmax(QK^T / sqrt(d) + mask) V with attention dropout: [b, heads, s, d] each."""
+    def _scale(self, layer: int) -> float | None:
+        """Softmax scale: 1/sqrt(head_dim) (None: SDPA's own), unless GPT-2's flags switch it off
+        or divide it by (layer + 1) (`layer` is the global layer number)."""
+        if self.scale_attn_weights and not self.scale_by_layer:
+            return None
+        scale = self.head_dim ** -0.5 if self.scale_attn_weights else 1.0
+        return scale / (layer + 1) if self.scale_by_layer else scale
+
+    def core_attention(self, q, k, v, mask, scale: float | None = None) -> torch.Tensor:
+        """softmax(QK^T * scale + mask) V with attention dropout: [b, heads, s, d] each."""
         p = self.dropout if self.training else 0.0
         # Heads differ per TP rank, so attention dropout draws from the tensor-parallel stream.
         with self.rng.fork() if (self.rng is not None and p > 0) else contextlib.nullcontext():
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p,
                                                   is_causal=mask is None,
-                                                  enable_gqa=self.q_per_group_local > 1)
+                                                  enable_gqa=self.q_per_group_local > 1,
+                                                  scale=scale)
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
         qkv = self.qkv(x)  # [s, b, local (q, k, v) features], full sequence even under SP
@@ -117,6 +135,8 @@ class ParallelAttention(nn.Module):
         q, k, v = qkv.view(s, b, g, qg + 2, d).split([qg, 1, 1], dim=3)
         q = q.reshape(s, b, g * qg, d).permute(1, 2, 0, 3)  # [b, heads, s, d]
         k, v = k.squeeze(3).permute(1, 2, 0, 3), v.squeeze(3).permute(1, 2, 0, 3)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.rotary is not None:
             q, k = self.rotary(q, k, cache.offset if cache is not None else 0)
         if cache is not None:
@@ -127,8 +147,8 @@ class ParallelAttention(nn.Module):
             # back to the unfused math path, 1.5x slower here)
             mask = causal_bias(self.alibi_slopes, s, k.shape[2], q.dtype, q.device)[None]
         if self.recompute_core and self.training and torch.is_grad_enabled():
-            out = checkpoint(self.core_attention, self.rng, q, k, v, mask)
+            out = checkpoint(self.core_attention, self.rng, q, k, v, mask, self._scale(layer))
         else:
-            out = self.core_attention(q, k, v, mask)
+            out = self.core_attention(q, k, v, mask, self._scale(layer))
         out = out.permute(2, 0, 1, 3).reshape(s, b, self.heads_local * d)
         return self.dense(out)

@@ -1,4 +1,5 @@
-"""BLOOM: ALiBi attention, LayerNorm on the word embeddings, tanh-GELU, tied embeddings; and the
+"""BLOOM: ALiBi attention, LayerNorm on the word embeddings, tanh-GELU, tied (or untied)
+embeddings; and the
 mapping to and from Hugging Face `BloomForCausalLM` tensors (whose fused QKV already uses the
 per-head [heads, 3, head_dim] order, so no permutation is needed)."""
 from __future__ import annotations
@@ -8,6 +9,7 @@ import torch
 from parallel.topology import ParallelTopology
 
 from .config import TransformerConfig
+from .hf_fields import check_fields, refuse
 from .language_model import WORD_EMBEDDINGS, TransformerLanguageModel
 
 
@@ -18,17 +20,29 @@ class BloomModel(TransformerLanguageModel):
         super().__init__(config, topo, **kwargs)
 
 
+MAPPED = frozenset({
+    "vocab_size", "hidden_size", "n_layer", "n_head", "layer_norm_epsilon", "initializer_range",
+    "hidden_dropout", "attention_dropout", "apply_residual_connection_post_layernorm",
+    "tie_word_embeddings", "seq_length"})
+# transformers' BloomForCausalLM ignores these (Megatron-DeepSpeed training switches, and
+# pretraining_tp / slow_but_exact, which only split the same matmuls)
+IGNORED = frozenset({"pretraining_tp", "slow_but_exact", "attention_softmax_in_fp32",
+                     "bias_dropout_fusion", "masked_softmax_fusion", "offset_alibi", "skip_bias_add",
+                     "skip_bias_add_qkv", "n_inner", "n_embed"})
+
+
 def config_from_hf(hf) -> TransformerConfig:
-    """A TransformerConfig from a `transformers.BloomConfig`."""
+    """A TransformerConfig from a `transformers.BloomConfig` (every field checked)."""
+    check_fields(hf, "BLOOM", MAPPED, IGNORED)
     if hf.apply_residual_connection_post_layernorm:
-        raise ValueError("BLOOM with apply_residual_connection_post_layernorm=True is not supported")
+        raise refuse("BLOOM", "apply_residual_connection_post_layernorm", True, False)
     return TransformerConfig(
         vocab_size=hf.vocab_size, hidden_size=hf.hidden_size, num_layers=hf.n_layer,
         num_attention_heads=hf.n_head, ffn_hidden_size=4 * hf.hidden_size,
         max_position_embeddings=getattr(hf, "seq_length", None) or 2048, position_embedding="alibi",
         embedding_layernorm=True, layernorm_epsilon=hf.layer_norm_epsilon, activation="gelu_tanh",
         hidden_dropout=hf.hidden_dropout, attention_dropout=hf.attention_dropout,
-        init_method_std=hf.initializer_range, tie_word_embeddings=True)
+        init_method_std=hf.initializer_range, tie_word_embeddings=bool(hf.tie_word_embeddings))
 
 
 _LAYER = {  # megazoo suffix -> HF suffix, identical layouts
@@ -42,6 +56,8 @@ _TOP = {"embedding.word_embeddings": "word_embeddings", "embedding.norm": "word_
 
 def _pairs(config: TransformerConfig):
     """(megazoo name, HF name without the 'transformer.' prefix) for every tensor."""
+    if not config.tie_word_embeddings:  # HF does not save a tied lm_head
+        yield "head_weight", "lm_head.weight"
     for mz, hf in _TOP.items():
         for kind in ("weight", "bias"):
             if mz == "embedding.word_embeddings" and kind == "bias":
@@ -60,20 +76,24 @@ def from_hf_state_dict(sd: dict[str, torch.Tensor], config: TransformerConfig) -
 
 def to_hf_state_dict(full: dict[str, torch.Tensor], config: TransformerConfig) -> dict[str, torch.Tensor]:
     assert WORD_EMBEDDINGS in full
-    return {"transformer." + hf: full[mz].contiguous() for mz, hf in _pairs(config)}
+    return {hf if hf.startswith("lm_head.") else "transformer." + hf: full[mz].contiguous()
+            for mz, hf in _pairs(config)}
 
 
 def hf_config(config: TransformerConfig):
     """The `transformers.BloomConfig` of a megazoo BLOOM configuration (for export)."""
     from transformers import BloomConfig
-    if config.ffn_hidden_size != 4 * config.hidden_size or config.activation != "gelu_tanh":
-        raise ValueError("HF BLOOM fixes ffn_hidden_size = 4 * hidden_size and tanh-GELU; this "
-                         "model differs and cannot be exported as BLOOM")
+    if (config.ffn_hidden_size != 4 * config.hidden_size or config.activation != "gelu_tanh"
+            or (config.bias, config.num_query_groups, config.kv_channels, config.add_qkv_bias,
+                config.qk_layernorm, config.scale_attn_weights, config.scale_attn_by_inverse_layer_idx)
+            != (True, config.num_attention_heads, None, False, False, True, False)):
+        raise ValueError("HF BLOOM fixes ffn_hidden_size = 4 * hidden_size, tanh-GELU, biases and "
+                         "plain multi-head attention; this model differs and cannot be exported as BLOOM")
     hf = BloomConfig(
         vocab_size=config.vocab_size, hidden_size=config.hidden_size, n_layer=config.num_layers,
         n_head=config.num_attention_heads, layer_norm_epsilon=config.layernorm_epsilon,
         initializer_range=config.init_method_std, hidden_dropout=config.hidden_dropout,
-        attention_dropout=config.attention_dropout, tie_word_embeddings=True,
+        attention_dropout=config.attention_dropout, tie_word_embeddings=config.tie_word_embeddings,
         architectures=["BloomForCausalLM"])
     hf.seq_length = config.max_position_embeddings  # read back by config_from_hf
     return hf

@@ -26,6 +26,11 @@ class TransformerConfig:
     layernorm_epsilon: float = 1e-5
     activation: str = "gelu_tanh"  # gelu_tanh | gelu | swiglu (ffn_hidden_size is the gate width)
     num_query_groups: int | None = None  # key/value heads (grouped-query attention); default: heads
+    kv_channels: int | None = None  # head_dim; default hidden_size // heads (Qwen3 decouples it)
+    add_qkv_bias: bool = False  # bias on the QKV projection only (Qwen2), whatever `bias` says
+    qk_layernorm: bool = False  # RMSNorm over head_dim on each query and key head (Qwen3)
+    scale_attn_weights: bool = True  # scores / sqrt(head_dim) (GPT-2 can turn it off)
+    scale_attn_by_inverse_layer_idx: bool = False  # scores / (layer + 1) as well (GPT-2)
     embedding_layernorm: bool = False  # BLOOM normalises the word embeddings
     tie_word_embeddings: bool = True
     bias: bool = True
@@ -46,7 +51,9 @@ class TransformerConfig:
             self.ffn_hidden_size = 4 * self.hidden_size
         if self.num_query_groups is None:
             self.num_query_groups = self.num_attention_heads
-        if self.hidden_size % self.num_attention_heads != 0:
+        if self.kv_channels is not None and self.kv_channels * self.num_attention_heads == self.hidden_size:
+            self.kv_channels = None  # one spelling of the default, so equal configs compare equal
+        if self.kv_channels is None and self.hidden_size % self.num_attention_heads != 0:
             raise ValueError(f"--hidden-size {self.hidden_size} is not divisible by "
                              f"--num-attention-heads {self.num_attention_heads}")
         if self.num_attention_heads % self.num_query_groups != 0:
@@ -70,7 +77,7 @@ class TransformerConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
 
     @property
     def dtype(self) -> torch.dtype:
@@ -88,11 +95,14 @@ class TransformerConfig:
         """Parameters of one transformer layer held by one TP rank (replicated norms and biases
         whole; key/value heads replicated when tp exceeds their number)."""
         h, f, d = self.hidden_size, self.ffn_hidden_size, self.head_dim
+        attn = self.num_attention_heads * d  # = h unless kv_channels decouples the head size
         qkv = (self.num_attention_heads + 2 * max(self.num_query_groups, tp)) * d
         fc1 = 2 * f if self.activation == "swiglu" else f
         bias = 1 if self.bias else 0
-        sharded = qkv * h + h * h + fc1 * h + f * h + bias * (qkv + fc1)
-        return sharded / tp + bias * 2 * h + 2 * self.norm_parameters()
+        qkv_bias = 1 if (self.bias or self.add_qkv_bias) else 0
+        sharded = qkv * h + attn * h + fc1 * h + f * h + qkv_bias * qkv + bias * fc1
+        qk_norms = 2 * d if self.qk_layernorm else 0
+        return sharded / tp + bias * 2 * h + 2 * self.norm_parameters() + qk_norms
 
     def embedding_parameters(self, tp: int = 1, padded: bool = False) -> float:
         """Word embedding (one TP rank's share; padded as built, or the unpadded vocabulary),
@@ -116,10 +126,11 @@ class TransformerConfig:
         """(dense layer matmuls, attention scores and values, logits): forward FLOPs per token over
         all layers, 2 per multiply-add (Narayanan et al. 2021's count, with GQA and SwiGLU)."""
         h, f, d = self.hidden_size, self.ffn_hidden_size, self.head_dim
+        attn = self.num_attention_heads * d  # = h unless kv_channels decouples the head size
         qkv = (self.num_attention_heads + 2 * self.num_query_groups) * d
         fc1 = 2 * f if self.activation == "swiglu" else f
-        dense = 2 * self.num_layers * (h * qkv + h * h + h * fc1 + f * h)
-        return dense, 4 * self.num_layers * seq_length * h, 2 * h * self.vocab_size
+        dense = 2 * self.num_layers * (h * qkv + attn * h + h * fc1 + f * h)
+        return dense, 4 * self.num_layers * seq_length * attn, 2 * h * self.vocab_size
 
     def model_flops_per_token(self, seq_length: int) -> float:
         """Forward + backward (3x forward) FLOPs per token without recompute: the MFU convention."""
@@ -141,6 +152,10 @@ _LLAMA = dict(position_embedding="rope", normalization="rmsnorm", activation="sw
 _LLAMA2 = dict(_LLAMA, vocab_size=32000, max_position_embeddings=4096, rope_theta=10000.0)
 _LLAMA3 = dict(_LLAMA, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0)
 _SMOLLM2 = dict(_LLAMA, vocab_size=49152, max_position_embeddings=8192, tie_word_embeddings=True)
+_QWEN = dict(_LLAMA, vocab_size=151936, rope_theta=1000000.0, layernorm_epsilon=1e-6,
+             tie_word_embeddings=True)
+_QWEN2 = dict(_QWEN, add_qkv_bias=True)
+_QWEN3 = dict(_QWEN, qk_layernorm=True, max_position_embeddings=40960)
 
 PRESETS: dict[str, dict] = {
     # GPT-2 (Radford et al. 2019)
@@ -183,6 +198,20 @@ PRESETS: dict[str, dict] = {
                        num_query_groups=8, ffn_hidden_size=28672),
     "llama3-405b": dict(_LLAMA3, hidden_size=16384, num_layers=126, num_attention_heads=128,
                         num_query_groups=8, ffn_hidden_size=53248),
+    # Qwen2 / Qwen2.5 (Alibaba 2024): Llama + bias on q, k, v; from the released config.json files
+    "qwen2-0.5b": dict(_QWEN2, hidden_size=896, num_layers=24, num_attention_heads=14,
+                       num_query_groups=2, ffn_hidden_size=4864, max_position_embeddings=131072),
+    "qwen2.5-0.5b": dict(_QWEN2, hidden_size=896, num_layers=24, num_attention_heads=14,
+                         num_query_groups=2, ffn_hidden_size=4864, max_position_embeddings=32768),
+    # Qwen3 (Alibaba 2025): Llama + per-head q/k RMSNorm, head_dim 128 whatever the width
+    "qwen3-0.6b": dict(_QWEN3, hidden_size=1024, num_layers=28, num_attention_heads=16,
+                       num_query_groups=8, kv_channels=128, ffn_hidden_size=3072),
+    "qwen3-1.7b": dict(_QWEN3, hidden_size=2048, num_layers=28, num_attention_heads=16,
+                       num_query_groups=8, kv_channels=128, ffn_hidden_size=6144),
+    # a Qwen3-shaped toy for smoke tests and CPU demos (not a released model)
+    "qwen3-tiny": dict(_QWEN3, hidden_size=128, num_layers=4, num_attention_heads=4,
+                       num_query_groups=2, kv_channels=64, ffn_hidden_size=256,
+                       max_position_embeddings=2048),
 }
 
 

@@ -4,7 +4,8 @@ Works on a (possibly tensor-parallel) language model whose forward returns this 
 vocabulary shard of the logits: the shards are gathered, every TP rank picks the same token
 (TP rank 0's choice is broadcast, so sampling needs no shared generator) and the prompt is
 processed once, then one token per step against the cache. Greedy decoding follows
-`transformers`' `generate(do_sample=False)`: finished sequences are padded with `pad_id`.
+`transformers`' `generate(do_sample=False)`: a sequence ends at any of its eos ids (one or a
+list, as generation_config.json gives them) and is then padded with `pad_id`.
 """
 from __future__ import annotations
 
@@ -23,12 +24,18 @@ class SamplingConfig:
     temperature: float = 1.0
     top_k: int = 0  # 0: no top-k filter
     top_p: float = 1.0  # 1.0: no nucleus filter
-    eos_id: int | None = None
-    pad_id: int | None = None  # default: eos_id
+    eos_id: int | tuple[int, ...] | None = None  # one id or several (generation_config.json's list)
+    pad_id: int | None = None  # default: the (first) eos id
 
     def __post_init__(self):
         if self.temperature <= 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
             raise ValueError("need temperature > 0, 0 < top_p <= 1 and top_k >= 0")
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        if self.eos_id is None:
+            return ()
+        return tuple(self.eos_id) if isinstance(self.eos_id, (tuple, list)) else (self.eos_id,)
 
 
 def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
@@ -69,7 +76,8 @@ def generate(model, topo, prompt: torch.Tensor, max_new_tokens: int, cfg: Sampli
     if limit is not None and prompt.shape[1] + max_new_tokens > limit:
         raise ValueError(f"prompt ({prompt.shape[1]}) + --max-new-tokens ({max_new_tokens}) exceeds "
                          f"the {limit} learned positions")
-    pad = cfg.pad_id if cfg.pad_id is not None else cfg.eos_id
+    eos = torch.tensor(cfg.eos_ids, dtype=torch.long, device=prompt.device)
+    pad = cfg.pad_id if cfg.pad_id is not None else (cfg.eos_ids[0] if cfg.eos_ids else None)
     was_training = model.training
     model.eval()
     cache, ids = KVCache(), prompt
@@ -80,12 +88,12 @@ def generate(model, topo, prompt: torch.Tensor, max_new_tokens: int, cfg: Sampli
         token = next_token(logits, cfg, generator)
         if topo.tp > 1:  # one choice for every TP rank (sampling draws could differ)
             dist.broadcast(token, src=topo.group_ranks["tp"][0], group=topo.tp_group)
-        if cfg.eos_id is not None:
+        if len(eos):
             token = torch.where(done, torch.full_like(token, pad), token)
-            done |= token == cfg.eos_id
+            done |= torch.isin(token, eos)
         ids = torch.cat([ids, token[:, None]], dim=1)
         step_input = token[:, None]
-        if cfg.eos_id is not None and bool(done.all()):
+        if len(eos) and bool(done.all()):
             break
     model.train(was_training)
     return ids

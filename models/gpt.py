@@ -1,5 +1,5 @@
 """GPT (GPT-2 architecture, Megatron's GPT): learned positions, pre-LayerNorm, tanh-GELU, tied
-embeddings; and the mapping to and from Hugging Face `GPT2LMHeadModel` tensors."""
+(or untied) embeddings; and the mapping to and from Hugging Face `GPT2LMHeadModel` tensors."""
 from __future__ import annotations
 
 import torch
@@ -7,6 +7,7 @@ import torch
 from parallel.topology import ParallelTopology
 
 from .config import TransformerConfig
+from .hf_fields import check_fields, refuse
 from .language_model import WORD_EMBEDDINGS, TransformerLanguageModel
 
 
@@ -18,18 +19,36 @@ class GPTModel(TransformerLanguageModel):
         super().__init__(config, topo, **kwargs)
 
 
+MAPPED = frozenset({
+    "vocab_size", "n_positions", "n_embd", "n_layer", "n_head", "n_inner", "activation_function",
+    "resid_pdrop", "embd_pdrop", "attn_pdrop", "layer_norm_epsilon", "initializer_range",
+    "scale_attn_weights", "scale_attn_by_inverse_layer_idx", "tie_word_embeddings"})
+# transformers' GPT2LMHeadModel ignores these: the summary head belongs to GPT2DoubleHeadsModel;
+# reorder_and_upcast_attn only computes the scores in fp32 (megazoo's fp32 is the same
+# function); n_ctx is an old alias nobody reads
+IGNORED = frozenset({"summary_type", "summary_use_proj", "summary_activation",
+                     "summary_proj_to_labels", "summary_first_dropout", "reorder_and_upcast_attn",
+                     "n_ctx"})
+
+
 def config_from_hf(hf) -> TransformerConfig:
-    """A TransformerConfig from a `transformers.GPT2Config`."""
+    """A TransformerConfig from a `transformers.GPT2Config` (every field checked)."""
+    check_fields(hf, "GPT-2", MAPPED, IGNORED)
     act = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
     if hf.activation_function not in act:
-        raise ValueError(f"GPT-2 activation {hf.activation_function!r} is not supported")
+        raise refuse("GPT-2", "activation_function", hf.activation_function, sorted(act))
+    if hf.embd_pdrop != hf.resid_pdrop:
+        raise refuse("GPT-2", "embd_pdrop", hf.embd_pdrop,
+                     f"embd_pdrop = resid_pdrop = {hf.resid_pdrop}: megazoo has one hidden dropout")
     return TransformerConfig(
         vocab_size=hf.vocab_size, hidden_size=hf.n_embd, num_layers=hf.n_layer,
         num_attention_heads=hf.n_head, ffn_hidden_size=hf.n_inner or 4 * hf.n_embd,
         max_position_embeddings=hf.n_positions, position_embedding="learned",
         layernorm_epsilon=hf.layer_norm_epsilon, activation=act[hf.activation_function],
         hidden_dropout=hf.resid_pdrop, attention_dropout=hf.attn_pdrop,
-        init_method_std=hf.initializer_range, tie_word_embeddings=True)
+        init_method_std=hf.initializer_range, tie_word_embeddings=bool(hf.tie_word_embeddings),
+        scale_attn_weights=bool(hf.scale_attn_weights),
+        scale_attn_by_inverse_layer_idx=bool(hf.scale_attn_by_inverse_layer_idx))
 
 
 def _qkv_hf_to_mz(t: torch.Tensor, heads: int) -> torch.Tensor:
@@ -47,6 +66,8 @@ def from_hf_state_dict(sd: dict[str, torch.Tensor], config: TransformerConfig) -
     heads = config.num_attention_heads
     out = {WORD_EMBEDDINGS: sd["wte.weight"], "embedding.position_embeddings.weight": sd["wpe.weight"],
            "final_norm.weight": sd["ln_f.weight"], "final_norm.bias": sd["ln_f.bias"]}
+    if not config.tie_word_embeddings:
+        out["head_weight"] = sd["lm_head.weight"]
     for i in range(config.num_layers):
         h, m = f"h.{i}.", f"layers.{i}."
         out.update({
@@ -64,11 +85,13 @@ def from_hf_state_dict(sd: dict[str, torch.Tensor], config: TransformerConfig) -
 
 
 def to_hf_state_dict(full: dict[str, torch.Tensor], config: TransformerConfig) -> dict[str, torch.Tensor]:
-    """Full megazoo tensors -> HF GPT2LMHeadModel tensors (lm_head tied to wte)."""
+    """Full megazoo tensors -> HF GPT2LMHeadModel tensors (no lm_head when tied, as HF saves)."""
     heads = config.num_attention_heads
     out = {"transformer.wte.weight": full[WORD_EMBEDDINGS],
            "transformer.wpe.weight": full["embedding.position_embeddings.weight"],
            "transformer.ln_f.weight": full["final_norm.weight"], "transformer.ln_f.bias": full["final_norm.bias"]}
+    if not config.tie_word_embeddings:
+        out["lm_head.weight"] = full["head_weight"]
     for i in range(config.num_layers):
         h, m = f"transformer.h.{i}.", f"layers.{i}."
         out.update({
@@ -89,13 +112,20 @@ def hf_config(config: TransformerConfig):
     """The `transformers.GPT2Config` of a megazoo GPT configuration (for export)."""
     from transformers import GPT2Config
     act = {"gelu_tanh": "gelu_new", "gelu": "gelu"}
+    shape = (config.normalization, config.bias, config.num_query_groups, config.kv_channels,
+             config.add_qkv_bias, config.qk_layernorm)
+    if shape != ("layernorm", True, config.num_attention_heads, None, False, False):
+        raise ValueError("HF GPT-2 has LayerNorm, biases, multi-head attention and head_dim = "
+                         "hidden/heads; this model differs and cannot be exported as GPT-2")
     return GPT2Config(
         vocab_size=config.vocab_size, n_positions=config.max_position_embeddings,
         n_embd=config.hidden_size, n_layer=config.num_layers, n_head=config.num_attention_heads,
         n_inner=config.ffn_hidden_size, activation_function=act[config.activation],
         resid_pdrop=config.hidden_dropout, embd_pdrop=config.hidden_dropout,
         attn_pdrop=config.attention_dropout, layer_norm_epsilon=config.layernorm_epsilon,
-        initializer_range=config.init_method_std, tie_word_embeddings=True,
+        initializer_range=config.init_method_std, tie_word_embeddings=config.tie_word_embeddings,
+        scale_attn_weights=config.scale_attn_weights,
+        scale_attn_by_inverse_layer_idx=config.scale_attn_by_inverse_layer_idx,
         architectures=["GPT2LMHeadModel"],
         # GPT-2's <|endoftext|> is 50256; smaller vocabularies have no such token
         bos_token_id=50256 if config.vocab_size > 50256 else None,

@@ -1,6 +1,6 @@
 """Llama family (Llama 2/3, SmolLM2, ...): rotary positions, RMSNorm, SwiGLU, grouped-query
 attention, untied (or tied) embeddings; and the mapping to and from Hugging Face
-`LlamaForCausalLM` tensors.
+`LlamaForCausalLM` tensors, which Qwen2 (QKV bias) and Qwen3 (q/k norm) share (models/qwen*.py).
 
 HF keeps q, k, v and gate, up as separate projections; megazoo fuses them: QKV per key/value
 group as [that group's query heads, key, value] (see models/attention.py), and fc1 as [gate; up].
@@ -14,6 +14,7 @@ import torch
 from parallel.topology import ParallelTopology
 
 from .config import TransformerConfig
+from .hf_fields import check_fields, refuse
 from .language_model import WORD_EMBEDDINGS, TransformerLanguageModel
 from .rope import rope_type
 
@@ -24,51 +25,87 @@ class LlamaModel(TransformerLanguageModel):
         if shape != ("rope", "rmsnorm", "swiglu") or config.embedding_layernorm:
             raise ValueError("LlamaModel needs position_embedding='rope', normalization='rmsnorm', "
                              "activation='swiglu' and no embedding layernorm")
+        if type(self) is LlamaModel and (config.add_qkv_bias or config.qk_layernorm):
+            raise ValueError("a QKV bias or q/k norm makes a Qwen2/Qwen3 model: train it with "
+                             "train_qwen.py (models/qwen2.py, models/qwen3.py)")
         super().__init__(config, topo, **kwargs)
 
 
-def config_from_hf(hf) -> TransformerConfig:
-    """A TransformerConfig from a `transformers.LlamaConfig` (old `rope_theta`/`rope_scaling`
-    attributes or the newer `rope_parameters` dict)."""
-    if hf.hidden_act != "silu":
-        raise ValueError(f"Llama activation {hf.hidden_act!r} is not supported (only 'silu')")
-    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-    if head_dim * hf.num_attention_heads != hf.hidden_size:
-        raise ValueError(f"head_dim {head_dim} x {hf.num_attention_heads} heads != hidden_size "
-                         f"{hf.hidden_size}: decoupled head sizes are not supported")
-    attention_bias, mlp_bias = getattr(hf, "attention_bias", False), getattr(hf, "mlp_bias", False)
-    if attention_bias != mlp_bias:
-        raise ValueError("Llama with attention_bias != mlp_bias is not supported")
+MAPPED = frozenset({
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "hidden_act", "max_position_embeddings", "initializer_range",
+    "rms_norm_eps", "tie_word_embeddings", "rope_parameters", "rope_scaling", "rope_theta",
+    "attention_dropout", "attention_bias", "mlp_bias", "head_dim"})
+# transformers' LlamaForCausalLM ignores these (pretraining_tp only split the same matmuls in
+# older versions; max_sequence_length is LLaMA-1 conversions' copy of max_position_embeddings;
+# the others are SmolLM2's notes)
+IGNORED = frozenset({"pretraining_tp", "is_llama_config", "rope_interleaved", "max_sequence_length"})
+
+
+def rope_from_hf(hf, family: str) -> tuple[float, dict | None]:
+    """(rope_theta, rope_scaling or None) from the old `rope_theta`/`rope_scaling` attributes or
+    the newer `rope_parameters` dict."""
     params = dict(getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {})
     theta = params.pop("rope_theta", None) or getattr(hf, "rope_theta", None) or 10000.0
-    if params.pop("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError("Llama with partial_rotary_factor != 1 is not supported")
-    scaling = params if rope_type(params) != "default" else None
-    return TransformerConfig(
+    partial = params.pop("partial_rotary_factor", 1.0)
+    if partial != 1.0:
+        raise refuse(family, "partial_rotary_factor", partial, 1.0)
+    return float(theta), (params if rope_type(params) != "default" else None)
+
+
+def llama_like_config(hf, family: str, **fields) -> TransformerConfig:
+    """The TransformerConfig shared by Llama, Qwen2 and Qwen3 (`fields` add or override)."""
+    if hf.hidden_act != "silu":
+        raise refuse(family, "hidden_act", hf.hidden_act, "'silu'")
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    theta, scaling = rope_from_hf(hf, family)
+    return TransformerConfig(**{**dict(
         vocab_size=hf.vocab_size, hidden_size=hf.hidden_size, num_layers=hf.num_hidden_layers,
         num_attention_heads=hf.num_attention_heads,
         num_query_groups=hf.num_key_value_heads or hf.num_attention_heads,
+        kv_channels=None if head_dim * hf.num_attention_heads == hf.hidden_size else head_dim,
         ffn_hidden_size=hf.intermediate_size, max_position_embeddings=hf.max_position_embeddings,
-        position_embedding="rope", rope_theta=float(theta), rope_scaling=scaling,
+        position_embedding="rope", rope_theta=theta, rope_scaling=scaling,
         normalization="rmsnorm", layernorm_epsilon=hf.rms_norm_eps, activation="swiglu",
-        bias=bool(attention_bias), tie_word_embeddings=bool(hf.tie_word_embeddings),
+        bias=False, tie_word_embeddings=bool(hf.tie_word_embeddings),
         hidden_dropout=0.0, attention_dropout=float(hf.attention_dropout or 0.0),
-        init_method_std=hf.initializer_range)
+        init_method_std=hf.initializer_range), **fields})
+
+
+def llama_like_hf_fields(config: TransformerConfig, family: str, *, add_qkv_bias: bool,
+                         qk_layernorm: bool) -> dict:
+    """The HF config fields shared by Llama, Qwen2 and Qwen3; refuses what the family lacks."""
+    if (config.add_qkv_bias, config.qk_layernorm) != (add_qkv_bias, qk_layernorm) or \
+            not (config.scale_attn_weights and not config.scale_attn_by_inverse_layer_idx):
+        raise ValueError(f"this model (add_qkv_bias={config.add_qkv_bias}, qk_layernorm="
+                         f"{config.qk_layernorm}, attention scaling) cannot be exported as {family}")
+    rope = {"rope_type": "default", **(config.rope_scaling or {}), "rope_theta": config.rope_theta}
+    rope.pop("type", None)
+    return dict(
+        vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+        intermediate_size=config.ffn_hidden_size, num_hidden_layers=config.num_layers,
+        num_attention_heads=config.num_attention_heads, num_key_value_heads=config.num_query_groups,
+        head_dim=config.head_dim, max_position_embeddings=config.max_position_embeddings,
+        rms_norm_eps=config.layernorm_epsilon, hidden_act="silu",
+        tie_word_embeddings=config.tie_word_embeddings, rope_parameters=rope,
+        attention_dropout=config.attention_dropout, initializer_range=config.init_method_std)
+
+
+def config_from_hf(hf) -> TransformerConfig:
+    """A TransformerConfig from a `transformers.LlamaConfig` (every field checked)."""
+    check_fields(hf, "Llama", MAPPED, IGNORED)
+    attention_bias, mlp_bias = getattr(hf, "attention_bias", False), getattr(hf, "mlp_bias", False)
+    if attention_bias != mlp_bias:
+        raise refuse("Llama", "mlp_bias", mlp_bias, f"mlp_bias = attention_bias = {attention_bias}")
+    return llama_like_config(hf, "Llama", bias=bool(attention_bias))
 
 
 def hf_config(config: TransformerConfig, **extra):
     """The `transformers.LlamaConfig` for a megazoo Llama config (extra keys passed through)."""
     from transformers import LlamaConfig
-    rope = {"rope_type": "default", **(config.rope_scaling or {}), "rope_theta": config.rope_theta}
-    rope.pop("type", None)
-    return LlamaConfig(
-        vocab_size=config.vocab_size, hidden_size=config.hidden_size,
-        intermediate_size=config.ffn_hidden_size, num_hidden_layers=config.num_layers,
-        num_attention_heads=config.num_attention_heads, num_key_value_heads=config.num_query_groups,
-        max_position_embeddings=config.max_position_embeddings, rms_norm_eps=config.layernorm_epsilon,
-        hidden_act="silu", tie_word_embeddings=config.tie_word_embeddings, rope_parameters=rope,
-        attention_bias=config.bias, mlp_bias=config.bias, attention_dropout=config.attention_dropout,
-        initializer_range=config.init_method_std, **extra)
+    fields = llama_like_hf_fields(config, "Llama", add_qkv_bias=False, qk_layernorm=False)
+    return LlamaConfig(**fields, attention_bias=config.bias, mlp_bias=config.bias,
+                       **{"architectures": ["LlamaForCausalLM"], **extra})
 
 
 def _fuse_qkv(q, k, v, groups: int) -> torch.Tensor:
@@ -85,8 +122,9 @@ def _split_qkv(t, config: TransformerConfig):
     return [x.reshape(-1, *t.shape[1:]) for x in (q, k, v)]
 
 
-def _kinds(config: TransformerConfig):
-    return ("weight", "bias") if config.bias else ("weight",)
+def _kinds(config: TransformerConfig, qkv: bool = False):
+    with_bias = config.bias or (qkv and config.add_qkv_bias)
+    return ("weight", "bias") if with_bias else ("weight",)
 
 
 def _pairs(config: TransformerConfig):
@@ -102,12 +140,15 @@ def _pairs(config: TransformerConfig):
         for kind in _kinds(config):
             yield m + f"attention.dense.{kind}", h + f"self_attn.o_proj.{kind}"
             yield m + f"mlp.fc2.{kind}", h + f"mlp.down_proj.{kind}"
+        if config.qk_layernorm:  # Qwen3
+            yield m + "attention.q_norm.weight", h + "self_attn.q_norm.weight"
+            yield m + "attention.k_norm.weight", h + "self_attn.k_norm.weight"
 
 
-def _fused(config: TransformerConfig):
-    """(layer's megazoo prefix, layer's HF prefix, kind) of the fused qkv and fc1 tensors."""
+def _fused(config: TransformerConfig, qkv: bool):
+    """(layer's megazoo prefix, layer's HF prefix, kind) of the fused qkv or fc1 tensors."""
     for i in range(config.num_layers):
-        for kind in _kinds(config):
+        for kind in _kinds(config, qkv):
             yield f"layers.{i}.", f"model.layers.{i}.", kind
 
 
@@ -115,9 +156,10 @@ def from_hf_state_dict(sd: dict[str, torch.Tensor], config: TransformerConfig) -
     """HF LlamaForCausalLM tensors -> full megazoo tensors."""
     sd = {k if k.startswith(("model.", "lm_head.")) else "model." + k: v for k, v in sd.items()}
     out = {mz: sd[hf] for mz, hf in _pairs(config)}
-    for m, h, kind in _fused(config):
+    for m, h, kind in _fused(config, qkv=True):
         q, k, v = (sd[h + f"self_attn.{x}_proj.{kind}"] for x in "qkv")
         out[m + f"attention.qkv.{kind}"] = _fuse_qkv(q, k, v, config.num_query_groups)
+    for m, h, kind in _fused(config, qkv=False):
         gate, up = sd[h + f"mlp.gate_proj.{kind}"], sd[h + f"mlp.up_proj.{kind}"]
         out[m + f"mlp.fc1.{kind}"] = torch.cat([gate, up])
     return {k: v.contiguous() for k, v in out.items()}
@@ -126,9 +168,10 @@ def from_hf_state_dict(sd: dict[str, torch.Tensor], config: TransformerConfig) -
 def to_hf_state_dict(full: dict[str, torch.Tensor], config: TransformerConfig) -> dict[str, torch.Tensor]:
     """Full megazoo tensors -> HF LlamaForCausalLM tensors (no lm_head when tied, as HF saves)."""
     out = {hf: full[mz] for mz, hf in _pairs(config)}
-    for m, h, kind in _fused(config):
+    for m, h, kind in _fused(config, qkv=True):
         for x, t in zip("qkv", _split_qkv(full[m + f"attention.qkv.{kind}"], config)):
             out[h + f"self_attn.{x}_proj.{kind}"] = t
+    for m, h, kind in _fused(config, qkv=False):
         gate, up = full[m + f"mlp.fc1.{kind}"].chunk(2)
         out[h + f"mlp.gate_proj.{kind}"], out[h + f"mlp.up_proj.{kind}"] = gate, up
     return {k: v.contiguous() for k, v in out.items()}

@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from parallel.mappings import copy_to_tp
 from parallel.tensor_parallel import sequence_parallel_param
 from parallel.topology import ParallelTopology
 
@@ -30,15 +31,23 @@ class LayerNorm(nn.Module):
 
 class RMSNorm(nn.Module):
     """x / rms(x) * weight (Zhang & Sennrich 2019), computed in fp32 and cast back before the
-    weight, as Llama and HF do; same sequence-parallel gradient handling as LayerNorm."""
+    weight, as Llama and HF do; same sequence-parallel gradient handling as LayerNorm.
 
-    def __init__(self, config: TransformerConfig, topo: ParallelTopology, *, in_sequence_region=True):
+    `size`/`over_tp_heads` make Qwen3's per-head q/k norm: one [head_dim] weight for all heads;
+    each TP rank normalises other heads, so the weight's gradient is summed over TP."""
+
+    def __init__(self, config: TransformerConfig, topo: ParallelTopology, *, in_sequence_region=True,
+                 size: int | None = None, over_tp_heads: bool = False):
         super().__init__()
         self.eps, self.topo, self.in_sequence_region = config.layernorm_epsilon, topo, in_sequence_region
-        self.weight = nn.Parameter(torch.ones(config.hidden_size, device=topo.device, dtype=config.dtype))
+        self.over_tp_heads = over_tp_heads and topo.tp > 1
+        self.weight = nn.Parameter(torch.ones(size or config.hidden_size, device=topo.device,
+                                              dtype=config.dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = sequence_parallel_param(self.weight, self.topo) if self.in_sequence_region else self.weight
+        if self.over_tp_heads:
+            w = copy_to_tp(w, self.topo.tp_group)
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return w * normed.to(x.dtype)

@@ -95,25 +95,50 @@ def _pipeline_logits(chunks, topo, ids, hidden):
     return None
 
 
+def hf_reference(hf, ids, prompt, new_tokens: int) -> dict:
+    """transformers' logits on `ids` and greedy generation from `prompt`, with an eos id chosen so
+    that row 0 stops after 3 tokens (the padding path): the keys `check_against_hf` reads."""
+    with torch.no_grad():
+        logits = hf(ids).logits
+        free = hf.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
+                           max_new_tokens=new_tokens, eos_token_id=None, pad_token_id=0)
+        eos = int(free[0, prompt.shape[1] + 2])
+        greedy = hf.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
+                             max_new_tokens=new_tokens, eos_token_id=eos, pad_token_id=eos)
+    return dict(ids=ids, prompt=prompt, logits=logits, eos=eos, greedy=greedy)
+
+
+def check_against_hf(case: dict, topo, new_tokens: int):
+    """Load `case["ckpt"]` under `topo`: logits within 1e-5 of `case["logits"]` (last stage) and,
+    with pp = 1, greedy generation equal to `case["greedy"]` (eos `case["eos"]`). Returns this
+    rank's chunks and its max logit error (0.0 off the last stage)."""
+    from models.generation import SamplingConfig, generate
+    from training.checkpointing import latest_checkpoint
+    from training.convert import load_model_chunks
+    config, chunks = load_model_chunks(latest_checkpoint(case["ckpt"]), topo)
+    where = f"{case.get('name', case.get('family'))} at tp={topo.tp} pp={topo.pp} vpp={topo.vpp}"
+    with torch.no_grad():
+        logits = _pipeline_logits(chunks, topo, case["ids"], config.hidden_size)
+    error = 0.0
+    if logits is not None:
+        torch.testing.assert_close(logits, case["logits"], rtol=0, atol=1e-5, msg=where)
+        error = (logits - case["logits"]).abs().max().item()
+    if topo.pp == 1:
+        out = generate(chunks[0], topo, case["prompt"], new_tokens, SamplingConfig(eos_id=case["eos"]))
+        assert torch.equal(out, case["greedy"]), (where, out, case["greedy"])
+    return chunks, error
+
+
 def _worker(rank, cases, tool_case):
     from models.generation import SamplingConfig, generate
     from parallel.topology import ParallelConfig, ParallelTopology
-    from training.checkpointing import latest_checkpoint
-    from training.convert import load_model_chunks
     errors, samples = [], []
     for tp, pp, vpp in LOAD_LAYOUTS:  # creating groups is slow: one topology per layout
         topo = ParallelTopology.from_config(ParallelConfig(tp=tp, pp=pp, vpp=vpp))
         for case in cases:
-            config, chunks = load_model_chunks(latest_checkpoint(case["ckpt"]), topo)
-            with torch.no_grad():
-                logits = _pipeline_logits(chunks, topo, case["ids"], config.hidden_size)
-            if logits is not None:
-                torch.testing.assert_close(logits, case["logits"], rtol=0, atol=1e-5)
-                errors.append((logits - case["logits"]).abs().max().item())
+            chunks, error = check_against_hf(case, topo, NEW_TOKENS)
+            errors.append(error)
             if pp == 1:
-                cfg = SamplingConfig(eos_id=case["eos"])
-                out = generate(chunks[0], topo, case["prompt"], NEW_TOKENS, cfg)
-                assert torch.equal(out, case["greedy"]), (case["family"], tp, out, case["greedy"])
                 top1 = generate(chunks[0], topo, case["prompt"], NEW_TOKENS,
                                 SamplingConfig(greedy=False, top_k=1, eos_id=case["eos"]))
                 assert torch.equal(top1, case["greedy"])
@@ -149,18 +174,11 @@ def test_import_export_logits_and_generation(tmp_path):
             tool_case = dict(prompt=words, text=tok.decode(ref[0].tolist()), short_prompt="w5",
                              short_text=tok.decode(short[0].tolist()),
                              ckpt=str(tmp_path / "mz_gpt2_222"))
-        with torch.no_grad():
-            logits = hf(ids).logits
-            free = hf.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
-                               max_new_tokens=NEW_TOKENS, eos_token_id=None, pad_token_id=0)
-            eos = int(free[0, prompt.shape[1] + 2])  # row 0 stops after 3 tokens: padding path
-            greedy = hf.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
-                                 max_new_tokens=NEW_TOKENS, eos_token_id=eos, pad_token_id=eos)
+        ref = hf_reference(hf, ids, prompt, NEW_TOKENS)
         for tp, pp, vpp in IMPORT_LAYOUTS:
             ckpt = str(tmp_path / f"mz_{name}_{tp}{pp}{vpp}")
             import_hf(hf_dir, ckpt, tp=tp, pp=pp, vpp=vpp)
-            cases.append(dict(family=name, ckpt=ckpt, ids=ids, logits=logits, prompt=prompt,
-                              eos=eos, greedy=greedy, hf_ln=hf.state_dict().get("transformer.h.0.ln_1.weight")))
+            cases.append(dict(ref, family=name, ckpt=ckpt, hf_ln=hf.state_dict().get("transformer.h.0.ln_1.weight")))
             # HF -> megazoo (tp, pp) -> HF gives identical tensors
             out = str(tmp_path / f"back_{name}_{tp}{pp}{vpp}")
             export_hf(ckpt, out)

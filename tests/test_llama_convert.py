@@ -20,32 +20,13 @@ NEW_TOKENS = 8
 
 
 def _worker(rank, cases, tool_case):
-    from models.generation import SamplingConfig, generate
-    from models.hf import model_class
     from parallel.topology import ParallelConfig, ParallelTopology
-    from tests.test_convert import _generate_tool, _pipeline_logits
-    from training.checkpointing import latest_checkpoint
-    from training.convert import checkpoint_config
-    from training.reshard import load_weights
+    from tests.test_convert import _generate_tool, check_against_hf
     errors = [0.0]
     for tp, pp, vpp in LOAD_LAYOUTS:
         topo = ParallelTopology.from_config(ParallelConfig(tp=tp, pp=pp, vpp=vpp))
         for case in cases:
-            folder = latest_checkpoint(case["ckpt"])
-            _, config, module = checkpoint_config(folder)
-            chunks = [model_class(module)(config, topo, **spec.kwargs()).eval()
-                      for spec in topo.config.chunk_specs(config.num_layers, topo.pp_rank)]
-            load_weights(folder, chunks, topo)
-            with torch.no_grad():
-                logits = _pipeline_logits(chunks, topo, case["ids"], config.hidden_size)
-            if logits is not None:
-                torch.testing.assert_close(logits, case["logits"], rtol=0, atol=1e-5,
-                                           msg=f"{case['name']} at {(tp, pp, vpp)}")
-                errors.append((logits - case["logits"]).abs().max().item())
-            if pp == 1:
-                out = generate(chunks[0], topo, case["prompt"], NEW_TOKENS,
-                               SamplingConfig(eos_id=case["eos"]))
-                assert torch.equal(out, case["greedy"]), (case["name"], tp, out, case["greedy"])
+            errors.append(check_against_hf(case, topo, NEW_TOKENS)[1])
     text = _generate_tool(["--load", tool_case["ckpt"], "--prompt", tool_case["prompt"],
                            "--max-new-tokens", str(NEW_TOKENS), "--no-eos-stop"])
     return max(errors), text
@@ -54,7 +35,7 @@ def _worker(rank, cases, tool_case):
 def test_llama_import_export_logits_and_generation(tmp_path):
     from transformers import LlamaForCausalLM
 
-    from tests.test_convert import _save_tokenizer, _tool
+    from tests.test_convert import _save_tokenizer, _tool, hf_reference
     from training.convert import export_hf, import_hf
     models = {"gqa": hf_llama(hidden=64, heads=8, kv_heads=2, layers=4, scaling=LLAMA3),
               "mqa": hf_llama(hidden=32, heads=4, kv_heads=1, layers=4, tied=True,
@@ -65,13 +46,7 @@ def test_llama_import_export_logits_and_generation(tmp_path):
     for name, hf in models.items():
         hf_dir = str(tmp_path / f"hf_{name}")
         hf.save_pretrained(hf_dir)
-        with torch.no_grad():
-            logits = hf(ids).logits
-            free = hf.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
-                               max_new_tokens=NEW_TOKENS, eos_token_id=None, pad_token_id=0)
-            eos = int(free[0, prompt.shape[1] + 2])  # row 0 stops after 3 tokens: padding path
-            greedy = hf.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
-                                 max_new_tokens=NEW_TOKENS, eos_token_id=eos, pad_token_id=eos)
+        hf_ref = hf_reference(hf, ids, prompt, NEW_TOKENS)
         tp, pp, vpp = IMPORT_LAYOUTS[name]
         ckpt = str(tmp_path / f"mz_{name}")
         if name == "mqa":  # through the command-line tools, with a tokenizer
@@ -86,8 +61,7 @@ def test_llama_import_export_logits_and_generation(tmp_path):
                          "--pipeline-model-parallel-size", str(pp)) == 0
         else:
             import_hf(hf_dir, ckpt, tp=tp, pp=pp, vpp=vpp)
-        cases.append(dict(name=name, ckpt=ckpt, ids=ids, logits=logits, prompt=prompt, eos=eos,
-                          greedy=greedy))
+        cases.append(dict(hf_ref, name=name, ckpt=ckpt))
         out = str(tmp_path / f"back_{name}")
         export_hf(ckpt, out)  # HF -> megazoo (tp, pp, vpp) -> HF gives identical tensors
         back = LlamaForCausalLM.from_pretrained(out, local_files_only=True)

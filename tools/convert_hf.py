@@ -39,6 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--save", required=True, help="Hugging Face folder to write")
     exp.add_argument("--tokenizer-dir", help="copy tokenizer files from here (default: the "
                                              "checkpoint's tokenizer/ folder, if any)")
+    exp.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                     help="weights' dtype (default: the checkpoint's; an imported model's own)")
     return p
 
 
@@ -53,7 +55,7 @@ def main(argv=None) -> int:
                             layers_per_virtual_stage=args.num_layers_per_virtual_pipeline_stage,
                             make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
         else:
-            out = export_hf(args.load, args.save, tokenizer_dir=args.tokenizer_dir)
+            out = export_hf(args.load, args.save, tokenizer_dir=args.tokenizer_dir, dtype=args.dtype)
     except (ConversionError, CheckpointError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -3,10 +3,15 @@
     python tools/generate.py --load ckpt/gpt2 --prompt "Hello" --max-new-tokens 32
     torchrun --nproc_per_node 2 tools/generate.py --load ckpt/gpt2 --prompt "Hello" \
         --top-k 50 --top-p 0.9 --temperature 0.8 --seed 1
+    python tools/generate.py --load ckpt/qwen --chat --prompt "What is 2 + 2?"
 
-Every process is one tensor-parallel rank (tp = the world size). The tokenizer is the
-checkpoint's `tokenizer/` folder (written by tools/convert_hf.py import) unless tokenizer flags
-are given. Greedy decoding is the default; any of --temperature/--top-k/--top-p samples.
+Every process is one tensor-parallel rank (tp = the world size). The tokenizer is the one the
+checkpoint carries (`tokenizer/`, written by training, import and fine-tuning, built with the type
+it was trained with) unless tokenizer flags are given. Generation stops at the model's eos ids
+(generation_config.json's, else config.json's, recorded at import), else the tokenizer's
+end-of-document token. `--chat` applies the tokenizer's chat template to each prompt (one user
+turn) and prints only the reply. Greedy decoding is the default; any of --temperature/--top-k/
+--top-p samples.
 """
 from __future__ import annotations
 
@@ -19,52 +24,69 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from data.tokenizers import TokenizerError, build_tokenizer  # noqa: E402
+from data.tokenizers import TokenizerError  # noqa: E402
 from models.generation import SamplingConfig, generate  # noqa: E402
 from parallel.topology import LayoutError, ParallelConfig, initialize  # noqa: E402
 from training import checkpointing as ckpt  # noqa: E402
+from training.checkpoint_tokenizer import checkpoint_tokenizer, eos_token_ids  # noqa: E402
 from training.convert import load_model_chunks  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--load", required=True, help="checkpoint root (with 'latest') or iter_* folder")
     p.add_argument("--prompt", action="append", required=True, help="repeat for a batch")
     p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--temperature", type=float)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--temperature", type=float, help="sample at this temperature (default: greedy)")
+    p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely (0: off)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (1.0: off)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--no-eos-stop", action="store_true", help="keep going past end-of-text")
-    p.add_argument("--tokenizer-type", default="HuggingFaceTokenizer")
+    p.add_argument("--chat", action="store_true",
+                   help="apply the tokenizer's chat template (one user turn per prompt)")
+    p.add_argument("--tokenizer-type", help="default: the type the checkpoint was trained with")
     p.add_argument("--tokenizer-model", help="default: the checkpoint's tokenizer/ folder")
     p.add_argument("--vocab-file")
     p.add_argument("--merge-file")
     return p
 
 
+def chat_prompt(tok, text: str) -> list[int]:
+    """`text` as one user turn through the tokenizer's chat template, ready for the reply."""
+    template = getattr(tok, "chat_template", None)
+    if not template:
+        raise TokenizerError("--chat: the tokenizer has no chat template (tokenizer_config.json "
+                             "chat_template or chat_template.jinja); drop --chat")
+    from transformers.utils.chat_template_utils import render_jinja_template
+    rendered, _ = render_jinja_template([[{"role": "user", "content": text}]], chat_template=template,
+                                        add_generation_prompt=True, **tok.special_tokens())
+    return tok.encode(rendered[0])
+
+
 def main(argv=None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
     args = build_parser().parse_args(argv)
+    rank0 = int(os.environ.get("RANK", "0")) == 0
     try:
         folder = ckpt.resolve(args.load)
-        tok_path = args.tokenizer_model or os.path.join(os.path.dirname(folder), "tokenizer")
-        tok = build_tokenizer(args.tokenizer_type, vocab_file=args.vocab_file,
-                              merge_file=args.merge_file, tokenizer_model=tok_path)
+        tok = checkpoint_tokenizer(folder, args.tokenizer_type, vocab_file=args.vocab_file,
+                                   merge_file=args.merge_file, tokenizer_model=args.tokenizer_model)
+        encoded = [chat_prompt(tok, p) if args.chat else tok.encode(p) for p in args.prompt]
+        if not all(encoded):
+            raise ValueError("a --prompt encodes to no tokens")
+        eos = eos_token_ids(folder, ckpt.read_meta(folder)) or [tok.eod]
         world = int(os.environ.get("WORLD_SIZE", "1"))
         topo = initialize(ParallelConfig(tp=world))
         _, (model,) = load_model_chunks(folder, topo)
     except (ckpt.CheckpointError, TokenizerError, LayoutError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    encoded = [tok.encode(p) for p in args.prompt]
-    if not all(encoded):
-        print("error: a --prompt encodes to no tokens", file=sys.stderr)
+        if rank0:  # one voice
+            print(f"error: {e}", file=sys.stderr)
         return 1
     sampling = SamplingConfig(
         greedy=args.temperature is None and args.top_k == 0 and args.top_p == 1.0,
         temperature=args.temperature or 1.0, top_k=args.top_k, top_p=args.top_p,
-        eos_id=None if args.no_eos_stop else tok.eod)
+        eos_id=None if args.no_eos_stop else tuple(eos))
     generator = torch.Generator().manual_seed(args.seed)
     # The KV cache has no padding mask, so prompts of one length form one batch; the outputs
     # are printed in the order the prompts were given.
@@ -78,7 +100,10 @@ def main(argv=None) -> int:
         outputs.update(zip(indices, out.tolist()))
     if topo.rank == 0:
         for i in range(len(encoded)):
-            print(tok.decode(outputs[i]))
+            ids = outputs[i][len(encoded[i]):] if args.chat else outputs[i]
+            if args.chat and sampling.eos_ids:  # the reply, without its end-of-turn token
+                ids = ids[:next((j for j, t in enumerate(ids) if t in sampling.eos_ids), len(ids))]
+            print(tok.decode(ids))
     return 0
 
 

@@ -380,7 +380,8 @@ def check_compatible(meta: dict, *, model: dict, folder: str) -> None:
     diffs = [k for k in ("vocab_size", "hidden_size", "num_layers", "num_attention_heads",
                          "ffn_hidden_size", "position_embedding", "embedding_layernorm",
                          "num_query_groups", "normalization", "activation", "rope_theta",
-                         "rope_scaling", "tie_word_embeddings", "bias")
+                         "rope_scaling", "tie_word_embeddings", "bias", "kv_channels", "add_qkv_bias",
+                         "qk_layernorm", "scale_attn_weights", "scale_attn_by_inverse_layer_idx")
              if k in saved_model and saved_model.get(k) != model.get(k)]
     if diffs:
         k = diffs[0]

@@ -5,11 +5,14 @@ sharded `*.index.json` forms; `.bin` files with `torch.load(weights_only=True)`,
 arbitrary is unpickled), maps them to megazoo's full tensors with the family's
 `from_hf_state_dict` (GPT-2's Conv1D transposes and [q|k|v] -> per-head QKV order live there)
 and writes a weights-only checkpoint for the target (tp, pp, vpp). Tokenizer files are copied
-into the checkpoint's `tokenizer/` folder.
+into the checkpoint's `tokenizer/` folder with the special-token ids of config.json and
+generation_config.json.
 
 Export gathers full tensors from a checkpoint of any layout (vocabulary padding trimmed, drifted
 replicas averaged), maps them back with `to_hf_state_dict` and writes `config.json`,
-`model.safetensors` and the tokenizer files, which `from_pretrained` loads offline.
+`model.safetensors` (in the checkpoint's dtype, an imported model's own, or `--dtype`) and the
+tokenizer files, which `from_pretrained` loads offline. The tokenizer and the model's special-token
+ids travel in the checkpoint's `tokenizer/` folder (training/checkpoint_tokenizer.py).
 """
 from __future__ import annotations
 
@@ -17,7 +20,6 @@ import json
 import logging
 import os
 import pickle
-import shutil
 
 import torch
 from safetensors import SafetensorError
@@ -25,17 +27,17 @@ from safetensors.torch import load_file, save_file
 
 from models.config import TransformerConfig
 from models.hf import family, model_class
-from parallel.layout import virtual_stages
+from parallel.layout import ParallelConfig, virtual_stages
 
 from . import checkpointing as ckpt
+from .checkpoint_tokenizer import TOKEN_IDS, copy_tokenizer, hf_token_record, read_record
+from .checkpoint_tokenizer import tokenizer_dir as checkpoint_tokenizer_dir
+from .checkpoint_tokenizer import write_record
 from .reshard import FullState, load_weights, read_full_state, write_layout
 
 logger = logging.getLogger(__name__)
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json",
-                   "generation_config.json")
-TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+_DTYPES = ("float32", "bfloat16", "float16")
 
 
 class ConversionError(ValueError):
@@ -90,20 +92,10 @@ def read_hf_weights(folder: str) -> dict[str, torch.Tensor]:
     return sd
 
 
-def copy_tokenizer(src: str | None, dst: str) -> list[str]:
-    if not src or not os.path.isdir(src):
-        return []
-    copied = [f for f in TOKENIZER_FILES if os.path.isfile(os.path.join(src, f))]
-    if copied:
-        os.makedirs(dst, exist_ok=True)
-        for f in copied:
-            shutil.copy2(os.path.join(src, f), os.path.join(dst, f))
-    return copied
-
-
-def hf_to_full(folder: str) -> tuple[str, TransformerConfig, FullState]:
-    """A Hugging Face folder as (family name, megazoo config, full fp32 tensors)."""
-    model_type, module, hf = read_hf_config(folder)
+def hf_to_full(folder: str, parsed: tuple | None = None) -> tuple[str, TransformerConfig, FullState]:
+    """A Hugging Face folder as (family name, megazoo config, full fp32 tensors); `parsed` is
+    read_hf_config's answer when the caller has it already."""
+    model_type, module, hf = parsed or read_hf_config(folder)
     config = module.config_from_hf(hf)
     sd = read_hf_weights(folder)
     try:
@@ -111,8 +103,9 @@ def hf_to_full(folder: str) -> tuple[str, TransformerConfig, FullState]:
     except KeyError as e:
         raise ConversionError(f"{folder}: the weights lack {e}; they do not match config.json "
                               f"({model_type}) or are incomplete") from None
+    dtype = str(getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None) or "float32")
     meta = dict(family=model_type, consumed_samples=0, skipped_steps=0,
-                hf_config={k: getattr(hf, k, None) for k in TOKEN_IDS})
+                hf_config={**hf_token_record(folder, hf), "dtype": dtype.removeprefix("torch.")})
     return model_type, config, FullState(meta, {k: v.float() for k, v in full.items()})
 
 
@@ -120,15 +113,23 @@ def import_hf(folder: str, save: str, *, tp: int = 1, pp: int = 1, vpp: int = 1,
               layers_per_virtual_stage: int | None = None,
               make_vocab_size_divisible_by: int | None = None) -> str:
     """Convert a Hugging Face folder into a weights-only megazoo checkpoint for (tp, pp, vpp)."""
-    model_type, config, full = hf_to_full(folder)
+    parsed = read_hf_config(folder)
+    config = parsed[1].config_from_hf(parsed[2])  # refuses unmodelled fields before weights are read
     vpp = virtual_stages(config.num_layers, pp, layers_per_virtual_stage) \
         if layers_per_virtual_stage else vpp
+    layout = ParallelConfig(tp=tp, pp=pp, vpp=vpp)
+    layout.validate(tp * pp)  # one line each (tp 0, vpp without pp, ...) before any work
+    config.check_layout(layout)
+    model_type, config, full = hf_to_full(folder, parsed)
     if make_vocab_size_divisible_by:
         config = config.replace(make_vocab_size_divisible_by=make_vocab_size_divisible_by)
     module = family(model_type)
     out = write_layout(full, save, model_cls=model_class(module), config=config, tp=tp, pp=pp,
                        vpp=vpp, weights_only=True)
-    copied = copy_tokenizer(folder, os.path.join(save, "tokenizer"))
+    copied = copy_tokenizer(folder, checkpoint_tokenizer_dir(save))
+    record = {k: v for k, v in full.meta["hf_config"].items() if k != "dtype"}
+    write_record(checkpoint_tokenizer_dir(save), {"tokenizer_type": "HuggingFaceTokenizer", **record}
+                 if copied else record)
     logger.info("imported %s (%s) into %s at tp=%d pp=%d vpp=%d; tokenizer files: %s", folder,
                 model_type, out, tp, pp, vpp, copied or "none")
     return out
@@ -155,24 +156,38 @@ def load_model_chunks(folder: str, topo) -> tuple[TransformerConfig, list]:
     return config, chunks
 
 
-def export_hf(load: str, save: str, *, tokenizer_dir: str | None = None) -> str:
-    """Write a checkpoint (`--load` root or an iter_* folder) as a Hugging Face folder."""
+def _valid_ids(value, vocab_size: int):
+    """A token id (or list of ids) inside the vocabulary, else None."""
+    ids = [v for v in (value if isinstance(value, list) else [value])
+           if isinstance(v, int) and 0 <= v < vocab_size]
+    if not ids:
+        return None
+    return ids if isinstance(value, list) else ids[0]
+
+
+def export_hf(load: str, save: str, *, tokenizer_dir: str | None = None,
+              dtype: str | None = None) -> str:
+    """Write a checkpoint (`--load` root or an iter_* folder) as a Hugging Face folder, in the
+    checkpoint's dtype (an imported model's own) unless `dtype` is given."""
+    if dtype is not None and dtype not in _DTYPES:
+        raise ConversionError(f"--dtype {dtype!r} is not supported; choose one of {_DTYPES}")
     folder = ckpt.require_verified(ckpt.resolve(load))
     meta, config, module = checkpoint_config(folder)
     full = read_full_state(folder)  # the fp32 masters when present: the copy a resume continues
     sd = module.to_hf_state_dict({**full.weights, **full.master}, config)
     hf = module.hf_config(config)
-    recorded = meta.get("hf_config") or {}
-    for k in TOKEN_IDS:  # keep the imported model's special tokens; drop ids outside the vocab
-        value = recorded.get(k, getattr(hf, k, None))
-        setattr(hf, k, value if isinstance(value, int) and 0 <= value < config.vocab_size else None)
-    hf.dtype = str(config.dtype).removeprefix("torch.")
+    # the model's special tokens, recorded at import and carried by the tokenizer folder
+    recorded = {**(meta.get("hf_config") or {}), **read_record(checkpoint_tokenizer_dir(folder))}
+    for k in TOKEN_IDS:  # ids outside the vocabulary are dropped
+        setattr(hf, k, _valid_ids(recorded.get(k, getattr(hf, k, None)), config.vocab_size))
+    dtype = dtype or (meta.get("hf_config") or {}).get("dtype") or config.params_dtype
+    hf.dtype = dtype
     os.makedirs(save, exist_ok=True)
     hf.save_pretrained(save)
-    save_file({k: v.detach().to(config.dtype).clone().contiguous() for k, v in sd.items()},
+    save_file({k: v.detach().to(getattr(torch, dtype)).clone().contiguous() for k, v in sd.items()},
               os.path.join(save, "model.safetensors"), metadata={"format": "pt"})
     ckpt.honour_umask(os.path.join(save, "model.safetensors"))
-    tok_src = tokenizer_dir or os.path.join(os.path.dirname(folder), "tokenizer")
+    tok_src = tokenizer_dir or checkpoint_tokenizer_dir(folder)
     copied = copy_tokenizer(tok_src, save)
     logger.info("exported %s to %s (%d tensors; tokenizer files: %s)", folder, save, len(sd),
                 copied or "none")

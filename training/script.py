@@ -19,6 +19,7 @@ from data.tokenizers import TokenizerError
 from parallel.topology import LayoutError
 
 from .arguments import ArgumentError, build_parser, to_run_config
+from .checkpoint_tokenizer import store_training_tokenizer
 from .checkpointing import CheckpointError
 from .health import RunHalted
 from .loop import pretrain
@@ -69,6 +70,8 @@ def main(model_provider, default_model: str, argv=None):
     except KeyboardInterrupt:
         sys.exit(exit_code(2))
     try:
+        if _rank() == 0:  # the tokenizer travels with the checkpoint
+            store_training_tokenizer(run.data, run.checkpoint)
         result = pretrain(model_provider, run)
     except USER_ERRORS as e:  # after the groups exist, a file may be missing on one rank only
         _fail(str(e), 1, every_rank=True)

@@ -1,0 +1,61 @@
+"""Every field of a Hugging Face `config.json` is accounted for: mapped, neutral, or refused.
+
+A family module lists the fields its `config_from_hf` maps (`MAPPED`) and the fields that
+`transformers`' own modelling code ignores for that family (`IGNORED`). `NEUTRAL` fields never
+change the causal-LM math (bookkeeping, generation defaults, token ids, heads of other tasks).
+Every other field is compared with the family's default config: a value that differs is refused
+in one line naming the field, its value and what is supported, so an unknown field never
+silently turns a checkpoint into a different model.
+"""
+from __future__ import annotations
+
+NEUTRAL = frozenset({
+    # bookkeeping
+    "transformers_version", "architectures", "model_type", "_name_or_path", "dtype", "torch_dtype",
+    "_attn_implementation", "attn_implementation", "_attn_implementation_autoset",
+    "_commit_hash", "transformers.js_config", "auto_map", "tokenizer_class",
+    # outputs and caching of the Python objects
+    "output_hidden_states", "output_attentions", "return_dict", "use_cache", "torchscript",
+    "use_return_dict",
+    # token ids (recorded at import, written back at export)
+    "bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id", "sep_token_id",
+    "decoder_start_token_id",
+    # heads of other tasks (classification labels), task hints
+    "id2label", "label2id", "num_labels", "problem_type", "finetuning_task", "prefix",
+    "task_specific_params",
+    # generation defaults that older config.json files carry (generation_config.json's job)
+    "max_length", "min_length", "do_sample", "early_stopping", "num_beams", "num_beam_groups",
+    "diversity_penalty", "temperature", "top_k", "top_p", "typical_p", "repetition_penalty",
+    "length_penalty", "no_repeat_ngram_size", "encoder_no_repeat_ngram_size", "bad_words_ids",
+    "num_return_sequences", "output_scores", "return_dict_in_generate", "forced_bos_token_id",
+    "forced_eos_token_id", "remove_invalid_values", "exponential_decay_length_penalty",
+    "suppress_tokens", "begin_suppress_tokens",
+    # computes the same function (feed-forward chunking)
+    "chunk_size_feed_forward",
+})
+
+_EMPTY = (None, False, {}, [], ())
+
+
+class UnsupportedConfigError(ValueError):
+    """A Hugging Face config field whose value megazoo does not model."""
+
+
+def refuse(family: str, field: str, value, supported) -> UnsupportedConfigError:
+    """The one-line error for a field megazoo cannot model."""
+    return UnsupportedConfigError(f"{family} config.json: {field}={value!r} is not supported "
+                                  f"(supported: {supported}); megazoo would compute another model")
+
+
+def check_fields(hf, family: str, mapped: frozenset, ignored: frozenset = frozenset()) -> None:
+    """Refuse the first field of `hf` that is neither mapped, neutral, ignored by transformers
+    for this family, nor equal to the family default (`type(hf)()`)."""
+    default = type(hf)().to_dict()
+    for field, value in hf.to_dict().items():
+        if field in mapped or field in NEUTRAL or field in ignored or field.startswith("_"):
+            continue
+        if field in default:
+            if value != default[field]:
+                raise refuse(family, field, value, f"{field}={default[field]!r}")
+        elif value not in _EMPTY:
+            raise refuse(family, field, value, "the field absent")

@@ -1,0 +1,217 @@
+"""Every Hugging Face config field is modelled or refused; Qwen2 and Qwen3 both ways (fp32).
+
+Random HF models with a non-default value of one field each (GPT-2 untied head, both attention
+scaling flags, exact GELU, n_inner; BLOOM untied; Llama decoupled head_dim) and random Qwen2 /
+Qwen3 models (GQA, MQA, tied and untied, odd vocabulary 101, Qwen3 head_dim != hidden/heads) go
+through `import_hf` -> `export_hf`: the exported tensors equal HF's bit for bit and transformers'
+`from_pretrained` of the export gives HF's logits exactly. One spawned 4-rank world then loads every
+imported checkpoint under (tp2, pp2) and (tp4): logits within 1e-5 of transformers; at tp4, greedy
+generation equals `generate(do_sample=False)`; Qwen3's (replicated) q/k-norm gradients under tp2
+and tp4 (with sequence parallelism) equal the unsharded model's. Fields that change the math and
+are not modelled are refused in one line naming the field.
+"""
+import pytest
+import torch
+
+from tests.distributed import run_distributed
+
+VOCAB = 101
+NEW_TOKENS = 6
+LOAD_LAYOUTS = [(2, 2, 1), (4, 1, 1)]  # (tp, pp, vpp)
+
+
+def _gpt2(**kw):
+    from transformers import GPT2Config, GPT2LMHeadModel
+    base = dict(vocab_size=VOCAB, n_positions=32, n_embd=48, n_layer=4, n_head=4, resid_pdrop=0,
+                embd_pdrop=0, attn_pdrop=0, bos_token_id=0, eos_token_id=0)
+    return GPT2LMHeadModel(GPT2Config(**{**base, **kw}))
+
+
+def _bloom(**kw):
+    from transformers import BloomConfig, BloomForCausalLM
+    return BloomForCausalLM(BloomConfig(**{**dict(vocab_size=VOCAB, hidden_size=48, n_layer=4,
+                                                  n_head=4, bos_token_id=0, eos_token_id=0), **kw}))
+
+
+_LLAMA_BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=80, num_hidden_layers=4,
+                   num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=64,
+                   rope_parameters={"rope_type": "default", "rope_theta": 1000.0},
+                   bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+
+def _llama(**kw):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    return LlamaForCausalLM(LlamaConfig(**{**_LLAMA_BASE, **kw}))
+
+
+def _qwen2(**kw):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    return Qwen2ForCausalLM(Qwen2Config(**{**_LLAMA_BASE, **kw}))
+
+
+def _qwen3(**kw):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    return Qwen3ForCausalLM(Qwen3Config(**{**_LLAMA_BASE, **kw}))
+
+
+SUPPORTED = {  # name: (builder, non-default fields)
+    "gpt2-untied": (_gpt2, dict(tie_word_embeddings=False)),
+    "gpt2-inverse-layer-idx": (_gpt2, dict(scale_attn_by_inverse_layer_idx=True)),
+    "gpt2-unscaled": (_gpt2, dict(scale_attn_weights=False)),
+    "gpt2-gelu-n-inner": (_gpt2, dict(activation_function="gelu", n_inner=72)),
+    "bloom-untied": (_bloom, dict(tie_word_embeddings=False)),
+    "llama-head-dim-24": (_llama, dict(head_dim=24)),
+    "qwen2-gqa-tied": (_qwen2, dict(tie_word_embeddings=True)),
+    "qwen2-mqa-untied": (_qwen2, dict(num_key_value_heads=1, tie_word_embeddings=False)),
+    "qwen3-gqa-tied-head-dim-24": (_qwen3, dict(head_dim=24, tie_word_embeddings=True)),
+    "qwen3-mha-untied": (_qwen3, dict(num_key_value_heads=8, head_dim=8,
+                                      tie_word_embeddings=False)),
+}
+REFUSED = {  # name: (builder, fields, the field the error must name)
+    "gpt2-cross-attention": (_gpt2, dict(add_cross_attention=True), "add_cross_attention"),
+    "gpt2-relu": (_gpt2, dict(activation_function="relu"), "activation_function"),
+    "gpt2-dropouts": (_gpt2, dict(embd_pdrop=0.2), "embd_pdrop"),
+    "gpt2-unknown-field": (_gpt2, dict(use_fancy_attention=True), "use_fancy_attention"),
+    "bloom-post-ln-residual": (_bloom, dict(apply_residual_connection_post_layernorm=True),
+                               "apply_residual_connection_post_layernorm"),
+    "llama-gelu": (_llama, dict(hidden_act="gelu"), "hidden_act"),
+    "llama-mlp-bias-only": (_llama, dict(mlp_bias=True), "mlp_bias"),
+    "llama-pruned-heads": (_llama, dict(pruned_heads={0: [1]}), "pruned_heads"),
+    "qwen2-sliding-window": (_qwen2, dict(use_sliding_window=True, sliding_window=8,
+                                          max_window_layers=2), "layer_types"),
+    "qwen3-attention-bias": (_qwen3, dict(attention_bias=True), "attention_bias"),
+    "qwen3-partial-rotary": (_qwen3, dict(rope_parameters={"rope_type": "default", "rope_theta": 1e3,
+                                                           "partial_rotary_factor": 0.5}),
+                             "partial_rotary_factor"),
+}
+
+
+def _perturbed(model, seed=0):
+    """Every tensor randomised (HF inits biases to 0 and norms to 1, which would hide mistakes)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    return model.eval()
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_unmodelled_fields_are_refused_naming_the_field(name, tmp_path):
+    from models.hf_fields import UnsupportedConfigError
+    from training.convert import ConversionError, import_hf
+    build, fields, field = REFUSED[name]
+    hf = build(**fields)
+    hf.save_pretrained(tmp_path / "hf")
+    with pytest.raises((ConversionError, UnsupportedConfigError), match=rf"^[^\n]*{field}=[^\n]*$"):
+        import_hf(str(tmp_path / "hf"), str(tmp_path / "mz"))
+    assert not (tmp_path / "mz").exists()  # refused before any work
+
+
+def test_real_config_files_with_training_leftovers_are_accepted():
+    """Fields that transformers ignores for a family (as in released config.json files) pass."""
+    from transformers import BloomConfig, GPT2Config, LlamaConfig
+
+    from models import bloom, gpt, llama
+    gpt.config_from_hf(GPT2Config(n_ctx=1024, summary_type="cls_index", reorder_and_upcast_attn=True,
+                                  task_specific_params={"text-generation": {"do_sample": True}}))
+    bloom.config_from_hf(BloomConfig(offset_alibi=100, skip_bias_add=True, pretraining_tp=4,
+                                     attention_softmax_in_fp32=True, masked_softmax_fusion=True))
+    llama.config_from_hf(LlamaConfig(is_llama_config=True, rope_interleaved=False, pretraining_tp=2))
+
+
+def test_released_config_files_are_accepted(tmp_path):
+    """config.json files of released checkpoints (GPT-2, DistilGPT2, BLOOM-560m, LLaMA-1, Llama 2,
+    Llama 3.1, SmolLM2-Instruct, Qwen2.5-Instruct, Qwen3; tests/fixtures/released_hf_configs.json)
+    import without a refusal and give the released parameter counts."""
+    import json
+    import os
+
+    from training.convert import read_hf_config
+    fixture = os.path.join(os.path.dirname(__file__), "fixtures", "released_hf_configs.json")
+    for name, entry in json.load(open(fixture)).items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(entry["config"]))
+        _, module, hf = read_hf_config(str(tmp_path / name))
+        assert module.config_from_hf(hf).num_parameters() == entry["parameters"], name
+
+
+def _worker(rank, cases):
+    from models.hf import family, model_class
+    from parallel.sharding import full_tensor, load_full_state_dict
+    from parallel.topology import ParallelConfig, ParallelTopology
+    from tests.test_convert import check_against_hf
+    torch.use_deterministic_algorithms(True)
+    errors, checked = [0.0], []
+    for tp, pp, vpp in LOAD_LAYOUTS:  # one topology per layout: creating groups is slow
+        topo = ParallelTopology.from_config(ParallelConfig(tp=tp, pp=pp, vpp=vpp))
+        for case in cases:
+            errors.append(check_against_hf(case, topo, NEW_TOKENS)[1])
+            checked.append((case["name"], tp, pp))
+    # Qwen3's q/k norm weights are replicated but see other heads on each TP rank: their
+    # gradients (summed over TP) equal the unsharded model's, with and without SP.
+    case = next(c for c in cases if c["name"].startswith("qwen3-gqa"))
+    ids, labels = case["ids"][:, :-1], case["ids"][:, 1:]
+    grads = {}
+    for tp, sp in ((1, False), (2, False), (4, True)):
+        topo = ParallelTopology.from_config(ParallelConfig(tp=tp, sequence_parallel=sp))
+        model = model_class(family(case["family"]))(case["config"], topo)
+        load_full_state_dict(model, case["full"], topo)
+        model(ids, labels=labels).mean().backward()
+        grads[tp] = {n: full_tensor(p, topo, p.grad) for n, p in model.named_parameters()}
+    for tp in (2, 4):
+        for n, g in grads[1].items():
+            torch.testing.assert_close(grads[tp][n], g, rtol=1e-5, atol=1e-6, msg=f"tp{tp} {n}")
+    assert any("q_norm" in n for n in grads[1])
+    return max(errors), checked
+
+
+def test_fields_and_qwen_round_trip_and_match_transformers_under_tp_pp(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from tests.test_convert import hf_reference
+    from training.convert import export_hf, hf_to_full, import_hf
+    ids = torch.randint(0, VOCAB, (2, 17), generator=torch.Generator().manual_seed(1))
+    prompt = ids[:, :5]
+    cases = []
+    for i, (name, (build, fields)) in enumerate(sorted(SUPPORTED.items())):
+        torch.manual_seed(i)
+        hf = _perturbed(build(**fields), seed=i)
+        hf_dir, ckpt, out = (str(tmp_path / f"{k}_{name}") for k in ("hf", "mz", "back"))
+        hf.save_pretrained(hf_dir)
+        ref = hf_reference(hf, ids, prompt, NEW_TOKENS)
+        import_hf(hf_dir, ckpt)
+        export_hf(ckpt, out)
+        back = AutoModelForCausalLM.from_pretrained(out, local_files_only=True).eval()
+        assert type(back) is type(hf), name
+        assert back.config.architectures == [type(hf).__name__]
+        for field, value in fields.items():  # written back, read back the same
+            assert getattr(back.config, field) == value, (name, field)
+        ref_sd, back_sd = hf.state_dict(), back.state_dict()
+        assert ref_sd.keys() == back_sd.keys(), name
+        for k in ref_sd:
+            assert torch.equal(ref_sd[k], back_sd[k]), (name, k)
+        with torch.no_grad():
+            torch.testing.assert_close(back(ids).logits, ref["logits"], rtol=0, atol=0)
+        model_type, config, full = hf_to_full(hf_dir)
+        cases.append(dict(ref, name=name, ckpt=ckpt, family=model_type, full=full.weights,
+                          config=config.replace(make_vocab_size_divisible_by=8)))
+    errors_and_checked = run_distributed(_worker, 4, cases, timeout=500)
+    print("max |logits - transformers| over ranks:", max(e for e, _ in errors_and_checked))
+    assert max(e for e, _ in errors_and_checked) <= 1e-5
+    assert len(errors_and_checked[0][1]) == len(SUPPORTED) * len(LOAD_LAYOUTS)
+
+
+def test_import_layout_errors_name_the_flag_and_field(tmp_path, capsys):
+    from tests.test_convert import _tool
+    _llama(hidden_size=36, num_attention_heads=9, num_key_value_heads=9, head_dim=4,
+           intermediate_size=1536, num_hidden_layers=2).save_pretrained(tmp_path / "hf")
+    capsys.readouterr()  # save_pretrained's progress bar
+    for flags, expected in (
+            (["--tensor-model-parallel-size", "0"], "--tensor-model-parallel-size must be an integer >= 1"),
+            (["--tensor-model-parallel-size", "9"], "--ffn-hidden-size 1536 (HF intermediate_size)"),
+            (["--virtual-pipeline-model-parallel-size", "2"], "--pipeline-model-parallel-size > 1")):
+        assert _tool("import", "--hf-dir", str(tmp_path / "hf"), "--save", str(tmp_path / "mz"),
+                     *flags) == 1
+        err = capsys.readouterr().err
+        assert expected in err and err.count("\n") == 1, err
+    assert not (tmp_path / "mz").exists()

@@ -1,0 +1,149 @@
+"""The tokenizer that travels with a checkpoint: `<checkpoint root>/tokenizer/`.
+
+Training (from the tokenizer flags, or from `--load`'s folder when no tokenizer flag is given),
+import (the Hugging Face folder's tokenizer files) and fine-tuning all write it, with a record
+`megazoo_tokenizer.json`: the tokenizer type to build it with and the model's special-token ids
+(`eos_token_id` may be a list; `generation_eos_token_id` is generation_config.json's). So
+tools/generate.py and export need no tokenizer flags and use the tokenizer the model was trained
+with, and generation stops where `transformers` stops.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+
+from data.tokenizers import (GPT2_TYPES, HF_TYPES, NULL_TYPES, SENTENCEPIECE_TYPES, TokenizerError,
+                             build_tokenizer)
+
+logger = logging.getLogger(__name__)
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json",
+                   "chat_template.jinja", "generation_config.json")
+TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+RECORD = "megazoo_tokenizer.json"
+
+
+def tokenizer_dir(checkpoint: str) -> str:
+    """The tokenizer folder of a checkpoint root or of one of its iter_* folders."""
+    folder = os.path.normpath(checkpoint)
+    root = os.path.dirname(folder) if os.path.basename(folder).startswith("iter_") else folder
+    return os.path.join(root, "tokenizer")
+
+
+def copy_tokenizer(src: str | None, dst: str) -> list[str]:
+    """Copy the tokenizer files of folder `src` into `dst`; returns their names."""
+    if not src or not os.path.isdir(src):
+        return []
+    copied = [f for f in TOKENIZER_FILES if os.path.isfile(os.path.join(src, f))]
+    if copied:
+        os.makedirs(dst, exist_ok=True)
+        for f in copied:
+            if not _same(os.path.join(src, f), os.path.join(dst, f)):
+                shutil.copy2(os.path.join(src, f), os.path.join(dst, f))
+    return copied
+
+
+def _same(a: str, b: str) -> bool:
+    return os.path.exists(b) and os.path.samefile(a, b)
+
+
+def read_record(folder: str) -> dict:
+    path = os.path.join(folder, RECORD)
+    if not os.path.isfile(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def write_record(folder: str, record: dict) -> None:
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, RECORD), "w", encoding="utf-8") as f:
+        json.dump(record, f, indent=1)
+
+
+def hf_token_record(hf_folder: str, hf_config) -> dict:
+    """The special-token ids of an imported Hugging Face model: config.json's, and the
+    end-of-sequence ids generation_config.json gives `generate` (an int or a list)."""
+    record = {k: getattr(hf_config, k, None) for k in TOKEN_IDS}
+    path = os.path.join(hf_folder, "generation_config.json")
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            eos = json.load(f).get("eos_token_id")
+        if eos is not None:
+            record["generation_eos_token_id"] = eos
+    return record
+
+
+def _copy_file(src: str, dst_folder: str, name: str) -> None:
+    os.makedirs(dst_folder, exist_ok=True)
+    if not _same(src, os.path.join(dst_folder, name)):
+        shutil.copy2(src, os.path.join(dst_folder, name))
+
+
+def store_training_tokenizer(data, checkpoint) -> str | None:
+    """Write `<--save>/tokenizer/` for a training run (rank 0, before training): the files the
+    tokenizer flags name, else `--load`'s tokenizer folder; the record keeps the loaded model's
+    special-token ids. Returns the folder (None when there is nothing to store)."""
+    if not checkpoint.save:
+        return None
+    dst = tokenizer_dir(checkpoint.save)
+    loaded = tokenizer_dir(checkpoint.load) if checkpoint.load else None
+    record = read_record(loaded) if loaded else {}
+    kind = data.tokenizer_type
+    if kind in GPT2_TYPES and data.vocab_file and data.merge_file:
+        _copy_file(data.vocab_file, dst, "vocab.json")
+        _copy_file(data.merge_file, dst, "merges.txt")
+    elif kind in SENTENCEPIECE_TYPES and data.tokenizer_model:
+        _copy_file(data.tokenizer_model, dst, "tokenizer.model")
+    elif kind in HF_TYPES and data.tokenizer_model and os.path.isfile(data.tokenizer_model):
+        _copy_file(data.tokenizer_model, dst, "tokenizer.json")
+        copy_tokenizer(os.path.dirname(data.tokenizer_model), dst)
+    elif kind in HF_TYPES and data.tokenizer_model:
+        copy_tokenizer(data.tokenizer_model, dst)
+    elif kind in NULL_TYPES:  # no files: ids are text; the vocabulary size is the model's
+        pass
+    elif loaded and os.path.isdir(loaded):
+        copy_tokenizer(loaded, dst)
+        kind = record.get("tokenizer_type", "HuggingFaceTokenizer")
+    else:
+        return None
+    write_record(dst, {**record, "tokenizer_type": kind})
+    logger.info("tokenizer (%s) stored in %s", kind, dst)
+    return dst
+
+
+def checkpoint_tokenizer(checkpoint: str, tokenizer_type: str | None = None, *,
+                         vocab_file: str | None = None, merge_file: str | None = None,
+                         tokenizer_model: str | None = None):
+    """The tokenizer of a checkpoint: explicit flags win; else the checkpoint's tokenizer folder,
+    built with the type it was trained (or imported) with."""
+    folder = tokenizer_dir(checkpoint)
+    kind = tokenizer_type or read_record(folder).get("tokenizer_type") or "HuggingFaceTokenizer"
+    if vocab_file or merge_file or tokenizer_model:
+        return build_tokenizer(kind, vocab_file=vocab_file, merge_file=merge_file,
+                               tokenizer_model=tokenizer_model)
+    if kind in NULL_TYPES:  # its end-of-document id is the last of the model's vocabulary
+        from .checkpointing import read_meta
+        return build_tokenizer(kind, vocab_size=read_meta(checkpoint)["model"]["vocab_size"] - 1)
+    if not any(os.path.isfile(os.path.join(folder, f)) for f in TOKENIZER_FILES[:-1]):
+        raise TokenizerError(f"{folder}: not found, the checkpoint carries no tokenizer; pass "
+                             f"--tokenizer-model (or --vocab-file and --merge-file)")
+    if kind in GPT2_TYPES:
+        return build_tokenizer(kind, vocab_file=os.path.join(folder, "vocab.json"),
+                               merge_file=os.path.join(folder, "merges.txt"))
+    if kind in SENTENCEPIECE_TYPES:
+        return build_tokenizer(kind, tokenizer_model=os.path.join(folder, "tokenizer.model"))
+    return build_tokenizer(kind, tokenizer_model=folder)
+
+
+def eos_token_ids(checkpoint: str, meta: dict) -> list[int] | None:
+    """Where `transformers` stops generating: generation_config.json's eos ids, else
+    config.json's (recorded at import, carried through fine-tuning); None when unknown."""
+    record = {**(meta.get("hf_config") or {}), **read_record(tokenizer_dir(checkpoint))}
+    eos = record.get("generation_eos_token_id", record.get("eos_token_id"))
+    if eos is None:
+        return None
+    return [int(e) for e in (eos if isinstance(eos, list) else [eos])]
