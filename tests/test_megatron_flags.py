@@ -161,3 +161,15 @@ def test_plan_ranks_only_layouts_the_trainer_accepts(capsys):
     shown = capsys.readouterr().out
     assert f"{len(plans) - len(refused)} layouts fit" in shown
     assert not any(p.layout.describe() in shown for p in refused)
+
+
+def test_qwen_shape_flags_map_onto_the_config():
+    from training.arguments import build_parser, to_run_config
+    argv = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--vocab-size",
+            "128", "--seq-length", "16", "--max-position-embeddings", "16", "--train-iters", "1",
+            "--mock-data", "--kv-channels", "32", "--add-qkv-bias", "--qk-layernorm",
+            "--disable-bias-linear"]
+    m = to_run_config(build_parser().parse_args(argv), world_size=1).model
+    assert (m.kv_channels, m.head_dim, m.add_qkv_bias, m.qk_layernorm, m.bias) == (32, 32, True, True, False)
+    plain = to_run_config(build_parser().parse_args(argv[:-5]), world_size=1).model
+    assert (plain.kv_channels, plain.add_qkv_bias, plain.qk_layernorm) == (None, False, False)

@@ -53,6 +53,9 @@ def build_parser(default_model: str | None = None) -> argparse.ArgumentParser:
     g.add_argument("--num-query-groups", type=int)
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true", default=None)
     g.add_argument("--disable-bias-linear", action="store_true", default=None)
+    g.add_argument("--kv-channels", type=int)
+    g.add_argument("--add-qkv-bias", action="store_true", default=None)
+    g.add_argument("--qk-layernorm", action="store_true", default=None)
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
@@ -206,7 +209,8 @@ def to_run_config(args: argparse.Namespace, vocab_size: int | None = None,
         num_query_groups=args.num_query_groups if args.group_query_attention or args.num_query_groups
         else None,
         tie_word_embeddings=False if args.untie_embeddings_and_output_weights else None,
-        bias=False if args.disable_bias_linear else None).items()
+        bias=False if args.disable_bias_linear else None, kv_channels=args.kv_channels,
+        add_qkv_bias=args.add_qkv_bias, qk_layernorm=args.qk_layernorm).items()
         if v is not None}
     overrides.update(seed=args.seed, recompute_granularity=args.recompute_granularity,
                      recompute_method=args.recompute_method,

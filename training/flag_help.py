@@ -27,6 +27,9 @@ HELP = {
     "--num-query-groups": "key/value head groups for grouped-query attention",
     "--untie-embeddings-and-output-weights": "a separate output head instead of the input embedding",
     "--disable-bias-linear": "no biases in the linear layers",
+    "--kv-channels": "size of each attention head (default: hidden size / heads; Qwen3 decouples it)",
+    "--add-qkv-bias": "a bias on the query/key/value projection even with --disable-bias-linear (Qwen2)",
+    "--qk-layernorm": "RMSNorm over each query and key head before attention (Qwen3)",
     # parallelism
     "--tensor-model-parallel-size": "tensor-parallel size tp (divides heads, hidden and vocabulary)",
     "--pipeline-model-parallel-size": "pipeline stages pp (divides the layers)",
