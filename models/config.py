@@ -87,6 +87,19 @@ class TransformerConfig:
         multiple = self.make_vocab_size_divisible_by * tp
         return -(-self.vocab_size // multiple) * multiple
 
+    @classmethod
+    def from_saved(cls, fields: dict) -> "TransformerConfig":
+        """The config a checkpoint's meta.json records: older spellings mapped, fields this
+        version does not know refused (a newer megazoo wrote them: they may change the model)."""
+        fields = dict(fields)
+        if "recompute_layers" in fields:  # before recompute took Megatron's three settings
+            fields["recompute_granularity"] = "full" if fields.pop("recompute_layers") else None
+        unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise ValueError(f"the checkpoint's model config has fields this megazoo does not know "
+                             f"({', '.join(unknown)}); it was written by a newer version: upgrade")
+        return cls(**fields)
+
     def replace(self, **changes) -> "TransformerConfig":
         return dataclasses.replace(self, **changes)
 

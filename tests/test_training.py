@@ -151,3 +151,17 @@ def test_llama_flags_map_onto_the_config():
     h, f, L = m.hidden_size, m.ffn_hidden_size, m.num_layers
     expected = dense.model_flops_per_token(16) + 3 * 2 * L * (h * f - h * h)
     assert m.model_flops_per_token(16) == pytest.approx(expected)
+
+
+def test_saved_model_configs_of_older_and_newer_versions():
+    """meta.json written before recompute took Megatron's settings still loads; fields a newer
+    version wrote are refused by name instead of being dropped."""
+    import dataclasses
+    from models.config import TransformerConfig
+    old = dataclasses.asdict(TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4))
+    for k in ("recompute_granularity", "recompute_method", "recompute_num_layers"):
+        old.pop(k)
+    assert TransformerConfig.from_saved(dict(old, recompute_layers=True)).recompute_granularity == "full"
+    assert TransformerConfig.from_saved(dict(old, recompute_layers=False)).recompute_granularity is None
+    with pytest.raises(ValueError, match="sliding_window"):
+        TransformerConfig.from_saved(dict(old, sliding_window=4096))

@@ -29,7 +29,7 @@ def reshard(load: str, save: str, *, tp: int, pp: int, vpp: int = 1, dp: int = 1
             zero_stage: int = 0, layers_per_virtual_stage: int | None = None) -> str:
     folder = ckpt.resolve(load)
     meta = ckpt.read_meta(folder)
-    config = TransformerConfig(**meta["model"])
+    config = TransformerConfig.from_saved(meta["model"])
     vpp = virtual_stages(config.num_layers, pp, layers_per_virtual_stage) \
         if layers_per_virtual_stage else vpp
     OptimizerConfig(zero_stage=zero_stage).validate(pp)  # e.g. ZeRO-3 does not compose with pp > 1

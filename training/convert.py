@@ -144,7 +144,7 @@ def checkpoint_config(folder: str) -> tuple[dict, TransformerConfig, object]:
     if name is None:
         raise ckpt.CheckpointError(f"{folder}/meta.json records no model family (a plain "
                                    f"TransformerLanguageModel); it has no Hugging Face form")
-    return meta, TransformerConfig(**meta["model"]), family(name, f"{folder}/meta.json")
+    return meta, TransformerConfig.from_saved(meta["model"]), family(name, f"{folder}/meta.json")
 
 
 def load_model_chunks(folder: str, topo) -> tuple[TransformerConfig, list]:
