@@ -69,21 +69,6 @@ def fake_world(world_size: int, rank: int):
         dist.destroy_process_group()
 
 
-def planner_layout(run, dp: int) -> planner.Layout:
-    """The planner's view of a run: the same layout, batch and precision (SDPA: flash)."""
-    opt, p = run.optimizer, run.parallel
-    return planner.Layout(
-        tp=p.tp, pp=p.pp, dp=dp, vpp=p.vpp, zero=opt.zero_stage,
-        sequence_parallel=p.sequence_parallel and p.tp > 1,
-        # the planner models full recompute as Megatron's default, uniform units of one layer
-        recompute=run.model.recompute_granularity or "none",
-        micro_batch=run.schedule.micro_batch_size, global_batch=run.schedule.global_batch_size,
-        seq_length=run.data.seq_length, precision=opt.precision,
-        grad_bytes=torch.empty((), dtype=opt.grad_torch_dtype).element_size(),
-        flash_attention=True, first_stage_layers=p.first_stage_layers,
-        last_stage_layers=p.last_stage_layers)
-
-
 def inconsistent_groups(grid: Grid, groups: dict) -> list[str]:
     """Groups (as the topology built them) that some member would see differently: each member's
     own groups are derived from its coordinates alone (`Grid.groups_of`), another code path."""
@@ -144,7 +129,7 @@ def dry_run_rank(run, world_size: int, rank: int, provider, step_microbatches: i
             chunks = build_chunks(provider, run, topo, rng)
             opt = build_optimizer(chunks, topo, run.optimizer)
         seconds["build"] = time.perf_counter() - t
-        layout = planner_layout(run, topo.dp)
+        layout = planner.layout_of_run(run, topo.dp)
         m = layout.microbatches
         schedule = run.schedule.pipeline_schedule if topo.pp > 1 else "no_pipelining"
         bound = activation_bound(schedule, topo.pp, topo.pp_rank, m, topo.vpp)

@@ -289,6 +289,21 @@ def activation_bytes(cfg: TransformerConfig, layout: Layout, stage: str,
     return total
 
 
+def layout_of_run(run, dp: int) -> Layout:
+    """The planner's view of a run: the same layout, batch and precision (SDPA: flash)."""
+    opt, p = run.optimizer, run.parallel
+    return Layout(
+        tp=p.tp, pp=p.pp, dp=dp, vpp=p.vpp, zero=opt.zero_stage,
+        sequence_parallel=p.sequence_parallel and p.tp > 1,
+        # the planner models full recompute as Megatron's default, uniform units of one layer
+        recompute=run.model.recompute_granularity or "none",
+        micro_batch=run.schedule.micro_batch_size, global_batch=run.schedule.global_batch_size,
+        seq_length=run.data.seq_length, precision=opt.precision,
+        grad_bytes=opt.grad_torch_dtype.itemsize,
+        flash_attention=True, first_stage_layers=p.first_stage_layers,
+        last_stage_layers=p.last_stage_layers)
+
+
 def memory_per_gpu(cfg: TransformerConfig, layout: Layout) -> Memory:
     stages = ["only"] if layout.pp == 1 else ["first", "last"]
     best = None

@@ -24,6 +24,7 @@ from .journal import RunJournal
 from .log import RunLogger
 from .lr_schedule import global_batch_size, learning_rate
 from .metrics import device_peak_flops
+from .planner import PlanError, layout_of_run, memory_per_gpu
 from .report import write_report
 from .resume import TrainState, layout_of, load, save
 from .step import activation_shape, evaluate, forward_backward
@@ -48,6 +49,18 @@ def build_chunks(model_provider, run: RunConfig, topo, rng):
     if topo.pp > 1:
         broadcast_tied_embedding(chunks, topo)
     return chunks
+
+
+def predicted_memory(run: RunConfig, dp: int) -> str:
+    """What the planner expects this run to hold per rank (a check on both: see docs/planner.md)."""
+    try:
+        mem = memory_per_gpu(run.model, layout_of_run(run, dp))
+    except (PlanError, ValueError) as e:  # a layout the planner does not model
+        return f"not modelled ({e})"
+    gib = 2 ** 30
+    return (f"weights {mem.params / gib:.3f} GiB, gradients {mem.grads / gib:.3f} GiB, optimizer "
+            f"{mem.optimizer / gib:.3f} GiB, activations {mem.activations / gib:.3f} GiB "
+            f"({mem.stage} stage)")
 
 
 class Trainer:
@@ -84,6 +97,7 @@ class Trainer:
                         layout_of(run, topo), f"peak {peak:.3g} FLOP/s per rank ({peak_source})" if peak
                         else peak_source)
             logger.info("memory per rank (bytes): %s", self.opt.memory_report())
+            logger.info("planner's prediction for the heaviest rank: %s", predicted_memory(run, topo.dp))
         self.monitor, self.guard = HealthMonitor(run.health), ProgressGuard(run.health)
         self.nan_injected = False
         self.last_step, self.batch = None, 0
