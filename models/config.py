@@ -34,6 +34,19 @@ class TransformerConfig:
     params_dtype: str = "float32"
     recompute_layers: bool = False  # full activation checkpointing of every transformer layer
     seed: int = 1234  # initialisation seed: the same full weights for every layout
+    # ---- mixture of experts (models/moe.py; docs/moe.md). num_experts None: dense MLPs ----
+    num_experts: int | None = None  # --num-experts
+    moe_router_topk: int = 2  # --moe-router-topk
+    moe_ffn_hidden_size: int | None = None  # --moe-ffn-hidden-size; default ffn_hidden_size
+    moe_router_pre_softmax: bool = False  # softmax over all experts, then top-k (Qwen); else
+    #                                       top-k logits, then softmax over them (Mixtral)
+    moe_norm_topk_prob: bool = False  # pre-softmax only: renormalise the top-k probabilities
+    moe_aux_loss_coeff: float = 0.0  # --moe-aux-loss-coeff (Switch/GShard load balancing)
+    moe_z_loss_coeff: float = 0.0  # --moe-z-loss-coeff (ST-MoE router z-loss)
+    moe_expert_capacity_factor: float | None = None  # None: dropless; else drop over capacity
+    moe_shared_expert_intermediate_size: int | None = None  # a shared expert (Qwen2-MoE)
+    moe_shared_expert_gate: bool = False  # sigmoid gate on the shared expert (Qwen2-MoE)
+    moe_layer_freq: int = 1  # --moe-layer-freq: layer i is MoE when i % freq == 0 (Megatron)
 
     def __post_init__(self):
         if self.ffn_hidden_size is None:
@@ -53,11 +66,39 @@ class TransformerConfig:
                 ("params_dtype", self.params_dtype, tuple(_DTYPES))):
             if value not in allowed:
                 raise ValueError(f"{name}={value!r} is not supported; choose one of {allowed}")
+        if self.num_experts is not None:
+            self._check_moe()
         if self.rope_scaling is not None:
             kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
             if kind not in ("default", "linear", "llama3"):
                 raise ValueError(f"rope_scaling type {kind!r} is not supported; choose one of "
                                  f"('default', 'linear', 'llama3')")
+
+    def _check_moe(self) -> None:
+        if self.moe_ffn_hidden_size is None:
+            self.moe_ffn_hidden_size = self.ffn_hidden_size
+        for flag, value in (("--num-experts", self.num_experts), ("--moe-router-topk", self.moe_router_topk),
+                            ("--moe-layer-freq", self.moe_layer_freq),
+                            ("--moe-ffn-hidden-size", self.moe_ffn_hidden_size)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{flag} must be an integer >= 1, got {value}")
+        if self.moe_router_topk > self.num_experts:
+            raise ValueError(f"--moe-router-topk {self.moe_router_topk} exceeds --num-experts "
+                             f"{self.num_experts}")
+        if self.moe_expert_capacity_factor is not None and self.moe_expert_capacity_factor <= 0:
+            raise ValueError(f"--moe-expert-capacity-factor must be > 0 (omit it for dropless "
+                             f"routing), got {self.moe_expert_capacity_factor}")
+        if self.moe_aux_loss_coeff < 0 or self.moe_z_loss_coeff < 0:
+            raise ValueError("--moe-aux-loss-coeff and --moe-z-loss-coeff must be >= 0")
+        if self.moe_norm_topk_prob and not self.moe_router_pre_softmax:
+            raise ValueError("moe_norm_topk_prob applies to --moe-router-pre-softmax only (top-k "
+                             "then softmax is normalised already)")
+        if self.moe_shared_expert_gate and not self.moe_shared_expert_intermediate_size:
+            raise ValueError("moe_shared_expert_gate needs --moe-shared-expert-intermediate-size")
+
+    def is_moe_layer(self, layer_number: int) -> bool:
+        """Whether global layer `layer_number` (0-based) has experts instead of a dense MLP."""
+        return self.num_experts is not None and layer_number % self.moe_layer_freq == 0
 
     @property
     def head_dim(self) -> int:
@@ -120,7 +161,9 @@ class TransformerConfig:
         """Refuse a parallel layout this model cannot take (the rules: parallel/layout.py)."""
         parallel.check_model(num_layers=self.num_layers, num_attention_heads=self.num_attention_heads,
                              num_query_groups=self.num_query_groups,
-                             ffn_hidden_size=self.ffn_hidden_size, seq_length=seq_length)
+                             ffn_hidden_size=self.ffn_hidden_size, seq_length=seq_length,
+                             num_experts=self.num_experts,
+                             shared_expert_size=self.moe_shared_expert_intermediate_size)
 
 
 _GPT = dict(vocab_size=50257, position_embedding="learned", activation="gelu_tanh")

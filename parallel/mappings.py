@@ -11,6 +11,8 @@ in `parallel/collectives.py`.
     scatter_to_sequence   fwd split (dim 0)     bwd all-gather (0)
     gather_from_sequence  fwd all-gather (0)    bwd reduce-scatter (0)
     reduce_scatter_to_sequence  fwd reduce-scatter (0)  bwd all-gather (0)
+    gather_sequence_replicated  fwd all-gather (0)  bwd split (0)   (every TP rank then repeats
+                                                                  the same computation: MoE)
 
 Activations are laid out [sequence, batch, hidden], so the sequence dimension is dim 0.
 """
@@ -90,6 +92,19 @@ class _ReduceScatterToSequence(torch.autograd.Function):
         return all_gather(g, ctx.group, dim=0), None
 
 
+class _GatherSequenceReplicated(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return all_gather(x, group, dim=0)
+
+    @staticmethod
+    def backward(ctx, g):
+        # Every rank computed the same function of the gathered tensor, so each holds the whole
+        # (identical) gradient: its own chunk is the gradient of its input, no sum.
+        return split(g, ctx.group, dim=0), None
+
+
 def _apply(fn, x, group):
     return x if group_size(group) == 1 else fn.apply(x, group)
 
@@ -116,3 +131,7 @@ def gather_from_sequence(x, group):
 
 def reduce_scatter_to_sequence(x, group):
     return _apply(_ReduceScatterToSequence, x, group)
+
+
+def gather_sequence_replicated(x, group):
+    return _apply(_GatherSequenceReplicated, x, group)
