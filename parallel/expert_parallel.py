@@ -65,7 +65,7 @@ def dispatch(x: torch.Tensor, counts: torch.Tensor, group) -> tuple[torch.Tensor
         return x, counts, Dispatched(None, [], [])
     local = counts.numel() // ep
     # How many rows each rank sends me for each of my experts: [ep (source), local experts].
-    received = all_to_all(counts.view(ep, local), group, [local] * ep, [local] * ep)
+    received = all_to_all(counts.view(ep, local), group, [1] * ep, [1] * ep)
     send = counts.view(ep, local).sum(1).tolist()
     recv = received.sum(1).tolist()
     rows = _AllToAll.apply(x, group, recv, send)
