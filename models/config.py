@@ -116,15 +116,37 @@ class TransformerConfig:
         return dataclasses.replace(self, **changes)
 
     # ---- counts shared by the trainer's metrics, the planner and the dry run ------------------
-    def layer_parameters(self, tp: int = 1) -> float:
-        """Parameters of one transformer layer held by one TP rank (replicated norms and biases
-        whole; key/value heads replicated when tp exceeds their number)."""
-        h, f, d = self.hidden_size, self.ffn_hidden_size, self.head_dim
+    def _mlp_matrices(self, width: int) -> int:
+        """Weights of one MLP of this width (fc1, SwiGLU's doubled, and fc2), biases aside."""
+        return (3 if self.activation == "swiglu" else 2) * width * self.hidden_size
+
+    def mlp_parameters(self, layer: int = 0, tp: int = 1, ep: int = 1, active: bool = False) -> float:
+        """Parameters of layer `layer`'s MLP held by one (TP, EP) rank: the dense MLP sharded over
+        TP; or the router, this rank's experts (all `num_experts / ep`, or the `topk` a token
+        uses when `active`) whole, and a TP-sharded shared expert with its gate."""
+        h, bias = self.hidden_size, 1 if self.bias else 0
+        fc1 = 2 if self.activation == "swiglu" else 1
+        if not self.is_moe_layer(layer):
+            f = self.ffn_hidden_size
+            return (self._mlp_matrices(f) + bias * fc1 * f) / tp + bias * h
+        f = self.moe_ffn_hidden_size
+        expert = self._mlp_matrices(f) + bias * (fc1 * f + h)
+        experts = self.moe_router_topk if active else self.num_experts / ep
+        out = self.num_experts * h + experts * expert
+        if self.moe_shared_expert_intermediate_size:
+            s = self.moe_shared_expert_intermediate_size
+            out += (self._mlp_matrices(s) + bias * fc1 * s) / tp + bias * h
+            out += h if self.moe_shared_expert_gate else 0
+        return out
+
+    def layer_parameters(self, tp: int = 1, layer: int = 0, ep: int = 1, active: bool = False) -> float:
+        """Parameters of transformer layer `layer` held by one TP (and EP) rank (replicated norms
+        and biases whole; key/value heads replicated when tp exceeds their number)."""
+        h, d = self.hidden_size, self.head_dim
         qkv = (self.num_attention_heads + 2 * max(self.num_query_groups, tp)) * d
-        fc1 = 2 * f if self.activation == "swiglu" else f
         bias = 1 if self.bias else 0
-        sharded = qkv * h + h * h + fc1 * h + f * h + bias * (qkv + fc1)
-        return sharded / tp + bias * 2 * h + 2 * self.norm_parameters()
+        attention = (qkv * h + h * h + bias * qkv) / tp + bias * h
+        return attention + self.mlp_parameters(layer, tp, ep, active) + 2 * self.norm_parameters()
 
     def embedding_parameters(self, tp: int = 1, padded: bool = False) -> float:
         """Word embedding (one TP rank's share; padded as built, or the unpadded vocabulary),
@@ -138,19 +160,30 @@ class TransformerConfig:
         """Parameters of one norm (LayerNorm has a bias, RMSNorm not)."""
         return 2 * self.hidden_size if self.normalization == "layernorm" else self.hidden_size
 
-    def num_parameters(self) -> int:
-        """Parameters of the unpadded model (tied embeddings counted once)."""
+    def num_parameters(self, active: bool = False) -> int:
+        """Parameters of the unpadded model (tied embeddings counted once); `active`: those one
+        token uses (MoE: the router's top-k experts of each layer, not all of them)."""
         head = 0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size
-        return int(self.embedding_parameters() + self.num_layers * self.layer_parameters()
-                   + self.norm_parameters() + head)
+        layers = sum(self.layer_parameters(layer=i, active=active) for i in range(self.num_layers))
+        return int(self.embedding_parameters() + layers + self.norm_parameters() + head)
 
     def forward_flops_per_token(self, seq_length: int) -> tuple[float, float, float]:
         """(dense layer matmuls, attention scores and values, logits): forward FLOPs per token over
-        all layers, 2 per multiply-add (Narayanan et al. 2021's count, with GQA and SwiGLU)."""
-        h, f, d = self.hidden_size, self.ffn_hidden_size, self.head_dim
+        all layers, 2 per multiply-add (Narayanan et al. 2021's count, with GQA and SwiGLU; MoE
+        layers count the router and the top-k experts a token visits)."""
+        h, d = self.hidden_size, self.head_dim
         qkv = (self.num_attention_heads + 2 * self.num_query_groups) * d
-        fc1 = 2 * f if self.activation == "swiglu" else f
-        dense = 2 * self.num_layers * (h * qkv + h * h + h * fc1 + f * h)
+        mlp = 0
+        for i in range(self.num_layers):
+            if not self.is_moe_layer(i):
+                mlp += self._mlp_matrices(self.ffn_hidden_size)
+                continue
+            mlp += self.num_experts * h + self.moe_router_topk * self._mlp_matrices(
+                self.moe_ffn_hidden_size)
+            if self.moe_shared_expert_intermediate_size:
+                mlp += self._mlp_matrices(self.moe_shared_expert_intermediate_size) + \
+                    (h if self.moe_shared_expert_gate else 0)
+        dense = 2 * (self.num_layers * (h * qkv + h * h) + mlp)
         return dense, 4 * self.num_layers * seq_length * h, 2 * h * self.vocab_size
 
     def model_flops_per_token(self, seq_length: int) -> float:
@@ -175,6 +208,16 @@ _LLAMA = dict(position_embedding="rope", normalization="rmsnorm", activation="sw
 _LLAMA2 = dict(_LLAMA, vocab_size=32000, max_position_embeddings=4096, rope_theta=10000.0)
 _LLAMA3 = dict(_LLAMA, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0)
 _SMOLLM2 = dict(_LLAMA, vocab_size=49152, max_position_embeddings=8192, tie_word_embeddings=True)
+
+# Mixture of experts. Mixtral (Jiang et al. 2024) and Qwen-MoE from their released config.json
+# files; aux-loss coefficients as Megatron-LM's recipes (megazoo's aux loss is Megatron's: HF's
+# router_aux_loss_coef multiplies a sum that is topk times larger). Qwen2-MoE's query/key/value
+# biases are not modelled (megazoo has one bias switch for every linear): its preset is the shape.
+_MIXTRAL = dict(_LLAMA, vocab_size=32000, max_position_embeddings=32768, rope_theta=1e6,
+                num_experts=8, moe_router_topk=2, moe_aux_loss_coeff=1e-2)
+_QWEN2_MOE = dict(_LLAMA, vocab_size=151936, max_position_embeddings=8192, rope_theta=1e6,
+                  layernorm_epsilon=1e-6, moe_router_pre_softmax=True, moe_aux_loss_coeff=1e-3,
+                  moe_shared_expert_gate=True)
 
 PRESETS: dict[str, dict] = {
     # GPT-2 (Radford et al. 2019)
@@ -215,6 +258,24 @@ PRESETS: dict[str, dict] = {
                       num_query_groups=8, ffn_hidden_size=14336),
     "llama3-70b": dict(_LLAMA3, hidden_size=8192, num_layers=80, num_attention_heads=64,
                        num_query_groups=8, ffn_hidden_size=28672),
+    # Mixture of experts (docs/moe.md)
+    "mixtral-8x7b": dict(_MIXTRAL, hidden_size=4096, num_layers=32, num_attention_heads=32,
+                         num_query_groups=8, ffn_hidden_size=14336),
+    "mixtral-8x22b": dict(_MIXTRAL, vocab_size=32768, max_position_embeddings=65536,
+                          hidden_size=6144, num_layers=56, num_attention_heads=48,
+                          num_query_groups=8, ffn_hidden_size=16384),
+    "qwen2-moe-a2.7b": dict(_QWEN2_MOE, hidden_size=2048, num_layers=24, num_attention_heads=16,
+                            ffn_hidden_size=5632, num_experts=60, moe_router_topk=4,
+                            moe_ffn_hidden_size=1408, moe_shared_expert_intermediate_size=5632),
+    "qwen2-moe-57b-a14b": dict(_QWEN2_MOE, max_position_embeddings=32768, hidden_size=3584,
+                               num_layers=28, num_attention_heads=28, num_query_groups=4,
+                               ffn_hidden_size=18944, num_experts=64, moe_router_topk=8,
+                               moe_ffn_hidden_size=2560, moe_shared_expert_intermediate_size=20480),
+    # A small MoE for CPUs, tests and the demo: 8 experts, top-2, z-loss.
+    "moe-tiny": dict(_LLAMA, vocab_size=32000, max_position_embeddings=1024, hidden_size=128,
+                     num_layers=4, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=256,
+                     num_experts=8, moe_router_topk=2, moe_aux_loss_coeff=1e-2,
+                     moe_z_loss_coeff=1e-3),
 }
 
 
