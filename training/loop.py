@@ -35,7 +35,7 @@ from .health import HealthConfig, HealthMonitor, Verdict
 from .journal import RunJournal
 from .log import RunLogger
 from .lr_schedule import global_batch_size, learning_rate
-from .metrics import device_peak_flops, peak_memory_bytes
+from .metrics import device_peak_flops, moe_metrics, peak_memory_bytes
 from .report import write_report
 from .step import activation_shape, eval_step, forward_backward
 from .watchdog import CollectiveWatchdog
@@ -103,8 +103,10 @@ def pretrain(model_provider, run: RunConfig) -> TrainResult:
     peak, peak_source = device_peak_flops(topo.device, run.logging.peak_flops)
     log = RunLogger(run.logging, {"run": dataclasses.asdict(run)}, topo.rank == 0, journal)
     if topo.rank == 0:
-        logger.info("model: %.2fM parameters; layout %s; peak %.3g FLOP/s per rank (%s)",
-                    mcfg.num_parameters() / 1e6, layout_of(run, topo), peak, peak_source)
+        active = f" ({mcfg.num_parameters(active=True) / 1e6:.2f}M active per token)" \
+            if mcfg.num_experts else ""
+        logger.info("model: %.2fM parameters%s; layout %s; peak %.3g FLOP/s per rank (%s)",
+                    mcfg.num_parameters() / 1e6, active, layout_of(run, topo), peak, peak_source)
         logger.info("memory per rank (bytes): %s", opt.memory_report())
 
     monitor, rollbacks, nan_injected = HealthMonitor(run.health), 0, False
@@ -159,6 +161,7 @@ def pretrain(model_provider, run: RunConfig) -> TrainResult:
                           lag=window["lag"] + timings["ready"] - step_begin)
             if state.iteration % run.logging.log_interval == 0 or state.iteration == sched.train_iters:
                 tokens_s = window["tokens"] / window["time"]
+                moe_summary, moe_layers = moe_metrics(chunks, mcfg.num_layers, topo.device)
                 flops_rank = flops_per_token * tokens_s / topo.world_size
                 last = step or opt
                 log.log(dict(loss=window["loss"] / window["n"], lr=opt.lr,
@@ -167,8 +170,10 @@ def pretrain(model_provider, run: RunConfig) -> TrainResult:
                              batch=batch, tokens_per_s=tokens_s,
                              tflops_per_rank=flops_rank / 1e12,
                              mfu=flops_rank / peak if peak else float("nan"),
-                             mem_gib=_max_over_ranks(peak_memory_bytes(topo.device), topo) / 2**30),
-                        state.iteration)
+                             mem_gib=_max_over_ranks(peak_memory_bytes(topo.device), topo) / 2**30,
+                             **moe_summary), state.iteration)
+                if moe_layers:
+                    log.log(moe_layers, state.iteration, "moe")
                 if state.iteration - window["n"] >= first_step:
                     _check_stragglers(window["lag"], window["n"], topo,
                                       run.health.straggler_threshold, journal, state.iteration)

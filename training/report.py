@@ -1,5 +1,6 @@
-"""A one-page PNG of a run: losses, learning rate, gradient norm, loss scale, throughput, memory,
-with every rollback and skipped step marked. Reads only the run folder's JSON-lines files."""
+"""A one-page PNG of a run: losses, learning rate, gradient norm, loss scale, throughput, memory
+(and for MoE runs the auxiliary losses and the busiest expert's load), with every rollback and
+skipped step marked. Reads only the run folder's JSON-lines files."""
 from __future__ import annotations
 
 import os
@@ -8,6 +9,8 @@ from .journal import JOURNAL, METRICS, read_jsonl
 
 PANELS = [("loss", "loss"), ("lr", "learning rate"), ("grad_norm", "gradient norm"),
           ("loss_scale", "loss scale"), ("tokens_per_s", "tokens/s"), ("mem_gib", "peak memory per rank (GiB)")]
+MOE_PANELS = [("moe_aux_loss", "MoE load-balancing loss (apart from the LM loss)"),
+              ("moe_max_load", "MoE busiest expert / mean (worst layer)")]
 
 
 def write_report(run_dir: str, out_path: str | None = None) -> str:
@@ -22,8 +25,9 @@ def write_report(run_dir: str, out_path: str | None = None) -> str:
     events = read_jsonl(os.path.join(run_dir, JOURNAL))
     train = [r for r in rows if r["split"] == "train"]
     valid = [r for r in rows if r["split"] == "valid"]
-    fig, axes = plt.subplots(3, 2, figsize=(11, 9), sharex=True)
-    for ax, (key, title) in zip(axes.flat, PANELS):
+    panels = PANELS + (MOE_PANELS if any("moe_aux_loss" in r for r in train) else [])
+    fig, axes = plt.subplots(len(panels) // 2, 2, figsize=(11, 3 * len(panels) // 2), sharex=True)
+    for ax, (key, title) in zip(axes.flat, panels):
         pts = [(r["iteration"], r[key]) for r in train if key in r]
         if pts:
             ax.plot(*zip(*pts), label="train", lw=1.2)
