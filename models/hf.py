@@ -6,10 +6,10 @@ Each value is a module providing `config_from_hf(hf_config)`, `hf_config(config)
 """
 from __future__ import annotations
 
-from . import bloom, gpt, llama
+from . import bloom, gpt, llama, mixtral
 from .language_model import TransformerLanguageModel
 
-FAMILIES = {"gpt2": gpt, "bloom": bloom, "llama": llama}
+FAMILIES = {"gpt2": gpt, "bloom": bloom, "llama": llama, "mixtral": mixtral}
 
 
 def model_class(module) -> type:

@@ -101,23 +101,27 @@ def _pairs(config: TransformerConfig):
         yield m + "post_attention_norm.weight", h + "post_attention_layernorm.weight"
         for kind in _kinds(config):
             yield m + f"attention.dense.{kind}", h + f"self_attn.o_proj.{kind}"
-            yield m + f"mlp.fc2.{kind}", h + f"mlp.down_proj.{kind}"
+            if not config.is_moe_layer(i):  # MoE layers: models/mixtral.py
+                yield m + f"mlp.fc2.{kind}", h + f"mlp.down_proj.{kind}"
 
 
 def _fused(config: TransformerConfig):
-    """(layer's megazoo prefix, layer's HF prefix, kind) of the fused qkv and fc1 tensors."""
+    """(layer's megazoo prefix, layer's HF prefix, kind, dense MLP?) of the fused qkv and fc1
+    tensors."""
     for i in range(config.num_layers):
         for kind in _kinds(config):
-            yield f"layers.{i}.", f"model.layers.{i}.", kind
+            yield f"layers.{i}.", f"model.layers.{i}.", kind, not config.is_moe_layer(i)
 
 
 def from_hf_state_dict(sd: dict[str, torch.Tensor], config: TransformerConfig) -> dict[str, torch.Tensor]:
     """HF LlamaForCausalLM tensors -> full megazoo tensors."""
     sd = {k if k.startswith(("model.", "lm_head.")) else "model." + k: v for k, v in sd.items()}
     out = {mz: sd[hf] for mz, hf in _pairs(config)}
-    for m, h, kind in _fused(config):
+    for m, h, kind, dense in _fused(config):
         q, k, v = (sd[h + f"self_attn.{x}_proj.{kind}"] for x in "qkv")
         out[m + f"attention.qkv.{kind}"] = _fuse_qkv(q, k, v, config.num_query_groups)
+        if not dense:
+            continue
         gate, up = sd[h + f"mlp.gate_proj.{kind}"], sd[h + f"mlp.up_proj.{kind}"]
         out[m + f"mlp.fc1.{kind}"] = torch.cat([gate, up])
     return {k: v.contiguous() for k, v in out.items()}
@@ -126,9 +130,11 @@ def from_hf_state_dict(sd: dict[str, torch.Tensor], config: TransformerConfig) -
 def to_hf_state_dict(full: dict[str, torch.Tensor], config: TransformerConfig) -> dict[str, torch.Tensor]:
     """Full megazoo tensors -> HF LlamaForCausalLM tensors (no lm_head when tied, as HF saves)."""
     out = {hf: full[mz] for mz, hf in _pairs(config)}
-    for m, h, kind in _fused(config):
+    for m, h, kind, dense in _fused(config):
         for x, t in zip("qkv", _split_qkv(full[m + f"attention.qkv.{kind}"], config)):
             out[h + f"self_attn.{x}_proj.{kind}"] = t
+        if not dense:
+            continue
         gate, up = full[m + f"mlp.fc1.{kind}"].chunk(2)
         out[h + f"mlp.gate_proj.{kind}"], out[h + f"mlp.up_proj.{kind}"] = gate, up
     return {k: v.contiguous() for k, v in out.items()}
