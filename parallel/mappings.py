@@ -46,15 +46,18 @@ class _ReduceFromTP(torch.autograd.Function):
         return g, None
 
 
-class _GatherLastDim(torch.autograd.Function):
+class _GatherSplit(torch.autograd.Function):
+    """fwd all-gather along `dim`, bwd split along `dim` (the gathered tensor feeds a computation
+    every rank repeats, so each rank's gradient of it is whole: keep the own chunk, no sum)."""
+
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return all_gather(x, group, dim=-1)
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return all_gather(x, group, dim=dim)
 
     @staticmethod
     def backward(ctx, g):
-        return split(g, ctx.group, dim=-1), None
+        return split(g, ctx.group, dim=ctx.dim), None, None
 
 
 class _ScatterToSequence(torch.autograd.Function):
@@ -92,19 +95,6 @@ class _ReduceScatterToSequence(torch.autograd.Function):
         return all_gather(g, ctx.group, dim=0), None
 
 
-class _GatherSequenceReplicated(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return all_gather(x, group, dim=0)
-
-    @staticmethod
-    def backward(ctx, g):
-        # Every rank computed the same function of the gathered tensor, so each holds the whole
-        # (identical) gradient: its own chunk is the gradient of its input, no sum.
-        return split(g, ctx.group, dim=0), None
-
-
 def _apply(fn, x, group):
     return x if group_size(group) == 1 else fn.apply(x, group)
 
@@ -118,7 +108,7 @@ def reduce_from_tp(x, group):
 
 
 def gather_last_dim(x, group):
-    return _apply(_GatherLastDim, x, group)
+    return x if group_size(group) == 1 else _GatherSplit.apply(x, group, -1)
 
 
 def scatter_to_sequence(x, group):
@@ -134,4 +124,4 @@ def reduce_scatter_to_sequence(x, group):
 
 
 def gather_sequence_replicated(x, group):
-    return _apply(_GatherSequenceReplicated, x, group)
+    return x if group_size(group) == 1 else _GatherSplit.apply(x, group, 0)

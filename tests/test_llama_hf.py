@@ -31,8 +31,12 @@ def hf_llama(heads=6, kv_heads=2, tied=False, scaling=None, theta=500.0, layers=
                          attention_bias=bias, mlp_bias=bias,
                          bos_token_id=None, eos_token_id=None, pad_token_id=None)
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
-    g = torch.Generator().manual_seed(seed + 1)
+    return perturbed(LlamaForCausalLM(config), seed + 1)
+
+
+def perturbed(model, seed: int):
+    """`model` in eval mode with every tensor moved by N(0, 0.05) noise."""
+    g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn(p.shape, generator=g) * 0.05)

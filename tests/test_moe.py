@@ -154,3 +154,32 @@ def test_layouts_checked_against_experts():
         moe_config(num_experts=None).check_layout(ParallelConfig(ep=2))
     with pytest.raises(LayoutError, match="--moe-shared-expert-intermediate-size 18"):
         moe_config(moe_shared_expert_intermediate_size=18).check_layout(ParallelConfig(tp=4))
+
+
+@pytest.mark.parametrize("counts", [[3, 0, 5, 2], [0, 0, 0, 0], [0, 7, 0, 0]])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_and_padded_matmuls_equal_a_loop(counts, dtype):
+    """Both expert matmul paths (grouped on the CPU, padded elsewhere), forward and both
+    gradients, with empty groups and no rows at all."""
+    from models.moe import _GroupedLinear, _padded_linear
+    g = torch.Generator().manual_seed(0)
+    counts = torch.tensor(counts)
+    n = int(counts.sum())
+    x0 = torch.randn(n, 16, generator=g).to(dtype)
+    w0 = torch.randn(4, 24, 16, generator=g).to(dtype)
+    r = torch.randn(n, 24, generator=g).to(dtype)
+    expert = torch.repeat_interleave(torch.arange(4), counts)
+    width = int(counts.max())
+    slot = expert * width + torch.arange(n) - (counts.cumsum(0) - counts)[expert]
+    tol = TOL if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    results = []
+    for fn in (lambda x, w: _GroupedLinear.apply(x, w, counts.cumsum(0).to(torch.int32)),
+               lambda x, w: _padded_linear(x, w, slot, width),
+               lambda x, w: torch.cat([x[expert == e] @ w[e].t() for e in range(4)])):
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        y = fn(x, w)
+        (y.float() * r.float()).sum().backward()
+        results.append((y, x.grad, w.grad))
+    for got in results[:2]:
+        for a, b in zip(got, results[2]):
+            torch.testing.assert_close(a.float(), b.float(), **tol)

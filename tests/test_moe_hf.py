@@ -19,6 +19,7 @@ from models.language_model import gather_logits
 from parallel.sharding import load_full_state_dict
 from parallel.topology import ParallelTopology
 from tests.distributed import run_distributed
+from tests.test_llama_hf import perturbed
 
 VOCAB, SEQ, BATCH = 101, 8, 4
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -36,12 +37,7 @@ def hf_mixtral(experts=4, topk=2, kv_heads=2, tied=False, layers=2, seed=0):
                            rope_parameters={"rope_type": "default", "rope_theta": 500.0},
                            bos_token_id=None, eos_token_id=None, pad_token_id=None)
     torch.manual_seed(seed)
-    model = MixtralForCausalLM(config)
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.05)
-    return model.eval()
+    return perturbed(MixtralForCausalLM(config), seed + 1)
 
 
 def _batch():
