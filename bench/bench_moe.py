@@ -191,7 +191,8 @@ def main() -> None:
     a = ap.parse_args()
     torch.set_num_threads(1)
     tokens = a.batch * a.seq
-    result = dict(config=vars(a), torch=torch.__version__, step={}, experts={})
+    result = dict(config=dict(vars(a), out=os.path.relpath(a.out, ROOT)), torch=torch.__version__,
+                  step={}, experts={})
     for dtype in ("fp32", "bf16"):
         variants, losses = step_variants(a, dtype)
         t = run_rounds(variants, a.rounds)
