@@ -183,3 +183,22 @@ def test_grouped_and_padded_matmuls_equal_a_loop(counts, dtype):
     for got in results[:2]:
         for a, b in zip(got, results[2]):
             torch.testing.assert_close(a.float(), b.float(), **tol)
+
+
+def test_megatron_flags_map_onto_the_config():
+    from training.arguments import ArgumentError, build_parser, to_run_config
+    argv = ["--model", "moe-tiny", "--num-experts", "4", "--moe-router-topk", "1",
+            "--moe-ffn-hidden-size", "64", "--moe-aux-loss-coeff", "0.02", "--moe-z-loss-coeff",
+            "0.003", "--moe-expert-capacity-factor", "1.25", "--moe-router-pre-softmax",
+            "--moe-shared-expert-intermediate-size", "32", "--moe-layer-freq", "2",
+            "--expert-model-parallel-size", "2", "--mock-data", "--train-iters", "1"]
+    run = to_run_config(build_parser().parse_args(argv), world_size=4)
+    m = run.model
+    assert (m.num_experts, m.moe_router_topk, m.moe_ffn_hidden_size, m.moe_aux_loss_coeff,
+            m.moe_z_loss_coeff, m.moe_expert_capacity_factor, m.moe_router_pre_softmax,
+            m.moe_shared_expert_intermediate_size, m.moe_layer_freq) == \
+        (4, 1, 64, 0.02, 0.003, 1.25, True, 32, 2)
+    assert run.parallel.ep == 2
+    with pytest.raises(ArgumentError, match="--expert-model-parallel-size 3 must divide"):
+        to_run_config(build_parser().parse_args(argv[:-4] + ["3", "--mock-data", "--train-iters",
+                                                             "1"]), world_size=4)

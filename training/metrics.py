@@ -56,9 +56,8 @@ def moe_metrics(chunks, num_layers: int, device: torch.device) -> tuple[dict, di
     busiest expert's tokens over the mean), and per layer: load, dropped share, and each expert's
     share of the assignments)."""
     from models.moe import MoELayer
-    num_experts = next((l.mlp.num_experts for c in chunks for l in c.layers.values()
-                        if isinstance(l.mlp, MoELayer)), 0)
-    if not num_experts:
+    num_experts = chunks[0].config.num_experts  # from the config: every rank joins the sum,
+    if not num_experts:  # also a pipeline stage without MoE layers
         return {}, {}
     # Per global layer: [forwards, assignments, dropped, aux, z, tokens per expert...]
     table = torch.zeros(num_layers, 5 + num_experts, dtype=torch.float64, device=device)
