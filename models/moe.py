@@ -103,7 +103,8 @@ class GroupedExperts(nn.Module):
     gate_up_proj) and `weight2` [experts, h, ffn]. They run as one grouped matmul each over the
     tokens sorted by expert, no Python loop over experts: `torch._grouped_mm` on the CPU (no
     padding; ~2x faster than padding when the load is uneven), a batched matmul over the rows
-    padded to the largest group elsewhere (CUDA's grouped matmul takes bf16 only)."""
+    padded to the largest group elsewhere (CUDA's grouped matmul takes bf16 only) and on torch
+    versions without `_grouped_mm`."""
 
     def __init__(self, config: TransformerConfig, topo: ParallelTopology, init: Initializer,
                  prefix: str):
@@ -132,7 +133,7 @@ class GroupedExperts(nn.Module):
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x: [rows, h] sorted by local expert, `counts[e]` rows for expert e."""
         expert = torch.repeat_interleave(torch.arange(counts.numel(), device=x.device), counts)
-        if x.device.type == "cpu":
+        if x.device.type == "cpu" and hasattr(torch, "_grouped_mm"):  # torch >= 2.8
             offs = counts.cumsum(0).to(torch.int32)
             linear = lambda t, w: _GroupedLinear.apply(t, w, offs)  # noqa: E731
         else:
