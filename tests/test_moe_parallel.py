@@ -10,7 +10,8 @@ For every layout and ZeRO stage, dropless and with capacity dropping, over 3 opt
 * the global gradient norm of every step (every parameter counted once: experts over EP);
 * every parameter after 3 AdamW steps (clipping active)
 
-equal the reference within rtol = atol = 1e-5 (fp32). AdamW's eps is 1e-6 as in test_zero.py.
+equal the reference within rtol = atol = 1e-5 (fp32), in two 4-rank worlds and one 8-rank world
+(tp2 + SP, pp2, ep2, dp2; ZeRO-1, capacity dropping). AdamW's eps is 1e-6 as in test_zero.py.
 """
 from __future__ import annotations
 
@@ -166,4 +167,13 @@ def test_expert_parallel_with_tensor_sequence_and_data_parallel():
 def test_expert_parallel_with_pipeline_parallel():
     results = run_distributed(_world, 4, PP_EP, timeout=600)
     assert len(results[0]) == 5
+    print("\n".join(results[0]))
+
+
+TP_PP_EP = [(dict(tp=2, pp=2, ep=2, sequence_parallel=True), (1,), 0.75, 2, "1f1b")]
+
+
+def test_expert_parallel_with_tensor_pipeline_and_data_parallel_8_ranks():
+    results = run_distributed(_world, 8, TP_PP_EP, timeout=600)
+    assert len(results[0]) == 1
     print("\n".join(results[0]))
