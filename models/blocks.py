@@ -19,6 +19,7 @@ from .attention import KVCache, ParallelAttention, alibi_slopes, causal_bias  # 
 from .config import TransformerConfig
 from .init import Initializer
 from .mlp import ParallelMLP
+from .moe import MoELayer
 from .norms import LayerNorm, RMSNorm, build_norm  # noqa: F401 - re-exported
 
 
@@ -34,7 +35,8 @@ class TransformerLayer(nn.Module):
         self.input_norm = build_norm(config, topo)
         self.attention = ParallelAttention(config, topo, init, prefix + "attention.", rng)
         self.post_attention_norm = build_norm(config, topo)
-        self.mlp = ParallelMLP(config, topo, init, prefix + "mlp.")
+        mlp = MoELayer if config.is_moe_layer(layer_number) else ParallelMLP
+        self.mlp = mlp(config, topo, init, prefix + "mlp.")
 
     def residual_dropout(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.dropout == 0:

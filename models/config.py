@@ -45,6 +45,19 @@ class TransformerConfig:
     recompute_method: str | None = None
     recompute_num_layers: int | None = None
     seed: int = 1234  # initialisation seed: the same full weights for every layout
+    # ---- mixture of experts (models/moe.py; docs/moe.md). num_experts None: dense MLPs ----
+    num_experts: int | None = None  # --num-experts
+    moe_router_topk: int = 2  # --moe-router-topk
+    moe_ffn_hidden_size: int | None = None  # --moe-ffn-hidden-size; default ffn_hidden_size
+    moe_router_pre_softmax: bool = False  # softmax over all experts, then top-k (Qwen); else
+    #                                       top-k logits, then softmax over them (Mixtral)
+    moe_norm_topk_prob: bool = False  # pre-softmax only: renormalise the top-k probabilities
+    moe_aux_loss_coeff: float = 0.0  # --moe-aux-loss-coeff (Switch/GShard load balancing)
+    moe_z_loss_coeff: float = 0.0  # --moe-z-loss-coeff (ST-MoE router z-loss)
+    moe_expert_capacity_factor: float | None = None  # None: dropless; else drop over capacity
+    moe_shared_expert_intermediate_size: int | None = None  # a shared expert (Qwen2-MoE)
+    moe_shared_expert_gate: bool = False  # sigmoid gate on the shared expert (Qwen2-MoE)
+    moe_layer_freq: int = 1  # --moe-layer-freq: layer i is MoE when i % freq == 0 (Megatron)
 
     def __post_init__(self):
         if self.ffn_hidden_size is None:
@@ -69,11 +82,39 @@ class TransformerConfig:
         self.recompute_method, self.recompute_num_layers = resolve_recompute(
             self.recompute_granularity, self.recompute_method, self.recompute_num_layers,
             self.num_layers)
+        if self.num_experts is not None:
+            self._check_moe()
         if self.rope_scaling is not None:
             kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
             if kind not in ("default", "linear", "llama3"):
                 raise ValueError(f"rope_scaling type {kind!r} is not supported; choose one of "
                                  f"('default', 'linear', 'llama3')")
+
+    def _check_moe(self) -> None:
+        if self.moe_ffn_hidden_size is None:
+            self.moe_ffn_hidden_size = self.ffn_hidden_size
+        for flag, value in (("--num-experts", self.num_experts), ("--moe-router-topk", self.moe_router_topk),
+                            ("--moe-layer-freq", self.moe_layer_freq),
+                            ("--moe-ffn-hidden-size", self.moe_ffn_hidden_size)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{flag} must be an integer >= 1, got {value}")
+        if self.moe_router_topk > self.num_experts:
+            raise ValueError(f"--moe-router-topk {self.moe_router_topk} exceeds --num-experts "
+                             f"{self.num_experts}")
+        if self.moe_expert_capacity_factor is not None and self.moe_expert_capacity_factor <= 0:
+            raise ValueError(f"--moe-expert-capacity-factor must be > 0 (omit it for dropless "
+                             f"routing), got {self.moe_expert_capacity_factor}")
+        if self.moe_aux_loss_coeff < 0 or self.moe_z_loss_coeff < 0:
+            raise ValueError("--moe-aux-loss-coeff and --moe-z-loss-coeff must be >= 0")
+        if self.moe_norm_topk_prob and not self.moe_router_pre_softmax:
+            raise ValueError("moe_norm_topk_prob applies to --moe-router-pre-softmax only (top-k "
+                             "then softmax is normalised already)")
+        if self.moe_shared_expert_gate and not self.moe_shared_expert_intermediate_size:
+            raise ValueError("moe_shared_expert_gate needs --moe-shared-expert-intermediate-size")
+
+    def is_moe_layer(self, layer_number: int) -> bool:
+        """Whether global layer `layer_number` (0-based) has experts instead of a dense MLP."""
+        return self.num_experts is not None and layer_number % self.moe_layer_freq == 0
 
     @property
     def head_dim(self) -> int:
@@ -104,18 +145,40 @@ class TransformerConfig:
         return dataclasses.replace(self, **changes)
 
     # ---- counts shared by the trainer's metrics, the planner and the dry run ------------------
-    def layer_parameters(self, tp: int = 1) -> float:
-        """Parameters of one transformer layer held by one TP rank (replicated norms and biases
-        whole; key/value heads replicated when tp exceeds their number)."""
-        h, f, d = self.hidden_size, self.ffn_hidden_size, self.head_dim
+    def _mlp_matrices(self, width: int) -> int:
+        """Weights of one MLP of this width (fc1, SwiGLU's doubled, and fc2), biases aside."""
+        return (3 if self.activation == "swiglu" else 2) * width * self.hidden_size
+
+    def mlp_parameters(self, layer: int = 0, tp: int = 1, ep: int = 1, active: bool = False) -> float:
+        """Parameters of layer `layer`'s MLP held by one (TP, EP) rank: the dense MLP sharded over
+        TP; or the router, this rank's experts (all `num_experts / ep`, or the `topk` a token
+        uses when `active`) whole, and a TP-sharded shared expert with its gate."""
+        h, bias = self.hidden_size, 1 if self.bias else 0
+        fc1 = 2 if self.activation == "swiglu" else 1
+        if not self.is_moe_layer(layer):
+            f = self.ffn_hidden_size
+            return (self._mlp_matrices(f) + bias * fc1 * f) / tp + bias * h
+        f = self.moe_ffn_hidden_size
+        expert = self._mlp_matrices(f) + bias * (fc1 * f + h)
+        experts = self.moe_router_topk if active else self.num_experts / ep
+        out = self.num_experts * h + experts * expert
+        if self.moe_shared_expert_intermediate_size:
+            s = self.moe_shared_expert_intermediate_size
+            out += (self._mlp_matrices(s) + bias * fc1 * s) / tp + bias * h
+            out += h if self.moe_shared_expert_gate else 0
+        return out
+
+    def layer_parameters(self, tp: int = 1, layer: int = 0, ep: int = 1, active: bool = False) -> float:
+        """Parameters of transformer layer `layer` held by one TP (and EP) rank (replicated norms
+        and biases whole; key/value heads replicated when tp exceeds their number)."""
+        h, d = self.hidden_size, self.head_dim
         attn = self.num_attention_heads * d  # = h unless kv_channels decouples the head size
         qkv = (self.num_attention_heads + 2 * max(self.num_query_groups, tp)) * d
-        fc1 = 2 * f if self.activation == "swiglu" else f
         bias = 1 if self.bias else 0
         qkv_bias = 1 if (self.bias or self.add_qkv_bias) else 0
-        sharded = qkv * h + attn * h + fc1 * h + f * h + qkv_bias * qkv + bias * fc1
         qk_norms = 2 * d if self.qk_layernorm else 0
-        return sharded / tp + bias * 2 * h + 2 * self.norm_parameters() + qk_norms
+        attention = (qkv * h + attn * h + qkv_bias * qkv) / tp + bias * h + qk_norms
+        return attention + self.mlp_parameters(layer, tp, ep, active) + 2 * self.norm_parameters()
 
     def embedding_parameters(self, tp: int = 1, padded: bool = False) -> float:
         """Word embedding (one TP rank's share; padded as built, or the unpadded vocabulary),
@@ -129,20 +192,31 @@ class TransformerConfig:
         """Parameters of one norm (LayerNorm has a bias, RMSNorm not)."""
         return 2 * self.hidden_size if self.normalization == "layernorm" else self.hidden_size
 
-    def num_parameters(self) -> int:
-        """Parameters of the unpadded model (tied embeddings counted once)."""
+    def num_parameters(self, active: bool = False) -> int:
+        """Parameters of the unpadded model (tied embeddings counted once); `active`: those one
+        token uses (MoE: the router's top-k experts of each layer, not all of them)."""
         head = 0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size
-        return int(self.embedding_parameters() + self.num_layers * self.layer_parameters()
-                   + self.norm_parameters() + head)
+        layers = sum(self.layer_parameters(layer=i, active=active) for i in range(self.num_layers))
+        return int(self.embedding_parameters() + layers + self.norm_parameters() + head)
 
     def forward_flops_per_token(self, seq_length: int) -> tuple[float, float, float]:
         """(dense layer matmuls, attention scores and values, logits): forward FLOPs per token over
-        all layers, 2 per multiply-add (Narayanan et al. 2021's count, with GQA and SwiGLU)."""
-        h, f, d = self.hidden_size, self.ffn_hidden_size, self.head_dim
+        all layers, 2 per multiply-add (Narayanan et al. 2021's count, with GQA and SwiGLU; MoE
+        layers count the router and the top-k experts a token visits)."""
+        h, d = self.hidden_size, self.head_dim
         attn = self.num_attention_heads * d  # = h unless kv_channels decouples the head size
         qkv = (self.num_attention_heads + 2 * self.num_query_groups) * d
-        fc1 = 2 * f if self.activation == "swiglu" else f
-        dense = 2 * self.num_layers * (h * qkv + attn * h + h * fc1 + f * h)
+        mlp = 0
+        for i in range(self.num_layers):
+            if not self.is_moe_layer(i):
+                mlp += self._mlp_matrices(self.ffn_hidden_size)
+                continue
+            mlp += self.num_experts * h + self.moe_router_topk * self._mlp_matrices(
+                self.moe_ffn_hidden_size)
+            if self.moe_shared_expert_intermediate_size:
+                mlp += self._mlp_matrices(self.moe_shared_expert_intermediate_size) + \
+                    (h if self.moe_shared_expert_gate else 0)
+        dense = 2 * (self.num_layers * (h * qkv + attn * h) + mlp)
         return dense, 4 * self.num_layers * seq_length * attn, 2 * h * self.vocab_size
 
     def model_flops_per_token(self, seq_length: int) -> float:
@@ -153,7 +227,9 @@ class TransformerConfig:
         """Refuse a parallel layout this model cannot take (the rules: parallel/layout.py)."""
         parallel.check_model(num_layers=self.num_layers, num_attention_heads=self.num_attention_heads,
                              num_query_groups=self.num_query_groups,
-                             ffn_hidden_size=self.ffn_hidden_size, seq_length=seq_length)
+                             ffn_hidden_size=self.ffn_hidden_size, seq_length=seq_length,
+                             num_experts=self.num_experts,
+                             shared_expert_size=self.moe_shared_expert_intermediate_size)
 
 
 _GPT = dict(vocab_size=50257, position_embedding="learned", activation="gelu_tanh")
@@ -169,6 +245,16 @@ _QWEN = dict(_LLAMA, vocab_size=151936, rope_theta=1000000.0, layernorm_epsilon=
              tie_word_embeddings=True)
 _QWEN2 = dict(_QWEN, add_qkv_bias=True)
 _QWEN3 = dict(_QWEN, qk_layernorm=True, max_position_embeddings=40960)
+
+# Mixture of experts. Mixtral (Jiang et al. 2024) and Qwen-MoE from their released config.json
+# files; aux-loss coefficients as Megatron-LM's recipes (megazoo's aux loss is Megatron's: HF's
+# router_aux_loss_coef multiplies a sum that is topk times larger). Qwen2-MoE's query/key/value
+# biases are not modelled (megazoo has one bias switch for every linear): its preset is the shape.
+_MIXTRAL = dict(_LLAMA, vocab_size=32000, max_position_embeddings=32768, rope_theta=1e6,
+                num_experts=8, moe_router_topk=2, moe_aux_loss_coeff=1e-2)
+_QWEN2_MOE = dict(_LLAMA, vocab_size=151936, max_position_embeddings=8192, rope_theta=1e6,
+                  layernorm_epsilon=1e-6, moe_router_pre_softmax=True, moe_aux_loss_coeff=1e-3,
+                  moe_shared_expert_gate=True)
 
 PRESETS: dict[str, dict] = {
     # GPT-2 (Radford et al. 2019)
@@ -225,6 +311,24 @@ PRESETS: dict[str, dict] = {
     "qwen3-tiny": dict(_QWEN3, hidden_size=128, num_layers=4, num_attention_heads=4,
                        num_query_groups=2, kv_channels=64, ffn_hidden_size=256,
                        max_position_embeddings=2048),
+    # Mixture of experts (docs/moe.md)
+    "mixtral-8x7b": dict(_MIXTRAL, hidden_size=4096, num_layers=32, num_attention_heads=32,
+                         num_query_groups=8, ffn_hidden_size=14336),
+    "mixtral-8x22b": dict(_MIXTRAL, vocab_size=32768, max_position_embeddings=65536,
+                          hidden_size=6144, num_layers=56, num_attention_heads=48,
+                          num_query_groups=8, ffn_hidden_size=16384),
+    "qwen2-moe-a2.7b": dict(_QWEN2_MOE, hidden_size=2048, num_layers=24, num_attention_heads=16,
+                            ffn_hidden_size=5632, num_experts=60, moe_router_topk=4,
+                            moe_ffn_hidden_size=1408, moe_shared_expert_intermediate_size=5632),
+    "qwen2-moe-57b-a14b": dict(_QWEN2_MOE, max_position_embeddings=32768, hidden_size=3584,
+                               num_layers=28, num_attention_heads=28, num_query_groups=4,
+                               ffn_hidden_size=18944, num_experts=64, moe_router_topk=8,
+                               moe_ffn_hidden_size=2560, moe_shared_expert_intermediate_size=20480),
+    # A small MoE for CPUs, tests and the demo: 8 experts, top-2, z-loss.
+    "moe-tiny": dict(_LLAMA, vocab_size=32000, max_position_embeddings=1024, hidden_size=128,
+                     num_layers=4, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=256,
+                     num_experts=8, moe_router_topk=2, moe_aux_loss_coeff=1e-2,
+                     moe_z_loss_coeff=1e-3),
 }
 
 

@@ -139,15 +139,19 @@ def _pairs(config: TransformerConfig):
         yield m + "post_attention_norm.weight", h + "post_attention_layernorm.weight"
         for kind in _kinds(config):
             yield m + f"attention.dense.{kind}", h + f"self_attn.o_proj.{kind}"
-            yield m + f"mlp.fc2.{kind}", h + f"mlp.down_proj.{kind}"
+            if not config.is_moe_layer(i):  # MoE layers: models/mixtral.py
+                yield m + f"mlp.fc2.{kind}", h + f"mlp.down_proj.{kind}"
         if config.qk_layernorm:  # Qwen3
             yield m + "attention.q_norm.weight", h + "self_attn.q_norm.weight"
             yield m + "attention.k_norm.weight", h + "self_attn.k_norm.weight"
 
 
 def _fused(config: TransformerConfig, qkv: bool):
-    """(layer's megazoo prefix, layer's HF prefix, kind) of the fused qkv or fc1 tensors."""
+    """(layer's megazoo prefix, layer's HF prefix, kind) of the fused qkv tensors, or of the
+    dense layers' fused fc1 (MoE layers' experts: models/mixtral.py)."""
     for i in range(config.num_layers):
+        if not qkv and config.is_moe_layer(i):
+            continue
         for kind in _kinds(config, qkv):
             yield f"layers.{i}.", f"model.layers.{i}.", kind
 

@@ -3,6 +3,7 @@
 Two families, named for what they do:
 
     blocking, on any tensor            all_reduce(x, g)  all_gather(x, g, dim)  reduce_scatter(x, g, dim)  split(x, g, dim)
+                                       all_to_all(x, g, output_splits, input_splits)
     launched, on flat buffers          all_reduce_async(t, g)  all_gather_into(out, inp, g)  reduce_scatter_into(out, inp, g)
 
 The blocking verbs return a tensor; the launched ones return a `Pending` whose `wait()` completes
@@ -10,7 +11,8 @@ the operation (and runs an optional follow-up), so buckets can overlap communica
 computation. A group of None means a group of one: every collective is then the identity.
 
 NCCL and gloo (torch >= 2.4) both have the fused reduce-scatter and all-gather into one
-contiguous tensor, so there is no fallback path to choose and no backend state to remember.
+contiguous tensor, and both have `all_to_all_single` with uneven splits (gloo on CPU tensors),
+so there is no fallback path to choose and no backend state to remember.
 """
 from __future__ import annotations
 
@@ -92,6 +94,18 @@ def split(x: torch.Tensor, group, dim: int) -> torch.Tensor:
         return x
     _check_divisible(x, dim, n)
     return x.chunk(n, dim=dim)[group_rank(group)].contiguous()
+
+
+def all_to_all(x: torch.Tensor, group, output_splits: list[int],
+               input_splits: list[int]) -> torch.Tensor:
+    """Rows of `x` in consecutive blocks of `input_splits[r]` go to group rank r; the result holds
+    `output_splits[r]` rows from each rank r, in rank order (dim 0, any trailing shape)."""
+    if group_size(group) == 1:
+        return x
+    x = x.contiguous()
+    out = x.new_empty((sum(output_splits),) + tuple(x.shape[1:]))
+    dist.all_to_all_single(out, x, output_splits, input_splits, group=group)
+    return out
 
 
 # ---- launched verbs on flat buffers -----------------------------------------------------------

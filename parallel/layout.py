@@ -85,7 +85,8 @@ class ParallelConfig:
     # ---- against the model ---------------------------------------------------------------
     def check_model(self, *, num_layers: int, num_attention_heads: int,
                     num_query_groups: int | None = None, ffn_hidden_size: int | None = None,
-                    seq_length: int | None = None, num_experts: int | None = None) -> None:
+                    seq_length: int | None = None, num_experts: int | None = None,
+                    shared_expert_size: int | None = None) -> None:
         """Model-dependent checks, run before any process group or weight is created."""
         tp = self.tp
         if num_attention_heads % tp != 0:
@@ -97,10 +98,12 @@ class ParallelConfig:
             raise LayoutError(
                 f"--num-query-groups {groups} and --tensor-model-parallel-size {tp}: one must divide "
                 f"the other (split whole KV heads, or replicate each)")
-        if ffn_hidden_size is not None and ffn_hidden_size % tp != 0:
-            raise LayoutError(
-                f"--ffn-hidden-size {ffn_hidden_size} (HF intermediate_size) is not divisible by "
-                f"--tensor-model-parallel-size {tp}; pick a tp that divides it")
+        for flag, size in (("--ffn-hidden-size", ffn_hidden_size),
+                           ("--moe-shared-expert-intermediate-size", shared_expert_size)):
+            if size is not None and size % tp != 0:
+                raise LayoutError(
+                    f"{flag} {size} (HF intermediate_size) is not divisible by "
+                    f"--tensor-model-parallel-size {tp}; pick a tp that divides it")
         self.layers_per_block(num_layers)
         if seq_length is not None:
             split = (tp if self.sequence_parallel and tp > 1 else 1) * (2 * self.cp if self.cp > 1 else 1)

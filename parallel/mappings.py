@@ -11,6 +11,8 @@ in `parallel/collectives.py`.
     scatter_to_sequence   fwd split (dim 0)     bwd all-gather (0)
     gather_from_sequence  fwd all-gather (0)    bwd reduce-scatter (0)
     reduce_scatter_to_sequence  fwd reduce-scatter (0)  bwd all-gather (0)
+    gather_sequence_replicated  fwd all-gather (0)  bwd split (0)   (every TP rank then repeats
+                                                                  the same computation: MoE)
 
 Activations are laid out [sequence, batch, hidden], so the sequence dimension is dim 0.
 """
@@ -44,15 +46,18 @@ class _ReduceFromTP(torch.autograd.Function):
         return g, None
 
 
-class _GatherLastDim(torch.autograd.Function):
+class _GatherSplit(torch.autograd.Function):
+    """fwd all-gather along `dim`, bwd split along `dim` (the gathered tensor feeds a computation
+    every rank repeats, so each rank's gradient of it is whole: keep the own chunk, no sum)."""
+
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return all_gather(x, group, dim=-1)
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return all_gather(x, group, dim=dim)
 
     @staticmethod
     def backward(ctx, g):
-        return split(g, ctx.group, dim=-1), None
+        return split(g, ctx.group, dim=ctx.dim), None, None
 
 
 class _ScatterToSequence(torch.autograd.Function):
@@ -103,7 +108,7 @@ def reduce_from_tp(x, group):
 
 
 def gather_last_dim(x, group):
-    return _apply(_GatherLastDim, x, group)
+    return x if group_size(group) == 1 else _GatherSplit.apply(x, group, -1)
 
 
 def scatter_to_sequence(x, group):
@@ -116,3 +121,7 @@ def gather_from_sequence(x, group):
 
 def reduce_scatter_to_sequence(x, group):
     return _apply(_ReduceScatterToSequence, x, group)
+
+
+def gather_sequence_replicated(x, group):
+    return x if group_size(group) == 1 else _GatherSplit.apply(x, group, 0)

@@ -1,7 +1,8 @@
 """Move between full (unsharded) tensors and this rank's tensor-parallel shards.
 
-Works from the split each parallel layer records (`spec_of(param).tp_split`), so it needs no
-knowledge of the model. Full tensors are unpadded: vocabulary padding is added on sharding and trimmed on
+Works from the split each parallel layer records (`spec_of(param).tp_split`; expert weights,
+`spec_of(param).expert`, are stacked [experts, ...] and split over expert parallelism along dim 0),
+so it needs no knowledge of the model. Full tensors are unpadded: vocabulary padding is added on sharding and trimmed on
 gathering.
 """
 from __future__ import annotations
@@ -12,6 +13,7 @@ import torch
 from torch import nn
 
 from .collectives import all_gather
+from .expert_parallel import ep_rank
 from .param_spec import spec_of
 from .tensor_parallel import shard_of, unshard
 from .topology import ParallelTopology
@@ -19,7 +21,10 @@ from .topology import ParallelTopology
 
 def local_shard(param: torch.Tensor, full: torch.Tensor, topo: ParallelTopology) -> torch.Tensor:
     """This rank's part of `full` for a parameter shaped like `param`."""
-    split = spec_of(param).tp_split
+    spec = spec_of(param)
+    if spec.expert:
+        full = full.narrow(0, ep_rank(topo) * param.shape[0], param.shape[0])
+    split = spec.tp_split
     if split is None:
         return full
     return shard_of(full, split.dim, topo.tp_rank, topo.tp,
@@ -27,9 +32,13 @@ def local_shard(param: torch.Tensor, full: torch.Tensor, topo: ParallelTopology)
 
 
 def full_tensor(param: torch.Tensor, topo: ParallelTopology, tensor: torch.Tensor | None = None):
-    """Gather a TP-sharded tensor (the parameter, or e.g. its gradient) into its full shape."""
+    """Gather a TP-sharded (or expert-parallel) tensor (the parameter, or e.g. its gradient)
+    into its full shape."""
     t = param.detach() if tensor is None else tensor
-    split = spec_of(param).tp_split
+    spec = spec_of(param)
+    if spec.expert:
+        t = all_gather(t, topo.ep_group, dim=0)
+    split = spec.tp_split
     if split is None:
         return t
     dim = split.dim

@@ -31,8 +31,12 @@ def hf_llama(heads=6, kv_heads=2, tied=False, scaling=None, theta=500.0, layers=
                          attention_bias=bias, mlp_bias=bias,
                          bos_token_id=None, eos_token_id=None, pad_token_id=None)
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
-    g = torch.Generator().manual_seed(seed + 1)
+    return perturbed(LlamaForCausalLM(config), seed + 1)
+
+
+def perturbed(model, seed: int):
+    """`model` in eval mode with every tensor moved by N(0, 0.05) noise."""
+    g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn(p.shape, generator=g) * 0.05)
@@ -115,7 +119,8 @@ def test_model_class_checks_architecture():
 
 
 LLAMA_PRESETS = [n for n, p in PRESETS.items() if p.get("activation") == "swiglu"
-                 and not (p.get("add_qkv_bias") or p.get("qk_layernorm"))]  # Qwen: test_qwen.py
+                 and not (p.get("add_qkv_bias") or p.get("qk_layernorm"))  # Qwen: test_qwen.py
+                 and not p.get("num_experts")]  # MoE: test_moe_hf.py
 PUBLISHED = {  # parameter counts of the released checkpoints
     "smollm2-135m": 134_515_008, "smollm2-360m": 361_821_120, "smollm2-1.7b": 1_711_376_384,
     "llama2-7b": 6_738_415_616, "llama2-13b": 13_015_864_320, "llama2-70b": 68_976_648_192,

@@ -1,5 +1,8 @@
 """Convert between Hugging Face folders and megazoo checkpoints (any tp, pp, vpp).
 
+Families: GPT-2, BLOOM, Llama, Mixtral (models/hf.py). An imported MoE checkpoint loads under any
+--expert-model-parallel-size.
+
     python tools/convert_hf.py import --hf-dir gpt2_folder --save ckpt/gpt2 \
         --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2
     python tools/convert_hf.py export --load ckpt/run1 --save hf_out [--tokenizer-dir gpt2_folder]

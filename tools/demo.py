@@ -1,14 +1,16 @@
 """The demo: train a small GPT with tp=2 x pp=2 (4 CPU processes) on the Python standard library.
 
     python tools/demo.py                 # GPT; --arch bloom for BLOOM; --gpt2-tokenizer for GPT-2's
+    python tools/demo.py --arch moe      # a mixture of experts (moe-tiny: 8 experts, top-2) with
+                                         # experts split over 2 ranks: tp=2 x ep=2, ZeRO-1
 
 1. corpus: the standard library's top-level *.py files (about 5 MB of real code and docstrings);
 2. tokenizer: a 4,096-token byte-level BPE trained on that corpus (tools/train_tokenizer.py), or
    the GPT-2 tokenizer shipped in tests/fixtures/gpt2 (MIT) with --gpt2-tokenizer;
 3. preprocessing into Megatron's .bin/.idx (tools/preprocess_data.py);
-4. training under torchrun (train_gpt.py or train_bloom.py), its output streamed as it runs,
+4. training under torchrun (train_gpt.py, train_bloom.py or train_moe.py), its output streamed as it runs,
    validation every 100 iterations, a checkpoint at the end, in one run folder per architecture
-   (runs/demo-gpt, runs/demo-bloom: checkpoints, journal, metrics.jsonl, report.png); then the
+   (runs/demo-gpt, runs/demo-bloom, runs/demo-moe: checkpoints, journal, metrics.jsonl, report.png); then the
    validation loss is set against the corpus' unigram entropy.
 
 torchrun's port is MASTER_PORT when set, else a free one (torchrun --standalone).
@@ -63,7 +65,7 @@ def unigram_entropy(prefix: str) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--arch", choices=["gpt", "bloom"], default="gpt")
+    ap.add_argument("--arch", choices=["gpt", "bloom", "moe"], default="gpt")
     ap.add_argument("--gpt2-tokenizer", action="store_true", help="GPT-2's 50,257-token BPE (slower)")
     ap.add_argument("--train-iters", type=int, default=400)
     ap.add_argument("--workdir", default=os.path.join(REPO, "demo_data"))
@@ -91,11 +93,13 @@ def main() -> None:
              "--append-eod", "--workers", "2", "--no-progress"])
     data = prefix + "_text_document"
 
-    script = "train_gpt.py" if args.arch == "gpt" else "train_bloom.py"
+    script = dict(gpt="train_gpt.py", bloom="train_bloom.py", moe="train_moe.py")[args.arch]
+    layout = ["--pipeline-model-parallel-size", "2"] if args.arch != "moe" else \
+        ["--expert-model-parallel-size", "2", "--zero-stage", "1"]
     # MASTER_PORT when set, else torchrun's --standalone rendezvous on a free port
     port = ["--master_port", os.environ["MASTER_PORT"]] if os.environ.get("MASTER_PORT") else ["--standalone"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", *port, script,
-           "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+           "--tensor-model-parallel-size", "2", *layout,
            "--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4",
            "--seq-length", "128", "--max-position-embeddings", "128",
            "--micro-batch-size", "4", "--global-batch-size", "16", "--train-iters", str(args.train_iters),

@@ -166,6 +166,10 @@ def main(argv=None) -> None:
                   flash_attention=a.flash_attention, overlap_dp=a.overlap_dp,
                   first_stage_layers=a.decoder_first_pipeline_num_layers,
                   last_stage_layers=a.decoder_last_pipeline_num_layers)
+    if cfg.num_experts:
+        print(f"mixture of experts: {cfg.num_parameters(active=True) / 1e9:.2f}B of the "
+              f"{cfg.num_parameters() / 1e9:.2f}B parameters active per token (FLOPs count these); "
+              f"memory assumes every rank holds all experts: expert parallelism is not modelled")
     print(f"model: {cfg.num_parameters() / 1e9:.2f}B parameters (h={cfg.hidden_size}, "
           f"L={cfg.num_layers}, heads={cfg.num_attention_heads}, V={cfg.vocab_size}); cluster: "
           f"{cluster.num_gpus} x {cluster.memory_bytes / GiB:.0f} GiB, "

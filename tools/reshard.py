@@ -26,7 +26,7 @@ from training.reshard import read_full_state, write_layout  # noqa: E402
 
 
 def reshard(load: str, save: str, *, tp: int, pp: int, vpp: int = 1, dp: int = 1,
-            zero_stage: int = 0, layers_per_virtual_stage: int | None = None) -> str:
+            zero_stage: int = 0, layers_per_virtual_stage: int | None = None, ep: int = 1) -> str:
     folder = ckpt.resolve(load)
     meta = ckpt.read_meta(folder)
     config = TransformerConfig.from_saved(meta["model"])
@@ -38,7 +38,7 @@ def reshard(load: str, save: str, *, tp: int, pp: int, vpp: int = 1, dp: int = 1
     full = read_full_state(folder)
     return write_layout(full, save, model_cls=cls, config=config, tp=tp, pp=pp, vpp=vpp, dp=dp,
                         zero_stage=zero_stage, iteration=meta["iteration"], meta=meta,
-                        weights_only=bool(meta.get("weights_only")))
+                        weights_only=bool(meta.get("weights_only")), ep=ep)
 
 
 def main(argv=None) -> int:
@@ -54,13 +54,16 @@ def main(argv=None) -> int:
                    help="Megatron's form of the same (overrides the above)")
     p.add_argument("--data-parallel-size", type=int, default=1)
     p.add_argument("--zero-stage", type=int, default=0)
+    p.add_argument("--expert-model-parallel-size", type=int, default=1,
+                   help="ranks (out of the data-parallel ones) splitting each MoE layer's experts")
     args = p.parse_args(argv)
     try:
         out = reshard(args.load, args.save, tp=args.tensor_model_parallel_size,
                       pp=args.pipeline_model_parallel_size,
                       vpp=args.virtual_pipeline_model_parallel_size, dp=args.data_parallel_size,
                       zero_stage=args.zero_stage,
-                      layers_per_virtual_stage=args.num_layers_per_virtual_pipeline_stage)
+                      layers_per_virtual_stage=args.num_layers_per_virtual_pipeline_stage,
+                      ep=args.expert_model_parallel_size)
     except (ckpt.CheckpointError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -56,6 +56,20 @@ def build_parser(default_model: str | None = None) -> argparse.ArgumentParser:
     g.add_argument("--kv-channels", type=int)
     g.add_argument("--add-qkv-bias", action="store_true", default=None)
     g.add_argument("--qk-layernorm", action="store_true", default=None)
+    g = p.add_argument_group("mixture of experts (docs/moe.md)")
+    g.add_argument("--num-experts", type=int, help="experts per MoE layer (none: dense MLPs)")
+    g.add_argument("--moe-router-topk", type=int, help="experts per token")
+    g.add_argument("--moe-ffn-hidden-size", type=int, help="each expert's width (default --ffn-hidden-size)")
+    g.add_argument("--moe-router-pre-softmax", action="store_true", default=None,
+                   help="softmax over all experts, then top-k (Qwen); default top-k, then softmax (Mixtral)")
+    g.add_argument("--moe-aux-loss-coeff", type=float, help="Switch/GShard load-balancing loss")
+    g.add_argument("--moe-z-loss-coeff", type=float, help="router z-loss (ST-MoE)")
+    g.add_argument("--moe-expert-capacity-factor", type=float,
+                   help="drop assignments over factor x tokens x topk / experts per expert (default dropless)")
+    g.add_argument("--moe-shared-expert-intermediate-size", type=int, help="a shared expert's width")
+    g.add_argument("--moe-layer-freq", type=int, help="every N-th layer is MoE (layer i when i %% N == 0)")
+    g.add_argument("--expert-model-parallel-size", type=int, default=1,
+                   help="ranks (carved out of data parallelism) splitting each layer's experts")
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
@@ -210,7 +224,13 @@ def to_run_config(args: argparse.Namespace, vocab_size: int | None = None,
         else None,
         tie_word_embeddings=False if args.untie_embeddings_and_output_weights else None,
         bias=False if args.disable_bias_linear else None, kv_channels=args.kv_channels,
-        add_qkv_bias=args.add_qkv_bias, qk_layernorm=args.qk_layernorm).items()
+        add_qkv_bias=args.add_qkv_bias, qk_layernorm=args.qk_layernorm,
+        num_experts=args.num_experts, moe_router_topk=args.moe_router_topk,
+        moe_ffn_hidden_size=args.moe_ffn_hidden_size, moe_router_pre_softmax=args.moe_router_pre_softmax,
+        moe_aux_loss_coeff=args.moe_aux_loss_coeff, moe_z_loss_coeff=args.moe_z_loss_coeff,
+        moe_expert_capacity_factor=args.moe_expert_capacity_factor,
+        moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
+        moe_layer_freq=args.moe_layer_freq).items()
         if v is not None}
     overrides.update(seed=args.seed, recompute_granularity=args.recompute_granularity,
                      recompute_method=args.recompute_method,
@@ -232,7 +252,7 @@ def to_run_config(args: argparse.Namespace, vocab_size: int | None = None,
             tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
             vpp=virtual_stages(model.num_layers, args.pipeline_model_parallel_size,
                                args.num_layers_per_virtual_pipeline_stage),
-            sequence_parallel=args.sequence_parallel,
+            sequence_parallel=args.sequence_parallel, ep=args.expert_model_parallel_size,
             first_stage_layers=args.decoder_first_pipeline_num_layers,
             last_stage_layers=args.decoder_last_pipeline_num_layers)
         dp = parallel.validate(world)

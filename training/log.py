@@ -44,7 +44,11 @@ class RunLogger:
             self.wandb.log({f"{prefix}/{k}": v for k, v in metrics.items()}, step=step)
         if self.tensorboard is not None:
             for k, v in metrics.items():
-                self.tensorboard.add_scalar(f"{prefix}/{k}", v, step)
+                if isinstance(v, list):  # one curve per element (e.g. tokens per expert)
+                    for i, x in enumerate(v):
+                        self.tensorboard.add_scalar(f"{prefix}/{k}/{i}", x, step)
+                else:
+                    self.tensorboard.add_scalar(f"{prefix}/{k}", v, step)
 
     def close(self) -> None:
         if self.wandb is not None:
@@ -75,6 +79,8 @@ def _fmt(key: str, value) -> str:
         return f"{key} {value:.6f}"  # Megatron's precision
     if key == "ms_per_iter":
         return f"{key} {value:.1f}"
+    if isinstance(value, list):
+        return f"{key} [{' '.join(f'{x:.3g}' for x in value)}]"
     if isinstance(value, float):
         if key == "lr" or abs(value) < 1e-3 and value != 0:
             return f"{key} {value:.3e}"

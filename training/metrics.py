@@ -1,5 +1,5 @@
 """Throughput accounting: peak FLOP/s per device and MFU, memory per rank (the model's FLOPs per token
-come from `TransformerConfig.model_flops_per_token`)."""
+come from `TransformerConfig.model_flops_per_token`); MoE routing statistics over the world."""
 from __future__ import annotations
 
 import logging
@@ -7,6 +7,7 @@ import resource
 import sys
 
 import torch
+import torch.distributed as dist
 
 logger = logging.getLogger(__name__)
 
@@ -56,3 +57,42 @@ def peak_memory_bytes(device: torch.device) -> int:
         return torch.get_device_module(device).max_memory_allocated(device)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss if sys.platform == "darwin" else rss * 1024
+
+
+def moe_metrics(chunks, num_layers: int, device: torch.device) -> tuple[dict, dict]:
+    """Routing statistics of every MoE layer since the last call, over all ranks (a collective:
+    every rank calls it), then reset. Returns (summary: the aux and z losses as they enter the
+    loss, summed over layers; the share of dropped assignments; the worst layer's load, i.e. its
+    busiest expert's tokens over the mean), and per layer: load, dropped share, and each expert's
+    share of the assignments)."""
+    from models.moe import MoELayer
+    num_experts = chunks[0].config.num_experts  # from the config: every rank joins the sum,
+    if not num_experts:  # also a pipeline stage without MoE layers
+        return {}, {}
+    # Per global layer: [forwards, assignments, dropped, aux, z, tokens per expert...]
+    table = torch.zeros(num_layers, 5 + num_experts, dtype=torch.float64, device=device)
+    for chunk in chunks:
+        for layer in chunk.layers.values():
+            if isinstance(layer.mlp, MoELayer):
+                stats = layer.mlp.stats
+                table[layer.layer_number] = torch.cat([stats.totals, stats.tokens_per_expert])
+                stats.reset()
+    if dist.is_initialized():
+        dist.all_reduce(table)  # TP copies count alike in numerator and denominator
+    rows = [i for i in range(num_layers) if table[i, 0] > 0]
+    if not rows:
+        return {}, {}
+    per_layer, aux, z, loads = {}, 0.0, 0.0, []
+    for i in rows:
+        forwards, assignments, dropped = table[i, :3].tolist()
+        tokens = table[i, 5:]
+        load = (tokens.max() / tokens.mean()).item() if tokens.sum() > 0 else float("nan")
+        aux += table[i, 3].item() / forwards
+        z += table[i, 4].item() / forwards
+        loads.append(load)
+        per_layer[f"layer{i}_load"] = load
+        per_layer[f"layer{i}_dropped"] = dropped / max(assignments, 1)
+        per_layer[f"layer{i}_tokens_per_expert"] = (tokens / max(assignments, 1)).tolist()
+    dropped_share = table[rows, 2].sum().item() / max(table[rows, 1].sum().item(), 1)
+    return dict(moe_aux_loss=aux, moe_z_loss=z, moe_dropped=dropped_share,
+                moe_max_load=max(loads)), per_layer

@@ -1,5 +1,6 @@
 """A one-page PNG of a run folder: losses, learning rate, gradient norm, loss scale, throughput,
-memory, with every rollback and skipped step marked. Reads only the folder's JSON-lines files.
+memory (and for MoE runs the auxiliary losses and the busiest expert's load), with every rollback
+and skipped step marked. Reads only the folder's JSON-lines files.
 
 Each run in the folder (a fresh start or a resume, marked by a `"split": "start"` line in
 metrics.jsonl) is drawn in its own colour, so a rerun or a resumed segment stays distinguishable.
@@ -12,6 +13,8 @@ from .journal import JOURNAL, METRICS, read_jsonl
 
 PANELS = [("loss", "loss"), ("lr", "learning rate"), ("grad_norm", "gradient norm"),
           ("loss_scale", "loss scale"), ("tokens_per_s", "tokens/s"), ("mem_gib", "peak memory per rank (GiB)")]
+MOE_PANELS = [("moe_aux_loss", "MoE load-balancing loss (apart from the LM loss)"),
+              ("moe_max_load", "MoE busiest expert / mean (worst layer)")]
 
 
 def run_segments(rows: list[dict]) -> list[list[dict]]:
@@ -36,9 +39,11 @@ def write_report(run_dir: str, out_path: str | None = None) -> str:
         raise FileNotFoundError(f"{os.path.join(run_dir, METRICS)}: no metrics; is this a megazoo run folder "
                                 f"(the --save or --tensorboard-dir of a run)?")
     events = read_jsonl(os.path.join(run_dir, JOURNAL))
-    fig, axes = plt.subplots(3, 2, figsize=(11, 9), sharex=True)
+    moe = any("moe_aux_loss" in r for rows in runs for r in rows if r["split"] == "train")
+    panels = PANELS + (MOE_PANELS if moe else [])
+    fig, axes = plt.subplots(len(panels) // 2, 2, figsize=(11, 3 * len(panels) // 2), sharex=True)
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for ax, (key, title) in zip(axes.flat, PANELS):
+    for ax, (key, title) in zip(axes.flat, panels):
         for k, rows in enumerate(runs):
             colour, name = colours[k % len(colours)], f"run {k + 1} " if len(runs) > 1 else ""
             pts = [(r["iteration"], r[key]) for r in rows if r["split"] == "train" and key in r]

@@ -4,7 +4,8 @@ Every rank file carries a parameter table (`PARAMS`, JSON in a uint8 tensor), on
 parameter in the optimizer's order:
 
     [chunk, name in the chunk, canonical name, local shape, TP partition dim (-1: replicated),
-     full (unpadded) size of that dim, shard layout spec (None: contiguous chunks)]
+     full (unpadded) size of that dim, shard layout spec (None: contiguous chunks),
+     MoE expert weight (its experts split over expert parallelism along dim 0; absent: False)]
 
 With it, `read_full_state` turns the files of any layout into full, unpadded tensors keyed by
 canonical name: the model weights (`model.{chunk}.{name}`) and, per optimizer state (fp32
@@ -13,6 +14,9 @@ place in each data-parallel shard. `load_into` then fills a live rank's model an
 slicing those full tensors the way that rank's own optimizer asks (its fresh `ranges`), so a
 checkpoint loads under any layout, bucket size or ZeRO stage. `write_layout` writes a checkpoint
 for a target layout from one process (the conversion and resharding tools).
+
+Expert weights are read from the ranks of the first expert-parallel group (one per expert slice)
+and joined along dim 0; their ZeRO shards come from the expert-data-parallel ranks.
 
 Copies that should be equal (replicated parameters on every TP rank, the tied embedding on the
 first and last pipeline stages) are averaged when they differ, and taken as they are otherwise.
@@ -69,7 +73,8 @@ def param_table(chunks, opt=None) -> list[list]:
             split = spec_of(p).tp_split
             layout = split.layout if split else None
             rows.append([c, n, canonical(n), list(p.shape), split.dim if split else -1,
-                         split.full_size if split else 0, layout.spec() if layout else None])
+                         split.full_size if split else 0, layout.spec() if layout else None,
+                         spec_of(p).expert])
     if opt is not None:  # the optimizer numbers parameters the same way; make sure of it
         if [chunk_prefix(r[0], len(chunks)) + r[1] for r in rows] != list(opt.param_names):
             raise RuntimeError("the optimizer's parameter order differs from the chunks'; "
@@ -85,8 +90,15 @@ def _layout(meta: dict, folder: str) -> tuple[int, int, int]:
     return layout["tp"], layout.get("dp", 1), layout.get("zero_stage", 0)
 
 
-def _read_rank(folder, rank, coords, names, optimizer, pieces, states, covered, scalars):
+def _is_expert(row) -> bool:
+    return len(row) > 7 and bool(row[7])
+
+
+def _read_rank(folder, rank, coords, ep_pos, names, optimizer, pieces, states, covered, scalars,
+               zero):
+    """`ep_pos`: (expert-parallel rank, index of its expert-parallel group) of this rank."""
     pp_r, dp_r, _, tp_r = coords
+    ep_r, ep_block = ep_pos
     path = ckpt.rank_file(folder, rank)
     f = ckpt.open_rank_file(folder, rank)
     try:
@@ -97,10 +109,12 @@ def _read_rank(folder, rank, coords, names, optimizer, pieces, states, covered, 
                 f"with the layout it was saved with")
         rows = ckpt.tensor_json(f.get_tensor(PARAMS))
         wanted = lambda row: names is None or row[2] in names  # noqa: E731
-        for c, n, canon, *_ in rows:
-            key = f"model.{c}.{n}"
-            if dp_r == 0 and key in keys and wanted([c, n, canon]):
-                pieces[canon][(pp_r, c, tp_r)] = f.get_tensor(key)
+        for row in rows:
+            c, n, canon = row[:3]
+            key, expert = f"model.{c}.{n}", _is_expert(row)
+            holder = ep_block == 0 if expert else dp_r == 0
+            if holder and key in keys and wanted(row):
+                pieces[canon][(pp_r, c, tp_r, ep_r if expert else 0)] = f.get_tensor(key)
         if not optimizer:
             return rows
         if rank == 0:
@@ -116,12 +130,14 @@ def _read_rank(folder, rank, coords, names, optimizer, pieces, states, covered, 
                 state, flat = skey.rsplit(".", 1)[1], f.get_tensor(skey)
                 for idx, start, end, off in ranges:
                     c, _, canon, shape = rows[idx][:4]
-                    if not wanted(rows[idx]):
-                        continue
+                    expert = _is_expert(rows[idx])
+                    if not wanted(rows[idx]) or (zero == 0 and (ep_block if expert else dp_r) > 0):
+                        continue  # ZeRO-0: copies of the first holder's states
+                    copy = (pp_r, c, tp_r, ep_r if expert else 0)
                     buf = states[state][canon].setdefault(
-                        (pp_r, c, tp_r), torch.zeros(math.prod(shape), dtype=torch.float32))
+                        copy, torch.zeros(math.prod(shape), dtype=torch.float32))
                     buf[start:end] = flat[off:off + end - start]
-                    covered[(state, canon, (pp_r, c, tp_r))] += end - start
+                    covered[(state, canon, copy)] += end - start
         return rows
     except SafetensorError as e:
         raise ckpt.CheckpointError(f"{path}: corrupt or truncated shard ({e}); use an earlier "
@@ -138,24 +154,32 @@ def _merge(copies: list[torch.Tensor], what: str) -> torch.Tensor:
 
 
 def _assemble(parts: dict, info: dict, what: str) -> dict[str, torch.Tensor]:
-    """{canonical: {(pp, chunk, tp): local}} -> {canonical: full}: TP shards joined (vocabulary
-    padding cut; non-contiguous layouts rebuilt by `unshard`), replicas merged."""
+    """{canonical: {(pp, chunk, tp, ep): local}} -> {canonical: full}: TP shards joined (vocabulary
+    padding cut; non-contiguous layouts rebuilt by `unshard`), replicas merged, expert slices
+    (ep > 0 only for expert weights) joined along dim 0."""
     out = {}
     for canon, by_copy in parts.items():
-        shape, dim, full_size, tp, layout = info[canon]
-        copies = defaultdict(dict)
-        for (pp_r, c, tp_r), t in by_copy.items():
-            copies[(pp_r, c)][tp_r] = t.reshape(shape[(pp_r, c)])
+        shape, dim, full_size, tp, layout, ep = info[canon]
+        copies = defaultdict(lambda: defaultdict(dict))
+        for (pp_r, c, tp_r, ep_r), t in by_copy.items():
+            copies[(pp_r, c)][ep_r][tp_r] = t.reshape(shape[(pp_r, c)])
         merged = []
-        for key, shards in copies.items():
-            if len(shards) != tp:
-                raise ckpt.CheckpointError(f"{what}: {canon} lacks tensor-parallel shards "
-                                           f"{sorted(set(range(tp)) - set(shards))}")
-            ordered = [shards[r] for r in range(tp)]
-            if dim >= 0:
-                merged.append(unshard(ordered, dim, full_size, layout))
-            else:
-                merged.append(_merge(ordered, f"{canon} across tensor-parallel ranks"))
+        for key, slices in copies.items():
+            if len(slices) != ep:
+                raise ckpt.CheckpointError(f"{what}: {canon} lacks expert-parallel slices "
+                                           f"{sorted(set(range(ep)) - set(slices))}")
+            joined = []
+            for ep_r in range(ep):
+                shards = slices[ep_r]
+                if len(shards) != tp:
+                    raise ckpt.CheckpointError(f"{what}: {canon} lacks tensor-parallel shards "
+                                               f"{sorted(set(range(tp)) - set(shards))}")
+                ordered = [shards[r] for r in range(tp)]
+                if dim >= 0:
+                    joined.append(unshard(ordered, dim, full_size, layout))
+                else:
+                    joined.append(_merge(ordered, f"{canon} across tensor-parallel ranks"))
+            merged.append(torch.cat(joined) if ep > 1 else joined[0])
         out[canon] = _merge(merged, f"{canon} across pipeline stages")
     return out
 
@@ -165,19 +189,24 @@ def read_full_state(folder: str, names: set[str] | None = None, optimizer: bool 
     meta = ckpt.read_meta(folder)
     tp, dp, zero = _layout(meta, folder)
     world = meta.get("world_size", 1)
-    grid = Grid(tp=tp, dp=dp, pp=world // (tp * dp))
+    cp, ep = meta["layout"].get("cp", 1), meta["layout"].get("ep", 1)
+    grid = Grid(tp=tp, cp=cp, dp=dp, pp=world // (tp * cp * dp), ep=ep)
     pieces = defaultdict(dict)
     states = defaultdict(lambda: defaultdict(dict))
     covered, scalars, info = defaultdict(int), {}, {}
     for rank in range(world):
         coords = grid.coords(rank)
-        if coords.dp > 0 and (zero == 0 or not optimizer):
-            continue  # ZeRO-0 data-parallel ranks hold copies of dp rank 0's states
-        rows = _read_rank(folder, rank, coords, names, optimizer, pieces, states, covered, scalars)
+        position = coords.dp * cp + coords.cp  # in the data x context group experts split
+        ep_pos = (position % ep, position // ep)
+        if ep_pos[1] > 0 and coords.dp > 0 and (zero == 0 or not optimizer):
+            continue  # copies of the first expert-parallel group's weights and ZeRO-0 states
+        rows = _read_rank(folder, rank, coords, ep_pos, names, optimizer, pieces, states, covered,
+                          scalars, zero)
         for row in rows:
             c, _, canon, shape, dim, full = row[:6]
             layout = row[6] if len(row) > 6 else None
-            info.setdefault(canon, [{}, dim, full, tp, layout])[0][(coords.pp, c)] = shape
+            info.setdefault(canon, [{}, dim, full, tp, layout, ep if _is_expert(row) else 1]
+                            )[0][(coords.pp, c)] = shape
     for (state, canon, key), n in covered.items():
         if n < math.prod(info[canon][0][key[:2]]):
             raise ckpt.CheckpointError(f"{folder}: optimizer state {state} of {canon} is incomplete "
@@ -232,18 +261,20 @@ def load_into(full: FullState, chunks, opt, topo, *, weights_only: bool, folder:
     opt.load_state_dict(sd)  # writes the model weights from the masters and all-gathers them
 
 
-def build_rank_chunks(model_cls, config, *, tp: int, pp: int, vpp: int, dp: int, rank: int):
+def build_rank_chunks(model_cls, config, *, tp: int, pp: int, vpp: int, dp: int, rank: int,
+                      ep: int = 1):
     """One rank's model chunks, built on the CPU without process groups (to learn their names,
-    shapes and TP slicing)."""
-    topo = ParallelTopology(config=ParallelConfig(tp=tp, pp=pp, vpp=vpp), rank=rank,
+    shapes, TP slicing and experts)."""
+    topo = ParallelTopology(config=ParallelConfig(tp=tp, pp=pp, vpp=vpp, ep=ep), rank=rank,
                             world_size=tp * pp * dp, dp=dp)
+    topo.group_ranks = topo.grid.groups_of(rank)
     specs = topo.config.chunk_specs(config.num_layers, topo.pp_rank)
     return topo, [model_cls(config, topo, **spec.kwargs()) for spec in specs]
 
 
 def write_layout(full: FullState, root: str, *, model_cls, config, tp: int, pp: int, vpp: int = 1,
                  dp: int = 1, zero_stage: int = 0, iteration: int = 0, meta: dict | None = None,
-                 weights_only: bool = False) -> str:
+                 weights_only: bool = False, ep: int = 1) -> str:
     """Write `full` as a checkpoint for the target layout, one file per target rank.
 
     Optimizer states go into one bucket per rank whose `ranges` split every parameter evenly over
@@ -251,12 +282,15 @@ def write_layout(full: FullState, root: str, *, model_cls, config, tp: int, pp: 
     live optimizer's buckets.
     """
     import dataclasses
-    config.check_layout(ParallelConfig(tp=tp, pp=pp, vpp=vpp))
+    parallel = ParallelConfig(tp=tp, pp=pp, vpp=vpp, ep=ep)
     world = tp * pp * dp
+    parallel.validate(world)
+    config.check_layout(parallel)
     with_optim = bool(full.optim) and not weights_only
     tmp = ckpt.begin_offline(root, iteration)
     for rank in range(world):
-        topo, chunks = build_rank_chunks(model_cls, config, tp=tp, pp=pp, vpp=vpp, dp=dp, rank=rank)
+        topo, chunks = build_rank_chunks(model_cls, config, tp=tp, pp=pp, vpp=vpp, dp=dp, rank=rank,
+                                         ep=ep)
         rows = param_table(chunks)
         named = [p for chunk in chunks for _, p in chunk.named_parameters() if p.requires_grad]
         tensors = {PARAMS: ckpt.json_tensor(rows)}
@@ -273,8 +307,9 @@ def write_layout(full: FullState, root: str, *, model_cls, config, tp: int, pp: 
             offset = 0
             for idx, ((c, n, canon, *_), p) in enumerate(zip(rows, named)):
                 numel = p.numel()
-                per = -(-numel // dp) if zero_stage > 0 else numel
-                lo = topo.dp_rank * per if zero_stage > 0 else 0
+                group = topo.group_ranks["edp" if spec_of(p).expert else "dp"]
+                per = -(-numel // len(group)) if zero_stage > 0 else numel
+                lo = group.index(rank) * per if zero_stage > 0 else 0
                 hi = min(numel, lo + per)
                 if hi <= lo:
                     continue
@@ -290,7 +325,8 @@ def write_layout(full: FullState, root: str, *, model_cls, config, tp: int, pp: 
     base = {k: v for k, v in (meta or full.meta).items()
             if k not in ("layout", "model", "iteration", "world_size", "files")}
     base.update(model=dataclasses.asdict(config), layout=dict(
-        tp=tp, pp=pp, dp=dp, vpp=vpp, world_size=world, zero_stage=zero_stage))
+        tp=tp, pp=pp, dp=dp, vpp=vpp, world_size=world, zero_stage=zero_stage,
+        **({"ep": ep} if ep != 1 else {})))
     if not with_optim:
         base["weights_only"] = True
     return ckpt.commit(root, iteration, world, base)

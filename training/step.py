@@ -2,6 +2,7 @@
 
 The pipeline engine runs this rank's schedule (with pp = 1 the "no pipelining" schedule is plain
 gradient accumulation); the ZeRO optimizer reduces gradients over data parallelism and steps.
+MoE layers add their auxiliary losses to the gradients themselves (see models/moe.py).
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from models.moe import set_aux_loss_scale
 from parallel.pipeline.engine import run_pipeline
 from parallel.pipeline.schedules import build_schedule
 from parallel.topology import ParallelTopology
@@ -67,6 +69,8 @@ def forward_backward(chunks, microbatches: list[dict], topo: ParallelTopology, o
     steps = build_schedule(schedule if topo.pp > 1 else "no_pipelining", topo.pp, topo.pp_rank,
                            len(microbatches), vpp=len(chunks))
     scale = optimizer.loss_scale
+    # MoE auxiliary losses enter backward inside the layers: same scale and averaging as the loss.
+    set_aux_loss_scale(chunks, scale / len(microbatches))
     guard = watchdog.collective if watchdog is not None else _unmonitored
     # Stages 0-1 accumulate microbatch gradients locally and reduce once, after the last one.
     with guard("pipeline forward/backward (p2p, tensor-parallel collectives)"), optimizer.no_sync():

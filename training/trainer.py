@@ -23,7 +23,7 @@ from .health import HealthMonitor, ProgressGuard, after_step
 from .journal import RunJournal
 from .log import RunLogger
 from .lr_schedule import global_batch_size, learning_rate
-from .metrics import device_peak_flops
+from .metrics import device_peak_flops, moe_metrics
 from .planner import PlanError, layout_of_run, memory_per_gpu
 from .report import write_report
 from .resume import TrainState, layout_of, load, save
@@ -93,8 +93,10 @@ class Trainer:
         self.log = RunLogger(run.logging, {"run": dataclasses.asdict(run)}, topo.rank == 0, journal,
                              self.state.iteration)
         if topo.rank == 0:
-            logger.info("model: %.2fM parameters; layout %s; %s", mcfg.num_parameters() / 1e6,
-                        layout_of(run, topo), f"peak {peak:.3g} FLOP/s per rank ({peak_source})" if peak
+            active = f" ({mcfg.num_parameters(active=True) / 1e6:.2f}M active per token)" \
+                if mcfg.num_experts else ""
+            logger.info("model: %.2fM parameters%s; layout %s; %s", mcfg.num_parameters() / 1e6,
+                        active, layout_of(run, topo), f"peak {peak:.3g} FLOP/s per rank ({peak_source})" if peak
                         else peak_source)
             logger.info("memory per rank (bytes): %s", self.opt.memory_report())
             logger.info("planner's prediction for the heaviest rank: %s", predicted_memory(run, topo.dp))
@@ -160,7 +162,11 @@ class Trainer:
 
     def log_window(self) -> None:
         it = self.state.iteration
-        self.log.log(self.window.metrics(self.opt, self.last_step, self.state, self.batch), it)
+        moe_summary, moe_layers = moe_metrics(self.chunks, self.run.model.num_layers, self.topo.device)
+        self.log.log({**self.window.metrics(self.opt, self.last_step, self.state, self.batch),
+                      **moe_summary}, it)
+        if moe_layers:
+            self.log.log(moe_layers, it, "moe")
         self.window.check_stragglers(self.run.health.straggler_threshold, self.journal, it)
         self.window.reset()
 

@@ -2,7 +2,9 @@
 
 Each rank sums the squares of the gradients it owns: its shard of every bucket under ZeRO-1/2/3
 (shards partition the bucket, so the DP sum covers it once), or the full bucket under stage 0
-(every DP rank holds the same reduced gradient, so no DP sum). Buckets whose key is not
+(every DP rank holds the same reduced gradient, so no DP sum). MoE expert buckets are sharded
+over expert data parallelism, so the DP sum (expert-parallel x expert-data-parallel ranks) covers
+every expert once too; under stage 0 their squares are summed over the expert-parallel group. Buckets whose key is not
 `counted` hold duplicates (replicated parameters on TP ranks > 0, the tied embedding on the
 last stage) and are skipped; so are rows that a TP rank holds as a copy of another rank's
 (key/value heads replicated when tp > KV heads, see `duplicate_ranges`). The model-parallel sum
@@ -34,17 +36,22 @@ def duplicate_ranges(b: FlatBuffer, topo) -> list[tuple[int, int]]:
 
 
 def global_grad_norm(buffers: list[FlatBuffer], *, sharded: bool, dp_group, mp_group,
-                     device: torch.device, exclude: dict[int, list[tuple[int, int]]] | None = None
-                     ) -> float:
+                     device: torch.device, exclude: dict[int, list[tuple[int, int]]] | None = None,
+                     ep_group=None) -> float:
     """The L2 norm of the (still loss-scaled) gradients; inf or NaN when any gradient is.
 
     `exclude`: per buffer index, shard ranges left out (from `duplicate_ranges`)."""
     sq = torch.zeros((), dtype=torch.float32, device=device)
+    experts = torch.zeros((), dtype=torch.float32, device=device)
     for i, b in enumerate(buffers):
         if b.key.counted and b.numel:
-            sq += torch.linalg.vector_norm(b.grad_shard, dtype=torch.float32).square()
+            part = experts if b.key.expert else sq
+            part += torch.linalg.vector_norm(b.grad_shard, dtype=torch.float32).square()
             for s, e in (exclude or {}).get(i, ()):
-                sq -= torch.linalg.vector_norm(b.grad_shard[s:e], dtype=torch.float32).square()
+                part -= torch.linalg.vector_norm(b.grad_shard[s:e], dtype=torch.float32).square()
+    if not sharded:
+        C.all_reduce(experts, ep_group)
+    sq += experts
     if sharded:
         C.all_reduce(sq, dp_group)
     C.all_reduce(sq, mp_group)

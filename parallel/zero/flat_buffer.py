@@ -1,7 +1,8 @@
 """Flat contiguous buckets: parameters and gradients of several tensors in one padded buffer.
 
 A `FlatBuffer` holds a group of parameters that share a `BucketKey` (same weight decay, same
-treatment in the gradient norm, same tied-embedding handling) so that every elementwise rule of
+treatment in the gradient norm, same tied-embedding handling, same reduction group: MoE expert
+weights live in buckets of their own, sharded and reduced over the expert-data-parallel group) so that every elementwise rule of
 the optimizer applies to the whole buffer at once. The buffer is padded to a multiple of the
 data-parallel size and rank r owns the contiguous shard [r * S, (r + 1) * S): reduce-scatter
 hands it that shard of the gradient, all-gather spreads the updated parameters back.
@@ -29,6 +30,7 @@ class BucketKey:
     decay: bool  # weight decay applies
     counted: bool  # counts towards the global gradient norm on this rank
     tied: bool  # tied word embedding: gradients are summed over the embedding group first
+    expert: bool = False  # MoE expert weights: reduced and sharded over expert data parallelism
 
 
 def param_key(param: torch.nn.Parameter, *, tp_rank: int, is_first_stage: bool,
@@ -39,7 +41,7 @@ def param_key(param: torch.nn.Parameter, *, tp_rank: int, is_first_stage: bool,
     # The tied embedding's copy on the last stage is the first stage's: count it there only.
     counted = (tp_sharded or tp_rank == 0) and (not tied or is_first_stage)
     decay = param.dim() >= 2 or decay_biases_and_norms
-    return BucketKey(decay=decay, counted=counted, tied=tied)
+    return BucketKey(decay=decay, counted=counted, tied=tied, expert=spec.expert)
 
 
 @dataclass

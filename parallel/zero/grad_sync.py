@@ -14,7 +14,10 @@ backward carries on with earlier layers:
     stage 2, 3   reduce-scatter every micro-batch into a persistent shard; the full bucket is
                  transient and at most `max_inflight` of them are alive at once
 
-Gradients are divided by the DP size before the collective (a mean, as in DDP). The tied word
+Gradients are divided by the DP size before the collective (a mean, as in DDP). Each bucket is
+reduced over its own group (`FlatBuffer.dp_group`): data parallelism, or for MoE expert weights
+the expert-data-parallel ranks; experts still divide by the full DP size, because an expert's
+gradient already sums the tokens of its whole expert-parallel group. The tied word
 embedding's bucket is first summed over the embedding group (first + last pipeline stage).
 Collectives are launched in the order backward completes buckets, which is the same on every
 DP rank because they run the same graph; `finish()` launches the rest in a fixed order.
@@ -146,10 +149,10 @@ class GradSync:
         if self.dp > 1:
             full.div_(self.dp)
         if self.stage == 0:
-            self._inflight[i] = C.all_reduce_async(full, self.dp_group)
+            self._inflight[i] = C.all_reduce_async(full, b.dp_group)
         else:
             out = torch.empty(b.shard_numel, dtype=full.dtype, device=full.device)
-            pending = C.reduce_scatter_into(out, full, self.dp_group)
+            pending = C.reduce_scatter_into(out, full, b.dp_group)
             if self.stage == 1:
                 then = lambda b=b, out=out: _land_stage1(b, out, self.dp)  # noqa: E731
             else:  # `full` stays referenced by the closure until the reduction has landed

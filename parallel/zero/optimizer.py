@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .. import collectives as C
 from .clip_grad import clip_coefficient, duplicate_ranges, global_grad_norm
 from ..pipeline.partition import chunk_prefix
 from .config import OptimizerConfig
@@ -99,9 +100,12 @@ class ZeroOptimizer:
                          decay_biases_and_norms=self.cfg.decay_biases_and_norms)
 
     def _buffer(self, items, key) -> FlatBuffer:
+        # Expert weights differ across the expert-parallel ranks: only the ranks holding the
+        # same experts (expert data parallelism) reduce and shard them together.
+        group = self.topo.edp_group if key.expert else self.topo.dp_group
         return FlatBuffer(items, key, dtype=self.cfg.model_dtype,
                           grad_dtype=self.cfg.grad_torch_dtype, device=self.topo.device,
-                          dp_group=self.topo.dp_group, dp_rank=self.topo.dp_rank,
+                          dp_group=group, dp_rank=C.group_rank(group),
                           sharded=self.stage >= 1, shard_grads=self.stage >= 2,
                           shard_params=self.stage == 3)
 
@@ -157,6 +161,7 @@ class ZeroOptimizer:
         scale = self.scaler.scale
         norm = global_grad_norm(self.buffers, sharded=self.stage >= 1,
                                 dp_group=self.topo.dp_group, mp_group=self.topo.mp_group,
+                                ep_group=self.topo.ep_group,
                                 device=self.topo.device, exclude=self.norm_exclusions) / scale
         loss_value = float(loss) if loss is not None else None
         if not math.isfinite(norm) or (loss_value is not None and not math.isfinite(loss_value)):

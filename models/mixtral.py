@@ -1,0 +1,125 @@
+"""Mixtral (Jiang et al. 2024): Llama blocks whose MLPs are 8 routed SwiGLU experts, top-2; and
+the mapping to and from Hugging Face `MixtralForCausalLM` tensors.
+
+Attention, norms and embeddings map as for Llama (models/llama.py). The experts: HF files keep
+each expert's w1 (gate), w3 (up) and w2 (down) apart under `block_sparse_moe.experts.{e}`, and
+the router as `block_sparse_moe.gate`; transformers >= 5 holds them fused in memory
+(`mlp.experts.gate_up_proj` [E, 2f, h] = [gate; up], `mlp.experts.down_proj`, `mlp.gate`). Both
+import; export writes the file form, as `save_pretrained` does. megazoo stacks the same
+[gate; up] rows (`experts.weight1`), so no permutation is needed.
+
+Mixtral's router (softmax, top-k, renormalise) equals megazoo's top-k-then-softmax. HF's
+`router_aux_loss_coef` multiplies a load-balancing sum that is top-k times megazoo's (Megatron's),
+so the coefficient is converted, not copied.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from parallel.topology import ParallelTopology
+
+from . import llama
+from .config import TransformerConfig
+from .hf_fields import check_fields
+from .language_model import TransformerLanguageModel
+
+logger = logging.getLogger(__name__)
+
+# Fields config_from_hf maps, beyond Llama's (models/hf_fields.py refuses any other that differs).
+MAPPED = llama.MAPPED | {"num_local_experts", "num_experts_per_tok", "router_aux_loss_coef"}
+# output_router_logits only adds HF's own aux loss to HF's training loss (megazoo adds its own,
+# --moe-aux-loss-coeff); the logits are the same either way.
+IGNORED = llama.IGNORED | {"output_router_logits"}
+
+
+class MixtralModel(TransformerLanguageModel):
+    def __init__(self, config: TransformerConfig, topo: ParallelTopology, **kwargs):
+        shape = (config.position_embedding, config.normalization, config.activation)
+        if shape != ("rope", "rmsnorm", "swiglu") or not config.num_experts:
+            raise ValueError("MixtralModel needs position_embedding='rope', normalization='rmsnorm', "
+                             "activation='swiglu' and --num-experts")
+        super().__init__(config, topo, **kwargs)
+
+
+def config_from_hf(hf) -> TransformerConfig:
+    """A TransformerConfig from a `transformers.MixtralConfig`."""
+    for field, value in (("router_jitter_noise", getattr(hf, "router_jitter_noise", 0.0)),
+                         ("sliding_window", getattr(hf, "sliding_window", None))):
+        if value:
+            raise ValueError(f"Mixtral config.json {field}={value} is not supported (megazoo "
+                             f"models neither router jitter nor sliding-window attention)")
+    check_fields(hf, "Mixtral", MAPPED, IGNORED)
+    topk = hf.num_experts_per_tok
+    return llama.llama_like_config(  # attention, norms, rope: as Llama
+        hf, "Mixtral", num_experts=hf.num_local_experts, moe_router_topk=topk,
+        moe_ffn_hidden_size=hf.intermediate_size,
+        moe_aux_loss_coeff=float(hf.router_aux_loss_coef or 0.0) * topk)
+
+
+def hf_config(config: TransformerConfig, **extra):
+    """The `transformers.MixtralConfig` for a megazoo Mixtral-shaped config."""
+    from transformers import MixtralConfig
+    _check_exportable(config)
+    dense = llama.hf_config(config).to_dict()
+    keep = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps", "hidden_act",
+            "tie_word_embeddings", "rope_parameters", "attention_dropout", "initializer_range")
+    return MixtralConfig(**{k: dense[k] for k in keep}, intermediate_size=config.moe_ffn_hidden_size,
+                         num_local_experts=config.num_experts,
+                         num_experts_per_tok=config.moe_router_topk,
+                         router_aux_loss_coef=config.moe_aux_loss_coeff / config.moe_router_topk,
+                         **extra)
+
+
+def _check_exportable(config: TransformerConfig) -> None:
+    equivalent_router = not config.moe_router_pre_softmax or config.moe_norm_topk_prob
+    problems = [what for what, bad in (
+        ("a shared expert", config.moe_shared_expert_intermediate_size),
+        ("--moe-layer-freq > 1", config.moe_layer_freq != 1),
+        ("biases", config.bias),
+        ("softmax-then-top-k routing without renormalisation", not equivalent_router)) if bad]
+    if problems:
+        raise ValueError(f"HF Mixtral cannot express {', '.join(problems)}; export another family")
+    for flag, value in (("--moe-z-loss-coeff", config.moe_z_loss_coeff),
+                        ("--moe-expert-capacity-factor", config.moe_expert_capacity_factor)):
+        if value:
+            logger.info("%s %s is a training setting HF Mixtral does not record; the exported "
+                        "model routes dropless and has no z-loss", flag, value)
+
+
+def from_hf_state_dict(sd: dict[str, torch.Tensor], config: TransformerConfig) -> dict[str, torch.Tensor]:
+    """HF MixtralForCausalLM tensors (file or in-memory form) -> full megazoo tensors."""
+    sd = {k if k.startswith(("model.", "lm_head.")) else "model." + k: v for k, v in sd.items()}
+    out = llama.from_hf_state_dict(sd, config)
+    for i in range(config.num_layers):
+        h, m = f"model.layers.{i}.", f"layers.{i}.mlp."
+        if h + "mlp.gate.weight" in sd:  # transformers >= 5, in memory
+            out[m + "router"] = sd[h + "mlp.gate.weight"]
+            out[m + "experts.weight1"] = sd[h + "mlp.experts.gate_up_proj"]
+            out[m + "experts.weight2"] = sd[h + "mlp.experts.down_proj"]
+            continue
+        moe = h + "block_sparse_moe."
+        expert = [moe + f"experts.{e}." for e in range(config.num_experts)]
+        out[m + "router"] = sd[moe + "gate.weight"]
+        out[m + "experts.weight1"] = torch.stack(
+            [torch.cat([sd[x + "w1.weight"], sd[x + "w3.weight"]]) for x in expert])
+        out[m + "experts.weight2"] = torch.stack([sd[x + "w2.weight"] for x in expert])
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def to_hf_state_dict(full: dict[str, torch.Tensor], config: TransformerConfig) -> dict[str, torch.Tensor]:
+    """Full megazoo tensors -> HF MixtralForCausalLM tensors in the file form `save_pretrained`
+    writes (no lm_head when tied)."""
+    _check_exportable(config)
+    out = llama.to_hf_state_dict(full, config)
+    for i in range(config.num_layers):
+        moe, m = f"model.layers.{i}.block_sparse_moe.", f"layers.{i}.mlp."
+        out[moe + "gate.weight"] = full[m + "router"]
+        for e in range(config.num_experts):
+            gate, up = full[m + "experts.weight1"][e].chunk(2)
+            x = moe + f"experts.{e}."
+            out[x + "w1.weight"], out[x + "w3.weight"] = gate, up
+            out[x + "w2.weight"] = full[m + "experts.weight2"][e]
+    return {k: v.contiguous() for k, v in out.items()}

@@ -1,0 +1,263 @@
+"""Mixture of experts: the MLP of an MoE layer (Shazeer et al. 2017, GShard, Switch, Mixtral).
+
+    tokens -> router (top-k experts per token) -> sort by expert [-> drop over capacity]
+           -> dispatch (all-to-all over the expert-parallel group) -> local experts as one
+              batched matmul -> combine (all-to-all back) -> weighted sum per token
+           (+ shared expert, optionally sigmoid-gated, Qwen2-MoE)
+
+Layout: the router and the experts are replicated over tensor parallelism ("experts whole per
+rank"); under sequence parallelism the layer gathers the sequence first (every TP rank then
+routes the same tokens, as without SP) and keeps its chunk of the output. The shared expert is
+an ordinary tensor-parallel MLP. Experts are split over the expert-parallel ranks
+(`parallel/expert_parallel.py`); their weights are marked `expert=True`, so the optimizer reduces
+their gradients over the expert-data-parallel group only.
+
+The auxiliary losses (Switch load balancing, ST-MoE router z-loss) reach the training loss the
+way Megatron's `MoEAuxLossAutoScaler` does: the layer's output carries them into backward, so
+they need no path through the pipeline. Their gradient is `aux_loss_scale` (the training step
+sets loss scale / microbatches). Each layer also keeps detached statistics (`MoEStats`) that the
+training loop logs apart from the LM loss.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from parallel.expert_parallel import combine, dispatch, local_experts
+from parallel.mappings import gather_sequence_replicated, scatter_to_sequence
+from parallel.param_spec import set_spec
+from parallel.tensor_parallel import sequence_parallel_param
+from parallel.topology import ParallelTopology
+
+from .config import TransformerConfig
+from .init import Initializer
+from .mlp import ParallelMLP
+
+
+class _AttachAuxLoss(torch.autograd.Function):
+    """Forward: `x` unchanged. Backward: `x`'s gradient, and `scale` as the aux loss's gradient."""
+
+    @staticmethod
+    def forward(ctx, x, aux, scale):
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, torch.full((), ctx.scale, dtype=torch.float32, device=g.device), None
+
+
+class MoEStats:
+    """Detached per-layer statistics since the last `reset` (forwards in training only)."""
+
+    def __init__(self, num_experts: int, device: torch.device):
+        self.num_experts, self.device = num_experts, device
+        self.reset()
+
+    def reset(self) -> None:
+        # [forwards, assignments, dropped, aux loss, z-loss] and tokens routed to each expert
+        self.totals = torch.zeros(5, dtype=torch.float64, device=self.device)
+        self.tokens_per_expert = torch.zeros(self.num_experts, dtype=torch.float64, device=self.device)
+
+    @torch.no_grad()
+    def record(self, counts: torch.Tensor, kept: int, aux: torch.Tensor, z: torch.Tensor) -> None:
+        total = counts.sum()
+        self.totals += torch.stack([torch.ones((), device=self.device, dtype=torch.float64),
+                                    total.double(), (total - kept).double(), aux.double(),
+                                    z.double()])
+        self.tokens_per_expert += counts.double()
+
+
+class _GroupedLinear(torch.autograd.Function):
+    """y[rows of group e] = x[rows of group e] @ w[e].T for rows sorted by group (`offs`: the
+    cumulative row counts, int32), as one `torch._grouped_mm` each way. torch 2.13 computes all
+    three products on the CPU but its own backward of `_grouped_mm` fails there ("Invalid
+    strides/sizes"), so the gradients are written out here."""
+
+    @staticmethod
+    def forward(ctx, x, w, offs):
+        ctx.save_for_backward(x, w, offs)
+        return torch._grouped_mm(x, w.transpose(1, 2), offs=offs)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w, offs = ctx.saved_tensors
+        g = g.contiguous()
+        dx = torch._grouped_mm(g, w, offs=offs) if ctx.needs_input_grad[0] else None
+        dw = torch._grouped_mm(g.t(), x, offs=offs) if ctx.needs_input_grad[1] else None
+        return dx, dw, None
+
+
+def _padded_linear(x, w, slot, width):
+    """The same product as `_GroupedLinear` as one batched matmul over the rows padded to the
+    largest group ([experts, width, in]): every device and dtype has `bmm`."""
+    grid = x.new_zeros(w.shape[0] * width, x.shape[1]).index_copy(0, slot, x)
+    return torch.bmm(grid.view(w.shape[0], width, x.shape[1]), w.transpose(1, 2)).flatten(0, 1)[slot]
+
+
+class GroupedExperts(nn.Module):
+    """This rank's experts, stacked: `weight1` [experts, fc1, h] (SwiGLU: [gate; up] rows, as HF's
+    gate_up_proj) and `weight2` [experts, h, ffn]. They run as one grouped matmul each over the
+    tokens sorted by expert, no Python loop over experts: `torch._grouped_mm` on the CPU (no
+    padding; ~2x faster than padding when the load is uneven), a batched matmul over the rows
+    padded to the largest group elsewhere (CUDA's grouped matmul takes bf16 only) and on torch
+    versions without `_grouped_mm`."""
+
+    def __init__(self, config: TransformerConfig, topo: ParallelTopology, init: Initializer,
+                 prefix: str):
+        super().__init__()
+        h, f = config.hidden_size, config.moe_ffn_hidden_size
+        self.swiglu = config.activation == "swiglu"
+        self.approximate = "tanh" if config.activation == "gelu_tanh" else "none"
+        fc1 = 2 * f if self.swiglu else f
+        ids = local_experts(config.num_experts, topo)
+
+        def stacked(name: str, shape: tuple[int, ...], fill) -> nn.Parameter:
+            t = torch.empty((len(ids),) + shape, dtype=torch.float32)
+            for i, e in enumerate(ids):  # seeded per expert: the same experts under any ep
+                fill(f"{prefix}{e}.{name}")(t[i])
+            p = nn.Parameter(t.to(device=topo.device, dtype=config.dtype))
+            set_spec(p, expert=True)
+            return p
+
+        self.weight1 = stacked("weight1", (fc1, h), init.normal)
+        self.weight2 = stacked("weight2", (h, f), init.scaled_normal)
+        self.bias1 = self.bias2 = None
+        if config.bias:
+            self.bias1 = stacked("bias1", (fc1,), lambda _: torch.Tensor.zero_)
+            self.bias2 = stacked("bias2", (h,), lambda _: torch.Tensor.zero_)
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x: [rows, h] sorted by local expert, `counts[e]` rows for expert e."""
+        expert = torch.repeat_interleave(torch.arange(counts.numel(), device=x.device), counts)
+        if x.device.type == "cpu" and hasattr(torch, "_grouped_mm"):  # torch >= 2.8
+            offs = counts.cumsum(0).to(torch.int32)
+            linear = lambda t, w: _GroupedLinear.apply(t, w, offs)  # noqa: E731
+        else:
+            width = int(counts.max()) if x.shape[0] else 0
+            slot = expert * width + torch.arange(x.shape[0], device=x.device) - \
+                (counts.cumsum(0) - counts)[expert]
+            linear = lambda t, w: _padded_linear(t, w, slot, width)  # noqa: E731
+        y = linear(x, self.weight1)
+        if self.bias1 is not None:
+            y = y + self.bias1[expert]
+        if self.swiglu:
+            gate, up = y.chunk(2, dim=-1)
+            y = F.silu(gate) * up
+        else:
+            y = F.gelu(y, approximate=self.approximate)
+        y = linear(y, self.weight2)
+        return y if self.bias2 is None else y + self.bias2[expert]
+
+
+class MoELayer(nn.Module):
+    """Router + experts (+ shared expert): the MLP of an MoE transformer layer."""
+
+    def __init__(self, config: TransformerConfig, topo: ParallelTopology, init: Initializer,
+                 prefix: str):
+        super().__init__()
+        self.config, self.topo = config, topo
+        self.num_experts, self.topk = config.num_experts, config.moe_router_topk
+        router = torch.empty(config.num_experts, config.hidden_size)
+        init.normal(prefix + "router.weight")(router)
+        self.router = nn.Parameter(router.to(device=topo.device, dtype=config.dtype))
+        self.experts = GroupedExperts(config, topo, init, prefix + "experts.")
+        self.shared_expert = self.shared_expert_gate = None
+        if config.moe_shared_expert_intermediate_size:
+            shared = config.replace(ffn_hidden_size=config.moe_shared_expert_intermediate_size)
+            self.shared_expert = ParallelMLP(shared, topo, init, prefix + "shared_expert.")
+            if config.moe_shared_expert_gate:
+                gate = torch.empty(1, config.hidden_size)
+                init.normal(prefix + "shared_expert_gate.weight")(gate)
+                self.shared_expert_gate = nn.Parameter(gate.to(device=topo.device,
+                                                               dtype=config.dtype))
+        self.aux_loss_scale = 1.0  # gradient of the aux losses (the step: loss scale / microbatches)
+        self.stats = MoEStats(config.num_experts, topo.device)
+
+    # ---- routing -----------------------------------------------------------------------------
+    def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k] fp32, experts [T, k]) from fp32 router logits [T, E]."""
+        if self.config.moe_router_pre_softmax:  # Qwen-MoE: softmax over all, then top-k
+            weights, experts = torch.softmax(logits, dim=-1).topk(self.topk, dim=-1)
+            if self.config.moe_norm_topk_prob:
+                weights = weights / weights.sum(-1, keepdim=True)
+            return weights, experts
+        top, experts = logits.topk(self.topk, dim=-1)  # Mixtral: softmax over the top-k logits
+        return torch.softmax(top, dim=-1), experts
+
+    def aux_losses(self, logits: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Switch/GShard load balancing, E * sum_e f_e P_e (f_e: share of the T*k assignments
+        routed to e, P_e: mean router probability of e), and the z-loss mean(logsumexp^2),
+        each times its coefficient (zero tensors when the coefficient is zero)."""
+        cfg, zero = self.config, logits.new_zeros(())
+        aux = z = zero
+        if cfg.moe_aux_loss_coeff > 0:
+            tokens = logits.shape[0]
+            share = counts.to(logits.dtype) / (tokens * self.topk)
+            probs = torch.softmax(logits, dim=-1).mean(0)
+            aux = cfg.moe_aux_loss_coeff * self.num_experts * (share * probs).sum()
+        if cfg.moe_z_loss_coeff > 0:
+            z = cfg.moe_z_loss_coeff * torch.logsumexp(logits, dim=-1).square().mean()
+        return aux, z
+
+    def capacity(self, tokens: int) -> int | None:
+        """Assignments each expert accepts from this rank's tokens (None: dropless)."""
+        factor = self.config.moe_expert_capacity_factor
+        if factor is None:
+            return None
+        return math.ceil(factor * tokens * self.topk / self.num_experts)
+
+    # ---- forward -----------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        topo = self.topo
+        shared = None
+        if self.shared_expert is not None:
+            shared = self.shared_expert(x)
+            if self.shared_expert_gate is not None:
+                gate = F.linear(x, sequence_parallel_param(self.shared_expert_gate, topo))
+                shared = torch.sigmoid(gate) * shared
+        full = gather_sequence_replicated(x, topo.tp_group) if topo.sequence_parallel else x
+        out = self.routed(full.reshape(-1, full.shape[-1])).view_as(full)
+        if topo.sequence_parallel:
+            out = scatter_to_sequence(out, topo.tp_group)
+        return out if shared is None else out + shared
+
+    def routed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The routed experts' weighted outputs for tokens [T, h]."""
+        logits = F.linear(tokens, self.router).float()
+        weights, experts = self.route(logits)
+        flat = experts.reshape(-1)  # assignment i is token i // k's (i % k)-th choice
+        counts = torch.bincount(flat, minlength=self.num_experts)
+        order = torch.argsort(flat, stable=True)  # by expert, tokens in order within one
+        kept_counts = counts
+        cap = self.capacity(tokens.shape[0])
+        if cap is not None:  # keep each expert's first `cap` assignments (GShard's position order)
+            position = torch.arange(flat.numel(), device=flat.device) - \
+                (counts.cumsum(0) - counts)[flat[order]]
+            order = order[position < cap]
+            kept_counts = counts.clamp(max=cap)
+        token = order // self.topk
+        rows, local_counts, handle = dispatch(tokens[token], kept_counts, self.topo.ep_group)
+        y = combine(self.experts(rows, local_counts), handle, self.topo.ep_group)
+        y = y * weights.reshape(-1)[order].to(y.dtype).unsqueeze(1)
+        out = torch.zeros_like(tokens).index_add(0, token, y)
+        if self.training:
+            aux, z = self.aux_losses(logits, counts)
+            self.stats.record(counts, order.numel(), aux.detach(), z.detach())
+            if torch.is_grad_enabled() and (aux.requires_grad or z.requires_grad):
+                out = _AttachAuxLoss.apply(out, aux + z, self.aux_loss_scale)
+        return out
+
+
+def moe_layers(module: nn.Module) -> list[MoELayer]:
+    return [m for m in module.modules() if isinstance(m, MoELayer)]
+
+
+def set_aux_loss_scale(modules, scale: float) -> None:
+    """The gradient every MoE layer gives its auxiliary losses (loss scale / microbatches)."""
+    for module in modules:
+        for layer in moe_layers(module):
+            layer.aux_loss_scale = scale

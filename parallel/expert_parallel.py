@@ -1,0 +1,85 @@
+"""Expert parallelism: which experts a rank holds, and moving tokens to them and back.
+
+The `ep` ranks of an expert-parallel group (carved out of data parallelism, see layout.py) each
+hold `num_experts / ep` consecutive experts of every MoE layer. A rank routes its own tokens,
+sorts the (token, expert) assignments by expert and then
+
+    dispatch   all-to-all the assignments to the ranks holding their experts; the received rows
+               (grouped by source rank, then expert) are reordered expert-major, so the local
+               experts run as one grouped matmul
+    combine    the inverse reorder and the inverse all-to-all bring the expert outputs home
+
+Both are autograd-aware: the backward of an all-to-all is the all-to-all with the splits swapped.
+With ep = 1 (or no group) both are identities, so the unsharded model runs the same code.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .collectives import all_to_all, group_size
+from .topology import ParallelTopology
+
+
+def ep_rank(topo: ParallelTopology) -> int:
+    """This rank's position in its expert-parallel group."""
+    return topo.group_ranks.get("ep", [topo.rank]).index(topo.rank)
+
+
+def local_experts(num_experts: int, topo: ParallelTopology) -> range:
+    """Global indices of the experts this rank holds (consecutive blocks, Megatron's order)."""
+    n = num_experts // topo.ep
+    start = ep_rank(topo) * n
+    return range(start, start + n)
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, output_splits, input_splits):
+        ctx.group, ctx.splits = group, (output_splits, input_splits)
+        return all_to_all(x, group, output_splits, input_splits)
+
+    @staticmethod
+    def backward(ctx, g):
+        output_splits, input_splits = ctx.splits
+        return all_to_all(g, ctx.group, input_splits, output_splits), None, None, None
+
+
+@dataclass
+class Dispatched:
+    """What `combine` needs to undo a `dispatch`."""
+
+    order: torch.Tensor | None  # expert-major row j is received row order[j] (None: ep = 1)
+    output_splits: list[int]  # rows this rank sent to each rank (it gets as many back)
+    input_splits: list[int]  # rows it received from each rank
+
+
+def dispatch(x: torch.Tensor, counts: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor,
+                                                                      Dispatched]:
+    """Send rows `x` (sorted by global expert; `counts[e]` rows for expert e) to the ranks of
+    `group` holding their experts. Returns (rows for my experts sorted expert-major, rows per local
+    expert, handle for `combine`)."""
+    ep = group_size(group)
+    if ep == 1:
+        return x, counts, Dispatched(None, [], [])
+    local = counts.numel() // ep
+    # How many rows each rank sends me for each of my experts: [ep (source), local experts].
+    received = all_to_all(counts.view(ep, local), group, [1] * ep, [1] * ep)
+    send = counts.view(ep, local).sum(1).tolist()
+    recv = received.sum(1).tolist()
+    rows = _AllToAll.apply(x, group, recv, send)
+    # Rows arrive source-major (source, expert); the grouped matmul wants expert-major.
+    label = torch.arange(ep * local, device=x.device).repeat_interleave(received.reshape(-1))
+    key = (label % local) * ep + label // local
+    order = torch.argsort(key, stable=True)
+    return rows[order], received.sum(0), Dispatched(order, send, recv)
+
+
+def combine(y: torch.Tensor, handle: Dispatched, group) -> torch.Tensor:
+    """The expert outputs back on the ranks (and in the order) their rows came from."""
+    if handle.order is None:
+        return y
+    back = torch.empty_like(handle.order)
+    back[handle.order] = torch.arange(handle.order.numel(), device=y.device)
+    return _AllToAll.apply(y[back], group, handle.output_splits, handle.input_splits)

@@ -1,0 +1,179 @@
+"""Expert parallelism with TP, SP, PP and ZeRO 0-3 against a single-process MoE model, in gloo worlds.
+
+The reference is the unsharded model (all experts, ep = 1) run on each data-parallel rank's share
+of the batch, gradients averaged over DP, torch.nn.utils.clip_grad_norm_ and torch.optim.AdamW.
+For every layout and ZeRO stage, dropless and with capacity dropping, over 3 optimizer steps:
+
+* the LM loss of every step and each MoE layer's auxiliary (load-balancing + z) loss;
+* every gradient as the optimizer holds it after the reductions of step 1 (this rank's shard of
+  every bucket: dense ones reduced over DP, expert ones over expert data parallelism only);
+* the global gradient norm of every step (every parameter counted once: experts over EP);
+* every parameter after 3 AdamW steps (clipping active)
+
+equal the reference within rtol = atol = 1e-5 (fp32), in two 4-rank worlds and one 8-rank world
+(tp2 + SP, pp2, ep2, dp2; ZeRO-1, capacity dropping). AdamW's eps is 1e-6 as in test_zero.py.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from models.language_model import TransformerLanguageModel
+from models.moe import moe_layers, set_aux_loss_scale
+from parallel.pipeline.partition import chunk_prefix, partition
+from parallel.sharding import full_tensor, local_shard
+from parallel.topology import ParallelTopology
+from parallel.zero import build_optimizer
+from tests.distributed import run_distributed
+from tests.test_moe import moe_config
+from tests.test_zero_common import (HYPER, SEQ, STEPS, assert_params_close, batch, dp_mean,
+                                    opt_config, topology)
+from training.step import activation_shape, forward_backward
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+def _config(**kw):
+    return moe_config(num_layers=4, vocab_size=101, moe_shared_expert_intermediate_size=16,
+                      moe_shared_expert_gate=True, seed=11, **kw)
+
+
+def _aux(model, dropped: list | None = None) -> dict[int, float]:
+    """Mean aux + z loss per MoE layer over the forwards since the last call (resets); adds the
+    dropped assignments to `dropped`."""
+    out = {}
+    for layer in moe_layers(model):
+        n = int(layer.stats.totals[0])
+        out[id(layer)] = (layer.stats.totals[3] + layer.stats.totals[4]).item() / max(n, 1)
+        if dropped is not None:
+            dropped.append(layer.stats.totals[2].item())
+        layer.stats.reset()
+    return out
+
+
+def reference(topo, cfg, microbatches: int):
+    """(losses, grads of step 1, norms, params, aux per step per layer name) of the plain run."""
+    single = ParallelTopology.single()
+    model = TransformerLanguageModel(cfg, single)
+    named = list(model.named_parameters())
+    opt = torch.optim.AdamW([{"params": [p for _, p in named if p.dim() >= 2],
+                              "weight_decay": HYPER["weight_decay"]},
+                             {"params": [p for _, p in named if p.dim() < 2], "weight_decay": 0.0}],
+                            lr=HYPER["lr"], betas=HYPER["betas"], eps=HYPER["eps"])
+    set_aux_loss_scale([model], 1.0 / microbatches)
+    names = {id(l): n for n, l in model.named_modules() if l in moe_layers(model)}
+    losses, norms, auxes, grads = [], [], [], None
+    for step in range(STEPS):
+        ids, labels = batch(step, topo)
+        total = 0.0
+        for i, y in zip(ids.chunk(microbatches), labels.chunk(microbatches)):
+            loss = model(i, labels=y).mean()
+            (loss / microbatches).backward()
+            total += loss.item() / microbatches
+        for _, p in named:
+            if topo.dp_group is not None:
+                dist.all_reduce(p.grad, group=topo.dp_group)
+            p.grad /= topo.dp
+        if step == 0:
+            grads = {n: full_tensor(p, single, p.grad).clone() for n, p in named}
+        norms.append(torch.nn.utils.clip_grad_norm_([p for _, p in named], HYPER["clip_grad"]).item())
+        opt.step()
+        opt.zero_grad()
+        losses.append(dp_mean(total, topo))
+        auxes.append({names[k]: v for k, v in _aux(model).items()})
+    return losses, grads, norms, {n: full_tensor(p, single).clone() for n, p in named}, auxes
+
+
+def _check_grads(opt, chunks, topo, ref_grads, tag):
+    """This rank's shard of every bucket equals the same slice of the reference gradient."""
+    where = {}
+    for chunk in chunks:
+        for name, p in chunk.named_parameters():
+            where[id(p)] = local_shard(p, ref_grads[chunk.canonical_name(name)], topo).reshape(-1)
+    checked = 0
+    for b in opt.buffers:
+        for slot, lo, hi in b.shard_ranges():
+            got = b.grad_shard[lo - b.shard_start:hi - b.shard_start]
+            want = where[id(slot.param)][lo - slot.offset:hi - slot.offset]
+            torch.testing.assert_close(got, want, **TOL, msg=lambda m: f"{tag} grad {slot.name}: {m}")
+            checked += 1
+    return checked
+
+
+def parallel_run(topo, cfg, stage: int, microbatches: int, ref, tag: str,
+                 schedule: str = "1f1b") -> str:
+    ref_losses, ref_grads, ref_norms, ref_params, ref_aux = ref
+    specs = partition(cfg.num_layers, topo.pp, topo.vpp)[topo.pp_rank]
+    chunks = [TransformerLanguageModel(cfg, topo, **s.kwargs()) for s in specs]
+    opt = build_optimizer(chunks, topo, opt_config(zero_stage=stage))
+    names = {id(l): n for c in chunks for n, l in c.named_modules() if l in moe_layers(c)}
+    shape = activation_shape(topo, SEQ, batch(0, topo)[0].shape[0] // microbatches, cfg.hidden_size)
+    grads_checked, dropped = 0, []
+    for step in range(STEPS):
+        ids, labels = batch(step, topo)
+        mbs = [{"tokens": i, "labels": y}
+               for i, y in zip(ids.chunk(microbatches), labels.chunk(microbatches))]
+        loss = forward_backward(chunks, mbs, topo, opt, schedule=schedule, shape=shape)
+        torch.testing.assert_close(loss, ref_losses[step], **TOL, msg=f"{tag} loss step {step}")
+        if step == 0:
+            opt.grad_sync.finish()
+            grads_checked = _check_grads(opt, chunks, topo, ref_grads, tag)
+        result = opt.step()
+        opt.zero_grad()
+        assert not result.skipped, tag
+        torch.testing.assert_close(result.grad_norm, ref_norms[step], **TOL, msg=f"{tag} norm {step}")
+        for c in chunks:
+            for k, v in _aux(c, dropped).items():
+                torch.testing.assert_close(v, ref_aux[step][names[k]], **TOL,
+                                           msg=f"{tag} aux {names[k]} step {step}")
+    dp_full = opt.full_parameters()
+    for c, chunk in enumerate(chunks):
+        prefix = chunk_prefix(c, len(chunks))
+        assert_params_close({chunk.canonical_name(n): full_tensor(p, topo, dp_full[prefix + n])
+                             for n, p in chunk.named_parameters()}, ref_params, tag)
+    assert (sum(dropped) > 0) == (cfg.moe_expert_capacity_factor is not None), tag
+    return f"{tag}: {grads_checked} gradient slices, {sum(dropped):.0f} assignments dropped"
+
+
+def _world(rank, layouts):
+    out = []
+    for kw, stages, capacity, microbatches, schedule in layouts:
+        topo = topology(**kw)
+        cfg = _config(moe_expert_capacity_factor=capacity)
+        ref = reference(topo, cfg, microbatches)
+        for stage in stages:
+            tag = f"{kw} dp={topo.dp} zero={stage} capacity={capacity} mb={microbatches}"
+            out.append(parallel_run(topo, cfg, stage, microbatches, ref, tag, schedule))
+    return out
+
+
+# (layout, ZeRO stages, capacity factor, microbatches, pipeline schedule)
+TP_EP = [(dict(tp=2, ep=2, sequence_parallel=True), (0, 1, 2, 3), None, 1, "1f1b"),
+         (dict(tp=2, ep=2), (1,), 0.75, 2, "1f1b"),
+         (dict(ep=4), (0, 1, 2, 3), None, 1, "1f1b"),
+         (dict(ep=4), (2,), 0.75, 1, "1f1b"),
+         (dict(ep=2), (0, 3), 0.75, 2, "1f1b")]  # dp 4: expert data parallelism of 2
+PP_EP = [(dict(pp=2, ep=2), (0, 1, 2), None, 2, "1f1b"),
+         (dict(pp=2, ep=2), (1,), 0.75, 2, "1f1b"),
+         (dict(pp=2, vpp=2, ep=2), (2,), None, 2, "interleaved")]
+
+
+def test_expert_parallel_with_tensor_sequence_and_data_parallel():
+    results = run_distributed(_world, 4, TP_EP, timeout=600)
+    assert len(results[0]) == 12
+    print("\n".join(results[0]))
+
+
+def test_expert_parallel_with_pipeline_parallel():
+    results = run_distributed(_world, 4, PP_EP, timeout=600)
+    assert len(results[0]) == 5
+    print("\n".join(results[0]))
+
+
+TP_PP_EP = [(dict(tp=2, pp=2, ep=2, sequence_parallel=True), (1,), 0.75, 2, "1f1b")]
+
+
+def test_expert_parallel_with_tensor_pipeline_and_data_parallel_8_ranks():
+    results = run_distributed(_world, 8, TP_PP_EP, timeout=600)
+    assert len(results[0]) == 1
+    print("\n".join(results[0]))
