@@ -17,6 +17,7 @@ here verifies what it reads, and a resume falls back to the newest checkpoint th
 """
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import logging
@@ -30,6 +31,8 @@ import torch.distributed as dist
 from safetensors import SafetensorError
 from safetensors import safe_open
 from safetensors.torch import save_file
+
+from models.config import TransformerConfig
 
 from . import integrity, storage
 
@@ -377,12 +380,18 @@ def check_compatible(meta: dict, *, model: dict, folder: str) -> None:
     """Refuse checkpoints of another model, naming the difference (a layout may differ:
     `training/reshard.py` maps any layout onto any other)."""
     saved_model = meta.get("model", {})
+    # A field an older checkpoint lacks had its default then (it was added later with that value).
+    defaults = {f.name: f.default for f in dataclasses.fields(TransformerConfig)}
     diffs = [k for k in ("vocab_size", "hidden_size", "num_layers", "num_attention_heads",
                          "ffn_hidden_size", "position_embedding", "embedding_layernorm",
                          "num_query_groups", "normalization", "activation", "rope_theta",
                          "rope_scaling", "tie_word_embeddings", "bias", "kv_channels", "add_qkv_bias",
-                         "qk_layernorm", "scale_attn_weights", "scale_attn_by_inverse_layer_idx")
-             if k in saved_model and saved_model.get(k) != model.get(k)]
+                         "qk_layernorm", "scale_attn_weights", "scale_attn_by_inverse_layer_idx",
+                         "num_experts", "moe_router_topk", "moe_ffn_hidden_size",
+                         "moe_router_pre_softmax", "moe_norm_topk_prob",
+                         "moe_shared_expert_intermediate_size", "moe_shared_expert_gate",
+                         "moe_layer_freq")
+             if saved_model.get(k, defaults[k]) != model.get(k, defaults[k])]
     if diffs:
         k = diffs[0]
         raise CheckpointError(f"{folder} holds another model: {k}={saved_model.get(k)!r} there, "
