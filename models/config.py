@@ -158,15 +158,23 @@ class TransformerConfig:
         if not self.is_moe_layer(layer):
             f = self.ffn_hidden_size
             return (self._mlp_matrices(f) + bias * fc1 * f) / tp + bias * h
-        f = self.moe_ffn_hidden_size
-        expert = self._mlp_matrices(f) + bias * (fc1 * f + h)
-        experts = self.moe_router_topk if active else self.num_experts / ep
-        out = self.num_experts * h + experts * expert
+        out = self.num_experts * h + self.expert_parameters(layer, ep, active)
         if self.moe_shared_expert_intermediate_size:
             s = self.moe_shared_expert_intermediate_size
             out += (self._mlp_matrices(s) + bias * fc1 * s) / tp + bias * h
             out += h if self.moe_shared_expert_gate else 0
         return out
+
+    def expert_parameters(self, layer: int = 0, ep: int = 1, active: bool = False) -> float:
+        """Parameters of layer `layer`'s routed experts one EP rank holds (`num_experts / ep`, or
+        the `topk` a token uses when `active`); 0 for a dense layer. ZeRO shards these over the
+        expert-data-parallel group, the rest of the layer over data parallelism."""
+        if not self.is_moe_layer(layer):
+            return 0.0
+        h, f, bias = self.hidden_size, self.moe_ffn_hidden_size, 1 if self.bias else 0
+        fc1 = 2 if self.activation == "swiglu" else 1
+        experts = self.moe_router_topk if active else self.num_experts / ep
+        return experts * (self._mlp_matrices(f) + bias * (fc1 * f + h))
 
     def layer_parameters(self, tp: int = 1, layer: int = 0, ep: int = 1, active: bool = False) -> float:
         """Parameters of transformer layer `layer` held by one TP (and EP) rank (replicated norms
@@ -211,13 +219,18 @@ class TransformerConfig:
             if not self.is_moe_layer(i):
                 mlp += self._mlp_matrices(self.ffn_hidden_size)
                 continue
-            mlp += self.num_experts * h + self.moe_router_topk * self._mlp_matrices(
-                self.moe_ffn_hidden_size)
             if self.moe_shared_expert_intermediate_size:
                 mlp += self._mlp_matrices(self.moe_shared_expert_intermediate_size) + \
                     (h if self.moe_shared_expert_gate else 0)
-        dense = 2 * (self.num_layers * (h * qkv + attn * h) + mlp)
+        dense = 2 * (self.num_layers * (h * qkv + attn * h) + mlp) + self.routed_flops_per_token()
         return dense, 4 * self.num_layers * seq_length * attn, 2 * h * self.vocab_size
+
+    def routed_flops_per_token(self) -> float:
+        """Forward FLOPs per token of the routers and the top-k experts a token visits, over all
+        layers: the part of `forward_flops_per_token` that runs whole on every TP rank."""
+        per_layer = self.num_experts * self.hidden_size + self.moe_router_topk * \
+            self._mlp_matrices(self.moe_ffn_hidden_size) if self.num_experts else 0
+        return 2.0 * per_layer * sum(self.is_moe_layer(i) for i in range(self.num_layers))
 
     def model_flops_per_token(self, seq_length: int) -> float:
         """Forward + backward (3x forward) FLOPs per token without recompute: the MFU convention."""

@@ -80,16 +80,17 @@ def inconsistent_groups(grid: Grid, groups: dict) -> list[str]:
 
 def _distinct(chunks, topo) -> dict:
     """Full numel of each distinct tensor this rank holds a part of, counted where the whole
-    model counts it: TP-replicated tensors on TP rank 0, a tied head copy not at all."""
+    model counts it: TP-replicated tensors on TP rank 0, a tied head copy not at all, a MoE
+    layer's stacked experts as all `ep` ranks' of them."""
     out = {}
-    for _, name, canonical, shape, dim, full, _ in param_table(chunks):
+    for _, name, canonical, shape, dim, full, _, expert in param_table(chunks):
         if canonical != name and name.endswith("head_weight"):
             continue  # the last stage's copy of the tied word embedding
         if dim < 0 and topo.tp_rank != 0:
             continue
         numel = 1
         for i, n in enumerate(shape):
-            numel *= full if i == dim else n
+            numel *= full if i == dim else n * (topo.ep if expert and i == 0 else 1)
         out[canonical] = numel
     return out
 
@@ -143,10 +144,7 @@ def dry_run_rank(run, world_size: int, rank: int, provider, step_microbatches: i
         seconds["step"] = time.perf_counter() - t
         tensors = rank_tensors(chunks, opt, rng, run.optimizer.zero_stage)
         stage = planner.stage_name(topo.pp_rank, topo.pp)
-        predicted = planner.model_state_bytes(
-            planner.stage_params(run.model, topo.tp, topo.pp, stage,
-                                 layers=planner.rank_layers(run.model, layout, topo.pp_rank)),
-            layout)
+        predicted = planner.rank_state_bytes(run.model, layout, topo.pp_rank)
         return RankReport(
             rank=rank, coords=tuple(topo.coords),
             chunks=[(i, *c.layer_range, c.pre_process, c.post_process)

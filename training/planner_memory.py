@@ -1,0 +1,305 @@
+"""The planner's layout and its memory per GPU (training/planner.py ranks layouts with these).
+
+Memory per GPU (bytes), for the heaviest pipeline stage (the first, or the last when it holds a
+large untied/copied head and fewer activations):
+
+* model states per parameter held by this rank (its TP shard of its stage's layers, plus the
+  word embedding on the first stage and the head copy on the last): weights `w` (2 bf16, 4 fp32),
+  gradients `g` (4 when gradients are accumulated in fp32 as Megatron and megazoo do by default,
+  2 as the ZeRO paper counts them), optimizer `k` (fp32 master 4 when it is separate + Adam 8).
+  ZeRO over N = dp ranks: stage 0 w+g+k, 1 w+g+k/N, 2 w+(g+k)/N, 3 (w+g+k)/N (Rajbhandari et al.
+  2020: with g=2, k=12, stage 1 is 4P + 12P/N, stage 2 2P + 14P/N, stage 3 16P/N).
+  Mixture of experts under expert parallelism ep: a rank holds num_experts / ep of each MoE
+  layer's routed experts (`TransformerConfig.expert_parameters`), whole on every TP rank, and
+  ZeRO shards their states over the expert-data-parallel group, N = dp / ep ranks, as the
+  optimizer's expert buckets do (parallel/zero/optimizer.py); the rest over dp.
+* activations per layer and microbatch: Korthikanti et al. 2022's per-tensor count, redone for
+  what megazoo saves (`layer_activation_bytes`), for each rank's layers of the trainer's partition
+  and the (microbatch, chunk) pairs its schedule keeps alive (`activation_bound`: under 1F1B
+  min(pp, m) microbatches on the first stage, L*(1 + (p-1)/(p*v)) layer-microbatches interleaved); the
+  last stage adds what the fused LM head saves, mainly the gradient of the logits, s*b*V/t.
+  Not modelled: allocator caching/fragmentation, communication buffers, framework workspace.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from models.config import TransformerConfig
+from parallel.layout import ParallelConfig
+from parallel.pipeline.schedules import activation_bound
+
+
+class PlanError(ValueError):
+    """A layout that cannot run at all (not one that merely does not fit)."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    vpp: int = 1
+    ep: int = 1  # expert parallel, carved out of dp (MoE models)
+    zero: int = 0
+    sequence_parallel: bool = False
+    recompute: str = "none"  # none | selective | full
+    micro_batch: int = 1
+    global_batch: int = 1
+    seq_length: int = 2048
+    precision: str = "bf16"  # bf16 | fp16 (16-bit weights, fp32 masters) | fp32
+    grad_bytes: int = 4  # 4: fp32 gradient accumulation (Megatron, megazoo); 2: ZeRO paper
+    flash_attention: bool = False  # attention scores never stored (SDPA / FlashAttention)
+    overlap_dp: bool = False
+    first_stage_layers: int | None = None  # uneven pipeline split, as the trainer's flags
+    last_stage_layers: int | None = None
+
+    def parallel_config(self) -> ParallelConfig:
+        return ParallelConfig(tp=self.tp, pp=self.pp, vpp=self.vpp, ep=self.ep,
+                              sequence_parallel=self.sequence_parallel,
+                              first_stage_layers=self.first_stage_layers,
+                              last_stage_layers=self.last_stage_layers)
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def edp(self) -> int:
+        """Expert-data-parallel size: the ranks holding the same experts."""
+        return self.dp // self.ep
+
+    @property
+    def microbatches(self) -> int:
+        return self.global_batch // (self.dp * self.micro_batch)
+
+    def describe(self) -> str:
+        extra = (f" vpp{self.vpp}" if self.vpp > 1 else "") + (" sp" if self.sequence_parallel else "") \
+            + (f" ep{self.ep}" if self.ep > 1 else "")
+        return (f"tp{self.tp} pp{self.pp} dp{self.dp}{extra} zero{self.zero} rc={self.recompute} "
+                f"mbs{self.micro_batch} gbs{self.global_batch}")
+
+
+@dataclass
+class Memory:
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+    stage: str  # "first" | "last" | "only"
+
+    @property
+    def model_states(self) -> float:
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def total(self) -> float:
+        return self.model_states + self.activations
+
+
+# ---- parameter counts ------------------------------------------------------------------------
+
+def stage_name(pp_rank: int, pp: int) -> str:
+    """"only", "first", "middle" or "last": what a pipeline rank holds besides its layers."""
+    return "only" if pp == 1 else "first" if pp_rank == 0 else \
+        "last" if pp_rank == pp - 1 else "middle"
+
+
+def _stage_rank(stage: str, pp: int, pp_rank: int | None) -> int:
+    if pp_rank is None and stage == "middle":
+        raise PlanError("a middle pipeline stage needs its pp_rank")
+    return pp_rank if pp_rank is not None else pp - 1 if stage == "last" else 0
+
+
+def rank_layers(cfg: TransformerConfig, layout: "Layout", pp_rank: int) -> int:
+    """Layers pipeline rank `pp_rank` holds over its chunks, as the trainer partitions them."""
+    sizes = layout.parallel_config().layers_per_block(cfg.num_layers)
+    return sum(sizes[pp_rank::layout.pp])
+
+
+def stage_params(cfg: TransformerConfig, tp: int, pp: int, stage: str,
+                 layers: int | None = None) -> float:
+    """Parameters one rank of the `stage` ("first", "middle", "last", "only") holds: `layers`
+    transformer layers shaped as layer 0 (default an even split, ceil(L/pp); `rank_params`
+    counts a layout's rank layer by layer, as MoE models with --moe-layer-freq need)."""
+    layers = math.ceil(cfg.num_layers / pp) if layers is None else layers
+    n = layers * cfg.layer_parameters(tp)
+    words = cfg.padded_vocab_size(tp) * cfg.hidden_size / tp
+    if stage in ("first", "only"):
+        n += cfg.embedding_parameters(tp, padded=True)
+    if stage in ("last", "only"):
+        n += cfg.norm_parameters()  # final norm
+        if stage == "last" or not cfg.tie_word_embeddings:
+            n += words  # untied head, or the last stage's copy of the tied embedding
+    return n
+
+
+def rank_layer_ids(cfg: TransformerConfig, layout: "Layout", pp_rank: int) -> list[int]:
+    """Global indices of the layers pipeline rank `pp_rank` holds, as the trainer partitions."""
+    specs = layout.parallel_config().chunk_specs(cfg.num_layers, pp_rank)
+    return [i for spec in specs for i in range(*spec.layer_range)]
+
+
+def rank_params(cfg: TransformerConfig, layout: "Layout", pp_rank: int) -> tuple[float, float]:
+    """(dense, expert) parameters pipeline rank `pp_rank` holds: its TP shard of its layers and
+    stage ends, and its num_experts / ep share of each MoE layer's routed experts."""
+    ids = rank_layer_ids(cfg, layout, pp_rank)
+    total = stage_params(cfg, layout.tp, layout.pp, stage_name(pp_rank, layout.pp), layers=0) + \
+        sum(cfg.layer_parameters(layout.tp, i, layout.ep) for i in ids)
+    expert = sum(cfg.expert_parameters(i, layout.ep) for i in ids)
+    return total - expert, expert
+
+
+# ---- memory ----------------------------------------------------------------------------------
+
+def state_bytes_per_param(layout: Layout) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer) bytes per parameter before ZeRO sharding."""
+    if layout.precision == "fp32":
+        return 4.0, 4.0, 8.0  # the fp32 weights are the masters; Adam m and v
+    return 2.0, float(layout.grad_bytes), 12.0  # fp32 master + Adam m and v
+
+
+def model_state_bytes(n_params: float, layout: Layout,
+                      expert_params: float = 0.0) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer) bytes of `n_params` parameters sharded by ZeRO over dp and
+    `expert_params` routed-expert parameters sharded over the expert-data-parallel group."""
+    w, g, k = state_bytes_per_param(layout)
+    out = [0.0, 0.0, 0.0]
+    for params, n in ((n_params, layout.dp), (expert_params, layout.edp)):
+        shard = {0: (1, 1, 1), 1: (1, 1, n), 2: (1, n, n), 3: (n, n, n)}[layout.zero]
+        for i, per_param in enumerate((w, g, k)):
+            out[i] += params * per_param / shard[i]
+    return out[0], out[1], out[2]
+
+
+def rank_state_bytes(cfg: TransformerConfig, layout: Layout, pp_rank: int) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer) bytes pipeline rank `pp_rank` holds (the dry run's check)."""
+    dense, expert = rank_params(cfg, layout, pp_rank)
+    return model_state_bytes(dense, layout, expert)
+
+
+def activation_element_bytes(layout: Layout) -> int:
+    """Bytes of one activation element: the model's dtype (4 fp32, 2 bf16 or fp16)."""
+    return 4 if layout.precision == "fp32" else 2
+
+
+def _norm_input_bytes(cfg: TransformerConfig, e: int) -> int:
+    return e if cfg.normalization == "layernorm" else 4 + e  # RMSNorm: + its fp32 copy
+
+
+def layer_activation_bytes(cfg: TransformerConfig, layout: Layout) -> tuple[float, float]:
+    """(bytes kept per layer and microbatch, bytes of one layer's full activations).
+
+    Korthikanti et al. 2022's s*b*h*(34 + 5*a*s/h) bytes (16-bit, dropout, unfused attention),
+    counted again tensor by tensor for what megazoo's layer saves for backward. Per s*b*h, with
+    e = bytes per activation element (4 fp32, 2 bf16/fp16), t = tp, u = t under SP else 1:
+      norm inputs     2n/u   n = e (LayerNorm), 4 + e (RMSNorm: an fp32 copy and its output)
+      QKV, fc1 input  2e/u   under SP the sequence shard: the gather is redone in backward
+                             (parallel/sequence_parallel_linear.py, as Megatron does)
+      q, k, v         e(a + 2max(g, t))d/(ht), 3e/t with one key/value head per query head
+      attention out   e/t, the dense input; flash attention (SDPA) also keeps its own output,
+                      +e/t (on CPU the dense input is a view of it, but the engine's
+                      measurement counts both, and kernels writing [b, s, heads, d] need a copy)
+      scores          as/(ht)(e + 1 + e): softmax out, dropout mask and out (e alone without
+                      attention dropout); none with flash attention or selective recompute
+      MLP             2ef/(ht) GELU (its input, fc2's); 4ef/(ht) SwiGLU (gate, up, silu, fc2's)
+      MoE MLP         an estimate, averaged over the layers (not measured: the dry run cannot
+                      step MoE on meta tensors): router input e, fp32 logits and probabilities
+                      8E/h, per routed copy (k per token, experts whole on every TP rank, even
+                      load) its input, the expert's MLP as above with f = moe_ffn_hidden_size
+                      and its output; a shared expert as a dense MLP
+      dropout masks   2/u    1-byte masks after attention and MLP, when hidden_dropout > 0
+      ALiBi bias      e*a*s/(h*t*b): with flash attention the kernel keeps the additive bias
+                      [1, a/t, s, s] it was given (BLOOM), shared by the microbatch's sequences
+    In Korthikanti's setting (f = 4h) this is their 34 + 5as/h, and 10 + 24/t + 5as/(ht) with
+    TP, and their (34 + 5as/h)/t with SP. Per-token vectors (norm
+    statistics, log-sum-exp) are left out. Full recompute keeps each layer's input, e*s*b*h/u,
+    plus one layer's full activations while it is recomputed.
+    """
+    s, b, h, a, t = (layout.seq_length, layout.micro_batch, cfg.hidden_size,
+                     cfg.num_attention_heads, layout.tp)
+    e = activation_element_bytes(layout)
+    u = t if layout.sequence_parallel and t > 1 else 1
+    flash = layout.flash_attention
+    norm = _norm_input_bytes(cfg, e)
+    qkv = e * (a + 2 * max(cfg.num_query_groups, t)) * cfg.head_dim / (h * t)
+    attn_out = (2 if flash else 1) * e / t
+    per_score = e + ((1 + e) if cfg.attention_dropout > 0 else 0)
+    scores = 0.0 if (flash or layout.recompute == "selective") else a * s / (h * t) * per_score
+    per_f = e * (4 if cfg.activation == "swiglu" else 2) / h  # MLP bytes per hidden unit
+    mlp = per_f * cfg.ffn_hidden_size / t
+    if cfg.num_experts:
+        moe = sum(map(cfg.is_moe_layer, range(cfg.num_layers))) / cfg.num_layers
+        routed = e + 8 * cfg.num_experts / h + cfg.moe_router_topk * (
+            2 * e + per_f * cfg.moe_ffn_hidden_size) + \
+            per_f * (cfg.moe_shared_expert_intermediate_size or 0) / t
+        mlp = (1 - moe) * mlp + moe * routed
+    masks = 2 / u if cfg.hidden_dropout > 0 else 0.0
+    # A fused kernel given ALiBi's additive bias [1, a/t, s, s] keeps it (one per microbatch).
+    alibi = e * a * s / (h * t * b) if flash and cfg.position_embedding == "alibi" else 0.0
+    full = s * b * h * (2 * norm / u + 2 * e / u + qkv + attn_out + scores + mlp + masks + alibi)
+    if layout.recompute == "full":
+        return e * s * b * h / u, full
+    return full, 0.0
+
+
+def pipeline_schedule(layout: Layout) -> str:
+    """The schedule the trainer runs for this layout (training/arguments.py's default)."""
+    return "no_pipelining" if layout.pp == 1 else "interleaved" if layout.vpp > 1 else "1f1b"
+
+
+def activation_bytes(cfg: TransformerConfig, layout: Layout, stage: str,
+                     pp_rank: int | None = None) -> float:
+    """Activation bytes one rank of `stage` keeps at its peak: its layers' for the (microbatch,
+    chunk) pairs its schedule keeps alive (`activation_bound`); on the first stage per microbatch in flight the token ids (int64), the embedding
+    LayerNorm's input (e*s*b*h, BLOOM) and dropout mask (s*b*h/u); on the last the final norm's
+    input (n*s*b*h/u) and what the fused head saves (parallel/fused_cross_entropy.py): its input
+    after the SP gather (e*s*b*h, whole) and the gradient of the logits, s*b*V/t elements in the
+    weights' dtype (fp32 for fp16 models); the logits themselves are never materialised."""
+    s, b, h, t = layout.seq_length, layout.micro_batch, cfg.hidden_size, layout.tp
+    e = activation_element_bytes(layout)
+    u = t if layout.sequence_parallel and t > 1 else 1
+    kept, working = layer_activation_bytes(cfg, layout)
+    m = max(layout.microbatches, 1)
+    rank = _stage_rank(stage, layout.pp, pp_rank)
+    units = activation_bound(pipeline_schedule(layout), layout.pp, rank, m, layout.vpp)
+    in_flight = rank_layers(cfg, layout, rank) / layout.vpp * units
+    total = kept * in_flight + working
+    sbh = s * b * h
+    if stage in ("first", "only"):
+        embedding = 8 * s * b + (e * sbh if cfg.embedding_layernorm else 0.0) + \
+            (sbh / u if cfg.hidden_dropout > 0 else 0.0)
+        total += embedding * (min(layout.pp, m) if stage == "first" else 1)
+    if stage in ("last", "only"):
+        norm = _norm_input_bytes(cfg, e)
+        grad_logits = 2 if layout.precision == "bf16" else 4
+        total += norm * sbh / u + e * sbh + grad_logits * s * b * cfg.padded_vocab_size(t) / t
+    return total
+
+
+def layout_of_run(run, dp: int) -> Layout:
+    """The planner's view of a run: the same layout, batch and precision (SDPA: flash)."""
+    opt, p = run.optimizer, run.parallel
+    return Layout(
+        tp=p.tp, pp=p.pp, dp=dp, vpp=p.vpp, ep=p.ep, zero=opt.zero_stage,
+        sequence_parallel=p.sequence_parallel and p.tp > 1,
+        # the planner models full recompute as Megatron's default, uniform units of one layer
+        recompute=run.model.recompute_granularity or "none",
+        micro_batch=run.schedule.micro_batch_size, global_batch=run.schedule.global_batch_size,
+        seq_length=run.data.seq_length, precision=opt.precision,
+        grad_bytes=opt.grad_torch_dtype.itemsize,
+        flash_attention=True, first_stage_layers=p.first_stage_layers,
+        last_stage_layers=p.last_stage_layers)
+
+
+def memory_per_gpu(cfg: TransformerConfig, layout: Layout) -> Memory:
+    stages = ["only"] if layout.pp == 1 else ["first", "last"]
+    best = None
+    for stage in stages:
+        p, g, o = rank_state_bytes(cfg, layout, _stage_rank(stage, layout.pp, None))
+        mem = Memory(p, g, o, activation_bytes(cfg, layout, stage), stage)
+        if best is None or mem.total > best.total:
+            best = mem
+    return best
+
+
