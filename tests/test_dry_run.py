@@ -119,8 +119,7 @@ def test_gpu_check_refuses_without_cuda():
 def test_moe_rank_states_are_the_planners():
     """MoE layouts (tp2 x pp2 x dp4, ep2, every other layer MoE; pp1 under ZeRO-3): on each stage
     the ZeRO buffers hold the planner's model states to the byte, routed experts sharded over the
-    dp / ep = 2
-    expert-data-parallel ranks, the rest over dp. Built, not stepped: the MoE step's routing has
+    dp / ep = 2 expert-data-parallel ranks, the rest over dp. Built, not stepped: the MoE step's routing has
     data-dependent shapes, which meta tensors lack."""
     from training import planner
     for zero in (0, 1, 2, 3):

@@ -12,6 +12,9 @@ Only layouts the trainer accepts are ranked: each is checked by train_*.py's own
     python tools/plan.py --hidden-size 4096 --num-layers 32 --num-attention-heads 32 \\
         --gpus 64 --gpus-per-node 8 --gpu-memory-gb 80 --peak-tflops 989 \\
         --intra-node-gbps 370 --inter-node-gbps 50 --global-batch-size 512
+    # a mixture of experts: the expert-parallel size is searched unless pinned
+    python tools/plan.py --model mixtral-8x7b --cluster dgx-h100-80gb --gpus 64 \
+        --global-batch-size 256 --seq-length 4096 --expert-model-parallel-size 8
     # predicted vs published runs (the table in docs/planner.md)
     python tools/plan.py --published
 """
@@ -49,6 +52,8 @@ def parse_args(argv=None):
     lay.add_argument("--tp", type=int)
     lay.add_argument("--pp", type=int)
     lay.add_argument("--vpp", type=int)
+    lay.add_argument("--expert-model-parallel-size", type=int, dest="ep",
+                     help="ranks each MoE layer's experts are split over (carved out of dp)")
     lay.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3])
     lay.add_argument("--recompute", choices=["none", "selective", "full"])
     lay.add_argument("--sequence-parallel", action="store_true", default=None)
@@ -101,6 +106,13 @@ def trainer_argv(cfg: TransformerConfig, lay: Layout) -> list[str]:
             "--pipeline-model-parallel-size", lay.pp, "--zero-stage", lay.zero,
             "--micro-batch-size", lay.micro_batch, "--global-batch-size", lay.global_batch,
             "--mock-data", "--train-iters", 1]
+    if cfg.num_experts:
+        argv += ["--num-experts", cfg.num_experts, "--moe-router-topk", cfg.moe_router_topk,
+                 "--moe-ffn-hidden-size", cfg.moe_ffn_hidden_size,
+                 "--moe-layer-freq", cfg.moe_layer_freq, "--expert-model-parallel-size", lay.ep]
+        if cfg.moe_shared_expert_intermediate_size:
+            argv += ["--moe-shared-expert-intermediate-size",
+                     cfg.moe_shared_expert_intermediate_size]
     if cfg.num_query_groups:
         argv += ["--group-query-attention", "--num-query-groups", cfg.num_query_groups]
     if lay.vpp > 1:
@@ -144,11 +156,15 @@ def published_table() -> str:
              "predicted | error |", "|---|---|---|---|---|---|---|---|---|"]
     for r in published_runs():
         p = plan(r.model, r.layout, r.cluster)
-        err = p.time.tflops_per_gpu / r.tflops_per_gpu - 1
-        lines.append(f"| {r.name} | {r.layout.describe()} | {r.cluster.num_gpus} | "
-                     f"{r.model.num_parameters() / 1e9:.1f}B | {p.memory.total / GiB:.1f} | "
-                     f"{'yes' if p.fits else 'NO'} | {r.tflops_per_gpu:.0f} | "
-                     f"{p.time.tflops_per_gpu:.0f} | {100 * err:+.0f}% |")
+        cfg = r.model
+        params = f"{cfg.num_parameters() / 1e9:.1f}B" + (
+            f" ({cfg.num_parameters(active=True) / 1e9:.1f}B active)" if cfg.num_experts else "")
+        published = "memory only" if r.tflops_per_gpu is None else f"{r.tflops_per_gpu:.0f}"
+        err = "" if r.tflops_per_gpu is None else \
+            f"{100 * (p.time.tflops_per_gpu / r.tflops_per_gpu - 1):+.0f}%"
+        lines.append(f"| {r.name} | {r.layout.describe()} | {r.cluster.num_gpus} | {params} | "
+                     f"{p.memory.total / GiB:.1f} | {'yes' if p.fits else 'NO'} | {published} | "
+                     f"{p.time.tflops_per_gpu:.0f} | {err} |")
     return "\n".join(lines)
 
 
@@ -159,7 +175,7 @@ def main(argv=None) -> None:
         print(published_table())
         return
     cfg, cluster = build_model(a), build_cluster(a)
-    fixed = {k: v for k, v in dict(tp=a.tp, pp=a.pp, vpp=a.vpp, zero=a.zero_stage,
+    fixed = {k: v for k, v in dict(tp=a.tp, pp=a.pp, vpp=a.vpp, ep=a.ep, zero=a.zero_stage,
                                    recompute=a.recompute, sequence_parallel=a.sequence_parallel,
                                    micro_batch=a.micro_batch_size).items() if v is not None}
     common = dict(precision=a.precision, grad_bytes=a.grad_bytes,
@@ -168,15 +184,16 @@ def main(argv=None) -> None:
                   last_stage_layers=a.decoder_last_pipeline_num_layers)
     if cfg.num_experts:
         print(f"mixture of experts: {cfg.num_parameters(active=True) / 1e9:.2f}B of the "
-              f"{cfg.num_parameters() / 1e9:.2f}B parameters active per token (FLOPs count these); "
-              f"memory assumes every rank holds all experts: expert parallelism is not modelled")
+              f"{cfg.num_parameters() / 1e9:.2f}B parameters active per token (FLOPs and MFU "
+              f"count these); each rank holds num_experts / ep experts per MoE layer")
     print(f"model: {cfg.num_parameters() / 1e9:.2f}B parameters (h={cfg.hidden_size}, "
           f"L={cfg.num_layers}, heads={cfg.num_attention_heads}, V={cfg.vocab_size}); cluster: "
           f"{cluster.num_gpus} x {cluster.memory_bytes / GiB:.0f} GiB, "
           f"{cluster.peak_flops / 1e12:.0f} TFLOP/s peak")
-    if {"tp", "pp", "zero", "recompute", "micro_batch"} <= set(fixed):
+    if {"tp", "pp", "zero", "recompute", "micro_batch"} <= set(fixed) and \
+            ("ep" in fixed or not cfg.num_experts):
         dp = cluster.num_gpus // (a.tp * a.pp)
-        layout = Layout(tp=a.tp, pp=a.pp, dp=dp, vpp=a.vpp or 1, zero=a.zero_stage,
+        layout = Layout(tp=a.tp, pp=a.pp, dp=dp, vpp=a.vpp or 1, ep=a.ep or 1, zero=a.zero_stage,
                         sequence_parallel=bool(a.sequence_parallel), recompute=a.recompute,
                         micro_batch=a.micro_batch_size, global_batch=a.global_batch_size,
                         seq_length=a.seq_length, **common)
@@ -187,7 +204,7 @@ def main(argv=None) -> None:
         print(HEADER + "\n" + row(p))
         t = p.time
         print(f"fits: {p.fits} ({p.memory.stage} stage);  time: compute {t.compute:.2f} s, TP "
-              f"{t.tp_comm:.2f}, PP p2p {t.pp_comm:.2f}, bubble {t.bubble:.2f}, DP {t.dp_comm:.2f}, "
+              f"{t.tp_comm:.2f}, EP all-to-all {t.ep_comm:.2f}, PP p2p {t.pp_comm:.2f}, bubble {t.bubble:.2f}, DP {t.dp_comm:.2f}, "
               f"optimizer {t.optimizer:.3f};  {t.tokens_per_s:,.0f} tokens/s")
         refusal = trainer_refusal(cfg, layout)
         if refusal:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from models.config import TransformerConfig
+from models.config import PRESETS, TransformerConfig, preset
 
 from .planner import Cluster, Layout
 
@@ -29,7 +29,7 @@ class PublishedRun:
     model: TransformerConfig
     cluster: Cluster
     layout: Layout
-    tflops_per_gpu: float  # as reported: hardware FLOPs (recompute included) per GPU
+    tflops_per_gpu: float | None  # as reported: hardware FLOPs per GPU; None: layout only
     source: str
 
 
@@ -74,7 +74,42 @@ def published_runs() -> list[PublishedRun]:
             a100.replace(num_gpus=nodes * 8),
             Layout(tp=8, pp=35, dp=nodes * 8 // 280, zero=1, recompute="full", micro_batch=1,
                    global_batch=1920), tflops, "Smith et al. 2022, Table 1"))
+    runs += moe_runs()
     return runs
+
+
+def qwen3_235b_a22b() -> TransformerConfig:
+    """Qwen3-235B-A22B from its released config.json (no preset: megazoo trains the Qwen3-MoE
+    shape through `qwen3-*` fields plus the MoE ones; 235.1B parameters, 22.2B active)."""
+    return TransformerConfig(**{**PRESETS["qwen3-0.6b"], "hidden_size": 4096, "num_layers": 94,
+                                "num_attention_heads": 64, "num_query_groups": 4,
+                                "kv_channels": 128, "ffn_hidden_size": 12288,
+                                "tie_word_embeddings": False, "num_experts": 128,
+                                "moe_router_topk": 8, "moe_ffn_hidden_size": 1536,
+                                "moe_router_pre_softmax": True, "moe_norm_topk_prob": True})
+
+
+def moe_runs() -> list[PublishedRun]:
+    """Mixture-of-experts runs (assumptions in docs/planner.md). Megatron-Core's distributed
+    optimizer is ZeRO-1; its fused attention is flash attention."""
+    h100 = CLUSTERS["dgx-h100-80gb"]
+    return [
+        PublishedRun(
+            "Mixtral-8x7B", preset("mixtral-8x7b"), h100.replace(num_gpus=64),
+            Layout(tp=1, pp=4, vpp=8, ep=8, dp=16, zero=1, micro_batch=1, global_batch=256,
+                   seq_length=4096, flash_attention=True), 438,
+            "Megatron-LM megatron/core/transformer/moe/README.md (MCore v0.8): 64 H100, TP1 EP8 "
+            "PP4 VP8, MBS 1, GBS 256, seq 4096, bf16, dropless all-to-all; 438 TFLOP/s"),
+        # The source's 276 TFLOP/s is for Megatron's expert-tensor folding (ETP 1: the experts
+        # are split over tp x dp, never replicated over TP), which megazoo does not have: under
+        # megazoo this layout replicates the expert compute over tp 2, so only memory is compared.
+        PublishedRun(
+            "Qwen3-235B-A22B", qwen3_235b_a22b(), h100.replace(num_gpus=256),
+            Layout(tp=2, pp=1, ep=8, dp=128, zero=3, sequence_parallel=True, recompute="full",
+                   micro_batch=4, global_batch=2048, seq_length=4096, flash_attention=True), None,
+            "yanring/Megatron-MoE-ModelZoo best_practice/qwen3/readme.md: 256 H100, TP2 EP8 "
+            "PP1, FSDP, full recompute, MBS 4, GBS 2048, seq 4096, bf16 (memory fit only)"),
+    ]
 
 
 @dataclass(frozen=True)
