@@ -225,12 +225,12 @@ class TransformerConfig:
         dense = 2 * (self.num_layers * (h * qkv + attn * h) + mlp) + self.routed_flops_per_token()
         return dense, 4 * self.num_layers * seq_length * attn, 2 * h * self.vocab_size
 
-    def routed_flops_per_token(self) -> float:
+    def routed_flops_per_token(self) -> int:
         """Forward FLOPs per token of the routers and the top-k experts a token visits, over all
         layers: the part of `forward_flops_per_token` that runs whole on every TP rank."""
         per_layer = self.num_experts * self.hidden_size + self.moe_router_topk * \
             self._mlp_matrices(self.moe_ffn_hidden_size) if self.num_experts else 0
-        return 2.0 * per_layer * sum(self.is_moe_layer(i) for i in range(self.num_layers))
+        return 2 * per_layer * sum(self.is_moe_layer(i) for i in range(self.num_layers))
 
     def model_flops_per_token(self, seq_length: int) -> float:
         """Forward + backward (3x forward) FLOPs per token without recompute: the MFU convention."""
