@@ -40,9 +40,9 @@ class Layout:
     pp: int = 1
     dp: int = 1
     vpp: int = 1
-    ep: int = 1  # expert parallel, carved out of dp (MoE models)
     zero: int = 0
     sequence_parallel: bool = False
+    ep: int = 1  # expert parallel, carved out of dp (MoE models)
     recompute: str = "none"  # none | selective | full
     micro_batch: int = 1
     global_batch: int = 1
