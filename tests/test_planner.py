@@ -201,6 +201,29 @@ def test_expert_parallel_layouts_checked_and_searched():
                                                 fixed={**fixed, "ep": 4})} == {4}
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_moe_activations_match_what_autograd_saves(dtype):
+    """One process, moe-tiny (top-2 of 8), every layer and every other layer MoE, the Qwen-style
+    pre-softmax router once: the bytes autograd saves in a forward (the pipeline engine's
+    counter: each saved view once) against the planner's count."""
+    import torch
+    from models.language_model import TransformerLanguageModel
+    from parallel.pipeline.engine import SavedBytes
+    from parallel.topology import ParallelConfig, ParallelTopology
+    topo = ParallelTopology.from_config(ParallelConfig())
+    for fields in ({}, {"moe_layer_freq": 2}, {"moe_router_pre_softmax": True}):
+        cfg = preset("moe-tiny", params_dtype=dtype, **fields)
+        model = TransformerLanguageModel(cfg, topo)
+        counter = SavedBytes([model])
+        ids = torch.randint(0, cfg.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0))
+        with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
+            model(ids, labels=ids).float().mean().backward()
+        layout = Layout(precision="fp32" if dtype == "float32" else "bf16", flash_attention=True,
+                        micro_batch=2, global_batch=2, seq_length=64)
+        assert math.isclose(activation_bytes(cfg, layout, "only"), counter.total, rel_tol=0.03), \
+            (fields, counter.total)
+
+
 # ---- predicted vs measured: the ZeRO optimizer's model states on 2 gloo ranks -----------------
 
 TINY = dict(vocab_size=1000, hidden_size=64, num_layers=2, num_attention_heads=4,

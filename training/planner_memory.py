@@ -203,11 +203,12 @@ def layer_activation_bytes(cfg: TransformerConfig, layout: Layout) -> tuple[floa
       scores          as/(ht)(e + 1 + e): softmax out, dropout mask and out (e alone without
                       attention dropout); none with flash attention or selective recompute
       MLP             2ef/(ht) GELU (its input, fc2's); 4ef/(ht) SwiGLU (gate, up, silu, fc2's)
-      MoE MLP         an estimate, averaged over the layers (not measured: the dry run cannot
-                      step MoE on meta tensors): router input e, fp32 logits and probabilities
-                      8E/h, per routed copy (k per token, experts whole on every TP rank, even
-                      load) its input, the expert's MLP as above with f = moe_ffn_hidden_size
-                      and its output; a shared expert as a dense MLP
+      MoE MLP         averaged over the layers: the router's input e, its fp32 top-k weights
+                      (all E probabilities with the pre-softmax router) and int64 choices
+                      (4k or 4E, + 8k)/h; per routed copy (k per token, experts whole on every
+                      TP rank, even load) its input, the expert output and the weighted one 3e,
+                      the expert MLP as above with f = moe_ffn_hidden_size, three int64 index
+                      vectors and its weight (24 + e)/h; a shared expert as a dense MLP
       dropout masks   2/u    1-byte masks after attention and MLP, when hidden_dropout > 0
       ALiBi bias      e*a*s/(h*t*b): with flash attention the kernel keeps the additive bias
                       [1, a/t, s, s] it was given (BLOOM), shared by the microbatch's sequences
@@ -230,8 +231,9 @@ def layer_activation_bytes(cfg: TransformerConfig, layout: Layout) -> tuple[floa
     mlp = per_f * cfg.ffn_hidden_size / t
     if cfg.num_experts:
         moe = sum(map(cfg.is_moe_layer, range(cfg.num_layers))) / cfg.num_layers
-        routed = e + 8 * cfg.num_experts / h + cfg.moe_router_topk * (
-            2 * e + per_f * cfg.moe_ffn_hidden_size) + \
+        k = cfg.moe_router_topk
+        router = e + (4 * (cfg.num_experts if cfg.moe_router_pre_softmax else k) + 8 * k) / h
+        routed = router + k * (3 * e + per_f * cfg.moe_ffn_hidden_size + (24 + e) / h) + \
             per_f * (cfg.moe_shared_expert_intermediate_size or 0) / t
         mlp = (1 - moe) * mlp + moe * routed
     masks = 2 / u if cfg.hidden_dropout > 0 else 0.0
