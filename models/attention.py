@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from parallel.context_parallel import check_attention, context_attention, sequence_positions
 from parallel.random import RNGStreams
 from parallel.tensor_parallel import ColumnParallelLinear, GroupedLayout, RowParallelLinear
 from parallel.topology import ParallelTopology
@@ -47,6 +48,19 @@ def causal_bias(slopes: torch.Tensor | None, q_len: int, k_len: int, dtype, devi
     bias = distance.new_zeros(distance.shape)[None] if slopes is None \
         else slopes.to(device)[:, None, None] * distance
     return bias.masked_fill(distance > 0, float("-inf")).to(dtype)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     slopes: torch.Tensor | None = None, dropout_p: float = 0.0) -> torch.Tensor:
+    """SDPA of q [b, heads, q, d] over k, v [b, kv_heads, k, d], queries being the last q of the
+    k positions, with ALiBi when `slopes` are given."""
+    mask = None
+    if slopes is not None or k.shape[2] != q.shape[2]:
+        # 4-D [1, heads, q, k]: the shape SDPA's fused CPU kernel takes (a 3-D mask falls
+        # back to the unfused math path, 1.5x slower here)
+        mask = causal_bias(slopes, q.shape[2], k.shape[2], q.dtype, q.device)[None]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
+                                          is_causal=mask is None, enable_gqa=q.shape[1] != k.shape[1])
 
 
 class KVCache:
@@ -81,7 +95,8 @@ class ParallelAttention(nn.Module):
         self.heads_local, self.head_dim = heads // topo.tp, d
         self.groups_local = max(groups // topo.tp, 1)  # 1 when KV heads are replicated
         self.q_per_group_local = self.heads_local // self.groups_local
-        self.dropout, self.rng = config.attention_dropout, rng
+        self.dropout, self.rng, self.topo = config.attention_dropout, rng, topo
+        check_attention(config.attention_dropout, topo)
         per_group = heads // groups
         # Multi-head attention keeps plain contiguous shards (GPT and BLOOM checkpoints as before).
         layout = None if groups == heads else GroupedLayout(groups, per_group * d, 2 * d)
@@ -107,18 +122,15 @@ class ParallelAttention(nn.Module):
         q = q.reshape(s, b, g * qg, d).permute(1, 2, 0, 3)  # [b, heads, s, d]
         k, v = k.squeeze(3).permute(1, 2, 0, 3), v.squeeze(3).permute(1, 2, 0, 3)
         if self.rotary is not None:
-            q, k = self.rotary(q, k, cache.offset if cache is not None else 0)
+            positions = sequence_positions(s, self.topo, cache.offset if cache is not None else 0)
+            q, k = self.rotary(q, k, positions)
         if cache is not None:
             k, v = cache.update(layer, k, v)
-        mask = None
-        if self.alibi_slopes is not None or k.shape[2] != s:
-            # 4-D [1, heads, q, k]: the shape SDPA's fused CPU kernel takes (a 3-D mask falls
-            # back to the unfused math path, 1.5x slower here)
-            mask = causal_bias(self.alibi_slopes, s, k.shape[2], q.dtype, q.device)[None]
         p = self.dropout if self.training else 0.0
-        # Heads differ per TP rank, so attention dropout draws from the tensor-parallel stream.
-        with self.rng.fork() if (self.rng is not None and p > 0) else contextlib.nullcontext():
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p,
-                                                 is_causal=mask is None, enable_gqa=qg > 1)
+        if self.topo.cp > 1:  # the sequence is split over context-parallel ranks
+            out = context_attention(q, k, v, self.topo, self.alibi_slopes, causal_attention)
+        else:  # heads differ per TP rank, so attention dropout draws from the TP stream
+            with self.rng.fork() if (self.rng is not None and p > 0) else contextlib.nullcontext():
+                out = causal_attention(q, k, v, self.alibi_slopes, p)
         out = out.permute(2, 0, 1, 3).reshape(s, b, self.heads_local * d)
         return self.dense(out)
