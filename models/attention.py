@@ -96,7 +96,7 @@ class ParallelAttention(nn.Module):
         self.groups_local = max(groups // topo.tp, 1)  # 1 when KV heads are replicated
         self.q_per_group_local = self.heads_local // self.groups_local
         self.dropout, self.rng, self.topo = config.attention_dropout, rng, topo
-        check_attention(config.attention_dropout, topo)
+        check_attention(config.attention_dropout, topo.cp)
         per_group = heads // groups
         # Multi-head attention keeps plain contiguous shards (GPT and BLOOM checkpoints as before).
         layout = None if groups == heads else GroupedLayout(groups, per_group * d, 2 * d)

@@ -19,6 +19,7 @@ from typing import Callable
 
 import torch
 
+from .layout import LayoutError
 from .topology import ParallelTopology
 
 COMM_TYPES = ("p2p", "a2a")  # --cp-comm-type
@@ -57,12 +58,13 @@ def sequence_positions(length: int, topo: ParallelTopology, offset: int = 0,
     return local_positions(length, topo.cp, topo.cp_rank, device)
 
 
-def check_attention(attention_dropout: float, topo: ParallelTopology) -> None:
-    """Refuse what the context-parallel attention does not model."""
-    if topo.cp > 1 and attention_dropout > 0:
-        raise ValueError(f"--attention-dropout {attention_dropout} is not supported with "
-                         f"--context-parallel-size {topo.cp} (the ring attention has no dropout); "
-                         f"set --attention-dropout 0")
+def check_attention(attention_dropout: float, cp: int) -> None:
+    """Refuse what the context-parallel attention does not model (run by the trainer's flag
+    checks and by every attention layer)."""
+    if cp > 1 and attention_dropout > 0:
+        raise LayoutError(f"--attention-dropout {attention_dropout} is not supported with "
+                          f"--context-parallel-size {cp} (context-parallel attention has no "
+                          f"dropout); set --attention-dropout 0")
 
 
 def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, topo: ParallelTopology,

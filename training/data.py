@@ -1,7 +1,9 @@
 """From the data configuration to per-rank microbatches of tokens and labels.
 
 Every rank reads its own microbatches (the datasets are memory-mapped, the sampler is
-deterministic), so no broadcast of data across TP or PP ranks is needed.
+deterministic), so no broadcast of data across TP or PP ranks is needed. Under context
+parallelism a rank keeps only its chunks of each sample's tokens and labels
+(`parallel.context_parallel.split_sequence`); the model derives their positions from its rank.
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import torch
 
 from data.blended import build_train_valid_test_datasets
 from data.samplers import PretrainingSampler
+from parallel.context_parallel import split_sequence
 
 from .config import DataConfig
 from .health import SkippingDataset, merge_ranges
@@ -44,29 +47,34 @@ def build_datasets(cfg: DataConfig, *, seed: int, vocab_size: int, num_samples: 
 
 
 def microbatches(dataset, *, consumed_samples: int, micro_batch_size: int, dp_rank: int, dp: int,
-                 device: torch.device) -> Iterator[dict]:
-    """Endless stream of {"tokens": [b, s], "labels": [b, s]} for this DP rank, from `consumed`."""
+                 device: torch.device, cp: int = 1, cp_rank: int = 0) -> Iterator[dict]:
+    """Endless stream of {"tokens": [b, s/cp], "labels": [b, s/cp]} for this DP rank (this
+    context rank's chunks of the sequence), from `consumed`."""
     total = len(dataset)
     while True:
         sampler = PretrainingSampler(total, consumed_samples % total, micro_batch_size, dp_rank, dp)
         for indices in sampler:
             sample = np.stack([np.asarray(dataset[i]["tokens"], dtype=np.int64) for i in indices])
-            t = torch.from_numpy(sample).to(device)
-            yield {"tokens": t[:, :-1].contiguous(), "labels": t[:, 1:].contiguous()}
+            t = torch.from_numpy(sample)
+            yield {k: split_sequence(x, 1, cp, cp_rank).to(device)
+                   for k, x in (("tokens", t[:, :-1]), ("labels", t[:, 1:]))}
         consumed_samples = 0  # wrapped around the dataset: start another pass
 
 
 class TrainData:
     """The training stream: a dataset view without skipped samples, read from a consumed count."""
 
-    def __init__(self, dataset, skip, *, micro_batch_size: int, dp_rank: int, dp: int, device):
+    def __init__(self, dataset, skip, *, micro_batch_size: int, dp_rank: int, dp: int, device,
+                 cp: int = 1, cp_rank: int = 0):
         self.base, self.mbs, self.dp_rank, self.dp, self.device = dataset, micro_batch_size, dp_rank, dp, device
+        self.cp, self.cp_rank = cp, cp_rank
         self.view = SkippingDataset(dataset, list(skip))
         self._it = None
 
     def restart(self, consumed_samples: int) -> None:
         self._it = microbatches(self.view, consumed_samples=consumed_samples, micro_batch_size=self.mbs,
-                                dp_rank=self.dp_rank, dp=self.dp, device=self.device)
+                                dp_rank=self.dp_rank, dp=self.dp, device=self.device, cp=self.cp,
+                                cp_rank=self.cp_rank)
 
     def next_global_batch(self, batch: int) -> list[dict]:
         return [next(self._it) for _ in range(batch // (self.mbs * self.dp))]

@@ -96,7 +96,7 @@ def pretrain(model_provider, run: RunConfig) -> TrainResult:
         run.data, seed=run.seed, vocab_size=mcfg.vocab_size,
         num_samples=(sched.train_iters * gbs, evals * run.logging.eval_iters * gbs, 0))
     data = TrainData(train_ds, journal.skipped_samples(), micro_batch_size=mbs, dp_rank=topo.dp_rank,
-                     dp=topo.dp, device=topo.device)
+                     dp=topo.dp, device=topo.device, cp=topo.cp, cp_rank=topo.cp_rank)
     data.restart(state.consumed_samples)
     shape = activation_shape(topo, seq, mbs, mcfg.hidden_size)
     flops_per_token = mcfg.model_flops_per_token(seq)
@@ -255,7 +255,7 @@ def evaluate(chunks, dataset, topo, run: RunConfig, shape, dtype, state: TrainSt
     """Validation loss over --eval-iters global batches (the same batches at every evaluation)."""
     mbs = run.schedule.micro_batch_size
     it = microbatches(dataset, consumed_samples=0, micro_batch_size=mbs, dp_rank=topo.dp_rank,
-                      dp=topo.dp, device=topo.device)
+                      dp=topo.dp, device=topo.device, cp=topo.cp, cp_rank=topo.cp_rank)
     per_step = run.schedule.global_batch_size // (mbs * topo.dp)
     losses = [eval_step(chunks, [next(it) for _ in range(per_step)], topo, shape=shape, dtype=dtype)
               for _ in range(run.logging.eval_iters)]

@@ -1,4 +1,4 @@
-"""Checkpoints of any (tp, pp, vpp, dp, zero) layout as full tensors, and back into any layout.
+"""Checkpoints of any (tp, pp, vpp, cp, dp, zero) layout as full tensors, and back into any layout.
 
 Every rank file carries a parameter table (`PARAMS`, JSON in a uint8 tensor), one row per
 parameter in the optimizer's order:
@@ -9,9 +9,11 @@ parameter in the optimizer's order:
 With it, `read_full_state` turns the files of any layout into full, unpadded tensors keyed by
 canonical name: the model weights (`model.{chunk}.{name}`) and, per optimizer state (fp32
 `master`, `exp_avg`, `exp_avg_sq`), the parameter slices that the ZeRO buckets' `ranges` rows
-place in each data-parallel shard. `load_into` then fills a live rank's model and optimizer by
-slicing those full tensors the way that rank's own optimizer asks (its fresh `ranges`), so a
-checkpoint loads under any layout, bucket size or ZeRO stage. `write_layout` writes a checkpoint
+place in each data-parallel shard (ZeRO shards over data x context parallel ranks; apart from
+that, context-parallel ranks hold replicas, like data-parallel ones). `load_into` then fills a
+live rank's model and optimizer by slicing those full tensors the way that rank's own optimizer
+asks (its fresh `ranges`), so a checkpoint loads under any layout (any C), bucket size or ZeRO
+stage. `write_layout` writes a checkpoint
 for a target layout from one process (the conversion and resharding tools).
 
 Copies that should be equal (replicated parameters on every TP rank, the tied embedding on the
@@ -77,16 +79,17 @@ def param_table(chunks, opt=None) -> list[list]:
     return rows
 
 
-def _layout(meta: dict, folder: str) -> tuple[int, int, int]:
+def _layout(meta: dict, folder: str) -> tuple[int, int, int, int]:
     layout = meta.get("layout")
     if not layout or "tp" not in layout:
         raise ckpt.CheckpointError(f"{folder}/meta.json records no layout; it is not a megazoo "
                                    f"checkpoint")
-    return layout["tp"], layout.get("dp", 1), layout.get("zero_stage", 0)
+    return layout["tp"], layout.get("dp", 1), layout.get("cp", 1), layout.get("zero_stage", 0)
 
 
 def _read_rank(folder, rank, coords, names, optimizer, pieces, states, covered, scalars):
-    pp_r, dp_r, _, tp_r = coords
+    pp_r, dp_r, cp_r, tp_r = coords
+    replica = dp_r > 0 or cp_r > 0  # context-parallel ranks hold replicas, like data-parallel
     path = ckpt.rank_file(folder, rank)
     f = ckpt.open_rank_file(folder, rank)
     try:
@@ -99,7 +102,7 @@ def _read_rank(folder, rank, coords, names, optimizer, pieces, states, covered, 
         wanted = lambda row: names is None or row[2] in names  # noqa: E731
         for c, n, canon, *_ in rows:
             key = f"model.{c}.{n}"
-            if dp_r == 0 and key in keys and wanted([c, n, canon]):
+            if not replica and key in keys and wanted([c, n, canon]):
                 pieces[canon][(pp_r, c, tp_r)] = f.get_tensor(key)
         if not optimizer:
             return rows
@@ -163,16 +166,16 @@ def _assemble(parts: dict, info: dict, what: str) -> dict[str, torch.Tensor]:
 def read_full_state(folder: str, names: set[str] | None = None, optimizer: bool = True) -> FullState:
     """Full tensors of a checkpoint folder of any layout (only `names`, when given)."""
     meta = ckpt.read_meta(folder)
-    tp, dp, zero = _layout(meta, folder)
+    tp, dp, cp, zero = _layout(meta, folder)
     world = meta.get("world_size", 1)
-    grid = Grid(tp=tp, dp=dp, pp=world // (tp * dp))
+    grid = Grid(tp=tp, cp=cp, dp=dp, pp=world // (tp * cp * dp))
     pieces = defaultdict(dict)
     states = defaultdict(lambda: defaultdict(dict))
     covered, scalars, info = defaultdict(int), {}, {}
     for rank in range(world):
         coords = grid.coords(rank)
-        if coords.dp > 0 and (zero == 0 or not optimizer):
-            continue  # ZeRO-0 data-parallel ranks hold copies of dp rank 0's states
+        if (coords.dp > 0 or coords.cp > 0) and (zero == 0 or not optimizer):
+            continue  # ZeRO-0 data- and context-parallel ranks hold copies of rank 0's states
         rows = _read_rank(folder, rank, coords, names, optimizer, pieces, states, covered, scalars)
         for row in rows:
             c, _, canon, shape, dim, full = row[:6]

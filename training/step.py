@@ -18,8 +18,10 @@ from parallel.topology import ParallelTopology
 
 
 def activation_shape(topo: ParallelTopology, seq_length: int, micro_batch_size: int, hidden: int):
-    """Shape of the tensors passed between pipeline stages ([s/tp, b, h] under SP)."""
-    seq = seq_length // topo.tp if topo.sequence_parallel else seq_length
+    """Shape of the tensors passed between pipeline stages: [s/cp, b, h], [s/(cp tp), b, h]
+    under SP (a context-parallel rank holds s/cp tokens)."""
+    seq = seq_length // topo.cp
+    seq = seq // topo.tp if topo.sequence_parallel else seq
     return (seq, micro_batch_size, hidden)
 
 
@@ -40,7 +42,9 @@ def make_forward_fn(loss_scale: float = 1.0, poison: bool = False):
 
 
 def mean_over_world(losses: list[torch.Tensor], topo: ParallelTopology) -> float:
-    """Mean microbatch loss over every rank that holds a loss (last stages of every DP replica)."""
+    """Mean microbatch loss over every rank that holds a loss (last stages of every DP replica;
+    context-parallel ranks hold equal-sized shares of the sequence, so the mean of their means
+    is the loss of the whole sequence)."""
     t = torch.zeros(2, dtype=torch.float64, device=topo.device)
     if losses:
         t[0] = torch.stack([l.double() for l in losses]).sum()
