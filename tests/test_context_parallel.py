@@ -10,9 +10,11 @@ pipeline's messages.
 
 A second world trains 3 steps with the ZeRO-2 optimizer (reducing over dp x cp) under cp2 x dp2
 (ring), cp4 (a2a) and tp2 x cp2 (ring): losses, gradient norms and the final parameters equal
-plain AdamW on one process within rtol = atol = 1e-5 (the ZeRO tests' bound; measured errors are
-~1e-7, far below it, so BLAS rounding on another CPU does not reach it), and a checkpoint written
-under cp2 reads back as the same full tensors (cp ranks are replicas to the reader).
+plain AdamW on one process within rtol = atol = 1e-5 (the issue's and the ZeRO tests' bound, until
+the shared tolerance helper lands; measured worst parameter error 4.1e-6, where Adam normalises
+gradient entries whose fp32 sums the context split reassociates). A checkpoint written under
+cp2 x dp2 (ZeRO states sharded over dp x cp) reads back as the same full tensors and moments,
+loads exactly into cp4 and cp1 x dp4, and the next step there equals the next step under cp2.
 
 The third world measures the activation bytes one transformer layer saves for backward (the
 pipeline engine's counter) at sequence 8192 under C = 1, 2, 4: they fall as 1/C within 10%.
@@ -132,14 +134,28 @@ def test_loss_and_gradients_equal_the_unsharded_model():
     print("context parallel numerics, worst |error|:", worst)
 
 
+def _train_step(model, opt, topo, step: int) -> tuple[float, float]:
+    """One ZeRO step on this rank's share of the ZeRO tests' batch `step`: (loss, grad norm)."""
+    from tests.test_zero_common import batch
+    ids, labels = (split_sequence(t.chunk(topo.dp)[topo.dp_rank], 1, topo.cp, topo.cp_rank)
+                   for t in batch(step))
+    loss = model(ids, labels=labels).float().mean()
+    opt.backward(loss)
+    norm = opt.step().grad_norm
+    opt.zero_grad()
+    t = loss.detach().double().reshape(1)
+    _dp_cp_mean([t], topo)
+    return t.item(), norm
+
+
 def _training_worker(rank, tmp):
     from parallel.zero import build_optimizer
-    from tests.test_zero_common import (STEPS, assert_params_close, batch, full_model_parameters,
+    from tests.test_zero_common import (STEPS, assert_params_close, full_model_parameters,
                                         opt_config, reference_run, small_gpt)
     torch.use_deterministic_algorithms(True)
     cases = [("gpt", dict(cp=2), "p2p"), ("llama", dict(cp=4), "a2a"),
              ("llama", dict(tp=2, cp=2, sequence_parallel=True), "p2p")]
-    worst = 0.0
+    worst = {}
     for kind, layout, comm in cases:
         where = f"zero2 {kind} {layout} {comm}"
         cfg = small_gpt(**({} if kind == "gpt" else dict(MODELS["llama"], hidden_size=64)))
@@ -147,49 +163,58 @@ def _training_worker(rank, tmp):
         topo = ParallelTopology.from_config(ParallelConfig(**layout, cp_comm_type=comm))
         model = TransformerLanguageModel(cfg, topo)
         opt = build_optimizer(model, topo, opt_config(zero_stage=2))
-        losses, norms = [], []
-        for step in range(STEPS):
-            ids, labels = (split_sequence(t.chunk(topo.dp)[topo.dp_rank], 1, topo.cp, topo.cp_rank)
-                           for t in batch(step))
-            loss = model(ids, labels=labels).float().mean()
-            opt.backward(loss)
-            norms.append(opt.step().grad_norm)
-            opt.zero_grad()
-            t = loss.detach().double().reshape(1)
-            _dp_cp_mean([t], topo)
-            losses.append(t.item())
-        torch.testing.assert_close(losses, ref_losses, **TOL, msg=where)
-        torch.testing.assert_close(norms, ref_norms, **TOL, msg=where)
+        losses, norms = zip(*(_train_step(model, opt, topo, step) for step in range(STEPS)))
+        torch.testing.assert_close(list(losses), ref_losses, **TOL, msg=where)
+        torch.testing.assert_close(list(norms), ref_norms, **TOL, msg=where)
         params = full_model_parameters(model, opt, topo)
         assert_params_close(params, ref_params, where)
-        worst = max(worst, max((params[n] - ref_params[n]).abs().max().item() for n in params))
+        worst[where] = max(((params[n] - ref_params[n]).abs().max().item(), n) for n in params)
         if layout == dict(cp=2):
-            worst_ckpt = _checkpoint_round_trip(model, opt, topo, cfg, params, tmp)
-    return worst, worst_ckpt
+            _checkpoint_moves_between_c(model, opt, topo, cfg, params, tmp)
+    return worst
 
 
-def _checkpoint_round_trip(model, opt, topo, cfg, params, tmp) -> float:
-    """Save under cp2 x dp2 with ZeRO-2 (states sharded over dp x cp); the reader must see
-    the cp ranks as replicas and rebuild every full tensor and optimizer state."""
+def _checkpoint_moves_between_c(model, opt, topo, cfg, params, tmp) -> None:
+    """Save under cp2 x dp2 with ZeRO-2 (states sharded over dp x cp): the reader sees the cp
+    ranks as replicas and rebuilds every full tensor, which loads exactly into cp4 and cp1 x dp4."""
+    from parallel.random import RNGStreams
+    from parallel.zero import build_optimizer
+    from tests.test_zero_common import STEPS, assert_params_close, full_model_parameters, opt_config
     from training import checkpointing as ckpt
     from training import reshard
     from training.resume import _rank_tensors
-    from parallel.random import RNGStreams
     tensors = _rank_tensors([model], opt, RNGStreams(), 2)
     layout = dict(tp=1, pp=1, dp=topo.dp, vpp=1, world_size=topo.world_size, zero_stage=2, cp=2)
-    ckpt.save_checkpoint(tmp, 3, topo.rank, topo.world_size, tensors, dict(layout=layout))
-    dist.barrier()
-    full = reshard.read_full_state(f"{tmp}/iter_0000003")
+    folder = ckpt.save_checkpoint(tmp, 3, topo.rank, topo.world_size, tensors, dict(layout=layout))
+    full = reshard.read_full_state(folder)
     for name, t in params.items():
         torch.testing.assert_close(full.master[name], t, rtol=0, atol=0, msg=name)
         torch.testing.assert_close(full.weights[name], t, rtol=0, atol=0, msg=name)
-    assert set(full.optim) >= {"exp_avg", "exp_avg_sq"}
-    return 0.0
+    moments = {k: v for k, v in full.optim.items() if k != "master"}
+    assert set(moments) >= {"exp_avg", "exp_avg_sq"}
+    states = {}
+    for cp in (4, 1):
+        there = ParallelTopology.from_config(ParallelConfig(cp=cp))
+        model2 = TransformerLanguageModel(cfg, there)
+        opt2 = build_optimizer(model2, there, opt_config(zero_stage=2))
+        reshard.load_into(full, [model2], opt2, there, weights_only=False, folder=folder)
+        for name, t in full_model_parameters(model2, opt2, there).items():
+            torch.testing.assert_close(t, params[name], rtol=0, atol=0, msg=f"cp{cp} {name}")
+        assert (opt2.iteration, opt2.applied_steps) == (opt.iteration, opt.applied_steps)
+        states[cp] = (model2, opt2, there)
+    # the moments came along too: one more step from the loaded states matches the original's
+    states[2] = (model, opt, topo)
+    after = {}
+    for cp, (m, o, t) in states.items():
+        _train_step(m, o, t, STEPS)
+        after[cp] = full_model_parameters(m, o, t)
+    for cp in (4, 1):
+        assert_params_close(after[cp], after[2], f"step after loading cp2 into cp{cp}")
 
 
 def test_zero2_training_and_checkpoint_under_context_parallelism(tmp_path):
     out = run_distributed(_training_worker, 4, str(tmp_path), timeout=600)
-    print("ZeRO-2 x CP: worst parameter error after 3 steps", max(o[0] for o in out))
+    print("ZeRO-2 x CP: worst parameter error after 3 steps", out[0])
 
 
 def _memory_worker(rank, seq):
