@@ -2,7 +2,8 @@
 
 One 4-rank gloo world checks, for GPT (learned positions), BLOOM (ALiBi, embedding norm) and
 Llama (RoPE, GQA 8 heads / 4 KV heads, SwiGLU, RMSNorm), under (cp2 x dp2), (cp4), (tp2, cp2,
-sequence parallel) and (pp2, cp2; 1F1B), each with --cp-comm-type p2p and a2a: the loss and the
+sequence parallel) and (pp2, cp2; 1F1B), each with --cp-comm-type p2p and a2a, plus interleaved
+pp2 x vpp2 x cp2 and full activation recompute (cp4; tp2 x cp2 x SP): the loss and the
 gradient of every parameter, averaged over data x context parallel and gathered over TP, equal the
 single-process model's on the full batch (fp32, rtol = atol = 1e-5). The batch goes through the
 training code: `training.data.microbatches` hands each rank its chunks, `activation_shape` sizes the
@@ -47,6 +48,11 @@ MODELS = {
                   normalization="rmsnorm", activation="swiglu", bias=False, tie_word_embeddings=False),
 }
 LAYOUTS = [dict(cp=2), dict(cp=4), dict(tp=2, cp=2, sequence_parallel=True), dict(pp=2, cp=2)]
+# (model, layout, comm, config changes): interleaved pipelining, full activation recompute
+EXTRA = [("llama", dict(pp=2, vpp=2, cp=2), "p2p", dict(num_layers=4)),
+         ("bloom", dict(pp=2, vpp=2, cp=2), "a2a", dict(num_layers=4)),
+         ("gpt", dict(cp=4), "p2p", dict(recompute_layers=True)),
+         ("llama", dict(tp=2, cp=2, sequence_parallel=True), "a2a", dict(recompute_layers=True))]
 
 
 def config(kind: str, **kw) -> TransformerConfig:
@@ -82,55 +88,60 @@ def _numerics_worker(rank):
     data = _Tokens(BATCH, seed=3)
     ids, labels = data.t[:, :-1], data.t[:, 1:]
     worst, checked = {"loss": 0.0, "grad": 0.0}, []
-    for kind in MODELS:
-        cfg = config(kind)
-        ref = TransformerLanguageModel(cfg, ParallelTopology.single())
-        ref_loss = ref(ids, labels=labels).mean()
-        ref_loss.backward()
-        single = ParallelTopology.single()
-        ref_grads = {n: full_tensor(p, single, p.grad) for n, p in ref.named_parameters()}
-        for layout in LAYOUTS:
-            for comm in ("p2p", "a2a"):
-                where = f"{kind} {layout} {comm}"
-                topo = ParallelTopology.from_config(ParallelConfig(**layout, cp_comm_type=comm))
-                chunks = [TransformerLanguageModel(cfg, topo, **spec.kwargs())
-                          for spec in partition(cfg.num_layers, topo.pp, 1)[topo.pp_rank]]
-                broadcast_tied_embedding(chunks, topo)
-                it = microbatches(data, consumed_samples=0, micro_batch_size=BATCH // topo.dp // MICRO,
-                                  dp_rank=topo.dp_rank, dp=topo.dp, device=topo.device,
-                                  cp=topo.cp, cp_rank=topo.cp_rank)
-                mbs = [next(it) for _ in range(MICRO)]
-                assert mbs[0]["tokens"].shape[1] == SEQ // topo.cp, where
+    cases = [(kind, layout, comm, {}) for kind in MODELS for layout in LAYOUTS
+             for comm in ("p2p", "a2a")] + EXTRA
+    refs = {}
+    for kind, layout, comm, changes in cases:
+        cfg = config(kind, **changes)
+        key = (kind, cfg.num_layers)
+        if key not in refs:
+            ref = TransformerLanguageModel(cfg, ParallelTopology.single())
+            ref_loss = ref(ids, labels=labels).mean()
+            ref_loss.backward()
+            single = ParallelTopology.single()
+            refs[key] = ref_loss.detach(), {n: full_tensor(p, single, p.grad)
+                                            for n, p in ref.named_parameters()}
+        ref_loss, ref_grads = refs[key]
+        where = f"{kind} {layout} {comm} {changes}"
+        topo = ParallelTopology.from_config(ParallelConfig(**layout, cp_comm_type=comm))
+        chunks = [TransformerLanguageModel(cfg, topo, **spec.kwargs())
+                  for spec in partition(cfg.num_layers, topo.pp, topo.vpp)[topo.pp_rank]]
+        broadcast_tied_embedding(chunks, topo)
+        it = microbatches(data, consumed_samples=0, micro_batch_size=BATCH // topo.dp // MICRO,
+                          dp_rank=topo.dp_rank, dp=topo.dp, device=topo.device,
+                          cp=topo.cp, cp_rank=topo.cp_rank)
+        mbs = [next(it) for _ in range(MICRO)]
+        assert mbs[0]["tokens"].shape[1] == SEQ // topo.cp, where
 
-                def forward_fn(chunk, x, mb):
-                    if not chunk.post_process:
-                        return chunk(mb["tokens"] if chunk.pre_process else x)
-                    return chunk(mb["tokens"] if chunk.pre_process else x, labels=mb["labels"]).mean()
+        def forward_fn(chunk, x, mb):
+            if not chunk.post_process:
+                return chunk(mb["tokens"] if chunk.pre_process else x)
+            return chunk(mb["tokens"] if chunk.pre_process else x, labels=mb["labels"]).mean()
 
-                schedule = build_schedule("1f1b" if topo.pp > 1 else "no_pipelining", topo.pp,
-                                          topo.pp_rank, MICRO)
-                shape = activation_shape(topo, SEQ, BATCH // topo.dp // MICRO, cfg.hidden_size)
-                losses = run_pipeline(schedule, chunks, mbs, topo, shape, torch.float32, forward_fn)
-                sum_tied_embedding_grads(chunks, topo)
-                params = [(c.canonical_name(n), p) for c in chunks for n, p in c.named_parameters()]
-                extra = [torch.stack(losses).mean()] if losses else []
-                _dp_cp_mean([p.grad for _, p in params] + extra, topo)
-                if extra:
-                    torch.testing.assert_close(extra[0], ref_loss.detach(), **TOL, msg=where)
-                    worst["loss"] = max(worst["loss"], (extra[0] - ref_loss).abs().item())
-                for name, p in params:
-                    g = full_tensor(p, topo, p.grad)
-                    torch.testing.assert_close(g, ref_grads[name], **TOL,
-                                               msg=lambda m: f"{where} grad {name}: {m}")
-                    worst["grad"] = max(worst["grad"], (g - ref_grads[name]).abs().max().item())
-                checked.append(where)
+        name = "no_pipelining" if topo.pp == 1 else "interleaved" if topo.vpp > 1 else "1f1b"
+        schedule = build_schedule(name, topo.pp, topo.pp_rank, MICRO, topo.vpp)
+        shape = activation_shape(topo, SEQ, BATCH // topo.dp // MICRO, cfg.hidden_size)
+        losses = run_pipeline(schedule, chunks, mbs, topo, shape, torch.float32, forward_fn)
+        sum_tied_embedding_grads(chunks, topo)
+        params = [(c.canonical_name(n), p) for c in chunks for n, p in c.named_parameters()]
+        extra = [torch.stack(losses).mean()] if losses else []
+        _dp_cp_mean([p.grad for _, p in params] + extra, topo)
+        if extra:
+            torch.testing.assert_close(extra[0], ref_loss, **TOL, msg=where)
+            worst["loss"] = max(worst["loss"], (extra[0] - ref_loss).abs().item())
+        for pname, p in params:
+            g = full_tensor(p, topo, p.grad)
+            torch.testing.assert_close(g, ref_grads[pname], **TOL,
+                                       msg=lambda m: f"{where} grad {pname}: {m}")
+            worst["grad"] = max(worst["grad"], (g - ref_grads[pname]).abs().max().item())
+        checked.append(where)
     return worst, checked
 
 
 def test_loss_and_gradients_equal_the_unsharded_model():
     out = run_distributed(_numerics_worker, 4, timeout=600)
     worst, checked = out[0]
-    assert len(checked) == len(MODELS) * len(LAYOUTS) * 2
+    assert len(checked) == len(MODELS) * len(LAYOUTS) * 2 + len(EXTRA)
     print("context parallel numerics, worst |error|:", worst)
 
 
