@@ -5,6 +5,8 @@ import logging
 import os
 import sys
 
+import torch.distributed as dist
+
 from .arguments import ArgumentError, build_parser, to_run_config
 from .loop import pretrain
 
@@ -28,6 +30,9 @@ def main(model_provider, default_model: str, argv=None):
     except (ArgumentError, ValueError) as e:
         sys.exit(f"error: {e}")
     result = pretrain(model_provider, run)
+    if dist.is_initialized():  # leave together: a gloo rank torn down while a peer is still
+        dist.barrier()         # connected aborts ("terminate called without an active exception")
+        dist.destroy_process_group()
     if result.checkpoint and int(os.environ.get("RANK", "0")) == 0:
         logging.getLogger("megazoo.train").info(
             "checkpoint: %s  (resume: add --load %s to the same command)", result.checkpoint,
