@@ -378,10 +378,12 @@ def candidate_layouts(cfg: TransformerConfig, cluster: Cluster, *, global_batch:
                 recompute=["none", "selective", "full"], micro_batch=[1, 2, 4, 8])
     axes.update({k: [v] for k, v in fixed.items() if k in axes})
     for tp, pp, vpp, zero, sp, rc, mbs in itertools.product(*axes.values()):
-        if cluster.num_gpus % (tp * pp) or (sp and tp == 1):
+        cp = common.get("cp", 1)
+        if cluster.num_gpus % (tp * pp * cp) or (sp and tp == 1):
             continue
-        dp = cluster.num_gpus // (tp * pp)
-        if ("dp" in fixed and fixed["dp"] != dp) or (dp == 1 and zero > 0 and "zero" not in fixed):
+        dp = cluster.num_gpus // (tp * pp * cp)
+        if ("dp" in fixed and fixed["dp"] != dp) or (dp * cp == 1 and zero > 0
+                                                      and "zero" not in fixed):
             continue  # ZeRO over one replica is stage 0
         layout = Layout(tp=tp, pp=pp, dp=dp, vpp=vpp, zero=zero, sequence_parallel=sp,
                         recompute=rc, micro_batch=mbs, global_batch=global_batch,
