@@ -15,6 +15,8 @@ large untied/copied head and fewer activations):
   and the (microbatch, chunk) pairs its schedule keeps alive (`activation_bound`: under 1F1B
   min(pp, m) microbatches on the first stage, L*(1 + (p-1)/(p*v)) layer-microbatches interleaved); the
   last stage adds what the fused LM head saves, mainly the gradient of the logits, s*b*V/t.
+  Context parallelism (cp = C) leaves each rank s/C tokens of every activation and, like
+  flash attention, no scores (ring attention keeps q, k, v, out, lse); ZeRO shards over dp x cp.
   Not modelled: allocator caching/fragmentation, communication buffers, framework workspace.
 
 Step time per iteration: each pipeline stage runs m = global/(dp*micro) microbatches; one
@@ -25,7 +27,9 @@ to the neighbour stage. The pipeline takes (m + (p-1)/v) microbatch slots (bubbl
 then the data-parallel gradient reduction (ring all-reduce; ZeRO-1/2 reduce-scatter grads +
 all-gather weights once; ZeRO-2 reduce-scatters after every microbatch, ZeRO-3 also gathers the
 weights twice per microbatch) over the inter-node bandwidth when the DP group spans nodes,
-exposed unless `overlap_dp`; then the optimizer, memory-bound.
+exposed unless `overlap_dp`; then the optimizer, memory-bound. Under cp = C each rank computes
+1/C of the tokens, and the ring sends its K/V block C-1 times per layer forward, K/V and fp32
+dK/dV back in backward; only what the attention's own compute cannot hide is counted (cp_comm).
 """
 from __future__ import annotations
 
@@ -72,6 +76,7 @@ class Layout:
     pp: int = 1
     dp: int = 1
     vpp: int = 1
+    cp: int = 1  # context parallel (ring attention)
     zero: int = 0
     sequence_parallel: bool = False
     recompute: str = "none"  # none | selective | full
@@ -86,21 +91,22 @@ class Layout:
     last_stage_layers: int | None = None
 
     def parallel_config(self) -> ParallelConfig:
-        return ParallelConfig(tp=self.tp, pp=self.pp, vpp=self.vpp,
+        return ParallelConfig(tp=self.tp, pp=self.pp, vpp=self.vpp, cp=self.cp,
                               sequence_parallel=self.sequence_parallel,
                               first_stage_layers=self.first_stage_layers,
                               last_stage_layers=self.last_stage_layers)
 
     @property
     def world(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.pp * self.dp * self.cp
 
     @property
     def microbatches(self) -> int:
         return self.global_batch // (self.dp * self.micro_batch)
 
     def describe(self) -> str:
-        extra = (f" vpp{self.vpp}" if self.vpp > 1 else "") + (" sp" if self.sequence_parallel else "")
+        extra = (f" vpp{self.vpp}" if self.vpp > 1 else "") + (" sp" if self.sequence_parallel else "") \
+            + (f" cp{self.cp}" if self.cp > 1 else "")
         return (f"tp{self.tp} pp{self.pp} dp{self.dp}{extra} zero{self.zero} rc={self.recompute} "
                 f"mbs{self.micro_batch} gbs{self.global_batch}")
 
@@ -136,6 +142,7 @@ class StepTime:
     tflops_per_gpu: float  # hardware FLOP/s per GPU / 1e12 (what Megatron-style logs report)
     mfu: float  # model FLOPs / (time * gpus * peak)
     tokens_per_s: float
+    cp_comm: float = 0.0  # exposed ring-attention p2p (context parallelism)
 
 
 @dataclass
@@ -197,7 +204,7 @@ def state_bytes_per_param(layout: Layout) -> tuple[float, float, float]:
 
 def model_state_bytes(n_params: float, layout: Layout) -> tuple[float, float, float]:
     w, g, k = state_bytes_per_param(layout)
-    n = layout.dp
+    n = layout.dp * layout.cp
     shard = {0: (1, 1, 1), 1: (1, 1, n), 2: (1, n, n), 3: (n, n, n)}[layout.zero]
     return n_params * w / shard[0], n_params * g / shard[1], n_params * k / shard[2]
 
@@ -235,11 +242,11 @@ def layer_activation_bytes(cfg: TransformerConfig, layout: Layout) -> tuple[floa
     statistics, log-sum-exp) are left out. Full recompute keeps each layer's input, e*s*b*h/u,
     plus one layer's full activations while it is recomputed.
     """
-    s, b, h, a, t = (layout.seq_length, layout.micro_batch, cfg.hidden_size,
+    s, b, h, a, t = (layout.seq_length / layout.cp, layout.micro_batch, cfg.hidden_size,
                      cfg.num_attention_heads, layout.tp)
     e = activation_element_bytes(layout)
     u = t if layout.sequence_parallel and t > 1 else 1
-    flash = layout.flash_attention
+    flash = layout.flash_attention or layout.cp > 1
     norm = _norm_input_bytes(cfg, e)
     qkv = e * (a + 2 * max(cfg.num_query_groups, t)) * cfg.head_dim / (h * t)
     attn_out = (2 if flash else 1) * e / t
@@ -268,7 +275,7 @@ def activation_bytes(cfg: TransformerConfig, layout: Layout, stage: str,
     input (n*s*b*h/u) and what the fused head saves (parallel/fused_cross_entropy.py): its input
     after the SP gather (e*s*b*h, whole) and the gradient of the logits, s*b*V/t elements in the
     weights' dtype (fp32 for fp16 models); the logits themselves are never materialised."""
-    s, b, h, t = layout.seq_length, layout.micro_batch, cfg.hidden_size, layout.tp
+    s, b, h, t = layout.seq_length / layout.cp, layout.micro_batch, cfg.hidden_size, layout.tp
     e = activation_element_bytes(layout)
     u = t if layout.sequence_parallel and t > 1 else 1
     kept, working = layer_activation_bytes(cfg, layout)
@@ -333,21 +340,27 @@ def step_time(cfg: TransformerConfig, layout: Layout, cluster: Cluster,
     # spread, as Megatron-style partitions that count the embedding as a layer do).
     imbalance = math.ceil(cfg.num_layers / p) * p / cfg.num_layers
     flop_rate = cluster.peak_flops * efficiency
-    compute_mb = hw_per_token * b * s / (t * p) * imbalance / flop_rate
-    act = b * s * h * 2.0
+    c = layout.cp
+    compute_mb = hw_per_token * b * s / (t * p * c) * imbalance / flop_rate
+    act = b * s / c * h * 2.0
     n_ar = 6 if layout.recompute == "full" else 4
     tp_bw = cluster.intra_node_bw if t <= cluster.gpus_per_node else cluster.inter_node_bw
     tp_mb = (n_ar * math.ceil(cfg.num_layers / p) * 2 * (t - 1) / t * act / tp_bw) if t > 1 else 0.0
     same_node = t * layout.dp < cluster.gpus_per_node
     p2p_bw = cluster.intra_node_bw if same_node else cluster.inter_node_bw
     pp_mb = (2 * v * act / (t if t > 1 else 1) / p2p_bw) if p > 1 else 0.0
-    slot = compute_mb + tp_mb + pp_mb
+    kv = 2 * b * s / c * max(cfg.num_query_groups // t, 1) * cfg.head_dim  # K and V elements
+    ring = 2 * (c - 1) * kv * activation_element_bytes(layout) + c * kv * 4  # + fp32 dK/dV
+    cp_bw = cluster.intra_node_bw if t * c <= cluster.gpus_per_node else cluster.inter_node_bw
+    attn_mb = 3 * attn * b * s / (t * p * c) / flop_rate
+    cp_mb = max(0.0, math.ceil(cfg.num_layers / p) * ring / cp_bw - attn_mb) if c > 1 else 0.0
+    slot = compute_mb + tp_mb + pp_mb + cp_mb
     bubble = slot * (p - 1) / v if p > 1 else 0.0
     pipeline = slot * m + bubble
     # data-parallel reduction of this rank's gradients (its largest stage)
     n_local = stage_params(cfg, t, p, "first" if p > 1 else "only")
     w_b, g_b, _ = state_bytes_per_param(layout)
-    d = layout.dp
+    d = layout.dp * c  # ZeRO and the gradient reduction span data x context parallel
     dp_bw = cluster.intra_node_bw if t * d <= cluster.gpus_per_node else cluster.inter_node_bw
     if d == 1:
         dp = 0.0
@@ -369,7 +382,7 @@ def step_time(cfg: TransformerConfig, layout: Layout, cluster: Cluster,
                     model_flops=model_per_token * tokens, hardware_flops=hw_per_token * tokens,
                     tflops_per_gpu=hw_per_token * tokens / (total * gpus) / 1e12,
                     mfu=model_per_token * tokens / (total * gpus * cluster.peak_flops),
-                    tokens_per_s=tokens / total)
+                    tokens_per_s=tokens / total, cp_comm=cp_mb * m)
 
 
 # ---- validation and ranking --------------------------------------------------------------------
@@ -378,7 +391,7 @@ def check_layout(cfg: TransformerConfig, layout: Layout, cluster: Cluster | None
     """Refuse what the trainer would refuse: the same rules (parallel/layout.py, the optimizer's
     config), so the planner never ranks a layout that cannot be launched."""
     if cluster is not None and layout.world != cluster.num_gpus:
-        raise PlanError(f"tp*pp*dp = {layout.world} != {cluster.num_gpus} GPUs")
+        raise PlanError(f"tp*pp*dp*cp = {layout.world} != {cluster.num_gpus} GPUs")
     if layout.recompute not in ("none", "selective", "full"):
         raise PlanError(f"recompute must be none, selective or full, got {layout.recompute!r}")
     try:
@@ -410,10 +423,12 @@ def candidate_layouts(cfg: TransformerConfig, cluster: Cluster, *, global_batch:
                 recompute=["none", "selective", "full"], micro_batch=[1, 2, 4, 8])
     axes.update({k: [v] for k, v in fixed.items() if k in axes})
     for tp, pp, vpp, zero, sp, rc, mbs in itertools.product(*axes.values()):
-        if cluster.num_gpus % (tp * pp) or (sp and tp == 1):
+        cp = common.get("cp", 1)
+        if cluster.num_gpus % (tp * pp * cp) or (sp and tp == 1):
             continue
-        dp = cluster.num_gpus // (tp * pp)
-        if ("dp" in fixed and fixed["dp"] != dp) or (dp == 1 and zero > 0 and "zero" not in fixed):
+        dp = cluster.num_gpus // (tp * pp * cp)
+        if ("dp" in fixed and fixed["dp"] != dp) or (dp * cp == 1 and zero > 0
+                                                      and "zero" not in fixed):
             continue  # ZeRO over one replica is stage 0
         layout = Layout(tp=tp, pp=pp, dp=dp, vpp=vpp, zero=zero, sequence_parallel=sp,
                         recompute=rc, micro_batch=mbs, global_batch=global_batch,
