@@ -162,8 +162,9 @@ def _train_step(model, opt, topo, step: int) -> tuple[float, float]:
 
 def _training_worker(rank, tmp):
     from parallel.zero import build_optimizer
-    from tests.test_zero_common import (STEPS, assert_params_close, full_model_parameters,
+    from tests.test_zero_common import (HYPER, STEPS, full_model_parameters, initial_parameters,
                                         opt_config, reference_run, small_gpt)
+    from tests.tolerances import assert_trained_close
     torch.use_deterministic_algorithms(True)
     cases = [("gpt", dict(cp=2), "p2p", 2), ("llama", dict(cp=4), "a2a", 2),
              ("llama", dict(tp=2, cp=2, sequence_parallel=True), "p2p", 2),
@@ -180,7 +181,7 @@ def _training_worker(rank, tmp):
         torch.testing.assert_close(list(losses), ref_losses, **TOL, msg=where)
         torch.testing.assert_close(list(norms), ref_norms, **TOL, msg=where)
         params = full_model_parameters(model, opt, topo)
-        assert_params_close(params, ref_params, where)
+        assert_trained_close(params, ref_params, initial_parameters(cfg), where, HYPER["lr"])
         worst[where] = max(((params[n] - ref_params[n]).abs().max().item(), n) for n in params)
         if layout == dict(cp=2) and zero == 2:
             _checkpoint_moves_between_c(model, opt, topo, cfg, params, tmp)
@@ -192,11 +193,12 @@ def _checkpoint_moves_between_c(model, opt, topo, cfg, params, tmp) -> None:
     ranks as replicas and rebuilds every full tensor, which loads exactly into cp4 and cp1 x dp4."""
     from parallel.random import RNGStreams
     from parallel.zero import build_optimizer
-    from tests.test_zero_common import STEPS, assert_params_close, full_model_parameters, opt_config
+    from tests.test_zero_common import HYPER, STEPS, full_model_parameters, opt_config
+    from tests.tolerances import assert_trained_close
     from training import checkpointing as ckpt
     from training import reshard
-    from training.resume import _rank_tensors
-    tensors = _rank_tensors([model], opt, RNGStreams(), 2)
+    from training.resume import rank_tensors
+    tensors = rank_tensors([model], opt, RNGStreams(), 2)
     layout = dict(tp=1, pp=1, dp=topo.dp, vpp=1, world_size=topo.world_size, zero_stage=2, cp=2)
     folder = ckpt.save_checkpoint(tmp, 3, topo.rank, topo.world_size, tensors, dict(layout=layout))
     full = reshard.read_full_state(folder)
@@ -222,7 +224,8 @@ def _checkpoint_moves_between_c(model, opt, topo, cfg, params, tmp) -> None:
         _train_step(m, o, t, STEPS)
         after[cp] = full_model_parameters(m, o, t)
     for cp in (4, 1):
-        assert_params_close(after[cp], after[2], f"step after loading cp2 into cp{cp}")
+        assert_trained_close(after[cp], after[2], params, f"step after loading cp2 into cp{cp}",
+                             HYPER["lr"])
 
 
 def test_zero_training_and_checkpoint_under_context_parallelism(tmp_path):
