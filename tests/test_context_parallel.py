@@ -52,8 +52,9 @@ LAYOUTS = [dict(cp=2), dict(cp=4), dict(tp=2, cp=2, sequence_parallel=True), dic
 # (model, layout, comm, config changes): interleaved pipelining, full activation recompute
 EXTRA = [("llama", dict(pp=2, vpp=2, cp=2), "p2p", dict(num_layers=4)),
          ("bloom", dict(pp=2, vpp=2, cp=2), "a2a", dict(num_layers=4)),
-         ("gpt", dict(cp=4), "p2p", dict(recompute_layers=True)),
-         ("llama", dict(tp=2, cp=2, sequence_parallel=True), "a2a", dict(recompute_layers=True))]
+         ("gpt", dict(cp=4), "p2p", dict(recompute_granularity="full")),
+         ("llama", dict(tp=2, cp=2, sequence_parallel=True), "a2a",
+          dict(recompute_granularity="selective"))]
 
 
 def config(kind: str, **kw) -> TransformerConfig:
