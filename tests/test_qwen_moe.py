@@ -197,12 +197,15 @@ def test_released_configs_and_presets_match_hf_shapes(name, tmp_path):
     assert (round(total / 1e9, 2), round(cfg.num_parameters(active=True) / 1e9, 2)) == expected
 
 
-def test_qwen2_moe_57b_preset_matches_hf_shape():
-    from transformers import Qwen2MoeForCausalLM
+@pytest.mark.parametrize("name", ["qwen2-moe-a2.7b", "qwen2-moe-57b-a14b", "qwen3-moe-30b-a3b"])
+def test_presets_build_the_hf_shapes_and_round_trip(name):
+    from transformers import AutoModelForCausalLM
 
-    from models import qwen2_moe
+    from models import qwen2_moe, qwen3_moe
     from models.config import preset
-    cfg = preset("qwen2-moe-57b-a14b")
+    cfg = preset(name)
+    module = qwen3_moe if cfg.qk_layernorm else qwen2_moe
     with torch.device("meta"):
-        hf = Qwen2MoeForCausalLM(qwen2_moe.hf_config(cfg))
+        hf = AutoModelForCausalLM.from_config(module.hf_config(cfg))
     assert sum(p.numel() for p in hf.parameters()) == cfg.num_parameters()
+    assert module.config_from_hf(module.hf_config(cfg)) == cfg
