@@ -14,19 +14,15 @@ The aux-loss coefficient is converted as for Mixtral (HF's sum is top-k times me
 """
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from parallel.topology import ParallelTopology
 
 from . import llama
 from .config import TransformerConfig
-from .hf_fields import check_fields, refuse
+from .hf_fields import check_fields, log_unrecorded_moe_settings, refuse
 from .llama import LlamaModel, llama_like_config, llama_like_hf_fields
 from .qwen2 import MAPPED as QWEN2_MAPPED, check_full_attention
-
-logger = logging.getLogger(__name__)
 
 FAMILY = "Qwen2-MoE"
 # the MoE fields both Qwen-MoE families map
@@ -53,7 +49,8 @@ def moe_config_fields(hf, family: str) -> dict:
                      "qwen2 / qwen3)")
     if hf.decoder_sparse_step != 1:
         raise refuse(family, "decoder_sparse_step", hf.decoder_sparse_step,
-                     "1 (megazoo's layer 0 is always sparse: list the dense layers in mlp_only_layers)")
+                     "1 (megazoo's layer 0 is always sparse: list the dense layers in "
+                     "mlp_only_layers)")
     layers = hf.num_hidden_layers
     dense = sorted({i for i in hf.mlp_only_layers or [] if 0 <= i < layers})
     freq = next((n for n in range(1, layers + 1) if dense == [i for i in range(layers) if i % n]),
@@ -78,11 +75,7 @@ def moe_hf_fields(config: TransformerConfig, family: str, *, shared: bool) -> di
         ("an ungated shared expert", shared and not config.moe_shared_expert_gate)) if bad]
     if problems:
         raise ValueError(f"HF {family} cannot express {', '.join(problems)}; export another family")
-    for flag, value in (("--moe-z-loss-coeff", config.moe_z_loss_coeff),
-                        ("--moe-expert-capacity-factor", config.moe_expert_capacity_factor)):
-        if value:
-            logger.info("%s %s is a training setting HF %s does not record; the exported model "
-                        "routes dropless and has no z-loss", flag, value, family)
+    log_unrecorded_moe_settings(config, family)
     topk = config.moe_router_topk
     # softmax over the top-k logits (megazoo's default) = the renormalised top-k of the softmax
     norm = config.moe_norm_topk_prob or not config.moe_router_pre_softmax
@@ -112,8 +105,9 @@ def hf_config(config: TransformerConfig, **extra):
                                   qk_layernorm=False)
     if config.kv_channels is None:  # HF's default head_dim, written only when it differs
         fields.pop("head_dim")
+    shared = config.moe_shared_expert_intermediate_size
     return Qwen2MoeConfig(**fields, **moe, qkv_bias=config.add_qkv_bias, use_sliding_window=False,
-                          shared_expert_intermediate_size=config.moe_shared_expert_intermediate_size,
+                          shared_expert_intermediate_size=shared,
                           **{"architectures": ["Qwen2MoeForCausalLM"], **extra})
 
 

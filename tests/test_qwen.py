@@ -11,17 +11,17 @@ from models.config import PRESETS, preset
 from tests.distributed import run_distributed
 from training.arguments import build_parser, to_run_config
 
-QWEN_PRESETS = [n for n, p in PRESETS.items() if (p.get("add_qkv_bias") or p.get("qk_layernorm"))
-                and not p.get("num_experts")]  # Qwen-MoE: test_qwen_moe.py
+QWEN_PRESETS = [n for n, p in PRESETS.items() if p.get("add_qkv_bias") or p.get("qk_layernorm")]
 PUBLISHED = {"qwen2-0.5b": 494_032_768, "qwen2.5-0.5b": 494_032_768, "qwen3-0.6b": 596_049_920}
 
 
 @pytest.mark.parametrize("name", QWEN_PRESETS)
 def test_presets_build_the_hf_shapes(name):
-    from models import qwen2, qwen3
+    from models import qwen2, qwen2_moe, qwen3, qwen3_moe
     from transformers import AutoModelForCausalLM
     cfg = preset(name)
-    module = qwen3 if cfg.qk_layernorm else qwen2
+    module = ((qwen3_moe if cfg.qk_layernorm else qwen2_moe) if cfg.num_experts else
+              (qwen3 if cfg.qk_layernorm else qwen2))
     with torch.device("meta"):
         hf = AutoModelForCausalLM.from_config(module.hf_config(cfg))
     assert sum(p.numel() for p in hf.parameters()) == cfg.num_parameters()

@@ -19,10 +19,10 @@ import pytest
 import torch
 
 from tests.distributed import run_distributed
-from tests.test_convert import check_against_hf, hf_reference
-from tests.test_hf_configs import _perturbed
+from tests.test_convert import check_against_hf
+from tests.test_hf_configs import NEW_TOKENS, round_trip_cases
 
-VOCAB, NEW_TOKENS = 101, 6
+VOCAB = 101
 LAYOUTS = [dict(tp=2, ep=2), dict(ep=4), dict(pp=2, ep=2)]
 _BASE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=40, num_hidden_layers=4,
              num_attention_heads=4, num_key_value_heads=2, moe_intermediate_size=24,
@@ -91,42 +91,24 @@ def _world(rank, cases):
 
 def test_round_trip_and_logits_and_generation_under_tp_pp_ep(tmp_path):
     from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM
 
     from models.hf import family, model_class
     from parallel.topology import ParallelTopology
-    from training.convert import export_hf, hf_to_full, import_hf
     ids = torch.randint(0, VOCAB, (2, 17), generator=torch.Generator().manual_seed(1))
-    prompt = ids[:, :5]
-    cases = []
-    for i, (name, (build, fields)) in enumerate(sorted(SUPPORTED.items())):
-        torch.manual_seed(i)
-        hf = _perturbed(build(**fields), seed=i)
-        hf_dir, ckpt, out = (str(tmp_path / f"{k}_{name}") for k in ("hf", "mz", "back"))
-        hf.save_pretrained(hf_dir)
-        ref = hf_reference(hf, ids, prompt, NEW_TOKENS)
-        import_hf(hf_dir, ckpt)
-        export_hf(ckpt, out)
-        files, exported = (load_file(f"{d}/model.safetensors") for d in (hf_dir, out))
-        assert exported.keys() == files.keys(), name
+    cases, models = round_trip_cases(SUPPORTED, tmp_path, ids, ids[:, :5])
+    for case, hf in zip(cases, models):
+        # the files too: export writes the per-expert form save_pretrained writes
+        files, exported = (load_file(f"{case[d]}/model.safetensors") for d in ("hf_dir", "out"))
+        assert exported.keys() == files.keys(), case["name"]
         for k in files:
-            assert torch.equal(exported[k], files[k]), (name, k)
-        back = AutoModelForCausalLM.from_pretrained(out, local_files_only=True).eval()
-        assert type(back) is type(hf) and back.config.architectures == [type(hf).__name__]
-        for field, value in fields.items():  # written back, read back the same
-            assert getattr(back.config, field) == value, (name, field)
-        with torch.no_grad():
-            torch.testing.assert_close(back(ids).logits, ref["logits"], rtol=0, atol=0)
-        model_type, config, full = hf_to_full(hf_dir)
-        module = family(model_type)
-        from_memory = module.from_hf_state_dict(hf.state_dict(), config)  # fused gate_up_proj
-        assert from_memory.keys() == full.weights.keys()
+            assert torch.equal(exported[k], files[k]), (case["name"], k)
+        # transformers 5's in-memory form (fused gate_up_proj) imports the same tensors
+        from_memory = family(case["family"]).from_hf_state_dict(hf.state_dict(), case["config"])
+        assert from_memory.keys() == case["full"].keys()
         for k, v in from_memory.items():
-            assert torch.equal(v, full.weights[k]), (name, k)
-        assert sum(p.numel() for p in hf.parameters()) == config.num_parameters(), name
-        case = dict(ref, name=name, ckpt=ckpt, family=model_type)
+            assert torch.equal(v, case["full"][k]), (case["name"], k)
+        assert sum(p.numel() for p in hf.parameters()) == case["config"].num_parameters()
         check_against_hf(case, ParallelTopology.single(), NEW_TOKENS)  # tp1: logits and greedy
-        cases.append(case)
     assert model_class(family("qwen2_moe")).__name__ == "Qwen2MoeModel"
     results = run_distributed(_world, 4, cases, timeout=500)
     print("max |logits - transformers| over ranks and layouts:", max(e for e, _ in results))
@@ -195,17 +177,3 @@ def test_released_configs_and_presets_match_hf_shapes(name, tmp_path):
     assert (imported.add_qkv_bias, imported.qk_layernorm) == (cfg.add_qkv_bias, cfg.qk_layernorm)
     expected = {"qwen2-moe-a2.7b": (14.32, 2.69), "qwen3-moe-30b-a3b": (30.53, 3.35)}[name]
     assert (round(total / 1e9, 2), round(cfg.num_parameters(active=True) / 1e9, 2)) == expected
-
-
-@pytest.mark.parametrize("name", ["qwen2-moe-a2.7b", "qwen2-moe-57b-a14b", "qwen3-moe-30b-a3b"])
-def test_presets_build_the_hf_shapes_and_round_trip(name):
-    from transformers import AutoModelForCausalLM
-
-    from models import qwen2_moe, qwen3_moe
-    from models.config import preset
-    cfg = preset(name)
-    module = qwen3_moe if cfg.qk_layernorm else qwen2_moe
-    with torch.device("meta"):
-        hf = AutoModelForCausalLM.from_config(module.hf_config(cfg))
-    assert sum(p.numel() for p in hf.parameters()) == cfg.num_parameters()
-    assert module.config_from_hf(module.hf_config(cfg)) == cfg
