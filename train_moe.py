@@ -7,10 +7,13 @@ parallelism) with ZeRO-1:
         --zero-stage 1 --mock-data --vocab-size 512 \\
         --seq-length 128 --micro-batch-size 4 --global-batch-size 16 --train-iters 100
 
-Presets: moe-tiny, mixtral-8x7b/8x22b, qwen2-moe-a2.7b/57b-a14b. Every log interval adds the
-auxiliary losses apart from the LM loss and, per MoE layer, the tokens per expert and dropped share.
+Presets: moe-tiny, mixtral-8x7b/8x22b, qwen2-moe-a2.7b/57b-a14b, qwen3-moe-30b-a3b. Every log
+interval adds the auxiliary losses apart from the LM loss and, per MoE layer, the tokens per expert
+and dropped share.
 """
 from models.llama import LlamaModel
+from models.qwen2_moe import Qwen2MoeModel
+from models.qwen3_moe import Qwen3MoeModel
 from training.script import main
 
 
@@ -18,8 +21,11 @@ def model_provider(config, topo, *, rng=None, pre_process=True, post_process=Tru
     if not config.num_experts:
         raise ValueError("train_moe.py trains mixture-of-experts models: give --num-experts or an "
                          "MoE preset (--model moe-tiny)")
-    return LlamaModel(config, topo, rng=rng, pre_process=pre_process, post_process=post_process,
-                      layer_range=layer_range)
+    # Qwen-MoE's attention (QKV bias; q/k norm) makes the model a Qwen2-MoE / Qwen3-MoE one
+    cls = Qwen3MoeModel if config.qk_layernorm else \
+        Qwen2MoeModel if config.add_qkv_bias else LlamaModel
+    return cls(config, topo, rng=rng, pre_process=pre_process, post_process=post_process,
+               layer_range=layer_range)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from parallel.context_parallel import check_attention, context_attention, sequence_positions
 from parallel.random import RNGStreams, checkpoint
 from parallel.tensor_parallel import ColumnParallelLinear, GroupedLayout, RowParallelLinear
 from parallel.topology import ParallelTopology
@@ -50,6 +51,21 @@ def causal_bias(slopes: torch.Tensor | None, q_len: int, k_len: int, dtype, devi
     return bias.masked_fill(distance > 0, float("-inf")).to(dtype)
 
 
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     slopes: torch.Tensor | None = None, dropout_p: float = 0.0,
+                     scale: float | None = None) -> torch.Tensor:
+    """SDPA of q [b, heads, q, d] over k, v [b, kv_heads, k, d], queries being the last q of the
+    k positions, with ALiBi when `slopes` are given (`scale` None: 1/sqrt(d))."""
+    mask = None
+    if slopes is not None or k.shape[2] != q.shape[2]:
+        # 4-D [1, heads, q, k]: the shape SDPA's fused CPU kernel takes (a 3-D mask falls
+        # back to the unfused math path, 1.5x slower here)
+        mask = causal_bias(slopes, q.shape[2], k.shape[2], q.dtype, q.device)[None]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
+                                          is_causal=mask is None,
+                                          enable_gqa=q.shape[1] != k.shape[1], scale=scale)
+
+
 class KVCache:
     """Keys and values of earlier positions, per layer, for incremental decoding.
 
@@ -82,9 +98,13 @@ class ParallelAttention(nn.Module):
         self.heads_local, self.head_dim = heads // topo.tp, d
         self.groups_local = max(groups // topo.tp, 1)  # 1 when KV heads are replicated
         self.q_per_group_local = self.heads_local // self.groups_local
-        self.dropout, self.rng = config.attention_dropout, rng
+        self.dropout, self.rng, self.topo = config.attention_dropout, rng, topo
         self.scale_attn_weights = config.scale_attn_weights
         self.scale_by_layer = config.scale_attn_by_inverse_layer_idx
+        check_attention(config.attention_dropout, topo.cp)
+        if topo.cp > 1 and (self.scale_by_layer or not self.scale_attn_weights):
+            raise ValueError("GPT-2's scale_attn_weights=False / scale_attn_by_inverse_layer_idx "
+                             "are not supported with --context-parallel-size > 1")
         # --recompute-granularity selective: the core is recomputed in backward (models/recompute.py)
         self.recompute_core = config.recompute_granularity == "selective"
         per_group = heads // groups
@@ -116,15 +136,15 @@ class ParallelAttention(nn.Module):
         scale = self.head_dim ** -0.5 if self.scale_attn_weights else 1.0
         return scale / (layer + 1) if self.scale_by_layer else scale
 
-    def core_attention(self, q, k, v, mask, scale: float | None = None) -> torch.Tensor:
-        """softmax(QK^T * scale + mask) V with attention dropout: [b, heads, s, d] each."""
+    def core_attention(self, q, k, v, layer: int) -> torch.Tensor:
+        """softmax(QK^T * scale + causal/ALiBi bias) V with attention dropout, [b, heads, s, d]
+        each; over every context-parallel rank's part of the sequence when cp > 1."""
+        if self.topo.cp > 1:
+            return context_attention(q, k, v, self.topo, self.alibi_slopes, causal_attention)
         p = self.dropout if self.training else 0.0
         # Heads differ per TP rank, so attention dropout draws from the tensor-parallel stream.
         with self.rng.fork() if (self.rng is not None and p > 0) else contextlib.nullcontext():
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p,
-                                                  is_causal=mask is None,
-                                                  enable_gqa=self.q_per_group_local > 1,
-                                                  scale=scale)
+            return causal_attention(q, k, v, self.alibi_slopes, p, self._scale(layer))
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
         qkv = self.qkv(x)  # [s, b, local (q, k, v) features], full sequence even under SP
@@ -138,17 +158,13 @@ class ParallelAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rotary is not None:
-            q, k = self.rotary(q, k, cache.offset if cache is not None else 0)
+            positions = sequence_positions(s, self.topo, cache.offset if cache is not None else 0)
+            q, k = self.rotary(q, k, positions)
         if cache is not None:
             k, v = cache.update(layer, k, v)
-        mask = None
-        if self.alibi_slopes is not None or k.shape[2] != s:
-            # 4-D [1, heads, q, k]: the shape SDPA's fused CPU kernel takes (a 3-D mask falls
-            # back to the unfused math path, 1.5x slower here)
-            mask = causal_bias(self.alibi_slopes, s, k.shape[2], q.dtype, q.device)[None]
         if self.recompute_core and self.training and torch.is_grad_enabled():
-            out = checkpoint(self.core_attention, self.rng, q, k, v, mask, self._scale(layer))
+            out = checkpoint(self.core_attention, self.rng, q, k, v, layer)
         else:
-            out = self.core_attention(q, k, v, mask, self._scale(layer))
+            out = self.core_attention(q, k, v, layer)
         out = out.permute(2, 0, 1, 3).reshape(s, b, self.heads_local * d)
         return self.dense(out)

@@ -261,13 +261,16 @@ _QWEN3 = dict(_QWEN, qk_layernorm=True, max_position_embeddings=40960)
 
 # Mixture of experts. Mixtral (Jiang et al. 2024) and Qwen-MoE from their released config.json
 # files; aux-loss coefficients as Megatron-LM's recipes (megazoo's aux loss is Megatron's: HF's
-# router_aux_loss_coef multiplies a sum that is topk times larger). Qwen2-MoE's query/key/value
-# biases are not modelled (megazoo has one bias switch for every linear): its preset is the shape.
+# router_aux_loss_coef multiplies a sum that is topk times larger). Qwen2-MoE biases q, k and v
+# (add_qkv_bias); Qwen3-MoE has Qwen3's q/k norms and head_dim 128, no shared expert.
 _MIXTRAL = dict(_LLAMA, vocab_size=32000, max_position_embeddings=32768, rope_theta=1e6,
                 num_experts=8, moe_router_topk=2, moe_aux_loss_coeff=1e-2)
 _QWEN2_MOE = dict(_LLAMA, vocab_size=151936, max_position_embeddings=8192, rope_theta=1e6,
                   layernorm_epsilon=1e-6, moe_router_pre_softmax=True, moe_aux_loss_coeff=1e-3,
-                  moe_shared_expert_gate=True)
+                  moe_shared_expert_gate=True, add_qkv_bias=True)
+_QWEN3_MOE = dict(_LLAMA, vocab_size=151936, max_position_embeddings=40960, rope_theta=1e6,
+                  layernorm_epsilon=1e-6, moe_router_pre_softmax=True, moe_norm_topk_prob=True,
+                  moe_aux_loss_coeff=1e-3, qk_layernorm=True)
 
 PRESETS: dict[str, dict] = {
     # GPT-2 (Radford et al. 2019)
@@ -337,6 +340,9 @@ PRESETS: dict[str, dict] = {
                                num_layers=28, num_attention_heads=28, num_query_groups=4,
                                ffn_hidden_size=18944, num_experts=64, moe_router_topk=8,
                                moe_ffn_hidden_size=2560, moe_shared_expert_intermediate_size=20480),
+    "qwen3-moe-30b-a3b": dict(_QWEN3_MOE, hidden_size=2048, num_layers=48, num_attention_heads=32,
+                              num_query_groups=4, kv_channels=128, ffn_hidden_size=6144,
+                              num_experts=128, moe_router_topk=8, moe_ffn_hidden_size=768),
     # A small MoE for CPUs, tests and the demo: 8 experts, top-2, z-loss.
     "moe-tiny": dict(_LLAMA, vocab_size=32000, max_position_embeddings=1024, hidden_size=128,
                      num_layers=4, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=256,

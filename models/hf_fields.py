@@ -9,6 +9,10 @@ silently turns a checkpoint into a different model.
 """
 from __future__ import annotations
 
+import logging
+
+logger = logging.getLogger(__name__)
+
 NEUTRAL = frozenset({
     # bookkeeping
     "transformers_version", "architectures", "model_type", "_name_or_path", "dtype", "torch_dtype",
@@ -59,3 +63,13 @@ def check_fields(hf, family: str, mapped: frozenset, ignored: frozenset = frozen
                 raise refuse(family, field, value, f"{field}={default[field]!r}")
         elif value not in _EMPTY:
             raise refuse(family, field, value, "the field absent")
+
+
+def log_unrecorded_moe_settings(config, family: str) -> None:
+    """At export: name the MoE training settings HF configs do not record (the exported model
+    routes dropless and has no z-loss)."""
+    for flag, value in (("--moe-z-loss-coeff", config.moe_z_loss_coeff),
+                        ("--moe-expert-capacity-factor", config.moe_expert_capacity_factor)):
+        if value:
+            logger.info("%s %s is a training setting HF %s does not record; the exported model "
+                        "routes dropless and has no z-loss", flag, value, family)

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from parallel.context_parallel import sequence_positions
 from parallel.param_spec import set_spec
 from parallel.mappings import gather_last_dim, scatter_to_sequence
 from parallel.random import RNGStreams, checkpoint
@@ -52,7 +53,7 @@ class Embedding(nn.Module):
     def forward(self, ids: torch.Tensor, position_offset: int = 0) -> torch.Tensor:
         x = self.word_embeddings(ids)
         if self.position_embeddings is not None:
-            positions = torch.arange(position_offset, position_offset + ids.shape[1], device=ids.device)
+            positions = sequence_positions(ids.shape[1], self.topo, position_offset, ids.device)
             x = x + self.position_embeddings(positions)
         x = x.transpose(0, 1).contiguous()  # [s, b, h]
         if self.norm is not None:
@@ -109,6 +110,9 @@ class TransformerLanguageModel(nn.Module):
         `labels` are given, else this rank's vocabulary shard of the logits [b, s, v/tp].
         With a `cache` (inference), x continues the cached positions and the cache advances.
         """
+        if cache is not None and self.topo.cp > 1:
+            raise ValueError("KV-cache decoding is not supported with --context-parallel-size > 1; "
+                             "generate with the checkpoint loaded at context-parallel size 1")
         offset = cache.offset if cache is not None else 0
         h = self.embedding(x, offset) if self.pre_process else x
         layers = list(self.layers.values())

@@ -14,18 +14,14 @@ so the coefficient is converted, not copied.
 """
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from parallel.topology import ParallelTopology
 
 from . import llama
 from .config import TransformerConfig
-from .hf_fields import check_fields
+from .hf_fields import check_fields, log_unrecorded_moe_settings
 from .language_model import TransformerLanguageModel
-
-logger = logging.getLogger(__name__)
 
 # Fields config_from_hf maps, beyond Llama's (models/hf_fields.py refuses any other that differs).
 MAPPED = llama.MAPPED | {"num_local_experts", "num_experts_per_tok", "router_aux_loss_coef"}
@@ -82,11 +78,7 @@ def _check_exportable(config: TransformerConfig) -> None:
         ("softmax-then-top-k routing without renormalisation", not equivalent_router)) if bad]
     if problems:
         raise ValueError(f"HF Mixtral cannot express {', '.join(problems)}; export another family")
-    for flag, value in (("--moe-z-loss-coeff", config.moe_z_loss_coeff),
-                        ("--moe-expert-capacity-factor", config.moe_expert_capacity_factor)):
-        if value:
-            logger.info("%s %s is a training setting HF Mixtral does not record; the exported "
-                        "model routes dropless and has no z-loss", flag, value)
+    log_unrecorded_moe_settings(config, "Mixtral")
 
 
 def from_hf_state_dict(sd: dict[str, torch.Tensor], config: TransformerConfig) -> dict[str, torch.Tensor]:

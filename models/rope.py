@@ -59,12 +59,13 @@ class RotaryEmbedding(nn.Module):
         # Not persistent: recomputed from the config, never stored in checkpoints.
         self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
 
-    def cos_sin(self, offset: int, length: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        positions = torch.arange(offset, offset + length, device=self.inv_freq.device).float()
-        freqs = positions[:, None] * self.inv_freq[None, :]
+    def cos_sin(self, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.to(self.inv_freq.device).float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)  # [s, head_dim], fp32 like HF
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, offset: int = 0):
-        cos, sin = self.cos_sin(offset, q.shape[2], q.dtype)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
+        """`positions`: the absolute position of each of the s tokens (a context-parallel rank
+        holds two separate chunks of the sequence)."""
+        cos, sin = self.cos_sin(positions, q.dtype)
         return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin

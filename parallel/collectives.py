@@ -3,8 +3,10 @@
 Two families, named for what they do:
 
     blocking, on any tensor            all_reduce(x, g)  all_gather(x, g, dim)  reduce_scatter(x, g, dim)  split(x, g, dim)
-                                       all_to_all(x, g, output_splits, input_splits)
+                                       all_to_all_rows(x, g, output_splits, input_splits)
+                                       all_to_all(x, g, scatter_dim, gather_dim)
     launched, on flat buffers          all_reduce_async(t, g)  all_gather_into(out, inp, g)  reduce_scatter_into(out, inp, g)
+                                       ring_shift(send, recv, g)  (to the next rank of g, from the previous)
 
 The blocking verbs return a tensor; the launched ones return a `Pending` whose `wait()` completes
 the operation (and runs an optional follow-up), so buckets can overlap communication with
@@ -96,7 +98,7 @@ def split(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     return x.chunk(n, dim=dim)[group_rank(group)].contiguous()
 
 
-def all_to_all(x: torch.Tensor, group, output_splits: list[int],
+def all_to_all_rows(x: torch.Tensor, group, output_splits: list[int],
                input_splits: list[int]) -> torch.Tensor:
     """Rows of `x` in consecutive blocks of `input_splits[r]` go to group rank r; the result holds
     `output_splits[r]` rows from each rank r, in rank order (dim 0, any trailing shape)."""
@@ -106,6 +108,19 @@ def all_to_all(x: torch.Tensor, group, output_splits: list[int],
     out = x.new_empty((sum(output_splits),) + tuple(x.shape[1:]))
     dist.all_to_all_single(out, x, output_splits, input_splits, group=group)
     return out
+
+
+def all_to_all(x: torch.Tensor, group, scatter_dim: int, gather_dim: int) -> torch.Tensor:
+    """Chunk j of `x` along `scatter_dim` goes to group rank j; the chunks received from every
+    rank are concatenated along `gather_dim` (in group-rank order)."""
+    n = group_size(group)
+    if n == 1:
+        return x
+    _check_divisible(x, scatter_dim, n)
+    inp = torch.stack(x.chunk(n, dim=scatter_dim)).contiguous()
+    out = torch.empty_like(inp)
+    dist.all_to_all_single(out, inp, group=group)
+    return torch.cat(out.unbind(0), dim=gather_dim)
 
 
 # ---- launched verbs on flat buffers -----------------------------------------------------------
@@ -131,3 +146,27 @@ def all_gather_into(output: torch.Tensor, input: torch.Tensor, group) -> Pending
         output.copy_(input)
         return Pending()
     return Pending(_ALL_GATHER(output, input, group=group, async_op=True))
+
+
+def ring_shift(send: torch.Tensor, recv: torch.Tensor, group, tag: int = 0) -> Pending:
+    """Launch: send `send` to the next rank of the group's ring and receive `recv` (same shape,
+    contiguous) from the previous one, in one `batch_isend_irecv`."""
+    n, r = group_size(group), group_rank(group)
+    if n == 1:
+        recv.copy_(send)
+        return Pending()
+    nxt, prev = dist.get_global_rank(group, (r + 1) % n), dist.get_global_rank(group, (r - 1) % n)
+    works = dist.batch_isend_irecv([dist.P2POp(dist.isend, send.contiguous(), nxt, group, tag=tag),
+                                    dist.P2POp(dist.irecv, recv, prev, group, tag=tag)])
+    return Pending(_All(works))
+
+
+class _All:
+    """Several launched works waited on as one."""
+
+    def __init__(self, works):
+        self.works = works
+
+    def wait(self) -> None:
+        for w in self.works:
+            w.wait()

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .collectives import all_to_all, group_size
+from .collectives import all_to_all_rows, group_size
 from .topology import ParallelTopology
 
 
@@ -38,12 +38,12 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, output_splits, input_splits):
         ctx.group, ctx.splits = group, (output_splits, input_splits)
-        return all_to_all(x, group, output_splits, input_splits)
+        return all_to_all_rows(x, group, output_splits, input_splits)
 
     @staticmethod
     def backward(ctx, g):
         output_splits, input_splits = ctx.splits
-        return all_to_all(g, ctx.group, input_splits, output_splits), None, None, None
+        return all_to_all_rows(g, ctx.group, input_splits, output_splits), None, None, None
 
 
 @dataclass
@@ -65,7 +65,7 @@ def dispatch(x: torch.Tensor, counts: torch.Tensor, group) -> tuple[torch.Tensor
         return x, counts, Dispatched(None, [], [])
     local = counts.numel() // ep
     # How many rows each rank sends me for each of my experts: [ep (source), local experts].
-    received = all_to_all(counts.view(ep, local), group, [1] * ep, [1] * ep)
+    received = all_to_all_rows(counts.view(ep, local), group, [1] * ep, [1] * ep)
     send = counts.view(ep, local).sum(1).tolist()
     recv = received.sum(1).tolist()
     rows = _AllToAll.apply(x, group, recv, send)

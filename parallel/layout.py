@@ -45,6 +45,7 @@ class ParallelConfig:
     vpp: int = 1  # virtual pipeline chunks per rank (from --num-layers-per-virtual-pipeline-stage)
     sequence_parallel: bool = False  # --sequence-parallel
     cp: int = 1  # --context-parallel-size
+    cp_comm_type: str = "p2p"  # --cp-comm-type: p2p (ring attention) | a2a (all-to-all, Ulysses)
     ep: int = 1  # --expert-model-parallel-size
     first_stage_layers: int | None = None  # --decoder-first-pipeline-num-layers
     last_stage_layers: int | None = None  # --decoder-last-pipeline-num-layers
@@ -60,6 +61,9 @@ class ParallelConfig:
                              self.vpp)):
             if not isinstance(value, int) or value < 1:
                 raise LayoutError(f"{flag} must be an integer >= 1, got {value}")
+        if self.cp_comm_type not in ("p2p", "a2a"):
+            raise LayoutError(f"--cp-comm-type {self.cp_comm_type!r} is not supported; choose p2p "
+                              f"(ring attention) or a2a (all-to-all)")
         model_parallel = self.tp * self.cp * self.pp
         if world_size % model_parallel != 0:
             raise LayoutError(
@@ -98,6 +102,13 @@ class ParallelConfig:
             raise LayoutError(
                 f"--num-query-groups {groups} and --tensor-model-parallel-size {tp}: one must divide "
                 f"the other (split whole KV heads, or replicate each)")
+        if self.cp > 1 and self.cp_comm_type == "a2a":
+            heads_local, groups_local = num_attention_heads // tp, max(groups // tp, 1)
+            if heads_local % self.cp or groups_local % self.cp:
+                raise LayoutError(
+                    f"--cp-comm-type a2a needs the {heads_local} heads and {groups_local} key/value "
+                    f"heads per tensor-parallel rank divisible by --context-parallel-size "
+                    f"{self.cp}; use --cp-comm-type p2p or a context size that divides both")
         for flag, size in (("--ffn-hidden-size", ffn_hidden_size),
                            ("--moe-shared-expert-intermediate-size", shared_expert_size)):
             if size is not None and size % tp != 0:

@@ -13,6 +13,7 @@ in `parallel/collectives.py`.
     reduce_scatter_to_sequence  fwd reduce-scatter (0)  bwd all-gather (0)
     gather_sequence_replicated  fwd all-gather (0)  bwd split (0)   (every TP rank then repeats
                                                                   the same computation: MoE)
+    all_to_all(x, g, s, t)  fwd scatter dim s, gather dim t   bwd scatter t, gather s   (Ulysses)
 
 Activations are laid out [sequence, batch, hidden], so the sequence dimension is dim 0.
 """
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from . import collectives as C
 from .collectives import all_gather, all_reduce, group_size, reduce_scatter, split
 
 
@@ -95,6 +97,18 @@ class _ReduceScatterToSequence(torch.autograd.Function):
         return all_gather(g, ctx.group, dim=0), None
 
 
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, scatter_dim, gather_dim):
+        ctx.group, ctx.dims = group, (scatter_dim, gather_dim)
+        return C.all_to_all(x, group, scatter_dim, gather_dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        scatter_dim, gather_dim = ctx.dims
+        return C.all_to_all(g, ctx.group, gather_dim, scatter_dim), None, None, None
+
+
 def _apply(fn, x, group):
     return x if group_size(group) == 1 else fn.apply(x, group)
 
@@ -125,3 +139,7 @@ def reduce_scatter_to_sequence(x, group):
 
 def gather_sequence_replicated(x, group):
     return x if group_size(group) == 1 else _GatherSplit.apply(x, group, 0)
+
+
+def all_to_all(x, group, scatter_dim: int, gather_dim: int):
+    return x if group_size(group) == 1 else _AllToAll.apply(x, group, scatter_dim, gather_dim)

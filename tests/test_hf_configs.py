@@ -165,15 +165,17 @@ def _worker(rank, cases):
     return max(errors), checked
 
 
-def test_fields_and_qwen_round_trip_and_match_transformers_under_tp_pp(tmp_path):
+def round_trip_cases(supported: dict, tmp_path, ids, prompt) -> tuple[list[dict], list]:
+    """Each `name: (builder, non-default fields)` of `supported` as a random (perturbed) HF model,
+    saved, imported and exported: the export's tensors equal HF's bit for bit, transformers reloads
+    it as the same class with the fields read back and HF's exact logits. Returns the cases
+    (`hf_reference`'s keys, the checkpoint, family, full tensors, config) and the HF models."""
     from transformers import AutoModelForCausalLM
 
     from tests.test_convert import hf_reference
     from training.convert import export_hf, hf_to_full, import_hf
-    ids = torch.randint(0, VOCAB, (2, 17), generator=torch.Generator().manual_seed(1))
-    prompt = ids[:, :5]
-    cases = []
-    for i, (name, (build, fields)) in enumerate(sorted(SUPPORTED.items())):
+    cases, models = [], []
+    for i, (name, (build, fields)) in enumerate(sorted(supported.items())):
         torch.manual_seed(i)
         hf = _perturbed(build(**fields), seed=i)
         hf_dir, ckpt, out = (str(tmp_path / f"{k}_{name}") for k in ("hf", "mz", "back"))
@@ -193,8 +195,15 @@ def test_fields_and_qwen_round_trip_and_match_transformers_under_tp_pp(tmp_path)
         with torch.no_grad():
             torch.testing.assert_close(back(ids).logits, ref["logits"], rtol=0, atol=0)
         model_type, config, full = hf_to_full(hf_dir)
-        cases.append(dict(ref, name=name, ckpt=ckpt, family=model_type, full=full.weights,
-                          config=config.replace(make_vocab_size_divisible_by=8)))
+        cases.append(dict(ref, name=name, ckpt=ckpt, hf_dir=hf_dir, out=out, family=model_type,
+                          full=full.weights, config=config.replace(make_vocab_size_divisible_by=8)))
+        models.append(hf)
+    return cases, models
+
+
+def test_fields_and_qwen_round_trip_and_match_transformers_under_tp_pp(tmp_path):
+    ids = torch.randint(0, VOCAB, (2, 17), generator=torch.Generator().manual_seed(1))
+    cases, _ = round_trip_cases(SUPPORTED, tmp_path, ids, ids[:, :5])
     errors_and_checked = run_distributed(_worker, 4, cases, timeout=500)
     print("max |logits - transformers| over ranks:", max(e for e, _ in errors_and_checked))
     assert max(e for e, _ in errors_and_checked) <= 1e-5

@@ -26,7 +26,8 @@ from parallel.topology import ParallelTopology
 from parallel.zero import build_optimizer
 from tests.distributed import run_distributed
 from tests.test_moe import moe_config
-from tests.test_zero_common import (HYPER, SEQ, STEPS, assert_params_close, batch, dp_mean,
+from tests.tolerances import assert_trained_close
+from tests.test_zero_common import (HYPER, SEQ, STEPS, batch, dp_mean, initial_parameters,
                                     opt_config, topology)
 from training.step import activation_shape, forward_backward
 
@@ -129,8 +130,9 @@ def parallel_run(topo, cfg, stage: int, microbatches: int, ref, tag: str,
     dp_full = opt.full_parameters()
     for c, chunk in enumerate(chunks):
         prefix = chunk_prefix(c, len(chunks))
-        assert_params_close({chunk.canonical_name(n): full_tensor(p, topo, dp_full[prefix + n])
-                             for n, p in chunk.named_parameters()}, ref_params, tag)
+        assert_trained_close({chunk.canonical_name(n): full_tensor(p, topo, dp_full[prefix + n])
+                              for n, p in chunk.named_parameters()}, ref_params,
+                             initial_parameters(cfg), tag, HYPER["lr"])
     assert (sum(dropped) > 0) == (cfg.moe_expert_capacity_factor is not None), tag
     return f"{tag}: {grads_checked} gradient slices, {sum(dropped):.0f} assignments dropped"
 

@@ -17,10 +17,11 @@ PUBLISHED = {"qwen2-0.5b": 494_032_768, "qwen2.5-0.5b": 494_032_768, "qwen3-0.6b
 
 @pytest.mark.parametrize("name", QWEN_PRESETS)
 def test_presets_build_the_hf_shapes(name):
-    from models import qwen2, qwen3
+    from models import qwen2, qwen2_moe, qwen3, qwen3_moe
     from transformers import AutoModelForCausalLM
     cfg = preset(name)
-    module = qwen3 if cfg.qk_layernorm else qwen2
+    module = ((qwen3_moe if cfg.qk_layernorm else qwen2_moe) if cfg.num_experts else
+              (qwen3 if cfg.qk_layernorm else qwen2))
     with torch.device("meta"):
         hf = AutoModelForCausalLM.from_config(module.hf_config(cfg))
     assert sum(p.numel() for p in hf.parameters()) == cfg.num_parameters()

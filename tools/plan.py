@@ -57,6 +57,8 @@ def parse_args(argv=None):
     lay.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3])
     lay.add_argument("--recompute", choices=["none", "selective", "full"])
     lay.add_argument("--sequence-parallel", action="store_true", default=None)
+    lay.add_argument("--context-parallel-size", type=int, default=1,
+                     help="ranks each sample's sequence is split over (ring attention)")
     lay.add_argument("--micro-batch-size", type=int)
     lay.add_argument("--decoder-first-pipeline-num-layers", type=int,
                      help="layers on the first pipeline stage (uneven split, as the trainer's flag)")
@@ -119,6 +121,8 @@ def trainer_argv(cfg: TransformerConfig, lay: Layout) -> list[str]:
         argv += ["--num-layers-per-virtual-pipeline-stage", max(cfg.num_layers // (lay.pp * lay.vpp), 1)]
     if lay.sequence_parallel:
         argv.append("--sequence-parallel")
+    if lay.cp > 1:
+        argv += ["--context-parallel-size", lay.cp]
     if lay.first_stage_layers is not None:
         argv += ["--decoder-first-pipeline-num-layers", lay.first_stage_layers]
     if lay.last_stage_layers is not None:
@@ -178,7 +182,7 @@ def main(argv=None) -> None:
     fixed = {k: v for k, v in dict(tp=a.tp, pp=a.pp, vpp=a.vpp, ep=a.ep, zero=a.zero_stage,
                                    recompute=a.recompute, sequence_parallel=a.sequence_parallel,
                                    micro_batch=a.micro_batch_size).items() if v is not None}
-    common = dict(precision=a.precision, grad_bytes=a.grad_bytes,
+    common = dict(cp=a.context_parallel_size, precision=a.precision, grad_bytes=a.grad_bytes,
                   flash_attention=a.flash_attention, overlap_dp=a.overlap_dp,
                   first_stage_layers=a.decoder_first_pipeline_num_layers,
                   last_stage_layers=a.decoder_last_pipeline_num_layers)
@@ -192,7 +196,7 @@ def main(argv=None) -> None:
           f"{cluster.peak_flops / 1e12:.0f} TFLOP/s peak")
     if {"tp", "pp", "zero", "recompute", "micro_batch"} <= set(fixed) and \
             ("ep" in fixed or not cfg.num_experts):
-        dp = cluster.num_gpus // (a.tp * a.pp)
+        dp = cluster.num_gpus // (a.tp * a.pp * a.context_parallel_size)
         layout = Layout(tp=a.tp, pp=a.pp, dp=dp, vpp=a.vpp or 1, ep=a.ep or 1, zero=a.zero_stage,
                         sequence_parallel=bool(a.sequence_parallel), recompute=a.recompute,
                         micro_batch=a.micro_batch_size, global_batch=a.global_batch_size,
@@ -204,7 +208,8 @@ def main(argv=None) -> None:
         print(HEADER + "\n" + row(p))
         t = p.time
         print(f"fits: {p.fits} ({p.memory.stage} stage);  time: compute {t.compute:.2f} s, TP "
-              f"{t.tp_comm:.2f}, EP all-to-all {t.ep_comm:.2f}, PP p2p {t.pp_comm:.2f}, bubble {t.bubble:.2f}, DP {t.dp_comm:.2f}, "
+              f"{t.tp_comm:.2f}, CP ring {t.cp_comm:.2f}, EP all-to-all {t.ep_comm:.2f}, PP p2p "
+              f"{t.pp_comm:.2f}, bubble {t.bubble:.2f}, DP {t.dp_comm:.2f}, "
               f"optimizer {t.optimizer:.3f};  {t.tokens_per_s:,.0f} tokens/s")
         refusal = trainer_refusal(cfg, layout)
         if refusal:

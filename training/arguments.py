@@ -11,6 +11,7 @@ import os
 
 from data.blended import check_blend
 from models.config import PRESETS, TransformerConfig, preset
+from parallel.context_parallel import check_attention
 from parallel.layout import LayoutError, ParallelConfig, microbatches_per_step, virtual_stages
 from parallel.zero.config import LossScaleConfig, OptimizerConfig
 
@@ -80,6 +81,12 @@ def build_parser(default_model: str | None = None) -> argparse.ArgumentParser:
     g.add_argument("--decoder-last-pipeline-num-layers", type=int,
                    help="layers on the last pipeline stage (it also holds the head and loss)")
     g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--context-parallel-size", type=int, default=1,
+                   help="split every sample's sequence over this many ranks (carved from data "
+                        "parallelism); each holds chunks i and 2C-1-i (load-balanced causal)")
+    g.add_argument("--cp-comm-type", default="p2p", choices=["p2p", "a2a"],
+                   help="context-parallel attention: p2p = ring attention (K/V blocks around the "
+                        "ring), a2a = all-to-all over heads (DeepSpeed-Ulysses)")
     g.add_argument("--pipeline-schedule", default="1f1b", choices=["1f1b", "gpipe", "no_pipelining"])
     g = p.add_argument_group("batch and schedule")
     g.add_argument("--micro-batch-size", type=int, default=1)
@@ -253,10 +260,12 @@ def to_run_config(args: argparse.Namespace, vocab_size: int | None = None,
             vpp=virtual_stages(model.num_layers, args.pipeline_model_parallel_size,
                                args.num_layers_per_virtual_pipeline_stage),
             sequence_parallel=args.sequence_parallel, ep=args.expert_model_parallel_size,
+            cp=args.context_parallel_size, cp_comm_type=args.cp_comm_type,
             first_stage_layers=args.decoder_first_pipeline_num_layers,
             last_stage_layers=args.decoder_last_pipeline_num_layers)
         dp = parallel.validate(world)
         model.check_layout(parallel, seq_length=seq)
+        check_attention(model.attention_dropout, parallel.cp)
         mbs = args.micro_batch_size
         gbs = args.global_batch_size or mbs * dp
         microbatches_per_step(gbs, mbs, dp, parallel.pp, parallel.vpp)

@@ -1,7 +1,9 @@
 """From the data configuration to per-rank microbatches of tokens and labels.
 
 Every rank reads its own microbatches (the datasets are memory-mapped, the sampler is
-deterministic), so no broadcast of data across TP or PP ranks is needed.
+deterministic), so no broadcast of data across TP or PP ranks is needed. Under context
+parallelism a rank keeps only its chunks of each sample's tokens and labels
+(`parallel.context_parallel.split_sequence`); the model derives their positions from its rank.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import torch
 
 from data.blended import build_train_valid_test_datasets
 from data.samplers import PretrainingSampler
+from parallel.context_parallel import split_sequence
 
 from .config import DataConfig
 from .health import SkippingDataset, merge_ranges
@@ -47,8 +50,9 @@ def build_datasets(cfg: DataConfig, *, seed: int, vocab_size: int, num_samples: 
 
 def microbatches(dataset, *, consumed_samples: int, micro_batch_size: int, dp_rank: int, dp: int,
                  device: torch.device, num_workers: int = 0,
-                 eod_mask_token: int | None = None) -> Iterator[dict]:
-    """Endless stream of {"tokens": [b, s], "labels": [b, s]} for this DP rank, from `consumed`.
+                 eod_mask_token: int | None = None, cp: int = 1, cp_rank: int = 0) -> Iterator[dict]:
+    """Endless stream of {"tokens": [b, s/cp], "labels": [b, s/cp]} for this DP rank (this context
+    rank's chunks of the sequence), from `consumed`.
 
     With `num_workers` threads, the next 2 x num_workers microbatches are read ahead (same order);
     with `eod_mask_token`, "loss_mask" [b, s] is 0 where the input token is that id (--eod-mask-loss).
@@ -63,11 +67,11 @@ def microbatches(dataset, *, consumed_samples: int, micro_batch_size: int, dp_ra
         return np.stack([np.asarray(dataset[i]["tokens"], dtype=np.int64) for i in idx])
 
     def to_batch(sample: np.ndarray) -> dict:
-        t = torch.from_numpy(sample).to(device)
-        mb = {"tokens": t[:, :-1].contiguous(), "labels": t[:, 1:].contiguous()}
+        t = torch.from_numpy(sample)
+        mb = {"tokens": t[:, :-1], "labels": t[:, 1:]}
         if eod_mask_token is not None:
             mb["loss_mask"] = (mb["tokens"] != eod_mask_token).float()
-        return mb
+        return {k: split_sequence(x, 1, cp, cp_rank).contiguous().to(device) for k, x in mb.items()}
 
     if num_workers == 0:
         for idx in indices():
@@ -85,9 +89,10 @@ class TrainData:
     """The training stream: a dataset view without skipped samples, read from a consumed count."""
 
     def __init__(self, dataset, skip, *, micro_batch_size: int, dp_rank: int, dp: int, device,
-                 num_workers: int = 0, eod_mask_token: int | None = None):
+                 num_workers: int = 0, eod_mask_token: int | None = None, cp: int = 1, cp_rank: int = 0):
         self.base, self.mbs, self.dp_rank, self.dp, self.device = dataset, micro_batch_size, dp_rank, dp, device
-        self.reading = dict(num_workers=num_workers, eod_mask_token=eod_mask_token)
+        self.reading = dict(num_workers=num_workers, eod_mask_token=eod_mask_token, cp=cp,
+                            cp_rank=cp_rank)
         self.view = SkippingDataset(dataset, list(skip))
         self._it = None
 

@@ -85,6 +85,10 @@ def resolve_megatron_compat(args: argparse.Namespace, eod_token: int | None) -> 
             _fail(f"--lr-warmup-fraction must be in [0, 1], got {args.lr_warmup_fraction}")
         if args.lr_warmup_iters or args.lr_warmup_samples:
             _fail("give one of --lr-warmup-fraction, --lr-warmup-iters and --lr-warmup-samples")
+    if args.eod_mask_loss and (args.context_parallel_size or 1) > 1:
+        # each context rank averages over its own unmasked tokens: the mean of those means is
+        # not the sequence's mean once masks differ per rank
+        _fail("--eod-mask-loss is not supported with --context-parallel-size > 1 yet")
     if args.eod_mask_loss and eod_token is None:
         _fail("--eod-mask-loss needs a tokenizer to name the end-of-document id (--vocab-file/"
               "--merge-file, --tokenizer-model, or --tokenizer-type NullTokenizer --vocab-size N)")

@@ -37,7 +37,7 @@ def check_layout(cfg: TransformerConfig, layout: Layout, cluster: Cluster | None
     """Refuse what the trainer would refuse: the same rules (parallel/layout.py, the optimizer's
     config), so the planner never ranks a layout that cannot be launched."""
     if cluster is not None and layout.world != cluster.num_gpus:
-        raise PlanError(f"tp*pp*dp = {layout.world} != {cluster.num_gpus} GPUs")
+        raise PlanError(f"tp*pp*dp*cp = {layout.world} != {cluster.num_gpus} GPUs")
     if layout.recompute not in ("none", "selective", "full"):
         raise PlanError(f"recompute must be none, selective or full, got {layout.recompute!r}")
     try:
@@ -72,10 +72,12 @@ def candidate_layouts(cfg: TransformerConfig, cluster: Cluster, *, global_batch:
                     cfg.num_experts % x == 0 and x <= cluster.num_gpus] or [1])
     axes.update({k: [v] for k, v in fixed.items() if k in axes})
     for tp, pp, vpp, zero, sp, rc, mbs, ep in itertools.product(*axes.values()):
-        if cluster.num_gpus % (tp * pp) or (sp and tp == 1):
+        cp = common.get("cp", 1)
+        if cluster.num_gpus % (tp * pp * cp) or (sp and tp == 1):
             continue
-        dp = cluster.num_gpus // (tp * pp)
-        if ("dp" in fixed and fixed["dp"] != dp) or (dp == 1 and zero > 0 and "zero" not in fixed):
+        dp = cluster.num_gpus // (tp * pp * cp)
+        if ("dp" in fixed and fixed["dp"] != dp) or (dp * cp == 1 and zero > 0
+                                                      and "zero" not in fixed):
             continue  # ZeRO over one replica is stage 0
         layout = Layout(tp=tp, pp=pp, dp=dp, vpp=vpp, ep=ep, zero=zero, sequence_parallel=sp,
                         recompute=rc, micro_batch=mbs, global_batch=global_batch,

@@ -11,13 +11,15 @@ large untied/copied head and fewer activations):
   2020: with g=2, k=12, stage 1 is 4P + 12P/N, stage 2 2P + 14P/N, stage 3 16P/N).
   Mixture of experts under expert parallelism ep: a rank holds num_experts / ep of each MoE
   layer's routed experts (`TransformerConfig.expert_parameters`), whole on every TP rank, and
-  ZeRO shards their states over the expert-data-parallel group, N = dp / ep ranks, as the
-  optimizer's expert buckets do (parallel/zero/optimizer.py); the rest over dp.
+  ZeRO shards their states over the expert-data-parallel group, N = dp x cp / ep ranks, as the
+  optimizer's expert buckets do (parallel/zero/optimizer.py); the rest over dp x cp.
 * activations per layer and microbatch: Korthikanti et al. 2022's per-tensor count, redone for
   what megazoo saves (`layer_activation_bytes`), for each rank's layers of the trainer's partition
   and the (microbatch, chunk) pairs its schedule keeps alive (`activation_bound`: under 1F1B
   min(pp, m) microbatches on the first stage, L*(1 + (p-1)/(p*v)) layer-microbatches interleaved); the
   last stage adds what the fused LM head saves, mainly the gradient of the logits, s*b*V/t.
+  Context parallelism (cp = C) leaves each rank s/C tokens of every activation and, like
+  flash attention, no scores (ring attention keeps q, k, v, out, lse); ZeRO shards over dp x cp.
   Not modelled: allocator caching/fragmentation, communication buffers, framework workspace.
 """
 from __future__ import annotations
@@ -40,6 +42,7 @@ class Layout:
     pp: int = 1
     dp: int = 1
     vpp: int = 1
+    cp: int = 1  # context parallel (ring attention)
     zero: int = 0
     sequence_parallel: bool = False
     ep: int = 1  # expert parallel, carved out of dp (MoE models)
@@ -55,19 +58,19 @@ class Layout:
     last_stage_layers: int | None = None
 
     def parallel_config(self) -> ParallelConfig:
-        return ParallelConfig(tp=self.tp, pp=self.pp, vpp=self.vpp, ep=self.ep,
+        return ParallelConfig(tp=self.tp, pp=self.pp, vpp=self.vpp, cp=self.cp, ep=self.ep,
                               sequence_parallel=self.sequence_parallel,
                               first_stage_layers=self.first_stage_layers,
                               last_stage_layers=self.last_stage_layers)
 
     @property
     def world(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.pp * self.dp * self.cp
 
     @property
     def edp(self) -> int:
         """Expert-data-parallel size: the ranks holding the same experts."""
-        return self.dp // self.ep
+        return self.dp * self.cp // self.ep
 
     @property
     def microbatches(self) -> int:
@@ -75,7 +78,7 @@ class Layout:
 
     def describe(self) -> str:
         extra = (f" vpp{self.vpp}" if self.vpp > 1 else "") + (" sp" if self.sequence_parallel else "") \
-            + (f" ep{self.ep}" if self.ep > 1 else "")
+            + (f" cp{self.cp}" if self.cp > 1 else "") + (f" ep{self.ep}" if self.ep > 1 else "")
         return (f"tp{self.tp} pp{self.pp} dp{self.dp}{extra} zero{self.zero} rc={self.recompute} "
                 f"mbs{self.micro_batch} gbs{self.global_batch}")
 
@@ -165,7 +168,7 @@ def model_state_bytes(n_params: float, layout: Layout,
     `expert_params` routed-expert parameters sharded over the expert-data-parallel group."""
     w, g, k = state_bytes_per_param(layout)
     out = [0.0, 0.0, 0.0]
-    for params, n in ((n_params, layout.dp), (expert_params, layout.edp)):
+    for params, n in ((n_params, layout.dp * layout.cp), (expert_params, layout.edp)):
         shard = {0: (1, 1, 1), 1: (1, 1, n), 2: (1, n, n), 3: (n, n, n)}[layout.zero]
         for i, per_param in enumerate((w, g, k)):
             out[i] += params * per_param / shard[i]
@@ -217,11 +220,11 @@ def layer_activation_bytes(cfg: TransformerConfig, layout: Layout) -> tuple[floa
     statistics, log-sum-exp) are left out. Full recompute keeps each layer's input, e*s*b*h/u,
     plus one layer's full activations while it is recomputed.
     """
-    s, b, h, a, t = (layout.seq_length, layout.micro_batch, cfg.hidden_size,
+    s, b, h, a, t = (layout.seq_length / layout.cp, layout.micro_batch, cfg.hidden_size,
                      cfg.num_attention_heads, layout.tp)
     e = activation_element_bytes(layout)
     u = t if layout.sequence_parallel and t > 1 else 1
-    flash = layout.flash_attention
+    flash = layout.flash_attention or layout.cp > 1
     norm = _norm_input_bytes(cfg, e)
     qkv = e * (a + 2 * max(cfg.num_query_groups, t)) * cfg.head_dim / (h * t)
     attn_out = (2 if flash else 1) * e / t
@@ -253,12 +256,12 @@ def pipeline_schedule(layout: Layout) -> str:
 def activation_bytes(cfg: TransformerConfig, layout: Layout, stage: str,
                      pp_rank: int | None = None) -> float:
     """Activation bytes one rank of `stage` keeps at its peak: its layers' for the (microbatch,
-    chunk) pairs its schedule keeps alive (`activation_bound`); on the first stage per microbatch in flight the token ids (int64), the embedding
-    LayerNorm's input (e*s*b*h, BLOOM) and dropout mask (s*b*h/u); on the last the final norm's
+    chunk) pairs its schedule keeps alive (`activation_bound`); on the first stage per microbatch
+    in flight the token ids (int64), the embedding LayerNorm's input (e*s*b*h, BLOOM) and dropout mask (s*b*h/u); on the last the final norm's
     input (n*s*b*h/u) and what the fused head saves (parallel/fused_cross_entropy.py): its input
     after the SP gather (e*s*b*h, whole) and the gradient of the logits, s*b*V/t elements in the
     weights' dtype (fp32 for fp16 models); the logits themselves are never materialised."""
-    s, b, h, t = layout.seq_length, layout.micro_batch, cfg.hidden_size, layout.tp
+    s, b, h, t = layout.seq_length / layout.cp, layout.micro_batch, cfg.hidden_size, layout.tp
     e = activation_element_bytes(layout)
     u = t if layout.sequence_parallel and t > 1 else 1
     kept, working = layer_activation_bytes(cfg, layout)
@@ -283,7 +286,7 @@ def layout_of_run(run, dp: int) -> Layout:
     """The planner's view of a run: the same layout, batch and precision (SDPA: flash)."""
     opt, p = run.optimizer, run.parallel
     return Layout(
-        tp=p.tp, pp=p.pp, dp=dp, vpp=p.vpp, ep=p.ep, zero=opt.zero_stage,
+        tp=p.tp, pp=p.pp, dp=dp, vpp=p.vpp, cp=p.cp, ep=p.ep, zero=opt.zero_stage,
         sequence_parallel=p.sequence_parallel and p.tp > 1,
         # the planner models full recompute as Megatron's default, uniform units of one layer
         recompute=run.model.recompute_granularity or "none",

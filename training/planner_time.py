@@ -15,6 +15,9 @@ all-gather weights once; ZeRO-2 reduce-scatters after every microbatch, ZeRO-3 a
 weights twice per microbatch; routed experts over their dp/ep expert-data-parallel ranks) over
 the inter-node bandwidth when the group spans nodes, exposed unless `overlap_dp`; then the
 optimizer, memory-bound. Model FLOPs (MFU) count a MoE token's active parameters only.
+Under cp = C each rank computes 1/C of the tokens, and the ring sends its K/V block C-1 times per
+layer forward, K/V and fp32 dK/dV back in backward; only what the attention's own compute cannot
+hide is counted (cp_comm).
 """
 from __future__ import annotations
 
@@ -67,6 +70,7 @@ class StepTime:
     tflops_per_gpu: float  # hardware FLOP/s per GPU / 1e12 (what Megatron-style logs report)
     mfu: float  # model FLOPs / (time * gpus * peak)
     tokens_per_s: float
+    cp_comm: float = 0.0  # exposed ring-attention p2p (context parallelism)
     ep_comm: float = 0.0  # expert-parallel all-to-alls (dispatch and combine)
 
 
@@ -89,24 +93,32 @@ def step_time(cfg: TransformerConfig, layout: Layout, cluster: Cluster,
     # spread, as Megatron-style partitions that count the embedding as a layer do).
     imbalance = math.ceil(cfg.num_layers / p) * p / cfg.num_layers
     flop_rate = cluster.peak_flops * efficiency
-    compute_mb = (hw_per_token - routed + routed * t) * b * s / (t * p) * imbalance / flop_rate
-    act = b * s * h * 2.0
+    c = layout.cp
+    compute_mb = (hw_per_token - routed + routed * t) * b * s / (t * p * c) * imbalance / flop_rate
+    act = b * s / c * h * 2.0
     n_ar = 6 if layout.recompute == "full" else 4
     tp_bw = cluster.intra_node_bw if t <= cluster.gpus_per_node else cluster.inter_node_bw
     tp_mb = (n_ar * math.ceil(cfg.num_layers / p) * 2 * (t - 1) / t * act / tp_bw) if t > 1 else 0.0
     same_node = t * layout.dp < cluster.gpus_per_node
     p2p_bw = cluster.intra_node_bw if same_node else cluster.inter_node_bw
     pp_mb = (2 * v * act / (t if t > 1 else 1) / p2p_bw) if p > 1 else 0.0
+    kv = 2 * b * s / c * max(cfg.num_query_groups // t, 1) * cfg.head_dim  # K and V elements
+    ring = 2 * (c - 1) * kv * activation_element_bytes(layout) + c * kv * 4  # + fp32 dK/dV
+    cp_bw = cluster.intra_node_bw if t * c <= cluster.gpus_per_node else cluster.inter_node_bw
+    attn_mb = 3 * attn * b * s / (t * p * c) / flop_rate
+    cp_mb = max(0.0, math.ceil(cfg.num_layers / p) * ring / cp_bw - attn_mb) if c > 1 else 0.0
     ep_mb = all_to_all_time(cfg, layout, cluster)
-    slot = compute_mb + tp_mb + pp_mb + ep_mb
+    slot = compute_mb + tp_mb + pp_mb + cp_mb + ep_mb
     bubble = slot * (p - 1) / v if p > 1 else 0.0
     pipeline = slot * m + bubble
     # data-parallel reduction of this rank's gradients (its largest stage)
     dense_local, expert_local = rank_params(cfg, layout, 0)
     w_b, g_b, _ = state_bytes_per_param(layout)
     dp = opt = 0.0
-    # dense parameters over the dp ranks (stride t); routed experts over the edp ranks (stride t*ep)
-    for n_local, d, stride in ((dense_local, layout.dp, t), (expert_local, layout.edp, t * layout.ep)):
+    # ZeRO and the gradient reduction span data x context parallel (stride t); routed experts
+    # their expert-data-parallel ranks (stride t*ep)
+    for n_local, d, stride in ((dense_local, layout.dp * c, t),
+                               (expert_local, layout.edp, t * layout.ep)):
         dp_bw = cluster.intra_node_bw if stride * d <= cluster.gpus_per_node else cluster.inter_node_bw
         if d > 1 and layout.zero == 0:
             dp += 2 * (d - 1) / d * n_local * g_b / dp_bw
@@ -126,19 +138,19 @@ def step_time(cfg: TransformerConfig, layout: Layout, cluster: Cluster,
                     model_flops=model_per_token * tokens, hardware_flops=hw_per_token * tokens,
                     tflops_per_gpu=hw_per_token * tokens / (total * gpus) / 1e12,
                     mfu=model_per_token * tokens / (total * gpus * cluster.peak_flops),
-                    tokens_per_s=tokens / total, ep_comm=ep_mb * m)
+                    tokens_per_s=tokens / total, cp_comm=cp_mb * m, ep_comm=ep_mb * m)
 
 
 def all_to_all_time(cfg: TransformerConfig, layout: Layout, cluster: Cluster) -> float:
     """Seconds of one microbatch's expert-parallel all-to-alls on the slowest stage: per MoE
     layer dispatch + combine in forward and again in backward (and the recomputed forward under
-    full recompute), each s*b*k*h activations of which (ep-1)/ep leave the rank."""
+    full recompute), each s/cp*b*k*h activations of which (ep-1)/ep leave the rank."""
     ep = layout.ep
     if ep == 1 or not cfg.num_experts:
         return 0.0
     moe_layers = math.ceil(sum(map(cfg.is_moe_layer, range(cfg.num_layers))) / layout.pp)
     rounds = 6 if layout.recompute == "full" else 4
-    volume = layout.seq_length * layout.micro_batch * cfg.moe_router_topk * cfg.hidden_size * \
+    volume = layout.seq_length / layout.cp * layout.micro_batch * cfg.moe_router_topk * cfg.hidden_size * \
         activation_element_bytes(layout) * (ep - 1) / ep
     # the EP group: ep consecutive data-parallel ranks of one TP position, t*ep ranks apart at most
     bw = cluster.intra_node_bw if layout.tp * ep <= cluster.gpus_per_node else cluster.inter_node_bw

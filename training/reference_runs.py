@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from models.config import PRESETS, TransformerConfig, preset
+from models.config import TransformerConfig, preset
 
 from .planner import Cluster, Layout
 
@@ -79,14 +79,10 @@ def published_runs() -> list[PublishedRun]:
 
 
 def qwen3_235b_a22b() -> TransformerConfig:
-    """Qwen3-235B-A22B from its released config.json (no preset: megazoo trains the Qwen3-MoE
-    shape through `qwen3-*` fields plus the MoE ones; 235.1B parameters, 22.2B active)."""
-    return TransformerConfig(**{**PRESETS["qwen3-0.6b"], "hidden_size": 4096, "num_layers": 94,
-                                "num_attention_heads": 64, "num_query_groups": 4,
-                                "kv_channels": 128, "ffn_hidden_size": 12288,
-                                "tie_word_embeddings": False, "num_experts": 128,
-                                "moe_router_topk": 8, "moe_ffn_hidden_size": 1536,
-                                "moe_router_pre_softmax": True, "moe_norm_topk_prob": True})
+    """Qwen3-235B-A22B from its released config.json: the Qwen3-MoE preset's fields at the 235B
+    sizes (235.1B parameters, 22.2B active)."""
+    return preset("qwen3-moe-30b-a3b", hidden_size=4096, num_layers=94, num_attention_heads=64,
+                  num_query_groups=4, ffn_hidden_size=12288, moe_ffn_hidden_size=1536)
 
 
 def moe_runs() -> list[PublishedRun]:

@@ -1,4 +1,4 @@
-"""Checkpoints of any (tp, pp, vpp, dp, zero) layout as full tensors, and back into any layout.
+"""Checkpoints of any (tp, pp, vpp, cp, dp, zero) layout as full tensors, and back into any layout.
 
 Every rank file carries a parameter table (`PARAMS`, JSON in a uint8 tensor), one row per
 parameter in the optimizer's order:
@@ -10,9 +10,11 @@ parameter in the optimizer's order:
 With it, `read_full_state` turns the files of any layout into full, unpadded tensors keyed by
 canonical name: the model weights (`model.{chunk}.{name}`) and, per optimizer state (fp32
 `master`, `exp_avg`, `exp_avg_sq`), the parameter slices that the ZeRO buckets' `ranges` rows
-place in each data-parallel shard. `load_into` then fills a live rank's model and optimizer by
-slicing those full tensors the way that rank's own optimizer asks (its fresh `ranges`), so a
-checkpoint loads under any layout, bucket size or ZeRO stage. `write_layout` writes a checkpoint
+place in each data-parallel shard (ZeRO shards over data x context parallel ranks; apart from
+that, context-parallel ranks hold replicas, like data-parallel ones). `load_into` then fills a
+live rank's model and optimizer by slicing those full tensors the way that rank's own optimizer
+asks (its fresh `ranges`), so a checkpoint loads under any layout (any C), bucket size or ZeRO
+stage. `write_layout` writes a checkpoint
 for a target layout from one process (the conversion and resharding tools).
 
 Expert weights are read from the ranks of the first expert-parallel group (one per expert slice)
@@ -82,12 +84,12 @@ def param_table(chunks, opt=None) -> list[list]:
     return rows
 
 
-def _layout(meta: dict, folder: str) -> tuple[int, int, int]:
+def _layout(meta: dict, folder: str) -> tuple[int, int, int, int]:
     layout = meta.get("layout")
     if not layout or "tp" not in layout:
         raise ckpt.CheckpointError(f"{folder}/meta.json records no layout; it is not a megazoo "
                                    f"checkpoint")
-    return layout["tp"], layout.get("dp", 1), layout.get("zero_stage", 0)
+    return layout["tp"], layout.get("dp", 1), layout.get("cp", 1), layout.get("zero_stage", 0)
 
 
 def _is_expert(row) -> bool:
@@ -97,7 +99,7 @@ def _is_expert(row) -> bool:
 def _read_rank(folder, rank, coords, ep_pos, names, optimizer, pieces, states, covered, scalars,
                zero):
     """`ep_pos`: (expert-parallel rank, index of its expert-parallel group) of this rank."""
-    pp_r, dp_r, _, tp_r = coords
+    pp_r, dp_r, cp_r, tp_r = coords
     ep_r, ep_block = ep_pos
     path = ckpt.rank_file(folder, rank)
     f = ckpt.open_rank_file(folder, rank)
@@ -112,7 +114,8 @@ def _read_rank(folder, rank, coords, ep_pos, names, optimizer, pieces, states, c
         for row in rows:
             c, n, canon = row[:3]
             key, expert = f"model.{c}.{n}", _is_expert(row)
-            holder = ep_block == 0 if expert else dp_r == 0
+            # experts: the first expert-parallel group; the rest: the first data x context rank
+            holder = ep_block == 0 if expert else dp_r == 0 and cp_r == 0
             if holder and key in keys and wanted(row):
                 pieces[canon][(pp_r, c, tp_r, ep_r if expert else 0)] = f.get_tensor(key)
         if not optimizer:
@@ -187,9 +190,9 @@ def _assemble(parts: dict, info: dict, what: str) -> dict[str, torch.Tensor]:
 def read_full_state(folder: str, names: set[str] | None = None, optimizer: bool = True) -> FullState:
     """Full tensors of a checkpoint folder of any layout (only `names`, when given)."""
     meta = ckpt.read_meta(folder)
-    tp, dp, zero = _layout(meta, folder)
+    tp, dp, cp, zero = _layout(meta, folder)
     world = meta.get("world_size", 1)
-    cp, ep = meta["layout"].get("cp", 1), meta["layout"].get("ep", 1)
+    ep = meta["layout"].get("ep", 1)
     grid = Grid(tp=tp, cp=cp, dp=dp, pp=world // (tp * cp * dp), ep=ep)
     pieces = defaultdict(dict)
     states = defaultdict(lambda: defaultdict(dict))
@@ -198,7 +201,7 @@ def read_full_state(folder: str, names: set[str] | None = None, optimizer: bool 
         coords = grid.coords(rank)
         position = coords.dp * cp + coords.cp  # in the data x context group experts split
         ep_pos = (position % ep, position // ep)
-        if ep_pos[1] > 0 and coords.dp > 0 and (zero == 0 or not optimizer):
+        if ep_pos[1] > 0 and (zero == 0 or not optimizer):
             continue  # copies of the first expert-parallel group's weights and ZeRO-0 states
         rows = _read_rank(folder, rank, coords, ep_pos, names, optimizer, pieces, states, covered,
                           scalars, zero)

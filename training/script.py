@@ -73,6 +73,8 @@ def main(model_provider, default_model: str, argv=None):
         if _rank() == 0:  # the tokenizer travels with the checkpoint
             store_training_tokenizer(run.data, run.checkpoint)
         result = pretrain(model_provider, run)
+        if dist.is_initialized():  # leave together: a gloo rank torn down while a peer is still
+            dist.barrier()         # connected aborts ("terminate called without an active exception")
     except USER_ERRORS as e:  # after the groups exist, a file may be missing on one rank only
         _fail(str(e), 1, every_rank=True)
     except KeyboardInterrupt:  # Ctrl-C before the training loop took over the signal

@@ -21,8 +21,10 @@ from .data import microbatches
 
 
 def activation_shape(topo: ParallelTopology, seq_length: int, micro_batch_size: int, hidden: int):
-    """Shape of the tensors passed between pipeline stages ([s/tp, b, h] under SP)."""
-    seq = seq_length // topo.tp if topo.sequence_parallel else seq_length
+    """Shape of the tensors passed between pipeline stages: [s/cp, b, h], [s/(cp tp), b, h]
+    under SP (a context-parallel rank holds s/cp tokens)."""
+    seq = seq_length // topo.cp
+    seq = seq // topo.tp if topo.sequence_parallel else seq
     return (seq, micro_batch_size, hidden)
 
 
@@ -48,7 +50,9 @@ def make_forward_fn(loss_scale: float = 1.0, poison: bool = False):
 
 
 def mean_over_world(losses: list[torch.Tensor], topo: ParallelTopology) -> float:
-    """Mean microbatch loss over every rank that holds a loss (last stages of every DP replica)."""
+    """Mean microbatch loss over every rank that holds a loss (last stages of every DP replica;
+    context-parallel ranks hold equal-sized shares of the sequence, so the mean of their means
+    is the loss of the whole sequence)."""
     t = torch.zeros(2, dtype=torch.float64, device=topo.device)
     if losses:
         t[0] = torch.stack([l.double() for l in losses]).sum()
@@ -105,7 +109,8 @@ def evaluate(chunks, dataset, topo: ParallelTopology, run, shape, dtype) -> floa
     """Validation loss over --eval-iters global batches (the same batches at every evaluation)."""
     mbs = run.schedule.micro_batch_size
     it = microbatches(dataset, consumed_samples=0, micro_batch_size=mbs, dp_rank=topo.dp_rank,
-                      dp=topo.dp, device=topo.device, eod_mask_token=run.data.eod_mask_token)
+                      dp=topo.dp, device=topo.device, eod_mask_token=run.data.eod_mask_token,
+                      cp=topo.cp, cp_rank=topo.cp_rank)
     per_step = run.schedule.global_batch_size // (mbs * topo.dp)
     losses = [eval_step(chunks, [next(it) for _ in range(per_step)], topo, shape=shape, dtype=dtype)
               for _ in range(run.logging.eval_iters)]

@@ -85,7 +85,8 @@ class Trainer:
             num_samples=(self.sched.train_iters * gbs, evals * run.logging.eval_iters * gbs, 0))
         self.data = TrainData(train_ds, journal.skipped_samples(), micro_batch_size=self.sched.micro_batch_size,
                               dp_rank=topo.dp_rank, dp=topo.dp, device=topo.device,
-                              num_workers=run.data.num_workers, eod_mask_token=run.data.eod_mask_token)
+                              num_workers=run.data.num_workers, eod_mask_token=run.data.eod_mask_token,
+                              cp=topo.cp, cp_rank=topo.cp_rank)
         self.data.restart(self.state.consumed_samples)
         self.shape = activation_shape(topo, seq, self.sched.micro_batch_size, mcfg.hidden_size)
         peak, peak_source = device_peak_flops(topo.device, run.logging.peak_flops, run.optimizer.precision)

@@ -14,6 +14,10 @@ The step: wait for the gradient reductions, compute the global norm (which also 
 overflow), unscale and clip in one multiplier, run AdamW/SGD on each bucket's shard, write the
 model-dtype weights and (stages 1-2) all-gather them. Stage 3 leaves the weights sharded; its
 hooks gather them layer by layer in the next forward.
+
+"Data parallel" here is data x context parallel (`topo.dp_cp_group`): context-parallel ranks hold
+the same parameters and each computed the mean loss of its share of the sequence, so averaging
+gradients over dp x cp gives the full batch's gradient, and states are sharded over all of them.
 """
 from __future__ import annotations
 
@@ -82,7 +86,7 @@ class ZeroOptimizer:
         # Rows a TP rank holds as copies of another's (replicated KV heads) count once in norms.
         self.norm_exclusions = {i: r for i, b in enumerate(self.buffers)
                                 if (r := duplicate_ranges(b, topo))}
-        self.grad_sync = GradSync(self.buffers, stage=self.stage, dp_group=topo.dp_group,
+        self.grad_sync = GradSync(self.buffers, stage=self.stage, dp_group=topo.dp_cp_group,
                                   embedding_group=topo.embedding_group,
                                   max_inflight=cfg.max_inflight_buckets)
         self.grad_sync.install_hooks()
@@ -91,8 +95,9 @@ class ZeroOptimizer:
             self.zero3 = Zero3Hooks(self.units, prefetch=cfg.zero3_prefetch)
             self.grad_sync.on_launched.append(self.zero3.on_bucket_launched)
             self.zero3.install()
-        logger.info("ZeRO-%d optimizer: %d params in %d buckets, %s weights, dp=%d, offload=%s",
-                    self.stage, self.numel, len(self.buffers), cfg.precision, topo.dp, cfg.offload)
+        logger.info("ZeRO-%d optimizer: %d params in %d buckets, %s weights, dp=%d x cp=%d, "
+                    "offload=%s", self.stage, self.numel, len(self.buffers), cfg.precision, topo.dp,
+                    topo.cp, cfg.offload)
 
     # ---- construction --------------------------------------------------------------------------
     def _key(self, p):
@@ -102,7 +107,7 @@ class ZeroOptimizer:
     def _buffer(self, items, key) -> FlatBuffer:
         # Expert weights differ across the expert-parallel ranks: only the ranks holding the
         # same experts (expert data parallelism) reduce and shard them together.
-        group = self.topo.edp_group if key.expert else self.topo.dp_group
+        group = self.topo.edp_group if key.expert else self.topo.dp_cp_group
         return FlatBuffer(items, key, dtype=self.cfg.model_dtype,
                           grad_dtype=self.cfg.grad_torch_dtype, device=self.topo.device,
                           dp_group=group, dp_rank=C.group_rank(group),
@@ -160,7 +165,7 @@ class ZeroOptimizer:
         self.grad_sync.finish()
         scale = self.scaler.scale
         norm = global_grad_norm(self.buffers, sharded=self.stage >= 1,
-                                dp_group=self.topo.dp_group, mp_group=self.topo.mp_group,
+                                dp_group=self.topo.dp_cp_group, mp_group=self.topo.mp_group,
                                 ep_group=self.topo.ep_group,
                                 device=self.topo.device, exclude=self.norm_exclusions) / scale
         loss_value = float(loss) if loss is not None else None

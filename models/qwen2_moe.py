@@ -1,0 +1,161 @@
+"""Qwen2-MoE (Qwen1.5-MoE, Qwen2-57B-A14B): Qwen2 attention (q, k, v biased) whose MLPs are
+routed SwiGLU experts plus a shared expert gated by sigmoid(x . g); and the mapping to and from
+Hugging Face `Qwen2MoeForCausalLM` tensors. Qwen3-MoE (models/qwen3_moe.py) shares the MoE part.
+
+Router: softmax over all experts, then top-k (`--moe-router-pre-softmax`), renormalised when
+`norm_topk_prob`. Which layers are sparse: HF makes layer i sparse when i is not in
+`mlp_only_layers` and (i + 1) % decoder_sparse_step == 0; megazoo when i % moe_layer_freq == 0, so
+`decoder_sparse_step` must be 1 and `mlp_only_layers` exactly the layers i % N != 0 of one N.
+
+HF files keep each expert's gate/up/down projections apart under `mlp.experts.{e}.`, the router
+as `mlp.gate`; transformers >= 5 holds them fused in memory (`mlp.experts.gate_up_proj`
+[E, 2f, h] = [gate; up], `mlp.experts.down_proj`). Both import; export writes the file form.
+The aux-loss coefficient is converted as for Mixtral (HF's sum is top-k times megazoo's).
+"""
+from __future__ import annotations
+
+import torch
+
+from parallel.topology import ParallelTopology
+
+from . import llama
+from .config import TransformerConfig
+from .hf_fields import check_fields, log_unrecorded_moe_settings, refuse
+from .llama import LlamaModel, llama_like_config, llama_like_hf_fields
+from .qwen2 import MAPPED as QWEN2_MAPPED, check_full_attention
+
+FAMILY = "Qwen2-MoE"
+# the MoE fields both Qwen-MoE families map
+MOE_MAPPED = frozenset({"num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                        "norm_topk_prob", "router_aux_loss_coef", "decoder_sparse_step",
+                        "mlp_only_layers"})
+MAPPED = QWEN2_MAPPED | MOE_MAPPED | {"head_dim", "qkv_bias", "shared_expert_intermediate_size"}
+# output_router_logits only adds HF's own aux loss to HF's loss; the logits are the same
+IGNORED = frozenset({"output_router_logits"})
+
+
+class Qwen2MoeModel(LlamaModel):
+    def __init__(self, config: TransformerConfig, topo: ParallelTopology, **kwargs):
+        if not config.num_experts or config.bias or config.qk_layernorm:
+            raise ValueError("Qwen2MoeModel needs --num-experts, bias=False, qk_layernorm=False")
+        super().__init__(config, topo, **kwargs)
+
+
+def moe_config_fields(hf, family: str) -> dict:
+    """The TransformerConfig MoE fields of a Qwen2-MoE / Qwen3-MoE config (refusing what megazoo's
+    layer placement or router cannot express)."""
+    if not hf.num_experts or hf.num_experts < 1:
+        raise refuse(family, "num_experts", hf.num_experts, ">= 1 (a dense model: import it as "
+                     "qwen2 / qwen3)")
+    if hf.decoder_sparse_step != 1:
+        raise refuse(family, "decoder_sparse_step", hf.decoder_sparse_step,
+                     "1 (megazoo's layer 0 is always sparse: list the dense layers in "
+                     "mlp_only_layers)")
+    layers = hf.num_hidden_layers
+    dense = sorted({i for i in hf.mlp_only_layers or [] if 0 <= i < layers})
+    freq = next((n for n in range(1, layers + 1) if dense == [i for i in range(layers) if i % n]),
+                None)
+    if freq is None:
+        raise refuse(family, "mlp_only_layers", hf.mlp_only_layers, "the layers i with "
+                     "i % N != 0 for one N (--moe-layer-freq N)")
+    topk = hf.num_experts_per_tok
+    return dict(num_experts=hf.num_experts, moe_router_topk=topk,
+                moe_ffn_hidden_size=hf.moe_intermediate_size, moe_router_pre_softmax=True,
+                moe_norm_topk_prob=bool(hf.norm_topk_prob), moe_layer_freq=freq,
+                moe_aux_loss_coeff=float(hf.router_aux_loss_coef or 0.0) * topk)
+
+
+def moe_hf_fields(config: TransformerConfig, family: str, *, shared: bool) -> dict:
+    """The HF MoE fields of a megazoo MoE config; refuses what the family cannot express."""
+    problems = [what for what, bad in (
+        ("no experts", not config.num_experts),
+        ("biases", config.bias),
+        ("no shared expert" if shared else "a shared expert",
+         bool(config.moe_shared_expert_intermediate_size) != shared),
+        ("an ungated shared expert", shared and not config.moe_shared_expert_gate)) if bad]
+    if problems:
+        raise ValueError(f"HF {family} cannot express {', '.join(problems)}; export another family")
+    log_unrecorded_moe_settings(config, family)
+    topk = config.moe_router_topk
+    # softmax over the top-k logits (megazoo's default) = the renormalised top-k of the softmax
+    norm = config.moe_norm_topk_prob or not config.moe_router_pre_softmax
+    return dict(num_experts=config.num_experts, num_experts_per_tok=topk,
+                moe_intermediate_size=config.moe_ffn_hidden_size, norm_topk_prob=norm,
+                router_aux_loss_coef=config.moe_aux_loss_coeff / topk, decoder_sparse_step=1,
+                mlp_only_layers=[i for i in range(config.num_layers) if not config.is_moe_layer(i)])
+
+
+def config_from_hf(hf) -> TransformerConfig:
+    """A TransformerConfig from a `transformers.Qwen2MoeConfig` (every field checked)."""
+    check_fields(hf, FAMILY, MAPPED, IGNORED)
+    check_full_attention(hf, FAMILY)
+    if not hf.shared_expert_intermediate_size:
+        raise refuse(FAMILY, "shared_expert_intermediate_size", hf.shared_expert_intermediate_size,
+                     ">= 1")
+    return llama_like_config(hf, FAMILY, add_qkv_bias=bool(hf.qkv_bias),
+                             moe_shared_expert_intermediate_size=hf.shared_expert_intermediate_size,
+                             moe_shared_expert_gate=True, **moe_config_fields(hf, FAMILY))
+
+
+def hf_config(config: TransformerConfig, **extra):
+    """The `transformers.Qwen2MoeConfig` of a megazoo Qwen2-MoE configuration (for export)."""
+    from transformers import Qwen2MoeConfig
+    moe = moe_hf_fields(config, FAMILY, shared=True)
+    fields = llama_like_hf_fields(config, FAMILY, add_qkv_bias=config.add_qkv_bias,
+                                  qk_layernorm=False)
+    if config.kv_channels is None:  # HF's default head_dim, written only when it differs
+        fields.pop("head_dim")
+    shared = config.moe_shared_expert_intermediate_size
+    return Qwen2MoeConfig(**fields, **moe, qkv_bias=config.add_qkv_bias, use_sliding_window=False,
+                          shared_expert_intermediate_size=shared,
+                          **{"architectures": ["Qwen2MoeForCausalLM"], **extra})
+
+
+def _moe_layers(config: TransformerConfig):
+    for i in range(config.num_layers):
+        if config.is_moe_layer(i):
+            yield f"layers.{i}.mlp.", f"model.layers.{i}.mlp."
+
+
+def from_hf_state_dict(sd: dict[str, torch.Tensor], config: TransformerConfig) -> dict[str, torch.Tensor]:
+    """HF Qwen2MoeForCausalLM / Qwen3MoeForCausalLM tensors (file or in-memory form) -> full
+    megazoo tensors."""
+    sd = {k if k.startswith(("model.", "lm_head.")) else "model." + k: v for k, v in sd.items()}
+    out = llama.from_hf_state_dict(sd, config)  # attention, norms, embeddings, dense layers
+    for m, h in _moe_layers(config):
+        out[m + "router"] = sd[h + "gate.weight"]
+        if h + "experts.gate_up_proj" in sd:  # transformers >= 5, in memory
+            out[m + "experts.weight1"] = sd[h + "experts.gate_up_proj"]
+            out[m + "experts.weight2"] = sd[h + "experts.down_proj"]
+        else:
+            expert = [h + f"experts.{e}." for e in range(config.num_experts)]
+            out[m + "experts.weight1"] = torch.stack(
+                [torch.cat([sd[x + "gate_proj.weight"], sd[x + "up_proj.weight"]]) for x in expert])
+            out[m + "experts.weight2"] = torch.stack([sd[x + "down_proj.weight"] for x in expert])
+        if config.moe_shared_expert_intermediate_size:
+            s = h + "shared_expert."
+            out[m + "shared_expert.fc1.weight"] = torch.cat([sd[s + "gate_proj.weight"],
+                                                             sd[s + "up_proj.weight"]])
+            out[m + "shared_expert.fc2.weight"] = sd[s + "down_proj.weight"]
+            out[m + "shared_expert_gate"] = sd[h + "shared_expert_gate.weight"]
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def to_hf_state_dict(full: dict[str, torch.Tensor], config: TransformerConfig) -> dict[str, torch.Tensor]:
+    """Full megazoo tensors -> HF Qwen2-MoE / Qwen3-MoE tensors in the file form
+    `save_pretrained` writes (no lm_head when tied)."""
+    out = llama.to_hf_state_dict(full, config)
+    for m, h in _moe_layers(config):
+        out[h + "gate.weight"] = full[m + "router"]
+        for e in range(config.num_experts):
+            x = h + f"experts.{e}."
+            out[x + "gate_proj.weight"], out[x + "up_proj.weight"] = \
+                full[m + "experts.weight1"][e].chunk(2)
+            out[x + "down_proj.weight"] = full[m + "experts.weight2"][e]
+        if config.moe_shared_expert_intermediate_size:
+            s = h + "shared_expert."
+            out[s + "gate_proj.weight"], out[s + "up_proj.weight"] = \
+                full[m + "shared_expert.fc1.weight"].chunk(2)
+            out[s + "down_proj.weight"] = full[m + "shared_expert.fc2.weight"]
+            out[h + "shared_expert_gate.weight"] = full[m + "shared_expert_gate"]
+    return {k: v.contiguous() for k, v in out.items()}

@@ -1,0 +1,47 @@
+"""Qwen3-MoE (Qwen3-30B-A3B, Qwen3-235B-A22B): Qwen3 attention (per-head q/k RMSNorm, explicit
+head_dim, no biases) whose MLPs are routed SwiGLU experts without a shared expert; softmax over
+all experts, then top-k, renormalised when `norm_topk_prob`. Layer placement, the router and the
+tensor mapping to and from Hugging Face `Qwen3MoeForCausalLM` are Qwen2-MoE's
+(models/qwen2_moe.py) without the shared expert.
+"""
+from __future__ import annotations
+
+from parallel.topology import ParallelTopology
+
+from .config import TransformerConfig
+from .hf_fields import check_fields, refuse
+from .llama import MAPPED as LLAMA_MAPPED, LlamaModel, llama_like_config, llama_like_hf_fields
+from .qwen2_moe import (IGNORED as QWEN2_MOE_IGNORED, MOE_MAPPED, from_hf_state_dict,  # noqa: F401
+                        moe_config_fields, moe_hf_fields, to_hf_state_dict)
+
+FAMILY = "Qwen3-MoE"
+# use_sliding_window and sliding_window are not mapped: a value other than the default (off) is
+# refused by the field check. transformers' Qwen3-MoE never reads max_window_layers, which
+# released config.json files carry. Qwen3MoeConfig stores num_experts as num_local_experts.
+MAPPED = (LLAMA_MAPPED - {"mlp_bias"}) | MOE_MAPPED | {"num_local_experts"}
+IGNORED = QWEN2_MOE_IGNORED | {"max_window_layers"}
+
+
+class Qwen3MoeModel(LlamaModel):
+    def __init__(self, config: TransformerConfig, topo: ParallelTopology, **kwargs):
+        if not config.num_experts or not config.qk_layernorm or config.bias or config.add_qkv_bias:
+            raise ValueError("Qwen3MoeModel needs --num-experts, qk_layernorm=True, bias=False, "
+                             "add_qkv_bias=False")
+        super().__init__(config, topo, **kwargs)
+
+
+def config_from_hf(hf) -> TransformerConfig:
+    """A TransformerConfig from a `transformers.Qwen3MoeConfig` (every field checked)."""
+    check_fields(hf, FAMILY, MAPPED, IGNORED)
+    if hf.attention_bias:  # q, k, v and o biased, the MLP not: megazoo has no o-only bias
+        raise refuse(FAMILY, "attention_bias", hf.attention_bias, False)
+    return llama_like_config(hf, FAMILY, qk_layernorm=True, **moe_config_fields(hf, FAMILY))
+
+
+def hf_config(config: TransformerConfig, **extra):
+    """The `transformers.Qwen3MoeConfig` of a megazoo Qwen3-MoE configuration (for export)."""
+    from transformers import Qwen3MoeConfig
+    moe = moe_hf_fields(config, FAMILY, shared=False)
+    fields = llama_like_hf_fields(config, FAMILY, add_qkv_bias=False, qk_layernorm=True)
+    return Qwen3MoeConfig(**fields, **moe, attention_bias=False, use_sliding_window=False,
+                          **{"architectures": ["Qwen3MoeForCausalLM"], **extra})

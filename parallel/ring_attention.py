@@ -1,0 +1,203 @@
+"""Ring attention (Liu et al. 2023; Megatron-core's context parallelism), exact, with its backward.
+
+Each context rank holds its queries and its keys/values for chunks r and 2C-1-r of the sequence
+(`context_parallel.local_positions`). Forward: the key/value block travels around the ring
+(`ring_shift`, one `batch_isend_irecv` per step, launched before the block in hand is computed),
+and each step's partial attention is merged into the running output by the log-sum-exp rule
+
+    lse = logaddexp(lse_a, lse_b),   out = out_a exp(lse_a - lse) + out_b exp(lse_b - lse).
+
+Backward: the key/value blocks go around the ring again, each with an fp32 accumulator of its
+dK/dV that every rank adds its share to; after C steps the accumulator is back with the owner.
+Only the local q, k, v, output and log-sum-exp are saved (O(s/C) per rank, nothing quadratic).
+
+With the load-balanced chunks, the blocks need no mask except on the diagonal (step 0, plain
+causal); from a rank s < r every query sees the block's first chunk and none of its second, from
+a rank s > r only the second local chunk's queries see the block, all of it. So each off-diagonal
+step computes exactly half a block, on every rank. ALiBi adds slope x (key - query) from the
+absolute positions of both blocks. Only key/value heads travel (grouped-query attention).
+
+Each block runs on CPU through aten's flash-attention kernel, which returns the log-sum-exp and
+whose backward takes the final output and log-sum-exp (so no block materialises its scores);
+elsewhere as plain fp32 matmuls (`block_forward`/`block_backward`, tested against each other).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import collectives as C
+from .context_parallel import local_positions
+
+
+def _fused(device) -> bool:
+    """CPU has an aten flash-attention kernel returning the log-sum-exp, whose backward takes
+    the final output and lse: exactly a ring step. Elsewhere the blocks run as plain matmuls."""
+    return device.type == "cpu"
+
+
+def _expand(t, heads: int):
+    """Key/value heads [b, g, n, d] -> one per query head (grouped order)."""
+    return t if t.shape[1] == heads else t.repeat_interleave(heads // t.shape[1], dim=1)
+
+
+def _scores(q, k, scale, bias):
+    g = k.shape[1]
+    qg = q.reshape(q.shape[0], g, q.shape[1] // g, q.shape[2], q.shape[3])
+    s = torch.matmul(qg, k.unsqueeze(2).transpose(-1, -2)) * scale
+    if bias is None:
+        return s
+    return s + (bias if bias.shape[0] == 1 else bias.reshape((1, g, -1) + bias.shape[-2:]))
+
+
+def block_forward(q, k, v, scale, bias, causal: bool):
+    """Attention of q [b, heads, m, d] over one block k, v [b, kv_heads, n, d] (fp32), with an
+    additive bias [heads or 1, m, n] and/or a causal (square, top-left) mask: (out, lse)."""
+    b, heads, m, d = q.shape
+    if _fused(q.device):
+        mask = None if bias is None else _causal(bias) if causal else bias
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, _expand(k, heads), _expand(v, heads), 0.0, causal and mask is None,
+            attn_mask=None if mask is None else mask[None], scale=scale)
+    if causal:
+        bias = _causal(bias if bias is not None else q.new_zeros(1, m, k.shape[2]))
+    s = _scores(q, k, scale, bias)
+    lse = torch.logsumexp(s, dim=-1)
+    out = torch.matmul(torch.exp(s - lse[..., None]), v.unsqueeze(2))
+    return out.reshape(b, heads, m, d), lse.reshape(b, heads, m)
+
+
+def block_backward(q, k, v, do, out, lse, scale, bias, causal: bool):
+    """Gradients of one block given the final output and lse of its query rows: (dq, dk, dv)."""
+    b, heads, m, d = q.shape
+    g = k.shape[1]
+    if _fused(q.device):
+        mask = None if bias is None else _causal(bias) if causal else bias
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            do, q, _expand(k, heads), _expand(v, heads), out, lse, 0.0, causal and mask is None,
+            attn_mask=None if mask is None else mask[None], scale=scale)
+        if g != heads:
+            dk, dv = (t.reshape(b, g, heads // g, -1, d).sum(2) for t in (dk, dv))
+        return dq, dk, dv
+    if causal:
+        bias = _causal(bias if bias is not None else q.new_zeros(1, m, k.shape[2]))
+    group = lambda t: t.reshape(b, g, heads // g, m, -1)  # noqa: E731
+    p = torch.exp(_scores(q, k, scale, bias) - group(lse[..., None]))
+    do_g = group(do)
+    delta = (do_g * group(out)).sum(-1, keepdim=True)
+    dv = torch.matmul(p.transpose(-1, -2), do_g).sum(2)
+    ds = p * (torch.matmul(do_g, v.unsqueeze(2).transpose(-1, -2)) - delta)
+    dq = torch.matmul(ds, k.unsqueeze(2)) * scale
+    dk = torch.matmul(ds.transpose(-1, -2), group(q)).sum(2) * scale
+    return dq.reshape(b, heads, m, d), dk, dv
+
+
+def _causal(bias):
+    """`bias` with -inf above the diagonal (square blocks: local positions increase)."""
+    m, n = bias.shape[-2:]
+    return bias.masked_fill(torch.ones(m, n, dtype=torch.bool, device=bias.device).triu(1),
+                            float("-inf"))
+
+
+def _merge(out, lse, o, l, rows: slice) -> None:
+    """Fold a partial result (o, l) for query rows `rows` into the running (out, lse)."""
+    old = lse[..., rows]
+    new = torch.logaddexp(old, l)
+    out[..., rows, :] = out[..., rows, :] * torch.exp(old - new)[..., None] \
+        + o * torch.exp(l - new)[..., None]
+    lse[..., rows] = new
+
+
+class _Ring:
+    """The static plan of one ring: which rows and columns each step computes, and their bias."""
+
+    def __init__(self, length: int, cp: int, rank: int, slopes, device):
+        self.cp, self.rank, self.half = cp, rank, length // 2
+        self.slopes = slopes  # [heads, 1, 1] fp32 or None
+        self.pos = [local_positions(length, cp, r, device).float() for r in range(cp)]
+
+    def source(self, step: int) -> int:
+        return (self.rank - step) % self.cp
+
+    def block(self, step: int) -> tuple[slice, slice, torch.Tensor | None]:
+        """(query rows, key columns, ALiBi bias or None) of step `step` (causal iff step 0)."""
+        src, h = self.source(step), self.half
+        if step == 0:
+            rows, cols = slice(None), slice(None)
+        elif src < self.rank:
+            rows, cols = slice(None), slice(0, h)
+        else:
+            rows, cols = slice(h, None), slice(None)
+        if self.slopes is None:
+            return rows, cols, None
+        qpos, kpos = self.pos[self.rank][rows], self.pos[src][cols]
+        return rows, cols, self.slopes * (kpos[None, :] - qpos[:, None])
+
+
+class RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, slopes, group):
+        b, heads, n, d = q.shape
+        cp, rank = C.group_size(group), C.group_rank(group)
+        scale = 1.0 / math.sqrt(d)
+        qf = q.float()
+        ring = _Ring(n, cp, rank, None if slopes is None else slopes.float()[:, None, None],
+                     q.device)
+        kv = torch.stack([k, v]).float().contiguous()  # [2, b, kv_heads, n, d]
+        out = lse = None
+        for step in range(cp):
+            if step < cp - 1:
+                incoming = torch.empty_like(kv)
+                pending = C.ring_shift(kv, incoming, group, tag=0)
+            rows, cols, bias = ring.block(step)
+            o, l = block_forward(qf[..., rows, :].contiguous(), kv[0][..., cols, :].contiguous(),
+                                 kv[1][..., cols, :].contiguous(), scale, bias, step == 0)
+            if step == 0:
+                out, lse = o.clone(), l.clone()
+            else:
+                _merge(out, lse, o, l, rows)
+            if step < cp - 1:
+                pending.wait()
+                kv = incoming
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.ring, ctx.group, ctx.scale = ring, group, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        ring, group, scale, cp = ctx.ring, ctx.group, ctx.scale, ctx.ring.cp
+        qf, do, of = q.float(), grad_out.float().contiguous(), out.float()
+        dq = torch.zeros_like(qf)
+        kv = torch.stack([k, v]).float().contiguous()
+        dkv = torch.zeros_like(kv)  # travels with kv; collects every rank's share
+        for step in range(cp):
+            if step < cp - 1:
+                kv_in = torch.empty_like(kv)
+                kv_pending = C.ring_shift(kv, kv_in, group, tag=1)
+            rows, cols, bias = ring.block(step)
+            dq_b, dk_b, dv_b = block_backward(
+                qf[..., rows, :].contiguous(), kv[0][..., cols, :].contiguous(),
+                kv[1][..., cols, :].contiguous(), do[..., rows, :].contiguous(),
+                of[..., rows, :].contiguous(), lse[..., rows].contiguous(), scale, bias, step == 0)
+            dq[..., rows, :] += dq_b
+            if step > 0:
+                dkv_pending.wait()
+                dkv = dkv_in
+            dkv[0][..., cols, :] += dk_b
+            dkv[1][..., cols, :] += dv_b
+            dkv_in = torch.empty_like(dkv)
+            dkv_pending = C.ring_shift(dkv, dkv_in, group, tag=2)
+            if step < cp - 1:
+                kv_pending.wait()
+                kv = kv_in
+        dkv_pending.wait()  # after C shifts, the accumulator of this rank's own keys and values
+        return dq.to(q.dtype), dkv_in[0].to(k.dtype), dkv_in[1].to(v.dtype), None, None
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group,
+                   alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention over the context group's whole sequence (shapes: `context_attention`)."""
+    return RingAttention.apply(q, k, v, alibi_slopes, group)
