@@ -117,27 +117,32 @@ def test_gpu_check_refuses_without_cuda():
 
 
 def test_moe_rank_states_are_the_planners():
-    """MoE layouts (tp2 x pp2 x dp4, ep2, every other layer MoE; pp1 under ZeRO-3): on each stage
-    the ZeRO buffers hold the planner's model states to the byte, routed experts sharded over the
-    dp / ep = 2 expert-data-parallel ranks, the rest over dp. Built, not stepped: the MoE step's routing has
-    data-dependent shapes, which meta tensors lack."""
+    """MoE layouts (tp2 x pp2 x dp4, ep2, every other layer MoE; pp1 under ZeRO-3; and cp2 x
+    dp4, ep4): on each stage the ZeRO buffers hold the planner's model states to the byte, routed
+    experts sharded over the dp x cp / ep = 2 expert-data-parallel ranks, the rest over dp x cp.
+    Built, not stepped: the MoE step's routing has data-dependent shapes, which meta tensors lack."""
     from training import planner
-    for zero in (0, 1, 2, 3):
-        pp = 1 if zero == 3 else 2
-        _, run = D.parse(["--world-size", str(8 * pp), "--model", "moe-tiny", "--moe-layer-freq", "2",
-                          "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", str(pp),
-                          "--expert-model-parallel-size", "2", "--zero-stage", str(zero), "--bf16",
-                          "--seq-length", "64", "--micro-batch-size", "2", "--global-batch-size", "16"])
-        grid = run.parallel.grid(8 * pp)
+    base = ["--model", "moe-tiny", "--moe-layer-freq", "2", "--bf16", "--seq-length", "64",
+            "--micro-batch-size", "2", "--global-batch-size", "16"]
+    cases = [(8 * (1 if zero == 3 else 2), ["--tensor-model-parallel-size", "2",
+                                            "--pipeline-model-parallel-size", "1" if zero == 3 else "2",
+                                            "--expert-model-parallel-size", "2",
+                                            "--zero-stage", str(zero)]) for zero in (0, 1, 2, 3)]
+    cases.append((16, ["--context-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                       "--expert-model-parallel-size", "4", "--zero-stage", "2"]))
+    for world, extra in cases:
+        _, run = D.parse(["--world-size", str(world), *base, *extra])
+        grid = run.parallel.grid(world)
         provider = D.model_provider(run, None)
         distinct = {}
         for rank in D.chosen_ranks("stages", grid):
-            report = D.dry_run_rank(run, 8 * pp, rank, provider, step=False)
+            report = D.dry_run_rank(run, world, rank, provider, step=False)
             distinct.update(report.distinct)
             mem = report.memory
-            assert mem["model_states"] == sum(report.predicted_states), (zero, rank)
+            assert mem["model_states"] == sum(report.predicted_states), (extra, rank)
             assert (mem["params"], mem["grads"]) == report.predicted_states[:2]
             layout = planner.layout_of_run(run, grid.dp)
+            assert layout.edp == 2
             dense, expert = planner.rank_params(run.model, layout, grid.coords(rank).pp)
             assert report.numel == dense + expert and expert > 0
-        assert sum(distinct.values()) == run.model.num_parameters(), zero
+        assert sum(distinct.values()) == run.model.num_parameters(), extra

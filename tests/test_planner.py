@@ -144,6 +144,10 @@ def test_expert_memory_under_expert_parallelism():
         want = [dense * b / n + expert * b / e for b, n, e in zip((w, g, k), shards, eshards)]
         assert list(model_state_bytes(dense, lay, expert)) == pytest.approx(want, rel=1e-12)
         assert memory_per_gpu(cfg, lay).model_states == pytest.approx(sum(want), rel=1e-12)
+    # context parallelism: dense states over dp x cp, experts over dp x cp / ep
+    lay = Layout(cp=2, dp=4, ep=4, zero=1)
+    assert lay.edp == 2 and model_state_bytes(0.0, lay, 1.0)[2] == 12 / 2
+    assert model_state_bytes(1.0, lay, 0.0)[2] == 12 / 8
     # every other layer MoE, over two pipeline stages: each counts its own MoE layers' experts
     alt = cfg.replace(moe_layer_freq=2)
     lay = Layout(pp=2, ep=4, dp=8)
