@@ -33,6 +33,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from models.config import TransformerConfig
+from parallel.topology import default_device
 
 from . import integrity, storage
 
@@ -110,9 +111,8 @@ def all_ranks_ok(ok: bool, device=None) -> bool:
     """Whether `ok` holds on every rank (a collective when torch.distributed is up)."""
     if not dist.is_initialized():
         return ok
-    if device is None:
-        device = torch.device("cuda", torch.cuda.current_device()) \
-            if dist.get_backend() == "nccl" else torch.device("cpu")
+    if device is None:  # the device this rank's collectives run on (CPU under gloo)
+        device = default_device() if dist.get_backend() == "nccl" else torch.device("cpu")
     t = torch.tensor([1.0 if ok else 0.0], device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
     return bool(t.item())

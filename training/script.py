@@ -51,7 +51,8 @@ def _fail(message: str, code: int, every_rank: bool = False):
     """One line on stderr (rank 0 only, unless the error may be this rank's alone), then exit."""
     if every_rank or _rank() == 0:
         prefix = f"error (rank {_rank()})" if every_rank and "WORLD_SIZE" in os.environ else "error"
-        print(f"{prefix}: {message}", file=sys.stderr, flush=True)
+        sys.stderr.write(f"{prefix}: {message}\n")
+        sys.stderr.flush()
     sys.exit(code)
 
 
