@@ -5,6 +5,8 @@
            `output_router_logits` so its aux loss is on too, fp32 cross-entropy, backward,
            clip_grad_norm_, fused AdamW), the same weights (first losses printed agree), fp32
            and bf16 (megazoo: bf16 weights, fp32 master; HF: fp32 weights under autocast).
+  roofline the step's FLOPs at this core's matmul rate in that dtype (nothing else counted): the
+           most tokens/s any implementation could reach, and so the largest ratio possible.
   experts  the expert MLPs of one layer, forward + backward: megazoo's batched matmul over tokens
            sorted by expert vs a per-expert loop (HF's gather / matmul / index_add), same routing.
   ep       4 gloo ranks: the MoE model with its 8 experts split over ep = 4 (tokens travel by
@@ -92,6 +94,27 @@ def step_variants(a, dtype: str):
         hopt.step()
         hopt.zero_grad()
     return {"megazoo": megazoo, "transformers": transformers}, losses
+
+
+# ---- roofline: the fastest any implementation could run the step on this CPU ------------------
+def roofline(a, dtype: str) -> dict:
+    """The step's FLOPs (forward + backward, causal attention at half the square) at the rate
+    this core reaches on one large matmul of the model's own shape in `dtype`, nothing else
+    counted: an upper bound on tokens/s for megazoo and transformers alike."""
+    from models.config import TransformerConfig
+    cfg = TransformerConfig(vocab_size=a.vocab, hidden_size=a.hidden, num_layers=a.layers,
+                            num_attention_heads=a.heads, num_query_groups=a.heads // 4,
+                            activation="swiglu", bias=False, num_experts=a.experts,
+                            moe_router_topk=a.topk, moe_ffn_hidden_size=a.ffn)
+    dense, attention, logits = cfg.forward_flops_per_token(a.seq)
+    flops = 3 * (dense + attention / 2 + logits) * a.batch * a.seq
+    dt = torch.bfloat16 if dtype == "bf16" else torch.float32
+    x = torch.randn(a.batch * a.seq * a.topk, a.hidden, dtype=dt)
+    w = torch.randn(2 * a.ffn, a.hidden, dtype=dt)
+    F.linear(x, w)
+    t = min(cpu_timed(lambda: F.linear(x, w))[0] for _ in range(10))  # the best: a generous ceiling
+    rate = 2 * x.shape[0] * w.shape[0] * a.hidden / t
+    return dict(step_flops=flops, matmul_flops_per_s=rate, tokens_per_s=a.batch * a.seq * rate / flops)
 
 
 # ---- experts: batched matmul vs a loop --------------------------------------------------------
@@ -198,9 +221,15 @@ def main() -> None:
         t = run_rounds(variants, a.rounds)
         row = {k: tokens / v for k, v in t.items()}
         row.update(ratio=row["megazoo"] / row["transformers"], first_losses=losses)
+        roof = roofline(a, dtype)
+        row.update(roofline=roof, ceiling_ratio=roof["tokens_per_s"] / row["transformers"])
         result["step"][dtype] = row
         print(f"step {dtype}: megazoo {row['megazoo']:.0f} tokens/CPU-s, transformers "
               f"{row['transformers']:.0f} ({row['ratio']:.2f}x); first LM losses {losses}", flush=True)
+        print(f"  roofline {dtype}: {roof['step_flops'] / 1e9:.1f} GFLOP per step at "
+              f"{roof['matmul_flops_per_s'] / 1e9:.0f} GFLOP/s (one matmul, this core) = "
+              f"{roof['tokens_per_s']:.0f} tokens/s at most: {row['ceiling_ratio']:.2f}x "
+              f"transformers is the ceiling for any implementation", flush=True)
         t = run_rounds(expert_variants(a, dtype), a.rounds)
         result["experts"][dtype] = dict(t, speedup=t["loop"] / t["batched"])
         print(f"experts {dtype}: batched {t['batched'] * 1e3:.1f} ms, loop {t['loop'] * 1e3:.1f} ms "
