@@ -267,6 +267,12 @@ def plot(result: dict, path: str) -> None:
         ax.set_xticks([i + 0.2 for i in range(len(dtypes))], dtypes)
         ax.set_ylabel(unit)
         ax.legend()
+    for i, d in enumerate(dtypes):  # the most any implementation could do on this core
+        ceiling = result["step"][d].get("roofline", {}).get("tokens_per_s")
+        if ceiling:
+            axes[0].hlines(ceiling, i - 0.2, i + 0.6, colors="k", linestyles="--",
+                           label="roofline" if i == 0 else None)
+    axes[0].legend()
     axes[0].set_title("Mixtral-shaped training step")
     axes[1].set_title("expert MLPs of one layer")
     if "ep" in result:

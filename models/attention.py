@@ -56,20 +56,43 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      scale: float | None = None) -> torch.Tensor:
     """SDPA of q [b, heads, q, d] over k, v [b, kv_heads, k, d], queries being the last q of the
     k positions, with ALiBi when `slopes` are given (`scale` None: 1/sqrt(d))."""
-    if q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16):
-        # SDPA's CPU kernels are slower in bf16/fp16 than in fp32 (torch 2.13, one core, causal
-        # [4, 8, 256, 32] forward + backward: bf16 20.5 ms, fp16 ~3x that, fp32 with the casts
-        # 16.5 ms) and fp32 is the more accurate. GPUs keep their low-precision kernels.
-        out = causal_attention(q.float(), k.float(), v.float(), slopes, dropout_p, scale)
-        return out.to(q.dtype)
     mask = None
     if slopes is not None or k.shape[2] != q.shape[2]:
         # 4-D [1, heads, q, k]: the shape SDPA's fused CPU kernel takes (a 3-D mask falls
         # back to the unfused math path, 1.5x slower here)
         mask = causal_bias(slopes, q.shape[2], k.shape[2], q.dtype, q.device)[None]
+    if q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16) and \
+            dropout_p == 0.0 and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"):
+        return _CpuAttentionInFp32.apply(q, k, v, mask, scale)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
                                           is_causal=mask is None,
                                           enable_gqa=q.shape[1] != k.shape[1], scale=scale)
+
+
+class _CpuAttentionInFp32(torch.autograd.Function):
+    """SDPA's fused CPU kernel, computed in fp32 for bf16/fp16 inputs. Its low-precision
+    variants are slower than fp32 (torch 2.13, one core, causal [4, 8, 256, 32] forward +
+    backward: bf16 20.5 ms, fp16 about 3x that, fp32 with the casts 16.5 ms), and fp32 is the
+    more accurate. It saves what the low-precision kernel saves (q, k, v and the output in their
+    dtype, the fp32 logsumexp), so activation memory is unchanged; GPUs keep their own kernels."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, scale):
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q.float(), k.float(), v.float(), 0.0, mask is None,
+            attn_mask=None if mask is None else mask.float(), scale=scale)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse, mask)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, out, lse, mask = ctx.saved_tensors
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad.float(), q.float(), k.float(), v.float(), out.float(), lse, 0.0, mask is None,
+            attn_mask=None if mask is None else mask.float(), scale=ctx.scale)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
 class KVCache:

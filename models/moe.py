@@ -135,7 +135,7 @@ class GroupedExperts(nn.Module):
         """x: [rows, h] sorted by local expert, `counts[e]` rows for expert e."""
         grouped = x.device.type == "cpu" and hasattr(torch, "_grouped_mm")  # torch >= 2.8
         unpad = None
-        if grouped and x.dtype != torch.float32:
+        if grouped and x.dtype != torch.float32 and ONEDNN_ROW_MULTIPLE > 1:
             x, counts, unpad = _pad_groups(x, counts, ONEDNN_ROW_MULTIPLE)
         expert = torch.repeat_interleave(torch.arange(counts.numel(), device=x.device), counts)
         if grouped:
@@ -160,19 +160,28 @@ class GroupedExperts(nn.Module):
         return y if unpad is None else y[unpad]
 
 
-# On the CPU, bf16/fp16 matmuls run on oneDNN, which compiles a kernel for every new shape.
-# Routing changes each expert's row count every step, so every step compiled dozens of kernels
-# and faulted in fresh pages for them (bench_moe, bf16: 486 ms per step, 23k page faults).
-# Rounding each expert's rows up to a multiple of 32 makes the shapes repeat: 351 ms, 3.6k
-# faults, for at most 31 zero rows per expert. fp32 (MKL, nothing compiled) needs no padding.
+# On the CPU, bf16/fp16 matmuls run on oneDNN, which compiles a kernel for every new shape and
+# caches 1024 of them. Routing changes each expert's row count every step, so every step compiled
+# dozens of kernels and faulted in fresh pages for them (bench_moe, bf16: 486 ms per step, 23k
+# page faults). Rounding each expert's rows up to a multiple of 32, or of 1/16 of the largest
+# power of two below the count when that is larger (at most 6% more rows), makes the shapes
+# repeat and their number small at any scale: 351 ms, no faults. fp32 (MKL, nothing compiled)
+# needs no padding.
 ONEDNN_ROW_MULTIPLE = 32
 
 
+def padded_group_sizes(counts: torch.Tensor, multiple: int) -> torch.Tensor:
+    """Each count rounded up to a multiple of max(`multiple`, 2^floor(log2 count) / 16)."""
+    octave = torch.log2(counts.clamp(min=1).double()).floor()
+    step = (2 ** (octave - 4)).clamp(min=multiple).long()
+    return (counts + step - 1) // step * step
+
+
 def _pad_groups(x: torch.Tensor, counts: torch.Tensor, multiple: int):
-    """Rows sorted by group -> (the rows with each group zero-padded to a multiple of
-    `multiple`, the padded counts, where each original row now sits). Zero rows give zero
-    outputs that nobody reads, so they add nothing to any gradient."""
-    padded = (counts + multiple - 1) // multiple * multiple
+    """Rows sorted by group -> (the rows with each group zero-padded by `padded_group_sizes`,
+    the padded counts, where each original row now sits). Zero rows give zero outputs that
+    nobody reads, so they add nothing to any gradient."""
+    padded = padded_group_sizes(counts, multiple)
     shift = (padded.cumsum(0) - padded) - (counts.cumsum(0) - counts)
     group = torch.repeat_interleave(torch.arange(counts.numel(), device=x.device), counts)
     rows = torch.arange(x.shape[0], device=x.device) + shift[group]

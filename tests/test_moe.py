@@ -191,7 +191,13 @@ def test_bf16_experts_pad_groups_to_repeating_shapes(bias):
     kernel per matmul shape): rows land in their padded places, and the layer's output and
     gradients equal fp32 arithmetic on the same bf16 weights, one expert at a time, to within
     bf16 rounding (2% of the norm; misplaced rows are off by about 100%)."""
-    from models.moe import ONEDNN_ROW_MULTIPLE, _pad_groups
+    from models.moe import ONEDNN_ROW_MULTIPLE, _pad_groups, padded_group_sizes
+    sizes = torch.tensor([0, 1, 32, 33, 511, 512, 513, 1000, 1024, 5000, 70000])
+    assert padded_group_sizes(sizes, 32).tolist() == \
+        [0, 32, 32, 64, 512, 512, 544, 1024, 1024, 5120, 73728]
+    big = torch.arange(1, 200_000)  # few distinct shapes at any scale, at most 6% more rows
+    assert padded_group_sizes(big, 32).unique().numel() < 250
+    assert (padded_group_sizes(big, 32) <= big * 1.0625 + 31).all()
     g = torch.Generator().manual_seed(0)
     counts = torch.tensor([3, 0, 40, 2])
     x0 = torch.randn(int(counts.sum()), 32, generator=g)

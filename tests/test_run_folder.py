@@ -81,3 +81,30 @@ def test_gpu_peaks_by_name(monkeypatch, name, precision, peak):
     monkeypatch.setattr(torch, "get_device_module", lambda device: types.SimpleNamespace(
         get_device_name=lambda d: name))
     assert device_peak_flops(torch.device("cuda", 0), precision=precision)[0] == peak
+
+
+def test_the_report_draws_moe_layers(tmp_path, monkeypatch):
+    """An MoE run's report adds each layer's dropped share and tokens per expert (the rows
+    `moe_metrics` logs under the "moe" split) to the summary panels."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    log = RunLogger(LoggingConfig(), {}, True, RunJournal(str(tmp_path)))
+    for it in (10, 20, 30):
+        log.log(dict(loss=5.0, lr=1e-3, tokens_per_s=100.0, mem_gib=0.1, moe_aux_loss=0.01,
+                     moe_max_load=1.5), it)
+        log.log({f"layer{i}_dropped": 0.1 * i for i in range(2)} |
+                {f"layer{i}_load": 1.5 for i in range(2)} |
+                {f"layer{i}_tokens_per_expert": [0.1, 0.2, 0.3, 0.4] for i in range(2)}, it, "moe")
+    drawn = []
+    real_savefig = plt.Figure.savefig
+
+    def savefig(fig, *a, **k):
+        drawn.append([ax.get_title() for ax in fig.axes])
+        return real_savefig(fig, *a, **k)
+    monkeypatch.setattr(plt.Figure, "savefig", savefig)
+    assert os.path.getsize(write_report(str(tmp_path))) > 10_000
+    titles = drawn[0]
+    assert "MoE dropped share of assignments, per layer" in titles
+    assert "MoE share of assignments per expert (iteration 30)" in titles
+    assert "MoE busiest expert / mean (worst layer)" in titles
