@@ -63,24 +63,39 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         mask = causal_bias(slopes, q.shape[2], k.shape[2], q.dtype, q.device)[None]
     if q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16) and \
             dropout_p == 0.0 and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"):
-        return _CpuAttentionInFp32.apply(q, k, v, mask, scale)
+        return _CpuLowPrecisionAttention.apply(q, k, v, mask, scale)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
                                           is_causal=mask is None,
                                           enable_gqa=q.shape[1] != k.shape[1], scale=scale)
 
 
-class _CpuAttentionInFp32(torch.autograd.Function):
-    """SDPA's fused CPU kernel, computed in fp32 for bf16/fp16 inputs. Its low-precision
-    variants are slower than fp32 (torch 2.13, one core, causal [4, 8, 256, 32] forward +
-    backward: bf16 20.5 ms, fp16 about 3x that, fp32 with the casts 16.5 ms), and fp32 is the
-    more accurate. It saves what the low-precision kernel saves (q, k, v and the output in their
-    dtype, the fp32 logsumexp), so activation memory is unchanged; GPUs keep their own kernels."""
+# Keys up to which the bf16 backward runs in fp32 on the CPU (see _CpuLowPrecisionAttention).
+CPU_BF16_FP32_BACKWARD_MAX_KEYS = 512
+
+
+class _CpuLowPrecisionAttention(torch.autograd.Function):
+    """SDPA's fused CPU kernel for bf16/fp16 inputs, each pass in the faster precision (torch
+    2.13, one core, causal forward / backward in ms, Xeon with AMX; the fp32 figures include
+    the casts):
+
+        [b, heads, seq, d]    bf16 fwd  fp32 fwd   bf16 bwd  fp32 bwd
+        [4, 8, 256, 32]          2.7       4.3       17.7      10.8
+        [4, 8, 256, 64]          2.8       6.5       22.0      19.1
+        [2, 8, 1024, 64]        18.4      36.3       75.4     104.9
+        [1, 16, 2048, 128]      80.9     235.4      395.3     630.0
+
+    So bf16 runs forward in bf16 and backward in fp32 up to `CPU_BF16_FP32_BACKWARD_MAX_KEYS`
+    keys, in bf16 beyond; fp16's own kernel is slower than fp32 at every size above (1.1-1.9x),
+    so fp16 runs both passes in fp32. Either way autograd saves what the low-precision kernel
+    saves (q, k, v and the output in their dtype, the fp32 logsumexp): activation memory is
+    unchanged. GPUs keep their own kernels."""
 
     @staticmethod
     def forward(ctx, q, k, v, mask, scale):
+        compute = torch.float32 if q.dtype == torch.float16 else q.dtype
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q.float(), k.float(), v.float(), 0.0, mask is None,
-            attn_mask=None if mask is None else mask.float(), scale=scale)
+            q.to(compute), k.to(compute), v.to(compute), 0.0, mask is None,
+            attn_mask=None if mask is None else mask.to(compute), scale=scale)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, mask)
         ctx.scale = scale
@@ -89,9 +104,11 @@ class _CpuAttentionInFp32(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         q, k, v, out, lse, mask = ctx.saved_tensors
+        fp32 = q.dtype == torch.float16 or k.shape[2] <= CPU_BF16_FP32_BACKWARD_MAX_KEYS
+        compute = torch.float32 if fp32 else q.dtype
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad.float(), q.float(), k.float(), v.float(), out.float(), lse, 0.0, mask is None,
-            attn_mask=None if mask is None else mask.float(), scale=ctx.scale)
+            grad.to(compute), q.to(compute), k.to(compute), v.to(compute), out.to(compute), lse,
+            0.0, mask is None, attn_mask=None if mask is None else mask.to(compute), scale=ctx.scale)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 

@@ -1,12 +1,14 @@
-"""Causal attention in bf16/fp16 on the CPU runs SDPA's fused kernel in fp32 (faster there, and
-more accurate): outputs and gradients equal fp32 arithmetic on the same low-precision inputs to
-within the output's rounding, and autograd saves the same bytes as the low-precision kernel."""
+"""Causal attention in bf16/fp16 on the CPU runs each pass of SDPA's fused kernel in the faster
+precision (`models.attention._CpuLowPrecisionAttention`): outputs and gradients equal fp32
+arithmetic on the same low-precision inputs to within the output's rounding, whichever precision
+the backward takes, and autograd saves the same bytes as the low-precision kernel."""
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+import models.attention
 from models.attention import alibi_slopes, causal_attention, causal_bias
 
 
@@ -21,9 +23,12 @@ def _saved_bytes(fn) -> int:
     return sum(saved)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype,fp32_backward_keys", [(torch.bfloat16, 512), (torch.bfloat16, 0),
+                                                      (torch.float16, 512)])
 @pytest.mark.parametrize("alibi,q_len", [(False, 48), (True, 48), (False, 16)])
-def test_low_precision_attention_on_the_cpu(dtype, alibi, q_len):
+def test_low_precision_attention_on_the_cpu(dtype, fp32_backward_keys, alibi, q_len, monkeypatch):
+    # 48 keys: 512 takes bf16's fp32 backward, 0 its bf16 backward (the long-sequence case)
+    monkeypatch.setattr(models.attention, "CPU_BF16_FP32_BACKWARD_MAX_KEYS", fp32_backward_keys)
     g = torch.Generator().manual_seed(0)
     slopes = alibi_slopes(8) if alibi else None
     q0 = torch.randn(2, 8, q_len, 16, generator=g).to(dtype)
