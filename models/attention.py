@@ -86,26 +86,29 @@ class _CpuLowPrecisionAttention(torch.autograd.Function):
 
     So bf16 runs forward in bf16 and backward in fp32 up to `CPU_BF16_FP32_BACKWARD_MAX_KEYS`
     keys, in bf16 beyond; fp16's own kernel is slower than fp32 at every size above (1.1-1.9x),
-    so fp16 runs both passes in fp32. Either way autograd saves what the low-precision kernel
-    saves (q, k, v and the output in their dtype, the fp32 logsumexp): activation memory is
-    unchanged. GPUs keep their own kernels."""
+    so fp16 runs both passes in fp32. bf16 stays in fp32 too where ATen does not run its AVX-512
+    kernels (`ATEN_CPU_CAPABILITY=avx2` on an AMX machine fails in the bf16 kernel: "pack_vnni2
+    is only supported when avx512 is supported"; other CPUs were not measured). Either way
+    autograd saves what the low-precision kernel saves (q, k, v and the output in their dtype,
+    the fp32 logsumexp): activation memory is unchanged. GPUs keep their own kernels."""
 
     @staticmethod
     def forward(ctx, q, k, v, mask, scale):
-        compute = torch.float32 if q.dtype == torch.float16 else q.dtype
+        native = q.dtype == torch.bfloat16 and torch.backends.cpu.get_cpu_capability() == "AVX512"
+        compute = q.dtype if native else torch.float32
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q.to(compute), k.to(compute), v.to(compute), 0.0, mask is None,
             attn_mask=None if mask is None else mask.to(compute), scale=scale)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, mask)
-        ctx.scale = scale
+        ctx.scale, ctx.native = scale, native
         return out
 
     @staticmethod
     def backward(ctx, grad):
         q, k, v, out, lse, mask = ctx.saved_tensors
-        fp32 = q.dtype == torch.float16 or k.shape[2] <= CPU_BF16_FP32_BACKWARD_MAX_KEYS
-        compute = torch.float32 if fp32 else q.dtype
+        native = ctx.native and k.shape[2] > CPU_BF16_FP32_BACKWARD_MAX_KEYS
+        compute = q.dtype if native else torch.float32
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             grad.to(compute), q.to(compute), k.to(compute), v.to(compute), out.to(compute), lse,
             0.0, mask is None, attn_mask=None if mask is None else mask.to(compute), scale=ctx.scale)
