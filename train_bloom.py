@@ -1,6 +1,6 @@
 """Pretrain a BLOOM model (ALiBi, embedding LayerNorm) with Megatron-LM flags; see train_gpt.py."""
 from models.bloom import BloomModel
-from training.script import main
+from training.run.entry import main
 
 
 def model_provider(config, topo, *, rng=None, pre_process=True, post_process=True, layer_range=None):

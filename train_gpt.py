@@ -6,7 +6,7 @@
         --seq-length 128 --micro-batch-size 4 --global-batch-size 16 --train-iters 100
 """
 from models.gpt import GPTModel
-from training.script import main
+from training.run.entry import main
 
 
 def model_provider(config, topo, *, rng=None, pre_process=True, post_process=True, layer_range=None):

@@ -10,7 +10,7 @@ Presets: smollm2-135m/360m/1.7b, llama2-7b/13b/70b, llama3-8b/70b/405b. Start fr
 by importing a Hugging Face folder (tools/convert_hf.py import) and adding --load ... --finetune.
 """
 from models.llama import LlamaModel
-from training.script import main
+from training.run.entry import main
 
 
 def model_provider(config, topo, *, rng=None, pre_process=True, post_process=True, layer_range=None):

@@ -14,7 +14,7 @@ and dropped share.
 from models.llama import LlamaModel
 from models.qwen2_moe import Qwen2MoeModel
 from models.qwen3_moe import Qwen3MoeModel
-from training.script import main
+from training.run.entry import main
 
 
 def model_provider(config, topo, *, rng=None, pre_process=True, post_process=True, layer_range=None):

@@ -12,7 +12,7 @@ by importing a Hugging Face folder (tools/convert_hf.py import) and adding --loa
 """
 from models.qwen2 import Qwen2Model
 from models.qwen3 import Qwen3Model
-from training.script import main
+from training.run.entry import main
 
 
 def model_provider(config, topo, *, rng=None, pre_process=True, post_process=True, layer_range=None):

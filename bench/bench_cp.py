@@ -5,7 +5,7 @@ prediction, the longest sequence a memory budget allows for each C, and a long t
    split over C ranks (a world of C gloo processes, ring attention, ZeRO-0, fp32), 1 warm-up + 2
    timed steps. Per rank: model-state bytes, the activation bytes autograd kept at the peak (the
    pipeline engine's counter), peak RSS; median step time (wall and CPU per rank). The planner
-   (training/planner.py, cp modelled) predicts states and activations for the same layout.
+   (training/planning/planner.py, cp modelled) predicts states and activations for the same layout.
 2. The longest sequence whose planned per-rank memory fits a budget, for each C: the bench's
    model in 1 GiB, and Llama-3-8B at tp8 with full recompute in 80 GB x 0.9.
 3. `--train`: the real trainer (`torchrun --nproc_per_node 4 train_llama.py`) at sequence 16384
@@ -38,7 +38,7 @@ sys.path.insert(0, ROOT)
 
 from models.config import TransformerConfig, preset  # noqa: E402
 from tests.distributed import run_distributed  # noqa: E402
-from training.planner import Layout, memory_per_gpu  # noqa: E402
+from training.planning.planner import Layout, memory_per_gpu  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "bench", "results")
 MODEL = dict(vocab_size=512, hidden_size=128, num_layers=2, num_attention_heads=4, num_query_groups=2,
@@ -70,7 +70,7 @@ def _worker(rank, cp, seq, steps):
     from parallel.pipeline.schedules import build_schedule
     from parallel.topology import ParallelConfig, ParallelTopology
     from parallel.zero import OptimizerConfig, build_optimizer
-    from training.step import activation_shape, make_forward_fn
+    from training.run.step import activation_shape, make_forward_fn
 
     cfg = _config(seq)
     topo = ParallelTopology.from_config(ParallelConfig(cp=cp))

@@ -38,7 +38,7 @@ from models import mixtral  # noqa: E402
 from models.moe import moe_layers  # noqa: E402
 from parallel.topology import ParallelConfig, ParallelTopology  # noqa: E402
 from parallel.zero import OptimizerConfig, build_optimizer  # noqa: E402
-from training.step import activation_shape, forward_backward  # noqa: E402
+from training.run.step import activation_shape, forward_backward  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "bench", "results")
 LR = 1e-4

@@ -4,7 +4,7 @@ measured in its own spawned gloo world (mock tokens) and set beside the planner'
 Per configuration and rank: the ZeRO optimizer's model-state bytes (`memory_report()`), the
 activation bytes autograd kept at the pipeline's peak (`PipelineStats.peak_saved_bytes`), and
 peak RSS; per configuration: median step time over the timed steps, in wall-clock seconds and in
-CPU seconds per rank. The planner (training/planner.py) predicts model states and activations for
+CPU seconds per rank. The planner (training/planning/planner.py) predicts model states and activations for
 the same layout (flash attention, since the model uses SDPA; no dropout; the planner leaves out
 per-token vectors such as norm statistics, so activations land near, not exactly on, the
 measurement). Worlds are fp32 unless marked bf16; "sp" marks sequence parallelism.
@@ -34,7 +34,7 @@ sys.path.insert(0, ROOT)
 
 from models.config import TransformerConfig  # noqa: E402
 from tests.distributed import run_distributed  # noqa: E402
-from training.planner import (Layout, activation_bytes, memory_per_gpu,  # noqa: E402
+from training.planning.planner import (Layout, activation_bytes, memory_per_gpu,  # noqa: E402
                               model_state_bytes, stage_params)
 
 RESULTS = os.path.join(ROOT, "bench", "results")
@@ -79,7 +79,7 @@ def _worker(rank, hidden, layers, tp, pp, microbatches, zero, steps, sp, precisi
     from parallel.pipeline.tied import broadcast_tied_embedding
     from parallel.topology import ParallelConfig, ParallelTopology
     from parallel.zero import OptimizerConfig, build_optimizer
-    from training.step import activation_shape, make_forward_fn
+    from training.run.step import activation_shape, make_forward_fn
 
     cfg = _config(hidden, layers, precision)
     topo = ParallelTopology.from_config(ParallelConfig(tp=tp, pp=pp, sequence_parallel=sp))
@@ -102,7 +102,7 @@ def _worker(rank, hidden, layers, tp, pp, microbatches, zero, steps, sp, precisi
         mbs = batch()
         torch.distributed.barrier()
         w0, c0 = time.perf_counter(), time.process_time()
-        # training.step.forward_backward + step, with the engine's PipelineStats attached
+        # training.run.step.forward_backward + step, with the engine's PipelineStats attached
         with opt.no_sync():
             run_pipeline(build_schedule("1f1b" if pp > 1 else "no_pipelining", pp, topo.pp_rank,
                                         microbatches), chunks, mbs, topo, shape, cfg.dtype,

@@ -5,7 +5,7 @@ same weights (copied through the HF name mappings; the first losses printed must
 same tokens, the same thread count (default 1) and dtype. Variants, all alive in one process
 and timed in interleaved rounds (each round runs every variant once, rotating who goes first):
 
-  fp32   megazoo: `training.step.forward_backward` then the optimizer step (what `pretrain` runs: pipeline engine
+  fp32   megazoo: `training.run.step.forward_backward` then the optimizer step (what `pretrain` runs: pipeline engine
          with no pipelining, ZeRO optimizer stage 0), timed apart: forward_backward, then update
          (optimizer.step + zero_grad); HF is split the same way (backward | clip + AdamW).  HF: `model(ids)` + the same fp32 cross-entropy,
          `clip_grad_norm_`, `torch.optim.AdamW(fused=True)` (HF Trainer's default optimizer
@@ -20,7 +20,7 @@ Timing is CPU time of this process (time.process_time), not wall time: the machi
 with other jobs, and with one thread CPU time is the wall time the step would take on an idle
 core, while wall time swings 2x with the neighbours' load (it is recorded too). The matmul peak
 (square 1024 matmuls, fp32 and bf16, this thread) is sampled between rounds the same way; MFU =
-model FLOPs (training/metrics.py: 3x forward, no recompute) x tokens per CPU-second / peak.
+model FLOPs (training/monitor/metrics.py: 3x forward, no recompute) x tokens per CPU-second / peak.
 
     python bench/bench_train_step.py              # both models, fp32 + bf16: ~6 min on 2 cores
     python bench/bench_train_step.py --models gpt --dtypes fp32 --rounds 3   # quick look
@@ -52,7 +52,7 @@ from models.config import TransformerConfig  # noqa: E402
 from models.gpt import GPTModel  # noqa: E402
 from parallel.topology import ParallelTopology  # noqa: E402
 from parallel.zero import OptimizerConfig, build_optimizer  # noqa: E402
-from training.step import activation_shape, forward_backward  # noqa: E402
+from training.run.step import activation_shape, forward_backward  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "bench", "results")
 LR, WD, CLIP = 1e-4, 0.01, 1.0

@@ -8,8 +8,8 @@
    - the ZeRO optimizer with world size 1 (stages 0, 1, 2) against torch.optim.AdamW;
    - greedy generation with the KV cache on CUDA against the same model on the CPU.
 2. A bf16 training step of gpt-1.3b (seq 2048), torch.compile off and on (each layer compiled):
-   tokens/s, MFU against the device's peak (training/metrics.py) and Megatron-LM's published
-   ~45% (A100/H100), peak memory against the planner (training/planner.py).
+   tokens/s, MFU against the device's peak (training/monitor/metrics.py) and Megatron-LM's published
+   ~45% (A100/H100), peak memory against the planner (training/planning/planner.py).
 
     bash bench/gpu_check.sh                      # everything, ~5 min on an H100
     python bench/gpu_check.py --skip-step        # correctness only
@@ -175,9 +175,9 @@ def train_step(dev, compile_layers: bool, micro_batch: int, steps: int, model_na
     from models.gpt import GPTModel
     from parallel.topology import ParallelTopology
     from parallel.zero import OptimizerConfig, build_optimizer
-    from training.metrics import device_peak_flops, mfu as model_flops_utilisation
-    from training.planner import Layout, memory_per_gpu
-    from training.step import activation_shape, forward_backward
+    from training.monitor.metrics import device_peak_flops, mfu as model_flops_utilisation
+    from training.planning.planner import Layout, memory_per_gpu
+    from training.run.step import activation_shape, forward_backward
     cuda = dev.type == "cuda"
     cfg = preset(model_name, params_dtype="bfloat16")
     topo = ParallelTopology.single(device=dev)
@@ -227,7 +227,7 @@ def main(argv=None) -> dict:
     p.add_argument("--micro-batch-size", type=int, default=4)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--peak-flops", type=float, help="bf16 peak FLOP/s of a GPU not in "
-                   "training/metrics.py's table")
+                   "training/monitor/metrics.py's table")
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "gpu_check.json"))
     args = p.parse_args(argv)
     if not torch.cuda.is_available():

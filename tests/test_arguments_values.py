@@ -3,7 +3,7 @@
 import pytest
 
 from tests.test_training import TINY, _pretrain
-from training.arguments import ArgumentError, build_parser, to_run_config
+from training.config.flags import ArgumentError, build_parser, to_run_config
 
 
 @pytest.mark.parametrize("extra, match", [
@@ -31,7 +31,7 @@ def test_bad_values_are_refused_in_one_line(extra, match):
 
 
 def test_changed_seq_length_on_resume_is_refused(tmp_path):
-    from training.checkpointing import CheckpointError
+    from training.checkpoint.format import CheckpointError
     _pretrain(TINY + ["--train-iters", "1", "--save", str(tmp_path)], 1)
     longer = [a if a != "16" else "8" for a in TINY]  # --seq-length 8 (and max positions 8)
     with pytest.raises(CheckpointError, match=r"--seq-length 8 differs from 16 in .*iter_0000001: the "

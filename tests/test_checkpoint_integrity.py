@@ -11,11 +11,11 @@ import sys
 import pytest
 import torch
 
-import training.checkpointing as ckpt
+import training.checkpoint.format as ckpt
 from tests.distributed import run_distributed
 from tests.test_health_progress import one_thread  # noqa: F401 - autouse: in-process runs, 1 thread
 from tests.test_training import REPO, TINY, _pretrain
-from training import storage
+from training.checkpoint import storage
 
 
 def flip(path: str, tensor: str, n: int = 8) -> None:
@@ -104,7 +104,7 @@ def test_enospc_and_low_space_keep_the_previous_checkpoint(tmp_path, monkeypatch
 
 def test_save_lock_names_the_holder(tmp_path):
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time; sys.path.insert(0, sys.argv[1]);"
-                               "from training.storage import SaveLock; l = SaveLock(sys.argv[2]);"
+                               "from training.checkpoint.storage import SaveLock; l = SaveLock(sys.argv[2]);"
                                "print('held', flush=True); time.sleep(60)", REPO, str(tmp_path)],
                               stdout=subprocess.PIPE, text=True)
     try:
@@ -157,7 +157,7 @@ def test_resume_falls_back_to_the_newest_checkpoint_that_verifies(tmp_path):
     tool[-2] = root
     ok = subprocess.run(tool, capture_output=True, text=True)
     assert ok.returncode == 0 and "every tensor matches its checksum" in ok.stdout, ok.stdout
-    from training.convert import export_hf
+    from training.checkpoint.hf import export_hf
     with pytest.raises(ckpt.IntegrityError, match=rf"rank_00001.safetensors: tensor {master} fails"):
         export_hf(os.path.join(root, "iter_0000004"), hf)
     export_hf(root, hf)

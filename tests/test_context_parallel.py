@@ -6,7 +6,7 @@ sequence parallel) and (pp2, cp2; 1F1B), each with --cp-comm-type p2p and a2a, p
 pp2 x vpp2 x cp2 and full activation recompute (cp4; tp2 x cp2 x SP): the loss and the
 gradient of every parameter, averaged over data x context parallel and gathered over TP, equal the
 single-process model's on the full batch (fp32, rtol = atol = 1e-5). The batch goes through the
-training code: `training.data.microbatches` hands each rank its chunks, `activation_shape` sizes the
+training code: `training.run.batches.microbatches` hands each rank its chunks, `activation_shape` sizes the
 pipeline's messages.
 
 A second world trains 3 steps with the ZeRO-2 optimizer (reducing over dp x cp) under cp2 x dp2
@@ -64,7 +64,7 @@ def config(kind: str, **kw) -> TransformerConfig:
 
 
 class _Tokens:
-    """A dataset of fixed random samples (SEQ + 1 tokens each) for training.data.microbatches."""
+    """A dataset of fixed random samples (SEQ + 1 tokens each) for training.run.batches.microbatches."""
 
     def __init__(self, n: int, seed: int):
         self.t = torch.randint(0, 101, (n, SEQ + 1), generator=torch.Generator().manual_seed(seed))
@@ -84,8 +84,8 @@ def _dp_cp_mean(tensors, topo) -> None:
 
 
 def _numerics_worker(rank):
-    from training.data import microbatches
-    from training.step import activation_shape
+    from training.run.batches import microbatches
+    from training.run.step import activation_shape
     torch.use_deterministic_algorithms(True)
     data = _Tokens(BATCH, seed=3)
     ids, labels = data.t[:, :-1], data.t[:, 1:]
@@ -196,9 +196,9 @@ def _checkpoint_moves_between_c(model, opt, topo, cfg, params, tmp) -> None:
     from parallel.zero import build_optimizer
     from tests.test_zero_common import HYPER, STEPS, full_model_parameters, opt_config
     from tests.tolerances import assert_trained_close
-    from training import checkpointing as ckpt
-    from training import reshard
-    from training.resume import rank_tensors
+    from training.checkpoint import format as ckpt
+    from training.checkpoint import reshard
+    from training.checkpoint.resume import rank_tensors
     tensors = rank_tensors([model], opt, RNGStreams(), 2)
     layout = dict(tp=1, pp=1, dp=topo.dp, vpp=1, world_size=topo.world_size, zero_stage=2, cp=2)
     folder = ckpt.save_checkpoint(tmp, 3, topo.rank, topo.world_size, tensors, dict(layout=layout))
@@ -280,7 +280,7 @@ def test_chunks_positions_and_refusals():
                                                                num_query_groups=4)
     with pytest.raises(LayoutError, match="--cp-comm-type 'ring'"):
         ParallelConfig(cp=2, cp_comm_type="ring").validate(4)
-    from training.arguments import ArgumentError, build_parser, to_run_config
+    from training.config.flags import ArgumentError, build_parser, to_run_config
     flags = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
              "--seq-length", "16", "--max-position-embeddings", "16", "--vocab-size", "64",
              "--train-iters", "1", "--mock-data", "--context-parallel-size", "2"]
@@ -294,7 +294,7 @@ def test_chunks_positions_and_refusals():
 
 def test_planner_models_context_parallelism():
     from models.config import preset
-    from training.planner import Cluster, Layout, PlanError, check_layout, memory_per_gpu, step_time
+    from training.planning.planner import Cluster, Layout, PlanError, check_layout, memory_per_gpu, step_time
     cfg = preset("llama3-8b")
     base = dict(tp=8, sequence_parallel=True, recompute="full", zero=1, seq_length=131072,
                 flash_attention=True)

@@ -113,8 +113,8 @@ def check_against_hf(case: dict, topo, new_tokens: int):
     with pp = 1, greedy generation equal to `case["greedy"]` (eos `case["eos"]`). Returns this
     rank's chunks and its max logit error (0.0 off the last stage)."""
     from models.generation import SamplingConfig, generate
-    from training.checkpointing import latest_checkpoint
-    from training.convert import load_model_chunks
+    from training.checkpoint.format import latest_checkpoint
+    from training.checkpoint.hf import load_model_chunks
     config, chunks = load_model_chunks(latest_checkpoint(case["ckpt"]), topo)
     where = f"{case.get('name', case.get('family'))} at tp={topo.tp} pp={topo.pp} vpp={topo.vpp}"
     with torch.no_grad():
@@ -156,7 +156,7 @@ def _worker(rank, cases, tool_case):
 
 
 def test_import_export_logits_and_generation(tmp_path):
-    from training.convert import export_hf, import_hf
+    from training.checkpoint.hf import export_hf, import_hf
     ids = torch.randint(0, VOCAB, (3, 17), generator=torch.Generator().manual_seed(1))
     prompt = ids[:2, :5]
     cases = []
@@ -233,11 +233,11 @@ def _tool(*argv):
 def test_bad_inputs_give_one_line_errors(tmp_path, capsys):
     from tests.test_reshard import _hf_gpt2
     from tests.test_training import TINY
-    from training.arguments import build_parser, to_run_config
-    from training.checkpointing import CheckpointError, latest_checkpoint, read_meta
-    from training.convert import ConversionError, import_hf, read_hf_weights
-    from training.loop import build_chunks
-    from training.resume import load
+    from training.config.flags import build_parser, to_run_config
+    from training.checkpoint.format import CheckpointError, latest_checkpoint, read_meta
+    from training.checkpoint.hf import ConversionError, import_hf, read_hf_weights
+    from training.run.loop import build_chunks
+    from training.checkpoint.resume import load
     from train_gpt import model_provider
     from parallel.random import model_parallel_seed
     from parallel.topology import ParallelTopology

@@ -12,8 +12,10 @@ from safetensors.torch import load_file
 
 from tests.distributed import run_distributed
 from tests.test_training import REPO, TINY, _pretrain
-from training.health import HealthConfig, HealthMonitor, SkippingDataset, merge_ranges
-from training.journal import read_jsonl
+from training.config.run_config import HealthConfig
+from training.resilience.health import HealthMonitor
+from training.run.batches import SkippingDataset, merge_ranges
+from training.monitor.journal import read_jsonl
 
 
 def test_monitor_flags_nonfinite_and_spikes():

@@ -5,10 +5,10 @@ import os
 
 import pytest
 
-import training.trainer as trainer
+import training.run.trainer as trainer
 from tests.test_training import TINY, _pretrain
-from training.health import RunHalted
-from training.journal import read_jsonl
+from training.resilience.health import RunHalted
+from training.monitor.journal import read_jsonl
 
 
 @pytest.fixture(autouse=True)
@@ -76,7 +76,7 @@ def test_samples_are_skipped_only_when_they_fail_twice(tmp_path, monkeypatch):
 def _frozen_worker(rank, run_dir):
     import signal
 
-    import training.step as step
+    import training.run.step as step
     real, calls = step.mean_over_world, []
 
     def freeze_inside(losses, topo):  # rank 1 arrives at iteration 3's loss all-reduce, then freezes

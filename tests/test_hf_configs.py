@@ -98,7 +98,7 @@ def _perturbed(model, seed=0):
 @pytest.mark.parametrize("name", sorted(REFUSED))
 def test_unmodelled_fields_are_refused_naming_the_field(name, tmp_path):
     from models.hf_fields import UnsupportedConfigError
-    from training.convert import ConversionError, import_hf
+    from training.checkpoint.hf import ConversionError, import_hf
     build, fields, field = REFUSED[name]
     hf = build(**fields)
     hf.save_pretrained(tmp_path / "hf")
@@ -126,7 +126,7 @@ def test_released_config_files_are_accepted(tmp_path):
     import json
     import os
 
-    from training.convert import read_hf_config
+    from training.checkpoint.hf import read_hf_config
     fixture = os.path.join(os.path.dirname(__file__), "fixtures", "released_hf_configs.json")
     for name, entry in json.load(open(fixture)).items():
         (tmp_path / name).mkdir()
@@ -173,7 +173,7 @@ def round_trip_cases(supported: dict, tmp_path, ids, prompt) -> tuple[list[dict]
     from transformers import AutoModelForCausalLM
 
     from tests.test_convert import hf_reference
-    from training.convert import export_hf, hf_to_full, import_hf
+    from training.checkpoint.hf import export_hf, hf_to_full, import_hf
     cases, models = [], []
     for i, (name, (build, fields)) in enumerate(sorted(supported.items())):
         torch.manual_seed(i)

@@ -1,4 +1,4 @@
-"""Hugging Face Llama folders through megazoo's conversion tools (training/convert.py, as
+"""Hugging Face Llama folders through megazoo's conversion tools (training/checkpoint/hf.py, as
 tools/convert_hf.py runs it), against `transformers` (fp32).
 
 A GQA model (8 query heads, 2 KV heads, untied, llama3 rope) and an MQA model (1 KV head, tied,
@@ -36,7 +36,7 @@ def test_llama_import_export_logits_and_generation(tmp_path):
     from transformers import LlamaForCausalLM
 
     from tests.test_convert import _save_tokenizer, _tool, hf_reference
-    from training.convert import export_hf, import_hf
+    from training.checkpoint.hf import export_hf, import_hf
     models = {"gqa": hf_llama(hidden=64, heads=8, kv_heads=2, layers=4, scaling=LLAMA3),
               "mqa": hf_llama(hidden=32, heads=4, kv_heads=1, layers=4, tied=True,
                               scaling={"rope_type": "linear", "factor": 2.0})}

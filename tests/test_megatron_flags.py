@@ -8,7 +8,7 @@ import torch
 
 from tests.distributed import run_distributed
 from tests.test_training import TINY, _pretrain
-from training.arguments import ArgumentError, build_parser, to_run_config
+from training.config.flags import ArgumentError, build_parser, to_run_config
 
 # Megatron-LM's examples/pretrain_gpt.sh (GPT-2 345M), plus the flags of its distributed launch.
 MEGATRON_345M = """--num-layers 24 --hidden-size 1024 --num-attention-heads 16 --seq-length 1024
@@ -77,7 +77,7 @@ def test_null_tokenizer():
 
 
 def test_read_ahead_workers_and_eod_mask():
-    from training.data import MockGPTDataset, microbatches
+    from training.run.batches import MockGPTDataset, microbatches
     ds = MockGPTDataset(50, 16, 7, seed=3)
     kw = dict(consumed_samples=6, micro_batch_size=2, dp_rank=1, dp=2, device=torch.device("cpu"))
     plain, ahead = microbatches(ds, **kw), microbatches(ds, num_workers=3, eod_mask_token=6, **kw)
@@ -86,7 +86,7 @@ def test_read_ahead_workers_and_eod_mask():
         assert torch.equal(a["tokens"], b["tokens"]) and torch.equal(a["labels"], b["labels"])
         assert torch.equal(b["loss_mask"], (b["tokens"] != 6).float())
     ahead.close()
-    from training.step import make_forward_fn
+    from training.run.step import make_forward_fn
 
     class Last(torch.nn.Module):
         pre_process, post_process = True, True
@@ -99,7 +99,7 @@ def test_read_ahead_workers_and_eod_mask():
 
 
 def test_stop_requests_exit_interval_and_duration():
-    from training.stop import StopRequests
+    from training.run.stop import StopRequests
     cpu = torch.device("cpu")
     stops = StopRequests(exit_interval=4)
     assert stops.agreed(3, cpu) == (0, "") and stops.agreed(8, cpu) == (0, "--exit-interval 4")
@@ -128,9 +128,9 @@ def test_exit_interval_and_load_without_optimizer_or_rng(tmp_path):
 
 
 def test_log_line_and_throughput_flag(caplog):
-    from training.config import LoggingConfig
-    from training.journal import RunJournal
-    from training.log import RunLogger
+    from training.config.run_config import LoggingConfig
+    from training.monitor.journal import RunJournal
+    from training.monitor.console import RunLogger
     metrics = dict(loss=2.123456789, lr=1e-3, consumed_samples=64, ms_per_iter=12.345, tokens_per_s=1e4,
                    tflops_per_rank=1.5)
     with caplog.at_level(logging.INFO, logger="megazoo.train"):
@@ -149,8 +149,8 @@ def test_plan_ranks_only_layouts_the_trainer_accepts(capsys):
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
     from models.config import preset
-    from training.planner import Layout, rank_layouts
-    from training.reference_runs import CLUSTERS
+    from training.planning.planner import Layout, rank_layouts
+    from training.planning.reference_runs import CLUSTERS
     cfg, cluster = preset("gpt-1.3b"), CLUSTERS["dgx-a100-80gb"].replace(num_gpus=8)
     zero3_pipeline = Layout(tp=1, pp=2, dp=4, zero=3, micro_batch=1, global_batch=64, seq_length=2048)
     assert "--zero-stage 3" in tool.trainer_refusal(cfg, zero3_pipeline)
@@ -164,7 +164,7 @@ def test_plan_ranks_only_layouts_the_trainer_accepts(capsys):
 
 
 def test_qwen_shape_flags_map_onto_the_config():
-    from training.arguments import build_parser, to_run_config
+    from training.config.flags import build_parser, to_run_config
     argv = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--vocab-size",
             "128", "--seq-length", "16", "--max-position-embeddings", "16", "--train-iters", "1",
             "--mock-data", "--kv-channels", "32", "--add-qkv-bias", "--qk-layernorm",

@@ -74,7 +74,7 @@ def test_logits_loss_config_and_round_trip(name, tmp_path):
     # Files (per-expert w1/w2/w3) and memory (fused) forms give the same tensors; a folder
     # written by save_pretrained imports and exports bit-identical.
     from safetensors.torch import load_file
-    from training.convert import export_hf, import_hf
+    from training.checkpoint.hf import export_hf, import_hf
     hf.save_pretrained(tmp_path / "hf")
     files = load_file(tmp_path / "hf" / "model.safetensors")
     from_files = mixtral.from_hf_state_dict(files, cfg)

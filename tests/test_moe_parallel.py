@@ -29,7 +29,7 @@ from tests.test_moe import moe_config
 from tests.tolerances import assert_trained_close
 from tests.test_zero_common import (HYPER, SEQ, STEPS, batch, dp_mean, initial_parameters,
                                     opt_config, topology)
-from training.step import activation_shape, forward_backward
+from training.run.step import activation_shape, forward_backward
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 

@@ -1,4 +1,4 @@
-"""The planner (training/planner.py): memory formulas, layout checks, ranking, published runs,
+"""The planner (training/planning/planner.py): memory formulas, layout checks, ranking, published runs,
 and predicted vs measured model-state memory of the ZeRO optimizer in one small gloo world."""
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ import pytest
 
 from models.config import TransformerConfig, preset
 from tests.distributed import run_distributed
-from training.planner import (MATMUL_EFFICIENCY, Layout, PlanError, activation_bytes, candidate_layouts,
+from training.planning.planner import (MATMUL_EFFICIENCY, Layout, PlanError, activation_bytes, candidate_layouts,
                               check_layout, layer_activation_bytes, memory_per_gpu,
                               model_state_bytes, plan, rank_layouts, rank_params, stage_params,
                               step_time)
-from training.reference_runs import CLUSTERS, GiB, published_runs
+from training.planning.reference_runs import CLUSTERS, GiB, published_runs
 
 P = 1_000_000.0
 

@@ -9,7 +9,7 @@ import torch
 
 from models.config import PRESETS, preset
 from tests.distributed import run_distributed
-from training.arguments import build_parser, to_run_config
+from training.config.flags import build_parser, to_run_config
 
 QWEN_PRESETS = [n for n, p in PRESETS.items() if p.get("add_qkv_bias") or p.get("qk_layernorm")]
 PUBLISHED = {"qwen2-0.5b": 494_032_768, "qwen2.5-0.5b": 494_032_768, "qwen3-0.6b": 596_049_920}
@@ -41,7 +41,7 @@ LAYOUTS = [[], ["--pipeline-model-parallel-size", "2"],
 
 def _worker(rank):
     from train_qwen import model_provider
-    from training.loop import pretrain
+    from training.run.loop import pretrain
     curves = {}
     for qwen2 in (False, True):
         for i, layout in enumerate(LAYOUTS):

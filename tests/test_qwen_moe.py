@@ -69,7 +69,7 @@ REFUSED = {  # name: (builder, fields, the field the error must name)
 @pytest.mark.parametrize("name", sorted(REFUSED))
 def test_unmodelled_fields_are_refused_naming_the_field(name, tmp_path):
     from models.hf_fields import UnsupportedConfigError
-    from training.convert import ConversionError, import_hf
+    from training.checkpoint.hf import ConversionError, import_hf
     build, fields, field = REFUSED[name]
     build(model=False, **fields).save_pretrained(tmp_path / "hf")  # refused before weights are read
     with pytest.raises((ConversionError, UnsupportedConfigError), match=rf"^[^\n]*{field}=[^\n]*$"):
@@ -165,7 +165,7 @@ def test_released_configs_and_presets_match_hf_shapes(name, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from models.config import preset
-    from training.convert import read_hf_config
+    from training.checkpoint.hf import read_hf_config
     (tmp_path / "config.json").write_text(json.dumps(RELEASED[name]))
     _, module, hf = read_hf_config(str(tmp_path))
     imported = module.config_from_hf(hf)

@@ -24,8 +24,8 @@ DP2 = ["--zero-stage", "2"]
 
 def _pretrain_bloom(argv, world):
     from train_bloom import model_provider
-    from training.arguments import build_parser, to_run_config
-    from training.loop import pretrain
+    from training.config.flags import build_parser, to_run_config
+    from training.run.loop import pretrain
     run = to_run_config(build_parser("bloom-560m").parse_args(argv), world_size=world)
     return pretrain(model_provider, run)
 
@@ -63,7 +63,7 @@ def _hf_gpt2(folder, bloom=False):
     batch."""
     from transformers import BloomConfig, BloomForCausalLM, GPT2Config, GPT2LMHeadModel
 
-    from training.data import MockGPTDataset
+    from training.run.batches import MockGPTDataset
     torch.manual_seed(0)
     hf = BloomForCausalLM(BloomConfig(vocab_size=61, hidden_size=32, n_layer=4, n_head=4)) if bloom \
         else GPT2LMHeadModel(GPT2Config(vocab_size=61, n_positions=16, n_embd=32, n_layer=4,
@@ -80,7 +80,7 @@ def _hf_gpt2(folder, bloom=False):
 
 
 def test_reshard_and_finetune(tmp_path):
-    from training.convert import import_hf
+    from training.checkpoint.hf import import_hf
     root, imported = str(tmp_path / "run"), str(tmp_path / "imported")
     hf_loss = _hf_gpt2(str(tmp_path / "hf"))
     import_hf(str(tmp_path / "hf"), imported, tp=2, pp=2)
@@ -110,7 +110,7 @@ def test_reshard_and_finetune(tmp_path):
     # keeps its weights only in the optimizer's shards).
     from safetensors.torch import load_file
 
-    from training.convert import export_hf
+    from training.checkpoint.hf import export_hf
     exported = [load_file(os.path.join(export_hf(s, s + "_hf"), "model.safetensors")) for s in saves]
     for other in exported[1:]:
         assert other.keys() == exported[0].keys()

@@ -9,7 +9,7 @@ import pytest
 
 from tests.distributed import free_port, run_distributed
 from tests.tolerances import assert_curves_close
-from training.arguments import ArgumentError, build_parser, to_run_config
+from training.config.flags import ArgumentError, build_parser, to_run_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
@@ -20,7 +20,7 @@ TINY = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4"
 
 def _pretrain(argv, world):
     from train_gpt import model_provider
-    from training.loop import pretrain
+    from training.run.loop import pretrain
     run = to_run_config(build_parser().parse_args(argv), world_size=world)
     return pretrain(model_provider, run)
 
@@ -66,7 +66,7 @@ def test_resume_is_bitwise_exact(tmp_path, layout, world):
 def _crash_worker(rank, root):
     import signal
 
-    import training.checkpointing as ckpt
+    import training.checkpoint.format as ckpt
     _pretrain(TINY + ["--train-iters", "2", "--save", root], 2)
     real = ckpt.save_file
 
@@ -85,7 +85,7 @@ def _crash_worker(rank, root):
 def test_kill_during_save_keeps_previous_checkpoint(tmp_path):
     with pytest.raises(RuntimeError, match=r"ranks \[1\] died|rank 0 of 2 failed"):
         run_distributed(_crash_worker, 2, str(tmp_path), timeout=120)
-    from training.checkpointing import latest_checkpoint, load_rank_tensors, read_meta
+    from training.checkpoint.format import latest_checkpoint, load_rank_tensors, read_meta
     folder = latest_checkpoint(str(tmp_path))
     assert folder.endswith("iter_0000002")
     assert read_meta(folder)["iteration"] == 2
@@ -95,7 +95,7 @@ def test_kill_during_save_keeps_previous_checkpoint(tmp_path):
 
 
 def test_corrupt_checkpoint_gives_clear_error(tmp_path):
-    from training.checkpointing import CheckpointError, load_rank_tensors, save_checkpoint
+    from training.checkpoint.format import CheckpointError, load_rank_tensors, save_checkpoint
     import torch
     folder = save_checkpoint(str(tmp_path), 1, 0, 1, {"w": torch.ones(1000)}, {"model": {}})
     path = os.path.join(folder, "rank_00000.safetensors")

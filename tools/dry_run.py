@@ -5,7 +5,7 @@ returns at once, as torchtitan's dry run does): the topology and its process gro
 real model chunks and ZeRO optimizer on the `meta` device (shapes only: no memory, no init
 compute), and one training step's pipeline schedule through the real engine on meta tensors
 (forward, backward, gradient reduce-scatter). It prints, per rank, what that rank holds and would
-write, next to the planner's prediction (training/planner.py).
+write, next to the planner's prediction (training/planning/planner.py).
 
     # BLOOM-176B as trained: 384 ranks, the first, last and a middle pipeline rank
     python tools/dry_run.py --model bloom-176b --world-size 384 --tensor-model-parallel-size 4 \\
@@ -13,10 +13,10 @@ write, next to the planner's prediction (training/planner.py).
         --decoder-last-pipeline-num-layers 5 --zero-stage 1 --bf16 --recompute-granularity full \\
         --micro-batch-size 2 --global-batch-size 2048 --seq-length 2048 --ranks first,last,200
 
-Flags are the training scripts' (training/arguments.py) plus `--world-size`, `--rank R` /
+Flags are the training scripts' (training/config/flags.py) plus `--world-size`, `--rank R` /
 `--ranks all|positions|stages|first,last,R,...` and `--arch`. Not run: the optimizer step itself
 (its gradient-norm check and loss-scale logic read values on the host, which meta tensors lack).
-The dry run of one rank is `training/dry_run.py`; docs/planner.md has the published layouts'.
+The dry run of one rank is `training/run/dry_run.py`; docs/planner.md has the published layouts'.
 """
 from __future__ import annotations
 
@@ -27,8 +27,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from models.hf import FAMILIES, model_class  # noqa: E402
 from parallel.layout import Grid  # noqa: E402
-from training.arguments import ArgumentError, build_parser, to_run_config  # noqa: E402
-from training.dry_run import RankReport, dry_run_rank, safetensors_bytes  # noqa: E402,F401
+from training.config.flags import ArgumentError, build_parser, to_run_config  # noqa: E402
+from training.run.dry_run import RankReport, dry_run_rank, safetensors_bytes  # noqa: E402,F401
 
 FAMILY_BY_POSITIONS = {"learned": "gpt2", "alibi": "bloom", "rope": "llama"}
 

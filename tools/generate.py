@@ -27,9 +27,9 @@ import torch  # noqa: E402
 from data.tokenizers import TokenizerError  # noqa: E402
 from models.generation import SamplingConfig, generate  # noqa: E402
 from parallel.topology import LayoutError, ParallelConfig, initialize  # noqa: E402
-from training import checkpointing as ckpt  # noqa: E402
-from training.checkpoint_tokenizer import checkpoint_tokenizer, eos_token_ids  # noqa: E402
-from training.convert import load_model_chunks  # noqa: E402
+from training.checkpoint import format as ckpt  # noqa: E402
+from training.checkpoint.tokenizer import checkpoint_tokenizer, eos_token_ids  # noqa: E402
+from training.checkpoint.hf import load_model_chunks  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:

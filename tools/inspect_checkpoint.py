@@ -13,7 +13,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from training.checkpointing import CheckpointError, VerifiedReader, listed_files, read_meta, resolve  # noqa: E402
+from training.checkpoint.format import CheckpointError, VerifiedReader, listed_files, read_meta, resolve  # noqa: E402
 
 
 def _shapes(path: str, verify: bool) -> tuple[dict, int]:

@@ -1,4 +1,4 @@
-"""Plan a training run: per-GPU memory, step time and MFU of layouts, ranked (training/planner.py).
+"""Plan a training run: per-GPU memory, step time and MFU of layouts, ranked (training/planning/planner.py).
 
 Only layouts the trainer accepts are ranked: each is checked by train_*.py's own flag validation.
 
@@ -27,10 +27,10 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from models.config import PRESETS, TransformerConfig, preset  # noqa: E402
-from training.planner import (MATMUL_EFFICIENCY, Cluster, Layout, PlanError, plan,  # noqa: E402
+from training.planning.planner import (MATMUL_EFFICIENCY, Cluster, Layout, PlanError, plan,  # noqa: E402
                               rank_layouts)
-from training.arguments import build_parser, to_run_config  # noqa: E402
-from training.reference_runs import CLUSTERS, GiB, published_runs  # noqa: E402
+from training.config.flags import build_parser, to_run_config  # noqa: E402
+from training.planning.reference_runs import CLUSTERS, GiB, published_runs  # noqa: E402
 
 
 def parse_args(argv=None):

@@ -20,9 +20,9 @@ from models.config import TransformerConfig  # noqa: E402
 from models.hf import FAMILIES, model_class  # noqa: E402
 from models.language_model import TransformerLanguageModel  # noqa: E402
 from parallel.zero.config import OptimizerConfig  # noqa: E402
-from training import checkpointing as ckpt  # noqa: E402
+from training.checkpoint import format as ckpt  # noqa: E402
 from parallel.layout import virtual_stages  # noqa: E402
-from training.reshard import read_full_state, write_layout  # noqa: E402
+from training.checkpoint.reshard import read_full_state, write_layout  # noqa: E402
 
 
 def reshard(load: str, save: str, *, tp: int, pp: int, vpp: int = 1, dp: int = 1,

@@ -20,13 +20,13 @@ from parallel.random import model_parallel_seed
 from parallel.topology import ParallelTopology
 from parallel.zero.optimizer import build_optimizer
 
-from . import planner
-from .checkpointing import rank_file
-from .loop import build_chunks
-from .meta_kernels import device_kernels_on_meta
-from .reshard import param_table
-from .resume import rank_tensors
-from .step import activation_shape, make_forward_fn
+from training.planning import planner
+from training.checkpoint.format import rank_file
+from training.run.loop import build_chunks
+from training.planning.meta_kernels import device_kernels_on_meta
+from training.checkpoint.reshard import param_table
+from training.checkpoint.resume import rank_tensors
+from training.run.step import activation_shape, make_forward_fn
 
 META = torch.device("meta")
 
@@ -193,7 +193,7 @@ def _recompute_working_bytes(run, topo, chunks) -> int:
 
 
 def _one_step(run, topo, chunks, opt, schedule: str, n: int, stats: PipelineStats) -> None:
-    """training/step.py's forward_backward on meta microbatches, up to the gradient
+    """training/run/step.py's forward_backward on meta microbatches, up to the gradient
     reduction (its loss average reads a value on the host, which a meta tensor has not)."""
     mbs, seq = run.schedule.micro_batch_size, run.data.seq_length
     ids = torch.empty((mbs, seq), dtype=torch.long, device=META)

@@ -15,9 +15,10 @@ import torch
 
 from models.hf import family_of
 
-from . import checkpointing as ckpt
-from . import reshard, storage
-from .config import RunConfig
+from training.checkpoint import format as ckpt
+from training.checkpoint import reshard
+from training.checkpoint import storage
+from training.config.run_config import RunConfig
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +80,7 @@ def load(run: RunConfig, topo, chunks, opt, rng) -> TrainState:
 
     A checkpoint of the same layout loads shard by shard. Any other layout (tp, pp, vpp, dp,
     ZeRO stage, bucket size), an imported model, or --finetune goes through full tensors
-    (`training/reshard.py`); RNG streams are restored only with the same layout. Every tensor
+    (`training/checkpoint/reshard.py`); RNG streams are restored only with the same layout. Every tensor
     read is verified against its checksum; when any rank finds damage, all ranks fall back to
     the next older complete checkpoint (logged), and only a verified one is applied.
     """

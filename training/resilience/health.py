@@ -22,28 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-POLICIES = ("warn", "skip", "rollback")
-
-
-@dataclass(frozen=True)
-class HealthConfig:
-    policy: str = "warn"  # --health-policy warn | skip | rollback
-    spike_zscore: float = 6.0  # --spike-zscore; 0 disables spike detection
-    spike_window: int = 50  # --spike-window: healthy losses the statistics are taken over
-    spike_min_history: int = 10  # no spike verdicts before this many healthy losses
-    max_rollbacks: int = 5  # give up (raise) after this many rollbacks in one run
-    max_bad_steps: int = 20  # --max-bad-steps: consecutive non-finite or skipped steps -> stop
-    collective_timeout: float = 300.0  # --collective-timeout seconds; 0 disables the watchdog
-    straggler_threshold: float = 1.25  # --straggler-threshold: slow if step time > x * median
-    inject_nan_at: int | None = None  # --inject-nan-at-iteration: fault drill, once
-    inject_hang: tuple[int, int, float] | None = None  # --inject-hang RANK ITER SECONDS: drill
-
-    def validate(self) -> None:
-        if self.policy not in POLICIES:
-            raise ValueError(f"--health-policy must be one of {POLICIES}, got {self.policy!r}")
-        if self.spike_window < 3:
-            raise ValueError(f"--spike-window must be >= 3, got {self.spike_window}")
-
+from training.config.run_config import HealthConfig
 
 @dataclass
 class Verdict:
@@ -125,40 +104,3 @@ class ProgressGuard:
         if not repeat:
             self.failed.append(samples)
         return repeat
-
-
-def merge_ranges(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """Sorted, disjoint [start, end) ranges covering the same indices."""
-    out: list[list[int]] = []
-    for s, e in sorted(ranges):
-        if out and s <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], e)
-        else:
-            out.append([s, e])
-    return [(s, e) for s, e in out]
-
-
-class SkippingDataset:
-    """A dataset view without the samples in `skip` (sorted, disjoint [start, end) ranges).
-
-    Training counts logical samples (consumed_samples); logical index i maps to the i-th physical
-    sample not skipped, so a run that skipped a batch and a run that never had it agree.
-    """
-
-    def __init__(self, dataset, skip: list[tuple[int, int]]):
-        self.dataset, self.skip = dataset, merge_ranges(skip)
-        self.skipped = sum(e - s for s, e in self.skip)
-
-    def __len__(self) -> int:
-        return len(self.dataset) - self.skipped
-
-    def physical(self, i: int) -> int:
-        for s, e in self.skip:
-            if i >= s:
-                i += e - s
-            else:
-                break
-        return i
-
-    def __getitem__(self, i: int):
-        return self.dataset[self.physical(i)]

@@ -7,9 +7,9 @@ import logging
 import torch
 import torch.distributed as dist
 
-from .metrics import mfu, peak_memory_bytes
+from training.monitor.metrics import mfu, peak_memory_bytes
 
-logger = logging.getLogger("training.loop")
+logger = logging.getLogger(__name__)
 
 
 class LogWindow:
@@ -42,7 +42,7 @@ class LogWindow:
                    loss_scale=last.loss_scale, skipped=state.skipped_steps, batch=batch,
                    consumed_samples=state.consumed_samples, ms_per_iter=1e3 * self.wall / self.n,
                    tokens_per_s=tokens_s, tflops_per_rank=flops_rank / 1e12)
-        if self.peak:  # no peak, no MFU (training/metrics.py)
+        if self.peak:  # no peak, no MFU (training/monitor/metrics.py)
             out["mfu"] = mfu(flops_rank, self.peak)
         out["mem_gib"] = max_over_ranks(peak_memory_bytes(self.topo.device), self.topo) / 2**30
         return out

@@ -14,24 +14,24 @@ from parallel.random import model_parallel_seed
 from parallel.topology import initialize
 from parallel.zero.optimizer import build_optimizer
 
-from . import checkpointing as ckpt
-from . import storage
-from .config import RunConfig
-from .data import TrainData, build_datasets
-from .faults import maybe_hang, report_unhealthy, roll_back
-from .health import HealthMonitor, ProgressGuard, after_step
-from .journal import RunJournal
-from .log import RunLogger
-from .lr_schedule import global_batch_size, learning_rate
-from .metrics import device_peak_flops, moe_metrics
-from .planner import PlanError, layout_of_run, memory_per_gpu
-from .report import write_report
-from .resume import TrainState, layout_of, load, save
-from .step import activation_shape, evaluate, forward_backward
-from .watchdog import CollectiveWatchdog, backend_timeout
-from .window import LogWindow
+from training.checkpoint import format as ckpt
+from training.checkpoint import storage
+from training.config.run_config import RunConfig
+from training.run.batches import TrainData, build_datasets
+from training.resilience.faults import maybe_hang, report_unhealthy, roll_back
+from training.resilience.health import HealthMonitor, ProgressGuard, after_step
+from training.monitor.journal import RunJournal
+from training.monitor.console import RunLogger
+from training.run.lr_schedule import global_batch_size, learning_rate
+from training.monitor.metrics import device_peak_flops, moe_metrics
+from training.planning.planner import PlanError, layout_of_run, memory_per_gpu
+from training.monitor.report import write_report
+from training.checkpoint.resume import TrainState, layout_of, load, save
+from training.run.step import activation_shape, evaluate, forward_backward
+from training.resilience.watchdog import CollectiveWatchdog, backend_timeout
+from training.monitor.window import LogWindow
 
-logger = logging.getLogger("training.loop")
+logger = logging.getLogger(__name__)
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """The run's typed configuration: one dataclass per concern, composed into `RunConfig`.
 
 Command-line flags (Megatron names) are mapped onto these in exactly one place,
-`training/arguments.py`; everything below the scripts reads only these objects.
+`training/config/flags.py`; everything below the scripts reads only these objects.
 """
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ from models.config import TransformerConfig
 from parallel.topology import ParallelConfig
 from parallel.zero.config import OptimizerConfig
 
-from .health import HealthConfig
 
 
 @dataclass
@@ -68,8 +67,31 @@ class LoggingConfig:
     wandb_exp_name: str | None = None
     wandb_save_dir: str | None = None
     tensorboard_dir: str | None = None
-    peak_flops: float | None = None  # per-device peak FLOP/s for MFU (training/metrics.py)
+    peak_flops: float | None = None  # per-device peak FLOP/s for MFU (training/monitor/metrics.py)
     log_throughput: bool = False  # tokens/s, TFLOP/s and MFU on the console line too
+
+
+POLICIES = ("warn", "skip", "rollback")
+
+
+@dataclass(frozen=True)
+class HealthConfig:
+    policy: str = "warn"  # --health-policy warn | skip | rollback
+    spike_zscore: float = 6.0  # --spike-zscore; 0 disables spike detection
+    spike_window: int = 50  # --spike-window: healthy losses the statistics are taken over
+    spike_min_history: int = 10  # no spike verdicts before this many healthy losses
+    max_rollbacks: int = 5  # give up (raise) after this many rollbacks in one run
+    max_bad_steps: int = 20  # --max-bad-steps: consecutive non-finite or skipped steps -> stop
+    collective_timeout: float = 300.0  # --collective-timeout seconds; 0 disables the watchdog
+    straggler_threshold: float = 1.25  # --straggler-threshold: slow if step time > x * median
+    inject_nan_at: int | None = None  # --inject-nan-at-iteration: fault drill, once
+    inject_hang: tuple[int, int, float] | None = None  # --inject-hang RANK ITER SECONDS: drill
+
+    def validate(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"--health-policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.spike_window < 3:
+            raise ValueError(f"--spike-window must be >= 3, got {self.spike_window}")
 
 
 @dataclass

@@ -39,7 +39,7 @@ def device_peak_flops(device: torch.device, override: float | None = None,
     for key, peaks in PEAK_FLOPS:
         if key in name:
             return peaks[precision], f"NVIDIA dense {precision} peak of {key}"
-    return 0.0, f"no MFU: {name} is not in training/metrics.py PEAK_FLOPS; pass --peak-flops"
+    return 0.0, f"no MFU: {name} is not in training/monitor/metrics.py PEAK_FLOPS; pass --peak-flops"
 
 
 def mfu(flops_per_s: float, peak: float) -> float:

@@ -1,4 +1,4 @@
-"""`pretrain`: set up one rank's run (`training/trainer.py`), then iterate until done or told to stop.
+"""`pretrain`: set up one rank's run (`training/run/trainer.py`), then iterate until done or told to stop.
 
     trainer = topology, this rank's model chunks, ZeRO optimizer, data, logging (resumed with --load)
     each iteration: step (health policy) -> log window -> evaluate -> stop? -> save
@@ -7,15 +7,15 @@
 Resume is exact: the checkpoint holds the weights, optimizer shards, loss scaler, every rank's
 RNG streams, the iteration and the consumed-samples count (the LR and batch-size schedules are
 pure functions of those counters). Stopping early (SIGTERM, SIGINT, --exit-interval,
---exit-duration-in-mins) is decided by all ranks together: `training/stop.py`.
+--exit-duration-in-mins) is decided by all ranks together: `training/run/stop.py`.
 """
 from __future__ import annotations
 
 import time
 
-from .config import RunConfig
-from .stop import StopRequests
-from .trainer import TrainResult, Trainer, build_chunks
+from training.config.run_config import RunConfig
+from training.run.stop import StopRequests
+from training.run.trainer import TrainResult, Trainer, build_chunks
 
 __all__ = ["TrainResult", "build_chunks", "pretrain"]
 

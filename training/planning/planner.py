@@ -1,9 +1,9 @@
 """Capacity planner: per-GPU memory, step time and MFU of a (model, cluster, layout), and a ranking
 of the layouts that fit. Pure functions over dataclasses; `tools/plan.py` is the command line.
 
-The memory model (and the `Layout`) is training/planner_memory.py, the step-time model
-training/planner_time.py; this file checks layouts with the trainer's rules, plans and ranks
-them, and re-exports both so that `from training.planner import ...` is the one entry point.
+The memory model (and the `Layout`) is training/planning/memory.py, the step-time model
+training/planning/step_time.py; this file checks layouts with the trainer's rules, plans and ranks
+them, and re-exports both so that `from training.planning.planner import ...` is the one entry point.
 """
 from __future__ import annotations
 
@@ -14,12 +14,12 @@ from models.config import TransformerConfig
 from parallel.layout import LayoutError, microbatches_per_step
 from parallel.zero.config import OptimizerConfig, ZeroConfigError
 
-from .planner_memory import (Layout, Memory, PlanError, activation_bytes,  # noqa: F401
+from training.planning.memory import (Layout, Memory, PlanError, activation_bytes,  # noqa: F401
                              activation_element_bytes, layer_activation_bytes, layout_of_run,
                              memory_per_gpu, model_state_bytes, pipeline_schedule, rank_layer_ids,
                              rank_layers, rank_params, rank_state_bytes, stage_name, stage_params,
                              state_bytes_per_param)
-from .planner_time import (MATMUL_EFFICIENCY, OPTIMIZER_BYTES_PER_PARAM, Cluster,  # noqa: F401
+from training.planning.step_time import (MATMUL_EFFICIENCY, OPTIMIZER_BYTES_PER_PARAM, Cluster,  # noqa: F401
                            StepTime, all_to_all_time, step_time)
 
 

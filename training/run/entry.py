@@ -18,13 +18,13 @@ from data.token_stats import VocabularyMismatch
 from data.tokenizers import TokenizerError
 from parallel.topology import LayoutError
 
-from .arguments import ArgumentError, build_parser, to_run_config
-from .checkpoint_tokenizer import store_training_tokenizer
-from .checkpointing import CheckpointError
-from .health import RunHalted
-from .loop import pretrain
-from .stop import exit_code
-from .storage import SaveLockError
+from training.config.flags import ArgumentError, build_parser, to_run_config
+from training.checkpoint.tokenizer import store_training_tokenizer
+from training.checkpoint.format import CheckpointError
+from training.resilience.health import RunHalted
+from training.run.loop import pretrain
+from training.run.stop import exit_code
+from training.checkpoint.storage import SaveLockError
 
 logger = logging.getLogger("megazoo.train")
 # Raised by a run for something the user can fix (the message names the file or flag): no traceback.

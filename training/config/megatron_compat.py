@@ -1,9 +1,9 @@
 """Megatron-LM flags beyond the core set, so a Megatron launch script runs unchanged.
 
 Implemented here or where the config they set is read: --exit-interval, --exit-duration-in-mins
-(training/stop.py), --no-load-optim, --no-load-rng (training/resume.py), --eod-mask-loss
-(training/data.py, training/step.py), --lr-warmup-fraction (training/arguments.py), --num-workers
-(training/data.py), --log-throughput (training/log.py), --tokenizer-type NullTokenizer
+(training/run/stop.py), --no-load-optim, --no-load-rng (training/checkpoint/resume.py), --eod-mask-loss
+(training/run/batches.py, training/run/step.py), --lr-warmup-fraction (training/config/flags.py), --num-workers
+(training/run/batches.py), --log-throughput (training/monitor/console.py), --tokenizer-type NullTokenizer
 (data/tokenizers.py). Accepted as names for what megazoo always does, with one log line each:
 --use-distributed-optimizer (ZeRO-1 unless --zero-stage is given), --overlap-grad-reduce,
 --overlap-param-gather, --use-flash-attn, --distributed-backend. docs/megatron.md has the table.
@@ -13,6 +13,8 @@ from __future__ import annotations
 import argparse
 import logging
 from dataclasses import dataclass
+
+from training.config.errors import ArgumentError
 
 logger = logging.getLogger("megazoo.train")
 
@@ -67,7 +69,6 @@ def add_megatron_compat_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _fail(msg: str):
-    from .arguments import ArgumentError
     raise ArgumentError(msg)
 
 

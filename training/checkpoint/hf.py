@@ -12,7 +12,7 @@ Export gathers full tensors from a checkpoint of any layout (vocabulary padding 
 replicas averaged), maps them back with `to_hf_state_dict` and writes `config.json`,
 `model.safetensors` (in the checkpoint's dtype, an imported model's own, or `--dtype`) and the
 tokenizer files, which `from_pretrained` loads offline. The tokenizer and the model's special-token
-ids travel in the checkpoint's `tokenizer/` folder (training/checkpoint_tokenizer.py).
+ids travel in the checkpoint's `tokenizer/` folder (training/checkpoint/tokenizer.py).
 """
 from __future__ import annotations
 
@@ -29,11 +29,11 @@ from models.config import TransformerConfig
 from models.hf import family, model_class
 from parallel.layout import ParallelConfig, virtual_stages
 
-from . import checkpointing as ckpt
-from .checkpoint_tokenizer import TOKEN_IDS, copy_tokenizer, hf_token_record, read_record
-from .checkpoint_tokenizer import tokenizer_dir as checkpoint_tokenizer_dir
-from .checkpoint_tokenizer import write_record
-from .reshard import FullState, load_weights, read_full_state, write_layout
+from training.checkpoint import format as ckpt
+from training.checkpoint.tokenizer import TOKEN_IDS, copy_tokenizer, hf_token_record, read_record
+from training.checkpoint.tokenizer import tokenizer_dir as checkpoint_tokenizer_dir
+from training.checkpoint.tokenizer import write_record
+from training.checkpoint.reshard import FullState, load_weights, read_full_state, write_layout
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from parallel.pipeline.engine import run_pipeline
 from parallel.pipeline.schedules import build_schedule
 from parallel.topology import ParallelTopology
 
-from .data import microbatches
+from training.run.batches import microbatches
 
 
 def activation_shape(topo: ParallelTopology, seq_length: int, micro_batch_size: int, hidden: int):

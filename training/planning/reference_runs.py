@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from models.config import TransformerConfig, preset
 
-from .planner import Cluster, Layout
+from training.planning.planner import Cluster, Layout
 
 GiB = 2 ** 30
 CLUSTERS: dict[str, Cluster] = {

@@ -11,9 +11,9 @@ folder to `iter_N`, then replaces `latest`. A crash at any point leaves `latest`
 checkpoint; a stale `.tmp` folder is ignored and cleared by the next save. A rank that cannot
 write (no space, I/O error) stops every rank with one line; the previous checkpoint stays.
 
-Every rank file records a crc32 per tensor in its header (`training/integrity.py`); every reader
+Every rank file records a crc32 per tensor in its header (`training/checkpoint/integrity.py`); every reader
 here verifies what it reads, and a resume falls back to the newest checkpoint that verifies
-(`candidates`). Disk space, retention and the folder lock: `training/storage.py`.
+(`candidates`). Disk space, retention and the folder lock: `training/checkpoint/storage.py`.
 """
 from __future__ import annotations
 
@@ -35,7 +35,8 @@ from safetensors.torch import save_file
 from models.config import TransformerConfig
 from parallel.topology import default_device
 
-from . import integrity, storage
+from training.checkpoint import integrity
+from training.checkpoint import storage
 
 logger = logging.getLogger(__name__)
 
@@ -378,7 +379,7 @@ def require_verified(folder: str) -> str:
 
 def check_compatible(meta: dict, *, model: dict, folder: str) -> None:
     """Refuse checkpoints of another model, naming the difference (a layout may differ:
-    `training/reshard.py` maps any layout onto any other)."""
+    `training/checkpoint/reshard.py` maps any layout onto any other)."""
     saved_model = meta.get("model", {})
     # A field an older checkpoint lacks had its default then (it was added later with that value).
     defaults = {f.name: f.default for f in dataclasses.fields(TransformerConfig)}

@@ -1,4 +1,4 @@
-"""The planner's layout and its memory per GPU (training/planner.py ranks layouts with these).
+"""The planner's layout and its memory per GPU (training/planning/planner.py ranks layouts with these).
 
 Memory per GPU (bytes), for the heaviest pipeline stage (the first, or the last when it holds a
 large untied/copied head and fewer activations):
@@ -249,7 +249,7 @@ def layer_activation_bytes(cfg: TransformerConfig, layout: Layout) -> tuple[floa
 
 
 def pipeline_schedule(layout: Layout) -> str:
-    """The schedule the trainer runs for this layout (training/arguments.py's default)."""
+    """The schedule the trainer runs for this layout (training/config/flags.py's default)."""
     return "no_pipelining" if layout.pp == 1 else "interleaved" if layout.vpp > 1 else "1f1b"
 
 

@@ -15,14 +15,11 @@ from parallel.context_parallel import check_attention
 from parallel.layout import LayoutError, ParallelConfig, microbatches_per_step, virtual_stages
 from parallel.zero.config import LossScaleConfig, OptimizerConfig
 
-from .config import (CheckpointConfig, DataConfig, LoggingConfig, RunConfig, ScheduleConfig)
-from .flag_help import HelpFormatter, apply_help
-from .health import HealthConfig
-from .megatron_compat import add_megatron_compat_flags, resolve_megatron_compat
-
-
-class ArgumentError(ValueError):
-    """Inconsistent command-line values; the message names the flag."""
+from training.config.errors import ArgumentError
+from training.config.flag_help import HelpFormatter, apply_help
+from training.config.megatron_compat import add_megatron_compat_flags, resolve_megatron_compat
+from training.config.run_config import (CheckpointConfig, DataConfig, HealthConfig, LoggingConfig, RunConfig,
+                                        ScheduleConfig)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -211,7 +208,7 @@ def to_run_config(args: argparse.Namespace, vocab_size: int | None = None,
                   world_size: int | None = None, eod_token: int | None = None) -> RunConfig:
     """Map parsed flags onto the configs and check that they fit together.
 
-    `vocab_size` and `eod_token` come from the tokenizer when there is one (training/script.py)."""
+    `vocab_size` and `eod_token` come from the tokenizer when there is one (training/run/entry.py)."""
     validate_values(args)
     world = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
     compat = resolve_megatron_compat(args, eod_token)

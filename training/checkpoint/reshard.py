@@ -41,7 +41,7 @@ from parallel.sharding import load_full_state_dict, local_shard
 from parallel.tensor_parallel import unshard
 from parallel.topology import ParallelConfig, ParallelTopology
 
-from . import checkpointing as ckpt
+from training.checkpoint import format as ckpt
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ def param_table(chunks, opt=None) -> list[list]:
     if opt is not None:  # the optimizer numbers parameters the same way; make sure of it
         if [chunk_prefix(r[0], len(chunks)) + r[1] for r in rows] != list(opt.param_names):
             raise RuntimeError("the optimizer's parameter order differs from the chunks'; "
-                               "training/reshard.py must follow parallel/zero/optimizer.py")
+                               "training/checkpoint/reshard.py must follow parallel/zero/optimizer.py")
     return rows
 
 

@@ -11,8 +11,8 @@ import logging
 import os
 import time
 
-from .config import LoggingConfig
-from .journal import RunJournal
+from training.config.run_config import LoggingConfig
+from training.monitor.journal import RunJournal
 
 logger = logging.getLogger("megazoo.train")
 THROUGHPUT = ("tokens_per_s", "tflops_per_rank", "mfu")  # on the console with --log-throughput

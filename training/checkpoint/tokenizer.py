@@ -126,7 +126,7 @@ def checkpoint_tokenizer(checkpoint: str, tokenizer_type: str | None = None, *,
         return build_tokenizer(kind, vocab_file=vocab_file, merge_file=merge_file,
                                tokenizer_model=tokenizer_model)
     if kind in NULL_TYPES:  # its end-of-document id is the last of the model's vocabulary
-        from .checkpointing import read_meta
+        from training.checkpoint.format import read_meta
         return build_tokenizer(kind, vocab_size=read_meta(checkpoint)["model"]["vocab_size"] - 1)
     if not any(os.path.isfile(os.path.join(folder, f)) for f in TOKENIZER_FILES[:-1]):
         raise TokenizerError(f"{folder}: not found, the checkpoint carries no tokenizer; pass "

@@ -18,8 +18,7 @@ from data.blended import build_train_valid_test_datasets
 from data.samplers import PretrainingSampler
 from parallel.context_parallel import split_sequence
 
-from .config import DataConfig
-from .health import SkippingDataset, merge_ranges
+from training.config.run_config import DataConfig
 
 
 class MockGPTDataset:
@@ -116,3 +115,40 @@ class TrainData:
 
     def skip(self, ranges: list[tuple[int, int]]) -> None:
         self.view = SkippingDataset(self.base, self.view.skip + list(ranges))
+
+
+def merge_ranges(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Sorted, disjoint [start, end) ranges covering the same indices."""
+    out: list[list[int]] = []
+    for s, e in sorted(ranges):
+        if out and s <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], e)
+        else:
+            out.append([s, e])
+    return [(s, e) for s, e in out]
+
+
+class SkippingDataset:
+    """A dataset view without the samples in `skip` (sorted, disjoint [start, end) ranges).
+
+    Training counts logical samples (consumed_samples); logical index i maps to the i-th physical
+    sample not skipped, so a run that skipped a batch and a run that never had it agree.
+    """
+
+    def __init__(self, dataset, skip: list[tuple[int, int]]):
+        self.dataset, self.skip = dataset, merge_ranges(skip)
+        self.skipped = sum(e - s for s, e in self.skip)
+
+    def __len__(self) -> int:
+        return len(self.dataset) - self.skipped
+
+    def physical(self, i: int) -> int:
+        for s, e in self.skip:
+            if i >= s:
+                i += e - s
+            else:
+                break
+        return i
+
+    def __getitem__(self, i: int):
+        return self.dataset[self.physical(i)]

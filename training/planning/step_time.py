@@ -1,5 +1,5 @@
 """The planner's step-time model: compute, communication, pipeline bubble and optimizer of one
-iteration of a (model, cluster, layout), and the MFU it implies (training/planner.py ranks).
+iteration of a (model, cluster, layout), and the MFU it implies (training/planning/planner.py ranks).
 
 Each pipeline stage runs m = global/(dp*micro) microbatches; one microbatch costs compute
 (hardware FLOPs, i.e. including recompute, of its layers /tp, at `MATMUL_EFFICIENCY` x peak;
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from models.config import TransformerConfig
 
-from .planner_memory import Layout, activation_element_bytes, rank_params, state_bytes_per_param
+from training.planning.memory import Layout, activation_element_bytes, rank_params, state_bytes_per_param
 
 # The ONE calibration constant: the fraction of the GPU's dense peak that a transformer layer's
 # compute (its GEMMs and the fused elementwise kernels between them) sustains. Fitted once, as the

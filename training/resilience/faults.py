@@ -1,6 +1,6 @@
 """What the loop does about a bad step (the health policy's actions) and the fault drills.
 
-The verdicts come from `training/health.py`; here they are reported (log + journal), and under
+The verdicts come from `training/resilience/health.py`; here they are reported (log + journal), and under
 --health-policy rollback the run reloads its latest checkpoint and replays (samples that fail again
 are left out).
 """
@@ -10,10 +10,10 @@ import dataclasses
 import logging
 import time
 
-from .health import HealthConfig
-from .resume import TrainState, load
+from training.config.run_config import HealthConfig
+from training.checkpoint.resume import TrainState, load
 
-logger = logging.getLogger("training.loop")
+logger = logging.getLogger(__name__)
 
 
 def maybe_hang(cfg: HealthConfig, rank: int, iteration: int) -> None:
