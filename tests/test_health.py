@@ -98,7 +98,7 @@ def hang_detail(worker, run_dir) -> str:
     assert hangs and hangs[0]["rank"] == 0, hangs
     with open(os.path.join(run_dir, "hang_start")) as f:
         started = float(f.read())
-    assert 0 < hangs[0]["time"] - started < 40, (started, hangs[0]["time"])
+    assert hangs[0]["time"] - started < 40, (started, hangs[0]["time"])
     return hangs[0]["detail"]
 
 

@@ -73,18 +73,25 @@ class Trainer:
         self.opt = build_optimizer(self.chunks, topo, run.optimizer)
         self.lock = storage.SaveLock(run.checkpoint.save) \
             if run.checkpoint.save and topo.rank == 0 else None
-        self.state = load(run, topo, self.chunks, self.opt, self.rng) if run.checkpoint.load else TrainState()
         self.journal = journal = RunJournal(run.run_dir)
         self.watchdog = CollectiveWatchdog(
             run.health.collective_timeout, topo.rank, topo.world_size,
             on_timeout=lambda msg: journal.event("hang", rank=topo.rank, detail=msg))
         mcfg, seq, gbs = run.model, run.data.seq_length, self.sched.global_batch_size
         evals = self.sched.train_iters // max(run.logging.eval_interval, 1) + 1
-        with self.watchdog.collective("data index build (rank 0 builds, the others wait)",
-                                      patient=True):
-            train_ds, self.valid_ds, _ = build_datasets(
-                run.data, seed=run.seed, vocab_size=mcfg.vocab_size,
-                num_samples=(self.sched.train_iters * gbs, evals * run.logging.eval_iters * gbs, 0))
+        try:  # watched: a rank frozen while the others wait is named (patient: one may work long)
+            self.state = TrainState()
+            if run.checkpoint.load:
+                with self.watchdog.collective("checkpoint load (read, verify, agree)", patient=True):
+                    self.state = load(run, topo, self.chunks, self.opt, self.rng)
+            with self.watchdog.collective("data index build (rank 0 builds, the others wait)",
+                                          patient=True):
+                train_ds, self.valid_ds, _ = build_datasets(
+                    run.data, seed=run.seed, vocab_size=mcfg.vocab_size,
+                    num_samples=(self.sched.train_iters * gbs, evals * run.logging.eval_iters * gbs, 0))
+        except BaseException:
+            self.watchdog.close()  # no beats from a run that never started
+            raise
         self.data = TrainData(train_ds, journal.skipped_samples(), micro_batch_size=self.sched.micro_batch_size,
                               dp_rank=topo.dp_rank, dp=topo.dp, device=topo.device,
                               num_workers=run.data.num_workers, eod_mask_token=run.data.eod_mask_token,
