@@ -93,6 +93,21 @@ def test_hang_verdict_reads_the_store_in_four_requests_and_names_the_rank():
     assert isinstance(snapshot, str) and clock.t == 8.0
     assert store.ops["multi_get"] == 2 and store.ops["check"] == 2 and store.ops["get"] == 0
     assert beats == 3 * n - 2
+    later = None  # rank 1 reads no key up to the timeout (one rank in 64 judges first) ...
+    for t in (4.0, 6.0, 8.0):
+        clock.t = t
+        later = world[1].check(later)
+    assert later is None and store.ops["multi_get"] == 2
+    for t in (12.0, 16.0):  # ... and judges at twice the timeout if the job is still up
+        clock.t = t
+        for r, wd in enumerate(world):
+            if r != 17:
+                wd.beat()
+        later = world[1].check(later)
+    assert store.ops["multi_get"] == 4
+    assert later.startswith("collective all_reduce(loss) over world timed out after 16 s on rank 1: "
+                            "ranks that did not arrive: [4000]; frozen ranks (no heartbeat for 4 s): "
+                            "[17] "), later
     assert snapshot.startswith("collective all_reduce(loss) over world timed out after 8 s on rank 0: "
                                "ranks that did not arrive: [4000]; frozen ranks (no heartbeat for 4 s): "
                                "[17] (rank 17: iteration 0, all_reduce(loss) over world)"), snapshot
