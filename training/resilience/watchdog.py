@@ -97,8 +97,8 @@ def read_heartbeats(store, world: int) -> dict[int, Beat | None]:
     try:
         if store.check(keys):  # multi_get would block on a missing key
             return {r: Beat.decode(v) for r, v in enumerate(store.multi_get(keys))}
-    except Exception:  # noqa: BLE001 - a store without multi_get, or one going away: key by key
-        pass
+    except Exception as e:  # noqa: BLE001 - a store without multi_get, or one going away
+        logger.info("reading the watchdog's keys one by one (%s)", e)
     beats = {}
     for r, key in enumerate(keys):
         try:
