@@ -76,21 +76,23 @@ def test_samples_are_skipped_only_when_they_fail_twice(tmp_path, monkeypatch):
 def _frozen_worker(rank, run_dir):
     import signal
 
-    import training.run.step as step
-    real, calls = step.mean_over_world, []
+    import training.checkpoint.format as ckpt
+    from tests.test_health import record_hang_start
+    real = ckpt.write_rank_file
 
-    def freeze_inside(losses, topo):  # rank 1 arrives at iteration 3's loss all-reduce, then freezes
-        calls.append(1)
-        if rank == 1 and len(calls) == 3:
+    def freeze_while_saving(tmp, r, tensors):  # rank 1 freezes writing iteration 3's checkpoint
+        if r == 1 and tmp.endswith("iter_0000003.tmp"):
+            record_hang_start(run_dir)
             os.kill(os.getpid(), signal.SIGSTOP)
-        return real(losses, topo)
-    step.mean_over_world = freeze_inside
-    _pretrain(TINY + ["--train-iters", "5", "--collective-timeout", "3", "--tensorboard-dir", run_dir], 2)
+        return real(tmp, r, tensors)
+    ckpt.write_rank_file = freeze_while_saving
+    _pretrain(TINY + ["--train-iters", "5", "--collective-timeout", "3", "--save", run_dir,
+                      "--save-interval", "3"], 2)
 
 
-def test_a_sigstopped_rank_is_named_within_the_timeout(tmp_path):
+def test_a_rank_sigstopped_during_a_save_is_named_within_the_timeout(tmp_path):
     from tests.test_health import hang_detail
     detail = hang_detail(_frozen_worker, tmp_path)
-    assert "all_reduce(loss) over world timed out after 3 s on rank 0: ranks that did not arrive: " \
-           "none (all arrived); frozen ranks (no heartbeat for 1.5 s): [1] (rank 1: iteration 3, " \
-           "all_reduce(loss) over world)" in detail, detail
+    assert "collective checkpoint save (write, agree, commit) over world timed out after 3 s (a " \
+           "patient phase) on rank 0: ranks that did not arrive: none (every live rank arrived); " \
+           "frozen ranks (no heartbeat for 1.5 s): [1] (rank 1: iteration 3, " in detail, detail

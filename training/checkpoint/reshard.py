@@ -120,7 +120,7 @@ def _read_rank(folder, rank, coords, ep_pos, names, optimizer, pieces, states, c
                 pieces[canon][(pp_r, c, tp_r, ep_r if expert else 0)] = f.get_tensor(key)
         if not optimizer:
             return rows
-        if rank == 0:
+        if not scalars:  # the same on every rank: from the first file read
             scalars.update({k[len("optim."):]: f.get_tensor(k) for k in keys
                             if k in {f"optim.{s}" for s in SCALARS} or k.startswith("optim.scaler.")})
         for key in sorted(k for k in keys if k.endswith(".ranges") and _BUCKET.fullmatch(k)):
@@ -187,8 +187,44 @@ def _assemble(parts: dict, info: dict, what: str) -> dict[str, torch.Tensor]:
     return out
 
 
+_LAYER = re.compile(r"layers\.(\d+)\.")
+
+
+def stages_holding(meta: dict, names: set[str] | None) -> set[int] | None:
+    """The pipeline stages of a checkpoint whose files hold `names` (None: every stage), from its
+    recorded layout alone (no file opened). Parameter names carry global layer numbers
+    (models/language_model.py): `layers.<i>.` lives where layer i does, the embedding on the
+    first stage, everything else on the last (a tied embedding's head copy there is read when
+    that stage is read anyway, and merged with the first stage's)."""
+    layout = meta["layout"]
+    pp = layout.get("pp", 1)
+    if names is None or pp == 1:
+        return None
+    config = ParallelConfig(tp=layout["tp"], pp=pp, vpp=layout.get("vpp", 1),
+                            first_stage_layers=layout.get("first_stage_layers"),
+                            last_stage_layers=layout.get("last_stage_layers"))
+    if "num_layers" not in meta.get("model", {}):
+        return None
+    specs = [config.chunk_specs(meta["model"]["num_layers"], r) for r in range(pp)]
+    stages = set()
+    for name in names:
+        layer = _LAYER.match(name)
+        for r, chunks in enumerate(specs):
+            if any(layer and s.layer_range[0] <= int(layer[1]) < s.layer_range[1]
+                   or not layer and name.startswith("embedding.") and s.pre_process
+                   or not layer and not name.startswith("embedding.") and s.post_process
+                   for s in chunks):
+                stages.add(r)
+    return stages
+
+
 def read_full_state(folder: str, names: set[str] | None = None, optimizer: bool = True) -> FullState:
-    """Full tensors of a checkpoint folder of any layout (only `names`, when given)."""
+    """Full tensors of a checkpoint folder of any layout (only `names`, when given).
+
+    Only the files that hold `names` are opened: those of the pipeline stages holding them
+    (`stages_holding`), of every tensor-parallel rank there, and of the first data x context
+    rank (plus the first expert-parallel group's) unless ZeRO shards the optimizer states asked
+    for over every data x context rank."""
     meta = ckpt.read_meta(folder)
     tp, dp, cp, zero = _layout(meta, folder)
     world = meta.get("world_size", 1)
@@ -197,19 +233,30 @@ def read_full_state(folder: str, names: set[str] | None = None, optimizer: bool 
     pieces = defaultdict(dict)
     states = defaultdict(lambda: defaultdict(dict))
     covered, scalars, info = defaultdict(int), {}, {}
-    for rank in range(world):
-        coords = grid.coords(rank)
-        position = coords.dp * cp + coords.cp  # in the data x context group experts split
-        ep_pos = (position % ep, position // ep)
-        if ep_pos[1] > 0 and (zero == 0 or not optimizer):
-            continue  # copies of the first expert-parallel group's weights and ZeRO-0 states
-        rows = _read_rank(folder, rank, coords, ep_pos, names, optimizer, pieces, states, covered,
-                          scalars, zero)
-        for row in rows:
-            c, _, canon, shape, dim, full = row[:6]
-            layout = row[6] if len(row) > 6 else None
-            info.setdefault(canon, [{}, dim, full, tp, layout, ep if _is_expert(row) else 1]
-                            )[0][(coords.pp, c)] = shape
+
+    def read(stages: set[int] | None, done: set[int] = frozenset()) -> None:
+        for rank in range(world):
+            coords = grid.coords(rank)
+            position = coords.dp * cp + coords.cp  # in the data x context group experts split
+            ep_pos = (position % ep, position // ep)
+            if ep_pos[1] > 0 and (zero == 0 or not optimizer):
+                continue  # copies of the first expert-parallel group's weights and ZeRO-0 states
+            if stages is not None and coords.pp not in stages or coords.pp in done:
+                continue  # holds none of `names`, or read already
+            rows = _read_rank(folder, rank, coords, ep_pos, names, optimizer, pieces, states,
+                              covered, scalars, zero)
+            for row in rows:
+                c, _, canon, shape, dim, full = row[:6]
+                layout = row[6] if len(row) > 6 else None
+                info.setdefault(canon, [{}, dim, full, tp, layout, ep if _is_expert(row) else 1]
+                                )[0][(coords.pp, c)] = shape
+
+    stages = stages_holding(meta, names)
+    read(stages)
+    if stages is not None and not names <= set(info):  # not where the naming says: look everywhere
+        logger.info("%s: %s not on pipeline stages %s; reading the other stages", folder,
+                    sorted(names - set(info))[:3], sorted(stages))
+        read(None, done=stages)
     for (state, canon, key), n in covered.items():
         if n < math.prod(info[canon][0][key[:2]]):
             raise ckpt.CheckpointError(f"{folder}: optimizer state {state} of {canon} is incomplete "

@@ -29,8 +29,9 @@ def pretrain(model_provider, run: RunConfig) -> TrainResult:
                 if not trainer.step():  # rolled back to the last checkpoint
                     continue
                 trainer.log_if_due()
-                trainer.evaluate_if_due()
-                signum, why = stops.agreed(trainer.state.iteration, trainer.topo.device)
+                trainer.evaluate_if_due(stops)
+                with trainer.watchdog.collective("all_reduce(stop request)"):
+                    signum, why = stops.agreed(trainer.state.iteration, trainer.topo.device)
                 trainer.save_if_due(stopping=bool(why))
                 if why:
                     trainer.stop(signum, why)

@@ -105,13 +105,22 @@ def eval_step(chunks, microbatches: list[dict], topo: ParallelTopology, *, shape
     return mean_over_world(losses, topo)
 
 
-def evaluate(chunks, dataset, topo: ParallelTopology, run, shape, dtype) -> float:
-    """Validation loss over --eval-iters global batches (the same batches at every evaluation)."""
+def evaluate(chunks, dataset, topo: ParallelTopology, run, shape, dtype, *, watchdog=None,
+             interrupted=None) -> tuple[float, int]:
+    """Validation loss over --eval-iters global batches (the same batches at every evaluation),
+    and how many batches it took. `interrupted()` (collective, the same on every rank) is asked
+    after each batch: True ends the evaluation early (a stop request)."""
     mbs = run.schedule.micro_batch_size
     it = microbatches(dataset, consumed_samples=0, micro_batch_size=mbs, dp_rank=topo.dp_rank,
                       dp=topo.dp, device=topo.device, eod_mask_token=run.data.eod_mask_token,
                       cp=topo.cp, cp_rank=topo.cp_rank)
     per_step = run.schedule.global_batch_size // (mbs * topo.dp)
-    losses = [eval_step(chunks, [next(it) for _ in range(per_step)], topo, shape=shape, dtype=dtype)
-              for _ in range(run.logging.eval_iters)]
-    return sum(losses) / len(losses)
+    guard = watchdog.collective if watchdog is not None else _unmonitored
+    losses = []
+    for _ in range(run.logging.eval_iters):
+        with guard("evaluation batch (forward, all_reduce(loss))"):
+            losses.append(eval_step(chunks, [next(it) for _ in range(per_step)], topo, shape=shape,
+                                    dtype=dtype))
+            if interrupted is not None and interrupted():
+                break
+    return sum(losses) / len(losses), len(losses)

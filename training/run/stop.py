@@ -1,7 +1,7 @@
 """When a run stops early, and how the process ends.
 
-SIGTERM (a scheduler's notice) and SIGINT (Ctrl-C) do the same thing: the current step finishes,
-every rank agrees on the stop, a checkpoint is written when --save is set, and the process exits
+SIGTERM (a scheduler's notice) and SIGINT (Ctrl-C) do the same thing: the current step finishes
+(an evaluation stops after its current batch), every rank agrees on the stop, a checkpoint is written when --save is set, and the process exits
 with 128 + the signal number (143 for SIGTERM, 130 for SIGINT). Under torchrun, Ctrl-C reaches the
 workers twice (from the terminal and forwarded by torchrun): the handler only records the signal.
 
@@ -48,6 +48,14 @@ class StopRequests:
 
     def _handle(self, signum, _frame) -> None:
         self.signum = max(self.signum, signum)
+
+    def signalled(self, device) -> int:
+        """The stop signal any rank received (0: none), the same on every rank: one all-reduce
+        (asked between evaluation batches, so that a stop does not wait for the evaluation)."""
+        t = torch.tensor([float(self.signum)], dtype=torch.float64, device=device)
+        if dist.is_initialized():
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t[0].item())
 
     def agreed(self, iteration: int, device) -> tuple[int, str]:
         """(signal number or 0, reason or ""), the same on every rank: one all-reduce per step."""

@@ -73,16 +73,25 @@ class Trainer:
         self.opt = build_optimizer(self.chunks, topo, run.optimizer)
         self.lock = storage.SaveLock(run.checkpoint.save) \
             if run.checkpoint.save and topo.rank == 0 else None
-        self.state = load(run, topo, self.chunks, self.opt, self.rng) if run.checkpoint.load else TrainState()
         self.journal = journal = RunJournal(run.run_dir)
         self.watchdog = CollectiveWatchdog(
             run.health.collective_timeout, topo.rank, topo.world_size,
             on_timeout=lambda msg: journal.event("hang", rank=topo.rank, detail=msg))
         mcfg, seq, gbs = run.model, run.data.seq_length, self.sched.global_batch_size
         evals = self.sched.train_iters // max(run.logging.eval_interval, 1) + 1
-        train_ds, self.valid_ds, _ = build_datasets(
-            run.data, seed=run.seed, vocab_size=mcfg.vocab_size,
-            num_samples=(self.sched.train_iters * gbs, evals * run.logging.eval_iters * gbs, 0))
+        try:  # watched: a rank frozen while the others wait is named (patient: one may work long)
+            self.state = TrainState()
+            if run.checkpoint.load:
+                with self.watchdog.collective("checkpoint load (read, verify, agree)", patient=True):
+                    self.state = load(run, topo, self.chunks, self.opt, self.rng)
+            with self.watchdog.collective("data index build (rank 0 builds, the others wait)",
+                                          patient=True):
+                train_ds, self.valid_ds, _ = build_datasets(
+                    run.data, seed=run.seed, vocab_size=mcfg.vocab_size,
+                    num_samples=(self.sched.train_iters * gbs, evals * run.logging.eval_iters * gbs, 0))
+        except BaseException:
+            self.watchdog.close()  # no beats from a run that never started
+            raise
         self.data = TrainData(train_ds, journal.skipped_samples(), micro_batch_size=self.sched.micro_batch_size,
                               dp_rank=topo.dp_rank, dp=topo.dp, device=topo.device,
                               num_workers=run.data.num_workers, eod_mask_token=run.data.eod_mask_token,
@@ -141,8 +150,9 @@ class Trainer:
             report_unhealthy(self.journal, topo, it, verdict, samples, health.policy)
             if health.policy == "rollback":
                 skip = self.guard.roll_back(it, samples)
-                self.state = self.result.state = roll_back(run, topo, self.chunks, opt, self.rng, self.data,
-                                                           self.journal, it, samples, skip)
+                with self.watchdog.collective("rollback (checkpoint load)", patient=True):
+                    self.state = self.result.state = roll_back(run, topo, self.chunks, opt, self.rng,
+                                                               self.data, self.journal, it, samples, skip)
                 return False
         else:
             self.monitor.record_healthy(loss)
@@ -163,20 +173,31 @@ class Trainer:
 
     def log_window(self) -> None:
         it = self.state.iteration
-        moe_summary, moe_layers = moe_metrics(self.chunks, self.run.model.num_layers, self.topo.device)
-        self.log.log({**self.window.metrics(self.opt, self.last_step, self.state, self.batch),
-                      **moe_summary}, it)
-        if moe_layers:
-            self.log.log(moe_layers, it, "moe")
-        self.window.check_stragglers(self.run.health.straggler_threshold, self.journal, it)
+        with self.watchdog.collective("log window (metrics all-reduce, straggler all-gather)"):
+            moe_summary, moe_layers = moe_metrics(self.chunks, self.run.model.num_layers,
+                                                  self.topo.device)
+            self.log.log({**self.window.metrics(self.opt, self.last_step, self.state, self.batch),
+                          **moe_summary}, it)
+            if moe_layers:
+                self.log.log(moe_layers, it, "moe")
+            self.window.check_stragglers(self.run.health.straggler_threshold, self.journal, it)
         self.window.reset()
 
-    def evaluate_if_due(self) -> None:
+    def evaluate_if_due(self, stops=None) -> None:
+        """Every --eval-interval iterations; a stop request (`stops`: the run's StopRequests)
+        ends the evaluation after its current batch, and nothing of it is logged."""
         interval, it = self.run.logging.eval_interval, self.state.iteration
         if self.valid_ds is None or not interval or it % interval:
             return
-        vloss = evaluate(self.chunks, self.valid_ds, self.topo, self.run, self.shape,
-                         self.opt.cfg.model_dtype)
+        interrupted = (lambda: stops.signalled(self.topo.device) != 0) if stops is not None else None
+        vloss, batches = evaluate(self.chunks, self.valid_ds, self.topo, self.run, self.shape,
+                                  self.opt.cfg.model_dtype, watchdog=self.watchdog,
+                                  interrupted=interrupted)
+        if batches < self.run.logging.eval_iters:
+            if self.topo.rank == 0:
+                logger.warning("evaluation at iteration %d stopped after %d of %d batches: a stop "
+                               "was requested", it, batches, self.run.logging.eval_iters)
+            return
         self.result.valid_losses.append((it, vloss))
         self.log.log(dict(loss=vloss, ppl=math.exp(min(vloss, 50))), it, "valid")
 
@@ -184,7 +205,13 @@ class Trainer:
         """Every --save-interval iterations, and when the run stops early."""
         interval = self.run.checkpoint.save_interval
         if self.run.checkpoint.save and (stopping or (interval and self.state.iteration % interval == 0)):
-            self.result.checkpoint = save(self.run, self.topo, self.chunks, self.opt, self.rng, self.state)
+            self.result.checkpoint = self._save()
+
+    def _save(self) -> str:
+        """A checkpoint, watched: a rank frozen while the others wait is named (the writing
+        ranks are alive, so a slow write is waited for: a patient phase)."""
+        with self.watchdog.collective("checkpoint save (write, agree, commit)", patient=True):
+            return save(self.run, self.topo, self.chunks, self.opt, self.rng, self.state)
 
     def stop(self, signum: int, why: str) -> None:
         """Stopping early: the steps since the last log line are logged, then the reason."""
@@ -196,11 +223,15 @@ class Trainer:
                            ", checkpoint written" if self.run.checkpoint.save else "")
 
     def finish(self) -> None:
-        """The final state saved (unless just saved), and the run report."""
+        """The final state saved (unless just saved), and the run report (not after a stop
+        signal: the scheduler's grace period is for the checkpoint, and drawing takes seconds)."""
         save_dir = self.run.checkpoint.save
         if save_dir and self.result.checkpoint != ckpt.iteration_dir(save_dir, self.state.iteration):
-            self.result.checkpoint = save(self.run, self.topo, self.chunks, self.opt, self.rng, self.state)
-        if self.topo.rank == 0 and self.run.run_dir:
+            self.result.checkpoint = self._save()
+        if self.topo.rank == 0 and self.run.run_dir and self.result.stop_signal:
+            logger.info("run report not drawn: stopping on a signal; draw it with "
+                        "tools/report.py %s", self.run.run_dir)
+        elif self.topo.rank == 0 and self.run.run_dir:
             try:
                 logger.info("run report: %s", write_report(self.run.run_dir))
             except FileNotFoundError as e:  # no iteration logged in this folder yet
