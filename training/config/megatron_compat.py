@@ -179,6 +179,9 @@ def translate(args: argparse.Namespace, given: set[str], flag_of) -> list[str]:
     for flag, (_, why) in ACCEPTED.items():
         if why and _dest(flag) in given:
             logger.info("%s: %s", flag, why)
+    if args.optimizer == "adam":  # before the DeepSpeed file, whose Adam is AdamW too
+        args.optimizer = "adamw"
+        logger.info("--optimizer adam: AdamW (Megatron's adam decouples the weight decay, as AdamW)")
     refused += _deepspeed(args, given, flag_of)
     refused += _data(args, given)
     refused += _model_and_training(args, given)
@@ -251,9 +254,6 @@ def _data(args, given) -> list[str]:
 
 def _model_and_training(args, given) -> list[str]:
     refused = []
-    if args.optimizer == "adam":
-        args.optimizer = "adamw"
-        logger.info("--optimizer adam: AdamW (Megatron's adam decouples the weight decay, as AdamW)")
     if args.checkpoint_activations:
         if args.recompute_granularity not in (None, "full"):
             refused.append(f"--checkpoint-activations (full recompute) contradicts --recompute-granularity "
