@@ -251,3 +251,38 @@ def test_deepspeed_config_values_land_and_contradictions_are_refused_together(tm
                                             "gradient_accumulation_steps 3 x micro batch 2 x dp 2 = 12"):
         to_run_config(args, vocab_size=250680, world_size=4 * 12 * 2)
 
+
+
+def _llama_run_worker(rank, root):
+    from train_llama import model_provider
+    from training.run.loop import pretrain
+    shrink = {"--vocab-size": "512", "--global-batch-size": "4", "--train-samples": "8", "--lr-warmup-samples": "6",
+              "--lr-decay-samples": "10", "--data-cache-path": f"{root}/cache"}
+    refused = {"--decoupled-lr", "--decoupled-min-lr", "--fp8-format", "--fp8-amax-history-len",
+               "--fp8-amax-compute-algo", "--fp8-param-gather"}
+    # no run folder: its report.png and TensorBoard's import take seconds, and they are not what is tested
+    argv = _drop(llama3_8b_fp8(), refused | {"--tensorboard-dir", "--save", "--load"})
+    argv = [shrink.get(argv[i - 1], t) if i else t for i, t in enumerate(argv)]
+    megatron = pretrain(model_provider, to_run_config(build_parser("smollm2-135m").parse_args(argv),
+                                                      vocab_size=513, world_size=1))
+    # The same run in megazoo's own flags: what the accepted flags stand for, spelled out.
+    accepted = {"--use-mcore-models", "--attention-backend", "--apply-layernorm-1p", "--rotary-percent",
+                "--cross-entropy-loss-fusion", "--calculate-per-token-loss", "--manual-gc",
+                "--empty-unused-memory-level", "--tiktoken-pattern", "--no-create-attention-mask-in-dataloader",
+                "--no-mmap-bin-files", "--profile", "--profile-step-start", "--profile-step-end", "--ckpt-format",
+                "--overlap-grad-reduce", "--overlap-param-gather", "--sequence-parallel",
+                "--use-distributed-optimizer", "--distributed-timeout-minutes", "--lr-decay-samples",
+                "--lr-warmup-samples", "--train-samples"}
+    plain = _drop(argv, accepted) + ["--zero-stage", "1", "--collective-timeout", "3600", "--train-iters", "2",
+                                     "--lr-decay-iters", "3", "--lr-warmup-iters", "2"]  # samples / 4, up
+    own = pretrain(model_provider, to_run_config(build_parser("smollm2-135m").parse_args(plain),
+                                                 vocab_size=513, world_size=1))
+    return megatron.losses, own.losses, megatron.state.iteration
+
+
+def test_llama3_8b_flag_set_trains_as_its_megazoo_spelling(tmp_path):
+    """Two iterations of the Llama-3 script's flag set (model, batch and sample counts shrunk; the
+    refused FP8 and decoupled-LR flags dropped), against the same run in megazoo's own flags."""
+    megatron, own, iterations = run_distributed(_llama_run_worker, 1, str(tmp_path), timeout=300)[0]
+    assert iterations == 2 and len(megatron) == 2 and all(math.isfinite(x) for x in megatron)
+    assert megatron == own
