@@ -113,6 +113,45 @@ def bloom_176b(tmp_path, ds=None, micro="2", zero="0"):
             + deepspeed)
 
 
+def deepseek_v3():
+    """examples/megatron_fsdp/sbatch_mfsdp_deepseek_v3.sh with its defaults (Megatron-FSDP and wandb on,
+    profiling off)."""
+    return ("--distributed-timeout-minutes 60 --tensor-model-parallel-size 1 --expert-model-parallel-size 8 "
+            "--expert-tensor-parallel-size 1 --context-parallel-size 1 --use-distributed-optimizer "
+            "--overlap-grad-reduce --overlap-param-gather --use-mcore-models --sequence-parallel --use-flash-attn "
+            "--disable-bias-linear --micro-batch-size 4 --global-batch-size 2048 --train-samples 585937500 "
+            "--exit-duration-in-mins 220 --no-check-for-nan-in-loss-and-grad --manual-gc --manual-gc-interval 10 "
+            "--recompute-granularity selective --recompute-modules mlp moe mla_up_proj layernorm "
+            "--transformer-impl transformer_engine --seq-length 64 --data-cache-path cache "
+            "--tokenizer-type HuggingFaceTokenizer --tokenizer-model deepseek-ai/DeepSeek-V3 --data-path corpus "
+            "--split 99,1,0 --no-mmap-bin-files --no-create-attention-mask-in-dataloader --num-workers 6 "
+            "--num-layers 4 --hidden-size 64 --ffn-hidden-size 160 --num-attention-heads 4 --kv-channels 32 "
+            "--max-position-embeddings 64 --position-embedding-type rope --rotary-base 10000 "
+            "--make-vocab-size-divisible-by 3232 --normalization RMSNorm --norm-epsilon 1e-6 --swiglu "
+            "--untie-embeddings-and-output-weights --multi-latent-attention --attention-dropout 0.0 "
+            "--hidden-dropout 0.0 --clip-grad 1.0 --weight-decay 0.1 --qk-layernorm --lr-decay-samples 584765624 "
+            "--lr-warmup-samples 1536000 --lr-warmup-init 3.9e-7 --lr 3.9e-6 --min-lr 3.9e-7 --lr-decay-style cosine "
+            "--adam-beta1 0.9 --adam-beta2 0.95 --num-experts 8 --moe-layer-freq [0]*1+[1]*3 "
+            "--moe-ffn-hidden-size 32 --moe-shared-expert-intermediate-size 32 "
+            "--moe-router-load-balancing-type seq_aux_loss --moe-router-topk 2 --moe-token-dispatcher-type flex "
+            "--moe-flex-dispatcher-backend hybridep --moe-router-pre-softmax --moe-grouped-gemm "
+            "--moe-aux-loss-coeff 1e-4 --moe-router-group-topk 4 --moe-router-num-groups 8 "
+            "--moe-router-topk-scaling-factor 2.5 --moe-router-score-function sigmoid "
+            "--moe-router-enable-expert-bias --moe-router-bias-update-rate 1e-3 --moe-router-dtype fp32 "
+            "--moe-permute-fusion --moe-router-force-load-balancing --q-lora-rank 1536 --kv-lora-rank 512 "
+            "--qk-head-dim 128 --qk-pos-emb-head-dim 64 --v-head-dim 128 --rotary-scaling-factor 40 --mscale 1.0 "
+            "--mscale-all-dim 1.0 --mtp-num-layers 1 --mtp-loss-scaling-factor 0.1 --eval-iters 32 "
+            "--eval-interval 100 --auto-detect-ckpt-format --load ckpt --save ckpt --save-interval 100 "
+            "--dist-ckpt-strictness log_all --init-method-std 0.02 --log-timers-to-tensorboard "
+            "--log-memory-to-tensorboard --log-num-zeros-in-grad --log-params-norm "
+            "--log-validation-ppl-to-tensorboard --log-throughput --log-interval 1 --logging-level 40 "
+            "--tensorboard-dir tb --bf16 --enable-experimental --use-megatron-fsdp "
+            "--data-parallel-sharding-strategy optim_grads_params --no-gradient-accumulation-fusion "
+            "--use-distributed-optimizer --calculate-per-token-loss --init-model-with-meta-device "
+            "--ckpt-format fsdp_dtensor --fsdp-double-buffer --use-nccl-ub --megatron-fsdp-grad-comm-dtype bf16 "
+            "--megatron-fsdp-main-grads-dtype bf16 --wandb-project proj --wandb-exp-name DeepSeek-V3").split()
+
+
 def _refusals(argv, default_model=None):
     with pytest.raises(ArgumentError) as e:
         build_parser(default_model).parse_args(argv)
@@ -286,3 +325,30 @@ def test_llama3_8b_flag_set_trains_as_its_megazoo_spelling(tmp_path):
     megatron, own, iterations = run_distributed(_llama_run_worker, 1, str(tmp_path), timeout=300)[0]
     assert iterations == 2 and len(megatron) == 2 and all(math.isfinite(x) for x in megatron)
     assert megatron == own
+
+
+DEEPSEEK_REFUSED = [  # multi-latent attention, DeepSeek's routing, multi-token prediction, the rest
+    "--multi-latent-attention", "--q-lora-rank", "--kv-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim",
+    "--v-head-dim", "--rotary-scaling-factor", "--mscale", "--mscale-all-dim", "--moe-router-group-topk",
+    "--moe-router-num-groups", "--moe-router-topk-scaling-factor", "--moe-router-enable-expert-bias",
+    "--moe-router-bias-update-rate", "--moe-router-force-load-balancing", "--mtp-num-layers",
+    "--mtp-loss-scaling-factor", "--moe-router-load-balancing-type", "--moe-layer-freq",
+    "--moe-router-score-function", "--lr-warmup-init", "--recompute-modules"]
+
+
+def test_deepseek_v3_stops_naming_every_unsupported_flag_and_takes_the_rest():
+    assert sorted(_refusals(deepseek_v3(), "moe-tiny")) == sorted(DEEPSEEK_REFUSED)
+    args = build_parser("moe-tiny").parse_args(_drop(deepseek_v3(), set(DEEPSEEK_REFUSED)))
+    run = to_run_config(args, vocab_size=1000, world_size=8)
+    o, m = run.optimizer, run.model
+    assert (o.zero_stage, o.grad_dtype, run.parallel.ep, m.num_experts, m.moe_router_pre_softmax) == \
+        (3, "model", 8, 8, True)
+    assert m.padded_vocab_size(1) == 3232 and run.health.collective_timeout == 3600.0
+    # --moe-layer-freq as Megatron's list, where it has megazoo's shape
+    args = build_parser("moe-tiny").parse_args(_drop(deepseek_v3(), set(DEEPSEEK_REFUSED))
+                                               + ["--moe-layer-freq", "[1,0]*2"])
+    assert to_run_config(args, vocab_size=1000, world_size=8).model.moe_layer_freq == 2
+    with pytest.raises(ArgumentError, match="--moe-layer-freq lists 6 layers, the model has 4"):
+        to_run_config(build_parser("moe-tiny").parse_args(_drop(deepseek_v3(), set(DEEPSEEK_REFUSED))
+                                                          + ["--moe-layer-freq", "[1,0]*3"]),
+                      vocab_size=1000, world_size=8)

@@ -18,7 +18,7 @@ from parallel.zero.config import LossScaleConfig, OptimizerConfig
 
 from training.config.errors import ArgumentError
 from training.config.flag_help import HelpFormatter, apply_help
-from training.config.megatron_compat import (add_megatron_compat_flags, check_padded_vocab, resolve_megatron_compat,
+from training.config.megatron_compat import (add_megatron_compat_flags, check_model, resolve_megatron_compat,
                                              samples_to_iterations, stage_layers, translate, vocab_multiple)
 from training.config.run_config import (CheckpointConfig, DataConfig, HealthConfig, LoggingConfig, RunConfig,
                                         ScheduleConfig)
@@ -85,7 +85,6 @@ def build_parser(default_model: str | None = None) -> argparse.ArgumentParser:
     g.add_argument("--moe-expert-capacity-factor", type=float,
                    help="drop assignments over factor x tokens x topk / experts per expert (default dropless)")
     g.add_argument("--moe-shared-expert-intermediate-size", type=int, help="a shared expert's width")
-    g.add_argument("--moe-layer-freq", type=int, help="every N-th layer is MoE (layer i when i %% N == 0)")
     g.add_argument("--expert-model-parallel-size", type=int, default=1,
                    help="ranks (carved out of data parallelism) splitting each layer's experts")
     g = p.add_argument_group("parallelism")
@@ -268,10 +267,7 @@ def to_run_config(args: argparse.Namespace, vocab_size: int | None = None,
         if missing:
             _fail(f"--{missing[0].replace('_', '-')} is required without --model (or give a preset)")
         model = TransformerConfig(**overrides)
-    check_padded_vocab(args, model.vocab_size)
-    if args.no_position_embedding and model.position_embedding == "learned":
-        _fail("--no-position-embedding leaves no positions: megazoo needs --position-embedding-type "
-              "rope or alibi with it")
+    check_model(args, model)
     seq = args.seq_length or model.max_position_embeddings
     if model.position_embedding == "learned" and seq > model.max_position_embeddings:
         _fail(f"--seq-length {seq} exceeds --max-position-embeddings {model.max_position_embeddings}")

@@ -19,113 +19,10 @@ from dataclasses import dataclass
 
 from training.config.deepspeed_config import DeepSpeedConfigError, contradictions, read_deepspeed_config
 from training.config.errors import ArgumentError
+from training.config.megatron_table import ACCEPTED, MAPPED, REFUSED
 from training.config.weighted_split_paths import WeightedSplitError, to_data_path_and_split
 
 logger = logging.getLogger("megazoo.train")
-
-FLAG, VALUE = {"action": "store_true"}, {}
-SDPA = "attention is torch's scaled_dot_product_attention, which picks the flash, memory-efficient " \
-       "or math kernel by device, dtype and shape"
-PROFILE = "megazoo does not start the CUDA profiler at given steps; profile the run under nsys or " \
-          "torch.profiler"
-
-# Accepted: what megazoo does instead, logged once when the flag is given.
-ACCEPTED = {
-    "--use-distributed-optimizer": (FLAG, None),  # ZeRO-1 unless --zero-stage: resolve_megatron_compat
-    "--overlap-grad-reduce": (FLAG, "megazoo always overlaps the data-parallel gradient reduction with "
-                                    "backward (bucketed, parallel/zero/grad_sync.py)"),
-    "--overlap-param-gather": (FLAG, "megazoo all-gathers ZeRO-1/2 parameters after the step and "
-                                     "prefetches the next layer under ZeRO-3; no other overlap"),
-    "--use-flash-attn": (FLAG, SDPA),
-    "--attention-backend": (VALUE, SDPA),
-    "--no-masked-softmax-fusion": (FLAG, SDPA + "; there is no masked-softmax kernel to turn off"),
-    "--use-mcore-models": (FLAG, "megazoo has one model implementation, in Megatron-core's layout"),
-    "--transformer-impl": (VALUE, "megazoo's layers are plain torch (no Transformer Engine); same math"),
-    "--cross-entropy-loss-fusion": (FLAG, "megazoo computes the vocab-parallel cross entropy its own "
-                                          "way (parallel/fused_cross_entropy.py); same loss"),
-    "--moe-grouped-gemm": (FLAG, "megazoo runs each rank's local experts as one grouped matmul always"),
-    "--manual-gc": (FLAG, "Python's garbage collector stays automatic: pauses, not results"),
-    "--manual-gc-interval": (VALUE, "Python's garbage collector stays automatic: pauses, not results"),
-    "--empty-unused-memory-level": (VALUE, "megazoo does not empty the allocator cache between steps: "
-                                           "fragmentation, not results"),
-    "--no-create-attention-mask-in-dataloader": (FLAG, "megazoo never builds attention-mask tensors: "
-                                                       "causal masking is implied"),
-    "--no-mmap-bin-files": (FLAG, "megazoo memory-maps .bin files always; the tokens are the same"),
-    "--tiktoken-pattern": (VALUE, "applies to TikTokenizer, which megazoo does not build"),
-    "--profile": (FLAG, PROFILE),
-    "--profile-step-start": (VALUE, PROFILE),
-    "--profile-step-end": (VALUE, PROFILE),
-    "--profile-ranks": ({"nargs": "+"}, PROFILE),
-    "--use-pytorch-profiler": (FLAG, PROFILE),
-    "--deepspeed": (FLAG, "megazoo's own ZeRO and mixed precision take the DeepSpeed engine's place; "
-                          "--deepspeed_config is read for its settings"),
-    "--deepspeed-activation-checkpointing": (FLAG, "megazoo recomputes with its own checkpointing "
-                                                   "(--checkpoint-activations / --recompute-granularity)"),
-    "--sync-tp-duplicated-parameters": (FLAG, "megazoo's tensor-parallel replicas of norms and biases "
-                                              "get the same gradients and updates; nothing to resync"),
-    "--abort-on-unmet-fused-kernel-constraints": (FLAG, "megazoo has no Megatron fused softmax "
-                                                        "kernels; its kernel fallbacks are logged once"),
-    "--kill-switch-path": (VALUE, "megazoo does not poll a kill-switch file; SIGTERM (scancel) stops it "
-                                  "after saving a checkpoint (with --save)"),
-    "--tensorboard-queue-size": (VALUE, "megazoo's TensorBoard writer keeps its default queue"),
-    "--log-timers-to-tensorboard": (FLAG, "megazoo writes ms_per_iter and throughput to TensorBoard "
-                                          "always; there are no per-phase timers"),
-    "--log-batch-size-to-tensorboard": (FLAG, "always on (train/batch)"),
-    "--log-validation-ppl-to-tensorboard": (FLAG, "always on (valid/ppl)"),
-    "--log-memory-to-tensorboard": (FLAG, "always on (train/mem_gib, the peak over ranks)"),
-    "--distributed-backend": ({"choices": ["nccl", "gloo"]},
-                              "megazoo uses nccl when CUDA is present and gloo otherwise"),
-}
-FP8 = "FP8 needs Transformer Engine on an FP8 GPU (Hopper or newer), which megazoo does not use; " \
-      "drop the --fp8-* flags (--bf16 trains in bfloat16)"
-# Refused: why, and what to give instead.
-REFUSED = {
-    "--fp8-format": (VALUE, FP8),
-    "--fp8-amax-history-len": (VALUE, FP8),
-    "--fp8-amax-compute-algo": (VALUE, FP8),
-    "--fp8-param-gather": (FLAG, FP8),
-    "--fp8-recipe": (VALUE, FP8),
-    "--decoupled-lr": (VALUE, "a separate learning rate for the embedding and output layer is not "
-                              "implemented; drop it (they then follow --lr)"),
-    "--decoupled-min-lr": (VALUE, "a separate learning rate for the embedding and output layer is not "
-                                  "implemented; drop it (they then follow --min-lr)"),
-    "--step-batch-size-schedule": (VALUE, "piecewise batch sizes are not implemented (and Megatron-LM "
-                                          "refuses them beside --global-batch-size); drop it, or ramp "
-                                          "linearly with --rampup-batch-size START INCREMENT SAMPLES"),
-}
-# Mapped onto megazoo's settings (translate / to_run_config): flag -> (argparse kwargs, help).
-MAPPED = {
-    "--lr-decay-samples": ({"type": int}, "decay over this many samples: --lr-decay-iters = "
-                                          "samples / --global-batch-size (rounded up)"),
-    "--checkpoint-activations": (FLAG, "Megatron-DeepSpeed's name of --recompute-granularity full"),
-    "--checkpoint-num-layers": ({"type": int}, "with --checkpoint-activations: --recompute-num-layers"),
-    "--embed-layernorm": (FLAG, "LayerNorm after the word embedding (BLOOM)"),
-    "--pad-vocab-size-to": ({"type": int}, "pad the vocabulary to exactly N rows (N divisible by tp)"),
-    "--tokenizer-name-or-path": (VALUE, "with --tokenizer-type PretrainedFromHF: a local Hugging Face "
-                                        "tokenizer folder (--tokenizer-model)"),
-    "--train-weighted-split-paths-path": (VALUE, "Megatron-DeepSpeed's blend file: --data-path and --split"),
-    "--valid-weighted-split-paths-path": (VALUE, "Megatron-DeepSpeed's blend file: --data-path and --split"),
-    "--test-weighted-split-paths-path": (VALUE, "Megatron-DeepSpeed's blend file: --data-path and --split"),
-    "--pp-partition-method": (VALUE, "DeepSpeed's pipeline partition: 'type:transformer|embedding' "
-                                     "counts the embeddings as layers (uneven first/last stages)"),
-    "--data-impl": (VALUE, "mmap or infer: the .bin/.idx format megazoo reads"),
-    "--valid-num-workers": ({"type": int}, "0: validation reads in the step, as megazoo does"),
-    "--deepspeed_config": (VALUE, "a DeepSpeed JSON: ZeRO stage, offload, precision, batch sizes, "
-                                  "clipping, optimizer (contradicting flags are refused)"),
-    "--distributed-timeout-minutes": ({"type": float}, "the collective watchdog's timeout "
-                                                       "(--collective-timeout in seconds)"),
-    "--grad-reduce-in-bf16": (FLAG, "with --bf16: accumulate and reduce gradients in bf16"),
-    "--calculate-per-token-loss": (FLAG, "the loss is the mean over the global batch's tokens"),
-    "--apply-layernorm-1p": (FLAG, "zero-centred norm weights: the same function and updates"),
-    "--rotary-percent": ({"type": float}, "1.0 only: RoPE over the whole head"),
-    "--no-position-embedding": (FLAG, "no learned position table (with --position-embedding-type "
-                                      "rope or alibi)"),
-    "--moe-router-load-balancing-type": (VALUE, "aux_loss (Switch/GShard) or none"),
-    "--moe-token-dispatcher-type": (VALUE, "megazoo dispatches with all-to-all"),
-    "--ckpt-format": (VALUE, "torch or torch_dist: megazoo saves its own format"),
-    "--loss-scale": ({"type": float}, "fp16: a static loss scale instead of the dynamic one"),
-    "--ddp-bucket-size": ({"type": int}, "elements per gradient-reduction bucket"),
-}
 
 
 @dataclass(frozen=True)
@@ -306,13 +203,86 @@ def _model_and_training(args, given) -> list[str]:
     elif dispatcher not in (None, "alltoall"):
         refused.append(f"--moe-token-dispatcher-type {dispatcher}: not a Megatron dispatcher; megazoo's "
                        f"is alltoall")
-    if args.ckpt_format in ("torch", "torch_dist"):
+    if args.ckpt_format is not None:
         logger.info("--ckpt-format %s: megazoo saves its own format (safetensors, any layout loads "
-                    "into any other); tools/convert_checkpoint.py converts to and from Megatron's",
-                    args.ckpt_format)
-    elif args.ckpt_format is not None:
-        refused.append(f"--ckpt-format {args.ckpt_format}: megazoo saves its own format; give torch or "
-                       f"torch_dist (and convert with tools/convert_checkpoint.py)")
+                    "into any other); tools/convert_checkpoint.py converts to and from Megatron's "
+                    "torch and torch_dist", args.ckpt_format)
+    return refused + _moe(args) + _sharding(args, given)
+
+
+def _moe(args) -> list[str]:
+    refused = []
+    if args.moe_layer_freq is not None:
+        try:
+            args.moe_layer_freq, args.moe_layer_pattern_length = moe_layer_freq(args.moe_layer_freq)
+        except ValueError as e:
+            refused.append(f"--moe-layer-freq {args.moe_layer_freq}: {e}")
+            args.moe_layer_freq = None
+    if args.moe_router_score_function not in (None, "softmax"):
+        refused.append(f"--moe-router-score-function {args.moe_router_score_function}: megazoo's router "
+                       f"scores with softmax only")
+    if args.moe_router_dtype not in (None, "fp32"):
+        logger.info("--moe-router-dtype %s: megazoo's router computes in fp32", args.moe_router_dtype)
+    if args.expert_tensor_parallel_size not in (None, 1):
+        refused.append(f"--expert-tensor-parallel-size {args.expert_tensor_parallel_size}: megazoo's "
+                       f"experts are whole on each tensor-parallel rank (1); split them with "
+                       f"--expert-model-parallel-size")
+    if args.lr_warmup_init:
+        refused.append(f"--lr-warmup-init {args.lr_warmup_init}: megazoo's warmup starts from 0; drop it")
+    if args.recompute_modules is not None and args.recompute_modules != ["core_attn"]:
+        refused.append(f"--recompute-modules {' '.join(args.recompute_modules)}: megazoo's selective "
+                       f"recompute is the attention core (core_attn) only; --recompute-granularity full "
+                       f"recomputes whole layers")
+    return refused
+
+
+def moe_layer_freq(text: str) -> tuple[int, int | None]:
+    """Megatron's --moe-layer-freq: N, or a per-layer list such as "[1,0]*4" or "[0]*3+[1]*58"
+    (1: MoE), read without eval; a list must be megazoo's shape, MoE at every N-th layer from 0.
+    Returns N and the list's length (None for N)."""
+    if text.strip().isdigit():
+        return int(text), None
+    pattern = []
+    for term in text.replace(" ", "").split("+"):
+        items, _, times = term.partition("*")
+        if not (items.startswith("[") and items.endswith("]")) or (times and not times.isdigit()):
+            raise ValueError("give N or a list like [1,0]*4")
+        values = [int(v) for v in items[1:-1].split(",") if v]
+        pattern += values * (int(times) if times else 1)
+    for n in range(1, len(pattern) + 1):
+        if pattern == [int(i % n == 0) for i in range(len(pattern))]:
+            return n, len(pattern)
+    raise ValueError("megazoo puts experts in every N-th layer from layer 0 (--moe-layer-freq N); "
+                     "other per-layer patterns (dense first layers) are not implemented")
+
+
+_FSDP_STAGES = {"no_shard": 0, "optim": 1, "optim_grads": 2, "optim_grads_params": 3}
+
+
+def _sharding(args, given) -> list[str]:
+    refused = []
+    strategy = args.data_parallel_sharding_strategy
+    if args.use_megatron_fsdp:
+        stage = _FSDP_STAGES.get(strategy or "optim_grads_params")
+        if stage is None:
+            refused.append(f"--data-parallel-sharding-strategy {strategy}: give one of {', '.join(_FSDP_STAGES)}")
+        elif "zero_stage" in given and args.zero_stage != stage:
+            refused.append(f"--zero-stage {args.zero_stage} contradicts --use-megatron-fsdp "
+                           f"--data-parallel-sharding-strategy {strategy} (ZeRO-{stage}); give one")
+        else:
+            args.zero_stage = stage
+            logger.info("--use-megatron-fsdp: megazoo's ZeRO-%d (--zero-stage %d)", stage, stage)
+    elif strategy is not None:
+        refused.append("--data-parallel-sharding-strategy needs --use-megatron-fsdp (or give --zero-stage)")
+    dtypes = {args.megatron_fsdp_grad_comm_dtype, args.megatron_fsdp_main_grads_dtype} - {None}
+    if dtypes == {"bf16"}:
+        args.grad_reduce_in_bf16 = True
+        logger.info("--megatron-fsdp-grad-comm-dtype/--megatron-fsdp-main-grads-dtype bf16: "
+                    "--grad-reduce-in-bf16")
+    elif dtypes - {"fp32"}:
+        refused.append(f"--megatron-fsdp-grad-comm-dtype/--megatron-fsdp-main-grads-dtype "
+                       f"{'/'.join(sorted(dtypes))}: megazoo accumulates and reduces gradients in one "
+                       f"dtype, fp32 or (with --bf16) bf16")
     return refused
 
 
@@ -365,10 +335,17 @@ def vocab_multiple(args) -> int | None:
     return n // tp
 
 
-def check_padded_vocab(args, vocab_size: int) -> None:
-    if args.pad_vocab_size_to is not None and vocab_size > args.pad_vocab_size_to:
+def check_model(args, model) -> None:
+    """The compatibility flags that depend on the model a preset and the flags made."""
+    length = getattr(args, "moe_layer_pattern_length", None)
+    if length is not None and length != model.num_layers:
+        _fail(f"--moe-layer-freq lists {length} layers, the model has {model.num_layers} (--num-layers)")
+    if args.no_position_embedding and model.position_embedding == "learned":
+        _fail("--no-position-embedding leaves no positions: megazoo needs --position-embedding-type "
+              "rope or alibi with it")
+    if args.pad_vocab_size_to is not None and model.vocab_size > args.pad_vocab_size_to:
         _fail(f"--pad-vocab-size-to {args.pad_vocab_size_to} is smaller than the vocabulary "
-              f"({vocab_size})")
+              f"({model.vocab_size})")
 
 
 def stage_layers(args, num_layers: int) -> tuple[int | None, int | None]:
