@@ -177,6 +177,9 @@ def _logged(caplog):
 def test_gpt3_175b_refuses_only_its_step_batch_schedule(caplog):
     argv = gpt3_175b()
     assert _refusals(argv) == ["--step-batch-size-schedule"]
+    with caplog.at_level(logging.INFO, logger="megazoo.train"):  # with an unknown flag: one error, no log
+        assert _refusals(argv + ["--no-such-flag", "3"]) == ["--step-batch-size-schedule", "unrecognized"]
+    assert _logged(caplog) == []
     with caplog.at_level(logging.INFO, logger="megazoo.train"):
         run = to_run_config(build_parser().parse_args(_drop(argv, {"--step-batch-size-schedule"})),
                             vocab_size=50257, world_size=8 * 16 * 2)

@@ -37,7 +37,7 @@ class _Parser(argparse.ArgumentParser):
         ns, unknown = super().parse_known_args(argv, namespace)
         flags = {opt: a.dest for a in self._actions for opt in a.option_strings}
         given = {flags[t.split("=", 1)[0]] for t in argv if t.split("=", 1)[0] in flags}
-        problems = translate(ns, given, lambda dest: next(o for o, d in flags.items() if d == dest))
+        problems, notes = translate(ns, given, lambda dest: next(o for o, d in flags.items() if d == dest))
         if unknown:
             problems.append(f"unrecognized arguments: {' '.join(unknown)} (not megazoo flags, nor "
                             f"Megatron-LM/DeepSpeed flags megazoo knows; --help lists the flags)")
@@ -46,6 +46,7 @@ class _Parser(argparse.ArgumentParser):
         if problems:
             raise ArgumentError(f"{len(problems)} refusals, nothing started:\n  "
                                 + "\n  ".join(problems))
+        notes.emit()
         return ns, []
 
 

@@ -67,22 +67,37 @@ def _dest(flag: str) -> str:
     return flag.lstrip("-").replace("-", "_")
 
 
-def translate(args: argparse.Namespace, given: set[str], flag_of) -> list[str]:
-    """Map the foreign flags onto megazoo's, log the accepted ones, and return the refusals.
+class Notes:
+    """Log lines held back until the whole command line is accepted: a refused one logs nothing."""
+
+    def __init__(self):
+        self.lines = []
+
+    def info(self, fmt: str, *args) -> None:
+        self.lines.append((fmt, args))
+
+    def emit(self) -> None:
+        for fmt, args in self.lines:
+            logger.info(fmt, *args)
+
+
+def translate(args: argparse.Namespace, given: set[str], flag_of) -> tuple[list[str], Notes]:
+    """Map the foreign flags onto megazoo's; return the refusals and the accepted flags' log lines.
 
     `given`: the dests the command line sets; `flag_of`: dest -> its flag (for messages)."""
+    notes = Notes()
     refused = [f"{flag}{_shown(getattr(args, _dest(flag)))}: {why}"
                for flag, (_, why) in REFUSED.items() if _dest(flag) in given]
     for flag, (_, why) in ACCEPTED.items():
         if why and _dest(flag) in given:
-            logger.info("%s: %s", flag, why)
+            notes.info("%s: %s", flag, why)
     if args.optimizer == "adam":  # before the DeepSpeed file, whose Adam is AdamW too
         args.optimizer = "adamw"
-        logger.info("--optimizer adam: AdamW (Megatron's adam decouples the weight decay, as AdamW)")
-    refused += _deepspeed(args, given, flag_of)
-    refused += _data(args, given)
-    refused += _model_and_training(args, given)
-    return refused
+        notes.info("--optimizer adam: AdamW (Megatron's adam decouples the weight decay, as AdamW)")
+    refused += _deepspeed(args, given, flag_of, notes)
+    refused += _data(args, given, notes)
+    refused += _model_and_training(args, given, notes)
+    return refused, notes
 
 
 def _shown(value) -> str:
@@ -92,7 +107,7 @@ def _shown(value) -> str:
     return " " + (" ".join(map(str, value)) if isinstance(value, list) else str(value))
 
 
-def _deepspeed(args, given, flag_of) -> list[str]:
+def _deepspeed(args, given, flag_of, notes) -> list[str]:
     if args.deepspeed_config is None:
         return []
     if not args.deepspeed:
@@ -103,12 +118,12 @@ def _deepspeed(args, given, flag_of) -> list[str]:
     except DeepSpeedConfigError as e:
         return [str(e)]
     for line in settings.accepted:
-        logger.info("%s", line)
+        notes.info("%s", line)
     args.gradient_accumulation_steps = settings.gradient_accumulation_steps
     return settings.refused + contradictions(settings, args, given, flag_of)
 
 
-def _data(args, given) -> list[str]:
+def _data(args, given, notes) -> list[str]:
     refused = []
     if args.tokenizer_type == "PretrainedFromHF":
         path = args.tokenizer_name_or_path
@@ -136,7 +151,7 @@ def _data(args, given) -> list[str]:
         else:
             try:
                 args.data_path, args.split = to_data_path_and_split(files)
-                logger.info("weighted split paths: --data-path %s --split %s", " ".join(args.data_path),
+                notes.info("weighted split paths: --data-path %s --split %s", " ".join(args.data_path),
                             args.split)
             except WeightedSplitError as e:
                 refused.append(str(e))
@@ -144,12 +159,12 @@ def _data(args, given) -> list[str]:
         refused.append(f"--data-impl {args.data_impl}: megazoo reads the mmap .bin/.idx format only; "
                        f"preprocess with tools/preprocess_data.py (or Megatron's, --dataset-impl mmap)")
     if args.valid_num_workers:
-        logger.info("--valid-num-workers %d: megazoo reads validation batches in the step",
+        notes.info("--valid-num-workers %d: megazoo reads validation batches in the step",
                     args.valid_num_workers)
     return refused
 
 
-def _model_and_training(args, given) -> list[str]:
+def _model_and_training(args, given, notes) -> list[str]:
     refused = []
     if args.checkpoint_activations:
         if args.recompute_granularity not in (None, "full"):
@@ -159,7 +174,7 @@ def _model_and_training(args, given) -> list[str]:
             args.recompute_granularity = "full"
             args.recompute_method = args.recompute_method or "uniform"
             args.recompute_num_layers = args.recompute_num_layers or args.checkpoint_num_layers or 1
-            logger.info("--checkpoint-activations: --recompute-granularity full --recompute-method %s "
+            notes.info("--checkpoint-activations: --recompute-granularity full --recompute-method %s "
                         "--recompute-num-layers %d", args.recompute_method, args.recompute_num_layers)
     elif args.checkpoint_num_layers is not None:
         refused.append("--checkpoint-num-layers needs --checkpoint-activations")
@@ -167,11 +182,11 @@ def _model_and_training(args, given) -> list[str]:
         refused.append("give one of --lr-decay-samples and --lr-decay-iters")
     if args.distributed_timeout_minutes is not None:
         if "collective_timeout" in given:
-            logger.info("--distributed-timeout-minutes: --collective-timeout %g s decides",
+            notes.info("--distributed-timeout-minutes: --collective-timeout %g s decides",
                         args.collective_timeout)
         else:
             args.collective_timeout = 60.0 * args.distributed_timeout_minutes
-            logger.info("--distributed-timeout-minutes %g: --collective-timeout %g s (a collective that "
+            notes.info("--distributed-timeout-minutes %g: --collective-timeout %g s (a collective that "
                         "waits longer ends the job naming the ranks that did not arrive)",
                         args.distributed_timeout_minutes, args.collective_timeout)
     if args.grad_reduce_in_bf16 and not args.bf16:
@@ -181,10 +196,10 @@ def _model_and_training(args, given) -> list[str]:
             refused.append("--calculate-per-token-loss with --eod-mask-loss (a mean over each global "
                            "batch's unmasked tokens) is not implemented; drop one")
         else:
-            logger.info("--calculate-per-token-loss: every token counts (no --eod-mask-loss), so the mean "
+            notes.info("--calculate-per-token-loss: every token counts (no --eod-mask-loss), so the mean "
                         "over the global batch's tokens is megazoo's mean of its equal microbatch means")
     if args.apply_layernorm_1p:
-        logger.info("--apply-layernorm-1p: megazoo stores the norm weight g itself, Megatron g - 1; "
+        notes.info("--apply-layernorm-1p: megazoo stores the norm weight g itself, Megatron g - 1; "
                     "the function is the same and, norms having no weight decay, so are the updates")
     if args.rotary_percent is not None and args.rotary_percent != 1.0:
         refused.append(f"--rotary-percent {args.rotary_percent}: partial rotary embeddings are not "
@@ -192,25 +207,25 @@ def _model_and_training(args, given) -> list[str]:
     balancing = args.moe_router_load_balancing_type
     if balancing == "none":
         args.moe_aux_loss_coeff = 0.0
-        logger.info("--moe-router-load-balancing-type none: --moe-aux-loss-coeff 0")
+        notes.info("--moe-router-load-balancing-type none: --moe-aux-loss-coeff 0")
     elif balancing not in (None, "aux_loss"):
         refused.append(f"--moe-router-load-balancing-type {balancing}: megazoo balances with the "
                        f"Switch/GShard auxiliary loss only; use aux_loss (--moe-aux-loss-coeff) or none")
     dispatcher = args.moe_token_dispatcher_type
     if dispatcher in ("allgather", "flex"):
-        logger.info("--moe-token-dispatcher-type %s: megazoo dispatches with all-to-all over the "
+        notes.info("--moe-token-dispatcher-type %s: megazoo dispatches with all-to-all over the "
                     "expert-parallel group; each expert sees the same tokens", dispatcher)
     elif dispatcher not in (None, "alltoall"):
         refused.append(f"--moe-token-dispatcher-type {dispatcher}: not a Megatron dispatcher; megazoo's "
                        f"is alltoall")
     if args.ckpt_format is not None:
-        logger.info("--ckpt-format %s: megazoo saves its own format (safetensors, any layout loads "
+        notes.info("--ckpt-format %s: megazoo saves its own format (safetensors, any layout loads "
                     "into any other); tools/convert_checkpoint.py converts to and from Megatron's "
                     "torch and torch_dist", args.ckpt_format)
-    return refused + _moe(args) + _sharding(args, given)
+    return refused + _moe(args, notes) + _sharding(args, given, notes)
 
 
-def _moe(args) -> list[str]:
+def _moe(args, notes) -> list[str]:
     refused = []
     if args.moe_layer_freq is not None:
         try:
@@ -222,7 +237,7 @@ def _moe(args) -> list[str]:
         refused.append(f"--moe-router-score-function {args.moe_router_score_function}: megazoo's router "
                        f"scores with softmax only")
     if args.moe_router_dtype not in (None, "fp32"):
-        logger.info("--moe-router-dtype %s: megazoo's router computes in fp32", args.moe_router_dtype)
+        notes.info("--moe-router-dtype %s: megazoo's router computes in fp32", args.moe_router_dtype)
     if args.expert_tensor_parallel_size not in (None, 1):
         refused.append(f"--expert-tensor-parallel-size {args.expert_tensor_parallel_size}: megazoo's "
                        f"experts are whole on each tensor-parallel rank (1); split them with "
@@ -259,7 +274,7 @@ def moe_layer_freq(text: str) -> tuple[int, int | None]:
 _FSDP_STAGES = {"no_shard": 0, "optim": 1, "optim_grads": 2, "optim_grads_params": 3}
 
 
-def _sharding(args, given) -> list[str]:
+def _sharding(args, given, notes) -> list[str]:
     refused = []
     strategy = args.data_parallel_sharding_strategy
     if args.use_megatron_fsdp:
@@ -271,13 +286,13 @@ def _sharding(args, given) -> list[str]:
                            f"--data-parallel-sharding-strategy {strategy} (ZeRO-{stage}); give one")
         else:
             args.zero_stage = stage
-            logger.info("--use-megatron-fsdp: megazoo's ZeRO-%d (--zero-stage %d)", stage, stage)
+            notes.info("--use-megatron-fsdp: megazoo's ZeRO-%d (--zero-stage %d)", stage, stage)
     elif strategy is not None:
         refused.append("--data-parallel-sharding-strategy needs --use-megatron-fsdp (or give --zero-stage)")
     dtypes = {args.megatron_fsdp_grad_comm_dtype, args.megatron_fsdp_main_grads_dtype} - {None}
     if dtypes == {"bf16"}:
         args.grad_reduce_in_bf16 = True
-        logger.info("--megatron-fsdp-grad-comm-dtype/--megatron-fsdp-main-grads-dtype bf16: "
+        notes.info("--megatron-fsdp-grad-comm-dtype/--megatron-fsdp-main-grads-dtype bf16: "
                     "--grad-reduce-in-bf16")
     elif dtypes - {"fp32"}:
         refused.append(f"--megatron-fsdp-grad-comm-dtype/--megatron-fsdp-main-grads-dtype "
