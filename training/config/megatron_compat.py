@@ -152,7 +152,7 @@ def _data(args, given, notes) -> list[str]:
             try:
                 args.data_path, args.split = to_data_path_and_split(files)
                 notes.info("weighted split paths: --data-path %s --split %s", " ".join(args.data_path),
-                            args.split)
+                           args.split)
             except WeightedSplitError as e:
                 refused.append(str(e))
     if args.data_impl not in (None, "mmap", "infer"):
@@ -160,7 +160,7 @@ def _data(args, given, notes) -> list[str]:
                        f"preprocess with tools/preprocess_data.py (or Megatron's, --dataset-impl mmap)")
     if args.valid_num_workers:
         notes.info("--valid-num-workers %d: megazoo reads validation batches in the step",
-                    args.valid_num_workers)
+                   args.valid_num_workers)
     return refused
 
 
@@ -175,7 +175,7 @@ def _model_and_training(args, given, notes) -> list[str]:
             args.recompute_method = args.recompute_method or "uniform"
             args.recompute_num_layers = args.recompute_num_layers or args.checkpoint_num_layers or 1
             notes.info("--checkpoint-activations: --recompute-granularity full --recompute-method %s "
-                        "--recompute-num-layers %d", args.recompute_method, args.recompute_num_layers)
+                       "--recompute-num-layers %d", args.recompute_method, args.recompute_num_layers)
     elif args.checkpoint_num_layers is not None:
         refused.append("--checkpoint-num-layers needs --checkpoint-activations")
     if args.lr_decay_samples is not None and args.lr_decay_iters is not None:
@@ -183,12 +183,12 @@ def _model_and_training(args, given, notes) -> list[str]:
     if args.distributed_timeout_minutes is not None:
         if "collective_timeout" in given:
             notes.info("--distributed-timeout-minutes: --collective-timeout %g s decides",
-                        args.collective_timeout)
+                       args.collective_timeout)
         else:
             args.collective_timeout = 60.0 * args.distributed_timeout_minutes
             notes.info("--distributed-timeout-minutes %g: --collective-timeout %g s (a collective that "
-                        "waits longer ends the job naming the ranks that did not arrive)",
-                        args.distributed_timeout_minutes, args.collective_timeout)
+                       "waits longer ends the job naming the ranks that did not arrive)",
+                       args.distributed_timeout_minutes, args.collective_timeout)
     if args.grad_reduce_in_bf16 and not args.bf16:
         refused.append("--grad-reduce-in-bf16 needs --bf16")
     if args.calculate_per_token_loss:
@@ -197,10 +197,10 @@ def _model_and_training(args, given, notes) -> list[str]:
                            "batch's unmasked tokens) is not implemented; drop one")
         else:
             notes.info("--calculate-per-token-loss: every token counts (no --eod-mask-loss), so the mean "
-                        "over the global batch's tokens is megazoo's mean of its equal microbatch means")
+                       "over the global batch's tokens is megazoo's mean of its equal microbatch means")
     if args.apply_layernorm_1p:
         notes.info("--apply-layernorm-1p: megazoo stores the norm weight g itself, Megatron g - 1; "
-                    "the function is the same and, norms having no weight decay, so are the updates")
+                   "the function is the same and, norms having no weight decay, so are the updates")
     if args.rotary_percent is not None and args.rotary_percent != 1.0:
         refused.append(f"--rotary-percent {args.rotary_percent}: partial rotary embeddings are not "
                        f"implemented; RoPE rotates the whole head (1.0)")
@@ -214,14 +214,14 @@ def _model_and_training(args, given, notes) -> list[str]:
     dispatcher = args.moe_token_dispatcher_type
     if dispatcher in ("allgather", "flex"):
         notes.info("--moe-token-dispatcher-type %s: megazoo dispatches with all-to-all over the "
-                    "expert-parallel group; each expert sees the same tokens", dispatcher)
+                   "expert-parallel group; each expert sees the same tokens", dispatcher)
     elif dispatcher not in (None, "alltoall"):
         refused.append(f"--moe-token-dispatcher-type {dispatcher}: not a Megatron dispatcher; megazoo's "
                        f"is alltoall")
     if args.ckpt_format is not None:
         notes.info("--ckpt-format %s: megazoo saves its own format (safetensors, any layout loads "
-                    "into any other); tools/convert_checkpoint.py converts to and from Megatron's "
-                    "torch and torch_dist", args.ckpt_format)
+                   "into any other); tools/convert_checkpoint.py converts Megatron-LM checkpoints to "
+                   "and from it (docs/megatron.md)", args.ckpt_format)
     return refused + _moe(args, notes) + _sharding(args, given, notes)
 
 
@@ -293,7 +293,7 @@ def _sharding(args, given, notes) -> list[str]:
     if dtypes == {"bf16"}:
         args.grad_reduce_in_bf16 = True
         notes.info("--megatron-fsdp-grad-comm-dtype/--megatron-fsdp-main-grads-dtype bf16: "
-                    "--grad-reduce-in-bf16")
+                   "--grad-reduce-in-bf16")
     elif dtypes - {"fp32"}:
         refused.append(f"--megatron-fsdp-grad-comm-dtype/--megatron-fsdp-main-grads-dtype "
                        f"{'/'.join(sorted(dtypes))}: megazoo accumulates and reduces gradients in one "
