@@ -82,6 +82,10 @@ FP8 = "FP8 needs Transformer Engine on an FP8 GPU (Hopper or newer), which megaz
       "drop the --fp8-* flags (--bf16 trains in bfloat16)"
 MLA = "DeepSeek's multi-latent attention (and its YaRN RoPE scaling) is not implemented; megazoo " \
       "has grouped-query attention (--group-query-attention --num-query-groups)"
+GROUPED_ROUTING = "group-limited routing (DeepSeek) is not implemented; megazoo routes each token to " \
+                  "its top-k experts over all of them"
+EXPERT_BIAS = "auxiliary-loss-free balancing (expert bias) is not implemented; use --moe-aux-loss-coeff"
+MTP = "multi-token prediction is not implemented; drop it"
 # Refused: why, and what to give instead.
 REFUSED = {
     "--fp8-format": (VALUE, FP8),
@@ -102,18 +106,14 @@ REFUSED = {
     "--rotary-scaling-factor": (VALUE, MLA),
     "--mscale": (VALUE, MLA),
     "--mscale-all-dim": (VALUE, MLA),
-    "--moe-router-group-topk": (VALUE, "group-limited routing (DeepSeek) is not implemented; megazoo "
-                                       "routes each token to its top-k experts over all of them"),
-    "--moe-router-num-groups": (VALUE, "group-limited routing (DeepSeek) is not implemented; megazoo "
-                                       "routes each token to its top-k experts over all of them"),
+    "--moe-router-group-topk": (VALUE, GROUPED_ROUTING),
+    "--moe-router-num-groups": (VALUE, GROUPED_ROUTING),
     "--moe-router-topk-scaling-factor": (VALUE, "scaled routing weights are not implemented; drop it"),
-    "--moe-router-enable-expert-bias": (FLAG, "auxiliary-loss-free balancing (expert bias) is not "
-                                              "implemented; use --moe-aux-loss-coeff"),
-    "--moe-router-bias-update-rate": (VALUE, "auxiliary-loss-free balancing (expert bias) is not "
-                                             "implemented; use --moe-aux-loss-coeff"),
+    "--moe-router-enable-expert-bias": (FLAG, EXPERT_BIAS),
+    "--moe-router-bias-update-rate": (VALUE, EXPERT_BIAS),
     "--moe-router-force-load-balancing": (FLAG, "benchmark-only uniform routing is not implemented"),
-    "--mtp-num-layers": (VALUE, "multi-token prediction is not implemented; drop it"),
-    "--mtp-loss-scaling-factor": (VALUE, "multi-token prediction is not implemented; drop it"),
+    "--mtp-num-layers": (VALUE, MTP),
+    "--mtp-loss-scaling-factor": (VALUE, MTP),
     "--step-batch-size-schedule": (VALUE, "piecewise batch sizes are not implemented (and Megatron-LM "
                                           "refuses them beside --global-batch-size); drop it, or ramp "
                                           "linearly with --rampup-batch-size START INCREMENT SAMPLES"),
