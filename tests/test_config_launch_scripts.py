@@ -355,3 +355,17 @@ def test_deepseek_v3_stops_naming_every_unsupported_flag_and_takes_the_rest():
         to_run_config(build_parser("moe-tiny").parse_args(_drop(deepseek_v3(), set(DEEPSEEK_REFUSED))
                                                           + ["--moe-layer-freq", "[1,0]*3"]),
                       vocab_size=1000, world_size=8)
+
+
+def test_weighted_split_files_that_do_not_map_are_refused(tmp_path):
+    argv = bloom_176b(tmp_path)
+    (tmp_path / "valid-splits.txt").write_text('"valid: 0.5 0.950:1.0 /data/en_text_document, '
+                                               '0.5 0.950:1.0 /data/fr_text_document"\n')
+    with pytest.raises(ArgumentError, match="blends other datasets or weights than --train-weighted-split"):
+        build_parser("bloom-560m").parse_args(argv)
+    (tmp_path / "valid-splits.txt").write_text('"valid: 0.3 0.960:1.0 /data/en_text_document, '
+                                               '0.7 0.960:1.0 /data/fr_text_document"\n')
+    with pytest.raises(ArgumentError, match="the valid range starts at 0.96, not where the previous split ends"):
+        build_parser("bloom-560m").parse_args(argv)
+    assert _refusals(argv + ["--data-path", "x", "--fp8-format", "e4m3"], "bloom-560m") == \
+        ["--fp8-format", "--data-path"]  # both ways of naming data, and another refusal: one error
