@@ -286,6 +286,14 @@ def test_deepspeed_config_values_land_and_contradictions_are_refused_together(tm
                      "--bf16 contradicts --deepspeed_config fp16.enabled = true",
                      "unknown_key: not a setting megazoo models"):
         assert fragment in text, (fragment, text)
+    ds = {"scheduler": {"type": "WarmupLR"}, "zero_optimization": {"offload_param": {"device": "cpu"}},
+          "optimizer": {"type": "Lamb"}}
+    with pytest.raises(ArgumentError) as e:
+        build_parser("bloom-560m").parse_args(bloom_176b(tmp_path, ds))
+    assert str(e.value).startswith("3 refusals") and all(f": {key}: " in str(e.value) for key in (
+        "scheduler", "zero_optimization.offload_param", "optimizer.type"))
+    with pytest.raises(ArgumentError, match="reads it only with --deepspeed; add --deepspeed"):
+        build_parser("bloom-560m").parse_args([t for t in bloom_176b(tmp_path) if t != "--deepspeed"])
     # gradient_accumulation_steps x micro batch x dp against --global-batch-size (needs the world size)
     ds = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3}
     args = build_parser("bloom-560m").parse_args(_drop(bloom_176b(tmp_path, ds), {"--rampup-batch-size"}))
