@@ -49,7 +49,7 @@ HELP = {
     "--lr-warmup-samples": "linear warmup in samples (instead of --lr-warmup-iters)",
     "--lr-decay-iters": "iterations the decay spans (default: the training iterations)",
     # optimizer
-    "--optimizer": "optimizer",
+    "--optimizer": "adamw, or adam (Megatron's name for the same AdamW), or sgd",
     "--weight-decay": "decoupled weight decay (not applied to biases and norms)",
     "--clip-grad": "clip the global gradient norm to this (0: off)",
     "--adam-beta1": "Adam beta1",

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import sys
 
 from data.blended import check_blend
 from models.config import PRESETS, TransformerConfig, preset
@@ -17,7 +18,8 @@ from parallel.zero.config import LossScaleConfig, OptimizerConfig
 
 from training.config.errors import ArgumentError
 from training.config.flag_help import HelpFormatter, apply_help
-from training.config.megatron_compat import add_megatron_compat_flags, resolve_megatron_compat
+from training.config.megatron_compat import (add_megatron_compat_flags, check_model, resolve_megatron_compat,
+                                             samples_to_iterations, stage_layers, translate, vocab_multiple)
 from training.config.run_config import (CheckpointConfig, DataConfig, HealthConfig, LoggingConfig, RunConfig,
                                         ScheduleConfig)
 
@@ -27,6 +29,25 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message):
         raise ArgumentError(f"{message} (--help lists the flags)")
+
+    def parse_known_args(self, args=None, namespace=None):
+        """Parse, then map the Megatron-LM / DeepSpeed flags (training/config/megatron_compat.py):
+        every refusal and every unknown flag of the command line in one error, before any work."""
+        argv = list(sys.argv[1:] if args is None else args)
+        ns, unknown = super().parse_known_args(argv, namespace)
+        flags = {opt: a.dest for a in self._actions for opt in a.option_strings}
+        given = {flags[t.split("=", 1)[0]] for t in argv if t.split("=", 1)[0] in flags}
+        problems, notes = translate(ns, given, lambda dest: next(o for o, d in flags.items() if d == dest))
+        if unknown:
+            problems.append(f"unrecognized arguments: {' '.join(unknown)} (not megazoo flags, nor "
+                            f"Megatron-LM/DeepSpeed flags megazoo knows; --help lists the flags)")
+        if len(problems) == 1:
+            raise ArgumentError(problems[0])
+        if problems:
+            raise ArgumentError(f"{len(problems)} refusals, nothing started:\n  "
+                                + "\n  ".join(problems))
+        notes.emit()
+        return ns, []
 
 
 def build_parser(default_model: str | None = None) -> argparse.ArgumentParser:
@@ -65,7 +86,6 @@ def build_parser(default_model: str | None = None) -> argparse.ArgumentParser:
     g.add_argument("--moe-expert-capacity-factor", type=float,
                    help="drop assignments over factor x tokens x topk / experts per expert (default dropless)")
     g.add_argument("--moe-shared-expert-intermediate-size", type=int, help="a shared expert's width")
-    g.add_argument("--moe-layer-freq", type=int, help="every N-th layer is MoE (layer i when i %% N == 0)")
     g.add_argument("--expert-model-parallel-size", type=int, default=1,
                    help="ranks (carved out of data parallelism) splitting each layer's experts")
     g = p.add_argument_group("parallelism")
@@ -98,7 +118,7 @@ def build_parser(default_model: str | None = None) -> argparse.ArgumentParser:
     g.add_argument("--lr-warmup-samples", type=int)
     g.add_argument("--lr-decay-iters", type=int)
     g = p.add_argument_group("optimizer")
-    g.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd"])
+    g.add_argument("--optimizer", default="adamw", choices=["adamw", "adam", "sgd"])
     g.add_argument("--weight-decay", type=float, default=0.01)
     g.add_argument("--clip-grad", type=float, default=1.0)
     g.add_argument("--adam-beta1", type=float, default=0.9)
@@ -216,7 +236,8 @@ def to_run_config(args: argparse.Namespace, vocab_size: int | None = None,
         num_layers=args.num_layers, hidden_size=args.hidden_size,
         num_attention_heads=args.num_attention_heads, ffn_hidden_size=args.ffn_hidden_size,
         max_position_embeddings=args.max_position_embeddings,
-        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+        make_vocab_size_divisible_by=vocab_multiple(args),
+        embedding_layernorm=True if args.embed_layernorm else None,
         hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
         init_method_std=args.init_method_std, vocab_size=vocab_size or args.vocab_size,
         position_embedding={"learned_absolute": "learned"}.get(args.position_embedding_type,
@@ -247,10 +268,12 @@ def to_run_config(args: argparse.Namespace, vocab_size: int | None = None,
         if missing:
             _fail(f"--{missing[0].replace('_', '-')} is required without --model (or give a preset)")
         model = TransformerConfig(**overrides)
+    check_model(args, model)
     seq = args.seq_length or model.max_position_embeddings
     if model.position_embedding == "learned" and seq > model.max_position_embeddings:
         _fail(f"--seq-length {seq} exceeds --max-position-embeddings {model.max_position_embeddings}")
 
+    first_stage_layers, last_stage_layers = stage_layers(args, model.num_layers)
     try:
         parallel = ParallelConfig(
             tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
@@ -258,13 +281,16 @@ def to_run_config(args: argparse.Namespace, vocab_size: int | None = None,
                                args.num_layers_per_virtual_pipeline_stage),
             sequence_parallel=args.sequence_parallel, ep=args.expert_model_parallel_size,
             cp=args.context_parallel_size, cp_comm_type=args.cp_comm_type,
-            first_stage_layers=args.decoder_first_pipeline_num_layers,
-            last_stage_layers=args.decoder_last_pipeline_num_layers)
+            first_stage_layers=first_stage_layers, last_stage_layers=last_stage_layers)
         dp = parallel.validate(world)
         model.check_layout(parallel, seq_length=seq)
         check_attention(model.attention_dropout, parallel.cp)
         mbs = args.micro_batch_size
-        gbs = args.global_batch_size or mbs * dp
+        gas = getattr(args, "gradient_accumulation_steps", None)  # from --deepspeed_config
+        if gas is not None and args.global_batch_size not in (None, mbs * gas * dp):
+            _fail(f"--global-batch-size {args.global_batch_size} contradicts --deepspeed_config "
+                  f"gradient_accumulation_steps {gas} x micro batch {mbs} x dp {dp} = {mbs * gas * dp}")
+        gbs = args.global_batch_size or mbs * (gas or 1) * dp
         microbatches_per_step(gbs, mbs, dp, parallel.pp, parallel.vpp)
     except LayoutError as e:
         _fail(str(e))
@@ -272,11 +298,12 @@ def to_run_config(args: argparse.Namespace, vocab_size: int | None = None,
     if args.train_iters is None and args.train_samples is None:
         _fail("give --train-iters or --train-samples")
     train_iters = args.train_iters or -(-args.train_samples // gbs)
+    lr_decay_iters = samples_to_iterations(args, gbs)
     warmup = args.lr_warmup_iters
     if args.lr_warmup_samples:
         warmup = -(-args.lr_warmup_samples // gbs)
     if args.lr_warmup_fraction is not None:  # Megatron: a fraction of the decay iterations
-        warmup = int(args.lr_warmup_fraction * (args.lr_decay_iters or train_iters))
+        warmup = int(args.lr_warmup_fraction * (lr_decay_iters or train_iters))
     if args.rampup_batch_size:
         start, inc, _ = args.rampup_batch_size
         if start % (mbs * dp) or inc % (mbs * dp):
@@ -292,7 +319,10 @@ def to_run_config(args: argparse.Namespace, vocab_size: int | None = None,
         clip_grad=args.clip_grad, precision="bf16" if args.bf16 else "fp16" if args.fp16 else "fp32",
         loss_scale=LossScaleConfig(initial_scale=args.initial_loss_scale,
                                    growth_interval=args.loss_scale_window,
-                                   hysteresis=args.hysteresis, min_scale=args.min_loss_scale),
+                                   hysteresis=args.hysteresis, min_scale=args.min_loss_scale,
+                                   static_scale=args.loss_scale),
+        grad_dtype="model" if args.grad_reduce_in_bf16 else "fp32",
+        bucket_numel=args.ddp_bucket_size or OptimizerConfig.bucket_numel,
         offload=args.offload_optimizer, offload_dir=args.offload_dir)
     try:
         optimizer.validate(pp=parallel.pp)
@@ -322,7 +352,7 @@ def to_run_config(args: argparse.Namespace, vocab_size: int | None = None,
                                 rampup_batch_size=tuple(args.rampup_batch_size) if args.rampup_batch_size else None,
                                 train_iters=train_iters, lr=args.lr, min_lr=args.min_lr,
                                 lr_decay_style=args.lr_decay_style, lr_warmup_iters=warmup,
-                                lr_decay_iters=args.lr_decay_iters, pipeline_schedule=schedule_name,
+                                lr_decay_iters=lr_decay_iters, pipeline_schedule=schedule_name,
                                 exit_interval=args.exit_interval,
                                 exit_duration_mins=args.exit_duration_in_mins),
         data=DataConfig(data_path=args.data_path, split=args.split, seq_length=seq,
