@@ -197,9 +197,10 @@ def _link_tree(src: str, dst: str) -> None:
 
 
 def _pointer(root: str) -> str | None:
+    """The folder name `latest` holds (garbage bytes read as text: they name no folder)."""
     try:
-        with open(os.path.join(root, "latest")) as f:
-            return f.read().strip() or None
+        with open(os.path.join(root, "latest"), encoding="utf-8", errors="replace") as f:
+            return f.read(256).strip() or None
     except OSError:
         return None
 
@@ -262,7 +263,7 @@ def latest_checkpoint(root: str) -> str | None:
     if folders:
         return folders[0]
     if os.path.exists(pointer):
-        raise CheckpointError(f"{pointer} names {_pointer(root)}, which does not exist, and no "
+        raise CheckpointError(f"{pointer} names {_pointer(root)!r}, which does not exist, and no "
                               f"complete iter_* folder is left; point it at a complete checkpoint")
     return None
 
@@ -280,10 +281,14 @@ def read_meta(folder: str) -> dict:
     path = os.path.join(folder, "meta.json")
     try:
         with open(path) as f:
-            return json.load(f)
+            meta = json.load(f)
     except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
         raise IntegrityError(f"{path}: unreadable checkpoint metadata ({e}); the checkpoint is "
                              f"incomplete, use an earlier one") from None
+    bad = integrity.meta_problem(meta)
+    if bad:
+        raise IntegrityError(f"{path}: {bad}; the checkpoint is damaged, use an earlier one")
+    return meta
 
 
 class VerifiedReader:
