@@ -64,11 +64,11 @@ def bin_path(prefix: str) -> str:
     return prefix + ".bin"
 
 
-FINGERPRINT_BLOCKS, FINGERPRINT_BLOCK = 64, 1 << 16  # at most 4 MiB read per file
+FINGERPRINT_BLOCKS, FINGERPRINT_BLOCK = 64, 4096  # at most 256 KiB read per file
 
 
 def file_fingerprint(path: str) -> str:
-    """Size plus a hash of 64 evenly spaced 64 KiB blocks (the whole file when smaller): cheap
+    """Size plus a hash of 64 evenly spaced 4 KiB blocks (the whole file when smaller): cheap
     at any size, and a re-tokenization of the same byte size still changes it."""
     size = os.path.getsize(path)
     h = hashlib.blake2b(str(size).encode(), digest_size=8)

@@ -59,9 +59,13 @@ def save(run: RunConfig, topo, chunks, opt, rng, state: TrainState) -> str:
                 model=dataclasses.asdict(run.model), layout=layout_of(run, topo),
                 seq_length=run.data.seq_length, seed=run.seed, family=family_of(chunks[0]))
     root = run.checkpoint.save
-    folder = ckpt.save_checkpoint(root, state.iteration, topo.rank, topo.world_size,
-                                  rank_tensors(chunks, opt, rng, run.optimizer.zero_stage), meta,
-                                  device=topo.device)
+    tensors = rank_tensors(chunks, opt, rng, run.optimizer.zero_stage)
+    if topo.rank == 0:  # before the save's free-space check: --keep-last can make room
+        storage.make_room(root, ckpt.candidates(root), sum(t.numel() * t.element_size()
+                          for t in tensors.values()), topo.world_size, run.checkpoint.keep_last,
+                          run.checkpoint.keep_every)
+    folder = ckpt.save_checkpoint(root, state.iteration, topo.rank, topo.world_size, tensors,
+                                  meta, device=topo.device)
     if topo.rank == 0:
         storage.prune(ckpt.candidates(root), run.checkpoint.keep_last, run.checkpoint.keep_every)
     return folder
