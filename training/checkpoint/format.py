@@ -196,6 +196,13 @@ def _link_tree(src: str, dst: str) -> None:
             shutil.copy2(os.path.join(src, name), os.path.join(dst, name))
 
 
+def _shown(name: str | None) -> str:
+    """A pointer's content for a message: garbage bytes are counted, not printed."""
+    if name and name.isprintable() and len(name) <= 80:
+        return repr(name)
+    return f"{len(name or '')} characters that are no folder name"
+
+
 def _pointer(root: str) -> str | None:
     """The folder name `latest` holds (garbage bytes read as text: they name no folder)."""
     try:
@@ -249,7 +256,7 @@ def candidates(root: str) -> list[str]:
                                                if i < it]
     if named is not None and found:
         logger.warning("%s names %s, which is missing or incomplete; using the newest complete "
-                       "checkpoint, %s", os.path.join(root, "latest"), named, found[0][2])
+                       "checkpoint, %s", os.path.join(root, "latest"), _shown(named), found[0][2])
     if named is None and found:
         logger.warning("%s has no 'latest' pointer; using the newest complete checkpoint, %s",
                        root, found[0][2])
@@ -263,7 +270,7 @@ def latest_checkpoint(root: str) -> str | None:
     if folders:
         return folders[0]
     if os.path.exists(pointer):
-        raise CheckpointError(f"{pointer} names {_pointer(root)!r}, which does not exist, and no "
+        raise CheckpointError(f"{pointer} names {_shown(_pointer(root))}, which does not exist, and no "
                               f"complete iter_* folder is left; point it at a complete checkpoint")
     return None
 
