@@ -3,8 +3,9 @@
 - 64 random bytes in `latest`: resume falls back to the newest complete folder (warning that
   counts, not prints, the bytes); with no folder left, one line; tools/inspect_checkpoint.py says
   the same in one line.
-- A meta.json without consumed_samples (or with a field of the wrong type) fails --verify and
-  resume in one line, from one table of required fields.
+- A meta.json without consumed_samples (or with a field of the wrong type) fails
+  inspect_checkpoint --verify and resume in one line, from one table of required fields
+  (`read_resumable_meta`; a resume then falls back to an older checkpoint).
 - --keep-last makes room before a save that lacks it (never deleting the newest checkpoint),
   and the free-space advice says what --keep-last does.
 - A second job refused by the save lock has written nothing into --save (its tokenizer/ is
@@ -12,7 +13,6 @@
   vocabulary of the same size is refused naming both fingerprints (--finetune: a warning).
 """
 import importlib.util
-import json
 import logging
 import os
 import shutil
@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from data.tokenizers import TokenizerError, build_tokenizer
-from tests.fixtures import GPT2
+from tests.fixtures import small_gpt2
 from training.checkpoint import format as ckpt
 from training.checkpoint import storage
 from training.checkpoint.tokenizer import (check_run_tokenizer, read_record, store_training_tokenizer,
@@ -71,10 +71,8 @@ def test_garbage_latest_and_incomplete_meta_are_one_line(tmp_path, caplog, capsy
     for broken, why in (({k: v for k, v in META.items() if k != "consumed_samples"}, "'consumed_samples'"),
                         (dict(META, layout=[1]), "'layout'")):
         folder = _checkpoint(tmp_path / f"m{len(why)}", 2, broken)
-        problems = ckpt.verify_folder(folder)
-        assert len(problems) == 1 and why in problems[0] and "meta.json" in problems[0]
-        with pytest.raises(ckpt.IntegrityError, match=why):
-            ckpt.read_meta(folder)
+        with pytest.raises(ckpt.IntegrityError, match=why):  # what resume reads
+            ckpt.read_resumable_meta(folder)
         assert _inspect(folder, "--verify") == 1
         assert why in capsys.readouterr().err
 
@@ -102,28 +100,13 @@ def test_keep_last_makes_room_before_the_save(tmp_path, monkeypatch, caplog):
     assert storage.free_space_problem(str(root), need, 1, folders[-1]) is None  # the save fits now
 
 
-def _small_bpe(folder, swap=False):
-    """GPT-2's bytes and first 44 merges (fast to build); `swap`: two ids exchanged."""
-    os.makedirs(folder, exist_ok=True)
-    vocab = {t: i for t, i in json.loads((GPT2 / "vocab.json").read_text()).items() if i < 300}
-    vocab["<|endoftext|>"] = 300
-    if swap:
-        vocab["a"], vocab["b"] = vocab["b"], vocab["a"]
-    merges = [m for m in (GPT2 / "merges.txt").read_text().splitlines() if m and not m.startswith("#")]
-    with open(os.path.join(folder, "vocab.json"), "w") as f:
-        json.dump(vocab, f)
-    with open(os.path.join(folder, "merges.txt"), "w") as f:
-        f.write("\n".join(merges[:44]) + "\n")
-    return os.path.join(folder, "vocab.json"), os.path.join(folder, "merges.txt")
-
-
 def _data(vocab, merges):
     return DataConfig(mock_data=True, tokenizer_type="GPT2BPETokenizer", vocab_file=vocab,
                       merge_file=merges)
 
 
 def test_tokenizer_fingerprint_is_recorded_and_compared(tmp_path, caplog):
-    mine, other = _small_bpe(str(tmp_path / "a")), _small_bpe(str(tmp_path / "b"), swap=True)
+    mine, other = small_gpt2(str(tmp_path / "a")), small_gpt2(str(tmp_path / "b"), swap=("a", "b"))
     save = str(tmp_path / "save")
     store_training_tokenizer(_data(*mine), CheckpointConfig(save=save))
     tok = build_tokenizer("GPT2BPETokenizer", vocab_file=mine[0], merge_file=mine[1])
@@ -142,7 +125,7 @@ def test_tokenizer_fingerprint_is_recorded_and_compared(tmp_path, caplog):
 def test_a_job_refused_by_the_lock_writes_nothing(tmp_path, capsys):
     from models.gpt import GPTModel
     from training.run.entry import main
-    mine, other = _small_bpe(str(tmp_path / "a")), _small_bpe(str(tmp_path / "b"), swap=True)
+    mine, other = small_gpt2(str(tmp_path / "a")), small_gpt2(str(tmp_path / "b"), swap=("a", "b"))
     save = tmp_path / "save"
     store_training_tokenizer(_data(*mine), CheckpointConfig(save=str(save)))
     before = {f: (save / "tokenizer" / f).read_bytes() for f in os.listdir(save / "tokenizer")}

@@ -1,8 +1,8 @@
 """Flags that used to be accepted silently: refused in one line at the flags, or said once.
 
-- LR warmup longer than the decay iterations is refused (Megatron's scheduler refuses it too);
-  warmup longer than this run but within --lr-decay-iters (a schedule split over jobs) is one
-  warning with the LR the run reaches (8e-05 of 1e-3 for 4 of 50 warmup iterations).
+- LR warmup longer than an explicit --lr-decay-iters is refused (as Megatron's scheduler); warmup
+  longer than this run is one warning with the LR the run reaches (8e-05 of 1e-3 for 4 of 50
+  warmup iterations), with or without --lr-decay-iters.
 - --vocab-size with a tokenizer is ignored with a warning naming both sizes.
 - --save pointing at a file (or below one) is refused at the flags, not at every rank's makedirs.
 - A head_dim RoPE cannot split (hidden 90, 6 heads: 15) is refused at the flags.
@@ -32,10 +32,10 @@ def _refused(*extra) -> str:
 
 
 def test_refused_at_the_flags(tmp_path):
-    assert "exceeds the 4 decay iterations" in _refused("--train-iters", "4", "--lr-warmup-iters", "50")
-    assert "exceeds the 10 decay iterations" in _refused(
+    assert "exceeds --lr-decay-iters 10" in _refused(
         "--train-iters", "4", "--lr-decay-iters", "10", "--lr-warmup-iters", "11")
-    assert _config("--train-iters", "4", "--lr-warmup-iters", "4").schedule.lr_warmup_iters == 4
+    assert _config("--train-iters", "4", "--lr-decay-iters", "4",
+                   "--lr-warmup-iters", "4").schedule.lr_warmup_iters == 4
     a_file = tmp_path / "a_file"
     a_file.write_text("x")
     for path in (a_file, a_file / "below"):
@@ -48,9 +48,11 @@ def test_refused_at_the_flags(tmp_path):
 def test_said_once(caplog):
     with caplog.at_level(logging.WARNING, logger="megazoo.train"):
         run = _config("--train-iters", "4", "--lr-decay-iters", "100", "--lr-warmup-iters", "50")
+        _config("--train-iters", "4", "--lr-warmup-iters", "50")
         _config("--train-iters", "4", "--tokenizer-type", "GPT2BPETokenizer", vocab_size=50257)
     assert run.schedule.lr_warmup_iters == 50
     lines = [r.getMessage() for r in caplog.records]
-    assert any("outlasts --train-iters 4" in m and "8e-05" in m for m in lines), lines
+    warmup = [m for m in lines if "outlasts --train-iters 4" in m and "8e-05 of --lr 0.001" in m]
+    assert len(warmup) == 2 and ["defaults to --train-iters" in m for m in warmup] == [False, True], lines
     assert any(m.startswith("--vocab-size 64 ignored") and "50257" in m for m in lines), lines
-    assert len(lines) == 2
+    assert len(lines) == 3

@@ -15,7 +15,6 @@ import importlib.util
 import json
 import logging
 import os
-import shutil
 import sys
 
 import numpy as np
@@ -25,35 +24,17 @@ from data.gpt_dataset import GPTDataset, GPTDatasetConfig
 from data.indexed import IndexedDataset, IndexedDatasetBuilder, dataset_fingerprint
 from data.token_stats import read_stats, token_stats
 from data.tokenizers import TokenizerError, build_tokenizer
-from tests.fixtures import GPT2
+from tests.fixtures import small_gpt2
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-SMALL = 300  # GPT-2's 256 byte tokens and its first 44 merges (which make ids 256..299)
-
-
-def _small_gpt2(folder, swap=None):
-    """A small byte-level BPE cut from the GPT-2 fixture (fast to build), <|endoftext|> last;
-    `swap` exchanges the ids of two tokens (a vocabulary of the same size, other ids)."""
-    os.makedirs(folder, exist_ok=True)
-    vocab = {t: i for t, i in json.loads((GPT2 / "vocab.json").read_text()).items() if i < SMALL}
-    vocab["<|endoftext|>"] = SMALL
-    if swap:
-        a, b = swap
-        vocab[a], vocab[b] = vocab[b], vocab[a]
-    lines = (GPT2 / "merges.txt").read_text().splitlines()
-    merges = [line for line in lines if line and not line.startswith("#")][:SMALL - 256]
-    with open(os.path.join(folder, "vocab.json"), "w") as f:
-        json.dump(vocab, f)
-    with open(os.path.join(folder, "merges.txt"), "w") as f:
-        f.write("#version: 0.2\n" + "\n".join(merges) + "\n")
-    return os.path.join(folder, "vocab.json"), os.path.join(folder, "merges.txt")
+SMALL = 300  # small_gpt2's <|endoftext|> id (its vocabulary holds SMALL + 1 tokens)
 
 
 def _vocab_merges_folder(tmp_path, name, tokenizer_class, swap=None):
     folder = str(tmp_path / name)
-    _small_gpt2(folder, swap)
+    small_gpt2(folder, swap)
     config = {"eos_token": "<|endoftext|>"}
     if tokenizer_class:
         config["tokenizer_class"] = tokenizer_class
@@ -76,7 +57,7 @@ def test_folder_whose_pre_tokenizer_lives_in_tokenizer_json_is_refused(tmp_path)
 
 
 def test_fingerprint_names_the_tokenizer_not_its_file_layout(tmp_path):
-    vocab, merges = _small_gpt2(str(tmp_path / "small"))
+    vocab, merges = small_gpt2(str(tmp_path / "small"))
     a = build_tokenizer("GPT2BPETokenizer", vocab_file=vocab, merge_file=merges)
     assert a.encode(" the") != [220, 83, 71, 68]  # its merges apply
     full = tmp_path / "full"
@@ -137,7 +118,7 @@ def test_preprocess_bom_and_lone_surrogate(tmp_path, capsys):
     src = tmp_path / "in.jsonl"
     src.write_bytes(b'\xef\xbb\xbf{"text": "first doc"}\n{"text": "bad \\ud800 here"}\n{"text": "third 123"}\n')
     out = str(tmp_path / "out")
-    vocab, merges = _small_gpt2(str(tmp_path / "small"))
+    vocab, merges = small_gpt2(str(tmp_path / "small"))
     rc = _preprocess().main(["--input", str(src), "--output-prefix", out, "--tokenizer-type",
                              "GPT2BPETokenizer", "--vocab-file", vocab, "--merge-file", merges,
                              "--no-progress"])

@@ -288,13 +288,20 @@ def read_meta(folder: str) -> dict:
     path = os.path.join(folder, "meta.json")
     try:
         with open(path) as f:
-            meta = json.load(f)
+            return json.load(f)
     except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
         raise IntegrityError(f"{path}: unreadable checkpoint metadata ({e}); the checkpoint is "
                              f"incomplete, use an earlier one") from None
+
+
+def read_resumable_meta(folder: str) -> dict:
+    """meta.json with every field a resume reads (`integrity.META_FIELDS`), else IntegrityError:
+    what resume and tools/inspect_checkpoint.py read, so --verify passes only what resumes."""
+    meta = read_meta(folder)
     bad = integrity.meta_problem(meta)
     if bad:
-        raise IntegrityError(f"{path}: {bad}; the checkpoint is damaged, use an earlier one")
+        raise IntegrityError(f"{os.path.join(folder, 'meta.json')}: {bad}; the checkpoint is "
+                             f"damaged, use an earlier one")
     return meta
 
 

@@ -119,7 +119,7 @@ def load(run: RunConfig, topo, chunks, opt, rng) -> TrainState:
 
 def _read(run: RunConfig, topo, chunks, opt, folder: str):
     """(meta, what to load) of one checkpoint, every tensor read verified; nothing applied."""
-    meta = ckpt.read_meta(folder)
+    meta = ckpt.read_resumable_meta(folder)
     ckpt.check_compatible(meta, model=dataclasses.asdict(run.model), folder=folder)
     finetune = run.checkpoint.finetune
     weights_only = finetune or not run.checkpoint.load_optim  # --no-load-optim keeps the progress

@@ -228,17 +228,20 @@ def _warn(msg: str) -> None:
         logger.warning("%s", msg)
 
 
-def check_warmup(warmup: int, decay_iters: int, train_iters: int, lr: float) -> None:
-    """Warmup longer than the decay is refused, as Megatron refuses it (its scheduler asserts
-    warmup < decay steps; megazoo also accepts warmup == decay: the LR reaches --lr on the last
-    warmup step and never decays). Warmup longer than this run but within the decay (a schedule
-    split over several jobs) is Megatron's behaviour too, and said in one line."""
-    if warmup > decay_iters:
-        _fail(f"LR warmup of {warmup} iterations exceeds the {decay_iters} decay iterations "
-              f"(--lr-decay-iters, default --train-iters); shorten --lr-warmup-iters/-samples/-fraction")
+def check_warmup(warmup: int, decay_iters: int | None, train_iters: int, lr: float) -> None:
+    """A warmup longer than an explicit --lr-decay-iters is refused (Megatron's scheduler asserts
+    warmup < decay steps; megazoo accepts warmup = decay: the LR reaches --lr on the last warmup
+    step). A warmup longer than this run, with the decay defaulting to --train-iters, is one
+    warning with the LR the run reaches: Megatron refuses that too, megazoo lets short smoke runs
+    of a real schedule through but says so."""
+    if decay_iters is not None and warmup > decay_iters:
+        _fail(f"LR warmup of {warmup} iterations exceeds --lr-decay-iters {decay_iters}; shorten "
+              f"--lr-warmup-iters/-samples/-fraction or lengthen the decay")
     if warmup > train_iters:
-        _warn(f"LR warmup of {warmup} iterations outlasts --train-iters {train_iters}: this run's LR "
-              f"reaches only {lr * train_iters / warmup:.3g} of --lr {lr:g}")
+        beyond = "" if decay_iters else " (and the decay, which defaults to --train-iters)"
+        _warn(f"LR warmup of {warmup} iterations outlasts --train-iters {train_iters}{beyond}: this "
+              f"run's LR reaches only {lr * train_iters / warmup:.3g} of --lr {lr:g}; shorten "
+              f"--lr-warmup-iters" + ("" if decay_iters else " or give --lr-decay-iters"))
 
 
 def to_run_config(args: argparse.Namespace, vocab_size: int | None = None,
@@ -314,7 +317,7 @@ def to_run_config(args: argparse.Namespace, vocab_size: int | None = None,
         warmup = -(-args.lr_warmup_samples // gbs)
     if args.lr_warmup_fraction is not None:  # Megatron: a fraction of the decay iterations
         warmup = int(args.lr_warmup_fraction * (args.lr_decay_iters or train_iters))
-    check_warmup(warmup, args.lr_decay_iters or train_iters, train_iters, args.lr)
+    check_warmup(warmup, args.lr_decay_iters, train_iters, args.lr)
     if vocab_size and args.vocab_size and args.tokenizer_type not in ("NullTokenizer",) \
             and args.vocab_size != vocab_size:
         _warn(f"--vocab-size {args.vocab_size} ignored: the tokenizer gives the vocabulary "
