@@ -108,8 +108,17 @@ def rust_fingerprint(tok) -> str:
     spec = json.loads(tok.to_str())
     model = spec.get("model") or {}
     merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges") or []]
-    return _digest(model.get("type"), sorted(tok.get_vocab(with_added_tokens=True).items()), merges,
-                   spec.get("normalizer"), spec.get("pre_tokenizer"))
+    return "tokenizers:" + _digest(model.get("type"), sorted(tok.get_vocab(with_added_tokens=True).items()),
+                                   merges, spec.get("normalizer"), spec.get("pre_tokenizer"))
+
+
+def same_tokenizer(a: str, b: str) -> bool | None:
+    """Whether two fingerprints name the same tokenizer; None when they come from different
+    libraries (a sentencepiece model and its tokenizer.json conversion may give the same ids, which
+    fingerprints cannot tell)."""
+    if a.split(":")[0] != b.split(":")[0]:
+        return None
+    return a == b
 
 
 class GPT2BPETokenizer:
@@ -302,7 +311,7 @@ class SentencePieceTokenizer:
 
     def fingerprint(self) -> str:
         """The model proto: pieces, scores and the normalizer spec."""
-        return _digest(self._sp.serialized_model_proto())
+        return "sentencepiece:" + _digest(self._sp.serialized_model_proto())
 
 
 class NullTokenizer:
@@ -323,7 +332,7 @@ class NullTokenizer:
         return " ".join(str(int(i)) for i in ids)
 
     def fingerprint(self) -> str:
-        return _digest("null", self.vocab_size)
+        return f"null:{self.vocab_size}"
 
 
 def build_tokenizer(

@@ -20,7 +20,7 @@ from data.blended import check_blend
 from data.indexed import bin_path, idx_path
 from data.token_stats import VocabularyMismatch, current_stats, describe_tokenizer
 from data.tokenizers import (GPT2_TYPES, HF_TYPES, NULL_TYPES, SENTENCEPIECE_TYPES, TokenizerError,
-                             build_tokenizer)
+                             build_tokenizer, same_tokenizer)
 
 logger = logging.getLogger(__name__)
 
@@ -116,7 +116,7 @@ def store_training_tokenizer(data, checkpoint) -> str | None:
     else:
         return None
     if kind not in NULL_TYPES and (_flags_given(data) or not record.get("fingerprint")):
-        record["fingerprint"] = checkpoint_tokenizer(checkpoint.save, kind).fingerprint()
+        record["fingerprint"] = _fingerprint_of(checkpoint.save, kind)
     write_record(dst, {**record, "tokenizer_type": kind})
     logger.info("tokenizer (%s) stored in %s", kind, dst)
     return dst
@@ -129,17 +129,21 @@ def _flags_given(data) -> bool:
 def saved_fingerprint(checkpoint: str) -> str | None:
     """The fingerprint of a checkpoint's tokenizer: its record's, else computed from its files
     (checkpoints written before the record had one); None when it carries no tokenizer."""
+    record = read_record(tokenizer_dir(checkpoint))
+    return record.get("fingerprint") or _fingerprint_of(checkpoint, record.get("tokenizer_type"))
+
+
+def _fingerprint_of(checkpoint: str, kind: str | None) -> str | None:
+    """The fingerprint of the tokenizer built from a checkpoint's tokenizer files (None: no
+    files, a NullTokenizer, or files that do not build, which is said)."""
     folder = tokenizer_dir(checkpoint)
-    record = read_record(folder)
-    if record.get("fingerprint"):
-        return record["fingerprint"]
-    if record.get("tokenizer_type") in NULL_TYPES or \
+    if kind in NULL_TYPES or \
             not any(os.path.isfile(os.path.join(folder, f)) for f in TOKENIZER_FILES[:-1]):
         return None
     try:
-        return checkpoint_tokenizer(checkpoint).fingerprint()
+        return checkpoint_tokenizer(checkpoint, kind).fingerprint()
     except TokenizerError as e:
-        logger.warning("%s: its tokenizer cannot be built (%s); not compared with this run's", folder, e)
+        logger.warning("%s: its tokenizer cannot be built (%s); no fingerprint to compare", folder, e)
         return None
 
 
@@ -156,7 +160,7 @@ def check_run_tokenizer(tok, data, checkpoint) -> None:
     mine = tok.fingerprint()
     if checkpoint.load:
         theirs = saved_fingerprint(checkpoint.load)
-        if theirs is not None and theirs != mine:
+        if theirs is not None and _differs(theirs, mine, f"--load {checkpoint.load}"):
             msg = (f"--load {checkpoint.load} was trained with another tokenizer (fingerprint "
                    f"{theirs}, files in {tokenizer_dir(checkpoint.load)}) than this run's "
                    f"--tokenizer-type {data.tokenizer_type} (fingerprint {mine})")
@@ -168,11 +172,19 @@ def check_run_tokenizer(tok, data, checkpoint) -> None:
         if not (os.path.isfile(bin_path(prefix)) and os.path.isfile(idx_path(prefix))):
             continue  # a missing file is named where the dataset is opened
         made = (current_stats(prefix) or {}).get("tokenizer") or {}
-        if made.get("fingerprint") not in (None, mine):
+        if made.get("fingerprint") and _differs(made["fingerprint"], mine, prefix):
             raise VocabularyMismatch(
                 f"{prefix}: made with {describe_tokenizer(made)}, fingerprint {made['fingerprint']}; "
                 f"this run's tokenizer ({data.tokenizer_type}) has fingerprint {mine}: train with the "
                 f"data's tokenizer, or preprocess the corpus again with this one")
+
+
+def _differs(theirs: str, mine: str, what: str) -> bool:
+    same = same_tokenizer(theirs, mine)
+    if same is None:
+        logger.warning("%s was made with a tokenizer of another library (%s, this run %s); the ids "
+                       "may agree but cannot be compared: check them", what, theirs, mine)
+    return same is False
 
 
 def checkpoint_tokenizer(checkpoint: str, tokenizer_type: str | None = None, *,
