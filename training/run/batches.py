@@ -14,6 +14,7 @@ from typing import Iterator
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from data.blended import build_train_valid_test_datasets
 from data.samplers import PretrainingSampler
@@ -57,7 +58,6 @@ def build_datasets(cfg: DataConfig, *, seed: int, vocab_size: int, num_samples: 
 
 
 def _first_rank() -> bool:
-    import torch.distributed as dist
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
