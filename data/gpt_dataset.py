@@ -11,7 +11,7 @@ import numpy as np
 
 from data.gpt_indices import build_gpt_indices
 from data.index_cache import CachedIndices
-from data.indexed import IndexedDataset, idx_path
+from data.indexed import IndexedDataset, dataset_fingerprint, idx_path
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +78,8 @@ class GPTDataset:
             "version": INDEX_FORMAT_VERSION,
             "path_prefix": os.path.abspath(path_prefix),
             "idx_bytes": os.path.getsize(idx_path(path_prefix)),
+            # same sizes, other tokens (a re-tokenization): the cached indices are stale
+            "fingerprint": dataset_fingerprint(path_prefix),
             "sequences": len(sizes),
             "split": split_name,
             "documents": [int(documents[0]), int(documents[-1]) + 1, len(documents)],

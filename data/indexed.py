@@ -15,6 +15,7 @@ The ``.bin`` is nothing but the tokens of every sequence, back to back.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import shutil
@@ -61,6 +62,30 @@ def idx_path(prefix: str) -> str:
 
 def bin_path(prefix: str) -> str:
     return prefix + ".bin"
+
+
+FINGERPRINT_BLOCKS, FINGERPRINT_BLOCK = 64, 4096  # at most 256 KiB read per file
+
+
+def file_fingerprint(path: str) -> str:
+    """Size plus a hash of 64 evenly spaced 4 KiB blocks (the whole file when smaller): cheap
+    at any size, and a re-tokenization of the same byte size still changes it."""
+    size = os.path.getsize(path)
+    h = hashlib.blake2b(str(size).encode(), digest_size=8)
+    with open(path, "rb") as f:
+        if size <= FINGERPRINT_BLOCKS * FINGERPRINT_BLOCK:
+            h.update(f.read())
+        else:
+            stride = (size - FINGERPRINT_BLOCK) // (FINGERPRINT_BLOCKS - 1)
+            for i in range(FINGERPRINT_BLOCKS):
+                f.seek(i * stride)
+                h.update(f.read(FINGERPRINT_BLOCK))
+    return f"{size}:{h.hexdigest()}"
+
+
+def dataset_fingerprint(prefix: str) -> str:
+    """The identity of a dataset's contents: its .bin's and .idx's fingerprints."""
+    return f"bin {file_fingerprint(bin_path(prefix))} idx {file_fingerprint(idx_path(prefix))}"
 
 
 def write_index(path: str, dtype, sequence_lengths, document_indices) -> None:

@@ -28,6 +28,7 @@ DEFAULT_TEXT_SUFFIXES = (".txt", ".text", ".md", ".rst", ".py")
 DEFAULT_EXCLUDES = ("__pycache__", ".*", "site-packages", "dist-packages")
 
 Record = tuple  # (kind: str, source: str, line: int | None, payload)
+BOM = "\ufeff"  # a UTF-8 byte-order mark, as some editors write at the start of a file
 
 
 class CorruptInput(ValueError):
@@ -150,7 +151,7 @@ def parse_record(record: Record, json_keys: list[str]) -> tuple[dict[str, str] |
         with open(payload, "rb") as f:
             raw = f.read()
         try:
-            text = raw.decode("utf-8")
+            text = raw.decode("utf-8").removeprefix(BOM)
         except UnicodeDecodeError as e:
             bad_line = raw[: e.start].count(b"\n") + 1
             return None, 0, f"not UTF-8 (byte {e.start}, line {bad_line})"
@@ -160,6 +161,8 @@ def parse_record(record: Record, json_keys: list[str]) -> tuple[dict[str, str] |
             text_line = payload.decode("utf-8")
         except UnicodeDecodeError as e:
             return None, 0, f"not UTF-8 (byte {e.start} of the line)"
+        if line == 1:  # a byte-order mark opens the file, not the first record
+            text_line = text_line.removeprefix(BOM)
         try:
             obj = json.loads(text_line)
         except json.JSONDecodeError as e:
@@ -176,6 +179,11 @@ def parse_record(record: Record, json_keys: list[str]) -> tuple[dict[str, str] |
         if not isinstance(obj[key], str):
             return None, 0, f"key {key!r} is {type(obj[key]).__name__}, expected a string"
         out[key] = obj[key]
-        if kind == "row":
-            nbytes += len(obj[key].encode("utf-8"))
+        if kind == "row" or (kind == "json" and b"\\u" in payload):  # escapes may be surrogates
+            try:
+                encoded = len(obj[key].encode("utf-8"))
+            except UnicodeEncodeError as e:
+                return None, 0, (f"key {key!r} holds a lone surrogate {obj[key][e.start]!r} at "
+                                 f"character {e.start} (not valid Unicode)")
+            nbytes += encoded if kind == "row" else 0
     return out, nbytes, None

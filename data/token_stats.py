@@ -3,7 +3,8 @@
 ``<prefix>.stats.json`` (a sidecar the preprocessor writes) records the smallest and largest token
 id and the tokenizer that produced them. A dataset without one (older files, other tools) is
 scanned once, in bounded memory, and the result cached beside it. The sidecar is keyed by the
-.idx dtype and both file sizes, so a relabelled or rewritten dataset is scanned again.
+.idx dtype, both file sizes and a content fingerprint (`data.indexed.dataset_fingerprint`), so a
+relabelled or rewritten dataset, even one of the same size, is scanned again.
 
 Before step 1, every --data-path prefix must fit the model: ids in [0, vocab_size) and an .idx
 dtype that can hold the vocabulary. A mismatch is refused with both numbers and the tokenizer the
@@ -18,7 +19,7 @@ import os
 import numpy as np
 
 from data.index_cache import _dist
-from data.indexed import IndexedDataset, bin_path, idx_path
+from data.indexed import IndexedDataset, bin_path, dataset_fingerprint, idx_path
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +36,21 @@ def stats_path(prefix: str) -> str:
 
 def _key(prefix: str, dtype) -> dict:
     return dict(dtype=np.dtype(dtype).name, bin_bytes=os.path.getsize(bin_path(prefix)),
-                idx_bytes=os.path.getsize(idx_path(prefix)))
+                idx_bytes=os.path.getsize(idx_path(prefix)), fingerprint=dataset_fingerprint(prefix))
+
+
+def current_stats(prefix: str) -> dict | None:
+    """The sidecar when it still describes the files (same dtype, sizes and content
+    fingerprint), else None; cheap (no scan)."""
+    stats = read_stats(prefix)
+    if stats is None:
+        return None
+    ds = IndexedDataset(prefix)
+    try:
+        key = _key(prefix, ds.dtype)
+    finally:
+        ds.close()
+    return stats if all(stats.get(k) == v for k, v in key.items()) else None
 
 
 def write_stats(prefix: str, dtype, min_id: int | None, max_id: int | None,
@@ -75,9 +90,16 @@ def token_stats(prefix: str) -> dict:
         key = _key(prefix, ds.dtype)
         if stats is not None and all(stats.get(k) == v for k, v in key.items()):
             return stats
-        logger.info("%s: scanning token ids once (no current %s)", prefix, stats_path(prefix))
+        rewritten = stats is not None and stats.get("fingerprint") not in (None, key["fingerprint"])
+        if rewritten:  # e.g. a re-tokenization of the same size: what made it is no longer known
+            logger.warning("%s: the .bin/.idx changed since %s was written (%s, now %s); scanning "
+                           "the token ids again, the tokenizer that made the data is unknown",
+                           prefix, stats_path(prefix), stats.get("fingerprint"), key["fingerprint"])
+        else:
+            logger.info("%s: scanning token ids once (no current %s)", prefix, stats_path(prefix))
         lo, hi = scan(ds)
-        tokenizer = stats.get("tokenizer") if stats and stats.get("bin_bytes") == key["bin_bytes"] else None
+        tokenizer = stats.get("tokenizer") if stats and not rewritten and \
+            stats.get("bin_bytes") == key["bin_bytes"] else None
         try:
             write_stats(prefix, ds.dtype, lo, hi, tokenizer)
         except OSError as e:

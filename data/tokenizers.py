@@ -10,6 +10,7 @@ Everything runs on the Rust ``tokenizers`` library or sentencepiece's C++; nothi
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -42,6 +43,30 @@ QWEN2_SPLIT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| 
                r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
 
 
+# tokenizer_config.json classes whose vocab.json + merges.txt alone define the tokenizer (GPT-2's
+# byte-level pre-tokenizer, or Qwen2's split pattern), checked against transformers.AutoTokenizer.
+# Any other class (PreTrainedTokenizerFast names SmolLM2's; LlamaTokenizerFast, ...) keeps its
+# normalizer and pre-tokenizer in tokenizer.json only: without that file the ids would differ.
+GPT2_LIKE_CLASSES = {"GPT2Tokenizer", "RobertaTokenizer", "BartTokenizer", "CodeGenTokenizer",
+                     "GPTNeoXTokenizer"}
+QWEN2_CLASSES = {"Qwen2Tokenizer"}
+
+
+def _vocab_merges_split(folder: str, config: dict) -> bool:
+    """Whether a vocab.json + merges.txt folder is built with Qwen2's split (else GPT-2's);
+    a class whose pre-tokenizer lives only in tokenizer.json is refused."""
+    named = config.get("tokenizer_class")
+    base = str(named or "GPT2Tokenizer").removesuffix("Fast")
+    if base in QWEN2_CLASSES:
+        return True
+    if base in GPT2_LIKE_CLASSES:
+        return False
+    raise TokenizerError(
+        f"{os.path.join(folder, 'tokenizer_config.json')}: tokenizer_class {named!r} keeps its "
+        f"normalizer and pre-tokenizer in tokenizer.json, which {folder} lacks (vocab.json + "
+        f"merges.txt alone would split text differently); copy the model's tokenizer.json into it")
+
+
 def byte_level_bpe(vocab_file: str, merge_file: str, *, add_prefix_space: bool = False,
                    qwen2_split: bool = False):
     """A byte-level BPE `tokenizers.Tokenizer` from vocab (json) + merges (text), built as
@@ -66,6 +91,34 @@ def byte_level_bpe(vocab_file: str, merge_file: str, *, add_prefix_space: bool =
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=add_prefix_space, use_regex=True)
     tok.decoder = decoders.ByteLevel()
     return tok
+
+
+def _digest(*parts) -> str:
+    h = hashlib.sha256()
+    for part in parts:
+        h.update(part if isinstance(part, bytes) else json.dumps(part, sort_keys=True).encode())
+    return h.hexdigest()[:16]
+
+
+def rust_fingerprint(tok) -> str:
+    """The identity of a `tokenizers.Tokenizer`: its vocabulary with the added tokens, the
+    model's merges, normalizer and pre-tokenizer (what decides the ids of a text). Options that
+    do not change ids (decoder, offsets, padding) are left out, so the same tokenizer built from
+    tokenizer.json or from vocab.json + merges.txt gives the same fingerprint."""
+    spec = json.loads(tok.to_str())
+    model = spec.get("model") or {}
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges") or []]
+    return "tokenizers:" + _digest(model.get("type"), sorted(tok.get_vocab(with_added_tokens=True).items()),
+                                   merges, spec.get("normalizer"), spec.get("pre_tokenizer"))
+
+
+def same_tokenizer(a: str, b: str) -> bool | None:
+    """Whether two fingerprints name the same tokenizer; None when they come from different
+    libraries (a sentencepiece model and its tokenizer.json conversion may give the same ids, which
+    fingerprints cannot tell)."""
+    if a.split(":")[0] != b.split(":")[0]:
+        return None
+    return a == b
 
 
 class GPT2BPETokenizer:
@@ -96,6 +149,9 @@ class GPT2BPETokenizer:
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=False)
+
+    def fingerprint(self) -> str:
+        return rust_fingerprint(self._tok)
 
 
 def _read_json(path: str) -> dict:
@@ -165,7 +221,7 @@ def load_hf_folder(path: str):
     if not (os.path.isfile(vocab) and os.path.isfile(merges)):
         return None, config
     tok = byte_level_bpe(vocab, merges, add_prefix_space=bool(config.get("add_prefix_space", False)),
-                         qwen2_split=str(config.get("tokenizer_class", "")).startswith("Qwen2"))
+                         qwen2_split=_vocab_merges_split(folder, config))
     _add_folder_tokens(tok, folder, config)
     return tok, config
 
@@ -223,6 +279,9 @@ class HFTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return self._fast.decode(list(ids), skip_special_tokens=False)
 
+    def fingerprint(self) -> str:
+        return rust_fingerprint(self._fast)
+
 
 class SentencePieceTokenizer:
     """A sentencepiece ``.model``; eod is its ``</s>`` (eos) id."""
@@ -250,6 +309,10 @@ class SentencePieceTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return self._sp.decode([int(i) for i in ids])
 
+    def fingerprint(self) -> str:
+        """The model proto: pieces, scores and the normalizer spec."""
+        return "sentencepiece:" + _digest(self._sp.serialized_model_proto())
+
 
 class NullTokenizer:
     """Megatron's NullTokenizer, for data tokenized elsewhere: text is space-separated ids, ids are
@@ -267,6 +330,9 @@ class NullTokenizer:
 
     def decode(self, ids: Sequence[int]) -> str:
         return " ".join(str(int(i)) for i in ids)
+
+    def fingerprint(self) -> str:
+        return f"null:{self.vocab_size}"
 
 
 def build_tokenizer(

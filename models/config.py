@@ -84,6 +84,11 @@ class TransformerConfig:
             self.num_layers)
         if self.num_experts is not None:
             self._check_moe()
+        if self.position_embedding == "rope" and self.head_dim % 2:
+            source = f"--kv-channels {self.kv_channels}" if self.kv_channels else (
+                f"--hidden-size {self.hidden_size} / --num-attention-heads {self.num_attention_heads}")
+            raise ValueError(f"{source} gives head_dim {self.head_dim}, but RoPE rotates channel "
+                             f"pairs and needs an even head_dim; choose sizes with an even quotient")
         if self.rope_scaling is not None:
             kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
             if kind not in ("default", "linear", "llama3"):

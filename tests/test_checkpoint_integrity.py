@@ -96,8 +96,9 @@ def test_enospc_and_low_space_keep_the_previous_checkpoint(tmp_path, monkeypatch
     monkeypatch.setattr(storage.shutil, "disk_usage", lambda p: os.statvfs_result((0,) * 10)
                         if False else type("U", (), {"free": 1000})())
     with pytest.raises(ckpt.CheckpointError, match=r"--save .*: 0.00 GiB free, a checkpoint needs "
-                                                   r"about .* GiB; free space there or pass "
-                                                   r"--keep-last N; checkpoint 4 not saved"):
+                                                   r"about .* GiB; free space there, .* --keep-last N "
+                                                   r"\(a save that lacks room then first deletes .*\); "
+                                                   r"checkpoint 4 not saved"):
         ckpt.save_checkpoint(root, 4, 0, 1, TENSORS, {"model": {}})
     assert sorted(os.listdir(root)) == ["iter_0000002", "latest"]
 

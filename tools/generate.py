@@ -23,6 +23,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 
 from data.tokenizers import TokenizerError  # noqa: E402
 from models.generation import SamplingConfig, generate  # noqa: E402
@@ -67,6 +68,28 @@ def chat_prompt(tok, text: str) -> list[int]:
 def main(argv=None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
     args = build_parser().parse_args(argv)
+    ok, owned = False, not dist.is_initialized()  # a caller's process group is the caller's
+    try:
+        rc = _run(args)
+        ok = rc == 0
+        return rc
+    finally:
+        if owned:
+            _leave(together=ok)
+
+
+def _leave(together: bool) -> None:
+    """End the process group in order: after a run every rank finished, all ranks meet first (a
+    gloo rank torn down while a peer still talks to it aborts at exit); output is flushed before."""
+    sys.stdout.flush()
+    if not dist.is_initialized():
+        return
+    if together:
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+def _run(args) -> int:
     rank0 = int(os.environ.get("RANK", "0")) == 0
     try:
         folder = ckpt.resolve(args.load)

@@ -13,7 +13,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from training.checkpoint.format import CheckpointError, VerifiedReader, listed_files, read_meta, resolve  # noqa: E402
+from training.checkpoint.format import (CheckpointError, VerifiedReader, listed_files,  # noqa: E402
+                                        read_resumable_meta, resolve)
 
 
 def _shapes(path: str, verify: bool) -> tuple[dict, int]:
@@ -40,7 +41,7 @@ def main() -> int:
     args = ap.parse_args()
     try:
         folder = resolve(args.path)
-        meta = read_meta(folder)
+        meta = read_resumable_meta(folder)  # the fields a resume reads, checked
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

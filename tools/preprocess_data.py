@@ -278,6 +278,7 @@ def main(argv=None) -> int:
                     os.remove(p + ".bin")
                     os.remove(p + ".idx")
         made_with = dict(type=args.tokenizer_type, vocab_size=tokenizer.vocab_size,
+                         fingerprint=tokenizer.fingerprint(),
                          **{k: v for k, v in tok_kwargs.items() if k != "tokenizer_type"})
         for k in final:  # the id range, so that training can check it against the model's vocabulary
             write_stats(final[k], dtype, min(id_ranges[k], default=None), max(id_ranges[k], default=None),

@@ -196,10 +196,18 @@ def _link_tree(src: str, dst: str) -> None:
             shutil.copy2(os.path.join(src, name), os.path.join(dst, name))
 
 
+def _shown(name: str | None) -> str:
+    """A pointer's content for a message: garbage bytes are counted, not printed."""
+    if name and name.isprintable() and len(name) <= 80:
+        return repr(name)
+    return f"{len(name or '')} characters that are no folder name"
+
+
 def _pointer(root: str) -> str | None:
+    """The folder name `latest` holds (garbage bytes read as text: they name no folder)."""
     try:
-        with open(os.path.join(root, "latest")) as f:
-            return f.read().strip() or None
+        with open(os.path.join(root, "latest"), encoding="utf-8", errors="replace") as f:
+            return f.read(256).strip() or None
     except OSError:
         return None
 
@@ -248,7 +256,7 @@ def candidates(root: str) -> list[str]:
                                                if i < it]
     if named is not None and found:
         logger.warning("%s names %s, which is missing or incomplete; using the newest complete "
-                       "checkpoint, %s", os.path.join(root, "latest"), named, found[0][2])
+                       "checkpoint, %s", os.path.join(root, "latest"), _shown(named), found[0][2])
     if named is None and found:
         logger.warning("%s has no 'latest' pointer; using the newest complete checkpoint, %s",
                        root, found[0][2])
@@ -262,7 +270,7 @@ def latest_checkpoint(root: str) -> str | None:
     if folders:
         return folders[0]
     if os.path.exists(pointer):
-        raise CheckpointError(f"{pointer} names {_pointer(root)}, which does not exist, and no "
+        raise CheckpointError(f"{pointer} names {_shown(_pointer(root))}, which does not exist, and no "
                               f"complete iter_* folder is left; point it at a complete checkpoint")
     return None
 
@@ -284,6 +292,17 @@ def read_meta(folder: str) -> dict:
     except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
         raise IntegrityError(f"{path}: unreadable checkpoint metadata ({e}); the checkpoint is "
                              f"incomplete, use an earlier one") from None
+
+
+def read_resumable_meta(folder: str) -> dict:
+    """meta.json with every field a resume reads (`integrity.META_FIELDS`), else IntegrityError:
+    what resume and tools/inspect_checkpoint.py read, so --verify passes only what resumes."""
+    meta = read_meta(folder)
+    bad = integrity.meta_problem(meta)
+    if bad:
+        raise IntegrityError(f"{os.path.join(folder, 'meta.json')}: {bad}; the checkpoint is "
+                             f"damaged, use an earlier one")
+    return meta
 
 
 class VerifiedReader:

@@ -14,6 +14,9 @@ import zlib
 import torch
 
 KEY = "megazoo.crc32"
+# The fields every reader of a checkpoint's meta.json relies on, and their JSON types.
+META_FIELDS = {"iteration": int, "consumed_samples": int, "world_size": int, "model": dict,
+               "layout": dict}
 
 
 def crc32(t: torch.Tensor) -> str:
@@ -50,4 +53,17 @@ def problem(name: str, t: torch.Tensor, table: dict[str, str] | None) -> str | N
     got = crc32(t)
     if got != want:
         return f"tensor {name} fails its checksum (crc32 {got}, saved {want}): the bytes changed on disk"
+    return None
+
+
+def meta_problem(meta) -> str | None:
+    """None when a checkpoint's meta.json holds every field resume, export and inspection read."""
+    if not isinstance(meta, dict):
+        return f"holds a JSON {type(meta).__name__}, not an object"
+    for name, kind in META_FIELDS.items():
+        value = meta.get(name)
+        if value is None:
+            return f"lacks the field {name!r}"
+        if not isinstance(value, kind) or isinstance(value, bool):
+            return f"field {name!r} is {value!r}, not a JSON {'object' if kind is dict else 'integer'}"
     return None

@@ -59,9 +59,13 @@ def save(run: RunConfig, topo, chunks, opt, rng, state: TrainState) -> str:
                 model=dataclasses.asdict(run.model), layout=layout_of(run, topo),
                 seq_length=run.data.seq_length, seed=run.seed, family=family_of(chunks[0]))
     root = run.checkpoint.save
-    folder = ckpt.save_checkpoint(root, state.iteration, topo.rank, topo.world_size,
-                                  rank_tensors(chunks, opt, rng, run.optimizer.zero_stage), meta,
-                                  device=topo.device)
+    tensors = rank_tensors(chunks, opt, rng, run.optimizer.zero_stage)
+    if topo.rank == 0:  # before the save's free-space check: --keep-last can make room
+        storage.make_room(root, ckpt.candidates(root), sum(t.numel() * t.element_size()
+                          for t in tensors.values()), topo.world_size, run.checkpoint.keep_last,
+                          run.checkpoint.keep_every)
+    folder = ckpt.save_checkpoint(root, state.iteration, topo.rank, topo.world_size, tensors,
+                                  meta, device=topo.device)
     if topo.rank == 0:
         storage.prune(ckpt.candidates(root), run.checkpoint.keep_last, run.checkpoint.keep_every)
     return folder
@@ -115,7 +119,7 @@ def load(run: RunConfig, topo, chunks, opt, rng) -> TrainState:
 
 def _read(run: RunConfig, topo, chunks, opt, folder: str):
     """(meta, what to load) of one checkpoint, every tensor read verified; nothing applied."""
-    meta = ckpt.read_meta(folder)
+    meta = ckpt.read_resumable_meta(folder)
     ckpt.check_compatible(meta, model=dataclasses.asdict(run.model), folder=folder)
     finetune = run.checkpoint.finetune
     weights_only = finetune or not run.checkpoint.load_optim  # --no-load-optim keeps the progress

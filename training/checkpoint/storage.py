@@ -51,7 +51,25 @@ def free_space_problem(root: str, own_bytes: int, world_size: int,
     if free >= need * MARGIN:
         return None
     return (f"--save {root}: {free / 2**30:.2f} GiB free, a checkpoint needs about "
-            f"{need * MARGIN / 2**30:.2f} GiB; free space there or pass --keep-last N")
+            f"{need * MARGIN / 2**30:.2f} GiB; free space there, give --save another disk, or pass "
+            f"--keep-last N (a save that lacks room then first deletes the checkpoints beyond the "
+            f"newest N-1; the newest is always kept)")
+
+
+def make_room(root: str, folders: list[str], own_bytes: int, world_size: int,
+              keep_last: int | None, keep_every: int | None) -> list[str]:
+    """Before a save that lacks room: delete now the checkpoints that `prune` would delete
+    after it (beyond the newest keep_last - 1), never the newest one, so the save can fit.
+    Returns the deleted folders (none when there is room or no --keep-last)."""
+    if not keep_last or not folders or \
+            free_space_problem(root, own_bytes, world_size, folders[0]) is None:
+        return []
+    deleted = prune(folders, max(keep_last - 1, 1), keep_every)
+    if deleted:
+        logger.warning("--save %s lacks room for the next checkpoint: deleted %d older one(s) "
+                       "before saving (--keep-last %d would delete them after it)", root,
+                       len(deleted), keep_last)
+    return deleted
 
 
 def prune(folders: list[str], keep_last: int | None, keep_every: int | None) -> list[str]:

@@ -3,7 +3,9 @@
 Training (from the tokenizer flags, or from `--load`'s folder when no tokenizer flag is given),
 import (the Hugging Face folder's tokenizer files) and fine-tuning all write it, with a record
 `megazoo_tokenizer.json`: the tokenizer type to build it with and the model's special-token ids
-(`eos_token_id` may be a list; `generation_eos_token_id` is generation_config.json's). So
+(`eos_token_id` may be a list; `generation_eos_token_id` is generation_config.json's) and its
+`fingerprint` (vocabulary, merges, normalizer, pre-tokenizer: `data.tokenizers`), which a resume
+and the datasets' stats are compared with before training starts (`check_run_tokenizer`). So
 tools/generate.py and export need no tokenizer flags and use the tokenizer the model was trained
 with, and generation stops where `transformers` stops.
 """
@@ -14,8 +16,11 @@ import logging
 import os
 import shutil
 
+from data.blended import check_blend
+from data.indexed import bin_path, idx_path
+from data.token_stats import VocabularyMismatch, current_stats, describe_tokenizer
 from data.tokenizers import (GPT2_TYPES, HF_TYPES, NULL_TYPES, SENTENCEPIECE_TYPES, TokenizerError,
-                             build_tokenizer)
+                             build_tokenizer, same_tokenizer)
 
 logger = logging.getLogger(__name__)
 
@@ -110,9 +115,76 @@ def store_training_tokenizer(data, checkpoint) -> str | None:
         kind = record.get("tokenizer_type", "HuggingFaceTokenizer")
     else:
         return None
+    if kind not in NULL_TYPES and (_flags_given(data) or not record.get("fingerprint")):
+        record["fingerprint"] = _fingerprint_of(checkpoint.save, kind)
     write_record(dst, {**record, "tokenizer_type": kind})
     logger.info("tokenizer (%s) stored in %s", kind, dst)
     return dst
+
+
+def _flags_given(data) -> bool:
+    return bool(data.vocab_file or data.merge_file or data.tokenizer_model)
+
+
+def saved_fingerprint(checkpoint: str) -> str | None:
+    """The fingerprint of a checkpoint's tokenizer: its record's, else computed from its files
+    (checkpoints written before the record had one); None when it carries no tokenizer."""
+    record = read_record(tokenizer_dir(checkpoint))
+    return record.get("fingerprint") or _fingerprint_of(checkpoint, record.get("tokenizer_type"))
+
+
+def _fingerprint_of(checkpoint: str, kind: str | None) -> str | None:
+    """The fingerprint of the tokenizer built from a checkpoint's tokenizer files (None: no
+    files, a NullTokenizer, or files that do not build, which is said)."""
+    folder = tokenizer_dir(checkpoint)
+    if kind in NULL_TYPES or \
+            not any(os.path.isfile(os.path.join(folder, f)) for f in TOKENIZER_FILES[:-1]):
+        return None
+    try:
+        return checkpoint_tokenizer(checkpoint, kind).fingerprint()
+    except TokenizerError as e:
+        logger.warning("%s: its tokenizer cannot be built (%s); no fingerprint to compare", folder, e)
+        return None
+
+
+def data_prefixes(data_path: list[str]) -> list[str]:
+    """The dataset prefixes of a --data-path (weighted or not)."""
+    blend = check_blend(data_path)
+    return blend[1] if blend else [t for item in data_path for t in str(item).split()]
+
+
+def check_run_tokenizer(tok, data, checkpoint) -> None:
+    """Refuse, before any process group, a run whose tokenizer is not the one its --load
+    checkpoint (with --finetune: said in one line) or its datasets were made with, even with a
+    vocabulary of the same size: both fingerprints are named."""
+    mine = tok.fingerprint()
+    if checkpoint.load:
+        theirs = saved_fingerprint(checkpoint.load)
+        if theirs is not None and _differs(theirs, mine, f"--load {checkpoint.load}"):
+            msg = (f"--load {checkpoint.load} was trained with another tokenizer (fingerprint "
+                   f"{theirs}, files in {tokenizer_dir(checkpoint.load)}) than this run's "
+                   f"--tokenizer-type {data.tokenizer_type} (fingerprint {mine})")
+            if not checkpoint.finetune:
+                raise TokenizerError(f"{msg}; pass the checkpoint's tokenizer (e.g. --tokenizer-model "
+                                     f"{tokenizer_dir(checkpoint.load)}), or --finetune to start anew")
+            logger.warning("%s; --finetune: training on with this run's tokenizer", msg)
+    for prefix in ([] if data.mock_data else data_prefixes(data.data_path)):
+        if not (os.path.isfile(bin_path(prefix)) and os.path.isfile(idx_path(prefix))):
+            continue  # a missing file is named where the dataset is opened
+        made = (current_stats(prefix) or {}).get("tokenizer") or {}
+        if made.get("fingerprint") and _differs(made["fingerprint"], mine, prefix):
+            raise VocabularyMismatch(
+                f"{prefix}: made with {describe_tokenizer(made)}, fingerprint {made['fingerprint']}; "
+                f"this run's tokenizer ({data.tokenizer_type}) has fingerprint {mine}: train with the "
+                f"data's tokenizer, or preprocess the corpus again with this one")
+
+
+def _differs(theirs: str, mine: str, what: str) -> bool:
+    same = same_tokenizer(theirs, mine)
+    if same is None:
+        logger.warning("%s was made with a tokenizer of another library (%s, this run %s); the ids "
+                       "may agree but cannot be compared: check them", what, theirs, mine)
+    return same is False
 
 
 def checkpoint_tokenizer(checkpoint: str, tokenizer_type: str | None = None, *,

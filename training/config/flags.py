@@ -6,6 +6,7 @@ Inconsistent values fail before any process group or weight exists, with one cle
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import os
 import sys
@@ -22,6 +23,8 @@ from training.config.megatron_compat import (add_megatron_compat_flags, check_mo
                                              samples_to_iterations, stage_layers, translate, vocab_multiple)
 from training.config.run_config import (CheckpointConfig, DataConfig, HealthConfig, LoggingConfig, RunConfig,
                                         ScheduleConfig)
+
+logger = logging.getLogger("megazoo.train")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -212,6 +215,10 @@ def validate_values(args: argparse.Namespace) -> None:
     for name in ("adam_beta1", "adam_beta2"):
         if not 0 <= getattr(args, name) < 1:
             _fail(f"--{name.replace('_', '-')} must be in [0, 1), got {getattr(args, name)}")
+    for flag, path in (("--save", args.save), ("--load", args.load)):
+        blocker = _file_in_the_way(path)
+        if blocker:
+            _fail(f"{flag} {path}: {blocker} is a file, not a folder; give {flag} a folder")
     if args.keep_every and not args.keep_last:
         _fail("--keep-every K only refines --keep-last N; give --keep-last too")
     try:
@@ -222,6 +229,39 @@ def validate_values(args: argparse.Namespace) -> None:
 
 def _fail(msg: str):
     raise ArgumentError(msg)
+
+
+def _file_in_the_way(path: str | None) -> str | None:
+    """The existing file at `path` or above it (where a folder must be), else None."""
+    probe = os.path.abspath(path) if path else None
+    while probe:
+        if os.path.exists(probe):
+            return None if os.path.isdir(probe) else probe
+        parent = os.path.dirname(probe)
+        probe = None if parent == probe else parent
+    return None
+
+
+def _warn(msg: str) -> None:
+    """One line from rank 0 (every rank parses the same flags)."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        logger.warning("%s", msg)
+
+
+def check_warmup(warmup: int, decay_iters: int | None, train_iters: int, lr: float) -> None:
+    """A warmup longer than an explicit --lr-decay-iters is refused (Megatron's scheduler asserts
+    warmup < decay steps; megazoo accepts warmup = decay: the LR reaches --lr on the last warmup
+    step). A warmup longer than this run, with the decay defaulting to --train-iters, is one
+    warning with the LR the run reaches: Megatron refuses that too, megazoo lets short smoke runs
+    of a real schedule through but says so."""
+    if decay_iters is not None and warmup > decay_iters:
+        _fail(f"LR warmup of {warmup} iterations exceeds --lr-decay-iters {decay_iters}; shorten "
+              f"--lr-warmup-iters/-samples/-fraction or lengthen the decay")
+    if warmup > train_iters:
+        beyond = "" if decay_iters else " (and the decay, which defaults to --train-iters)"
+        _warn(f"LR warmup of {warmup} iterations outlasts --train-iters {train_iters}{beyond}: this "
+              f"run's LR reaches only {lr * train_iters / warmup:.3g} of --lr {lr:g}; shorten "
+              f"--lr-warmup-iters" + ("" if decay_iters else " or give --lr-decay-iters"))
 
 
 def to_run_config(args: argparse.Namespace, vocab_size: int | None = None,
@@ -304,6 +344,11 @@ def to_run_config(args: argparse.Namespace, vocab_size: int | None = None,
         warmup = -(-args.lr_warmup_samples // gbs)
     if args.lr_warmup_fraction is not None:  # Megatron: a fraction of the decay iterations
         warmup = int(args.lr_warmup_fraction * (lr_decay_iters or train_iters))
+    check_warmup(warmup, lr_decay_iters, train_iters, args.lr)
+    if vocab_size and args.vocab_size and args.tokenizer_type not in ("NullTokenizer",) \
+            and args.vocab_size != vocab_size:
+        _warn(f"--vocab-size {args.vocab_size} ignored: the tokenizer gives the vocabulary "
+              f"({vocab_size} tokens, padded by --make-vocab-size-divisible-by); drop the flag")
     if args.rampup_batch_size:
         start, inc, _ = args.rampup_batch_size
         if start % (mbs * dp) or inc % (mbs * dp):

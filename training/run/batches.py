@@ -7,18 +7,22 @@ parallelism a rank keeps only its chunks of each sample's tokens and labels
 """
 from __future__ import annotations
 
+import logging
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Iterator
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from data.blended import build_train_valid_test_datasets
 from data.samplers import PretrainingSampler
 from parallel.context_parallel import split_sequence
 
 from training.config.run_config import DataConfig
+
+logger = logging.getLogger(__name__)
 
 
 class MockGPTDataset:
@@ -39,12 +43,22 @@ class MockGPTDataset:
 
 
 def build_datasets(cfg: DataConfig, *, seed: int, vocab_size: int, num_samples: tuple[int, int, int]):
-    """(train, valid, test); valid/test may be None."""
+    """(train, valid, test); valid/test may be None (a warning says so when evaluation was asked)."""
     if cfg.mock_data:
         return tuple(MockGPTDataset(max(n, 1), cfg.seq_length, vocab_size, seed + i)
                      for i, n in enumerate(num_samples))
-    return build_train_valid_test_datasets(cfg.data_path, cfg.split, cfg.seq_length, seed,
-                                           num_samples, cfg.data_cache_path, vocab_size=vocab_size)
+    train, valid, test = build_train_valid_test_datasets(
+        cfg.data_path, cfg.split, cfg.seq_length, seed, num_samples, cfg.data_cache_path,
+        vocab_size=vocab_size)
+    if valid is None and num_samples[1] and _first_rank():
+        logger.warning("--split %s leaves the validation split of --data-path %s with no documents: "
+                       "evaluation is skipped; give it a larger share (e.g. --split 969,30,1) or more "
+                       "documents, or pass --eval-iters 0", cfg.split, " ".join(map(str, cfg.data_path)))
+    return train, valid, test
+
+
+def _first_rank() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
 
 
 def microbatches(dataset, *, consumed_samples: int, micro_batch_size: int, dp_rank: int, dp: int,

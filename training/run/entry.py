@@ -19,7 +19,7 @@ from data.tokenizers import TokenizerError
 from parallel.topology import LayoutError
 
 from training.config.flags import ArgumentError, build_parser, to_run_config
-from training.checkpoint.tokenizer import store_training_tokenizer
+from training.checkpoint.tokenizer import check_run_tokenizer
 from training.checkpoint.format import CheckpointError
 from training.resilience.health import RunHalted
 from training.run.loop import pretrain
@@ -66,13 +66,13 @@ def main(model_provider, default_model: str, argv=None):
         tok = build_run_tokenizer(args)
         run = to_run_config(args, vocab_size=tok.vocab_size if tok else None,
                             eod_token=tok.eod if tok else None)
+        if tok is not None:  # same vocabulary size is not the same tokenizer
+            check_run_tokenizer(tok, run.data, run.checkpoint)
     except (ValueError, FileNotFoundError) as e:
         _fail(str(e), 2)
     except KeyboardInterrupt:
         sys.exit(exit_code(2))
     try:
-        if _rank() == 0:  # the tokenizer travels with the checkpoint
-            store_training_tokenizer(run.data, run.checkpoint)
         result = pretrain(model_provider, run)
         if dist.is_initialized():  # leave together: a gloo rank torn down while a peer is still
             dist.barrier()         # connected aborts ("terminate called without an active exception")

@@ -16,6 +16,7 @@ from parallel.zero.optimizer import build_optimizer
 
 from training.checkpoint import format as ckpt
 from training.checkpoint import storage
+from training.checkpoint.tokenizer import store_training_tokenizer
 from training.config.run_config import RunConfig
 from training.run.batches import TrainData, build_datasets
 from training.resilience.faults import maybe_hang, report_unhealthy, roll_back
@@ -73,6 +74,8 @@ class Trainer:
         self.opt = build_optimizer(self.chunks, topo, run.optimizer)
         self.lock = storage.SaveLock(run.checkpoint.save) \
             if run.checkpoint.save and topo.rank == 0 else None
+        if self.lock is not None:  # only the job holding --save writes there, the tokenizer first
+            store_training_tokenizer(run.data, run.checkpoint)
         self.journal = journal = RunJournal(run.run_dir)
         self.watchdog = CollectiveWatchdog(
             run.health.collective_timeout, topo.rank, topo.world_size,
