@@ -279,3 +279,11 @@ def test_moe_layer_trains_with_unaligned_expert_widths(dtype, hidden, width):
     tol = 1e-5 if dtype == "float32" else 1e-2
     assert ((y.double() - want).norm() / want.norm()).item() <= tol
     assert x.grad.isfinite().all() and layer.experts.weight1.grad.abs().sum() > 0
+
+
+def test_lm_head_loss_chunk_by_device_and_dtype():
+    from parallel.kernels.lm_head_loss import (CHUNK_TOKENS, CPU_LOW_PRECISION_CHUNK_TOKENS,
+                                               chunk_tokens)
+    assert chunk_tokens(CPU, BF16) == chunk_tokens(CPU, FP16) == CPU_LOW_PRECISION_CHUNK_TOKENS
+    assert chunk_tokens(CPU, FP32) == chunk_tokens(CUDA, BF16) == chunk_tokens(CUDA, FP32) \
+        == CHUNK_TOKENS
