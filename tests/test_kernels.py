@@ -287,3 +287,45 @@ def test_lm_head_loss_chunk_by_device_and_dtype():
     assert chunk_tokens(CPU, BF16) == chunk_tokens(CPU, FP16) == CPU_LOW_PRECISION_CHUNK_TOKENS
     assert chunk_tokens(CPU, FP32) == chunk_tokens(CUDA, BF16) == chunk_tokens(CUDA, FP32) \
         == CHUNK_TOKENS
+
+
+# ---- ring attention blocks -----------------------------------------------------------------------
+
+def test_ring_block_dispatch_and_exchange_dtype():
+    from parallel.kernels.attention_block import choose_block_kernel as c, ring_compute_dtype
+    assert c(CPU, BF16, bias=False) == c(CPU, FP32, bias=True) == "cpu_flash"
+    assert c(CUDA, BF16, bias=False, capability=H100) == c(CUDA, FP16, bias=False,
+                                                           capability=A100) == "cuda_flash"
+    assert c(CUDA, BF16, bias=True, capability=H100) == c(CUDA, FP32, bias=False,
+                                                          capability=H100) == "matmul"
+    assert c(CUDA, BF16, bias=False, capability=V100) == "matmul"
+    # K/V travel in fp32 on the CPU (its measured path), in the activation dtype on a GPU
+    assert ring_compute_dtype(CPU, BF16) == FP32
+    assert ring_compute_dtype(CUDA, BF16) == BF16 and ring_compute_dtype(CUDA, FP32) == FP32
+
+
+@pytest.mark.parametrize("alibi", [False, True])
+def test_ring_attention_in_the_activation_dtype(alibi, monkeypatch):
+    """The GPU's ring path on the CPU (K/V in bf16, blocks on the matmul fallback that CUDA
+    takes for ALiBi), one rank: output and gradients against the dense reference."""
+    from parallel import ring_attention as ra
+    monkeypatch.setattr(ra, "ring_compute_dtype", lambda device, dtype: dtype)
+    monkeypatch.setattr(ra, "_fused", lambda device: False)
+    seen = []
+    real = ra.block_forward
+    monkeypatch.setattr(ra, "block_forward", lambda q, k, *a: seen.append(k.dtype) or real(q, k, *a))
+    g = torch.Generator().manual_seed(0)
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625]) if alibi else None
+    q0 = torch.randn(2, 4, 16, 8, generator=g).to(BF16)
+    k0, v0 = (torch.randn(2, 2, 16, 8, generator=g).to(BF16) for _ in range(2))
+    r = torch.randn(2, 4, 16, 8, generator=g)
+    results = []
+    for ring in (True, False):
+        q, k, v = (t.detach().clone().requires_grad_() for t in (q0, k0, v0))
+        out = ra.ring_attention(q, k, v, None, slopes) if ring else \
+            reference_attention(q, k, v, slopes=slopes)
+        (out.float() * r).sum().backward()
+        results.append([out.float(), q.grad.float(), k.grad.float(), v.grad.float()])
+    assert seen == [BF16]
+    for got, want in zip(*results):
+        assert (got - want).norm() <= 1e-2 * want.norm(), ((got - want).norm() / want.norm()).item()
