@@ -171,7 +171,8 @@ def check_kernels(dev) -> str:
             raise AssertionError(f"attention {name} ({choice.path}/{choice.kernel}): {worst:.2e}")
         out.append(f"attention {name} {choice.path}/{choice.kernel} {worst:.1e}")
     # KV cache: 16 queries at the end of 512 keys
-    q, k, v = torch.randn(1, 8, 16, 64, generator=g), *(torch.randn(1, 8, 512, 64, generator=g) for _ in range(2))
+    q = torch.randn(1, 8, 16, 64, generator=g)
+    k, v = (torch.randn(1, 8, 512, 64, generator=g) for _ in range(2))
     want = attention(q, k, v, q_offset=496)
     got = attention(*(t.to(dev, torch.bfloat16) for t in (q, k, v)), q_offset=496)
     out.append(f"attention kv-cache {_relative(got, want):.1e}")

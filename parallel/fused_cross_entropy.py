@@ -5,13 +5,14 @@ as an fp32 copy and writes log-probabilities; its backward allocates a zeroed [t
 gradient, scatters the targets into it and makes one more pass for the softmax: five trips
 through memory over the largest activation of the model before the two backward matmuls.
 
-Fused, tokens go through the head in chunks (how many: `kernels/lm_head_loss.py`): the matmul, then max, exp and sum in place on the
-chunk's fp32 scratch, and the gradient of the logits (softmax minus one-hot) is written once, in
-the weight's dtype, the precision the unfused backward rounds it to before its matmuls anyway
-(fp16 keeps it in fp32, see below). Backward is just the two matmuls. Only [tokens]-sized vectors cross TP ranks: the max, the sum of exponentials and
-the target's logit, one all-reduce each per call. Without gradients (evaluation) only the loss
-is computed. This is what Megatron's
-`--cross-entropy-loss-fusion` and Liger's fused linear cross-entropy do.
+Fused, tokens go through the head in chunks (how many: `kernels/lm_head_loss.py`): the matmul,
+then max, exp and sum in place on the chunk's fp32 scratch, and the gradient of the logits
+(softmax minus one-hot) is written once, in the weight's dtype, the precision the unfused
+backward rounds it to before its matmuls anyway (fp16 keeps it in fp32, see below). Backward is
+just the two matmuls. Only [tokens]-sized vectors cross TP ranks: the max, the sum of
+exponentials and the target's logit, one all-reduce each per call. Without gradients
+(evaluation) only the loss is computed. This is what Megatron's `--cross-entropy-loss-fusion`
+and Liger's fused linear cross-entropy do.
 
 The per-token gradient g arriving at the loss (1/N for a mean, zero where a loss mask is off)
 is applied in backward without touching the big tensor: with G = softmax - one-hot,
