@@ -66,6 +66,18 @@ def test_attention_dispatch_by_device_and_dtype():
     assert c(CPU, FP32, window=True) == AttentionChoice("window_blocks", "sdpa")
 
 
+def test_window_means_transformers_sliding_window():
+    """`window` W is transformers' Mistral/Qwen2 `sliding_window`: W keys counting the query."""
+    from transformers.masking_utils import sliding_window_causal_mask_function
+    from parallel.kernels.attention import position_bias
+    q_idx, kv_idx = torch.arange(12)[:, None], torch.arange(12)[None, :]
+    for w in (1, 3, 12):
+        want = sliding_window_causal_mask_function(w)(0, 0, q_idx, kv_idx)
+        got = position_bias(0, 12, 0, 12, causal=True, window=w, slopes=None, dtype=FP32,
+                            device=CPU)[0].isfinite()
+        assert torch.equal(got, want) and int(got[-1].sum()) == w
+
+
 # ---- every CPU path against the reference --------------------------------------------------
 
 ATTENTION_CASES = {  # name: (attention kwargs, q length, k length)
