@@ -133,6 +133,48 @@ def test_attention_paths_equal_the_dense_reference(dtype):
             assert err <= tol, (name, what, err)
 
 
+def _flash_varlen_semantics(q, k, v, cu_q, cu_k, max_q, max_k, *, scale, window_size,
+                            enable_gqa):
+    """FlashAttention's documented varlen contract, one sequence at a time: tokens [T, heads, d],
+    sequence i = rows cu[i]:cu[i+1]; query i sees key j when i - left <= j <= i + right (a
+    negative bound: unbounded)."""
+    left, right = window_size
+    outs = []
+    for i in range(cu_q.numel() - 1):
+        qs, ks = slice(cu_q[i], cu_q[i + 1]), slice(cu_k[i], cu_k[i + 1])
+        qi, ki, vi = (t[r].transpose(0, 1)[None] for t, r in ((q, qs), (k, ks), (v, ks)))
+        d = torch.arange(ki.shape[2])[None, :] - torch.arange(qi.shape[2])[:, None]
+        seen = torch.ones_like(d, dtype=torch.bool)
+        if right >= 0:
+            seen &= d <= right
+        if left >= 0:
+            seen &= d >= -left
+        outs.append(torch.nn.functional.scaled_dot_product_attention(
+            qi, ki, vi, attn_mask=seen, scale=scale, enable_gqa=enable_gqa)[0].transpose(0, 1))
+    return torch.cat(outs)
+
+
+def test_varlen_path_flattens_documents_and_windows(monkeypatch):
+    """The CUDA varlen path's own work (documents -> cumulative lengths, window -> FlashAttention's
+    window_size, the [tokens, heads, d] layout), run on the CPU through FlashAttention's
+    documented contract in place of the GPU kernel, against the dense reference."""
+    import torch.nn.attention.varlen as varlen
+    import parallel.kernels.attention as kernels
+    monkeypatch.setattr(varlen, "varlen_attn", _flash_varlen_semantics)
+    monkeypatch.setattr(kernels, "choose_attention",
+                        lambda *a, **kw: AttentionChoice("varlen", "flash_varlen"))
+    g = torch.Generator().manual_seed(0)
+    ids = _packed_ids([[5, 20, 15], [1, 39]])
+    q = torch.randn(2, 4, 40, 8, generator=g)
+    k, v = (torch.randn(2, 2, 40, 8, generator=g) for _ in range(2))
+    for kw in (dict(q_document_ids=ids), dict(window=6), dict(q_document_ids=ids, window=6),
+               dict(causal=False, q_document_ids=ids)):
+        got = attention(q, k, v, **kw)
+        want = reference_attention(q, k, v, causal=kw.get("causal", True), q_ids=kw.get(
+            "q_document_ids"), window=kw.get("window"))
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=str(kw))
+
+
 def test_per_document_attention_does_only_the_documents_work(monkeypatch):
     """Packed documents on the CPU: one kernel call per document, each over that document's
     keys only (block diagonal), no [s, s] mask."""
