@@ -383,3 +383,65 @@ def test_ring_attention_in_the_activation_dtype(alibi, monkeypatch):
     assert seen == [BF16]
     for got, want in zip(*results):
         assert (got - want).norm() <= 1e-2 * want.norm(), ((got - want).norm() / want.norm()).item()
+
+
+def _flash_contract_forward(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, causal, debug, *,
+                            scale=None):
+    """FlashAttention-2's varlen forward contract: out [T, heads, d], lse [heads, T]."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    outs, lses = [], []
+    for i in range(cu_q.numel() - 1):
+        qi, ki, vi = (t[c[i]:c[i + 1]].transpose(0, 1)
+                      for t, c in ((q, cu_q), (k, cu_k), (v, cu_k)))
+        s = qi @ ki.transpose(-1, -2) * scale
+        if causal:
+            s = s.masked_fill(torch.ones_like(s, dtype=torch.bool).triu(1), float("-inf"))
+        lse = s.logsumexp(-1)
+        outs.append((torch.softmax(s, -1) @ vi).transpose(0, 1))
+        lses.append(lse)
+    return torch.cat(outs), torch.cat(lses, dim=1), None, None, None
+
+
+def _flash_contract_backward(do, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, dropout_p, causal,
+                             rng_state, unused, *, scale=None):
+    """Its backward from the final output and lse: dq, dk, dv [T, heads, d]."""
+    grads = []
+    for i in range(cu_q.numel() - 1):
+        rq, rk = slice(cu_q[i], cu_q[i + 1]), slice(cu_k[i], cu_k[i + 1])
+        qi, ki, vi, doi, oi = (t[r].transpose(0, 1) for t, r in
+                               ((q, rq), (k, rk), (v, rk), (do, rq), (out, rq)))
+        s = qi @ ki.transpose(-1, -2) * scale
+        if causal:
+            s = s.masked_fill(torch.ones_like(s, dtype=torch.bool).triu(1), float("-inf"))
+        p = torch.exp(s - lse[:, rq, None])
+        ds = p * (doi @ vi.transpose(-1, -2) - (doi * oi).sum(-1, keepdim=True))
+        grads.append([(ds @ ki * scale).transpose(0, 1), (ds.transpose(-1, -2) @ qi * scale)
+                      .transpose(0, 1), (p.transpose(-1, -2) @ doi).transpose(0, 1)])
+    return tuple(torch.cat(parts) for parts in zip(*grads))
+
+
+def test_cuda_ring_block_plumbing_against_flash_contract(monkeypatch):
+    """The CUDA ring block's own work (layout to FlashAttention's varlen form and back, its
+    log-sum-exp layout both ways, GQA heads expanded and summed), run on the CPU through
+    FlashAttention's contract in place of the GPU kernel, against the CPU flash block."""
+    import parallel.kernels.attention_block as blocks
+    from parallel import ring_attention as ra
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 6, 8, generator=g)
+    k, v = (torch.randn(2, 2, 6, 8, generator=g) for _ in range(2))
+    do = torch.randn(q.shape, generator=g)
+    results = []
+    for kernel in ("cpu_flash", "cuda_flash"):
+        with monkeypatch.context() as m:
+            m.setattr(torch.ops.aten, "_flash_attention_forward", _flash_contract_forward)
+            m.setattr(torch.ops.aten, "_flash_attention_backward", _flash_contract_backward)
+            m.setattr(ra, "choose_block_kernel", lambda *a, **kw: kernel)
+            blocks._flash_lse_layout.cache_clear()
+            for causal in (True, False):
+                out, lse = ra.block_forward(q, k, v, 0.3, None, causal)
+                results.append([out, lse, *ra.block_backward(q, k, v, do, out, lse, 0.3, None,
+                                                             causal)])
+            blocks._flash_lse_layout.cache_clear()
+    for got, want in zip(results[2:], results[:2]):
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
