@@ -124,12 +124,14 @@ class _Span:
     dropout_p: float
 
     def __call__(self, q, k, v, q_start: int, k_start: int, allowed=None) -> torch.Tensor:
-        """q at positions q_start.., k/v at k_start..; `allowed` [b, 1, sq, sk] bool or None.
-        A window over many queries runs block by block, each against the keys it reaches."""
+        """q at positions q_start.., k/v at k_start..; `allowed` (bool, broadcastable to
+        [1, 1, sq, sk]) or None. With a window, queries run in blocks (one block up to twice
+        `max(window, MIN_WINDOW_BLOCK)` queries), each against only the keys it reaches."""
         m = q.shape[2]
-        block = max(self.window or 0, MIN_WINDOW_BLOCK)
-        if self.window is None or m <= 2 * block or allowed is not None:
+        if self.window is None or allowed is not None:
             return self.dense(q, k, v, q_start, k_start, allowed)
+        block = max(self.window, MIN_WINDOW_BLOCK)
+        block = m if m <= 2 * block else block
         outs = []
         for i in range(0, m, block):
             first = max(q_start + i - self.window + 1 - k_start, 0)
