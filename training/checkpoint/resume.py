@@ -54,16 +54,25 @@ def rank_tensors(chunks, opt, rng, zero_stage: int) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def save(run: RunConfig, topo, chunks, opt, rng, state: TrainState) -> str:
+def save(run: RunConfig, topo, chunks, opt, rng, state: TrainState, writer=None) -> str:
+    """Collective: this rank's part of the checkpoint of `state.iteration`, then retention.
+    With `writer` (an `AsyncCheckpointWriter`, --async-save) the files are written in the
+    background and retention runs once they are committed; returns the checkpoint's folder."""
     meta = dict(consumed_samples=state.consumed_samples, skipped_steps=state.skipped_steps,
                 model=dataclasses.asdict(run.model), layout=layout_of(run, topo),
                 seq_length=run.data.seq_length, seed=run.seed, family=family_of(chunks[0]))
     root = run.checkpoint.save
-    folder = ckpt.save_checkpoint(root, state.iteration, topo.rank, topo.world_size,
-                                  rank_tensors(chunks, opt, rng, run.optimizer.zero_stage), meta,
+    tensors = rank_tensors(chunks, opt, rng, run.optimizer.zero_stage)
+
+    def prune() -> None:
+        if topo.rank == 0:
+            storage.prune(ckpt.candidates(root), run.checkpoint.keep_last, run.checkpoint.keep_every)
+
+    if writer is not None:
+        return writer.start(root, state.iteration, tensors, meta, on_commit=prune)
+    folder = ckpt.save_checkpoint(root, state.iteration, topo.rank, topo.world_size, tensors, meta,
                                   device=topo.device)
-    if topo.rank == 0:
-        storage.prune(ckpt.candidates(root), run.checkpoint.keep_last, run.checkpoint.keep_every)
+    prune()
     return folder
 
 

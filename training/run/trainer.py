@@ -15,6 +15,7 @@ from parallel.topology import initialize
 from parallel.zero.optimizer import build_optimizer
 
 from training.checkpoint import format as ckpt
+from training.checkpoint.async_writer import AsyncCheckpointWriter
 from training.checkpoint import storage
 from training.config.run_config import RunConfig
 from training.run.batches import TrainData, build_datasets
@@ -74,6 +75,8 @@ class Trainer:
         self.lock = storage.SaveLock(run.checkpoint.save) \
             if run.checkpoint.save and topo.rank == 0 else None
         self.state = load(run, topo, self.chunks, self.opt, self.rng) if run.checkpoint.load else TrainState()
+        self.writer = AsyncCheckpointWriter(topo.rank, topo.world_size, topo.device) \
+            if run.checkpoint.async_save else None
         self.journal = journal = RunJournal(run.run_dir)
         self.watchdog = CollectiveWatchdog(
             run.health.collective_timeout, topo.rank, topo.world_size,
@@ -140,6 +143,8 @@ class Trainer:
             samples = self.data.physical_ranges(state.consumed_samples, batch)
             report_unhealthy(self.journal, topo, it, verdict, samples, health.policy)
             if health.policy == "rollback":
+                if self.writer is not None:  # roll back to the newest checkpoint, committed
+                    self.writer.wait()
                 skip = self.guard.roll_back(it, samples)
                 self.state = self.result.state = roll_back(run, topo, self.chunks, opt, self.rng, self.data,
                                                            self.journal, it, samples, skip)
@@ -181,10 +186,14 @@ class Trainer:
         self.log.log(dict(loss=vloss, ppl=math.exp(min(vloss, 50))), it, "valid")
 
     def save_if_due(self, stopping: bool) -> None:
-        """Every --save-interval iterations, and when the run stops early."""
+        """Every --save-interval iterations, and when the run stops early (--async-save: first
+        commits the background save in flight once every rank has written it)."""
+        if self.writer is not None:
+            self.writer.poll()
         interval = self.run.checkpoint.save_interval
         if self.run.checkpoint.save and (stopping or (interval and self.state.iteration % interval == 0)):
-            self.result.checkpoint = save(self.run, self.topo, self.chunks, self.opt, self.rng, self.state)
+            self.result.checkpoint = save(self.run, self.topo, self.chunks, self.opt, self.rng,
+                                          self.state, self.writer)
 
     def stop(self, signum: int, why: str) -> None:
         """Stopping early: the steps since the last log line are logged, then the reason."""
@@ -196,10 +205,13 @@ class Trainer:
                            ", checkpoint written" if self.run.checkpoint.save else "")
 
     def finish(self) -> None:
-        """The final state saved (unless just saved), and the run report."""
+        """The final state saved (unless just saved) and on disk, and the run report."""
         save_dir = self.run.checkpoint.save
         if save_dir and self.result.checkpoint != ckpt.iteration_dir(save_dir, self.state.iteration):
-            self.result.checkpoint = save(self.run, self.topo, self.chunks, self.opt, self.rng, self.state)
+            self.result.checkpoint = save(self.run, self.topo, self.chunks, self.opt, self.rng,
+                                          self.state, self.writer)
+        if self.writer is not None:
+            self.writer.wait()
         if self.topo.rank == 0 and self.run.run_dir:
             try:
                 logger.info("run report: %s", write_report(self.run.run_dir))
@@ -207,6 +219,8 @@ class Trainer:
                 logger.info("no run report: %s", e)
 
     def close(self) -> None:
+        if self.writer is not None:  # a run that failed: a save in flight is not committed
+            self.writer.abandon()
         self.data.close()
         self.log.close()
         self.watchdog.close()
