@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -62,10 +62,11 @@ class _InFlight:
     thread: threading.Thread | None
     on_commit: object  # called (on every rank) after the commit; retention runs there
     began: float  # time.perf_counter() when the save began
-    blocked: float  # seconds the step loop was held by `start`
+    copied: float  # seconds `start` held the step loop (opening agreements, host copy)
     error: BaseException | None = None
     written: float = 0.0  # seconds the background write took
-    polls: float = field(default=0.0)  # seconds spent in `poll` agreements
+    polls: float = 0.0  # seconds in the per-iteration agreements and the commit
+    waited: float = 0.0  # seconds the step loop waited for the write to end (`wait`)
 
 
 class AsyncCheckpointWriter:
@@ -75,7 +76,7 @@ class AsyncCheckpointWriter:
         self.rank, self.world_size, self.device = rank, world_size, device
         self._buffers: dict[str, torch.Tensor] = {}
         self._pending: _InFlight | None = None
-        self.stalls: list[float] = []  # per committed save: seconds the step loop was blocked
+        self.saves: list[dict] = []  # per committed save: where the step loop was blocked, seconds
 
     @property
     def in_flight(self) -> int | None:
@@ -124,7 +125,7 @@ class AsyncCheckpointWriter:
             return None
         begin = time.perf_counter()
         self._pending.thread.join()
-        self._pending.polls += time.perf_counter() - begin
+        self._pending.waited += time.perf_counter() - begin
         return self._commit()
 
     def _commit(self) -> str:
@@ -137,12 +138,16 @@ class AsyncCheckpointWriter:
                 pending.on_commit()
         finally:
             pending.polls += time.perf_counter() - begin
-        blocked = pending.blocked + pending.polls
-        self.stalls.append(blocked)
+        stall = dict(iteration=pending.iteration, copied=pending.copied, polls=pending.polls,
+                     waited=pending.waited, written=pending.written)
+        self.saves.append(stall)
         if self.rank == 0:
-            logger.info("checkpoint %s: written in the background in %.2f s, %.2f s after the save "
-                        "began; the step loop was blocked %.3f s", folder, pending.written,
-                        time.perf_counter() - pending.began, blocked)
+            logger.info("checkpoint %s: written in the background in %.2f s, committed %.2f s after "
+                        "the save began; the step loop was blocked %.3f s (host copy %.3f s, "
+                        "agreements and commit %.3f s, waiting for the write %.3f s)", folder,
+                        pending.written, time.perf_counter() - pending.began,
+                        pending.copied + pending.polls + pending.waited, pending.copied,
+                        pending.polls, pending.waited)
         return folder
 
     def abandon(self) -> None:

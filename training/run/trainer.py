@@ -22,7 +22,7 @@ from training.run.batches import TrainData, build_datasets
 from training.resilience.faults import maybe_hang, report_unhealthy, roll_back
 from training.resilience.health import HealthMonitor, ProgressGuard, after_step
 from training.monitor.journal import RunJournal
-from training.monitor.console import RunLogger
+from training.monitor.console import Progress, RunLogger
 from training.run.lr_schedule import global_batch_size, learning_rate
 from training.monitor.metrics import device_peak_flops, moe_metrics
 from training.planning.planner import PlanError, layout_of_run, memory_per_gpu
@@ -95,7 +95,8 @@ class Trainer:
         peak, peak_source = device_peak_flops(topo.device, run.logging.peak_flops, run.optimizer.precision)
         self.window = LogWindow(mcfg.model_flops_per_token(seq), peak, topo, self.state.iteration + 1)
         self.log = RunLogger(run.logging, {"run": dataclasses.asdict(run)}, topo.rank == 0, journal,
-                             self.state.iteration)
+                             self.state.iteration,
+                             Progress(self.sched.train_iters, self.state.iteration, seq))
         if topo.rank == 0:
             active = f" ({mcfg.num_parameters(active=True) / 1e6:.2f}M active per token)" \
                 if mcfg.num_experts else ""
@@ -108,6 +109,7 @@ class Trainer:
         self.nan_injected = False
         self.last_step, self.batch = None, 0
         self.result = TrainResult(self.state, [], [], None)
+        self.checkpoints: list[str] = []  # written by this run, for the closing summary
 
     @property
     def done(self) -> bool:
@@ -192,8 +194,13 @@ class Trainer:
             self.writer.poll()
         interval = self.run.checkpoint.save_interval
         if self.run.checkpoint.save and (stopping or (interval and self.state.iteration % interval == 0)):
-            self.result.checkpoint = save(self.run, self.topo, self.chunks, self.opt, self.rng,
-                                          self.state, self.writer)
+            self.save_now()
+
+    def save_now(self) -> None:
+        """Collective: checkpoint this iteration (in the background with --async-save)."""
+        self.result.checkpoint = save(self.run, self.topo, self.chunks, self.opt, self.rng,
+                                      self.state, self.writer)
+        self.checkpoints.append(self.result.checkpoint)
 
     def stop(self, signum: int, why: str) -> None:
         """Stopping early: the steps since the last log line are logged, then the reason."""
@@ -205,11 +212,10 @@ class Trainer:
                            ", checkpoint written" if self.run.checkpoint.save else "")
 
     def finish(self) -> None:
-        """The final state saved (unless just saved) and on disk, and the run report."""
+        """The final state saved (unless just saved) and on disk, the run report, the summary."""
         save_dir = self.run.checkpoint.save
         if save_dir and self.result.checkpoint != ckpt.iteration_dir(save_dir, self.state.iteration):
-            self.result.checkpoint = save(self.run, self.topo, self.chunks, self.opt, self.rng,
-                                          self.state, self.writer)
+            self.save_now()
         if self.writer is not None:
             self.writer.wait()
         if self.topo.rank == 0 and self.run.run_dir:
@@ -217,6 +223,7 @@ class Trainer:
                 logger.info("run report: %s", write_report(self.run.run_dir))
             except FileNotFoundError as e:  # no iteration logged in this folder yet
                 logger.info("no run report: %s", e)
+        self.log.summary(self.state.iteration, self.state.consumed_samples, self.checkpoints, save_dir)
 
     def close(self) -> None:
         if self.writer is not None:  # a run that failed: a save in flight is not committed
