@@ -101,6 +101,7 @@ def main() -> None:
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(args.threads)
+    load_before = os.getloadavg()
     results = {mode: run_one(args, mode == "async") for mode in ("sync", "async")}
     mb = results["sync"]["checkpoint_bytes"] / 1e6
     print(f"model {results['sync']['params'] / 1e6:.1f}M parameters, checkpoint {mb:.0f} MB, "
@@ -128,7 +129,8 @@ def main() -> None:
     os.makedirs(RESULTS, exist_ok=True)
     with open(os.path.join(RESULTS, "async_save.json"), "w") as f:
         json.dump(dict(config=vars(args), results=results, stall_ratio=ratio,
-                       torch=torch.__version__), f, indent=1)
+                       torch=torch.__version__, load_average=[load_before, os.getloadavg()]),
+                  f, indent=1)
 
 
 if __name__ == "__main__":
