@@ -3,6 +3,7 @@ are written; the files hold the state at the save; `latest` moves only once ever
 is written; a failed or killed background write leaves the previous checkpoint, and a run
 resumes from it exactly; an async run writes the same checkpoints as a synchronous one."""
 import errno
+import json
 import multiprocessing
 import os
 import signal
@@ -149,6 +150,15 @@ def test_async_run_equals_sync_and_resumes_exactly_after_a_writer_crash(tmp_path
     for it in (2, 4):
         _assert_same_files(ckpt.iteration_dir(fast, it), ckpt.iteration_dir(sync, it))
     assert _pointer(fast) == "iter_0000004"
+
+    # A rollback at iteration 3 goes back to the iteration-2 save, whose write may still be in
+    # flight (no commit check has run since): it is waited for and committed first.
+    rolled = str(tmp_path / "rolled")
+    again = _pretrain(["--save", rolled, "--async-save", "--health-policy", "rollback",
+                       "--inject-nan-at-iteration", "3"])
+    events = [json.loads(line) for line in open(os.path.join(rolled, "journal.jsonl"))]
+    assert [(e["iteration"], e["to_iteration"]) for e in events if e["kind"] == "rollback"] == [(3, 2)]
+    assert again.losses == want.losses
 
     # The writer raises during the iteration-4 save: the run ends with the one-line error and
     # the iteration-2 checkpoint stays `latest` (resuming from it: the kill below).
