@@ -70,7 +70,9 @@ def test_training_goes_on_while_the_files_are_written_and_they_hold_the_saved_st
     writer.start(root, 4, _tensors(2.0), {"model": {}})
     assert gate.entered.wait(60)
     monkeypatch.setattr(writer, "wait", _after(writer.wait, gate.open.set))
+    copies = {k: v.data_ptr() for k, v in writer._buffers.items()}
     writer.start(root, 6, _tensors(3.0), {"model": {}})
+    assert {k: v.data_ptr() for k, v in writer._buffers.items()} == copies  # host copy reused
     assert writer.in_flight == 6 and _pointer(root) == "iter_0000004"
     writer.wait()
     assert _pointer(root) == "iter_0000006" and [s["iteration"] for s in writer.saves] == [2, 4, 6]
@@ -108,11 +110,12 @@ def test_a_failed_background_write_keeps_the_previous_checkpoint(tmp_path, monke
     assert writer.in_flight is None and writer.wait() is None
 
 
-def _pretrain(argv):
+def _pretrain(argv, world: int = 1):
     from train_gpt import model_provider
     from training.config.flags import build_parser, to_run_config
     from training.run.loop import pretrain
-    return pretrain(model_provider, to_run_config(build_parser().parse_args(TINY + argv), world_size=1))
+    return pretrain(model_provider, to_run_config(build_parser().parse_args(TINY + argv),
+                                                  world_size=world))
 
 
 def _files(folder) -> dict[str, torch.Tensor]:
@@ -196,7 +199,8 @@ def test_async_run_equals_sync_and_resumes_exactly_after_a_writer_crash(tmp_path
 
 
 def _two_rank_worker(rank, root):
-    """A slow rank holds the commit back; a rank whose write fails stops both with one line."""
+    """A slow rank holds the commit back; a rank whose write fails stops both with one line;
+    a dp2 run with --async-save writes what the synchronous save writes."""
     import training.checkpoint.format as fmt
     from training.checkpoint.async_writer import AsyncCheckpointWriter as Writer
     done, writer = [], Writer(rank, 2)
@@ -223,13 +227,22 @@ def _two_rank_worker(rank, root):
     except fmt.CheckpointError as e:
         message = str(e)
     done.append(_pointer(root) == "iter_0000002")
+    fmt.save_file = real
+    torch.manual_seed(0)
+    want = _pretrain(["--save", os.path.join(root, "sync")], world=2)
+    got = _pretrain(["--save", os.path.join(root, "async"), "--async-save"], world=2)
+    done.append(got.losses == want.losses and len(got.losses) == 4)
+    for it in (2, 4):
+        a = fmt.load_rank_tensors(fmt.iteration_dir(os.path.join(root, "async"), it), rank)
+        b = fmt.load_rank_tensors(fmt.iteration_dir(os.path.join(root, "sync"), it), rank)
+        done.append(a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a))
     return done, message
 
 
-def test_every_rank_waits_for_the_slowest_and_stops_on_any_failed_write(tmp_path):
+def test_two_ranks_wait_for_the_slowest_stop_on_any_failed_write_and_match_sync(tmp_path):
     results = run_distributed(_two_rank_worker, 2, str(tmp_path))
     for done, _ in results:
-        assert done == [True] * 6
+        assert done == [True] * 9
     assert results[0][1] == "another rank could not write its part; checkpoint 4 not saved, the " \
                             "previous one is kept (latest = iter_0000002)"
     assert results[1][1].endswith("Input/output error (" + os.path.join(
