@@ -14,6 +14,7 @@ import torch
 
 import training.checkpoint.format as ckpt
 from tests.distributed import run_distributed
+from training.checkpoint import async_writer
 from training.checkpoint.async_writer import AsyncCheckpointWriter
 
 TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
@@ -108,6 +109,17 @@ def test_a_failed_background_write_keeps_the_previous_checkpoint(tmp_path, monke
         writer.wait()
     assert sorted(os.listdir(root)) == ["iter_0000002", "latest"]
     assert writer.in_flight is None and writer.wait() is None
+
+    def no_memory(tensors, buffers):
+        raise RuntimeError("CUDA error: out of memory\nmore lines")
+
+    monkeypatch.setattr(async_writer, "host_copy", no_memory)
+    with pytest.raises(ckpt.CheckpointError, match=r"^rank 0: no host memory for --async-save's copy "
+                                                   r"of its tensors \(CUDA error: out of memory\); .*"
+                                                   r"checkpoint 6 not saved, the previous one is kept "
+                                                   r"\(latest = iter_0000002\)$"):
+        writer.start(root, 6, _tensors(), {"model": {}})
+    assert sorted(os.listdir(root)) == ["iter_0000002", "latest"] and writer.in_flight is None
 
 
 def _pretrain(argv, world: int = 1):

@@ -89,9 +89,9 @@ class AsyncCheckpointWriter:
         Returns the folder the checkpoint will have once committed."""
         self.wait()  # at most one save in flight (its wait counts as that save's stall)
         began = time.perf_counter()
-        ckpt.begin_save(root, iteration, self.rank, self.world_size, tensors, self.device)
-        copy = host_copy(tensors, self._buffers)
-        tmp = ckpt.iteration_dir(root, iteration) + ".tmp"
+        copy = {}
+        tmp = ckpt.begin_save(root, iteration, self.rank, self.world_size, tensors, self.device,
+                              then=lambda: copy.update(self._copy(tensors)))
         pending = _InFlight(root, iteration, meta, None, on_commit, began,
                             time.perf_counter() - began)
         pending.thread = threading.Thread(target=self._write, args=(pending, tmp, copy),
@@ -99,6 +99,16 @@ class AsyncCheckpointWriter:
         self._pending = pending
         pending.thread.start()
         return ckpt.iteration_dir(root, iteration)
+
+    def _copy(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        try:
+            return host_copy(tensors, self._buffers)
+        except (RuntimeError, MemoryError) as e:  # no host (pinned) memory for the copy
+            self._buffers.clear()
+            first = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+            raise ckpt.CheckpointError(f"rank {self.rank}: no host memory for --async-save's copy "
+                                       f"of its tensors ({first}); free host memory or save "
+                                       f"without --async-save") from None
 
     def _write(self, pending: _InFlight, tmp: str, tensors: dict[str, torch.Tensor]) -> None:
         begin = time.perf_counter()

@@ -80,13 +80,16 @@ def save_checkpoint(root: str, iteration: int, rank: int, world_size: int,
 
 
 def begin_save(root: str, iteration: int, rank: int, world_size: int,
-               tensors: dict[str, torch.Tensor], device=None) -> str:
-    """The first phases of a save (room for it, a fresh `.tmp` folder); returns that folder."""
+               tensors: dict[str, torch.Tensor], device=None, then=None) -> str:
+    """The first phases of a save (room for it, a fresh `.tmp` folder, then `then` if given:
+    each agreed by every rank); returns that folder."""
     tmp = iteration_dir(root, iteration) + ".tmp"
     _phase(root, iteration, device, lambda: _fail(storage.free_space_problem(
         root, sum(t.numel() * t.element_size() for t in tensors.values()), world_size,
         latest_checkpoint(root) if os.path.isdir(root) else None)))
     _phase(root, iteration, device, lambda: _prepare(root, tmp) if rank == 0 else None)
+    if then is not None:
+        _phase(root, iteration, device, then, cleanup=tmp)
     return tmp
 
 
