@@ -87,6 +87,10 @@ class AsyncCheckpointWriter:
               on_commit=None) -> str:
         """Collective: copy this rank's tensors to host memory and write them in the background.
         Returns the folder the checkpoint will have once committed."""
+        if self._pending is not None and self._pending.thread.is_alive() and self.rank == 0:
+            logger.warning("the checkpoint of iteration %d waits for the write of iteration %d, "
+                           "still running; a longer --save-interval avoids the stall", iteration,
+                           self._pending.iteration)
         self.wait()  # at most one save in flight (its wait counts as that save's stall)
         began = time.perf_counter()
         copy = {}
