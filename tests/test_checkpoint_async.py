@@ -260,3 +260,12 @@ def test_two_ranks_wait_for_the_slowest_stop_on_any_failed_write_and_match_sync(
     assert results[1][1].endswith("Input/output error (" + os.path.join(
         str(tmp_path), "iter_0000004.tmp", "rank_00001.safetensors") + "); checkpoint 4 not saved, "
         "the previous one is kept (latest = iter_0000002)")
+
+
+def test_async_save_without_save_is_refused_in_one_line():
+    from training.config.errors import ArgumentError
+    from training.config.flags import build_parser, to_run_config
+    argv = TINY[:-2] + ["--async-save"]  # without --save-interval 2
+    with pytest.raises(ArgumentError, match=r"^--async-save writes the checkpoints of --save in the "
+                                            r"background; give --save DIR$"):
+        to_run_config(build_parser().parse_args(argv), world_size=1)
