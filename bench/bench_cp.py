@@ -169,7 +169,7 @@ def train(seq: int, iters: int, workdir: str) -> dict:
     t0 = time.perf_counter()
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT)
     wall = time.perf_counter() - t0
-    losses = [float(x) for x in re.findall(r"train iter \d+ \| loss ([0-9.]+)", done.stderr + done.stdout)]
+    losses = [float(x) for x in re.findall(r"train iter \d+(?:/\d+)? .*?\| loss ([0-9.]+)", done.stderr + done.stdout)]
     if done.returncode != 0 or len(losses) != iters:
         raise RuntimeError(f"training run failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
     return dict(seq=seq, cp=4, iters=iters, losses=losses, wall_s=wall,

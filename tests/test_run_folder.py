@@ -92,7 +92,7 @@ def test_the_report_draws_moe_layers(tmp_path, monkeypatch):
     log = RunLogger(LoggingConfig(), {}, True, RunJournal(str(tmp_path)))
     for it in (10, 20, 30):
         log.log(dict(loss=5.0, lr=1e-3, tokens_per_s=100.0, mem_gib=0.1, moe_aux_loss=0.01,
-                     moe_max_load=1.5), it)
+                     moe_max_load=1.5 + it / 100), it)  # (a constant gets no panel)
         log.log({f"layer{i}_dropped": 0.1 * i for i in range(2)} |
                 {f"layer{i}_load": 1.5 for i in range(2)} |
                 {f"layer{i}_tokens_per_expert": [0.1, 0.2, 0.3, 0.4] for i in range(2)}, it, "moe")

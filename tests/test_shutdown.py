@@ -39,7 +39,7 @@ def _interrupt_after(cmd, line_marker, sig, whole_group):
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_signal_saves_and_exits_with_the_signal_code(tmp_path, sig, code):
     argv = TINY + ["--train-iters", "1000", "--log-interval", "1", "--save", str(tmp_path)]
-    rc, out = _interrupt_after([sys.executable, os.path.join(REPO, "train_gpt.py"), *argv], "train iter 2 ",
+    rc, out = _interrupt_after([sys.executable, os.path.join(REPO, "train_gpt.py"), *argv], "train iter 2/",
                                sig, whole_group=False)
     assert rc == code, out
     assert "Traceback" not in out and "KeyboardInterrupt" not in out, out
@@ -52,7 +52,7 @@ def test_ctrl_c_under_torchrun_saves_once_on_every_rank(tmp_path):
     again. The workers finish the step, save together and exit 130; only torchrun's own report remains."""
     argv = TINY + ["--train-iters", "1000", "--log-interval", "1", "--save", str(tmp_path),
                    "--tensor-model-parallel-size", "2"]
-    rc, out = _interrupt_after(_torchrun(2, argv), "train iter 2 ", signal.SIGINT, whole_group=True)
+    rc, out = _interrupt_after(_torchrun(2, argv), "train iter 2/", signal.SIGINT, whole_group=True)
     assert rc != 0
     assert out.count("Traceback") <= 1 and "KeyboardInterrupt" not in out, out  # torchrun's, not ours
     assert "exitcode  : 130" in out or "got signal: 2" in out, out

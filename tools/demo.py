@@ -110,7 +110,7 @@ def main() -> None:
            "--eval-interval", str(min(100, args.train_iters)), "--eval-iters", "10", "--save", args.save,
            "--log-throughput"]
     log = "".join(stream(cmd, env=dict(os.environ, OMP_NUM_THREADS="1")))
-    valid = [float(v) for v in re.findall(r"valid iter \d+ \| loss ([0-9.]+)", log)]
+    valid = [float(v) for v in re.findall(r"valid iter \d+(?:/\d+)? \| loss ([0-9.]+)", log)]
     entropy = unigram_entropy(data)
     print(f"\nunigram entropy of the corpus: {entropy:.3f} nats/token; validation loss: "
           f"{valid[0]:.3f} at the first evaluation, {valid[-1]:.3f} at the end "

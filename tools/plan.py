@@ -17,11 +17,16 @@ Only layouts the trainer accepts are ranked: each is checked by train_*.py's own
         --global-batch-size 256 --seq-length 4096 --expert-model-parallel-size 8
     # predicted vs published runs (the table in docs/planner.md)
     python tools/plan.py --published
+
+It first prints what it assumes (sequence, batch, dtype, GPU, interconnect; "default" marks a
+value no flag set), and after the ranking the torchrun command that trains the best layout.
 """
 from __future__ import annotations
 
 import argparse
+import math
 import os
+import shlex
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -64,15 +69,45 @@ def parse_args(argv=None):
                      help="layers on the first pipeline stage (uneven split, as the trainer's flag)")
     lay.add_argument("--decoder-last-pipeline-num-layers", type=int,
                      help="layers on the last pipeline stage")
-    lay.add_argument("--global-batch-size", type=int, default=512)
-    lay.add_argument("--seq-length", type=int, default=2048)
-    lay.add_argument("--precision", choices=["bf16", "fp32"], default="bf16")
+    lay.add_argument("--global-batch-size", type=int, help=f"default {DEFAULTS['global_batch_size']}")
+    lay.add_argument("--seq-length", type=int, help=f"default {DEFAULTS['seq_length']}")
+    lay.add_argument("--precision", choices=["bf16", "fp32"], help=f"default {DEFAULTS['precision']}")
     lay.add_argument("--grad-bytes", type=int, choices=[2, 4], default=4)
     lay.add_argument("--flash-attention", action="store_true")
     lay.add_argument("--overlap-dp", action="store_true")
     p.add_argument("--top", type=int, default=10)
     p.add_argument("--published", action="store_true", help="predicted vs published runs")
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    a.defaulted = [k for k, v in DEFAULTS.items() if getattr(a, k) is None]
+    for k in a.defaulted:
+        setattr(a, k, DEFAULTS[k])
+    return a
+
+
+# What the plan assumes when no flag says otherwise (printed as "default" by `assumptions`).
+DEFAULTS = dict(seq_length=2048, global_batch_size=512, precision="bf16")
+
+
+def assumptions(a, cluster: Cluster) -> str:
+    """One paragraph: every input of the prediction that is not the model or the layout."""
+    def said(key: str, text: str, flag: str) -> str:
+        return f"{text} ({'default; set with ' if key in a.defaulted else ''}{flag})"
+    dtype = "fp32 weights, activations and gradients" if a.precision == "fp32" else \
+        f"bf16 weights and activations, fp32 master weights, {8 * a.grad_bytes}-bit gradients"
+    return ("assumptions: " + "; ".join([
+        said("seq_length", f"sequence {a.seq_length} tokens", "--seq-length"),
+        said("global_batch_size", f"global batch {a.global_batch_size} sequences",
+             "--global-batch-size"),
+        said("precision", dtype, "--precision, --grad-bytes"),
+        f"GPU: {cluster.memory_bytes / GiB:.0f} GiB ({100 * cluster.usable_fraction:.0f}% usable), "
+        f"{cluster.peak_flops / 1e12:.0f} TFLOP/s dense 16-bit peak, {cluster.gpus_per_node} per "
+        f"node ({cluster.name}; --gpu-memory-gb, --peak-tflops, --gpus-per-node)",
+        f"interconnect: {cluster.intra_node_bw / 1e9:.0f} GB/s per GPU inside a node, "
+        f"{cluster.inter_node_bw / 1e9:.1f} GB/s per GPU across nodes, all-reduce bus bandwidth "
+        f"(--intra-node-gbps, --inter-node-gbps)",
+        f"attention {'without' if not a.flash_attention else 'with'} a fused kernel "
+        f"(--flash-attention), data-parallel reduction {'not ' if not a.overlap_dp else ''}"
+        f"overlapped with backward (--overlap-dp)"]) + ".")
 
 
 def build_model(a) -> TransformerConfig:
@@ -134,6 +169,41 @@ def trainer_argv(cfg: TransformerConfig, lay: Layout) -> list[str]:
     return [str(x) for x in argv]
 
 
+def train_script(cfg: TransformerConfig) -> str:
+    """The reference script whose model class trains this configuration."""
+    if cfg.num_experts:
+        return "train_moe.py"
+    if cfg.qk_layernorm or cfg.add_qkv_bias:
+        return "train_qwen.py"
+    if cfg.position_embedding == "alibi":
+        return "train_bloom.py"
+    if cfg.position_embedding == "rope":
+        return "train_llama.py"
+    return "train_gpt.py"
+
+
+def launch_command(a, cfg: TransformerConfig, lay: Layout, cluster: Cluster) -> str:
+    """The torchrun command that trains `lay` (Megatron flag names; upper case: yours to fill)."""
+    flags = trainer_argv(cfg, lay)
+    flags = flags[:flags.index("--mock-data")] + flags[flags.index("--train-iters") + 2:]
+    if a.model:
+        flags = ["--model", a.model] + flags
+    flags += ["--data-path", "DATA_PREFIX", "--tokenizer-type", "HuggingFaceTokenizer",
+              "--tokenizer-model", "TOKENIZER_FOLDER", "--train-iters", "TRAIN_ITERS",
+              "--save", "CHECKPOINTS", "--save-interval", "1000", "--load", "CHECKPOINTS"]
+    nodes = math.ceil(lay.world / cluster.gpus_per_node)
+    launcher = ["torchrun", "--nproc-per-node", str(min(lay.world, cluster.gpus_per_node))]
+    if nodes > 1:
+        launcher += ["--nnodes", str(nodes), "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                     "MASTER_HOST:29500"]
+    lines: list[list[str]] = [[]]
+    for word in launcher + [train_script(cfg)] + flags:  # a flag opens a line once it is long
+        if word.startswith("--") and len(" ".join(lines[-1])) > 60:
+            lines.append([])
+        lines[-1].append(shlex.quote(word))
+    return " \\\n    ".join(" ".join(line) for line in lines)
+
+
 def trainer_refusal(cfg: TransformerConfig, lay: Layout, parser=None) -> str | None:
     """Why the trainer would refuse this layout (its own flag validation), or None if it accepts it."""
     try:
@@ -179,6 +249,7 @@ def main(argv=None) -> None:
         print(published_table())
         return
     cfg, cluster = build_model(a), build_cluster(a)
+    print(assumptions(a, cluster))
     fixed = {k: v for k, v in dict(tp=a.tp, pp=a.pp, vpp=a.vpp, ep=a.ep, zero=a.zero_stage,
                                    recompute=a.recompute, sequence_parallel=a.sequence_parallel,
                                    micro_batch=a.micro_batch_size).items() if v is not None}
@@ -214,6 +285,8 @@ def main(argv=None) -> None:
         refusal = trainer_refusal(cfg, layout)
         if refusal:
             print(f"note: train_*.py refuses this layout: {refusal}")
+        else:
+            print(f"launch ({layout.world} GPUs):\n{launch_command(a, cfg, layout, cluster)}")
         return
     parser = build_parser()
     plans = [p for p in rank_layouts(cfg, cluster, global_batch=a.global_batch_size,
@@ -224,6 +297,9 @@ def main(argv=None) -> None:
     print(f"{len(plans)} layouts fit; the fastest {min(a.top, len(plans))}:\n{HEADER}")
     for p in plans[:a.top]:
         print(row(p))
+    best = plans[0].layout
+    print(f"launch the fastest (the first row, {best.world} GPUs):\n"
+          f"{launch_command(a, cfg, best, cluster)}")
 
 
 if __name__ == "__main__":

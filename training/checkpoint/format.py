@@ -72,16 +72,36 @@ def save_checkpoint(root: str, iteration: int, rank: int, world_size: int,
 
     Every phase ends with an agreement over all ranks, so a rank that cannot write (no space,
     I/O error) stops every rank with the same one-line error and `latest` keeps naming the
-    previous complete checkpoint."""
-    final, tmp = iteration_dir(root, iteration), iteration_dir(root, iteration) + ".tmp"
+    previous complete checkpoint. `--async-save` runs the same phases with the write on a
+    background thread between them (`training/checkpoint/async_writer.py`)."""
+    tmp = begin_save(root, iteration, rank, world_size, tensors, device)
+    return finish_save(root, iteration, rank, world_size, meta, device,
+                       write=lambda: write_rank_file(tmp, rank, tensors))
+
+
+def begin_save(root: str, iteration: int, rank: int, world_size: int,
+               tensors: dict[str, torch.Tensor], device=None, then=None) -> str:
+    """The first phases of a save (room for it, a fresh `.tmp` folder, then `then` if given:
+    each agreed by every rank); returns that folder."""
+    tmp = iteration_dir(root, iteration) + ".tmp"
     _phase(root, iteration, device, lambda: _fail(storage.free_space_problem(
         root, sum(t.numel() * t.element_size() for t in tensors.values()), world_size,
         latest_checkpoint(root) if os.path.isdir(root) else None)))
     _phase(root, iteration, device, lambda: _prepare(root, tmp) if rank == 0 else None)
-    _phase(root, iteration, device, lambda: write_rank_file(tmp, rank, tensors), cleanup=tmp)
+    if then is not None:
+        _phase(root, iteration, device, then, cleanup=tmp)
+    return tmp
+
+
+def finish_save(root: str, iteration: int, rank: int, world_size: int, meta: dict, device,
+                write) -> str:
+    """The last phases: `write` (this rank's file, or the outcome of a background write), then,
+    once every rank's file is on disk, the commit by rank 0."""
+    tmp = iteration_dir(root, iteration) + ".tmp"
+    _phase(root, iteration, device, write, cleanup=tmp)
     _phase(root, iteration, device, lambda: commit(root, iteration, world_size, meta)
            if rank == 0 else None, cleanup=tmp)
-    return final
+    return iteration_dir(root, iteration)
 
 
 def _phase(root: str, iteration: int, device, work, cleanup: str | None = None) -> None:

@@ -54,7 +54,10 @@ def rank_tensors(chunks, opt, rng, zero_stage: int) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def save(run: RunConfig, topo, chunks, opt, rng, state: TrainState) -> str:
+def save(run: RunConfig, topo, chunks, opt, rng, state: TrainState, writer=None) -> str:
+    """Collective: this rank's part of the checkpoint of `state.iteration`, then retention.
+    With `writer` (an `AsyncCheckpointWriter`, --async-save) the files are written in the
+    background and retention runs once they are committed; returns the checkpoint's folder."""
     meta = dict(consumed_samples=state.consumed_samples, skipped_steps=state.skipped_steps,
                 model=dataclasses.asdict(run.model), layout=layout_of(run, topo),
                 seq_length=run.data.seq_length, seed=run.seed, family=family_of(chunks[0]))
@@ -64,10 +67,16 @@ def save(run: RunConfig, topo, chunks, opt, rng, state: TrainState) -> str:
         storage.make_room(root, ckpt.candidates(root), sum(t.numel() * t.element_size()
                           for t in tensors.values()), topo.world_size, run.checkpoint.keep_last,
                           run.checkpoint.keep_every)
-    folder = ckpt.save_checkpoint(root, state.iteration, topo.rank, topo.world_size, tensors,
-                                  meta, device=topo.device)
-    if topo.rank == 0:
-        storage.prune(ckpt.candidates(root), run.checkpoint.keep_last, run.checkpoint.keep_every)
+
+    def prune() -> None:
+        if topo.rank == 0:
+            storage.prune(ckpt.candidates(root), run.checkpoint.keep_last, run.checkpoint.keep_every)
+
+    if writer is not None:
+        return writer.start(root, state.iteration, tensors, meta, on_commit=prune)
+    folder = ckpt.save_checkpoint(root, state.iteration, topo.rank, topo.world_size, tensors, meta,
+                                  device=topo.device)
+    prune()
     return folder
 
 

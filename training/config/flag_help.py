@@ -81,6 +81,8 @@ HELP = {
     "--save": "checkpoint folder; the run journal, metrics.jsonl and report.png go there too",
     "--load": "resume from this checkpoint folder (any layout: resharded on load)",
     "--save-interval": "save every N iterations (and always at the end and on SIGTERM/SIGINT)",
+    "--async-save": "write checkpoints in the background: a save blocks training only to copy this "
+                    "rank's tensors to host memory; `latest` moves once every rank's files are on disk",
     "--finetune": "with --load: weights only; iteration, optimizer and data position start afresh",
     # logging
     "--log-interval": "iterations per console/metrics line",

@@ -156,6 +156,7 @@ def build_parser(default_model: str | None = None) -> argparse.ArgumentParser:
     g.add_argument("--save")
     g.add_argument("--load")
     g.add_argument("--save-interval", type=int)
+    g.add_argument("--async-save", action="store_true")
     g.add_argument("--finetune", action="store_true")
     g = p.add_argument_group("logging")
     g.add_argument("--log-interval", type=int, default=10)
@@ -221,6 +222,8 @@ def validate_values(args: argparse.Namespace) -> None:
             _fail(f"{flag} {path}: {blocker} is a file, not a folder; give {flag} a folder")
     if args.keep_every and not args.keep_last:
         _fail("--keep-every K only refines --keep-last N; give --keep-last too")
+    if args.async_save and not args.save:
+        _fail("--async-save writes the checkpoints of --save in the background; give --save DIR")
     try:
         check_blend(args.data_path)
     except ValueError as e:
@@ -408,7 +411,7 @@ def to_run_config(args: argparse.Namespace, vocab_size: int | None = None,
         checkpoint=CheckpointConfig(save=args.save, load=args.load, save_interval=args.save_interval,
                                     finetune=args.finetune, load_optim=not args.no_load_optim,
                                     load_rng=not args.no_load_rng, keep_last=args.keep_last,
-                                    keep_every=args.keep_every),
+                                    keep_every=args.keep_every, async_save=args.async_save),
         logging=LoggingConfig(log_interval=args.log_interval, eval_interval=args.eval_interval,
                               eval_iters=args.eval_iters, wandb_project=args.wandb_project,
                               wandb_exp_name=args.wandb_exp_name, wandb_save_dir=args.wandb_save_dir,

@@ -56,6 +56,7 @@ class CheckpointConfig:
     load_rng: bool = True  # False (--no-load-rng): RNG streams seeded anew, not restored
     keep_last: int | None = None  # --keep-last N: delete older checkpoints (None: keep all)
     keep_every: int | None = None  # --keep-every K: ... except every K-th iteration
+    async_save: bool = False  # --async-save: rank files written by a background thread
 
 
 @dataclass

@@ -15,6 +15,7 @@ from parallel.topology import initialize
 from parallel.zero.optimizer import build_optimizer
 
 from training.checkpoint import format as ckpt
+from training.checkpoint.async_writer import AsyncCheckpointWriter
 from training.checkpoint import storage
 from training.checkpoint.tokenizer import store_training_tokenizer
 from training.config.run_config import RunConfig
@@ -22,7 +23,7 @@ from training.run.batches import TrainData, build_datasets
 from training.resilience.faults import maybe_hang, report_unhealthy, roll_back
 from training.resilience.health import HealthMonitor, ProgressGuard, after_step
 from training.monitor.journal import RunJournal
-from training.monitor.console import RunLogger
+from training.monitor.console import Progress, RunLogger
 from training.run.lr_schedule import global_batch_size, learning_rate
 from training.monitor.metrics import device_peak_flops, moe_metrics
 from training.planning.planner import PlanError, layout_of_run, memory_per_gpu
@@ -76,6 +77,8 @@ class Trainer:
             if run.checkpoint.save and topo.rank == 0 else None
         if self.lock is not None:  # only the job holding --save writes there, the tokenizer first
             store_training_tokenizer(run.data, run.checkpoint)
+        self.writer = AsyncCheckpointWriter(topo.rank, topo.world_size, topo.device) \
+            if run.checkpoint.async_save else None
         self.journal = journal = RunJournal(run.run_dir)
         self.watchdog = CollectiveWatchdog(
             run.health.collective_timeout, topo.rank, topo.world_size,
@@ -104,7 +107,8 @@ class Trainer:
         peak, peak_source = device_peak_flops(topo.device, run.logging.peak_flops, run.optimizer.precision)
         self.window = LogWindow(mcfg.model_flops_per_token(seq), peak, topo, self.state.iteration + 1)
         self.log = RunLogger(run.logging, {"run": dataclasses.asdict(run)}, topo.rank == 0, journal,
-                             self.state.iteration)
+                             self.state.iteration,
+                             Progress(self.sched.train_iters, self.state.iteration, seq))
         if topo.rank == 0:
             active = f" ({mcfg.num_parameters(active=True) / 1e6:.2f}M active per token)" \
                 if mcfg.num_experts else ""
@@ -117,6 +121,7 @@ class Trainer:
         self.nan_injected = False
         self.last_step, self.batch = None, 0
         self.result = TrainResult(self.state, [], [], None)
+        self.checkpoints: list[str] = []  # written by this run, for the closing summary
 
     @property
     def done(self) -> bool:
@@ -152,6 +157,8 @@ class Trainer:
             samples = self.data.physical_ranges(state.consumed_samples, batch)
             report_unhealthy(self.journal, topo, it, verdict, samples, health.policy)
             if health.policy == "rollback":
+                if self.writer is not None:  # roll back to the newest checkpoint, committed
+                    self.writer.wait()
                 skip = self.guard.roll_back(it, samples)
                 with self.watchdog.collective("rollback (checkpoint load)", patient=True):
                     self.state = self.result.state = roll_back(run, topo, self.chunks, opt, self.rng,
@@ -205,16 +212,22 @@ class Trainer:
         self.log.log(dict(loss=vloss, ppl=math.exp(min(vloss, 50))), it, "valid")
 
     def save_if_due(self, stopping: bool) -> None:
-        """Every --save-interval iterations, and when the run stops early."""
+        """Every --save-interval iterations, and when the run stops early (--async-save: first
+        commits the background save in flight once every rank has written it)."""
+        if self.writer is not None:
+            self.writer.poll()
         interval = self.run.checkpoint.save_interval
         if self.run.checkpoint.save and (stopping or (interval and self.state.iteration % interval == 0)):
-            self.result.checkpoint = self._save()
+            self.save_now()
 
-    def _save(self) -> str:
-        """A checkpoint, watched: a rank frozen while the others wait is named (the writing
-        ranks are alive, so a slow write is waited for: a patient phase)."""
+    def save_now(self) -> None:
+        """Collective: checkpoint this iteration (in the background with --async-save), watched: a
+        rank frozen while the others wait is named (the writing ranks are alive, so a slow write is
+        waited for: a patient phase)."""
         with self.watchdog.collective("checkpoint save (write, agree, commit)", patient=True):
-            return save(self.run, self.topo, self.chunks, self.opt, self.rng, self.state)
+            self.result.checkpoint = save(self.run, self.topo, self.chunks, self.opt, self.rng,
+                                          self.state, self.writer)
+        self.checkpoints.append(self.result.checkpoint)
 
     def stop(self, signum: int, why: str) -> None:
         """Stopping early: the steps since the last log line are logged, then the reason."""
@@ -226,11 +239,16 @@ class Trainer:
                            ", checkpoint written" if self.run.checkpoint.save else "")
 
     def finish(self) -> None:
-        """The final state saved (unless just saved), and the run report (not after a stop
-        signal: the scheduler's grace period is for the checkpoint, and drawing takes seconds)."""
+        """The final state saved (unless just saved) and on disk, the run report (not after a stop
+        signal: the scheduler's grace period is for the checkpoint, and drawing takes seconds), the
+        summary."""
         save_dir = self.run.checkpoint.save
         if save_dir and self.result.checkpoint != ckpt.iteration_dir(save_dir, self.state.iteration):
-            self.result.checkpoint = self._save()
+            self.save_now()
+        if self.writer is not None:
+            with self.watchdog.collective("checkpoint write in the background (wait, commit)",
+                                          patient=True):
+                self.writer.wait()
         if self.topo.rank == 0 and self.run.run_dir and self.result.stop_signal:
             logger.info("run report not drawn: stopping on a signal; draw it with "
                         "tools/report.py %s", self.run.run_dir)
@@ -239,8 +257,11 @@ class Trainer:
                 logger.info("run report: %s", write_report(self.run.run_dir))
             except FileNotFoundError as e:  # no iteration logged in this folder yet
                 logger.info("no run report: %s", e)
+        self.log.summary(self.state.iteration, self.state.consumed_samples, self.checkpoints, save_dir)
 
     def close(self) -> None:
+        if self.writer is not None:  # a run that failed: a save in flight is not committed
+            self.writer.abandon()
         self.data.close()
         self.log.close()
         self.watchdog.close()
