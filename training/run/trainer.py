@@ -65,6 +65,15 @@ def predicted_memory(run: RunConfig, dp: int) -> str:
 
 class Trainer:
     def __init__(self, model_provider, run: RunConfig):
+        # What close() releases, in case the setup fails part way (the caller has no trainer yet).
+        self.lock = self.data = self.log = self.watchdog = None
+        try:
+            self._set_up(model_provider, run)
+        except BaseException:
+            self.close()
+            raise
+
+    def _set_up(self, model_provider, run: RunConfig) -> None:
         self.run, self.sched = run, run.schedule
         self.topo = topo = initialize(run.parallel,
                                       timeout_s=backend_timeout(run.health.collective_timeout))
@@ -207,8 +216,8 @@ class Trainer:
                 logger.info("no run report: %s", e)
 
     def close(self) -> None:
-        self.data.close()
-        self.log.close()
-        self.watchdog.close()
+        for part in (self.data, self.log, self.watchdog):
+            if part is not None:
+                part.close()
         if self.lock is not None:
             self.lock.release()
