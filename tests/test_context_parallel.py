@@ -26,10 +26,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 
 from models.config import TransformerConfig
 from models.language_model import TransformerLanguageModel
+from parallel import collectives as C
 from parallel.context_parallel import local_positions, split_sequence
 from parallel.layout import LayoutError, ParallelConfig
 from parallel.pipeline.engine import PipelineStats, run_pipeline
@@ -78,8 +78,7 @@ class _Tokens:
 
 def _dp_cp_mean(tensors, topo) -> None:
     for t in tensors:
-        if topo.dp_cp_group is not None:
-            dist.all_reduce(t, group=topo.dp_cp_group)
+        C.all_reduce(t, topo.dp_cp_group)
         t /= topo.dp * topo.cp
 
 

@@ -16,10 +16,10 @@ equal the reference within rtol = atol = 1e-5 (fp32), in two 4-rank worlds and o
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from models.language_model import TransformerLanguageModel
 from models.moe import moe_layers, set_aux_loss_scale
+from parallel import collectives as C
 from parallel.pipeline.partition import chunk_prefix, partition
 from parallel.sharding import full_tensor, local_shard
 from parallel.topology import ParallelTopology
@@ -72,8 +72,7 @@ def reference(topo, cfg, microbatches: int):
             (loss / microbatches).backward()
             total += loss.item() / microbatches
         for _, p in named:
-            if topo.dp_group is not None:
-                dist.all_reduce(p.grad, group=topo.dp_group)
+            C.all_reduce(p.grad, topo.dp_group)
             p.grad /= topo.dp
         if step == 0:
             grads = {n: full_tensor(p, single, p.grad).clone() for n, p in named}

@@ -7,10 +7,10 @@ checks the loss, every parameter gradient (tied pair included) and the activatio
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from parallel import collectives as C
 from parallel.pipeline.engine import PipelineStats, run_pipeline
 from parallel.pipeline.partition import partition
 from parallel.pipeline.schedules import activation_bound, build_schedule
@@ -97,7 +97,7 @@ def microbatches(tokens, labels, m: int, dp_topo=None) -> list[dict]:
 def data_parallel_mean(tensors, topo) -> None:
     """What the data-parallel optimizer will do (not the pipeline's job): average over replicas."""
     for t in tensors:
-        dist.all_reduce(t, group=topo.dp_group)
+        C.all_reduce(t, topo.dp_group)
         t /= topo.dp
 
 

@@ -7,10 +7,10 @@ torch.optim.AdamW with decay on matrices only. Everything here runs inside spawn
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from models.config import TransformerConfig
 from models.language_model import TransformerLanguageModel
+from parallel import collectives as C
 from parallel.sharding import full_tensor
 from parallel.topology import ParallelConfig, ParallelTopology
 from parallel.zero import OptimizerConfig, build_optimizer
@@ -38,8 +38,7 @@ def batch(step: int, topo: ParallelTopology | None = None):
 
 def dp_mean(value: float, topo) -> float:
     t = torch.tensor([value], dtype=torch.float64)
-    if topo.dp_group is not None:
-        dist.all_reduce(t, group=topo.dp_group)
+    C.all_reduce(t, topo.dp_group)
     return t.item() / topo.dp
 
 
@@ -57,8 +56,7 @@ def reference_run(topo: ParallelTopology, cfg: TransformerConfig, steps: int = S
         loss = model(ids, labels=labels).mean()
         loss.backward()
         for _, p in named:
-            if topo.dp_group is not None:
-                dist.all_reduce(p.grad, group=topo.dp_group)
+            C.all_reduce(p.grad, topo.dp_group)
             p.grad /= topo.dp
         params = [p for _, p in named]
         norms.append(torch.nn.utils.clip_grad_norm_(params, HYPER["clip_grad"]).item()

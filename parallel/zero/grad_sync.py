@@ -134,7 +134,7 @@ class GradSync:
         b = self.buffers[i]
         self._launched.add(i)
         self._wait(i)
-        tied = b.key.tied and self.embedding_group is not None
+        tied = b.key.tied and not C.is_single(self.embedding_group)
         if tied and not self._finishing:
             # The embedding group spans the first and last pipeline stage, which are at
             # different points of the schedule during backward: a collective between them

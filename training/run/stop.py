@@ -14,7 +14,8 @@ import threading
 import time
 
 import torch
-import torch.distributed as dist
+
+from parallel import collectives as C
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -53,8 +54,7 @@ class StopRequests:
         """(signal number or 0, reason or ""), the same on every rank: one all-reduce per step."""
         elapsed_mins = (time.monotonic() - self.start) / 60
         t = torch.tensor([float(self.signum), elapsed_mins], dtype=torch.float64, device=device)
-        if dist.is_initialized():
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank's clock decides
+        C.all_reduce(t, C.world(), op=C.ReduceOp.MAX)  # the slowest rank's clock decides
         signum, elapsed_mins = int(t[0].item()), t[1].item()
         if signum:
             return signum, f"{signal.Signals(signum).name}"
