@@ -204,11 +204,14 @@ def _pointer(root: str) -> str | None:
 
 
 def _jsonable(obj):
-    if hasattr(obj, "__dataclass_fields__"):
+    """meta.json's encoder for the two non-JSON types a checkpoint records (configs, dtypes); any
+    other value is refused, since `str()` of it would not read back as what was saved."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         return asdict(obj)
     if isinstance(obj, torch.dtype):
         return str(obj)
-    return str(obj)
+    raise TypeError(f"meta.json cannot record {type(obj).__name__} {obj!r}: give it as a number, "
+                    f"string, list, dict, dataclass or torch.dtype")
 
 
 def json_tensor(obj) -> torch.Tensor:
