@@ -148,7 +148,7 @@ def test_loss_and_gradients_equal_the_unsharded_model():
 
 def _train_step(model, opt, topo, step: int) -> tuple[float, float]:
     """One ZeRO step on this rank's share of the ZeRO tests' batch `step`: (loss, grad norm)."""
-    from tests.test_zero_common import batch
+    from tests.helpers import batch
     ids, labels = (split_sequence(t.chunk(topo.dp)[topo.dp_rank], 1, topo.cp, topo.cp_rank)
                    for t in batch(step))
     loss = model(ids, labels=labels).float().mean()
@@ -162,8 +162,8 @@ def _train_step(model, opt, topo, step: int) -> tuple[float, float]:
 
 def _training_worker(rank, tmp):
     from parallel.zero import build_optimizer
-    from tests.test_zero_common import (HYPER, STEPS, full_model_parameters, initial_parameters,
-                                        opt_config, reference_run, small_gpt)
+    from tests.helpers import (HYPER, STEPS, full_model_parameters, initial_parameters,
+                               opt_config, reference_run, small_gpt)
     from tests.tolerances import assert_trained_close
     torch.use_deterministic_algorithms(True)
     cases = [("gpt", dict(cp=2), "p2p", 2), ("llama", dict(cp=4), "a2a", 2),
@@ -193,7 +193,7 @@ def _checkpoint_moves_between_c(model, opt, topo, cfg, params, tmp) -> None:
     ranks as replicas and rebuilds every full tensor, which loads exactly into cp4 and cp1 x dp4."""
     from parallel.random import RNGStreams
     from parallel.zero import build_optimizer
-    from tests.test_zero_common import HYPER, STEPS, full_model_parameters, opt_config
+    from tests.helpers import HYPER, STEPS, full_model_parameters, opt_config
     from tests.tolerances import assert_trained_close
     from training.checkpoint import format as ckpt
     from training.checkpoint import reshard

@@ -7,11 +7,10 @@ import subprocess
 import sys
 import time
 
-import pytest
 from safetensors.torch import load_file
 
 from tests.distributed import run_distributed
-from tests.test_training import REPO, TINY, _pretrain
+from tests.helpers import REPO, TINY, hang_detail, pretrain_gpt
 from training.config.run_config import HealthConfig
 from training.resilience.health import HealthMonitor
 from training.run.batches import SkippingDataset, merge_ranges
@@ -41,9 +40,9 @@ ROLLBACK = TINY + ["--train-iters", "8", "--save-interval", "2", "--spike-zscore
 
 
 def _rollback_worker(rank, bad_dir, ref_dir):
-    a = _pretrain(ROLLBACK + ["--save", bad_dir, "--health-policy", "rollback",
-                              "--inject-nan-at-iteration", "5"], 2)
-    b = _pretrain(ROLLBACK + ["--save", ref_dir], 2)
+    a = pretrain_gpt(ROLLBACK + ["--save", bad_dir, "--health-policy", "rollback",
+                                 "--inject-nan-at-iteration", "5"], 2)
+    b = pretrain_gpt(ROLLBACK + ["--save", ref_dir], 2)
     return a.losses, b.losses, a.state.iteration
 
 
@@ -70,19 +69,8 @@ def test_nan_rollback_replays_and_equals_a_run_without_the_fault(tmp_path):
 
 
 def _hang_worker(rank, run_dir):
-    _pretrain(TINY + ["--train-iters", "5", "--collective-timeout", "3", "--inject-hang", "1", "3", "60",
-                      "--tensorboard-dir", run_dir], 2)
-
-
-def hang_detail(worker, run_dir) -> str:
-    """Run a 2-rank world that hangs; rank 0's watchdog must end it within 45 s: its message."""
-    start = time.monotonic()
-    with pytest.raises(RuntimeError, match=r"ranks \[0\] died"):
-        run_distributed(worker, 2, str(run_dir), timeout=120)
-    assert time.monotonic() - start < 45
-    hangs = [e for e in read_jsonl(os.path.join(run_dir, "journal.jsonl")) if e["kind"] == "hang"]
-    assert hangs and hangs[0]["rank"] == 0, hangs
-    return hangs[0]["detail"]
+    pretrain_gpt(TINY + ["--train-iters", "5", "--collective-timeout", "3", "--inject-hang", "1", "3", "60",
+                         "--tensorboard-dir", run_dir], 2)
 
 
 def test_hung_collective_ends_the_job_naming_the_rank(tmp_path):
@@ -106,12 +94,12 @@ def test_inspect_checkpoint_verifies_and_flags_truncation(tmp_path):
 
 
 def _save_worker(rank, root):
-    _pretrain(TINY + ["--train-iters", "2", "--save", root], 2)
+    pretrain_gpt(TINY + ["--train-iters", "2", "--save", root], 2)
 
 
 def _straggler_worker(rank, run_dir):
-    _pretrain(TINY + ["--train-iters", "4", "--log-interval", "2", "--inject-hang", "1", "3", "1.0",
-                      "--tensorboard-dir", run_dir], 2)
+    pretrain_gpt(TINY + ["--train-iters", "4", "--log-interval", "2", "--inject-hang", "1", "3", "1.0",
+                         "--tensorboard-dir", run_dir], 2)
 
 
 def test_slow_rank_is_named(tmp_path):

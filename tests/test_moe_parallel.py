@@ -25,10 +25,9 @@ from parallel.sharding import full_tensor, local_shard
 from parallel.topology import ParallelTopology
 from parallel.zero import build_optimizer
 from tests.distributed import run_distributed
-from tests.test_moe import moe_config
+from tests.helpers import (HYPER, SEQ, STEPS, batch,
+                           dp_mean, initial_parameters, moe_config, opt_config, topology)
 from tests.tolerances import assert_trained_close
-from tests.test_zero_common import (HYPER, SEQ, STEPS, batch, dp_mean, initial_parameters,
-                                    opt_config, topology)
 from training.run.step import activation_shape, forward_backward
 
 TOL = dict(rtol=1e-5, atol=1e-5)
