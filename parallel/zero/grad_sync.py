@@ -2,10 +2,10 @@
 
 Each parameter gets a post-accumulate-grad hook that adds its fresh gradient into its bucket's
 flat gradient buffer (fp32 by default, so micro-batches accumulate in fp32 even for bf16/fp16
-weights) and drops `param.grad`. Embedding gradients may arrive row-sparse, and weights whose
-dtype matches the buffer get `param.accumulate_wgrad`, through which linear layers write their
-weight gradient into the bucket themselves (see grad_fusion.py); the hook still marks them
-ready. When the last parameter of a bucket has reported in the
+weights) and drops `param.grad`. Embedding gradients may arrive row-sparse, and matrices whose
+dtype matches the buffer get a `ParamSpec.accumulate_wgrad` (`set_spec`), through which linear
+layers write their weight gradient into the bucket themselves (see grad_fusion.py); the hook
+still marks them ready. When the last parameter of a bucket has reported in the
 micro-batch that synchronises, the bucket's collective is launched asynchronously while
 backward carries on with earlier layers:
 
