@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from .collectives import SINGLE
+from .collectives import SINGLE, world
 from .layout import Coords, Grid, LayoutError, ParallelConfig  # noqa: F401 - re-exported
 
 logger = logging.getLogger(__name__)
@@ -153,8 +153,9 @@ class ParallelTopology:
 
     @property
     def world_group(self):
-        """Every rank: the default group, or `SINGLE` in a one-process run."""
-        return None if self.world_size > 1 else SINGLE
+        """Every rank: the default group, or `SINGLE` in a one-process run (or a topology built
+        offline, without process groups, to lay out another world's chunks)."""
+        return world() if self.world_size > 1 else SINGLE
 
     @property
     def is_first_stage(self) -> bool:
