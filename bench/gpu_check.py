@@ -51,11 +51,11 @@ def _close(a, b, atol, rtol=0.0) -> float:
 def check_hf_parity(dev) -> str:
     from parallel.sharding import load_full_state_dict
     from parallel.topology import ParallelTopology
-    from tests.test_hf_parity import CASES, _perturbed
-    from tests.test_llama_hf import hf_llama
+    from tests.helpers import hf_llama, perturbed
+    from tests.test_hf_parity import CASES
     from models import llama
     topo = ParallelTopology.single(device=dev)
-    cases = {name: (module, cls, lambda b=build: _perturbed(b()))
+    cases = {name: (module, cls, lambda b=build: perturbed(b()))
              for name, (module, cls, build) in CASES.items()}
     cases["llama"] = (llama, llama.LlamaModel, hf_llama)
     out = []

@@ -24,12 +24,24 @@ def config_hash(description: dict) -> str:
     return hashlib.md5(text.encode("utf-8")).hexdigest()
 
 
-def _dist():
+def world_collectives():
+    """`parallel.collectives` and its world group, or None without torch (a project dependency,
+    but data/ need not insist on it)."""
     try:
-        import torch.distributed as dist
-    except ImportError:  # torch is a project dependency, but data/ need not insist on it
+        from parallel import collectives
+    except ImportError:
         return None
-    return dist if dist.is_available() and dist.is_initialized() else None
+    return collectives, collectives.world()
+
+
+def is_first_rank(world) -> bool:
+    """Whether this process is global rank 0 (or alone); `world` from `world_collectives()`."""
+    return world is None or world[0].group_rank(world[1]) == 0
+
+
+def barrier(world) -> None:
+    if world is not None:
+        world[0].barrier(world[1])
 
 
 class CachedIndices:
@@ -46,8 +58,8 @@ class CachedIndices:
         return os.path.isfile(self.description_path) and all(os.path.isfile(p) for p in self.paths.values())
 
     def build_or_load(self, build: Callable[[], dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
-        dist = _dist()
-        if (dist is None or dist.get_rank() == 0) and not self.complete():
+        world = world_collectives()
+        if is_first_rank(world) and not self.complete():
             t0 = time.perf_counter()
             arrays = build()
             os.makedirs(os.path.dirname(self.description_path) or ".", exist_ok=True)
@@ -61,8 +73,7 @@ class CachedIndices:
             os.replace(tmp, self.description_path)
             self.built_anew = True
             logger.info("built %s in %.2f s", self.description_path, time.perf_counter() - t0)
-        if dist is not None:
-            dist.barrier()
+        barrier(world)
         if not self.complete():
             raise FileNotFoundError(
                 f"{self.description_path}: index cache missing after rank 0 built it; "

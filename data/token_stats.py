@@ -18,7 +18,7 @@ import os
 
 import numpy as np
 
-from data.index_cache import _dist
+from data.index_cache import barrier, is_first_rank, world_collectives
 from data.indexed import IndexedDataset, bin_path, dataset_fingerprint, idx_path
 
 logger = logging.getLogger(__name__)
@@ -123,11 +123,9 @@ def check_vocabulary(prefixes: list[str], vocab_size: int) -> None:
     """Refuse datasets whose ids or .idx dtype do not fit a `vocab_size`-token model.
 
     Rank 0 scans datasets without a current sidecar first; the others then read its cache."""
-    dist = _dist()
-    first = dist is None or dist.get_rank() == 0
-    stats = [token_stats(p) for p in prefixes] if first else None
-    if dist is not None:
-        dist.barrier()
+    world = world_collectives()
+    stats = [token_stats(p) for p in prefixes] if is_first_rank(world) else None
+    barrier(world)
     if stats is None:
         stats = [token_stats(p) for p in prefixes]
     for prefix, st in zip(prefixes, stats):

@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
+
+from parallel import collectives as C
 
 from .blocks import KVCache
 from .language_model import gather_logits
@@ -86,8 +87,7 @@ def generate(model, topo, prompt: torch.Tensor, max_new_tokens: int, cfg: Sampli
     for _ in range(max_new_tokens):
         logits = gather_logits(model(step_input, cache=cache)[:, -1], topo, vocab)
         token = next_token(logits, cfg, generator)
-        if topo.tp > 1:  # one choice for every TP rank (sampling draws could differ)
-            dist.broadcast(token, src=topo.group_ranks["tp"][0], group=topo.tp_group)
+        C.broadcast(token, topo.tp_group, src=0)  # one choice for every TP rank (draws could differ)
         if len(eos):
             token = torch.where(done, torch.full_like(token, pad), token)
             done |= torch.isin(token, eos)

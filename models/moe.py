@@ -213,7 +213,8 @@ class MoELayer(nn.Module):
         out = torch.zeros_like(tokens).index_add(0, token, y)
         if self.training:
             aux, z = self.aux_losses(logits, counts)
-            self.stats.record(counts, order.numel(), aux.detach(), z.detach())
+            if torch._C._current_graph_task_id() == -1:  # noqa: SLF001 - not the recompute that
+                self.stats.record(counts, order.numel(), aux.detach(), z.detach())  # backward runs
             if torch.is_grad_enabled() and (aux.requires_grad or z.requires_grad):
                 out = _AttachAuxLoss.apply(out, aux + z, self.aux_loss_scale)
         return out

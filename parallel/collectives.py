@@ -5,12 +5,19 @@ Two families, named for what they do:
     blocking, on any tensor            all_reduce(x, g)  all_gather(x, g, dim)  reduce_scatter(x, g, dim)  split(x, g, dim)
                                        all_to_all_rows(x, g, output_splits, input_splits)
                                        all_to_all(x, g, scatter_dim, gather_dim)
+                                       broadcast(x, g, src)  barrier(g)
     launched, on flat buffers          all_reduce_async(t, g)  all_gather_into(out, inp, g)  reduce_scatter_into(out, inp, g)
                                        ring_shift(send, recv, g)  (to the next rank of g, from the previous)
+                                       exchange(sends, recvs, g)  (batched point-to-point)
 
 The blocking verbs return a tensor; the launched ones return a `Pending` whose `wait()` completes
 the operation (and runs an optional follow-up), so buckets can overlap communication with
-computation. A group of None means a group of one: every collective is then the identity.
+computation.
+
+Groups mean what they mean to torch: a `ProcessGroup`, or None for the default (world) group.
+`SINGLE` is the group of this rank alone, where every collective is the identity without touching
+torch.distributed: a `ParallelTopology` hands it out for every group of size 1, and `world()` is
+the default group when one is initialised, else `SINGLE`.
 
 NCCL and gloo (torch >= 2.4) both have the fused reduce-scatter and all-gather into one
 contiguous tensor, and both have `all_to_all_single` with uneven splits (gloo on CPU tensors),
@@ -26,6 +33,29 @@ import torch.distributed as dist
 # torch >= 2.10 renamed the fused collectives; the old names still work but warn.
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+ReduceOp = dist.ReduceOp  # re-exported so callers name reductions without torch.distributed
+
+
+class _Single:
+    """The group of this rank alone (see the module docstring); compared by identity."""
+
+    def __repr__(self) -> str:
+        return "collectives.SINGLE"
+
+
+SINGLE = _Single()
+
+
+def world():
+    """The default group (None) when torch.distributed is initialised, else `SINGLE`."""
+    return None if dist.is_available() and dist.is_initialized() else SINGLE
+
+
+def is_single(group) -> bool:
+    """Whether collectives over `group` are the identity (it is `SINGLE`, or has one rank)."""
+    return group_size(group) == 1
 
 
 class Pending:
@@ -44,11 +74,26 @@ class Pending:
 
 
 def group_size(group) -> int:
-    return 1 if group is None else dist.get_world_size(group)
+    return 1 if group is SINGLE else dist.get_world_size(group)
 
 
 def group_rank(group) -> int:
-    return 0 if group is None else dist.get_rank(group)
+    return 0 if group is SINGLE else dist.get_rank(group)
+
+
+def global_rank(group, rank: int) -> int:
+    """The global rank of `group`'s rank `rank`."""
+    if group is SINGLE:  # its one member is this process
+        return group_rank(world())
+    return rank if group is None else dist.get_global_rank(group, rank)
+
+
+def collective_device(group) -> torch.device:
+    """The device a tensor must live on for collectives over `group`: the current accelerator
+    under NCCL, else the CPU (gloo, and `SINGLE`)."""
+    if group is SINGLE or dist.get_backend(group) != "nccl":
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 def _check_divisible(x: torch.Tensor, dim: int, n: int) -> None:
@@ -58,7 +103,7 @@ def _check_divisible(x: torch.Tensor, dim: int, n: int) -> None:
 
 # ---- blocking verbs ------------------------------------------------------------------------
 
-def all_reduce(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
+def all_reduce(x: torch.Tensor, group, op=ReduceOp.SUM) -> torch.Tensor:
     """Reduce `x` over the group in place (made contiguous first) and return it."""
     if group_size(group) > 1:
         x = x.contiguous()
@@ -123,18 +168,31 @@ def all_to_all(x: torch.Tensor, group, scatter_dim: int, gather_dim: int) -> tor
     return torch.cat(out.unbind(0), dim=gather_dim)
 
 
+def broadcast(x: torch.Tensor, group, src: int = 0) -> torch.Tensor:
+    """Overwrite `x` (contiguous) in place with group rank `src`'s `x` and return it."""
+    if group_size(group) > 1:
+        dist.broadcast(x, src=global_rank(group, src), group=group)
+    return x
+
+
+def barrier(group) -> None:
+    """Return once every rank of the group has reached it."""
+    if group_size(group) > 1:
+        dist.barrier(group=group)
+
+
 # ---- launched verbs on flat buffers -----------------------------------------------------------
 
-def all_reduce_async(tensor: torch.Tensor, group, op=dist.ReduceOp.SUM) -> Pending:
+def all_reduce_async(tensor: torch.Tensor, group, op=ReduceOp.SUM) -> Pending:
     """Launch an in-place all-reduce of a contiguous tensor."""
-    if group is None:
+    if is_single(group):
         return Pending()
     return Pending(dist.all_reduce(tensor, op=op, group=group, async_op=True))
 
 
 def reduce_scatter_into(output: torch.Tensor, input: torch.Tensor, group) -> Pending:
     """Launch: sum `input` (numel = size * output.numel()) over the group; rank r keeps chunk r."""
-    if group is None:
+    if is_single(group):
         output.copy_(input)
         return Pending()
     return Pending(_REDUCE_SCATTER(output, input, group=group, async_op=True))
@@ -142,7 +200,7 @@ def reduce_scatter_into(output: torch.Tensor, input: torch.Tensor, group) -> Pen
 
 def all_gather_into(output: torch.Tensor, input: torch.Tensor, group) -> Pending:
     """Launch: concatenate every rank's `input` into `output` (rank order)."""
-    if group is None:
+    if is_single(group):
         output.copy_(input)
         return Pending()
     return Pending(_ALL_GATHER(output, input, group=group, async_op=True))
@@ -155,10 +213,19 @@ def ring_shift(send: torch.Tensor, recv: torch.Tensor, group, tag: int = 0) -> P
     if n == 1:
         recv.copy_(send)
         return Pending()
-    nxt, prev = dist.get_global_rank(group, (r + 1) % n), dist.get_global_rank(group, (r - 1) % n)
-    works = dist.batch_isend_irecv([dist.P2POp(dist.isend, send.contiguous(), nxt, group, tag=tag),
-                                    dist.P2POp(dist.irecv, recv, prev, group, tag=tag)])
-    return Pending(_All(works))
+    nxt, prev = global_rank(group, (r + 1) % n), global_rank(group, (r - 1) % n)
+    return exchange([(send, nxt)], [(recv, prev)], group, tag=tag)
+
+
+def exchange(sends: list, recvs: list, group, tag: int = 0) -> Pending:
+    """Launch: send each `(tensor, global peer rank)` of `sends` and receive into each
+    `(buffer, global peer rank)` of `recvs`, all in one `batch_isend_irecv` on `group` (every
+    peer must be in it; a single batch cannot deadlock on the order of its operations)."""
+    if is_single(group):
+        raise ValueError("point-to-point exchange on a group of one rank")
+    ops = [dist.P2POp(dist.isend, t.contiguous(), peer, group, tag=tag) for t, peer in sends]
+    ops += [dist.P2POp(dist.irecv, buf, peer, group, tag=tag) for buf, peer in recvs]
+    return Pending(_All(dist.batch_isend_irecv(ops)) if ops else None)
 
 
 class _All:

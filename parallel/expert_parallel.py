@@ -10,7 +10,7 @@ sorts the (token, expert) assignments by expert and then
     combine    the inverse reorder and the inverse all-to-all bring the expert outputs home
 
 Both are autograd-aware: the backward of an all-to-all is the all-to-all with the splits swapped.
-With ep = 1 (or no group) both are identities, so the unsharded model runs the same code.
+With ep = 1 (`collectives.SINGLE`) both are identities, so the unsharded model runs the same code.
 """
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .collectives import all_to_all_rows, group_size
+from . import collectives as C
+from .mappings import all_to_all_rows
 from .topology import ParallelTopology
 
 
@@ -32,18 +33,6 @@ def local_experts(num_experts: int, topo: ParallelTopology) -> range:
     n = num_experts // topo.ep
     start = ep_rank(topo) * n
     return range(start, start + n)
-
-
-class _AllToAll(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, output_splits, input_splits):
-        ctx.group, ctx.splits = group, (output_splits, input_splits)
-        return all_to_all_rows(x, group, output_splits, input_splits)
-
-    @staticmethod
-    def backward(ctx, g):
-        output_splits, input_splits = ctx.splits
-        return all_to_all_rows(g, ctx.group, input_splits, output_splits), None, None, None
 
 
 @dataclass
@@ -60,15 +49,15 @@ def dispatch(x: torch.Tensor, counts: torch.Tensor, group) -> tuple[torch.Tensor
     """Send rows `x` (sorted by global expert; `counts[e]` rows for expert e) to the ranks of
     `group` holding their experts. Returns (rows for my experts sorted expert-major, rows per local
     expert, handle for `combine`)."""
-    ep = group_size(group)
+    ep = C.group_size(group)
     if ep == 1:
         return x, counts, Dispatched(None, [], [])
     local = counts.numel() // ep
     # How many rows each rank sends me for each of my experts: [ep (source), local experts].
-    received = all_to_all_rows(counts.view(ep, local), group, [1] * ep, [1] * ep)
+    received = C.all_to_all_rows(counts.view(ep, local), group, [1] * ep, [1] * ep)
     send = counts.view(ep, local).sum(1).tolist()
     recv = received.sum(1).tolist()
-    rows = _AllToAll.apply(x, group, recv, send)
+    rows = all_to_all_rows(x, group, recv, send)
     # Rows arrive source-major (source, expert); the grouped matmul wants expert-major.
     label = torch.arange(ep * local, device=x.device).repeat_interleave(received.reshape(-1))
     key = (label % local) * ep + label // local
@@ -82,4 +71,4 @@ def combine(y: torch.Tensor, handle: Dispatched, group) -> torch.Tensor:
         return y
     back = torch.empty_like(handle.order)
     back[handle.order] = torch.arange(handle.order.numel(), device=y.device)
-    return _AllToAll.apply(y[back], group, handle.output_splits, handle.input_splits)
+    return all_to_all_rows(y[back], group, handle.output_splits, handle.input_splits)

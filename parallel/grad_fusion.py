@@ -3,14 +3,14 @@
 Megatron's gradient-accumulation fusion: autograd would compute a linear layer's weight gradient
 into a fresh tensor, which the bucket's hook then copies (or adds) into the flat gradient buffer:
 one extra pass over every weight per micro-batch. When the buffer has the weight's dtype, the
-gradient sync attaches `param.accumulate_wgrad(a, b)` to the parameter, and `linear` below calls
-it from backward: one matmul writes a @ b into the bucket, or adds it there (addmm) when an
-earlier micro-batch is already in. Autograd then receives an empty row-sparse gradient (an
+gradient sync sets the parameter's `ParamSpec.accumulate_wgrad(a, b)` (`set_spec`), and
+`linear` below calls it from backward: one matmul writes a @ b into the bucket, or adds it there
+(addmm) when an earlier micro-batch is already in. Autograd then receives an empty row-sparse gradient (an
 exact zero, at no cost), so its bookkeeping and the bucket's readiness hook still run once all
 of the weight's gradients are in, and any other gradient of the same weight is added as usual.
 
-Without the attribute (no ZeRO optimizer, bf16 weights with fp32 buffers, tests that read
-`.grad`), `linear` is plain `F.linear`.
+Without it (`spec_of(weight).accumulate_wgrad` is None: no ZeRO optimizer, bf16 weights with
+fp32 buffers, tests that read `.grad`), `linear` is plain `F.linear`.
 """
 from __future__ import annotations
 

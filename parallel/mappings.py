@@ -1,8 +1,8 @@
 """Autograd-aware collectives for tensor and sequence parallelism (Megatron's "mappings").
 
 Each function is a pair of conjugate operations: what the forward does on activations, the
-backward does (transposed) on gradients. With a group of size 1 (or None) all are identities,
-so unsharded models run through the same code. The raw collectives they are built from live
+backward does (transposed) on gradients. Over a group of size 1 (`collectives.SINGLE`) all are
+identities, so unsharded models run through the same code. The raw collectives they are built from live
 in `parallel/collectives.py`.
 
     copy_to_tp            fwd identity          bwd all-reduce       (enter a column-parallel region)
@@ -14,6 +14,7 @@ in `parallel/collectives.py`.
     gather_sequence_replicated  fwd all-gather (0)  bwd split (0)   (every TP rank then repeats
                                                                   the same computation: MoE)
     all_to_all(x, g, s, t)  fwd scatter dim s, gather dim t   bwd scatter t, gather s   (Ulysses)
+    all_to_all_rows(x, g, out, in)  fwd rows in uneven splits   bwd the splits swapped (MoE)
 
 Activations are laid out [sequence, batch, hidden], so the sequence dimension is dim 0.
 """
@@ -98,15 +99,20 @@ class _ReduceScatterToSequence(torch.autograd.Function):
 
 
 class _AllToAll(torch.autograd.Function):
+    """An all-to-all whose backward is the same exchange reversed. `how` is (raw collective, a, b)
+    with `C.all_to_all` (a, b = scatter, gather dim) or `C.all_to_all_rows` (a, b = output,
+    input splits); the reverse swaps a and b."""
+
     @staticmethod
-    def forward(ctx, x, group, scatter_dim, gather_dim):
-        ctx.group, ctx.dims = group, (scatter_dim, gather_dim)
-        return C.all_to_all(x, group, scatter_dim, gather_dim)
+    def forward(ctx, x, group, how):
+        ctx.group, ctx.how = group, how
+        exchange, a, b = how
+        return exchange(x, group, a, b)
 
     @staticmethod
     def backward(ctx, g):
-        scatter_dim, gather_dim = ctx.dims
-        return C.all_to_all(g, ctx.group, gather_dim, scatter_dim), None, None, None
+        exchange, a, b = ctx.how
+        return exchange(g, ctx.group, b, a), None, None
 
 
 def _apply(fn, x, group):
@@ -142,4 +148,12 @@ def gather_sequence_replicated(x, group):
 
 
 def all_to_all(x, group, scatter_dim: int, gather_dim: int):
-    return x if group_size(group) == 1 else _AllToAll.apply(x, group, scatter_dim, gather_dim)
+    if group_size(group) == 1:
+        return x
+    return _AllToAll.apply(x, group, (C.all_to_all, scatter_dim, gather_dim))
+
+
+def all_to_all_rows(x, group, output_splits: list[int], input_splits: list[int]):
+    if group_size(group) == 1:
+        return x
+    return _AllToAll.apply(x, group, (C.all_to_all_rows, output_splits, input_splits))

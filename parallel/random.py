@@ -55,9 +55,9 @@ class RNGStreams:
     @contextlib.contextmanager
     def fork(self, name: str = TP_STREAM):
         """Run the body on stream `name`; the default generator is untouched by it."""
-        if name not in self.states:  # no stream registered: behave like the default generator
-            yield
-            return
+        if name not in self.states:  # a misspelt or unregistered stream would share the default
+            raise ValueError(f"no RNG stream {name!r}; known streams: {sorted(self.states) or 'none'} "
+                           f"(register it with RNGStreams.add)")
         saved = _get_device_state(self.device)
         _set_device_state(self.device, self.states[name])
         try:

@@ -2,8 +2,9 @@
 
 The layout rules, the rank order and the group lists live in `parallel/layout.py`; this file
 turns them into process groups. A `ParallelTopology` is an explicit object handed to every layer, schedule and optimizer that
-needs to communicate; nothing reads a global. With world size 1 every group is `None` and every
-collective in `parallel.collectives` is the identity, so the same model code runs unsharded.
+needs to communicate; nothing reads a global. Every group of size 1 (all of them at world size 1)
+is `collectives.SINGLE`, over which every collective is the identity, so the same model code runs
+unsharded.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from .collectives import SINGLE, world
 from .layout import Coords, Grid, LayoutError, ParallelConfig  # noqa: F401 - re-exported
 
 logger = logging.getLogger(__name__)
@@ -22,14 +24,14 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class ParallelTopology:
-    """This rank's coordinates and process groups. Groups are None when their size is 1."""
+    """This rank's coordinates and process groups. Groups of size 1 are `collectives.SINGLE`."""
 
     config: ParallelConfig
     rank: int = 0
     world_size: int = 1
     dp: int = 1
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-    groups: dict = field(default_factory=dict)  # kind -> ProcessGroup | None
+    groups: dict = field(default_factory=dict)  # kind -> ProcessGroup (absent: SINGLE)
     group_ranks: dict = field(default_factory=dict)  # kind -> list of global ranks in my group
 
     # ---- construction -------------------------------------------------------------------
@@ -56,9 +58,9 @@ class ParallelTopology:
             for ranks in lists:
                 if len(ranks) > 1 and tuple(ranks) not in made:
                     made[tuple(ranks)] = dist.new_group(ranks)
-                group = made.get(tuple(ranks))
                 if rank in ranks:
-                    topo.groups[kind] = group
+                    if tuple(ranks) in made:
+                        topo.groups[kind] = made[tuple(ranks)]
                     topo.group_ranks[kind] = ranks
         return topo
 
@@ -113,41 +115,47 @@ class ParallelTopology:
 
     @property
     def tp_group(self):
-        return self.groups.get("tp")
+        return self.groups.get("tp", SINGLE)
 
     @property
     def dp_group(self):
-        return self.groups.get("dp")
+        return self.groups.get("dp", SINGLE)
 
     @property
     def cp_group(self):
-        return self.groups.get("cp")
+        return self.groups.get("cp", SINGLE)
 
     @property
     def dp_cp_group(self):
         """Data x context parallel: replicated parameters' gradients are reduced over it."""
-        return self.groups.get("dp_cp")
+        return self.groups.get("dp_cp", SINGLE)
 
     @property
     def ep_group(self):
-        return self.groups.get("ep")
+        return self.groups.get("ep", SINGLE)
 
     @property
     def edp_group(self):
         """Expert data parallel: the ranks holding the same experts."""
-        return self.groups.get("edp")
+        return self.groups.get("edp", SINGLE)
 
     @property
     def pp_group(self):
-        return self.groups.get("pp")
+        return self.groups.get("pp", SINGLE)
 
     @property
     def mp_group(self):
-        return self.groups.get("mp")
+        return self.groups.get("mp", SINGLE)
 
     @property
     def embedding_group(self):
-        return self.groups.get("embedding")
+        return self.groups.get("embedding", SINGLE)
+
+    @property
+    def world_group(self):
+        """Every rank: the default group, or `SINGLE` in a one-process run (or a topology built
+        offline, without process groups, to lay out another world's chunks)."""
+        return world() if self.world_size > 1 else SINGLE
 
     @property
     def is_first_stage(self) -> bool:

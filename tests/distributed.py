@@ -81,12 +81,12 @@ def sum_tied_embedding_grads(chunks, topo) -> None:
     """Reference for pipelines run without the optimizer: sum the tied embedding's gradient over
     the first and last stage, as the gradient sync does inside its buckets in training."""
     import torch
-    import torch.distributed as dist
+    from parallel import collectives as C
     from parallel.pipeline.tied import embedding_group, tied_parameters
     group = embedding_group(topo)
-    if group is None:
+    if C.is_single(group):
         return
     for p in tied_parameters(chunks):
         if p.grad is None:  # a stage whose loss did not reach it still takes part in the sum
             p.grad = torch.zeros_like(p)
-        dist.all_reduce(p.grad, group=group)
+        C.all_reduce(p.grad, group)

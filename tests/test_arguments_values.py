@@ -2,7 +2,7 @@
 --seq-length on resume is refused before step 1."""
 import pytest
 
-from tests.test_training import TINY, _pretrain
+from tests.helpers import TINY, pretrain_gpt
 from training.config.flags import ArgumentError, build_parser, to_run_config
 
 
@@ -32,9 +32,9 @@ def test_bad_values_are_refused_in_one_line(extra, match):
 
 def test_changed_seq_length_on_resume_is_refused(tmp_path):
     from training.checkpoint.format import CheckpointError
-    _pretrain(TINY + ["--train-iters", "1", "--save", str(tmp_path)], 1)
+    pretrain_gpt(TINY + ["--train-iters", "1", "--save", str(tmp_path)], 1)
     longer = [a if a != "16" else "8" for a in TINY]  # --seq-length 8 (and max positions 8)
     with pytest.raises(CheckpointError, match=r"--seq-length 8 differs from 16 in .*iter_0000001: the "
                                               r"saved data position counts 16-token samples; pass "
                                               r"--seq-length 16, or --finetune"):
-        _pretrain(longer + ["--train-iters", "2", "--load", str(tmp_path)], 1)
+        pretrain_gpt(longer + ["--train-iters", "2", "--load", str(tmp_path)], 1)

@@ -13,8 +13,7 @@ import torch
 
 import training.checkpoint.format as ckpt
 from tests.distributed import run_distributed
-from tests.test_health_progress import one_thread  # noqa: F401 - autouse: in-process runs, 1 thread
-from tests.test_training import REPO, TINY, _pretrain
+from tests.helpers import REPO, TINY, one_thread, pretrain_gpt  # noqa: F401 - one_thread: autouse
 from training.checkpoint import storage
 
 
@@ -112,7 +111,7 @@ def test_save_lock_names_the_holder(tmp_path):
         assert holder.stdout.readline().strip() == "held"
         with pytest.raises(storage.SaveLockError, match=rf"--save {tmp_path} is in use by another "
                                                         rf"job \(host \S+ pid {holder.pid} since"):
-            _pretrain(TINY + ["--train-iters", "1", "--save", str(tmp_path)], 1)
+            pretrain_gpt(TINY + ["--train-iters", "1", "--save", str(tmp_path)], 1)
     finally:
         holder.kill()
         holder.wait()
@@ -122,26 +121,26 @@ def test_save_lock_names_the_holder(tmp_path):
 
 def test_keep_last_and_keep_every(tmp_path):
     root = str(tmp_path)
-    _pretrain(TINY + ["--train-iters", "10", "--save", root, "--save-interval", "1",
-                      "--keep-last", "2", "--keep-every", "4"], 1)
+    pretrain_gpt(TINY + ["--train-iters", "10", "--save", root, "--save-interval", "1",
+                         "--keep-last", "2", "--keep-every", "4"], 1)
     assert sorted(n for n in os.listdir(root) if n.startswith("iter_")) == \
         ["iter_0000004", "iter_0000008", "iter_0000009", "iter_0000010"]
-    _pretrain(TINY + ["--train-iters", "12", "--save", root, "--load", root, "--save-interval", "1",
-                      "--keep-last", "2"], 1)
+    pretrain_gpt(TINY + ["--train-iters", "12", "--save", root, "--load", root, "--save-interval", "1",
+                         "--keep-last", "2"], 1)
     assert sorted(n for n in os.listdir(root) if n.startswith("iter_")) == \
         ["iter_0000011", "iter_0000012"]
 
 
 def _fallback_worker(rank, root, hf):
-    _pretrain(TINY + ["--train-iters", "4", "--save", root, "--save-interval", "2"], 2)
+    pretrain_gpt(TINY + ["--train-iters", "4", "--save", root, "--save-interval", "2"], 2)
     import torch.distributed as dist
     path = os.path.join(root, "iter_0000004", "rank_00001.safetensors")
     master = next(k for k in ckpt.VerifiedReader(path).keys() if k.endswith(".master"))
     if rank == 0:  # damage rank 1's fp32 masters of the newest checkpoint
         flip(path, master, n=64)
     dist.barrier()
-    resumed = _pretrain(TINY + ["--train-iters", "6", "--save", root, "--load", root,
-                                "--save-interval", "100"], 2)
+    resumed = pretrain_gpt(TINY + ["--train-iters", "6", "--save", root, "--load", root,
+                                   "--save-interval", "100"], 2)
     return len(resumed.losses), master
 
 

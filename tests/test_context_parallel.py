@@ -11,10 +11,9 @@ pipeline's messages.
 
 A second world trains 3 steps with the ZeRO-2 optimizer (reducing over dp x cp) under cp2 x dp2
 (GPT, ring), cp4 (Llama, a2a) and tp2 x cp2 x SP (Llama, ring), and ZeRO-3 under cp2 x dp2 (BLOOM,
-a2a): losses, gradient norms and the final parameters equal plain AdamW on one process within
-rtol = atol = 1e-5 (the issue's and the ZeRO tests' bound, until the shared tolerance helper
-lands; measured worst parameter error 5.1e-6, where Adam normalises gradient entries whose fp32
-sums the context split reassociates: a margin of 2x, not more). A checkpoint written under
+a2a): losses and gradient norms equal plain AdamW on one process within rtol = atol = 1e-5, the
+final parameters by `tests/tolerances.py::assert_trained_close` (Adam normalises gradient entries
+whose fp32 sums the context split reassociates). A checkpoint written under
 cp2 x dp2 (ZeRO states sharded over dp x cp) reads back as the same full tensors and moments,
 loads exactly into cp4 and cp1 x dp4, and the next step there equals the next step under cp2.
 
@@ -26,10 +25,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 
 from models.config import TransformerConfig
 from models.language_model import TransformerLanguageModel
+from parallel import collectives as C
 from parallel.context_parallel import local_positions, split_sequence
 from parallel.layout import LayoutError, ParallelConfig
 from parallel.pipeline.engine import PipelineStats, run_pipeline
@@ -78,8 +77,7 @@ class _Tokens:
 
 def _dp_cp_mean(tensors, topo) -> None:
     for t in tensors:
-        if topo.dp_cp_group is not None:
-            dist.all_reduce(t, group=topo.dp_cp_group)
+        C.all_reduce(t, topo.dp_cp_group)
         t /= topo.dp * topo.cp
 
 
@@ -149,7 +147,7 @@ def test_loss_and_gradients_equal_the_unsharded_model():
 
 def _train_step(model, opt, topo, step: int) -> tuple[float, float]:
     """One ZeRO step on this rank's share of the ZeRO tests' batch `step`: (loss, grad norm)."""
-    from tests.test_zero_common import batch
+    from tests.helpers import batch
     ids, labels = (split_sequence(t.chunk(topo.dp)[topo.dp_rank], 1, topo.cp, topo.cp_rank)
                    for t in batch(step))
     loss = model(ids, labels=labels).float().mean()
@@ -163,8 +161,8 @@ def _train_step(model, opt, topo, step: int) -> tuple[float, float]:
 
 def _training_worker(rank, tmp):
     from parallel.zero import build_optimizer
-    from tests.test_zero_common import (HYPER, STEPS, full_model_parameters, initial_parameters,
-                                        opt_config, reference_run, small_gpt)
+    from tests.helpers import (HYPER, STEPS, full_model_parameters, initial_parameters,
+                               opt_config, reference_run, small_gpt)
     from tests.tolerances import assert_trained_close
     torch.use_deterministic_algorithms(True)
     cases = [("gpt", dict(cp=2), "p2p", 2), ("llama", dict(cp=4), "a2a", 2),
@@ -194,7 +192,7 @@ def _checkpoint_moves_between_c(model, opt, topo, cfg, params, tmp) -> None:
     ranks as replicas and rebuilds every full tensor, which loads exactly into cp4 and cp1 x dp4."""
     from parallel.random import RNGStreams
     from parallel.zero import build_optimizer
-    from tests.test_zero_common import HYPER, STEPS, full_model_parameters, opt_config
+    from tests.helpers import HYPER, STEPS, full_model_parameters, opt_config
     from tests.tolerances import assert_trained_close
     from training.checkpoint import format as ckpt
     from training.checkpoint import reshard

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from tests.distributed import run_distributed
+from tests.helpers import (VOCAB, check_against_hf, convert_hf_tool, generate_tool, hf_reference,
+                           save_word_tokenizer)
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-VOCAB = 101
 IMPORT_LAYOUTS = [(2, 2, 2), (4, 1, 1)]  # (tp, pp, vpp)
 LOAD_LAYOUTS = [(2, 2, 2), (4, 1, 1), (1, 4, 1), (2, 1, 1)]
 NEW_TOKENS = 8
@@ -38,27 +38,6 @@ def _hf_models():
     return {"gpt2": gpt2.eval(), "bloom": bloom.eval()}
 
 
-def _save_tokenizer(folder):
-    """A word-level tokenizer.json over the 101-token vocabulary (w0..w99, <|endoftext|>)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    vocab = {f"w{i}": i for i in range(VOCAB - 1)}
-    vocab["<|endoftext|>"] = VOCAB - 1
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.save(os.path.join(folder, "tokenizer.json"))
-    return tok
-
-
-def _generate_tool(argv):
-    """tools/generate.py's main in this (spawned) process; returns what it printed."""
-    import contextlib
-    import io
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        assert _tool_module("generate").main(argv) == 0
-    return out.getvalue().strip()
-
-
 def _save_hf(name, model, folder):
     if name == "gpt2":  # sharded safetensors with an index
         model.save_pretrained(folder, max_shard_size="40KB")
@@ -73,60 +52,6 @@ def _save_hf(name, model, folder):
             torch.save(part, os.path.join(folder, fname))
             index["weight_map"].update({k: fname for k in part})
         json.dump(index, open(os.path.join(folder, "pytorch_model.bin.index.json"), "w"))
-
-
-def _pipeline_logits(chunks, topo, ids, hidden):
-    """Forward through the virtual stages in model order (stage s: rank s % pp, chunk s // pp)."""
-    import torch.distributed as dist
-
-    from models.language_model import gather_logits
-    h, last = None, topo.pp * topo.vpp - 1
-    for s in range(last + 1):
-        if topo.pp_rank != s % topo.pp:
-            continue
-        if s > 0:
-            h = torch.empty(ids.shape[1], ids.shape[0], hidden)
-            dist.recv(h, topo.stage_rank(topo.pp_rank - 1))
-        out = chunks[s // topo.pp](ids if s == 0 else h)
-        if s < last:
-            dist.send(out.contiguous(), topo.stage_rank(topo.pp_rank + 1))
-        else:
-            return gather_logits(out, topo, chunks[-1].config.vocab_size)
-    return None
-
-
-def hf_reference(hf, ids, prompt, new_tokens: int) -> dict:
-    """transformers' logits on `ids` and greedy generation from `prompt`, with an eos id chosen so
-    that row 0 stops after 3 tokens (the padding path): the keys `check_against_hf` reads."""
-    with torch.no_grad():
-        logits = hf(ids).logits
-        free = hf.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
-                           max_new_tokens=new_tokens, eos_token_id=None, pad_token_id=0)
-        eos = int(free[0, prompt.shape[1] + 2])
-        greedy = hf.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
-                             max_new_tokens=new_tokens, eos_token_id=eos, pad_token_id=eos)
-    return dict(ids=ids, prompt=prompt, logits=logits, eos=eos, greedy=greedy)
-
-
-def check_against_hf(case: dict, topo, new_tokens: int):
-    """Load `case["ckpt"]` under `topo`: logits within 1e-5 of `case["logits"]` (last stage) and,
-    with pp = 1, greedy generation equal to `case["greedy"]` (eos `case["eos"]`). Returns this
-    rank's chunks and its max logit error (0.0 off the last stage)."""
-    from models.generation import SamplingConfig, generate
-    from training.checkpoint.format import latest_checkpoint
-    from training.checkpoint.hf import load_model_chunks
-    config, chunks = load_model_chunks(latest_checkpoint(case["ckpt"]), topo)
-    where = f"{case.get('name', case.get('family'))} at tp={topo.tp} pp={topo.pp} vpp={topo.vpp}"
-    with torch.no_grad():
-        logits = _pipeline_logits(chunks, topo, case["ids"], config.hidden_size)
-    error = 0.0
-    if logits is not None:
-        torch.testing.assert_close(logits, case["logits"], rtol=0, atol=1e-5, msg=where)
-        error = (logits - case["logits"]).abs().max().item()
-    if topo.pp == 1:
-        out = generate(chunks[0], topo, case["prompt"], new_tokens, SamplingConfig(eos_id=case["eos"]))
-        assert torch.equal(out, case["greedy"]), (where, out, case["greedy"])
-    return chunks, error
 
 
 def _worker(rank, cases, tool_case):
@@ -149,13 +74,13 @@ def _worker(rank, cases, tool_case):
                 samples.append(((case["ckpt"], tp, topo.dp_rank), sampled))
     # tools/generate.py under tp=4 (the world size), text through the imported tokenizer folder
     # prompts of two lengths: batched by length, printed in the order given
-    text = _generate_tool(["--load", tool_case["ckpt"], "--prompt", tool_case["prompt"],
-                           "--prompt", tool_case["short_prompt"], "--prompt", tool_case["prompt"],
-                           "--max-new-tokens", str(NEW_TOKENS), "--no-eos-stop"])
+    text = generate_tool(["--load", tool_case["ckpt"], "--prompt", tool_case["prompt"],
+                          "--prompt", tool_case["short_prompt"], "--prompt", tool_case["prompt"],
+                          "--max-new-tokens", str(NEW_TOKENS), "--no-eos-stop"])
     return max(errors), samples, text
 
 
-def test_import_export_logits_and_generation(tmp_path):
+def test_import_export_logits_and_generation(tmp_path, capsys):
     from training.checkpoint.hf import export_hf, import_hf
     ids = torch.randint(0, VOCAB, (3, 17), generator=torch.Generator().manual_seed(1))
     prompt = ids[:2, :5]
@@ -164,7 +89,7 @@ def test_import_export_logits_and_generation(tmp_path):
         hf_dir = str(tmp_path / f"hf_{name}")
         _save_hf(name, hf, hf_dir)
         if name == "gpt2":
-            tok = _save_tokenizer(hf_dir)
+            tok = save_word_tokenizer(hf_dir)
             words = "w7 w42 w3"
             with torch.no_grad():
                 ref = hf.generate(torch.tensor([tok.encode(words).ids]), do_sample=False,
@@ -178,7 +103,7 @@ def test_import_export_logits_and_generation(tmp_path):
         for tp, pp, vpp in IMPORT_LAYOUTS:
             ckpt = str(tmp_path / f"mz_{name}_{tp}{pp}{vpp}")
             import_hf(hf_dir, ckpt, tp=tp, pp=pp, vpp=vpp)
-            cases.append(dict(ref, family=name, ckpt=ckpt, hf_ln=hf.state_dict().get("transformer.h.0.ln_1.weight")))
+            cases.append(dict(ref, family=name, ckpt=ckpt))
             # HF -> megazoo (tp, pp) -> HF gives identical tensors
             out = str(tmp_path / f"back_{name}_{tp}{pp}{vpp}")
             export_hf(ckpt, out)
@@ -205,34 +130,25 @@ def test_import_export_logits_and_generation(tmp_path):
         assert all(torch.equal(outs[0], o) for o in outs), key
         assert outs[0].shape[1] <= 5 + NEW_TOKENS and int(outs[0].max()) < VOCAB
 
-    # Replicas that drifted apart across TP ranks are averaged on export.
+    # Replicas that drifted apart across TP ranks are refused on export, in one line naming the
+    # tensor and the largest difference (averaging them would hide ranks that diverged).
     from safetensors.torch import load_file, save_file
     path = str(tmp_path / "mz_gpt2_411" / "iter_0000000" / "rank_00001.safetensors")
     tensors = load_file(path)
     key = "model.0.layers.0.input_norm.weight"  # replicated over the 4 TP ranks
     tensors[key] = tensors[key] + 0.4
     save_file(tensors, path)
-    _tool("export", "--load", str(tmp_path / "mz_gpt2_411"), "--save", str(tmp_path / "drift"))
-    drifted = load_file(str(tmp_path / "drift" / "model.safetensors"))["transformer.h.0.ln_1.weight"]
-    torch.testing.assert_close(drifted, cases[0]["hf_ln"] + 0.1, rtol=0, atol=1e-6)
-
-
-def _tool_module(name):
-    """A tools/ script as a module (tools/ is not a package)."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, f"tools/{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def _tool(*argv):
-    return _tool_module("convert_hf").main(list(argv))
+    capsys.readouterr()
+    assert convert_hf_tool("export", "--load", str(tmp_path / "mz_gpt2_411"),
+                           "--save", str(tmp_path / "drift")) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "layers.0.input_norm.weight across tensor-parallel " \
+        "ranks: 4 copies that must be equal differ by up to 0.4" in err, err
+    assert not os.path.exists(tmp_path / "drift" / "model.safetensors")
 
 
 def test_bad_inputs_give_one_line_errors(tmp_path, capsys):
-    from tests.test_reshard import _hf_gpt2
-    from tests.test_training import TINY
+    from tests.helpers import TINY, hf_gpt2
     from training.config.flags import build_parser, to_run_config
     from training.checkpoint.format import CheckpointError, latest_checkpoint, read_meta
     from training.checkpoint.hf import ConversionError, import_hf, read_hf_weights
@@ -244,10 +160,10 @@ def test_bad_inputs_give_one_line_errors(tmp_path, capsys):
     from parallel.zero.optimizer import build_optimizer
 
     hf_dir, ckpt = str(tmp_path / "hf"), str(tmp_path / "mz")
-    _hf_gpt2(hf_dir)
-    assert _tool("import", "--hf-dir", hf_dir, "--save", ckpt, "--tensor-model-parallel-size", "2",
-                 "--pipeline-model-parallel-size", "2",
-                 "--num-layers-per-virtual-pipeline-stage", "1") == 0
+    hf_gpt2(hf_dir)
+    assert convert_hf_tool("import", "--hf-dir", hf_dir, "--save", ckpt, "--tensor-model-parallel-size", "2",
+                           "--pipeline-model-parallel-size", "2",
+                           "--num-layers-per-virtual-pipeline-stage", "1") == 0
     assert read_meta(latest_checkpoint(ckpt))["layout"]["vpp"] == 2
 
     def run_load(*extra):
@@ -269,7 +185,7 @@ def test_bad_inputs_give_one_line_errors(tmp_path, capsys):
         f.truncate(200)
     with pytest.raises(CheckpointError, match="rank_00001.safetensors: corrupt or truncated"):
         run_load("--finetune")
-    assert _tool("export", "--load", ckpt, "--save", str(tmp_path / "out")) == 1
+    assert convert_hf_tool("export", "--load", ckpt, "--save", str(tmp_path / "out")) == 1
     assert "rank_00001.safetensors: corrupt or truncated" in capsys.readouterr().err
 
     # Hugging Face folders: another architecture, a missing config, a pickle that is not weights,

@@ -1,12 +1,6 @@
 """tools/preprocess_data.py and tools/merge_datasets.py end to end, on inputs built in tmp_path."""
-import contextlib
 import gzip
-import importlib.util
-import io
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,8 +9,8 @@ from data.indexed import IndexedDataset
 from data.text_sources import iter_records
 from data.tokenizers import build_tokenizer
 from tests.fixtures import GPT2
+from tests.helpers import load_tool, preprocess, read_docs, write_jsonl
 
-ROOT = Path(__file__).resolve().parents[1]
 
 DOCS = ["first document\n", "second one with émoji 😀", "third\n\n  spaced   out", "x" * 5000]
 
@@ -26,44 +20,8 @@ def tok():
     return build_tokenizer("GPT2BPETokenizer", str(GPT2 / "vocab.json"), str(GPT2 / "merges.txt"))
 
 
-def _load_tool(name):
-    """Import tools/<name>.py (not a package); registered so dataclasses and pickling (fork) work."""
-    if f"tool_{name}" not in sys.modules:
-        spec = importlib.util.spec_from_file_location(f"tool_{name}", ROOT / "tools" / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[f"tool_{name}"]
-
-
-def preprocess(*args, ok=True, subprocess_run=False):
-    """Run the tool in this process (fast: no interpreter start), or as the real script."""
-    argv = ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", str(GPT2 / "vocab.json"),
-            "--merge-file", str(GPT2 / "merges.txt"), "--no-progress", *map(str, args)]
-    if subprocess_run:
-        proc = subprocess.run([sys.executable, str(ROOT / "tools" / "preprocess_data.py"), *argv],
-                              capture_output=True, text=True, timeout=120)
-        rc, out = proc.returncode, proc.stdout + proc.stderr
-    else:
-        buf = io.StringIO()
-        with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
-            rc = _load_tool("preprocess_data").main(argv)
-        out = buf.getvalue()
-    assert (rc == 0) == ok, out
-    return out
-
-
-def read_docs(prefix):
-    ds = IndexedDataset(str(prefix))
-    return [ds[i].tolist() for i in range(len(ds))], ds
-
-
 def expected(tok, docs, eod=True):
     return [tok.encode(d) + ([tok.eod] if eod else []) for d in docs]
-
-
-def write_jsonl(path, docs, key="text"):
-    path.write_text("".join(json.dumps({key: d, "id": i}) + "\n" for i, d in enumerate(docs)))
 
 
 def test_jsonl_matches_direct_tokenization(tmp_path, tok):
@@ -165,7 +123,7 @@ def test_merge_tool(tmp_path, tok):
     preprocess("--input", tmp_path / "a.jsonl", "--output-prefix", tmp_path / "shards" / "a", "--append-eod")
     preprocess("--input", tmp_path / "b.jsonl", "--output-prefix", tmp_path / "shards" / "b", "--append-eod")
     (tmp_path / "shards" / "a_skipped.txt").unlink(missing_ok=True)
-    assert _load_tool("merge_datasets").main(["--input", str(tmp_path / "shards"), "--output-prefix", str(tmp_path / "all")]) == 0
+    assert load_tool("merge_datasets").main(["--input", str(tmp_path / "shards"), "--output-prefix", str(tmp_path / "all")]) == 0
     docs, _ = read_docs(tmp_path / "all")
     assert docs == expected(tok, DOCS)
 

@@ -12,7 +12,7 @@ from data import long_documents
 from data.indexed import IndexedDataset, IndexedDatasetBuilder
 from data.long_documents import safe_slices
 from tests.fixtures import GPT2, SENTENCEPIECE_MODELS
-from tests.test_data_preprocess import _load_tool, preprocess, read_docs, write_jsonl
+from tests.helpers import load_tool, preprocess, read_docs, write_jsonl
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +57,7 @@ def test_unsliceable_tokenizer_refuses_a_too_long_document(tmp_path):
     argv = ["--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", str(sp), "--no-progress",
             "--input", str(tmp_path / "c.jsonl"), "--output-prefix", str(tmp_path / "o"),
             "--max-unsliced-chars", "1000"]
-    assert _load_tool("preprocess_data").main(argv) == 0
+    assert load_tool("preprocess_data").main(argv) == 0
     assert IndexedDataset(str(tmp_path / "o_text_document")).num_documents == 2
     skipped = (tmp_path / "o_skipped.txt").read_text()
     assert "c.jsonl:2\tdocument of 1,200 characters is longer than --max-unsliced-chars 1,000" in skipped

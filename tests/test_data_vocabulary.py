@@ -61,7 +61,7 @@ def test_relabelled_idx_dtype_is_refused(tmp_path):
 
 
 def test_training_refuses_before_step_1(tmp_path):
-    from tests.test_training import TINY, _pretrain
+    from tests.helpers import TINY, pretrain_gpt
     rng = np.random.default_rng(0)
     prefix = build(str(tmp_path / "big"), rng.integers(0, 100, 4000).tolist(), np.uint16,
                    dict(type="GPT2BPETokenizer", vocab_size=100, vocab_file="v.json", merge_file="m.txt"))
@@ -69,5 +69,5 @@ def test_training_refuses_before_step_1(tmp_path):
                                                        "--split", "100,0,0"]
     with pytest.raises(VocabularyMismatch, match=r"ids 0..60\); the data was made with --tokenizer-type "
                                                  r"GPT2BPETokenizer --vocab-file v.json --merge-file m.txt"):
-        _pretrain(argv, 1)
+        pretrain_gpt(argv, 1)
     assert not os.path.exists(str(tmp_path / "cache"))  # refused before any index was built

@@ -14,7 +14,7 @@ from models.language_model import TransformerLanguageModel
 from parallel.param_spec import spec_of
 from parallel.topology import ParallelTopology
 from parallel.zero import OptimizerConfig, build_optimizer
-from tests.test_zero_common import batch, small_gpt
+from tests.helpers import batch, small_gpt
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])

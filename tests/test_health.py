@@ -7,11 +7,10 @@ import subprocess
 import sys
 import time
 
-import pytest
 from safetensors.torch import load_file
 
 from tests.distributed import run_distributed
-from tests.test_training import REPO, TINY, _pretrain
+from tests.helpers import REPO, TINY, hang_detail, pretrain_gpt, record_hang_start
 from training.config.run_config import HealthConfig
 from training.resilience.health import HealthMonitor
 from training.run.batches import SkippingDataset, merge_ranges
@@ -41,9 +40,9 @@ ROLLBACK = TINY + ["--train-iters", "8", "--save-interval", "2", "--spike-zscore
 
 
 def _rollback_worker(rank, bad_dir, ref_dir):
-    a = _pretrain(ROLLBACK + ["--save", bad_dir, "--health-policy", "rollback",
-                              "--inject-nan-at-iteration", "5"], 2)
-    b = _pretrain(ROLLBACK + ["--save", ref_dir], 2)
+    a = pretrain_gpt(ROLLBACK + ["--save", bad_dir, "--health-policy", "rollback",
+                                 "--inject-nan-at-iteration", "5"], 2)
+    b = pretrain_gpt(ROLLBACK + ["--save", ref_dir], 2)
     return a.losses, b.losses, a.state.iteration
 
 
@@ -69,12 +68,6 @@ def test_nan_rollback_replays_and_equals_a_run_without_the_fault(tmp_path):
     assert os.path.getsize(os.path.join(bad, "report.png")) > 10_000
 
 
-def record_hang_start(run_dir: str) -> None:
-    """Called by the worker at the moment its fault begins: the reference for the watchdog's delay."""
-    with open(os.path.join(run_dir, "hang_start"), "w") as f:
-        f.write(repr(time.time()))
-
-
 def _hang_worker(rank, run_dir):
     import training.run.trainer as trainer
     real = trainer.maybe_hang
@@ -84,22 +77,9 @@ def _hang_worker(rank, run_dir):
             record_hang_start(run_dir)
         real(cfg, r, iteration)
     trainer.maybe_hang = recorded
-    _pretrain(TINY + ["--train-iters", "5", "--collective-timeout", "3", "--inject-hang", "1", "3", "60",
-                      "--tensorboard-dir", run_dir], 2)
+    pretrain_gpt(TINY + ["--train-iters", "5", "--collective-timeout", "3", "--inject-hang", "1", "3", "60",
+                         "--tensorboard-dir", run_dir], 2)
 
-
-def hang_detail(worker, run_dir) -> str:
-    """Run a 2-rank world in which rank 1 hangs (recording when); rank 0's watchdog must end it
-    within 40 s of the hang's start (a 3 s timeout: the bound is for load, not for the watchdog):
-    its message."""
-    with pytest.raises(RuntimeError, match=r"ranks \[0\] died"):
-        run_distributed(worker, 2, str(run_dir), timeout=120)
-    hangs = [e for e in read_jsonl(os.path.join(run_dir, "journal.jsonl")) if e["kind"] == "hang"]
-    assert hangs and hangs[0]["rank"] == 0, hangs
-    with open(os.path.join(run_dir, "hang_start")) as f:
-        started = float(f.read())
-    assert hangs[0]["time"] - started < 40, (started, hangs[0]["time"])
-    return hangs[0]["detail"]
 
 
 def test_hung_collective_ends_the_job_naming_the_rank(tmp_path):
@@ -123,12 +103,12 @@ def test_inspect_checkpoint_verifies_and_flags_truncation(tmp_path):
 
 
 def _save_worker(rank, root):
-    _pretrain(TINY + ["--train-iters", "2", "--save", root], 2)
+    pretrain_gpt(TINY + ["--train-iters", "2", "--save", root], 2)
 
 
 def _straggler_worker(rank, run_dir):
-    _pretrain(TINY + ["--train-iters", "4", "--log-interval", "2", "--inject-hang", "1", "3", "1.0",
-                      "--tensorboard-dir", run_dir], 2)
+    pretrain_gpt(TINY + ["--train-iters", "4", "--log-interval", "2", "--inject-hang", "1", "3", "1.0",
+                         "--tensorboard-dir", run_dir], 2)
 
 
 def test_slow_rank_is_named(tmp_path):

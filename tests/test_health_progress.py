@@ -6,26 +6,16 @@ import os
 import pytest
 
 import training.run.trainer as trainer
-from tests.test_training import TINY, _pretrain
+from tests.helpers import TINY, one_thread, pretrain_gpt  # noqa: F401 - one_thread: autouse
 from training.resilience.health import RunHalted
 from training.monitor.journal import read_jsonl
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """In-process runs of a tiny model: threads only add contention."""
-    import torch
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def test_fp16_rollback_over_200_iterations_never_rolls_back(tmp_path):
-    run = _pretrain(TINY + ["--micro-batch-size", "4", "--global-batch-size", "4",
-                            "--fp16", "--loss-scale-window", "3", "--hysteresis", "1",
-                            "--health-policy", "rollback", "--save", str(tmp_path),
-                            "--save-interval", "50", "--train-iters", "200", "--num-layers", "2"], 1)
+    run = pretrain_gpt(TINY + ["--micro-batch-size", "4", "--global-batch-size", "4",
+                               "--fp16", "--loss-scale-window", "3", "--hysteresis", "1",
+                               "--health-policy", "rollback", "--save", str(tmp_path),
+                               "--save-interval", "50", "--train-iters", "200", "--num-layers", "2"], 1)
     assert run.state.iteration == 200
     events = read_jsonl(os.path.join(tmp_path, "journal.jsonl"))
     assert [e for e in events if e["kind"] in ("rollback", "nonfinite", "skip_samples")] == []
@@ -48,12 +38,12 @@ def test_nan_at_every_step_stops_the_run(tmp_path, monkeypatch, policy):
     _poisoning(monkeypatch, lambda n, mb, calls: n >= 3)
     with pytest.raises(RunHalted, match=r"iteration 7: 5 consecutive steps without an update \(last: "
                                         r"loss is nan\); stopping \(--max-bad-steps 5\)"):
-        _pretrain(TINY + ["--train-iters", "50", "--max-bad-steps", "5", "--health-policy", policy], 1)
+        pretrain_gpt(TINY + ["--train-iters", "50", "--max-bad-steps", "5", "--health-policy", policy], 1)
 
 
 def test_fp16_skipping_every_step_stops_the_run():
     with pytest.raises(RunHalted, match=r"iteration 20: 20 consecutive steps without an update"):
-        _pretrain(TINY + ["--train-iters", "50", "--fp16", "--initial-loss-scale", "1e300"], 1)
+        pretrain_gpt(TINY + ["--train-iters", "50", "--fp16", "--initial-loss-scale", "1e300"], 1)
 
 
 def test_samples_are_skipped_only_when_they_fail_twice(tmp_path, monkeypatch):
@@ -64,8 +54,8 @@ def test_samples_are_skipped_only_when_they_fail_twice(tmp_path, monkeypatch):
             bad.append(calls[-1])
         return bool(bad) and any(c.equal(bad[0]) for c in calls[-1:])
     _poisoning(monkeypatch, when)
-    run = _pretrain(TINY + ["--train-iters", "8", "--save", str(tmp_path), "--save-interval", "2",
-                            "--health-policy", "rollback", "--spike-zscore", "0"], 1)
+    run = pretrain_gpt(TINY + ["--train-iters", "8", "--save", str(tmp_path), "--save-interval", "2",
+                               "--health-policy", "rollback", "--spike-zscore", "0"], 1)
     assert run.state.iteration == 8
     events = read_jsonl(os.path.join(tmp_path, "journal.jsonl"))
     rollbacks = [(e["iteration"], e["skipped"]) for e in events if e["kind"] == "rollback"]
@@ -77,7 +67,7 @@ def _frozen_worker(rank, run_dir):
     import signal
 
     import training.checkpoint.format as ckpt
-    from tests.test_health import record_hang_start
+    from tests.helpers import record_hang_start
     real = ckpt.write_rank_file
 
     def freeze_while_saving(tmp, r, tensors):  # rank 1 freezes writing iteration 3's checkpoint
@@ -86,12 +76,12 @@ def _frozen_worker(rank, run_dir):
             os.kill(os.getpid(), signal.SIGSTOP)
         return real(tmp, r, tensors)
     ckpt.write_rank_file = freeze_while_saving
-    _pretrain(TINY + ["--train-iters", "5", "--collective-timeout", "3", "--save", run_dir,
-                      "--save-interval", "3"], 2)
+    pretrain_gpt(TINY + ["--train-iters", "5", "--collective-timeout", "3", "--save", run_dir,
+                         "--save-interval", "3"], 2)
 
 
 def test_a_rank_sigstopped_during_a_save_is_named_within_the_timeout(tmp_path):
-    from tests.test_health import hang_detail
+    from tests.helpers import hang_detail
     detail = hang_detail(_frozen_worker, tmp_path)
     assert "collective checkpoint save (write, agree, commit) over world timed out after 3 s (a " \
            "patient phase) on rank 0: ranks that did not arrive: none (every live rank arrived); " \

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from tests.distributed import run_distributed
+from tests.helpers import NEW_TOKENS, round_trip_cases
 
 VOCAB = 101
-NEW_TOKENS = 6
 LOAD_LAYOUTS = [(2, 2, 1), (4, 1, 1)]  # (tp, pp, vpp)
 
 
@@ -86,15 +86,6 @@ REFUSED = {  # name: (builder, fields, the field the error must name)
 }
 
 
-def _perturbed(model, seed=0):
-    """Every tensor randomised (HF inits biases to 0 and norms to 1, which would hide mistakes)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.05)
-    return model.eval()
-
-
 @pytest.mark.parametrize("name", sorted(REFUSED))
 def test_unmodelled_fields_are_refused_naming_the_field(name, tmp_path):
     from models.hf_fields import UnsupportedConfigError
@@ -139,7 +130,7 @@ def _worker(rank, cases):
     from models.hf import family, model_class
     from parallel.sharding import full_tensor, load_full_state_dict
     from parallel.topology import ParallelConfig, ParallelTopology
-    from tests.test_convert import check_against_hf
+    from tests.helpers import check_against_hf
     torch.use_deterministic_algorithms(True)
     errors, checked = [0.0], []
     for tp, pp, vpp in LOAD_LAYOUTS:  # one topology per layout: creating groups is slow
@@ -165,42 +156,6 @@ def _worker(rank, cases):
     return max(errors), checked
 
 
-def round_trip_cases(supported: dict, tmp_path, ids, prompt) -> tuple[list[dict], list]:
-    """Each `name: (builder, non-default fields)` of `supported` as a random (perturbed) HF model,
-    saved, imported and exported: the export's tensors equal HF's bit for bit, transformers reloads
-    it as the same class with the fields read back and HF's exact logits. Returns the cases
-    (`hf_reference`'s keys, the checkpoint, family, full tensors, config) and the HF models."""
-    from transformers import AutoModelForCausalLM
-
-    from tests.test_convert import hf_reference
-    from training.checkpoint.hf import export_hf, hf_to_full, import_hf
-    cases, models = [], []
-    for i, (name, (build, fields)) in enumerate(sorted(supported.items())):
-        torch.manual_seed(i)
-        hf = _perturbed(build(**fields), seed=i)
-        hf_dir, ckpt, out = (str(tmp_path / f"{k}_{name}") for k in ("hf", "mz", "back"))
-        hf.save_pretrained(hf_dir)
-        ref = hf_reference(hf, ids, prompt, NEW_TOKENS)
-        import_hf(hf_dir, ckpt)
-        export_hf(ckpt, out)
-        back = AutoModelForCausalLM.from_pretrained(out, local_files_only=True).eval()
-        assert type(back) is type(hf), name
-        assert back.config.architectures == [type(hf).__name__]
-        for field, value in fields.items():  # written back, read back the same
-            assert getattr(back.config, field) == value, (name, field)
-        ref_sd, back_sd = hf.state_dict(), back.state_dict()
-        assert ref_sd.keys() == back_sd.keys(), name
-        for k in ref_sd:
-            assert torch.equal(ref_sd[k], back_sd[k]), (name, k)
-        with torch.no_grad():
-            torch.testing.assert_close(back(ids).logits, ref["logits"], rtol=0, atol=0)
-        model_type, config, full = hf_to_full(hf_dir)
-        cases.append(dict(ref, name=name, ckpt=ckpt, hf_dir=hf_dir, out=out, family=model_type,
-                          full=full.weights, config=config.replace(make_vocab_size_divisible_by=8)))
-        models.append(hf)
-    return cases, models
-
-
 def test_fields_and_qwen_round_trip_and_match_transformers_under_tp_pp(tmp_path):
     ids = torch.randint(0, VOCAB, (2, 17), generator=torch.Generator().manual_seed(1))
     cases, _ = round_trip_cases(SUPPORTED, tmp_path, ids, ids[:, :5])
@@ -211,7 +166,7 @@ def test_fields_and_qwen_round_trip_and_match_transformers_under_tp_pp(tmp_path)
 
 
 def test_import_layout_errors_name_the_flag_and_field(tmp_path, capsys):
-    from tests.test_convert import _tool
+    from tests.helpers import convert_hf_tool
     _llama(hidden_size=36, num_attention_heads=9, num_key_value_heads=9, head_dim=4,
            intermediate_size=1536, num_hidden_layers=2).save_pretrained(tmp_path / "hf")
     capsys.readouterr()  # save_pretrained's progress bar
@@ -219,8 +174,8 @@ def test_import_layout_errors_name_the_flag_and_field(tmp_path, capsys):
             (["--tensor-model-parallel-size", "0"], "--tensor-model-parallel-size must be an integer >= 1"),
             (["--tensor-model-parallel-size", "9"], "--ffn-hidden-size 1536 (HF intermediate_size)"),
             (["--virtual-pipeline-model-parallel-size", "2"], "--pipeline-model-parallel-size > 1")):
-        assert _tool("import", "--hf-dir", str(tmp_path / "hf"), "--save", str(tmp_path / "mz"),
-                     *flags) == 1
+        assert convert_hf_tool("import", "--hf-dir", str(tmp_path / "hf"), "--save", str(tmp_path / "mz"),
+                               *flags) == 1
         err = capsys.readouterr().err
         assert expected in err and err.count("\n") == 1, err
     assert not (tmp_path / "mz").exists()

@@ -6,17 +6,9 @@ from transformers import BloomConfig, BloomForCausalLM, GPT2Config, GPT2LMHeadMo
 from models import bloom, gpt
 from parallel.sharding import gather_full_state_dict, load_full_state_dict
 from parallel.topology import ParallelTopology
+from tests.helpers import perturbed
 
 VOCAB = 101  # odd on purpose: needs padding
-
-
-def _perturbed(hf_model):
-    """Randomise every tensor (HF inits biases to 0 and norms to 1, which would hide mistakes)."""
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in hf_model.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.05)
-    return hf_model.eval()
 
 
 CASES = {
@@ -33,7 +25,7 @@ CASES = {
 def test_logits_and_loss_match_transformers(name):
     module, model_cls, build_hf = CASES[name]
     torch.manual_seed(0)
-    hf = _perturbed(build_hf())
+    hf = perturbed(build_hf())
     cfg = module.config_from_hf(hf.config).replace(make_vocab_size_divisible_by=8)
     topo = ParallelTopology.single()
     model = model_cls(cfg, topo).eval()

@@ -12,7 +12,7 @@ at tp = 4 with a tokenizer folder, whose text equals HF's greedy continuation.
 import torch
 
 from tests.distributed import run_distributed
-from tests.test_llama_hf import LLAMA3, hf_llama
+from tests.helpers import LLAMA3, hf_llama
 
 IMPORT_LAYOUTS = {"gqa": (2, 2, 2), "mqa": (4, 1, 1)}  # (tp, pp, vpp)
 LOAD_LAYOUTS = [(4, 1, 1), (2, 2, 2), (1, 4, 1)]
@@ -21,21 +21,21 @@ NEW_TOKENS = 8
 
 def _worker(rank, cases, tool_case):
     from parallel.topology import ParallelConfig, ParallelTopology
-    from tests.test_convert import _generate_tool, check_against_hf
+    from tests.helpers import generate_tool, check_against_hf
     errors = [0.0]
     for tp, pp, vpp in LOAD_LAYOUTS:
         topo = ParallelTopology.from_config(ParallelConfig(tp=tp, pp=pp, vpp=vpp))
         for case in cases:
             errors.append(check_against_hf(case, topo, NEW_TOKENS)[1])
-    text = _generate_tool(["--load", tool_case["ckpt"], "--prompt", tool_case["prompt"],
-                           "--max-new-tokens", str(NEW_TOKENS), "--no-eos-stop"])
+    text = generate_tool(["--load", tool_case["ckpt"], "--prompt", tool_case["prompt"],
+                          "--max-new-tokens", str(NEW_TOKENS), "--no-eos-stop"])
     return max(errors), text
 
 
 def test_llama_import_export_logits_and_generation(tmp_path):
     from transformers import LlamaForCausalLM
 
-    from tests.test_convert import _save_tokenizer, _tool, hf_reference
+    from tests.helpers import save_word_tokenizer, convert_hf_tool, hf_reference
     from training.checkpoint.hf import export_hf, import_hf
     models = {"gqa": hf_llama(hidden=64, heads=8, kv_heads=2, layers=4, scaling=LLAMA3),
               "mqa": hf_llama(hidden=32, heads=4, kv_heads=1, layers=4, tied=True,
@@ -50,15 +50,15 @@ def test_llama_import_export_logits_and_generation(tmp_path):
         tp, pp, vpp = IMPORT_LAYOUTS[name]
         ckpt = str(tmp_path / f"mz_{name}")
         if name == "mqa":  # through the command-line tools, with a tokenizer
-            tok = _save_tokenizer(hf_dir)
+            tok = save_word_tokenizer(hf_dir)
             words = "w7 w42 w3"
             with torch.no_grad():
                 ref = hf.generate(torch.tensor([tok.encode(words).ids]), do_sample=False,
                                   max_new_tokens=NEW_TOKENS, eos_token_id=None, pad_token_id=0)
             tool_case = dict(prompt=words, text=tok.decode(ref[0].tolist()), ckpt=ckpt)
-            assert _tool("import", "--hf-dir", hf_dir, "--save", ckpt,
-                         "--tensor-model-parallel-size", str(tp),
-                         "--pipeline-model-parallel-size", str(pp)) == 0
+            assert convert_hf_tool("import", "--hf-dir", hf_dir, "--save", ckpt,
+                                   "--tensor-model-parallel-size", str(tp),
+                                   "--pipeline-model-parallel-size", str(pp)) == 0
         else:
             import_hf(hf_dir, ckpt, tp=tp, pp=pp, vpp=vpp)
         cases.append(dict(hf_ref, name=name, ckpt=ckpt))

@@ -11,36 +11,7 @@ from models.blocks import KVCache
 from models.config import PRESETS, preset
 from parallel.sharding import gather_full_state_dict, load_full_state_dict
 from parallel.topology import ParallelTopology
-
-VOCAB = 101  # odd on purpose: padded to 104
-LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-          "original_max_position_embeddings": 8}  # short: all three frequency bands occur
-
-
-def hf_llama(heads=6, kv_heads=2, tied=False, scaling=None, theta=500.0, layers=2, seed=0, hidden=48,
-             bias=False):
-    """A random HF Llama; every tensor perturbed (HF inits norms to 1, which would hide mistakes)."""
-    # imported here: spawned test ranks import this module's constants, and transformers costs
-    # seconds per process
-    from transformers import LlamaConfig, LlamaForCausalLM
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=80,
-                         num_hidden_layers=layers, num_attention_heads=heads,
-                         num_key_value_heads=kv_heads, max_position_embeddings=64,
-                         rms_norm_eps=1e-5, tie_word_embeddings=tied,
-                         rope_parameters={"rope_type": "default", **(scaling or {}), "rope_theta": theta},
-                         attention_bias=bias, mlp_bias=bias,
-                         bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    torch.manual_seed(seed)
-    return perturbed(LlamaForCausalLM(config), seed + 1)
-
-
-def perturbed(model, seed: int):
-    """`model` in eval mode with every tensor moved by N(0, 0.05) noise."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.05)
-    return model.eval()
+from tests.helpers import LLAMA3, VOCAB, hf_llama
 
 
 def converted(hf, topo=None):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests.distributed import run_distributed
-from tests.test_training import TINY, _pretrain
+from tests.helpers import TINY, pretrain_gpt
 from training.config.flags import ArgumentError, build_parser, to_run_config
 
 # Megatron-LM's examples/pretrain_gpt.sh (GPT-2 345M), plus the flags of its distributed launch.
@@ -110,10 +110,10 @@ def test_stop_requests_exit_interval_and_duration():
 
 def _load_flags_worker(rank, root):
     argv = TINY + ["--hidden-dropout", "0.1", "--zero-stage", "1"]
-    straight = _pretrain(argv + ["--train-iters", "6"], 2)
-    first = _pretrain(argv + ["--train-iters", "6", "--exit-interval", "3", "--save", root], 2)
-    no_optim = _pretrain(argv + ["--train-iters", "6", "--load", root, "--no-load-optim"], 2)
-    no_rng = _pretrain(argv + ["--train-iters", "6", "--load", root, "--no-load-rng"], 2)
+    straight = pretrain_gpt(argv + ["--train-iters", "6"], 2)
+    first = pretrain_gpt(argv + ["--train-iters", "6", "--exit-interval", "3", "--save", root], 2)
+    no_optim = pretrain_gpt(argv + ["--train-iters", "6", "--load", root, "--no-load-optim"], 2)
+    no_rng = pretrain_gpt(argv + ["--train-iters", "6", "--load", root, "--no-load-rng"], 2)
     return straight.losses, first, no_optim.losses, no_rng.losses
 
 

@@ -13,22 +13,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models.config import TransformerConfig
 from models.init import Initializer
 from models.language_model import TransformerLanguageModel
 from models.moe import MoELayer, moe_layers, set_aux_loss_scale
 from parallel.topology import ParallelTopology
+from tests.helpers import moe_config
 
 TOL = dict(rtol=1e-5, atol=1e-5)
-
-
-def moe_config(**kw) -> TransformerConfig:
-    base = dict(vocab_size=96, hidden_size=32, num_layers=2, num_attention_heads=4,
-                normalization="rmsnorm", activation="swiglu", position_embedding="rope",
-                bias=False, tie_word_embeddings=False, make_vocab_size_divisible_by=8,
-                num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=24,
-                moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001)
-    return TransformerConfig(**{**base, **kw})
 
 
 def loop_reference(layer: MoELayer, x: torch.Tensor):

@@ -16,19 +16,18 @@ equal the reference within rtol = atol = 1e-5 (fp32), in two 4-rank worlds and o
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from models.language_model import TransformerLanguageModel
 from models.moe import moe_layers, set_aux_loss_scale
+from parallel import collectives as C
 from parallel.pipeline.partition import chunk_prefix, partition
 from parallel.sharding import full_tensor, local_shard
 from parallel.topology import ParallelTopology
 from parallel.zero import build_optimizer
 from tests.distributed import run_distributed
-from tests.test_moe import moe_config
+from tests.helpers import (HYPER, SEQ, STEPS, batch,
+                           dp_mean, initial_parameters, moe_config, opt_config, topology)
 from tests.tolerances import assert_trained_close
-from tests.test_zero_common import (HYPER, SEQ, STEPS, batch, dp_mean, initial_parameters,
-                                    opt_config, topology)
 from training.run.step import activation_shape, forward_backward
 
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -72,8 +71,7 @@ def reference(topo, cfg, microbatches: int):
             (loss / microbatches).backward()
             total += loss.item() / microbatches
         for _, p in named:
-            if topo.dp_group is not None:
-                dist.all_reduce(p.grad, group=topo.dp_group)
+            C.all_reduce(p.grad, topo.dp_group)
             p.grad /= topo.dp
         if step == 0:
             grads = {n: full_tensor(p, single, p.grad).clone() for n, p in named}

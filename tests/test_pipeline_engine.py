@@ -7,7 +7,6 @@ checks the loss, every parameter gradient (tied pair included) and the activatio
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -19,6 +18,7 @@ from parallel.pipeline.tied import broadcast_tied_embedding
 from tests.distributed import sum_tied_embedding_grads
 from parallel.topology import ParallelConfig, ParallelTopology
 from tests.distributed import run_distributed
+from tests.helpers import data_parallel_mean, mean_loss_forward, microbatches
 
 VOCAB, HIDDEN, SEQ, LAYERS, BATCH = 11, 8, 5, 8, 8
 
@@ -64,13 +64,6 @@ class ToyChunk(nn.Module):
                                reduction="none").view(labels.shape)
 
 
-def mean_loss_forward(chunk, inp, mb):
-    """forward_fn for the engine: the microbatch's mean token loss on the last stage."""
-    out = chunk(mb["tokens"] if inp is None else inp,
-                labels=mb["labels"] if chunk.post_process else None)
-    return out.mean() if chunk.post_process else out
-
-
 def global_batch(seed: int = 0, batch: int = BATCH):
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, VOCAB, (batch, SEQ + 1), generator=g)
@@ -84,21 +77,6 @@ def reference():
     loss = model(tokens, labels).mean()
     loss.backward()
     return loss.item(), {n: p.grad for n, p in model.named_parameters()}
-
-
-def microbatches(tokens, labels, m: int, dp_topo=None) -> list[dict]:
-    """Split the global batch into m microbatches; with `dp_topo`, this DP rank's share only."""
-    if dp_topo is not None:
-        tokens = tokens.chunk(dp_topo.dp)[dp_topo.dp_rank]
-        labels = labels.chunk(dp_topo.dp)[dp_topo.dp_rank]
-    return [{"tokens": t, "labels": y} for t, y in zip(tokens.chunk(m), labels.chunk(m))]
-
-
-def data_parallel_mean(tensors, topo) -> None:
-    """What the data-parallel optimizer will do (not the pipeline's job): average over replicas."""
-    for t in tensors:
-        dist.all_reduce(t, group=topo.dp_group)
-        t /= topo.dp
 
 
 # (schedule, pp, vpp, microbatches, dp_split, uneven first/last stage layers)

@@ -19,7 +19,7 @@ from tests.distributed import sum_tied_embedding_grads
 from parallel.sharding import full_tensor
 from parallel.topology import ParallelConfig, ParallelTopology
 from tests.distributed import run_distributed
-from tests.test_pipeline_engine import data_parallel_mean, mean_loss_forward, microbatches
+from tests.helpers import data_parallel_mean, mean_loss_forward, microbatches
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 SEQ, BATCH = 8, 8

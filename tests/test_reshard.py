@@ -12,7 +12,7 @@ import sys
 import torch
 
 from tests.distributed import run_distributed
-from tests.test_training import TINY, _pretrain
+from tests.helpers import TINY, hf_gpt2, pretrain_gpt
 from tests.tolerances import assert_curves_close
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -31,13 +31,13 @@ def _pretrain_bloom(argv, world):
 
 
 def _world4(rank, root, imported, imported_bloom):
-    saved = _pretrain(TINY + TP2PP2 + ["--train-iters", "3", "--save", root], 4)
-    cont = _pretrain(TINY + TP2PP2 + ["--train-iters", "4", "--load", root], 4)
-    tp4 = _pretrain(TINY + TP4 + ["--train-iters", "4", "--load", root], 4)
-    fine = _pretrain(TINY + ["--zero-stage", "2", "--train-iters", "2", "--load", imported,
-                             "--finetune"], 4)
-    fine_tp = _pretrain(TINY + TP2PP2 + ["--train-iters", "2", "--load", imported, "--finetune"], 4)
-    again = _pretrain(TINY + TP4 + ["--train-iters", "2", "--load", root, "--finetune"], 4)
+    saved = pretrain_gpt(TINY + TP2PP2 + ["--train-iters", "3", "--save", root], 4)
+    cont = pretrain_gpt(TINY + TP2PP2 + ["--train-iters", "4", "--load", root], 4)
+    tp4 = pretrain_gpt(TINY + TP4 + ["--train-iters", "4", "--load", root], 4)
+    fine = pretrain_gpt(TINY + ["--zero-stage", "2", "--train-iters", "2", "--load", imported,
+                                "--finetune"], 4)
+    fine_tp = pretrain_gpt(TINY + TP2PP2 + ["--train-iters", "2", "--load", imported, "--finetune"], 4)
+    again = pretrain_gpt(TINY + TP4 + ["--train-iters", "2", "--load", root, "--finetune"], 4)
     bloom = _pretrain_bloom(TINY + TP2PP2 + ["--train-iters", "1", "--load", imported_bloom,
                                              "--finetune"], 4)
     return dict(bloom=bloom.losses, saved=saved.losses, cont=cont.losses, cont_it=cont.state.iteration,
@@ -46,45 +46,24 @@ def _world4(rank, root, imported, imported_bloom):
 
 
 def _world2(rank, root, tool_root, root_dp2, saves):
-    direct = _pretrain(TINY + DP2 + ["--train-iters", "4", "--load", root, "--save", root_dp2], 2)
-    tool = _pretrain(TINY + DP2 + ["--train-iters", "4", "--load", tool_root], 2)
+    direct = pretrain_gpt(TINY + DP2 + ["--train-iters", "4", "--load", root, "--save", root_dp2], 2)
+    tool = pretrain_gpt(TINY + DP2 + ["--train-iters", "4", "--load", tool_root], 2)
     # a ZeRO-2 checkpoint whose optimizer states are split over 2 data-parallel ranks, continued
     # under ZeRO-2 (same layout), (tp2, ZeRO-1) and ZeRO-3; each saves iteration 5
-    cont = _pretrain(TINY + DP2 + ["--train-iters", "5", "--load", root_dp2, "--save", saves[0]], 2)
-    tp2 = _pretrain(TINY + ["--tensor-model-parallel-size", "2", "--zero-stage", "1",
-                            "--train-iters", "5", "--load", root_dp2, "--save", saves[1]], 2)
-    z3 = _pretrain(TINY + ["--zero-stage", "3", "--train-iters", "5", "--load", root_dp2,
-                           "--save", saves[2]], 2)
+    cont = pretrain_gpt(TINY + DP2 + ["--train-iters", "5", "--load", root_dp2, "--save", saves[0]], 2)
+    tp2 = pretrain_gpt(TINY + ["--tensor-model-parallel-size", "2", "--zero-stage", "1",
+                               "--train-iters", "5", "--load", root_dp2, "--save", saves[1]], 2)
+    z3 = pretrain_gpt(TINY + ["--zero-stage", "3", "--train-iters", "5", "--load", root_dp2,
+                              "--save", saves[2]], 2)
     return direct.losses, tool.losses, tool.state.iteration, cont.losses, tp2.losses, z3.losses
-
-
-def _hf_gpt2(folder, bloom=False):
-    """A random GPT-2 (or BLOOM) with TINY's shape, and transformers' loss on the first mock
-    batch."""
-    from transformers import BloomConfig, BloomForCausalLM, GPT2Config, GPT2LMHeadModel
-
-    from training.run.batches import MockGPTDataset
-    torch.manual_seed(0)
-    hf = BloomForCausalLM(BloomConfig(vocab_size=61, hidden_size=32, n_layer=4, n_head=4)) if bloom \
-        else GPT2LMHeadModel(GPT2Config(vocab_size=61, n_positions=16, n_embd=32, n_layer=4,
-                                        n_head=4, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0))
-    with torch.no_grad():
-        for p in hf.parameters():
-            p.add_(torch.randn(p.shape) * 0.05)
-    hf.eval().save_pretrained(folder)
-    data = MockGPTDataset(2 * 8, 16, 61, seed=5)  # train_iters x global batch, TINY's --seed
-    tokens = torch.stack([torch.from_numpy(data[i]["tokens"]) for i in range(8)])
-    with torch.no_grad():
-        logits = hf(tokens[:, :-1]).logits
-    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).item()
 
 
 def test_reshard_and_finetune(tmp_path):
     from training.checkpoint.hf import import_hf
     root, imported = str(tmp_path / "run"), str(tmp_path / "imported")
-    hf_loss = _hf_gpt2(str(tmp_path / "hf"))
+    hf_loss = hf_gpt2(str(tmp_path / "hf"))
     import_hf(str(tmp_path / "hf"), imported, tp=2, pp=2)
-    bloom_loss = _hf_gpt2(str(tmp_path / "hf_bloom"), bloom=True)
+    bloom_loss = hf_gpt2(str(tmp_path / "hf_bloom"), bloom=True)
     import_hf(str(tmp_path / "hf_bloom"), imported + "_bloom", tp=4)
     r = run_distributed(_world4, 4, root, imported, imported + "_bloom", timeout=400)[0]
 

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from tests.distributed import free_port
-from tests.test_training import REPO, TINY
+from tests.helpers import REPO, TINY
 
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
 

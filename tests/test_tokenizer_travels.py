@@ -17,8 +17,7 @@ import os
 import torch
 
 from tests.distributed import run_distributed
-from tests.test_convert import _tool, _tool_module
-from tests.test_tokenizer_folders import _folders
+from tests.helpers import convert_hf_tool, tokenizer_folders, tool_module
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
                  "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -27,7 +26,7 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['cont
 def _generate(*argv):
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        rc = _tool_module("generate").main(list(argv))
+        rc = tool_module("generate").main(list(argv))
     return rc, out.getvalue().strip()
 
 
@@ -35,7 +34,7 @@ def test_chat_prompt_stops_at_the_end_of_turn_token(tmp_path):
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
     from training.checkpoint.hf import import_hf
-    full, mini, _ = _folders(tmp_path, "qwen2", old_config=True)
+    full, mini, _ = tokenizer_folders(tmp_path, "qwen2", old_config=True)
     for folder in (full, mini):
         path = os.path.join(folder, "tokenizer_config.json")
         config = json.load(open(path))
@@ -91,7 +90,7 @@ def test_tokenizer_travels_through_training_fine_tuning_and_export(tmp_path):
 
     from training.checkpoint.tokenizer import read_record
     from training.checkpoint.hf import export_hf, import_hf
-    _, mini, hf_tok = _folders(tmp_path, "gpt2", old_config=True)
+    _, mini, hf_tok = tokenizer_folders(tmp_path, "gpt2", old_config=True)
     vocab, merges = os.path.join(mini, "vocab.json"), os.path.join(mini, "merges.txt")
     # 1. training with GPT-2 BPE files -> generate.py without tokenizer flags
     trained = str(tmp_path / "trained")
@@ -114,7 +113,7 @@ def test_tokenizer_travels_through_training_fine_tuning_and_export(tmp_path):
     export_hf(imported, out)  # the imported model's own dtype
     assert all(t.dtype == torch.bfloat16 for t in load_file(os.path.join(out, "model.safetensors")).values())
     assert json.load(open(os.path.join(out, "config.json")))["dtype"] == "bfloat16"
-    assert _tool("export", "--load", imported, "--save", out + "32", "--dtype", "float32") == 0
+    assert convert_hf_tool("export", "--load", imported, "--save", out + "32", "--dtype", "float32") == 0
     assert all(t.dtype == torch.float32 for t in load_file(os.path.join(out + "32", "model.safetensors")).values())
 
     run_distributed(_train, 1, TINY + ["--vocab-size", str(len(hf_tok)), "--load", imported,

@@ -90,14 +90,27 @@ def test_invalid_model_layouts(cfg, kw, match):
 
 
 def _groups_worker(rank):
-    topo = ParallelTopology.from_config(ParallelConfig(tp=2, pp=2))
     import torch
-    import torch.distributed as dist
-    x = torch.tensor([float(rank)])
-    dist.all_reduce(x, group=topo.tp_group)
-    y = torch.tensor([float(rank)])
-    dist.all_reduce(y, group=topo.pp_group)
-    return topo.coords, topo.group_ranks, x.item(), y.item(), topo.next_rank, topo.prev_rank
+    from parallel import collectives as C
+    topo = ParallelTopology.from_config(ParallelConfig(tp=2, pp=2))
+    x = C.all_reduce(torch.tensor([float(rank)]), topo.tp_group)
+    y = C.all_reduce(torch.tensor([float(rank)]), topo.pp_group)
+    # None is torch's default group, all four ranks; size-1 groups are SINGLE (the identity).
+    world = dict(size=C.group_size(None), rank=C.group_rank(None),
+                 sum=C.all_reduce(torch.tensor([float(rank)]), None).item(),
+                 gathered=C.all_gather(torch.tensor([float(rank)]), None).tolist(),
+                 max=C.all_reduce(torch.tensor([float(rank)]), topo.world_group,
+                                  op=C.ReduceOp.MAX).item(),
+                 from_3=C.broadcast(torch.tensor([float(rank)]), None, src=3).item(),
+                 tp_from_1=C.broadcast(torch.tensor([float(rank)]), topo.tp_group, src=1).item(),
+                 dp_single=topo.dp_group is C.SINGLE and topo.cp_group is C.SINGLE,
+                 dp_sum=C.all_reduce(torch.tensor([float(rank)]), topo.dp_group).item())
+    C.barrier(None)
+    recv = torch.zeros(1)
+    C.exchange([(torch.tensor([float(rank)]), topo.next_rank)], [(recv, topo.prev_rank)],
+               topo.pp_group).wait()
+    world["from_prev_stage"] = recv.item()
+    return topo.coords, topo.group_ranks, x.item(), y.item(), topo.next_rank, topo.prev_rank, world
 
 
 def test_groups_in_processes():
@@ -108,3 +121,23 @@ def test_groups_in_processes():
     assert out[0][1]["embedding"] == [0, 2]
     assert [o[4] for o in out] == [2, 3, 0, 1]
     assert [o[5] for o in out] == [2, 3, 0, 1]
+    for rank, o in enumerate(out):
+        assert o[6] == dict(size=4, rank=rank, sum=6.0, gathered=[0.0, 1.0, 2.0, 3.0], max=3.0,
+                            from_3=3.0, tp_from_1=float(rank // 2 * 2 + 1), dp_single=True,
+                            dp_sum=float(rank), from_prev_stage=float(o[5]))
+
+
+def test_single_group_is_explicit():
+    """Without a process group, SINGLE is the identity and None (torch's default group) is not
+    silently taken for a group of one."""
+    import torch
+    from parallel import collectives as C
+    topo = ParallelTopology.single()
+    assert C.world() is C.SINGLE and topo.world_group is C.SINGLE
+    assert all(g is C.SINGLE for g in (topo.tp_group, topo.dp_group, topo.pp_group,
+                                       topo.embedding_group))
+    x = torch.arange(4.0)
+    assert C.all_reduce(x, C.SINGLE) is x and C.all_gather(x, C.SINGLE, 0) is x
+    assert C.broadcast(x, C.SINGLE, src=0) is x and C.group_size(C.SINGLE) == 1
+    with pytest.raises(ValueError, match="not been initialized"):
+        C.all_reduce(x, None)

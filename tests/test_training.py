@@ -10,23 +10,11 @@ import pytest
 from tests.distributed import free_port, run_distributed
 from tests.tolerances import assert_curves_close
 from training.config.flags import ArgumentError, build_parser, to_run_config
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
-        "--seq-length", "16", "--max-position-embeddings", "16", "--mock-data", "--vocab-size", "61",
-        "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "3e-3",
-        "--lr-warmup-iters", "2", "--log-interval", "100", "--eval-interval", "1000", "--seed", "5"]
-
-
-def _pretrain(argv, world):
-    from train_gpt import model_provider
-    from training.run.loop import pretrain
-    run = to_run_config(build_parser().parse_args(argv), world_size=world)
-    return pretrain(model_provider, run)
+from tests.helpers import REPO, TINY, pretrain_gpt
 
 
 def _layout_worker(rank, layouts, iters):
-    return [_pretrain(TINY + ["--train-iters", str(iters)] + layout, 4).losses for layout in layouts]
+    return [pretrain_gpt(TINY + ["--train-iters", str(iters)] + layout, 4).losses for layout in layouts]
 
 
 def test_layouts_give_the_same_loss_curve():
@@ -45,9 +33,9 @@ def test_layouts_give_the_same_loss_curve():
 
 def _resume_worker(rank, layout, world, root):
     argv = TINY + ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"] + layout
-    straight = _pretrain(argv + ["--train-iters", "6"], world)
-    first = _pretrain(argv + ["--train-iters", "3", "--save", root], world)
-    resumed = _pretrain(argv + ["--train-iters", "6", "--load", root, "--save", root], world)
+    straight = pretrain_gpt(argv + ["--train-iters", "6"], world)
+    first = pretrain_gpt(argv + ["--train-iters", "3", "--save", root], world)
+    resumed = pretrain_gpt(argv + ["--train-iters", "6", "--load", root, "--save", root], world)
     return straight.losses, first.losses, resumed.losses, resumed.state.iteration
 
 
@@ -67,7 +55,7 @@ def _crash_worker(rank, root):
     import signal
 
     import training.checkpoint.format as ckpt
-    _pretrain(TINY + ["--train-iters", "2", "--save", root], 2)
+    pretrain_gpt(TINY + ["--train-iters", "2", "--save", root], 2)
     real = ckpt.save_file
 
     def dying_save(tensors, path, **kw):  # rank 1 dies halfway through writing its 2nd checkpoint
@@ -79,7 +67,7 @@ def _crash_worker(rank, root):
         return real(tensors, path, **kw)
 
     ckpt.save_file = dying_save
-    _pretrain(TINY + ["--train-iters", "4", "--load", root, "--save", root], 2)
+    pretrain_gpt(TINY + ["--train-iters", "4", "--load", root, "--save", root], 2)
 
 
 def test_kill_during_save_keeps_previous_checkpoint(tmp_path):

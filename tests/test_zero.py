@@ -17,9 +17,9 @@ from parallel.pipeline.schedules import build_schedule
 from parallel.pipeline.tied import broadcast_tied_embedding
 from parallel.zero import build_optimizer
 from tests.distributed import run_distributed
-from tests.test_zero_common import (HYPER, SEQ, STEPS, batch, dp_mean, full_model_parameters,
-                                    initial_parameters, opt_config, reference_run, small_gpt,
-                                    topology, zero_run)
+from tests.helpers import (HYPER, SEQ, STEPS, batch, dp_mean, full_model_parameters,
+                           initial_parameters, opt_config, reference_run, small_gpt, topology,
+                           zero_run)
 from tests.tolerances import assert_trained_close, update_deviation
 
 # Mixed precision against the fp32 ZeRO run of the same stage after STEPS steps: the relative

@@ -18,8 +18,8 @@ from parallel.zero import (LossScaleConfig, NonFiniteError, OptimizerConfig, Zer
                            build_optimizer)
 from parallel.zero.loss_scaler import DynamicLossScaler
 from tests.distributed import run_distributed
-from tests.test_zero_common import (batch, full_model_parameters, initial_parameters,
-                                    opt_config, small_gpt, topology, zero_run)
+from tests.helpers import (batch, full_model_parameters, initial_parameters, opt_config,
+                           small_gpt, topology, zero_run)
 from tests.tolerances import assert_params_equal, assert_trained_close
 
 # The ZeRO paper's model-state bytes per rank for mixed-precision Adam (2-byte weights and

@@ -27,6 +27,7 @@ import torch.distributed as dist  # noqa: E402
 
 from data.tokenizers import TokenizerError  # noqa: E402
 from models.generation import SamplingConfig, generate  # noqa: E402
+from parallel import collectives as C  # noqa: E402
 from parallel.topology import LayoutError, ParallelConfig, initialize  # noqa: E402
 from training.checkpoint import format as ckpt  # noqa: E402
 from training.checkpoint.tokenizer import checkpoint_tokenizer, eos_token_ids  # noqa: E402
@@ -85,7 +86,7 @@ def _leave(together: bool) -> None:
     if not dist.is_initialized():
         return
     if together:
-        dist.barrier()
+        C.barrier(C.world())
     dist.destroy_process_group()
 
 

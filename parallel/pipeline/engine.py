@@ -2,7 +2,8 @@
 
 The schedule (see `schedules.py`) decides *what* runs when; this file only does it:
 
-* each run of consecutive Comm steps becomes one `dist.batch_isend_irecv` on the pipeline group,
+* each run of consecutive Comm steps becomes one batched exchange (`collectives.exchange`) on the
+  pipeline group,
   waited on before the next compute step (the simulator proved the grouping deadlock-free);
 * received tensors have a shape known in advance (`tensor_shape`, e.g. [s/tp, b, h] under
   sequence parallelism), so no shape messages are exchanged;
@@ -23,9 +24,9 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from parallel import collectives as C
 from parallel.pipeline.schedules import (Backward, Comm, Forward, RecvActivation,
                                          RecvGrad, SendActivation, SendGrad, Step, comm_batches)
 from parallel.topology import ParallelTopology
@@ -39,7 +40,8 @@ ForwardFn = Callable[[nn.Module, "torch.Tensor | None", dict], torch.Tensor]
 
 @dataclass
 class PipelineStats:
-    """What the engine measured on this rank during one `run_pipeline` call."""
+    """What the engine measured on this rank during one `run_pipeline` call. Passing one turns
+    on the saved-bytes count (a hook on every tensor autograd saves); training passes none."""
 
     peak_activations: int = 0  # most (microbatch, chunk) pairs alive between F and B
     peak_saved_bytes: int = 0  # most bytes autograd kept for them (parameters excluded)
@@ -111,6 +113,8 @@ class _Runner:
         self.shape, self.dtype, self.forward_fn = tuple(tensor_shape), dtype, forward_fn
         self.pp, self.vpp = topo.pp, vpp
         self.stats = stats if stats is not None else PipelineStats()
+        # Saved-tensor bytes are measured (through autograd hooks) only for a caller's `stats`.
+        self.saved = SavedBytes(chunks) if stats is not None else None
         self.timeline, self.deallocate_outputs = timeline, deallocate_outputs
         self.inputs: dict = {}  # (mb, chunk) -> received activation (leaf, requires grad)
         self.outputs: dict = {}  # (mb, chunk) -> output (or loss) kept for the backward
@@ -119,7 +123,6 @@ class _Runner:
         self.losses: dict = {}  # mb -> detached loss (last stage only)
         self.forward_only = False  # set by run(): evaluation keeps no graph and no outputs
         self.live_bytes = 0
-        self.saved = SavedBytes(chunks)
 
     def stage(self, chunk: int) -> int:
         return chunk * self.pp + self.topo.pp_rank
@@ -131,13 +134,11 @@ class _Runner:
     def forward(self, op: Forward) -> None:
         key = (op.mb, op.chunk)
         inp = self.inputs.pop(key, None) if self.forward_only else self.inputs.get(key)
-        before, self.saved.seen = self.saved.total, set()
-        with torch.autograd.graph.saved_tensors_hooks(self.saved.pack, self.saved.unpack), \
-                torch.set_grad_enabled(not self.forward_only):
-            out = self.forward_fn(self.chunks[op.chunk], inp, self.microbatches[op.mb])
-        self.stats.saved_bytes[key] = self.saved.total - before
-        self.live_bytes += self.stats.saved_bytes[key]
-        self.stats.peak_saved_bytes = max(self.stats.peak_saved_bytes, self.live_bytes)
+        with torch.set_grad_enabled(not self.forward_only):
+            if self.saved is None:
+                out = self.forward_fn(self.chunks[op.chunk], inp, self.microbatches[op.mb])
+            else:
+                out = self._measured_forward(key, inp, self.microbatches[op.mb], op.chunk)
         if self.is_last(op.chunk):
             if out.dim() != 0:
                 raise ValueError(f"forward_fn must return a scalar loss on the last stage, got "
@@ -152,6 +153,16 @@ class _Runner:
         self.outputs[key] = out
         self.stats.peak_activations = max(self.stats.peak_activations, len(self.outputs))
 
+    def _measured_forward(self, key, inp, microbatch: dict, chunk: int) -> torch.Tensor:
+        # A Python callback on every tensor autograd saves: only when the caller asked for stats.
+        before, self.saved.seen = self.saved.total, set()
+        with torch.autograd.graph.saved_tensors_hooks(self.saved.pack, self.saved.unpack):
+            out = self.forward_fn(self.chunks[chunk], inp, microbatch)
+        self.stats.saved_bytes[key] = self.saved.total - before
+        self.live_bytes += self.stats.saved_bytes[key]
+        self.stats.peak_saved_bytes = max(self.stats.peak_saved_bytes, self.live_bytes)
+        return out
+
     def backward(self, op: Backward) -> None:
         key = (op.mb, op.chunk)
         out = self.outputs.pop(key)
@@ -162,26 +173,23 @@ class _Runner:
         inp = self.inputs.pop(key, None)
         if inp is not None:
             self.in_grads[key] = inp.grad
-        self.live_bytes -= self.stats.saved_bytes[key]
+        self.live_bytes -= self.stats.saved_bytes.get(key, 0)
 
     # ---- communication ------------------------------------------------------------------
     def communicate(self, batch: list[Comm]) -> None:
-        ops, received = [], []
+        sends, recvs, received = [], [], []
         for step in batch:
             key = (step.mb, step.chunk)
             peer = self.topo.stage_rank(step.peer)
             if isinstance(step, (RecvActivation, RecvGrad)):
                 buf = torch.empty(self.shape, dtype=self.dtype, device=self.topo.device)
-                ops.append(dist.P2POp(dist.irecv, buf, peer, self.topo.pp_group))
+                recvs.append((buf, peer))
                 received.append((step, buf))
             elif isinstance(step, SendActivation):
-                ops.append(dist.P2POp(dist.isend, self.outputs[key].detach().contiguous(), peer,
-                                      self.topo.pp_group))
+                sends.append((self.outputs[key].detach(), peer))
             elif isinstance(step, SendGrad):
-                ops.append(dist.P2POp(dist.isend, self.in_grads.pop(key).contiguous(), peer,
-                                      self.topo.pp_group))
-        for req in dist.batch_isend_irecv(ops):
-            req.wait()
+                sends.append((self.in_grads.pop(key), peer))
+        C.exchange(sends, recvs, self.topo.pp_group).wait()
         for step, buf in received:
             key = (step.mb, step.chunk)
             if isinstance(step, RecvActivation):

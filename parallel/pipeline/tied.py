@@ -11,8 +11,9 @@ Ranks between the two stages hold neither and take no part.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
+
+from parallel import collectives as C
 
 from parallel.param_spec import spec_of
 from parallel.topology import ParallelTopology
@@ -28,16 +29,13 @@ def tied_parameters(chunks: list[nn.Module]) -> list[torch.nn.Parameter]:
 
 
 def embedding_group(topo: ParallelTopology):
-    # No group when pp == 1 (one module holds one shared parameter) or on middle stages.
-    return topo.embedding_group if topo.pp > 1 else None
+    # SINGLE when pp == 1 (one module holds one shared parameter) and on middle stages.
+    return topo.embedding_group
 
 
 def broadcast_tied_embedding(chunks: list[nn.Module], topo: ParallelTopology) -> None:
     """Copy the first stage's embedding into the last stage's head (at initialisation)."""
     group = embedding_group(topo)
-    if group is None:
-        return
-    src = topo.group_ranks["embedding"][0]
     with torch.no_grad():
         for p in tied_parameters(chunks):
-            dist.broadcast(p.data, src=src, group=group)
+            C.broadcast(p.data, group, src=0)  # group rank 0: the first stage

@@ -2,10 +2,10 @@
 
 Each parameter gets a post-accumulate-grad hook that adds its fresh gradient into its bucket's
 flat gradient buffer (fp32 by default, so micro-batches accumulate in fp32 even for bf16/fp16
-weights) and drops `param.grad`. Embedding gradients may arrive row-sparse, and weights whose
-dtype matches the buffer get `param.accumulate_wgrad`, through which linear layers write their
-weight gradient into the bucket themselves (see grad_fusion.py); the hook still marks them
-ready. When the last parameter of a bucket has reported in the
+weights) and drops `param.grad`. Embedding gradients may arrive row-sparse, and matrices whose
+dtype matches the buffer get a `ParamSpec.accumulate_wgrad` (`set_spec`), through which linear
+layers write their weight gradient into the bucket themselves (see grad_fusion.py); the hook
+still marks them ready. When the last parameter of a bucket has reported in the
 micro-batch that synchronises, the bucket's collective is launched asynchronously while
 backward carries on with earlier layers:
 
@@ -134,7 +134,7 @@ class GradSync:
         b = self.buffers[i]
         self._launched.add(i)
         self._wait(i)
-        tied = b.key.tied and self.embedding_group is not None
+        tied = b.key.tied and not C.is_single(self.embedding_group)
         if tied and not self._finishing:
             # The embedding group spans the first and last pipeline stage, which are at
             # different points of the schedule during backward: a collective between them

@@ -27,13 +27,12 @@ import shutil
 from dataclasses import asdict
 
 import torch
-import torch.distributed as dist
 from safetensors import SafetensorError
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 from models.config import TransformerConfig
-from parallel.topology import default_device
+from parallel import collectives as C
 
 from training.checkpoint import integrity
 from training.checkpoint import storage
@@ -115,7 +114,7 @@ def _phase(root: str, iteration: int, device, work, cleanup: str | None = None) 
         error = f"{root}: {_os_error(e)}"
     if all_ranks_ok(error is None, device):
         return
-    if cleanup and (not dist.is_initialized() or dist.get_rank() == 0):
+    if cleanup and C.group_rank(C.world()) == 0:
         shutil.rmtree(cleanup, ignore_errors=True)
     kept = _pointer(root)
     raise CheckpointError(f"{error or 'another rank could not write its part'}; checkpoint "
@@ -130,13 +129,13 @@ def _fail(problem: str | None) -> None:
 
 def all_ranks_ok(ok: bool, device=None) -> bool:
     """Whether `ok` holds on every rank (a collective when torch.distributed is up)."""
-    if not dist.is_initialized():
+    group = C.world()
+    if C.is_single(group):
         return ok
     if device is None:  # the device this rank's collectives run on (CPU under gloo)
-        device = default_device() if dist.get_backend() == "nccl" else torch.device("cpu")
+        device = C.collective_device(group)
     t = torch.tensor([1.0 if ok else 0.0], device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    return bool(t.item())
+    return bool(C.all_reduce(t, group, op=C.ReduceOp.MIN).item())
 
 
 def _os_error(e: OSError) -> str:
@@ -233,11 +232,14 @@ def _pointer(root: str) -> str | None:
 
 
 def _jsonable(obj):
-    if hasattr(obj, "__dataclass_fields__"):
+    """meta.json's encoder for the two non-JSON types a checkpoint records (configs, dtypes); any
+    other value is refused, since `str()` of it would not read back as what was saved."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         return asdict(obj)
     if isinstance(obj, torch.dtype):
         return str(obj)
-    return str(obj)
+    raise TypeError(f"meta.json cannot record {type(obj).__name__} {obj!r}: give it as a number, "
+                    f"string, list, dict, dataclass or torch.dtype")
 
 
 def json_tensor(obj) -> torch.Tensor:

@@ -8,8 +8,8 @@ and writes a weights-only checkpoint for the target (tp, pp, vpp). Tokenizer fil
 into the checkpoint's `tokenizer/` folder with the special-token ids of config.json and
 generation_config.json.
 
-Export gathers full tensors from a checkpoint of any layout (vocabulary padding trimmed, drifted
-replicas averaged), maps them back with `to_hf_state_dict` and writes `config.json`,
+Export gathers full tensors from a checkpoint of any layout (vocabulary padding trimmed,
+replicas checked equal), maps them back with `to_hf_state_dict` and writes `config.json`,
 `model.safetensors` (in the checkpoint's dtype, an imported model's own, or `--dtype`) and the
 tokenizer files, which `from_pretrained` loads offline. The tokenizer and the model's special-token
 ids travel in the checkpoint's `tokenizer/` folder (training/checkpoint/tokenizer.py).

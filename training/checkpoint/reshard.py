@@ -20,12 +20,12 @@ for a target layout from one process (the conversion and resharding tools).
 Expert weights are read from the ranks of the first expert-parallel group (one per expert slice)
 and joined along dim 0; their ZeRO shards come from the expert-data-parallel ranks.
 
-Copies that should be equal (replicated parameters on every TP rank, the tied embedding on the
-first and last pipeline stages) are averaged when they differ, and taken as they are otherwise.
+Copies that must be equal (replicated parameters on every TP rank, the tied embedding on the
+first and last pipeline stages) are checked bit for bit: ranks that diverged wrote the checkpoint,
+so a difference is refused (naming the tensor and the largest difference), never averaged.
 """
 from __future__ import annotations
 
-import logging
 import math
 import re
 from collections import defaultdict
@@ -43,7 +43,6 @@ from parallel.topology import ParallelConfig, ParallelTopology
 
 from training.checkpoint import format as ckpt
 
-logger = logging.getLogger(__name__)
 
 PARAMS = "megazoo.params"  # the parameter table's key in every rank file
 _BUCKET = re.compile(r"optim\.bucket(\d+)\.(\w+)")
@@ -151,9 +150,10 @@ def _merge(copies: list[torch.Tensor], what: str) -> torch.Tensor:
     first = copies[0]
     if all(torch.equal(first, t) for t in copies[1:]):
         return first
-    logger.warning("%s: %d copies differ (max %.3g); using their mean", what, len(copies),
-                   max((t.float() - first.float()).abs().max().item() for t in copies))
-    return torch.stack([t.float() for t in copies]).mean(0).to(first.dtype)
+    worst = max((t.float() - first.float()).abs().max().item() for t in copies)
+    raise ckpt.CheckpointError(f"{what}: {len(copies)} copies that must be equal differ by up to "
+                               f"{worst:.3g}; the ranks had diverged when they wrote it, so load "
+                               f"an earlier checkpoint")
 
 
 def _assemble(parts: dict, info: dict, what: str) -> dict[str, torch.Tensor]:
@@ -181,9 +181,9 @@ def _assemble(parts: dict, info: dict, what: str) -> dict[str, torch.Tensor]:
                 if dim >= 0:
                     joined.append(unshard(ordered, dim, full_size, layout))
                 else:
-                    joined.append(_merge(ordered, f"{canon} across tensor-parallel ranks"))
+                    joined.append(_merge(ordered, f"{what}: {canon} across tensor-parallel ranks"))
             merged.append(torch.cat(joined) if ep > 1 else joined[0])
-        out[canon] = _merge(merged, f"{canon} across pipeline stages")
+        out[canon] = _merge(merged, f"{what}: {canon} across pipeline stages")
     return out
 
 

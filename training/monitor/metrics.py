@@ -7,7 +7,8 @@ import resource
 import sys
 
 import torch
-import torch.distributed as dist
+
+from parallel import collectives as C
 
 logger = logging.getLogger(__name__)
 
@@ -77,8 +78,7 @@ def moe_metrics(chunks, num_layers: int, device: torch.device) -> tuple[dict, di
                 stats = layer.mlp.stats
                 table[layer.layer_number] = torch.cat([stats.totals, stats.tokens_per_expert])
                 stats.reset()
-    if dist.is_initialized():
-        dist.all_reduce(table)  # TP copies count alike in numerator and denominator
+    C.all_reduce(table, C.world())  # TP copies count alike in numerator and denominator
     rows = [i for i in range(num_layers) if table[i, 0] > 0]
     if not rows:
         return {}, {}

@@ -5,8 +5,8 @@ from __future__ import annotations
 import logging
 
 import torch
-import torch.distributed as dist
 
+from parallel import collectives as C
 from training.monitor.metrics import mfu, peak_memory_bytes
 
 logger = logging.getLogger(__name__)
@@ -57,14 +57,12 @@ def check_stragglers(ready_time: float, steps: int, topo, threshold: float, jour
     """Name the ranks that lag. Waiting inside collectives makes every rank's step equally long,
     so what is compared is each rank's time from the start of the step until it was ready for
     the step's global loss reduction, summed over the log interval."""
-    if not dist.is_initialized() or topo.world_size == 1:
+    if C.is_single(topo.world_group):
         return
     t = torch.tensor([ready_time], dtype=torch.float64, device=topo.device)
-    times = [torch.zeros_like(t) for _ in range(topo.world_size)]
-    dist.all_gather(times, t)
+    times = C.all_gather(t, topo.world_group).tolist()
     if topo.rank != 0:
         return
-    times = [x.item() for x in times]
     median = sorted(times)[(len(times) - 1) // 2]  # the lower median: with 2 ranks, the faster
     # 1 ms per step of slack keeps scheduler noise on tiny steps from naming anyone.
     slow = [r for r, x in enumerate(times) if x > threshold * median + 1e-3 * steps]
@@ -77,6 +75,5 @@ def check_stragglers(ready_time: float, steps: int, topo, threshold: float, jour
 
 def max_over_ranks(value: int, topo) -> int:
     t = torch.tensor([float(value)], device=topo.device)
-    if dist.is_initialized():
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    C.all_reduce(t, topo.world_group, op=C.ReduceOp.MAX)
     return int(t.item())

@@ -14,10 +14,10 @@ from typing import Iterator
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from data.blended import build_train_valid_test_datasets
 from data.samplers import PretrainingSampler
+from parallel import collectives as C
 from parallel.context_parallel import split_sequence
 
 from training.config.run_config import DataConfig
@@ -58,7 +58,7 @@ def build_datasets(cfg: DataConfig, *, seed: int, vocab_size: int, num_samples: 
 
 
 def _first_rank() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0
+    return C.group_rank(C.world()) == 0
 
 
 def microbatches(dataset, *, consumed_samples: int, micro_batch_size: int, dp_rank: int, dp: int,

@@ -13,6 +13,8 @@ import sys
 
 import torch.distributed as dist
 
+from parallel import collectives as C
+
 from data.indexed import IndexedDatasetError
 from data.token_stats import VocabularyMismatch
 from data.tokenizers import TokenizerError
@@ -74,8 +76,9 @@ def main(model_provider, default_model: str, argv=None):
         sys.exit(exit_code(2))
     try:
         result = pretrain(model_provider, run)
-        if dist.is_initialized():  # leave together: a gloo rank torn down while a peer is still
-            dist.barrier()         # connected aborts ("terminate called without an active exception")
+        # leave together: a gloo rank torn down while a peer is still connected aborts
+        # ("terminate called without an active exception")
+        C.barrier(C.world())
     except USER_ERRORS as e:  # after the groups exist, a file may be missing on one rank only
         _fail(str(e), 1, every_rank=True)
     except KeyboardInterrupt:  # Ctrl-C before the training loop took over the signal

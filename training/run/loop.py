@@ -22,7 +22,7 @@ __all__ = ["TrainResult", "build_chunks", "pretrain"]
 
 def pretrain(model_provider, run: RunConfig) -> TrainResult:
     start = time.monotonic()  # --exit-duration-in-mins counts the setup too, as Megatron does
-    trainer = Trainer(model_provider, run)
+    trainer = Trainer(model_provider, run)  # a setup that fails releases what it took itself
     try:
         with StopRequests(run.schedule.exit_interval, run.schedule.exit_duration_mins, start) as stops:
             while not trainer.done:

@@ -10,9 +10,9 @@ import contextlib
 import time
 
 import torch
-import torch.distributed as dist
 
 from models.moe import set_aux_loss_scale
+from parallel import collectives as C
 from parallel.pipeline.engine import run_pipeline
 from parallel.pipeline.schedules import build_schedule
 from parallel.topology import ParallelTopology
@@ -57,8 +57,7 @@ def mean_over_world(losses: list[torch.Tensor], topo: ParallelTopology) -> float
     if losses:
         t[0] = torch.stack([l.double() for l in losses]).sum()
         t[1] = len(losses)
-    if dist.is_initialized():
-        dist.all_reduce(t)
+    C.all_reduce(t, topo.world_group)
     return (t[0] / t[1]).item() if t[1] > 0 else float("nan")
 
 

@@ -1,9 +1,9 @@
 """When a run stops early, and how the process ends.
 
 SIGTERM (a scheduler's notice) and SIGINT (Ctrl-C) do the same thing: the current step finishes
-(an evaluation stops after its current batch), every rank agrees on the stop, a checkpoint is written when --save is set, and the process exits
-with 128 + the signal number (143 for SIGTERM, 130 for SIGINT). Under torchrun, Ctrl-C reaches the
-workers twice (from the terminal and forwarded by torchrun): the handler only records the signal.
+(an evaluation stops after its current batch), every rank agrees on the stop, a checkpoint is
+written when --save is set, and the process exits with 128 + the signal number (143 for SIGTERM,
+130 for SIGINT). Under torchrun, Ctrl-C reaches the workers twice (from the terminal and forwarded by torchrun): the handler only records the signal.
 
 --exit-interval and --exit-duration-in-mins stop the same way, with a checkpoint, and exit 0.
 """
@@ -14,7 +14,8 @@ import threading
 import time
 
 import torch
-import torch.distributed as dist
+
+from parallel import collectives as C
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -53,16 +54,14 @@ class StopRequests:
         """The stop signal any rank received (0: none), the same on every rank: one all-reduce
         (asked between evaluation batches, so that a stop does not wait for the evaluation)."""
         t = torch.tensor([float(self.signum)], dtype=torch.float64, device=device)
-        if dist.is_initialized():
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        C.all_reduce(t, C.world(), op=C.ReduceOp.MAX)
         return int(t[0].item())
 
     def agreed(self, iteration: int, device) -> tuple[int, str]:
         """(signal number or 0, reason or ""), the same on every rank: one all-reduce per step."""
         elapsed_mins = (time.monotonic() - self.start) / 60
         t = torch.tensor([float(self.signum), elapsed_mins], dtype=torch.float64, device=device)
-        if dist.is_initialized():
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank's clock decides
+        C.all_reduce(t, C.world(), op=C.ReduceOp.MAX)  # the slowest rank's clock decides
         signum, elapsed_mins = int(t[0].item()), t[1].item()
         if signum:
             return signum, f"{signal.Signals(signum).name}"

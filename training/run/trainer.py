@@ -67,6 +67,15 @@ def predicted_memory(run: RunConfig, dp: int) -> str:
 
 class Trainer:
     def __init__(self, model_provider, run: RunConfig):
+        # What close() releases, in case the setup fails part way (the caller has no trainer yet).
+        self.lock = self.data = self.log = self.watchdog = None
+        try:
+            self._set_up(model_provider, run)
+        except BaseException:
+            self.close()
+            raise
+
+    def _set_up(self, model_provider, run: RunConfig) -> None:
         self.run, self.sched = run, run.schedule
         self.topo = topo = initialize(run.parallel,
                                       timeout_s=backend_timeout(run.health.collective_timeout))
@@ -262,8 +271,8 @@ class Trainer:
     def close(self) -> None:
         if self.writer is not None:  # a run that failed: a save in flight is not committed
             self.writer.abandon()
-        self.data.close()
-        self.log.close()
-        self.watchdog.close()
+        for part in (self.data, self.log, self.watchdog):
+            if part is not None:
+                part.close()
         if self.lock is not None:
             self.lock.release()
