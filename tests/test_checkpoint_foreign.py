@@ -1,0 +1,219 @@
+"""Megatron-LM legacy checkpoints in and out (training/checkpoint/foreign/).
+
+The source model is Megatron-core's own GPTModel (Llama-like: GQA, SwiGLU, RMSNorm, RoPE,
+untied head), built and run on the CPU, with Adam moments from two real torch AdamW steps over
+Megatron's parameter groups. Megatron-core's wheel does not ship Megatron-LM's training loop,
+so the legacy file around its state dict (`iter_N/mp_rank_TT[_PPP]/model_optim_rng.pt` holding
+args, iteration, model, optimizer, scheduler, RNG state) is written here by hand from the
+format of Megatron-LM's training/checkpointing.py, with Megatron-core's real enums in `args`.
+Checked: imported at another layout the logits equal Megatron-core's forward within 1e-5,
+iteration, consumed samples and Adam moments carry over exactly, export -> import is bit for
+bit, TP shards follow Megatron's [gate_r; up_r], unsafe or inconsistent files are refused.
+"""
+import argparse
+import contextlib
+import os
+import random
+
+import numpy as np
+import pytest
+import torch
+
+FP32 = dict(rtol=1e-5, atol=1e-5)  # tests/tolerances.py: fp32 logits
+
+VOCAB, PADDED, LAYERS, SEQ = 60, 64, 4, 8
+
+
+def _megatron_model():
+    """Megatron-core's GPTModel, its logits on fixed ids, and two AdamW steps' optimizer."""
+    import warnings
+    warnings.filterwarnings("ignore", module="megatron")
+    import torch.distributed as dist
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(29000 + os.getpid() % 1000))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    current_device, tracker_fork = torch.cuda.current_device, None
+    try:
+        parallel_state.initialize_model_parallel(1, 1)
+        torch.manual_seed(0)
+        cfg = TransformerConfig(
+            num_layers=LAYERS, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+            ffn_hidden_size=48, use_cpu_initialization=True, normalization="RMSNorm",
+            gated_linear_unit=True, activation_func=torch.nn.functional.silu,
+            add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
+            bias_activation_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
+            persist_layer_norm=False, gradient_accumulation_fusion=False, layernorm_epsilon=1e-5)
+        model = GPTModel(cfg, get_gpt_layer_local_spec(normalization="RMSNorm"), vocab_size=PADDED,
+                         max_sequence_length=32, position_embedding_type="rope",
+                         share_embeddings_and_output_weights=False)
+        g = torch.Generator().manual_seed(1)
+        with torch.no_grad():  # norms at 1 would hide a mixed-up norm
+            for p in model.parameters():
+                p.add_(torch.randn(p.shape, generator=g) * 0.05)
+        # CPU only: Megatron-core asks CUDA for its device and RNG tracker in the forward
+        torch.cuda.current_device = lambda: "cpu"
+        tracker = tensor_parallel.get_cuda_rng_tracker()
+        tracker_fork = tracker.fork
+        tracker.fork = lambda *a, **k: contextlib.nullcontext()
+        ids = torch.randint(0, VOCAB, (2, SEQ), generator=g)
+        pos = torch.arange(SEQ).expand(2, SEQ)
+        mask = torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool), 1)
+        # Megatron's parameter groups: no weight decay for biases and 1-D tensors
+        decay = [p for n, p in model.named_parameters() if not (n.endswith(".bias") or p.dim() == 1)]
+        no_decay = [p for n, p in model.named_parameters() if n.endswith(".bias") or p.dim() == 1]
+        opt = torch.optim.AdamW([{"params": decay, "wd_mult": 1.0, "lr_mult": 1.0,
+                                  "is_expert_parallel": False, "is_decoupled_lr": False},
+                                 {"params": no_decay, "wd_mult": 0.0, "lr_mult": 1.0,
+                                  "is_expert_parallel": False, "is_decoupled_lr": False}], lr=1e-2)
+        model.train()
+        for _ in range(2):
+            loss = model(ids, pos, attention_mask=mask, labels=ids).float().mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        model.eval()
+        with torch.no_grad():
+            logits = model(ids, pos, attention_mask=mask)
+        return model, logits, ids, opt
+    finally:
+        torch.cuda.current_device = current_device
+        if tracker_fork is not None:
+            tensor_parallel.get_cuda_rng_tracker().fork = tracker_fork
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def _args():
+    from megatron.core.enums import ModelType
+    from megatron.core.transformer.enums import AttnBackend
+    return argparse.Namespace(
+        num_layers=LAYERS, hidden_size=32, ffn_hidden_size=48, num_attention_heads=4,
+        group_query_attention=True, num_query_groups=2, kv_channels=8,
+        max_position_embeddings=32, seq_length=SEQ, position_embedding_type="rope",
+        rotary_base=10000, rotary_percent=1.0, normalization="RMSNorm", norm_epsilon=1e-5,
+        swiglu=True, add_bias_linear=False, untie_embeddings_and_output_weights=True,
+        padded_vocab_size=PADDED, vocab_size=VOCAB, make_vocab_size_divisible_by=16,
+        tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+        virtual_pipeline_model_parallel_size=None, expert_model_parallel_size=1,
+        consumed_train_samples=56, iteration=7, bf16=False, fp16=False,
+        params_dtype=torch.float32, attention_backend=AttnBackend.auto,
+        model_type=ModelType.encoder_or_decoder, use_distributed_optimizer=False)
+
+
+def _save_legacy(root, model, opt, args, iteration=7):
+    path = os.path.join(root, f"iter_{iteration:07d}", "mp_rank_00", "model_optim_rng.pt")
+    os.makedirs(os.path.dirname(path))
+    torch.save({"args": args, "checkpoint_version": 3.0, "iteration": iteration,
+                "model": model.state_dict(), "optimizer": opt.state_dict(),
+                "opt_param_scheduler": {"max_lr": 1e-2, "min_lr": 0.0, "num_steps": 56,
+                                        "lr_warmup_steps": 0, "lr_decay_steps": 100,
+                                        "lr_decay_style": "cosine"},
+                "rng_state": [{"random_rng_state": random.getstate(),
+                               "np_rng_state": np.random.get_state(),
+                               "torch_rng_state": torch.get_rng_state(),
+                               "cuda_rng_state": None, "rng_tracker_states": {}}]}, path)
+    with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write(str(iteration))
+    return path
+
+
+@pytest.fixture(scope="module")
+def megatron(tmp_path_factory):
+    pytest.importorskip("megatron.core", reason="the dev extra installs megatron-core")
+    model, logits, ids, opt = _megatron_model()
+    root = str(tmp_path_factory.mktemp("megatron"))
+    _save_legacy(root, model, opt, _args())
+    return dict(root=root, model=model, logits=logits, ids=ids, opt=opt,
+                tmp=tmp_path_factory)
+
+
+def _megazoo_logits(folder, ids):
+    """Logits of a megazoo checkpoint loaded in this process at tp=pp=1 (any saved layout)."""
+    from models.hf import family, model_class
+    from training.checkpoint.hf import checkpoint_config
+    from training.checkpoint.reshard import build_rank_chunks, load_weights
+    _, config, module = checkpoint_config(folder)
+    topo, chunks = build_rank_chunks(model_class(module), config, tp=1, pp=1, vpp=1, dp=1, rank=0)
+    load_weights(folder, chunks, topo)
+    with torch.no_grad():
+        return chunks[0].eval()(ids)[..., :config.vocab_size]  # vocabulary padding cut
+
+
+def test_megatron_import_at_another_layout_continues_the_run(megatron):
+    from training.checkpoint.foreign.convert import import_checkpoint
+    from training.checkpoint.reshard import read_full_state
+    save = str(megatron["tmp"].mktemp("mz"))
+    folder = import_checkpoint("megatron", megatron["root"], save, tp=2, pp=2)
+    logits = _megazoo_logits(folder, megatron["ids"])
+    torch.testing.assert_close(logits, megatron["logits"][..., :VOCAB], **FP32)
+    full = read_full_state(folder)
+    assert full.meta["iteration"] == 7 and full.meta["consumed_samples"] == 56
+    assert int(full.scalars["applied_steps"]) == 2 and int(full.scalars["iteration"]) == 7
+    assert full.meta["source"]["scheduler"]["lr_decay_style"] == "cosine"
+    params = dict(megatron["model"].named_parameters())
+    state = megatron["opt"].state
+    checked = 0
+    for mz, mg in (("layers.1.mlp.fc1.weight", "decoder.layers.1.mlp.linear_fc1.weight"),
+                   ("layers.3.attention.qkv.weight", "decoder.layers.3.self_attention.linear_qkv.weight"),
+                   ("layers.2.input_norm.weight", "decoder.layers.2.input_layernorm.weight"),
+                   ("head_weight", "output_layer.weight")):
+        p = params[mg]
+        rows = slice(0, VOCAB) if mz == "head_weight" else slice(None)
+        for s in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(full.optim[s][mz], state[p][s][rows])
+        assert torch.equal(full.optim["master"][mz], p.detach()[rows])
+        checked += 1
+    assert checked == 4
+    megatron["imported"] = folder
+
+
+def test_megatron_export_shards_like_megatron_and_round_trips(megatron):
+    from training.checkpoint.foreign import safe_load
+    from training.checkpoint.foreign.convert import export_checkpoint, import_checkpoint
+    from training.checkpoint.reshard import read_full_state
+    if "imported" not in megatron:
+        pytest.fail("needs the import test's checkpoint")
+    out = str(megatron["tmp"].mktemp("mg_out"))
+    export_checkpoint("megatron", megatron["imported"], out, tp=2, pp=2, vpp=2)
+    rank = safe_load.load(os.path.join(out, "iter_0000007", "mp_rank_00_001", "model_optim_rng.pt"))
+    assert sorted(k for k in rank if k.startswith("model")) == ["model0", "model1"]
+    # pipeline rank 1 chunk 0 holds layer 1 (local 0); tp rank 0 holds [gate_0; up_0]
+    fc1 = megatron["model"].decoder.layers[1].mlp.linear_fc1.weight.detach()
+    gate, up = fc1.chunk(2)
+    assert torch.equal(rank["model0"]["decoder.layers.0.mlp.linear_fc1.weight"],
+                       torch.cat([gate[:24], up[:24]]))
+    back = str(megatron["tmp"].mktemp("mz_back"))
+    folder = import_checkpoint("megatron", out, back, tp=1, pp=1)
+    a, b = read_full_state(megatron["imported"]), read_full_state(folder)
+    assert set(a.weights) == set(b.weights) and set(a.optim) == set(b.optim) == {
+        "master", "exp_avg", "exp_avg_sq"}
+    for k in a.weights:
+        assert torch.equal(a.weights[k], b.weights[k]), k
+        for s in a.optim:
+            assert torch.equal(a.optim[s][k], b.optim[s][k]), (s, k)
+    assert {k: int(v) for k, v in a.scalars.items()} == {k: int(v) for k, v in b.scalars.items()}
+    assert b.meta["consumed_samples"] == 56 and b.meta["iteration"] == 7
+
+
+class _Payload:
+    """A class outside the allowlist (pickles like any user object)."""
+
+
+def test_megatron_unsafe_and_inconsistent_files_are_refused(megatron, tmp_path):
+    from training.checkpoint.foreign import safe_load
+    from training.checkpoint.foreign.convert import import_checkpoint
+    from training.checkpoint.format import CheckpointError
+    bad = tmp_path / "bad.pt"
+    torch.save({"args": _Payload()}, bad)
+    with pytest.raises(safe_load.UnsafeCheckpointError, match="_Payload"):
+        safe_load.load(str(bad))
+    args = _args()
+    args.num_query_groups = 4  # the saved QKV has 2 groups' rows
+    root = str(tmp_path / "mg")
+    _save_legacy(root, megatron["model"], megatron["opt"], args)
+    with pytest.raises(CheckpointError, match=r"qkv.weight has shape \(64, 32\).*give \(96, 32\)"):
+        import_checkpoint("megatron", root, str(tmp_path / "out"))
