@@ -217,3 +217,28 @@ def test_megatron_unsafe_and_inconsistent_files_are_refused(megatron, tmp_path):
     _save_legacy(root, megatron["model"], megatron["opt"], args)
     with pytest.raises(CheckpointError, match=r"qkv.weight has shape \(64, 32\).*give \(96, 32\)"):
         import_checkpoint("megatron", root, str(tmp_path / "out"))
+
+
+def _tool(name):
+    import importlib.util
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools",
+                        f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"tool_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_megatron_tools_name_and_convert_the_checkpoint(megatron, tmp_path, capsys):
+    assert "Megatron-LM legacy checkpoint (iteration 7): tp=1 pp=1 ep=1 vpp=1, 4 layers" in \
+        _tool("inspect_checkpoint")._foreign(megatron["root"])
+    convert = _tool("convert_checkpoint")
+    save = str(tmp_path / "mz")
+    assert convert.main(["import", "--format", "megatron", "--load", megatron["root"], "--save",
+                         save, "--tensor-model-parallel-size", "2", "--no-optimizer"]) == 0
+    from training.checkpoint.format import read_meta, resolve
+    meta = read_meta(resolve(save))
+    assert meta["weights_only"] and meta["layout"]["tp"] == 2 and meta["family"] == "llama"
+    assert convert.main(["export", "--format", "megatron", "--load", save, "--save",
+                         str(tmp_path / "mg"), "--pipeline-model-parallel-size", "3"]) == 1
+    assert "4 layers do not split over pp=3" in capsys.readouterr().err
