@@ -6,6 +6,8 @@ Megatron's parameter groups. Megatron-core's wheel does not ship Megatron-LM's t
 so the legacy file around its state dict (`iter_N/mp_rank_TT[_PPP]/model_optim_rng.pt` holding
 args, iteration, model, optimizer, scheduler, RNG state) is written here by hand from the
 format of Megatron-LM's training/checkpointing.py, with Megatron-core's real enums in `args`.
+The torch_dist checkpoint is written by Megatron-core's own `dist_checkpointing.save`, and
+the exported one is loaded by its `dist_checkpointing.load` (CUDA calls stubbed for the CPU).
 Checked: imported at another layout the logits equal Megatron-core's forward within 1e-5,
 iteration, consumed samples and Adam moments carry over exactly, export -> import is bit for
 bit, TP shards follow Megatron's [gate_r; up_r], unsafe or inconsistent files are refused.
@@ -28,17 +30,10 @@ def _megatron_model():
     """Megatron-core's GPTModel, its logits on fixed ids, and two AdamW steps' optimizer."""
     import warnings
     warnings.filterwarnings("ignore", module="megatron")
-    import torch.distributed as dist
-    from megatron.core import parallel_state, tensor_parallel
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(29000 + os.getpid() % 1000))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    current_device, tracker_fork = torch.cuda.current_device, None
-    try:
-        parallel_state.initialize_model_parallel(1, 1)
+    with _megatron_world(), _cpu_stubs():
         torch.manual_seed(0)
         cfg = TransformerConfig(
             num_layers=LAYERS, hidden_size=32, num_attention_heads=4, num_query_groups=2,
@@ -54,11 +49,6 @@ def _megatron_model():
         with torch.no_grad():  # norms at 1 would hide a mixed-up norm
             for p in model.parameters():
                 p.add_(torch.randn(p.shape, generator=g) * 0.05)
-        # CPU only: Megatron-core asks CUDA for its device and RNG tracker in the forward
-        torch.cuda.current_device = lambda: "cpu"
-        tracker = tensor_parallel.get_cuda_rng_tracker()
-        tracker_fork = tracker.fork
-        tracker.fork = lambda *a, **k: contextlib.nullcontext()
         ids = torch.randint(0, VOCAB, (2, SEQ), generator=g)
         pos = torch.arange(SEQ).expand(2, SEQ)
         mask = torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool), 1)
@@ -76,15 +66,7 @@ def _megatron_model():
             loss.backward()
             opt.step()
         model.eval()
-        with torch.no_grad():
-            logits = model(ids, pos, attention_mask=mask)
-        return model, logits, ids, opt
-    finally:
-        torch.cuda.current_device = current_device
-        if tracker_fork is not None:
-            tensor_parallel.get_cuda_rng_tracker().fork = tracker_fork
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
+        return model, _megatron_logits(model, ids), ids, opt
 
 
 def _args():
@@ -127,8 +109,62 @@ def megatron(tmp_path_factory):
     model, logits, ids, opt = _megatron_model()
     root = str(tmp_path_factory.mktemp("megatron"))
     _save_legacy(root, model, opt, _args())
-    return dict(root=root, model=model, logits=logits, ids=ids, opt=opt,
+    dist_root = str(tmp_path_factory.mktemp("megatron_dist"))
+    with _megatron_world(), _cpu_stubs():
+        _save_dist(dist_root, model, _args())
+    return dict(root=root, model=model, logits=logits, ids=ids, opt=opt, dist_root=dist_root,
                 tmp=tmp_path_factory)
+
+
+@contextlib.contextmanager
+def _megatron_world():
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    import socket
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        parallel_state.initialize_model_parallel(1, 1)
+        yield
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _cpu_stubs():
+    """Megatron-core's CUDA calls made harmless on the CPU (device queries, stream syncs, the
+    RNG tracker's fork around eval-mode dropout, the writer's GPU memory report)."""
+    from megatron.core import tensor_parallel
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    saved = (torch.cuda.current_device, torch.cuda.synchronize, tracker.fork,
+             filesystem_async._process_memory)
+    torch.cuda.current_device, torch.cuda.synchronize = (lambda: "cpu"), (lambda *a: None)
+    tracker.fork = lambda *a, **k: contextlib.nullcontext()
+    filesystem_async._process_memory = lambda: 0
+    try:
+        yield
+    finally:
+        (torch.cuda.current_device, torch.cuda.synchronize, tracker.fork,
+         filesystem_async._process_memory) = saved
+
+
+def _save_dist(root, model, args, iteration=7):
+    """A torch_dist checkpoint as Megatron-LM saves one: Megatron-core's sharded state dict and
+    the run's common state, written by Megatron-core's dist_checkpointing."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+    folder = os.path.join(root, f"iter_{iteration:07d}")
+    os.makedirs(folder)
+    state = {"args": args, "checkpoint_version": 3.0, "iteration": iteration,
+             "model": model.sharded_state_dict()}
+    dist_checkpointing.save(state, folder, sharded_strategy=TorchDistSaveShardedStrategy(
+        "torch_dist", 1, thread_count=1))
+    with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write(str(iteration))
 
 
 def _megazoo_logits(folder, ids):
@@ -232,6 +268,8 @@ def _tool(name):
 def test_megatron_tools_name_and_convert_the_checkpoint(megatron, tmp_path, capsys):
     assert "Megatron-LM legacy checkpoint (iteration 7): tp=1 pp=1 ep=1 vpp=1, 4 layers" in \
         _tool("inspect_checkpoint")._foreign(megatron["root"])
+    assert "Megatron-core torch_dist checkpoint (iteration 7), saved at tp=1 pp=1" in \
+        _tool("inspect_checkpoint")._foreign(megatron["dist_root"])
     convert = _tool("convert_checkpoint")
     save = str(tmp_path / "mz")
     assert convert.main(["import", "--format", "megatron", "--load", megatron["root"], "--save",
@@ -242,3 +280,42 @@ def test_megatron_tools_name_and_convert_the_checkpoint(megatron, tmp_path, caps
     assert convert.main(["export", "--format", "megatron", "--load", save, "--save",
                          str(tmp_path / "mg"), "--pipeline-model-parallel-size", "3"]) == 1
     assert "4 layers do not split over pp=3" in capsys.readouterr().err
+
+
+def _megatron_logits(model, ids):
+    mask = torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool), 1)
+    with torch.no_grad():
+        return model(ids, torch.arange(SEQ).expand(ids.shape[0], SEQ), attention_mask=mask)
+
+
+def test_megatron_dist_read_and_written_for_megatron_core(megatron):
+    """torch_dist from Megatron-core -> megazoo tp=2 (logits); megazoo -> torch_dist that
+    Megatron-core loads into a zeroed model (same logits); torch_dist round trip bit for bit."""
+    from megatron.core import dist_checkpointing
+    from training.checkpoint.foreign.convert import export_checkpoint, import_checkpoint
+    from training.checkpoint.reshard import read_full_state
+    if "imported" not in megatron:
+        pytest.fail("needs the import test's checkpoint")
+    folder = import_checkpoint("megatron-dist", megatron["dist_root"],
+                               str(megatron["tmp"].mktemp("mz_dist")), tp=2, pp=1)
+    torch.testing.assert_close(_megazoo_logits(folder, megatron["ids"]),
+                               megatron["logits"][..., :VOCAB], **FP32)
+    out = export_checkpoint("megatron-dist", megatron["imported"],
+                            str(megatron["tmp"].mktemp("dist_out")))
+    model = megatron["model"]
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    with _megatron_world(), _cpu_stubs(), torch.serialization.safe_globals([argparse.Namespace]):
+        loaded = dist_checkpointing.load(model.sharded_state_dict(), out)
+        model.load_state_dict({k: v for k, v in loaded.items() if k in model.state_dict()})
+        logits = _megatron_logits(model, megatron["ids"])
+    assert torch.equal(logits[..., :VOCAB], megatron["logits"][..., :VOCAB])
+    back = import_checkpoint("megatron-dist", os.path.dirname(out),
+                             str(megatron["tmp"].mktemp("mz_dist_back")))
+    a, b = read_full_state(megatron["imported"]), read_full_state(back)
+    for k in a.weights:
+        assert torch.equal(a.weights[k], b.weights[k]), k
+        for s in ("master", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(a.optim[s][k], b.optim[s][k]), (s, k)
+    assert int(b.scalars["applied_steps"]) == 2 and b.meta["iteration"] == 7

@@ -6,8 +6,9 @@
         --tensor-model-parallel-size 4 [--virtual-pipeline-model-parallel-size 2]
     python tools/convert_checkpoint.py import --format hf --load hf_folder --save ckpt/hf
 
-Formats: megatron (Megatron-LM's legacy `--ckpt-format torch` folders, both ways), hf (Hugging
-Face folders; the same as tools/convert_hf.py). A Megatron-LM import carries the weights, and
+Formats: megatron (Megatron-LM's legacy `--ckpt-format torch` folders), megatron-dist
+(Megatron-core's `torch_dist` checkpoints, which Megatron-core loads back), hf (Hugging Face
+folders; the same as tools/convert_hf.py); each both ways. A Megatron-LM import carries the weights, and
 where the files hold them the fp32 masters, Adam moments, step count, iteration and consumed
 samples, so `--load ckpt/run` continues the run under any layout (`--no-optimizer`: weights
 only, then train with `--finetune`).

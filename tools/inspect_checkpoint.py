@@ -3,7 +3,7 @@
     python tools/inspect_checkpoint.py CKPT_DIR [--tensors] [--verify]
 
 CKPT_DIR is a --save folder (its `latest` checkpoint is inspected) or one iter_* folder. A
-Megatron-LM checkpoint is named with its format, iteration and layout (convert it with
+Megatron-LM checkpoint (legacy or torch_dist) is named with its format, iteration and layout (convert it with
 tools/convert_checkpoint.py). Every
 rank's shard must be present and fully readable; with --verify every tensor is also checked
 against the crc32 recorded at save (one line per damaged file and tensor). The exit status is 1
@@ -36,7 +36,9 @@ def _shapes(path: str, verify: bool) -> tuple[dict, int]:
 
 def _foreign(path: str) -> str | None:
     """One line naming another framework's checkpoint format and layout, else None."""
-    from training.checkpoint.foreign import megatron_legacy
+    from training.checkpoint.foreign import megatron_dist, megatron_legacy
+    if megatron_dist.is_dist(path):
+        return megatron_dist.describe(path) + "; convert with tools/convert_checkpoint.py import --format megatron-dist"
     if megatron_legacy.is_legacy(path):
         return megatron_legacy.describe(path) + "; convert with tools/convert_checkpoint.py import --format megatron"
     return None

@@ -267,13 +267,13 @@ def read(root: str, vocab_size: int | None = None, *, optimizer: bool = True):
                 skipped_steps=max(it - step, 0), seq_length=getattr(args, "seq_length", None),
                 source=dict(format="megatron", folder=os.path.abspath(folder),
                             layout=dict(tp=tp, pp=pp, ep=ep, vpp=vpp),
-                            scheduler=_plain(sched)))
+                            scheduler=scheduler_state(sched)))
     return family, config, FullState(meta, {k: v.float() for k, v in full_weights.items()},
                                      optim, scalars), it
 
 
 def _plain(obj):
-    """The scheduler's state as JSON-able values (for meta.json)."""
+    """JSON-able values (for meta.json)."""
     if isinstance(obj, dict):
         return {str(k): _plain(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
@@ -281,6 +281,22 @@ def _plain(obj):
     if isinstance(obj, torch.Tensor):
         return obj.tolist()
     return obj if isinstance(obj, (int, float, str, bool, type(None))) else str(obj)
+
+
+_SCHEDULER_KEYS = ("max_lr", "lr_warmup_steps", "num_steps", "lr_decay_style", "lr_decay_steps",
+                   "min_lr", "start_wd", "end_wd", "wd_incr_style", "wd_incr_steps")
+
+
+def scheduler_state(recorded: dict | None, consumed: int | None = None) -> dict | None:
+    """Megatron's scheduler state as plain values (kept in meta.json on import). With `consumed`
+    (export): every key Megatron-LM's loader reads, those no source recorded as None (then load
+    with --override-opt_param-scheduler) and `num_steps` counted in samples."""
+    state = _plain(recorded) if recorded else None
+    if consumed is None:
+        return state
+    out = {k: (state or {}).get(k) for k in _SCHEDULER_KEYS}
+    out["num_steps"] = (state or {}).get("num_steps", consumed)
+    return out
 
 
 def _stage_entries(full: dict, config, stage: int, stages: int):
@@ -308,10 +324,6 @@ def _stage_entries(full: dict, config, stage: int, stages: int):
     return out
 
 
-_SCHEDULER_KEYS = ("max_lr", "lr_warmup_steps", "num_steps", "lr_decay_style", "lr_decay_steps",
-                   "min_lr", "start_wd", "end_wd", "wd_incr_style", "wd_incr_steps")
-
-
 def write(full: FullState, config, root: str, *, tp: int, pp: int, vpp: int = 1,
           iteration: int = 0) -> str:
     """A megazoo FullState as a Megatron-LM legacy checkpoint for (tp, pp, vpp), with the
@@ -333,9 +345,7 @@ def write(full: FullState, config, root: str, *, tp: int, pp: int, vpp: int = 1,
     padded = config.padded_vocab_size(tp)
     weights = {**full.weights, **full.master}
     step = int(full.scalars.get("applied_steps", torch.tensor(iteration)))
-    source = (meta.get("source") or {}).get("scheduler") or {}
-    scheduler = {k: source.get(k) for k in _SCHEDULER_KEYS}
-    scheduler["num_steps"] = source.get("num_steps", consumed)
+    scheduler = scheduler_state((meta.get("source") or {}).get("scheduler"), consumed)
     folder = os.path.join(root, f"iter_{iteration:07d}")
     for t in range(tp):
         for p in range(pp):
