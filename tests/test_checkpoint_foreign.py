@@ -319,3 +319,87 @@ def test_megatron_dist_read_and_written_for_megatron_core(megatron):
         for s in ("master", "exp_avg", "exp_avg_sq"):
             assert torch.equal(a.optim[s][k], b.optim[s][k]), (s, k)
     assert int(b.scalars["applied_steps"]) == 2 and b.meta["iteration"] == 7
+
+
+def _bloom_layer_files(folder, hf, tp, padded, drift):
+    """Megatron-DeepSpeed's pipeline layout of a Hugging Face BLOOM, as BLOOM-176B was saved:
+    written by hand from the format (layer 1 the embedding, 3.. the blocks, L+4 the final norm;
+    Hugging Face's BLOOM converter reads the same names and splits). DeepSpeed is not installed
+    by the tests. `drift` is added to rank 0's and taken from rank 1's copy of one norm."""
+    sd = {k.removeprefix("transformer."): v for k, v in hf.state_dict().items()}
+    L = hf.config.n_layer
+    row = ("self_attention.dense.weight", "mlp.dense_4h_to_h.weight")
+    col = ("query_key_value", "dense_h_to_4h")
+
+    def part(key, t, rank):
+        if key.endswith(row):
+            return t.chunk(tp, 1)[rank].clone()
+        if any(c in key for c in col):
+            return t.chunk(tp, 0)[rank].clone()
+        return t.clone()
+
+    for rank in range(tp):
+        emb = torch.cat([sd["word_embeddings.weight"],
+                         torch.zeros(padded - VOCAB_BLOOM, hf.config.hidden_size)])
+        layers = {1: {"word_embeddings.weight": emb.chunk(tp)[rank].clone(),
+                      "word_embeddings.norm.weight": sd["word_embeddings_layernorm.weight"].clone(),
+                      "word_embeddings.norm.bias": sd["word_embeddings_layernorm.bias"].clone()},
+                  L + 4: {"weight": sd["ln_f.weight"].clone(), "bias": sd["ln_f.bias"].clone()}}
+        for i in range(L):
+            block = {k[len(f"h.{i}."):]: part(k, v, rank) for k, v in sd.items()
+                     if k.startswith(f"h.{i}.")}
+            layers[3 + i] = block
+        layers[3]["input_layernorm.weight"] += drift if rank == 0 else -drift
+        for number, tensors in layers.items():
+            torch.save(tensors, os.path.join(folder, f"layer_{number:02d}-model_{rank:02d}-model_states.pt"))
+
+
+VOCAB_BLOOM = 101
+
+
+def test_deepspeed_bloom_pipeline_layout_imports_with_drift_averaged(tmp_path, caplog):
+    import enum
+    import logging
+    import sys
+    import types
+    from transformers import BloomConfig, BloomForCausalLM
+    from training.checkpoint.foreign.convert import import_checkpoint
+    torch.manual_seed(0)
+    hf = BloomForCausalLM(BloomConfig(vocab_size=VOCAB_BLOOM, hidden_size=48, n_layer=3, n_head=4,
+                                      hidden_dropout=0, attention_dropout=0)).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(torch.randn(p.shape) * 0.05)
+    folder = tmp_path / "bloom" / "global_step12"
+    folder.mkdir(parents=True)
+    (tmp_path / "bloom" / "latest").write_text("global_step12")
+    _bloom_layer_files(str(folder), hf, tp=2, padded=112, drift=1e-3)
+    # Megatron-DeepSpeed's own enum in args, pickled under its module path
+    fake = types.ModuleType("megatron.enums")
+    fake.PositionEmbeddingType = enum.Enum("PositionEmbeddingType", "rotary absolute alibi",
+                                           module="megatron.enums")
+    sys.modules["megatron.enums"] = fake
+    try:
+        args = argparse.Namespace(
+            num_layers=3, hidden_size=48, ffn_hidden_size=192, num_attention_heads=4,
+            padded_vocab_size=112, make_vocab_size_divisible_by=8, seq_length=64,
+            max_position_embeddings=64, position_embedding_type=fake.PositionEmbeddingType.alibi,
+            embed_layernorm=True, bias_gelu_fusion=True, layernorm_epsilon=1e-5,
+            tensor_model_parallel_size=2, pipeline_model_parallel_size=1, consumed_train_samples=96)
+        for rank in range(2):
+            torch.save({"args": args, "iteration": 12, "module": None},
+                       str(folder / f"mp_rank_{rank:02d}_model_states.pt"))
+    finally:
+        del sys.modules["megatron.enums"]
+    with caplog.at_level(logging.WARNING):
+        out = import_checkpoint("deepspeed", str(tmp_path / "bloom"), str(tmp_path / "mz"), tp=1,
+                                vocab_size=VOCAB_BLOOM)
+    drift_lines = [r.getMessage() for r in caplog.records if "largest drift" in r.getMessage()]
+    assert len(drift_lines) == 1 and "layers.0.input_norm.weight" in drift_lines[0]
+    assert "0.002" in drift_lines[0]
+    ids = torch.randint(0, VOCAB_BLOOM, (2, SEQ))
+    with torch.no_grad():
+        want = hf(ids).logits
+    torch.testing.assert_close(_megazoo_logits(out, ids), want, **FP32)
+    _tool_line = _tool("inspect_checkpoint")._foreign(str(tmp_path / "bloom"))
+    assert "DeepSpeed pipeline-layer checkpoint (Megatron-DeepSpeed, global_step12): 5 layer files x tp=2" in _tool_line

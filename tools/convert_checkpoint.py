@@ -8,7 +8,9 @@
 
 Formats: megatron (Megatron-LM's legacy `--ckpt-format torch` folders), megatron-dist
 (Megatron-core's `torch_dist` checkpoints, which Megatron-core loads back), hf (Hugging Face
-folders; the same as tools/convert_hf.py); each both ways. A Megatron-LM import carries the weights, and
+folders; the same as tools/convert_hf.py), each both ways; deepspeed (import of the
+Megatron-DeepSpeed pipeline layout BLOOM-176B was saved in, `layer_XX-model_TT-model_states.pt`,
+weights only). A Megatron-LM import carries the weights, and
 where the files hold them the fp32 masters, Adam moments, step count, iteration and consumed
 samples, so `--load ckpt/run` continues the run under any layout (`--no-optimizer`: weights
 only, then train with `--finetune`).

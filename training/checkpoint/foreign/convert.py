@@ -13,13 +13,14 @@ from models.hf import family, model_class
 from parallel.layout import ParallelConfig
 
 from training.checkpoint import format as ckpt
-from training.checkpoint.foreign import megatron_dist, megatron_legacy
+from training.checkpoint.foreign import deepspeed, megatron_dist, megatron_legacy
 from training.checkpoint.hf import checkpoint_config
 from training.checkpoint.reshard import read_full_state, write_layout
 
 logger = logging.getLogger(__name__)
 
-READERS = {"megatron": megatron_legacy.read, "megatron-dist": megatron_dist.read}
+READERS = {"megatron": megatron_legacy.read, "megatron-dist": megatron_dist.read,
+           "deepspeed": deepspeed.read}
 WRITERS = {"megatron": megatron_legacy.write, "megatron-dist": megatron_dist.write}
 
 

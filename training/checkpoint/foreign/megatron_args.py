@@ -54,9 +54,28 @@ def _check_unmodelled(args, where: str) -> None:
 
 
 def _activation(args, where: str) -> str:
+    """Megatron's fused bias-GELU (on by default with biases) is the tanh approximation."""
     if getattr(args, "swiglu", False):
         return "swiglu"
-    return "gelu_tanh" if getattr(args, "openai_gelu", False) else "gelu"
+    fused = getattr(args, "bias_gelu_fusion", False) and _get(args, "add_bias_linear", default=True)
+    return "gelu_tanh" if getattr(args, "openai_gelu", False) or fused else "gelu"
+
+
+# Megatron-DeepSpeed records its position embedding as an enum (rotary 1, absolute 2, alibi 3)
+_POSITION_ENUM = {1: "rope", 2: "learned", 3: "alibi", "rotary": "rope", "absolute": "learned",
+                  "alibi": "alibi"}
+
+
+def _position(args, where: str) -> str:
+    v = _get(args, "position_embedding_type", default="learned_absolute")
+    if isinstance(v, str) and v in ("learned_absolute", "rope"):
+        return {"learned_absolute": "learned", "rope": "rope"}[v]
+    key = getattr(v, "value", v) if not isinstance(v, str) else v
+    if getattr(v, "name", None) in _POSITION_ENUM:
+        key = v.name
+    if key not in _POSITION_ENUM:
+        _refuse(where, "position_embedding_type", v, "megazoo models learned, RoPE and ALiBi")
+    return _POSITION_ENUM[key]
 
 
 def to_config(args, where: str, vocab_size: int | None = None) -> tuple[str, TransformerConfig]:
@@ -68,11 +87,7 @@ def to_config(args, where: str, vocab_size: int | None = None) -> tuple[str, Tra
     _check_unmodelled(args, where)
     heads = args.num_attention_heads
     groups = args.num_query_groups if getattr(args, "group_query_attention", False) else heads
-    position = {"learned_absolute": "learned", "rope": "rope"}.get(
-        _get(args, "position_embedding_type", default="learned_absolute"))
-    if position is None:
-        _refuse(where, "position_embedding_type", args.position_embedding_type,
-                "megazoo models learned_absolute and rope")
+    position = _position(args, where)
     norm = {"LayerNorm": "layernorm", "RMSNorm": "rmsnorm"}.get(
         _get(args, "normalization", default="LayerNorm"))
     if norm is None:
@@ -102,6 +117,7 @@ def to_config(args, where: str, vocab_size: int | None = None) -> tuple[str, Tra
         add_qkv_bias=bool(getattr(args, "add_qkv_bias", False)) and not bias,
         qk_layernorm=bool(getattr(args, "qk_layernorm", False)),
         tie_word_embeddings=not getattr(args, "untie_embeddings_and_output_weights", False),
+        embedding_layernorm=bool(getattr(args, "embed_layernorm", False)),
         bias=bias, hidden_dropout=float(_get(args, "hidden_dropout", default=0.0)),
         attention_dropout=float(_get(args, "attention_dropout", default=0.0)),
         init_method_std=float(_get(args, "init_method_std", default=0.02)),
@@ -128,12 +144,15 @@ def family_of_config(config: TransformerConfig, where: str) -> str:
         family = "qwen3" if config.qk_layernorm else "qwen2" if config.add_qkv_bias else "llama"
     elif shape[:2] == ("learned", "layernorm") and shape[2] != "swiglu":
         family = "gpt2"
+    elif shape == ("alibi", "layernorm", "gelu_tanh") and config.embedding_layernorm:
+        family = "bloom"
     else:
         family = None
     if family is None:
         raise ckpt.CheckpointError(f"{where}: position embedding {shape[0]}, {shape[1]}, "
                                    f"{shape[2]}{' with experts' if config.num_experts else ''} "
-                                   f"matches no megazoo model family (GPT, Llama, Qwen, Mixtral)")
+                                   f"matches no megazoo model family (GPT, BLOOM, Llama, Qwen, "
+                                   f"Mixtral)")
     return family
 
 
@@ -142,6 +161,10 @@ def from_config(config: TransformerConfig, *, tp: int, pp: int, vpp: int, iterat
     """The args Namespace Megatron-LM records for this model and layout (what its loader and
     `--use-checkpoint-args` read)."""
     heads, groups = config.num_attention_heads, config.num_query_groups
+    if config.position_embedding not in ("learned", "rope") or config.embedding_layernorm:
+        raise ckpt.CheckpointError(f"{config.position_embedding} position embeddings with"
+                                   f"{'' if config.embedding_layernorm else 'out'} an embedding "
+                                   f"norm (BLOOM) have no Megatron-core form to export to")
     padded = config.padded_vocab_size(tp)
     fields = dict(
         num_layers=config.num_layers, hidden_size=config.hidden_size,

@@ -1,0 +1,150 @@
+"""DeepSpeed checkpoints in: the Megatron-DeepSpeed pipeline layout BLOOM-176B was saved in.
+
+    ROOT/latest                                   "global_step95000"
+    ROOT/global_step95000/mp_rank_TT_model_states.pt    per TP rank: args (an argparse Namespace),
+                                                   iteration, DeepSpeed's own records
+    ROOT/global_step95000/layer_XX-model_TT-model_states.pt   one pipeline layer's weights
+                                                   on TP rank TT
+
+Pipeline layers are numbered in the model's layer list, where parameterless steps (transposes,
+casts) take numbers too: the file holding `word_embeddings.weight` is the embedding (with
+BLOOM's `word_embeddings.norm`), the files holding `input_layernorm.weight` are the transformer
+blocks in order, the last file with a bare `weight` and `bias` is the final norm. Column-parallel
+tensors (QKV per head, `dense_h_to_4h`, the padded vocabulary) join along dim 0, row-parallel
+weights (`self_attention.dense`, `dense_4h_to_h`) along dim 1; norms and row-parallel biases are
+copies on every TP rank and are averaged where they drifted apart (as Hugging Face's BLOOM
+converter does), with one line giving the largest drift. The optimizer's ZeRO partitions
+(`*_optim_states.pt`) are not read: the import is weights only (train from it with --finetune).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+
+from training.checkpoint import format as ckpt
+from training.checkpoint.foreign import megatron_args, safe_load
+from training.checkpoint.foreign.assemble import Pieces, check_shapes, expected_shapes
+from training.checkpoint.reshard import FullState
+
+logger = logging.getLogger(__name__)
+
+_LAYER_FILE = re.compile(r"layer_(\d+)-model_(\d+)-model_states\.pt")
+_STEP = re.compile(r"global_step(\d+)")
+# Megatron-DeepSpeed block key -> (megazoo suffix, split)
+_BLOCK = {
+    "input_layernorm.weight": ("input_norm.weight", "replicated"),
+    "input_layernorm.bias": ("input_norm.bias", "replicated"),
+    "self_attention.query_key_value.weight": ("attention.qkv.weight", "column"),
+    "self_attention.query_key_value.bias": ("attention.qkv.bias", "column"),
+    "self_attention.dense.weight": ("attention.dense.weight", "row"),
+    "self_attention.dense.bias": ("attention.dense.bias", "replicated"),
+    "post_attention_layernorm.weight": ("post_attention_norm.weight", "replicated"),
+    "post_attention_layernorm.bias": ("post_attention_norm.bias", "replicated"),
+    "mlp.dense_h_to_4h.weight": ("mlp.fc1.weight", "column"),
+    "mlp.dense_h_to_4h.bias": ("mlp.fc1.bias", "column"),
+    "mlp.dense_4h_to_h.weight": ("mlp.fc2.weight", "row"),
+    "mlp.dense_4h_to_h.bias": ("mlp.fc2.bias", "replicated"),
+}
+_EMBEDDING = {
+    "word_embeddings.weight": ("embedding.word_embeddings.weight", "vocab"),
+    "word_embeddings.norm.weight": ("embedding.norm.weight", "replicated"),
+    "word_embeddings.norm.bias": ("embedding.norm.bias", "replicated"),
+    "position_embeddings.weight": ("embedding.position_embeddings.weight", "replicated"),
+}
+_FINAL = {"weight": ("final_norm.weight", "replicated"), "bias": ("final_norm.bias", "replicated")}
+
+
+def step_folder(root: str) -> str:
+    pointer = os.path.join(root, "latest")
+    if os.path.isfile(pointer):
+        return os.path.join(root, open(pointer).read().strip())
+    if _STEP.fullmatch(os.path.basename(os.path.normpath(root))):
+        return root
+    raise ckpt.CheckpointError(f"{root}: no 'latest' file and not a global_step* folder; pass a "
+                               f"DeepSpeed --save folder or one of its global_step* folders")
+
+
+def _layer_files(folder: str) -> dict[int, dict[int, str]]:
+    """pipeline layer number -> TP rank -> file."""
+    out: dict[int, dict[int, str]] = {}
+    for name in sorted(os.listdir(folder)):
+        m = _LAYER_FILE.fullmatch(name)
+        if m:
+            out.setdefault(int(m[1]), {})[int(m[2])] = os.path.join(folder, name)
+    return out
+
+
+def is_pipeline_layout(root: str) -> bool:
+    try:
+        return bool(_layer_files(step_folder(root)))
+    except (ckpt.CheckpointError, OSError):
+        return False
+
+
+def _args(folder: str):
+    path = os.path.join(folder, "mp_rank_00_model_states.pt")
+    if not os.path.isfile(path):
+        raise ckpt.CheckpointError(f"{path} is missing: it records the model's args, without "
+                                   f"which the layer files cannot be read")
+    return safe_load.load(path)
+
+
+def describe(root: str) -> str:
+    folder = step_folder(root)
+    files = _layer_files(folder)
+    tp = max(len(v) for v in files.values())
+    args = _args(folder).get("args")
+    return (f"DeepSpeed pipeline-layer checkpoint (Megatron-DeepSpeed, {os.path.basename(folder)}): "
+            f"{len(files)} layer files x tp={tp}, {args.num_layers} transformer layers, hidden "
+            f"{args.hidden_size}")
+
+
+def read(root: str, vocab_size: int | None = None, *, optimizer: bool = True):
+    """(family, config, FullState, iteration) of the pipeline layout; weights only."""
+    folder = step_folder(root)
+    states = _args(folder)
+    args = states.get("args")
+    family, config = megatron_args.to_config(args, folder, vocab_size)
+    files = _layer_files(folder)
+    tp = args.tensor_model_parallel_size
+    pieces, block = Pieces(folder), 0
+    for number in sorted(files):
+        by_rank = files[number]
+        if sorted(by_rank) != list(range(tp)):
+            raise ckpt.CheckpointError(f"{folder}: layer {number:02d} has files for TP ranks "
+                                       f"{sorted(by_rank)}, the recorded tp={tp} calls for all")
+        is_block = False
+        for t, path in sorted(by_rank.items()):
+            sd = safe_load.load(path)
+            is_block = "input_layernorm.weight" in sd
+            if is_block:
+                table, prefix = _BLOCK, f"layers.{block}."
+            elif "word_embeddings.weight" in sd:
+                table, prefix = _EMBEDDING, ""
+            elif set(sd) <= set(_FINAL):
+                table, prefix = _FINAL, ""
+            else:
+                raise ckpt.CheckpointError(f"{path}: holds {sorted(sd)[:4]}, not a BLOOM/GPT "
+                                           f"pipeline layer megazoo maps")
+            for key, tensor in sd.items():
+                if key not in table:
+                    raise ckpt.CheckpointError(f"{path}: {key} is not a tensor megazoo maps")
+                name, split = table[key]
+                pieces.add(prefix + name, split, None, t, tensor, copy=number)
+        block += is_block
+    if block != config.num_layers:
+        raise ckpt.CheckpointError(f"{folder}: {block} transformer layer files, the recorded args "
+                                   f"say num_layers={config.num_layers}")
+    weights = pieces.full(tp, config.vocab_size)
+    check_shapes(weights, expected_shapes(family, config), folder,
+                 f"its args (hidden_size={args.hidden_size}, num_attention_heads="
+                 f"{args.num_attention_heads}, padded_vocab_size={args.padded_vocab_size})")
+    iteration = int(states.get("iteration") or _STEP.fullmatch(os.path.basename(folder))[1])
+    if optimizer:
+        logger.warning("%s: DeepSpeed's ZeRO optimizer partitions are not read; the import holds "
+                       "the weights only (train from it with --finetune)", folder)
+    meta = dict(family=family, consumed_samples=int(getattr(args, "consumed_train_samples", 0) or 0),
+                skipped_steps=0, seq_length=getattr(args, "seq_length", None),
+                source=dict(format="deepspeed", folder=os.path.abspath(folder)))
+    return family, config, FullState(meta, {k: v.float() for k, v in weights.items()}), iteration
