@@ -357,49 +357,112 @@ def _bloom_layer_files(folder, hf, tp, padded, drift):
 VOCAB_BLOOM = 101
 
 
-def test_deepspeed_bloom_pipeline_layout_imports_with_drift_averaged(tmp_path, caplog):
+@pytest.fixture(scope="module")
+def bloom():
+    """A random `transformers` BLOOM and the Megatron-DeepSpeed args that describe it, with
+    Megatron-DeepSpeed's own position enum (pickled under its module path)."""
     import enum
-    import logging
     import sys
     import types
     from transformers import BloomConfig, BloomForCausalLM
-    from training.checkpoint.foreign.convert import import_checkpoint
     torch.manual_seed(0)
     hf = BloomForCausalLM(BloomConfig(vocab_size=VOCAB_BLOOM, hidden_size=48, n_layer=3, n_head=4,
                                       hidden_dropout=0, attention_dropout=0)).eval()
     with torch.no_grad():
         for p in hf.parameters():
             p.add_(torch.randn(p.shape) * 0.05)
-    folder = tmp_path / "bloom" / "global_step12"
-    folder.mkdir(parents=True)
-    (tmp_path / "bloom" / "latest").write_text("global_step12")
-    _bloom_layer_files(str(folder), hf, tp=2, padded=112, drift=1e-3)
-    # Megatron-DeepSpeed's own enum in args, pickled under its module path
     fake = types.ModuleType("megatron.enums")
     fake.PositionEmbeddingType = enum.Enum("PositionEmbeddingType", "rotary absolute alibi",
                                            module="megatron.enums")
-    sys.modules["megatron.enums"] = fake
+    args = argparse.Namespace(
+        num_layers=3, hidden_size=48, ffn_hidden_size=192, num_attention_heads=4,
+        padded_vocab_size=112, make_vocab_size_divisible_by=8, seq_length=64,
+        max_position_embeddings=64, position_embedding_type=fake.PositionEmbeddingType.alibi,
+        embed_layernorm=True, bias_gelu_fusion=True, layernorm_epsilon=1e-5,
+        tensor_model_parallel_size=2, pipeline_model_parallel_size=1, consumed_train_samples=96)
+    ids = torch.randint(0, VOCAB_BLOOM, (2, SEQ))
+    with torch.no_grad():
+        logits = hf(ids).logits
+    return dict(hf=hf, args=args, enum_module=fake, ids=ids, logits=logits)
+
+
+def _save_model_states(folder, bloom, tp=2):
+    import sys
+    sys.modules["megatron.enums"] = bloom["enum_module"]
     try:
-        args = argparse.Namespace(
-            num_layers=3, hidden_size=48, ffn_hidden_size=192, num_attention_heads=4,
-            padded_vocab_size=112, make_vocab_size_divisible_by=8, seq_length=64,
-            max_position_embeddings=64, position_embedding_type=fake.PositionEmbeddingType.alibi,
-            embed_layernorm=True, bias_gelu_fusion=True, layernorm_epsilon=1e-5,
-            tensor_model_parallel_size=2, pipeline_model_parallel_size=1, consumed_train_samples=96)
-        for rank in range(2):
-            torch.save({"args": args, "iteration": 12, "module": None},
-                       str(folder / f"mp_rank_{rank:02d}_model_states.pt"))
+        for rank in range(tp):
+            torch.save({"args": bloom["args"], "iteration": 12, "module": None},
+                       os.path.join(folder, f"mp_rank_{rank:02d}_model_states.pt"))
     finally:
         del sys.modules["megatron.enums"]
+
+
+def test_deepspeed_bloom_pipeline_layout_imports_with_drift_averaged(bloom, tmp_path, caplog):
+    import logging
+    from training.checkpoint.foreign.convert import import_checkpoint
+    folder = tmp_path / "bloom" / "global_step12"
+    folder.mkdir(parents=True)
+    (tmp_path / "bloom" / "latest").write_text("global_step12")
+    _bloom_layer_files(str(folder), bloom["hf"], tp=2, padded=112, drift=1e-3)
+    _save_model_states(str(folder), bloom)
     with caplog.at_level(logging.WARNING):
         out = import_checkpoint("deepspeed", str(tmp_path / "bloom"), str(tmp_path / "mz"), tp=1,
                                 vocab_size=VOCAB_BLOOM)
     drift_lines = [r.getMessage() for r in caplog.records if "largest drift" in r.getMessage()]
     assert len(drift_lines) == 1 and "layers.0.input_norm.weight" in drift_lines[0]
     assert "0.002" in drift_lines[0]
-    ids = torch.randint(0, VOCAB_BLOOM, (2, SEQ))
-    with torch.no_grad():
-        want = hf(ids).logits
-    torch.testing.assert_close(_megazoo_logits(out, ids), want, **FP32)
-    _tool_line = _tool("inspect_checkpoint")._foreign(str(tmp_path / "bloom"))
-    assert "DeepSpeed pipeline-layer checkpoint (Megatron-DeepSpeed, global_step12): 5 layer files x tp=2" in _tool_line
+    torch.testing.assert_close(_megazoo_logits(out, bloom["ids"]), bloom["logits"], **FP32)
+    line = _tool("inspect_checkpoint")._foreign(str(tmp_path / "bloom"))
+    assert "DeepSpeed pipeline-layer checkpoint (Megatron-DeepSpeed, global_step12): 5 layer files x tp=2" in line
+
+
+def _pipeline_name(hf_name, layers):
+    """Megatron-DeepSpeed's pipeline-module name of a HF BLOOM tensor (layer 1 the tied
+    embedding, 3.. the blocks, layers + 4 the final norm)."""
+    name = hf_name.removeprefix("transformer.")
+    if name.startswith("word_embeddings_layernorm."):
+        return "tied_modules.embed.word_embeddings.norm." + name.rsplit(".", 1)[1]
+    if name.startswith("word_embeddings."):
+        return "tied_modules.embed." + name
+    if name.startswith("ln_f."):
+        return f"{layers + 4}." + name[len("ln_f."):]
+    _, i, rest = name.split(".", 2)
+    return f"{int(i) + 3}.{rest}"
+
+
+def test_deepspeed_universal_checkpoint_resumes_with_its_moments(bloom, tmp_path):
+    """A universal checkpoint written by hand from DeepSpeed's ds_to_universal.py format
+    (DeepSpeed is not installed by the tests): fp32 masters, moments and step carry over."""
+    from training.checkpoint.foreign.convert import import_checkpoint
+    from training.checkpoint.reshard import read_full_state
+    folder = tmp_path / "ds" / "global_step12"
+    (folder / "zero").mkdir(parents=True)
+    (tmp_path / "ds" / "latest").write_text("global_step12")
+    _save_model_states(str(folder), bloom)
+    g = torch.Generator().manual_seed(3)
+    moments = {}
+    layers = bloom["hf"].config.n_layer
+    for hf_name, p in bloom["hf"].state_dict().items():
+        if hf_name == "lm_head.weight":
+            continue  # tied
+        d = folder / "zero" / _pipeline_name(hf_name, layers)
+        d.mkdir()
+        m = (torch.randn(p.shape, generator=g), torch.rand(p.shape, generator=g))
+        moments[hf_name] = m
+        torch.save({"param": p.detach().clone()}, d / "fp32.pt")
+        torch.save({"param": m[0]}, d / "exp_avg.pt")
+        torch.save({"param": m[1]}, d / "exp_avg_sq.pt")
+        torch.save(torch.tensor(5), d / "step.pt")
+    out = import_checkpoint("deepspeed", str(tmp_path / "ds"), str(tmp_path / "mz"), tp=2,
+                            vocab_size=VOCAB_BLOOM)
+    torch.testing.assert_close(_megazoo_logits(out, bloom["ids"]), bloom["logits"], **FP32)
+    full = read_full_state(out)
+    assert int(full.scalars["applied_steps"]) == 5 and full.meta["iteration"] == 12
+    assert full.meta["consumed_samples"] == 96
+    for mz, hf_name in (("layers.1.attention.qkv.weight", "transformer.h.1.self_attention.query_key_value.weight"),
+                        ("embedding.norm.bias", "transformer.word_embeddings_layernorm.bias"),
+                        ("layers.2.mlp.fc2.weight", "transformer.h.2.mlp.dense_4h_to_h.weight")):
+        assert torch.equal(full.optim["exp_avg"][mz], moments[hf_name][0])
+        assert torch.equal(full.optim["exp_avg_sq"][mz], moments[hf_name][1])
+    assert "DeepSpeed universal checkpoint (global_step12)" in \
+        _tool("inspect_checkpoint")._foreign(str(tmp_path / "ds"))

@@ -1,4 +1,5 @@
-"""DeepSpeed checkpoints in: the Megatron-DeepSpeed pipeline layout BLOOM-176B was saved in.
+"""DeepSpeed checkpoints in: universal checkpoints, and the Megatron-DeepSpeed pipeline layout
+BLOOM-176B was saved in.
 
     ROOT/latest                                   "global_step95000"
     ROOT/global_step95000/mp_rank_TT_model_states.pt    per TP rank: args (an argparse Namespace),
@@ -15,12 +16,21 @@ weights (`self_attention.dense`, `dense_4h_to_h`) along dim 1; norms and row-par
 copies on every TP rank and are averaged where they drifted apart (as Hugging Face's BLOOM
 converter does), with one line giving the largest drift. The optimizer's ZeRO partitions
 (`*_optim_states.pt`) are not read: the import is weights only (train from it with --finetune).
+
+A universal checkpoint (DeepSpeed's ds_to_universal.py output) holds every parameter whole, TP
+merged and the vocabulary padding cut: `global_stepN/zero/<name>/{fp32,exp_avg,exp_avg_sq}.pt`
+(each {"param": tensor, ...}) and `step.pt` (the Adam step), next to the model-state files with
+the args. Its names are the pipeline module's (`tied_modules.embed.word_embeddings.weight`,
+`{layer}.input_layernorm.weight`, `{layer}.weight` for the final norm), mapped as above. It
+imports with the fp32 masters and moments, so `--load` continues the run at any layout.
 """
 from __future__ import annotations
 
 import logging
 import os
 import re
+
+import torch
 
 from training.checkpoint import format as ckpt
 from training.checkpoint.foreign import megatron_args, safe_load
@@ -82,6 +92,13 @@ def is_pipeline_layout(root: str) -> bool:
         return False
 
 
+def is_universal(root: str) -> bool:
+    try:
+        return os.path.isdir(os.path.join(step_folder(root), "zero"))
+    except (ckpt.CheckpointError, OSError):
+        return False
+
+
 def _args(folder: str):
     path = os.path.join(folder, "mp_rank_00_model_states.pt")
     if not os.path.isfile(path):
@@ -92,6 +109,11 @@ def _args(folder: str):
 
 def describe(root: str) -> str:
     folder = step_folder(root)
+    if os.path.isdir(os.path.join(folder, "zero")):
+        count = sum(os.path.isdir(os.path.join(folder, "zero", n))
+                    for n in os.listdir(os.path.join(folder, "zero")))
+        return (f"DeepSpeed universal checkpoint ({os.path.basename(folder)}): {count} parameters "
+                f"with fp32 masters and Adam moments")
     files = _layer_files(folder)
     tp = max(len(v) for v in files.values())
     args = _args(folder).get("args")
@@ -101,8 +123,11 @@ def describe(root: str) -> str:
 
 
 def read(root: str, vocab_size: int | None = None, *, optimizer: bool = True):
-    """(family, config, FullState, iteration) of the pipeline layout; weights only."""
+    """(family, config, FullState, iteration) of a universal checkpoint (with the optimizer) or
+    of the pipeline layout (weights only)."""
     folder = step_folder(root)
+    if os.path.isdir(os.path.join(folder, "zero")):
+        return _read_universal(folder, vocab_size, optimizer)
     states = _args(folder)
     args = states.get("args")
     family, config = megatron_args.to_config(args, folder, vocab_size)
@@ -148,3 +173,67 @@ def read(root: str, vocab_size: int | None = None, *, optimizer: bool = True):
                 skipped_steps=0, seq_length=getattr(args, "seq_length", None),
                 source=dict(format="deepspeed", folder=os.path.abspath(folder)))
     return family, config, FullState(meta, {k: v.float() for k, v in weights.items()}), iteration
+
+
+_UNIVERSAL_STATES = {"master": "fp32.pt", "exp_avg": "exp_avg.pt", "exp_avg_sq": "exp_avg_sq.pt"}
+
+
+def _universal_names(names: list[str], folder: str) -> dict[str, str]:
+    """Pipeline-module parameter name -> megazoo canonical name."""
+    blocks = sorted({int(n.split(".", 1)[0]) for n in names
+                     if n.split(".", 1)[0].isdigit() and n.split(".", 1)[1] in _BLOCK})
+    out = {}
+    for n in names:
+        head, _, rest = n.partition(".")
+        if n.startswith("tied_modules.embed.") and n[len("tied_modules.embed."):] in _EMBEDDING:
+            out[n] = _EMBEDDING[n[len("tied_modules.embed."):]][0]
+        elif head.isdigit() and rest in _BLOCK:
+            out[n] = f"layers.{blocks.index(int(head))}.{_BLOCK[rest][0]}"
+        elif head.isdigit() and rest in _FINAL:
+            out[n] = _FINAL[rest][0]
+        else:
+            raise ckpt.CheckpointError(f"{folder}/zero/{n}: not a Megatron-DeepSpeed pipeline "
+                                       f"parameter megazoo maps (GPT, BLOOM)")
+    return out
+
+
+def _read_universal(folder: str, vocab_size: int | None, optimizer: bool):
+    states = _args(folder)
+    args = states.get("args")
+    family, config = megatron_args.to_config(args, folder, vocab_size)
+    zero = os.path.join(folder, "zero")
+    params = sorted(n for n in os.listdir(zero) if os.path.isdir(os.path.join(zero, n)))
+    canonical = _universal_names(params, folder)
+    wanted = _UNIVERSAL_STATES if optimizer else {"master": "fp32.pt"}
+    full = {s: {} for s in wanted}
+    steps = set()
+    for name in params:
+        for state, file in wanted.items():
+            path = os.path.join(zero, name, file)
+            if not os.path.isfile(path):
+                raise ckpt.CheckpointError(f"{path} is missing; the universal checkpoint is "
+                                           f"incomplete (or import with --no-optimizer)")
+            record = safe_load.load(path)
+            tensor = record.get("param") if isinstance(record, dict) else None
+            if tensor is None:
+                raise ckpt.CheckpointError(f"{path}: holds no 'param' tensor")
+            if canonical[name] == "embedding.word_embeddings.weight":
+                tensor = tensor[:config.vocab_size]
+            full[state][canonical[name]] = tensor.float()
+        step = os.path.join(zero, name, "step.pt")
+        if optimizer and os.path.isfile(step):
+            steps.add(int(safe_load.load(step)))
+    expected = expected_shapes(family, config)
+    recorded = (f"its args (hidden_size={args.hidden_size}, num_attention_heads="
+                f"{args.num_attention_heads}, padded_vocab_size={args.padded_vocab_size})")
+    for state in full.values():
+        check_shapes(state, expected, folder, recorded)
+    iteration = int(states.get("iteration") or _STEP.fullmatch(os.path.basename(folder))[1])
+    step = max(steps) if steps else iteration
+    optim = full if optimizer else {}
+    scalars = {"iteration": torch.tensor(iteration), "applied_steps": torch.tensor(step)} \
+        if optimizer else {}
+    meta = dict(family=family, consumed_samples=int(getattr(args, "consumed_train_samples", 0) or 0),
+                skipped_steps=max(iteration - step, 0), seq_length=getattr(args, "seq_length", None),
+                source=dict(format="deepspeed-universal", folder=os.path.abspath(folder)))
+    return family, config, FullState(meta, dict(full["master"]), optim, scalars), iteration
