@@ -58,7 +58,8 @@ def _megatron_model():
         opt = torch.optim.AdamW([{"params": decay, "wd_mult": 1.0, "lr_mult": 1.0,
                                   "is_expert_parallel": False, "is_decoupled_lr": False},
                                  {"params": no_decay, "wd_mult": 0.0, "lr_mult": 1.0,
-                                  "is_expert_parallel": False, "is_decoupled_lr": False}], lr=1e-2)
+                                  "is_expert_parallel": False, "is_decoupled_lr": False,
+                                  "weight_decay": 0.0}], lr=1e-2, weight_decay=0.01)
         model.train()
         for _ in range(2):
             loss = model(ids, pos, attention_mask=mask, labels=ids).float().mean()
@@ -466,3 +467,64 @@ def test_deepspeed_universal_checkpoint_resumes_with_its_moments(bloom, tmp_path
         assert torch.equal(full.optim["exp_avg_sq"][mz], moments[hf_name][1])
     assert "DeepSpeed universal checkpoint (global_step12)" in \
         _tool("inspect_checkpoint")._foreign(str(tmp_path / "ds"))
+
+
+def test_megatron_resume_next_loss_equals_megatron_next_loss(megatron):
+    """`--load` of the import continues the run: after one more step on each side (Megatron-core
+    with torch's AdamW from its saved state; megazoo's optimizer from the imported moments and
+    step count), the next losses agree within 1e-4 relative. Megatron's softmax runs over the
+    padded vocabulary, so the import keeps the padding rows as tokens (--vocab-size 64)."""
+    from train_llama import model_provider
+    from parallel.random import model_parallel_seed
+    from parallel.topology import ParallelTopology
+    from parallel.zero.optimizer import build_optimizer
+    from training.checkpoint.resume import load
+    from training.config.flags import build_parser, to_run_config
+    from training.run.loop import build_chunks
+    from training.checkpoint.foreign.convert import import_checkpoint
+    save = str(megatron["tmp"].mktemp("mz_resume"))
+    import_checkpoint("megatron", megatron["root"], save, tp=2, pp=2, vocab_size=PADDED)
+    ids = megatron["ids"]
+    # Megatron side: the saved model and AdamW state, one more step
+    model = megatron["model"].train()
+    kept = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt = torch.optim.AdamW([{**{k: v for k, v in g.items() if k != "params"},
+                              "params": list(g["params"])} for g in megatron["opt"].param_groups])
+    opt.load_state_dict(megatron["opt"].state_dict())  # copies: the saved state stays as it was
+    mask = torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool), 1)
+    pos = torch.arange(SEQ).expand(2, SEQ)
+    with _megatron_world(), _cpu_stubs():
+        loss = model(ids, pos, attention_mask=mask, labels=ids).float().mean()
+        first = loss.item()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        with torch.no_grad():
+            want = model(ids, pos, attention_mask=mask, labels=ids).float().mean().item()
+            for n, p in model.named_parameters():
+                p.copy_(kept[n])
+    model.eval()
+    # megazoo side: --load the import (tp=2, pp=2) at tp=1, one step with the same batch
+    flags = ["--num-layers", str(LAYERS), "--hidden-size", "32", "--num-attention-heads", "4",
+             "--group-query-attention", "--num-query-groups", "2", "--ffn-hidden-size", "48",
+             "--seq-length", str(SEQ), "--max-position-embeddings", "32", "--vocab-size",
+             str(PADDED), "--make-vocab-size-divisible-by", "16", "--mock-data",
+             "--micro-batch-size", "2", "--global-batch-size", "2", "--lr", "1e-2",
+             "--lr-decay-style", "constant", "--weight-decay", "0.01", "--clip-grad", "0",
+             "--adam-eps", "1e-8", "--train-iters", "10", "--load", save,
+             "--untie-embeddings-and-output-weights", "--position-embedding-type", "rope",
+             "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear"]
+    run = to_run_config(build_parser().parse_args(flags), world_size=1)
+    topo = ParallelTopology.single()
+    chunks = build_chunks(model_provider, run, topo, model_parallel_seed(run.seed, topo))
+    zero = build_optimizer(chunks, topo, run.optimizer)
+    state = load(run, topo, chunks, zero, None)
+    assert (state.iteration, state.consumed_samples) == (7, 56)
+    zero.zero_grad()
+    loss = chunks[0](ids, labels=ids).mean()
+    assert abs(loss.item() - first) <= 1e-5 * abs(first), (loss.item(), first)
+    zero.backward(loss)
+    assert not zero.step(loss).skipped
+    with torch.no_grad():
+        got = chunks[0](ids, labels=ids).mean().item()
+    assert abs(got - want) <= 1e-4 * abs(want), (got, want)

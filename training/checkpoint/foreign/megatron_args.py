@@ -80,7 +80,9 @@ def _position(args, where: str) -> str:
 
 def to_config(args, where: str, vocab_size: int | None = None) -> tuple[str, TransformerConfig]:
     """(megazoo family, config) of a Megatron-LM checkpoint's args; `vocab_size` trims the
-    padded vocabulary Megatron records to the tokenizer's (default: args.vocab_size if set)."""
+    padded vocabulary Megatron records to the tokenizer's (default: args.vocab_size if set,
+    else the padded size: Megatron's softmax includes the padding rows, so keeping them as
+    tokens continues its losses exactly)."""
     if not isinstance(args, argparse.Namespace):
         raise ckpt.CheckpointError(f"{where}: records no args Namespace; it is not a Megatron-LM "
                                    f"checkpoint (or was saved without --use-checkpoint-args)")
