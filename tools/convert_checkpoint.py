@@ -60,26 +60,30 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def convert(a: argparse.Namespace) -> str:
+    """Run the parsed command; returns the folder written."""
+    tp, pp = a.tensor_model_parallel_size, a.pipeline_model_parallel_size
+    vpp = a.virtual_pipeline_model_parallel_size
+    if a.format == "hf":
+        return import_hf(a.load, a.save, tp=tp, pp=pp, vpp=vpp) if a.command == "import" \
+            else export_hf(a.load, a.save, dtype=a.dtype)
+    if a.command == "import":
+        return import_checkpoint(a.format, a.load, a.save, tp=tp, pp=pp, vpp=vpp,
+                                 ep=a.expert_model_parallel_size, optimizer=not a.no_optimizer,
+                                 vocab_size=a.vocab_size)
+    return export_checkpoint(a.format, a.load, a.save, tp=tp, pp=pp, vpp=vpp)
+
+
 def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     a = build_parser().parse_args(argv)
-    tp, pp = a.tensor_model_parallel_size, a.pipeline_model_parallel_size
-    vpp = a.virtual_pipeline_model_parallel_size
+    refused = (ConversionError, CheckpointError, UnsafeCheckpointError, ValueError)
     try:
-        if a.format == "hf":
-            out = import_hf(a.load, a.save, tp=tp, pp=pp, vpp=vpp) if a.command == "import" \
-                else export_hf(a.load, a.save, dtype=a.dtype)
-        elif a.command == "import":
-            out = import_checkpoint(a.format, a.load, a.save, tp=tp, pp=pp, vpp=vpp,
-                                    ep=a.expert_model_parallel_size,
-                                    optimizer=not a.no_optimizer, vocab_size=a.vocab_size)
-        else:
-            out = export_checkpoint(a.format, a.load, a.save, tp=tp, pp=pp, vpp=vpp)
-    except (ConversionError, CheckpointError, UnsafeCheckpointError, ValueError) as e:
+        print(convert(a))
+        return 0
+    except refused as e:  # one line naming the file or flag and the fix
         print(f"error: {e}", file=sys.stderr)
-        return 1
-    print(out)
-    return 0
+    return 1
 
 
 if __name__ == "__main__":
