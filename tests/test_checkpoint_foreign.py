@@ -106,7 +106,7 @@ def _save_legacy(root, model, opt, args, iteration=7):
 
 @pytest.fixture(scope="module")
 def megatron(tmp_path_factory):
-    pytest.importorskip("megatron.core", reason="the dev extra installs megatron-core")
+    import megatron.core  # noqa: F401 - installed by the dev extra (pip install -e ".[dev]")
     model, logits, ids, opt = _megatron_model()
     root = str(tmp_path_factory.mktemp("megatron"))
     _save_legacy(root, model, opt, _args())
@@ -170,7 +170,7 @@ def _save_dist(root, model, args, iteration=7):
 
 def _megazoo_logits(folder, ids):
     """Logits of a megazoo checkpoint loaded in this process at tp=pp=1 (any saved layout)."""
-    from models.hf import family, model_class
+    from models.hf import model_class
     from training.checkpoint.hf import checkpoint_config
     from training.checkpoint.reshard import build_rank_chunks, load_weights
     _, config, module = checkpoint_config(folder)
@@ -367,7 +367,6 @@ def bloom():
     """A random `transformers` BLOOM and the Megatron-DeepSpeed args that describe it, with
     Megatron-DeepSpeed's own position enum (pickled under its module path)."""
     import enum
-    import sys
     import types
     from transformers import BloomConfig, BloomForCausalLM
     torch.manual_seed(0)
