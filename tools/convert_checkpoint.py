@@ -51,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("--save", required=True, help="the folder to write")
         _layout_flags(s)
     imp.add_argument("--expert-model-parallel-size", type=int, default=1)
+    imp.add_argument("--data-parallel-size", type=int,
+                     help="data-parallel ranks of the target (default: the expert-parallel size, "
+                          "which experts split over)")
     imp.add_argument("--no-optimizer", action="store_true",
                      help="weights only (train from them with --finetune)")
     imp.add_argument("--vocab-size", type=int,
@@ -69,7 +72,8 @@ def convert(a: argparse.Namespace) -> str:
             else export_hf(a.load, a.save, dtype=a.dtype)
     if a.command == "import":
         return import_checkpoint(a.format, a.load, a.save, tp=tp, pp=pp, vpp=vpp,
-                                 ep=a.expert_model_parallel_size, optimizer=not a.no_optimizer,
+                                 ep=a.expert_model_parallel_size, dp=a.data_parallel_size,
+                                 optimizer=not a.no_optimizer,
                                  vocab_size=a.vocab_size)
     return export_checkpoint(a.format, a.load, a.save, tp=tp, pp=pp, vpp=vpp)
 

@@ -25,14 +25,18 @@ WRITERS = {"megatron": megatron_legacy.write, "megatron-dist": megatron_dist.wri
 
 
 def import_checkpoint(fmt: str, load: str, save: str, *, tp: int = 1, pp: int = 1, vpp: int = 1,
-                      ep: int = 1, optimizer: bool = True, vocab_size: int | None = None) -> str:
-    """Convert a foreign checkpoint into a megazoo checkpoint for (tp, pp, vpp, ep)."""
+                      ep: int = 1, dp: int | None = None, optimizer: bool = True,
+                      vocab_size: int | None = None) -> str:
+    """Convert a foreign checkpoint into a megazoo checkpoint for (tp, pp, vpp, ep, dp); experts
+    split over data-parallel ranks, so dp defaults to ep."""
     if fmt not in READERS:
         raise ckpt.CheckpointError(f"--format {fmt!r}: import reads {sorted(READERS)}")
-    ParallelConfig(tp=tp, pp=pp, vpp=vpp, ep=ep).validate(tp * pp)
+    dp = dp or ep
+    ParallelConfig(tp=tp, pp=pp, vpp=vpp, ep=ep).validate(tp * pp * dp)
     name, config, full, iteration = READERS[fmt](load, vocab_size, optimizer=optimizer)
     out = write_layout(full, save, model_cls=model_class(family(name)), config=config, tp=tp,
-                       pp=pp, vpp=vpp, ep=ep, iteration=iteration, weights_only=not full.optim)
+                       pp=pp, vpp=vpp, ep=ep, dp=dp, iteration=iteration,
+                       weights_only=not full.optim)
     logger.info("imported %s (%s, %s) into %s at tp=%d pp=%d vpp=%d ep=%d, iteration %d, %s",
                 load, fmt, name, out, tp, pp, vpp, ep, iteration,
                 "with optimizer state" if full.optim else "weights only")
