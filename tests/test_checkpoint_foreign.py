@@ -590,3 +590,98 @@ def test_megatron_moe_imports_at_expert_parallel_and_round_trips(megatron, tmp_p
     back = import_checkpoint("megatron", str(tmp_path / "out"), str(tmp_path / "back"))
     a, b = read_full_state(folder).weights, read_full_state(back).weights
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _zero_files(folder, hf, stage, world, moments, zero_stage_enum):
+    """DeepSpeed ZeRO-`stage` files of a Hugging Face model over `world` data-parallel ranks,
+    written by hand from DeepSpeed's format (stage_1_and_2.py / stage3.py state dicts, as
+    zero_to_fp32.py reads them): two parameter groups (weight decay, none)."""
+    from collections import OrderedDict
+    named = [(n, p.detach()) for n, p in hf.named_parameters()]
+    groups = [[(n, p) for n, p in named if p.dim() > 1], [(n, p) for n, p in named if p.dim() == 1]]
+    shapes = [OrderedDict((n, p.shape) for n, p in g) for g in groups]
+    torch.save({"module": hf.state_dict() if stage < 3 else {}, "param_shapes": shapes,
+                "global_steps": 9, "global_samples": 72, "ds_version": "0.19.8"},
+               os.path.join(folder, "mp_rank_00_model_states.pt"))
+
+    def partitions(tensors):
+        """Per rank, this group's flat piece."""
+        if stage < 3:  # the group's concatenation split evenly, padding removed
+            flat = torch.cat([t.reshape(-1) for t in tensors])
+            part = -(-flat.numel() // world)
+            return [flat[r * part:(r + 1) * part] for r in range(world)]
+        pieces = [[] for _ in range(world)]  # every parameter split on its own, padded
+        for t in tensors:
+            part = -(-t.numel() // world)
+            padded = torch.cat([t.reshape(-1), t.new_zeros(part * world - t.numel())])
+            for r in range(world):
+                pieces[r].append(padded[r * part:(r + 1) * part])
+        return [torch.cat(p) for p in pieces]
+
+    per_group = []
+    for g in groups:
+        per_group.append({s: partitions([src[n] for n, _ in g]) for s, src in (
+            ("fp32", {n: p for n, p in g}), ("exp_avg", moments[0]), ("exp_avg_sq", moments[1]))})
+    for r in range(world):
+        state = {i: {"step": torch.tensor(9.0), "exp_avg": pg["exp_avg"][r],
+                     "exp_avg_sq": pg["exp_avg_sq"][r]} for i, pg in enumerate(per_group)}
+        adam = {"state": state, "param_groups": [{"params": [i]} for i in range(len(groups))]}
+        osd = {"zero_stage": zero_stage_enum(stage), "partition_count": world,
+               "loss_scaler": None, "overflow": False}
+        if stage < 3:
+            osd.update(base_optimizer_state=adam,
+                       single_partition_of_fp32_groups=[pg["fp32"][r] for pg in per_group])
+        else:
+            osd.update(optimizer_state_dict=adam,
+                       fp32_flat_groups=[pg["fp32"][r] for pg in per_group])
+        torch.save({"optimizer_state_dict": osd, "ds_version": "0.19.8"},
+                   os.path.join(folder, f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt"))
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_deepspeed_zero_checkpoint_imports_masters_and_moments(stage, tmp_path):
+    import enum
+    import sys
+    import types
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from training.checkpoint.foreign.convert import import_checkpoint
+    from training.checkpoint.reshard import read_full_state
+    torch.manual_seed(0)
+    hf = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB_BLOOM, n_positions=32, n_embd=32, n_layer=2,
+                                    n_head=4, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0)).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(torch.randn(p.shape) * 0.05)
+    hf.config.save_pretrained(str(tmp_path / "hf"))
+    g = torch.Generator().manual_seed(4)
+    moments = [{n: torch.randn(p.shape, generator=g) for n, p in hf.named_parameters()},
+               {n: torch.rand(p.shape, generator=g) for n, p in hf.named_parameters()}]
+    folder = tmp_path / "ds" / "global_step9"
+    folder.mkdir(parents=True)
+    (tmp_path / "ds" / "latest").write_text("global_step9")
+    # DeepSpeed's own ZeroStageEnum, pickled under its module path
+    path = "deepspeed.runtime.zero.config"
+    fakes = {p: types.ModuleType(p) for p in ("deepspeed", "deepspeed.runtime",
+                                              "deepspeed.runtime.zero", path)}
+    fakes[path].ZeroStageEnum = enum.IntEnum("ZeroStageEnum", "optimizer_states gradients weights",
+                                             module=path)
+    sys.modules.update(fakes)
+    try:
+        _zero_files(str(folder), hf, stage, 2, moments, fakes[path].ZeroStageEnum)
+    finally:
+        for p in fakes:
+            del sys.modules[p]
+    out = import_checkpoint("deepspeed", str(tmp_path / "ds"), str(tmp_path / "mz"), tp=2,
+                            hf_config=str(tmp_path / "hf"))
+    ids = torch.randint(0, VOCAB_BLOOM, (2, SEQ))
+    with torch.no_grad():
+        want = hf(ids).logits
+    torch.testing.assert_close(_megazoo_logits(out, ids), want, **FP32)
+    full = read_full_state(out)
+    assert int(full.scalars["applied_steps"]) == 9 and full.meta["consumed_samples"] == 72
+    for mz, name in (("layers.1.input_norm.weight", "transformer.h.1.ln_1.weight"),
+                     ("embedding.word_embeddings.weight", "transformer.wte.weight"),
+                     ("layers.0.mlp.fc2.weight", "transformer.h.0.mlp.c_proj.weight")):
+        t = (lambda x: x.t()) if mz.endswith("fc2.weight") else (lambda x: x)  # GPT-2's Conv1D
+        assert torch.equal(full.optim["exp_avg"][mz], t(moments[0][name]))
+        assert torch.equal(full.optim["exp_avg_sq"][mz], t(moments[1][name]))

@@ -8,9 +8,9 @@
 
 Formats: megatron (Megatron-LM's legacy `--ckpt-format torch` folders), megatron-dist
 (Megatron-core's `torch_dist` checkpoints, which Megatron-core loads back), hf (Hugging Face
-folders; the same as tools/convert_hf.py), each both ways; deepspeed (import of the
-Megatron-DeepSpeed pipeline layout BLOOM-176B was saved in, `layer_XX-model_TT-model_states.pt`,
-weights only). A Megatron-LM import carries the weights, and
+folders; the same as tools/convert_hf.py), each both ways; deepspeed (import: ZeRO-1/2/3
+checkpoints of a Hugging Face model with --hf-config, universal checkpoints, and the
+Megatron-DeepSpeed pipeline layout BLOOM-176B was saved in, weights only). A Megatron-LM import carries the weights, and
 where the files hold them the fp32 masters, Adam moments, step count, iteration and consumed
 samples, so `--load ckpt/run` continues the run under any layout (`--no-optimizer`: weights
 only, then train with `--finetune`).
@@ -59,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     imp.add_argument("--vocab-size", type=int,
                      help="the tokenizer's vocabulary (default: the recorded one; Megatron-LM "
                           "records only the padded size unless --vocab-size was given)")
+    imp.add_argument("--hf-config", help="deepspeed ZeRO checkpoints of a Hugging Face model: "
+                                         "the folder with its config.json")
     exp.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="hf only")
     return p
 
@@ -74,7 +76,7 @@ def convert(a: argparse.Namespace) -> str:
         return import_checkpoint(a.format, a.load, a.save, tp=tp, pp=pp, vpp=vpp,
                                  ep=a.expert_model_parallel_size, dp=a.data_parallel_size,
                                  optimizer=not a.no_optimizer,
-                                 vocab_size=a.vocab_size)
+                                 vocab_size=a.vocab_size, hf_config=a.hf_config)
     return export_checkpoint(a.format, a.load, a.save, tp=tp, pp=pp, vpp=vpp)
 
 

@@ -26,14 +26,17 @@ WRITERS = {"megatron": megatron_legacy.write, "megatron-dist": megatron_dist.wri
 
 def import_checkpoint(fmt: str, load: str, save: str, *, tp: int = 1, pp: int = 1, vpp: int = 1,
                       ep: int = 1, dp: int | None = None, optimizer: bool = True,
-                      vocab_size: int | None = None) -> str:
+                      vocab_size: int | None = None, hf_config: str | None = None) -> str:
     """Convert a foreign checkpoint into a megazoo checkpoint for (tp, pp, vpp, ep, dp); experts
     split over data-parallel ranks, so dp defaults to ep."""
     if fmt not in READERS:
         raise ckpt.CheckpointError(f"--format {fmt!r}: import reads {sorted(READERS)}")
     dp = dp or ep
     ParallelConfig(tp=tp, pp=pp, vpp=vpp, ep=ep).validate(tp * pp * dp)
-    name, config, full, iteration = READERS[fmt](load, vocab_size, optimizer=optimizer)
+    extra = {"hf_config": hf_config} if hf_config else {}  # DeepSpeed ZeRO: names and shapes
+    if extra and fmt != "deepspeed":
+        raise ckpt.CheckpointError(f"--hf-config applies to --format deepspeed only, not {fmt}")
+    name, config, full, iteration = READERS[fmt](load, vocab_size, optimizer=optimizer, **extra)
     out = write_layout(full, save, model_cls=model_class(family(name)), config=config, tp=tp,
                        pp=pp, vpp=vpp, ep=ep, dp=dp, iteration=iteration,
                        weights_only=not full.optim)

@@ -1,5 +1,5 @@
-"""DeepSpeed checkpoints in: universal checkpoints, and the Megatron-DeepSpeed pipeline layout
-BLOOM-176B was saved in.
+"""DeepSpeed checkpoints in: ZeRO-1/2/3, universal checkpoints, and the Megatron-DeepSpeed
+pipeline layout BLOOM-176B was saved in.
 
     ROOT/latest                                   "global_step95000"
     ROOT/global_step95000/mp_rank_TT_model_states.pt    per TP rank: args (an argparse Namespace),
@@ -23,10 +23,19 @@ merged and the vocabulary padding cut: `global_stepN/zero/<name>/{fp32,exp_avg,e
 the args. Its names are the pipeline module's (`tied_modules.embed.word_embeddings.weight`,
 `{layer}.input_layernorm.weight`, `{layer}.weight` for the final norm), mapped as above. It
 imports with the fp32 masters and moments, so `--load` continues the run at any layout.
+
+A ZeRO checkpoint (`global_stepN/mp_rank_00_model_states.pt` with `param_shapes`, and one
+`zero_pp_rank_R_mp_rank_00_optim_states.pt` per data-parallel rank) keeps each parameter
+group's fp32 masters and Adam moments flat: ZeRO-1/2 split the group's concatenated parameters
+over the ranks (`single_partition_of_fp32_groups`, padding removed), ZeRO-3 splits every
+parameter into ceil(numel / ranks) pieces (`fp32_flat_groups`). Its names are the trained
+module's, so a Hugging Face model's config.json (`--hf-config`) gives the model and the names;
+a ZeRO checkpoint records no configuration of its own.
 """
 from __future__ import annotations
 
 import logging
+import math
 import os
 import re
 
@@ -122,12 +131,15 @@ def describe(root: str) -> str:
             f"{args.hidden_size}")
 
 
-def read(root: str, vocab_size: int | None = None, *, optimizer: bool = True):
+def read(root: str, vocab_size: int | None = None, *, optimizer: bool = True,
+         hf_config: str | None = None):
     """(family, config, FullState, iteration) of a universal checkpoint (with the optimizer) or
     of the pipeline layout (weights only)."""
     folder = step_folder(root)
     if os.path.isdir(os.path.join(folder, "zero")):
         return _read_universal(folder, vocab_size, optimizer)
+    if _optim_files(folder) and not _layer_files(folder):
+        return _read_zero(folder, optimizer, hf_config)
     states = _args(folder)
     args = states.get("args")
     family, config = megatron_args.to_config(args, folder, vocab_size)
@@ -237,3 +249,109 @@ def _read_universal(folder: str, vocab_size: int | None, optimizer: bool):
                 skipped_steps=max(iteration - step, 0), seq_length=getattr(args, "seq_length", None),
                 source=dict(format="deepspeed-universal", folder=os.path.abspath(folder)))
     return family, config, FullState(meta, dict(full["master"]), optim, scalars), iteration
+
+
+_OPTIM_FILE = re.compile(r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt")
+
+
+def _optim_files(folder: str) -> list[str]:
+    found = []
+    for name in os.listdir(folder):
+        m = _OPTIM_FILE.fullmatch(name)
+        if m:
+            if int(m[2]) != 0:
+                raise ckpt.CheckpointError(f"{folder}: {name} is a model-parallel rank's ZeRO "
+                                           f"state; convert it with ds_to_universal.py first")
+            found.append((int(m[1]), os.path.join(folder, name)))
+    return [p for _, p in sorted(found)]
+
+
+def _value(v):
+    return getattr(v, "value", v)
+
+
+def _group_states(osd: dict, stage: int, groups: int) -> list[dict]:
+    """Per parameter group, this rank's flat Adam state ({exp_avg, exp_avg_sq, step})."""
+    base = osd.get("optimizer_state_dict" if stage == 3 else "base_optimizer_state")
+    if isinstance(base, list):  # ZeRO-1/2's elastic form: one lean state per group
+        return base
+    state = (base or {}).get("state", {})
+    return [state.get(g, {}) for g in range(groups)]
+
+
+def _unflatten_zero12(flats: list[torch.Tensor], shapes, paddings, where: str) -> dict:
+    out = {}
+    for g, (names, flat) in enumerate(zip(shapes, flats)):
+        offset = 0
+        for j, (name, shape) in enumerate(names.items()):
+            n = math.prod(shape)
+            if offset + n > flat.numel():
+                raise ckpt.CheckpointError(f"{where}: group {g} holds {flat.numel()} elements, "
+                                           f"its param_shapes need more; the files disagree")
+            out[name] = flat[offset:offset + n].view(tuple(shape))
+            offset += n + (paddings[g][j] if paddings else 0)
+    return out
+
+
+def _unflatten_zero3(per_rank: list[torch.Tensor], shapes, where: str) -> dict:
+    world, out, offset = len(per_rank), {}, 0
+    for name, shape in ((k, v) for names in shapes for k, v in names.items()):
+        n = math.prod(shape)
+        part = -(-n // world)
+        full = torch.cat([flat[offset:offset + part] for flat in per_rank])
+        if full.numel() < n:
+            raise ckpt.CheckpointError(f"{where}: the ranks' fp32_flat_groups end before {name}")
+        out[name] = full[:n].view(tuple(shape))
+        offset += part
+    return out
+
+
+def _read_zero(folder: str, optimizer: bool, hf_config: str | None):
+    if not hf_config:
+        raise ckpt.CheckpointError(f"{folder}: a DeepSpeed ZeRO checkpoint records no model "
+                                   f"configuration; pass --hf-config with the model's "
+                                   f"config.json folder")
+    from training.checkpoint.hf import read_hf_config
+    model_type, module, hf = read_hf_config(hf_config)
+    config = module.config_from_hf(hf)
+    states = safe_load.load(os.path.join(folder, "mp_rank_00_model_states.pt"))
+    shapes = states.get("param_shapes")
+    if not shapes:
+        raise ckpt.CheckpointError(f"{folder}/mp_rank_00_model_states.pt records no param_shapes; "
+                                   f"it is not a ZeRO checkpoint")
+    shapes = shapes if isinstance(shapes, list) else [shapes]
+    osds = [safe_load.load(p)["optimizer_state_dict"] for p in _optim_files(folder)]
+    stage = int(_value(osds[0].get("zero_stage", 0)))
+    count = osds[0].get("partition_count")
+    world = max(count) if isinstance(count, list) else int(count or len(osds))
+    if world != len(osds):
+        raise ckpt.CheckpointError(f"{folder}: {len(osds)} *_optim_states.pt files, the ZeRO "
+                                   f"partition count is {world}; copy every rank's file")
+    key = "fp32_flat_groups" if stage == 3 else "single_partition_of_fp32_groups"
+    groups = len(osds[0][key])
+    per_state = {"master": [o[key] for o in osds]}
+    if optimizer:
+        for s in ("exp_avg", "exp_avg_sq"):
+            per_state[s] = [[st[s] for st in _group_states(o, stage, groups)] for o in osds]
+    full = {}
+    for state, ranks in per_state.items():
+        if stage == 3:
+            flat = _unflatten_zero3([torch.cat(list(r)) for r in ranks], shapes, folder)
+        else:
+            merged = [torch.cat([r[g] for r in ranks]) for g in range(groups)]
+            flat = _unflatten_zero12(merged, shapes, osds[0].get("param_alignment_paddings"), folder)
+        try:
+            full[state] = {k: v.float() for k, v in module.from_hf_state_dict(flat, config).items()}
+        except KeyError as e:
+            raise ckpt.CheckpointError(f"{folder}: the parameters lack {e}; they do not match "
+                                       f"{hf_config}/config.json ({model_type})") from None
+    steps = {int(st["step"]) for o in osds for st in _group_states(o, stage, groups) if "step" in st}
+    iteration = int(states.get("global_steps") or _STEP.fullmatch(os.path.basename(folder))[1])
+    step = max(steps) if steps else iteration
+    meta = dict(family=model_type, consumed_samples=int(states.get("global_samples") or 0),
+                skipped_steps=int(states.get("skipped_steps") or 0),
+                source=dict(format=f"deepspeed-zero{stage}", folder=os.path.abspath(folder)))
+    optim = full if optimizer else {}
+    scalars = {"iteration": torch.tensor(iteration), "applied_steps": torch.tensor(step)} \
+        if optimizer else {}
+    return model_type, config, FullState(meta, dict(full["master"]), optim, scalars), iteration
