@@ -671,6 +671,8 @@ def test_deepspeed_zero_checkpoint_imports_masters_and_moments(stage, tmp_path):
     finally:
         for p in fakes:
             del sys.modules[p]
+    assert f"DeepSpeed ZeRO-{stage} checkpoint (global_step9): 2 data-parallel ranks" in \
+        _tool("inspect_checkpoint")._foreign(str(tmp_path / "ds"))
     out = import_checkpoint("deepspeed", str(tmp_path / "ds"), str(tmp_path / "mz"), tp=2,
                             hf_config=str(tmp_path / "hf"))
     ids = torch.randint(0, VOCAB_BLOOM, (2, SEQ))

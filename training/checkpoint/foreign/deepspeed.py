@@ -101,6 +101,14 @@ def is_pipeline_layout(root: str) -> bool:
         return False
 
 
+def is_zero(root: str) -> bool:
+    try:
+        folder = step_folder(root)
+        return bool(_optim_files(folder)) and not _layer_files(folder)
+    except (ckpt.CheckpointError, OSError):
+        return False
+
+
 def is_universal(root: str) -> bool:
     try:
         return os.path.isdir(os.path.join(step_folder(root), "zero"))
@@ -123,6 +131,11 @@ def describe(root: str) -> str:
                     for n in os.listdir(os.path.join(folder, "zero")))
         return (f"DeepSpeed universal checkpoint ({os.path.basename(folder)}): {count} parameters "
                 f"with fp32 masters and Adam moments")
+    if is_zero(root):
+        osd = safe_load.load(_optim_files(folder)[0])["optimizer_state_dict"]
+        return (f"DeepSpeed ZeRO-{int(_value(osd.get('zero_stage', 0)))} checkpoint "
+                f"({os.path.basename(folder)}): {len(_optim_files(folder))} data-parallel ranks; "
+                f"import with --hf-config")
     files = _layer_files(folder)
     tp = max(len(v) for v in files.values())
     args = _args(folder).get("args")
