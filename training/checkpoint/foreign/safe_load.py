@@ -106,9 +106,3 @@ def load(path: str):
         raise UnsafeCheckpointError(f"{path}: unreadable ({str(e).splitlines()[0][:200]}); "
                                     f"the file is damaged or not a torch checkpoint") from None
 
-
-def value_name(v) -> str:
-    """An enum's name whether it was read as a stand-in or is a real enum."""
-    if isinstance(v, ForeignValue):
-        return str(v.value)
-    return getattr(v, "name", str(v))
