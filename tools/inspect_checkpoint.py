@@ -2,7 +2,9 @@
 
     python tools/inspect_checkpoint.py CKPT_DIR [--tensors] [--verify]
 
-CKPT_DIR is a --save folder (its `latest` checkpoint is inspected) or one iter_* folder. Every
+CKPT_DIR is a --save folder (its `latest` checkpoint is inspected) or one iter_* folder. A
+Megatron-LM checkpoint (legacy or torch_dist) is named with its format, iteration and layout (convert it with
+tools/convert_checkpoint.py). Every
 rank's shard must be present and fully readable; with --verify every tensor is also checked
 against the crc32 recorded at save (one line per damaged file and tensor). The exit status is 1
 when anything is wrong.
@@ -33,12 +35,28 @@ def _shapes(path: str, verify: bool) -> tuple[dict, int]:
     return shapes, total
 
 
+def _foreign(path: str) -> str | None:
+    """One line naming another framework's checkpoint format and layout, else None."""
+    from training.checkpoint.foreign import deepspeed, megatron_dist, megatron_legacy
+    if deepspeed.is_universal(path) or deepspeed.is_pipeline_layout(path) or deepspeed.is_zero(path):
+        return deepspeed.describe(path) + "; convert with tools/convert_checkpoint.py import --format deepspeed"
+    if megatron_dist.is_dist(path):
+        return megatron_dist.describe(path) + "; convert with tools/convert_checkpoint.py import --format megatron-dist"
+    if megatron_legacy.is_legacy(path):
+        return megatron_legacy.describe(path) + "; convert with tools/convert_checkpoint.py import --format megatron"
+    return None
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("path")
     ap.add_argument("--tensors", action="store_true", help="list every tensor of every shard")
     ap.add_argument("--verify", action="store_true", help="check every tensor against its checksum")
     args = ap.parse_args()
+    foreign = _foreign(args.path)
+    if foreign:
+        print(foreign)
+        return 0
     try:
         folder = resolve(args.path)
         meta = read_resumable_meta(folder)  # the fields a resume reads, checked

@@ -1,0 +1,96 @@
+"""Convert other frameworks' checkpoints to megazoo checkpoints of any layout, and back.
+
+    python tools/convert_checkpoint.py import --format megatron --load MEGATRON_SAVE_DIR \
+        --save ckpt/run --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2
+    python tools/convert_checkpoint.py export --format megatron --load ckpt/run --save out \
+        --tensor-model-parallel-size 4 [--virtual-pipeline-model-parallel-size 2]
+    python tools/convert_checkpoint.py import --format hf --load hf_folder --save ckpt/hf
+
+Formats: megatron (Megatron-LM's legacy `--ckpt-format torch` folders), megatron-dist
+(Megatron-core's `torch_dist` checkpoints, which Megatron-core loads back), hf (Hugging Face
+folders; the same as tools/convert_hf.py), each both ways; deepspeed (import: ZeRO-1/2/3
+checkpoints of a Hugging Face model with --hf-config, universal checkpoints, and the
+Megatron-DeepSpeed pipeline layout BLOOM-176B was saved in, weights only). A Megatron-LM import carries the weights, and
+where the files hold them the fp32 masters, Adam moments, step count, iteration and consumed
+samples, so `--load ckpt/run` continues the run under any layout (`--no-optimizer`: weights
+only, then train with `--finetune`).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from training.checkpoint.foreign.convert import READERS, WRITERS  # noqa: E402
+from training.checkpoint.foreign.convert import export_checkpoint, import_checkpoint  # noqa: E402
+from training.checkpoint.foreign.safe_load import UnsafeCheckpointError  # noqa: E402
+from training.checkpoint.format import CheckpointError  # noqa: E402
+from training.checkpoint.hf import ConversionError, export_hf, import_hf  # noqa: E402
+
+FORMATS = sorted(set(READERS) | set(WRITERS) | {"hf"})
+
+
+def _layout_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    p.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=1,
+                   help="model chunks per pipeline rank")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    imp = sub.add_parser("import", help="foreign checkpoint -> megazoo checkpoint")
+    exp = sub.add_parser("export", help="megazoo checkpoint -> foreign checkpoint")
+    for s in (imp, exp):
+        s.add_argument("--format", required=True, choices=FORMATS)
+        s.add_argument("--load", required=True, help="the checkpoint (or HF folder) to read")
+        s.add_argument("--save", required=True, help="the folder to write")
+        _layout_flags(s)
+    imp.add_argument("--expert-model-parallel-size", type=int, default=1)
+    imp.add_argument("--data-parallel-size", type=int,
+                     help="data-parallel ranks of the target (default: the expert-parallel size, "
+                          "which experts split over)")
+    imp.add_argument("--no-optimizer", action="store_true",
+                     help="weights only (train from them with --finetune)")
+    imp.add_argument("--vocab-size", type=int,
+                     help="the tokenizer's vocabulary (default: the recorded one; Megatron-LM "
+                          "records only the padded size unless --vocab-size was given)")
+    imp.add_argument("--hf-config", help="deepspeed ZeRO checkpoints of a Hugging Face model: "
+                                         "the folder with its config.json")
+    exp.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="hf only")
+    return p
+
+
+def convert(a: argparse.Namespace) -> str:
+    """Run the parsed command; returns the folder written."""
+    tp, pp = a.tensor_model_parallel_size, a.pipeline_model_parallel_size
+    vpp = a.virtual_pipeline_model_parallel_size
+    if a.format == "hf":
+        return import_hf(a.load, a.save, tp=tp, pp=pp, vpp=vpp) if a.command == "import" \
+            else export_hf(a.load, a.save, dtype=a.dtype)
+    if a.command == "import":
+        return import_checkpoint(a.format, a.load, a.save, tp=tp, pp=pp, vpp=vpp,
+                                 ep=a.expert_model_parallel_size, dp=a.data_parallel_size,
+                                 optimizer=not a.no_optimizer,
+                                 vocab_size=a.vocab_size, hf_config=a.hf_config)
+    return export_checkpoint(a.format, a.load, a.save, tp=tp, pp=pp, vpp=vpp)
+
+
+def main(argv=None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    a = build_parser().parse_args(argv)
+    refused = (ConversionError, CheckpointError, UnsafeCheckpointError, ValueError)
+    try:
+        print(convert(a))
+        return 0
+    except refused as e:  # one line naming the file or flag and the fix
+        print(f"error: {e}", file=sys.stderr)
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,57 @@
+"""Foreign checkpoints -> megazoo checkpoints of any layout, and back (one entry per format).
+
+Import reads the foreign files into full tensors (weights, and where present the fp32 masters,
+Adam moments and step counts) and writes them with `reshard.write_layout` for the target layout;
+`--load` then continues the run (iteration, consumed samples and optimizer state carried over)
+under any layout. Export reads a megazoo checkpoint of any layout and writes the foreign one.
+"""
+from __future__ import annotations
+
+import logging
+
+from models.hf import family, model_class
+from parallel.layout import ParallelConfig
+
+from training.checkpoint import format as ckpt
+from training.checkpoint.foreign import deepspeed, megatron_dist, megatron_legacy
+from training.checkpoint.hf import checkpoint_config
+from training.checkpoint.reshard import read_full_state, write_layout
+
+logger = logging.getLogger(__name__)
+
+READERS = {"megatron": megatron_legacy.read, "megatron-dist": megatron_dist.read,
+           "deepspeed": deepspeed.read}
+WRITERS = {"megatron": megatron_legacy.write, "megatron-dist": megatron_dist.write}
+
+
+def import_checkpoint(fmt: str, load: str, save: str, *, tp: int = 1, pp: int = 1, vpp: int = 1,
+                      ep: int = 1, dp: int | None = None, optimizer: bool = True,
+                      vocab_size: int | None = None, hf_config: str | None = None) -> str:
+    """Convert a foreign checkpoint into a megazoo checkpoint for (tp, pp, vpp, ep, dp); experts
+    split over data-parallel ranks, so dp defaults to ep."""
+    if fmt not in READERS:
+        raise ckpt.CheckpointError(f"--format {fmt!r}: import reads {sorted(READERS)}")
+    dp = dp or ep
+    ParallelConfig(tp=tp, pp=pp, vpp=vpp, ep=ep).validate(tp * pp * dp)
+    extra = {"hf_config": hf_config} if hf_config else {}  # DeepSpeed ZeRO: names and shapes
+    if extra and fmt != "deepspeed":
+        raise ckpt.CheckpointError(f"--hf-config applies to --format deepspeed only, not {fmt}")
+    name, config, full, iteration = READERS[fmt](load, vocab_size, optimizer=optimizer, **extra)
+    out = write_layout(full, save, model_cls=model_class(family(name)), config=config, tp=tp,
+                       pp=pp, vpp=vpp, ep=ep, dp=dp, iteration=iteration,
+                       weights_only=not full.optim)
+    logger.info("imported %s (%s, %s) into %s at tp=%d pp=%d vpp=%d ep=%d, iteration %d, %s",
+                load, fmt, name, out, tp, pp, vpp, ep, iteration,
+                "with optimizer state" if full.optim else "weights only")
+    return out
+
+
+def export_checkpoint(fmt: str, load: str, save: str, *, tp: int = 1, pp: int = 1,
+                      vpp: int = 1) -> str:
+    """Write a megazoo checkpoint (any layout) as a foreign checkpoint for (tp, pp, vpp)."""
+    if fmt not in WRITERS:
+        raise ckpt.CheckpointError(f"--format {fmt!r}: export writes {sorted(WRITERS)}")
+    folder = ckpt.require_verified(ckpt.resolve(load))
+    meta, config, _ = checkpoint_config(folder)
+    full = read_full_state(folder)
+    return WRITERS[fmt](full, config, save, tp=tp, pp=pp, vpp=vpp, iteration=meta["iteration"])

@@ -1,0 +1,205 @@
+"""Megatron-LM's recorded `args` (an argparse.Namespace in every checkpoint) <-> megazoo's model
+configuration and family.
+
+Every model field megazoo models is read; a recorded setting megazoo does not model (partial
+RoPE, RoPE scaling, squared ReLU, a shared expert, sigmoid routing, uneven pipeline stages) is
+refused in one line naming the argument, before any weight is read.
+"""
+from __future__ import annotations
+
+import argparse
+
+from models.config import TransformerConfig
+
+from training.checkpoint import format as ckpt
+
+
+def _get(args, *names, default=None):
+    for n in names:
+        v = getattr(args, n, None)
+        if v is not None:
+            return v
+    return default
+
+
+def _refuse(where: str, arg: str, value, why: str):
+    raise ckpt.CheckpointError(f"{where}: args.{arg}={value!r}: {why}; megazoo cannot continue "
+                               f"this model")
+
+
+def _check_unmodelled(args, where: str) -> None:
+    checks = (
+        ("rotary_percent", lambda v: v not in (None, 1.0), "partial rotary embeddings"),
+        ("use_rope_scaling", bool, "Llama-3.1 RoPE scaling recorded without its parameters"),
+        ("squared_relu", bool, "squared-ReLU MLPs"),
+        ("moe_shared_expert_intermediate_size", bool, "shared experts"),
+        ("moe_router_score_function", lambda v: v not in (None, "softmax"), "sigmoid routing"),
+        ("moe_router_topk_scaling_factor", lambda v: v not in (None, 1.0), "scaled routing"),
+        ("moe_grouped_gemm", lambda v: v and not getattr(args, "transformer_impl", "") ==
+         "transformer_engine", "the legacy GroupedMLP weight layout"),
+        ("decoder_first_pipeline_num_layers", bool, "uneven pipeline stages"),
+        ("decoder_last_pipeline_num_layers", bool, "uneven pipeline stages"),
+        ("multi_latent_attention", bool, "multi-latent attention"),
+        ("apply_residual_connection_post_layernorm", bool, "post-norm residuals"),
+    )
+    for arg, bad, why in checks:
+        v = getattr(args, arg, None)
+        if v is not None and bad(v):
+            _refuse(where, arg, v, why)
+    ets = getattr(args, "expert_tensor_parallel_size", None)
+    if getattr(args, "num_experts", None) and ets not in (None, args.tensor_model_parallel_size):
+        _refuse(where, "expert_tensor_parallel_size", ets,
+                f"experts split over another TP size than the rest "
+                f"({args.tensor_model_parallel_size})")
+
+
+def _activation(args, where: str) -> str:
+    """Megatron's fused bias-GELU (on by default with biases) is the tanh approximation."""
+    if getattr(args, "swiglu", False):
+        return "swiglu"
+    fused = getattr(args, "bias_gelu_fusion", False) and _get(args, "add_bias_linear", default=True)
+    return "gelu_tanh" if getattr(args, "openai_gelu", False) or fused else "gelu"
+
+
+# Megatron-DeepSpeed records its position embedding as an enum (rotary 1, absolute 2, alibi 3)
+_POSITION_ENUM = {1: "rope", 2: "learned", 3: "alibi", "rotary": "rope", "absolute": "learned",
+                  "alibi": "alibi"}
+
+
+def _position(args, where: str) -> str:
+    v = _get(args, "position_embedding_type", default="learned_absolute")
+    if isinstance(v, str) and v in ("learned_absolute", "rope"):
+        return {"learned_absolute": "learned", "rope": "rope"}[v]
+    key = getattr(v, "value", v) if not isinstance(v, str) else v
+    if getattr(v, "name", None) in _POSITION_ENUM:
+        key = v.name
+    if key not in _POSITION_ENUM:
+        _refuse(where, "position_embedding_type", v, "megazoo models learned, RoPE and ALiBi")
+    return _POSITION_ENUM[key]
+
+
+def to_config(args, where: str, vocab_size: int | None = None) -> tuple[str, TransformerConfig]:
+    """(megazoo family, config) of a Megatron-LM checkpoint's args; `vocab_size` trims the
+    padded vocabulary Megatron records to the tokenizer's (default: args.vocab_size if set,
+    else the padded size: Megatron's softmax includes the padding rows, so keeping them as
+    tokens continues its losses exactly)."""
+    if not isinstance(args, argparse.Namespace):
+        raise ckpt.CheckpointError(f"{where}: records no args Namespace; it is not a Megatron-LM "
+                                   f"checkpoint (or was saved without --use-checkpoint-args)")
+    _check_unmodelled(args, where)
+    heads = args.num_attention_heads
+    groups = args.num_query_groups if getattr(args, "group_query_attention", False) else heads
+    position = _position(args, where)
+    norm = {"LayerNorm": "layernorm", "RMSNorm": "rmsnorm"}.get(
+        _get(args, "normalization", default="LayerNorm"))
+    if norm is None:
+        _refuse(where, "normalization", args.normalization, "megazoo models LayerNorm and RMSNorm")
+    padded = args.padded_vocab_size
+    vocab = vocab_size or _get(args, "vocab_size") or padded
+    if vocab > padded:
+        raise ckpt.CheckpointError(f"{where}: vocabulary {vocab} exceeds the recorded "
+                                   f"padded_vocab_size {padded}; pass the tokenizer's size")
+    dtype = "bfloat16" if getattr(args, "bf16", False) else \
+        "float16" if getattr(args, "fp16", False) else "float32"
+    bias = bool(_get(args, "add_bias_linear", default=True))
+    kv = _get(args, "kv_channels")
+    moe_freq = _get(args, "moe_layer_freq", default=1)
+    if not isinstance(moe_freq, int):
+        _refuse(where, "moe_layer_freq", moe_freq, "a per-layer MoE pattern")
+    fields = dict(
+        vocab_size=vocab, hidden_size=args.hidden_size, num_layers=args.num_layers,
+        num_attention_heads=heads, num_query_groups=groups,
+        ffn_hidden_size=_get(args, "ffn_hidden_size"),
+        max_position_embeddings=_get(args, "max_position_embeddings", default=args.seq_length),
+        position_embedding=position, rope_theta=float(_get(args, "rotary_base", default=10000)),
+        normalization=norm, layernorm_epsilon=float(_get(args, "norm_epsilon", "layernorm_epsilon",
+                                                         default=1e-5)),
+        activation=_activation(args, where),
+        kv_channels=kv if kv and kv != args.hidden_size // heads else None,
+        add_qkv_bias=bool(getattr(args, "add_qkv_bias", False)) and not bias,
+        qk_layernorm=bool(getattr(args, "qk_layernorm", False)),
+        tie_word_embeddings=not getattr(args, "untie_embeddings_and_output_weights", False),
+        embedding_layernorm=bool(getattr(args, "embed_layernorm", False)),
+        bias=bias, hidden_dropout=float(_get(args, "hidden_dropout", default=0.0)),
+        attention_dropout=float(_get(args, "attention_dropout", default=0.0)),
+        init_method_std=float(_get(args, "init_method_std", default=0.02)),
+        make_vocab_size_divisible_by=int(_get(args, "make_vocab_size_divisible_by", default=128)),
+        params_dtype=dtype, seed=int(_get(args, "seed", default=1234)))
+    if _get(args, "num_experts"):
+        fields.update(num_experts=args.num_experts, moe_router_topk=int(args.moe_router_topk),
+                      moe_ffn_hidden_size=_get(args, "moe_ffn_hidden_size"),
+                      moe_router_pre_softmax=bool(getattr(args, "moe_router_pre_softmax", False)),
+                      moe_aux_loss_coeff=float(_get(args, "moe_aux_loss_coeff", default=0.0)),
+                      moe_z_loss_coeff=float(_get(args, "moe_z_loss_coeff", default=0.0)),
+                      moe_expert_capacity_factor=_get(args, "moe_expert_capacity_factor"),
+                      moe_layer_freq=moe_freq)
+    config = TransformerConfig(**fields)
+    return family_of_config(config, where), config
+
+
+def family_of_config(config: TransformerConfig, where: str) -> str:
+    """The megazoo family whose model class computes this configuration."""
+    shape = (config.position_embedding, config.normalization, config.activation)
+    if config.num_experts:
+        family = "mixtral" if shape == ("rope", "rmsnorm", "swiglu") else None
+    elif shape == ("rope", "rmsnorm", "swiglu"):
+        family = "qwen3" if config.qk_layernorm else "qwen2" if config.add_qkv_bias else "llama"
+    elif shape[:2] == ("learned", "layernorm") and shape[2] != "swiglu":
+        family = "gpt2"
+    elif shape == ("alibi", "layernorm", "gelu_tanh") and config.embedding_layernorm:
+        family = "bloom"
+    else:
+        family = None
+    if family is None:
+        raise ckpt.CheckpointError(f"{where}: position embedding {shape[0]}, {shape[1]}, "
+                                   f"{shape[2]}{' with experts' if config.num_experts else ''} "
+                                   f"matches no megazoo model family (GPT, BLOOM, Llama, Qwen, "
+                                   f"Mixtral)")
+    return family
+
+
+def from_config(config: TransformerConfig, *, tp: int, pp: int, vpp: int, iteration: int,
+                consumed_samples: int, seq_length: int | None) -> argparse.Namespace:
+    """The args Namespace Megatron-LM records for this model and layout (what its loader and
+    `--use-checkpoint-args` read)."""
+    heads, groups = config.num_attention_heads, config.num_query_groups
+    if config.position_embedding not in ("learned", "rope") or config.embedding_layernorm:
+        raise ckpt.CheckpointError(f"{config.position_embedding} position embeddings with"
+                                   f"{'' if config.embedding_layernorm else 'out'} an embedding "
+                                   f"norm (BLOOM) have no Megatron-core form to export to")
+    padded = config.padded_vocab_size(tp)
+    fields = dict(
+        num_layers=config.num_layers, hidden_size=config.hidden_size,
+        ffn_hidden_size=config.ffn_hidden_size, num_attention_heads=heads,
+        group_query_attention=groups != heads, num_query_groups=groups,
+        kv_channels=config.head_dim, max_position_embeddings=config.max_position_embeddings,
+        seq_length=seq_length or config.max_position_embeddings,
+        position_embedding_type={"learned": "learned_absolute", "rope": "rope"}[
+            config.position_embedding],
+        rotary_base=config.rope_theta, rotary_percent=1.0,
+        normalization={"layernorm": "LayerNorm", "rmsnorm": "RMSNorm"}[config.normalization],
+        norm_epsilon=config.layernorm_epsilon, swiglu=config.activation == "swiglu",
+        openai_gelu=config.activation == "gelu_tanh",
+        add_bias_linear=config.bias, add_qkv_bias=config.bias or config.add_qkv_bias,
+        qk_layernorm=config.qk_layernorm,
+        untie_embeddings_and_output_weights=not config.tie_word_embeddings,
+        hidden_dropout=config.hidden_dropout, attention_dropout=config.attention_dropout,
+        init_method_std=config.init_method_std,
+        make_vocab_size_divisible_by=config.make_vocab_size_divisible_by,
+        padded_vocab_size=padded, vocab_size=config.vocab_size,
+        bf16=config.params_dtype == "bfloat16", fp16=config.params_dtype == "float16",
+        params_dtype=config.dtype, seed=config.seed,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
+        expert_model_parallel_size=1, use_distributed_optimizer=False, use_mcore_models=True,
+        iteration=iteration, consumed_train_samples=consumed_samples,
+        transformer_impl="local")
+    if config.num_experts:
+        fields.update(num_experts=config.num_experts, moe_router_topk=config.moe_router_topk,
+                      moe_ffn_hidden_size=config.moe_ffn_hidden_size,
+                      moe_router_pre_softmax=config.moe_router_pre_softmax,
+                      moe_aux_loss_coeff=config.moe_aux_loss_coeff,
+                      moe_z_loss_coeff=config.moe_z_loss_coeff,
+                      moe_expert_capacity_factor=config.moe_expert_capacity_factor,
+                      moe_layer_freq=config.moe_layer_freq, expert_tensor_parallel_size=tp)
+    return argparse.Namespace(**fields)

@@ -1,0 +1,239 @@
+"""Megatron-core's `torch_dist` checkpoints (`--ckpt-format torch_dist`) in and out.
+
+Layout of one iteration folder (the root's `latest_checkpointed_iteration.txt` names it, as for
+legacy checkpoints):
+
+    iter_0000200/metadata.json      {"sharded_backend": "torch_dist", ...}
+    iter_0000200/.metadata          PyTorch distributed-checkpoint index of every tensor
+    iter_0000200/__R_S.distcp       the tensors' bytes
+    iter_0000200/common.pt          everything not sharded: args, iteration, scheduler, the
+                                    optimizer's parameter groups and its common Adam step
+
+Tensors are saved whole (global shapes; TP and PP are only how ranks wrote their parts), under
+Megatron-core's sharded names: transformer layers stacked along a leading layer axis
+(`decoder.layers.self_attention.linear_qkv.weight` [layers, ...]) or kept per layer, norms under
+Transformer Engine's fused names whatever spec trained them, SwiGLU `linear_fc1` as the whole
+[gate; up], the vocabulary padded. Optimizer states are `optimizer.state.{exp_avg,exp_avg_sq}.`
+and the fp32 masters `optimizer.state.fp32_param.` before the parameter's key.
+`torch.distributed.checkpoint` reads and writes them in one process (`no_dist`).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from training.checkpoint import format as ckpt
+from training.checkpoint.foreign import megatron_args, names, safe_load
+from training.checkpoint.foreign.assemble import check_shapes, expected_shapes
+from training.checkpoint.foreign.megatron_legacy import TRACKER, iteration_folder, scheduler_state
+from training.checkpoint.reshard import FullState
+
+logger = logging.getLogger(__name__)
+
+_STACKED = "decoder.layers."
+_OPTIM = {"exp_avg": "optimizer.state.exp_avg.", "exp_avg_sq": "optimizer.state.exp_avg_sq.",
+          "master": "optimizer.state.fp32_param."}
+# sharded names of the norms (Megatron-core saves the local spec's norms under TE's names)
+_SHARDED_NORMS = {"input_norm": "self_attention.linear_qkv.layer_norm_",
+                  "post_attention_norm": "mlp.linear_fc1.layer_norm_"}
+
+
+def _folder(root: str) -> tuple[str, int | None]:
+    if os.path.isfile(os.path.join(root, "metadata.json")):
+        base = os.path.basename(os.path.normpath(root))
+        return root, int(base[5:]) if base.startswith("iter_") and base[5:].isdigit() else None
+    return iteration_folder(root)
+
+
+def is_dist(root: str) -> bool:
+    try:
+        folder, _ = _folder(root)
+        return json.load(open(os.path.join(folder, "metadata.json"))).get(
+            "sharded_backend") == "torch_dist"
+    except (ckpt.CheckpointError, OSError, ValueError):
+        return False
+
+
+def _common(folder: str) -> dict:
+    path = os.path.join(folder, "common.pt")
+    if not os.path.isfile(path):
+        raise ckpt.CheckpointError(f"{path} is missing; the torch_dist checkpoint is incomplete")
+    return safe_load.load(path)
+
+
+def describe(root: str) -> str:
+    folder, iteration = _folder(root)
+    args = _common(folder).get("args")
+    tensors = len(dcp.FileSystemReader(folder).read_metadata().state_dict_metadata)
+    return (f"Megatron-core torch_dist checkpoint ({'release' if iteration is None else f'iteration {iteration}'}), "
+            f"saved at tp={args.tensor_model_parallel_size} pp={args.pipeline_model_parallel_size}: "
+            f"{tensors} tensors, {args.num_layers} layers, hidden {args.hidden_size}")
+
+
+def _megazoo_name(key: str, layers: int):
+    """[(canonical name, layer index into a stacked tensor or None)] of one sharded key."""
+    if key.startswith(_STACKED) and not key[len(_STACKED)].isdigit():
+        suffix = key[len(_STACKED):]
+        out = []
+        for i in range(layers):
+            mapped = names.to_megazoo(f"decoder.layers.{i}.{suffix}")
+            if mapped is None:
+                return []
+            out.append((mapped[0], i))
+        return out
+    mapped = names.to_megazoo(key)
+    return [] if mapped is None else [(mapped[0], None)]
+
+
+def _find(obj, key: str):
+    if isinstance(obj, dict):
+        if key in obj:
+            return obj[key]
+        for v in obj.values():
+            found = _find(v, key)
+            if found is not None:
+                return found
+    elif isinstance(obj, list):
+        for v in obj:
+            found = _find(v, key)
+            if found is not None:
+                return found
+    return None
+
+
+def read(root: str, vocab_size: int | None = None, *, optimizer: bool = True):
+    """(family, config, FullState, iteration) of a torch_dist checkpoint (see `megatron_legacy.read`)."""
+    folder, iteration = _folder(root)
+    common = _common(folder)
+    args = common.get("args")
+    family, config = megatron_args.to_config(args, folder, vocab_size)
+    if config.num_experts:
+        raise ckpt.CheckpointError(f"{folder}: routed experts in torch_dist checkpoints are not "
+                                   f"read yet; save the run with --ckpt-format torch")
+    metadata = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
+    wanted = {k: v for k, v in metadata.items() if isinstance(v, TensorStorageMetadata)}
+    model_keys = [k for k in wanted if not k.startswith("optimizer.")]
+    keys = model_keys + ([k for k in wanted if k.startswith(tuple(_OPTIM.values()))]
+                         if optimizer else [])
+    tensors = {k: torch.empty(tuple(wanted[k].size), dtype=wanted[k].properties.dtype)
+               for k in keys}
+    dcp.load(tensors, storage_reader=dcp.FileSystemReader(folder), no_dist=True)
+    groups = {"weights": ""} | (_OPTIM if optimizer else {})
+    out = {g: {} for g in groups}
+    for key, t in tensors.items():
+        group = next((g for g, p in groups.items() if p and key.startswith(p)), "weights")
+        model_key = key[len(groups[group]):]
+        try:
+            mapped = _megazoo_name(model_key, config.num_layers)
+        except KeyError:
+            raise ckpt.CheckpointError(f"{folder}: {model_key} is not a tensor megazoo maps") from None
+        for canon, layer in mapped:
+            if canon == "head_weight" and config.tie_word_embeddings:
+                continue  # the tied embedding's copy
+            value = t[layer] if layer is not None else t
+            if canon.endswith("word_embeddings.weight") or canon == "head_weight":
+                value = value[:config.vocab_size]
+            out[group][canon] = value.float()
+    expected = expected_shapes(family, config)
+    check_shapes(out["weights"], expected, folder, f"its args (hidden_size={args.hidden_size}, "
+                 f"num_attention_heads={args.num_attention_heads}, padded_vocab_size="
+                 f"{args.padded_vocab_size})")
+    optim = {}
+    if optimizer and out.get("exp_avg"):
+        if not out["master"]:
+            out["master"] = dict(out["weights"])  # fp32 training: the weights are the masters
+        if any(set(out[s]) != set(expected) for s in _OPTIM):
+            raise ckpt.CheckpointError(f"{folder}: optimizer state covers only part of the model; "
+                                       f"import the weights only (--no-optimizer)")
+        optim = {s: out[s] for s in _OPTIM}
+    it = iteration if iteration is not None else int(common.get("iteration", 0) or 0)
+    step = _find(common.get("optimizer"), "common_step")
+    step = int(step) if step is not None else it
+    scalars = {"iteration": torch.tensor(it), "applied_steps": torch.tensor(step)} if optim else {}
+    meta = dict(family=family, consumed_samples=int(getattr(args, "consumed_train_samples", 0) or 0),
+                skipped_steps=max(it - step, 0), seq_length=getattr(args, "seq_length", None),
+                source=dict(format="megatron-dist", folder=os.path.abspath(folder),
+                            scheduler=scheduler_state(common.get("opt_param_scheduler"))))
+    return family, config, FullState(meta, out["weights"], optim, scalars), it
+
+
+def _sharded_key(canon: str) -> tuple[str, int | None]:
+    """(sharded key, layer or None) of a megazoo canonical name."""
+    top = {z: m for m, z, _ in names.TOP}
+    if canon in top:
+        return top[canon], None
+    _, layer, rest = canon.split(".", 2)
+    base, _, kind = rest.rpartition(".")
+    if base in _SHARDED_NORMS:
+        return _STACKED + _SHARDED_NORMS[base] + kind, int(layer)
+    megatron = {z: m for m, z, _ in names.LAYER if ".layer_norm_" not in m}
+    return _STACKED + megatron[rest], int(layer)
+
+
+_LINEARS = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1",
+            "mlp.linear_fc2")
+
+
+def _extra_states(layers: int) -> dict[str, list]:
+    """The `_extra_state` objects every Megatron-core linear layer saves (None outside FP8
+    training; stored as the pickled list of a shard's objects), one per layer, under
+    Megatron-core's `key/shard_{offset}_{shape}` names; its loader requires them."""
+    out = {f"{_STACKED}{m}._extra_state/shard_{i}_{layers}": [None]
+           for m in _LINEARS for i in range(layers)}
+    out["output_layer._extra_state/shard_0_1"] = [None]
+    return out
+
+
+def write(full: FullState, config, root: str, *, tp: int = 1, pp: int = 1, vpp: int = 1,
+          iteration: int = 0) -> str:
+    """A megazoo FullState as a torch_dist checkpoint that Megatron-core's
+    `dist_checkpointing.load` reads into a model of any (tp, pp) it was configured with."""
+    if config.num_experts:
+        raise ckpt.CheckpointError("routed experts are not written as torch_dist yet; export "
+                                   "--format megatron")
+    megatron_args.family_of_config(config, root)
+    padded = config.padded_vocab_size(tp)
+    per_layer: dict[str, list] = {}
+    tensors = {}
+    sources = {"": full.weights} | ({p: full.optim[s] for s, p in _OPTIM.items()}
+                                    if full.optim else {})
+    for prefix, values in sources.items():
+        for canon, t in values.items():
+            key, layer = _sharded_key(canon)
+            dtype = config.dtype if prefix == "" else torch.float32
+            if key.startswith(("embedding.word", "output_layer")):
+                t = names.shard(t, "vocab", 0, 1, padded)
+            if layer is None:
+                tensors[prefix + key] = t.to(dtype).contiguous()
+            else:
+                per_layer.setdefault(prefix + key, [None] * config.num_layers)[layer] = t.to(dtype)
+    tensors.update({k: torch.stack(v).contiguous() for k, v in per_layer.items()})
+    tensors.update(_extra_states(config.num_layers))
+    folder = os.path.join(root, f"iter_{iteration:07d}")
+    os.makedirs(folder, exist_ok=True)
+    dcp.save(tensors, storage_writer=dcp.FileSystemWriter(folder), no_dist=True)
+    consumed = int(full.meta.get("consumed_samples", 0) or 0)
+    args = megatron_args.from_config(config, tp=tp, pp=pp, vpp=vpp, iteration=iteration,
+                                     consumed_samples=consumed,
+                                     seq_length=full.meta.get("seq_length"))
+    args.ckpt_format = "torch_dist"
+    step = int(full.scalars.get("applied_steps", torch.tensor(iteration)))
+    torch.save({"args": args, "checkpoint_version": 3.0, "iteration": iteration,
+                "opt_param_scheduler": scheduler_state((full.meta.get("source") or {}).get(
+                    "scheduler"), consumed),
+                "optimizer": {"optimizer": {"state": {"common_step": torch.tensor(float(step))}}}
+                if full.optim else None,
+                "num_floating_point_operations_so_far": 0}, os.path.join(folder, "common.pt"))
+    with open(os.path.join(folder, "metadata.json"), "w") as f:
+        json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1,
+                   "common_backend": "torch", "common_backend_version": 1}, f)
+    with open(os.path.join(root, TRACKER), "w") as f:
+        f.write(str(iteration))
+    logger.info("wrote torch_dist checkpoint %s (%d tensors, iteration %d)", folder, len(tensors),
+                iteration)
+    return folder

@@ -1,0 +1,407 @@
+"""Megatron-LM's legacy checkpoints (`--ckpt-format torch`) in and out.
+
+Layout (Megatron-LM's training/checkpointing.py):
+
+    ROOT/latest_checkpointed_iteration.txt     "200" or "release"
+    ROOT/iter_0000200/ (or ROOT/release/)
+        mp_rank_TT/model_optim_rng.pt          pipeline size 1, no expert parallelism
+        mp_rank_TT_PPP/model_optim_rng.pt      with pipeline parallelism
+        mp_rank_TT[_PPP]_EEE/...               with expert parallelism (EEE: expert rank)
+
+Each file is a pickle of {args, checkpoint_version, iteration, model (or model0..N for virtual
+stages), optimizer, opt_param_scheduler, rng_state}; `model` is the stage's Megatron-core
+state dict with layer indices local to the stage (chunk v of pipeline rank p starts at layer
+(v * pp + p) * layers per chunk). The optimizer (not `--use-distributed-optimizer`) is torch's
+Adam state dict, inside Megatron's mixed-precision wrapper ({optimizer, fp32_from_fp16_params,
+grad_scaler}) or as it is in fp32, or a list of both for the dense and expert optimizers; its
+parameter groups carry `wd_mult` and `is_expert_parallel`, which say which of the stage's
+parameters (in module order) each group holds: no weight decay for biases and 1-D tensors, and
+expert weights apart. A distributed optimizer's `distrib_optim.pt` is not read (refused with
+the way round it).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+
+import torch
+
+from training.checkpoint import format as ckpt
+from training.checkpoint.foreign import megatron_args, names, safe_load
+from training.checkpoint.foreign.assemble import Pieces, check_shapes, expected_shapes
+from training.checkpoint.reshard import FullState
+
+logger = logging.getLogger(__name__)
+
+TRACKER = "latest_checkpointed_iteration.txt"
+_RANK_DIR = re.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?")
+_MODEL_FILES = ("model_optim_rng.pt", "model_rng.pt")
+_STATES = ("exp_avg", "exp_avg_sq")
+
+
+def iteration_folder(root: str) -> tuple[str, int | None]:
+    """(iter_*/release folder, iteration or None for a release) of a Megatron-LM --save root or
+    of one of its iteration folders."""
+    tracker = os.path.join(root, TRACKER)
+    if os.path.isfile(tracker):
+        text = open(tracker).read().strip()
+        if text == "release":
+            return os.path.join(root, "release"), None
+        if not text.isdigit():
+            raise ckpt.CheckpointError(f"{tracker}: {text!r} is neither an iteration nor 'release'")
+        return os.path.join(root, f"iter_{int(text):07d}"), int(text)
+    base = os.path.basename(os.path.normpath(root))
+    if any(_RANK_DIR.fullmatch(n) for n in _listdir(root)):
+        m = re.fullmatch(r"iter_(\d+)", base)
+        return root, int(m[1]) if m else None
+    raise ckpt.CheckpointError(f"{root}: no {TRACKER} and no mp_rank_* folders; pass a Megatron-LM "
+                               f"--save folder or one of its iter_* folders")
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return sorted(os.listdir(path))
+    except OSError:
+        return []
+
+
+def is_legacy(root: str) -> bool:
+    try:
+        folder, _ = iteration_folder(root)
+    except ckpt.CheckpointError:
+        return False
+    return any(_RANK_DIR.fullmatch(n) for n in _listdir(folder))
+
+
+def rank_files(folder: str, pp: int, ep: int) -> dict[tuple[int, int, int], str]:
+    """(tp rank, pp rank, ep rank) -> model file; the folder names' second number is the
+    pipeline rank with pipeline parallelism, else the expert rank."""
+    files = {}
+    for name in _listdir(folder):
+        m = _RANK_DIR.fullmatch(name)
+        if not m:
+            continue
+        nums = [int(x) for x in m.groups() if x is not None]
+        t, rest = nums[0], nums[1:]
+        p = rest.pop(0) if pp > 1 and rest else 0
+        e = rest.pop(0) if ep > 1 and rest else 0
+        path = next((os.path.join(folder, name, f) for f in _MODEL_FILES
+                     if os.path.isfile(os.path.join(folder, name, f))), None)
+        if path is None:
+            raise ckpt.CheckpointError(f"{os.path.join(folder, name)} holds no model_optim_rng.pt")
+        files[(t, p, e)] = path
+    return files
+
+
+def _first_file(folder: str) -> str:
+    for name in _listdir(folder):
+        if _RANK_DIR.fullmatch(name):
+            for f in _MODEL_FILES:
+                if os.path.isfile(os.path.join(folder, name, f)):
+                    return os.path.join(folder, name, f)
+    raise ckpt.CheckpointError(f"{folder}: no mp_rank_*/model_optim_rng.pt")
+
+
+def describe(root: str) -> str:
+    """One line: format, iteration, layout and model of a legacy checkpoint (inspect tool)."""
+    folder, iteration = iteration_folder(root)
+    args = safe_load.load(_first_file(folder)).get("args")
+    tp, pp, ep, vpp = _layout(args)
+    return (f"Megatron-LM legacy checkpoint ({'release' if iteration is None else f'iteration {iteration}'}): "
+            f"tp={tp} pp={pp} ep={ep} vpp={vpp}, {args.num_layers} layers, hidden "
+            f"{args.hidden_size}, {args.num_attention_heads} heads, padded vocabulary "
+            f"{args.padded_vocab_size}")
+
+
+def _layout(args) -> tuple[int, int, int, int]:
+    return (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+            getattr(args, "expert_model_parallel_size", 1) or 1,
+            getattr(args, "virtual_pipeline_model_parallel_size", None) or 1)
+
+
+def _stage_models(sd: dict, vpp: int, path: str) -> list[dict]:
+    if vpp == 1 and "model" in sd:
+        return [sd["model"]]
+    keys = [f"model{v}" for v in range(vpp)]
+    if not all(k in sd for k in keys):
+        raise ckpt.CheckpointError(f"{path}: holds {sorted(k for k in sd if k.startswith('model'))}"
+                                   f", the recorded virtual pipeline size {vpp} calls for {keys}")
+    return [sd[k] for k in keys]
+
+
+def _param_items(model: dict):
+    """(key, tensor) of the stage's parameters in module order (buffers and FP8 state left out)."""
+    return [(k, v) for k, v in model.items()
+            if isinstance(v, torch.Tensor) and not names.IGNORED.fullmatch(k)]
+
+
+def _group_key(key: str, t: torch.Tensor) -> tuple[float, bool]:
+    """Megatron's parameter-group key: (weight-decay multiplier, expert-parallel)."""
+    no_wd = key.endswith(".bias") or t.dim() == 1
+    return (0.0 if no_wd else 1.0, ".mlp.experts." in key)
+
+
+def _optimizers(sd: dict, path: str) -> list[tuple[dict, list | None]]:
+    """[(torch optimizer state dict, fp32 masters per group or None)] of a file's optimizer."""
+    opt = sd.get("optimizer")
+    if opt is None:
+        return []
+    parts = opt if isinstance(opt, list) else [opt]
+    out = []
+    for part in parts:
+        if "state" in part and "param_groups" in part:
+            out.append((part, None))
+        elif "optimizer" in part:
+            out.append((part["optimizer"], part.get("fp32_from_fp16_params")))
+        else:
+            raise ckpt.CheckpointError(f"{path}: optimizer state of an unknown form "
+                                       f"({sorted(part)[:5]}); load the weights with --finetune")
+    return out
+
+
+def _assign(params: list[tuple[str, torch.Tensor]], optimizers, path: str):
+    """key -> (state dict of Adam, fp32 master or None) for every parameter the optimizers hold."""
+    out = {}
+    keyed = [(_group_key(k, t), k, t) for k, t in params]
+    for opt, masters in optimizers:
+        groups = opt["param_groups"]
+        for g, group in enumerate(groups):
+            if "wd_mult" in group:
+                want = (float(group["wd_mult"]), bool(group.get("is_expert_parallel", False)))
+                members = [(k, t) for key, k, t in keyed if key == want]
+            else:  # Megatron before parameter-group keys: [weight decay, no weight decay]
+                members = [(k, t) for key, k, t in keyed if (key[0] == 1.0) == (g == 0)]
+            if len(members) != len(group["params"]):
+                raise ckpt.CheckpointError(f"{path}: optimizer group {g} holds "
+                                           f"{len(group['params'])} parameters, the model's "
+                                           f"{len(members)}; load the weights with --finetune")
+            for j, ((k, t), idx) in enumerate(zip(members, group["params"])):
+                state = opt["state"].get(idx, {})
+                master = masters[g][j] if masters is not None else t.float()
+                for name in _STATES:
+                    if name in state and state[name].shape != t.shape:
+                        raise ckpt.CheckpointError(f"{path}: {name} of {k} has shape "
+                                                   f"{tuple(state[name].shape)}, the weight "
+                                                   f"{tuple(t.shape)}; load with --finetune")
+                out[k] = (state, master)
+    return out
+
+
+def read(root: str, vocab_size: int | None = None, *, optimizer: bool = True):
+    """(family, config, FullState) of a Megatron-LM legacy checkpoint: full weights, and with
+    `optimizer` the fp32 masters and Adam moments where the files hold them, the Adam step
+    count, iteration, consumed samples and the scheduler's state (in meta)."""
+    folder, iteration = iteration_folder(root)
+    first = safe_load.load(_first_file(folder))
+    args = first.get("args")
+    family, config = megatron_args.to_config(args, folder, vocab_size)
+    tp, pp, ep, vpp = _layout(args)
+    if os.path.isfile(os.path.join(os.path.dirname(_first_file(folder)), "distrib_optim.pt")) \
+            and optimizer:
+        raise ckpt.CheckpointError(
+            f"{folder}: the optimizer is in distrib_optim.pt (--use-distributed-optimizer), which "
+            f"this importer does not read; import the weights only (--no-optimizer) and resume "
+            f"with --finetune")
+    files = rank_files(folder, pp, ep)
+    want = {(t, p, e) for t in range(tp) for p in range(pp) for e in range(ep)}
+    if set(files) != want:
+        raise ckpt.CheckpointError(f"{folder}: holds rank folders for {sorted(files)}, the recorded "
+                                   f"tp={tp} pp={pp} ep={ep} call for {sorted(want)}")
+    per_chunk = config.num_layers // (pp * vpp)
+    local_experts = (config.num_experts or 0) // ep
+    weights = Pieces(folder)
+    states = {s: Pieces(folder) for s in ("master",) + _STATES}
+    steps, sched, optim_found = set(), first.get("opt_param_scheduler"), []
+    for (t, p, e), path in sorted(files.items()):
+        sd = first if path == _first_file(folder) else safe_load.load(path)
+        models = _stage_models(sd, vpp, path)
+        params = [(f"{v}:{k}", x) for v, m in enumerate(models) for k, x in _param_items(m)]
+        assigned = _assign(params, _optimizers(sd, path), path) if optimizer else {}
+        optim_found.append(bool(assigned))
+        for v, model in enumerate(models):
+            offset = (v * pp + p) * per_chunk
+            for key, tensor in _param_items(model):
+                try:
+                    mapped = names.to_megazoo(key, offset)
+                except KeyError:
+                    raise ckpt.CheckpointError(f"{path}: {key} is not a tensor megazoo maps (GPT, "
+                                               f"Llama, Qwen, Mixtral in Megatron-core names)") from None
+                canon, split, expert = mapped
+                split = names.split_for(split, config.activation == "swiglu")
+                if expert is not None:
+                    expert += e * local_experts
+                elif e > 0:
+                    continue  # dense tensors: every expert rank holds the same copy
+                copy = (p, v)
+                if canon == "head_weight" and config.tie_word_embeddings:
+                    canon = "embedding.word_embeddings.weight"  # the last stage's copy
+                weights.add(canon, split, expert, t, tensor, copy)
+                if f"{v}:{key}" in assigned:
+                    state, master = assigned[f"{v}:{key}"]
+                    states["master"].add(canon, split, expert, t, master.float(), copy)
+                    for s in _STATES:
+                        if s in state:
+                            states[s].add(canon, split, expert, t, state[s].float(), copy)
+                    if "step" in state:
+                        steps.add(int(state["step"]))
+    expected = expected_shapes(family, config)
+    recorded = (f"its args (hidden_size={args.hidden_size}, num_attention_heads="
+                f"{args.num_attention_heads}, num_query_groups={config.num_query_groups}, "
+                f"padded_vocab_size={args.padded_vocab_size}, ffn_hidden_size={config.ffn_hidden_size})")
+    full_weights = weights.full(tp, config.vocab_size)
+    check_shapes(full_weights, expected, folder, recorded)
+    optim = {}
+    if optimizer and all(optim_found) and optim_found:
+        optim = {s: pieces.full(tp, config.vocab_size) for s, pieces in states.items()}
+        if any(set(v) != set(expected) for v in optim.values()):
+            raise ckpt.CheckpointError(f"{folder}: optimizer state covers only part of the "
+                                       f"model; import the weights only (--no-optimizer)")
+    elif optimizer and any(optim_found):
+        raise ckpt.CheckpointError(f"{folder}: only some rank files hold optimizer state; import "
+                                   f"the weights only (--no-optimizer)")
+    it = iteration if iteration is not None else int(first.get("iteration", 0) or 0)
+    step = max(steps) if steps else it
+    scalars = {"iteration": torch.tensor(it), "applied_steps": torch.tensor(step)} if optim else {}
+    meta = dict(family=family, consumed_samples=int(getattr(args, "consumed_train_samples", 0) or 0),
+                skipped_steps=max(it - step, 0), seq_length=getattr(args, "seq_length", None),
+                source=dict(format="megatron", folder=os.path.abspath(folder),
+                            layout=dict(tp=tp, pp=pp, ep=ep, vpp=vpp),
+                            scheduler=scheduler_state(sched)))
+    return family, config, FullState(meta, {k: v.float() for k, v in full_weights.items()},
+                                     optim, scalars), it
+
+
+def _plain(obj):
+    """JSON-able values (for meta.json)."""
+    if isinstance(obj, dict):
+        return {str(k): _plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_plain(v) for v in obj]
+    if isinstance(obj, torch.Tensor):
+        return obj.tolist()
+    return obj if isinstance(obj, (int, float, str, bool, type(None))) else str(obj)
+
+
+_SCHEDULER_KEYS = ("max_lr", "lr_warmup_steps", "num_steps", "lr_decay_style", "lr_decay_steps",
+                   "min_lr", "start_wd", "end_wd", "wd_incr_style", "wd_incr_steps")
+
+
+def scheduler_state(recorded: dict | None, consumed: int | None = None) -> dict | None:
+    """Megatron's scheduler state as plain values (kept in meta.json on import). With `consumed`
+    (export): every key Megatron-LM's loader reads, those no source recorded as None (then load
+    with --override-opt_param-scheduler) and `num_steps` counted in samples."""
+    state = _plain(recorded) if recorded else None
+    if consumed is None:
+        return state
+    out = {k: (state or {}).get(k) for k in _SCHEDULER_KEYS}
+    out["num_steps"] = (state or {}).get("num_steps", consumed)
+    return out
+
+
+def _stage_entries(full: dict, config, stage: int, stages: int):
+    """[(Megatron key, canonical name, split, expert)] of one virtual stage in module order."""
+    per_chunk = config.num_layers // stages
+    swiglu = config.activation == "swiglu"
+    out = []
+    if stage == 0:
+        out += [(m, z, s, None) for m, z, s in names.TOP[:2] if z in full]
+    for local in range(per_chunk):
+        prefix = f"layers.{stage * per_chunk + local}."
+        suffixes = {k[len(prefix):] for k in full if k.startswith(prefix)}
+        out += [(m, prefix + z, names.split_for(s, swiglu), None)
+                for m, z, s in names.layer_keys(local, suffixes)]
+        if prefix + "mlp.experts.weight1" in full:
+            for e in range(config.num_experts):
+                out += [(m, prefix + z, names.split_for(s, swiglu), e)
+                        for m, z, s in names.expert_keys(local, e, suffixes)]
+    if stage == stages - 1:
+        out += [(m, z, s, None) for m, z, s in names.TOP[2:4] if z in full]
+        if not config.tie_word_embeddings:
+            out.append(("output_layer.weight", "head_weight", "vocab", None))
+        elif stages > 1:  # the last stage's copy of the tied embedding
+            out.append(("output_layer.weight", "embedding.word_embeddings.weight", "vocab", None))
+    return out
+
+
+def write(full: FullState, config, root: str, *, tp: int, pp: int, vpp: int = 1,
+          iteration: int = 0) -> str:
+    """A megazoo FullState as a Megatron-LM legacy checkpoint for (tp, pp, vpp), with the
+    optimizer (fp32 masters, Adam moments, step) when `full` holds one. Megatron-LM loads it
+    with `--ckpt-format torch --no-load-rng` (no RNG state is written) and, unless the source
+    was a Megatron-LM run whose scheduler state is carried, `--override-opt_param-scheduler`."""
+    stages = pp * vpp
+    if config.num_layers % stages:
+        raise ckpt.CheckpointError(f"{config.num_layers} layers do not split over pp={pp} x "
+                                   f"vpp={vpp} stages evenly, as Megatron-LM's legacy files need")
+    if config.num_query_groups % tp:
+        raise ckpt.CheckpointError(f"{config.num_query_groups} query groups do not split over "
+                                   f"tp={tp}; Megatron-LM needs whole groups per rank")
+    megatron_args.family_of_config(config, root)
+    meta = full.meta
+    consumed = int(meta.get("consumed_samples", 0) or 0)
+    args = megatron_args.from_config(config, tp=tp, pp=pp, vpp=vpp, iteration=iteration,
+                                     consumed_samples=consumed, seq_length=meta.get("seq_length"))
+    padded = config.padded_vocab_size(tp)
+    weights = {**full.weights, **full.master}
+    step = int(full.scalars.get("applied_steps", torch.tensor(iteration)))
+    scheduler = scheduler_state((meta.get("source") or {}).get("scheduler"), consumed)
+    folder = os.path.join(root, f"iter_{iteration:07d}")
+    for t in range(tp):
+        for p in range(pp):
+            def part(values, canon, split, expert):
+                tensor = values[canon] if expert is None else values[canon][expert]
+                return names.shard(tensor, split, t, tp, padded).clone()
+            sd = {"args": args, "checkpoint_version": 3.0, "iteration": iteration,
+                  "opt_param_scheduler": scheduler, "num_floating_point_operations_so_far": 0}
+            params, models = [], []
+            for v in range(vpp):
+                entries = _stage_entries(weights, config, v * pp + p, stages)
+                models.append({m: part(full.weights, z, s, e).to(config.dtype)
+                               for m, z, s, e in entries})
+                params += [(m, z, s, e) for m, z, s, e in entries]
+            if vpp == 1:
+                sd["model"] = models[0]
+            else:
+                sd.update({f"model{v}": m for v, m in enumerate(models)})
+            if full.optim:
+                sd["optimizer"] = _optimizer_state(params, full, config, part, step)
+            path = os.path.join(folder, f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else ""),
+                                _MODEL_FILES[0])
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            torch.save(sd, path)
+    with open(os.path.join(root, TRACKER), "w") as f:
+        f.write(str(iteration))
+    logger.info("wrote Megatron-LM checkpoint %s (tp=%d pp=%d vpp=%d, iteration %d%s)", folder,
+                tp, pp, vpp, iteration, ", with optimizer" if full.optim else "")
+    return folder
+
+
+def _optimizer_state(params, full: FullState, config, part, step: int) -> dict:
+    """Torch Adam's state dict as Megatron-LM saves it (in its mixed-precision wrapper unless
+    fp32), parameters grouped by (weight-decay multiplier, expert) in first-seen order."""
+    groups, order = {}, []
+    for m, z, s, e in params:
+        local = part(full.weights, z, s, e)
+        key = _group_key(m.split(":", 1)[-1], local)
+        if key not in groups:
+            groups[key] = []
+            order.append(key)
+        groups[key].append((z, s, e))
+    state, param_groups, masters, idx = {}, [], [], 0
+    for key in order:
+        ids = []
+        masters.append([])
+        for z, s, e in groups[key]:
+            state[idx] = {"step": torch.tensor(float(step)),
+                          **{n: part(full.optim[n], z, s, e).float() for n in _STATES}}
+            masters[-1].append(part(full.optim["master"], z, s, e).float())
+            ids.append(idx)
+            idx += 1
+        param_groups.append(dict(params=ids, wd_mult=key[0], lr_mult=1.0,
+                                 is_expert_parallel=key[1], is_decoupled_lr=False, lr=0.0,
+                                 weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8, amsgrad=False))
+    adam = {"state": state, "param_groups": param_groups}
+    if config.params_dtype == "float32":
+        return adam
+    return {"optimizer": adam, "fp32_from_fp16_params": masters}

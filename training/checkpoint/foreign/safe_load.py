@@ -1,0 +1,108 @@
+"""Unpickling other frameworks' `.pt` files without running their code.
+
+Megatron-LM and DeepSpeed save pickles. They are read with `torch.load(weights_only=True)`, whose
+unpickler builds tensors, containers and numbers only, plus an explicit allowlist:
+`argparse.Namespace` (Megatron's `args`), numpy's array reconstruction (the saved NumPy RNG
+state), and stand-ins for the few enums and plain classes those frameworks put in their files
+(`ModelType`, `AttnBackend`, DeepSpeed's `ZeroStageEnum`, loss scalers, fragment addresses). A
+stand-in keeps the value or attributes it was saved with and runs nothing. Any other class is
+refused in one line naming it.
+"""
+from __future__ import annotations
+
+import argparse
+import pickle
+import re
+
+import numpy as np
+import torch
+
+
+class ForeignValue:
+    """A stand-in for an enum member or a plain object of another framework: `value` holds an
+    enum's value, attributes hold a plain object's state. `type_name` names the original class."""
+
+    type_name = "?"
+
+    def __new__(cls, *args, **kwargs):
+        return super().__new__(cls)
+
+    def __init__(self, value=None, *args, **kwargs):
+        self.value = value
+
+    @property
+    def name(self) -> str:
+        return str(self.value)
+
+    def __eq__(self, other):
+        return type(other) is type(self) and vars(other) == vars(self)
+
+    def __hash__(self):
+        return hash((self.type_name, repr(self.value)))
+
+    def __repr__(self):
+        return f"<{self.type_name} {self.value!r}>"
+
+
+# The classes other frameworks' checkpoints hold that are data, not code (qualified names as
+# pickled). Megatron-LM's `args` holds enums; DeepSpeed's optimizer files its ZeRO stage enum,
+# loss scaler objects and the fragment addresses of its universal-checkpoint mapping.
+STAND_INS = (
+    "megatron.core.enums.ModelType",
+    "megatron.core.enums.Fp8Recipe",
+    "megatron.core.transformer.enums.AttnBackend",
+    "megatron.core.transformer.enums.AttnMaskType",
+    "megatron.core.transformer.enums.AttnType",
+    "megatron.core.transformer.enums.LayerType",
+    "megatron.core.transformer.enums.CudaGraphScope",
+    "megatron.model.enums.ModelType",
+    "megatron.model.enums.AttnMaskType",
+    "megatron.legacy.model.enums.AttnMaskType",
+    "megatron.enums.PositionEmbeddingType",
+    "deepspeed.runtime.zero.config.ZeroStageEnum",
+    "deepspeed.runtime.fp16.loss_scaler.LossScaler",
+    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
+    "deepspeed.utils.tensor_fragment.fragment_address",
+    "deepspeed.checkpoint.constants.PIPE_REPLICATED",
+)
+
+
+class UnsafeCheckpointError(ValueError):
+    """A pickle holding a class outside the allowlist; the message names the file and class."""
+
+
+def _stand_in(qualname: str) -> type:
+    return type(qualname.rsplit(".", 1)[1], (ForeignValue,), {"type_name": qualname})
+
+
+def _allowlist() -> list:
+    numpy_core = "numpy.core" if np.__version__.startswith("1.") else "numpy._core"
+    reconstruct = getattr(getattr(np, numpy_core.split(".")[1]).multiarray, "_reconstruct")
+    allowed = [argparse.Namespace, np.ndarray, np.dtype,
+               (reconstruct, "numpy.core.multiarray._reconstruct"),
+               (reconstruct, "numpy._core.multiarray._reconstruct")]
+    allowed += [type(np.dtype(t)) for t in (np.uint32, np.int64, np.float64, np.float32, np.uint8)]
+    allowed += [(_stand_in(q), q) for q in STAND_INS]
+    return allowed
+
+
+_UNSUPPORTED = re.compile(r"(?:GLOBAL|global) ([\w.]+)")
+
+
+def load(path: str):
+    """A framework's `.pt` file as plain data; refuses anything that would run code."""
+    try:
+        with torch.serialization.safe_globals(_allowlist()):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        text = str(e)
+        found = _UNSUPPORTED.search(text)
+        what = found[1] if found else text.splitlines()[0][:200]
+        raise UnsafeCheckpointError(
+            f"{path}: holds {what}, a type outside the allowlist of "
+            f"training/checkpoint/foreign/safe_load.py; refused (loading it would run its code)"
+        ) from None
+    except (OSError, RuntimeError, EOFError) as e:
+        raise UnsafeCheckpointError(f"{path}: unreadable ({str(e).splitlines()[0][:200]}); "
+                                    f"the file is damaged or not a torch checkpoint") from None
+
