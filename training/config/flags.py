@@ -122,6 +122,15 @@ def build_parser(default_model: str | None = None) -> argparse.ArgumentParser:
     g = p.add_argument_group("data")
     g.add_argument("--data-path", nargs="*", default=[])
     g.add_argument("--mock-data", action="store_true", help="synthetic tokens instead of --data-path")
+    g.add_argument("--sft", action="store_true",
+                   help="chat fine-tuning: --data-path is a prefix from tools/preprocess_sft.py; "
+                        "loss on assistant tokens only, averaged over the global batch")
+    g.add_argument("--sft-packing", action="store_true",
+                   help="--sft: pack conversations into each sample (document masks, positions "
+                        "restarting) instead of one padded conversation per sample")
+    g.add_argument("--calculate-per-token-loss", action="store_true",
+                   help="loss = sum over the global batch's counted tokens / their number "
+                        "(not a mean of per-microbatch means); implied by --sft")
     g.add_argument("--split", default="969,30,1")
     g.add_argument("--tokenizer-type", default="GPT2BPETokenizer")
     g.add_argument("--vocab-file")
@@ -313,6 +322,12 @@ def to_run_config(args: argparse.Namespace, vocab_size: int | None = None,
         _fail("--health-policy rollback needs --save and --save-interval (checkpoints to roll back to)")
     if not args.data_path and not args.mock_data:
         _fail("give --data-path PREFIX (from tools/preprocess_data.py) or --mock-data")
+    if args.sft and (args.mock_data or len(args.data_path) != 1):
+        _fail("--sft needs one --data-path PREFIX (the --output-prefix of tools/preprocess_sft.py)")
+    if args.sft_packing and not args.sft:
+        _fail("--sft-packing packs conversations: add --sft")
+    if args.sft_packing:
+        _fail("--sft-packing needs document-aware attention, not available yet; drop it (padded samples)")
     for path in args.data_path:
         if path.endswith((".bin", ".idx")):
             _fail(f"--data-path {path}: give the prefix without the suffix, --data-path {path[:-4]}")
@@ -329,7 +344,9 @@ def to_run_config(args: argparse.Namespace, vocab_size: int | None = None,
                         tokenizer_type=args.tokenizer_type, vocab_file=args.vocab_file,
                         merge_file=args.merge_file, tokenizer_model=args.tokenizer_model,
                         data_cache_path=args.data_cache_path, mock_data=args.mock_data,
-                        num_workers=args.num_workers, eod_mask_token=compat.eod_mask_token),
+                        num_workers=args.num_workers, eod_mask_token=compat.eod_mask_token,
+                        sft=args.sft, sft_packing=args.sft_packing, pad_token=eod_token or 0,
+                        per_token_loss=args.sft or args.calculate_per_token_loss),
         checkpoint=CheckpointConfig(save=args.save, load=args.load, save_interval=args.save_interval,
                                     finetune=args.finetune, load_optim=not args.no_load_optim,
                                     load_rng=not args.no_load_rng, keep_last=args.keep_last,

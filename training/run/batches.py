@@ -16,6 +16,7 @@ import torch
 
 from data.blended import build_train_valid_test_datasets
 from data.samplers import PretrainingSampler
+from data.sft_dataset import SFTDataset
 from parallel.context_parallel import split_sequence
 
 from training.config.run_config import DataConfig
@@ -39,7 +40,10 @@ class MockGPTDataset:
 
 
 def build_datasets(cfg: DataConfig, *, seed: int, vocab_size: int, num_samples: tuple[int, int, int]):
-    """(train, valid, test); valid/test may be None."""
+    """(train, valid, test); valid/test may be None (--sft: the whole set trains, no split)."""
+    if cfg.sft:
+        return (SFTDataset(cfg.data_path[0], cfg.seq_length, seed, pad_id=cfg.pad_token,
+                           mode="packed" if cfg.sft_packing else "padded"), None, None)
     if cfg.mock_data:
         return tuple(MockGPTDataset(max(n, 1), cfg.seq_length, vocab_size, seed + i)
                      for i, n in enumerate(num_samples))
@@ -54,7 +58,8 @@ def microbatches(dataset, *, consumed_samples: int, micro_batch_size: int, dp_ra
     rank's chunks of the sequence), from `consumed`.
 
     With `num_workers` threads, the next 2 x num_workers microbatches are read ahead (same order);
-    with `eod_mask_token`, "loss_mask" [b, s] is 0 where the input token is that id (--eod-mask-loss).
+    with `eod_mask_token`, "loss_mask" [b, s] is 0 where the input token is that id (--eod-mask-loss);
+    samples with an "assistant_mask" (--sft) give "loss_mask" = that mask on the labels.
     """
     def indices():
         consumed, total = consumed_samples, len(dataset)
@@ -62,13 +67,16 @@ def microbatches(dataset, *, consumed_samples: int, micro_batch_size: int, dp_ra
             yield from PretrainingSampler(total, consumed % total, micro_batch_size, dp_rank, dp)
             consumed = 0  # wrapped around the dataset: start another pass
 
-    def read(idx) -> np.ndarray:
-        return np.stack([np.asarray(dataset[i]["tokens"], dtype=np.int64) for i in idx])
+    def read(idx) -> dict[str, np.ndarray]:
+        samples = [dataset[i] for i in idx]
+        return {k: np.stack([np.asarray(s[k]) for s in samples]) for k in samples[0]}
 
-    def to_batch(sample: np.ndarray) -> dict:
-        t = torch.from_numpy(sample)
+    def to_batch(sample: dict[str, np.ndarray]) -> dict:
+        t = torch.from_numpy(sample["tokens"].astype(np.int64, copy=False))
         mb = {"tokens": t[:, :-1], "labels": t[:, 1:]}
-        if eod_mask_token is not None:
+        if "assistant_mask" in sample:  # label i is token i + 1: its mask is the token's
+            mb["loss_mask"] = torch.from_numpy(sample["assistant_mask"][:, 1:].astype(np.float32))
+        elif eod_mask_token is not None:
             mb["loss_mask"] = (mb["tokens"] != eod_mask_token).float()
         return {k: split_sequence(x, 1, cp, cp_rank).contiguous().to(device) for k, x in mb.items()}
 

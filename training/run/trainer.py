@@ -124,7 +124,8 @@ class Trainer:
         self.nan_injected |= poison
         start = time.perf_counter()
         loss = forward_backward(self.chunks, microbatch_list, topo, opt, schedule=self.sched.pipeline_schedule,
-                                shape=self.shape, watchdog=self.watchdog, poison=poison, timings=timings)
+                                shape=self.shape, watchdog=self.watchdog, poison=poison, timings=timings,
+                                per_token_loss=run.data.per_token_loss)
         verdict, step = self.monitor.check(loss), None
         if verdict.healthy or health.policy == "warn":
             with self.watchdog.collective("optimizer step (dp reduce, grad norm, all-gather)"):
