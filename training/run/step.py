@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from models.moe import set_aux_loss_scale
+from parallel.context_parallel import Documents
 from parallel.pipeline.engine import run_pipeline
 from parallel.pipeline.schedules import build_schedule
 from parallel.topology import ParallelTopology
@@ -39,9 +40,11 @@ def make_forward_fn(loss_scale: float = 1.0, poison: bool = False, token_norm: f
 
     def forward_fn(chunk, x, mb):
         inputs = mb["tokens"] if chunk.pre_process else x
+        docs = documents_of(mb)
         if not chunk.post_process:
-            return chunk(inputs)
-        per_token = chunk(inputs, labels=mb["labels"]).float()
+            return chunk(inputs, documents=docs) if docs is not None else chunk(inputs)
+        per_token = (chunk(inputs, labels=mb["labels"], documents=docs) if docs is not None
+                     else chunk(inputs, labels=mb["labels"])).float()
         if token_norm is not None:
             mask = mb.get("loss_mask")
             loss = (per_token if mask is None else per_token * mask).sum() * token_norm
@@ -51,6 +54,13 @@ def make_forward_fn(loss_scale: float = 1.0, poison: bool = False, token_norm: f
             loss = per_token.mean()
         return loss * factor if factor != 1.0 else loss
     return forward_fn
+
+
+def documents_of(mb: dict) -> Documents | None:
+    """The packed documents a microbatch carries (training/run/batches.py), or None."""
+    if "document_ids" not in mb and "position_ids" not in mb:
+        return None
+    return Documents(ids=mb.get("document_ids"), positions=mb.get("position_ids"))
 
 
 def per_token_norm(microbatches: list[dict], topo: ParallelTopology) -> float:
