@@ -8,7 +8,8 @@ A sample is ``seq_length + 1`` tokens (inputs and their labels shifted by one), 
 padded with the end-of-document id (`mode="padded"`; padding is never learned), or several
 conversations packed back to back (`mode="packed"`), each sample then also carries
 "document_ids" so attention and positions restart per conversation. Conversations are shuffled
-once per pass with the seed; samples are built deterministically from (seed, index).
+once with the seed (every pass over the set sees the same samples); a sample is a function of
+(seed, index).
 """
 from __future__ import annotations
 

@@ -128,6 +128,10 @@ def build_parser(default_model: str | None = None) -> argparse.ArgumentParser:
     g.add_argument("--sft-packing", action="store_true",
                    help="--sft: pack conversations into each sample (document masks, positions "
                         "restarting) instead of one padded conversation per sample")
+    g.add_argument("--reset-position-ids", action="store_true",
+                   help="positions restart after every end-of-document token")
+    g.add_argument("--reset-attention-mask", action="store_true",
+                   help="no token attends across an end-of-document token (packed documents)")
     g.add_argument("--calculate-per-token-loss", action="store_true",
                    help="loss = sum over the global batch's counted tokens / their number "
                         "(not a mean of per-microbatch means); implied by --sft")
@@ -326,8 +330,12 @@ def to_run_config(args: argparse.Namespace, vocab_size: int | None = None,
         _fail("--sft needs one --data-path PREFIX (the --output-prefix of tools/preprocess_sft.py)")
     if args.sft_packing and not args.sft:
         _fail("--sft-packing packs conversations: add --sft")
-    if args.sft_packing:
-        _fail("--sft-packing needs document-aware attention, not available yet; drop it (padded samples)")
+    if (args.reset_position_ids or args.reset_attention_mask) and eod_token is None:
+        _fail("--reset-position-ids/--reset-attention-mask need a tokenizer to name the end-of-document "
+              "id (--vocab-file/--merge-file, --tokenizer-model, or --tokenizer-type NullTokenizer)")
+    if args.sft and (args.reset_position_ids or args.reset_attention_mask):
+        _fail("--sft samples hold one conversation each, or use --sft-packing (documents reset "
+              "by conversation); drop --reset-position-ids/--reset-attention-mask")
     for path in args.data_path:
         if path.endswith((".bin", ".idx")):
             _fail(f"--data-path {path}: give the prefix without the suffix, --data-path {path[:-4]}")
@@ -346,6 +354,8 @@ def to_run_config(args: argparse.Namespace, vocab_size: int | None = None,
                         data_cache_path=args.data_cache_path, mock_data=args.mock_data,
                         num_workers=args.num_workers, eod_mask_token=compat.eod_mask_token,
                         sft=args.sft, sft_packing=args.sft_packing, pad_token=eod_token or 0,
+                        eod_token=eod_token, reset_position_ids=args.reset_position_ids,
+                        reset_attention_mask=args.reset_attention_mask,
                         per_token_loss=args.sft or args.calculate_per_token_loss),
         checkpoint=CheckpointConfig(save=args.save, load=args.load, save_interval=args.save_interval,
                                     finetune=args.finetune, load_optim=not args.no_load_optim,

@@ -47,6 +47,9 @@ class DataConfig:
     sft: bool = False  # --sft: --data-path is a conversation set (tools/preprocess_sft.py)
     sft_packing: bool = False  # --sft-packing: conversations packed with document masks, not padded
     pad_token: int = 0  # --sft padding id (the tokenizer's end-of-document; never learned)
+    eod_token: int | None = None  # the tokenizer's end-of-document id
+    reset_position_ids: bool = False  # --reset-position-ids: positions restart after each eod
+    reset_attention_mask: bool = False  # --reset-attention-mask: attention stays in each document
     # --calculate-per-token-loss (implied by --sft): the loss is the sum over the global batch's
     # counted tokens / their number, not a mean of per-microbatch means
     per_token_loss: bool = False

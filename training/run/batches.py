@@ -119,6 +119,13 @@ class DocumentFlags:
     reset_attention_mask: bool
 
 
+def document_flags(cfg: DataConfig) -> DocumentFlags | None:
+    """The packed-document handling the data configuration asks for (None: none)."""
+    if not (cfg.reset_position_ids or cfg.reset_attention_mask):
+        return None
+    return DocumentFlags(cfg.eod_token, cfg.reset_position_ids, cfg.reset_attention_mask)
+
+
 class TrainData:
     """The training stream: a dataset view without skipped samples, read from a consumed count."""
 

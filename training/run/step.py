@@ -18,7 +18,7 @@ from parallel.pipeline.engine import run_pipeline
 from parallel.pipeline.schedules import build_schedule
 from parallel.topology import ParallelTopology
 
-from training.run.batches import microbatches
+from training.run.batches import document_flags, microbatches
 
 
 def activation_shape(topo: ParallelTopology, seq_length: int, micro_batch_size: int, hidden: int):
@@ -151,7 +151,7 @@ def evaluate(chunks, dataset, topo: ParallelTopology, run, shape, dtype) -> floa
     mbs = run.schedule.micro_batch_size
     it = microbatches(dataset, consumed_samples=0, micro_batch_size=mbs, dp_rank=topo.dp_rank,
                       dp=topo.dp, device=topo.device, eod_mask_token=run.data.eod_mask_token,
-                      cp=topo.cp, cp_rank=topo.cp_rank)
+                      cp=topo.cp, cp_rank=topo.cp_rank, documents=document_flags(run.data))
     per_step = run.schedule.global_batch_size // (mbs * topo.dp)
     losses = [eval_step(chunks, [next(it) for _ in range(per_step)], topo, shape=shape, dtype=dtype,
                         per_token_loss=run.data.per_token_loss)

@@ -17,7 +17,7 @@ from parallel.zero.optimizer import build_optimizer
 from training.checkpoint import format as ckpt
 from training.checkpoint import storage
 from training.config.run_config import RunConfig
-from training.run.batches import TrainData, build_datasets
+from training.run.batches import TrainData, build_datasets, document_flags
 from training.resilience.faults import maybe_hang, report_unhealthy, roll_back
 from training.resilience.health import HealthMonitor, ProgressGuard, after_step
 from training.monitor.journal import RunJournal
@@ -86,7 +86,7 @@ class Trainer:
         self.data = TrainData(train_ds, journal.skipped_samples(), micro_batch_size=self.sched.micro_batch_size,
                               dp_rank=topo.dp_rank, dp=topo.dp, device=topo.device,
                               num_workers=run.data.num_workers, eod_mask_token=run.data.eod_mask_token,
-                              cp=topo.cp, cp_rank=topo.cp_rank)
+                              cp=topo.cp, cp_rank=topo.cp_rank, documents=document_flags(run.data))
         self.data.restart(self.state.consumed_samples)
         self.shape = activation_shape(topo, seq, self.sched.micro_batch_size, mcfg.hidden_size)
         peak, peak_source = device_peak_flops(topo.device, run.logging.peak_flops, run.optimizer.precision)
