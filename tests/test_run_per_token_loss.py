@@ -90,3 +90,40 @@ def test_per_token_loss_is_the_global_mean_in_one_process():
 
 def test_per_token_loss_at_dp2_and_cp2_equals_one_process():
     assert run_distributed(_world, 2) == [True, True]
+
+
+def test_batches_carry_the_assistant_mask_and_documents():
+    import numpy as np
+    from training.run.batches import DocumentFlags, microbatches
+    tokens = np.array([5, 0, 7, 8, 0, 9, 3, 4, 2])  # eod = 0 ends documents of 2 and 3 tokens
+    mask = np.array([0, 0, 1, 1, 1, 0, 0, 1, 1], dtype=np.uint8)
+    sft = [{"tokens": tokens, "assistant_mask": mask}]
+    mb = next(microbatches(sft, consumed_samples=0, micro_batch_size=1, dp_rank=0, dp=1,
+                           device=torch.device("cpu")))
+    assert mb["loss_mask"][0].tolist() == mask[1:].tolist()  # label i is token i + 1
+    flags = DocumentFlags(eod=0, reset_position_ids=True, reset_attention_mask=True)
+    parts = [next(microbatches([{"tokens": tokens}], consumed_samples=0, micro_batch_size=1, dp_rank=0,
+                               dp=1, device=torch.device("cpu"), documents=flags, cp=2, cp_rank=r))
+             for r in range(2)]
+    for mb in parts:  # every context rank holds the whole row's documents
+        assert mb["document_ids"][0].tolist() == [0, 0, 1, 1, 1, 2, 2, 2]
+    positions = [0, 1, 0, 1, 2, 0, 1, 2]
+    for r, mb in enumerate(parts):  # chunks r and 3 - r of 4
+        want = positions[2 * r:2 * r + 2] + positions[6 - 2 * r:8 - 2 * r]
+        assert mb["position_ids"][0].tolist() == want
+
+
+def test_sft_and_document_flags_are_checked():
+    import pytest
+    from training.config.flags import ArgumentError, build_parser, to_run_config
+    tiny = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+            "--max-position-embeddings", "16", "--vocab-size", "61", "--micro-batch-size", "1",
+            "--global-batch-size", "2", "--train-iters", "1"]
+    run = to_run_config(build_parser().parse_args(tiny + ["--sft", "--data-path", "chat"]), world_size=1,
+                        eod_token=3)
+    assert run.data.sft and run.data.per_token_loss and run.data.pad_token == 3
+    for extra, match in [(["--sft", "--mock-data"], "--sft needs one --data-path"),
+                         (["--sft-packing", "--mock-data"], "add --sft"),
+                         (["--mock-data", "--reset-attention-mask"], "need a tokenizer")]:
+        with pytest.raises(ArgumentError, match=match):
+            to_run_config(build_parser().parse_args(tiny + extra), world_size=1)
