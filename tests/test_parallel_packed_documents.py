@@ -5,8 +5,10 @@ The reference runs every document alone (positions from 0, no other document in 
 labels the packed sample gives its tokens; its per-token losses, placed where the documents sit
 in the packed rows, and the gradients of sum(per-token loss x weight) / sum(weight) are what the
 packed run must give: fp32, rtol = atol = 1e-5, in one process (RoPE + GQA, and learned
-positions), and in one 2-rank world at tp2 + SP, cp2 ring and cp2 all-to-all (through
-forward_backward, the gradients after the optimizer's reductions).
+positions), and in one 2-rank world at tp2 + SP, cp2 ring, cp2 all-to-all, pp2, dp2 and
+dp2 x ep2 (MoE, dropless; at dp2 each replica has one row, the rows' counted weights differ)
+through forward_backward with the per-token loss (--sft, --calculate-per-token-loss): the step's loss and the gradients after the optimizer's
+reductions (per-token losses too where there is no pipeline).
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from models.config import TransformerConfig
 from models.language_model import TransformerLanguageModel
 from parallel.context_parallel import Documents, split_sequence
 from parallel.layout import ParallelConfig
+from parallel.pipeline.partition import partition
 from parallel.sharding import local_shard
 from parallel.topology import ParallelTopology
 from parallel.zero import OptimizerConfig, build_optimizer
@@ -44,6 +47,7 @@ def _batch():
         rows.append(torch.cat(docs + [torch.randint(1, VOCAB, (1,), generator=g)]))
     t = torch.stack(rows)
     weights = torch.rand(len(LENGTHS), SEQ, generator=g) + 0.5
+    weights[1, :10] = 0  # uneven counted weight per row (per data-parallel rank at dp2)
     return t[:, :-1].contiguous(), t[:, 1:].contiguous(), weights
 
 
@@ -78,22 +82,28 @@ def _documents(ids, topo) -> Documents:
 
 
 def packed_run(topo, cfg, want, tag):
+    """Per-token losses (without pipelining), the step's loss and this rank's gradients."""
     ids, labels, w = _batch()
-    model = TransformerLanguageModel(cfg, topo)
-    local = lambda t: split_sequence(t, 1, topo.cp, topo.cp_rank).contiguous()  # noqa: E731
-    docs = _documents(ids, topo)
-    with torch.no_grad():
-        per_token = model(local(ids), labels=local(labels), documents=docs)
-    torch.testing.assert_close(per_token, local(want[0]), **TOL, msg=f"{tag} per-token losses")
-    opt = build_optimizer(model, topo, OptimizerConfig(optimizer="sgd", lr=0.0))
+    rows = torch.arange(len(LENGTHS)).chunk(topo.dp)[topo.dp_rank]  # this replica's rows
+    chunks = [TransformerLanguageModel(cfg, topo, **spec.kwargs())
+              for spec in partition(cfg.num_layers, topo.pp, topo.vpp)[topo.pp_rank]]
+    local = lambda t: split_sequence(t[rows], 1, topo.cp, topo.cp_rank).contiguous()  # noqa: E731
+    docs = _documents(ids[rows], topo)
+    if topo.pp == 1:
+        with torch.no_grad():
+            per_token = chunks[0](local(ids), labels=local(labels), documents=docs)
+        torch.testing.assert_close(per_token, local(want[0]), **TOL, msg=f"{tag} per-token losses")
+    opt = build_optimizer(chunks, topo, OptimizerConfig(optimizer="sgd", lr=0.0))
     mb = {"tokens": local(ids), "labels": local(labels), "loss_mask": local(w),
           "document_ids": docs.ids, "position_ids": docs.positions}
-    shape = activation_shape(topo, SEQ, len(LENGTHS), cfg.hidden_size)
-    forward_backward([model], [mb], topo, opt, schedule="1f1b", shape=shape, per_token_loss=True)
+    shape = activation_shape(topo, SEQ, len(rows), cfg.hidden_size)
+    loss = forward_backward(chunks, [mb], topo, opt, schedule="1f1b", shape=shape, per_token_loss=True)
+    torch.testing.assert_close(loss, ((want[0] * w).sum() / w.sum()).item(), **TOL, msg=f"{tag} loss")
     opt.grad_sync.finish()
+    names = {id(p): c.canonical_name(n) for c in chunks for n, p in c.named_parameters()}
     for b in opt.buffers:
         for s in b.slots:
-            name = next(n for n, p in model.named_parameters() if p is s.param)
+            name = names[id(s.param)]
             got = b.grads[s.offset:s.offset + s.numel].view(s.param.shape)
             torch.testing.assert_close(got, local_shard(s.param, want[1][name], topo), **TOL,
                                        msg=lambda m: f"{tag} grad {name}: {m}")
@@ -109,10 +119,16 @@ def _world(rank):
     want = reference(cfg)
     for tag, pc in [("tp2 sp", ParallelConfig(tp=2, sequence_parallel=True)),
                     ("cp2 ring", ParallelConfig(cp=2, cp_comm_type="p2p")),
-                    ("cp2 a2a", ParallelConfig(cp=2, cp_comm_type="a2a"))]:
+                    ("cp2 a2a", ParallelConfig(cp=2, cp_comm_type="a2a")),
+                    ("pp2", ParallelConfig(pp=2)),
+                    ("dp2", ParallelConfig())]:
         packed_run(ParallelTopology.from_config(pc), cfg, want, tag)
+    # experts (dp2 x ep2: one row per replica): dropless routing is per token; no
+    # load-balancing loss (it would see the batch)
+    moe = _config(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=24, tie_word_embeddings=False)
+    packed_run(ParallelTopology.from_config(ParallelConfig(ep=2)), moe, reference(moe), "ep2")
     return True
 
 
-def test_packed_rows_equal_their_documents_at_tp2_cp2_ring_and_a2a():
+def test_packed_rows_equal_their_documents_at_tp2_cp2_pp2_dp2_ep2():
     assert run_distributed(_world, 2) == [True, True]
