@@ -11,7 +11,10 @@ Attention is the only place where context ranks talk: `context_attention` runs r
 DeepSpeed-Ulysses, parallel/ulysses.py) on this rank's queries, keys and values. Everything
 else (embeddings, MLPs, norms, loss) is per token and runs on the local share unchanged; the
 loss is a mean over the local tokens, and the gradient reduction over data x context parallel
-(ZeRO's `dp_cp` group) averages those means into the full sequence's.
+(ZeRO's `dp_cp` group) averages those means into the full sequence's (with a loss mask, the
+per-token loss counts tokens over the group instead: training/run/step.py `per_token_norm`).
+Packed documents (`Documents`) keep their ids for the whole sequence on every rank, so both
+attention modes know the documents of the keys they meet without sending them.
 """
 from __future__ import annotations
 

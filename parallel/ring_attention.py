@@ -16,6 +16,9 @@ causal); from a rank s < r every query sees the block's first chunk and none of 
 a rank s > r only the second local chunk's queries see the block, all of it. So each off-diagonal
 step computes exactly half a block, on every rank. ALiBi adds slope x (key - query) from the
 absolute positions of both blocks. Only key/value heads travel (grouped-query attention).
+Packed documents add a per-sample -inf bias across documents, read from the whole sequence's
+ids (`Documents.ids`, on every rank); a query row that sees no key of a block gets a zero
+output and log-sum-exp -inf there, which the merge ignores.
 
 Each block runs on the device's fused kernel where it has one (`kernels/attention_block.py`:
 aten's CPU flash kernel in fp32; FlashAttention-2 on CUDA in bf16/fp16 without ALiBi), whose
