@@ -122,19 +122,16 @@ def build_parser(default_model: str | None = None) -> argparse.ArgumentParser:
     g = p.add_argument_group("data")
     g.add_argument("--data-path", nargs="*", default=[])
     g.add_argument("--mock-data", action="store_true", help="synthetic tokens instead of --data-path")
-    g.add_argument("--sft", action="store_true",
-                   help="chat fine-tuning: --data-path is a prefix from tools/preprocess_sft.py; "
-                        "loss on assistant tokens only, averaged over the global batch")
-    g.add_argument("--sft-packing", action="store_true",
-                   help="--sft: pack conversations into each sample (document masks, positions "
-                        "restarting) instead of one padded conversation per sample")
-    g.add_argument("--reset-position-ids", action="store_true",
-                   help="positions restart after every end-of-document token")
-    g.add_argument("--reset-attention-mask", action="store_true",
-                   help="no token attends across an end-of-document token (packed documents)")
-    g.add_argument("--calculate-per-token-loss", action="store_true",
-                   help="loss = sum over the global batch's counted tokens / their number "
-                        "(not a mean of per-microbatch means); implied by --sft")
+    for flag, text in (
+            ("--sft", "chat fine-tuning: --data-path is a prefix from tools/preprocess_sft.py; loss on "
+                      "assistant tokens only, averaged over the global batch (docs/sft.md)"),
+            ("--sft-packing", "--sft: pack conversations into each sample (document masks, positions "
+                              "restarting) instead of one padded conversation per sample"),
+            ("--reset-position-ids", "positions restart after every end-of-document token"),
+            ("--reset-attention-mask", "no token attends across an end-of-document token"),
+            ("--calculate-per-token-loss", "loss = sum over the global batch's counted tokens / their "
+                                           "number (not a mean of microbatch means); implied by --sft")):
+        g.add_argument(flag, action="store_true", help=text)
     g.add_argument("--split", default="969,30,1")
     g.add_argument("--tokenizer-type", default="GPT2BPETokenizer")
     g.add_argument("--vocab-file")
