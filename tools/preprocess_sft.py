@@ -131,13 +131,15 @@ def preprocess(args) -> dict:
     with open(skipped_file, "w", encoding="utf-8") as f:
         f.write("".join(s + "\n" for s in listed))
     return {"conversations": kept, "tokens": n_tokens, "assistant_tokens": n_assistant,
-            "notes": dict(reasons), "listed_in": skipped_file}
+            "notes": dict(reasons), "listed_in": skipped_file,
+            "spans": ("the template's {% generation %} marks" if _renderer.marks_generation
+                      else "rendered prefixes (the template marks no generation span)")}
 
 
 def main(argv=None) -> None:
     summary = preprocess(parse_args(argv))
     print(f"{summary['conversations']} conversations, {summary['tokens']} tokens "
-          f"({summary['assistant_tokens']} assistant)")
+          f"({summary['assistant_tokens']} assistant; spans from {summary['spans']})")
     for reason, n in sorted(summary["notes"].items()):
         print(f"  {n} {reason} (listed in {summary['listed_in']})")
 
