@@ -15,7 +15,7 @@ import math
 import torch
 from torch import nn
 
-from parallel.context_parallel import check_attention, context_attention, sequence_positions
+from parallel.context_parallel import Documents, check_attention, context_attention, sequence_positions
 from parallel.kernels.attention import attention
 from parallel.random import RNGStreams, checkpoint
 from parallel.tensor_parallel import ColumnParallelLinear, GroupedLayout, RowParallelLinear
@@ -110,19 +110,23 @@ class ParallelAttention(nn.Module):
         scale = self.head_dim ** -0.5 if self.scale_attn_weights else 1.0
         return scale / (layer + 1) if self.scale_by_layer else scale
 
-    def core_attention(self, q, k, v, layer: int) -> torch.Tensor:
+    def core_attention(self, q, k, v, layer: int, documents: Documents | None = None) -> torch.Tensor:
         """softmax(QK^T * scale + causal/ALiBi bias) V with attention dropout, [b, heads, s, d]
-        each; over every context-parallel rank's part of the sequence when cp > 1."""
+        each; over every context-parallel rank's part of the sequence when cp > 1; within each
+        packed document when `documents` has ids."""
+        ids = documents.ids if documents is not None else None
         if self.topo.cp > 1:
-            return context_attention(q, k, v, self.topo, self.alibi_slopes, attention)
+            return context_attention(q, k, v, self.topo, self.alibi_slopes, attention, ids)
         p = self.dropout if self.training else 0.0
         # Heads differ per TP rank, so attention dropout draws from the tensor-parallel stream.
         with self.rng.fork() if (self.rng is not None and p > 0) else contextlib.nullcontext():
             # queries are the last of the keys' positions (a KV cache holds the earlier ones)
             return attention(q, k, v, alibi_slopes=self.alibi_slopes, dropout_p=p,
-                             scale=self._scale(layer), q_offset=k.shape[2] - q.shape[2])
+                             scale=self._scale(layer), q_offset=k.shape[2] - q.shape[2],
+                             q_document_ids=ids)
 
-    def forward(self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0,
+                documents: Documents | None = None) -> torch.Tensor:
         qkv = self.qkv(x)  # [s, b, local (q, k, v) features], full sequence even under SP
         s, b, _ = qkv.shape
         g, qg, d = self.groups_local, self.q_per_group_local, self.head_dim
@@ -134,13 +138,14 @@ class ParallelAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rotary is not None:
-            positions = sequence_positions(s, self.topo, cache.offset if cache is not None else 0)
+            positions = documents.positions if documents is not None and documents.positions is not None \
+                else sequence_positions(s, self.topo, cache.offset if cache is not None else 0)
             q, k = self.rotary(q, k, positions)
         if cache is not None:
             k, v = cache.update(layer, k, v)
         if self.recompute_core and self.training and torch.is_grad_enabled():
-            out = checkpoint(self.core_attention, self.rng, q, k, v, layer)
+            out = checkpoint(self.core_attention, self.rng, q, k, v, layer, documents)
         else:
-            out = self.core_attention(q, k, v, layer)
+            out = self.core_attention(q, k, v, layer, documents)
         out = out.permute(2, 0, 1, 3).reshape(s, b, self.heads_local * d)
         return self.dense(out)

@@ -45,6 +45,7 @@ class TransformerLayer(nn.Module):
         with self.rng.fork() if (self.rng is not None and self.topo.sequence_parallel) else contextlib.nullcontext():
             return F.dropout(x, self.dropout, training=True)
 
-    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
-        x = x + self.residual_dropout(self.attention(self.input_norm(x), cache, self.layer_number))
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None, documents=None) -> torch.Tensor:
+        x = x + self.residual_dropout(self.attention(self.input_norm(x), cache, self.layer_number,
+                                                     documents))
         return x + self.residual_dropout(self.mlp(self.post_attention_norm(x)))

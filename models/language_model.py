@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from parallel.context_parallel import sequence_positions
+from parallel.context_parallel import Documents, sequence_positions
 from parallel.param_spec import set_spec
 from parallel.mappings import gather_last_dim, scatter_to_sequence
 from parallel.random import RNGStreams, checkpoint
@@ -50,10 +50,12 @@ class Embedding(nn.Module):
                 weight.to(device=topo.device, dtype=config.dtype), freeze=False)
         self.norm = build_norm(config, topo, in_sequence_region=False) if config.embedding_layernorm else None
 
-    def forward(self, ids: torch.Tensor, position_offset: int = 0) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, position_offset: int = 0,
+                documents: Documents | None = None) -> torch.Tensor:
         x = self.word_embeddings(ids)
         if self.position_embeddings is not None:
-            positions = sequence_positions(ids.shape[1], self.topo, position_offset, ids.device)
+            positions = documents.positions if documents is not None and documents.positions is not None \
+                else sequence_positions(ids.shape[1], self.topo, position_offset, ids.device)
             x = x + self.position_embeddings(positions)
         x = x.transpose(0, 1).contiguous()  # [s, b, h]
         if self.norm is not None:
@@ -103,26 +105,29 @@ class TransformerLanguageModel(nn.Module):
         return self.head_weight if self.head_weight is not None else self.embedding.word_embeddings.weight
 
     def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None,
-                cache: KVCache | None = None) -> torch.Tensor:
+                cache: KVCache | None = None, documents: Documents | None = None) -> torch.Tensor:
         """x: token ids [b, s] (first chunk) or hidden states [s, b, h] (later chunks).
 
         Returns hidden states unless this chunk is the last; then per-token loss [b, s] when
         `labels` are given, else this rank's vocabulary shard of the logits [b, s, v/tp].
         With a `cache` (inference), x continues the cached positions and the cache advances.
+        `documents` (packed samples): attention stays within each document, positions restart.
         """
         if cache is not None and self.topo.cp > 1:
             raise ValueError("KV-cache decoding is not supported with --context-parallel-size > 1; "
                              "generate with the checkpoint loaded at context-parallel size 1")
+        if cache is not None and documents is not None:
+            raise ValueError("packed documents are for training; decode one sequence per sample")
         offset = cache.offset if cache is not None else 0
-        h = self.embedding(x, offset) if self.pre_process else x
+        h = self.embedding(x, offset, documents) if self.pre_process else x
         layers = list(self.layers.values())
         recompute = self.training and torch.is_grad_enabled() and cache is None
         for start, end, checkpointed in layer_units(self.config, len(layers)):
             if checkpointed and recompute:
-                h = checkpoint(_run_layers(layers[start:end]), self.rng, h)
+                h = checkpoint(_run_layers(layers[start:end], documents), self.rng, h)
             else:
                 for layer in layers[start:end]:
-                    h = layer(h, cache)
+                    h = layer(h, cache, documents)
         if cache is not None and self.post_process:
             cache.offset += h.shape[0] * (self.topo.tp if self.topo.sequence_parallel else 1)
         if not self.post_process:
@@ -135,11 +140,11 @@ class TransformerLanguageModel(nn.Module):
         return logits.transpose(0, 1)  # [b, s, v/tp]
 
 
-def _run_layers(layers: list[nn.Module]):
+def _run_layers(layers: list[nn.Module], documents: Documents | None = None):
     """One checkpointed unit: consecutive layers run as a single function of their input."""
     def run(h: torch.Tensor) -> torch.Tensor:
         for layer in layers:
-            h = layer(h)
+            h = layer(h, None, documents)
         return h
     return run
 

@@ -60,12 +60,15 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
 
     def cos_sin(self, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.to(self.inv_freq.device).float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [s, head_dim], fp32 like HF
+        freqs = positions.to(self.inv_freq.device).float()[..., None] * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)  # [s, head_dim] or [b, s, head_dim], fp32 like HF
+        if emb.dim() == 3:
+            emb = emb[:, None]  # per-sample positions: broadcast over heads
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
         """`positions`: the absolute position of each of the s tokens (a context-parallel rank
-        holds two separate chunks of the sequence)."""
+        holds two separate chunks of the sequence), [s], or [b, s] per sample (positions
+        restarting in each packed document)."""
         cos, sin = self.cos_sin(positions, q.dtype)
         return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin

@@ -11,10 +11,14 @@ Attention is the only place where context ranks talk: `context_attention` runs r
 DeepSpeed-Ulysses, parallel/ulysses.py) on this rank's queries, keys and values. Everything
 else (embeddings, MLPs, norms, loss) is per token and runs on the local share unchanged; the
 loss is a mean over the local tokens, and the gradient reduction over data x context parallel
-(ZeRO's `dp_cp` group) averages those means into the full sequence's.
+(ZeRO's `dp_cp` group) averages those means into the full sequence's (with a loss mask, the
+per-token loss counts tokens over the group instead: training/run/step.py `per_token_norm`).
+Packed documents (`Documents`) keep their ids for the whole sequence on every rank, so both
+attention modes know the documents of the keys they meet without sending them.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -58,6 +62,22 @@ def sequence_positions(length: int, topo: ParallelTopology, offset: int = 0,
     return local_positions(length, topo.cp, topo.cp_rank, device)
 
 
+@dataclass(frozen=True)
+class Documents:
+    """The packed documents of a microbatch (--reset-attention-mask, --reset-position-ids).
+
+    `ids` [b, s]: each token's document over the whole sequence, on every context rank (a rank's
+    queries meet every rank's keys); None: attention crosses documents. `positions` [b, s/cp]:
+    this rank's tokens' positions (restarting per document); None: positions in the sample.
+    """
+    ids: torch.Tensor | None = None
+    positions: torch.Tensor | None = None
+
+    def local_ids(self, topo: ParallelTopology) -> torch.Tensor | None:
+        """The document ids of this context rank's tokens."""
+        return None if self.ids is None else split_sequence(self.ids, 1, topo.cp, topo.cp_rank)
+
+
 def check_attention(attention_dropout: float, cp: int) -> None:
     """Refuse what the context-parallel attention does not model (run by the trainer's flag
     checks and by every attention layer)."""
@@ -68,15 +88,17 @@ def check_attention(attention_dropout: float, cp: int) -> None:
 
 
 def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, topo: ParallelTopology,
-                      alibi_slopes: torch.Tensor | None, attend: Callable) -> torch.Tensor:
+                      alibi_slopes: torch.Tensor | None, attend: Callable,
+                      document_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of this context rank's queries over the whole sequence's keys.
 
     q [b, heads, s_local, d]; k, v [b, kv_heads, s_local, d] (grouped-query heads stay grouped;
     only key/value heads travel); alibi_slopes [heads] or None. Returns [b, heads, s_local, d].
     `attend(q, k, v, slopes)`: the model's causal attention over one whole sequence (a2a mode).
+    `document_ids` [b, s] (the whole sequence, `Documents.ids`): no query sees another document.
     """
     if topo.config.cp_comm_type == "a2a":
         from .ulysses import ulysses_attention
-        return ulysses_attention(q, k, v, topo, alibi_slopes, attend)
+        return ulysses_attention(q, k, v, topo, alibi_slopes, attend, document_ids)
     from .ring_attention import ring_attention
-    return ring_attention(q, k, v, topo.cp_group, alibi_slopes)
+    return ring_attention(q, k, v, topo.cp_group, alibi_slopes, document_ids)

@@ -16,6 +16,9 @@ causal); from a rank s < r every query sees the block's first chunk and none of 
 a rank s > r only the second local chunk's queries see the block, all of it. So each off-diagonal
 step computes exactly half a block, on every rank. ALiBi adds slope x (key - query) from the
 absolute positions of both blocks. Only key/value heads travel (grouped-query attention).
+Packed documents add a per-sample -inf bias across documents, read from the whole sequence's
+ids (`Documents.ids`, on every rank); a query row that sees no key of a block gets a zero
+output and log-sum-exp -inf there, which the merge ignores.
 
 Each block runs on the device's fused kernel where it has one (`kernels/attention_block.py`:
 aten's CPU flash kernel in fp32; FlashAttention-2 on CUDA in bf16/fp16 without ALiBi), whose
@@ -43,8 +46,8 @@ def _fused(device) -> bool:
 
 
 def _block_kernel(q, bias) -> str:
-    if not _fused(q.device):
-        return "matmul"
+    if not _fused(q.device) or (bias is not None and bias.dim() == 4):
+        return "matmul"  # a per-sample bias (packed documents) runs as matmuls
     return choose_block_kernel(q.device, q.dtype, bias=bias is not None)
 
 
@@ -54,6 +57,9 @@ def _scores(q, k, scale, bias):
     s = torch.matmul(qg, k.unsqueeze(2).transpose(-1, -2)) * scale
     if bias is None:
         return s
+    if bias.dim() == 4:  # [b, heads or 1, m, n]: per sample (packed documents)
+        return s + (bias[:, :, None] if bias.shape[1] == 1 else bias.reshape((bias.shape[0], g, -1)
+                                                                           + bias.shape[-2:]))
     return s + (bias if bias.shape[0] == 1 else bias.reshape((1, g, -1) + bias.shape[-2:]))
 
 
@@ -72,7 +78,9 @@ def block_forward(q, k, v, scale, bias, causal: bool):
         bias = _causal(bias if bias is not None else q.new_zeros(1, m, k.shape[2]))
     s = _scores(q, k, scale, bias)
     lse = torch.logsumexp(s, dim=-1)
-    out = torch.matmul(torch.exp(s - lse[..., None]), v.unsqueeze(2))
+    # a query that sees no key of this block (another document): lse -inf, output 0
+    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    out = torch.matmul(torch.exp(s - safe[..., None]), v.unsqueeze(2))
     return out.reshape(b, heads, m, d), lse.reshape(b, heads, m)
 
 
@@ -118,10 +126,13 @@ def _merge(out, lse, o, l, rows: slice) -> None:
 class _Ring:
     """The static plan of one ring: which rows and columns each step computes, and their bias."""
 
-    def __init__(self, length: int, cp: int, rank: int, slopes, device):
+    def __init__(self, length: int, cp: int, rank: int, slopes, device, document_ids=None):
         self.cp, self.rank, self.half = cp, rank, length // 2
         self.slopes = slopes  # [heads, 1, 1] fp32 or None
-        self.pos = [local_positions(length, cp, r, device).float() for r in range(cp)]
+        index = [local_positions(length, cp, r, device) for r in range(cp)]
+        self.pos = [i.float() for i in index]
+        # each rank's tokens' documents [b, length] (from the whole sequence's ids), or None
+        self.docs = None if document_ids is None else [document_ids.index_select(1, i) for i in index]
 
     def source(self, step: int) -> int:
         return (self.rank - step) % self.cp
@@ -135,22 +146,28 @@ class _Ring:
             rows, cols = slice(None), slice(0, h)
         else:
             rows, cols = slice(h, None), slice(None)
-        if self.slopes is None:
-            return rows, cols, None
-        qpos, kpos = self.pos[self.rank][rows], self.pos[src][cols]
-        return rows, cols, self.slopes * (kpos[None, :] - qpos[:, None])
+        bias = None
+        if self.slopes is not None:
+            qpos, kpos = self.pos[self.rank][rows], self.pos[src][cols]
+            bias = self.slopes * (kpos[None, :] - qpos[:, None])
+        if self.docs is not None:  # [b, 1, m, n]: -inf across documents
+            same = self.docs[self.rank][:, rows, None] == self.docs[src][:, None, cols]
+            mask = torch.zeros(same.shape, dtype=torch.float32, device=same.device)
+            mask = mask.masked_fill(~same, float("-inf"))[:, None]
+            bias = mask if bias is None else mask + bias[None]
+        return rows, cols, bias
 
 
 class RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, slopes, group):
+    def forward(ctx, q, k, v, slopes, group, document_ids):
         b, heads, n, d = q.shape
         cp, rank = C.group_size(group), C.group_rank(group)
         scale = 1.0 / math.sqrt(d)
         compute = ring_compute_dtype(q.device, q.dtype)
         qf = q.to(compute)
         ring = _Ring(n, cp, rank, None if slopes is None else slopes.float()[:, None, None],
-                     q.device)
+                     q.device, document_ids)
         kv = torch.stack([k, v]).to(compute).contiguous()  # [2, b, kv_heads, n, d]
         out = lse = None
         for step in range(cp):
@@ -202,10 +219,12 @@ class RingAttention(torch.autograd.Function):
                 kv_pending.wait()
                 kv = kv_in
         dkv_pending.wait()  # after C shifts, the accumulator of this rank's own keys and values
-        return dq.to(q.dtype), dkv_in[0].to(k.dtype), dkv_in[1].to(v.dtype), None, None
+        return dq.to(q.dtype), dkv_in[0].to(k.dtype), dkv_in[1].to(v.dtype), None, None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group,
-                   alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal attention over the context group's whole sequence (shapes: `context_attention`)."""
-    return RingAttention.apply(q, k, v, alibi_slopes, group)
+                   alibi_slopes: torch.Tensor | None = None,
+                   document_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention over the context group's whole sequence (shapes: `context_attention`);
+    `document_ids` [b, s]: the whole sequence's documents (no query sees another document)."""
+    return RingAttention.apply(q, k, v, alibi_slopes, group, document_ids)

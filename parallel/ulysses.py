@@ -25,7 +25,8 @@ def _order(local_length: int, cp: int, device) -> torch.Tensor:
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, topo,
-                      alibi_slopes: torch.Tensor | None, attend: Callable) -> torch.Tensor:
+                      alibi_slopes: torch.Tensor | None, attend: Callable,
+                      document_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention over the context group's whole sequence (shapes: `context_attention`);
     `attend(q, k, v, alibi_slopes=...)` is single-device causal attention over a whole
     sequence (`parallel.kernels.attention.attention`)."""
@@ -36,5 +37,6 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, topo,
     natural = torch.argsort(positions)
     q, k, v = (all_to_all(t, group, 1, 2).index_select(2, natural) for t in (q, k, v))
     slopes = None if alibi_slopes is None else alibi_slopes.reshape(cp, -1)[rank]
-    out = attend(q, k, v, alibi_slopes=slopes)
+    # after the all-to-all a rank holds the whole sequence in natural order: the ids as given
+    out = attend(q, k, v, alibi_slopes=slopes, q_document_ids=document_ids)
     return all_to_all(out.index_select(2, positions), group, 2, 1)

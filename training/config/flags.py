@@ -145,6 +145,16 @@ def build_parser(default_model: str | None = None) -> argparse.ArgumentParser:
     g = p.add_argument_group("data")
     g.add_argument("--data-path", nargs="*", default=[])
     g.add_argument("--mock-data", action="store_true", help="synthetic tokens instead of --data-path")
+    for flag, text in (
+            ("--sft", "chat fine-tuning: --data-path is a prefix from tools/preprocess_sft.py; loss on "
+                      "assistant tokens only, averaged over the global batch (docs/sft.md)"),
+            ("--sft-packing", "--sft: pack conversations into each sample (document masks, positions "
+                              "restarting) instead of one padded conversation per sample"),
+            ("--reset-position-ids", "positions restart after every end-of-document token"),
+            ("--reset-attention-mask", "no token attends across an end-of-document token"),
+            ("--calculate-per-token-loss", "loss = sum over the global batch's counted tokens / their "
+                                           "number (not a mean of microbatch means); implied by --sft")):
+        g.add_argument(flag, action="store_true", help=text)
     g.add_argument("--split", default="969,30,1")
     g.add_argument("--tokenizer-type", default="GPT2BPETokenizer")
     g.add_argument("--vocab-file")
@@ -391,6 +401,19 @@ def to_run_config(args: argparse.Namespace, vocab_size: int | None = None,
         _fail("--health-policy rollback needs --save and --save-interval (checkpoints to roll back to)")
     if not args.data_path and not args.mock_data:
         _fail("give --data-path PREFIX (from tools/preprocess_data.py) or --mock-data")
+    if args.sft and (args.mock_data or len(args.data_path) != 1):
+        _fail("--sft needs one --data-path PREFIX (the --output-prefix of tools/preprocess_sft.py)")
+    if args.sft and args.split != DataConfig.split:  # a split was asked for
+        _fail(f"--split {args.split}: --sft trains on the whole conversation set (no validation split "
+              f"yet); drop --split")
+    if args.sft_packing and not args.sft:
+        _fail("--sft-packing packs conversations: add --sft")
+    if (args.reset_position_ids or args.reset_attention_mask) and eod_token is None:
+        _fail("--reset-position-ids/--reset-attention-mask need a tokenizer to name the end-of-document "
+              "id (--vocab-file/--merge-file, --tokenizer-model, or --tokenizer-type NullTokenizer)")
+    if args.sft and (args.reset_position_ids or args.reset_attention_mask):
+        _fail("--sft samples hold one conversation each, or use --sft-packing (documents reset "
+              "by conversation); drop --reset-position-ids/--reset-attention-mask")
     for path in args.data_path:
         if path.endswith((".bin", ".idx")):
             _fail(f"--data-path {path}: give the prefix without the suffix, --data-path {path[:-4]}")
@@ -407,7 +430,11 @@ def to_run_config(args: argparse.Namespace, vocab_size: int | None = None,
                         tokenizer_type=args.tokenizer_type, vocab_file=args.vocab_file,
                         merge_file=args.merge_file, tokenizer_model=args.tokenizer_model,
                         data_cache_path=args.data_cache_path, mock_data=args.mock_data,
-                        num_workers=args.num_workers, eod_mask_token=compat.eod_mask_token),
+                        num_workers=args.num_workers, eod_mask_token=compat.eod_mask_token,
+                        sft=args.sft, sft_packing=args.sft_packing, pad_token=eod_token or 0,
+                        eod_token=eod_token, reset_position_ids=args.reset_position_ids,
+                        reset_attention_mask=args.reset_attention_mask,
+                        per_token_loss=args.sft or args.calculate_per_token_loss),
         checkpoint=CheckpointConfig(save=args.save, load=args.load, save_interval=args.save_interval,
                                     finetune=args.finetune, load_optim=not args.no_load_optim,
                                     load_rng=not args.no_load_rng, keep_last=args.keep_last,

@@ -319,10 +319,13 @@ def resolve_megatron_compat(args: argparse.Namespace, eod_token: int | None) -> 
             _fail(f"--lr-warmup-fraction must be in [0, 1], got {args.lr_warmup_fraction}")
         if args.lr_warmup_iters or args.lr_warmup_samples:
             _fail("give one of --lr-warmup-fraction, --lr-warmup-iters and --lr-warmup-samples")
-    if args.eod_mask_loss and (args.context_parallel_size or 1) > 1:
+    if args.eod_mask_loss and (args.context_parallel_size or 1) > 1 and not args.calculate_per_token_loss:
         # each context rank averages over its own unmasked tokens: the mean of those means is
-        # not the sequence's mean once masks differ per rank
-        _fail("--eod-mask-loss is not supported with --context-parallel-size > 1 yet")
+        # not the sequence's mean once masks differ per rank (the per-token loss counts globally)
+        _fail("--eod-mask-loss with --context-parallel-size > 1 needs --calculate-per-token-loss")
+    if args.eod_mask_loss and getattr(args, "sft", False):
+        _fail("--eod-mask-loss does not combine with --sft (the assistant mask decides, end-of-turn "
+              "included); drop --eod-mask-loss")
     if args.eod_mask_loss and eod_token is None:
         _fail("--eod-mask-loss needs a tokenizer to name the end-of-document id (--vocab-file/"
               "--merge-file, --tokenizer-model, or --tokenizer-type NullTokenizer --vocab-size N)")

@@ -44,6 +44,15 @@ class DataConfig:
     mock_data: bool = False  # synthetic tokens, for smoke tests and benchmarks
     num_workers: int = 0  # threads reading samples ahead of the step (0: read in the step)
     eod_mask_token: int | None = None  # --eod-mask-loss: no loss where the input is this token
+    sft: bool = False  # --sft: --data-path is a conversation set (tools/preprocess_sft.py)
+    sft_packing: bool = False  # --sft-packing: conversations packed with document masks, not padded
+    pad_token: int = 0  # --sft padding id (the tokenizer's end-of-document; never learned)
+    eod_token: int | None = None  # the tokenizer's end-of-document id
+    reset_position_ids: bool = False  # --reset-position-ids: positions restart after each eod
+    reset_attention_mask: bool = False  # --reset-attention-mask: attention stays in each document
+    # --calculate-per-token-loss (implied by --sft): the loss is the sum over the global batch's
+    # counted tokens / their number, not a mean of per-microbatch means
+    per_token_loss: bool = False
 
 
 @dataclass

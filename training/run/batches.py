@@ -10,13 +10,16 @@ from __future__ import annotations
 import logging
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Iterator
 
 import numpy as np
 import torch
 
 from data.blended import build_train_valid_test_datasets
+from data.packing import documents_after_eod, positions_in_documents
 from data.samplers import PretrainingSampler
+from data.sft_dataset import SFTDataset
 from parallel import collectives as C
 from parallel.context_parallel import split_sequence
 
@@ -43,7 +46,11 @@ class MockGPTDataset:
 
 
 def build_datasets(cfg: DataConfig, *, seed: int, vocab_size: int, num_samples: tuple[int, int, int]):
-    """(train, valid, test); valid/test may be None (a warning says so when evaluation was asked)."""
+    """(train, valid, test); valid/test may be None (a warning says so when evaluation was asked;
+    --sft: the whole set trains, no split)."""
+    if cfg.sft:
+        return (SFTDataset(cfg.data_path[0], cfg.seq_length, seed, pad_id=cfg.pad_token,
+                           mode="packed" if cfg.sft_packing else "padded"), None, None)
     if cfg.mock_data:
         return tuple(MockGPTDataset(max(n, 1), cfg.seq_length, vocab_size, seed + i)
                      for i, n in enumerate(num_samples))
@@ -63,12 +70,17 @@ def _first_rank() -> bool:
 
 def microbatches(dataset, *, consumed_samples: int, micro_batch_size: int, dp_rank: int, dp: int,
                  device: torch.device, num_workers: int = 0,
-                 eod_mask_token: int | None = None, cp: int = 1, cp_rank: int = 0) -> Iterator[dict]:
+                 eod_mask_token: int | None = None, cp: int = 1, cp_rank: int = 0,
+                 documents: DocumentFlags | None = None) -> Iterator[dict]:
     """Endless stream of {"tokens": [b, s/cp], "labels": [b, s/cp]} for this DP rank (this context
     rank's chunks of the sequence), from `consumed`.
 
     With `num_workers` threads, the next 2 x num_workers microbatches are read ahead (same order);
-    with `eod_mask_token`, "loss_mask" [b, s] is 0 where the input token is that id (--eod-mask-loss).
+    with `eod_mask_token`, "loss_mask" [b, s] is 0 where the input token is that id (--eod-mask-loss);
+    samples with an "assistant_mask" (--sft) give "loss_mask" = that mask on the labels. With
+    `documents` (or samples with "document_ids": packed SFT), "document_ids" [b, s] (the whole
+    sequence on every context rank: attention needs the keys' documents too) and "position_ids"
+    [b, s/cp] (this rank's tokens' positions in their documents, or in the sample).
     """
     def indices():
         consumed, total = consumed_samples, len(dataset)
@@ -76,15 +88,31 @@ def microbatches(dataset, *, consumed_samples: int, micro_batch_size: int, dp_ra
             yield from PretrainingSampler(total, consumed % total, micro_batch_size, dp_rank, dp)
             consumed = 0  # wrapped around the dataset: start another pass
 
-    def read(idx) -> np.ndarray:
-        return np.stack([np.asarray(dataset[i]["tokens"], dtype=np.int64) for i in idx])
+    def read(idx) -> dict[str, np.ndarray]:
+        samples = [dataset[i] for i in idx]
+        return {k: np.stack([np.asarray(s[k]) for s in samples]) for k in samples[0]}
 
-    def to_batch(sample: np.ndarray) -> dict:
-        t = torch.from_numpy(sample)
+    def to_batch(sample: dict[str, np.ndarray]) -> dict:
+        t = torch.from_numpy(sample["tokens"].astype(np.int64, copy=False))
         mb = {"tokens": t[:, :-1], "labels": t[:, 1:]}
-        if eod_mask_token is not None:
+        if "assistant_mask" in sample:  # label i is token i + 1: its mask is the token's
+            mb["loss_mask"] = torch.from_numpy(sample["assistant_mask"][:, 1:].astype(np.float32))
+        elif eod_mask_token is not None:
             mb["loss_mask"] = (mb["tokens"] != eod_mask_token).float()
-        return {k: split_sequence(x, 1, cp, cp_rank).contiguous().to(device) for k, x in mb.items()}
+        docs = None
+        if "document_ids" in sample:
+            docs = torch.from_numpy(sample["document_ids"][:, :-1].astype(np.int64))
+        elif documents is not None:
+            docs = documents_after_eod(mb["tokens"], documents.eod)
+        out = {k: split_sequence(x, 1, cp, cp_rank).contiguous().to(device) for k, x in mb.items()}
+        if docs is not None:
+            reset_positions = documents is None or documents.reset_position_ids
+            positions = positions_in_documents(docs) if reset_positions else \
+                torch.arange(docs.shape[1]).expand_as(docs)
+            out["position_ids"] = split_sequence(positions, 1, cp, cp_rank).contiguous().to(device)
+            if documents is None or documents.reset_attention_mask:
+                out["document_ids"] = docs.contiguous().to(device)
+        return out
 
     if num_workers == 0:
         for idx in indices():
@@ -98,14 +126,30 @@ def microbatches(dataset, *, consumed_samples: int, micro_batch_size: int, dp_ra
                 yield to_batch(ahead.popleft().result())
 
 
+@dataclass(frozen=True)
+class DocumentFlags:
+    """--reset-position-ids / --reset-attention-mask over end-of-document ids `eod`."""
+    eod: int
+    reset_position_ids: bool
+    reset_attention_mask: bool
+
+
+def document_flags(cfg: DataConfig) -> DocumentFlags | None:
+    """The packed-document handling the data configuration asks for (None: none)."""
+    if not (cfg.reset_position_ids or cfg.reset_attention_mask):
+        return None
+    return DocumentFlags(cfg.eod_token, cfg.reset_position_ids, cfg.reset_attention_mask)
+
+
 class TrainData:
     """The training stream: a dataset view without skipped samples, read from a consumed count."""
 
     def __init__(self, dataset, skip, *, micro_batch_size: int, dp_rank: int, dp: int, device,
-                 num_workers: int = 0, eod_mask_token: int | None = None, cp: int = 1, cp_rank: int = 0):
+                 num_workers: int = 0, eod_mask_token: int | None = None, cp: int = 1, cp_rank: int = 0,
+                 documents: DocumentFlags | None = None):
         self.base, self.mbs, self.dp_rank, self.dp, self.device = dataset, micro_batch_size, dp_rank, dp, device
         self.reading = dict(num_workers=num_workers, eod_mask_token=eod_mask_token, cp=cp,
-                            cp_rank=cp_rank)
+                            cp_rank=cp_rank, documents=documents)
         self.view = SkippingDataset(dataset, list(skip))
         self._it = None
 

@@ -13,11 +13,12 @@ import torch
 
 from models.moe import set_aux_loss_scale
 from parallel import collectives as C
+from parallel.context_parallel import Documents
 from parallel.pipeline.engine import run_pipeline
 from parallel.pipeline.schedules import build_schedule
 from parallel.topology import ParallelTopology
 
-from training.run.batches import microbatches
+from training.run.batches import document_flags, microbatches
 
 
 def activation_shape(topo: ParallelTopology, seq_length: int, micro_batch_size: int, hidden: int):
@@ -28,25 +29,56 @@ def activation_shape(topo: ParallelTopology, seq_length: int, micro_batch_size: 
     return (seq, micro_batch_size, hidden)
 
 
-def make_forward_fn(loss_scale: float = 1.0, poison: bool = False):
+def make_forward_fn(loss_scale: float = 1.0, poison: bool = False, token_norm: float | None = None):
     """forward_fn for the engine: tokens into the first chunk, mean token loss out of the last.
 
     `poison` multiplies the loss by NaN (a fault-injection drill: every gradient becomes NaN). A
-    microbatch with a "loss_mask" averages only over the positions where it is 1.
+    microbatch with a "loss_mask" averages only over the positions where it is 1; with
+    `token_norm` (see `per_token_norm`) it returns its masked sum x token_norm instead.
     """
     factor = loss_scale * (float("nan") if poison else 1.0)
 
     def forward_fn(chunk, x, mb):
         inputs = mb["tokens"] if chunk.pre_process else x
+        docs = documents_of(mb)
         if not chunk.post_process:
-            return chunk(inputs)
-        per_token = chunk(inputs, labels=mb["labels"]).float()
-        if "loss_mask" in mb:  # --eod-mask-loss: the mean over the positions that count
+            return chunk(inputs, documents=docs) if docs is not None else chunk(inputs)
+        per_token = (chunk(inputs, labels=mb["labels"], documents=docs) if docs is not None
+                     else chunk(inputs, labels=mb["labels"])).float()
+        if token_norm is not None:
+            mask = mb.get("loss_mask")
+            loss = (per_token if mask is None else per_token * mask).sum() * token_norm
+        elif "loss_mask" in mb:  # --eod-mask-loss: the mean over the positions that count
             loss = (per_token * mb["loss_mask"]).sum() / mb["loss_mask"].sum().clamp(min=1)
         else:
             loss = per_token.mean()
         return loss * factor if factor != 1.0 else loss
     return forward_fn
+
+
+def documents_of(mb: dict) -> Documents | None:
+    """The packed documents a microbatch carries (training/run/batches.py), or None."""
+    if "document_ids" not in mb and "position_ids" not in mb:
+        return None
+    return Documents(ids=mb.get("document_ids"), positions=mb.get("position_ids"))
+
+
+def per_token_norm(microbatches: list[dict], topo: ParallelTopology) -> float:
+    """The factor that turns a microbatch's summed token loss into its share of the global mean.
+
+    The pipeline divides each microbatch loss by m (microbatches) and the gradient reduction
+    divides by D = dp x cp (the ranks holding different tokens), so a microbatch returning
+    sum x m D / N, with N the counted tokens of the whole global batch (all microbatches, all
+    data- and context-parallel ranks), makes the gradient that of sum over all tokens / N: the
+    mean over the global batch's counted tokens (not a mean of microbatch means), and
+    `mean_over_world` of those losses is that same mean.
+    """
+    counted = sum(float(mb["loss_mask"].sum()) if "loss_mask" in mb else mb["labels"].numel()
+                  for mb in microbatches)
+    t = torch.tensor([counted], dtype=torch.float64, device=topo.device)
+    C.all_reduce(t, topo.dp_cp_group)
+    total = t.item()
+    return len(microbatches) * topo.dp * topo.cp / total if total > 0 else 0.0
 
 
 def mean_over_world(losses: list[torch.Tensor], topo: ParallelTopology) -> float:
@@ -63,8 +95,9 @@ def mean_over_world(losses: list[torch.Tensor], topo: ParallelTopology) -> float
 
 def forward_backward(chunks, microbatches: list[dict], topo: ParallelTopology, optimizer, *,
                      schedule: str, shape, watchdog=None, poison: bool = False,
-                     timings: dict | None = None) -> float:
-    """Forward and backward over the microbatches; returns the mean loss over the global batch.
+                     timings: dict | None = None, per_token_loss: bool = False) -> float:
+    """Forward and backward over the microbatches; returns the mean loss over the global batch
+    (with `per_token_loss`, over its counted tokens: see `per_token_norm`).
 
     Gradients end up reduced (or being reduced) in the optimizer's buckets, ready for its step.
     `timings["ready"]` receives the moment this rank reached the step's global collective.
@@ -75,10 +108,14 @@ def forward_backward(chunks, microbatches: list[dict], topo: ParallelTopology, o
     # MoE auxiliary losses enter backward inside the layers: same scale and averaging as the loss.
     set_aux_loss_scale(chunks, scale / len(microbatches))
     guard = watchdog.collective if watchdog is not None else _unmonitored
+    norm = None
+    if per_token_loss:
+        with guard("all_reduce(counted tokens)"):
+            norm = per_token_norm(microbatches, topo)
     # Stages 0-1 accumulate microbatch gradients locally and reduce once, after the last one.
     with guard("pipeline forward/backward (p2p, tensor-parallel collectives)"), optimizer.no_sync():
         losses = run_pipeline(steps, chunks, microbatches, topo, shape,
-                              optimizer.cfg.model_dtype, make_forward_fn(scale, poison))
+                              optimizer.cfg.model_dtype, make_forward_fn(scale, poison, norm))
     optimizer.grad_sync.launch_remaining()
     if timings is not None:
         timings["ready"] = time.perf_counter()
@@ -91,13 +128,16 @@ def _unmonitored(_what: str):
     yield
 
 
-def eval_step(chunks, microbatches: list[dict], topo: ParallelTopology, *, shape, dtype) -> float:
+def eval_step(chunks, microbatches: list[dict], topo: ParallelTopology, *, shape, dtype,
+              per_token_loss: bool = False) -> float:
     """Mean loss over the microbatches, forward only (no graph kept)."""
+    norm = per_token_norm(microbatches, topo) if per_token_loss else None
     steps = build_schedule("forward_only", topo.pp, topo.pp_rank, len(microbatches), vpp=len(chunks))
     for c in chunks:
         c.eval()
     try:
-        losses = run_pipeline(steps, chunks, microbatches, topo, shape, dtype, make_forward_fn())
+        losses = run_pipeline(steps, chunks, microbatches, topo, shape, dtype,
+                              make_forward_fn(token_norm=norm))
     finally:
         for c in chunks:
             c.train()
@@ -112,14 +152,14 @@ def evaluate(chunks, dataset, topo: ParallelTopology, run, shape, dtype, *, watc
     mbs = run.schedule.micro_batch_size
     it = microbatches(dataset, consumed_samples=0, micro_batch_size=mbs, dp_rank=topo.dp_rank,
                       dp=topo.dp, device=topo.device, eod_mask_token=run.data.eod_mask_token,
-                      cp=topo.cp, cp_rank=topo.cp_rank)
+                      cp=topo.cp, cp_rank=topo.cp_rank, documents=document_flags(run.data))
     per_step = run.schedule.global_batch_size // (mbs * topo.dp)
     guard = watchdog.collective if watchdog is not None else _unmonitored
     losses = []
     for _ in range(run.logging.eval_iters):
         with guard("evaluation batch (forward, all_reduce(loss))"):
             losses.append(eval_step(chunks, [next(it) for _ in range(per_step)], topo, shape=shape,
-                                    dtype=dtype))
+                                    dtype=dtype, per_token_loss=run.data.per_token_loss))
             if interrupted is not None and interrupted():
                 break
     return sum(losses) / len(losses), len(losses)

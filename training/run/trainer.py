@@ -19,7 +19,7 @@ from training.checkpoint.async_writer import AsyncCheckpointWriter
 from training.checkpoint import storage
 from training.checkpoint.tokenizer import store_training_tokenizer
 from training.config.run_config import RunConfig
-from training.run.batches import TrainData, build_datasets
+from training.run.batches import TrainData, build_datasets, document_flags
 from training.resilience.faults import maybe_hang, report_unhealthy, roll_back
 from training.resilience.health import HealthMonitor, ProgressGuard, after_step
 from training.monitor.journal import RunJournal
@@ -110,7 +110,7 @@ class Trainer:
         self.data = TrainData(train_ds, journal.skipped_samples(), micro_batch_size=self.sched.micro_batch_size,
                               dp_rank=topo.dp_rank, dp=topo.dp, device=topo.device,
                               num_workers=run.data.num_workers, eod_mask_token=run.data.eod_mask_token,
-                              cp=topo.cp, cp_rank=topo.cp_rank)
+                              cp=topo.cp, cp_rank=topo.cp_rank, documents=document_flags(run.data))
         self.data.restart(self.state.consumed_samples)
         self.shape = activation_shape(topo, seq, self.sched.micro_batch_size, mcfg.hidden_size)
         peak, peak_source = device_peak_flops(topo.device, run.logging.peak_flops, run.optimizer.precision)
@@ -150,7 +150,8 @@ class Trainer:
         self.nan_injected |= poison
         start = time.perf_counter()
         loss = forward_backward(self.chunks, microbatch_list, topo, opt, schedule=self.sched.pipeline_schedule,
-                                shape=self.shape, watchdog=self.watchdog, poison=poison, timings=timings)
+                                shape=self.shape, watchdog=self.watchdog, poison=poison, timings=timings,
+                                per_token_loss=run.data.per_token_loss)
         verdict, step = self.monitor.check(loss), None
         if verdict.healthy or health.policy == "warn":
             with self.watchdog.collective("optimizer step (dp reduce, grad norm, all-gather)"):

@@ -1,0 +1,135 @@
+"""Conversations into tokens and an assistant mask, with the checkpoint's own chat template.
+
+A record is either ``{"messages": [{"role": ..., "content": ...}, ...]}`` (roles system, user,
+assistant) or a prompt/completion pair: ``{"prompt": str | messages, "completion": str |
+messages}`` (strings become one user turn and one assistant turn).
+
+The assistant mask marks the tokens the model learns to produce: with a template that marks
+them (``{% generation %}...{% endgeneration %}``), transformers' own
+``return_assistant_tokens_mask``; otherwise each assistant turn's span is derived by rendering
+prefixes: the conversation up to the turn with the generation prompt, then up to and including
+the turn; the tokens in between (the reply and its end-of-turn token) are the span. Either way
+the end-of-turn token is learned. The mask is aligned with the tokens; the label shift
+(labels = tokens[1:], loss mask = mask[1:]) happens when samples are cut (data/sft_dataset.py).
+
+Records that cannot train raise `SkipRecord` with a short reason, counted and listed by the
+preprocessing tool (tools/preprocess_sft.py).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+ROLES = ("system", "user", "assistant")
+GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
+OVERLONG = ("truncate", "drop")
+
+
+class SkipRecord(ValueError):
+    """A record that cannot be trained on; the message is the reason (counted per reason)."""
+
+
+class ChatTemplateError(ValueError):
+    """The tokenizer cannot render conversations; the message names the folder and the fix."""
+
+
+@dataclass
+class Rendered:
+    tokens: np.ndarray  # int64 [n]
+    assistant_mask: np.ndarray  # uint8 [n]: 1 where the token is produced by the assistant
+    truncated: bool = False
+
+
+def conversation_of(record: dict) -> list[dict]:
+    """The messages of a record (messages, or prompt/completion), checked for roles and content."""
+    if "messages" in record:
+        messages = record["messages"]
+    elif "prompt" in record and "completion" in record:
+        prompt, completion = record["prompt"], record["completion"]
+        prompt = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        completion = ([{"role": "assistant", "content": completion}] if isinstance(completion, str)
+                      else completion)
+        messages = list(prompt) + list(completion)
+    else:
+        raise SkipRecord("neither 'messages' nor 'prompt' + 'completion'")
+    if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+        raise SkipRecord("messages is not a list of {role, content} objects")
+    for m in messages:
+        if m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+            raise SkipRecord(f"a message with role {m.get('role')!r} and no string content "
+                             f"(roles: {', '.join(ROLES)})")
+    if not any(m["role"] == "assistant" for m in messages):
+        raise SkipRecord("no assistant turn")
+    return messages
+
+
+class ChatRenderer:
+    """Renders records with a transformers tokenizer's chat template; see the module docstring.
+
+    `max_tokens` (the sample length + 1: inputs and their shifted labels) bounds a conversation:
+    longer ones are truncated or dropped (`overlong`), and counted by the caller via
+    `Rendered.truncated` or the "over-long" SkipRecord.
+    """
+
+    def __init__(self, tokenizer, *, max_tokens: int | None = None, overlong: str = "truncate",
+                 name: str = "tokenizer"):
+        if overlong not in OVERLONG:
+            raise ValueError(f"overlong must be one of {OVERLONG}, got {overlong!r}")
+        template = getattr(tokenizer, "chat_template", None)
+        if not template:
+            raise ChatTemplateError(f"{name}: the tokenizer has no chat template (tokenizer_config."
+                                    f"json 'chat_template' or chat_template.jinja); add the "
+                                    f"checkpoint's template to the folder")
+        self.tok, self.max_tokens, self.overlong = tokenizer, max_tokens, overlong
+        self.marks_generation = bool(GENERATION_TAG.search(template))
+
+    @classmethod
+    def from_folder(cls, folder: str, **kw) -> "ChatRenderer":
+        from transformers import AutoTokenizer
+        try:
+            tok = AutoTokenizer.from_pretrained(folder)
+        except (OSError, ValueError) as e:
+            raise ChatTemplateError(f"{folder}: not a Hugging Face tokenizer folder ({e}); pass "
+                                    f"the checkpoint's tokenizer folder") from None
+        return cls(tok, name=folder, **kw)
+
+    def _ids(self, messages: list[dict], **kw) -> list[int]:
+        out = self.tok.apply_chat_template(messages, tokenize=True, return_dict=True, **kw)
+        return list(out["input_ids"])
+
+    def render(self, record: dict) -> Rendered:
+        messages = conversation_of(record)
+        if self.marks_generation:
+            out = self.tok.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                               return_assistant_tokens_mask=True)
+            tokens, mask = list(out["input_ids"]), list(out["assistant_masks"])
+        else:
+            tokens, mask = self._prefix_spans(messages)
+        if not any(mask):
+            raise SkipRecord("the template marks no generation span (no assistant token)")
+        truncated = False
+        if self.max_tokens is not None and len(tokens) > self.max_tokens:
+            if self.overlong == "drop":
+                raise SkipRecord(f"over-long ({len(tokens)} tokens > {self.max_tokens})")
+            tokens, mask, truncated = tokens[:self.max_tokens], mask[:self.max_tokens], True
+            if not any(mask[1:]):
+                raise SkipRecord(f"over-long ({len(tokens)} tokens): no assistant token left "
+                                 f"after truncation")
+        return Rendered(np.asarray(tokens, dtype=np.int64), np.asarray(mask, dtype=np.uint8),
+                        truncated)
+
+    def _prefix_spans(self, messages: list[dict]) -> tuple[list[int], list[int]]:
+        tokens = self._ids(messages)
+        mask = [0] * len(tokens)
+        for i, m in enumerate(messages):
+            if m["role"] != "assistant":
+                continue
+            before = self._ids(messages[:i], add_generation_prompt=True) if i else []
+            through = self._ids(messages[:i + 1])
+            if tokens[:len(before)] != before or tokens[:len(through)] != through:
+                raise SkipRecord("the template renders a conversation's prefix differently from "
+                                 "the conversation (mark the reply with {% generation %})")
+            mask[len(before):len(through)] = [1] * (len(through) - len(before))
+        return tokens, mask
