@@ -208,7 +208,7 @@ def test_llama3_8b_fp8_refuses_fp8_and_decoupled_lr_together(caplog):
     assert parse_split(run.data.split) == [0.99, 0.01, 0.0] and run.data.num_workers == 1
     lines = _logged(caplog)
     for flag in ("--use-mcore-models", "--attention-backend", "--apply-layernorm-1p", "--cross-entropy-loss-fusion",
-                 "--calculate-per-token-loss", "--manual-gc", "--empty-unused-memory-level", "--tiktoken-pattern",
+                 "--manual-gc", "--empty-unused-memory-level", "--tiktoken-pattern",
                  "--no-create-attention-mask-in-dataloader", "--no-mmap-bin-files", "--profile",
                  "--profile-step-start", "--profile-step-end", "--ckpt-format", "--distributed-timeout-minutes",
                  "--overlap-grad-reduce", "--overlap-param-gather", "--use-distributed-optimizer"):
@@ -317,7 +317,7 @@ def _llama_run_worker(rank, root):
                                                       vocab_size=513, world_size=1))
     # The same run in megazoo's own flags: what the accepted flags stand for, spelled out.
     accepted = {"--use-mcore-models", "--attention-backend", "--apply-layernorm-1p", "--rotary-percent",
-                "--cross-entropy-loss-fusion", "--calculate-per-token-loss", "--manual-gc",
+                "--cross-entropy-loss-fusion", "--manual-gc",
                 "--empty-unused-memory-level", "--tiktoken-pattern", "--no-create-attention-mask-in-dataloader",
                 "--no-mmap-bin-files", "--profile", "--profile-step-start", "--profile-step-end", "--ckpt-format",
                 "--overlap-grad-reduce", "--overlap-param-gather", "--sequence-parallel",

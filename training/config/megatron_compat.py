@@ -191,13 +191,6 @@ def _model_and_training(args, given, notes) -> list[str]:
                        args.distributed_timeout_minutes, args.collective_timeout)
     if args.grad_reduce_in_bf16 and not args.bf16:
         refused.append("--grad-reduce-in-bf16 needs --bf16")
-    if args.calculate_per_token_loss:
-        if args.eod_mask_loss:
-            refused.append("--calculate-per-token-loss with --eod-mask-loss (a mean over each global "
-                           "batch's unmasked tokens) is not implemented; drop one")
-        else:
-            notes.info("--calculate-per-token-loss: every token counts (no --eod-mask-loss), so the mean "
-                       "over the global batch's tokens is megazoo's mean of its equal microbatch means")
     if args.apply_layernorm_1p:
         notes.info("--apply-layernorm-1p: megazoo stores the norm weight g itself, Megatron g - 1; "
                    "the function is the same and, norms having no weight decay, so are the updates")

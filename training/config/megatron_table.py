@@ -140,7 +140,6 @@ MAPPED = {
     "--distributed-timeout-minutes": ({"type": float}, "the collective watchdog's timeout "
                                                        "(--collective-timeout in seconds)"),
     "--grad-reduce-in-bf16": (FLAG, "with --bf16: accumulate and reduce gradients in bf16"),
-    "--calculate-per-token-loss": (FLAG, "the loss is the mean over the global batch's tokens"),
     "--apply-layernorm-1p": (FLAG, "zero-centred norm weights: the same function and updates"),
     "--rotary-percent": ({"type": float}, "1.0 only: RoPE over the whole head"),
     "--no-position-embedding": (FLAG, "no learned position table (with --position-embedding-type "
