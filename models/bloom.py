@@ -15,8 +15,8 @@ from .language_model import WORD_EMBEDDINGS, TransformerLanguageModel
 
 class BloomModel(TransformerLanguageModel):
     def __init__(self, config: TransformerConfig, topo: ParallelTopology, **kwargs):
-        if config.position_embedding != "alibi" or not config.embedding_layernorm:
-            raise ValueError("BloomModel needs position_embedding='alibi' and embedding_layernorm=True")
+        from .registry import require_family  # the registry imports this module
+        require_family(type(self), config)
         super().__init__(config, topo, **kwargs)
 
 
@@ -37,7 +37,7 @@ def config_from_hf(hf) -> TransformerConfig:
     if hf.apply_residual_connection_post_layernorm:
         raise refuse("BLOOM", "apply_residual_connection_post_layernorm", True, False)
     return TransformerConfig(
-        vocab_size=hf.vocab_size, hidden_size=hf.hidden_size, num_layers=hf.n_layer,
+        family="bloom", vocab_size=hf.vocab_size, hidden_size=hf.hidden_size, num_layers=hf.n_layer,
         num_attention_heads=hf.n_head, ffn_hidden_size=4 * hf.hidden_size,
         max_position_embeddings=getattr(hf, "seq_length", None) or 2048, position_embedding="alibi",
         embedding_layernorm=True, layernorm_epsilon=hf.layer_norm_epsilon, activation="gelu_tanh",

@@ -2,7 +2,7 @@
 
 Per rank: the model chunks' parameters (this rank's shards), the optimizer's state dict (its
 ZeRO shards, loss scaler, step counters) and the RNG streams; in the metadata: the iteration,
-the consumed-samples count (the data position), the layout, the model configuration and family.
+the consumed-samples count (the data position), the layout, the model configuration (its family among the fields).
 Each rank file also holds its parameter table, so any other layout can read it (reshard.py).
 """
 from __future__ import annotations
@@ -12,8 +12,6 @@ import logging
 from dataclasses import dataclass
 
 import torch
-
-from models.hf import family_of
 
 from training.checkpoint import format as ckpt
 from training.checkpoint import reshard
@@ -57,7 +55,7 @@ def rank_tensors(chunks, opt, rng, zero_stage: int) -> dict[str, torch.Tensor]:
 def save(run: RunConfig, topo, chunks, opt, rng, state: TrainState) -> str:
     meta = dict(consumed_samples=state.consumed_samples, skipped_steps=state.skipped_steps,
                 model=dataclasses.asdict(run.model), layout=layout_of(run, topo),
-                seq_length=run.data.seq_length, seed=run.seed, family=family_of(chunks[0]))
+                seq_length=run.data.seq_length, seed=run.seed)
     root = run.checkpoint.save
     folder = ckpt.save_checkpoint(root, state.iteration, topo.rank, topo.world_size,
                                   rank_tensors(chunks, opt, rng, run.optimizer.zero_stage), meta,
