@@ -114,15 +114,16 @@ def load(run: RunConfig, topo, chunks, opt, rng) -> TrainState:
 def _read(run: RunConfig, topo, chunks, opt, folder: str):
     """(meta, what to load) of one checkpoint, every tensor read verified; nothing applied."""
     meta = ckpt.read_meta(folder)
-    ckpt.check_compatible(meta, model=dataclasses.asdict(run.model), folder=folder)
     finetune = run.checkpoint.finetune
     weights_only = finetune or not run.checkpoint.load_optim  # --no-load-optim keeps the progress
     saved_seq = meta.get("seq_length")
     if not finetune and saved_seq is not None and saved_seq != run.data.seq_length:
+        # (before the model check: a shorter --seq-length often comes with fewer positions)
         raise ckpt.CheckpointError(
             f"--seq-length {run.data.seq_length} differs from {saved_seq} in {folder}: the saved "
             f"data position counts {saved_seq}-token samples; pass --seq-length {saved_seq}, or "
             f"--finetune to start a new data stream from these weights")
+    ckpt.check_compatible(meta, model=dataclasses.asdict(run.model), folder=folder)
     same_layout = meta.get("layout") == layout_of(run, topo)
     tensors = ckpt.load_rank_tensors(folder, topo.rank) if same_layout else {}
     if same_layout and not weights_only and _same_buckets(tensors, opt):
