@@ -70,7 +70,6 @@ def hf_config(config: TransformerConfig, **extra):
 def _check_exportable(config: TransformerConfig) -> None:
     equivalent_router = not config.moe_router_pre_softmax or config.moe_norm_topk_prob
     problems = [what for what, bad in (
-        ("a shared expert", config.moe_shared_expert_intermediate_size),
         ("--moe-layer-freq > 1", config.moe_layer_freq != 1),
         ("biases", config.bias),
         ("softmax-then-top-k routing without renormalisation", not equivalent_router)) if bad]

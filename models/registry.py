@@ -46,10 +46,12 @@ assert FAMILIES.keys() == SHAPES.keys(), "models/family_rules.py and the registr
 
 def family(name: str | None, where: str = "the checkpoint") -> Family:
     """The registry entry of a family name; `where` names the file or flag for the error."""
+    if name is None:
+        raise ValueError(f"{where} records no model family (a plain language model: no family's "
+                         f"rules fit its fields); families: {sorted(FAMILIES)}")
     if name not in FAMILIES:
-        what = "records no model family (a plain language model)" if name is None \
-            else f"names model family {name!r}, which is not registered"
-        raise ValueError(f"{where} {what}; families: {sorted(FAMILIES)}")
+        raise ValueError(f"{where}: model_type {name!r} is not supported; convert one of "
+                         f"{sorted(FAMILIES)}")
     return FAMILIES[name]
 
 

@@ -3,7 +3,7 @@
 every registered family trained 1 step from its preset (tiny) through the training entry's
 config and save path, exported with the real export path and loaded by `transformers`
 `AutoModelForCausalLM`: every tensor present (no missing or unexpected key) and logits equal to
-megazoo's (1e-5). A Mixtral and a Qwen2-MoE folder imported, fine-tuned 2 steps with train_moe's
+megazoo's (1e-5). A Mixtral and a Qwen2-MoE folder imported, fine-tuned a step with train_moe's
 flags and exported the same way. A checkpoint written before the family was a field (its
 top-level family the class that wrote it, "llama" for an MoE run) exports as the MoE family its
 config makes. Dense families refuse MoE fields, train_moe refuses a dense model and an export
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -77,14 +78,24 @@ def _export_and_compare(ckpt: str, out: str, family: str) -> None:
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
 
 
-def test_every_family_trains_saves_and_exports_complete(tmp_path):
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """Every family trained 1 step from its (shrunk) preset and saved: family -> checkpoint."""
+    root, out = tmp_path_factory.mktemp("families"), {}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("training.run.trainer.write_report", lambda run_dir: "(not drawn)")
+        for family, flags in FLAGS.items():
+            out[family] = str(root / family)
+            _train(family, SHAPE + flags + ["--train-iters", "1", "--save", out[family]])
+    return out
+
+
+def test_every_family_trains_saves_and_exports_complete(trained, tmp_path):
     assert sorted(FLAGS) == sorted(FAMILIES)  # a new family gets a case here
-    for family, flags in FLAGS.items():
-        ckpt = str(tmp_path / family)
-        _train(family, SHAPE + flags + ["--train-iters", "1", "--save", ckpt])
+    for family, ckpt in trained.items():
         meta = json.load(open(os.path.join(ckpt, "iter_0000001", "meta.json")))
         assert meta["model"]["family"] == family and "family" not in meta, family
-        _export_and_compare(ckpt, str(tmp_path / f"{family}_hf"), family)
+        _export_and_compare(ckpt, str(tmp_path / family), family)
 
 
 def _hf_moe(family: str, folder: str) -> list[str]:
@@ -120,15 +131,15 @@ def test_moe_import_finetune_export(tmp_path, family):
     hf_dir, imported, tuned = (str(tmp_path / d) for d in ("hf", "imported", "tuned"))
     flags = _hf_moe(family, hf_dir)
     import_hf(hf_dir, imported)
-    result = _train("mixtral", flags + ["--train-iters", "2", "--load", imported, "--finetune",
+    result = _train("mixtral", flags + ["--train-iters", "1", "--load", imported, "--finetune",
                                         "--save", tuned])
-    assert len(result.losses) == 2
+    assert len(result.losses) == 1
     _export_and_compare(tuned, str(tmp_path / "out"), family)
 
 
-def test_checkpoint_without_family_field_infers_it(tmp_path):
+def test_checkpoint_without_family_field_infers_it(trained, tmp_path):
     ckpt = str(tmp_path / "moe")
-    _train("mixtral", SHAPE + FLAGS["mixtral"] + ["--train-iters", "1", "--save", ckpt])
+    shutil.copytree(trained["mixtral"], ckpt)
     path = os.path.join(ckpt, "iter_0000001", "meta.json")
     meta = json.load(open(path))
     del meta["model"]["family"]

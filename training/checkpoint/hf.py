@@ -56,7 +56,7 @@ def read_hf_config(folder: str):
     except (json.JSONDecodeError, OSError) as e:
         raise ConversionError(f"{path}: unreadable config ({e})") from None
     try:
-        module = family(model_type, f"{path} model_type").adapter
+        module = family(model_type, path).adapter
     except ValueError as e:
         raise ConversionError(str(e)) from None
     try:
