@@ -177,3 +177,42 @@ def test_families_refuse_what_they_cannot_compute(tmp_path):
     weights = {**full, "layers.0.extra.weight": torch.zeros(1)}  # a tensor GPT-2 has no name for
     with pytest.raises(ConversionError, match="no place for 1 tensor.*layers.0.extra.weight"):
         check_complete(gpt, config, hf, weights, gpt.to_hf_state_dict(full, config), "x")
+
+
+def test_import_edges_are_modelled_or_refused(tmp_path):
+    """BLOOM's slow_but_exact split (transformers then drops two biases) is refused; a tied
+    config.json over a different lm_head imports untied, as transformers 5 does; a Llama
+    config.json over Qwen2 weights (q/k/v biases) is refused naming the tensors."""
+    from transformers import (AutoModelForCausalLM, BloomConfig, LlamaConfig, Qwen2Config,
+                              Qwen2ForCausalLM)
+
+    from models import bloom
+    from models.hf_fields import UnsupportedConfigError
+    from training.checkpoint.hf import ConversionError, hf_to_full
+    with pytest.raises(UnsupportedConfigError, match="slow_but_exact=True is not supported"):
+        bloom.config_from_hf(BloomConfig(hidden_size=16, n_layer=1, n_head=2, vocab_size=10,
+                                         slow_but_exact=True, pretraining_tp=2))
+    shape = dict(vocab_size=61, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
+                 num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
+                 bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    torch.manual_seed(0)
+    qwen = Qwen2ForCausalLM(Qwen2Config(**shape, tie_word_embeddings=False))
+    with torch.no_grad():
+        for p in qwen.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    untied_head = str(tmp_path / "untied")
+    qwen.save_pretrained(untied_head)
+    config = json.load(open(os.path.join(untied_head, "config.json")))
+    json.dump({**config, "tie_word_embeddings": True}, open(os.path.join(untied_head, "config.json"), "w"))
+    _, cfg, full = hf_to_full(untied_head)
+    assert not cfg.tie_word_embeddings
+    assert torch.equal(full.weights["head_weight"], qwen.lm_head.weight)
+    theirs = AutoModelForCausalLM.from_pretrained(untied_head)  # transformers unties it too
+    assert torch.equal(theirs.lm_head.weight, qwen.lm_head.weight)
+
+    llama_config = str(tmp_path / "llama_config")
+    qwen.save_pretrained(llama_config)
+    LlamaConfig(**shape, tie_word_embeddings=False).save_pretrained(llama_config)
+    with pytest.raises(ConversionError, match=r"3 tensor\(s\) config.json has no place for "
+                                              r"\(model.layers.0.self_attn.k_proj.bias"):
+        hf_to_full(llama_config)

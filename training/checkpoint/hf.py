@@ -27,6 +27,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from models.config import TRAINING_ONLY_FIELDS, TransformerConfig
+from models.language_model import WORD_EMBEDDINGS
 from models.registry import build_model, family
 from parallel.layout import ParallelConfig, virtual_stages
 
@@ -106,13 +107,48 @@ def hf_to_full(folder: str, parsed: tuple | None = None) -> tuple[str, Transform
     sd = read_hf_weights(folder)
     try:
         full = module.from_hf_state_dict(sd, config)
+        if config.tie_word_embeddings and "lm_head.weight" in sd and \
+                not torch.equal(sd["lm_head.weight"], full[WORD_EMBEDDINGS]):
+            # transformers 5 unties such a model rather than drop the trained head; so do we
+            logger.info("%s: config.json ties the embeddings but the weights hold a different "
+                        "lm_head.weight; importing it untied (as transformers does)", folder)
+            config = config.replace(tie_word_embeddings=False)
+            full = module.from_hf_state_dict(sd, config)
     except KeyError as e:
         raise ConversionError(f"{folder}: the weights lack {e}; they do not match config.json "
                               f"({model_type}) or are incomplete") from None
+    check_all_used(sd, full, module.to_hf_state_dict(full, config), f"{folder} ({model_type})")
     dtype = str(getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None) or "float32")
     meta = dict(consumed_samples=0, skipped_steps=0,
                 hf_config={**hf_token_record(folder, hf), "dtype": dtype.removeprefix("torch.")})
     return model_type, config, FullState(meta, {k: v.float() for k, v in full.items()})
+
+
+# Buffers some HF weight files carry that are no parameters (rotary frequencies, GPT-2's causal
+# masks): recomputed by every model, never imported.
+_BUFFERS = (".rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")
+
+
+def _bare(name: str) -> str:
+    """An HF tensor name without the base model's prefix (files are written with or without it)."""
+    return name.removeprefix("model.").removeprefix("transformer.")
+
+
+def check_all_used(sd: dict, full: dict, written: dict, where: str) -> None:
+    """Refuse weights that hold more than config.json describes (a Llama config.json over Qwen2
+    weights: the q/k/v biases would be dropped), naming the unused tensors. `written` is `full`
+    mapped back to HF names; a tensor form other than the file one (transformers 5's fused
+    experts) holds the same elements, so the element counts decide and the names explain."""
+    params = {k: v for k, v in sd.items() if not k.endswith(_BUFFERS)}
+    if "lm_head.weight" in params and "lm_head.weight" not in written:  # a tied copy, compared
+        del params["lm_head.weight"]
+    if sum(v.numel() for v in params.values()) > sum(v.numel() for v in full.values()):
+        known = {_bare(w) for w in written}
+        unused = sorted(k for k in params if _bare(k) not in known)
+        raise ConversionError(f"{where}: the weights hold {len(unused)} tensor(s) config.json "
+                              f"has no place for ({', '.join(unused[:4])}"
+                              f"{', ...' if len(unused) > 4 else ''}); they belong to another "
+                              f"model type: fix config.json")
 
 
 def import_hf(folder: str, save: str, *, tp: int = 1, pp: int = 1, vpp: int = 1,
