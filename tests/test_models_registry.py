@@ -158,6 +158,11 @@ def test_families_refuse_what_they_cannot_compute(tmp_path):
         preset("qwen3-tiny", qk_layernorm=False)
     with pytest.raises(ValueError, match="family 'mixtral' is a mixture of experts"):
         preset("moe-tiny", num_experts=None)
+    from training.config.flags import build_parser, to_run_config
+    for extra, family in (([], "mixtral"), (["--qk-layernorm"], "qwen3_moe"),
+                          (["--add-qkv-bias"], "qwen2_moe")):  # flags that make another family
+        args = build_parser("moe-tiny").parse_args(["--mock-data", "--train-iters", "1", *extra])
+        assert to_run_config(args, world_size=1).model.family == family
     with pytest.raises(ArgumentError, match="trains mixture-of-experts families.*'llama'"):
         check_script_family("llama", "mixtral")
     with pytest.raises(ArgumentError, match="train it with train_moe.py"):

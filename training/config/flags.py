@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import math
 import os
 
@@ -23,6 +24,7 @@ from training.config.run_config import (CheckpointConfig, DataConfig, HealthConf
                                         ScheduleConfig)
 
 
+logger = logging.getLogger(__name__)
 PRECISION_OF_DTYPE = {dtype: name for name, dtype in PRECISIONS.items()}  # torch.bfloat16 -> "bf16"
 
 
@@ -208,6 +210,24 @@ def _fail(msg: str):
     raise ArgumentError(msg)
 
 
+def _preset_with_flags(name: str, overrides: dict) -> TransformerConfig:
+    """The preset with the flags applied. Flags that make the model another family than the
+    preset's (--qk-layernorm on moe-tiny: a Qwen3-MoE) give it that family, logged; flags that
+    fit no family are refused in one line naming the field."""
+    try:
+        return preset(name, **overrides)
+    except ValueError as refused:
+        try:
+            model = preset(name, **overrides, family=None)  # the family the fields make
+        except ValueError:
+            raise refused from None
+        if model.family is None:
+            raise refused from None
+    logger.info("--model %s is family %r; with these flags the model is family %r",
+                name, PRESETS[name].get("family"), model.family)
+    return model
+
+
 def to_run_config(args: argparse.Namespace, vocab_size: int | None = None,
                   world_size: int | None = None, eod_token: int | None = None) -> RunConfig:
     """Map parsed flags onto the configs and check that they fit together.
@@ -235,7 +255,7 @@ def to_run_config(args: argparse.Namespace, vocab_size: int | None = None,
             if f.name not in renamed and hasattr(args, f.name)}
     overrides = {k: v for k, v in {**same, **renamed}.items() if v is not None}
     if args.model:
-        model = preset(args.model, **overrides)
+        model = _preset_with_flags(args.model, overrides)
     else:
         missing = [f for f in ("num_layers", "hidden_size", "num_attention_heads") if f not in overrides]
         if missing:
