@@ -36,9 +36,9 @@ def config_from_hf(hf) -> TransformerConfig:
     """A TransformerConfig from a `transformers.BloomConfig` (every field checked)."""
     check_fields(hf, "BLOOM", MAPPED, IGNORED)
     if hf.slow_but_exact and hf.pretraining_tp > 1:  # transformers' split matmuls then drop biases
-        raise refuse("BLOOM", "slow_but_exact", True, f"False with pretraining_tp={hf.pretraining_tp}"
-                     " (transformers then skips the self_attention.dense and mlp.dense_4h_to_h "
-                     "biases)")
+        raise refuse("BLOOM", "slow_but_exact", True,
+                     f"False with pretraining_tp={hf.pretraining_tp} (transformers then skips "
+                     f"the self_attention.dense and mlp.dense_4h_to_h biases)")
     if hf.apply_residual_connection_post_layernorm:
         raise refuse("BLOOM", "apply_residual_connection_post_layernorm", True, False)
     return TransformerConfig(

@@ -276,8 +276,8 @@ _GPT = dict(family="gpt2", vocab_size=50257, position_embedding="learned", activ
 _MEGATRON_GPT = dict(_GPT, max_position_embeddings=2048)
 _BLOOM = dict(family="bloom", vocab_size=250880, position_embedding="alibi", activation="gelu_tanh",
               embedding_layernorm=True, max_position_embeddings=2048)
-_LLAMA = dict(family="llama", position_embedding="rope", normalization="rmsnorm", activation="swiglu", bias=False,
-              tie_word_embeddings=False, layernorm_epsilon=1e-5)
+_LLAMA = dict(family="llama", position_embedding="rope", normalization="rmsnorm",
+              activation="swiglu", bias=False, tie_word_embeddings=False, layernorm_epsilon=1e-5)
 _LLAMA2 = dict(_LLAMA, vocab_size=32000, max_position_embeddings=4096, rope_theta=10000.0)
 _LLAMA3 = dict(_LLAMA, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0)
 _SMOLLM2 = dict(_LLAMA, vocab_size=49152, max_position_embeddings=8192, tie_word_embeddings=True)
@@ -290,14 +290,14 @@ _QWEN3 = dict(_QWEN, family="qwen3", qk_layernorm=True, max_position_embeddings=
 # files; aux-loss coefficients as Megatron-LM's recipes (megazoo's aux loss is Megatron's: HF's
 # router_aux_loss_coef multiplies a sum that is topk times larger). Qwen2-MoE biases q, k and v
 # (add_qkv_bias); Qwen3-MoE has Qwen3's q/k norms and head_dim 128, no shared expert.
-_MIXTRAL = dict(_LLAMA, family="mixtral", vocab_size=32000, max_position_embeddings=32768, rope_theta=1e6,
-                num_experts=8, moe_router_topk=2, moe_aux_loss_coeff=1e-2)
-_QWEN2_MOE = dict(_LLAMA, family="qwen2_moe", vocab_size=151936, max_position_embeddings=8192, rope_theta=1e6,
-                  layernorm_epsilon=1e-6, moe_router_pre_softmax=True, moe_aux_loss_coeff=1e-3,
-                  moe_shared_expert_gate=True, add_qkv_bias=True)
-_QWEN3_MOE = dict(_LLAMA, family="qwen3_moe", vocab_size=151936, max_position_embeddings=40960, rope_theta=1e6,
-                  layernorm_epsilon=1e-6, moe_router_pre_softmax=True, moe_norm_topk_prob=True,
-                  moe_aux_loss_coeff=1e-3, qk_layernorm=True)
+_MIXTRAL = dict(_LLAMA, family="mixtral", vocab_size=32000, max_position_embeddings=32768,
+                rope_theta=1e6, num_experts=8, moe_router_topk=2, moe_aux_loss_coeff=1e-2)
+_QWEN2_MOE = dict(_LLAMA, family="qwen2_moe", vocab_size=151936, max_position_embeddings=8192,
+                  rope_theta=1e6, layernorm_epsilon=1e-6, moe_router_pre_softmax=True,
+                  moe_aux_loss_coeff=1e-3, moe_shared_expert_gate=True, add_qkv_bias=True)
+_QWEN3_MOE = dict(_LLAMA, family="qwen3_moe", vocab_size=151936, max_position_embeddings=40960,
+                  rope_theta=1e6, layernorm_epsilon=1e-6, moe_router_pre_softmax=True,
+                  moe_norm_topk_prob=True, moe_aux_loss_coeff=1e-3, qk_layernorm=True)
 
 PRESETS: dict[str, dict] = {
     # GPT-2 (Radford et al. 2019)
@@ -371,10 +371,10 @@ PRESETS: dict[str, dict] = {
                               num_query_groups=4, kv_channels=128, ffn_hidden_size=6144,
                               num_experts=128, moe_router_topk=8, moe_ffn_hidden_size=768),
     # A small MoE for CPUs, tests and the demo: 8 experts, top-2, z-loss.
-    "moe-tiny": dict(_LLAMA, family="mixtral", vocab_size=32000, max_position_embeddings=1024, hidden_size=128,
-                     num_layers=4, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=256,
-                     num_experts=8, moe_router_topk=2, moe_aux_loss_coeff=1e-2,
-                     moe_z_loss_coeff=1e-3),
+    "moe-tiny": dict(_LLAMA, family="mixtral", vocab_size=32000, max_position_embeddings=1024,
+                     hidden_size=128, num_layers=4, num_attention_heads=4, num_query_groups=2,
+                     ffn_hidden_size=256, num_experts=8, moe_router_topk=2,
+                     moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=1e-3),
 }
 
 

@@ -47,7 +47,8 @@ def problem(config, family: str) -> str | None:
             return f"family {family!r} needs {field}={want!r}, got {got!r}"
     if family in MOE_FAMILIES:
         if not config.num_experts:
-            return f"family {family!r} is a mixture of experts: it needs num_experts (--num-experts)"
+            return (f"family {family!r} is a mixture of experts: it needs num_experts "
+                    f"(--num-experts)")
         return None
     defaults = {f.name: f.default for f in dataclasses.fields(type(config))}
     for field in moe_fields(type(config)):

@@ -116,8 +116,8 @@ def _hf_moe(family: str, folder: str) -> list[str]:
         hf = Qwen2MoeForCausalLM(Qwen2MoeConfig(
             **common, intermediate_size=48, moe_intermediate_size=24, num_experts=4,
             shared_expert_intermediate_size=40, norm_topk_prob=False, qkv_bias=True))
-        flags = ["--model", "qwen2-moe-a2.7b", *flags, "--moe-shared-expert-intermediate-size", "40",
-                 "--norm-epsilon", "1e-5"]
+        flags = ["--model", "qwen2-moe-a2.7b", *flags, "--norm-epsilon", "1e-5",
+                 "--moe-shared-expert-intermediate-size", "40"]
     with torch.no_grad():  # HF inits norms to one and biases to zero: make every tensor count
         for p in hf.parameters():
             p.add_(0.02 * torch.randn_like(p))
@@ -208,7 +208,8 @@ def test_import_edges_are_modelled_or_refused(tmp_path):
     untied_head = str(tmp_path / "untied")
     qwen.save_pretrained(untied_head)
     config = json.load(open(os.path.join(untied_head, "config.json")))
-    json.dump({**config, "tie_word_embeddings": True}, open(os.path.join(untied_head, "config.json"), "w"))
+    with open(os.path.join(untied_head, "config.json"), "w") as f:
+        json.dump({**config, "tie_word_embeddings": True}, f)
     _, cfg, full = hf_to_full(untied_head)
     assert not cfg.tie_word_embeddings
     assert torch.equal(full.weights["head_weight"], qwen.lm_head.weight)

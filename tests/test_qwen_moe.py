@@ -103,7 +103,8 @@ def test_round_trip_and_logits_and_generation_under_tp_pp_ep(tmp_path):
         for k in files:
             assert torch.equal(exported[k], files[k]), (case["name"], k)
         # transformers 5's in-memory form (fused gate_up_proj) imports the same tensors
-        from_memory = family(case["family"]).adapter.from_hf_state_dict(hf.state_dict(), case["config"])
+        adapter = family(case["family"]).adapter
+        from_memory = adapter.from_hf_state_dict(hf.state_dict(), case["config"])
         assert from_memory.keys() == case["full"].keys()
         for k, v in from_memory.items():
             assert torch.equal(v, case["full"][k]), (case["name"], k)

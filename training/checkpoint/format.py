@@ -387,8 +387,8 @@ def check_compatible(meta: dict, *, model: dict, folder: str) -> None:
         saved = dataclasses.asdict(TransformerConfig.from_saved(meta.get("model", {})))
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{folder}/meta.json: {e}") from None
-    diffs = [f.name for f in dataclasses.fields(TransformerConfig)
-             if f.name not in TRAINING_ONLY_FIELDS and saved[f.name] != model.get(f.name, saved[f.name])]
+    diffs = [f.name for f in dataclasses.fields(TransformerConfig) if f.name not in
+             TRAINING_ONLY_FIELDS and saved[f.name] != model.get(f.name, saved[f.name])]
     if diffs:
         k = diffs[0]
         raise CheckpointError(f"{folder} holds another model: {k}={saved[k]!r} there, "

@@ -208,7 +208,8 @@ def computed_fields(config: TransformerConfig) -> dict:
     fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
               if f.name not in TRAINING_ONLY_FIELDS}
     # a softmax over the top-k logits is the renormalised top-k of the softmax
-    fields["moe_router_pre_softmax"] = config.moe_router_pre_softmax and not config.moe_norm_topk_prob
+    fields["moe_router_pre_softmax"] = \
+        config.moe_router_pre_softmax and not config.moe_norm_topk_prob
     del fields["moe_norm_topk_prob"]
     if config.num_experts and all(config.is_moe_layer(i) for i in range(config.num_layers)):
         del fields["ffn_hidden_size"]  # no dense MLP is left
@@ -237,7 +238,8 @@ def check_complete(adapter, config: TransformerConfig, hf, weights: dict, sd: di
                               f"incomplete model") from None
     if lost:
         raise ConversionError(f"{where}: HF {type(hf).__name__} has no place for {len(lost)} "
-                              f"tensor(s) ({', '.join(lost[:4])}{', ...' if len(lost) > 4 else ''})")
+                              f"tensor(s) ({', '.join(lost[:4])}"
+                              f"{', ...' if len(lost) > 4 else ''})")
 
 
 def export_hf(load: str, save: str, *, tokenizer_dir: str | None = None,

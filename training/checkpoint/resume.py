@@ -2,8 +2,9 @@
 
 Per rank: the model chunks' parameters (this rank's shards), the optimizer's state dict (its
 ZeRO shards, loss scaler, step counters) and the RNG streams; in the metadata: the iteration,
-the consumed-samples count (the data position), the layout, the model configuration (its family among the fields).
-Each rank file also holds its parameter table, so any other layout can read it (reshard.py).
+the consumed-samples count (the data position), the layout, the model configuration (its
+family among the fields). Each rank file also holds its parameter table, so any other layout
+can read it (reshard.py).
 """
 from __future__ import annotations
 

@@ -63,8 +63,9 @@ def check_script_family(run_family: str | None, default_family: str) -> None:
     families; a config no family describes is refused (it could not be exported or resumed by
     family)."""
     if run_family is None:
-        raise ArgumentError("the model flags describe no registered family (models/family_rules.py);"
-                            " give a preset with --model or flags of one family")
+        raise ArgumentError("the model flags describe no registered family "
+                            "(models/family_rules.py); give a preset with --model or flags of "
+                            "one family")
     moe = default_family in MOE_FAMILIES
     if (run_family in MOE_FAMILIES) != moe:
         script = os.path.basename(sys.argv[0]) or "this script"
