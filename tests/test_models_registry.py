@@ -152,6 +152,9 @@ def test_families_refuse_what_they_cannot_compute(tmp_path):
     from training.config.errors import ArgumentError
     from training.checkpoint.hf import ConversionError, check_complete
     from training.run.entry import check_script_family
+    from models.config import PRESETS
+    assert sum(len(f.presets) for f in FAMILIES.values()) == len(PRESETS)  # each names one
+    assert all(f.default_preset in f.presets for f in FAMILIES.values() if f.default_preset)
     with pytest.raises(ValueError, match="family 'llama' is dense: num_experts=4"):
         preset("smollm2-135m", num_experts=4)
     with pytest.raises(ValueError, match="family 'qwen3' needs qk_layernorm=True, got False"):
