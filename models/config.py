@@ -16,8 +16,8 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 # Fields that change how a model trains, not the function its weights compute. A checkpoint
 # resumes whatever their values (training/checkpoint/format.py::check_compatible), and a Hugging
-# Face export need not record them (training/checkpoint/hf.py::check_complete); every other
-# field of TransformerConfig must match, or be written back.
+# Face export need not record them (training/checkpoint/hf.py::check_complete); the others
+# must match, or be written back (`TransformerConfig.computed_fields`).
 TRAINING_ONLY_FIELDS = frozenset({
     "hidden_dropout", "attention_dropout",  # regularisation while training
     "init_method_std", "seed",  # how fresh weights are drawn
@@ -170,6 +170,24 @@ class TransformerConfig:
 
     def replace(self, **changes) -> "TransformerConfig":
         return dataclasses.replace(self, **changes)
+
+    def computed_fields(self) -> dict:
+        """The fields that decide what the weights compute, one spelling per function (what a
+        resumed checkpoint must match and an HF export must record): the training-only fields
+        left out, and settings that cannot matter for this config dropped."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                  if f.name not in TRAINING_ONLY_FIELDS}
+        # a softmax over the top-k logits is the renormalised top-k of the softmax
+        fields["moe_router_pre_softmax"] = \
+            self.moe_router_pre_softmax and not self.moe_norm_topk_prob
+        del fields["moe_norm_topk_prob"]
+        if self.num_experts and all(self.is_moe_layer(i) for i in range(self.num_layers)):
+            del fields["ffn_hidden_size"]  # no dense MLP is left
+        if self.position_embedding != "rope":
+            del fields["rope_theta"], fields["rope_scaling"]
+        if self.position_embedding != "learned":  # no position table: the context is the run's
+            del fields["max_position_embeddings"]
+        return fields
 
     # ---- counts shared by the trainer's metrics, the planner and the dry run ------------------
     def _mlp_matrices(self, width: int) -> int:

@@ -17,7 +17,6 @@ here verifies what it reads, and a resume falls back to the newest checkpoint th
 """
 from __future__ import annotations
 
-import dataclasses
 import errno
 import json
 import logging
@@ -32,7 +31,7 @@ from safetensors import SafetensorError
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from models.config import TRAINING_ONLY_FIELDS, TransformerConfig
+from models.config import TransformerConfig
 from parallel.topology import default_device
 
 from training.checkpoint import integrity
@@ -377,19 +376,19 @@ def require_verified(folder: str) -> str:
     return folder
 
 
-def check_compatible(meta: dict, *, model: dict, folder: str) -> None:
+def check_compatible(meta: dict, *, model: TransformerConfig, folder: str) -> None:
     """Refuse checkpoints of another model, naming the difference (a layout may differ:
-    `training/checkpoint/reshard.py` maps any layout onto any other). Every model field counts
-    but the training-only ones (models/config.py::TRAINING_ONLY_FIELDS); a field an older
-    checkpoint lacks had its default then (it was added later with that value), and an older
-    checkpoint's family is the one its fields make."""
+    `training/checkpoint/reshard.py` maps any layout onto any other). Every field that decides
+    what the weights compute counts (`TransformerConfig.computed_fields`: all but the
+    training-only ones); a field an older checkpoint lacks had its default then (it was added
+    later with that value), and an older checkpoint's family is the one its fields make."""
     try:
-        saved = dataclasses.asdict(TransformerConfig.from_saved(meta.get("model", {})))
+        saved = TransformerConfig.from_saved(meta.get("model", {})).computed_fields()
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{folder}/meta.json: {e}") from None
-    diffs = [f.name for f in dataclasses.fields(TransformerConfig) if f.name not in
-             TRAINING_ONLY_FIELDS and saved[f.name] != model.get(f.name, saved[f.name])]
+    here = model.computed_fields()
+    diffs = [k for k in dict.fromkeys([*here, *saved]) if saved.get(k) != here.get(k)]
     if diffs:
         k = diffs[0]
-        raise CheckpointError(f"{folder} holds another model: {k}={saved[k]!r} there, "
-                              f"{model.get(k)!r} here; pass matching model flags or another --load")
+        raise CheckpointError(f"{folder} holds another model: {k}={saved.get(k)!r} there, "
+                              f"{here.get(k)!r} here; pass matching model flags or another --load")

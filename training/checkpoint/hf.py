@@ -26,7 +26,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from models.config import TRAINING_ONLY_FIELDS, TransformerConfig
+from models.config import TransformerConfig
 from models.language_model import WORD_EMBEDDINGS
 from models.registry import build_model, family
 from parallel.layout import ParallelConfig, virtual_stages
@@ -202,30 +202,14 @@ def _valid_ids(value, vocab_size: int):
     return ids if isinstance(value, list) else ids[0]
 
 
-def computed_fields(config: TransformerConfig) -> dict:
-    """The fields that decide what a model's weights compute, one spelling per function: the
-    training-only fields left out, and settings that cannot matter for this config dropped."""
-    fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
-              if f.name not in TRAINING_ONLY_FIELDS}
-    # a softmax over the top-k logits is the renormalised top-k of the softmax
-    fields["moe_router_pre_softmax"] = \
-        config.moe_router_pre_softmax and not config.moe_norm_topk_prob
-    del fields["moe_norm_topk_prob"]
-    if config.num_experts and all(config.is_moe_layer(i) for i in range(config.num_layers)):
-        del fields["ffn_hidden_size"]  # no dense MLP is left
-    if config.position_embedding != "rope":
-        del fields["rope_theta"], fields["rope_scaling"]
-    return fields
-
-
 def check_complete(adapter, config: TransformerConfig, hf, weights: dict, sd: dict,
                    where: str) -> None:
     """Refuse an export that would lose part of the model: the HF config must read back as the
-    same model (`computed_fields`) and the HF tensors must map back onto every megazoo tensor
+    same model (`TransformerConfig.computed_fields`) and the HF tensors must map back onto every megazoo tensor
     (`weights`: megazoo's full tensors, `sd`: the HF ones made of them). One line naming the
     field or the tensors."""
     back = adapter.config_from_hf(hf)
-    want, got = computed_fields(config), computed_fields(back)
+    want, got = config.computed_fields(), back.computed_fields()
     for name in want:
         if got.get(name) != want[name]:
             raise ConversionError(f"{where}: HF {type(hf).__name__} cannot record {name}="

@@ -124,7 +124,7 @@ def _read(run: RunConfig, topo, chunks, opt, folder: str):
             f"--seq-length {run.data.seq_length} differs from {saved_seq} in {folder}: the saved "
             f"data position counts {saved_seq}-token samples; pass --seq-length {saved_seq}, or "
             f"--finetune to start a new data stream from these weights")
-    ckpt.check_compatible(meta, model=dataclasses.asdict(run.model), folder=folder)
+    ckpt.check_compatible(meta, model=run.model, folder=folder)
     same_layout = meta.get("layout") == layout_of(run, topo)
     tensors = ckpt.load_rank_tensors(folder, topo.rank) if same_layout else {}
     if same_layout and not weights_only and _same_buckets(tensors, opt):
