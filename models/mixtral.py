@@ -64,7 +64,7 @@ def hf_config(config: TransformerConfig, **extra):
                          num_local_experts=config.num_experts,
                          num_experts_per_tok=config.moe_router_topk,
                          router_aux_loss_coef=config.moe_aux_loss_coeff / config.moe_router_topk,
-                         **extra)
+                         **{"architectures": ["MixtralForCausalLM"], **extra})
 
 
 def _check_exportable(config: TransformerConfig) -> None:
