@@ -175,6 +175,7 @@ def _ep_worker(rank, a, kind, steps):
                           moe_ffn_hidden_size=a.ffn), ParallelConfig(ep=4)
     else:
         cfg, par = preset("moe-tiny", **base, family="llama", num_experts=None,
+                          moe_aux_loss_coeff=0.0, moe_z_loss_coeff=0.0,
                           ffn_hidden_size=a.topk * a.ffn), ParallelConfig()
     topo = ParallelTopology.from_config(par)
     model = build_model(cfg, topo)
