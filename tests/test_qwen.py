@@ -49,7 +49,7 @@ def _worker(rank):
             assert run.model.kv_channels == 64 and run.model.qk_layernorm  # the preset's
             if qwen2:  # the same shape as Qwen2: QKV bias, no q/k norm, head_dim = hidden/heads
                 run = dataclasses.replace(run, model=run.model.replace(
-                    qk_layernorm=False, add_qkv_bias=True, kv_channels=None))
+                    family="qwen2", qk_layernorm=False, add_qkv_bias=True, kv_channels=None))
             curves[(qwen2, i)] = pretrain(model_provider, run).losses
     return curves
 

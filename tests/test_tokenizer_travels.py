@@ -79,9 +79,8 @@ TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"
 
 
 def _train(rank, argv):
-    from train_gpt import model_provider
     from training.run.entry import main
-    return main(model_provider, None, argv).checkpoint
+    return main("gpt2", argv).checkpoint  # train_gpt.py
 
 
 def test_tokenizer_travels_through_training_fine_tuning_and_export(tmp_path):

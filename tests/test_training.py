@@ -134,7 +134,7 @@ def test_llama_flags_map_onto_the_config():
     m = to_run_config(build_parser().parse_args(argv), world_size=1).model
     assert (m.activation, m.num_query_groups, m.position_embedding, m.rope_theta, m.normalization,
             m.tie_word_embeddings, m.bias) == ("swiglu", 2, "rope", 500000.0, "rmsnorm", False, False)
-    dense = m.replace(num_query_groups=4, activation="gelu_tanh")
+    dense = m.replace(family=None, num_query_groups=4, activation="gelu_tanh")  # no Llama now
     # GQA saves 2 of the 4 K/V head projections; SwiGLU adds a third h x f matrix.
     h, f, L = m.hidden_size, m.ffn_hidden_size, m.num_layers
     expected = dense.model_flops_per_token(16) + 3 * 2 * L * (h * f - h * h)
