@@ -123,7 +123,6 @@ def test_tokenizer_fingerprint_is_recorded_and_compared(tmp_path, caplog):
 
 
 def test_a_job_refused_by_the_lock_writes_nothing(tmp_path, capsys):
-    from models.gpt import GPTModel
     from training.run.entry import main
     mine, other = small_gpt2(str(tmp_path / "a")), small_gpt2(str(tmp_path / "b"), swap=("a", "b"))
     save = tmp_path / "save"
@@ -132,7 +131,7 @@ def test_a_job_refused_by_the_lock_writes_nothing(tmp_path, capsys):
     lock = storage.SaveLock(str(save))  # the running job
     try:
         with pytest.raises(SystemExit) as e:
-            main(lambda config, topo, **kw: GPTModel(config, topo, **kw), None, [
+            main("gpt2", [
                 "--num-layers", "1", "--hidden-size", "8", "--num-attention-heads", "2",
                 "--seq-length", "8", "--max-position-embeddings", "8", "--train-iters", "1",
                 "--mock-data", "--vocab-file", other[0], "--merge-file", other[1], "--save", str(save)])

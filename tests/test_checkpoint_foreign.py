@@ -170,11 +170,10 @@ def _save_dist(root, model, args, iteration=7):
 
 def _megazoo_logits(folder, ids):
     """Logits of a megazoo checkpoint loaded in this process at tp=pp=1 (any saved layout)."""
-    from models.hf import model_class
     from training.checkpoint.hf import checkpoint_config
     from training.checkpoint.reshard import build_rank_chunks, load_weights
-    _, config, module = checkpoint_config(folder)
-    topo, chunks = build_rank_chunks(model_class(module), config, tp=1, pp=1, vpp=1, dp=1, rank=0)
+    _, config = checkpoint_config(folder)
+    topo, chunks = build_rank_chunks(config, tp=1, pp=1, vpp=1, dp=1, rank=0)
     load_weights(folder, chunks, topo)
     with torch.no_grad():
         return chunks[0].eval()(ids)[..., :config.vocab_size]  # vocabulary padding cut
@@ -277,7 +276,7 @@ def test_megatron_tools_name_and_convert_the_checkpoint(megatron, tmp_path, caps
                          save, "--tensor-model-parallel-size", "2", "--no-optimizer"]) == 0
     from training.checkpoint.format import read_meta, resolve
     meta = read_meta(resolve(save))
-    assert meta["weights_only"] and meta["layout"]["tp"] == 2 and meta["family"] == "llama"
+    assert meta["weights_only"] and meta["layout"]["tp"] == 2 and meta["model"]["family"] == "llama"
     assert convert.main(["export", "--format", "megatron", "--load", save, "--save",
                          str(tmp_path / "mg"), "--pipeline-model-parallel-size", "3"]) == 1
     assert "4 layers do not split over pp=3" in capsys.readouterr().err

@@ -68,7 +68,7 @@ def predicted_memory(run: RunConfig, dp: int) -> str:
 class Trainer:
     def __init__(self, model_provider, run: RunConfig):
         # What close() releases, in case the setup fails part way (the caller has no trainer yet).
-        self.lock = self.data = self.log = self.watchdog = None
+        self.lock = self.data = self.log = self.watchdog = self.writer = None
         try:
             self._set_up(model_provider, run)
         except BaseException:

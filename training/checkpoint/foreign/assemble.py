@@ -15,7 +15,6 @@ from collections import defaultdict
 import torch
 
 from models.config import TransformerConfig
-from models.hf import family, model_class
 
 from training.checkpoint import format as ckpt
 from training.checkpoint.foreign import names
@@ -79,8 +78,10 @@ def _mean(copies: list[torch.Tensor], canon: str, drift: list) -> torch.Tensor:
 
 def expected_shapes(family_name: str, config: TransformerConfig) -> dict[str, tuple]:
     """canonical name -> full (unpadded) shape of every trained tensor of the model."""
-    _, chunks = build_rank_chunks(model_class(family(family_name)), config, tp=1, pp=1, vpp=1,
-                                  dp=1, rank=0)
+    if config.family != family_name:
+        raise ValueError(f"the checkpoint's settings make a {config.family!r} model, its reader "
+                         f"named {family_name!r}")
+    _, chunks = build_rank_chunks(config, tp=1, pp=1, vpp=1, dp=1, rank=0)
     shapes = {}
     for row in param_table(chunks):
         shape, dim, full = list(row[3]), row[4], row[5]

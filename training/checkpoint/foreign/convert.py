@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 
-from models.hf import family, model_class
 from parallel.layout import ParallelConfig
 
 from training.checkpoint import format as ckpt
@@ -37,7 +36,7 @@ def import_checkpoint(fmt: str, load: str, save: str, *, tp: int = 1, pp: int = 
     if extra and fmt != "deepspeed":
         raise ckpt.CheckpointError(f"--hf-config applies to --format deepspeed only, not {fmt}")
     name, config, full, iteration = READERS[fmt](load, vocab_size, optimizer=optimizer, **extra)
-    out = write_layout(full, save, model_cls=model_class(family(name)), config=config, tp=tp,
+    out = write_layout(full, save, config=config, tp=tp,
                        pp=pp, vpp=vpp, ep=ep, dp=dp, iteration=iteration,
                        weights_only=not full.optim)
     logger.info("imported %s (%s, %s) into %s at tp=%d pp=%d vpp=%d ep=%d, iteration %d, %s",
@@ -52,6 +51,6 @@ def export_checkpoint(fmt: str, load: str, save: str, *, tp: int = 1, pp: int = 
     if fmt not in WRITERS:
         raise ckpt.CheckpointError(f"--format {fmt!r}: export writes {sorted(WRITERS)}")
     folder = ckpt.require_verified(ckpt.resolve(load))
-    meta, config, _ = checkpoint_config(folder)
+    meta, config = checkpoint_config(folder)
     full = read_full_state(folder)
     return WRITERS[fmt](full, config, save, tp=tp, pp=pp, vpp=vpp, iteration=meta["iteration"])

@@ -77,7 +77,12 @@ _FINAL = {"weight": ("final_norm.weight", "replicated"), "bias": ("final_norm.bi
 def step_folder(root: str) -> str:
     pointer = os.path.join(root, "latest")
     if os.path.isfile(pointer):
-        return os.path.join(root, open(pointer).read().strip())
+        try:
+            with open(pointer, encoding="utf-8") as f:
+                return os.path.join(root, f.read().strip())
+        except (UnicodeDecodeError, ValueError):  # not DeepSpeed's tag (a garbage or foreign file)
+            raise ckpt.CheckpointError(f"{pointer} is not a text tag naming a global_step* folder") \
+                from None
     if _STEP.fullmatch(os.path.basename(os.path.normpath(root))):
         return root
     raise ckpt.CheckpointError(f"{root}: no 'latest' file and not a global_step* folder; pass a "
@@ -194,7 +199,7 @@ def read(root: str, vocab_size: int | None = None, *, optimizer: bool = True,
     if optimizer:
         logger.warning("%s: DeepSpeed's ZeRO optimizer partitions are not read; the import holds "
                        "the weights only (train from it with --finetune)", folder)
-    meta = dict(family=family, consumed_samples=int(getattr(args, "consumed_train_samples", 0) or 0),
+    meta = dict(consumed_samples=int(getattr(args, "consumed_train_samples", 0) or 0),
                 skipped_steps=0, seq_length=getattr(args, "seq_length", None),
                 source=dict(format="deepspeed", folder=os.path.abspath(folder)))
     return family, config, FullState(meta, {k: v.float() for k, v in weights.items()}), iteration
@@ -258,7 +263,7 @@ def _read_universal(folder: str, vocab_size: int | None, optimizer: bool):
     optim = full if optimizer else {}
     scalars = {"iteration": torch.tensor(iteration), "applied_steps": torch.tensor(step)} \
         if optimizer else {}
-    meta = dict(family=family, consumed_samples=int(getattr(args, "consumed_train_samples", 0) or 0),
+    meta = dict(consumed_samples=int(getattr(args, "consumed_train_samples", 0) or 0),
                 skipped_steps=max(iteration - step, 0), seq_length=getattr(args, "seq_length", None),
                 source=dict(format="deepspeed-universal", folder=os.path.abspath(folder)))
     return family, config, FullState(meta, dict(full["master"]), optim, scalars), iteration
@@ -361,7 +366,7 @@ def _read_zero(folder: str, optimizer: bool, hf_config: str | None):
     steps = {int(st["step"]) for o in osds for st in _group_states(o, stage, groups) if "step" in st}
     iteration = int(states.get("global_steps") or _STEP.fullmatch(os.path.basename(folder))[1])
     step = max(steps) if steps else iteration
-    meta = dict(family=model_type, consumed_samples=int(states.get("global_samples") or 0),
+    meta = dict(consumed_samples=int(states.get("global_samples") or 0),
                 skipped_steps=int(states.get("skipped_steps") or 0),
                 source=dict(format=f"deepspeed-zero{stage}", folder=os.path.abspath(folder)))
     optim = full if optimizer else {}

@@ -133,29 +133,27 @@ def to_config(args, where: str, vocab_size: int | None = None) -> tuple[str, Tra
                       moe_z_loss_coeff=float(_get(args, "moe_z_loss_coeff", default=0.0)),
                       moe_expert_capacity_factor=_get(args, "moe_expert_capacity_factor"),
                       moe_layer_freq=moe_freq)
-    config = TransformerConfig(**fields)
-    return family_of_config(config, where), config
+    try:  # the family is inferred from the fields (models/family_rules.py)
+        config = TransformerConfig(**fields)
+    except ValueError as e:
+        raise ckpt.CheckpointError(f"{where}: {e}") from None
+    if config.family is None:
+        raise ckpt.CheckpointError(f"{where}: position embedding {config.position_embedding}, "
+                                   f"{config.normalization}, {config.activation}"
+                                   f"{' with experts' if config.num_experts else ''} matches no "
+                                   f"megazoo model family (models/family_rules.py)")
+    return config.family, config
 
 
-def family_of_config(config: TransformerConfig, where: str) -> str:
-    """The megazoo family whose model class computes this configuration."""
-    shape = (config.position_embedding, config.normalization, config.activation)
-    if config.num_experts:
-        family = "mixtral" if shape == ("rope", "rmsnorm", "swiglu") else None
-    elif shape == ("rope", "rmsnorm", "swiglu"):
-        family = "qwen3" if config.qk_layernorm else "qwen2" if config.add_qkv_bias else "llama"
-    elif shape[:2] == ("learned", "layernorm") and shape[2] != "swiglu":
-        family = "gpt2"
-    elif shape == ("alibi", "layernorm", "gelu_tanh") and config.embedding_layernorm:
-        family = "bloom"
-    else:
-        family = None
-    if family is None:
-        raise ckpt.CheckpointError(f"{where}: position embedding {shape[0]}, {shape[1]}, "
-                                   f"{shape[2]}{' with experts' if config.num_experts else ''} "
-                                   f"matches no megazoo model family (GPT, BLOOM, Llama, Qwen, "
-                                   f"Mixtral)")
-    return family
+# The families whose tensors the Megatron name table (names.py) covers.
+MEGATRON_FAMILIES = ("gpt2", "bloom", "llama", "qwen2", "qwen3", "mixtral")
+
+
+def check_exportable(config: TransformerConfig, where: str) -> None:
+    """Refuse, in one line, a model whose family Megatron-core's layout does not cover."""
+    if config.family not in MEGATRON_FAMILIES:
+        raise ckpt.CheckpointError(f"{where}: family {config.family!r} has no Megatron-core layout "
+                                   f"here; export families {', '.join(MEGATRON_FAMILIES)}")
 
 
 def from_config(config: TransformerConfig, *, tp: int, pp: int, vpp: int, iteration: int,

@@ -155,7 +155,7 @@ def read(root: str, vocab_size: int | None = None, *, optimizer: bool = True):
     step = _find(common.get("optimizer"), "common_step")
     step = int(step) if step is not None else it
     scalars = {"iteration": torch.tensor(it), "applied_steps": torch.tensor(step)} if optim else {}
-    meta = dict(family=family, consumed_samples=int(getattr(args, "consumed_train_samples", 0) or 0),
+    meta = dict(consumed_samples=int(getattr(args, "consumed_train_samples", 0) or 0),
                 skipped_steps=max(it - step, 0), seq_length=getattr(args, "seq_length", None),
                 source=dict(format="megatron-dist", folder=os.path.abspath(folder),
                             scheduler=scheduler_state(common.get("opt_param_scheduler"))))
@@ -196,7 +196,7 @@ def write(full: FullState, config, root: str, *, tp: int = 1, pp: int = 1, vpp: 
     if config.num_experts:
         raise ckpt.CheckpointError("routed experts are not written as torch_dist yet; export "
                                    "--format megatron")
-    megatron_args.family_of_config(config, root)
+    megatron_args.check_exportable(config, root)
     padded = config.padded_vocab_size(tp)
     per_layer: dict[str, list] = {}
     tensors = {}

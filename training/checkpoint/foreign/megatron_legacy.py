@@ -263,7 +263,7 @@ def read(root: str, vocab_size: int | None = None, *, optimizer: bool = True):
     it = iteration if iteration is not None else int(first.get("iteration", 0) or 0)
     step = max(steps) if steps else it
     scalars = {"iteration": torch.tensor(it), "applied_steps": torch.tensor(step)} if optim else {}
-    meta = dict(family=family, consumed_samples=int(getattr(args, "consumed_train_samples", 0) or 0),
+    meta = dict(consumed_samples=int(getattr(args, "consumed_train_samples", 0) or 0),
                 skipped_steps=max(it - step, 0), seq_length=getattr(args, "seq_length", None),
                 source=dict(format="megatron", folder=os.path.abspath(folder),
                             layout=dict(tp=tp, pp=pp, ep=ep, vpp=vpp),
@@ -337,7 +337,7 @@ def write(full: FullState, config, root: str, *, tp: int, pp: int, vpp: int = 1,
     if config.num_query_groups % tp:
         raise ckpt.CheckpointError(f"{config.num_query_groups} query groups do not split over "
                                    f"tp={tp}; Megatron-LM needs whole groups per rank")
-    megatron_args.family_of_config(config, root)
+    megatron_args.check_exportable(config, root)
     meta = full.meta
     consumed = int(meta.get("consumed_samples", 0) or 0)
     args = megatron_args.from_config(config, tp=tp, pp=pp, vpp=vpp, iteration=iteration,
