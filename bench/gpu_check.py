@@ -5,6 +5,10 @@
      the same random weights (the CPU suite's cases: tests/test_hf_parity.py, test_llama_hf.py);
    - the fused LM head + cross-entropy against the unfused head and F.cross_entropy, fp32/bf16;
    - the SDPA paths: the device's fused kernels against SDPA's math path, causal and ALiBi, bf16;
+   - each CUDA kernel of parallel/kernels against the same call on the CPU in fp32: attention
+     (causal, ALiBi, KV-cache offset, sliding window, packed documents: SDPA flash/cuDNN, varlen
+     flash), the MoE grouped matmul (`torch._grouped_mm`, uneven and unaligned groups) and the
+     ring-attention block kernels (FlashAttention with log-sum-exp, forward and backward);
    - the ZeRO optimizer with world size 1 (stages 0, 1, 2) against torch.optim.AdamW;
    - greedy generation with the KV cache on CUDA against the same model on the CPU.
 2. A bf16 training step of gpt-1.3b (seq 2048), torch.compile off and on (each layer compiled):
@@ -115,6 +119,96 @@ def check_sdpa_paths(dev) -> str:
             grads.append((loss, model.layers["0"].attention.qkv.weight.grad.clone()))
         out.append(f"{pos} loss {_close(grads[0][0], grads[1][0], 2e-2):.1e} dqkv "
                    f"{_close(grads[0][1], grads[1][1], 2e-2, 5e-2):.1e}")
+    return "; ".join(out)
+
+
+def _cpu_grads(fn, inputs, r):
+    """(output, grads) of fn on fp32 CPU copies of `inputs`, loss = sum(out * r)."""
+    xs = [t.detach().float().cpu().requires_grad_() for t in inputs]
+    out = fn(*xs)
+    (out.float() * r.float().cpu()).sum().backward()
+    return [out] + [x.grad for x in xs]
+
+
+def _dev_grads(fn, inputs, r):
+    xs = [t.detach().clone().requires_grad_() for t in inputs]
+    out = fn(*xs)
+    (out.float() * r).sum().backward()
+    return [out] + [x.grad for x in xs]
+
+
+def _relative(got, want) -> float:
+    got, want = got.detach().float().cpu(), want.detach().float().cpu()
+    return ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
+
+
+def check_kernels(dev) -> str:
+    """parallel/kernels on CUDA in bf16 against the same calls on the CPU in fp32; bf16
+    rounding keeps outputs and gradients within ~1% of the norm."""
+    from parallel.kernels.attention import attention, choose_attention
+    from parallel.kernels.attention_block import choose_block_kernel
+    from parallel.kernels.grouped_matmul import ExpertMatmuls, choose_grouped_matmul
+    from parallel import ring_attention as ra
+    tol, out = 2e-2, []
+    g = torch.Generator().manual_seed(0)
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625, 0.03, 0.015, 0.008, 0.004])
+    ids = torch.repeat_interleave(torch.arange(4), torch.tensor([100, 300, 60, 52]))[None].repeat(2, 1)
+    cases = {"causal": {}, "alibi": dict(alibi_slopes=slopes), "window": dict(window=64),
+             "documents": dict(q_document_ids=ids),
+             "documents+window": dict(q_document_ids=ids, window=64)}
+    for name, kw in cases.items():
+        q = torch.randn(2, 8, 512, 64, generator=g)
+        k, v = (torch.randn(2, 2, 512, 64, generator=g) for _ in range(2))
+        r = torch.randn(q.shape, generator=g)
+        on = lambda d: {a: (t.to(d) if torch.is_tensor(t) else t) for a, t in kw.items()}  # noqa: E731
+        want = _cpu_grads(lambda *x: attention(*x, **on("cpu")), (q, k, v), r)
+        got = _dev_grads(lambda *x: attention(*x, **on(dev)),
+                         [t.to(dev, torch.bfloat16) for t in (q, k, v)], r.to(dev))
+        worst = max(_relative(a, b) for a, b in zip(got, want))
+        choice = choose_attention(dev, torch.bfloat16, documents="q_document_ids" in kw,
+                                  window="window" in kw, alibi="alibi_slopes" in kw)
+        if worst > tol:
+            raise AssertionError(f"attention {name} ({choice.path}/{choice.kernel}): {worst:.2e}")
+        out.append(f"attention {name} {choice.path}/{choice.kernel} {worst:.1e}")
+    # KV cache: 16 queries at the end of 512 keys
+    q = torch.randn(1, 8, 16, 64, generator=g)
+    k, v = (torch.randn(1, 8, 512, 64, generator=g) for _ in range(2))
+    want = attention(q, k, v, q_offset=496)
+    got = attention(*(t.to(dev, torch.bfloat16) for t in (q, k, v)), q_offset=496)
+    out.append(f"attention kv-cache {_relative(got, want):.1e}")
+
+    choice = choose_grouped_matmul(dev, torch.bfloat16)
+    for h, f in ((256, 512), (90, 36)):  # 90 / 36 bf16: rows not a multiple of 16 bytes
+        counts = torch.tensor([37, 0, 300, 5, 1, 0, 90, 200])
+        x = torch.randn(int(counts.sum()), h, generator=g)
+        w = torch.randn(8, f, h, generator=g) / h ** 0.5
+        r = torch.randn(x.shape[0], f, generator=g)
+
+        def experts(x, w):
+            mm = ExpertMatmuls(x, counts.to(x.device))
+            return mm.rows_out(mm.linear(mm.rows_in, w))
+        want = _cpu_grads(experts, (x, w), r)
+        got = _dev_grads(experts, [t.to(dev, torch.bfloat16) for t in (x, w)], r.to(dev))
+        worst = max(_relative(a, b) for a, b in zip(got, want))
+        if worst > tol:
+            raise AssertionError(f"grouped matmul {h}x{f} ({choice.kernel}): {worst:.2e}")
+        out.append(f"experts {h}x{f} {choice.kernel} {worst:.1e}")
+
+    kernel = choose_block_kernel(dev, torch.bfloat16, bias=False)
+    for causal in (True, False):
+        q = torch.randn(2, 8, 128, 64, generator=g)
+        k, v = (torch.randn(2, 2, 128, 64, generator=g) for _ in range(2))
+        do = torch.randn(q.shape, generator=g)
+        results = []
+        for d, dtype in (("cpu", torch.float32), (dev, torch.bfloat16)):
+            qd, kd, vd, dod = (t.to(d, dtype) for t in (q, k, v, do))
+            o, lse = ra.block_forward(qd, kd, vd, 0.125, None, causal)
+            grads = ra.block_backward(qd, kd, vd, dod, o.to(dtype), lse, 0.125, None, causal)
+            results.append([o, lse] + list(grads))
+        worst = max(_relative(a, b) for a, b in zip(results[1], results[0]))
+        if worst > tol:
+            raise AssertionError(f"ring block causal={causal} ({kernel}): {worst:.2e}")
+        out.append(f"ring block causal={causal} {kernel} {worst:.1e}")
     return "; ".join(out)
 
 
@@ -242,6 +336,7 @@ def main(argv=None) -> dict:
     for name, fn in (("hf parity (fp32)", check_hf_parity),
                      ("fused cross-entropy", check_fused_cross_entropy),
                      ("sdpa fused vs math (bf16)", check_sdpa_paths),
+                     ("kernels cuda bf16 vs cpu fp32", check_kernels),
                      ("zero world size 1", check_zero_world_size_1),
                      ("generation", check_generation)):
         try:

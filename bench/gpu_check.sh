@@ -3,7 +3,8 @@
 # correctness on CUDA tensors (models vs Hugging Face, fused cross-entropy, SDPA paths, ZeRO with
 # world size 1, generation), then a bf16 gpt-1.3b training step (seq 2048) with MFU and peak
 # memory against the planner, torch.compile off and on. Refuses politely without CUDA.
+# PYTHON=/path/to/python picks the interpreter (default python3).
 #   bash bench/gpu_check.sh [--skip-step] [--micro-batch-size 4] [--steps 5]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-exec python bench/gpu_check.py "$@"
+exec "${PYTHON:-python3}" bench/gpu_check.py "$@"

@@ -13,10 +13,10 @@ import contextlib
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from parallel.context_parallel import check_attention, context_attention, sequence_positions
+from parallel.kernels.attention import attention
 from parallel.random import RNGStreams, checkpoint
 from parallel.tensor_parallel import ColumnParallelLinear, GroupedLayout, RowParallelLinear
 from parallel.topology import ParallelTopology
@@ -38,81 +38,6 @@ def alibi_slopes(num_heads: int) -> torch.Tensor:
         extra_base = 2.0 ** (-4.0 / closest)
         slopes += [extra_base ** (2 * i + 1) for i in range(num_heads - closest)]
     return torch.tensor(slopes, dtype=torch.float32)
-
-
-def causal_bias(slopes: torch.Tensor | None, q_len: int, k_len: int, dtype, device) -> torch.Tensor:
-    """Additive attention bias [heads or 1, q, k]: -inf where key > query (queries are the last
-    q_len of k_len positions, as when decoding with a KV cache), plus ALiBi's slope * (key - query)
-    where slopes are given."""
-    q_pos = torch.arange(k_len - q_len, k_len, device=device)
-    distance = (torch.arange(k_len, device=device)[None, :] - q_pos[:, None]).to(torch.float32)
-    bias = distance.new_zeros(distance.shape)[None] if slopes is None \
-        else slopes.to(device)[:, None, None] * distance
-    return bias.masked_fill(distance > 0, float("-inf")).to(dtype)
-
-
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     slopes: torch.Tensor | None = None, dropout_p: float = 0.0,
-                     scale: float | None = None) -> torch.Tensor:
-    """SDPA of q [b, heads, q, d] over k, v [b, kv_heads, k, d], queries being the last q of the
-    k positions, with ALiBi when `slopes` are given (`scale` None: 1/sqrt(d))."""
-    mask = None
-    if slopes is not None or k.shape[2] != q.shape[2]:
-        # 4-D [1, heads, q, k]: the shape SDPA's fused CPU kernel takes (a 3-D mask falls
-        # back to the unfused math path, 1.5x slower here)
-        mask = causal_bias(slopes, q.shape[2], k.shape[2], q.dtype, q.device)[None]
-    if q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16) and \
-            dropout_p == 0.0 and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"):
-        return _CpuLowPrecisionAttention.apply(q, k, v, mask, scale)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
-                                          is_causal=mask is None,
-                                          enable_gqa=q.shape[1] != k.shape[1], scale=scale)
-
-
-# Keys up to which the bf16 backward runs in fp32 on the CPU (see _CpuLowPrecisionAttention).
-CPU_BF16_FP32_BACKWARD_MAX_KEYS = 512
-
-
-class _CpuLowPrecisionAttention(torch.autograd.Function):
-    """SDPA's fused CPU kernel for bf16/fp16 inputs, each pass in the faster precision (torch
-    2.13, one core, causal forward / backward in ms, Xeon with AMX; the fp32 figures include
-    the casts):
-
-        [b, heads, seq, d]    bf16 fwd  fp32 fwd   bf16 bwd  fp32 bwd
-        [4, 8, 256, 32]          2.7       4.3       17.7      10.8
-        [4, 8, 256, 64]          2.8       6.5       22.0      19.1
-        [2, 8, 1024, 64]        18.4      36.3       75.4     104.9
-        [1, 16, 2048, 128]      80.9     235.4      395.3     630.0
-
-    So bf16 runs forward in bf16 and backward in fp32 up to `CPU_BF16_FP32_BACKWARD_MAX_KEYS`
-    keys, in bf16 beyond; fp16's own kernel is slower than fp32 at every size above (1.1-1.9x),
-    so fp16 runs both passes in fp32. bf16 stays in fp32 too where ATen does not run its AVX-512
-    kernels (`ATEN_CPU_CAPABILITY=avx2` on an AMX machine fails in the bf16 kernel: "pack_vnni2
-    is only supported when avx512 is supported"; other CPUs were not measured). Either way
-    autograd saves what the low-precision kernel saves (q, k, v and the output in their dtype,
-    the fp32 logsumexp): activation memory is unchanged. GPUs keep their own kernels."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, mask, scale):
-        native = q.dtype == torch.bfloat16 and torch.backends.cpu.get_cpu_capability() == "AVX512"
-        compute = q.dtype if native else torch.float32
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q.to(compute), k.to(compute), v.to(compute), 0.0, mask is None,
-            attn_mask=None if mask is None else mask.to(compute), scale=scale)
-        out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse, mask)
-        ctx.scale, ctx.native = scale, native
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        q, k, v, out, lse, mask = ctx.saved_tensors
-        native = ctx.native and k.shape[2] > CPU_BF16_FP32_BACKWARD_MAX_KEYS
-        compute = q.dtype if native else torch.float32
-        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad.to(compute), q.to(compute), k.to(compute), v.to(compute), out.to(compute), lse,
-            0.0, mask is None, attn_mask=None if mask is None else mask.to(compute), scale=ctx.scale)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
 class KVCache:
@@ -189,11 +114,13 @@ class ParallelAttention(nn.Module):
         """softmax(QK^T * scale + causal/ALiBi bias) V with attention dropout, [b, heads, s, d]
         each; over every context-parallel rank's part of the sequence when cp > 1."""
         if self.topo.cp > 1:
-            return context_attention(q, k, v, self.topo, self.alibi_slopes, causal_attention)
+            return context_attention(q, k, v, self.topo, self.alibi_slopes, attention)
         p = self.dropout if self.training else 0.0
         # Heads differ per TP rank, so attention dropout draws from the tensor-parallel stream.
         with self.rng.fork() if (self.rng is not None and p > 0) else contextlib.nullcontext():
-            return causal_attention(q, k, v, self.alibi_slopes, p, self._scale(layer))
+            # queries are the last of the keys' positions (a KV cache holds the earlier ones)
+            return attention(q, k, v, alibi_slopes=self.alibi_slopes, dropout_p=p,
+                             scale=self._scale(layer), q_offset=k.shape[2] - q.shape[2])
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
         qkv = self.qkv(x)  # [s, b, local (q, k, v) features], full sequence even under SP

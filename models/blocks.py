@@ -15,7 +15,7 @@ from torch import nn
 from parallel.random import RNGStreams
 from parallel.topology import ParallelTopology
 
-from .attention import KVCache, ParallelAttention, alibi_slopes, causal_bias  # noqa: F401 - re-exported
+from .attention import KVCache, ParallelAttention, alibi_slopes  # noqa: F401 - re-exported
 from .config import TransformerConfig
 from .init import Initializer
 from .mlp import ParallelMLP

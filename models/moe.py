@@ -2,7 +2,7 @@
 
     tokens -> router (top-k experts per token) -> sort by expert [-> drop over capacity]
            -> dispatch (all-to-all over the expert-parallel group) -> local experts as one
-              batched matmul -> combine (all-to-all back) -> weighted sum per token
+              grouped matmul -> combine (all-to-all back) -> weighted sum per token
            (+ shared expert, optionally sigmoid-gated, Qwen2-MoE)
 
 Layout: the router and the experts are replicated over tensor parallelism ("experts whole per
@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from parallel.expert_parallel import combine, dispatch, local_experts
+from parallel.kernels.grouped_matmul import ExpertMatmuls
 from parallel.mappings import gather_sequence_replicated, scatter_to_sequence
 from parallel.param_spec import set_spec
 from parallel.tensor_parallel import sequence_parallel_param
@@ -71,41 +72,12 @@ class MoEStats:
         self.tokens_per_expert += counts.double()
 
 
-class _GroupedLinear(torch.autograd.Function):
-    """y[rows of group e] = x[rows of group e] @ w[e].T for rows sorted by group (`offs`: the
-    cumulative row counts, int32), as one `torch._grouped_mm` each way. torch 2.13 computes all
-    three products on the CPU but its own backward of `_grouped_mm` fails there ("Invalid
-    strides/sizes"), so the gradients are written out here."""
-
-    @staticmethod
-    def forward(ctx, x, w, offs):
-        ctx.save_for_backward(x, w, offs)
-        return torch._grouped_mm(x, w.transpose(1, 2), offs=offs)
-
-    @staticmethod
-    def backward(ctx, g):
-        x, w, offs = ctx.saved_tensors
-        g = g.contiguous()
-        dx = torch._grouped_mm(g, w, offs=offs) if ctx.needs_input_grad[0] else None
-        dw = torch._grouped_mm(g.t(), x, offs=offs) if ctx.needs_input_grad[1] else None
-        return dx, dw, None
-
-
-def _padded_linear(x, w, slot, width):
-    """The same product as `_GroupedLinear` as one batched matmul over the rows padded to the
-    largest group ([experts, width, in]): every device and dtype has `bmm`."""
-    grid = x.new_zeros(w.shape[0] * width, x.shape[1]).index_copy(0, slot, x)
-    return torch.bmm(grid.view(w.shape[0], width, x.shape[1]), w.transpose(1, 2)).flatten(0, 1)[slot]
-
-
 class GroupedExperts(nn.Module):
     """This rank's experts, stacked: `weight1` [experts, fc1, h] (SwiGLU: [gate; up] rows, as HF's
     gate_up_proj) and `weight2` [experts, h, ffn]. They run as one grouped matmul each over the
-    tokens sorted by expert, no Python loop over experts: `torch._grouped_mm` on the CPU (fp32
-    unpadded, ~2x faster than padding to the largest group when the load is uneven; bf16/fp16
-    with each group rounded up to 32 rows, see `ONEDNN_ROW_MULTIPLE`), a batched matmul over the rows
-    padded to the largest group elsewhere (CUDA's grouped matmul takes bf16 only) and on torch
-    versions without `_grouped_mm`."""
+    tokens sorted by expert, the kernel chosen by device and dtype
+    (`parallel/kernels/grouped_matmul.py`: `torch._grouped_mm` where it runs, else one matmul
+    per expert)."""
 
     def __init__(self, config: TransformerConfig, topo: ParallelTopology, init: Initializer,
                  prefix: str):
@@ -133,60 +105,19 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x: [rows, h] sorted by local expert, `counts[e]` rows for expert e."""
-        grouped = x.device.type == "cpu" and hasattr(torch, "_grouped_mm")  # torch >= 2.8
-        unpad = None
-        if grouped and x.dtype != torch.float32 and ONEDNN_ROW_MULTIPLE > 1:
-            x, counts, unpad = _pad_groups(x, counts, ONEDNN_ROW_MULTIPLE)
-        expert = torch.repeat_interleave(torch.arange(counts.numel(), device=x.device), counts)
-        if grouped:
-            offs = counts.cumsum(0).to(torch.int32)
-            linear = lambda t, w: _GroupedLinear.apply(t, w, offs)  # noqa: E731
-        else:
-            width = int(counts.max()) if x.shape[0] else 0
-            slot = expert * width + torch.arange(x.shape[0], device=x.device) - \
-                (counts.cumsum(0) - counts)[expert]
-            linear = lambda t, w: _padded_linear(t, w, slot, width)  # noqa: E731
-        y = linear(x, self.weight1)
+        mm = ExpertMatmuls(x, counts)
+        y = mm.linear(mm.rows_in, self.weight1)
         if self.bias1 is not None:
-            y = y + self.bias1[expert]
+            y = y + self.bias1[mm.expert]
         if self.swiglu:
             gate, up = y.chunk(2, dim=-1)
             y = F.silu(gate) * up
         else:
             y = F.gelu(y, approximate=self.approximate)
-        y = linear(y, self.weight2)
+        y = mm.linear(y, self.weight2)
         if self.bias2 is not None:
-            y = y + self.bias2[expert]
-        return y if unpad is None else y[unpad]
-
-
-# On the CPU, bf16/fp16 matmuls run on oneDNN, which compiles a kernel for every new shape and
-# caches 1024 of them. Routing changes each expert's row count every step, so every step compiled
-# dozens of kernels and faulted in fresh pages for them (bench_moe, bf16: 486 ms per step, 23k
-# page faults). Rounding each expert's rows up to a multiple of 32, or of 1/16 of the largest
-# power of two below the count when that is larger (at most 6% more rows), makes the shapes
-# repeat and their number small at any scale: 351 ms, no faults. fp32 (MKL, nothing compiled)
-# needs no padding.
-ONEDNN_ROW_MULTIPLE = 32
-
-
-def padded_group_sizes(counts: torch.Tensor, multiple: int) -> torch.Tensor:
-    """Each count rounded up to a multiple of max(`multiple`, 2^floor(log2 count) / 16)."""
-    octave = torch.log2(counts.clamp(min=1).double()).floor()
-    step = (2 ** (octave - 4)).clamp(min=multiple).long()
-    return (counts + step - 1) // step * step
-
-
-def _pad_groups(x: torch.Tensor, counts: torch.Tensor, multiple: int):
-    """Rows sorted by group -> (the rows with each group zero-padded by `padded_group_sizes`,
-    the padded counts, where each original row now sits). Zero rows give zero outputs that
-    nobody reads, so they add nothing to any gradient."""
-    padded = padded_group_sizes(counts, multiple)
-    shift = (padded.cumsum(0) - padded) - (counts.cumsum(0) - counts)
-    group = torch.repeat_interleave(torch.arange(counts.numel(), device=x.device), counts)
-    rows = torch.arange(x.shape[0], device=x.device) + shift[group]
-    grid = x.new_zeros(int(padded.sum()), x.shape[1]).index_copy(0, rows, x)
-    return grid, padded, rows
+            y = y + self.bias2[mm.expert]
+        return mm.rows_out(y)
 
 
 class MoELayer(nn.Module):

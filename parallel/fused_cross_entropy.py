@@ -5,13 +5,14 @@ as an fp32 copy and writes log-probabilities; its backward allocates a zeroed [t
 gradient, scatters the targets into it and makes one more pass for the softmax: five trips
 through memory over the largest activation of the model before the two backward matmuls.
 
-Fused, tokens go through the head in chunks: the matmul, then max, exp and sum in place on the
-chunk's fp32 scratch, and the gradient of the logits (softmax minus one-hot) is written once, in
-the weight's dtype, the precision the unfused backward rounds it to before its matmuls anyway
-(fp16 keeps it in fp32, see below). Backward is just the two matmuls. Only [tokens]-sized vectors cross TP ranks: the max, the sum of exponentials and
-the target's logit, one all-reduce each per call. Without gradients (evaluation) only the loss
-is computed. This is what Megatron's
-`--cross-entropy-loss-fusion` and Liger's fused linear cross-entropy do.
+Fused, tokens go through the head in chunks (how many: `kernels/lm_head_loss.py`): the matmul,
+then max, exp and sum in place on the chunk's fp32 scratch, and the gradient of the logits
+(softmax minus one-hot) is written once, in the weight's dtype, the precision the unfused
+backward rounds it to before its matmuls anyway (fp16 keeps it in fp32, see below). Backward is
+just the two matmuls. Only [tokens]-sized vectors cross TP ranks: the max, the sum of
+exponentials and the target's logit, one all-reduce each per call. Without gradients
+(evaluation) only the loss is computed. This is what Megatron's `--cross-entropy-loss-fusion`
+and Liger's fused linear cross-entropy do.
 
 The per-token gradient g arriving at the loss (1/N for a mean, zero where a loss mask is off)
 is applied in backward without touching the big tensor: with G = softmax - one-hot,
@@ -27,20 +28,9 @@ import torch.distributed as dist
 from .collectives import all_reduce, group_rank, group_size
 from .mappings import copy_to_tp, gather_from_sequence
 from .grad_fusion import weight_grad
+from .kernels.lm_head_loss import chunk_tokens
 from .param_spec import spec_of
 from .topology import ParallelTopology
-
-# Tokens per chunk. Smaller chunks keep the scratch in cache but starve the matmul: measured on
-# one CPU core (vocab 16k and 50k, hidden 512), fp32 wants >= 256 rows, bf16 (AMX) >= 64, and
-# 1024 costs at most 10% against the best of either; the fp32 scratch is 4 kB x vocab/tp.
-CHUNK_TOKENS = 1024
-# bf16/fp16 on the CPU: on an AMD EPYC core (AVX512-BF16, hidden 256) forward + backward of 1024
-# tokens took 54 / 41 / 46 ms at 1024 / 256 / 128 rows per chunk with vocab 4k, 462 / 403 / 377
-# ms with vocab 32k; fp32 was level from 256 to 1024 rows. On a Xeon core with AMX: 36 / 36 / 34
-# ms (vocab 4k), 330 / 270 / 205 (32k), hidden 1024 vocab 32k 520 / 501 / 574, hidden 2048
-# vocab 50k 1427 / 1366 / 1432. GPUs keep CHUNK_TOKENS.
-CPU_LOW_PRECISION_CHUNK_TOKENS = 256
-
 
 class _LMHeadCrossEntropy(torch.autograd.Function):
     """hidden [N, H], weight [V/tp, H], target [N] (global ids) -> per-token loss [N] in fp32."""
@@ -59,9 +49,7 @@ class _LMHeadCrossEntropy(torch.autograd.Function):
         row_max = torch.empty(n, dtype=torch.float32, device=hidden.device)
         sum_exp = torch.empty_like(row_max)
         picked = torch.empty_like(row_max)
-        w_t, step = weight.t(), CHUNK_TOKENS
-        if weight.device.type == "cpu" and weight.dtype != torch.float32:
-            step = min(step, CPU_LOW_PRECISION_CHUNK_TOKENS)
+        w_t, step = weight.t(), chunk_tokens(weight.device, weight.dtype)
 
         # fp32: the matmul writes straight into the stored tensor and everything after is in place
         direct = need_grad and store == weight.dtype == hidden.dtype == torch.float32

@@ -17,9 +17,12 @@ a rank s > r only the second local chunk's queries see the block, all of it. So 
 step computes exactly half a block, on every rank. ALiBi adds slope x (key - query) from the
 absolute positions of both blocks. Only key/value heads travel (grouped-query attention).
 
-Each block runs on CPU through aten's flash-attention kernel, which returns the log-sum-exp and
-whose backward takes the final output and log-sum-exp (so no block materialises its scores);
-elsewhere as plain fp32 matmuls (`block_forward`/`block_backward`, tested against each other).
+Each block runs on the device's fused kernel where it has one (`kernels/attention_block.py`:
+aten's CPU flash kernel in fp32; FlashAttention-2 on CUDA in bf16/fp16 without ALiBi), whose
+backward takes the final output and log-sum-exp, so no block materialises its scores; else as
+plain fp32 matmuls (`block_forward`/`block_backward`, tested against each other). K/V travel in
+`ring_compute_dtype`: fp32 on the CPU (as measured), the activation dtype on a GPU; partial
+outputs, log-sum-exps and the travelling dK/dV accumulator stay fp32.
 """
 from __future__ import annotations
 
@@ -29,17 +32,20 @@ import torch
 
 from . import collectives as C
 from .context_parallel import local_positions
+from .kernels.attention_block import (choose_block_kernel, fused_block_backward, fused_block_forward,
+                                      ring_compute_dtype)
 
 
 def _fused(device) -> bool:
-    """CPU has an aten flash-attention kernel returning the log-sum-exp, whose backward takes
-    the final output and lse: exactly a ring step. Elsewhere the blocks run as plain matmuls."""
-    return device.type == "cpu"
+    """Whether blocks may take the device's fused kernel (`choose_block_kernel`); the tests
+    switch it off to check the matmul path against it."""
+    return True
 
 
-def _expand(t, heads: int):
-    """Key/value heads [b, g, n, d] -> one per query head (grouped order)."""
-    return t if t.shape[1] == heads else t.repeat_interleave(heads // t.shape[1], dim=1)
+def _block_kernel(q, bias) -> str:
+    if not _fused(q.device):
+        return "matmul"
+    return choose_block_kernel(q.device, q.dtype, bias=bias is not None)
 
 
 def _scores(q, k, scale, bias):
@@ -52,14 +58,16 @@ def _scores(q, k, scale, bias):
 
 
 def block_forward(q, k, v, scale, bias, causal: bool):
-    """Attention of q [b, heads, m, d] over one block k, v [b, kv_heads, n, d] (fp32), with an
-    additive bias [heads or 1, m, n] and/or a causal (square, top-left) mask: (out, lse)."""
+    """Attention of q [b, heads, m, d] over one block k, v [b, kv_heads, n, d], with an
+    additive bias [heads or 1, m, n] and/or a causal (square, top-left) mask: (out, lse [b,
+    heads, m] fp32); out in fp32 on the matmul path, in the inputs' dtype on a fused one."""
     b, heads, m, d = q.shape
-    if _fused(q.device):
+    kernel = _block_kernel(q, bias)
+    if kernel != "matmul":
         mask = None if bias is None else _causal(bias) if causal else bias
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, _expand(k, heads), _expand(v, heads), 0.0, causal and mask is None,
-            attn_mask=None if mask is None else mask[None], scale=scale)
+        return fused_block_forward(kernel, q, k, v, scale, None if mask is None else mask[None],
+                                   causal)
+    q, k, v = q.float(), k.float(), v.float()
     if causal:
         bias = _causal(bias if bias is not None else q.new_zeros(1, m, k.shape[2]))
     s = _scores(q, k, scale, bias)
@@ -72,14 +80,12 @@ def block_backward(q, k, v, do, out, lse, scale, bias, causal: bool):
     """Gradients of one block given the final output and lse of its query rows: (dq, dk, dv)."""
     b, heads, m, d = q.shape
     g = k.shape[1]
-    if _fused(q.device):
+    kernel = _block_kernel(q, bias)
+    if kernel != "matmul":
         mask = None if bias is None else _causal(bias) if causal else bias
-        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            do, q, _expand(k, heads), _expand(v, heads), out, lse, 0.0, causal and mask is None,
-            attn_mask=None if mask is None else mask[None], scale=scale)
-        if g != heads:
-            dk, dv = (t.reshape(b, g, heads // g, -1, d).sum(2) for t in (dk, dv))
-        return dq, dk, dv
+        return fused_block_backward(kernel, q, k, v, do, out, lse, scale,
+                                    None if mask is None else mask[None], causal)
+    q, k, v, do, out = q.float(), k.float(), v.float(), do.float(), out.float()
     if causal:
         bias = _causal(bias if bias is not None else q.new_zeros(1, m, k.shape[2]))
     group = lambda t: t.reshape(b, g, heads // g, m, -1)  # noqa: E731
@@ -141,10 +147,11 @@ class RingAttention(torch.autograd.Function):
         b, heads, n, d = q.shape
         cp, rank = C.group_size(group), C.group_rank(group)
         scale = 1.0 / math.sqrt(d)
-        qf = q.float()
+        compute = ring_compute_dtype(q.device, q.dtype)
+        qf = q.to(compute)
         ring = _Ring(n, cp, rank, None if slopes is None else slopes.float()[:, None, None],
                      q.device)
-        kv = torch.stack([k, v]).float().contiguous()  # [2, b, kv_heads, n, d]
+        kv = torch.stack([k, v]).to(compute).contiguous()  # [2, b, kv_heads, n, d]
         out = lse = None
         for step in range(cp):
             if step < cp - 1:
@@ -154,25 +161,26 @@ class RingAttention(torch.autograd.Function):
             o, l = block_forward(qf[..., rows, :].contiguous(), kv[0][..., cols, :].contiguous(),
                                  kv[1][..., cols, :].contiguous(), scale, bias, step == 0)
             if step == 0:
-                out, lse = o.clone(), l.clone()
+                out, lse = o.float().clone(), l.clone()
             else:
-                _merge(out, lse, o, l, rows)
+                _merge(out, lse, o.float(), l, rows)
             if step < cp - 1:
                 pending.wait()
                 kv = incoming
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.ring, ctx.group, ctx.scale = ring, group, scale
+        ctx.ring, ctx.group, ctx.scale, ctx.compute = ring, group, scale, compute
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
         ring, group, scale, cp = ctx.ring, ctx.group, ctx.scale, ctx.ring.cp
-        qf, do, of = q.float(), grad_out.float().contiguous(), out.float()
-        dq = torch.zeros_like(qf)
-        kv = torch.stack([k, v]).float().contiguous()
-        dkv = torch.zeros_like(kv)  # travels with kv; collects every rank's share
+        compute = ctx.compute
+        qf, do, of = q.to(compute), grad_out.to(compute).contiguous(), out.to(compute)
+        dq = torch.zeros_like(qf, dtype=torch.float32)
+        kv = torch.stack([k, v]).to(compute).contiguous()
+        dkv = torch.zeros_like(kv, dtype=torch.float32)  # travels with kv; collects every rank's share
         for step in range(cp):
             if step < cp - 1:
                 kv_in = torch.empty_like(kv)

@@ -27,7 +27,8 @@ def _order(local_length: int, cp: int, device) -> torch.Tensor:
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, topo,
                       alibi_slopes: torch.Tensor | None, attend: Callable) -> torch.Tensor:
     """Causal attention over the context group's whole sequence (shapes: `context_attention`);
-    `attend(q, k, v, slopes)` is the model's own causal attention over a whole sequence."""
+    `attend(q, k, v, alibi_slopes=...)` is single-device causal attention over a whole
+    sequence (`parallel.kernels.attention.attention`)."""
     group = topo.cp_group
     cp, rank = C.group_size(group), C.group_rank(group)
     n = q.shape[2]  # heads divisible by cp: ParallelConfig.check_model
@@ -35,5 +36,5 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, topo,
     natural = torch.argsort(positions)
     q, k, v = (all_to_all(t, group, 1, 2).index_select(2, natural) for t in (q, k, v))
     slopes = None if alibi_slopes is None else alibi_slopes.reshape(cp, -1)[rank]
-    out = attend(q, k, v, slopes)
+    out = attend(q, k, v, alibi_slopes=slopes)
     return all_to_all(out.index_select(2, positions), group, 2, 1)

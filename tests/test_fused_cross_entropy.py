@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import parallel.fused_cross_entropy as fused
+import parallel.kernels.lm_head_loss as lm_head_loss
 
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
        torch.float16: dict(atol=2e-3, rtol=2e-3)}
@@ -16,7 +17,7 @@ TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("padded,chunk", [(0, 1024), (24, 1024), (24, 7)])
 def test_matches_unfused(dtype, padded, chunk, monkeypatch):
-    monkeypatch.setattr(fused, "CHUNK_TOKENS", chunk)  # several chunks, the last one ragged
+    monkeypatch.setattr(lm_head_loss, "CHUNK_TOKENS", chunk)  # several chunks, the last one ragged
     g = torch.Generator().manual_seed(0)
     vocab, n, h = 1000, 45, 64
     hidden = torch.randn(n, h, generator=g).to(dtype)

@@ -156,42 +156,13 @@ def test_layouts_checked_against_experts():
         moe_config(moe_shared_expert_intermediate_size=18).check_layout(ParallelConfig(tp=4))
 
 
-@pytest.mark.parametrize("counts", [[3, 0, 5, 2], [0, 0, 0, 0], [0, 7, 0, 0]])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_grouped_and_padded_matmuls_equal_a_loop(counts, dtype):
-    """Both expert matmul paths (grouped on the CPU, padded elsewhere), forward and both
-    gradients, with empty groups and no rows at all."""
-    from models.moe import _GroupedLinear, _padded_linear
-    g = torch.Generator().manual_seed(0)
-    counts = torch.tensor(counts)
-    n = int(counts.sum())
-    x0 = torch.randn(n, 16, generator=g).to(dtype)
-    w0 = torch.randn(4, 24, 16, generator=g).to(dtype)
-    r = torch.randn(n, 24, generator=g).to(dtype)
-    expert = torch.repeat_interleave(torch.arange(4), counts)
-    width = int(counts.max())
-    slot = expert * width + torch.arange(n) - (counts.cumsum(0) - counts)[expert]
-    tol = TOL if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
-    results = []
-    for fn in (lambda x, w: _GroupedLinear.apply(x, w, counts.cumsum(0).to(torch.int32)),
-               lambda x, w: _padded_linear(x, w, slot, width),
-               lambda x, w: torch.cat([x[expert == e] @ w[e].t() for e in range(4)])):
-        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
-        y = fn(x, w)
-        (y.float() * r.float()).sum().backward()
-        results.append((y, x.grad, w.grad))
-    for got in results[:2]:
-        for a, b in zip(got, results[2]):
-            torch.testing.assert_close(a.float(), b.float(), **tol)
-
-
 @pytest.mark.parametrize("bias", [False, True])
 def test_bf16_experts_pad_groups_to_repeating_shapes(bias):
     """bf16 on the CPU rounds each expert's rows up to a multiple of 32 (oneDNN compiles a
     kernel per matmul shape): rows land in their padded places, and the layer's output and
     gradients equal fp32 arithmetic on the same bf16 weights, one expert at a time, to within
     bf16 rounding (2% of the norm; misplaced rows are off by about 100%)."""
-    from models.moe import ONEDNN_ROW_MULTIPLE, _pad_groups, padded_group_sizes
+    from parallel.kernels.grouped_matmul import ONEDNN_ROW_MULTIPLE, pad_groups, padded_group_sizes
     sizes = torch.tensor([0, 1, 32, 33, 511, 512, 513, 1000, 1024, 5000, 70000])
     assert padded_group_sizes(sizes, 32).tolist() == \
         [0, 32, 32, 64, 512, 512, 544, 1024, 1024, 5120, 73728]
@@ -201,7 +172,7 @@ def test_bf16_experts_pad_groups_to_repeating_shapes(bias):
     g = torch.Generator().manual_seed(0)
     counts = torch.tensor([3, 0, 40, 2])
     x0 = torch.randn(int(counts.sum()), 32, generator=g)
-    grid, padded, rows = _pad_groups(x0, counts, ONEDNN_ROW_MULTIPLE)
+    grid, padded, rows = pad_groups(x0, counts, ONEDNN_ROW_MULTIPLE)
     assert padded.tolist() == [32, 0, 64, 32] and grid.shape[0] == 128
     torch.testing.assert_close(grid[rows], x0, rtol=0, atol=0)
     assert grid.abs().sum(1).count_nonzero() == x0.shape[0]

@@ -213,8 +213,8 @@ def test_moe_activations_match_what_autograd_saves(dtype, monkeypatch):
     saves: the CPU-only bf16 padding of expert rows to multiples of 32 is off here (at 32 rows
     per expert on average it would add half again)."""
     import torch
-    import models.moe
-    monkeypatch.setattr(models.moe, "ONEDNN_ROW_MULTIPLE", 1)
+    import parallel.kernels.grouped_matmul as grouped_matmul
+    monkeypatch.setattr(grouped_matmul, "ONEDNN_ROW_MULTIPLE", 1)
     from models.language_model import TransformerLanguageModel
     from parallel.pipeline.engine import SavedBytes
     from parallel.topology import ParallelConfig, ParallelTopology
