@@ -5,14 +5,8 @@
         --data-path my_text_document --vocab-file vocab.json --merge-file merges.txt \
         --seq-length 128 --micro-batch-size 4 --global-batch-size 16 --train-iters 100
 """
-from models.gpt import GPTModel
+from models.registry import build_model as model_provider  # noqa: F401 (tests build with it)
 from training.run.entry import main
 
-
-def model_provider(config, topo, *, rng=None, pre_process=True, post_process=True, layer_range=None):
-    return GPTModel(config, topo, rng=rng, pre_process=pre_process, post_process=post_process,
-                    layer_range=layer_range)
-
-
 if __name__ == "__main__":
-    main(model_provider, default_model=None)
+    main(default_family="gpt2")

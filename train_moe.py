@@ -11,22 +11,8 @@ Presets: moe-tiny, mixtral-8x7b/8x22b, qwen2-moe-a2.7b/57b-a14b, qwen3-moe-30b-a
 interval adds the auxiliary losses apart from the LM loss and, per MoE layer, the tokens per expert
 and dropped share.
 """
-from models.llama import LlamaModel
-from models.qwen2_moe import Qwen2MoeModel
-from models.qwen3_moe import Qwen3MoeModel
+from models.registry import build_model as model_provider  # noqa: F401 (tests build with it)
 from training.run.entry import main
 
-
-def model_provider(config, topo, *, rng=None, pre_process=True, post_process=True, layer_range=None):
-    if not config.num_experts:
-        raise ValueError("train_moe.py trains mixture-of-experts models: give --num-experts or an "
-                         "MoE preset (--model moe-tiny)")
-    # Qwen-MoE's attention (QKV bias; q/k norm) makes the model a Qwen2-MoE / Qwen3-MoE one
-    cls = Qwen3MoeModel if config.qk_layernorm else \
-        Qwen2MoeModel if config.add_qkv_bias else LlamaModel
-    return cls(config, topo, rng=rng, pre_process=pre_process, post_process=post_process,
-               layer_range=layer_range)
-
-
 if __name__ == "__main__":
-    main(model_provider, default_model="moe-tiny")
+    main(default_family="mixtral")

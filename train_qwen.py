@@ -10,16 +10,8 @@ processes, tp=2 x pp=2, the toy Qwen3 preset:
 Presets: qwen2-0.5b, qwen2.5-0.5b, qwen3-0.6b, qwen3-1.7b, qwen3-tiny. Start from released weights
 by importing a Hugging Face folder (tools/convert_hf.py import) and adding --load ... --finetune.
 """
-from models.qwen2 import Qwen2Model
-from models.qwen3 import Qwen3Model
+from models.registry import build_model as model_provider  # noqa: F401 (tests build with it)
 from training.run.entry import main
 
-
-def model_provider(config, topo, *, rng=None, pre_process=True, post_process=True, layer_range=None):
-    cls = Qwen3Model if config.qk_layernorm else Qwen2Model
-    return cls(config, topo, rng=rng, pre_process=pre_process, post_process=post_process,
-               layer_range=layer_range)
-
-
 if __name__ == "__main__":
-    main(model_provider, default_model="qwen3-tiny")
+    main(default_family="qwen3")

@@ -166,7 +166,7 @@ def run_rounds(variants: dict, rounds: int) -> dict:
 def _ep_worker(rank, a, kind, steps):
     torch.set_num_threads(1)
     from models.config import preset
-    from models.llama import LlamaModel
+    from models.registry import build_model
     base = dict(vocab_size=a.vocab, hidden_size=a.hidden, num_layers=a.layers,
                 num_attention_heads=a.heads, num_query_groups=a.heads // 4,
                 max_position_embeddings=a.seq)
@@ -174,10 +174,10 @@ def _ep_worker(rank, a, kind, steps):
         cfg, par = preset("moe-tiny", **base, num_experts=a.experts, moe_router_topk=a.topk,
                           moe_ffn_hidden_size=a.ffn), ParallelConfig(ep=4)
     else:
-        cfg, par = preset("moe-tiny", **base, num_experts=None, ffn_hidden_size=a.topk * a.ffn), \
-            ParallelConfig()
+        cfg, par = preset("moe-tiny", **base, family="llama", num_experts=None,
+                          ffn_hidden_size=a.topk * a.ffn), ParallelConfig()
     topo = ParallelTopology.from_config(par)
-    model = LlamaModel(cfg, topo)
+    model = build_model(cfg, topo)
     opt = build_optimizer(model, topo, OptimizerConfig(zero_stage=1, lr=LR))
     g = torch.Generator().manual_seed(rank)
     mb = a.batch // 4 or 1

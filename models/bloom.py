@@ -15,8 +15,8 @@ from .language_model import WORD_EMBEDDINGS, TransformerLanguageModel
 
 class BloomModel(TransformerLanguageModel):
     def __init__(self, config: TransformerConfig, topo: ParallelTopology, **kwargs):
-        if config.position_embedding != "alibi" or not config.embedding_layernorm:
-            raise ValueError("BloomModel needs position_embedding='alibi' and embedding_layernorm=True")
+        from .registry import require_family  # the registry imports this module
+        require_family(type(self), config)
         super().__init__(config, topo, **kwargs)
 
 
@@ -25,7 +25,8 @@ MAPPED = frozenset({
     "hidden_dropout", "attention_dropout", "apply_residual_connection_post_layernorm",
     "tie_word_embeddings", "seq_length"})
 # transformers' BloomForCausalLM ignores these (Megatron-DeepSpeed training switches, and
-# pretraining_tp / slow_but_exact, which only split the same matmuls)
+# pretraining_tp, which alone changes nothing; with slow_but_exact it splits the attention output
+# and MLP output matmuls and drops their biases: refused in config_from_hf)
 IGNORED = frozenset({"pretraining_tp", "slow_but_exact", "attention_softmax_in_fp32",
                      "bias_dropout_fusion", "masked_softmax_fusion", "offset_alibi", "skip_bias_add",
                      "skip_bias_add_qkv", "n_inner", "n_embed"})
@@ -34,10 +35,14 @@ IGNORED = frozenset({"pretraining_tp", "slow_but_exact", "attention_softmax_in_f
 def config_from_hf(hf) -> TransformerConfig:
     """A TransformerConfig from a `transformers.BloomConfig` (every field checked)."""
     check_fields(hf, "BLOOM", MAPPED, IGNORED)
+    if hf.slow_but_exact and hf.pretraining_tp > 1:  # transformers' split matmuls then drop biases
+        raise refuse("BLOOM", "slow_but_exact", True, f"False with pretraining_tp={hf.pretraining_tp}"
+                     " (transformers then skips the self_attention.dense and mlp.dense_4h_to_h "
+                     "biases)")
     if hf.apply_residual_connection_post_layernorm:
         raise refuse("BLOOM", "apply_residual_connection_post_layernorm", True, False)
     return TransformerConfig(
-        vocab_size=hf.vocab_size, hidden_size=hf.hidden_size, num_layers=hf.n_layer,
+        family="bloom", vocab_size=hf.vocab_size, hidden_size=hf.hidden_size, num_layers=hf.n_layer,
         num_attention_heads=hf.n_head, ffn_hidden_size=4 * hf.hidden_size,
         max_position_embeddings=getattr(hf, "seq_length", None) or 2048, position_embedding="alibi",
         embedding_layernorm=True, layernorm_epsilon=hf.layer_norm_epsilon, activation="gelu_tanh",

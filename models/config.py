@@ -2,13 +2,31 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 
 import torch
 
+from .family_rules import resolve_family
 from .recompute import resolve_recompute
 
+logger = logging.getLogger(__name__)
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# Fields that change how a model trains, not the function its weights compute. A checkpoint
+# resumes whatever their values (training/checkpoint/format.py::check_compatible), and a Hugging
+# Face export need not record them (training/checkpoint/hf.py::check_complete); every other
+# field of TransformerConfig must match, or be written back.
+TRAINING_ONLY_FIELDS = frozenset({
+    "hidden_dropout", "attention_dropout",  # regularisation while training
+    "init_method_std", "seed",  # how fresh weights are drawn
+    "recompute_granularity", "recompute_method", "recompute_num_layers",  # memory for compute
+    "params_dtype",  # storage precision (an export writes its own --dtype)
+    "make_vocab_size_divisible_by",  # padding rows, trimmed whenever weights are read whole
+    "moe_aux_loss_coeff", "moe_z_loss_coeff",  # auxiliary training losses
+    "moe_expert_capacity_factor",  # token dropping while training (HF routes dropless; logged)
+})
 
 
 @dataclass
@@ -58,6 +76,10 @@ class TransformerConfig:
     moe_shared_expert_intermediate_size: int | None = None  # a shared expert (Qwen2-MoE)
     moe_shared_expert_gate: bool = False  # sigmoid gate on the shared expert (Qwen2-MoE)
     moe_layer_freq: int = 1  # --moe-layer-freq: layer i is MoE when i % freq == 0 (Megatron)
+    # The model family (models/registry.py: its class, Hugging Face adapter and presets), recorded
+    # in every checkpoint. None: inferred from the fields above (models/family_rules.py); a
+    # named family whose rules the fields break is refused in one line naming the field.
+    family: str | None = None
 
     def __post_init__(self):
         if self.ffn_hidden_size is None:
@@ -84,6 +106,7 @@ class TransformerConfig:
             self.num_layers)
         if self.num_experts is not None:
             self._check_moe()
+        self.family = resolve_family(self)
         if self.rope_scaling is not None:
             kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
             if kind not in ("default", "linear", "llama3"):
@@ -139,7 +162,11 @@ class TransformerConfig:
         if unknown:
             raise ValueError(f"the checkpoint's model config has fields this megazoo does not know "
                              f"({', '.join(unknown)}); it was written by a newer version: upgrade")
-        return cls(**fields)
+        config = cls(**fields)
+        if "family" not in fields:  # written before the family was a field
+            logger.info("the checkpoint's model config records no family (written by an older "
+                        "megazoo); its fields make it %r", config.family)
+        return config
 
     def replace(self, **changes) -> "TransformerConfig":
         return dataclasses.replace(self, **changes)
@@ -245,30 +272,30 @@ class TransformerConfig:
                              shared_expert_size=self.moe_shared_expert_intermediate_size)
 
 
-_GPT = dict(vocab_size=50257, position_embedding="learned", activation="gelu_tanh")
+_GPT = dict(family="gpt2", vocab_size=50257, position_embedding="learned", activation="gelu_tanh")
 _MEGATRON_GPT = dict(_GPT, max_position_embeddings=2048)
-_BLOOM = dict(vocab_size=250880, position_embedding="alibi", activation="gelu_tanh",
+_BLOOM = dict(family="bloom", vocab_size=250880, position_embedding="alibi", activation="gelu_tanh",
               embedding_layernorm=True, max_position_embeddings=2048)
-_LLAMA = dict(position_embedding="rope", normalization="rmsnorm", activation="swiglu", bias=False,
+_LLAMA = dict(family="llama", position_embedding="rope", normalization="rmsnorm", activation="swiglu", bias=False,
               tie_word_embeddings=False, layernorm_epsilon=1e-5)
 _LLAMA2 = dict(_LLAMA, vocab_size=32000, max_position_embeddings=4096, rope_theta=10000.0)
 _LLAMA3 = dict(_LLAMA, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0)
 _SMOLLM2 = dict(_LLAMA, vocab_size=49152, max_position_embeddings=8192, tie_word_embeddings=True)
 _QWEN = dict(_LLAMA, vocab_size=151936, rope_theta=1000000.0, layernorm_epsilon=1e-6,
              tie_word_embeddings=True)
-_QWEN2 = dict(_QWEN, add_qkv_bias=True)
-_QWEN3 = dict(_QWEN, qk_layernorm=True, max_position_embeddings=40960)
+_QWEN2 = dict(_QWEN, family="qwen2", add_qkv_bias=True)
+_QWEN3 = dict(_QWEN, family="qwen3", qk_layernorm=True, max_position_embeddings=40960)
 
 # Mixture of experts. Mixtral (Jiang et al. 2024) and Qwen-MoE from their released config.json
 # files; aux-loss coefficients as Megatron-LM's recipes (megazoo's aux loss is Megatron's: HF's
 # router_aux_loss_coef multiplies a sum that is topk times larger). Qwen2-MoE biases q, k and v
 # (add_qkv_bias); Qwen3-MoE has Qwen3's q/k norms and head_dim 128, no shared expert.
-_MIXTRAL = dict(_LLAMA, vocab_size=32000, max_position_embeddings=32768, rope_theta=1e6,
+_MIXTRAL = dict(_LLAMA, family="mixtral", vocab_size=32000, max_position_embeddings=32768, rope_theta=1e6,
                 num_experts=8, moe_router_topk=2, moe_aux_loss_coeff=1e-2)
-_QWEN2_MOE = dict(_LLAMA, vocab_size=151936, max_position_embeddings=8192, rope_theta=1e6,
+_QWEN2_MOE = dict(_LLAMA, family="qwen2_moe", vocab_size=151936, max_position_embeddings=8192, rope_theta=1e6,
                   layernorm_epsilon=1e-6, moe_router_pre_softmax=True, moe_aux_loss_coeff=1e-3,
                   moe_shared_expert_gate=True, add_qkv_bias=True)
-_QWEN3_MOE = dict(_LLAMA, vocab_size=151936, max_position_embeddings=40960, rope_theta=1e6,
+_QWEN3_MOE = dict(_LLAMA, family="qwen3_moe", vocab_size=151936, max_position_embeddings=40960, rope_theta=1e6,
                   layernorm_epsilon=1e-6, moe_router_pre_softmax=True, moe_norm_topk_prob=True,
                   moe_aux_loss_coeff=1e-3, qk_layernorm=True)
 
@@ -344,7 +371,7 @@ PRESETS: dict[str, dict] = {
                               num_query_groups=4, kv_channels=128, ffn_hidden_size=6144,
                               num_experts=128, moe_router_topk=8, moe_ffn_hidden_size=768),
     # A small MoE for CPUs, tests and the demo: 8 experts, top-2, z-loss.
-    "moe-tiny": dict(_LLAMA, vocab_size=32000, max_position_embeddings=1024, hidden_size=128,
+    "moe-tiny": dict(_LLAMA, family="mixtral", vocab_size=32000, max_position_embeddings=1024, hidden_size=128,
                      num_layers=4, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=256,
                      num_experts=8, moe_router_topk=2, moe_aux_loss_coeff=1e-2,
                      moe_z_loss_coeff=1e-3),

@@ -13,9 +13,8 @@ from .language_model import WORD_EMBEDDINGS, TransformerLanguageModel
 
 class GPTModel(TransformerLanguageModel):
     def __init__(self, config: TransformerConfig, topo: ParallelTopology, **kwargs):
-        if config.position_embedding != "learned" or config.embedding_layernorm:
-            raise ValueError("GPTModel needs position_embedding='learned' and no embedding "
-                             "layernorm; use BloomModel for ALiBi models")
+        from .registry import require_family  # the registry imports this module
+        require_family(type(self), config)
         super().__init__(config, topo, **kwargs)
 
 
@@ -41,7 +40,7 @@ def config_from_hf(hf) -> TransformerConfig:
         raise refuse("GPT-2", "embd_pdrop", hf.embd_pdrop,
                      f"embd_pdrop = resid_pdrop = {hf.resid_pdrop}: megazoo has one hidden dropout")
     return TransformerConfig(
-        vocab_size=hf.vocab_size, hidden_size=hf.n_embd, num_layers=hf.n_layer,
+        family="gpt2", vocab_size=hf.vocab_size, hidden_size=hf.n_embd, num_layers=hf.n_layer,
         num_attention_heads=hf.n_head, ffn_hidden_size=hf.n_inner or 4 * hf.n_embd,
         max_position_embeddings=hf.n_positions, position_embedding="learned",
         layernorm_epsilon=hf.layer_norm_epsilon, activation=act[hf.activation_function],

@@ -21,13 +21,8 @@ from .rope import rope_type
 
 class LlamaModel(TransformerLanguageModel):
     def __init__(self, config: TransformerConfig, topo: ParallelTopology, **kwargs):
-        shape = (config.position_embedding, config.normalization, config.activation)
-        if shape != ("rope", "rmsnorm", "swiglu") or config.embedding_layernorm:
-            raise ValueError("LlamaModel needs position_embedding='rope', normalization='rmsnorm', "
-                             "activation='swiglu' and no embedding layernorm")
-        if type(self) is LlamaModel and (config.add_qkv_bias or config.qk_layernorm):
-            raise ValueError("a QKV bias or q/k norm makes a Qwen2/Qwen3 model: train it with "
-                             "train_qwen.py (models/qwen2.py, models/qwen3.py)")
+        from .registry import require_family  # the registry imports this module
+        require_family(type(self), config)
         super().__init__(config, topo, **kwargs)
 
 
@@ -53,12 +48,13 @@ def rope_from_hf(hf, family: str) -> tuple[float, dict | None]:
     return float(theta), (params if rope_type(params) != "default" else None)
 
 
-def llama_like_config(hf, family: str, **fields) -> TransformerConfig:
-    """The TransformerConfig shared by Llama, Qwen2 and Qwen3 (`fields` add or override)."""
+def llama_like_config(hf, label: str, **fields) -> TransformerConfig:
+    """The TransformerConfig shared by Llama, Qwen2 and Qwen3 (`label` names the HF family in
+    errors; `fields` add or override, the registry's `family` among them)."""
     if hf.hidden_act != "silu":
-        raise refuse(family, "hidden_act", hf.hidden_act, "'silu'")
+        raise refuse(label, "hidden_act", hf.hidden_act, "'silu'")
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-    theta, scaling = rope_from_hf(hf, family)
+    theta, scaling = rope_from_hf(hf, label)
     return TransformerConfig(**{**dict(
         vocab_size=hf.vocab_size, hidden_size=hf.hidden_size, num_layers=hf.num_hidden_layers,
         num_attention_heads=hf.num_attention_heads,
@@ -97,7 +93,7 @@ def config_from_hf(hf) -> TransformerConfig:
     attention_bias, mlp_bias = getattr(hf, "attention_bias", False), getattr(hf, "mlp_bias", False)
     if attention_bias != mlp_bias:
         raise refuse("Llama", "mlp_bias", mlp_bias, f"mlp_bias = attention_bias = {attention_bias}")
-    return llama_like_config(hf, "Llama", bias=bool(attention_bias))
+    return llama_like_config(hf, "Llama", family="llama", bias=bool(attention_bias))
 
 
 def hf_config(config: TransformerConfig, **extra):

@@ -32,10 +32,8 @@ IGNORED = llama.IGNORED | {"output_router_logits"}
 
 class MixtralModel(TransformerLanguageModel):
     def __init__(self, config: TransformerConfig, topo: ParallelTopology, **kwargs):
-        shape = (config.position_embedding, config.normalization, config.activation)
-        if shape != ("rope", "rmsnorm", "swiglu") or not config.num_experts:
-            raise ValueError("MixtralModel needs position_embedding='rope', normalization='rmsnorm', "
-                             "activation='swiglu' and --num-experts")
+        from .registry import require_family  # the registry imports this module
+        require_family(type(self), config)
         super().__init__(config, topo, **kwargs)
 
 
@@ -49,7 +47,7 @@ def config_from_hf(hf) -> TransformerConfig:
     check_fields(hf, "Mixtral", MAPPED, IGNORED)
     topk = hf.num_experts_per_tok
     return llama.llama_like_config(  # attention, norms, rope: as Llama
-        hf, "Mixtral", num_experts=hf.num_local_experts, moe_router_topk=topk,
+        hf, "Mixtral", family="mixtral", num_experts=hf.num_local_experts, moe_router_topk=topk,
         moe_ffn_hidden_size=hf.intermediate_size,
         moe_aux_loss_coeff=float(hf.router_aux_loss_coef or 0.0) * topk)
 
@@ -72,7 +70,6 @@ def hf_config(config: TransformerConfig, **extra):
 def _check_exportable(config: TransformerConfig) -> None:
     equivalent_router = not config.moe_router_pre_softmax or config.moe_norm_topk_prob
     problems = [what for what, bad in (
-        ("a shared expert", config.moe_shared_expert_intermediate_size),
         ("--moe-layer-freq > 1", config.moe_layer_freq != 1),
         ("biases", config.bias),
         ("softmax-then-top-k routing without renormalisation", not equivalent_router)) if bad]

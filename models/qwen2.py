@@ -2,8 +2,6 @@
 the mapping to and from Hugging Face `Qwen2ForCausalLM` tensors is Llama's (models/llama.py)."""
 from __future__ import annotations
 
-from parallel.topology import ParallelTopology
-
 from .config import TransformerConfig
 from .hf_fields import check_fields, refuse
 from .llama import (MAPPED as LLAMA_MAPPED, LlamaModel, from_hf_state_dict,  # noqa: F401
@@ -15,10 +13,7 @@ MAPPED = (LLAMA_MAPPED - {"attention_bias", "mlp_bias", "head_dim"}) | {
 
 
 class Qwen2Model(LlamaModel):
-    def __init__(self, config: TransformerConfig, topo: ParallelTopology, **kwargs):
-        if not config.add_qkv_bias or config.bias or config.qk_layernorm:
-            raise ValueError("Qwen2Model needs add_qkv_bias=True, bias=False, qk_layernorm=False")
-        super().__init__(config, topo, **kwargs)
+    """Llama blocks; models/family_rules.py says what the config holds."""
 
 
 def check_full_attention(hf, family: str) -> None:
@@ -36,7 +31,7 @@ def config_from_hf(hf) -> TransformerConfig:
     """A TransformerConfig from a `transformers.Qwen2Config` (every field checked)."""
     check_fields(hf, FAMILY, MAPPED)
     check_full_attention(hf, FAMILY)
-    return llama_like_config(hf, FAMILY, add_qkv_bias=True)
+    return llama_like_config(hf, FAMILY, family="qwen2", add_qkv_bias=True)
 
 
 def hf_config(config: TransformerConfig, **extra):

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import torch
 
-from parallel.topology import ParallelTopology
-
 from . import llama
 from .config import TransformerConfig
 from .hf_fields import check_fields, log_unrecorded_moe_settings, refuse
@@ -35,10 +33,7 @@ IGNORED = frozenset({"output_router_logits"})
 
 
 class Qwen2MoeModel(LlamaModel):
-    def __init__(self, config: TransformerConfig, topo: ParallelTopology, **kwargs):
-        if not config.num_experts or config.bias or config.qk_layernorm:
-            raise ValueError("Qwen2MoeModel needs --num-experts, bias=False, qk_layernorm=False")
-        super().__init__(config, topo, **kwargs)
+    """Llama blocks; models/family_rules.py says what the config holds."""
 
 
 def moe_config_fields(hf, family: str) -> dict:
@@ -92,7 +87,7 @@ def config_from_hf(hf) -> TransformerConfig:
     if not hf.shared_expert_intermediate_size:
         raise refuse(FAMILY, "shared_expert_intermediate_size", hf.shared_expert_intermediate_size,
                      ">= 1")
-    return llama_like_config(hf, FAMILY, add_qkv_bias=bool(hf.qkv_bias),
+    return llama_like_config(hf, FAMILY, family="qwen2_moe", add_qkv_bias=bool(hf.qkv_bias),
                              moe_shared_expert_intermediate_size=hf.shared_expert_intermediate_size,
                              moe_shared_expert_gate=True, **moe_config_fields(hf, FAMILY))
 

@@ -3,8 +3,6 @@ embedding), no QKV bias and an explicit head_dim (hidden_size need not equal hea
 the mapping to and from Hugging Face `Qwen3ForCausalLM` tensors is Llama's (models/llama.py)."""
 from __future__ import annotations
 
-from parallel.topology import ParallelTopology
-
 from .config import TransformerConfig
 from .hf_fields import check_fields, refuse
 from .llama import (MAPPED as LLAMA_MAPPED, LlamaModel, from_hf_state_dict,  # noqa: F401
@@ -17,10 +15,7 @@ MAPPED = (LLAMA_MAPPED - {"mlp_bias"}) | {
 
 
 class Qwen3Model(LlamaModel):
-    def __init__(self, config: TransformerConfig, topo: ParallelTopology, **kwargs):
-        if not config.qk_layernorm or config.bias or config.add_qkv_bias:
-            raise ValueError("Qwen3Model needs qk_layernorm=True, bias=False, add_qkv_bias=False")
-        super().__init__(config, topo, **kwargs)
+    """Llama blocks; models/family_rules.py says what the config holds."""
 
 
 def config_from_hf(hf) -> TransformerConfig:
@@ -29,7 +24,7 @@ def config_from_hf(hf) -> TransformerConfig:
     check_full_attention(hf, FAMILY)
     if hf.attention_bias:  # q, k, v and o biased, the MLP not: megazoo has no o-only bias
         raise refuse(FAMILY, "attention_bias", hf.attention_bias, False)
-    return llama_like_config(hf, FAMILY, qk_layernorm=True)
+    return llama_like_config(hf, FAMILY, family="qwen3", qk_layernorm=True)
 
 
 def hf_config(config: TransformerConfig, **extra):

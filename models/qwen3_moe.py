@@ -6,8 +6,6 @@ tensor mapping to and from Hugging Face `Qwen3MoeForCausalLM` are Qwen2-MoE's
 """
 from __future__ import annotations
 
-from parallel.topology import ParallelTopology
-
 from .config import TransformerConfig
 from .hf_fields import check_fields, refuse
 from .llama import MAPPED as LLAMA_MAPPED, LlamaModel, llama_like_config, llama_like_hf_fields
@@ -23,11 +21,7 @@ IGNORED = QWEN2_MOE_IGNORED | {"max_window_layers"}
 
 
 class Qwen3MoeModel(LlamaModel):
-    def __init__(self, config: TransformerConfig, topo: ParallelTopology, **kwargs):
-        if not config.num_experts or not config.qk_layernorm or config.bias or config.add_qkv_bias:
-            raise ValueError("Qwen3MoeModel needs --num-experts, qk_layernorm=True, bias=False, "
-                             "add_qkv_bias=False")
-        super().__init__(config, topo, **kwargs)
+    """Llama blocks; models/family_rules.py says what the config holds."""
 
 
 def config_from_hf(hf) -> TransformerConfig:
@@ -35,7 +29,8 @@ def config_from_hf(hf) -> TransformerConfig:
     check_fields(hf, FAMILY, MAPPED, IGNORED)
     if hf.attention_bias:  # q, k, v and o biased, the MLP not: megazoo has no o-only bias
         raise refuse(FAMILY, "attention_bias", hf.attention_bias, False)
-    return llama_like_config(hf, FAMILY, qk_layernorm=True, **moe_config_fields(hf, FAMILY))
+    return llama_like_config(hf, FAMILY, family="qwen3_moe", qk_layernorm=True,
+                             **moe_config_fields(hf, FAMILY))
 
 
 def hf_config(config: TransformerConfig, **extra):

@@ -136,7 +136,7 @@ def test_released_config_files_are_accepted(tmp_path):
 
 
 def _worker(rank, cases):
-    from models.hf import family, model_class
+    from models.registry import build_model
     from parallel.sharding import full_tensor, load_full_state_dict
     from parallel.topology import ParallelConfig, ParallelTopology
     from tests.test_convert import check_against_hf
@@ -154,7 +154,7 @@ def _worker(rank, cases):
     grads = {}
     for tp, sp in ((1, False), (2, False), (4, True)):
         topo = ParallelTopology.from_config(ParallelConfig(tp=tp, sequence_parallel=sp))
-        model = model_class(family(case["family"]))(case["config"], topo)
+        model = build_model(case["config"], topo)
         load_full_state_dict(model, case["full"], topo)
         model(ids, labels=labels).mean().backward()
         grads[tp] = {n: full_tensor(p, topo, p.grad) for n, p in model.named_parameters()}

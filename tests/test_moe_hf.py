@@ -103,8 +103,10 @@ def test_greedy_generation_matches_transformers():
 
 def test_export_refuses_what_mixtral_cannot_express():
     cfg = mixtral.config_from_hf(hf_mixtral().config)
-    with pytest.raises(ValueError, match="HF Mixtral cannot express a shared expert"):
-        mixtral.hf_config(cfg.replace(moe_shared_expert_intermediate_size=16))
+    with pytest.raises(ValueError, match="family 'mixtral' needs moe_shared_expert_intermediate_size"):
+        cfg.replace(moe_shared_expert_intermediate_size=16)  # a shared expert: Qwen2-MoE's
+    with pytest.raises(ValueError, match="HF Mixtral cannot express --moe-layer-freq > 1"):
+        mixtral.hf_config(cfg.replace(moe_layer_freq=2))
     from transformers import MixtralConfig
     with pytest.raises(ValueError, match="router_jitter_noise=0.1 is not supported"):
         mixtral.config_from_hf(MixtralConfig(router_jitter_noise=0.1))

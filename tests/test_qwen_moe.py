@@ -92,7 +92,7 @@ def _world(rank, cases):
 def test_round_trip_and_logits_and_generation_under_tp_pp_ep(tmp_path):
     from safetensors.torch import load_file
 
-    from models.hf import family, model_class
+    from models.registry import family, model_class
     from parallel.topology import ParallelTopology
     ids = torch.randint(0, VOCAB, (2, 17), generator=torch.Generator().manual_seed(1))
     cases, models = round_trip_cases(SUPPORTED, tmp_path, ids, ids[:, :5])
@@ -103,13 +103,13 @@ def test_round_trip_and_logits_and_generation_under_tp_pp_ep(tmp_path):
         for k in files:
             assert torch.equal(exported[k], files[k]), (case["name"], k)
         # transformers 5's in-memory form (fused gate_up_proj) imports the same tensors
-        from_memory = family(case["family"]).from_hf_state_dict(hf.state_dict(), case["config"])
+        from_memory = family(case["family"]).adapter.from_hf_state_dict(hf.state_dict(), case["config"])
         assert from_memory.keys() == case["full"].keys()
         for k, v in from_memory.items():
             assert torch.equal(v, case["full"][k]), (case["name"], k)
         assert sum(p.numel() for p in hf.parameters()) == case["config"].num_parameters()
         check_against_hf(case, ParallelTopology.single(), NEW_TOKENS)  # tp1: logits and greedy
-    assert model_class(family("qwen2_moe")).__name__ == "Qwen2MoeModel"
+    assert [model_class(c["config"]).__name__ for c in cases] == ["Qwen2MoeModel", "Qwen3MoeModel"]
     results = run_distributed(_world, 4, cases, timeout=500)
     print("max |logits - transformers| over ranks and layouts:", max(e for e, _ in results))
     assert max(e for e, _ in results) <= 1e-5

@@ -1,6 +1,6 @@
 """Convert between Hugging Face folders and megazoo checkpoints (any tp, pp, vpp).
 
-Families: GPT-2, BLOOM, Llama, Mixtral (models/hf.py). An imported MoE checkpoint loads under any
+Families: GPT-2, BLOOM, Llama, Qwen2, Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE (models/registry.py). An imported MoE checkpoint loads under any
 --expert-model-parallel-size.
 
     python tools/convert_hf.py import --hf-dir gpt2_folder --save ckpt/gpt2 \

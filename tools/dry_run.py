@@ -20,27 +20,21 @@ The dry run of one rank is `training/run/dry_run.py`; docs/planner.md has the pu
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from models.hf import FAMILIES, model_class  # noqa: E402
+from models.registry import FAMILIES, build_model  # noqa: E402
 from parallel.layout import Grid  # noqa: E402
 from training.config.flags import ArgumentError, build_parser, to_run_config  # noqa: E402
 from training.run.dry_run import RankReport, dry_run_rank, safetensors_bytes  # noqa: E402,F401
 
-FAMILY_BY_POSITIONS = {"learned": "gpt2", "alibi": "bloom", "rope": "llama"}
-
-
-def model_provider(run, arch: str | None):
-    """The model class the training script of this architecture builds."""
-    name = arch or FAMILY_BY_POSITIONS[run.model.position_embedding]
-    cls = model_class(FAMILIES[name])
-
-    def provide(config, topo, **kwargs):
-        return cls(config, topo, **kwargs)
-    return provide
+def model_provider(run, arch: str | None = None):
+    """What the training scripts build: the registry's model of the config's family (`--arch`
+    is applied to the config by `parse`, so `arch` is only the caller's record of it)."""
+    return build_model
 
 
 def chosen_ranks(spec: str, grid: Grid) -> list[int]:
@@ -147,7 +141,7 @@ def parse(argv=None):
                    help="all | positions (one per (pp, tp)) | stages (one per pipeline stage) | "
                         "a list of ranks, 'first', 'last'")
     g.add_argument("--arch", choices=sorted(FAMILIES),
-                   help="model family (default: from the position embedding)")
+                   help="model family (default: the preset's, or the one the model flags make)")
     g.add_argument("--step-microbatches", type=int,
                    help="microbatches through the engine (default: the fewest that reach the "
                         "schedule's activation peak on the rank)")
@@ -157,7 +151,10 @@ def parse(argv=None):
         args = p.parse_args(argv)
         if args.world_size < 1:
             raise ArgumentError(f"--world-size must be >= 1, got {args.world_size}")
-        return args, to_run_config(args, world_size=args.world_size)
+        run = to_run_config(args, world_size=args.world_size)
+        if args.arch is not None:  # refused in one line when the model flags do not fit it
+            run = dataclasses.replace(run, model=run.model.replace(family=args.arch))
+        return args, run
     except ValueError as e:  # ArgumentError, LayoutError: one line, as the training scripts
         _fail(str(e))
 

@@ -17,8 +17,6 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from models.config import TransformerConfig  # noqa: E402
-from models.hf import FAMILIES, model_class  # noqa: E402
-from models.language_model import TransformerLanguageModel  # noqa: E402
 from parallel.zero.config import OptimizerConfig  # noqa: E402
 from training.checkpoint import format as ckpt  # noqa: E402
 from parallel.layout import virtual_stages  # noqa: E402
@@ -33,10 +31,8 @@ def reshard(load: str, save: str, *, tp: int, pp: int, vpp: int = 1, dp: int = 1
     vpp = virtual_stages(config.num_layers, pp, layers_per_virtual_stage) \
         if layers_per_virtual_stage else vpp
     OptimizerConfig(zero_stage=zero_stage).validate(pp)  # e.g. ZeRO-3 does not compose with pp > 1
-    family = meta.get("family")
-    cls = model_class(FAMILIES[family]) if family in FAMILIES else TransformerLanguageModel
     full = read_full_state(folder)
-    return write_layout(full, save, model_cls=cls, config=config, tp=tp, pp=pp, vpp=vpp, dp=dp,
+    return write_layout(full, save, config=config, tp=tp, pp=pp, vpp=vpp, dp=dp,
                         zero_stage=zero_stage, iteration=meta["iteration"], meta=meta,
                         weights_only=bool(meta.get("weights_only")), ep=ep)
 

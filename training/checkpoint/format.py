@@ -32,7 +32,7 @@ from safetensors import SafetensorError
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from models.config import TransformerConfig
+from models.config import TRAINING_ONLY_FIELDS, TransformerConfig
 from parallel.topology import default_device
 
 from training.checkpoint import integrity
@@ -379,21 +379,17 @@ def require_verified(folder: str) -> str:
 
 def check_compatible(meta: dict, *, model: dict, folder: str) -> None:
     """Refuse checkpoints of another model, naming the difference (a layout may differ:
-    `training/checkpoint/reshard.py` maps any layout onto any other)."""
-    saved_model = meta.get("model", {})
-    # A field an older checkpoint lacks had its default then (it was added later with that value).
-    defaults = {f.name: f.default for f in dataclasses.fields(TransformerConfig)}
-    diffs = [k for k in ("vocab_size", "hidden_size", "num_layers", "num_attention_heads",
-                         "ffn_hidden_size", "position_embedding", "embedding_layernorm",
-                         "num_query_groups", "normalization", "activation", "rope_theta",
-                         "rope_scaling", "tie_word_embeddings", "bias", "kv_channels", "add_qkv_bias",
-                         "qk_layernorm", "scale_attn_weights", "scale_attn_by_inverse_layer_idx",
-                         "num_experts", "moe_router_topk", "moe_ffn_hidden_size",
-                         "moe_router_pre_softmax", "moe_norm_topk_prob",
-                         "moe_shared_expert_intermediate_size", "moe_shared_expert_gate",
-                         "moe_layer_freq")
-             if saved_model.get(k, defaults[k]) != model.get(k, defaults[k])]
+    `training/checkpoint/reshard.py` maps any layout onto any other). Every model field counts
+    but the training-only ones (models/config.py::TRAINING_ONLY_FIELDS); a field an older
+    checkpoint lacks had its default then (it was added later with that value), and an older
+    checkpoint's family is the one its fields make."""
+    try:
+        saved = dataclasses.asdict(TransformerConfig.from_saved(meta.get("model", {})))
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{folder}/meta.json: {e}") from None
+    diffs = [f.name for f in dataclasses.fields(TransformerConfig)
+             if f.name not in TRAINING_ONLY_FIELDS and saved[f.name] != model.get(f.name, saved[f.name])]
     if diffs:
         k = diffs[0]
-        raise CheckpointError(f"{folder} holds another model: {k}={saved_model.get(k)!r} there, "
+        raise CheckpointError(f"{folder} holds another model: {k}={saved[k]!r} there, "
                               f"{model.get(k)!r} here; pass matching model flags or another --load")

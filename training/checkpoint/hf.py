@@ -16,6 +16,7 @@ ids travel in the checkpoint's `tokenizer/` folder (training/checkpoint/tokenize
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -25,8 +26,9 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from models.config import TransformerConfig
-from models.hf import family, model_class
+from models.config import TRAINING_ONLY_FIELDS, TransformerConfig
+from models.language_model import WORD_EMBEDDINGS
+from models.registry import build_model, family
 from parallel.layout import ParallelConfig, virtual_stages
 
 from training.checkpoint import format as ckpt
@@ -52,11 +54,16 @@ def read_hf_config(folder: str):
     from transformers import AutoConfig
     try:
         model_type = json.load(open(path)).get("model_type")
-        module = family(model_type, path)
+    except (json.JSONDecodeError, OSError) as e:
+        raise ConversionError(f"{path}: unreadable config ({e})") from None
+    try:
+        module = family(model_type, path).adapter
+    except ValueError as e:
+        raise ConversionError(str(e)) from None
+    try:
         return model_type, module, AutoConfig.from_pretrained(folder, local_files_only=True)
-    except (ValueError, json.JSONDecodeError, OSError) as e:
-        raise ConversionError(str(e) if isinstance(e, ValueError) and "model_type" in str(e)
-                              else f"{path}: unreadable config ({e})") from None
+    except (ValueError, OSError) as e:
+        raise ConversionError(f"{path}: unreadable config ({e})") from None
 
 
 def _weight_files(folder: str) -> list[str]:
@@ -100,13 +107,48 @@ def hf_to_full(folder: str, parsed: tuple | None = None) -> tuple[str, Transform
     sd = read_hf_weights(folder)
     try:
         full = module.from_hf_state_dict(sd, config)
+        if config.tie_word_embeddings and "lm_head.weight" in sd and \
+                not torch.equal(sd["lm_head.weight"], full[WORD_EMBEDDINGS]):
+            # transformers 5 unties such a model rather than drop the trained head; so do we
+            logger.info("%s: config.json ties the embeddings but the weights hold a different "
+                        "lm_head.weight; importing it untied (as transformers does)", folder)
+            config = config.replace(tie_word_embeddings=False)
+            full = module.from_hf_state_dict(sd, config)
     except KeyError as e:
         raise ConversionError(f"{folder}: the weights lack {e}; they do not match config.json "
                               f"({model_type}) or are incomplete") from None
+    check_all_used(sd, full, module.to_hf_state_dict(full, config), f"{folder} ({model_type})")
     dtype = str(getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None) or "float32")
-    meta = dict(family=model_type, consumed_samples=0, skipped_steps=0,
+    meta = dict(consumed_samples=0, skipped_steps=0,
                 hf_config={**hf_token_record(folder, hf), "dtype": dtype.removeprefix("torch.")})
     return model_type, config, FullState(meta, {k: v.float() for k, v in full.items()})
+
+
+# Buffers some HF weight files carry that are no parameters (rotary frequencies, GPT-2's causal
+# masks): recomputed by every model, never imported.
+_BUFFERS = (".rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")
+
+
+def _bare(name: str) -> str:
+    """An HF tensor name without the base model's prefix (files are written with or without it)."""
+    return name.removeprefix("model.").removeprefix("transformer.")
+
+
+def check_all_used(sd: dict, full: dict, written: dict, where: str) -> None:
+    """Refuse weights that hold more than config.json describes (a Llama config.json over Qwen2
+    weights: the q/k/v biases would be dropped), naming the unused tensors. `written` is `full`
+    mapped back to HF names; a tensor form other than the file one (transformers 5's fused
+    experts) holds the same elements, so the element counts decide and the names explain."""
+    params = {k: v for k, v in sd.items() if not k.endswith(_BUFFERS)}
+    if "lm_head.weight" in params and "lm_head.weight" not in written:  # a tied copy, compared
+        del params["lm_head.weight"]
+    if sum(v.numel() for v in params.values()) > sum(v.numel() for v in full.values()):
+        known = {_bare(w) for w in written}
+        unused = sorted(k for k in params if _bare(k) not in known)
+        raise ConversionError(f"{where}: the weights hold {len(unused)} tensor(s) config.json "
+                              f"has no place for ({', '.join(unused[:4])}"
+                              f"{', ...' if len(unused) > 4 else ''}); they belong to another "
+                              f"model type: fix config.json")
 
 
 def import_hf(folder: str, save: str, *, tp: int = 1, pp: int = 1, vpp: int = 1,
@@ -123,8 +165,7 @@ def import_hf(folder: str, save: str, *, tp: int = 1, pp: int = 1, vpp: int = 1,
     model_type, config, full = hf_to_full(folder, parsed)
     if make_vocab_size_divisible_by:
         config = config.replace(make_vocab_size_divisible_by=make_vocab_size_divisible_by)
-    module = family(model_type)
-    out = write_layout(full, save, model_cls=model_class(module), config=config, tp=tp, pp=pp,
+    out = write_layout(full, save, config=config, tp=tp, pp=pp,
                        vpp=vpp, weights_only=True)
     copied = copy_tokenizer(folder, checkpoint_tokenizer_dir(save))
     record = {k: v for k, v in full.meta["hf_config"].items() if k != "dtype"}
@@ -135,22 +176,18 @@ def import_hf(folder: str, save: str, *, tp: int = 1, pp: int = 1, vpp: int = 1,
     return out
 
 
-def checkpoint_config(folder: str) -> tuple[dict, TransformerConfig, object]:
-    """(meta, config, family module) of a checkpoint folder, with clear errors."""
+def checkpoint_config(folder: str) -> tuple[dict, TransformerConfig]:
+    """(meta, config) of a checkpoint folder, with clear errors."""
     meta = ckpt.read_meta(folder)
     if "model" not in meta:
         raise ckpt.CheckpointError(f"{folder}/meta.json records no model; not a megazoo checkpoint")
-    name = meta.get("family")
-    if name is None:
-        raise ckpt.CheckpointError(f"{folder}/meta.json records no model family (a plain "
-                                   f"TransformerLanguageModel); it has no Hugging Face form")
-    return meta, TransformerConfig.from_saved(meta["model"]), family(name, f"{folder}/meta.json")
+    return meta, TransformerConfig.from_saved(meta["model"])
 
 
 def load_model_chunks(folder: str, topo) -> tuple[TransformerConfig, list]:
     """This rank's model chunks for `topo` (eval mode), with a checkpoint's weights of any layout."""
-    _, config, module = checkpoint_config(folder)
-    chunks = [model_class(module)(config, topo, **spec.kwargs()).eval()
+    _, config = checkpoint_config(folder)
+    chunks = [build_model(config, topo, **spec.kwargs()).eval()
               for spec in topo.config.chunk_specs(config.num_layers, topo.pp_rank)]
     load_weights(folder, chunks, topo)
     return config, chunks
@@ -165,6 +202,44 @@ def _valid_ids(value, vocab_size: int):
     return ids if isinstance(value, list) else ids[0]
 
 
+def computed_fields(config: TransformerConfig) -> dict:
+    """The fields that decide what a model's weights compute, one spelling per function: the
+    training-only fields left out, and settings that cannot matter for this config dropped."""
+    fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
+              if f.name not in TRAINING_ONLY_FIELDS}
+    # a softmax over the top-k logits is the renormalised top-k of the softmax
+    fields["moe_router_pre_softmax"] = config.moe_router_pre_softmax and not config.moe_norm_topk_prob
+    del fields["moe_norm_topk_prob"]
+    if config.num_experts and all(config.is_moe_layer(i) for i in range(config.num_layers)):
+        del fields["ffn_hidden_size"]  # no dense MLP is left
+    if config.position_embedding != "rope":
+        del fields["rope_theta"], fields["rope_scaling"]
+    return fields
+
+
+def check_complete(adapter, config: TransformerConfig, hf, weights: dict, sd: dict,
+                   where: str) -> None:
+    """Refuse an export that would lose part of the model: the HF config must read back as the
+    same model (`computed_fields`) and the HF tensors must map back onto every megazoo tensor
+    (`weights`: megazoo's full tensors, `sd`: the HF ones made of them). One line naming the
+    field or the tensors."""
+    back = adapter.config_from_hf(hf)
+    want, got = computed_fields(config), computed_fields(back)
+    for name in want:
+        if got.get(name) != want[name]:
+            raise ConversionError(f"{where}: HF {type(hf).__name__} cannot record {name}="
+                                  f"{want[name]!r} (it reads back {got.get(name)!r}); export "
+                                  f"another family")
+    try:
+        lost = sorted(set(weights) - set(adapter.from_hf_state_dict(sd, back)))
+    except KeyError as e:
+        raise ConversionError(f"{where}: the HF tensors lack {e}; the adapter would write an "
+                              f"incomplete model") from None
+    if lost:
+        raise ConversionError(f"{where}: HF {type(hf).__name__} has no place for {len(lost)} "
+                              f"tensor(s) ({', '.join(lost[:4])}{', ...' if len(lost) > 4 else ''})")
+
+
 def export_hf(load: str, save: str, *, tokenizer_dir: str | None = None,
               dtype: str | None = None) -> str:
     """Write a checkpoint (`--load` root or an iter_* folder) as a Hugging Face folder, in the
@@ -172,10 +247,16 @@ def export_hf(load: str, save: str, *, tokenizer_dir: str | None = None,
     if dtype is not None and dtype not in _DTYPES:
         raise ConversionError(f"--dtype {dtype!r} is not supported; choose one of {_DTYPES}")
     folder = ckpt.require_verified(ckpt.resolve(load))
-    meta, config, module = checkpoint_config(folder)
+    meta, config = checkpoint_config(folder)
+    try:
+        module = family(config.family, f"{folder}/meta.json").adapter
+    except ValueError as e:
+        raise ConversionError(f"{e}: it has no Hugging Face form") from None
     full = read_full_state(folder)  # the fp32 masters when present: the copy a resume continues
-    sd = module.to_hf_state_dict({**full.weights, **full.master}, config)
+    weights = {**full.weights, **full.master}
     hf = module.hf_config(config)
+    sd = module.to_hf_state_dict(weights, config)
+    check_complete(module, config, hf, weights, sd, f"{folder} as {config.family}")
     # the model's special tokens, recorded at import and carried by the tokenizer folder
     recorded = {**(meta.get("hf_config") or {}), **read_record(checkpoint_tokenizer_dir(folder))}
     for k in TOKEN_IDS:  # ids outside the vocabulary are dropped

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import torch
 from safetensors import SafetensorError
 
+from models.registry import build_model
 from parallel.layout import Grid
 from parallel.param_spec import spec_of
 from parallel.pipeline.partition import chunk_prefix
@@ -311,7 +312,7 @@ def load_into(full: FullState, chunks, opt, topo, *, weights_only: bool, folder:
     opt.load_state_dict(sd)  # writes the model weights from the masters and all-gathers them
 
 
-def build_rank_chunks(model_cls, config, *, tp: int, pp: int, vpp: int, dp: int, rank: int,
+def build_rank_chunks(config, *, tp: int, pp: int, vpp: int, dp: int, rank: int,
                       ep: int = 1):
     """One rank's model chunks, built on the CPU without process groups (to learn their names,
     shapes, TP slicing and experts)."""
@@ -319,10 +320,10 @@ def build_rank_chunks(model_cls, config, *, tp: int, pp: int, vpp: int, dp: int,
                             world_size=tp * pp * dp, dp=dp)
     topo.group_ranks = topo.grid.groups_of(rank)
     specs = topo.config.chunk_specs(config.num_layers, topo.pp_rank)
-    return topo, [model_cls(config, topo, **spec.kwargs()) for spec in specs]
+    return topo, [build_model(config, topo, **spec.kwargs()) for spec in specs]
 
 
-def write_layout(full: FullState, root: str, *, model_cls, config, tp: int, pp: int, vpp: int = 1,
+def write_layout(full: FullState, root: str, *, config, tp: int, pp: int, vpp: int = 1,
                  dp: int = 1, zero_stage: int = 0, iteration: int = 0, meta: dict | None = None,
                  weights_only: bool = False, ep: int = 1) -> str:
     """Write `full` as a checkpoint for the target layout, one file per target rank.
@@ -339,8 +340,7 @@ def write_layout(full: FullState, root: str, *, model_cls, config, tp: int, pp: 
     with_optim = bool(full.optim) and not weights_only
     tmp = ckpt.begin_offline(root, iteration)
     for rank in range(world):
-        topo, chunks = build_rank_chunks(model_cls, config, tp=tp, pp=pp, vpp=vpp, dp=dp, rank=rank,
-                                         ep=ep)
+        topo, chunks = build_rank_chunks(config, tp=tp, pp=pp, vpp=vpp, dp=dp, rank=rank, ep=ep)
         rows = param_table(chunks)
         named = [p for chunk in chunks for _, p in chunk.named_parameters() if p.requires_grad]
         tensors = {PARAMS: ckpt.json_tensor(rows)}
@@ -372,8 +372,10 @@ def write_layout(full: FullState, root: str, *, model_cls, config, tp: int, pp: 
             tensors.update({f"optim.{k}": v for k, v in full.scalars.items()})
         ckpt.write_rank_file(tmp, rank, tensors)
         del chunks
+    # (older checkpoints' top-level "family" was the class that wrote them: the model config's
+    # family field replaces it)
     base = {k: v for k, v in (meta or full.meta).items()
-            if k not in ("layout", "model", "iteration", "world_size", "files")}
+            if k not in ("layout", "model", "iteration", "world_size", "files", "family")}
     base.update(model=dataclasses.asdict(config), layout=dict(
         tp=tp, pp=pp, dp=dp, vpp=vpp, world_size=world, zero_stage=zero_stage,
         **({"ep": ep} if ep != 1 else {})))

@@ -2,7 +2,7 @@
 
 Per rank: the model chunks' parameters (this rank's shards), the optimizer's state dict (its
 ZeRO shards, loss scaler, step counters) and the RNG streams; in the metadata: the iteration,
-the consumed-samples count (the data position), the layout, the model configuration and family.
+the consumed-samples count (the data position), the layout, the model configuration (its family among the fields).
 Each rank file also holds its parameter table, so any other layout can read it (reshard.py).
 """
 from __future__ import annotations
@@ -12,8 +12,6 @@ import logging
 from dataclasses import dataclass
 
 import torch
-
-from models.hf import family_of
 
 from training.checkpoint import format as ckpt
 from training.checkpoint import reshard
@@ -57,7 +55,7 @@ def rank_tensors(chunks, opt, rng, zero_stage: int) -> dict[str, torch.Tensor]:
 def save(run: RunConfig, topo, chunks, opt, rng, state: TrainState) -> str:
     meta = dict(consumed_samples=state.consumed_samples, skipped_steps=state.skipped_steps,
                 model=dataclasses.asdict(run.model), layout=layout_of(run, topo),
-                seq_length=run.data.seq_length, seed=run.seed, family=family_of(chunks[0]))
+                seq_length=run.data.seq_length, seed=run.seed)
     root = run.checkpoint.save
     folder = ckpt.save_checkpoint(root, state.iteration, topo.rank, topo.world_size,
                                   rank_tensors(chunks, opt, rng, run.optimizer.zero_stage), meta,
@@ -116,15 +114,16 @@ def load(run: RunConfig, topo, chunks, opt, rng) -> TrainState:
 def _read(run: RunConfig, topo, chunks, opt, folder: str):
     """(meta, what to load) of one checkpoint, every tensor read verified; nothing applied."""
     meta = ckpt.read_meta(folder)
-    ckpt.check_compatible(meta, model=dataclasses.asdict(run.model), folder=folder)
     finetune = run.checkpoint.finetune
     weights_only = finetune or not run.checkpoint.load_optim  # --no-load-optim keeps the progress
     saved_seq = meta.get("seq_length")
     if not finetune and saved_seq is not None and saved_seq != run.data.seq_length:
+        # (before the model check: a shorter --seq-length often comes with fewer positions)
         raise ckpt.CheckpointError(
             f"--seq-length {run.data.seq_length} differs from {saved_seq} in {folder}: the saved "
             f"data position counts {saved_seq}-token samples; pass --seq-length {saved_seq}, or "
             f"--finetune to start a new data stream from these weights")
+    ckpt.check_compatible(meta, model=dataclasses.asdict(run.model), folder=folder)
     same_layout = meta.get("layout") == layout_of(run, topo)
     tensors = ckpt.load_rank_tensors(folder, topo.rank) if same_layout else {}
     if same_layout and not weights_only and _same_buckets(tensors, opt):

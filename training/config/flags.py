@@ -6,6 +6,7 @@ Inconsistent values fail before any process group or weight exists, with one cle
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import sys
@@ -14,7 +15,7 @@ from data.blended import check_blend
 from models.config import PRESETS, TransformerConfig, preset
 from parallel.context_parallel import check_attention
 from parallel.layout import LayoutError, ParallelConfig, microbatches_per_step, virtual_stages
-from parallel.zero.config import LossScaleConfig, OptimizerConfig
+from parallel.zero.config import PRECISIONS, LossScaleConfig, OptimizerConfig
 
 from training.config.errors import ArgumentError
 from training.config.flag_help import HelpFormatter, apply_help
@@ -22,6 +23,9 @@ from training.config.megatron_compat import (add_megatron_compat_flags, check_mo
                                              samples_to_iterations, stage_layers, translate, vocab_multiple)
 from training.config.run_config import (CheckpointConfig, DataConfig, HealthConfig, LoggingConfig, RunConfig,
                                         ScheduleConfig)
+
+
+PRECISION_OF_DTYPE = {dtype: name for name, dtype in PRECISIONS.items()}  # torch.bfloat16 -> "bf16"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -232,14 +236,11 @@ def to_run_config(args: argparse.Namespace, vocab_size: int | None = None,
     validate_values(args)
     world = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
     compat = resolve_megatron_compat(args, eod_token)
-    overrides = {k: v for k, v in dict(
-        num_layers=args.num_layers, hidden_size=args.hidden_size,
-        num_attention_heads=args.num_attention_heads, ffn_hidden_size=args.ffn_hidden_size,
-        max_position_embeddings=args.max_position_embeddings,
-        make_vocab_size_divisible_by=vocab_multiple(args),
+    # Model flags named as their TransformerConfig field pass through; these carry Megatron's
+    # names or values. A flag not given (None) leaves the preset's value (or the default).
+    renamed = dict(
+        vocab_size=vocab_size or args.vocab_size, make_vocab_size_divisible_by=vocab_multiple(args),
         embedding_layernorm=True if args.embed_layernorm else None,
-        hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
-        init_method_std=args.init_method_std, vocab_size=vocab_size or args.vocab_size,
         position_embedding={"learned_absolute": "learned"}.get(args.position_embedding_type,
                                                                args.position_embedding_type),
         rope_theta=args.rotary_base, layernorm_epsilon=args.norm_epsilon,
@@ -248,19 +249,12 @@ def to_run_config(args: argparse.Namespace, vocab_size: int | None = None,
         num_query_groups=args.num_query_groups if args.group_query_attention or args.num_query_groups
         else None,
         tie_word_embeddings=False if args.untie_embeddings_and_output_weights else None,
-        bias=False if args.disable_bias_linear else None, kv_channels=args.kv_channels,
-        add_qkv_bias=args.add_qkv_bias, qk_layernorm=args.qk_layernorm,
-        num_experts=args.num_experts, moe_router_topk=args.moe_router_topk,
-        moe_ffn_hidden_size=args.moe_ffn_hidden_size, moe_router_pre_softmax=args.moe_router_pre_softmax,
-        moe_aux_loss_coeff=args.moe_aux_loss_coeff, moe_z_loss_coeff=args.moe_z_loss_coeff,
-        moe_expert_capacity_factor=args.moe_expert_capacity_factor,
-        moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
-        moe_layer_freq=args.moe_layer_freq).items()
-        if v is not None}
-    overrides.update(seed=args.seed, recompute_granularity=args.recompute_granularity,
-                     recompute_method=args.recompute_method,
-                     recompute_num_layers=args.recompute_num_layers,
-                     params_dtype="bfloat16" if args.bf16 else "float16" if args.fp16 else "float32")
+        bias=False if args.disable_bias_linear else None,
+        # the weights' dtype: the model config holds it, the optimizer's precision follows it
+        params_dtype="bfloat16" if args.bf16 else "float16" if args.fp16 else None)
+    same = {f.name: getattr(args, f.name) for f in dataclasses.fields(TransformerConfig)
+            if f.name not in renamed and hasattr(args, f.name)}
+    overrides = {k: v for k, v in {**same, **renamed}.items() if v is not None}
     if args.model:
         model = preset(args.model, **overrides)
     else:
@@ -316,7 +310,7 @@ def to_run_config(args: argparse.Namespace, vocab_size: int | None = None,
     optimizer = OptimizerConfig(
         zero_stage=compat.zero_stage, optimizer=args.optimizer, lr=args.lr,
         betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps, weight_decay=args.weight_decay,
-        clip_grad=args.clip_grad, precision="bf16" if args.bf16 else "fp16" if args.fp16 else "fp32",
+        clip_grad=args.clip_grad, precision=PRECISION_OF_DTYPE[model.dtype],
         loss_scale=LossScaleConfig(initial_scale=args.initial_loss_scale,
                                    growth_interval=args.loss_scale_window,
                                    hysteresis=args.hysteresis, min_scale=args.min_loss_scale,

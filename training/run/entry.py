@@ -16,6 +16,8 @@ import torch.distributed as dist
 from data.indexed import IndexedDatasetError
 from data.token_stats import VocabularyMismatch
 from data.tokenizers import TokenizerError
+from models.family_rules import MOE_FAMILIES
+from models.registry import build_model, family
 from parallel.topology import LayoutError
 
 from training.config.flags import ArgumentError, build_parser, to_run_config
@@ -56,16 +58,35 @@ def _fail(message: str, code: int, every_rank: bool = False):
     sys.exit(code)
 
 
-def main(model_provider, default_model: str, argv=None):
+def check_script_family(run_family: str | None, default_family: str) -> None:
+    """A training script trains models of its kind: an MoE script MoE families, a dense one dense
+    families; a config no family describes is refused (it could not be exported or resumed by
+    family)."""
+    if run_family is None:
+        raise ArgumentError("the model flags describe no registered family (models/family_rules.py);"
+                            " give a preset with --model or flags of one family")
+    moe = default_family in MOE_FAMILIES
+    if (run_family in MOE_FAMILIES) != moe:
+        script = os.path.basename(sys.argv[0]) or "this script"
+        raise ArgumentError(f"{script} trains {'mixture-of-experts' if moe else 'dense'} families; "
+                            f"the model is family {run_family!r}: "
+                            + ("give --num-experts or an MoE preset (--model moe-tiny)" if moe
+                               else "train it with train_moe.py"))
+
+
+def main(default_family: str, argv=None):
+    """Run the training script of `default_family` (models/registry.py): its default preset
+    unless --model names another; every chunk is built by the registry from the config's family."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
     if _rank() != 0:
         logging.getLogger().setLevel(logging.WARNING)  # one voice: rank 0 logs, others warn
     try:  # before any process group: every rank sees the same error, rank 0 says it
-        args = build_parser(default_model).parse_args(argv)
+        args = build_parser(family(default_family, "main").default_preset).parse_args(argv)
         tok = build_run_tokenizer(args)
         run = to_run_config(args, vocab_size=tok.vocab_size if tok else None,
                             eod_token=tok.eod if tok else None)
+        check_script_family(run.model.family, default_family)
     except (ValueError, FileNotFoundError) as e:
         _fail(str(e), 2)
     except KeyboardInterrupt:
@@ -73,7 +94,7 @@ def main(model_provider, default_model: str, argv=None):
     try:
         if _rank() == 0:  # the tokenizer travels with the checkpoint
             store_training_tokenizer(run.data, run.checkpoint)
-        result = pretrain(model_provider, run)
+        result = pretrain(build_model, run)
         if dist.is_initialized():  # leave together: a gloo rank torn down while a peer is still
             dist.barrier()         # connected aborts ("terminate called without an active exception")
     except USER_ERRORS as e:  # after the groups exist, a file may be missing on one rank only

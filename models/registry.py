@@ -1,0 +1,75 @@
+"""The model families: the one place that maps a family name to code.
+
+A family is data: `TransformerConfig.family` (recorded in every checkpoint's model config) names
+an entry here, which gives the model class, the Hugging Face adapter (the module with
+`config_from_hf`, `hf_config`, `from_hf_state_dict`, `to_hf_state_dict`; a family's name is its
+HF `model_type`) and the presets of that family. Training scripts, HF import and export,
+resharding, generation, the dry run and resume all ask it; none compares classes. What a
+family's config must look like is models/family_rules.py. Add a family with one entry here and
+its rules there.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import ModuleType
+
+from . import bloom, gpt, llama, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe
+from .config import PRESETS, TransformerConfig
+from .family_rules import SHAPES
+from .language_model import TransformerLanguageModel
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str  # = the Hugging Face config.json `model_type`
+    model_class: type
+    adapter: ModuleType
+    default_preset: str | None  # what the family's training script builds without --model
+
+    @property
+    def presets(self) -> list[str]:
+        return sorted(n for n, fields in PRESETS.items() if fields.get("family") == self.name)
+
+
+FAMILIES: dict[str, Family] = {f.name: f for f in (
+    Family("gpt2", gpt.GPTModel, gpt, None),  # train_gpt.py: the flags give the shape
+    Family("bloom", bloom.BloomModel, bloom, "bloom-560m"),
+    Family("llama", llama.LlamaModel, llama, "smollm2-135m"),
+    Family("qwen2", qwen2.Qwen2Model, qwen2, "qwen2.5-0.5b"),
+    Family("qwen3", qwen3.Qwen3Model, qwen3, "qwen3-tiny"),
+    Family("mixtral", mixtral.MixtralModel, mixtral, "moe-tiny"),
+    Family("qwen2_moe", qwen2_moe.Qwen2MoeModel, qwen2_moe, "qwen2-moe-a2.7b"),
+    Family("qwen3_moe", qwen3_moe.Qwen3MoeModel, qwen3_moe, "qwen3-moe-30b-a3b"),
+)}
+assert FAMILIES.keys() == SHAPES.keys(), "models/family_rules.py and the registry disagree"
+
+
+def family(name: str | None, where: str = "the checkpoint") -> Family:
+    """The registry entry of a family name; `where` names the file or flag for the error."""
+    if name is None:
+        raise ValueError(f"{where} records no model family (a plain language model: no family's "
+                         f"rules fit its fields); families: {sorted(FAMILIES)}")
+    if name not in FAMILIES:
+        raise ValueError(f"{where}: model_type {name!r} is not supported; convert one of "
+                         f"{sorted(FAMILIES)}")
+    return FAMILIES[name]
+
+
+def model_class(config: TransformerConfig) -> type:
+    """The class that builds `config` (a config no family describes: the plain language model)."""
+    return TransformerLanguageModel if config.family is None else family(config.family).model_class
+
+
+def build_model(config: TransformerConfig, topo, **kwargs) -> TransformerLanguageModel:
+    """The model provider of every training script, tool and conversion: one model chunk of
+    `config`'s family (kwargs: rng, pre_process, post_process, layer_range)."""
+    return model_class(config)(config, topo, **kwargs)
+
+
+def require_family(model_cls: type, config: TransformerConfig) -> None:
+    """A family's class refuses a config of another family (build it with `build_model`)."""
+    want = next((f.name for f in FAMILIES.values() if f.model_class is model_cls), None)
+    built = model_class(config)
+    if want is not None and built is not model_cls:  # (an unregistered subclass builds anything)
+        raise ValueError(f"{model_cls.__name__} needs a {want!r} config; this one is family "
+                         f"{config.family!r} ({built.__name__} builds it; models/registry.py)")
