@@ -15,6 +15,7 @@ loss is a mean over the local tokens, and the gradient reduction over data x con
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import torch
@@ -68,15 +69,18 @@ def check_attention(attention_dropout: float, cp: int) -> None:
 
 
 def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, topo: ParallelTopology,
-                      alibi_slopes: torch.Tensor | None, attend: Callable) -> torch.Tensor:
+                      alibi_slopes: torch.Tensor | None, attend: Callable,
+                      window: int | None = None) -> torch.Tensor:
     """Causal attention of this context rank's queries over the whole sequence's keys.
 
     q [b, heads, s_local, d]; k, v [b, kv_heads, s_local, d] (grouped-query heads stay grouped;
     only key/value heads travel); alibi_slopes [heads] or None. Returns [b, heads, s_local, d].
-    `attend(q, k, v, slopes)`: the model's causal attention over one whole sequence (a2a mode).
+    `attend(q, k, v, slopes, window=)`: the model's causal attention over one whole sequence
+    (a2a mode); `window`: a sliding window (keys window or more positions back hidden).
     """
     if topo.config.cp_comm_type == "a2a":
         from .ulysses import ulysses_attention
-        return ulysses_attention(q, k, v, topo, alibi_slopes, attend)
+        return ulysses_attention(q, k, v, topo, alibi_slopes,
+                                 attend if window is None else functools.partial(attend, window=window))
     from .ring_attention import ring_attention
-    return ring_attention(q, k, v, topo.cp_group, alibi_slopes)
+    return ring_attention(q, k, v, topo.cp_group, alibi_slopes, window)
