@@ -90,8 +90,12 @@ def window_hf_fields(config: TransformerConfig) -> dict:
     """Qwen2/3's window fields for `config` (every layer's type written out)."""
     types = ["full_attention" if config.attention_window(i) is None else "sliding_attention"
              for i in range(config.num_layers)]
-    return dict(use_sliding_window=config.sliding_window is not None,
-                sliding_window=config.sliding_window, layer_types=types)
+    fields = dict(use_sliding_window=config.sliding_window is not None,
+                  sliding_window=config.sliding_window, layer_types=types)
+    full = config.full_attention_layers
+    if config.sliding_window is not None and full == tuple(range(len(full))):
+        fields["max_window_layers"] = len(full)  # the form transformers derives layer_types from
+    return fields
 
 
 def llama_like_config(hf, label: str, **fields) -> TransformerConfig:

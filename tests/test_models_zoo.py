@@ -190,5 +190,11 @@ def test_families_without_windows_refuse_one_and_presets_build():
     from models.config import preset
     with pytest.raises(ValueError, match="sliding_window"):
         preset("smollm2-135m", sliding_window=8)  # HF Llama has no window
-    assert preset("mistral-7b").num_parameters() == pytest.approx(7.24e9, rel=0.01)
+    from transformers import MistralForCausalLM
+    for name in ("mistral-7b", "mistral-tiny"):
+        cfg = preset(name)
+        with torch.device("meta"):  # the exported config builds the same parameter count
+            hf = MistralForCausalLM(family("mistral").adapter.hf_config(cfg))
+        assert sum(p.numel() for p in hf.parameters()) == cfg.num_parameters(), name
+    assert preset("mistral-7b").num_parameters() == 7_241_732_096  # as released
     assert preset("mistral-tiny").attention_window(3) == 8
