@@ -61,8 +61,9 @@ def rope_from_hf(hf, family: str) -> tuple[float, dict | None]:
             raise refuse(family, "partial_rotary_factor", partial,
                          f"1.0 with rope_type {kind!r} (transformers cannot run it either)")
         logger.info("%s config.json: partial_rotary_factor %s is ignored by transformers' %s "
-                    "with default RoPE (the whole head rotates); megazoo computes the same",
-                    family, partial, family)
+                    "with default RoPE (the whole head rotates); megazoo computes the same and "
+                    "writes it back at export", family, partial, family)
+        return float(theta), {"rope_type": "default", "partial_rotary_factor": partial}
     return float(theta), (params if kind != "default" else None)
 
 

@@ -12,6 +12,9 @@ dynamic and longrope depend on the sequence's length (its largest position + 1).
 keeps the frequencies of the longest length seen until a sequence within the original length
 resets them; megazoo computes them from the current length, which is the same for a fresh model,
 for training at one sequence length and for generation (lengths only grow).
+
+A `partial_rotary_factor` in a default-type scaling is recorded only (written back at export):
+transformers' Llama-shaped families read rope_theta alone there and rotate the whole head.
 """
 from __future__ import annotations
 
