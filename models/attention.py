@@ -53,11 +53,16 @@ class KVCache:
         self.values: dict[int, torch.Tensor] = {}
         self.offset = 0
 
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, window: int | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's keys and values with these appended (for this step's attention). With a
+        sliding `window` only the last window - 1 stay cached: the next query sees those and
+        itself, so the cache is bounded by the window, not the generated length."""
         if layer in self.keys:
             k = torch.cat([self.keys[layer], k], dim=2)
             v = torch.cat([self.values[layer], v], dim=2)
-        self.keys[layer], self.values[layer] = k, v
+        keep = k.shape[2] if window is None else min(window - 1, k.shape[2])
+        self.keys[layer], self.values[layer] = k[:, :, k.shape[2] - keep:], v[:, :, k.shape[2] - keep:]
         return k, v
 
 
@@ -73,6 +78,7 @@ class ParallelAttention(nn.Module):
         self.groups_local = max(groups // topo.tp, 1)  # 1 when KV heads are replicated
         self.q_per_group_local = self.heads_local // self.groups_local
         self.dropout, self.rng, self.topo = config.attention_dropout, rng, topo
+        self.window_of = config.attention_window  # per global layer (sliding-window layers)
         self.scale_attn_weights = config.scale_attn_weights
         self.scale_by_layer = config.scale_attn_by_inverse_layer_idx
         check_attention(config.attention_dropout, topo.cp)
@@ -115,13 +121,14 @@ class ParallelAttention(nn.Module):
         each; over every context-parallel rank's part of the sequence when cp > 1; within each
         packed document when `documents` has ids."""
         ids = documents.ids if documents is not None else None
+        window = self.window_of(layer)
         if self.topo.cp > 1:
-            return context_attention(q, k, v, self.topo, self.alibi_slopes, attention, ids)
+            return context_attention(q, k, v, self.topo, self.alibi_slopes, attention, window, ids)
         p = self.dropout if self.training else 0.0
         # Heads differ per TP rank, so attention dropout draws from the tensor-parallel stream.
         with self.rng.fork() if (self.rng is not None and p > 0) else contextlib.nullcontext():
             # queries are the last of the keys' positions (a KV cache holds the earlier ones)
-            return attention(q, k, v, alibi_slopes=self.alibi_slopes, dropout_p=p,
+            return attention(q, k, v, alibi_slopes=self.alibi_slopes, dropout_p=p, window=window,
                              scale=self._scale(layer), q_offset=k.shape[2] - q.shape[2],
                              q_document_ids=ids)
 
@@ -138,11 +145,13 @@ class ParallelAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rotary is not None:
+            offset = cache.offset if cache is not None else 0
             positions = documents.positions if documents is not None and documents.positions is not None \
-                else sequence_positions(s, self.topo, cache.offset if cache is not None else 0)
-            q, k = self.rotary(q, k, positions)
+                else sequence_positions(s, self.topo, offset)
+            # the whole sequence's length (length-dependent RoPE; a CP rank holds s of s x cp)
+            q, k = self.rotary(q, k, positions, seq_len=offset + s * self.topo.cp)
         if cache is not None:
-            k, v = cache.update(layer, k, v)
+            k, v = cache.update(layer, k, v, self.window_of(layer))
         if self.recompute_core and self.training and torch.is_grad_enabled():
             out = checkpoint(self.core_attention, self.rng, q, k, v, layer, documents)
         else:

@@ -12,6 +12,9 @@ from .recompute import resolve_recompute
 
 logger = logging.getLogger(__name__)
 
+# The rotary scalings models/rope.py computes (transformers' `rope_type` names).
+ROPE_TYPES = ("default", "linear", "llama3", "dynamic", "yarn", "longrope")
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # Fields that change how a model trains, not the function its weights compute. A checkpoint
@@ -39,7 +42,12 @@ class TransformerConfig:
     max_position_embeddings: int = 1024
     position_embedding: str = "learned"  # learned | alibi | rope
     rope_theta: float = 10000.0
-    rope_scaling: dict | None = None  # HF's dict: {"rope_type": "linear" | "llama3", "factor": ...}
+    rope_scaling: dict | None = None  # HF's dict: {"rope_type": ROPE_TYPES[i], "factor": ...}
+    # Sliding-window attention (Mistral, Qwen2/3, Mixtral): a query sees itself and the
+    # sliding_window - 1 keys before it, in every layer but `full_attention_layers` (Qwen2's
+    # first max_window_layers). None: every layer attends to the whole context.
+    sliding_window: int | None = None
+    full_attention_layers: tuple[int, ...] = ()
     normalization: str = "layernorm"  # layernorm | rmsnorm
     layernorm_epsilon: float = 1e-5
     activation: str = "gelu_tanh"  # gelu_tanh | gelu | swiglu (ffn_hidden_size is the gate width)
@@ -111,12 +119,20 @@ class TransformerConfig:
                 f"--hidden-size {self.hidden_size} / --num-attention-heads {self.num_attention_heads}")
             raise ValueError(f"{source} gives head_dim {self.head_dim}, but RoPE rotates channel "
                              f"pairs and needs an even head_dim; choose sizes with an even quotient")
+        self.full_attention_layers = tuple(sorted(set(self.full_attention_layers)))  # JSON: a list
+        if self.sliding_window is not None and (not isinstance(self.sliding_window, int)
+                                                or self.sliding_window < 1):
+            raise ValueError(f"sliding_window must be an integer >= 1 (or None), got "
+                             f"{self.sliding_window!r}")
+        if any(not 0 <= i < self.num_layers for i in self.full_attention_layers):
+            raise ValueError(f"full_attention_layers {list(self.full_attention_layers)} name layers "
+                             f"outside 0..{self.num_layers - 1}")
         self.family = resolve_family(self)
         if self.rope_scaling is not None:
             kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
-            if kind not in ("default", "linear", "llama3"):
+            if kind not in ROPE_TYPES:
                 raise ValueError(f"rope_scaling type {kind!r} is not supported; choose one of "
-                                 f"('default', 'linear', 'llama3')")
+                                 f"{ROPE_TYPES}")
 
     def _check_moe(self) -> None:
         if self.moe_ffn_hidden_size is None:
@@ -143,6 +159,12 @@ class TransformerConfig:
     def is_moe_layer(self, layer_number: int) -> bool:
         """Whether global layer `layer_number` (0-based) has experts instead of a dense MLP."""
         return self.num_experts is not None and layer_number % self.moe_layer_freq == 0
+
+    def attention_window(self, layer_number: int) -> int | None:
+        """The sliding window of global layer `layer_number` (None: the whole context)."""
+        if self.sliding_window is None or layer_number in self.full_attention_layers:
+            return None
+        return self.sliding_window
 
     @property
     def head_dim(self) -> int:
@@ -308,6 +330,8 @@ _QWEN = dict(_LLAMA, vocab_size=151936, rope_theta=1000000.0, layernorm_epsilon=
              tie_word_embeddings=True)
 _QWEN2 = dict(_QWEN, family="qwen2", add_qkv_bias=True)
 _QWEN3 = dict(_QWEN, family="qwen3", qk_layernorm=True, max_position_embeddings=40960)
+# Mistral (Jiang et al. 2023): Llama with a 4096-token sliding window in every layer
+_MISTRAL = dict(_LLAMA, family="mistral", vocab_size=32000, max_position_embeddings=32768)
 
 # Mixture of experts. Mixtral (Jiang et al. 2024) and Qwen-MoE from their released config.json
 # files; aux-loss coefficients as Megatron-LM's recipes (megazoo's aux loss is Megatron's: HF's
@@ -377,6 +401,13 @@ PRESETS: dict[str, dict] = {
     "qwen3-tiny": dict(_QWEN3, hidden_size=128, num_layers=4, num_attention_heads=4,
                        num_query_groups=2, kv_channels=64, ffn_hidden_size=256,
                        max_position_embeddings=2048),
+    # Mistral 7B v0.1, from its released config.json
+    "mistral-7b": dict(_MISTRAL, hidden_size=4096, num_layers=32, num_attention_heads=32,
+                       num_query_groups=8, ffn_hidden_size=14336, sliding_window=4096),
+    # a Mistral-shaped toy for smoke tests and CPU demos (not a released model)
+    "mistral-tiny": dict(_MISTRAL, hidden_size=128, num_layers=4, num_attention_heads=4,
+                         num_query_groups=2, ffn_hidden_size=256, max_position_embeddings=2048,
+                         sliding_window=8),
     # Mixture of experts (docs/moe.md)
     "mixtral-8x7b": dict(_MIXTRAL, hidden_size=4096, num_layers=32, num_attention_heads=32,
                          num_query_groups=8, ffn_hidden_size=14336),

@@ -16,16 +16,20 @@ _ROPE = dict(position_embedding="rope", normalization="rmsnorm", activation="swi
 
 # family -> the fields whose value it fixes. Dense families also refuse every MoE field that
 # differs from its default (`moe_fields`); MoE families need --num-experts.
+# Families whose attention has no sliding window (Mistral, Qwen2/3 and Mixtral have one).
+_FULL = dict(sliding_window=None)
 SHAPES: dict[str, dict] = {
-    "gpt2": dict(position_embedding="learned", embedding_layernorm=False),
-    "bloom": dict(position_embedding="alibi", embedding_layernorm=True),
-    "llama": dict(_ROPE, add_qkv_bias=False, qk_layernorm=False),
+    "gpt2": dict(_FULL, position_embedding="learned", embedding_layernorm=False),
+    "bloom": dict(_FULL, position_embedding="alibi", embedding_layernorm=True),
+    "llama": dict(_ROPE, **_FULL, add_qkv_bias=False, qk_layernorm=False),
     "qwen2": dict(_ROPE, add_qkv_bias=True, qk_layernorm=False, bias=False),
     "qwen3": dict(_ROPE, add_qkv_bias=False, qk_layernorm=True, bias=False),
-    "mixtral": dict(_ROPE, add_qkv_bias=False, qk_layernorm=False,
+    "mistral": dict(_ROPE, add_qkv_bias=False, qk_layernorm=False, bias=False,
+                    full_attention_layers=()),
+    "mixtral": dict(_ROPE, add_qkv_bias=False, qk_layernorm=False, full_attention_layers=(),
                     moe_shared_expert_intermediate_size=None, moe_shared_expert_gate=False),
-    "qwen2_moe": dict(_ROPE, qk_layernorm=False, bias=False),
-    "qwen3_moe": dict(_ROPE, add_qkv_bias=False, qk_layernorm=True, bias=False),
+    "qwen2_moe": dict(_ROPE, **_FULL, qk_layernorm=False, bias=False),
+    "qwen3_moe": dict(_ROPE, **_FULL, add_qkv_bias=False, qk_layernorm=True, bias=False),
 }
 MOE_FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe")  # inference tries them in this order
 DENSE_FAMILIES = tuple(name for name in SHAPES if name not in MOE_FAMILIES)

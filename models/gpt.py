@@ -33,7 +33,10 @@ IGNORED = frozenset({"summary_type", "summary_use_proj", "summary_activation",
 def config_from_hf(hf) -> TransformerConfig:
     """A TransformerConfig from a `transformers.GPT2Config` (every field checked)."""
     check_fields(hf, "GPT-2", MAPPED, IGNORED)
-    act = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
+    # transformers computes gelu_fast and gelu_pytorch_tanh as gelu_new (its tanh form; the
+    # tests check the three agree within fp32 rounding)
+    act = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh",
+           "gelu": "gelu"}
     if hf.activation_function not in act:
         raise refuse("GPT-2", "activation_function", hf.activation_function, sorted(act))
     if hf.embd_pdrop != hf.resid_pdrop:

@@ -9,14 +9,18 @@ no permutation of q/k rows is needed.
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from parallel.topology import ParallelTopology
 
-from .config import TransformerConfig
+from .config import ROPE_TYPES, TransformerConfig
 from .hf_fields import check_fields, refuse
 from .language_model import WORD_EMBEDDINGS, TransformerLanguageModel
 from .rope import rope_type
+
+logger = logging.getLogger(__name__)
 
 
 class LlamaModel(TransformerLanguageModel):
@@ -37,22 +41,69 @@ MAPPED = frozenset({
 IGNORED = frozenset({"pretraining_tp", "is_llama_config", "rope_interleaved", "max_sequence_length"})
 
 
+# hidden_act values transformers computes as SiLU (ACT2FN maps both to nn.SiLU)
+SILU_NAMES = ("silu", "swish")
+
+
 def rope_from_hf(hf, family: str) -> tuple[float, dict | None]:
     """(rope_theta, rope_scaling or None) from the old `rope_theta`/`rope_scaling` attributes or
-    the newer `rope_parameters` dict."""
+    the newer `rope_parameters` dict (models/rope.py computes every type of config.ROPE_TYPES)."""
     params = dict(getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {})
     theta = params.pop("rope_theta", None) or getattr(hf, "rope_theta", None) or 10000.0
     partial = params.pop("partial_rotary_factor", 1.0)
+    kind = rope_type(params)
+    if kind not in ROPE_TYPES:
+        raise refuse(family, "rope_parameters.rope_type", kind, list(ROPE_TYPES))
     if partial != 1.0:
-        raise refuse(family, "partial_rotary_factor", partial, 1.0)
-    return float(theta), (params if rope_type(params) != "default" else None)
+        # These families' default RoPE reads only rope_theta and rotates the whole head (the
+        # other types' frequencies would not fit the head: transformers fails on them).
+        if kind != "default":
+            raise refuse(family, "partial_rotary_factor", partial,
+                         f"1.0 with rope_type {kind!r} (transformers cannot run it either)")
+        logger.info("%s config.json: partial_rotary_factor %s is ignored by transformers' %s "
+                    "with default RoPE (the whole head rotates); megazoo computes the same and "
+                    "writes it back at export", family, partial, family)
+        return float(theta), {"rope_type": "default", "partial_rotary_factor": partial}
+    return float(theta), (params if kind != "default" else None)
+
+
+def window_from_hf(hf, family: str, layer_types: list[str] | None) -> dict:
+    """sliding_window and full_attention_layers from HF's window fields. `layer_types` (Qwen2/3:
+    derived by transformers from use_sliding_window and max_window_layers, or given) names each
+    layer's attention; None (Mistral, Mixtral): `sliding_window` applies to every layer."""
+    window = getattr(hf, "sliding_window", None)
+    if layer_types is None:
+        return dict(sliding_window=window)
+    unknown = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
+    if unknown or len(layer_types) != hf.num_hidden_layers:
+        raise refuse(family, "layer_types", layer_types, f"{hf.num_hidden_layers} entries of "
+                     f"'full_attention' or 'sliding_attention'")
+    full = tuple(i for i, t in enumerate(layer_types) if t == "full_attention")
+    if window is None or len(full) == len(layer_types):
+        if len(full) != len(layer_types):
+            raise refuse(family, "layer_types", layer_types,
+                         "'sliding_attention' layers only with use_sliding_window and a sliding_window")
+        return dict(sliding_window=None)
+    return dict(sliding_window=int(window), full_attention_layers=full)
+
+
+def window_hf_fields(config: TransformerConfig) -> dict:
+    """Qwen2/3's window fields for `config` (every layer's type written out)."""
+    types = ["full_attention" if config.attention_window(i) is None else "sliding_attention"
+             for i in range(config.num_layers)]
+    fields = dict(use_sliding_window=config.sliding_window is not None,
+                  sliding_window=config.sliding_window, layer_types=types)
+    full = config.full_attention_layers
+    if config.sliding_window is not None and full == tuple(range(len(full))):
+        fields["max_window_layers"] = len(full)  # the form transformers derives layer_types from
+    return fields
 
 
 def llama_like_config(hf, label: str, **fields) -> TransformerConfig:
     """The TransformerConfig shared by Llama, Qwen2 and Qwen3 (`label` names the HF family in
     errors; `fields` add or override, the registry's `family` among them)."""
-    if hf.hidden_act != "silu":
-        raise refuse(label, "hidden_act", hf.hidden_act, "'silu'")
+    if hf.hidden_act not in SILU_NAMES:
+        raise refuse(label, "hidden_act", hf.hidden_act, list(SILU_NAMES))
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     theta, scaling = rope_from_hf(hf, label)
     return TransformerConfig(**{**dict(

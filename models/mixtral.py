@@ -24,7 +24,8 @@ from .hf_fields import check_fields, log_unrecorded_moe_settings
 from .language_model import TransformerLanguageModel
 
 # Fields config_from_hf maps, beyond Llama's (models/hf_fields.py refuses any other that differs).
-MAPPED = llama.MAPPED | {"num_local_experts", "num_experts_per_tok", "router_aux_loss_coef"}
+MAPPED = llama.MAPPED | {"num_local_experts", "num_experts_per_tok", "router_aux_loss_coef",
+                         "sliding_window", "router_jitter_noise"}
 # output_router_logits only adds HF's own aux loss to HF's training loss (megazoo adds its own,
 # --moe-aux-loss-coeff); the logits are the same either way.
 IGNORED = llama.IGNORED | {"output_router_logits"}
@@ -39,17 +40,16 @@ class MixtralModel(TransformerLanguageModel):
 
 def config_from_hf(hf) -> TransformerConfig:
     """A TransformerConfig from a `transformers.MixtralConfig`."""
-    for field, value in (("router_jitter_noise", getattr(hf, "router_jitter_noise", 0.0)),
-                         ("sliding_window", getattr(hf, "sliding_window", None))):
-        if value:
-            raise ValueError(f"Mixtral config.json {field}={value} is not supported (megazoo "
-                             f"models neither router jitter nor sliding-window attention)")
+    if getattr(hf, "router_jitter_noise", 0.0):
+        raise ValueError(f"Mixtral config.json router_jitter_noise={hf.router_jitter_noise} is "
+                         f"not supported (megazoo does not model router jitter)")
     check_fields(hf, "Mixtral", MAPPED, IGNORED)
     topk = hf.num_experts_per_tok
     return llama.llama_like_config(  # attention, norms, rope: as Llama
         hf, "Mixtral", family="mixtral", num_experts=hf.num_local_experts, moe_router_topk=topk,
         moe_ffn_hidden_size=hf.intermediate_size,
-        moe_aux_loss_coeff=float(hf.router_aux_loss_coef or 0.0) * topk)
+        moe_aux_loss_coeff=float(hf.router_aux_loss_coef or 0.0) * topk,
+        **llama.window_from_hf(hf, "Mixtral", None))
 
 
 def hf_config(config: TransformerConfig, **extra):
@@ -64,6 +64,7 @@ def hf_config(config: TransformerConfig, **extra):
                          num_local_experts=config.num_experts,
                          num_experts_per_tok=config.moe_router_topk,
                          router_aux_loss_coef=config.moe_aux_loss_coeff / config.moe_router_topk,
+                         sliding_window=config.sliding_window,
                          **{"architectures": ["MixtralForCausalLM"], **extra})
 
 
@@ -72,6 +73,7 @@ def _check_exportable(config: TransformerConfig) -> None:
     problems = [what for what, bad in (
         ("--moe-layer-freq > 1", config.moe_layer_freq != 1),
         ("biases", config.bias),
+        ("full-attention layers among sliding-window ones", config.full_attention_layers),
         ("softmax-then-top-k routing without renormalisation", not equivalent_router)) if bad]
     if problems:
         raise ValueError(f"HF Mixtral cannot express {', '.join(problems)}; export another family")

@@ -5,10 +5,11 @@ from __future__ import annotations
 from .config import TransformerConfig
 from .hf_fields import check_fields, refuse
 from .llama import (MAPPED as LLAMA_MAPPED, LlamaModel, from_hf_state_dict,  # noqa: F401
-                    llama_like_config, llama_like_hf_fields, to_hf_state_dict)
+                    llama_like_config, llama_like_hf_fields, to_hf_state_dict, window_from_hf,
+                    window_hf_fields)
 
 FAMILY = "Qwen2"
-MAPPED = (LLAMA_MAPPED - {"attention_bias", "mlp_bias", "head_dim"}) | {
+MAPPED = (LLAMA_MAPPED - {"attention_bias", "mlp_bias"}) | {
     "use_sliding_window", "sliding_window", "max_window_layers", "layer_types"}
 
 
@@ -17,30 +18,29 @@ class Qwen2Model(LlamaModel):
 
 
 def check_full_attention(hf, family: str) -> None:
-    """Sliding-window layers are not modelled: every layer must attend to the full context.
-    transformers derives `layer_types` from use_sliding_window, sliding_window and
-    max_window_layers, and its model reads only `layer_types`."""
-    types = getattr(hf, "layer_types", None) or ["full_attention"] * hf.num_hidden_layers
-    other = sorted({t for t in types if t != "full_attention"})
-    if other:
-        raise refuse(family, "layer_types", other, "'full_attention' in every layer "
+    """For the families without sliding windows (Qwen2-MoE): every layer attends to the whole
+    context (transformers derives `layer_types` from use_sliding_window and max_window_layers)."""
+    if window_from_hf(hf, family, hf.layer_types)["sliding_window"] is not None:
+        raise refuse(family, "layer_types", hf.layer_types, "'full_attention' in every layer "
                      "(use_sliding_window=False)")
 
 
 def config_from_hf(hf) -> TransformerConfig:
-    """A TransformerConfig from a `transformers.Qwen2Config` (every field checked)."""
+    """A TransformerConfig from a `transformers.Qwen2Config` (every field checked; head_dim may
+    differ from hidden/heads, as transformers' Qwen2 reads it)."""
     check_fields(hf, FAMILY, MAPPED)
-    check_full_attention(hf, FAMILY)
-    return llama_like_config(hf, FAMILY, family="qwen2", add_qkv_bias=True)
+    return llama_like_config(hf, FAMILY, family="qwen2", add_qkv_bias=True,
+                             **window_from_hf(hf, FAMILY, hf.layer_types))
 
 
 def hf_config(config: TransformerConfig, **extra):
     """The `transformers.Qwen2Config` of a megazoo Qwen2 configuration (for export)."""
     from transformers import Qwen2Config
     fields = llama_like_hf_fields(config, FAMILY, add_qkv_bias=True, qk_layernorm=False)
-    if config.bias or config.kv_channels is not None:
-        raise ValueError("HF Qwen2 has biases on q, k, v only and head_dim = hidden/heads; this "
-                         "model differs and cannot be exported as Qwen2")
-    fields.pop("head_dim")
-    return Qwen2Config(**fields, use_sliding_window=False,
+    if config.bias:
+        raise ValueError("HF Qwen2 has biases on q, k, v only; this model differs and cannot be "
+                         "exported as Qwen2")
+    if config.kv_channels is None:
+        fields.pop("head_dim")  # the derived default, as Qwen2 files have it
+    return Qwen2Config(**fields, **window_hf_fields(config),
                        **{"architectures": ["Qwen2ForCausalLM"], **extra})

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from types import ModuleType
 
-from . import bloom, gpt, llama, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe
+from . import bloom, gpt, llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe
 from .config import PRESETS, TransformerConfig
 from .family_rules import SHAPES
 from .language_model import TransformerLanguageModel
@@ -37,6 +37,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("llama", llama.LlamaModel, llama, "smollm2-135m"),
     Family("qwen2", qwen2.Qwen2Model, qwen2, "qwen2.5-0.5b"),
     Family("qwen3", qwen3.Qwen3Model, qwen3, "qwen3-tiny"),
+    Family("mistral", mistral.MistralModel, mistral, "mistral-tiny"),
     Family("mixtral", mixtral.MixtralModel, mixtral, "moe-tiny"),
     Family("qwen2_moe", qwen2_moe.Qwen2MoeModel, qwen2_moe, "qwen2-moe-a2.7b"),
     Family("qwen3_moe", qwen3_moe.Qwen3MoeModel, qwen3_moe, "qwen3-moe-30b-a3b"),

@@ -16,6 +16,7 @@ causal); from a rank s < r every query sees the block's first chunk and none of 
 a rank s > r only the second local chunk's queries see the block, all of it. So each off-diagonal
 step computes exactly half a block, on every rank. ALiBi adds slope x (key - query) from the
 absolute positions of both blocks. Only key/value heads travel (grouped-query attention).
+
 Packed documents add a per-sample -inf bias across documents, read from the whole sequence's
 ids (`Documents.ids`, on every rank); a query row that sees no key of a block gets a zero
 output and log-sum-exp -inf there, which the merge ignores.
@@ -124,10 +125,15 @@ def _merge(out, lse, o, l, rows: slice) -> None:
 
 
 class _Ring:
-    """The static plan of one ring: which rows and columns each step computes, and their bias."""
+    """The static plan of one ring: which rows and columns each step computes, and their bias.
 
-    def __init__(self, length: int, cp: int, rank: int, slopes, device, document_ids=None):
-        self.cp, self.rank, self.half = cp, rank, length // 2
+    With a sliding `window` a key `window` or more positions before a query is hidden (a -inf
+    bias); a step whose every key is that far from every query is skipped (`block` gives None),
+    so a rank computes only the blocks the window reaches."""
+
+    def __init__(self, length: int, cp: int, rank: int, slopes, device, window: int | None = None,
+                 document_ids=None):
+        self.cp, self.rank, self.half, self.window = cp, rank, length // 2, window
         self.slopes = slopes  # [heads, 1, 1] fp32 or None
         index = [local_positions(length, cp, r, device) for r in range(cp)]
         self.pos = [i.float() for i in index]
@@ -137,8 +143,9 @@ class _Ring:
     def source(self, step: int) -> int:
         return (self.rank - step) % self.cp
 
-    def block(self, step: int) -> tuple[slice, slice, torch.Tensor | None]:
-        """(query rows, key columns, ALiBi bias or None) of step `step` (causal iff step 0)."""
+    def block(self, step: int):
+        """(query rows, key columns, bias or None, rows that see a key or None) of step `step`
+        (causal iff step 0), or None when the window reaches none of the block."""
         src, h = self.source(step), self.half
         if step == 0:
             rows, cols = slice(None), slice(None)
@@ -146,41 +153,57 @@ class _Ring:
             rows, cols = slice(None), slice(0, h)
         else:
             rows, cols = slice(h, None), slice(None)
-        bias = None
-        if self.slopes is not None:
-            qpos, kpos = self.pos[self.rank][rows], self.pos[src][cols]
-            bias = self.slopes * (kpos[None, :] - qpos[:, None])
+        if self.slopes is None and self.window is None and self.docs is None:
+            return rows, cols, None, None
+        qpos, kpos = self.pos[self.rank][rows], self.pos[src][cols]
+        distance = kpos[None, :] - qpos[:, None]
+        bias = distance.new_zeros((1,) + distance.shape) if self.slopes is None \
+            else self.slopes * distance
+        seen = None
+        if self.window is not None:
+            hidden = distance <= -self.window
+            if step == 0:
+                hidden |= distance > 0
+            seen = ~hidden.all(-1)
+            if not bool(seen.any()):
+                return None
+            bias = bias.masked_fill(hidden, float("-inf"))
         if self.docs is not None:  # [b, 1, m, n]: -inf across documents
             same = self.docs[self.rank][:, rows, None] == self.docs[src][:, None, cols]
             mask = torch.zeros(same.shape, dtype=torch.float32, device=same.device)
-            mask = mask.masked_fill(~same, float("-inf"))[:, None]
-            bias = mask if bias is None else mask + bias[None]
-        return rows, cols, bias
+            bias = mask.masked_fill(~same, float("-inf"))[:, None] + bias[None]
+        return rows, cols, bias, seen
 
 
 class RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, slopes, group, document_ids):
+    def forward(ctx, q, k, v, slopes, group, window, document_ids):
         b, heads, n, d = q.shape
         cp, rank = C.group_size(group), C.group_rank(group)
         scale = 1.0 / math.sqrt(d)
         compute = ring_compute_dtype(q.device, q.dtype)
         qf = q.to(compute)
         ring = _Ring(n, cp, rank, None if slopes is None else slopes.float()[:, None, None],
-                     q.device, document_ids)
+                     q.device, window, document_ids)
         kv = torch.stack([k, v]).to(compute).contiguous()  # [2, b, kv_heads, n, d]
         out = lse = None
         for step in range(cp):
             if step < cp - 1:
                 incoming = torch.empty_like(kv)
                 pending = C.ring_shift(kv, incoming, group, tag=0)
-            rows, cols, bias = ring.block(step)
-            o, l = block_forward(qf[..., rows, :].contiguous(), kv[0][..., cols, :].contiguous(),
-                                 kv[1][..., cols, :].contiguous(), scale, bias, step == 0)
-            if step == 0:
-                out, lse = o.float().clone(), l.clone()
-            else:
-                _merge(out, lse, o.float(), l, rows)
+            plan = ring.block(step)
+            if plan is not None:  # (step 0 always computes: every query sees itself)
+                rows, cols, bias, seen = plan
+                o, l = block_forward(qf[..., rows, :].contiguous(), kv[0][..., cols, :].contiguous(),
+                                     kv[1][..., cols, :].contiguous(), scale, bias, step == 0)
+                o, l = o.float(), l.float()
+                if seen is not None:  # rows the window hides the whole block from add nothing
+                    o = o.masked_fill(~seen[:, None], 0.0)
+                    l = l.masked_fill(~seen, float("-inf"))
+                if step == 0:
+                    out, lse = o.clone(), l.clone()
+                else:
+                    _merge(out, lse, o, l, rows)
             if step < cp - 1:
                 pending.wait()
                 kv = incoming
@@ -202,29 +225,36 @@ class RingAttention(torch.autograd.Function):
             if step < cp - 1:
                 kv_in = torch.empty_like(kv)
                 kv_pending = C.ring_shift(kv, kv_in, group, tag=1)
-            rows, cols, bias = ring.block(step)
-            dq_b, dk_b, dv_b = block_backward(
-                qf[..., rows, :].contiguous(), kv[0][..., cols, :].contiguous(),
-                kv[1][..., cols, :].contiguous(), do[..., rows, :].contiguous(),
-                of[..., rows, :].contiguous(), lse[..., rows].contiguous(), scale, bias, step == 0)
-            dq[..., rows, :] += dq_b
+            plan = ring.block(step)
+            if plan is not None:
+                rows, cols, bias, seen = plan
+                dq_b, dk_b, dv_b = block_backward(
+                    qf[..., rows, :].contiguous(), kv[0][..., cols, :].contiguous(),
+                    kv[1][..., cols, :].contiguous(), do[..., rows, :].contiguous(),
+                    of[..., rows, :].contiguous(), lse[..., rows].contiguous(), scale, bias,
+                    step == 0)
+                if seen is not None:
+                    dq_b = dq_b.masked_fill(~seen[:, None], 0.0)
+                dq[..., rows, :] += dq_b
             if step > 0:
                 dkv_pending.wait()
                 dkv = dkv_in
-            dkv[0][..., cols, :] += dk_b
-            dkv[1][..., cols, :] += dv_b
+            if plan is not None:
+                dkv[0][..., cols, :] += dk_b
+                dkv[1][..., cols, :] += dv_b
             dkv_in = torch.empty_like(dkv)
             dkv_pending = C.ring_shift(dkv, dkv_in, group, tag=2)
             if step < cp - 1:
                 kv_pending.wait()
                 kv = kv_in
         dkv_pending.wait()  # after C shifts, the accumulator of this rank's own keys and values
-        return dq.to(q.dtype), dkv_in[0].to(k.dtype), dkv_in[1].to(v.dtype), None, None, None
+        return dq.to(q.dtype), dkv_in[0].to(k.dtype), dkv_in[1].to(v.dtype), None, None, None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group,
-                   alibi_slopes: torch.Tensor | None = None,
+                   alibi_slopes: torch.Tensor | None = None, window: int | None = None,
                    document_ids: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal attention over the context group's whole sequence (shapes: `context_attention`);
-    `document_ids` [b, s]: the whole sequence's documents (no query sees another document)."""
-    return RingAttention.apply(q, k, v, alibi_slopes, group, document_ids)
+    """Causal attention over the context group's whole sequence (shapes: `context_attention`),
+    within a sliding `window` when given; `document_ids` [b, s]: the whole sequence's documents
+    (no query sees another document)."""
+    return RingAttention.apply(q, k, v, alibi_slopes, group, window, document_ids)

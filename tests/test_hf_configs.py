@@ -66,6 +66,10 @@ SUPPORTED = {  # name: (builder, non-default fields)
     "qwen3-gqa-tied-head-dim-24": (_qwen3, dict(head_dim=24, tie_word_embeddings=True)),
     "qwen3-mha-untied": (_qwen3, dict(num_key_value_heads=8, head_dim=8,
                                       tie_word_embeddings=False)),
+    "qwen2-sliding-window": (_qwen2, dict(use_sliding_window=True, sliding_window=3,
+                                          max_window_layers=1)),
+    "qwen3-partial-rotary": (_qwen3, dict(rope_parameters={"rope_type": "default", "rope_theta": 1e3,
+                                                           "partial_rotary_factor": 0.5})),
 }
 REFUSED = {  # name: (builder, fields, the field the error must name)
     "gpt2-cross-attention": (_gpt2, dict(add_cross_attention=True), "add_cross_attention"),
@@ -77,12 +81,12 @@ REFUSED = {  # name: (builder, fields, the field the error must name)
     "llama-gelu": (_llama, dict(hidden_act="gelu"), "hidden_act"),
     "llama-mlp-bias-only": (_llama, dict(mlp_bias=True), "mlp_bias"),
     "llama-pruned-heads": (_llama, dict(pruned_heads={0: [1]}), "pruned_heads"),
-    "qwen2-sliding-window": (_qwen2, dict(use_sliding_window=True, sliding_window=8,
-                                          max_window_layers=2), "layer_types"),
+    "qwen2-chunked-layer": (_qwen2, dict(layer_types=["chunked_attention"] * 4), "layer_types"),
     "qwen3-attention-bias": (_qwen3, dict(attention_bias=True), "attention_bias"),
-    "qwen3-partial-rotary": (_qwen3, dict(rope_parameters={"rope_type": "default", "rope_theta": 1e3,
-                                                           "partial_rotary_factor": 0.5}),
-                             "partial_rotary_factor"),
+    "qwen3-yarn-partial-rotary": (_qwen3, dict(rope_parameters={
+        "rope_type": "yarn", "rope_theta": 1e3, "factor": 2.0,
+        "original_max_position_embeddings": 8, "partial_rotary_factor": 0.5}),
+        "partial_rotary_factor"),
 }
 
 

@@ -32,6 +32,7 @@ FLAGS = {  # family: its default preset shrunk (heads 4 need key/value groups di
     "llama": ["--num-query-groups", "2"],
     "qwen2": ["--num-query-groups", "2"],
     "qwen3": ["--num-query-groups", "2", "--kv-channels", "16"],
+    "mistral": ["--num-query-groups", "2"],  # its sliding window 8 < the 9 tokens compared
     "mixtral": ["--num-query-groups", "2"] + MOE,
     "qwen2_moe": ["--num-query-groups", "2", "--moe-shared-expert-intermediate-size", "40"] + MOE,
     "qwen3_moe": ["--num-query-groups", "2", "--kv-channels", "16"] + MOE,

@@ -151,5 +151,5 @@ def test_saved_model_configs_of_older_and_newer_versions():
         old.pop(k)
     assert TransformerConfig.from_saved(dict(old, recompute_layers=True)).recompute_granularity == "full"
     assert TransformerConfig.from_saved(dict(old, recompute_layers=False)).recompute_granularity is None
-    with pytest.raises(ValueError, match="sliding_window"):
-        TransformerConfig.from_saved(dict(old, sliding_window=4096))
+    with pytest.raises(ValueError, match="attention_sink_tokens"):
+        TransformerConfig.from_saved(dict(old, attention_sink_tokens=4))
