@@ -363,6 +363,7 @@ def test_ring_block_dispatch_and_exchange_dtype():
 def test_ring_attention_in_the_activation_dtype(alibi, monkeypatch):
     """The GPU's ring path on the CPU (K/V in bf16, blocks on the matmul fallback that CUDA
     takes for ALiBi), one rank: output and gradients against the dense reference."""
+    from parallel import collectives as C
     from parallel import ring_attention as ra
     monkeypatch.setattr(ra, "ring_compute_dtype", lambda device, dtype: dtype)
     monkeypatch.setattr(ra, "_fused", lambda device: False)
@@ -377,7 +378,7 @@ def test_ring_attention_in_the_activation_dtype(alibi, monkeypatch):
     results = []
     for ring in (True, False):
         q, k, v = (t.detach().clone().requires_grad_() for t in (q0, k0, v0))
-        out = ra.ring_attention(q, k, v, None, slopes) if ring else \
+        out = ra.ring_attention(q, k, v, C.SINGLE, slopes) if ring else \
             reference_attention(q, k, v, slopes=slopes)
         (out.float() * r).sum().backward()
         results.append([out.float(), q.grad.float(), k.grad.float(), v.grad.float()])
