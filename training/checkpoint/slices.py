@@ -1,0 +1,141 @@
+"""Which slice of which tensor each rank file of a checkpoint holds, so a load at another layout
+opens only the files that hold what a rank needs.
+
+At save time every rank describes its file (`file_record`): per canonical tensor, the element
+ranges of its local (TP-sharded) tensor that its optimizer shards hold (ZeRO flat-buffer
+`ranges`, merged over buckets; the whole tensor under ZeRO-0). Rank 0 records them all in
+meta.json under `slices` (`meta_record`), with each tensor's TP split and local shape once:
+
+    {"params": {canonical: [TP dim (-1: replicated), local shape, layout spec, expert]},
+     "ranks": [[[canonical, [[start, end], ...]], ...] for every rank]}
+
+At load, `Need` says what a rank asks for: per tensor its TP slice and the element ranges of
+its own local tensor its optimizer shards will take. `file_wanted` intersects the two without
+opening the file. Where the geometry is not simple (expert weights, grouped layouts replicated
+over TP, a TP change mapped onto flat ranges), the test widens to a bounding range: a file is
+sometimes opened without being needed, never skipped while needed.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+def merged_ranges(rows, ranges) -> dict[str, list[list[int]]]:
+    """{canonical: [[start, end], ...]} of the ZeRO `ranges` rows ([index, start, end, offset])
+    of one rank, over the parameter table `rows`; every row's tensor appears (a file holds its
+    weights even where its optimizer shard holds none of it)."""
+    out: dict[str, list[list[int]]] = {row[2]: [] for row in rows}
+    for idx, start, end, _ in ranges:
+        out[rows[idx][2]].append([int(start), int(end)])
+    return {k: sorted(v) for k, v in out.items()}
+
+
+def file_record(rows, ranges) -> dict:
+    """One rank's description of its file (see the module docstring)."""
+    params = {row[2]: [row[4], row[3], row[6] if len(row) > 6 else None,
+                       bool(row[7]) if len(row) > 7 else False] for row in rows}
+    return {"params": params, "held": sorted(merged_ranges(rows, ranges).items())}
+
+
+def meta_record(per_rank: list[dict]) -> dict:
+    """meta.json's `slices` from every rank's `file_record`, in rank order."""
+    params = {}
+    for r in per_rank:
+        params.update(r["params"])
+    return {"params": params, "ranks": [r["held"] for r in per_rank]}
+
+
+@dataclass
+class Need:
+    """What one rank asks of a checkpoint, per canonical tensor: its TP position, and which
+    element ranges of its local tensor it takes (None: all of it, e.g. for weights)."""
+
+    tp_rank: int
+    tp: int
+    params: dict[str, list] = field(default_factory=dict)  # canonical -> [dim, local shape, layout]
+    ranges: dict[str, list[list[int]] | None] = field(default_factory=dict)
+
+
+def need_of(rows, tp_rank: int, tp: int, ranges=None) -> Need:
+    """A rank's `Need` from its parameter table and (when it loads optimizer states) its fresh
+    optimizer's `ranges` rows."""
+    held = merged_ranges(rows, ranges) if ranges is not None else {}
+    need = Need(tp_rank, tp)
+    for row in rows:
+        need.params[row[2]] = [row[4], row[3], row[6] if len(row) > 6 else None]
+        need.ranges[row[2]] = held.get(row[2]) if ranges is not None else None
+    return need
+
+
+def _by_fraction(layout: dict | None, tp: int) -> bool:
+    """Whether shard i of `tp` covers the i-th 1/tp of every block (no replicated rows)."""
+    if not layout:
+        return True
+    if layout.get("kind") == "GroupedLayout":
+        return layout["groups"] % tp == 0
+    return layout.get("kind") == "StridedLayout"
+
+
+def _tp_overlap(s: int, S: int, need: Need) -> bool:
+    """Whether the s-th 1/S of a tensor meets the needed rank's share of it."""
+    t, T = need.tp_rank, need.tp
+    return s * T < (t + 1) * S and t * S < (s + 1) * T
+
+
+def _overlap(src_tp_rank: int, src_tp: int, src_shape, dim: int, layout, need: Need, canon: str):
+    """The part of the needed TP slice inside the source shard, as [lo, hi) along `dim` in the
+    source's local coordinates; None: no overlap; (0, size): all of it."""
+    size = src_shape[dim]
+    t_dim, t_shape, t_layout = need.params[canon]
+    if not (_by_fraction(layout, src_tp) and _by_fraction(t_layout, need.tp)):
+        return 0, size
+    if not _tp_overlap(src_tp_rank, src_tp, need):
+        return None
+    s, t = src_tp_rank, need.tp_rank
+    if layout or t_layout:  # blocks: the fraction test holds per block; take the whole shard
+        return 0, size
+    lo = max(s * size, t * t_shape[dim])  # contiguous: element positions (padding included)
+    hi = min((s + 1) * size, (t + 1) * t_shape[dim])
+    return (lo - s * size, hi - s * size) if lo < hi else None
+
+
+def _wanted_flat(src_shape, dim: int, cut, same_shard: bool, asked) -> list[list[int]]:
+    """Flat ranges of the source's local tensor the rank needs: its own ranges where the two
+    local tensors are the same shard, else the bounding range of the slab `cut` along `dim`."""
+    numel = math.prod(src_shape)
+    if asked is not None and (dim < 0 or same_shard):
+        return asked
+    if dim < 0 or cut == (0, src_shape[dim]):
+        return [[0, numel]]
+    stride = math.prod(src_shape[dim + 1:])
+    outer = math.prod(src_shape[:dim])
+    return [[cut[0] * stride, (outer - 1) * src_shape[dim] * stride + cut[1] * stride]]
+
+
+def file_wanted(record: dict, rank: int, src_tp_rank: int, src_tp: int, need: Need, *,
+                optimizer_shards: bool) -> bool:
+    """Whether the source file of `rank` holds anything `need` asks for. optimizer_shards: the
+    states come from this file's ZeRO shard (its recorded ranges); else from its whole tensors
+    (weights, ZeRO-0 states)."""
+    for canon, held in record["ranks"][rank]:
+        if canon not in need.params:
+            continue
+        dim, shape, layout, expert = record["params"][canon]
+        if expert:
+            return True  # expert slices: no finer selection
+        if dim < 0:  # replicas: read those of the TP ranks the split tensors come from
+            if not _tp_overlap(src_tp_rank, src_tp, need):
+                continue
+            cut = None
+        else:
+            cut = _overlap(src_tp_rank, src_tp, shape, dim, layout, need, canon)
+            if cut is None:
+                continue
+        if not optimizer_shards:
+            return True
+        same = src_tp == need.tp and src_tp_rank == need.tp_rank
+        for lo, hi in _wanted_flat(shape, dim, cut, same, need.ranges.get(canon)):
+            if any(start < hi and lo < end for start, end in held):
+                return True
+    return False
