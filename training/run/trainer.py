@@ -223,8 +223,11 @@ class Trainer:
     def save_if_due(self, stopping: bool) -> None:
         """Every --save-interval iterations, and when the run stops early (--async-save: first
         commits the background save in flight once every rank has written it)."""
-        if self.writer is not None:
-            self.writer.poll()
+        if self.writer is not None and self.writer.in_flight is not None:
+            # an all-reduce, then the commit's agreements: watched like the save itself
+            with self.watchdog.collective("checkpoint commit poll (agree, commit once written)",
+                                          patient=True):
+                self.writer.poll()
         interval = self.run.checkpoint.save_interval
         if self.run.checkpoint.save and (stopping or (interval and self.state.iteration % interval == 0)):
             self.save_now()
