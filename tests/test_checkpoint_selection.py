@@ -150,14 +150,27 @@ def test_recorded_slices_open_only_the_files_a_rank_needs(tmp_path, monkeypatch)
                     mine = local_shard(p, got.optim[state][k], topo).reshape(-1)[start:end]
                     saved = local_shard(p, full.optim[state][k], topo).reshape(-1)[start:end]
                     assert torch.equal(mine, saved), (n, rank, k, state)
-        if n == 0:  # a checkpoint without the record: every file of the stage, as before
+        if n == 0:
             meta = ckpt.read_meta(folder)
+            names, need = {r[2] for r in rows}, need_of(rows, topo.tp_rank, ttp, ranges)
+            # a record that misplaces a file's slices: refused as damage, never zeros loaded
+            wrong = json.loads(json.dumps(meta))
+            wrong["slices"]["ranks"].reverse()
+            _write_meta(folder, wrong)
+            with pytest.raises(ckpt.CheckpointError, match="lacks .* elements this rank needs"):
+                read_full_state(folder, names, need=need)
+            # a checkpoint without the record: every file of the stage, as before
             del meta["slices"]
-            with open(os.path.join(folder, "meta.json"), "w") as f:
-                json.dump(meta, f)
+            _write_meta(folder, meta)
             opened.clear()
-            read_full_state(folder, {r[2] for r in rows}, need=need_of(rows, 0, ttp, ranges))
+            got = read_full_state(folder, names, need=need)
             assert len(opened) == tp * dp
+            assert all(torch.equal(got.optim["exp_avg"][k], full.optim["exp_avg"][k]) for k in names)
+
+
+def _write_meta(folder, meta):
+    with open(os.path.join(folder, "meta.json"), "w") as f:
+        json.dump(meta, f)
 
 
 def test_weights_of_another_tp_open_only_the_shards_they_need(tmp_path, monkeypatch):

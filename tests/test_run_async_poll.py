@@ -1,6 +1,6 @@
 """--async-save's per-iteration commit poll (an all-reduce, then the commit's agreements) runs
 inside a watchdog phase, so a rank frozen there is named; with no save in flight nothing is
-armed (no store traffic)."""
+armed."""
 from types import SimpleNamespace
 
 from training.resilience.watchdog import CollectiveWatchdog
@@ -36,5 +36,5 @@ def test_the_commit_poll_is_watched():
             assert writer.seen == [] and dog.seq == 0  # nothing in flight: no poll, nothing armed
         else:
             assert len(writer.seen) == 1 and writer.seen[0] is not None
-            assert "commit poll" in writer.seen[0].what and writer.seen[0].patient
+            assert "commit poll" in writer.seen[0].what and not writer.seen[0].patient
             assert dog._armed is None  # disarmed after the poll

@@ -144,7 +144,7 @@ def _read_rank(folder, rank, coords, ep_pos, names, optimizer, pieces, states, c
                     buf = states[state][canon].setdefault(
                         copy, torch.zeros(math.prod(shape), dtype=torch.float32))
                     buf[start:end] = flat[off:off + end - start]
-                    covered[(state, canon, copy)] += end - start
+                    covered[(state, canon, copy)].append((start, end))
         return rows
     except SafetensorError as e:
         raise ckpt.CheckpointError(f"{path}: corrupt or truncated shard ({e}); use an earlier "
@@ -201,35 +201,35 @@ def _assemble(parts: dict, info: dict, what: str, partial: bool = False) -> dict
     return out
 
 
-_LAYER = re.compile(r"layers\.(\d+)\.")
-
-
-def stages_holding(meta: dict, names: set[str] | None) -> set[int] | None:
-    """The pipeline stages of a checkpoint whose files hold `names` (None: every stage), from its
-    recorded layout alone (no file opened). Parameter names carry global layer numbers
-    (models/language_model.py): `layers.<i>.` lives where layer i does, the embedding on the
-    first stage, everything else on the last (a tied embedding's head copy there is read when
-    that stage is read anyway, and merged with the first stage's)."""
-    layout = meta["layout"]
-    pp = layout.get("pp", 1)
-    if names is None or pp == 1:
-        return None
-    config = ParallelConfig(tp=layout["tp"], pp=pp, vpp=layout.get("vpp", 1),
-                            first_stage_layers=layout.get("first_stage_layers"),
-                            last_stage_layers=layout.get("last_stage_layers"))
-    if "num_layers" not in meta.get("model", {}):
-        return None
-    specs = [config.chunk_specs(meta["model"]["num_layers"], r) for r in range(pp)]
-    stages = set()
-    for name in names:
-        layer = _LAYER.match(name)
-        for r, chunks in enumerate(specs):
-            if any(layer and s.layer_range[0] <= int(layer[1]) < s.layer_range[1]
-                   or not layer and name.startswith("embedding.") and s.pre_process
-                   or not layer and not name.startswith("embedding.") and s.post_process
-                   for s in chunks):
-                stages.add(r)
-    return stages
+def _check_selected(folder, record, need, considered, tp, pieces, covered) -> None:
+    """After a selective read: every part of what `need` asks that the record places in the
+    files considered was read (states: their ZeRO ranges; else: each needed TP shard's weights);
+    a file that does not hold what its record says is damage, never zeros loaded."""
+    got = defaultdict(list)
+    for (state, canon, (pp_r, _, tp_r, _)), ranges in (covered or {}).items():
+        got[(state, canon, pp_r, tp_r)] += ranges
+    states, seen = {k[0] for k in got}, set()
+    for rank, co in considered:
+        for canon, _ in record["ranks"][rank]:
+            if (canon, co.pp, co.tp) in seen:
+                continue  # the same question for every data x context rank
+            seen.add((canon, co.pp, co.tp))
+            wanted = slices.wanted_ranges(record, canon, co.tp, tp, need,
+                                          optimizer_shards=covered is not None)
+            if wanted is None or record["params"][canon][3]:
+                continue
+            if covered is None:
+                if not any(k[0] == co.pp and k[2] == co.tp for k in pieces.get(canon, ())):
+                    raise ckpt.CheckpointError(f"{folder}: the weights of {canon} (stage {co.pp}, "
+                                               f"tensor-parallel rank {co.tp}) were not found where "
+                                               f"meta.json's slices place them; it is damaged")
+                continue
+            for state in states or {"master"}:
+                missing = slices.gap(wanted, got[(state, canon, co.pp, co.tp)])
+                if missing:
+                    raise ckpt.CheckpointError(f"{folder}: optimizer state {state} of {canon} "
+                                               f"lacks {missing} elements this rank needs where "
+                                               f"meta.json's slices place them; it is damaged")
 
 
 def read_full_state(folder: str, names: set[str] | None = None, optimizer: bool = True,
@@ -237,7 +237,7 @@ def read_full_state(folder: str, names: set[str] | None = None, optimizer: bool 
     """Full tensors of a checkpoint folder of any layout (only `names`, when given).
 
     Only the files that hold `names` are opened: those of the pipeline stages holding them
-    (`stages_holding`), of every tensor-parallel rank there, and of the first data x context
+    (`slices.stages_holding`), of every tensor-parallel rank there, and of the first data x context
     rank (plus the first expert-parallel group's) unless ZeRO shards the optimizer states asked
     for over every data x context rank. With `need` (one rank's slices of `names`) and a
     checkpoint that records its files' slices (`slices.py`), only the files holding part of
@@ -250,7 +250,7 @@ def read_full_state(folder: str, names: set[str] | None = None, optimizer: bool 
     grid = Grid(tp=tp, cp=cp, dp=dp, pp=world // (tp * cp * dp), ep=ep)
     pieces = defaultdict(dict)
     states = defaultdict(lambda: defaultdict(dict))
-    covered, scalars, info = defaultdict(int), {}, {}
+    covered, scalars, info, considered = defaultdict(list), {}, {}, []
     record = meta.get("slices") if need is not None else None
     if need is not None and record is None:
         logger.info("%s records no slices per rank file (written before megazoo did); reading "
@@ -268,6 +268,7 @@ def read_full_state(folder: str, names: set[str] | None = None, optimizer: bool 
                 continue  # copies of the first expert-parallel group's weights and ZeRO-0 states
             if stages is not None and coords.pp not in stages or coords.pp in done:
                 continue  # holds none of `names`, or read already
+            considered.append(rank)
             if selective and not slices.file_wanted(record, rank, coords.tp, tp, need,
                                                     optimizer_shards=shards):
                 continue  # holds nothing of what this rank needs
@@ -279,14 +280,18 @@ def read_full_state(folder: str, names: set[str] | None = None, optimizer: bool 
                 info.setdefault(canon, [{}, dim, full, tp, layout, ep if _is_expert(row) else 1]
                                 )[0][(coords.pp, c)] = shape
 
-    stages = stages_holding(meta, names)
+    stages = slices.stages_holding(meta, names)
     read(stages)
     if stages is not None and not names - skipped <= set(info):  # not where the naming says
         logger.info("%s: %s not on pipeline stages %s; reading the other stages", folder,
                     sorted(names - skipped - set(info))[:3], sorted(stages))
         read(None, done=stages)
-    for (state, canon, key), n in covered.items():
-        if not selective and n < math.prod(info[canon][0][key[:2]]):
+    if selective:
+        _check_selected(folder, record, need, [(r, grid.coords(r)) for r in considered], tp,
+                        pieces, covered if shards else None)
+    for (state, canon, key), got in covered.items():
+        n = sum(end - start for start, end in got)
+        if not (selective and shards) and n < math.prod(info[canon][0][key[:2]]):
             raise ckpt.CheckpointError(f"{folder}: optimizer state {state} of {canon} is incomplete "
                                        f"({n} elements); the checkpoint is damaged")
     weights = _assemble(pieces, info, folder, partial=selective)

@@ -18,7 +18,10 @@ sometimes opened without being needed, never skipped while needed.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
+
+from parallel.topology import ParallelConfig
 
 
 def merged_ranges(rows, ranges) -> dict[str, list[list[int]]]:
@@ -113,29 +116,85 @@ def _wanted_flat(src_shape, dim: int, cut, same_shard: bool, asked) -> list[list
     return [[cut[0] * stride, (outer - 1) * src_shape[dim] * stride + cut[1] * stride]]
 
 
+def wanted_ranges(record: dict, canon: str, src_tp_rank: int, src_tp: int, need: Need, *,
+                  optimizer_shards: bool) -> list[list[int]] | None:
+    """What `need` asks of `canon` in a source file at TP rank `src_tp_rank` of `src_tp`: flat
+    ranges of the file's local tensor (optimizer_shards: the states come from the files' ZeRO
+    shards), [] when only its presence matters (weights, ZeRO-0 states); None: nothing."""
+    if canon not in need.params:
+        return None
+    dim, shape, layout, expert = record["params"][canon]
+    if expert:
+        return [[0, math.prod(shape)]]  # expert slices: no finer selection
+    if dim < 0:  # replicas: read those of the TP ranks the split tensors come from
+        if not _tp_overlap(src_tp_rank, src_tp, need):
+            return None
+        cut = None
+    else:
+        cut = _overlap(src_tp_rank, src_tp, shape, dim, layout, need, canon)
+        if cut is None:
+            return None
+    if not optimizer_shards:
+        return []
+    same = src_tp == need.tp and src_tp_rank == need.tp_rank
+    return _wanted_flat(shape, dim, cut, same, need.ranges.get(canon)) or None
+
+
 def file_wanted(record: dict, rank: int, src_tp_rank: int, src_tp: int, need: Need, *,
                 optimizer_shards: bool) -> bool:
-    """Whether the source file of `rank` holds anything `need` asks for. optimizer_shards: the
-    states come from this file's ZeRO shard (its recorded ranges); else from its whole tensors
-    (weights, ZeRO-0 states)."""
+    """Whether the source file of `rank` holds anything `need` asks for (see `wanted_ranges`)."""
     for canon, held in record["ranks"][rank]:
-        if canon not in need.params:
+        wanted = wanted_ranges(record, canon, src_tp_rank, src_tp, need,
+                               optimizer_shards=optimizer_shards)
+        if wanted is None:
             continue
-        dim, shape, layout, expert = record["params"][canon]
-        if expert:
-            return True  # expert slices: no finer selection
-        if dim < 0:  # replicas: read those of the TP ranks the split tensors come from
-            if not _tp_overlap(src_tp_rank, src_tp, need):
-                continue
-            cut = None
-        else:
-            cut = _overlap(src_tp_rank, src_tp, shape, dim, layout, need, canon)
-            if cut is None:
-                continue
-        if not optimizer_shards:
+        if wanted == [] or record["params"][canon][3]:
             return True
-        same = src_tp == need.tp and src_tp_rank == need.tp_rank
-        for lo, hi in _wanted_flat(shape, dim, cut, same, need.ranges.get(canon)):
-            if any(start < hi and lo < end for start, end in held):
-                return True
+        if any(start < hi and lo < end for lo, hi in wanted for start, end in held):
+            return True
     return False
+
+
+def gap(wanted: list[list[int]], got: list[tuple[int, int]]) -> int:
+    """Elements of the `wanted` ranges that the ranges `got` leave out."""
+    missing = 0
+    for lo, hi in wanted:
+        at = lo
+        for start, end in sorted(got):
+            if end <= at or start >= hi:
+                continue
+            missing += max(0, start - at)
+            at = max(at, end)
+        missing += max(0, hi - at)
+    return missing
+
+
+_LAYER = re.compile(r"layers\.(\d+)\.")
+
+
+def stages_holding(meta: dict, names: set[str] | None) -> set[int] | None:
+    """The pipeline stages of a checkpoint whose files hold `names` (None: every stage), from its
+    recorded layout alone (no file opened). Parameter names carry global layer numbers
+    (models/language_model.py): `layers.<i>.` lives where layer i does, the embedding on the
+    first stage, everything else on the last (a tied embedding's head copy there is read when
+    that stage is read anyway, and merged with the first stage's)."""
+    layout = meta["layout"]
+    pp = layout.get("pp", 1)
+    if names is None or pp == 1:
+        return None
+    config = ParallelConfig(tp=layout["tp"], pp=pp, vpp=layout.get("vpp", 1),
+                            first_stage_layers=layout.get("first_stage_layers"),
+                            last_stage_layers=layout.get("last_stage_layers"))
+    if "num_layers" not in meta.get("model", {}):
+        return None
+    specs = [config.chunk_specs(meta["model"]["num_layers"], r) for r in range(pp)]
+    stages = set()
+    for name in names:
+        layer = _LAYER.match(name)
+        for r, chunks in enumerate(specs):
+            if any(layer and s.layer_range[0] <= int(layer[1]) < s.layer_range[1]
+                   or not layer and name.startswith("embedding.") and s.pre_process
+                   or not layer and not name.startswith("embedding.") and s.post_process
+                   for s in chunks):
+                stages.add(r)
+    return stages
