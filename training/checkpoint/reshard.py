@@ -210,8 +210,8 @@ def _check_selected(folder, record, need, considered, tp, pieces, covered) -> No
         got[(state, canon, pp_r, tp_r)] += ranges
     states, seen = {k[0] for k in got}, set()
     for rank, co in considered:
-        for canon, _ in record["ranks"][rank]:
-            if (canon, co.pp, co.tp) in seen:
+        for canon, row in record["params"].items():
+            if co.pp not in row[4] or (canon, co.pp, co.tp) in seen:
                 continue  # the same question for every data x context rank
             seen.add((canon, co.pp, co.tp))
             wanted = slices.wanted_ranges(record, canon, co.tp, tp, need,
@@ -269,7 +269,7 @@ def read_full_state(folder: str, names: set[str] | None = None, optimizer: bool 
             if stages is not None and coords.pp not in stages or coords.pp in done:
                 continue  # holds none of `names`, or read already
             considered.append(rank)
-            if selective and not slices.file_wanted(record, rank, coords.tp, tp, need,
+            if selective and not slices.file_wanted(record, rank, coords.tp, coords.pp, tp, need,
                                                     optimizer_shards=shards):
                 continue  # holds nothing of what this rank needs
             rows = _read_rank(folder, rank, coords, ep_pos, names, optimizer, pieces, states,
@@ -407,7 +407,7 @@ def write_layout(full: FullState, root: str, *, model_cls, config, tp: int, pp: 
             tensors.update({f"optim.bucket0.{s}": torch.cat(v) for s, v in flats.items()})
             tensors.update({f"optim.{k}": v for k, v in full.scalars.items()})
         ckpt.write_rank_file(tmp, rank, tensors)
-        records.append(slices.file_record(rows, ranges))
+        records.append(slices.file_record(rows, ranges, topo.pp_rank))
         del chunks
     base = {k: v for k, v in (meta or full.meta).items()
             if k not in ("layout", "model", "iteration", "world_size", "files", "slices")}

@@ -65,7 +65,8 @@ def _ranges_rows(opt) -> list[list[int]]:
 def slices_record(chunks, opt, topo) -> dict:
     """Collective: meta.json's record of every rank file's slices (`slices.py`). Each rank's
     description travels as JSON bytes padded to the longest (two all-gathers)."""
-    mine = ckpt.json_tensor(slices.file_record(reshard.param_table(chunks, opt), _ranges_rows(opt)))
+    mine = ckpt.json_tensor(slices.file_record(reshard.param_table(chunks, opt), _ranges_rows(opt),
+                                               topo.pp_rank))
     group = C.world()
     if C.is_single(group):
         return slices.meta_record([ckpt.tensor_json(mine)])

@@ -6,8 +6,12 @@ ranges of its local (TP-sharded) tensor that its optimizer shards hold (ZeRO fla
 `ranges`, merged over buckets; the whole tensor under ZeRO-0). Rank 0 records them all in
 meta.json under `slices` (`meta_record`), with each tensor's TP split and local shape once:
 
-    {"params": {canonical: [TP dim (-1: replicated), local shape, layout spec, expert]},
-     "ranks": [[[canonical, [[start, end], ...]], ...] for every rank]}
+    {"params": {canonical: [TP dim (-1: replicated), local shape, layout spec, expert,
+                            pipeline stages holding it]},
+     "ranks": [{canonical: [start, end, start, end, ...]} for every rank]}
+
+(only the tensors a rank's shards hold some of: the record grows with the ZeRO ranges, not
+with tensors x ranks). `stages_holding` says which stages hold a name from the layout alone.
 
 At load, `Need` says what a rank asks for: per tensor its TP slice and the element ranges of
 its own local tensor its optimizer shards will take. `file_wanted` intersects the two without
@@ -26,27 +30,34 @@ from parallel.topology import ParallelConfig
 
 def merged_ranges(rows, ranges) -> dict[str, list[list[int]]]:
     """{canonical: [[start, end], ...]} of the ZeRO `ranges` rows ([index, start, end, offset])
-    of one rank, over the parameter table `rows`; every row's tensor appears (a file holds its
-    weights even where its optimizer shard holds none of it)."""
-    out: dict[str, list[list[int]]] = {row[2]: [] for row in rows}
+    of one rank, over the parameter table `rows` (only the tensors its shards hold some of)."""
+    out: dict[str, list[list[int]]] = {}
     for idx, start, end, _ in ranges:
-        out[rows[idx][2]].append([int(start), int(end)])
+        out.setdefault(rows[idx][2], []).append([int(start), int(end)])
     return {k: sorted(v) for k, v in out.items()}
 
 
-def file_record(rows, ranges) -> dict:
-    """One rank's description of its file (see the module docstring)."""
+def file_record(rows, ranges, stage: int) -> dict:
+    """One rank's description of its file (see the module docstring); `stage`: its pipeline
+    stage (every file of a stage holds the weights of all its tensors)."""
     params = {row[2]: [row[4], row[3], row[6] if len(row) > 6 else None,
-                       bool(row[7]) if len(row) > 7 else False] for row in rows}
-    return {"params": params, "held": sorted(merged_ranges(rows, ranges).items())}
+                       bool(row[7]) if len(row) > 7 else False, [stage]] for row in rows}
+    held = {k: [i for r in v for i in r] for k, v in merged_ranges(rows, ranges).items()}
+    return {"params": params, "held": held}
 
 
 def meta_record(per_rank: list[dict]) -> dict:
     """meta.json's `slices` from every rank's `file_record`, in rank order."""
-    params = {}
+    params: dict[str, list] = {}
     for r in per_rank:
-        params.update(r["params"])
+        for canon, row in r["params"].items():
+            known = params.setdefault(canon, row[:4] + [[]])
+            known[4] = sorted(set(known[4]) | set(row[4]))
     return {"params": params, "ranks": [r["held"] for r in per_rank]}
+
+
+def _pairs(flat: list[int]) -> list[tuple[int, int]]:
+    return list(zip(flat[::2], flat[1::2]))
 
 
 @dataclass
@@ -123,7 +134,7 @@ def wanted_ranges(record: dict, canon: str, src_tp_rank: int, src_tp: int, need:
     shards), [] when only its presence matters (weights, ZeRO-0 states); None: nothing."""
     if canon not in need.params:
         return None
-    dim, shape, layout, expert = record["params"][canon]
+    dim, shape, layout, expert = record["params"][canon][:4]
     if expert:
         return [[0, math.prod(shape)]]  # expert slices: no finer selection
     if dim < 0:  # replicas: read those of the TP ranks the split tensors come from
@@ -140,19 +151,28 @@ def wanted_ranges(record: dict, canon: str, src_tp_rank: int, src_tp: int, need:
     return _wanted_flat(shape, dim, cut, same, need.ranges.get(canon)) or None
 
 
-def file_wanted(record: dict, rank: int, src_tp_rank: int, src_tp: int, need: Need, *,
-                optimizer_shards: bool) -> bool:
+def file_wanted(record: dict, rank: int, src_tp_rank: int, src_stage: int, src_tp: int,
+                need: Need, *, optimizer_shards: bool) -> bool:
     """Whether the source file of `rank` holds anything `need` asks for (see `wanted_ranges`)."""
-    for canon, held in record["ranks"][rank]:
+    held = record["ranks"][rank]
+    for canon, row in record["params"].items():
+        if src_stage not in row[4] or optimizer_shards and canon not in held:
+            continue
         wanted = wanted_ranges(record, canon, src_tp_rank, src_tp, need,
                                optimizer_shards=optimizer_shards)
         if wanted is None:
             continue
-        if wanted == [] or record["params"][canon][3]:
+        if not optimizer_shards or row[3]:
             return True
-        if any(start < hi and lo < end for lo, hi in wanted for start, end in held):
+        if any(start < hi and lo < end for lo, hi in wanted for start, end in held_ranges(
+                record, rank, canon)):
             return True
     return False
+
+
+def held_ranges(record: dict, rank: int, canon: str) -> list[tuple[int, int]]:
+    """The [start, end) ranges of `canon` the optimizer shard in the file of `rank` holds."""
+    return _pairs(record["ranks"][rank].get(canon, []))
 
 
 def gap(wanted: list[list[int]], got: list[tuple[int, int]]) -> int:
