@@ -201,37 +201,6 @@ def _assemble(parts: dict, info: dict, what: str, partial: bool = False) -> dict
     return out
 
 
-def _check_selected(folder, record, need, considered, tp, pieces, covered) -> None:
-    """After a selective read: every part of what `need` asks that the record places in the
-    files considered was read (states: their ZeRO ranges; else: each needed TP shard's weights);
-    a file that does not hold what its record says is damage, never zeros loaded."""
-    got = defaultdict(list)
-    for (state, canon, (pp_r, _, tp_r, _)), ranges in (covered or {}).items():
-        got[(state, canon, pp_r, tp_r)] += ranges
-    states, seen = {k[0] for k in got}, set()
-    for rank, co in considered:
-        for canon, row in record["params"].items():
-            if co.pp not in row[4] or (canon, co.pp, co.tp) in seen:
-                continue  # the same question for every data x context rank
-            seen.add((canon, co.pp, co.tp))
-            wanted = slices.wanted_ranges(record, canon, co.tp, tp, need,
-                                          optimizer_shards=covered is not None)
-            if wanted is None or record["params"][canon][3]:
-                continue
-            if covered is None:
-                if not any(k[0] == co.pp and k[2] == co.tp for k in pieces.get(canon, ())):
-                    raise ckpt.CheckpointError(f"{folder}: the weights of {canon} (stage {co.pp}, "
-                                               f"tensor-parallel rank {co.tp}) were not found where "
-                                               f"meta.json's slices place them; it is damaged")
-                continue
-            for state in states or {"master"}:
-                missing = slices.gap(wanted, got[(state, canon, co.pp, co.tp)])
-                if missing:
-                    raise ckpt.CheckpointError(f"{folder}: optimizer state {state} of {canon} "
-                                               f"lacks {missing} elements this rank needs where "
-                                               f"meta.json's slices place them; it is damaged")
-
-
 def read_full_state(folder: str, names: set[str] | None = None, optimizer: bool = True,
                     need: slices.Need | None = None) -> FullState:
     """Full tensors of a checkpoint folder of any layout (only `names`, when given).
@@ -287,8 +256,12 @@ def read_full_state(folder: str, names: set[str] | None = None, optimizer: bool 
                     sorted(names - skipped - set(info))[:3], sorted(stages))
         read(None, done=stages)
     if selective:
-        _check_selected(folder, record, need, [(r, grid.coords(r)) for r in considered], tp,
-                        pieces, covered if shards else None)
+        got = defaultdict(list)  # (state, canonical, stage, tp rank) -> ranges read
+        for (state, canon, (pp_r, _, tp_r, _)), ranges in covered.items():
+            got[(state, canon, pp_r, tp_r)] += ranges
+        slices.check_read(folder, record, need, [(r, grid.coords(r)) for r in considered], tp,
+                          weights={(k, c[0], c[2]) for k, by in pieces.items() for c in by},
+                          states=got if shards else None)
     for (state, canon, key), got in covered.items():
         n = sum(end - start for start, end in got)
         if not (selective and shards) and n < math.prod(info[canon][0][key[:2]]):

@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 
 from parallel.topology import ParallelConfig
 
+from training.checkpoint import format as ckpt
+
 
 def merged_ranges(rows, ranges) -> dict[str, list[list[int]]]:
     """{canonical: [[start, end], ...]} of the ZeRO `ranges` rows ([index, start, end, offset])
@@ -147,7 +149,8 @@ def wanted_ranges(record: dict, canon: str, src_tp_rank: int, src_tp: int, need:
             return None
     if not optimizer_shards:
         return []
-    same = src_tp == need.tp and src_tp_rank == need.tp_rank
+    same = src_tp == need.tp and src_tp_rank == need.tp_rank and list(shape) == list(
+        need.params[canon][1])  # the same local tensor: flat ranges compare directly
     return _wanted_flat(shape, dim, cut, same, need.ranges.get(canon)) or None
 
 
@@ -173,6 +176,35 @@ def file_wanted(record: dict, rank: int, src_tp_rank: int, src_stage: int, src_t
 def held_ranges(record: dict, rank: int, canon: str) -> list[tuple[int, int]]:
     """The [start, end) ranges of `canon` the optimizer shard in the file of `rank` holds."""
     return _pairs(record["ranks"][rank].get(canon, []))
+
+
+def check_read(folder: str, record: dict, need: Need, considered, tp: int, *, weights: set,
+               states: dict | None) -> None:
+    """After a selective read of the files `considered` ((rank, coords) pairs): every part of
+    what `need` asks that the record places there was read. `weights`: the (canonical, stage,
+    tp rank) weights read; `states`: {(state, canonical, stage, tp rank): ranges read} when the
+    states came from ZeRO shards. A file not holding what its record says is damage, refused;
+    never zeros loaded."""
+    names, seen = {k[0] for k in states or ()}, set()
+    for _, co in considered:
+        for canon, row in record["params"].items():
+            if co.pp not in row[4] or row[3] or (canon, co.pp, co.tp) in seen:
+                continue  # another stage's, an expert's (read whole), or asked already
+            seen.add((canon, co.pp, co.tp))
+            wanted = wanted_ranges(record, canon, co.tp, tp, need,
+                                   optimizer_shards=states is not None)
+            if wanted is None:
+                continue
+            if states is None and (canon, co.pp, co.tp) not in weights:
+                raise ckpt.CheckpointError(f"{folder}: the weights of {canon} (stage {co.pp}, "
+                                           f"tensor-parallel rank {co.tp}) are not where "
+                                           f"meta.json's slices place them; it is damaged")
+            for state in names if states is not None else ():
+                missing = gap(wanted, states.get((state, canon, co.pp, co.tp), []))
+                if missing:
+                    raise ckpt.CheckpointError(f"{folder}: optimizer state {state} of {canon} "
+                                               f"lacks {missing} elements this rank needs where "
+                                               f"meta.json's slices place them; it is damaged")
 
 
 def gap(wanted: list[list[int]], got: list[tuple[int, int]]) -> int:
