@@ -1,6 +1,8 @@
 """Loading at another layout opens only the rank files that hold a rank's slices: counted by a
 wrapper around the safetensors open, for tp, dp, pp and ZeRO changes (one process, offline
-checkpoints), and what is read equals the saved full tensors."""
+checkpoints), and what is read equals the saved full tensors. With the slice record in
+meta.json, a rank opens only the files meeting its TP slice and ZeRO ranges, and what its own
+shards take equals what was saved; a misplaced record is refused, an absent one reads as before."""
 import json
 import os
 

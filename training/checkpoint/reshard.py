@@ -380,7 +380,7 @@ def write_layout(full: FullState, root: str, *, model_cls, config, tp: int, pp: 
             tensors.update({f"optim.bucket0.{s}": torch.cat(v) for s, v in flats.items()})
             tensors.update({f"optim.{k}": v for k, v in full.scalars.items()})
         ckpt.write_rank_file(tmp, rank, tensors)
-        records.append(slices.file_record(rows, ranges, topo.pp_rank))
+        records.append(slices.file_record(rows, ranges if zero_stage > 0 else [], topo.pp_rank))
         del chunks
     base = {k: v for k, v in (meta or full.meta).items()
             if k not in ("layout", "model", "iteration", "world_size", "files", "slices")}

@@ -62,10 +62,12 @@ def _ranges_rows(opt) -> list[list[int]]:
     return [row for k, v in opt.state_dict().items() if k.endswith(".ranges") for row in v.tolist()]
 
 
-def slices_record(chunks, opt, topo) -> dict:
-    """Collective: meta.json's record of every rank file's slices (`slices.py`). Each rank's
-    description travels as JSON bytes padded to the longest (two all-gathers)."""
-    mine = ckpt.json_tensor(slices.file_record(reshard.param_table(chunks, opt), _ranges_rows(opt),
+def slices_record(chunks, opt, topo, zero_stage: int) -> dict:
+    """Collective: meta.json's record of every rank file's slices (`slices.py`; ZeRO-0 shards
+    hold whole tensors, so no ranges). Each rank's description travels as JSON bytes padded to
+    the longest (two all-gathers)."""
+    ranges = _ranges_rows(opt) if zero_stage > 0 else []
+    mine = ckpt.json_tensor(slices.file_record(reshard.param_table(chunks, opt), ranges,
                                                topo.pp_rank))
     group = C.world()
     if C.is_single(group):
@@ -85,7 +87,7 @@ def save(run: RunConfig, topo, chunks, opt, rng, state: TrainState, writer=None)
     meta = dict(consumed_samples=state.consumed_samples, skipped_steps=state.skipped_steps,
                 model=dataclasses.asdict(run.model), layout=layout_of(run, topo),
                 seq_length=run.data.seq_length, seed=run.seed, family=family_of(chunks[0]),
-                slices=slices_record(chunks, opt, topo))
+                slices=slices_record(chunks, opt, topo, run.optimizer.zero_stage))
     root = run.checkpoint.save
     tensors = rank_tensors(chunks, opt, rng, run.optimizer.zero_stage)
     if topo.rank == 0:  # before the save's free-space check: --keep-last can make room

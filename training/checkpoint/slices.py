@@ -3,15 +3,15 @@ opens only the files that hold what a rank needs.
 
 At save time every rank describes its file (`file_record`): per canonical tensor, the element
 ranges of its local (TP-sharded) tensor that its optimizer shards hold (ZeRO flat-buffer
-`ranges`, merged over buckets; the whole tensor under ZeRO-0). Rank 0 records them all in
-meta.json under `slices` (`meta_record`), with each tensor's TP split and local shape once:
+`ranges`, merged over buckets). Rank 0 records them all in meta.json under `slices`
+(`meta_record`), with each tensor's TP split, local shape and stages once:
 
     {"params": {canonical: [TP dim (-1: replicated), local shape, layout spec, expert,
                             pipeline stages holding it]},
      "ranks": [{canonical: [start, end, start, end, ...]} for every rank]}
 
-(only the tensors a rank's shards hold some of: the record grows with the ZeRO ranges, not
-with tensors x ranks). `stages_holding` says which stages hold a name from the layout alone.
+(only the tensors a rank's ZeRO >= 1 shards hold some of, none under ZeRO-0, whose files hold
+whole tensors: the record grows with the ZeRO ranges, not with tensors x ranks). `stages_holding` says which stages hold a name from the layout alone.
 
 At load, `Need` says what a rank asks for: per tensor its TP slice and the element ranges of
 its own local tensor its optimizer shards will take. `file_wanted` intersects the two without
