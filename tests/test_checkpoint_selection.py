@@ -1,6 +1,9 @@
 """Loading at another layout opens only the rank files that hold a rank's slices: counted by a
 wrapper around the safetensors open, for tp, dp, pp and ZeRO changes (one process, offline
-checkpoints), and what is read equals the saved full tensors."""
+checkpoints), and what is read equals the saved full tensors. With the slice record in
+meta.json, a rank opens only the files meeting its TP slice and ZeRO ranges, and what its own
+shards take equals what was saved; a misplaced record is refused, an absent one reads as before."""
+import json
 import os
 
 import pytest
@@ -10,8 +13,10 @@ import training.checkpoint.format as ckpt
 from models.config import TransformerConfig
 from models.language_model import TransformerLanguageModel
 from parallel.layout import Grid
-from training.checkpoint.reshard import FullState, build_rank_chunks, param_table, read_full_state, \
-    write_layout
+from parallel.sharding import local_shard
+from training.checkpoint.reshard import FullState, build_rank_chunks, load_weights, param_table, \
+    read_full_state, write_layout
+from training.checkpoint.slices import need_of
 
 CONFIG = dict(vocab_size=61, hidden_size=32, num_layers=4, num_attention_heads=4, ffn_hidden_size=64,
               max_position_embeddings=16)
@@ -99,3 +104,88 @@ def _source_stages(pp, target_pp, target_stage, tied):
         if tied:
             stages.add(0)
     return stages
+
+
+def _even_ranges(chunks, rank_in_dp, dp, zero):
+    """The ZeRO `ranges` rows of a target rank whose optimizer splits every parameter evenly over
+    its data-parallel ranks (write_layout's rule; all of it under ZeRO-0)."""
+    rows, offset = [], 0
+    for idx, (_, p) in enumerate((n, p) for chunk in chunks for n, p in chunk.named_parameters()):
+        per = -(-p.numel() // dp) if zero else p.numel()
+        lo = rank_in_dp * per if zero else 0
+        hi = min(p.numel(), lo + per)
+        if hi > lo:
+            rows.append([idx, lo, hi, offset])
+            offset += hi - lo
+    return rows
+
+
+# (source tp, dp, ZeRO), (target tp, dp), files each target rank opens now (before: every file)
+SLICED = [((1, 2, 1), (1, 4), 1),   # ZeRO-1 dp2 -> dp4: the one half holding its quarter
+          ((1, 4, 1), (1, 2), 2),   # ZeRO-1 dp4 -> dp2: the two quarters of its half
+          ((1, 2, 3), (1, 4), 1),   # the same under ZeRO-3
+          ((1, 4, 3), (1, 2), 2),
+          ((2, 1, 1), (4, 1), 1),   # tp2 -> tp4: the shard holding its quarter
+          ((4, 1, 1), (2, 1), 2)]   # tp4 -> tp2: the two quarters of its half
+
+
+def test_recorded_slices_open_only_the_files_a_rank_needs(tmp_path, monkeypatch):
+    config = TransformerConfig(**CONFIG, tie_word_embeddings=True)
+    full = _full(config)
+    for n, ((tp, dp, zero), (ttp, tdp), files) in enumerate(SLICED):
+        folder = write_layout(full, str(tmp_path / str(n)), model_cls=TransformerLanguageModel,
+                              config=config, tp=tp, pp=1, dp=dp, zero_stage=zero, iteration=3)
+        opened = _opened(monkeypatch)
+        for rank in range(ttp * tdp):
+            topo, chunks = build_rank_chunks(TransformerLanguageModel, config, tp=ttp, pp=1, vpp=1,
+                                             dp=tdp, rank=rank)
+            rows = param_table(chunks)
+            ranges = _even_ranges(chunks, topo.dp_rank, tdp, zero)
+            opened.clear()
+            got = read_full_state(folder, {r[2] for r in rows},
+                                  need=need_of(rows, topo.tp_rank, ttp, ranges))
+            assert len(opened) == files, (n, rank, opened)
+            params = [p for chunk in chunks for _, p in chunk.named_parameters()]
+            for idx, start, end, _ in ranges:  # what this rank's shards take, as saved
+                p, k = params[idx], rows[idx][2]
+                for state in ("master", "exp_avg", "exp_avg_sq"):
+                    mine = local_shard(p, got.optim[state][k], topo).reshape(-1)[start:end]
+                    saved = local_shard(p, full.optim[state][k], topo).reshape(-1)[start:end]
+                    assert torch.equal(mine, saved), (n, rank, k, state)
+        if n == 0:
+            meta = ckpt.read_meta(folder)
+            names, need = {r[2] for r in rows}, need_of(rows, topo.tp_rank, ttp, ranges)
+            # a record that misplaces a file's slices: refused as damage, never zeros loaded
+            wrong = json.loads(json.dumps(meta))
+            wrong["slices"]["ranks"].reverse()
+            _write_meta(folder, wrong)
+            with pytest.raises(ckpt.CheckpointError, match="lacks .* elements this rank needs"):
+                read_full_state(folder, names, need=need)
+            # a checkpoint without the record: every file of the stage, as before
+            del meta["slices"]
+            _write_meta(folder, meta)
+            opened.clear()
+            got = read_full_state(folder, names, need=need)
+            assert len(opened) == tp * dp
+            assert all(torch.equal(got.optim["exp_avg"][k], full.optim["exp_avg"][k]) for k in names)
+
+
+def _write_meta(folder, meta):
+    with open(os.path.join(folder, "meta.json"), "w") as f:
+        json.dump(meta, f)
+
+
+def test_weights_of_another_tp_open_only_the_shards_they_need(tmp_path, monkeypatch):
+    config = TransformerConfig(**CONFIG, tie_word_embeddings=False)
+    full = _full(config)
+    folder = write_layout(full, str(tmp_path / "w"), model_cls=TransformerLanguageModel,
+                          config=config, tp=4, pp=1, dp=1, iteration=3, weights_only=True)
+    opened = _opened(monkeypatch)
+    for rank in range(2):
+        topo, chunks = build_rank_chunks(TransformerLanguageModel, config, tp=2, pp=1, vpp=1,
+                                         dp=1, rank=rank)
+        opened.clear()
+        load_weights(folder, chunks, topo)
+        assert len(opened) == 2, opened  # tp4 -> tp2: two of four
+        for (_, p), row in zip(chunks[0].named_parameters(), param_table(chunks)):
+            assert torch.equal(p.detach(), local_shard(p, full.weights[row[2]], topo)), row[2]

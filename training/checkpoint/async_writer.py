@@ -124,7 +124,8 @@ class AsyncCheckpointWriter:
 
     def poll(self) -> str | None:
         """Collective, cheap: commit the save in flight if every rank has written its file.
-        Returns the committed folder, else None (nothing in flight, or still writing)."""
+        Returns the committed folder, else None (nothing in flight, or still writing). A
+        collective outside the step: the trainer runs it inside a watchdog phase."""
         pending = self._pending
         if pending is None:
             return None

@@ -26,6 +26,7 @@ so a difference is refused (naming the tensor and the largest difference), never
 """
 from __future__ import annotations
 
+import logging
 import math
 import re
 from collections import defaultdict
@@ -43,7 +44,9 @@ from parallel.tensor_parallel import unshard
 from parallel.topology import ParallelConfig, ParallelTopology
 
 from training.checkpoint import format as ckpt
+from training.checkpoint import slices
 
+logger = logging.getLogger(__name__)
 
 PARAMS = "megazoo.params"  # the parameter table's key in every rank file
 _BUCKET = re.compile(r"optim\.bucket(\d+)\.(\w+)")
@@ -58,6 +61,7 @@ class FullState:
     weights: dict[str, torch.Tensor]  # canonical name -> what the model computes with
     optim: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)  # state -> name -> full
     scalars: dict[str, torch.Tensor] = field(default_factory=dict)  # optimizer counters, scaler
+    unread: set[str] = field(default_factory=set)  # asked for, but none of it needed: not read
 
     @property
     def master(self) -> dict[str, torch.Tensor]:
@@ -97,8 +101,9 @@ def _is_expert(row) -> bool:
 
 
 def _read_rank(folder, rank, coords, ep_pos, names, optimizer, pieces, states, covered, scalars,
-               zero):
-    """`ep_pos`: (expert-parallel rank, index of its expert-parallel group) of this rank."""
+               zero, weights=True):
+    """`ep_pos`: (expert-parallel rank, index of its expert-parallel group) of this rank.
+    weights: read its model weights too (else they come from the fp32 masters)."""
     pp_r, dp_r, cp_r, tp_r = coords
     ep_r, ep_block = ep_pos
     path = ckpt.rank_file(folder, rank)
@@ -116,7 +121,7 @@ def _read_rank(folder, rank, coords, ep_pos, names, optimizer, pieces, states, c
             key, expert = f"model.{c}.{n}", _is_expert(row)
             # experts: the first expert-parallel group; the rest: the first data x context rank
             holder = ep_block == 0 if expert else dp_r == 0 and cp_r == 0
-            if holder and key in keys and wanted(row):
+            if weights and holder and key in keys and wanted(row):
                 pieces[canon][(pp_r, c, tp_r, ep_r if expert else 0)] = f.get_tensor(key)
         if not optimizer:
             return rows
@@ -140,7 +145,7 @@ def _read_rank(folder, rank, coords, ep_pos, names, optimizer, pieces, states, c
                     buf = states[state][canon].setdefault(
                         copy, torch.zeros(math.prod(shape), dtype=torch.float32))
                     buf[start:end] = flat[off:off + end - start]
-                    covered[(state, canon, copy)] += end - start
+                    covered[(state, canon, copy)].append((start, end))
         return rows
     except SafetensorError as e:
         raise ckpt.CheckpointError(f"{path}: corrupt or truncated shard ({e}); use an earlier "
@@ -157,10 +162,11 @@ def _merge(copies: list[torch.Tensor], what: str) -> torch.Tensor:
                                f"an earlier checkpoint")
 
 
-def _assemble(parts: dict, info: dict, what: str) -> dict[str, torch.Tensor]:
+def _assemble(parts: dict, info: dict, what: str, partial: bool = False) -> dict[str, torch.Tensor]:
     """{canonical: {(pp, chunk, tp, ep): local}} -> {canonical: full}: TP shards joined (vocabulary
     padding cut; non-contiguous layouts rebuilt by `unshard`), replicas merged, expert slices
-    (ep > 0 only for expert weights) joined along dim 0."""
+    (ep > 0 only for expert weights) joined along dim 0. partial: the shards that were not read
+    (a load that needs only some, `slices.file_wanted`) are zeros there."""
     out = {}
     for canon, by_copy in parts.items():
         shape, dim, full_size, tp, layout, ep = info[canon]
@@ -168,64 +174,45 @@ def _assemble(parts: dict, info: dict, what: str) -> dict[str, torch.Tensor]:
         for (pp_r, c, tp_r, ep_r), t in by_copy.items():
             copies[(pp_r, c)][ep_r][tp_r] = t.reshape(shape[(pp_r, c)])
         merged = []
-        for key, slices in copies.items():
-            if len(slices) != ep:
+        for key, by_ep in sorted(copies.items()):
+            if len(by_ep) != ep:
                 raise ckpt.CheckpointError(f"{what}: {canon} lacks expert-parallel slices "
-                                           f"{sorted(set(range(ep)) - set(slices))}")
+                                           f"{sorted(set(range(ep)) - set(by_ep))}")
             joined = []
             for ep_r in range(ep):
-                shards = slices[ep_r]
-                if len(shards) != tp:
+                shards = by_ep[ep_r]
+                if partial:  # not read: zeros in a split tensor; of replicas, the copies read
+                    blank = torch.zeros_like(next(iter(shards.values())))
+                    shards = [shards.get(r, blank) for r in range(tp)] if dim >= 0 \
+                        else list(shards.values())
+                elif len(shards) != tp:
                     raise ckpt.CheckpointError(f"{what}: {canon} lacks tensor-parallel shards "
                                                f"{sorted(set(range(tp)) - set(shards))}")
-                ordered = [shards[r] for r in range(tp)]
-                if dim >= 0:
-                    joined.append(unshard(ordered, dim, full_size, layout))
                 else:
-                    joined.append(_merge(ordered, f"{what}: {canon} across tensor-parallel ranks"))
+                    shards = [shards[r] for r in range(tp)]
+                if dim >= 0:
+                    joined.append(unshard(shards, dim, full_size, layout))
+                else:
+                    joined.append(_merge(shards, f"{what}: {canon} across tensor-parallel ranks"))
             merged.append(torch.cat(joined) if ep > 1 else joined[0])
-        out[canon] = _merge(merged, f"{what}: {canon} across pipeline stages")
+        # partial: the stages' copies (a tied embedding's) may hold different ZeRO ranges of
+        # what is needed; each covers it, so the first serves
+        out[canon] = merged[0] if partial else _merge(merged, f"{what}: {canon} across pipeline "
+                                                              f"stages")
     return out
 
 
-_LAYER = re.compile(r"layers\.(\d+)\.")
-
-
-def stages_holding(meta: dict, names: set[str] | None) -> set[int] | None:
-    """The pipeline stages of a checkpoint whose files hold `names` (None: every stage), from its
-    recorded layout alone (no file opened). Parameter names carry global layer numbers
-    (models/language_model.py): `layers.<i>.` lives where layer i does, the embedding on the
-    first stage, everything else on the last (a tied embedding's head copy there is read when
-    that stage is read anyway, and merged with the first stage's)."""
-    layout = meta["layout"]
-    pp = layout.get("pp", 1)
-    if names is None or pp == 1:
-        return None
-    config = ParallelConfig(tp=layout["tp"], pp=pp, vpp=layout.get("vpp", 1),
-                            first_stage_layers=layout.get("first_stage_layers"),
-                            last_stage_layers=layout.get("last_stage_layers"))
-    if "num_layers" not in meta.get("model", {}):
-        return None
-    specs = [config.chunk_specs(meta["model"]["num_layers"], r) for r in range(pp)]
-    stages = set()
-    for name in names:
-        layer = _LAYER.match(name)
-        for r, chunks in enumerate(specs):
-            if any(layer and s.layer_range[0] <= int(layer[1]) < s.layer_range[1]
-                   or not layer and name.startswith("embedding.") and s.pre_process
-                   or not layer and not name.startswith("embedding.") and s.post_process
-                   for s in chunks):
-                stages.add(r)
-    return stages
-
-
-def read_full_state(folder: str, names: set[str] | None = None, optimizer: bool = True) -> FullState:
+def read_full_state(folder: str, names: set[str] | None = None, optimizer: bool = True,
+                    need: slices.Need | None = None) -> FullState:
     """Full tensors of a checkpoint folder of any layout (only `names`, when given).
 
     Only the files that hold `names` are opened: those of the pipeline stages holding them
-    (`stages_holding`), of every tensor-parallel rank there, and of the first data x context
+    (`slices.stages_holding`), of every tensor-parallel rank there, and of the first data x context
     rank (plus the first expert-parallel group's) unless ZeRO shards the optimizer states asked
-    for over every data x context rank."""
+    for over every data x context rank. With `need` (one rank's slices of `names`) and a
+    checkpoint that records its files' slices (`slices.py`), only the files holding part of
+    what that rank needs: the tensors returned are then right there only (zeros elsewhere), and
+    under ZeRO >= 1 with optimizer states the weights are the fp32 masters."""
     meta = ckpt.read_meta(folder)
     tp, dp, cp, zero = _layout(meta, folder)
     world = meta.get("world_size", 1)
@@ -233,7 +220,14 @@ def read_full_state(folder: str, names: set[str] | None = None, optimizer: bool 
     grid = Grid(tp=tp, cp=cp, dp=dp, pp=world // (tp * cp * dp), ep=ep)
     pieces = defaultdict(dict)
     states = defaultdict(lambda: defaultdict(dict))
-    covered, scalars, info = defaultdict(int), {}, {}
+    covered, scalars, info, considered = defaultdict(list), {}, {}, []
+    record = meta.get("slices") if need is not None else None
+    if need is not None and record is None:
+        logger.info("%s records no slices per rank file (written before megazoo did); reading "
+                    "every file of the stages holding this rank's tensors", folder)
+    selective = record is not None and len(record.get("ranks", ())) == world
+    shards = optimizer and zero > 0  # the states come from every rank's ZeRO shard
+    skipped = {n for n, r in need.ranges.items() if r == []} if selective else set()
 
     def read(stages: set[int] | None, done: set[int] = frozenset()) -> None:
         for rank in range(world):
@@ -244,32 +238,45 @@ def read_full_state(folder: str, names: set[str] | None = None, optimizer: bool 
                 continue  # copies of the first expert-parallel group's weights and ZeRO-0 states
             if stages is not None and coords.pp not in stages or coords.pp in done:
                 continue  # holds none of `names`, or read already
+            considered.append(rank)
+            if selective and not slices.file_wanted(record, rank, coords.tp, coords.pp, tp, need,
+                                                    optimizer_shards=shards):
+                continue  # holds nothing of what this rank needs
             rows = _read_rank(folder, rank, coords, ep_pos, names, optimizer, pieces, states,
-                              covered, scalars, zero)
+                              covered, scalars, zero, weights=not (selective and shards))
             for row in rows:
                 c, _, canon, shape, dim, full = row[:6]
                 layout = row[6] if len(row) > 6 else None
                 info.setdefault(canon, [{}, dim, full, tp, layout, ep if _is_expert(row) else 1]
                                 )[0][(coords.pp, c)] = shape
 
-    stages = stages_holding(meta, names)
+    stages = slices.stages_holding(meta, names)
     read(stages)
-    if stages is not None and not names <= set(info):  # not where the naming says: look everywhere
+    if stages is not None and not names - skipped <= set(info):  # not where the naming says
         logger.info("%s: %s not on pipeline stages %s; reading the other stages", folder,
-                    sorted(names - set(info))[:3], sorted(stages))
+                    sorted(names - skipped - set(info))[:3], sorted(stages))
         read(None, done=stages)
-    for (state, canon, key), n in covered.items():
-        if n < math.prod(info[canon][0][key[:2]]):
+    if selective:
+        got = defaultdict(list)  # (state, canonical, stage, tp rank) -> ranges read
+        for (state, canon, (pp_r, _, tp_r, _)), ranges in covered.items():
+            got[(state, canon, pp_r, tp_r)] += ranges
+        slices.check_read(folder, record, need, [(r, grid.coords(r)) for r in considered], tp,
+                          weights={(k, c[0], c[2]) for k, by in pieces.items() for c in by},
+                          states=got if shards else None)
+    for (state, canon, key), got in covered.items():
+        n = sum(end - start for start, end in got)
+        if not (selective and shards) and n < math.prod(info[canon][0][key[:2]]):
             raise ckpt.CheckpointError(f"{folder}: optimizer state {state} of {canon} is incomplete "
                                        f"({n} elements); the checkpoint is damaged")
-    weights = _assemble(pieces, info, folder)
-    optim = {state: _assemble(parts, info, folder) for state, parts in states.items()}
-    for canon in info:
+    weights = _assemble(pieces, info, folder, partial=selective)
+    optim = {state: _assemble(parts, info, folder, partial=selective)
+             for state, parts in states.items()}
+    for canon in (names - skipped if selective else info):
         if (names is None or canon in names) and canon not in weights:
             if canon not in optim.get("master", {}):
                 raise ckpt.CheckpointError(f"{folder} holds no weights for {canon}")
             weights[canon] = optim["master"][canon]  # ZeRO-3 keeps weights in the optimizer only
-    return FullState(meta, weights, optim, scalars)
+    return FullState(meta, weights, optim, scalars, skipped)
 
 
 @torch.no_grad()
@@ -279,7 +286,7 @@ def load_into(full: FullState, chunks, opt, topo, *, weights_only: bool, folder:
     weights_only: the optimizer starts fresh (zero moments, step 0) from the weights.
     """
     rows = param_table(chunks, opt)
-    missing = sorted({r[2] for r in rows} - set(full.weights))
+    missing = sorted({r[2] for r in rows} - set(full.weights) - full.unread)
     if missing:
         raise ckpt.CheckpointError(f"{folder} lacks {len(missing)} tensors of this model, e.g. "
                                    f"{missing[:3]}; the checkpoint is for another model")
@@ -339,11 +346,13 @@ def write_layout(full: FullState, root: str, *, config, tp: int, pp: int, vpp: i
     config.check_layout(parallel)
     with_optim = bool(full.optim) and not weights_only
     tmp = ckpt.begin_offline(root, iteration)
+    records = []
     for rank in range(world):
         topo, chunks = build_rank_chunks(config, tp=tp, pp=pp, vpp=vpp, dp=dp, rank=rank, ep=ep)
         rows = param_table(chunks)
         named = [p for chunk in chunks for _, p in chunk.named_parameters() if p.requires_grad]
         tensors = {PARAMS: ckpt.json_tensor(rows)}
+        ranges = []
         for (c, n, canon, *_), p in zip(rows, named):
             if canon not in full.weights:
                 raise ckpt.CheckpointError(f"the source lacks {canon}; it is another model")
@@ -353,7 +362,7 @@ def write_layout(full: FullState, root: str, *, config, tp: int, pp: int, vpp: i
                                            f"not fit this model; the source is another model")
             tensors[f"model.{c}.{n}"] = local.to(config.dtype)
         if with_optim:
-            ranges, flats = [], defaultdict(list)
+            flats = defaultdict(list)
             offset = 0
             for idx, ((c, n, canon, *_), p) in enumerate(zip(rows, named)):
                 numel = p.numel()
@@ -371,11 +380,13 @@ def write_layout(full: FullState, root: str, *, config, tp: int, pp: int, vpp: i
             tensors.update({f"optim.bucket0.{s}": torch.cat(v) for s, v in flats.items()})
             tensors.update({f"optim.{k}": v for k, v in full.scalars.items()})
         ckpt.write_rank_file(tmp, rank, tensors)
+        records.append(slices.file_record(rows, ranges if zero_stage > 0 else [], topo.pp_rank))
         del chunks
     # (older checkpoints' top-level "family" was the class that wrote them: the model config's
     # family field replaces it)
     base = {k: v for k, v in (meta or full.meta).items()
-            if k not in ("layout", "model", "iteration", "world_size", "files", "family")}
+            if k not in ("layout", "model", "iteration", "world_size", "files", "family", "slices")}
+    base["slices"] = slices.meta_record(records)
     base.update(model=dataclasses.asdict(config), layout=dict(
         tp=tp, pp=pp, dp=dp, vpp=vpp, world_size=world, zero_stage=zero_stage,
         **({"ep": ep} if ep != 1 else {})))
@@ -389,7 +400,9 @@ def load_weights(folder: str, chunks, topo) -> FullState:
     for generation, evaluation and tools."""
     meta = ckpt.read_meta(folder)
     zero3 = meta.get("layout", {}).get("zero_stage", 0) == 3  # weights live in the optimizer
-    full = read_full_state(folder, {row[2] for row in param_table(chunks)}, optimizer=zero3)
+    rows = param_table(chunks)
+    full = read_full_state(folder, {row[2] for row in rows}, optimizer=zero3,
+                           need=slices.need_of(rows, topo.tp_rank, topo.tp))
     try:
         for chunk in chunks:
             load_full_state_dict(chunk, full.weights, topo)

@@ -14,8 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
+from parallel import collectives as C
 from training.checkpoint import format as ckpt
 from training.checkpoint import reshard
+from training.checkpoint import slices
 from training.checkpoint import storage
 from training.config.run_config import RunConfig
 
@@ -53,13 +55,37 @@ def rank_tensors(chunks, opt, rng, zero_stage: int) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def _ranges_rows(opt) -> list[list[int]]:
+    """This rank's ZeRO `ranges` rows over every bucket (param index, start, end, offset)."""
+    return [row for k, v in opt.state_dict().items() if k.endswith(".ranges") for row in v.tolist()]
+
+
+def slices_record(chunks, opt, topo, zero_stage: int) -> dict:
+    """Collective: meta.json's record of every rank file's slices (`slices.py`; ZeRO-0 shards
+    hold whole tensors, so no ranges). Each rank's description travels as JSON bytes padded to
+    the longest (two all-gathers)."""
+    ranges = _ranges_rows(opt) if zero_stage > 0 else []
+    mine = ckpt.json_tensor(slices.file_record(reshard.param_table(chunks, opt), ranges,
+                                               topo.pp_rank))
+    group = C.world()
+    if C.is_single(group):
+        return slices.meta_record([ckpt.tensor_json(mine)])
+    device = C.collective_device(group)
+    sizes = C.all_gather(torch.tensor([mine.numel()], device=device), group).tolist()
+    padded = torch.zeros(max(sizes), dtype=torch.uint8)
+    padded[:mine.numel()] = mine
+    every = C.all_gather(padded.to(device), group).cpu().reshape(len(sizes), -1)
+    return slices.meta_record([ckpt.tensor_json(row[:n].clone()) for row, n in zip(every, sizes)])
+
+
 def save(run: RunConfig, topo, chunks, opt, rng, state: TrainState, writer=None) -> str:
     """Collective: this rank's part of the checkpoint of `state.iteration`, then retention.
     With `writer` (an `AsyncCheckpointWriter`, --async-save) the files are written in the
     background and retention runs once they are committed; returns the checkpoint's folder."""
     meta = dict(consumed_samples=state.consumed_samples, skipped_steps=state.skipped_steps,
                 model=dataclasses.asdict(run.model), layout=layout_of(run, topo),
-                seq_length=run.data.seq_length, seed=run.seed)
+                seq_length=run.data.seq_length, seed=run.seed,
+                slices=slices_record(chunks, opt, topo, run.optimizer.zero_stage))
     root = run.checkpoint.save
     tensors = rank_tensors(chunks, opt, rng, run.optimizer.zero_stage)
     if topo.rank == 0:  # before the save's free-space check: --keep-last can make room
@@ -145,8 +171,9 @@ def _read(run: RunConfig, topo, chunks, opt, folder: str):
     if meta.get("weights_only") and not weights_only:
         raise ckpt.CheckpointError(f"{folder} holds weights only (an imported model); add "
                                    f"--finetune to start training from it")
-    names = {row[2] for row in reshard.param_table(chunks)}
-    return meta, (tensors, reshard.read_full_state(folder, names))
+    rows = reshard.param_table(chunks)
+    need = slices.need_of(rows, topo.tp_rank, topo.tp, _ranges_rows(opt))
+    return meta, (tensors, reshard.read_full_state(folder, {row[2] for row in rows}, need=need))
 
 
 def _apply(run: RunConfig, topo, chunks, opt, rng, folder: str, meta: dict, source) -> TrainState:

@@ -224,8 +224,11 @@ class Trainer:
     def save_if_due(self, stopping: bool) -> None:
         """Every --save-interval iterations, and when the run stops early (--async-save: first
         commits the background save in flight once every rank has written it)."""
-        if self.writer is not None:
-            self.writer.poll()
+        if self.writer is not None and self.writer.in_flight is not None:
+            # an all-reduce, then (once written) the commit's agreements: watched; not patient,
+            # since nobody writes inside (rank 0 only renames) and a patient phase beats the store
+            with self.watchdog.collective("checkpoint commit poll (agree, commit once written)"):
+                self.writer.poll()
         interval = self.run.checkpoint.save_interval
         if self.run.checkpoint.save and (stopping or (interval and self.state.iteration % interval == 0)):
             self.save_now()
