@@ -208,6 +208,80 @@ def test_megatron_import_at_another_layout_continues_the_run(megatron):
     megatron["imported"] = folder
 
 
+def _save_distrib_optim(root, model, opt, bucket):
+    """A legacy checkpoint saved with --use-distributed-optimizer --overlap-grad-reduce
+    --ddp-bucket-size `bucket`: the grad buffers are Megatron-core's own (its DDP wrapper, whose
+    buckets and 64-element alignment decide the flat layout) and `distrib_optim.pt` and the
+    model file's optimizer entry are written by megatron-core's own DistributedOptimizer
+    methods (get_parameter_state_dp_zero, state_dict). Its constructor refuses CPU tensors,
+    so they run on a stand-in holding what they read: the buffers, their param ranges and
+    torch AdamW's masters and moments (Megatron's optimizer without Apex/TE is torch's)."""
+    import copy
+    import torch.distributed as dist
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    groups = {id(v): v for m in model.modules() for v in vars(m).values()
+              if isinstance(v, dist.ProcessGroup)}  # shared, not copied
+    for m in model.modules():
+        for v in vars(m).values():
+            groups.update({id(g): g for g in vars(v).values() if isinstance(g, dist.ProcessGroup)}
+                          if hasattr(v, "__dict__") and not isinstance(v, torch.nn.Module) else {})
+    wrapped = copy.deepcopy(model, groups)  # DDP rewires its parameters: keep the fixture's
+    moments = {id(c): opt.state[p] for p, c in zip(model.parameters(), wrapped.parameters())}
+    with _megatron_world(), _cpu_stubs():
+        ddp = DistributedDataParallel(wrapped.config, DistributedDataParallelConfig(
+            use_distributed_optimizer=True, overlap_grad_reduce=True, bucket_size=bucket), wrapped)
+        assert sum(len(b.buckets) for b in ddp.buffers) > 1  # the layout crosses buckets
+
+        class Shim:
+            buffers = ddp.buffers
+            gbuf_ranges = [DistributedOptimizer._build_gbuf_range_map(b) for b in ddp.buffers]
+            data_parallel_group_gloo = dist.group.WORLD
+            optimizer, grad_scaler = opt, None
+
+            def _get_main_param_and_optimizer_states(self, param):
+                s = moments[id(param)]
+                return {"param": param.detach().float().view(-1), "exp_avg": s["exp_avg"].view(-1),
+                        "exp_avg_sq": s["exp_avg_sq"].view(-1)}
+        state = DistributedOptimizer.get_parameter_state_dp_zero(Shim())
+        optimizer = DistributedOptimizer.state_dict(Shim())
+    args = _args()
+    args.use_distributed_optimizer, args.overlap_grad_reduce, args.ddp_bucket_size = True, True, bucket
+    path = _save_legacy(root, model, opt, args)
+    sd = torch.load(path, weights_only=False)
+    sd["optimizer"] = optimizer
+    torch.save(sd, path)
+    torch.save(state, os.path.join(os.path.dirname(path), "distrib_optim.pt"))
+
+
+def test_megatron_distributed_optimizer_state_is_read(megatron, tmp_path):
+    from training.checkpoint import format as ckpt
+    from training.checkpoint.foreign import megatron_legacy, names
+    root = str(tmp_path / "mg")
+    _save_distrib_optim(root, megatron["model"], megatron["opt"], bucket=3000)
+    _, _, full, it = megatron_legacy.read(root)
+    assert it == 7 and int(full.scalars["applied_steps"]) == 2
+    state, checked = megatron["opt"].state, 0
+    for key, p in megatron["model"].named_parameters():
+        canon, split, expert = names.to_megazoo(key, 0)
+        canon = "head_weight" if key == "output_layer.weight" else canon
+        rows = slice(0, VOCAB) if split == "vocab" else slice(None)
+        for s in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(full.optim[s][canon], state[p][s][rows]), (key, s)
+        assert torch.equal(full.optim["master"][canon], p.detach()[rows])
+        checked += 1
+    assert checked == len(list(megatron["model"].parameters())) > 10
+    # a flat buffer that does not match the model's parameters is refused, naming both counts
+    optim_path = os.path.join(root, "iter_0000007", "mp_rank_00", "distrib_optim.pt")
+    saved = torch.load(optim_path, weights_only=False)
+    flat = next(iter(saved[0].values()))
+    flat.update({k: flat[k][:-64] for k in ("param", "exp_avg", "exp_avg_sq")},
+                numel_unpadded=flat["numel_unpadded"] - 64)
+    torch.save(saved, optim_path)
+    with pytest.raises(ckpt.CheckpointError, match="values, the model's parameters"):
+        megatron_legacy.read(root)
+
+
 def test_megatron_export_shards_like_megatron_and_round_trips(megatron):
     from training.checkpoint.foreign import safe_load
     from training.checkpoint.foreign.convert import export_checkpoint, import_checkpoint
