@@ -610,7 +610,9 @@ def test_megatron_resume_next_loss_equals_megatron_next_loss(megatron):
 def test_megatron_moe_imports_at_expert_parallel_and_round_trips(megatron, tmp_path):
     """Megatron-core's MoE GPTModel (SequentialMLP `local_experts.{e}`, top-2 of 4 experts):
     imported at tp=2, ep=2 its logits equal Megatron-core's; exported at tp=2, pp=2 and read
-    back, bit for bit."""
+    back, bit for bit. The same in torch_dist: saved by Megatron-core, imported at tp=2, ep=2
+    (logits), exported and loaded by Megatron-core's dist_checkpointing.load (equal logits),
+    read back bit for bit."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.moe import moe_utils
@@ -664,6 +666,30 @@ def test_megatron_moe_imports_at_expert_parallel_and_round_trips(megatron, tmp_p
     back = import_checkpoint("megatron", str(tmp_path / "out"), str(tmp_path / "back"))
     a, b = read_full_state(folder).weights, read_full_state(back).weights
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    # torch_dist: experts as one [layers, experts, ...] tensor, saved by Megatron-core
+    with _megatron_world(), _cpu_stubs():
+        _save_dist(str(tmp_path / "dist"), model, args)
+    dist = import_checkpoint("megatron-dist", str(tmp_path / "dist"), str(tmp_path / "mz_dist"),
+                             tp=2, ep=2)
+    torch.testing.assert_close(_megazoo_logits(dist, megatron["ids"]), logits[..., :VOCAB], **FP32)
+    out = export_checkpoint("megatron-dist", folder, str(tmp_path / "dist_out"))
+    from megatron.core import dist_checkpointing
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    moe_utils.te_general_gemm = None
+    try:
+        with _megatron_world(), _cpu_stubs(), torch.serialization.safe_globals([argparse.Namespace]):
+            loaded = dist_checkpointing.load(model.sharded_state_dict(), out)
+            model.load_state_dict({k: v for k, v in loaded.items() if k in model.state_dict()})
+            # the padding rows are zeros in megazoo's export
+            assert torch.equal(_megatron_logits(model, megatron["ids"])[..., :VOCAB],
+                               logits[..., :VOCAB])
+    finally:
+        moe_utils.te_general_gemm = gemm
+    back = read_full_state(import_checkpoint("megatron-dist", str(tmp_path / "dist_out"),
+                                             str(tmp_path / "dist_back"))).weights
+    assert set(a) == set(back) and all(torch.equal(a[k], back[k]) for k in a)
 
 
 def _zero_files(folder, hf, stage, world, moments, zero_stage_enum):
