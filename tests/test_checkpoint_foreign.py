@@ -510,7 +510,9 @@ def _pipeline_name(hf_name, layers):
 
 def test_deepspeed_universal_checkpoint_resumes_with_its_moments(bloom, tmp_path):
     """A universal checkpoint written by hand from DeepSpeed's ds_to_universal.py format
-    (DeepSpeed is not installed by the tests): fp32 masters, moments and step carry over."""
+    (DeepSpeed is not installed by the tests): fp32 masters, moments and step carry over.
+    Exported back (the files of universal_checkpoint.py's loader: `param`, `cat_dim`,
+    `vocab_tensor`, step.pt, latest_universal) it imports bit for bit."""
     from training.checkpoint.foreign.convert import import_checkpoint
     from training.checkpoint.reshard import read_full_state
     folder = tmp_path / "ds" / "global_step12"
@@ -544,6 +546,32 @@ def test_deepspeed_universal_checkpoint_resumes_with_its_moments(bloom, tmp_path
         assert torch.equal(full.optim["exp_avg_sq"][mz], moments[hf_name][1])
     assert "DeepSpeed universal checkpoint (global_step12)" in \
         _tool("inspect_checkpoint")._foreign(str(tmp_path / "ds"))
+    # export: the universal layout DeepSpeed's loader reads, and back bit for bit
+    from training.checkpoint.foreign.convert import export_checkpoint
+    export_checkpoint("deepspeed", out, str(tmp_path / "ds_out"))
+    assert (tmp_path / "ds_out" / "latest_universal").read_text() == "global_step12"
+    zero = tmp_path / "ds_out" / "global_step12" / "zero"
+    assert sorted(p.name for p in zero.iterdir() if p.is_dir()) == \
+        sorted(p.name for p in (folder / "zero").iterdir())
+    emb = torch.load(zero / "tied_modules.embed.word_embeddings.weight" / "exp_avg.pt")
+    assert emb["cat_dim"] == 0 and emb["vocab_tensor"] is True
+    assert torch.equal(emb["param"], moments["transformer.word_embeddings.weight"][0])
+    dense = torch.load(zero / "4.self_attention.dense.weight" / "fp32.pt")
+    assert dense["cat_dim"] == 1 and "cat_dim" not in torch.load(zero / "3.input_layernorm.bias" / "fp32.pt")
+    assert int(torch.load(zero / "5.mlp.dense_h_to_4h.weight" / "step.pt")) == 5
+    back = read_full_state(import_checkpoint("deepspeed", str(tmp_path / "ds_out"),
+                                             str(tmp_path / "mz_back")))
+    assert set(back.weights) == set(full.weights) and back.meta["consumed_samples"] == 96
+    for k in full.weights:
+        assert torch.equal(back.weights[k], full.weights[k]), k
+        for s in ("master", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(back.optim[s][k], full.optim[s][k]), (s, k)
+    assert int(back.scalars["applied_steps"]) == 5 and back.meta["iteration"] == 12
+    import shutil  # the pipeline layer files (the module's weights) read alone: the same model
+    shutil.rmtree(zero)
+    layers = read_full_state(import_checkpoint("deepspeed", str(tmp_path / "ds_out"),
+                                               str(tmp_path / "mz_layers"), optimizer=False))
+    assert all(torch.equal(layers.weights[k], full.weights[k]) for k in full.weights)
 
 
 def test_megatron_resume_next_loss_equals_megatron_next_loss(megatron):
