@@ -11,6 +11,10 @@ the exported one is loaded by its `dist_checkpointing.load` (CUDA calls stubbed 
 Checked: imported at another layout the logits equal Megatron-core's forward within 1e-5,
 iteration, consumed samples and Adam moments carry over exactly, export -> import is bit for
 bit, TP shards follow Megatron's [gate_r; up_r], unsafe or inconsistent files are refused.
+A `--use-distributed-optimizer` save's `distrib_optim.pt` is laid out by Megatron-core's own
+grad buffers and written by its own DistributedOptimizer methods (on a stand-in: its
+constructor refuses CPU tensors); MoE is checked in both legacy and torch_dist; DeepSpeed
+universal checkpoints are exported and read back bit for bit.
 """
 import argparse
 import contextlib
@@ -271,6 +275,13 @@ def test_megatron_distributed_optimizer_state_is_read(megatron, tmp_path):
         assert torch.equal(full.optim["master"][canon], p.detach()[rows])
         checked += 1
     assert checked == len(list(megatron["model"].parameters())) > 10
+    # imported at tp=2 for `--load`: the same state, iteration and step
+    from training.checkpoint.foreign.convert import import_checkpoint
+    from training.checkpoint.reshard import read_full_state
+    imported = read_full_state(import_checkpoint("megatron", root, str(tmp_path / "mz"), tp=2))
+    assert imported.meta["iteration"] == 7 and int(imported.scalars["applied_steps"]) == 2
+    assert all(torch.equal(imported.optim[s][k], full.optim[s][k])
+               for s in ("master", "exp_avg", "exp_avg_sq") for k in full.optim[s])
     # a flat buffer that does not match the model's parameters is refused, naming both counts
     optim_path = os.path.join(root, "iter_0000007", "mp_rank_00", "distrib_optim.pt")
     saved = torch.load(optim_path, weights_only=False)
@@ -288,7 +299,10 @@ def test_megatron_export_shards_like_megatron_and_round_trips(megatron):
     from training.checkpoint.reshard import read_full_state
     if "imported" not in megatron:
         pytest.fail("needs the import test's checkpoint")
+    from training.checkpoint import format as ckpt
     out = str(megatron["tmp"].mktemp("mg_out"))
+    with pytest.raises(ckpt.CheckpointError, match="only Megatron-DeepSpeed's GPT and BLOOM"):
+        export_checkpoint("deepspeed", megatron["imported"], out)  # Llama: no universal names
     export_checkpoint("megatron", megatron["imported"], out, tp=2, pp=2, vpp=2)
     rank = safe_load.load(os.path.join(out, "iter_0000007", "mp_rank_00_001", "model_optim_rng.pt"))
     assert sorted(k for k in rank if k.startswith("model")) == ["model0", "model1"]
