@@ -95,8 +95,9 @@ def write(full: FullState, config, root: str, *, tp: int = 1, pp: int = 1, vpp: 
             pad = config.padded_vocab_size(1) - weight.shape[0]
             weight = torch.cat([weight, weight.new_zeros((pad,) + tuple(weight.shape[1:]))])
         layer_files.setdefault(number, {})[key] = weight.contiguous()
-    torch.save({**_GLOBAL_STATE, "param_groups": [{"weight_decay_group": True, "params": []},
-                                                  {"weight_decay_group": False, "params": []}]},
+    # the loader copies a group's entries over the running optimizer's (lr, weight decay):
+    # none are written, so the resumed run's own settings stand
+    torch.save({**_GLOBAL_STATE, "param_groups": [{"params": []}, {"params": []}]},
                os.path.join(zero, "optimizer_state.pt"))
     for number, sd in layer_files.items():
         torch.save(sd, os.path.join(folder, f"layer_{number:02d}-model_00-model_states.pt"))
