@@ -11,6 +11,10 @@ the exported one is loaded by its `dist_checkpointing.load` (CUDA calls stubbed 
 Checked: imported at another layout the logits equal Megatron-core's forward within 1e-5,
 iteration, consumed samples and Adam moments carry over exactly, export -> import is bit for
 bit, TP shards follow Megatron's [gate_r; up_r], unsafe or inconsistent files are refused.
+A `--use-distributed-optimizer` save's `distrib_optim.pt` is laid out by Megatron-core's own
+grad buffers and written by its own DistributedOptimizer methods (on a stand-in: its
+constructor refuses CPU tensors); MoE is checked in both legacy and torch_dist; DeepSpeed
+universal checkpoints are exported and read back bit for bit.
 """
 import argparse
 import contextlib
@@ -207,13 +211,97 @@ def test_megatron_import_at_another_layout_continues_the_run(megatron):
     megatron["imported"] = folder
 
 
+def _save_distrib_optim(root, model, opt, bucket):
+    """A legacy checkpoint saved with --use-distributed-optimizer --overlap-grad-reduce
+    --ddp-bucket-size `bucket`: the grad buffers are Megatron-core's own (its DDP wrapper, whose
+    buckets and 64-element alignment decide the flat layout) and `distrib_optim.pt` and the
+    model file's optimizer entry are written by megatron-core's own DistributedOptimizer
+    methods (get_parameter_state_dp_zero, state_dict). Its constructor refuses CPU tensors,
+    so they run on a stand-in holding what they read: the buffers, their param ranges and
+    torch AdamW's masters and moments (Megatron's optimizer without Apex/TE is torch's)."""
+    import copy
+    import torch.distributed as dist
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    groups = {id(v): v for m in model.modules() for v in vars(m).values()
+              if isinstance(v, dist.ProcessGroup)}  # shared, not copied
+    for m in model.modules():
+        for v in vars(m).values():
+            groups.update({id(g): g for g in vars(v).values() if isinstance(g, dist.ProcessGroup)}
+                          if hasattr(v, "__dict__") and not isinstance(v, torch.nn.Module) else {})
+    wrapped = copy.deepcopy(model, groups)  # DDP rewires its parameters: keep the fixture's
+    moments = {id(c): opt.state[p] for p, c in zip(model.parameters(), wrapped.parameters())}
+    with _megatron_world(), _cpu_stubs():
+        ddp = DistributedDataParallel(wrapped.config, DistributedDataParallelConfig(
+            use_distributed_optimizer=True, overlap_grad_reduce=True, bucket_size=bucket), wrapped)
+        assert sum(len(b.buckets) for b in ddp.buffers) > 1  # the layout crosses buckets
+
+        class Shim:
+            buffers = ddp.buffers
+            gbuf_ranges = [DistributedOptimizer._build_gbuf_range_map(b) for b in ddp.buffers]
+            data_parallel_group_gloo = dist.group.WORLD
+            optimizer, grad_scaler = opt, None
+
+            def _get_main_param_and_optimizer_states(self, param):
+                s = moments[id(param)]
+                return {"param": param.detach().float().view(-1), "exp_avg": s["exp_avg"].view(-1),
+                        "exp_avg_sq": s["exp_avg_sq"].view(-1)}
+        state = DistributedOptimizer.get_parameter_state_dp_zero(Shim())
+        optimizer = DistributedOptimizer.state_dict(Shim())
+    args = _args()
+    args.use_distributed_optimizer, args.overlap_grad_reduce, args.ddp_bucket_size = True, True, bucket
+    path = _save_legacy(root, model, opt, args)
+    sd = torch.load(path, weights_only=False)
+    sd["optimizer"] = optimizer
+    torch.save(sd, path)
+    torch.save(state, os.path.join(os.path.dirname(path), "distrib_optim.pt"))
+
+
+def test_megatron_distributed_optimizer_state_is_read(megatron, tmp_path):
+    from training.checkpoint import format as ckpt
+    from training.checkpoint.foreign import megatron_legacy, names
+    root = str(tmp_path / "mg")
+    _save_distrib_optim(root, megatron["model"], megatron["opt"], bucket=3000)
+    _, _, full, it = megatron_legacy.read(root)
+    assert it == 7 and int(full.scalars["applied_steps"]) == 2
+    state, checked = megatron["opt"].state, 0
+    for key, p in megatron["model"].named_parameters():
+        canon, split, expert = names.to_megazoo(key, 0)
+        canon = "head_weight" if key == "output_layer.weight" else canon
+        rows = slice(0, VOCAB) if split == "vocab" else slice(None)
+        for s in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(full.optim[s][canon], state[p][s][rows]), (key, s)
+        assert torch.equal(full.optim["master"][canon], p.detach()[rows])
+        checked += 1
+    assert checked == len(list(megatron["model"].parameters())) > 10
+    # imported at tp=2 for `--load`: the same state, iteration and step
+    from training.checkpoint.foreign.convert import import_checkpoint
+    from training.checkpoint.reshard import read_full_state
+    imported = read_full_state(import_checkpoint("megatron", root, str(tmp_path / "mz"), tp=2))
+    assert imported.meta["iteration"] == 7 and int(imported.scalars["applied_steps"]) == 2
+    assert all(torch.equal(imported.optim[s][k], full.optim[s][k])
+               for s in ("master", "exp_avg", "exp_avg_sq") for k in full.optim[s])
+    # a flat buffer that does not match the model's parameters is refused, naming both counts
+    optim_path = os.path.join(root, "iter_0000007", "mp_rank_00", "distrib_optim.pt")
+    saved = torch.load(optim_path, weights_only=False)
+    flat = next(iter(saved[0].values()))
+    flat.update({k: flat[k][:-64] for k in ("param", "exp_avg", "exp_avg_sq")},
+                numel_unpadded=flat["numel_unpadded"] - 64)
+    torch.save(saved, optim_path)
+    with pytest.raises(ckpt.CheckpointError, match="values, the model's parameters"):
+        megatron_legacy.read(root)
+
+
 def test_megatron_export_shards_like_megatron_and_round_trips(megatron):
     from training.checkpoint.foreign import safe_load
     from training.checkpoint.foreign.convert import export_checkpoint, import_checkpoint
     from training.checkpoint.reshard import read_full_state
     if "imported" not in megatron:
         pytest.fail("needs the import test's checkpoint")
+    from training.checkpoint import format as ckpt
     out = str(megatron["tmp"].mktemp("mg_out"))
+    with pytest.raises(ckpt.CheckpointError, match="only Megatron-DeepSpeed's GPT and BLOOM"):
+        export_checkpoint("deepspeed", megatron["imported"], out)  # Llama: no universal names
     export_checkpoint("megatron", megatron["imported"], out, tp=2, pp=2, vpp=2)
     rank = safe_load.load(os.path.join(out, "iter_0000007", "mp_rank_00_001", "model_optim_rng.pt"))
     assert sorted(k for k in rank if k.startswith("model")) == ["model0", "model1"]
@@ -435,7 +523,9 @@ def _pipeline_name(hf_name, layers):
 
 def test_deepspeed_universal_checkpoint_resumes_with_its_moments(bloom, tmp_path):
     """A universal checkpoint written by hand from DeepSpeed's ds_to_universal.py format
-    (DeepSpeed is not installed by the tests): fp32 masters, moments and step carry over."""
+    (DeepSpeed is not installed by the tests): fp32 masters, moments and step carry over.
+    Exported back (the files of universal_checkpoint.py's loader: `param`, `cat_dim`,
+    `vocab_tensor`, step.pt, latest_universal) it imports bit for bit."""
     from training.checkpoint.foreign.convert import import_checkpoint
     from training.checkpoint.reshard import read_full_state
     folder = tmp_path / "ds" / "global_step12"
@@ -469,6 +559,32 @@ def test_deepspeed_universal_checkpoint_resumes_with_its_moments(bloom, tmp_path
         assert torch.equal(full.optim["exp_avg_sq"][mz], moments[hf_name][1])
     assert "DeepSpeed universal checkpoint (global_step12)" in \
         _tool("inspect_checkpoint")._foreign(str(tmp_path / "ds"))
+    # export: the universal layout DeepSpeed's loader reads, and back bit for bit
+    from training.checkpoint.foreign.convert import export_checkpoint
+    export_checkpoint("deepspeed", out, str(tmp_path / "ds_out"))
+    assert (tmp_path / "ds_out" / "latest_universal").read_text() == "global_step12"
+    zero = tmp_path / "ds_out" / "global_step12" / "zero"
+    assert sorted(p.name for p in zero.iterdir() if p.is_dir()) == \
+        sorted(p.name for p in (folder / "zero").iterdir())
+    emb = torch.load(zero / "tied_modules.embed.word_embeddings.weight" / "exp_avg.pt")
+    assert emb["cat_dim"] == 0 and emb["vocab_tensor"] is True
+    assert torch.equal(emb["param"], moments["transformer.word_embeddings.weight"][0])
+    dense = torch.load(zero / "4.self_attention.dense.weight" / "fp32.pt")
+    assert dense["cat_dim"] == 1 and "cat_dim" not in torch.load(zero / "3.input_layernorm.bias" / "fp32.pt")
+    assert int(torch.load(zero / "5.mlp.dense_h_to_4h.weight" / "step.pt")) == 5
+    back = read_full_state(import_checkpoint("deepspeed", str(tmp_path / "ds_out"),
+                                             str(tmp_path / "mz_back")))
+    assert set(back.weights) == set(full.weights) and back.meta["consumed_samples"] == 96
+    for k in full.weights:
+        assert torch.equal(back.weights[k], full.weights[k]), k
+        for s in ("master", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(back.optim[s][k], full.optim[s][k]), (s, k)
+    assert int(back.scalars["applied_steps"]) == 5 and back.meta["iteration"] == 12
+    import shutil  # the pipeline layer files (the module's weights) read alone: the same model
+    shutil.rmtree(zero)
+    layers = read_full_state(import_checkpoint("deepspeed", str(tmp_path / "ds_out"),
+                                               str(tmp_path / "mz_layers"), optimizer=False))
+    assert all(torch.equal(layers.weights[k], full.weights[k]) for k in full.weights)
 
 
 def test_megatron_resume_next_loss_equals_megatron_next_loss(megatron):
@@ -535,7 +651,9 @@ def test_megatron_resume_next_loss_equals_megatron_next_loss(megatron):
 def test_megatron_moe_imports_at_expert_parallel_and_round_trips(megatron, tmp_path):
     """Megatron-core's MoE GPTModel (SequentialMLP `local_experts.{e}`, top-2 of 4 experts):
     imported at tp=2, ep=2 its logits equal Megatron-core's; exported at tp=2, pp=2 and read
-    back, bit for bit."""
+    back, bit for bit. The same in torch_dist: saved by Megatron-core, imported at tp=2, ep=2
+    (logits), exported and loaded by Megatron-core's dist_checkpointing.load (equal logits),
+    read back bit for bit."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.moe import moe_utils
@@ -589,6 +707,30 @@ def test_megatron_moe_imports_at_expert_parallel_and_round_trips(megatron, tmp_p
     back = import_checkpoint("megatron", str(tmp_path / "out"), str(tmp_path / "back"))
     a, b = read_full_state(folder).weights, read_full_state(back).weights
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    # torch_dist: experts as one [layers, experts, ...] tensor, saved by Megatron-core
+    with _megatron_world(), _cpu_stubs():
+        _save_dist(str(tmp_path / "dist"), model, args)
+    dist = import_checkpoint("megatron-dist", str(tmp_path / "dist"), str(tmp_path / "mz_dist"),
+                             tp=2, ep=2)
+    torch.testing.assert_close(_megazoo_logits(dist, megatron["ids"]), logits[..., :VOCAB], **FP32)
+    out = export_checkpoint("megatron-dist", folder, str(tmp_path / "dist_out"))
+    from megatron.core import dist_checkpointing
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    moe_utils.te_general_gemm = None
+    try:
+        with _megatron_world(), _cpu_stubs(), torch.serialization.safe_globals([argparse.Namespace]):
+            loaded = dist_checkpointing.load(model.sharded_state_dict(), out)
+            model.load_state_dict({k: v for k, v in loaded.items() if k in model.state_dict()})
+            # the padding rows are zeros in megazoo's export
+            assert torch.equal(_megatron_logits(model, megatron["ids"])[..., :VOCAB],
+                               logits[..., :VOCAB])
+    finally:
+        moe_utils.te_general_gemm = gemm
+    back = read_full_state(import_checkpoint("megatron-dist", str(tmp_path / "dist_out"),
+                                             str(tmp_path / "dist_back"))).weights
+    assert set(a) == set(back) and all(torch.equal(a[k], back[k]) for k in a)
 
 
 def _zero_files(folder, hf, stage, world, moments, zero_stage_enum):

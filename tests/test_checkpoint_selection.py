@@ -11,7 +11,6 @@ import torch
 
 import training.checkpoint.format as ckpt
 from models.config import TransformerConfig
-from models.language_model import TransformerLanguageModel
 from parallel.layout import Grid
 from parallel.sharding import local_shard
 from training.checkpoint.reshard import FullState, build_rank_chunks, load_weights, param_table, \
@@ -23,7 +22,7 @@ CONFIG = dict(vocab_size=61, hidden_size=32, num_layers=4, num_attention_heads=4
 
 
 def _full(config) -> FullState:
-    _, chunks = build_rank_chunks(TransformerLanguageModel, config, tp=1, pp=1, vpp=1, dp=1, rank=0)
+    _, chunks = build_rank_chunks(config, tp=1, pp=1, vpp=1, dp=1, rank=0)
     g = torch.Generator().manual_seed(0)
     weights = {}
     for row, (_, p) in zip(param_table(chunks), chunks[0].named_parameters()):
@@ -64,12 +63,11 @@ def test_another_layout_opens_only_the_files_holding_its_slices(tmp_path, monkey
     config = TransformerConfig(**CONFIG, tie_word_embeddings=tied)
     full = _full(config)
     for n, ((tp, pp, dp, zero), (ttp, tpp, tdp), optimizer) in enumerate(CASES):
-        folder = write_layout(full, str(tmp_path / str(n)), model_cls=TransformerLanguageModel,
-                              config=config, tp=tp, pp=pp, dp=dp, zero_stage=zero, iteration=3)
+        folder = write_layout(full, str(tmp_path / str(n)), config=config, tp=tp, pp=pp, dp=dp, zero_stage=zero, iteration=3)
         opened = _opened(monkeypatch)
         every = 0
         for rank in range(ttp * tpp * tdp):
-            topo, chunks = build_rank_chunks(TransformerLanguageModel, config, tp=ttp, pp=tpp, vpp=1,
+            topo, chunks = build_rank_chunks(config, tp=ttp, pp=tpp, vpp=1,
                                              dp=tdp, rank=rank)
             names = {row[2] for row in param_table(chunks)}
             opened.clear()
@@ -133,11 +131,10 @@ def test_recorded_slices_open_only_the_files_a_rank_needs(tmp_path, monkeypatch)
     config = TransformerConfig(**CONFIG, tie_word_embeddings=True)
     full = _full(config)
     for n, ((tp, dp, zero), (ttp, tdp), files) in enumerate(SLICED):
-        folder = write_layout(full, str(tmp_path / str(n)), model_cls=TransformerLanguageModel,
-                              config=config, tp=tp, pp=1, dp=dp, zero_stage=zero, iteration=3)
+        folder = write_layout(full, str(tmp_path / str(n)), config=config, tp=tp, pp=1, dp=dp, zero_stage=zero, iteration=3)
         opened = _opened(monkeypatch)
         for rank in range(ttp * tdp):
-            topo, chunks = build_rank_chunks(TransformerLanguageModel, config, tp=ttp, pp=1, vpp=1,
+            topo, chunks = build_rank_chunks(config, tp=ttp, pp=1, vpp=1,
                                              dp=tdp, rank=rank)
             rows = param_table(chunks)
             ranges = _even_ranges(chunks, topo.dp_rank, tdp, zero)
@@ -178,11 +175,10 @@ def _write_meta(folder, meta):
 def test_weights_of_another_tp_open_only_the_shards_they_need(tmp_path, monkeypatch):
     config = TransformerConfig(**CONFIG, tie_word_embeddings=False)
     full = _full(config)
-    folder = write_layout(full, str(tmp_path / "w"), model_cls=TransformerLanguageModel,
-                          config=config, tp=4, pp=1, dp=1, iteration=3, weights_only=True)
+    folder = write_layout(full, str(tmp_path / "w"), config=config, tp=4, pp=1, dp=1, iteration=3, weights_only=True)
     opened = _opened(monkeypatch)
     for rank in range(2):
-        topo, chunks = build_rank_chunks(TransformerLanguageModel, config, tp=2, pp=1, vpp=1,
+        topo, chunks = build_rank_chunks(config, tp=2, pp=1, vpp=1,
                                          dp=1, rank=rank)
         opened.clear()
         load_weights(folder, chunks, topo)

@@ -10,7 +10,8 @@ Formats: megatron (Megatron-LM's legacy `--ckpt-format torch` folders), megatron
 (Megatron-core's `torch_dist` checkpoints, which Megatron-core loads back), hf (Hugging Face
 folders; the same as tools/convert_hf.py), each both ways; deepspeed (import: ZeRO-1/2/3
 checkpoints of a Hugging Face model with --hf-config, universal checkpoints, and the
-Megatron-DeepSpeed pipeline layout BLOOM-176B was saved in, weights only). A Megatron-LM import carries the weights, and
+Megatron-DeepSpeed pipeline layout BLOOM-176B was saved in, weights only; export: a universal
+checkpoint of a GPT or BLOOM run with its optimizer, no layout flags). A Megatron-LM import carries the weights, and
 where the files hold them the fp32 masters, Adam moments, step count, iteration and consumed
 samples, so `--load ckpt/run` continues the run under any layout (`--no-optimizer`: weights
 only, then train with `--finetune`).

@@ -12,7 +12,7 @@ import logging
 from parallel.layout import ParallelConfig
 
 from training.checkpoint import format as ckpt
-from training.checkpoint.foreign import deepspeed, megatron_dist, megatron_legacy
+from training.checkpoint.foreign import deepspeed, deepspeed_universal, megatron_dist, megatron_legacy
 from training.checkpoint.hf import checkpoint_config
 from training.checkpoint.reshard import read_full_state, write_layout
 
@@ -20,7 +20,8 @@ logger = logging.getLogger(__name__)
 
 READERS = {"megatron": megatron_legacy.read, "megatron-dist": megatron_dist.read,
            "deepspeed": deepspeed.read}
-WRITERS = {"megatron": megatron_legacy.write, "megatron-dist": megatron_dist.write}
+WRITERS = {"megatron": megatron_legacy.write, "megatron-dist": megatron_dist.write,
+           "deepspeed": deepspeed_universal.write}
 
 
 def import_checkpoint(fmt: str, load: str, save: str, *, tp: int = 1, pp: int = 1, vpp: int = 1,

@@ -51,7 +51,7 @@ logger = logging.getLogger(__name__)
 _LAYER_FILE = re.compile(r"layer_(\d+)-model_(\d+)-model_states\.pt")
 _STEP = re.compile(r"global_step(\d+)")
 # Megatron-DeepSpeed block key -> (megazoo suffix, split)
-_BLOCK = {
+BLOCK = {
     "input_layernorm.weight": ("input_norm.weight", "replicated"),
     "input_layernorm.bias": ("input_norm.bias", "replicated"),
     "self_attention.query_key_value.weight": ("attention.qkv.weight", "column"),
@@ -65,24 +65,32 @@ _BLOCK = {
     "mlp.dense_4h_to_h.weight": ("mlp.fc2.weight", "row"),
     "mlp.dense_4h_to_h.bias": ("mlp.fc2.bias", "replicated"),
 }
-_EMBEDDING = {
+EMBEDDING = {
     "word_embeddings.weight": ("embedding.word_embeddings.weight", "vocab"),
     "word_embeddings.norm.weight": ("embedding.norm.weight", "replicated"),
     "word_embeddings.norm.bias": ("embedding.norm.bias", "replicated"),
     "position_embeddings.weight": ("embedding.position_embeddings.weight", "replicated"),
 }
-_FINAL = {"weight": ("final_norm.weight", "replicated"), "bias": ("final_norm.bias", "replicated")}
+FINAL = {"weight": ("final_norm.weight", "replicated"), "bias": ("final_norm.bias", "replicated")}
+
+
+def pipeline_numbers(layers: int) -> tuple[int, int, int]:
+    """Megatron-DeepSpeed's GPT pipeline numbers of (the tied embedding, the first block, the
+    final norm): its layer list is [fp16 cast, embedding, transpose, blocks..., transpose,
+    final norm, tied head, fp32 cast]."""
+    return 1, 3, layers + 4
 
 
 def step_folder(root: str) -> str:
-    pointer = os.path.join(root, "latest")
-    if os.path.isfile(pointer):
-        try:
-            with open(pointer, encoding="utf-8") as f:
-                return os.path.join(root, f.read().strip())
-        except (UnicodeDecodeError, ValueError):  # not DeepSpeed's tag (a garbage or foreign file)
-            raise ckpt.CheckpointError(f"{pointer} is not a text tag naming a global_step* folder") \
-                from None
+    for tracker in ("latest", "latest_universal"):  # the second written by ds_to_universal.py
+        pointer = os.path.join(root, tracker)
+        if os.path.isfile(pointer):
+            try:
+                with open(pointer, encoding="utf-8") as f:
+                    return os.path.join(root, f.read().strip())
+            except (UnicodeDecodeError, ValueError):  # not DeepSpeed's tag (a garbage file)
+                raise ckpt.CheckpointError(f"{pointer} is not a text tag naming a global_step* "
+                                           f"folder") from None
     if _STEP.fullmatch(os.path.basename(os.path.normpath(root))):
         return root
     raise ckpt.CheckpointError(f"{root}: no 'latest' file and not a global_step* folder; pass a "
@@ -174,11 +182,11 @@ def read(root: str, vocab_size: int | None = None, *, optimizer: bool = True,
             sd = safe_load.load(path)
             is_block = "input_layernorm.weight" in sd
             if is_block:
-                table, prefix = _BLOCK, f"layers.{block}."
+                table, prefix = BLOCK, f"layers.{block}."
             elif "word_embeddings.weight" in sd:
-                table, prefix = _EMBEDDING, ""
-            elif set(sd) <= set(_FINAL):
-                table, prefix = _FINAL, ""
+                table, prefix = EMBEDDING, ""
+            elif set(sd) <= set(FINAL):
+                table, prefix = FINAL, ""
             else:
                 raise ckpt.CheckpointError(f"{path}: holds {sorted(sd)[:4]}, not a BLOOM/GPT "
                                            f"pipeline layer megazoo maps")
@@ -211,16 +219,16 @@ _UNIVERSAL_STATES = {"master": "fp32.pt", "exp_avg": "exp_avg.pt", "exp_avg_sq":
 def _universal_names(names: list[str], folder: str) -> dict[str, str]:
     """Pipeline-module parameter name -> megazoo canonical name."""
     blocks = sorted({int(n.split(".", 1)[0]) for n in names
-                     if n.split(".", 1)[0].isdigit() and n.split(".", 1)[1] in _BLOCK})
+                     if n.split(".", 1)[0].isdigit() and n.split(".", 1)[1] in BLOCK})
     out = {}
     for n in names:
         head, _, rest = n.partition(".")
-        if n.startswith("tied_modules.embed.") and n[len("tied_modules.embed."):] in _EMBEDDING:
-            out[n] = _EMBEDDING[n[len("tied_modules.embed."):]][0]
-        elif head.isdigit() and rest in _BLOCK:
-            out[n] = f"layers.{blocks.index(int(head))}.{_BLOCK[rest][0]}"
-        elif head.isdigit() and rest in _FINAL:
-            out[n] = _FINAL[rest][0]
+        if n.startswith("tied_modules.embed.") and n[len("tied_modules.embed."):] in EMBEDDING:
+            out[n] = EMBEDDING[n[len("tied_modules.embed."):]][0]
+        elif head.isdigit() and rest in BLOCK:
+            out[n] = f"layers.{blocks.index(int(head))}.{BLOCK[rest][0]}"
+        elif head.isdigit() and rest in FINAL:
+            out[n] = FINAL[rest][0]
         else:
             raise ckpt.CheckpointError(f"{folder}/zero/{n}: not a Megatron-DeepSpeed pipeline "
                                        f"parameter megazoo maps (GPT, BLOOM)")

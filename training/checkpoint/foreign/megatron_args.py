@@ -156,12 +156,20 @@ def check_exportable(config: TransformerConfig, where: str) -> None:
                                    f"here; export families {', '.join(MEGATRON_FAMILIES)}")
 
 
+# megazoo position embedding -> Megatron-DeepSpeed's PositionEmbeddingType member name
+_DEEPSPEED_POSITION = {"rope": "rotary", "learned": "absolute", "alibi": "alibi"}
+
+
 def from_config(config: TransformerConfig, *, tp: int, pp: int, vpp: int, iteration: int,
-                consumed_samples: int, seq_length: int | None) -> argparse.Namespace:
+                consumed_samples: int, seq_length: int | None,
+                megatron_deepspeed: bool = False) -> argparse.Namespace:
     """The args Namespace Megatron-LM records for this model and layout (what its loader and
-    `--use-checkpoint-args` read)."""
+    `--use-checkpoint-args` read); with `megatron_deepspeed` Megatron-DeepSpeed's, whose
+    position embedding is its enum's member name (the enum itself is not importable here) and
+    which also has BLOOM's ALiBi and embedding norm."""
     heads, groups = config.num_attention_heads, config.num_query_groups
-    if config.position_embedding not in ("learned", "rope") or config.embedding_layernorm:
+    if not megatron_deepspeed and (config.position_embedding not in ("learned", "rope")
+                                   or config.embedding_layernorm):
         raise ckpt.CheckpointError(f"{config.position_embedding} position embeddings with"
                                    f"{'' if config.embedding_layernorm else 'out'} an embedding "
                                    f"norm (BLOOM) have no Megatron-core form to export to")
@@ -172,8 +180,8 @@ def from_config(config: TransformerConfig, *, tp: int, pp: int, vpp: int, iterat
         group_query_attention=groups != heads, num_query_groups=groups,
         kv_channels=config.head_dim, max_position_embeddings=config.max_position_embeddings,
         seq_length=seq_length or config.max_position_embeddings,
-        position_embedding_type={"learned": "learned_absolute", "rope": "rope"}[
-            config.position_embedding],
+        position_embedding_type={"learned": "learned_absolute", "rope": "rope"}.get(
+            config.position_embedding),
         rotary_base=config.rope_theta, rotary_percent=1.0,
         normalization={"layernorm": "LayerNorm", "rmsnorm": "RMSNorm"}[config.normalization],
         norm_epsilon=config.layernorm_epsilon, swiglu=config.activation == "swiglu",
@@ -192,6 +200,9 @@ def from_config(config: TransformerConfig, *, tp: int, pp: int, vpp: int, iterat
         expert_model_parallel_size=1, use_distributed_optimizer=False, use_mcore_models=True,
         iteration=iteration, consumed_train_samples=consumed_samples,
         transformer_impl="local")
+    if megatron_deepspeed:
+        fields.update(position_embedding_type=_DEEPSPEED_POSITION[config.position_embedding],
+                      embed_layernorm=config.embedding_layernorm, use_mcore_models=False)
     if config.num_experts:
         fields.update(num_experts=config.num_experts, moe_router_topk=config.moe_router_topk,
                       moe_ffn_hidden_size=config.moe_ffn_hidden_size,

@@ -13,7 +13,8 @@ Tensors are saved whole (global shapes; TP and PP are only how ranks wrote their
 Megatron-core's sharded names: transformer layers stacked along a leading layer axis
 (`decoder.layers.self_attention.linear_qkv.weight` [layers, ...]) or kept per layer, norms under
 Transformer Engine's fused names whatever spec trained them, SwiGLU `linear_fc1` as the whole
-[gate; up], the vocabulary padded. Optimizer states are `optimizer.state.{exp_avg,exp_avg_sq}.`
+[gate; up], the vocabulary padded; routed experts as `decoder.layers.mlp.experts.experts.
+linear_fc{1,2}.weight` [layers, experts, ...] (every layer an MoE layer). Optimizer states are `optimizer.state.{exp_avg,exp_avg_sq}.`
 and the fp32 masters `optimizer.state.fp32_param.` before the parameter's key.
 `torch.distributed.checkpoint` reads and writes them in one process (`no_dist`).
 """
@@ -38,6 +39,9 @@ logger = logging.getLogger(__name__)
 _STACKED = "decoder.layers."
 _OPTIM = {"exp_avg": "optimizer.state.exp_avg.", "exp_avg_sq": "optimizer.state.exp_avg_sq.",
           "master": "optimizer.state.fp32_param."}
+# sharded names of the routed experts: [layers, experts, ...] (SequentialMLP's sharded form)
+_EXPERTS = "mlp.experts.experts."
+_BY_EXPERT = {_EXPERTS + m: z for m, z, _ in names.EXPERT}
 # sharded names of the norms (Megatron-core saves the local spec's norms under TE's names)
 _SHARDED_NORMS = {"input_norm": "self_attention.linear_qkv.layer_norm_",
                   "post_attention_norm": "mlp.linear_fc1.layer_norm_"}
@@ -79,6 +83,8 @@ def _megazoo_name(key: str, layers: int):
     """[(canonical name, layer index into a stacked tensor or None)] of one sharded key."""
     if key.startswith(_STACKED) and not key[len(_STACKED)].isdigit():
         suffix = key[len(_STACKED):]
+        if suffix in _BY_EXPERT:  # [layers, experts, ...]: megazoo stacks experts likewise
+            return [(f"layers.{i}.{_BY_EXPERT[suffix]}", i) for i in range(layers)]
         out = []
         for i in range(layers):
             mapped = names.to_megazoo(f"decoder.layers.{i}.{suffix}")
@@ -86,6 +92,9 @@ def _megazoo_name(key: str, layers: int):
                 return []
             out.append((mapped[0], i))
         return out
+    layer, _, suffix = key[len(_STACKED):].partition(".")
+    if key.startswith(_STACKED) and suffix in _BY_EXPERT:  # one layer's [experts, ...]
+        return [(f"layers.{layer}.{_BY_EXPERT[suffix]}", None)]
     mapped = names.to_megazoo(key)
     return [] if mapped is None else [(mapped[0], None)]
 
@@ -112,9 +121,6 @@ def read(root: str, vocab_size: int | None = None, *, optimizer: bool = True):
     common = _common(folder)
     args = common.get("args")
     family, config = megatron_args.to_config(args, folder, vocab_size)
-    if config.num_experts:
-        raise ckpt.CheckpointError(f"{folder}: routed experts in torch_dist checkpoints are not "
-                                   f"read yet; save the run with --ckpt-format torch")
     metadata = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
     wanted = {k: v for k, v in metadata.items() if isinstance(v, TensorStorageMetadata)}
     model_keys = [k for k in wanted if not k.startswith("optimizer.")]
@@ -171,6 +177,9 @@ def _sharded_key(canon: str) -> tuple[str, int | None]:
     base, _, kind = rest.rpartition(".")
     if base in _SHARDED_NORMS:
         return _STACKED + _SHARDED_NORMS[base] + kind, int(layer)
+    experts = {z: m for m, z in _BY_EXPERT.items()}
+    if rest in experts:
+        return _STACKED + experts[rest], int(layer)
     megatron = {z: m for m, z, _ in names.LAYER if ".layer_norm_" not in m}
     return _STACKED + megatron[rest], int(layer)
 
@@ -179,12 +188,16 @@ _LINEARS = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.line
             "mlp.linear_fc2")
 
 
-def _extra_states(layers: int) -> dict[str, list]:
+def _extra_states(layers: int, experts: int) -> dict[str, list]:
     """The `_extra_state` objects every Megatron-core linear layer saves (None outside FP8
-    training; stored as the pickled list of a shard's objects), one per layer, under
-    Megatron-core's `key/shard_{offset}_{shape}` names; its loader requires them."""
+    training; stored as the pickled list of a shard's objects), one per layer (and expert),
+    under Megatron-core's `key/shard_{offset}_{shape}` names; its loader requires them."""
+    dense = _LINEARS[:2] if experts else _LINEARS
     out = {f"{_STACKED}{m}._extra_state/shard_{i}_{layers}": [None]
-           for m in _LINEARS for i in range(layers)}
+           for m in dense for i in range(layers)}
+    out.update({f"{_STACKED}{_EXPERTS}{m}._extra_state/shard_{i}.{e}_{layers}.{experts}": [None]
+                for m in ("linear_fc1", "linear_fc2") for i in range(layers)
+                for e in range(experts)})
     out["output_layer._extra_state/shard_0_1"] = [None]
     return out
 
@@ -193,9 +206,6 @@ def write(full: FullState, config, root: str, *, tp: int = 1, pp: int = 1, vpp: 
           iteration: int = 0) -> str:
     """A megazoo FullState as a torch_dist checkpoint that Megatron-core's
     `dist_checkpointing.load` reads into a model of any (tp, pp) it was configured with."""
-    if config.num_experts:
-        raise ckpt.CheckpointError("routed experts are not written as torch_dist yet; export "
-                                   "--format megatron")
     megatron_args.check_exportable(config, root)
     padded = config.padded_vocab_size(tp)
     per_layer: dict[str, list] = {}
@@ -213,7 +223,7 @@ def write(full: FullState, config, root: str, *, tp: int = 1, pp: int = 1, vpp: 
             else:
                 per_layer.setdefault(prefix + key, [None] * config.num_layers)[layer] = t.to(dtype)
     tensors.update({k: torch.stack(v).contiguous() for k, v in per_layer.items()})
-    tensors.update(_extra_states(config.num_layers))
+    tensors.update(_extra_states(config.num_layers, config.num_experts or 0))
     folder = os.path.join(root, f"iter_{iteration:07d}")
     os.makedirs(folder, exist_ok=True)
     dcp.save(tensors, storage_writer=dcp.FileSystemWriter(folder), no_dist=True)

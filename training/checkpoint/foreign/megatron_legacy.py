@@ -16,8 +16,8 @@ Adam state dict, inside Megatron's mixed-precision wrapper ({optimizer, fp32_fro
 grad_scaler}) or as it is in fp32, or a list of both for the dense and expert optimizers; its
 parameter groups carry `wd_mult` and `is_expert_parallel`, which say which of the stage's
 parameters (in module order) each group holds: no weight decay for biases and 1-D tensors, and
-expert weights apart. A distributed optimizer's `distrib_optim.pt` is not read (refused with
-the way round it).
+expert weights apart. With `--use-distributed-optimizer` the masters and moments are in
+`distrib_optim.pt` next to the model file instead (megatron_distrib_optim.py).
 """
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ import torch
 
 from training.checkpoint import format as ckpt
 from training.checkpoint.foreign import megatron_args, names, safe_load
+from training.checkpoint.foreign import megatron_distrib_optim as distrib_optim
 from training.checkpoint.foreign.assemble import Pieces, check_shapes, expected_shapes
 from training.checkpoint.reshard import FullState
 
@@ -197,12 +198,6 @@ def read(root: str, vocab_size: int | None = None, *, optimizer: bool = True):
     args = first.get("args")
     family, config = megatron_args.to_config(args, folder, vocab_size)
     tp, pp, ep, vpp = _layout(args)
-    if os.path.isfile(os.path.join(os.path.dirname(_first_file(folder)), "distrib_optim.pt")) \
-            and optimizer:
-        raise ckpt.CheckpointError(
-            f"{folder}: the optimizer is in distrib_optim.pt (--use-distributed-optimizer), which "
-            f"this importer does not read; import the weights only (--no-optimizer) and resume "
-            f"with --finetune")
     files = rank_files(folder, pp, ep)
     want = {(t, p, e) for t in range(tp) for p in range(pp) for e in range(ep)}
     if set(files) != want:
@@ -217,7 +212,14 @@ def read(root: str, vocab_size: int | None = None, *, optimizer: bool = True):
         sd = first if path == _first_file(folder) else safe_load.load(path)
         models = _stage_models(sd, vpp, path)
         params = [(f"{v}:{k}", x) for v, m in enumerate(models) for k, x in _param_items(m)]
-        assigned = _assign(params, _optimizers(sd, path), path) if optimizer else {}
+        if not optimizer:
+            assigned = {}
+        elif distrib_optim.path_for(path):
+            assigned = distrib_optim.assign(
+                [[(f"{v}:{k}", x) for k, x in _param_items(m)] for v, m in enumerate(models)],
+                sd, path, args, shared_embedding=config.tie_word_embeddings and pp > 1)
+        else:
+            assigned = _assign(params, _optimizers(sd, path), path)
         optim_found.append(bool(assigned))
         for v, model in enumerate(models):
             offset = (v * pp + p) * per_chunk
