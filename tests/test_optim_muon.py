@@ -1,0 +1,194 @@
+"""--optimizer muon against torch.optim.Muon (+ torch.optim.AdamW for the rest), unsharded and under
+tp = 2, dp = 2 with ZeRO-1 and ZeRO-3, and pp = 2, by the shared rounding-robust rule; resume bitwise.
+
+The reference is the full model in one process: torch.optim.Muon(adjust_lr_fn="match_rms_adamw")
+on the hidden matrices, torch.optim.AdamW on embeddings, biases and norms, gradients clipped
+with torch.nn.utils.clip_grad_norm_. torch's Newton-Schulz is bf16 only, and bf16 rounding of the
+input (gradients equal to fp32 rounding, summed in another order) moves a bf16 result by ~1e-2 of
+the update, above the shared rule's 1e-3. So the reference's Newton-Schulz is evaluated in fp32
+(torch's step otherwise unchanged) by `newton_schulz`, which `test_newton_schulz_and_assignment`
+checks equal to torch's own iteration bit for bit in bf16; megazoo runs it in fp32 here too (the
+CPU default).
+"""
+from __future__ import annotations
+
+from unittest import mock
+
+import torch
+import torch.distributed as dist
+
+from models.config import TransformerConfig
+from models.language_model import TransformerLanguageModel
+from parallel.pipeline.engine import run_pipeline
+from parallel.pipeline.partition import partition
+from parallel.pipeline.schedules import build_schedule
+from parallel.pipeline.tied import broadcast_tied_embedding
+from parallel.sharding import full_tensor
+from parallel.topology import ParallelConfig, ParallelTopology
+from parallel.zero import OptimizerConfig, build_optimizer
+from parallel.zero.muon import MuonSettings, assign_matrices, newton_schulz, uses_muon
+from tests.distributed import run_distributed
+from tests.tolerances import assert_params_equal, assert_trained_close
+
+STEPS, BATCH, SEQ = 5, 8, 8
+LR, WD, CLIP, BETAS, EPS = 1e-2, 0.1, 0.5, (0.9, 0.95), 1e-6
+MUON = MuonSettings(momentum=0.95, nesterov=True, ns_dtype="fp32", scale_mode="spectral",
+                    extra_scale_factor=0.2)
+
+
+def _config() -> TransformerConfig:
+    return TransformerConfig(vocab_size=101, hidden_size=48, num_layers=2, num_attention_heads=4,
+                             ffn_hidden_size=96, max_position_embeddings=16,
+                             make_vocab_size_divisible_by=8, seed=7)
+
+
+def _opt_config(**kw) -> OptimizerConfig:
+    return OptimizerConfig(**{**dict(optimizer="muon", lr=LR, betas=BETAS, eps=EPS,
+                                     weight_decay=WD, clip_grad=CLIP, muon=MUON), **kw})
+
+
+def _batch(step: int, topo=None):
+    g = torch.Generator().manual_seed(100 + step)
+    tokens = torch.randint(0, 101, (BATCH, SEQ + 1), generator=g)
+    ids, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    if topo is not None and topo.dp > 1:
+        ids, labels = ids.chunk(topo.dp)[topo.dp_rank], labels.chunk(topo.dp)[topo.dp_rank]
+    return ids, labels
+
+
+def _reference():
+    """(initial, trained) full parameters with torch.optim.Muon + AdamW on the whole batch."""
+    single = ParallelTopology.single()
+    model = TransformerLanguageModel(_config(), single)
+    named = list(model.named_parameters())
+    init = {n: full_tensor(p, single).clone() for n, p in named}  # vocabulary padding trimmed
+    muon = [p for n, p in named if uses_muon(n, p, MUON)]
+    ids = {id(p) for p in muon}
+    rest = [p for _, p in named if id(p) not in ids]
+    opts = [torch.optim.Muon(muon, lr=LR, weight_decay=WD, momentum=MUON.momentum,
+                             nesterov=MUON.nesterov, adjust_lr_fn="match_rms_adamw"),
+            torch.optim.AdamW([{"params": [p for p in rest if p.dim() >= 2], "weight_decay": WD},
+                               {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0}],
+                              lr=LR, betas=BETAS, eps=EPS)]
+    fp32_ns = lambda g, coefficients, steps, eps: newton_schulz(g, coefficients, steps,  # noqa
+                                                                torch.float32)
+    with mock.patch("torch.optim._muon._zeropower_via_newtonschulz", fp32_ns):
+        for step in range(STEPS):
+            ids, labels = _batch(step)
+            model(ids, labels=labels).mean().backward()
+            torch.nn.utils.clip_grad_norm_([p for _, p in named], CLIP)
+            for o in opts:
+                o.step()
+                o.zero_grad()
+    return init, {n: full_tensor(p, single).clone() for n, p in named}, len(muon)
+
+
+def _train(topo, ocfg, steps=STEPS, model=None, opt=None):
+    model = model or TransformerLanguageModel(_config(), topo)
+    opt = opt or build_optimizer(model, topo, ocfg)
+    start = opt.iteration  # a resumed run continues with the next batches
+    for step in range(start, start + steps):
+        ids, labels = _batch(step, topo)
+        opt.backward(model(ids, labels=labels).mean())
+        assert not opt.step().skipped
+        opt.zero_grad()
+    return model, opt
+
+
+def _full(model, opt, topo):
+    dp_full = opt.full_parameters()
+    return {model.canonical_name(n): full_tensor(p, topo, dp_full[n])
+            for n, p in model.named_parameters()}
+
+
+def test_newton_schulz_and_assignment():
+    # 2-D: torch.optim.Muon's own iteration, to the bit; a batch of matrices: each one alone.
+    x = torch.randn(24, 40, generator=torch.Generator().manual_seed(0))
+    from torch.optim._muon import _zeropower_via_newtonschulz
+    want = _zeropower_via_newtonschulz(x, MUON.ns_coefficients, 5, 1e-7)
+    assert torch.equal(newton_schulz(x, MUON.ns_coefficients, 5, torch.bfloat16), want)
+    assert torch.equal(newton_schulz(x.T, MUON.ns_coefficients, 5, torch.bfloat16),
+                       _zeropower_via_newtonschulz(x.T, MUON.ns_coefficients, 5, 1e-7))
+    batch = torch.randn(3, 40, 24, generator=torch.Generator().manual_seed(1))
+    got = newton_schulz(batch, MUON.ns_coefficients, 5, torch.float32)
+    for e in range(3):
+        torch.testing.assert_close(got[e], newton_schulz(batch[e], MUON.ns_coefficients, 5,
+                                                         torch.float32), rtol=1e-5, atol=1e-6)
+    # fp32 Newton-Schulz leaves singular values in the quintic's band (0.5, 1.5): orthogonal-ish.
+    s = torch.linalg.svdvals(got[0].double())
+    assert 0.5 < s.min() and s.max() < 1.5, s
+    owner = assign_matrices([10, 3, 7, 7, 1], 2)
+    loads = [sum(n for n, r in zip([10, 3, 7, 7, 1], owner) if r == k) for k in range(2)]
+    assert sorted(loads) == [14, 14], (owner, loads)
+
+
+def test_muon_unsharded_matches_torch_optim_muon():
+    init, want, n_muon = _reference()
+    topo = ParallelTopology.single()
+    model, opt = _train(topo, _opt_config())
+    assert sum(b.key.muon for b in opt.buffers) >= 1 and n_muon == 8
+    names = {opt.param_names[s.index] for b in opt.buffers if b.key.muon for s in b.slots}
+    assert names and not any("embedding" in n or n.endswith("bias") for n in names), names
+    assert_trained_close(_full(model, opt, topo), want, init, "unsharded", LR)
+
+
+def _loss_fn(chunk, inp, mb):
+    out = chunk(mb["tokens"] if inp is None else inp,
+                labels=mb["labels"] if chunk.post_process else None)
+    return out.mean() if chunk.post_process else out
+
+
+def _pp_train(topo):
+    cfg = _config()
+    chunks = [TransformerLanguageModel(cfg, topo, **s.kwargs())
+              for s in partition(cfg.num_layers, topo.pp, 1)[topo.pp_rank]]
+    broadcast_tied_embedding(chunks, topo)
+    opt = build_optimizer(chunks, topo, _opt_config(zero_stage=1))
+    schedule = build_schedule("1f1b", topo.pp, topo.pp_rank, 2)
+    for step in range(STEPS):
+        ids, labels = _batch(step, topo)
+        mbs = [{"tokens": t, "labels": y} for t, y in zip(ids.chunk(2), labels.chunk(2))]
+        with opt.no_sync():
+            run_pipeline(schedule, chunks, mbs, topo, (SEQ, 4, cfg.hidden_size), torch.float32,
+                         _loss_fn)
+        assert not opt.step().skipped
+        opt.zero_grad()
+    out = {}
+    for chunk in chunks:
+        out.update(_full(chunk, opt, topo))
+    return out
+
+
+def _layouts_worker(rank):
+    init, want, _ = _reference()
+    checked = []
+    for kw, stages in ((dict(tp=2), (1,)), (dict(), (1, 3)), (dict(pp=2), (None,))):
+        topo = ParallelTopology.from_config(ParallelConfig(**kw))
+        for stage in stages:
+            where = f"{kw or 'dp=2'} zero={stage}"
+            if stage is None:
+                got = _pp_train(topo)
+            else:
+                model, opt = _train(topo, _opt_config(zero_stage=stage))
+                got = _full(model, opt, topo)
+            dev = assert_trained_close(got, want, init, where, LR)
+            checked.append(f"{where}: deviation {dev:.1e}")
+    # Resume under dp = 2 ZeRO-1: 3 steps, state_dict, 2 more == 5 straight, bit for bit.
+    topo = ParallelTopology.from_config(ParallelConfig())
+    straight = _full(*_train(topo, _opt_config(zero_stage=1)), topo)
+    model, opt = _train(topo, _opt_config(zero_stage=1), steps=3)
+    sd = {k: v.clone() for k, v in opt.state_dict().items()}
+    model2 = TransformerLanguageModel(_config(), topo)
+    opt2 = build_optimizer(model2, topo, _opt_config(zero_stage=1))
+    opt2.load_state_dict(sd)
+    assert any(k.endswith("momentum_buffer") for k in sd)
+    assert_params_equal(_full(*_train(topo, None, steps=2, model=model2, opt=opt2), topo),
+                        straight, "resume")
+    dist.barrier()
+    return checked
+
+
+def test_muon_layouts_match_reference_and_resume():
+    results = run_distributed(_layouts_worker, 2, timeout=300)
+    assert len(results[0]) == 4
+    print("\n".join(results[0]))
