@@ -192,3 +192,29 @@ def test_muon_layouts_match_reference_and_resume():
     results = run_distributed(_layouts_worker, 2, timeout=300)
     assert len(results[0]) == 4
     print("\n".join(results[0]))
+
+
+def test_muon_flags_map_and_refuse():
+    import pytest
+    from training.config.flags import ArgumentError, build_parser, to_run_config
+    base = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+            "--seq-length", "16", "--max-position-embeddings", "16", "--mock-data",
+            "--vocab-size", "61", "--micro-batch-size", "2", "--train-iters", "4"]
+
+    def run(*extra):
+        return to_run_config(build_parser().parse_args(base + list(extra)), world_size=1).optimizer
+
+    cfg = run("--optimizer", "muon", "--muon-momentum", "0.9", "--no-muon-use-nesterov",
+              "--muon-num-ns-steps", "6", "--muon-scale-mode", "shape_scaling",
+              "--muon-extra-scale-factor", "1.0", "--muon-ns-dtype", "bf16",
+              "--muon-adamw-params", "embedding", "output_layer", "fc2")
+    assert cfg.optimizer == "muon" and cfg.muon == MuonSettings(
+        momentum=0.9, nesterov=False, ns_steps=6, scale_mode="shape_scaling",
+        extra_scale_factor=1.0, ns_dtype="bf16", adamw_patterns=("embedding", "output_layer", "fc2"))
+    assert run("--optimizer", "muon").muon == MuonSettings()
+    with pytest.raises(ArgumentError, match="--muon-momentum apply to --optimizer muon only"):
+        run("--muon-momentum", "0.9")
+    with pytest.raises(ArgumentError, match="--muon-num-ns-steps must be in"):
+        run("--optimizer", "muon", "--muon-num-ns-steps", "0")
+    with pytest.raises(ArgumentError, match="--muon-adamw-params"):
+        run("--optimizer", "muon", "--muon-adamw-params", "(")
