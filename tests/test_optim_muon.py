@@ -42,6 +42,13 @@ def _config() -> TransformerConfig:
                              make_vocab_size_divisible_by=8, seed=7)
 
 
+def _moe_config() -> TransformerConfig:
+    return TransformerConfig(vocab_size=101, hidden_size=32, num_layers=2, num_attention_heads=4,
+                             normalization="rmsnorm", activation="swiglu", position_embedding="rope",
+                             bias=False, tie_word_embeddings=False, make_vocab_size_divisible_by=8,
+                             num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=24, seed=11)
+
+
 def _opt_config(**kw) -> OptimizerConfig:
     return OptimizerConfig(**{**dict(optimizer="muon", lr=LR, betas=BETAS, eps=EPS,
                                      weight_decay=WD, clip_grad=CLIP, muon=MUON), **kw})
@@ -56,14 +63,18 @@ def _batch(step: int, topo=None):
     return ids, labels
 
 
-def _reference():
-    """(initial, trained) full parameters with torch.optim.Muon + AdamW on the whole batch."""
+def _reference(config=_config):
+    """(initial, trained) full parameters with torch.optim.Muon + AdamW on the whole batch. An
+    expert weight [experts, out, in] is stepped as one 2-D torch.optim.Muon parameter per expert."""
     single = ParallelTopology.single()
-    model = TransformerLanguageModel(_config(), single)
+    model = TransformerLanguageModel(config(), single)
     named = list(model.named_parameters())
     init = {n: full_tensor(p, single).clone() for n, p in named}  # vocabulary padding trimmed
-    muon = [p for n, p in named if uses_muon(n, p, MUON)]
-    ids = {id(p) for p in muon}
+    chosen = [p for n, p in named if uses_muon(n, p, MUON)]
+    experts = {id(p): [torch.nn.Parameter(e.detach().clone()) for e in p] for p in chosen
+               if p.dim() == 3}
+    muon = [p for p in chosen if p.dim() == 2] + [e for es in experts.values() for e in es]
+    ids = {id(p) for p in chosen}
     rest = [p for _, p in named if id(p) not in ids]
     opts = [torch.optim.Muon(muon, lr=LR, weight_decay=WD, momentum=MUON.momentum,
                              nesterov=MUON.nesterov, adjust_lr_fn="match_rms_adamw"),
@@ -77,14 +88,22 @@ def _reference():
             ids, labels = _batch(step)
             model(ids, labels=labels).mean().backward()
             torch.nn.utils.clip_grad_norm_([p for _, p in named], CLIP)
+            for p in chosen:
+                for e, shadow in enumerate(experts.get(id(p), [])):
+                    shadow.grad = p.grad[e].clone()
             for o in opts:
                 o.step()
                 o.zero_grad()
+            with torch.no_grad():
+                for p in chosen:
+                    p.grad = None
+                    for e, shadow in enumerate(experts.get(id(p), [])):
+                        p[e].copy_(shadow)
     return init, {n: full_tensor(p, single).clone() for n, p in named}, len(muon)
 
 
-def _train(topo, ocfg, steps=STEPS, model=None, opt=None):
-    model = model or TransformerLanguageModel(_config(), topo)
+def _train(topo, ocfg, steps=STEPS, model=None, opt=None, config=_config):
+    model = model or TransformerLanguageModel(config(), topo)
     opt = opt or build_optimizer(model, topo, ocfg)
     start = opt.iteration  # a resumed run continues with the next batches
     for step in range(start, start + steps):
@@ -173,6 +192,13 @@ def _layouts_worker(rank):
                 got = _full(model, opt, topo)
             dev = assert_trained_close(got, want, init, where, LR)
             checked.append(f"{where}: deviation {dev:.1e}")
+    # ep = 2 (dp = 2): expert weights orthogonalised per expert, without any EP gather.
+    init, want, _ = _reference(_moe_config)
+    topo = ParallelTopology.from_config(ParallelConfig(ep=2))
+    model, opt = _train(topo, _opt_config(zero_stage=1), config=_moe_config)
+    assert any(b.key.muon and b.key.expert for b in opt.buffers)
+    dev = assert_trained_close(_full(model, opt, topo), want, init, "ep=2 zero=1", LR)
+    checked.append(f"ep=2 zero=1: deviation {dev:.1e}")
     # Resume under dp = 2 ZeRO-1: 3 steps, state_dict, 2 more == 5 straight, bit for bit.
     topo = ParallelTopology.from_config(ParallelConfig())
     straight = _full(*_train(topo, _opt_config(zero_stage=1)), topo)
@@ -190,7 +216,7 @@ def _layouts_worker(rank):
 
 def test_muon_layouts_match_reference_and_resume():
     results = run_distributed(_layouts_worker, 2, timeout=300)
-    assert len(results[0]) == 4
+    assert len(results[0]) == 5
     print("\n".join(results[0]))
 
 

@@ -16,7 +16,9 @@ So, per Muon bucket:
 3. the bucket's matrices are dealt to the data-parallel ranks, largest first onto the least
    loaded (`assign_matrices`); a rank orthogonalises only its own: a TP-sharded matrix is first
    gathered whole over its TP group (`parallel.sharding.full_tensor`, which undoes interleaved
-   layouts, padding and replicated KV heads), orthogonalised, and this TP rank's slice kept;
+   layouts, padding and replicated KV heads), orthogonalised, and this TP rank's slice kept; an
+   expert weight [experts, out, in] is a batch of matrices, each expert orthogonalised alone, so
+   expert parallelism needs no gather;
 4. the scaled updates (zeros where another rank owns the matrix) are reduce-scattered: a sum with
    zeros is exact, so each rank receives exactly its shard of every orthogonalised update.
 
@@ -37,10 +39,11 @@ from .. import collectives as C
 from ..param_spec import spec_of
 from ..sharding import full_tensor, local_shard
 
-# Parameters matched by any of these (regular expressions searched in the parameter's name) get
-# AdamW even when they are matrices: the input embeddings and the LM head (Muon's authors and
-# Moonlight keep them on AdamW). Overridden by --muon-adamw-params.
-DEFAULT_ADAMW_PATTERNS = ("embedding", "output_layer", "lm_head")
+# Parameters matched by any of these (regular expressions searched in the parameter's name, as the
+# model names it: `embedding.word_embeddings.weight`, `embedding.position_embeddings.weight`, the
+# untied head `head_weight`) get AdamW even when they are matrices: Muon's authors and Moonlight
+# keep the embeddings and the LM head on AdamW. Overridden by --muon-adamw-params.
+DEFAULT_ADAMW_PATTERNS = ("embedding", "head_weight")
 
 # --muon-scale-mode: the factor on the learning rate of an (out, in) matrix, times
 # --muon-extra-scale-factor. Megatron-core's names; `spectral` with factor 0.2 is Moonlight's rule
@@ -161,9 +164,10 @@ class Muon:
             if rank != bucket.dp_rank:
                 continue
             local = full[s.offset:s.offset + s.numel].view(s.param.shape)
-            whole = full_tensor(s.param, self.topo, local)
+            # Experts are independent matrices: gather over TP only, never over EP.
+            whole = full_tensor(s.param, self.topo, local, expert_parallel=False)
             ortho = newton_schulz(whole, self.s.ns_coefficients, self.s.ns_steps, self.ns_dtype)
-            mine = local_shard(s.param, ortho.float(), self.topo)
+            mine = local_shard(s.param, ortho.float(), self.topo, expert_parallel=False)
             updates[s.offset:s.offset + s.numel].copy_(
                 mine.reshape(-1)).mul_(h.lr * self.s.lr_scale(whole.shape))
         shard = torch.empty(bucket.shard_numel, dtype=torch.float32, device=device)
