@@ -28,7 +28,7 @@ from parallel.topology import ParallelConfig, ParallelTopology
 from parallel.zero import OptimizerConfig, build_optimizer
 from parallel.zero.muon import MuonSettings, assign_matrices, newton_schulz, uses_muon
 from tests.distributed import run_distributed
-from tests.tolerances import assert_params_equal, assert_trained_close
+from tests.tolerances import assert_curves_close, assert_params_equal, assert_trained_close
 
 STEPS, BATCH, SEQ = 5, 8, 8
 LR, WD, CLIP, BETAS, EPS = 1e-2, 0.1, 0.5, (0.9, 0.95), 1e-6
@@ -178,7 +178,32 @@ def _pp_train(topo):
     return out
 
 
-def _layouts_worker(rank):
+TRAINER = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+           "--seq-length", "16", "--max-position-embeddings", "16", "--mock-data",
+           "--vocab-size", "61", "--micro-batch-size", "2", "--global-batch-size", "4",
+           "--lr", "3e-3", "--log-interval", "100", "--eval-interval", "1000", "--seed", "5",
+           "--optimizer", "muon", "--zero-stage", "1"]
+
+
+def _pretrain(*extra):
+    from train_gpt import model_provider
+    from training.config.flags import build_parser, to_run_config
+    from training.run.loop import pretrain
+    return pretrain(model_provider, to_run_config(build_parser().parse_args(TRAINER + list(extra)),
+                                                  world_size=2))
+
+
+def _reshard(root):
+    """The trainer: saved at dp = 2 after 3 iterations, continued to 5 at dp = 2 and at tp = 2.
+    Iteration 5's loss depends on the momentum buffers loaded (iteration 4's on weights only)."""
+    _pretrain("--train-iters", "3", "--save", root)
+    same = _pretrain("--train-iters", "5", "--load", root).losses
+    tp2 = _pretrain("--train-iters", "5", "--load", root, "--tensor-model-parallel-size", "2").losses
+    assert_curves_close(tp2, same, "muon dp=2 -> tp=2", rtol=1e-5)
+    return f"resharded dp=2 -> tp=2: iterations 4-5 losses {same}"
+
+
+def _layouts_worker(rank, root):
     init, want, _ = _reference()
     checked = []
     for kw, stages in ((dict(tp=2), (1,)), (dict(), (1, 3)), (dict(pp=2), (None,))):
@@ -210,13 +235,14 @@ def _layouts_worker(rank):
     assert any(k.endswith("momentum_buffer") for k in sd)
     assert_params_equal(_full(*_train(topo, None, steps=2, model=model2, opt=opt2), topo),
                         straight, "resume")
+    checked.append(_reshard(root))
     dist.barrier()
     return checked
 
 
-def test_muon_layouts_match_reference_and_resume():
-    results = run_distributed(_layouts_worker, 2, timeout=300)
-    assert len(results[0]) == 5
+def test_muon_layouts_match_reference_resume_and_reshard(tmp_path):
+    results = run_distributed(_layouts_worker, 2, str(tmp_path / "ckpt"), timeout=300)
+    assert len(results[0]) == 6
     print("\n".join(results[0]))
 
 
