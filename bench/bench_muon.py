@@ -3,9 +3,10 @@
 One process, the ZeRO optimizer on a GPT (default: 12 layers, hidden 768, GPT-2 small's matrices;
 sequence 512, micro batch 4 on a GPU, smaller on a CPU). For each of AdamW, Muon with
 Newton-Schulz in fp32 and Muon in bf16, it times forward + backward and the optimizer step
-separately (synchronised on a GPU) and prints the optimizer's share of the step. Then it times
-Newton-Schulz alone on one (4h, h) MLP matrix in fp32 and bf16: the figure behind
---muon-ns-dtype auto (bf16 on GPUs, fp32 on CPUs).
+separately (synchronised on a GPU) and prints the optimizer's share of the step. The measured
+share depends on the tokens per step (Newton-Schulz costs the same for any batch), so it also
+prints the FLOP ratio and what it gives at 0.5M tokens per step. Then it times Newton-Schulz
+alone on one (4h, h) MLP matrix in fp32 and bf16: the figure behind the default --muon-ns-dtype.
 
     python bench/bench_muon.py                          # CPU: hidden 768, 4 layers, seq 128
     python bench/bench_muon.py --layers 12 --seq 512 --batch 4  # the GPU size
@@ -72,6 +73,19 @@ def time_steps(args, optimizer: str, ns_dtype: str) -> dict:
             "optimizer_share": step / (fwd_bwd + step)}
 
 
+def newton_schulz_flops(model, steps: int = 5) -> tuple[float, float]:
+    """(Newton-Schulz FLOPs of one optimizer step, forward + backward FLOPs per token ~ 6 x the
+    parameters in matmuls) for the Muon matrices of `model`: their ratio over the tokens of a step
+    is the optimizer's share a compute-bound device would see."""
+    ns = dense = 0.0
+    for name, p in model.named_parameters():
+        if p.dim() == 2 and "embedding" not in name:
+            m, n = max(p.shape), min(p.shape)
+            ns += steps * (2 * 2 * m * n * n + 2 * n ** 3)  # X X^T, A X, and the n x n B = bA + cA^2
+            dense += 6 * m * n
+    return ns, dense
+
+
 def time_newton_schulz(hidden: int, device: torch.device, repeats: int = 5) -> dict:
     x = torch.randn(4 * hidden, hidden, device=device)
     out = {}
@@ -97,7 +111,12 @@ def main():
     p.add_argument("--warmup", type=int, default=2)
     args = p.parse_args()
     device = ParallelTopology.single().device
-    rows = [time_steps(args, "adamw", "auto"), time_steps(args, "muon", "fp32"),
+    topo = ParallelTopology.single()
+    shape = TransformerConfig(vocab_size=50257, hidden_size=args.hidden, num_layers=args.layers,
+                              num_attention_heads=args.hidden // 64,
+                              ffn_hidden_size=4 * args.hidden, max_position_embeddings=args.seq)
+    ns_flops, per_token = newton_schulz_flops(TransformerLanguageModel(shape, topo))
+    rows = [time_steps(args, "adamw", "bf16"), time_steps(args, "muon", "fp32"),
             time_steps(args, "muon", "bf16")]
     ns = time_newton_schulz(args.hidden, device)
     print(f"device {device}, hidden {args.hidden}, layers {args.layers}, seq {args.seq}, "
@@ -109,10 +128,16 @@ def main():
               f"{100 * r['optimizer_share']:5.1f}%")
     print(f"  Newton-Schulz (5 steps) on one ({4 * args.hidden}, {args.hidden}) matrix: "
           f"fp32 {ns['fp32'] * 1e3:.1f} ms, bf16 {ns['bf16'] * 1e3:.1f} ms")
+    tokens = args.batch * args.seq
+    print(f"  FLOPs: Newton-Schulz {ns_flops / 1e9:.1f} G per step, matmuls {per_token / 1e6:.1f} M "
+          f"per token: {100 * ns_flops / (ns_flops + per_token * tokens):.1f}% of this step's "
+          f"{tokens} tokens; at 0.5M tokens per step (per data-parallel rank, before ZeRO deals "
+          f"the matrices out) {100 * ns_flops / (ns_flops + per_token * 524288):.2f}%")
     os.makedirs(RESULTS, exist_ok=True)
     name = "muon_cuda.json" if device.type == "cuda" else "muon.json"
     with open(os.path.join(RESULTS, name), "w") as f:
         json.dump({"device": str(device), "args": vars(args), "steps": rows,
+                   "newton_schulz_flops_per_step": ns_flops, "matmul_flops_per_token": per_token,
                    "newton_schulz_s": ns}, f, indent=1)
 
 

@@ -32,9 +32,9 @@ def add_muon_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--muon-extra-scale-factor", type=float,
                    help="times the scale mode's factor (default "
                         f"{_DEFAULTS.extra_scale_factor}: with spectral, AdamW's update RMS)")
-    g.add_argument("--muon-ns-dtype", choices=["auto", *NS_DTYPES],
-                   help="dtype of the Newton-Schulz matmuls (default auto: bf16 on GPUs, fp32 "
-                        "on CPUs)")
+    g.add_argument("--muon-ns-dtype", choices=sorted(NS_DTYPES),
+                   help="dtype of the Newton-Schulz matmuls (default bf16, as torch.optim.Muon; "
+                        "fp32 on CPUs without native bf16)")
     g.add_argument("--muon-adamw-params", nargs="+", metavar="REGEX",
                    help="matrices whose names match any of these get AdamW (default: "
                         f"{' '.join(DEFAULT_ADAMW_PATTERNS)}); 1-D parameters always do")
