@@ -55,12 +55,12 @@ def _opt_config(**kw) -> OptimizerConfig:
 
 
 def _batch(step: int, topo=None):
-    g = torch.Generator().manual_seed(100 + step)
-    tokens = torch.randint(0, 101, (BATCH, SEQ + 1), generator=g)
-    ids, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    """(inputs, labels) of step `step`: the whole batch, or this data-parallel rank's share."""
+    tokens = torch.randint(0, 101, (BATCH, SEQ + 1),
+                           generator=torch.Generator().manual_seed(100 + step))
     if topo is not None and topo.dp > 1:
-        ids, labels = ids.chunk(topo.dp)[topo.dp_rank], labels.chunk(topo.dp)[topo.dp_rank]
-    return ids, labels
+        tokens = tokens.chunk(topo.dp)[topo.dp_rank]
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
 
 def _reference(config=_config):
