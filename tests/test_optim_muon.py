@@ -11,6 +11,7 @@ checks equal to torch's own iteration bit for bit in bf16; megazoo runs it in fp
 """
 from __future__ import annotations
 
+import functools
 from unittest import mock
 
 import torch
@@ -63,6 +64,7 @@ def _batch(step: int, topo=None):
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
 
+@functools.lru_cache(maxsize=None)  # computed once in the test process, handed to the workers
 def _reference(config=_config):
     """(initial, trained) full parameters with torch.optim.Muon + AdamW on the whole batch. An
     expert weight [experts, out, in] is stepped as one 2-D torch.optim.Muon parameter per expert."""
@@ -212,8 +214,8 @@ def _reshard(root):
     return f"resharded dp=2 -> tp=2: iterations 4-5 losses {same}"
 
 
-def _layouts_worker(rank, root):
-    init, want, _ = _reference()
+def _layouts_worker(rank, root, dense_reference, moe_reference):
+    init, want, _ = dense_reference
     checked = []
     for kw, stages in ((dict(tp=2), (1,)), (dict(), (1, 3)), (dict(pp=2), (None,))):
         topo = ParallelTopology.from_config(ParallelConfig(**kw))
@@ -227,7 +229,7 @@ def _layouts_worker(rank, root):
             dev = assert_trained_close(got, want, init, where, LR)
             checked.append(f"{where}: deviation {dev:.1e}")
     # ep = 2 (dp = 2): expert weights orthogonalised per expert, without any EP gather.
-    init, want, _ = _reference(_moe_config)
+    init, want, _ = moe_reference
     topo = ParallelTopology.from_config(ParallelConfig(ep=2))
     model, opt = _train(topo, _opt_config(zero_stage=1), config=_moe_config)
     assert any(b.key.muon and b.key.expert for b in opt.buffers)
@@ -250,7 +252,8 @@ def _layouts_worker(rank, root):
 
 
 def test_muon_layouts_match_reference_resume_and_reshard(tmp_path):
-    results = run_distributed(_layouts_worker, 2, str(tmp_path / "ckpt"), timeout=300)
+    results = run_distributed(_layouts_worker, 2, str(tmp_path / "ckpt"), _reference(),
+                              _reference(_moe_config), timeout=300)
     assert len(results[0]) == 6
     print("\n".join(results[0]))
 
