@@ -1,5 +1,6 @@
 """--optimizer muon against torch.optim.Muon (+ torch.optim.AdamW for the rest), unsharded and under
-tp = 2, dp = 2 with ZeRO-1 and ZeRO-3, and pp = 2, by the shared rounding-robust rule; resume bitwise.
+tp = 2, dp = 2 with ZeRO-1, 2 and 3, pp = 2 and ep = 2, by the shared rounding-robust rule; resume
+bitwise; a trainer checkpoint continues at another layout; CPU offload bitwise; bf16/fp16 bounded.
 
 The reference is the full model in one process: torch.optim.Muon(adjust_lr_fn="match_rms_adamw")
 on the hidden matrices, torch.optim.AdamW on embeddings, biases and norms, gradients clipped
@@ -217,7 +218,7 @@ def _reshard(root):
 def _layouts_worker(rank, root, dense_reference, moe_reference):
     init, want, _ = dense_reference
     checked = []
-    for kw, stages in ((dict(tp=2), (1,)), (dict(), (1, 3)), (dict(pp=2), (None,))):
+    for kw, stages in ((dict(tp=2), (1,)), (dict(), (1, 2, 3)), (dict(pp=2), (None,))):
         topo = ParallelTopology.from_config(ParallelConfig(**kw))
         for stage in stages:
             where = f"{kw or 'dp=2'} zero={stage}"
@@ -254,7 +255,7 @@ def _layouts_worker(rank, root, dense_reference, moe_reference):
 def test_muon_layouts_match_reference_resume_and_reshard(tmp_path):
     results = run_distributed(_layouts_worker, 2, str(tmp_path / "ckpt"), _reference(),
                               _reference(_moe_config), timeout=300)
-    assert len(results[0]) == 6
+    assert len(results[0]) == 7
     print("\n".join(results[0]))
 
 
