@@ -19,10 +19,12 @@ from .tensor_parallel import shard_of, unshard
 from .topology import ParallelTopology
 
 
-def local_shard(param: torch.Tensor, full: torch.Tensor, topo: ParallelTopology) -> torch.Tensor:
-    """This rank's part of `full` for a parameter shaped like `param`."""
+def local_shard(param: torch.Tensor, full: torch.Tensor, topo: ParallelTopology,
+                expert_parallel: bool = True) -> torch.Tensor:
+    """This rank's part of `full` for a parameter shaped like `param` (`expert_parallel` False:
+    `full` holds this rank's experts only, and only the TP split is applied)."""
     spec = spec_of(param)
-    if spec.expert:
+    if spec.expert and expert_parallel:
         full = full.narrow(0, ep_rank(topo) * param.shape[0], param.shape[0])
     split = spec.tp_split
     if split is None:
@@ -31,12 +33,13 @@ def local_shard(param: torch.Tensor, full: torch.Tensor, topo: ParallelTopology)
                     padded_size=param.shape[split.dim] * topo.tp, layout=split.layout)
 
 
-def full_tensor(param: torch.Tensor, topo: ParallelTopology, tensor: torch.Tensor | None = None):
+def full_tensor(param: torch.Tensor, topo: ParallelTopology, tensor: torch.Tensor | None = None,
+                expert_parallel: bool = True):
     """Gather a TP-sharded (or expert-parallel) tensor (the parameter, or e.g. its gradient)
-    into its full shape."""
+    into its full shape (`expert_parallel` False: gather over TP only, keep this rank's experts)."""
     t = param.detach() if tensor is None else tensor
     spec = spec_of(param)
-    if spec.expert:
+    if spec.expert and expert_parallel:
         t = all_gather(t, topo.ep_group, dim=0)
     split = spec.tp_split
     if split is None:

@@ -5,6 +5,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .muon import MuonSettings
+
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -28,12 +30,13 @@ class LossScaleConfig:
 @dataclass(frozen=True)
 class OptimizerConfig:
     zero_stage: int = 0  # --zero-stage 0..3
-    optimizer: str = "adamw"  # --optimizer adamw | sgd
+    optimizer: str = "adamw"  # --optimizer adamw | sgd | muon (Muon on matrices, AdamW on the rest)
     lr: float = 1e-3
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     weight_decay: float = 0.0
     momentum: float = 0.0  # sgd only
+    muon: MuonSettings = field(default_factory=MuonSettings)  # optimizer muon only
     # Megatron convention: no decay on biases and norm weights (any parameter with ndim < 2).
     decay_biases_and_norms: bool = False
     clip_grad: float = 0.0  # --clip-grad; 0 disables clipping (the norm is still reported)
@@ -72,8 +75,10 @@ class OptimizerConfig:
                                   f"got {self.precision!r}")
         if self.grad_dtype not in ("fp32", "model"):
             raise ZeroConfigError(f"grad_dtype must be 'fp32' or 'model', got {self.grad_dtype!r}")
-        if self.optimizer not in ("adamw", "sgd"):
-            raise ZeroConfigError(f"--optimizer must be adamw or sgd, got {self.optimizer!r}")
+        if self.optimizer not in ("adamw", "sgd", "muon"):
+            raise ZeroConfigError(f"--optimizer must be adamw, sgd or muon, got {self.optimizer!r}")
+        if self.optimizer == "muon":
+            self.muon.validate()
         if self.offload not in ("none", "cpu", "nvme"):
             raise ZeroConfigError(f"--offload must be none, cpu or nvme, got {self.offload!r}")
         if self.offload == "nvme" and not self.offload_dir:

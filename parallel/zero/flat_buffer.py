@@ -31,17 +31,18 @@ class BucketKey:
     counted: bool  # counts towards the global gradient norm on this rank
     tied: bool  # tied word embedding: gradients are summed over the embedding group first
     expert: bool = False  # MoE expert weights: reduced and sharded over expert data parallelism
+    muon: bool = False  # stepped by Muon (whole matrices), not elementwise (see muon.py)
 
 
 def param_key(param: torch.nn.Parameter, *, tp_rank: int, is_first_stage: bool,
-              decay_biases_and_norms: bool) -> BucketKey:
+              decay_biases_and_norms: bool, muon: bool = False) -> BucketKey:
     spec = spec_of(param)
     tp_sharded, tied = spec.tensor_parallel, spec.tied_embedding
     # A replicated parameter holds the same gradient on every TP rank: count it on rank 0 only.
     # The tied embedding's copy on the last stage is the first stage's: count it there only.
     counted = (tp_sharded or tp_rank == 0) and (not tied or is_first_stage)
     decay = param.dim() >= 2 or decay_biases_and_norms
-    return BucketKey(decay=decay, counted=counted, tied=tied, expert=spec.expert)
+    return BucketKey(decay=decay, counted=counted, tied=tied, expert=spec.expert, muon=muon)
 
 
 @dataclass

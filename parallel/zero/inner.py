@@ -75,4 +75,5 @@ class SGD:
 
 
 def build_inner(name: str, betas, eps: float, momentum: float):
-    return AdamW(betas, eps) if name == "adamw" else SGD(momentum)
+    """The elementwise optimizer; under muon it steps the parameters Muon does not suit."""
+    return AdamW(betas, eps) if name in ("adamw", "muon") else SGD(momentum)

@@ -36,6 +36,7 @@ from .flat_buffer import FlatBuffer, param_key, plan_buckets
 from .grad_sync import GradSync
 from .inner import Hyper, build_inner
 from .loss_scaler import build_loss_scaler
+from .muon import Muon, uses_muon
 from .offload import FileStates, build_states
 from .zero3 import Unit, Zero3Hooks, split_layers
 
@@ -62,6 +63,8 @@ class ZeroOptimizer:
         self.stage = cfg.zero_stage
         self.lr, self.iteration, self.applied_steps = cfg.lr, 0, 0
         self.inner = build_inner(cfg.optimizer, cfg.betas, cfg.eps, cfg.momentum)
+        # --optimizer muon: Muon buckets hold the matrices it suits; AdamW steps the others.
+        self.muon = Muon(cfg.muon, topo) if cfg.optimizer == "muon" else None
         self.scaler = build_loss_scaler(cfg.precision, cfg.loss_scale)
         self.mixed = cfg.model_dtype != torch.float32
         self.state_device = topo.device if cfg.offload == "none" else torch.device("cpu")
@@ -70,10 +73,13 @@ class ZeroOptimizer:
 
         named = [(name, p) for c, m in enumerate(modules) for name, p in _named(m, c, modules)]
         self.param_names = [n for n, _ in named]
+        self.muon_ids = {id(p) for n, p in named
+                         if self.muon is not None and uses_muon(n, p, cfg.muon)}
         self.units: list[Unit] = []
         self.buffers = self._build_buffers(named)
         specs = [dict(({"master": b.shard_numel} if self.separate_master else {}),
-                      **{n: b.shard_numel for n in self.inner.state_names}) for b in self.buffers]
+                      **{n: b.shard_numel for n in self._inner_of(b).state_names})
+                 for b in self.buffers]
         init = [{"master": b.initial_master} if self.separate_master else {}
                 for b in self.buffers]
         for b in self.buffers:
@@ -102,7 +108,11 @@ class ZeroOptimizer:
     # ---- construction --------------------------------------------------------------------------
     def _key(self, p):
         return param_key(p, tp_rank=self.topo.tp_rank, is_first_stage=self.topo.is_first_stage,
-                         decay_biases_and_norms=self.cfg.decay_biases_and_norms)
+                         decay_biases_and_norms=self.cfg.decay_biases_and_norms,
+                         muon=id(p) in self.muon_ids)
+
+    def _inner_of(self, b: FlatBuffer):
+        return self.muon if b.key.muon else self.inner
 
     def _buffer(self, items, key) -> FlatBuffer:
         # Expert weights differ across the expert-parallel ranks: only the ranks holding the
@@ -178,12 +188,15 @@ class ZeroOptimizer:
             hyper = Hyper(self.lr, self.cfg.weight_decay if b.key.decay else 0.0,
                           self.applied_steps)
             grad = b.grad_shard.to(self.state_device, torch.float32)
-            if self.separate_master:
-                self.inner.update(st["master"], grad, st, hyper, mult)
-                b.write_params(st["master"])
-            else:  # fp32 on the device: the weights' own shard is the master
-                master = b.param_shard if b.shard_params else b.params.data[b.shard_slice]
+            # fp32 on the device without offload: the weights' own shard is the master
+            master = st["master"] if self.separate_master else \
+                b.param_shard if b.shard_params else b.params.data[b.shard_slice]
+            if b.key.muon:
+                self.muon.update_bucket(b, master, grad, st, hyper, mult)
+            else:
                 self.inner.update(master, grad, st, hyper, mult)
+            if self.separate_master:
+                b.write_params(master)
         for pending in [b.all_gather_params() for b in self.buffers]:
             pending.wait()
         if self.zero3 is not None:

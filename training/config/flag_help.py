@@ -49,7 +49,8 @@ HELP = {
     "--lr-warmup-samples": "linear warmup in samples (instead of --lr-warmup-iters)",
     "--lr-decay-iters": "iterations the decay spans (default: the training iterations)",
     # optimizer
-    "--optimizer": "adamw, or adam (Megatron's name for the same AdamW), or sgd",
+    "--optimizer": "adamw, or adam (Megatron's name for the same AdamW), or sgd, or muon (Muon on "
+                   "hidden matrices, AdamW on the rest: docs/muon.md)",
     "--weight-decay": "decoupled weight decay (not applied to biases and norms)",
     "--clip-grad": "clip the global gradient norm to this (0: off)",
     "--adam-beta1": "Adam beta1",

@@ -20,6 +20,7 @@ from parallel.zero.config import PRECISIONS, LossScaleConfig, OptimizerConfig
 
 from training.config.errors import ArgumentError
 from training.config.flag_help import HelpFormatter, apply_help
+from training.config.muon_flags import add_muon_flags, muon_settings
 from training.config.megatron_compat import (add_megatron_compat_flags, check_model, resolve_megatron_compat,
                                              samples_to_iterations, stage_layers, translate, vocab_multiple)
 from training.config.run_config import (CheckpointConfig, DataConfig, HealthConfig, LoggingConfig, RunConfig,
@@ -126,7 +127,7 @@ def build_parser(default_model: str | None = None) -> argparse.ArgumentParser:
     g.add_argument("--lr-warmup-samples", type=int)
     g.add_argument("--lr-decay-iters", type=int)
     g = p.add_argument_group("optimizer")
-    g.add_argument("--optimizer", default="adamw", choices=["adamw", "adam", "sgd"])
+    g.add_argument("--optimizer", default="adamw", choices=["adamw", "adam", "sgd", "muon"])
     g.add_argument("--weight-decay", type=float, default=0.01)
     g.add_argument("--clip-grad", type=float, default=1.0)
     g.add_argument("--adam-beta1", type=float, default=0.9)
@@ -202,6 +203,7 @@ def build_parser(default_model: str | None = None) -> argparse.ArgumentParser:
     g.add_argument("--max-bad-steps", type=int, default=20,
                    help="stop the run (exit status 1) after this many consecutive steps with a "
                         "non-finite loss or a skipped update, under any --health-policy")
+    add_muon_flags(p)
     add_megatron_compat_flags(p)
     a("--seed", type=int, default=1234)
     apply_help(p)
@@ -394,7 +396,8 @@ def to_run_config(args: argparse.Namespace, vocab_size: int | None = None,
                                    static_scale=args.loss_scale),
         grad_dtype="model" if args.grad_reduce_in_bf16 else "fp32",
         bucket_numel=args.ddp_bucket_size or OptimizerConfig.bucket_numel,
-        offload=args.offload_optimizer, offload_dir=args.offload_dir)
+        offload=args.offload_optimizer, offload_dir=args.offload_dir,
+        muon=muon_settings(args, _fail))
     try:
         optimizer.validate(pp=parallel.pp)
     except ValueError as e:
