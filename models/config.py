@@ -51,7 +51,17 @@ class TransformerConfig:
     moe_ffn_hidden_size: int | None = None  # --moe-ffn-hidden-size; default ffn_hidden_size
     moe_router_pre_softmax: bool = False  # softmax over all experts, then top-k (Qwen); else
     #                                       top-k logits, then softmax over them (Mixtral)
-    moe_norm_topk_prob: bool = False  # pre-softmax only: renormalise the top-k probabilities
+    moe_norm_topk_prob: bool = False  # pre-softmax or sigmoid: renormalise the top-k weights
+    moe_router_score_function: str = "softmax"  # --moe-router-score-function softmax | sigmoid
+    #   (sigmoid: DeepSeek-V3; the weights are the chosen experts' sigmoid scores)
+    moe_router_enable_expert_bias: bool = False  # a per-expert bias added for the choice only,
+    #   updated aux-loss-free from the load after each step (sigmoid only; HF e_score_correction_bias)
+    moe_router_bias_update_rate: float = 1e-3  # --moe-router-bias-update-rate
+    moe_router_num_groups: int | None = None  # --moe-router-num-groups (HF n_group): group-limited
+    moe_router_group_topk: int | None = None  # --moe-router-group-topk (HF topk_group)
+    moe_router_topk_scaling_factor: float | None = None  # (HF routed_scaling_factor) weights times it
+    moe_router_load_balancing_type: str = "aux_loss"  # aux_loss (per batch) | seq_aux_loss (per
+    #   sequence, DeepSeek-V3); either weighted by --moe-aux-loss-coeff
     moe_aux_loss_coeff: float = 0.0  # --moe-aux-loss-coeff (Switch/GShard load balancing)
     moe_z_loss_coeff: float = 0.0  # --moe-z-loss-coeff (ST-MoE router z-loss)
     moe_expert_capacity_factor: float | None = None  # None: dropless; else drop over capacity
@@ -111,11 +121,51 @@ class TransformerConfig:
                              f"routing), got {self.moe_expert_capacity_factor}")
         if self.moe_aux_loss_coeff < 0 or self.moe_z_loss_coeff < 0:
             raise ValueError("--moe-aux-loss-coeff and --moe-z-loss-coeff must be >= 0")
-        if self.moe_norm_topk_prob and not self.moe_router_pre_softmax:
-            raise ValueError("moe_norm_topk_prob applies to --moe-router-pre-softmax only (top-k "
-                             "then softmax is normalised already)")
+        self._check_router()
         if self.moe_shared_expert_gate and not self.moe_shared_expert_intermediate_size:
             raise ValueError("moe_shared_expert_gate needs --moe-shared-expert-intermediate-size")
+
+    def _check_router(self) -> None:
+        sigmoid = self.moe_router_score_function == "sigmoid"
+        for name, value, allowed in (
+                ("--moe-router-score-function", self.moe_router_score_function, ("softmax", "sigmoid")),
+                ("--moe-router-load-balancing-type", self.moe_router_load_balancing_type,
+                 ("aux_loss", "seq_aux_loss"))):
+            if value not in allowed:
+                raise ValueError(f"{name} {value!r} is not supported; choose one of {allowed}")
+        if self.moe_norm_topk_prob and not (self.moe_router_pre_softmax or sigmoid):
+            raise ValueError("moe_norm_topk_prob applies to --moe-router-pre-softmax or "
+                             "--moe-router-score-function sigmoid only (top-k then softmax is "
+                             "normalised already)")
+        if sigmoid and self.moe_router_pre_softmax:
+            raise ValueError("--moe-router-pre-softmax applies to --moe-router-score-function "
+                             "softmax only; drop one")
+        if self.moe_router_enable_expert_bias and not sigmoid:
+            raise ValueError("--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid")
+        if not self.moe_router_bias_update_rate >= 0:
+            raise ValueError(f"--moe-router-bias-update-rate must be >= 0, got "
+                             f"{self.moe_router_bias_update_rate}")
+        if self.moe_router_topk_scaling_factor is not None and not self.moe_router_topk_scaling_factor > 0:
+            raise ValueError(f"--moe-router-topk-scaling-factor must be > 0, got "
+                             f"{self.moe_router_topk_scaling_factor}")
+        groups, group_topk = self.moe_router_num_groups, self.moe_router_group_topk
+        if (groups is None) != (group_topk is None):
+            raise ValueError("--moe-router-num-groups and --moe-router-group-topk go together; "
+                             "pass both or neither")
+        if groups is None:
+            return
+        if not sigmoid:
+            raise ValueError("--moe-router-num-groups needs --moe-router-score-function sigmoid "
+                             "(group-limited routing is modelled as DeepSeek-V3's)")
+        if groups < 1 or self.num_experts % groups or self.num_experts // groups < 2:
+            raise ValueError(f"--moe-router-num-groups {groups} must divide --num-experts "
+                             f"{self.num_experts} into groups of at least 2 experts (a group "
+                             f"scores as its two best experts)")
+        per_group = self.num_experts // groups
+        if not 1 <= group_topk <= groups or self.moe_router_topk > group_topk * per_group:
+            raise ValueError(f"--moe-router-group-topk {group_topk} must be in 1..{groups} and "
+                             f"its groups hold --moe-router-topk {self.moe_router_topk} experts "
+                             f"({per_group} per group)")
 
     def is_moe_layer(self, layer_number: int) -> bool:
         """Whether global layer `layer_number` (0-based) has experts instead of a dense MLP."""

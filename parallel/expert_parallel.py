@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+import torch.distributed as dist
+
 from .collectives import all_to_all_rows, group_size
 from .topology import ParallelTopology
 
@@ -83,3 +85,12 @@ def combine(y: torch.Tensor, handle: Dispatched, group) -> torch.Tensor:
     back = torch.empty_like(handle.order)
     back[handle.order] = torch.arange(handle.order.numel(), device=y.device)
     return _AllToAll.apply(y[back], group, handle.output_splits, handle.input_splits)
+
+
+def reduce_expert_load(table: torch.Tensor) -> torch.Tensor:
+    """Sum per-layer expert loads [layers, experts] over every rank in place (each pipeline stage
+    fills the rows of its layers, zeros elsewhere), so that the expert-bias update is the same on
+    all ranks. Every rank calls it."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(table)
+    return table

@@ -429,6 +429,9 @@ def check_compatible(meta: dict, *, model: dict, folder: str) -> None:
                          "qk_layernorm", "scale_attn_weights", "scale_attn_by_inverse_layer_idx",
                          "num_experts", "moe_router_topk", "moe_ffn_hidden_size",
                          "moe_router_pre_softmax", "moe_norm_topk_prob",
+                         "moe_router_score_function", "moe_router_enable_expert_bias",
+                         "moe_router_num_groups", "moe_router_group_topk",
+                         "moe_router_topk_scaling_factor",
                          "moe_shared_expert_intermediate_size", "moe_shared_expert_gate",
                          "moe_layer_freq")
              if saved_model.get(k, defaults[k]) != model.get(k, defaults[k])]

@@ -89,6 +89,19 @@ def build_parser(default_model: str | None = None) -> argparse.ArgumentParser:
     g.add_argument("--moe-expert-capacity-factor", type=float,
                    help="drop assignments over factor x tokens x topk / experts per expert (default dropless)")
     g.add_argument("--moe-shared-expert-intermediate-size", type=int, help="a shared expert's width")
+    g.add_argument("--moe-router-score-function", choices=("softmax", "sigmoid"),
+                   help="softmax (default) or sigmoid scores (DeepSeek-V3: the chosen scores weigh)")
+    g.add_argument("--moe-router-enable-expert-bias", action="store_true", default=None,
+                   help="sigmoid: a per-expert bias for the choice only, updated from the load after "
+                        "each step (aux-loss-free balancing)")
+    g.add_argument("--moe-router-bias-update-rate", type=float,
+                   help="the expert bias's step towards the mean load (default 1e-3)")
+    g.add_argument("--moe-router-num-groups", type=int,
+                   help="sigmoid: expert groups for group-limited routing (HF n_group)")
+    g.add_argument("--moe-router-group-topk", type=int,
+                   help="groups each token may route to (HF topk_group)")
+    g.add_argument("--moe-router-topk-scaling-factor", type=float,
+                   help="routing weights times this (HF routed_scaling_factor)")
     g.add_argument("--expert-model-parallel-size", type=int, default=1,
                    help="ranks (carved out of data parallelism) splitting each layer's experts")
     g = p.add_argument_group("parallelism")
@@ -298,6 +311,13 @@ def to_run_config(args: argparse.Namespace, vocab_size: int | None = None,
         moe_aux_loss_coeff=args.moe_aux_loss_coeff, moe_z_loss_coeff=args.moe_z_loss_coeff,
         moe_expert_capacity_factor=args.moe_expert_capacity_factor,
         moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
+        moe_router_score_function=args.moe_router_score_function,
+        moe_router_enable_expert_bias=args.moe_router_enable_expert_bias,
+        moe_router_bias_update_rate=args.moe_router_bias_update_rate,
+        moe_router_num_groups=args.moe_router_num_groups,
+        moe_router_group_topk=args.moe_router_group_topk,
+        moe_router_topk_scaling_factor=args.moe_router_topk_scaling_factor,
+        moe_router_load_balancing_type=args.moe_router_load_balancing_type,
         moe_layer_freq=args.moe_layer_freq).items()
         if v is not None}
     overrides.update(seed=args.seed, recompute_granularity=args.recompute_granularity,

@@ -206,11 +206,12 @@ def _model_and_training(args, given, notes) -> list[str]:
                        f"implemented; RoPE rotates the whole head (1.0)")
     balancing = args.moe_router_load_balancing_type
     if balancing == "none":
-        args.moe_aux_loss_coeff = 0.0
+        args.moe_aux_loss_coeff, args.moe_router_load_balancing_type = 0.0, None
         notes.info("--moe-router-load-balancing-type none: --moe-aux-loss-coeff 0")
-    elif balancing not in (None, "aux_loss"):
+    elif balancing not in (None, "aux_loss", "seq_aux_loss"):
         refused.append(f"--moe-router-load-balancing-type {balancing}: megazoo balances with the "
-                       f"Switch/GShard auxiliary loss only; use aux_loss (--moe-aux-loss-coeff) or none")
+                       f"Switch/GShard auxiliary loss, per batch or per sequence; use aux_loss, "
+                       f"seq_aux_loss (--moe-aux-loss-coeff) or none")
     dispatcher = args.moe_token_dispatcher_type
     if dispatcher in ("allgather", "flex"):
         notes.info("--moe-token-dispatcher-type %s: megazoo dispatches with all-to-all over the "
@@ -233,9 +234,10 @@ def _moe(args, notes) -> list[str]:
         except ValueError as e:
             refused.append(f"--moe-layer-freq {args.moe_layer_freq}: {e}")
             args.moe_layer_freq = None
-    if args.moe_router_score_function not in (None, "softmax"):
-        refused.append(f"--moe-router-score-function {args.moe_router_score_function}: megazoo's router "
-                       f"scores with softmax only")
+    if args.moe_router_score_function == "sigmoid" and args.moe_router_pre_softmax:
+        args.moe_router_pre_softmax = None  # Megatron applies it to softmax scores only
+        notes.info("--moe-router-pre-softmax with --moe-router-score-function sigmoid: ignored, as "
+                   "Megatron-LM does (it orders the softmax only)")
     if args.moe_router_dtype not in (None, "fp32"):
         notes.info("--moe-router-dtype %s: megazoo's router computes in fp32", args.moe_router_dtype)
     if args.expert_tensor_parallel_size not in (None, 1):
