@@ -8,7 +8,7 @@
 * The sequence-wise auxiliary loss equals the DeepSeek-V3 paper's formula written per sequence.
 * The aux-loss-free bias update: bias + rate * sign(mean load - load) from the load counted by
   hand over two microbatches, then the load is reset.
-* Under (tp2 + SP, ep2, dp2) and (ep2, dp4) with ZeRO-1: losses, expert biases after each update
+* Under (tp2 + SP, ep2, dp2) with ZeRO-1: losses, expert biases after each update
   and parameters after 3 AdamW steps equal the unsharded model's (the load summed over all ranks).
 """
 from __future__ import annotations
@@ -111,3 +111,147 @@ def test_deepseek_moe_equals_transformers():
         _, plain = layer.route(logits)
         layer.expert_bias.copy_(bias)
     assert (plain.sort().values != experts.sort().values).any(), "the bias changes some choice"
+
+
+def test_sequence_aux_loss_is_the_papers_per_sequence_formula():
+    cfg = deepseek_config(moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=0.1,
+                          moe_router_enable_expert_bias=False)
+    layer = _layer(cfg)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(6, 3, 32, generator=g)  # [s, b, h]: 3 sequences of 6 tokens
+    layer.train()
+    layer(x).sum().backward()
+    got_aux, got_grad = layer.stats.totals[3].item(), layer.router.grad.clone()
+    router = layer.router.detach().clone().requires_grad_()
+    layer.router.grad = None
+    s, b, e, k = 6, 3, 8, 3
+    losses = []
+    for i in range(b):  # L = alpha * sum_e f_e P_e per sequence, f_e = E / (K s) * count_e
+        logits = (x[:, i] @ router.t()).float()
+        scores = torch.sigmoid(logits)
+        _, chosen = layer.route(logits.detach())
+        f = torch.bincount(chosen.reshape(-1), minlength=e).float() * e / (k * s)
+        p = (scores / scores.sum(-1, keepdim=True)).mean(0)
+        losses.append(0.1 * (f * p).sum())
+    ref = torch.stack(losses).mean()
+    ref.backward()
+    # the layer's output sum adds the routed and shared outputs' router gradient: remove it
+    layer.zero_grad()
+    cfg0 = deepseek_config(moe_router_enable_expert_bias=False)
+    plain = _layer(cfg0)
+    plain.train()
+    plain(x).sum().backward()
+    torch.testing.assert_close(got_aux, ref.item(), **TOL)
+    torch.testing.assert_close(got_grad - plain.router.grad, router.grad, **TOL)
+    assert ref.item() > 0
+
+
+def test_expert_bias_update_is_the_sign_rule_on_the_load():
+    cfg = deepseek_config(moe_router_bias_update_rate=0.01)
+    model = TransformerLanguageModel(cfg, ParallelTopology.single())
+    layers = moe_layers(model)
+    seen = {id(m): [] for m in layers}
+    for m in layers:
+        m.register_forward_pre_hook(lambda mod, args: seen[id(mod)].append(args[0].detach()))
+    g = torch.Generator().manual_seed(6)
+    with torch.no_grad():
+        for m in layers:
+            m.expert_bias.copy_(torch.randn(8, generator=g) * 0.1)
+    before = [m.expert_bias.clone() for m in layers]
+    model.train()
+    for _ in range(2):  # two microbatches, one update
+        model(torch.randint(0, 96, (2, 8), generator=g)).sum().backward()
+    update_expert_biases([model], cfg.num_layers, torch.device("cpu"))
+    for m, bias in zip(layers, before):
+        load = torch.zeros(8)
+        for x in seen[id(m)]:  # the choice by hand: sigmoid + bias, best 2 groups, top 3
+            choice = torch.sigmoid((x.reshape(-1, 32) @ m.router.t()).float()) + bias
+            groups = choice.view(-1, 4, 2).sum(-1).topk(2).indices  # 2 per group: top-2 = all
+            mask = torch.zeros(choice.shape[0], 4, dtype=torch.bool).scatter_(1, groups, True)
+            choice = choice.masked_fill(~mask.repeat_interleave(2, dim=1), -1e9)
+            load += torch.bincount(choice.topk(3).indices.reshape(-1), minlength=8).float()
+        assert load.sum() == 2 * 16 * 3 and (load != load.mean()).all()
+        want = bias + 0.01 * torch.sign(load.mean() - load)
+        torch.testing.assert_close(m.expert_bias, want, rtol=0, atol=0)
+        assert m.expert_load.sum() == 0 and m.expert_bias.grad is None
+
+
+HYPER = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-6, weight_decay=0.1, clip_grad=0.5)
+BATCH, SEQ, STEPS = 8, 8, 3
+
+
+def _parallel_config() -> TransformerConfig:
+    return deepseek_config(moe_aux_loss_coeff=0.01, moe_router_load_balancing_type="seq_aux_loss",
+                           moe_router_bias_update_rate=0.05)
+
+
+def _batch(step: int):
+    tokens = torch.randint(0, 96, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(50 + step))
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def _reference(cfg, dp: int):
+    """The unsharded model on the whole batch, one microbatch per DP share (each its own aux
+    loss), torch AdamW: (losses, biases per step per layer, trained parameters)."""
+    from models.moe import set_aux_loss_scale
+    model = TransformerLanguageModel(cfg, ParallelTopology.single())
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    opt = torch.optim.AdamW([{"params": [p for _, p in named if p.dim() >= 2],
+                              "weight_decay": HYPER["weight_decay"]},
+                             {"params": [p for _, p in named if p.dim() < 2], "weight_decay": 0.0}],
+                            lr=HYPER["lr"], betas=HYPER["betas"], eps=HYPER["eps"])
+    set_aux_loss_scale([model], 1.0 / dp)
+    losses, biases = [], []
+    for step in range(STEPS):
+        ids, labels = _batch(step)
+        total = 0.0
+        for i, y in zip(ids.chunk(dp), labels.chunk(dp)):
+            loss = model(i, labels=y).mean()
+            (loss / dp).backward()
+            total += loss.item() / dp
+        torch.nn.utils.clip_grad_norm_([p for _, p in named], HYPER["clip_grad"])
+        opt.step()
+        opt.zero_grad()
+        update_expert_biases([model], cfg.num_layers, torch.device("cpu"))
+        losses.append(total)
+        biases.append([m.expert_bias.clone() for m in moe_layers(model)])
+    return losses, biases, {n: p.detach().clone() for n, p in named}
+
+
+def _bias_world(rank, layouts):
+    from training.run.step import activation_shape, forward_backward
+    cfg = _parallel_config()
+    initial = {n: p.detach().clone() for n, p in
+               TransformerLanguageModel(cfg, ParallelTopology.single()).named_parameters()}
+    out = []
+    for kw in layouts:
+        topo = ParallelTopology.from_config(ParallelConfig(**kw))
+        ref_losses, ref_biases, ref_params = _reference(cfg, topo.dp)
+        model = TransformerLanguageModel(cfg, topo)
+        opt = build_optimizer([model], topo, OptimizerConfig(**HYPER, zero_stage=1))
+        shape = activation_shape(topo, SEQ, BATCH // topo.dp, cfg.hidden_size)
+        moved = 0
+        for step in range(STEPS):
+            ids, labels = (t.chunk(topo.dp)[topo.dp_rank] for t in _batch(step))
+            loss = forward_backward([model], [{"tokens": ids, "labels": labels}], topo, opt,
+                                    schedule="1f1b", shape=shape)
+            assert not opt.step().skipped
+            opt.zero_grad()
+            update_expert_biases([model], cfg.num_layers, topo.device)
+            torch.testing.assert_close(loss, ref_losses[step], **TOL, msg=f"{kw} loss {step}")
+            for m, want in zip(moe_layers(model), ref_biases[step]):
+                torch.testing.assert_close(m.expert_bias, want, rtol=0, atol=1e-7,
+                                           msg=f"{kw} bias step {step}")
+                moved += int((want != 0).sum())
+        dp_full = opt.full_parameters()
+        got = {model.canonical_name(n): full_tensor(p, topo, dp_full[n])
+               for n, p in model.named_parameters() if p.requires_grad}
+        assert_trained_close(got, ref_params, initial, str(kw), HYPER["lr"])
+        out.append(moved)
+    return out
+
+
+def test_expert_bias_updates_under_tensor_sequence_expert_and_data_parallel_equal_unsharded():
+    layouts = [dict(tp=2, ep=2, sequence_parallel=True)]  # dp 2
+    moved = run_distributed(_bias_world, 4, layouts, timeout=600)
+    assert all(m > 0 for m in moved[0])  # the biases moved, so the comparison saw updates
