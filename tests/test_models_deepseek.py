@@ -255,3 +255,20 @@ def test_expert_bias_updates_under_tensor_sequence_expert_and_data_parallel_equa
     layouts = [dict(tp=2, ep=2, sequence_parallel=True)]  # dp 2
     moved = run_distributed(_bias_world, 4, layouts, timeout=600)
     assert all(m > 0 for m in moved[0])  # the biases moved, so the comparison saw updates
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_checkpoint_files_carry_the_expert_bias_at_every_zero_stage(stage):
+    from training.checkpoint.resume import rank_tensors
+    cfg = deepseek_config()
+    topo = ParallelTopology.single()
+    model = TransformerLanguageModel(cfg, topo)
+    opt = build_optimizer([model], topo, OptimizerConfig(zero_stage=stage))
+
+    class _NoRng:
+        def get_states(self):
+            return {}
+    tensors = rank_tensors([model], opt, _NoRng(), stage)
+    biases = sorted(k for k in tensors if k.endswith("expert_bias"))
+    assert biases == ["model.0.layers.0.mlp.expert_bias", "model.0.layers.1.mlp.expert_bias"]
+    assert ("model.0.layers.0.mlp.router" in tensors) == (stage < 3)
