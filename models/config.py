@@ -45,6 +45,13 @@ class TransformerConfig:
     recompute_method: str | None = None
     recompute_num_layers: int | None = None
     seed: int = 1234  # initialisation seed: the same full weights for every layout
+    # ---- multi-head latent attention (models/mla.py; docs/deepseek.md). kv_lora_rank None: off ----
+    kv_lora_rank: int | None = None  # the key/value latent's width
+    q_lora_rank: int | None = None  # the query latent's width (None: a full-rank query projection)
+    qk_nope_head_dim: int | None = None  # per-head query/key channels without RoPE
+    qk_rope_head_dim: int | None = None  # decoupled RoPE channels (one key part shared by all heads)
+    v_head_dim: int | None = None  # per-head value channels
+    rope_interleave: bool = True  # RoPE channels in pairs (2i, 2i+1) (DeepSeek) or halves (HF's)
     # ---- mixture of experts (models/moe.py; docs/moe.md). num_experts None: dense MLPs ----
     num_experts: int | None = None  # --num-experts
     moe_router_topk: int = 2  # --moe-router-topk
@@ -94,7 +101,9 @@ class TransformerConfig:
             self.num_layers)
         if self.num_experts is not None:
             self._check_moe()
-        if self.position_embedding == "rope" and self.head_dim % 2:
+        if self.kv_lora_rank is not None:
+            self._check_latent_attention()
+        if self.position_embedding == "rope" and self.kv_lora_rank is None and self.head_dim % 2:
             source = f"--kv-channels {self.kv_channels}" if self.kv_channels else (
                 f"--hidden-size {self.hidden_size} / --num-attention-heads {self.num_attention_heads}")
             raise ValueError(f"{source} gives head_dim {self.head_dim}, but RoPE rotates channel "
@@ -104,6 +113,22 @@ class TransformerConfig:
             if kind not in ("default", "linear", "llama3"):
                 raise ValueError(f"rope_scaling type {kind!r} is not supported; choose one of "
                                  f"('default', 'linear', 'llama3')")
+
+    def _check_latent_attention(self) -> None:
+        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"multi-latent attention needs {name} an integer >= 1, got {value}")
+        if self.q_lora_rank is not None and (not isinstance(self.q_lora_rank, int) or self.q_lora_rank < 1):
+            raise ValueError(f"q_lora_rank must be an integer >= 1 or None, got {self.q_lora_rank}")
+        if self.qk_rope_head_dim % 2 or self.position_embedding != "rope":
+            raise ValueError(f"multi-latent attention rotates qk_rope_head_dim "
+                             f"{self.qk_rope_head_dim} channels: it needs an even number and "
+                             f"position_embedding 'rope' (got {self.position_embedding!r})")
+        if self.num_query_groups != self.num_attention_heads or self.bias or self.add_qkv_bias \
+                or self.qk_layernorm or self.kv_channels:
+            raise ValueError("multi-latent attention has no key/value groups, attention biases, "
+                             "q/k norms or --kv-channels; drop them")
 
     def _check_moe(self) -> None:
         if self.moe_ffn_hidden_size is None:

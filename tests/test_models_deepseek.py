@@ -66,6 +66,66 @@ def _hf_moe(cfg: TransformerConfig, layer: MoELayer):
     return moe
 
 
+LATENT = dict(kv_lora_rank=12, q_lora_rank=10, qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=5)
+
+
+def _hf_attention(cfg: TransformerConfig, mla):
+    """transformers' DeepseekV3Attention (eager) with `mla`'s weights, and its rotary embedding."""
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import (DeepseekV3Attention,
+                                                                      DeepseekV3RotaryEmbedding)
+    hf = DeepseekV3Config(hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
+                          num_key_value_heads=cfg.num_attention_heads, kv_lora_rank=cfg.kv_lora_rank,
+                          q_lora_rank=cfg.q_lora_rank, qk_nope_head_dim=cfg.qk_nope_head_dim,
+                          qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim,
+                          rope_interleave=cfg.rope_interleave, rope_theta=cfg.rope_theta,
+                          max_position_embeddings=64, attention_bias=False)
+    hf._attn_implementation = "eager"
+    att = DeepseekV3Attention(hf, layer_idx=0)
+    pairs = [("kv_a_proj_with_mqa.weight", mla.kv_down), ("kv_a_layernorm.weight", mla.kv_norm.weight),
+             ("kv_b_proj.weight", mla.kv_up.weight), ("o_proj.weight", mla.dense.weight)]
+    if cfg.q_lora_rank:
+        pairs += [("q_a_proj.weight", mla.q_down), ("q_a_layernorm.weight", mla.q_norm.weight),
+                  ("q_b_proj.weight", mla.q_up.weight)]
+    else:
+        pairs += [("q_proj.weight", mla.q_proj.weight)]
+    params = dict(att.named_parameters())
+    assert len(pairs) == len(params)
+    with torch.no_grad():
+        for name, p in pairs:
+            params[name].copy_(p)
+    return att, DeepseekV3RotaryEmbedding(hf), {name: p for name, p in pairs}
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(q_lora_rank=None, rope_interleave=False)])
+def test_multi_latent_attention_equals_transformers(kw):
+    from models.mla import MultiLatentAttention
+    cfg = deepseek_config(hidden_size=40, layernorm_epsilon=1e-6, rope_theta=500.0, **{**LATENT, **kw})
+    mla = MultiLatentAttention(cfg, ParallelTopology.single(), Initializer(cfg), "layers.0.attention.",
+                               None)
+    g = torch.Generator().manual_seed(8)
+    with torch.no_grad():  # weights large enough for uneven attention; norms not all ones
+        for p in mla.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * (0.3 if p.dim() > 1 else 0.5) + (p.dim() == 1))
+    att, rotary, pairs = _hf_attention(cfg, mla)
+    s, b = 9, 2
+    x = torch.randn(s, b, 40, generator=g)
+    r = torch.randn(s, b, 40, generator=g)
+    xs = x.clone().requires_grad_()
+    out = mla(xs)
+    (out * r).sum().backward()
+    xh = x.transpose(0, 1).contiguous().requires_grad_()
+    positions = torch.arange(s).unsqueeze(0)
+    mask = torch.full((s, s), float("-inf")).triu(1).expand(b, 1, s, s)
+    ref, _ = att(xh, rotary(xh, positions), mask)
+    (ref * r.transpose(0, 1)).sum().backward()
+    torch.testing.assert_close(out, ref.transpose(0, 1), **TOL)
+    torch.testing.assert_close(xs.grad, xh.grad.transpose(0, 1), **TOL)
+    hf_params = dict(att.named_parameters())
+    for name, p in pairs.items():
+        torch.testing.assert_close(p.grad, hf_params[name].grad, **TOL, msg=name)
+
+
 def _layer(cfg: TransformerConfig) -> MoELayer:
     return MoELayer(cfg, ParallelTopology.single(), Initializer(cfg), "layers.0.mlp.")
 
