@@ -75,6 +75,7 @@ class TransformerConfig:
     moe_shared_expert_intermediate_size: int | None = None  # a shared expert (Qwen2-MoE)
     moe_shared_expert_gate: bool = False  # sigmoid gate on the shared expert (Qwen2-MoE)
     moe_layer_freq: int = 1  # --moe-layer-freq: layer i is MoE when i % freq == 0 (Megatron)
+    moe_first_dense_layers: int = 0  # the first N layers dense (DeepSeek-V3 first_k_dense_replace)
 
     def __post_init__(self):
         if self.ffn_hidden_size is None:
@@ -147,6 +148,9 @@ class TransformerConfig:
         if self.moe_aux_loss_coeff < 0 or self.moe_z_loss_coeff < 0:
             raise ValueError("--moe-aux-loss-coeff and --moe-z-loss-coeff must be >= 0")
         self._check_router()
+        if not isinstance(self.moe_first_dense_layers, int) or self.moe_first_dense_layers < 0:
+            raise ValueError(f"moe_first_dense_layers must be an integer >= 0, got "
+                             f"{self.moe_first_dense_layers}")
         if self.moe_shared_expert_gate and not self.moe_shared_expert_intermediate_size:
             raise ValueError("moe_shared_expert_gate needs --moe-shared-expert-intermediate-size")
 
@@ -194,7 +198,8 @@ class TransformerConfig:
 
     def is_moe_layer(self, layer_number: int) -> bool:
         """Whether global layer `layer_number` (0-based) has experts instead of a dense MLP."""
-        return self.num_experts is not None and layer_number % self.moe_layer_freq == 0
+        return self.num_experts is not None and layer_number >= self.moe_first_dense_layers \
+            and layer_number % self.moe_layer_freq == 0
 
     @property
     def head_dim(self) -> int:

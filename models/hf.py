@@ -6,11 +6,12 @@ Each value is a module providing `config_from_hf(hf_config)`, `hf_config(config)
 """
 from __future__ import annotations
 
-from . import bloom, gpt, llama, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe
+from . import bloom, deepseek_v3, gpt, llama, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe
 from .language_model import TransformerLanguageModel
 
 FAMILIES = {"gpt2": gpt, "bloom": bloom, "llama": llama, "qwen2": qwen2, "qwen3": qwen3,
-            "mixtral": mixtral, "qwen2_moe": qwen2_moe, "qwen3_moe": qwen3_moe}
+            "mixtral": mixtral, "qwen2_moe": qwen2_moe, "qwen3_moe": qwen3_moe,
+            "deepseek_v3": deepseek_v3}
 
 
 def model_class(module) -> type:

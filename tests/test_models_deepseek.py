@@ -335,3 +335,73 @@ def test_checkpoint_files_carry_the_expert_bias_at_every_zero_stage(stage):
     biases = sorted(k for k in tensors if k.endswith("expert_bias"))
     assert biases == ["model.0.layers.0.mlp.expert_bias", "model.0.layers.1.mlp.expert_bias"]
     assert ("model.0.layers.0.mlp.router" in tensors) == (stage < 3)
+
+
+def _hf_deepseek(seed: int = 0, **kw):
+    """A random HF DeepseekV3ForCausalLM (every tensor and the expert bias perturbed): one dense
+    layer, then two MoE layers; 8 experts in 4 groups, 3 per token from 2 groups."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+    config = DeepseekV3Config(**{**dict(
+        vocab_size=96, hidden_size=40, intermediate_size=48, moe_intermediate_size=12,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=2,
+        n_routed_experts=8, routed_scaling_factor=2.5, kv_lora_rank=12, q_lora_rank=10,
+        qk_rope_head_dim=4, v_head_dim=5, qk_nope_head_dim=6, n_group=4, topk_group=2,
+        num_experts_per_tok=3, first_k_dense_replace=1, norm_topk_prob=True,
+        max_position_embeddings=64, rope_parameters={"rope_type": "default", "rope_theta": 500.0},
+        num_nextn_predict_layers=0, bos_token_id=None, eos_token_id=None, pad_token_id=None), **kw})
+    torch.manual_seed(seed)
+    hf = DeepseekV3ForCausalLM(config).eval()
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, t in list(hf.named_parameters()) + list(hf.named_buffers()):
+            if t.is_floating_point() and "inv_freq" not in name:
+                scale = 0.3 if name.endswith("e_score_correction_bias") or t.dim() == 1 else 0.05
+                t.add_(torch.randn(t.shape, generator=g) * scale)
+    return hf
+
+
+def test_deepseek_v3_family_logits_and_round_trip():
+    from models import deepseek_v3
+    from models.hf import family
+    from parallel.sharding import load_full_state_dict
+    hf = _hf_deepseek()
+    cfg = deepseek_v3.config_from_hf(hf.config).replace(make_vocab_size_divisible_by=8)
+    assert family("deepseek_v3") is deepseek_v3
+    assert [cfg.is_moe_layer(i) for i in range(3)] == [False, True, True]
+    topo = ParallelTopology.single()
+    model = deepseek_v3.DeepseekV3Model(cfg, topo).eval()
+    sd = {k: v for k, v in hf.state_dict().items()}
+    full = deepseek_v3.from_hf_state_dict(sd, cfg)
+    load_full_state_dict(model, full, topo)
+    ids = torch.randint(0, 96, (2, 10), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids)[..., :96], hf(ids).logits, **TOL)
+    # file form (experts apart) back to megazoo and again: bit-identical
+    files = deepseek_v3.to_hf_state_dict(full, cfg)
+    again = deepseek_v3.from_hf_state_dict(files, cfg)
+    assert sorted(again) == sorted(full)
+    for k in full:
+        assert torch.equal(again[k], full[k]), k
+    assert "model.layers.1.mlp.experts.7.down_proj.weight" in files
+    assert torch.equal(files["model.layers.2.mlp.gate.e_score_correction_bias"],
+                       sd["model.layers.2.mlp.gate.e_score_correction_bias"])
+    back = deepseek_v3.hf_config(cfg)
+    for k in ("n_routed_experts", "n_group", "topk_group", "first_k_dense_replace", "n_shared_experts",
+              "routed_scaling_factor", "kv_lora_rank", "q_lora_rank", "rope_interleave"):
+        assert getattr(back, k) == getattr(hf.config, k), k
+    assert deepseek_v3.config_from_hf(back) == deepseek_v3.config_from_hf(hf.config)
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("rope_parameters", {"rope_type": "yarn", "factor": 4.0, "rope_theta": 500.0,
+                         "original_max_position_embeddings": 16}, "rope_parameters"),
+    ("rms_norm_eps", 1e-5, "rms_norm_eps"),
+    ("attention_bias", True, "attention_bias")])
+def test_deepseek_v3_refuses_what_it_does_not_model_in_one_line(field, value, match):
+    from transformers import DeepseekV3Config
+    from models import deepseek_v3
+    hf = DeepseekV3Config(hidden_size=40, num_attention_heads=4, num_key_value_heads=4,
+                          n_routed_experts=8, num_hidden_layers=2, **{field: value})
+    with pytest.raises(ValueError, match=match) as e:
+        deepseek_v3.config_from_hf(hf)
+    assert "\n" not in str(e.value)

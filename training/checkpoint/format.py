@@ -433,6 +433,7 @@ def check_compatible(meta: dict, *, model: dict, folder: str) -> None:
                          "moe_router_num_groups", "moe_router_group_topk",
                          "moe_router_topk_scaling_factor", "kv_lora_rank", "q_lora_rank",
                          "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "rope_interleave",
+                         "moe_first_dense_layers",
                          "moe_shared_expert_intermediate_size", "moe_shared_expert_gate",
                          "moe_layer_freq")
              if saved_model.get(k, defaults[k]) != model.get(k, defaults[k])]
