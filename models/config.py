@@ -271,7 +271,18 @@ class TransformerConfig:
         qkv_bias = 1 if (self.bias or self.add_qkv_bias) else 0
         qk_norms = 2 * d if self.qk_layernorm else 0
         attention = (qkv * h + attn * h + qkv_bias * qkv) / tp + bias * h + qk_norms
+        if self.kv_lora_rank:
+            attention = self.latent_attention_parameters(tp)
         return attention + self.mlp_parameters(layer, tp, ep, active) + 2 * self.norm_parameters()
+
+    def latent_attention_parameters(self, tp: int = 1) -> float:
+        """Multi-latent attention (models/mla.py) on one TP rank: the down-projections and latent
+        norms whole, the up-projections and the output split by heads."""
+        h, heads, rq, rkv = self.hidden_size, self.num_attention_heads, self.q_lora_rank, self.kv_lora_rank
+        qk = self.qk_nope_head_dim + self.qk_rope_head_dim
+        q = rq * (h + 1) + rq * heads * qk / tp if rq else h * heads * qk / tp
+        kv = (rkv + self.qk_rope_head_dim) * h + rkv + rkv * heads * (self.qk_nope_head_dim + self.v_head_dim) / tp
+        return q + kv + heads * self.v_head_dim * h / tp
 
     def embedding_parameters(self, tp: int = 1, padded: bool = False) -> float:
         """Word embedding (one TP rank's share; padded as built, or the unpadded vocabulary),
@@ -353,6 +364,12 @@ _MIXTRAL = dict(_LLAMA, vocab_size=32000, max_position_embeddings=32768, rope_th
 _QWEN2_MOE = dict(_LLAMA, vocab_size=151936, max_position_embeddings=8192, rope_theta=1e6,
                   layernorm_epsilon=1e-6, moe_router_pre_softmax=True, moe_aux_loss_coeff=1e-3,
                   moe_shared_expert_gate=True, add_qkv_bias=True)
+# DeepSeek-V3's training recipe: the bias update 1e-3, the sequence-wise aux loss 1e-4
+_DEEPSEEK_V3 = dict(_LLAMA, layernorm_epsilon=1e-6, tie_word_embeddings=False,
+                    moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                    moe_router_bias_update_rate=1e-3, moe_norm_topk_prob=True,
+                    moe_router_topk_scaling_factor=2.5, moe_router_load_balancing_type="seq_aux_loss",
+                    moe_aux_loss_coeff=1e-4)
 _QWEN3_MOE = dict(_LLAMA, vocab_size=151936, max_position_embeddings=40960, rope_theta=1e6,
                   layernorm_epsilon=1e-6, moe_router_pre_softmax=True, moe_norm_topk_prob=True,
                   moe_aux_loss_coeff=1e-3, qk_layernorm=True)
@@ -428,6 +445,24 @@ PRESETS: dict[str, dict] = {
     "qwen3-moe-30b-a3b": dict(_QWEN3_MOE, hidden_size=2048, num_layers=48, num_attention_heads=32,
                               num_query_groups=4, kv_channels=128, ffn_hidden_size=6144,
                               num_experts=128, moe_router_topk=8, moe_ffn_hidden_size=768),
+    # DeepSeek-V3 (arXiv 2412.19437; docs/deepseek.md): MLA, 3 dense layers, 256 experts top-8 in
+    # 8 groups (4 per token) + a shared one, the expert bias; multi-token prediction not modelled
+    # (pre-training's 4096 positions: the YaRN extension to 128K is not modelled)
+    "deepseek-v3": dict(_DEEPSEEK_V3, vocab_size=129280, max_position_embeddings=4096,
+                        hidden_size=7168, num_layers=61, num_attention_heads=128,
+                        ffn_hidden_size=18432, q_lora_rank=1536, kv_lora_rank=512,
+                        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                        num_experts=256, moe_router_topk=8, moe_ffn_hidden_size=2048,
+                        moe_shared_expert_intermediate_size=2048, moe_router_num_groups=8,
+                        moe_router_group_topk=4, moe_first_dense_layers=3),
+    # a DeepSeek-V3-shaped toy for CPUs and tests (not a released model)
+    "deepseek-v3-tiny": dict(_DEEPSEEK_V3, vocab_size=32000, max_position_embeddings=1024,
+                             hidden_size=128, num_layers=4, num_attention_heads=4,
+                             ffn_hidden_size=256, q_lora_rank=48, kv_lora_rank=32,
+                             qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                             num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=64,
+                             moe_shared_expert_intermediate_size=64, moe_router_num_groups=4,
+                             moe_router_group_topk=2, moe_first_dense_layers=1),
     # A small MoE for CPUs, tests and the demo: 8 experts, top-2, z-loss.
     "moe-tiny": dict(_LLAMA, vocab_size=32000, max_position_embeddings=1024, hidden_size=128,
                      num_layers=4, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=256,

@@ -405,3 +405,19 @@ def test_deepseek_v3_refuses_what_it_does_not_model_in_one_line(field, value, ma
     with pytest.raises(ValueError, match=match) as e:
         deepseek_v3.config_from_hf(hf)
     assert "\n" not in str(e.value)
+
+
+def test_presets_count_what_they_build_and_deepseek_v3_is_671b():
+    from models.config import preset
+    from models import deepseek_v3
+    tiny = preset("deepseek-v3-tiny", vocab_size=1024)
+    model = TransformerLanguageModel(tiny.replace(make_vocab_size_divisible_by=1), ParallelTopology.single())
+    built = sum(p.numel() for n, p in model.named_parameters() if not n.endswith("expert_bias"))
+    assert built == tiny.num_parameters()
+    v3 = preset("deepseek-v3")
+    assert abs(v3.num_parameters() / 671e9 - 1) < 0.005  # the paper's 671B (MTP's 14B apart)
+    assert abs(v3.num_parameters(active=True) / 37e9 - 1) < 0.02  # and 37B activated per token
+    from transformers import DeepseekV3ForCausalLM
+    with torch.device("meta"):  # transformers' model of the exported config, without MTP
+        hf = DeepseekV3ForCausalLM(deepseek_v3.hf_config(v3))
+    assert sum(p.numel() for p in hf.parameters()) == v3.num_parameters()
