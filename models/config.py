@@ -318,8 +318,14 @@ class TransformerConfig:
             if self.moe_shared_expert_intermediate_size:
                 mlp += self._mlp_matrices(self.moe_shared_expert_intermediate_size) + \
                     (h if self.moe_shared_expert_gate else 0)
-        dense = 2 * (self.num_layers * (h * qkv + attn * h) + mlp) + self.routed_flops_per_token()
-        return dense, 4 * self.num_layers * seq_length * attn, 2 * h * self.vocab_size
+        attention = h * qkv + attn * h
+        scores = 4 * seq_length * attn
+        if self.kv_lora_rank:  # MLA: its projections; scores over nope + rope, values over v
+            attention = self.latent_attention_parameters()
+            scores = 2 * seq_length * self.num_attention_heads * (
+                self.qk_nope_head_dim + self.qk_rope_head_dim + self.v_head_dim)
+        dense = 2 * (self.num_layers * attention + mlp) + self.routed_flops_per_token()
+        return dense, self.num_layers * scores, 2 * h * self.vocab_size
 
     def routed_flops_per_token(self) -> int:
         """Forward FLOPs per token of the routers and the top-k experts a token visits, over all
