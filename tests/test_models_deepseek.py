@@ -360,7 +360,7 @@ def _hf_deepseek(seed: int = 0, **kw):
     return hf
 
 
-def test_deepseek_v3_family_logits_and_round_trip():
+def test_deepseek_v3_family_logits_generation_and_round_trip():
     from models import deepseek_v3
     from models.hf import family
     from parallel.sharding import load_full_state_dict
@@ -385,6 +385,12 @@ def test_deepseek_v3_family_logits_and_round_trip():
     assert "model.layers.1.mlp.experts.7.down_proj.weight" in files
     assert torch.equal(files["model.layers.2.mlp.gate.e_score_correction_bias"],
                        sd["model.layers.2.mlp.gate.e_score_correction_bias"])
+    # greedy generation (a KV cache of the expanded keys and values) equals transformers'
+    from models.generation import SamplingConfig, generate
+    prompt = ids[:, :4]
+    ours = generate(model, topo, prompt, 6, SamplingConfig())
+    theirs = hf.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(ours, theirs)
     back = deepseek_v3.hf_config(cfg)
     for k in ("n_routed_experts", "n_group", "topk_group", "first_k_dense_replace", "n_shared_experts",
               "routed_scaling_factor", "kv_lora_rank", "q_lora_rank", "rope_interleave"):
