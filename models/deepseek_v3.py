@@ -24,6 +24,7 @@ from . import llama
 from .config import TransformerConfig
 from .hf_fields import check_fields, refuse
 from .language_model import TransformerLanguageModel
+from .qwen2_moe import stacked_experts
 
 logger = logging.getLogger(__name__)
 
@@ -170,14 +171,7 @@ def from_hf_state_dict(sd: dict[str, torch.Tensor], config: TransformerConfig) -
         m, h = f"layers.{i}.mlp.", f"model.layers.{i}.mlp."
         out[m + "shared_expert.fc1.weight"] = torch.cat([sd[h + "shared_experts.gate_proj.weight"],
                                                          sd[h + "shared_experts.up_proj.weight"]])
-        if h + "experts.gate_up_proj" in sd:  # transformers >= 5, in memory
-            out[m + "experts.weight1"] = sd[h + "experts.gate_up_proj"]
-            out[m + "experts.weight2"] = sd[h + "experts.down_proj"]
-        else:
-            expert = [h + f"experts.{e}." for e in range(config.num_experts)]
-            out[m + "experts.weight1"] = torch.stack(
-                [torch.cat([sd[x + "gate_proj.weight"], sd[x + "up_proj.weight"]]) for x in expert])
-            out[m + "experts.weight2"] = torch.stack([sd[x + "down_proj.weight"] for x in expert])
+        out[m + "experts.weight1"], out[m + "experts.weight2"] = stacked_experts(sd, h, config.num_experts)
     return {k: v.contiguous() for k, v in out.items()}
 
 
