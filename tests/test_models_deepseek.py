@@ -10,7 +10,7 @@
   hand over two microbatches, then the load is reset.
 * Multi-head latent attention (with and without a query latent, both RoPE layouts): output and
   every gradient equal transformers' DeepseekV3Attention (fp32, 1e-5).
-* A model of MLA + DeepSeek MoE layers under (tp2 with and without SP, ep2, dp2) with ZeRO-1: losses, expert
+* A model of MLA + DeepSeek MoE layers under (tp2 with and without SP, ep2, dp2) and (pp2, ep2, dp2) with ZeRO-1: losses, expert
   biases after each update and parameters after 2 AdamW steps equal the unsharded model's (the
   load summed over all ranks).
 """
@@ -24,6 +24,7 @@ from models.config import TransformerConfig
 from models.init import Initializer
 from models.language_model import TransformerLanguageModel
 from models.moe import MoELayer, moe_layers, update_expert_biases
+from parallel.pipeline.partition import partition
 from parallel.sharding import full_tensor
 from parallel.topology import ParallelConfig, ParallelTopology
 from parallel.zero import OptimizerConfig, build_optimizer
@@ -253,6 +254,12 @@ def _batch(step: int):
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
 
+def _biases(model) -> dict[int, torch.Tensor]:
+    """Global layer number -> a copy of that MoE layer's expert bias."""
+    return {i: layer.mlp.expert_bias.clone() for i, layer in
+            ((int(k), v) for k, v in model.layers.items()) if isinstance(layer.mlp, MoELayer)}
+
+
 def _reference(cfg, dp: int):
     """The unsharded model on the whole batch, one microbatch per DP share (each its own aux
     loss), torch AdamW: (losses, biases per step per layer, trained parameters)."""
@@ -277,7 +284,7 @@ def _reference(cfg, dp: int):
         opt.zero_grad()
         update_expert_biases([model], cfg.num_layers, torch.device("cpu"))
         losses.append(total)
-        biases.append([m.expert_bias.clone() for m in moe_layers(model)])
+        biases.append(_biases(model))
     return losses, biases, {n: p.detach().clone() for n, p in named}
 
 
@@ -290,7 +297,8 @@ def _bias_world(rank, layouts):
     for kw in layouts:
         topo = ParallelTopology.from_config(ParallelConfig(**kw))
         ref_losses, ref_biases, ref_params = _reference(cfg, topo.dp)
-        model = TransformerLanguageModel(cfg, topo)
+        spec, = partition(cfg.num_layers, topo.pp, topo.vpp)[topo.pp_rank]
+        model = TransformerLanguageModel(cfg, topo, **spec.kwargs())
         opt = build_optimizer([model], topo, OptimizerConfig(**HYPER, zero_stage=1))
         shape = activation_shape(topo, SEQ, BATCH // topo.dp, cfg.hidden_size)
         moved = 0
@@ -302,9 +310,9 @@ def _bias_world(rank, layouts):
             opt.zero_grad()
             update_expert_biases([model], cfg.num_layers, topo.device)
             torch.testing.assert_close(loss, ref_losses[step], **TOL, msg=f"{kw} loss {step}")
-            for m, want in zip(moe_layers(model), ref_biases[step]):
-                torch.testing.assert_close(m.expert_bias, want, rtol=0, atol=1e-7,
-                                           msg=f"{kw} bias step {step}")
+            for i, bias in _biases(model).items():
+                want = ref_biases[step][i]
+                torch.testing.assert_close(bias, want, rtol=0, atol=1e-7, msg=f"{kw} bias {i} step {step}")
                 moved += int((want != 0).sum())
         dp_full = opt.full_parameters()
         got = {model.canonical_name(n): full_tensor(p, topo, dp_full[n])
@@ -314,8 +322,8 @@ def _bias_world(rank, layouts):
     return out
 
 
-def test_expert_bias_updates_under_tensor_sequence_expert_and_data_parallel_equal_unsharded():
-    layouts = [dict(tp=2, ep=2, sequence_parallel=True), dict(tp=2, ep=2)]  # dp 2
+def test_expert_bias_updates_under_tensor_sequence_pipeline_expert_and_data_parallel_equal_unsharded():
+    layouts = [dict(tp=2, ep=2, sequence_parallel=True), dict(tp=2, ep=2), dict(pp=2, ep=2)]  # dp 2
     moved = run_distributed(_bias_world, 4, layouts, timeout=600)
     assert all(m > 0 for m in moved[0])  # the biases moved, so the comparison saw updates
 
