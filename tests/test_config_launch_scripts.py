@@ -342,7 +342,7 @@ DEEPSEEK_REFUSED = [  # multi-latent attention, multi-token prediction, the rest
     "--multi-latent-attention", "--q-lora-rank", "--kv-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim",
     "--v-head-dim", "--rotary-scaling-factor", "--mscale", "--mscale-all-dim",
     "--moe-router-force-load-balancing", "--mtp-num-layers",
-    "--mtp-loss-scaling-factor", "--moe-layer-freq", "--lr-warmup-init", "--recompute-modules"]
+    "--mtp-loss-scaling-factor", "--lr-warmup-init", "--recompute-modules"]
 # DeepSeek's routing is taken, but the script's 8 experts in 8 groups of one are not (a group
 # scores as its two best experts)
 DEEPSEEK_GROUPS = ["--moe-router-group-topk", "--moe-router-num-groups"]
@@ -361,6 +361,9 @@ def test_deepseek_v3_stops_naming_every_unsupported_flag_and_takes_the_rest():
     assert (m.moe_router_score_function, m.moe_router_enable_expert_bias, m.moe_router_bias_update_rate,
             m.moe_router_topk_scaling_factor, m.moe_router_load_balancing_type) == \
         ("sigmoid", True, 1e-3, 2.5, "seq_aux_loss")
+    # the script's [0]*1+[1]*3: one dense layer first
+    assert (m.moe_first_dense_layers, m.moe_layer_freq) == (1, 1)
+    assert [m.is_moe_layer(i) for i in range(4)] == [False, True, True, True]
     assert m.padded_vocab_size(1) == 3232 and run.health.collective_timeout == 3600.0
     # --moe-layer-freq as Megatron's list, where it has megazoo's shape
     args = build_parser("moe-tiny").parse_args(_drop(deepseek_v3(), set(DEEPSEEK_REFUSED + DEEPSEEK_GROUPS))

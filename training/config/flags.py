@@ -89,6 +89,8 @@ def build_parser(default_model: str | None = None) -> argparse.ArgumentParser:
     g.add_argument("--moe-expert-capacity-factor", type=float,
                    help="drop assignments over factor x tokens x topk / experts per expert (default dropless)")
     g.add_argument("--moe-shared-expert-intermediate-size", type=int, help="a shared expert's width")
+    g.add_argument("--moe-first-dense-layers", type=int,
+                   help="the first K layers dense (DeepSeek-V3's first_k_dense_replace)")
     g.add_argument("--moe-router-score-function", choices=("softmax", "sigmoid"),
                    help="softmax (default) or sigmoid scores (DeepSeek-V3: the chosen scores weigh)")
     g.add_argument("--moe-router-enable-expert-bias", action="store_true", default=None,
@@ -318,6 +320,7 @@ def to_run_config(args: argparse.Namespace, vocab_size: int | None = None,
         moe_router_group_topk=args.moe_router_group_topk,
         moe_router_topk_scaling_factor=args.moe_router_topk_scaling_factor,
         moe_router_load_balancing_type=args.moe_router_load_balancing_type,
+        moe_first_dense_layers=args.moe_first_dense_layers,
         moe_layer_freq=args.moe_layer_freq).items()
         if v is not None}
     overrides.update(seed=args.seed, recompute_granularity=args.recompute_granularity,
