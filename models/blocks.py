@@ -19,6 +19,7 @@ from .attention import KVCache, ParallelAttention, alibi_slopes  # noqa: F401 - 
 from .config import TransformerConfig
 from .init import Initializer
 from .mlp import ParallelMLP
+from .mla import MultiLatentAttention
 from .moe import MoELayer
 from .norms import LayerNorm, RMSNorm, build_norm  # noqa: F401 - re-exported
 
@@ -33,7 +34,8 @@ class TransformerLayer(nn.Module):
         self.layer_number = layer_number
         self.topo, self.rng, self.dropout = topo, rng, config.hidden_dropout
         self.input_norm = build_norm(config, topo)
-        self.attention = ParallelAttention(config, topo, init, prefix + "attention.", rng)
+        attention = MultiLatentAttention if config.kv_lora_rank else ParallelAttention
+        self.attention = attention(config, topo, init, prefix + "attention.", rng)
         self.post_attention_norm = build_norm(config, topo)
         mlp = MoELayer if config.is_moe_layer(layer_number) else ParallelMLP
         self.mlp = mlp(config, topo, init, prefix + "mlp.")

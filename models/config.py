@@ -29,6 +29,7 @@ TRAINING_ONLY_FIELDS = frozenset({
     "make_vocab_size_divisible_by",  # padding rows, trimmed whenever weights are read whole
     "moe_aux_loss_coeff", "moe_z_loss_coeff",  # auxiliary training losses
     "moe_expert_capacity_factor",  # token dropping while training (HF routes dropless; logged)
+    "moe_router_bias_update_rate", "moe_router_load_balancing_type",  # how routing is trained
 })
 
 
@@ -71,19 +72,37 @@ class TransformerConfig:
     recompute_method: str | None = None
     recompute_num_layers: int | None = None
     seed: int = 1234  # initialisation seed: the same full weights for every layout
+    # ---- multi-head latent attention (models/mla.py; docs/deepseek.md). kv_lora_rank None: off ----
+    kv_lora_rank: int | None = None  # the key/value latent's width
+    q_lora_rank: int | None = None  # the query latent's width (None: a full-rank query projection)
+    qk_nope_head_dim: int | None = None  # per-head query/key channels without RoPE
+    qk_rope_head_dim: int | None = None  # decoupled RoPE channels (one key part shared by all heads)
+    v_head_dim: int | None = None  # per-head value channels
+    rope_interleave: bool = True  # RoPE channels in pairs (2i, 2i+1) (DeepSeek) or halves (HF's)
     # ---- mixture of experts (models/moe.py; docs/moe.md). num_experts None: dense MLPs ----
     num_experts: int | None = None  # --num-experts
     moe_router_topk: int = 2  # --moe-router-topk
     moe_ffn_hidden_size: int | None = None  # --moe-ffn-hidden-size; default ffn_hidden_size
     moe_router_pre_softmax: bool = False  # softmax over all experts, then top-k (Qwen); else
     #                                       top-k logits, then softmax over them (Mixtral)
-    moe_norm_topk_prob: bool = False  # pre-softmax only: renormalise the top-k probabilities
+    moe_norm_topk_prob: bool = False  # pre-softmax or sigmoid: renormalise the top-k weights
+    moe_router_score_function: str = "softmax"  # --moe-router-score-function softmax | sigmoid
+    #   (sigmoid: DeepSeek-V3; the weights are the chosen experts' sigmoid scores)
+    moe_router_enable_expert_bias: bool = False  # a per-expert bias added for the choice only,
+    #   updated aux-loss-free from the load after each step (sigmoid only; HF e_score_correction_bias)
+    moe_router_bias_update_rate: float = 1e-3  # --moe-router-bias-update-rate
+    moe_router_num_groups: int | None = None  # --moe-router-num-groups (HF n_group): group-limited
+    moe_router_group_topk: int | None = None  # --moe-router-group-topk (HF topk_group)
+    moe_router_topk_scaling_factor: float | None = None  # (HF routed_scaling_factor) weights times it
+    moe_router_load_balancing_type: str = "aux_loss"  # aux_loss (per batch) | seq_aux_loss (per
+    #   sequence, DeepSeek-V3); either weighted by --moe-aux-loss-coeff
     moe_aux_loss_coeff: float = 0.0  # --moe-aux-loss-coeff (Switch/GShard load balancing)
     moe_z_loss_coeff: float = 0.0  # --moe-z-loss-coeff (ST-MoE router z-loss)
     moe_expert_capacity_factor: float | None = None  # None: dropless; else drop over capacity
     moe_shared_expert_intermediate_size: int | None = None  # a shared expert (Qwen2-MoE)
     moe_shared_expert_gate: bool = False  # sigmoid gate on the shared expert (Qwen2-MoE)
     moe_layer_freq: int = 1  # --moe-layer-freq: layer i is MoE when i % freq == 0 (Megatron)
+    moe_first_dense_layers: int = 0  # the first N layers dense (DeepSeek-V3 first_k_dense_replace)
     # The model family (models/registry.py: its class, Hugging Face adapter and presets), recorded
     # in every checkpoint. None: inferred from the fields above (models/family_rules.py); a
     # named family whose rules the fields break is refused in one line naming the field.
@@ -114,7 +133,9 @@ class TransformerConfig:
             self.num_layers)
         if self.num_experts is not None:
             self._check_moe()
-        if self.position_embedding == "rope" and self.head_dim % 2:
+        if self.kv_lora_rank is not None:
+            self._check_latent_attention()
+        if self.position_embedding == "rope" and self.kv_lora_rank is None and self.head_dim % 2:
             source = f"--kv-channels {self.kv_channels}" if self.kv_channels else (
                 f"--hidden-size {self.hidden_size} / --num-attention-heads {self.num_attention_heads}")
             raise ValueError(f"{source} gives head_dim {self.head_dim}, but RoPE rotates channel "
@@ -134,6 +155,22 @@ class TransformerConfig:
                 raise ValueError(f"rope_scaling type {kind!r} is not supported; choose one of "
                                  f"{ROPE_TYPES}")
 
+    def _check_latent_attention(self) -> None:
+        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"multi-latent attention needs {name} an integer >= 1, got {value}")
+        if self.q_lora_rank is not None and (not isinstance(self.q_lora_rank, int) or self.q_lora_rank < 1):
+            raise ValueError(f"q_lora_rank must be an integer >= 1 or None, got {self.q_lora_rank}")
+        if self.qk_rope_head_dim % 2 or self.position_embedding != "rope":
+            raise ValueError(f"multi-latent attention rotates qk_rope_head_dim "
+                             f"{self.qk_rope_head_dim} channels: it needs an even number and "
+                             f"position_embedding 'rope' (got {self.position_embedding!r})")
+        if self.num_query_groups != self.num_attention_heads or self.bias or self.add_qkv_bias \
+                or self.qk_layernorm or self.kv_channels:
+            raise ValueError("multi-latent attention has no key/value groups, attention biases, "
+                             "q/k norms or --kv-channels; drop them")
+
     def _check_moe(self) -> None:
         if self.moe_ffn_hidden_size is None:
             self.moe_ffn_hidden_size = self.ffn_hidden_size
@@ -150,15 +187,59 @@ class TransformerConfig:
                              f"routing), got {self.moe_expert_capacity_factor}")
         if self.moe_aux_loss_coeff < 0 or self.moe_z_loss_coeff < 0:
             raise ValueError("--moe-aux-loss-coeff and --moe-z-loss-coeff must be >= 0")
-        if self.moe_norm_topk_prob and not self.moe_router_pre_softmax:
-            raise ValueError("moe_norm_topk_prob applies to --moe-router-pre-softmax only (top-k "
-                             "then softmax is normalised already)")
+        self._check_router()
+        if not isinstance(self.moe_first_dense_layers, int) or self.moe_first_dense_layers < 0:
+            raise ValueError(f"moe_first_dense_layers must be an integer >= 0, got "
+                             f"{self.moe_first_dense_layers}")
         if self.moe_shared_expert_gate and not self.moe_shared_expert_intermediate_size:
             raise ValueError("moe_shared_expert_gate needs --moe-shared-expert-intermediate-size")
 
+    def _check_router(self) -> None:
+        sigmoid = self.moe_router_score_function == "sigmoid"
+        for name, value, allowed in (
+                ("--moe-router-score-function", self.moe_router_score_function, ("softmax", "sigmoid")),
+                ("--moe-router-load-balancing-type", self.moe_router_load_balancing_type,
+                 ("aux_loss", "seq_aux_loss"))):
+            if value not in allowed:
+                raise ValueError(f"{name} {value!r} is not supported; choose one of {allowed}")
+        if self.moe_norm_topk_prob and not (self.moe_router_pre_softmax or sigmoid):
+            raise ValueError("moe_norm_topk_prob applies to --moe-router-pre-softmax or "
+                             "--moe-router-score-function sigmoid only (top-k then softmax is "
+                             "normalised already)")
+        if sigmoid and self.moe_router_pre_softmax:
+            raise ValueError("--moe-router-pre-softmax applies to --moe-router-score-function "
+                             "softmax only; drop one")
+        if self.moe_router_enable_expert_bias and not sigmoid:
+            raise ValueError("--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid")
+        if not self.moe_router_bias_update_rate >= 0:
+            raise ValueError(f"--moe-router-bias-update-rate must be >= 0, got "
+                             f"{self.moe_router_bias_update_rate}")
+        if self.moe_router_topk_scaling_factor is not None and not self.moe_router_topk_scaling_factor > 0:
+            raise ValueError(f"--moe-router-topk-scaling-factor must be > 0, got "
+                             f"{self.moe_router_topk_scaling_factor}")
+        groups, group_topk = self.moe_router_num_groups, self.moe_router_group_topk
+        if (groups is None) != (group_topk is None):
+            raise ValueError("--moe-router-num-groups and --moe-router-group-topk go together; "
+                             "pass both or neither")
+        if groups is None:
+            return
+        if not sigmoid:
+            raise ValueError("--moe-router-num-groups needs --moe-router-score-function sigmoid "
+                             "(group-limited routing is modelled as DeepSeek-V3's)")
+        if groups < 1 or self.num_experts % groups or self.num_experts // groups < 2:
+            raise ValueError(f"--moe-router-num-groups {groups} must divide --num-experts "
+                             f"{self.num_experts} into groups of at least 2 experts (a group "
+                             f"scores as its two best experts)")
+        per_group = self.num_experts // groups
+        if not 1 <= group_topk <= groups or self.moe_router_topk > group_topk * per_group:
+            raise ValueError(f"--moe-router-group-topk {group_topk} must be in 1..{groups} and "
+                             f"its groups hold --moe-router-topk {self.moe_router_topk} experts "
+                             f"({per_group} per group)")
+
     def is_moe_layer(self, layer_number: int) -> bool:
         """Whether global layer `layer_number` (0-based) has experts instead of a dense MLP."""
-        return self.num_experts is not None and layer_number % self.moe_layer_freq == 0
+        return self.num_experts is not None and layer_number >= self.moe_first_dense_layers \
+            and layer_number % self.moe_layer_freq == 0
 
     def attention_window(self, layer_number: int) -> int | None:
         """The sliding window of global layer `layer_number` (None: the whole context)."""
@@ -258,7 +339,18 @@ class TransformerConfig:
         qkv_bias = 1 if (self.bias or self.add_qkv_bias) else 0
         qk_norms = 2 * d if self.qk_layernorm else 0
         attention = (qkv * h + attn * h + qkv_bias * qkv) / tp + bias * h + qk_norms
+        if self.kv_lora_rank:
+            attention = self.latent_attention_parameters(tp)
         return attention + self.mlp_parameters(layer, tp, ep, active) + 2 * self.norm_parameters()
+
+    def latent_attention_parameters(self, tp: int = 1) -> float:
+        """Multi-latent attention (models/mla.py) on one TP rank: the down-projections and latent
+        norms whole, the up-projections and the output split by heads."""
+        h, heads, rq, rkv = self.hidden_size, self.num_attention_heads, self.q_lora_rank, self.kv_lora_rank
+        qk = self.qk_nope_head_dim + self.qk_rope_head_dim
+        q = rq * (h + 1) + rq * heads * qk / tp if rq else h * heads * qk / tp
+        kv = (rkv + self.qk_rope_head_dim) * h + rkv + rkv * heads * (self.qk_nope_head_dim + self.v_head_dim) / tp
+        return q + kv + heads * self.v_head_dim * h / tp
 
     def embedding_parameters(self, tp: int = 1, padded: bool = False) -> float:
         """Word embedding (one TP rank's share; padded as built, or the unpadded vocabulary),
@@ -294,8 +386,14 @@ class TransformerConfig:
             if self.moe_shared_expert_intermediate_size:
                 mlp += self._mlp_matrices(self.moe_shared_expert_intermediate_size) + \
                     (h if self.moe_shared_expert_gate else 0)
-        dense = 2 * (self.num_layers * (h * qkv + attn * h) + mlp) + self.routed_flops_per_token()
-        return dense, 4 * self.num_layers * seq_length * attn, 2 * h * self.vocab_size
+        attention = h * qkv + attn * h
+        scores = 4 * seq_length * attn
+        if self.kv_lora_rank:  # MLA: its projections; scores over nope + rope, values over v
+            attention = self.latent_attention_parameters()
+            scores = 2 * seq_length * self.num_attention_heads * (
+                self.qk_nope_head_dim + self.qk_rope_head_dim + self.v_head_dim)
+        dense = 2 * (self.num_layers * attention + mlp) + self.routed_flops_per_token()
+        return dense, self.num_layers * scores, 2 * h * self.vocab_size
 
     def routed_flops_per_token(self) -> int:
         """Forward FLOPs per token of the routers and the top-k experts a token visits, over all
@@ -345,6 +443,12 @@ _QWEN2_MOE = dict(_LLAMA, family="qwen2_moe", vocab_size=151936, max_position_em
 _QWEN3_MOE = dict(_LLAMA, family="qwen3_moe", vocab_size=151936, max_position_embeddings=40960,
                   rope_theta=1e6, layernorm_epsilon=1e-6, moe_router_pre_softmax=True,
                   moe_norm_topk_prob=True, moe_aux_loss_coeff=1e-3, qk_layernorm=True)
+# DeepSeek-V3's training recipe: the bias update 1e-3, the sequence-wise aux loss 1e-4
+_DEEPSEEK_V3 = dict(_LLAMA, family="deepseek_v3", layernorm_epsilon=1e-6,
+                    tie_word_embeddings=False, moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                    moe_router_bias_update_rate=1e-3, moe_norm_topk_prob=True,
+                    moe_router_topk_scaling_factor=2.5, moe_router_load_balancing_type="seq_aux_loss",
+                    moe_aux_loss_coeff=1e-4)
 
 PRESETS: dict[str, dict] = {
     # GPT-2 (Radford et al. 2019)
@@ -424,6 +528,24 @@ PRESETS: dict[str, dict] = {
     "qwen3-moe-30b-a3b": dict(_QWEN3_MOE, hidden_size=2048, num_layers=48, num_attention_heads=32,
                               num_query_groups=4, kv_channels=128, ffn_hidden_size=6144,
                               num_experts=128, moe_router_topk=8, moe_ffn_hidden_size=768),
+    # DeepSeek-V3 (arXiv 2412.19437; docs/deepseek.md): MLA, 3 dense layers, 256 experts top-8 in
+    # 8 groups (4 per token) + a shared one, the expert bias; multi-token prediction not modelled
+    # (pre-training's 4096 positions: the YaRN extension to 128K is not modelled)
+    "deepseek-v3": dict(_DEEPSEEK_V3, vocab_size=129280, max_position_embeddings=4096,
+                        hidden_size=7168, num_layers=61, num_attention_heads=128,
+                        ffn_hidden_size=18432, q_lora_rank=1536, kv_lora_rank=512,
+                        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                        num_experts=256, moe_router_topk=8, moe_ffn_hidden_size=2048,
+                        moe_shared_expert_intermediate_size=2048, moe_router_num_groups=8,
+                        moe_router_group_topk=4, moe_first_dense_layers=3),
+    # a DeepSeek-V3-shaped toy for CPUs and tests (not a released model)
+    "deepseek-v3-tiny": dict(_DEEPSEEK_V3, vocab_size=32000, max_position_embeddings=1024,
+                             hidden_size=128, num_layers=4, num_attention_heads=4,
+                             ffn_hidden_size=256, q_lora_rank=48, kv_lora_rank=32,
+                             qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                             num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=64,
+                             moe_shared_expert_intermediate_size=64, moe_router_num_groups=4,
+                             moe_router_group_topk=2, moe_first_dense_layers=1),
     # A small MoE for CPUs, tests and the demo: 8 experts, top-2, z-loss.
     "moe-tiny": dict(_LLAMA, family="mixtral", vocab_size=32000, max_position_embeddings=1024,
                      hidden_size=128, num_layers=4, num_attention_heads=4, num_query_groups=2,

@@ -18,20 +18,30 @@ _ROPE = dict(position_embedding="rope", normalization="rmsnorm", activation="swi
 # differs from its default (`moe_fields`); MoE families need --num-experts.
 # Families whose attention has no sliding window (Mistral, Qwen2/3 and Mixtral have one).
 _FULL = dict(sliding_window=None)
+# Families without multi-head latent attention (DeepSeek-V3 has it), and MoE families whose router
+# is a softmax without DeepSeek-V3's expert bias, groups, scaling or dense first layers.
+_MHA = dict(kv_lora_rank=None)
+_SOFTMAX_ROUTER = dict(_MHA, moe_router_score_function="softmax",
+                       moe_router_enable_expert_bias=False, moe_router_num_groups=None, moe_router_topk_scaling_factor=None,
+                       moe_first_dense_layers=0)
 SHAPES: dict[str, dict] = {
-    "gpt2": dict(_FULL, position_embedding="learned", embedding_layernorm=False),
-    "bloom": dict(_FULL, position_embedding="alibi", embedding_layernorm=True),
-    "llama": dict(_ROPE, **_FULL, add_qkv_bias=False, qk_layernorm=False),
-    "qwen2": dict(_ROPE, add_qkv_bias=True, qk_layernorm=False, bias=False),
-    "qwen3": dict(_ROPE, add_qkv_bias=False, qk_layernorm=True, bias=False),
-    "mistral": dict(_ROPE, add_qkv_bias=False, qk_layernorm=False, bias=False,
+    "gpt2": dict(_MHA, **_FULL, position_embedding="learned", embedding_layernorm=False),
+    "bloom": dict(_MHA, **_FULL, position_embedding="alibi", embedding_layernorm=True),
+    "llama": dict(_MHA, **_ROPE, **_FULL, add_qkv_bias=False, qk_layernorm=False),
+    "qwen2": dict(_MHA, **_ROPE, add_qkv_bias=True, qk_layernorm=False, bias=False),
+    "qwen3": dict(_MHA, **_ROPE, add_qkv_bias=False, qk_layernorm=True, bias=False),
+    "mistral": dict(_MHA, **_ROPE, add_qkv_bias=False, qk_layernorm=False, bias=False,
                     full_attention_layers=()),
-    "mixtral": dict(_ROPE, add_qkv_bias=False, qk_layernorm=False, full_attention_layers=(),
-                    moe_shared_expert_intermediate_size=None, moe_shared_expert_gate=False),
-    "qwen2_moe": dict(_ROPE, **_FULL, qk_layernorm=False, bias=False),
-    "qwen3_moe": dict(_ROPE, **_FULL, add_qkv_bias=False, qk_layernorm=True, bias=False),
+    "mixtral": dict(_SOFTMAX_ROUTER, **_ROPE, add_qkv_bias=False, qk_layernorm=False,
+                    full_attention_layers=(), moe_shared_expert_intermediate_size=None,
+                    moe_shared_expert_gate=False),
+    "qwen2_moe": dict(_SOFTMAX_ROUTER, **_ROPE, **_FULL, qk_layernorm=False, bias=False),
+    "qwen3_moe": dict(_SOFTMAX_ROUTER, **_ROPE, **_FULL, add_qkv_bias=False, qk_layernorm=True,
+                      bias=False),
+    "deepseek_v3": dict(_ROPE, **_FULL, add_qkv_bias=False, qk_layernorm=False, bias=False,
+                        moe_router_score_function="sigmoid"),
 }
-MOE_FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe")  # inference tries them in this order
+MOE_FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3")  # inference tries them in order
 DENSE_FAMILIES = tuple(name for name in SHAPES if name not in MOE_FAMILIES)
 
 

@@ -66,8 +66,16 @@ def check_fields(hf, family: str, mapped: frozenset, ignored: frozenset = frozen
 
 
 def log_unrecorded_moe_settings(config, family: str) -> None:
-    """At export: name the MoE training settings HF configs do not record (the exported model
-    routes dropless and has no z-loss)."""
+    """At export: refuse DeepSeek-style routing the softmax families cannot express, and name the
+    MoE training settings HF configs do not record (the exported model routes dropless and has
+    no z-loss)."""
+    deepseek = [flag for flag, on in (
+        ("--moe-router-score-function sigmoid", config.moe_router_score_function != "softmax"),
+        ("--moe-router-num-groups", config.moe_router_num_groups),
+        ("--moe-router-topk-scaling-factor", config.moe_router_topk_scaling_factor not in (None, 1.0)),
+        ("--moe-router-enable-expert-bias", config.moe_router_enable_expert_bias)) if on]
+    if deepseek:
+        raise ValueError(f"HF {family} cannot express {', '.join(deepseek)}; export another family")
     for flag, value in (("--moe-z-loss-coeff", config.moe_z_loss_coeff),
                         ("--moe-expert-capacity-factor", config.moe_expert_capacity_factor)):
         if value:

@@ -5,6 +5,13 @@
               grouped matmul -> combine (all-to-all back) -> weighted sum per token
            (+ shared expert, optionally sigmoid-gated, Qwen2-MoE)
 
+Routers: softmax over the top-k logits (Mixtral), top-k of the softmax (Qwen-MoE), or sigmoid
+scores (DeepSeek-V3): optionally limited to the best `--moe-router-group-topk` of
+`--moe-router-num-groups` expert groups (a group scores as the sum of its two best experts), with
+a per-expert bias added for the choice only and updated aux-loss-free after each step from the
+globally summed load (`update_expert_biases`), the chosen scores renormalised
+(`moe_norm_topk_prob`) and times `--moe-router-topk-scaling-factor`.
+
 Layout: the router and the experts are replicated over tensor parallelism ("experts whole per
 rank"); under sequence parallelism the layer gathers the sequence first (every TP rank then
 routes the same tokens, as without SP) and keeps its chunk of the output. The shared expert is
@@ -26,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from parallel.expert_parallel import combine, dispatch, local_experts
+from parallel.expert_parallel import combine, dispatch, local_experts, reduce_expert_load
 from parallel.kernels.grouped_matmul import ExpertMatmuls
 from parallel.mappings import gather_sequence_replicated, scatter_to_sequence
 from parallel.param_spec import set_spec
@@ -141,31 +148,84 @@ class MoELayer(nn.Module):
                 init.normal(prefix + "shared_expert_gate.weight")(gate)
                 self.shared_expert_gate = nn.Parameter(gate.to(device=topo.device,
                                                                dtype=config.dtype))
+        self.expert_bias = self.expert_load = None
+        if config.moe_router_enable_expert_bias:
+            # fp32 and frozen (no gradient): changed only by `update_expert_biases`, the same on
+            # every rank; a parameter so that checkpoints and exports carry it
+            self.expert_bias = nn.Parameter(torch.zeros(config.num_experts, device=topo.device),
+                                            requires_grad=False)
+            # assignments the router chose per expert since the last update (training forwards)
+            self.expert_load = torch.zeros(config.num_experts, device=topo.device)
+        if config.moe_router_load_balancing_type == "seq_aux_loss" and topo.cp > 1:
+            raise ValueError("--moe-router-load-balancing-type seq_aux_loss with context "
+                             "parallelism is not supported; use aux_loss or --context-parallel-size 1")
         self.aux_loss_scale = 1.0  # gradient of the aux losses (the step: loss scale / microbatches)
         self.stats = MoEStats(config.num_experts, topo.device)
 
     # ---- routing -----------------------------------------------------------------------------
     def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] fp32, experts [T, k]) from fp32 router logits [T, E]."""
-        if self.config.moe_router_pre_softmax:  # Qwen-MoE: softmax over all, then top-k
+        cfg = self.config
+        if cfg.moe_router_score_function == "sigmoid":  # DeepSeek-V3
+            scores = torch.sigmoid(logits)
+            choice = scores if self.expert_bias is None else scores + self.expert_bias
+            if cfg.moe_router_num_groups:
+                choice = self.limit_to_groups(choice)
+            experts = choice.topk(self.topk, dim=-1).indices
+            weights = scores.gather(1, experts)  # the bias steers the choice, not the weights
+            if cfg.moe_norm_topk_prob:
+                weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        elif cfg.moe_router_pre_softmax:  # Qwen-MoE: softmax over all, then top-k
             weights, experts = torch.softmax(logits, dim=-1).topk(self.topk, dim=-1)
-            if self.config.moe_norm_topk_prob:
+            if cfg.moe_norm_topk_prob:
                 weights = weights / weights.sum(-1, keepdim=True)
-            return weights, experts
-        top, experts = logits.topk(self.topk, dim=-1)  # Mixtral: softmax over the top-k logits
-        return torch.softmax(top, dim=-1), experts
+        else:  # Mixtral: softmax over the top-k logits
+            top, experts = logits.topk(self.topk, dim=-1)
+            weights = torch.softmax(top, dim=-1)
+        if cfg.moe_router_topk_scaling_factor is not None:
+            weights = weights * cfg.moe_router_topk_scaling_factor
+        return weights, experts
 
-    def aux_losses(self, logits: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def limit_to_groups(self, choice: torch.Tensor) -> torch.Tensor:
+        """`choice` [T, E] with every expert outside each token's best `--moe-router-group-topk`
+        groups set to -inf; a group scores as the sum of its two best experts."""
+        groups, keep = self.config.moe_router_num_groups, self.config.moe_router_group_topk
+        grouped = choice.view(choice.shape[0], groups, -1)
+        best = grouped.topk(2, dim=-1).values.sum(-1).topk(keep, dim=-1).indices
+        chosen = torch.zeros(grouped.shape[:2], dtype=torch.bool, device=choice.device)
+        chosen.scatter_(1, best, True)
+        return grouped.masked_fill(~chosen.unsqueeze(-1), float("-inf")).view_as(choice)
+
+    def balance_probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """The router probabilities [T, E] the load-balancing losses use: the softmax, or the
+        sigmoid scores normalised over the experts (DeepSeek-V3)."""
+        if self.config.moe_router_score_function == "sigmoid":
+            scores = torch.sigmoid(logits)
+            return scores / (scores.sum(-1, keepdim=True) + 1e-20)
+        return torch.softmax(logits, dim=-1)
+
+    def aux_losses(self, logits: torch.Tensor, counts: torch.Tensor, experts: torch.Tensor,
+                   batch: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Switch/GShard load balancing, E * sum_e f_e P_e (f_e: share of the T*k assignments
-        routed to e, P_e: mean router probability of e), and the z-loss mean(logsumexp^2),
-        each times its coefficient (zero tensors when the coefficient is zero)."""
+        routed to e, P_e: mean router probability of e), over the batch (aux_loss) or per
+        sequence and averaged over the `batch` sequences (seq_aux_loss; tokens [s, b] flattened),
+        and the z-loss mean(logsumexp^2), each times its coefficient (zero tensors when the
+        coefficient is zero)."""
         cfg, zero = self.config, logits.new_zeros(())
         aux = z = zero
         if cfg.moe_aux_loss_coeff > 0:
-            tokens = logits.shape[0]
-            share = counts.to(logits.dtype) / (tokens * self.topk)
-            probs = torch.softmax(logits, dim=-1).mean(0)
-            aux = cfg.moe_aux_loss_coeff * self.num_experts * (share * probs).sum()
+            tokens, e = logits.shape[0], self.num_experts
+            probs = self.balance_probs(logits)
+            if cfg.moe_router_load_balancing_type == "seq_aux_loss":
+                seq = torch.arange(tokens, device=logits.device) % batch  # token s * b + i: sequence i
+                key = seq.repeat_interleave(self.topk) * e + experts.reshape(-1)
+                share = torch.bincount(key, minlength=batch * e).view(batch, e).to(logits.dtype)
+                share = share / (tokens // batch * self.topk)
+                mean = probs.view(tokens // batch, batch, e).mean(0)
+                aux = cfg.moe_aux_loss_coeff * e * (share * mean).sum(1).mean()
+            else:
+                share = counts.to(logits.dtype) / (tokens * self.topk)
+                aux = cfg.moe_aux_loss_coeff * e * (share * probs.mean(0)).sum()
         if cfg.moe_z_loss_coeff > 0:
             z = cfg.moe_z_loss_coeff * torch.logsumexp(logits, dim=-1).square().mean()
         return aux, z
@@ -187,13 +247,15 @@ class MoELayer(nn.Module):
                 gate = F.linear(x, sequence_parallel_param(self.shared_expert_gate, topo))
                 shared = torch.sigmoid(gate) * shared
         full = gather_sequence_replicated(x, topo.tp_group) if topo.sequence_parallel else x
-        out = self.routed(full.reshape(-1, full.shape[-1])).view_as(full)
+        batch = full.shape[1] if full.dim() == 3 else 1  # [s, b, h]: b sequences
+        out = self.routed(full.reshape(-1, full.shape[-1]), batch).view_as(full)
         if topo.sequence_parallel:
             out = scatter_to_sequence(out, topo.tp_group)
         return out if shared is None else out + shared
 
-    def routed(self, tokens: torch.Tensor) -> torch.Tensor:
-        """The routed experts' weighted outputs for tokens [T, h]."""
+    def routed(self, tokens: torch.Tensor, batch: int = 1) -> torch.Tensor:
+        """The routed experts' weighted outputs for tokens [T, h] (`batch` sequences, [s, b]
+        flattened)."""
         logits = F.linear(tokens, self.router).float()
         weights, experts = self.route(logits)
         flat = experts.reshape(-1)  # assignment i is token i // k's (i % k)-th choice
@@ -212,9 +274,11 @@ class MoELayer(nn.Module):
         y = y * weights.reshape(-1)[order].to(y.dtype).unsqueeze(1)
         out = torch.zeros_like(tokens).index_add(0, token, y)
         if self.training:
-            aux, z = self.aux_losses(logits, counts)
+            aux, z = self.aux_losses(logits, counts, experts, batch)
             if torch._C._current_graph_task_id() == -1:  # noqa: SLF001 - not the recompute that
                 self.stats.record(counts, order.numel(), aux.detach(), z.detach())  # backward runs
+                if self.expert_load is not None:  # the load the expert-bias update reads
+                    self.expert_load += counts
             if torch.is_grad_enabled() and (aux.requires_grad or z.requires_grad):
                 out = _AttachAuxLoss.apply(out, aux + z, self.aux_loss_scale)
         return out
@@ -222,6 +286,31 @@ class MoELayer(nn.Module):
 
 def moe_layers(module: nn.Module) -> list[MoELayer]:
     return [m for m in module.modules() if isinstance(m, MoELayer)]
+
+
+@torch.no_grad()
+def update_expert_biases(chunks, num_layers: int, device: torch.device) -> None:
+    """Aux-loss-free balancing (DeepSeek-V3), after each optimizer step; a collective, every rank
+    calls it: each MoE layer's load since the last update, summed over all ranks, moves each
+    expert's bias by --moe-router-bias-update-rate towards the mean load (up when below it,
+    down when above). The rule only takes the sign, so counting a layer's tokens once per
+    tensor-parallel copy (or twice under recompute) changes nothing; every rank sees the same
+    sums and so keeps the same biases."""
+    config = chunks[0].config
+    if config.num_experts is None or not config.moe_router_enable_expert_bias:
+        return
+    table = torch.zeros(num_layers, config.num_experts, device=device)
+    layers = {}
+    for chunk in chunks:
+        for layer in chunk.layers.values():
+            if isinstance(layer.mlp, MoELayer):
+                table[layer.layer_number] = layer.mlp.expert_load
+                layers[layer.layer_number] = layer.mlp
+    reduce_expert_load(table)
+    for i, layer in layers.items():
+        load = table[i]
+        layer.expert_bias += config.moe_router_bias_update_rate * torch.sign(load.mean() - load)
+        layer.expert_load.zero_()
 
 
 def set_aux_loss_scale(modules, scale: float) -> None:

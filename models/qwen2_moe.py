@@ -112,6 +112,18 @@ def _moe_layers(config: TransformerConfig):
             yield f"layers.{i}.mlp.", f"model.layers.{i}.mlp."
 
 
+def stacked_experts(sd: dict[str, torch.Tensor], mlp: str, num_experts: int):
+    """(weight1 [E, 2f, h] = [gate; up], weight2 [E, h, f]) of the HF MLP at prefix `mlp` from
+    transformers' in-memory fused form or the files' per-expert `experts.{e}.*_proj` (Qwen-MoE,
+    DeepSeek-V3)."""
+    if mlp + "experts.gate_up_proj" in sd:  # transformers >= 5, in memory
+        return sd[mlp + "experts.gate_up_proj"], sd[mlp + "experts.down_proj"]
+    expert = [mlp + f"experts.{e}." for e in range(num_experts)]
+    return (torch.stack([torch.cat([sd[x + "gate_proj.weight"], sd[x + "up_proj.weight"]])
+                         for x in expert]),
+            torch.stack([sd[x + "down_proj.weight"] for x in expert]))
+
+
 def from_hf_state_dict(sd: dict[str, torch.Tensor], config: TransformerConfig) -> dict[str, torch.Tensor]:
     """HF Qwen2MoeForCausalLM / Qwen3MoeForCausalLM tensors (file or in-memory form) -> full
     megazoo tensors."""
@@ -119,14 +131,7 @@ def from_hf_state_dict(sd: dict[str, torch.Tensor], config: TransformerConfig) -
     out = llama.from_hf_state_dict(sd, config)  # attention, norms, embeddings, dense layers
     for m, h in _moe_layers(config):
         out[m + "router"] = sd[h + "gate.weight"]
-        if h + "experts.gate_up_proj" in sd:  # transformers >= 5, in memory
-            out[m + "experts.weight1"] = sd[h + "experts.gate_up_proj"]
-            out[m + "experts.weight2"] = sd[h + "experts.down_proj"]
-        else:
-            expert = [h + f"experts.{e}." for e in range(config.num_experts)]
-            out[m + "experts.weight1"] = torch.stack(
-                [torch.cat([sd[x + "gate_proj.weight"], sd[x + "up_proj.weight"]]) for x in expert])
-            out[m + "experts.weight2"] = torch.stack([sd[x + "down_proj.weight"] for x in expert])
+        out[m + "experts.weight1"], out[m + "experts.weight2"] = stacked_experts(sd, h, config.num_experts)
         if config.moe_shared_expert_intermediate_size:
             s = h + "shared_expert."
             out[m + "shared_expert.fc1.weight"] = torch.cat([sd[s + "gate_proj.weight"],

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from types import ModuleType
 
-from . import bloom, gpt, llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe
+from . import bloom, deepseek_v3, gpt, llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe
 from .config import PRESETS, TransformerConfig
 from .family_rules import SHAPES
 from .language_model import TransformerLanguageModel
@@ -41,6 +41,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("mixtral", mixtral.MixtralModel, mixtral, "moe-tiny"),
     Family("qwen2_moe", qwen2_moe.Qwen2MoeModel, qwen2_moe, "qwen2-moe-a2.7b"),
     Family("qwen3_moe", qwen3_moe.Qwen3MoeModel, qwen3_moe, "qwen3-moe-30b-a3b"),
+    Family("deepseek_v3", deepseek_v3.DeepseekV3Model, deepseek_v3, "deepseek-v3-tiny"),
 )}
 assert FAMILIES.keys() == SHAPES.keys(), "models/family_rules.py and the registry disagree"
 

@@ -72,3 +72,10 @@ def combine(y: torch.Tensor, handle: Dispatched, group) -> torch.Tensor:
     back = torch.empty_like(handle.order)
     back[handle.order] = torch.arange(handle.order.numel(), device=y.device)
     return all_to_all_rows(y[back], group, handle.output_splits, handle.input_splits)
+
+
+def reduce_expert_load(table: torch.Tensor) -> torch.Tensor:
+    """Sum per-layer expert loads [layers, experts] over every rank in place (each pipeline stage
+    fills the rows of its layers, zeros elsewhere), so that the expert-bias update is the same on
+    all ranks. Every rank calls it."""
+    return C.all_reduce(table, C.world())

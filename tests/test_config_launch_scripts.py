@@ -338,29 +338,40 @@ def test_llama3_8b_flag_set_trains_as_its_megazoo_spelling(tmp_path):
     assert megatron == own
 
 
-DEEPSEEK_REFUSED = [  # multi-latent attention, DeepSeek's routing, multi-token prediction, the rest
+DEEPSEEK_REFUSED = [  # multi-latent attention, multi-token prediction, the rest
     "--multi-latent-attention", "--q-lora-rank", "--kv-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim",
-    "--v-head-dim", "--rotary-scaling-factor", "--mscale", "--mscale-all-dim", "--moe-router-group-topk",
-    "--moe-router-num-groups", "--moe-router-topk-scaling-factor", "--moe-router-enable-expert-bias",
-    "--moe-router-bias-update-rate", "--moe-router-force-load-balancing", "--mtp-num-layers",
-    "--mtp-loss-scaling-factor", "--moe-router-load-balancing-type", "--moe-layer-freq",
-    "--moe-router-score-function", "--lr-warmup-init", "--recompute-modules"]
+    "--v-head-dim", "--rotary-scaling-factor", "--mscale", "--mscale-all-dim",
+    "--moe-router-force-load-balancing", "--mtp-num-layers",
+    "--mtp-loss-scaling-factor", "--lr-warmup-init", "--recompute-modules"]
+# DeepSeek's routing is taken, but the script's 8 experts in 8 groups of one are not (a group
+# scores as its two best experts)
+DEEPSEEK_GROUPS = ["--moe-router-group-topk", "--moe-router-num-groups"]
 
 
 def test_deepseek_v3_stops_naming_every_unsupported_flag_and_takes_the_rest():
     assert sorted(_refusals(deepseek_v3(), "moe-tiny")) == sorted(DEEPSEEK_REFUSED)
-    args = build_parser("moe-tiny").parse_args(_drop(deepseek_v3(), set(DEEPSEEK_REFUSED)))
+    with pytest.raises(ValueError, match="--moe-router-num-groups 8 must divide"):
+        to_run_config(build_parser("moe-tiny").parse_args(_drop(deepseek_v3(), set(DEEPSEEK_REFUSED))),
+                      vocab_size=1000, world_size=8)
+    args = build_parser("moe-tiny").parse_args(_drop(deepseek_v3(), set(DEEPSEEK_REFUSED + DEEPSEEK_GROUPS)))
     run = to_run_config(args, vocab_size=1000, world_size=8)
     o, m = run.optimizer, run.model
     assert (o.zero_stage, o.grad_dtype, run.parallel.ep, m.num_experts, m.moe_router_pre_softmax) == \
-        (3, "model", 8, 8, True)
+        (3, "model", 8, 8, False)  # pre-softmax orders the softmax only: ignored with sigmoid
+    assert (m.moe_router_score_function, m.moe_router_enable_expert_bias, m.moe_router_bias_update_rate,
+            m.moe_router_topk_scaling_factor, m.moe_router_load_balancing_type) == \
+        ("sigmoid", True, 1e-3, 2.5, "seq_aux_loss")
+    # the script's [0]*1+[1]*3: one dense layer first
+    assert (m.moe_first_dense_layers, m.moe_layer_freq) == (1, 1)
+    assert [m.is_moe_layer(i) for i in range(4)] == [False, True, True, True]
     assert m.padded_vocab_size(1) == 3232 and run.health.collective_timeout == 3600.0
     # --moe-layer-freq as Megatron's list, where it has megazoo's shape
-    args = build_parser("moe-tiny").parse_args(_drop(deepseek_v3(), set(DEEPSEEK_REFUSED))
+    args = build_parser("moe-tiny").parse_args(_drop(deepseek_v3(), set(DEEPSEEK_REFUSED + DEEPSEEK_GROUPS))
                                                + ["--moe-layer-freq", "[1,0]*2"])
     assert to_run_config(args, vocab_size=1000, world_size=8).model.moe_layer_freq == 2
     with pytest.raises(ArgumentError, match="--moe-layer-freq lists 6 layers, the model has 4"):
-        to_run_config(build_parser("moe-tiny").parse_args(_drop(deepseek_v3(), set(DEEPSEEK_REFUSED))
+        to_run_config(build_parser("moe-tiny").parse_args(_drop(deepseek_v3(),
+                                                                set(DEEPSEEK_REFUSED + DEEPSEEK_GROUPS))
                                                           + ["--moe-layer-freq", "[1,0]*3"]),
                       vocab_size=1000, world_size=8)
 

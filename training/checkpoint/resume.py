@@ -49,9 +49,11 @@ def rank_tensors(chunks, opt, rng, zero_stage: int) -> dict[str, torch.Tensor]:
     tensors = {f"optim.{k}": v for k, v in opt.state_dict().items()}
     tensors[reshard.PARAMS] = ckpt.json_tensor(reshard.param_table(chunks, opt))
     tensors.update({f"rng.{k}": v for k, v in rng.get_states().items()})
-    if zero_stage < 3:  # under ZeRO-3 the weights live in the optimizer's shards only
-        for c, chunk in enumerate(chunks):
-            tensors.update({f"model.{c}.{n}": p for n, p in chunk.named_parameters()})
+    for c, chunk in enumerate(chunks):
+        # under ZeRO-3 the weights live in the optimizer's shards only; frozen parameters (the
+        # router's expert bias) are outside the optimizer, so they are saved here at any stage
+        tensors.update({f"model.{c}.{n}": p for n, p in chunk.named_parameters()
+                        if zero_stage < 3 or not p.requires_grad})
     return tensors
 
 
@@ -194,6 +196,11 @@ def _apply(run: RunConfig, topo, chunks, opt, rng, folder: str, meta: dict, sour
         logger.info("loading %s (layout %s) into layout %s through full tensors%s", folder,
                     meta.get("layout"), layout_of(run, topo), " (weights only)" if weights_only else "")
         reshard.load_into(full, chunks, opt, topo, weights_only=weights_only, folder=folder)
+        frozen = [n for chunk in chunks for n, p in chunk.named_parameters() if not p.requires_grad]
+        if frozen and topo.rank == 0:
+            logger.warning("loading across layouts restores trained parameters only: %d frozen "
+                           "ones (e.g. %s, the router's expert bias) start from their initial "
+                           "values; resume with the saved layout to keep them", len(frozen), frozen[0])
     if finetune:
         logger.info("fine-tuning from %s: weights only, iteration and optimizer reset", folder)
         return TrainState()

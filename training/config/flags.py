@@ -95,6 +95,21 @@ def build_parser(default_model: str | None = None) -> argparse.ArgumentParser:
     g.add_argument("--moe-expert-capacity-factor", type=float,
                    help="drop assignments over factor x tokens x topk / experts per expert (default dropless)")
     g.add_argument("--moe-shared-expert-intermediate-size", type=int, help="a shared expert's width")
+    g.add_argument("--moe-first-dense-layers", type=int,
+                   help="the first K layers dense (DeepSeek-V3's first_k_dense_replace)")
+    g.add_argument("--moe-router-score-function", choices=("softmax", "sigmoid"),
+                   help="softmax (default) or sigmoid scores (DeepSeek-V3: the chosen scores weigh)")
+    g.add_argument("--moe-router-enable-expert-bias", action="store_true", default=None,
+                   help="sigmoid: a per-expert bias for the choice only, updated from the load after "
+                        "each step (aux-loss-free balancing)")
+    g.add_argument("--moe-router-bias-update-rate", type=float,
+                   help="the expert bias's step towards the mean load (default 1e-3)")
+    g.add_argument("--moe-router-num-groups", type=int,
+                   help="sigmoid: expert groups for group-limited routing (HF n_group)")
+    g.add_argument("--moe-router-group-topk", type=int,
+                   help="groups each token may route to (HF topk_group)")
+    g.add_argument("--moe-router-topk-scaling-factor", type=float,
+                   help="routing weights times this (HF routed_scaling_factor)")
     g.add_argument("--expert-model-parallel-size", type=int, default=1,
                    help="ranks (carved out of data parallelism) splitting each layer's experts")
     g = p.add_argument_group("parallelism")

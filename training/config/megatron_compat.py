@@ -199,11 +199,12 @@ def _model_and_training(args, given, notes) -> list[str]:
                        f"implemented; RoPE rotates the whole head (1.0)")
     balancing = args.moe_router_load_balancing_type
     if balancing == "none":
-        args.moe_aux_loss_coeff = 0.0
+        args.moe_aux_loss_coeff, args.moe_router_load_balancing_type = 0.0, None
         notes.info("--moe-router-load-balancing-type none: --moe-aux-loss-coeff 0")
-    elif balancing not in (None, "aux_loss"):
+    elif balancing not in (None, "aux_loss", "seq_aux_loss"):
         refused.append(f"--moe-router-load-balancing-type {balancing}: megazoo balances with the "
-                       f"Switch/GShard auxiliary loss only; use aux_loss (--moe-aux-loss-coeff) or none")
+                       f"Switch/GShard auxiliary loss, per batch or per sequence; use aux_loss, "
+                       f"seq_aux_loss (--moe-aux-loss-coeff) or none")
     dispatcher = args.moe_token_dispatcher_type
     if dispatcher in ("allgather", "flex"):
         notes.info("--moe-token-dispatcher-type %s: megazoo dispatches with all-to-all over the "
@@ -222,13 +223,17 @@ def _moe(args, notes) -> list[str]:
     refused = []
     if args.moe_layer_freq is not None:
         try:
-            args.moe_layer_freq, args.moe_layer_pattern_length = moe_layer_freq(args.moe_layer_freq)
+            args.moe_layer_freq, args.moe_layer_pattern_length, first_dense = \
+                moe_layer_freq(args.moe_layer_freq)
+            if first_dense:
+                args.moe_first_dense_layers = first_dense
         except ValueError as e:
             refused.append(f"--moe-layer-freq {args.moe_layer_freq}: {e}")
             args.moe_layer_freq = None
-    if args.moe_router_score_function not in (None, "softmax"):
-        refused.append(f"--moe-router-score-function {args.moe_router_score_function}: megazoo's router "
-                       f"scores with softmax only")
+    if args.moe_router_score_function == "sigmoid" and args.moe_router_pre_softmax:
+        args.moe_router_pre_softmax = None  # Megatron applies it to softmax scores only
+        notes.info("--moe-router-pre-softmax with --moe-router-score-function sigmoid: ignored, as "
+                   "Megatron-LM does (it orders the softmax only)")
     if args.moe_router_dtype not in (None, "fp32"):
         notes.info("--moe-router-dtype %s: megazoo's router computes in fp32", args.moe_router_dtype)
     if args.expert_tensor_parallel_size not in (None, 1):
@@ -244,12 +249,13 @@ def _moe(args, notes) -> list[str]:
     return refused
 
 
-def moe_layer_freq(text: str) -> tuple[int, int | None]:
+def moe_layer_freq(text: str) -> tuple[int, int | None, int]:
     """Megatron's --moe-layer-freq: N, or a per-layer list such as "[1,0]*4" or "[0]*3+[1]*58"
-    (1: MoE), read without eval; a list must be megazoo's shape, MoE at every N-th layer from 0.
-    Returns N and the list's length (None for N)."""
+    (1: MoE), read without eval; a list must be megazoo's shape: K dense layers first (DeepSeek's
+    first_k_dense_replace), then MoE at every N-th layer. Returns N, the list's length (None for
+    N) and K."""
     if text.strip().isdigit():
-        return int(text), None
+        return int(text), None, 0
     pattern = []
     for term in text.replace(" ", "").split("+"):
         items, _, times = term.partition("*")
@@ -257,11 +263,16 @@ def moe_layer_freq(text: str) -> tuple[int, int | None]:
             raise ValueError("give N or a list like [1,0]*4")
         values = [int(v) for v in items[1:-1].split(",") if v]
         pattern += values * (int(times) if times else 1)
-    for n in range(1, len(pattern) + 1):
-        if pattern == [int(i % n == 0) for i in range(len(pattern))]:
-            return n, len(pattern)
-    raise ValueError("megazoo puts experts in every N-th layer from layer 0 (--moe-layer-freq N); "
-                     "other per-layer patterns (dense first layers) are not implemented")
+    first = next((i for i, v in enumerate(pattern) if v), len(pattern))
+    rest = pattern[first:]
+    for n in range(1, len(rest) + 1):
+        if rest == [int(i % n == 0) for i in range(len(rest))]:
+            if first and n > 1:  # megazoo's layer i is MoE when i % N == 0, counted from 0
+                break
+            return n, len(pattern), first
+    raise ValueError("megazoo puts experts in every N-th layer from layer 0, or in every layer after "
+                     "K dense ones (--moe-layer-freq N, --moe-first-dense-layers K); other per-layer "
+                     "patterns are not implemented")
 
 
 _FSDP_STAGES = {"no_shard": 0, "optim": 1, "optim_grads": 2, "optim_grads_params": 3}

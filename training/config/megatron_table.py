@@ -82,9 +82,6 @@ FP8 = "FP8 needs Transformer Engine on an FP8 GPU (Hopper or newer), which megaz
       "drop the --fp8-* flags (--bf16 trains in bfloat16)"
 MLA = "DeepSeek's multi-latent attention (and its YaRN RoPE scaling) is not implemented; megazoo " \
       "has grouped-query attention (--group-query-attention --num-query-groups)"
-GROUPED_ROUTING = "group-limited routing (DeepSeek) is not implemented; megazoo routes each token to " \
-                  "its top-k experts over all of them"
-EXPERT_BIAS = "auxiliary-loss-free balancing (expert bias) is not implemented; use --moe-aux-loss-coeff"
 MTP = "multi-token prediction is not implemented; drop it"
 # Refused: why, and what to give instead.
 REFUSED = {
@@ -106,11 +103,6 @@ REFUSED = {
     "--rotary-scaling-factor": (VALUE, MLA),
     "--mscale": (VALUE, MLA),
     "--mscale-all-dim": (VALUE, MLA),
-    "--moe-router-group-topk": (VALUE, GROUPED_ROUTING),
-    "--moe-router-num-groups": (VALUE, GROUPED_ROUTING),
-    "--moe-router-topk-scaling-factor": (VALUE, "scaled routing weights are not implemented; drop it"),
-    "--moe-router-enable-expert-bias": (FLAG, EXPERT_BIAS),
-    "--moe-router-bias-update-rate": (VALUE, EXPERT_BIAS),
     "--moe-router-force-load-balancing": (FLAG, "benchmark-only uniform routing is not implemented"),
     "--mtp-num-layers": (VALUE, MTP),
     "--mtp-loss-scaling-factor": (VALUE, MTP),
@@ -144,14 +136,14 @@ MAPPED = {
     "--rotary-percent": ({"type": float}, "1.0 only: RoPE over the whole head"),
     "--no-position-embedding": (FLAG, "no learned position table (with --position-embedding-type "
                                       "rope or alibi)"),
-    "--moe-router-load-balancing-type": (VALUE, "aux_loss (Switch/GShard) or none"),
+    "--moe-router-load-balancing-type": (VALUE, "aux_loss (Switch/GShard, per batch), seq_aux_loss "
+                                                "(per sequence, DeepSeek-V3) or none"),
     "--moe-token-dispatcher-type": (VALUE, "megazoo dispatches with all-to-all"),
     "--ckpt-format": (VALUE, "torch or torch_dist: megazoo saves its own format"),
     "--loss-scale": ({"type": float}, "fp16: a static loss scale instead of the dynamic one"),
     "--ddp-bucket-size": ({"type": int}, "elements per gradient-reduction bucket"),
     "--moe-layer-freq": (VALUE, "every N-th layer is MoE (layer i when i %% N == 0), or Megatron's "
                                 "per-layer list ([1,0]*4) when it has that shape"),
-    "--moe-router-score-function": (VALUE, "softmax only (megazoo's router)"),
     "--moe-router-dtype": (VALUE, "fp32: megazoo's router computes in fp32 always"),
     "--expert-tensor-parallel-size": ({"type": int}, "1 only: megazoo's experts are whole on each "
                                                      "tensor-parallel rank"),

@@ -21,7 +21,7 @@ class _FusedAttentionShapes(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, mask):
-        out = torch.empty_like(q)
+        out = q.new_empty(q.shape[:-1] + v.shape[-1:])  # v's head dim (MLA's differs from q's)
         lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
         ctx.save_for_backward(q, k, v, out, lse, *([] if mask is None else [mask]))
         return out

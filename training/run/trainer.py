@@ -9,6 +9,7 @@ import math
 import time
 from dataclasses import dataclass
 
+from models.moe import update_expert_biases
 from parallel.pipeline.tied import broadcast_tied_embedding
 from parallel.random import model_parallel_seed
 from parallel.topology import initialize
@@ -159,6 +160,10 @@ class Trainer:
             verdict = after_step(verdict, step.skipped, step.reason, opt.scaler.dynamic)
         else:  # skip / rollback: drop this step's update
             opt.grad_sync.finish()
+        if run.model.num_experts and run.model.moe_router_enable_expert_bias:
+            # after every step, as Megatron-LM (the load was observed whether or not it stepped)
+            with self.watchdog.collective("expert bias update (load all-reduce)"):
+                update_expert_biases(self.chunks, run.model.num_layers, topo.device)
         opt.zero_grad()
         elapsed = time.perf_counter() - start
         self.guard.count(step is not None and not step.skipped, it,

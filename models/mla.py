@@ -1,0 +1,147 @@
+"""Multi-head latent attention (DeepSeek-V2/V3): queries and keys/values through low-rank latents.
+
+    q   = q_up(norm(q_down x))              (or q_proj x without --q-lora-rank)  [heads, nope + rope]
+    kv  = kv_down x = [latent (kv_lora_rank) | k_pe (qk_rope_head_dim)]
+    k, v = kv_up(norm(latent))                                                   [heads, nope], [heads, v]
+    keys = [k | rope(k_pe) shared by every head], queries = [q_nope | rope(q_pe)]
+    out = dense(softmax(q k^T / sqrt(nope + rope) + causal) v)
+
+Tensor parallelism splits the heads: `q_up` / `q_proj` and `kv_up` are column-parallel, `dense`
+row-parallel; the down-projections and the latent norms are replicated. Under sequence
+parallelism the down-projections run on each rank's sequence chunk (their weights' gradients
+summed over TP), the up-projections all-gather the latents as any column-parallel linear does,
+and the shared k_pe is gathered with a reduce-scatter backward; without SP it is the same tensor
+on every rank, each using it for its own heads, so its gradient is summed over TP.
+
+RoPE rotates the decoupled `qk_rope_head_dim` channels only, in DeepSeek's interleaved pair layout
+(channels 2i, 2i+1 by frequency i: transformers' `rope_interleave`, the layout of the released
+weights), or HF's halves layout when `rope_interleave` is off. The latent norms use
+`layernorm_epsilon`. q/k head dim differs from v's: the attention kernel takes that as it is
+(`parallel/kernels/attention.py`). Not modelled, refused: context parallelism, RoPE scaling.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from parallel.context_parallel import sequence_positions
+from parallel.kernels.attention import attention
+from parallel.mappings import copy_to_tp, gather_from_sequence
+from parallel.random import RNGStreams, checkpoint
+from parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, sequence_parallel_param
+from parallel.topology import ParallelTopology
+
+from .config import TransformerConfig
+from .init import Initializer
+from .norms import RMSNorm
+from .rope import inverse_frequencies, rotate_half
+
+
+class LatentRotary(nn.Module):
+    """RoPE over the decoupled channels [..., qk_rope_head_dim] of queries and the shared key."""
+
+    def __init__(self, config: TransformerConfig, device=None):
+        super().__init__()
+        self.interleaved = config.rope_interleave
+        inv_freq = inverse_frequencies(config.qk_rope_head_dim, config.rope_theta)
+        self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        freqs = positions.to(self.inv_freq.device).float()[:, None] * self.inv_freq[None, :]
+        cos, sin = freqs.cos().to(x.dtype), freqs.sin().to(x.dtype)  # [s, d/2], fp32 like HF
+        if self.interleaved:  # pairs (2i, 2i+1) -> halves [first of each pair | second]
+            x1, x2 = x[..., 0::2], x[..., 1::2]
+            return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+        cos, sin = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)
+        return x * cos + rotate_half(x) * sin
+
+
+class MultiLatentAttention(nn.Module):
+    """Causal multi-head latent attention; heads split over TP ranks."""
+
+    def __init__(self, config: TransformerConfig, topo: ParallelTopology, init: Initializer,
+                 prefix: str, rng: RNGStreams | None):
+        super().__init__()
+        if topo.cp > 1:
+            raise ValueError("multi-latent attention (--kv-lora-rank) with --context-parallel-size "
+                             "> 1 is not supported; use 1")
+        if config.rope_scaling is not None:
+            raise ValueError(f"rope_scaling {config.rope_scaling} with multi-latent attention is not "
+                             f"supported (its YaRN attention scale is not modelled); drop it")
+        h, heads = config.hidden_size, config.num_attention_heads
+        self.nope, self.rope, self.v_dim = (config.qk_nope_head_dim, config.qk_rope_head_dim,
+                                            config.v_head_dim)
+        self.latent = config.kv_lora_rank
+        self.heads_local, self.topo, self.rng = heads // topo.tp, topo, rng
+        self.dropout = config.attention_dropout
+        self.recompute_core = config.recompute_granularity == "selective"
+        qk = self.nope + self.rope
+
+        def replicated(name: str, rows: int) -> nn.Parameter:
+            w = torch.empty(rows, h)
+            init.normal(prefix + name)(w)
+            return nn.Parameter(w.to(device=topo.device, dtype=config.dtype))
+
+        def norm(size: int) -> RMSNorm:
+            return RMSNorm(config, topo, in_sequence_region=True, size=size)
+
+        self.q_down = self.q_norm = self.q_up = self.q_proj = None
+        if config.q_lora_rank:
+            self.q_down = replicated("q_down.weight", config.q_lora_rank)
+            self.q_norm = norm(config.q_lora_rank)
+            self.q_up = ColumnParallelLinear(config.q_lora_rank, heads * qk, topo,
+                                             init.normal(prefix + "q_up.weight"), bias=False,
+                                             dtype=config.dtype)
+        else:
+            self.q_proj = ColumnParallelLinear(h, heads * qk, topo, init.normal(prefix + "q_proj.weight"),
+                                               bias=False, dtype=config.dtype)
+        self.kv_down = replicated("kv_down.weight", self.latent + self.rope)
+        self.kv_norm = norm(self.latent)
+        self.kv_up = ColumnParallelLinear(self.latent, heads * (self.nope + self.v_dim), topo,
+                                          init.normal(prefix + "kv_up.weight"), bias=False,
+                                          dtype=config.dtype)
+        self.dense = RowParallelLinear(heads * self.v_dim, h, topo,
+                                       init.scaled_normal(prefix + "dense.weight"), bias=False,
+                                       dtype=config.dtype)
+        self.rotary = LatentRotary(config, topo.device)
+        self.scale = qk ** -0.5
+
+    def core_attention(self, q, k, v) -> torch.Tensor:
+        p = self.dropout if self.training else 0.0
+        with self.rng.fork() if (self.rng is not None and p > 0) else contextlib.nullcontext():
+            return attention(q, k, v, dropout_p=p, scale=self.scale, q_offset=k.shape[2] - q.shape[2])
+
+    def forward(self, x: torch.Tensor, cache=None, layer: int = 0) -> torch.Tensor:
+        """x [s(/tp under SP), b, h] -> [s(/tp), b, h]; `cache`: models.attention.KVCache."""
+        topo, g = self.topo, self.topo.tp_group
+        if self.q_proj is not None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_up(self.q_norm(F.linear(x, sequence_parallel_param(self.q_down, topo))))
+        kv = F.linear(x, sequence_parallel_param(self.kv_down, topo))
+        latent, k_pe = kv.split([self.latent, self.rope], dim=-1)
+        kv = self.kv_up(self.kv_norm(latent))  # [s, b, local heads * (nope + v)], whole sequence
+        # k_pe is shared by all heads: each rank's gradient covers its own heads only
+        k_pe = gather_from_sequence(k_pe, g) if topo.sequence_parallel and topo.tp > 1 \
+            else copy_to_tp(k_pe, g)
+        s, b, _ = q.shape
+        q = q.view(s, b, self.heads_local, -1).permute(1, 2, 0, 3)  # [b, heads, s, nope + rope]
+        k_nope, v = kv.view(s, b, self.heads_local, -1).permute(1, 2, 0, 3).split(
+            [self.nope, self.v_dim], dim=-1)
+        q_nope, q_pe = q.split([self.nope, self.rope], dim=-1)
+        positions = sequence_positions(s, topo, cache.offset if cache is not None else 0)
+        q_pe = self.rotary(q_pe, positions)
+        k_pe = self.rotary(k_pe.permute(1, 0, 2).unsqueeze(1), positions)  # [b, 1, s, rope]
+        q = torch.cat([q_nope, q_pe], dim=-1)
+        k = torch.cat([k_nope, k_pe.expand(-1, self.heads_local, -1, -1)], dim=-1)
+        if cache is not None:
+            k, v = cache.update(layer, k, v)
+        if self.recompute_core and self.training and torch.is_grad_enabled():
+            out = checkpoint(self.core_attention, self.rng, q, k, v)
+        else:
+            out = self.core_attention(q, k, v)
+        out = out.permute(2, 0, 1, 3).reshape(s, b, self.heads_local * self.v_dim)
+        return self.dense(out)
