@@ -114,8 +114,11 @@ class MultiLatentAttention(nn.Module):
         with self.rng.fork() if (self.rng is not None and p > 0) else contextlib.nullcontext():
             return attention(q, k, v, dropout_p=p, scale=self.scale, q_offset=k.shape[2] - q.shape[2])
 
-    def forward(self, x: torch.Tensor, cache=None, layer: int = 0) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache=None, layer: int = 0, documents=None) -> torch.Tensor:
         """x [s(/tp under SP), b, h] -> [s(/tp), b, h]; `cache`: models.attention.KVCache."""
+        if documents is not None:  # (the flags refuse packing with MLA before a run starts)
+            raise ValueError("multi-latent attention does not model packed documents "
+                             "(--reset-attention-mask/--reset-position-ids, --sft-packing)")
         topo, g = self.topo, self.topo.tp_group
         if self.q_proj is not None:
             q = self.q_proj(x)

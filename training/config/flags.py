@@ -352,6 +352,9 @@ def to_run_config(args: argparse.Namespace, vocab_size: int | None = None,
             _fail(f"--{missing[0].replace('_', '-')} is required without --model (or give a preset)")
         model = TransformerConfig(**overrides)
     check_model(args, model)
+    if model.kv_lora_rank and (args.reset_position_ids or args.reset_attention_mask or args.sft_packing):
+        _fail("multi-latent attention (--kv-lora-rank) does not model packed documents; drop "
+              "--reset-position-ids/--reset-attention-mask/--sft-packing")
     seq = args.seq_length or model.max_position_embeddings
     if model.position_embedding == "learned" and seq > model.max_position_embeddings:
         _fail(f"--seq-length {seq} exceeds --max-position-embeddings {model.max_position_embeddings}")
