@@ -195,12 +195,8 @@ def _apply(run: RunConfig, topo, chunks, opt, rng, folder: str, meta: dict, sour
         tensors, full = source
         logger.info("loading %s (layout %s) into layout %s through full tensors%s", folder,
                     meta.get("layout"), layout_of(run, topo), " (weights only)" if weights_only else "")
+        # (frozen parameters, such as the router's expert bias, come back through the table too)
         reshard.load_into(full, chunks, opt, topo, weights_only=weights_only, folder=folder)
-        frozen = [n for chunk in chunks for n, p in chunk.named_parameters() if not p.requires_grad]
-        if frozen and topo.rank == 0:
-            logger.warning("loading across layouts restores trained parameters only: %d frozen "
-                           "ones (e.g. %s, the router's expert bias) start from their initial "
-                           "values; resume with the saved layout to keep them", len(frozen), frozen[0])
     if finetune:
         logger.info("fine-tuning from %s: weights only, iteration and optimizer reset", folder)
         return TrainState()
