@@ -6,7 +6,7 @@ parameter in the optimizer's order:
     [chunk, name in the chunk, canonical name, local shape, TP partition dim (-1: replicated),
      full (unpadded) size of that dim, shard layout spec (None: contiguous chunks),
      MoE expert weight (its experts split over expert parallelism along dim 0; absent: False),
-     frozen (requires_grad=False, e.g. the router's expert bias; absent: False)]
+     frozen (requires_grad=False, e.g. the router's expert bias; only on such rows)]
 
 The trainable parameters come first, in the optimizer's order (the ZeRO `ranges` rows index
 them); the frozen ones follow, weights only: no optimizer state, each replicated or split per
@@ -81,17 +81,19 @@ def table_order(chunks) -> list[tuple[int, str, torch.nn.Parameter]]:
     return [t for t in named if t[2].requires_grad] + [t for t in named if not t[2].requires_grad]
 
 
-def param_table(chunks, opt=None) -> list[list]:
-    """The parameter table of one rank's chunks: trainable rows in the optimizer's parameter
-    order, then the frozen ones."""
+def param_table(chunks, opt=None, *, frozen: bool = False) -> list[list]:
+    """The parameter table of one rank's chunks: its trainable rows in the optimizer's parameter
+    order, then (frozen: checkpoints' tables) the frozen ones, each with a ninth column True."""
     rows = []
     for c, n, p in table_order(chunks):
+        if not (frozen or p.requires_grad):
+            continue
         canonical = getattr(chunks[c], "canonical_name", lambda n: n)
         split = spec_of(p).tp_split
         layout = split.layout if split else None
         rows.append([c, n, canonical(n), list(p.shape), split.dim if split else -1,
                      split.full_size if split else 0, layout.spec() if layout else None,
-                     spec_of(p).expert, not p.requires_grad])
+                     spec_of(p).expert] + ([] if p.requires_grad else [True]))
     if opt is not None:  # the optimizer numbers parameters the same way; make sure of it
         trained = [chunk_prefix(r[0], len(chunks)) + r[1] for r in rows if not is_frozen(r)]
         if trained != list(opt.param_names):
@@ -305,7 +307,7 @@ def load_into(full: FullState, chunks, opt, topo, *, weights_only: bool, folder:
 
     weights_only: the optimizer starts fresh (zero moments, step 0) from the weights.
     """
-    rows = param_table(chunks, opt)
+    rows = param_table(chunks, opt, frozen=True)
     missing = sorted({r[2] for r in rows if not is_frozen(r)} - set(full.weights) - full.unread)
     if missing:
         raise ckpt.CheckpointError(f"{folder} lacks {len(missing)} tensors of this model, e.g. "
@@ -400,7 +402,7 @@ def write_layout(full: FullState, root: str, *, config, tp: int, pp: int, vpp: i
     records = []
     for rank in range(world):
         topo, chunks = build_rank_chunks(config, tp=tp, pp=pp, vpp=vpp, dp=dp, rank=rank, ep=ep)
-        rows = param_table(chunks)
+        rows = param_table(chunks, frozen=True)
         named = [p for *_, p in table_order(chunks)]
         tensors = {PARAMS: ckpt.json_tensor(rows)}
         ranges = []
@@ -411,7 +413,8 @@ def write_layout(full: FullState, root: str, *, config, tp: int, pp: int, vpp: i
             if local.shape != p.shape:
                 raise ckpt.CheckpointError(f"{canon}: shape {tuple(full.weights[canon].shape)} does "
                                            f"not fit this model; the source is another model")
-            tensors[f"model.{c}.{n}"] = local.to(p.dtype)  # frozen ones keep their own (fp32)
+            # (frozen parameters keep their own dtype: the expert bias is fp32 in any model)
+            tensors[f"model.{c}.{n}"] = local.to(config.dtype if p.requires_grad else p.dtype)
         if with_optim:
             flats = defaultdict(list)
             offset = 0
@@ -453,7 +456,7 @@ def load_weights(folder: str, chunks, topo) -> FullState:
     for generation, evaluation and tools."""
     meta = ckpt.read_meta(folder)
     zero3 = meta.get("layout", {}).get("zero_stage", 0) == 3  # weights live in the optimizer
-    rows = param_table(chunks)
+    rows = param_table(chunks, frozen=True)
     full = read_full_state(folder, {row[2] for row in rows}, optimizer=zero3,
                            need=slices.need_of(rows, topo.tp_rank, topo.tp))
     copy_weights(full, chunks, topo, folder, frozen_only=False)
