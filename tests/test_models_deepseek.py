@@ -435,3 +435,62 @@ def test_presets_count_what_they_build_and_deepseek_v3_is_671b():
     with torch.device("meta"):  # transformers' model of the exported config, without MTP
         hf = DeepseekV3ForCausalLM(deepseek_v3.hf_config(v3))
     assert sum(p.numel() for p in hf.parameters()) == v3.num_parameters()
+
+
+def test_expert_biases_survive_a_change_of_layout_bit_for_bit(tmp_path, caplog):
+    """The frozen expert biases travel through the layout-independent table: written at
+    (pp2, dp2, ZeRO-3), read back whole and by a rank of another layout whose ZeRO shards need
+    only the last element of every tensor, then rewritten at tp2 and loaded into a live unsharded model."""
+    import math
+    from training.checkpoint import reshard, slices
+    cfg = _parallel_config()
+    model = TransformerLanguageModel(cfg, ParallelTopology.single())
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for layer in moe_layers(model):
+            layer.expert_bias.copy_(torch.randn(cfg.num_experts, generator=g) / 3)
+    biases = _biases(model)
+    weights = {model.canonical_name(n): p.detach().clone() for n, p in model.named_parameters()}
+    trained = {k: v for k, v in weights.items() if not k.endswith("expert_bias")}
+    optim = {"master": trained, "exp_avg": {k: v * 0.5 for k, v in trained.items()}}
+    full = reshard.FullState(dict(consumed_samples=0, skipped_steps=0), weights, optim)
+    src = reshard.write_layout(full, str(tmp_path / "a"), config=cfg, tp=1, pp=2, dp=2,
+                               zero_stage=3)
+    back = reshard.read_full_state(src)
+    for i, bias in biases.items():
+        assert torch.equal(back.weights[f"layers.{i}.mlp.expert_bias"], bias)
+        assert f"layers.{i}.mlp.expert_bias" not in back.master  # weights only, no state
+
+    topo, chunks = reshard.build_rank_chunks(cfg, tp=1, pp=1, vpp=1, dp=2, rank=1)
+    rows = reshard.param_table(chunks, frozen=True)
+    ranges = [[i, math.prod(r[3]) - 1, math.prod(r[3]), 0] for i, r in enumerate(rows)
+              if not reshard.is_frozen(r)]
+    part = reshard.read_full_state(src, {r[2] for r in rows}, need=slices.need_of(rows, 0, 1, ranges))
+    for i, bias in biases.items():
+        assert torch.equal(part.weights[f"layers.{i}.mlp.expert_bias"], bias)
+    # the first data-parallel rank's file is opened for the frozen biases alone once nothing
+    # else it holds is needed (here the experts, always read whole, are taken out of the record)
+    record = dict(reshard.ckpt.read_meta(src)["slices"])
+    record["params"] = {k: v for k, v in record["params"].items() if not v[3]}
+    need = slices.need_of(rows, 0, 1, ranges)
+    assert [slices.file_wanted(record, 0, 0, 0, 1, need, optimizer_shards=True, holds_frozen=h)
+            for h in ((True, True), (False, False))] == [True, False]
+
+    dst = reshard.write_layout(back, str(tmp_path / "b"), config=cfg, tp=2, pp=1, weights_only=True)
+    fresh = TransformerLanguageModel(cfg, ParallelTopology.single())
+    assert not any(torch.equal(b, biases[i]) for i, b in _biases(fresh).items())
+    reshard.load_weights(dst, [fresh], ParallelTopology.single())
+    loaded = _biases(fresh)
+    assert loaded.keys() == biases.keys() and len(loaded) == 2
+    assert all(torch.equal(loaded[i], biases[i]) and loaded[i].dtype == torch.float32 for i in loaded)
+
+    # a checkpoint from before the biases were recorded: they keep their values, one log line
+    old = reshard.FullState(back.meta, {k: v for k, v in back.weights.items()
+                                        if not k.endswith("expert_bias")})
+    other = TransformerLanguageModel(cfg, ParallelTopology.single())
+    before = _biases(other)
+    with caplog.at_level("WARNING", logger="training.checkpoint.reshard"):
+        reshard.copy_weights(old, [other], ParallelTopology.single(), "old", frozen_only=False)
+    assert all(torch.equal(b, before[i]) for i, b in _biases(other).items())
+    assert [r.getMessage().split(":")[0] for r in caplog.records] == [
+        "old records no frozen parameters (written before they were saved layout-independently)"]

@@ -5,7 +5,13 @@ parameter in the optimizer's order:
 
     [chunk, name in the chunk, canonical name, local shape, TP partition dim (-1: replicated),
      full (unpadded) size of that dim, shard layout spec (None: contiguous chunks),
-     MoE expert weight (its experts split over expert parallelism along dim 0; absent: False)]
+     MoE expert weight (its experts split over expert parallelism along dim 0; absent: False),
+     frozen (requires_grad=False, e.g. the router's expert bias; only on such rows)]
+
+The trainable parameters come first, in the optimizer's order (the ZeRO `ranges` rows index
+them); the frozen ones follow, weights only: no optimizer state, each replicated or split per
+its ParamSpec like any weight. Checkpoints written before frozen rows were recorded keep those
+parameters at their initial values on load (logged once).
 
 With it, `read_full_state` turns the files of any layout into full, unpadded tensors keyed by
 canonical name: the model weights (`model.{chunk}.{name}`) and, per optimizer state (fp32
@@ -39,7 +45,7 @@ from models.registry import build_model
 from parallel.layout import Grid
 from parallel.param_spec import spec_of
 from parallel.pipeline.partition import chunk_prefix
-from parallel.sharding import load_full_state_dict, local_shard
+from parallel.sharding import local_shard
 from parallel.tensor_parallel import unshard
 from parallel.topology import ParallelConfig, ParallelTopology
 
@@ -68,24 +74,37 @@ class FullState:
         return self.optim.get("master", {})
 
 
-def param_table(chunks, opt=None) -> list[list]:
-    """The parameter table of one rank's chunks, in the optimizer's parameter order."""
+def table_order(chunks) -> list[tuple[int, str, torch.nn.Parameter]]:
+    """(chunk, name, parameter) in the parameter table's order: the trainable ones chunk by chunk
+    (the optimizer's order), then the frozen ones."""
+    named = [(c, n, p) for c, chunk in enumerate(chunks) for n, p in chunk.named_parameters()]
+    return [t for t in named if t[2].requires_grad] + [t for t in named if not t[2].requires_grad]
+
+
+def param_table(chunks, opt=None, *, frozen: bool = False) -> list[list]:
+    """The parameter table of one rank's chunks: its trainable rows in the optimizer's parameter
+    order, then (frozen: checkpoints' tables) the frozen ones, each with a ninth column True."""
     rows = []
-    for c, chunk in enumerate(chunks):
-        canonical = getattr(chunk, "canonical_name", lambda n: n)
-        for n, p in chunk.named_parameters():
-            if not p.requires_grad:
-                continue
-            split = spec_of(p).tp_split
-            layout = split.layout if split else None
-            rows.append([c, n, canonical(n), list(p.shape), split.dim if split else -1,
-                         split.full_size if split else 0, layout.spec() if layout else None,
-                         spec_of(p).expert])
+    for c, n, p in table_order(chunks):
+        if not (frozen or p.requires_grad):
+            continue
+        canonical = getattr(chunks[c], "canonical_name", lambda n: n)
+        split = spec_of(p).tp_split
+        layout = split.layout if split else None
+        rows.append([c, n, canonical(n), list(p.shape), split.dim if split else -1,
+                     split.full_size if split else 0, layout.spec() if layout else None,
+                     spec_of(p).expert] + ([] if p.requires_grad else [True]))
     if opt is not None:  # the optimizer numbers parameters the same way; make sure of it
-        if [chunk_prefix(r[0], len(chunks)) + r[1] for r in rows] != list(opt.param_names):
+        trained = [chunk_prefix(r[0], len(chunks)) + r[1] for r in rows if not is_frozen(r)]
+        if trained != list(opt.param_names):
             raise RuntimeError("the optimizer's parameter order differs from the chunks'; "
                                "training/checkpoint/reshard.py must follow parallel/zero/optimizer.py")
     return rows
+
+
+def is_frozen(row) -> bool:
+    """Whether a parameter-table row is a frozen parameter's (weights only, no optimizer state)."""
+    return len(row) > 8 and bool(row[8])
 
 
 def _layout(meta: dict, folder: str) -> tuple[int, int, int, int]:
@@ -121,7 +140,8 @@ def _read_rank(folder, rank, coords, ep_pos, names, optimizer, pieces, states, c
             key, expert = f"model.{c}.{n}", _is_expert(row)
             # experts: the first expert-parallel group; the rest: the first data x context rank
             holder = ep_block == 0 if expert else dp_r == 0 and cp_r == 0
-            if weights and holder and key in keys and wanted(row):
+            # frozen parameters have no fp32 master to stand in for them: always their weights
+            if (weights or is_frozen(row)) and holder and key in keys and wanted(row):
                 pieces[canon][(pp_r, c, tp_r, ep_r if expert else 0)] = f.get_tensor(key)
         if not optimizer:
             return rows
@@ -239,8 +259,10 @@ def read_full_state(folder: str, names: set[str] | None = None, optimizer: bool 
             if stages is not None and coords.pp not in stages or coords.pp in done:
                 continue  # holds none of `names`, or read already
             considered.append(rank)
+            holds_frozen = (coords.dp == 0 and coords.cp == 0, ep_pos[1] == 0)
             if selective and not slices.file_wanted(record, rank, coords.tp, coords.pp, tp, need,
-                                                    optimizer_shards=shards):
+                                                    optimizer_shards=shards,
+                                                    holds_frozen=holds_frozen):
                 continue  # holds nothing of what this rank needs
             rows = _read_rank(folder, rank, coords, ep_pos, names, optimizer, pieces, states,
                               covered, scalars, zero, weights=not (selective and shards))
@@ -285,8 +307,8 @@ def load_into(full: FullState, chunks, opt, topo, *, weights_only: bool, folder:
 
     weights_only: the optimizer starts fresh (zero moments, step 0) from the weights.
     """
-    rows = param_table(chunks, opt)
-    missing = sorted({r[2] for r in rows} - set(full.weights) - full.unread)
+    rows = param_table(chunks, opt, frozen=True)
+    missing = sorted({r[2] for r in rows if not is_frozen(r)} - set(full.weights) - full.unread)
     if missing:
         raise ckpt.CheckpointError(f"{folder} lacks {len(missing)} tensors of this model, e.g. "
                                    f"{missing[:3]}; the checkpoint is for another model")
@@ -317,6 +339,37 @@ def load_into(full: FullState, chunks, opt, topo, *, weights_only: bool, folder:
     if not weights_only:
         sd.update({k: v for k, v in full.scalars.items() if k in sd})
     opt.load_state_dict(sd)  # writes the model weights from the masters and all-gathers them
+    copy_weights(full, chunks, topo, folder, frozen_only=True)
+
+
+@torch.no_grad()
+def copy_weights(full: FullState, chunks, topo, folder: str, *, frozen_only: bool) -> None:
+    """This rank's slices of the parameters (frozen_only: of those outside the optimizer) from
+    full tensors. A checkpoint written before frozen parameters were recorded leaves them at
+    their initial values (logged); a missing trained one is another model's checkpoint."""
+    absent = []
+    for c, n, p in table_order(chunks):
+        if frozen_only and p.requires_grad:
+            continue
+        canon = getattr(chunks[c], "canonical_name", lambda n: n)(n)
+        if canon in full.unread:
+            continue
+        if canon not in full.weights:
+            if p.requires_grad:
+                raise ckpt.CheckpointError(f"{folder} lacks {canon}; the checkpoint is for "
+                                           f"another model")
+            absent.append(canon)
+            continue
+        local = local_shard(p, full.weights[canon], topo)
+        if local.shape != p.shape:
+            raise ckpt.CheckpointError(f"{folder}: {canon} has shape "
+                                       f"{tuple(full.weights[canon].shape)}, which does not fit "
+                                       f"this model; the checkpoint is for another model")
+        p.copy_(local)
+    if absent and getattr(topo, "rank", 0) == 0:  # one line, not one per rank
+        logger.warning("%s records no frozen parameters (written before they were saved "
+                       "layout-independently): %d (e.g. %s) keep their initial values",
+                       folder, len(absent), absent[0])
 
 
 def build_rank_chunks(config, *, tp: int, pp: int, vpp: int, dp: int, rank: int,
@@ -349,8 +402,8 @@ def write_layout(full: FullState, root: str, *, config, tp: int, pp: int, vpp: i
     records = []
     for rank in range(world):
         topo, chunks = build_rank_chunks(config, tp=tp, pp=pp, vpp=vpp, dp=dp, rank=rank, ep=ep)
-        rows = param_table(chunks)
-        named = [p for chunk in chunks for _, p in chunk.named_parameters() if p.requires_grad]
+        rows = param_table(chunks, frozen=True)
+        named = [p for *_, p in table_order(chunks)]
         tensors = {PARAMS: ckpt.json_tensor(rows)}
         ranges = []
         for (c, n, canon, *_), p in zip(rows, named):
@@ -360,12 +413,15 @@ def write_layout(full: FullState, root: str, *, config, tp: int, pp: int, vpp: i
             if local.shape != p.shape:
                 raise ckpt.CheckpointError(f"{canon}: shape {tuple(full.weights[canon].shape)} does "
                                            f"not fit this model; the source is another model")
-            tensors[f"model.{c}.{n}"] = local.to(config.dtype)
+            # (frozen parameters keep their own dtype: the expert bias is fp32 in any model)
+            tensors[f"model.{c}.{n}"] = local.to(config.dtype if p.requires_grad else p.dtype)
         if with_optim:
             flats = defaultdict(list)
             offset = 0
-            for idx, ((c, n, canon, *_), p) in enumerate(zip(rows, named)):
-                numel = p.numel()
+            for idx, (row, p) in enumerate(zip(rows, named)):
+                if is_frozen(row):
+                    continue  # weights only: no optimizer state
+                canon, numel = row[2], p.numel()
                 group = topo.group_ranks["edp" if spec_of(p).expert else "dp"]
                 per = -(-numel // len(group)) if zero_stage > 0 else numel
                 lo = group.index(rank) * per if zero_stage > 0 else 0
@@ -400,12 +456,8 @@ def load_weights(folder: str, chunks, topo) -> FullState:
     for generation, evaluation and tools."""
     meta = ckpt.read_meta(folder)
     zero3 = meta.get("layout", {}).get("zero_stage", 0) == 3  # weights live in the optimizer
-    rows = param_table(chunks)
+    rows = param_table(chunks, frozen=True)
     full = read_full_state(folder, {row[2] for row in rows}, optimizer=zero3,
                            need=slices.need_of(rows, topo.tp_rank, topo.tp))
-    try:
-        for chunk in chunks:
-            load_full_state_dict(chunk, full.weights, topo)
-    except (KeyError, ValueError) as e:
-        raise ckpt.CheckpointError(f"{folder}: {str(e).strip(chr(34))}") from None
+    copy_weights(full, chunks, topo, folder, frozen_only=False)
     return full

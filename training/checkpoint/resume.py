@@ -47,7 +47,7 @@ def layout_of(run: RunConfig, topo) -> dict:
 def rank_tensors(chunks, opt, rng, zero_stage: int) -> dict[str, torch.Tensor]:
     """What one rank's checkpoint file holds (tools/dry_run.py sizes it on meta tensors)."""
     tensors = {f"optim.{k}": v for k, v in opt.state_dict().items()}
-    tensors[reshard.PARAMS] = ckpt.json_tensor(reshard.param_table(chunks, opt))
+    tensors[reshard.PARAMS] = ckpt.json_tensor(reshard.param_table(chunks, opt, frozen=True))
     tensors.update({f"rng.{k}": v for k, v in rng.get_states().items()})
     for c, chunk in enumerate(chunks):
         # under ZeRO-3 the weights live in the optimizer's shards only; frozen parameters (the
@@ -67,7 +67,7 @@ def slices_record(chunks, opt, topo, zero_stage: int) -> dict:
     hold whole tensors, so no ranges). Each rank's description travels as JSON bytes padded to
     the longest (two all-gathers)."""
     ranges = _ranges_rows(opt) if zero_stage > 0 else []
-    mine = ckpt.json_tensor(slices.file_record(reshard.param_table(chunks, opt), ranges,
+    mine = ckpt.json_tensor(slices.file_record(reshard.param_table(chunks, opt, frozen=True), ranges,
                                                topo.pp_rank))
     group = C.world()
     if C.is_single(group):
@@ -173,7 +173,7 @@ def _read(run: RunConfig, topo, chunks, opt, folder: str):
     if meta.get("weights_only") and not weights_only:
         raise ckpt.CheckpointError(f"{folder} holds weights only (an imported model); add "
                                    f"--finetune to start training from it")
-    rows = reshard.param_table(chunks)
+    rows = reshard.param_table(chunks, frozen=True)
     need = slices.need_of(rows, topo.tp_rank, topo.tp, _ranges_rows(opt))
     return meta, (tensors, reshard.read_full_state(folder, {row[2] for row in rows}, need=need))
 
@@ -195,12 +195,8 @@ def _apply(run: RunConfig, topo, chunks, opt, rng, folder: str, meta: dict, sour
         tensors, full = source
         logger.info("loading %s (layout %s) into layout %s through full tensors%s", folder,
                     meta.get("layout"), layout_of(run, topo), " (weights only)" if weights_only else "")
+        # (frozen parameters, such as the router's expert bias, come back through the table too)
         reshard.load_into(full, chunks, opt, topo, weights_only=weights_only, folder=folder)
-        frozen = [n for chunk in chunks for n, p in chunk.named_parameters() if not p.requires_grad]
-        if frozen and topo.rank == 0:
-            logger.warning("loading across layouts restores trained parameters only: %d frozen "
-                           "ones (e.g. %s, the router's expert bias) start from their initial "
-                           "values; resume with the saved layout to keep them", len(frozen), frozen[0])
     if finetune:
         logger.info("fine-tuning from %s: weights only, iteration and optimizer reset", folder)
         return TrainState()

@@ -7,8 +7,11 @@ ranges of its local (TP-sharded) tensor that its optimizer shards hold (ZeRO fla
 (`meta_record`), with each tensor's TP split, local shape and stages once:
 
     {"params": {canonical: [TP dim (-1: replicated), local shape, layout spec, expert,
-                            pipeline stages holding it]},
+                            pipeline stages holding it, frozen (absent: False)]},
      "ranks": [{canonical: [start, end, start, end, ...]} for every rank]}
+
+Frozen parameters (outside the optimizer) are weights only: read from the files of the first
+data x context rank (experts: the first expert-parallel group) whatever the ZeRO stage.
 
 (only the tensors a rank's ZeRO >= 1 shards hold some of, none under ZeRO-0, whose files hold
 whole tensors: the record grows with the ZeRO ranges, not with tensors x ranks). `stages_holding` says which stages hold a name from the layout alone.
@@ -43,7 +46,8 @@ def file_record(rows, ranges, stage: int) -> dict:
     """One rank's description of its file (see the module docstring); `stage`: its pipeline
     stage (every file of a stage holds the weights of all its tensors)."""
     params = {row[2]: [row[4], row[3], row[6] if len(row) > 6 else None,
-                       bool(row[7]) if len(row) > 7 else False, [stage]] for row in rows}
+                       bool(row[7]) if len(row) > 7 else False, [stage]]
+              + ([True] if len(row) > 8 and row[8] else []) for row in rows}
     held = {k: [i for r in v for i in r] for k, v in merged_ranges(rows, ranges).items()}
     return {"params": params, "held": held}
 
@@ -53,7 +57,7 @@ def meta_record(per_rank: list[dict]) -> dict:
     params: dict[str, list] = {}
     for r in per_rank:
         for canon, row in r["params"].items():
-            known = params.setdefault(canon, row[:4] + [[]])
+            known = params.setdefault(canon, row[:4] + [[]] + row[5:])
             known[4] = sorted(set(known[4]) | set(row[4]))
     return {"params": params, "ranks": [r["held"] for r in per_rank]}
 
@@ -154,12 +158,26 @@ def wanted_ranges(record: dict, canon: str, src_tp_rank: int, src_tp: int, need:
     return _wanted_flat(shape, dim, cut, same, need.ranges.get(canon)) or None
 
 
+def _frozen(row) -> bool:
+    return len(row) > 5 and bool(row[5])
+
+
 def file_wanted(record: dict, rank: int, src_tp_rank: int, src_stage: int, src_tp: int,
-                need: Need, *, optimizer_shards: bool) -> bool:
-    """Whether the source file of `rank` holds anything `need` asks for (see `wanted_ranges`)."""
+                need: Need, *, optimizer_shards: bool,
+                holds_frozen: tuple[bool, bool] = (True, True)) -> bool:
+    """Whether the source file of `rank` holds anything `need` asks for (see `wanted_ranges`).
+    holds_frozen: whether frozen parameters (weights only) are read from this file, for
+    (other, expert) ones."""
     held = record["ranks"][rank]
     for canon, row in record["params"].items():
-        if src_stage not in row[4] or optimizer_shards and canon not in held:
+        if src_stage not in row[4]:
+            continue
+        if _frozen(row):  # a weight whatever the ZeRO stage, from its holder's file
+            if holds_frozen[bool(row[3])] and wanted_ranges(
+                    record, canon, src_tp_rank, src_tp, need, optimizer_shards=False) is not None:
+                return True
+            continue
+        if optimizer_shards and canon not in held:
             continue
         wanted = wanted_ranges(record, canon, src_tp_rank, src_tp, need,
                                optimizer_shards=optimizer_shards)
@@ -190,16 +208,19 @@ def check_read(folder: str, record: dict, need: Need, considered, tp: int, *, we
         for canon, row in record["params"].items():
             if co.pp not in row[4] or row[3] or (canon, co.pp, co.tp) in seen:
                 continue  # another stage's, an expert's (read whole), or asked already
+            frozen = _frozen(row)
+            if frozen and (co.dp, co.cp) != (0, 0):
+                continue  # frozen weights come from the first data x context rank's files
             seen.add((canon, co.pp, co.tp))
-            wanted = wanted_ranges(record, canon, co.tp, tp, need,
-                                   optimizer_shards=states is not None)
+            shards = states is not None and not frozen
+            wanted = wanted_ranges(record, canon, co.tp, tp, need, optimizer_shards=shards)
             if wanted is None:
                 continue
-            if states is None and (canon, co.pp, co.tp) not in weights:
+            if not shards and (canon, co.pp, co.tp) not in weights:
                 raise ckpt.CheckpointError(f"{folder}: the weights of {canon} (stage {co.pp}, "
                                            f"tensor-parallel rank {co.tp}) are not where "
                                            f"meta.json's slices place them; it is damaged")
-            for state in names if states is not None else ():
+            for state in names if shards else ():
                 missing = gap(wanted, states.get((state, canon, co.pp, co.tp), []))
                 if missing:
                     raise ckpt.CheckpointError(f"{folder}: optimizer state {state} of {canon} "
