@@ -346,6 +346,9 @@ DEEPSEEK_REFUSED = [  # multi-latent attention, multi-token prediction, the rest
 # DeepSeek's routing is taken, but the script's 8 experts in 8 groups of one are not (a group
 # scores as its two best experts)
 DEEPSEEK_GROUPS = ["--moe-router-group-topk", "--moe-router-num-groups"]
+# With multi-latent attention refused, Megatron's --qk-layernorm (there: the latent norms) would be
+# plain q/k norms, which no sigmoid-routed family has: refused naming the field.
+DEEPSEEK_QK = ["--qk-layernorm"]
 
 
 def test_deepseek_v3_stops_naming_every_unsupported_flag_and_takes_the_rest():
@@ -353,7 +356,11 @@ def test_deepseek_v3_stops_naming_every_unsupported_flag_and_takes_the_rest():
     with pytest.raises(ValueError, match="--moe-router-num-groups 8 must divide"):
         to_run_config(build_parser("moe-tiny").parse_args(_drop(deepseek_v3(), set(DEEPSEEK_REFUSED))),
                       vocab_size=1000, world_size=8)
-    args = build_parser("moe-tiny").parse_args(_drop(deepseek_v3(), set(DEEPSEEK_REFUSED + DEEPSEEK_GROUPS)))
+    with pytest.raises(ValueError, match="fits no model family: .*deepseek_v3' needs qk_layernorm=False"):
+        to_run_config(build_parser("moe-tiny").parse_args(
+            _drop(deepseek_v3(), set(DEEPSEEK_REFUSED + DEEPSEEK_GROUPS))), vocab_size=1000, world_size=8)
+    args = build_parser("moe-tiny").parse_args(
+        _drop(deepseek_v3(), set(DEEPSEEK_REFUSED + DEEPSEEK_GROUPS + DEEPSEEK_QK)))
     run = to_run_config(args, vocab_size=1000, world_size=8)
     o, m = run.optimizer, run.model
     assert (o.zero_stage, o.grad_dtype, run.parallel.ep, m.num_experts, m.moe_router_pre_softmax) == \
@@ -366,12 +373,12 @@ def test_deepseek_v3_stops_naming_every_unsupported_flag_and_takes_the_rest():
     assert [m.is_moe_layer(i) for i in range(4)] == [False, True, True, True]
     assert m.padded_vocab_size(1) == 3232 and run.health.collective_timeout == 3600.0
     # --moe-layer-freq as Megatron's list, where it has megazoo's shape
-    args = build_parser("moe-tiny").parse_args(_drop(deepseek_v3(), set(DEEPSEEK_REFUSED + DEEPSEEK_GROUPS))
+    args = build_parser("moe-tiny").parse_args(_drop(deepseek_v3(), set(DEEPSEEK_REFUSED + DEEPSEEK_GROUPS + DEEPSEEK_QK))
                                                + ["--moe-layer-freq", "[1,0]*2"])
     assert to_run_config(args, vocab_size=1000, world_size=8).model.moe_layer_freq == 2
     with pytest.raises(ArgumentError, match="--moe-layer-freq lists 6 layers, the model has 4"):
         to_run_config(build_parser("moe-tiny").parse_args(_drop(deepseek_v3(),
-                                                                set(DEEPSEEK_REFUSED + DEEPSEEK_GROUPS))
+                                                                set(DEEPSEEK_REFUSED + DEEPSEEK_GROUPS + DEEPSEEK_QK))
                                                           + ["--moe-layer-freq", "[1,0]*3"]),
                       vocab_size=1000, world_size=8)
 

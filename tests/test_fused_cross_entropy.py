@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import parallel.fused_cross_entropy as fused
+from parallel import collectives as C
 import parallel.kernels.lm_head_loss as lm_head_loss
 
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
@@ -27,7 +28,7 @@ def test_matches_unfused(dtype, padded, chunk, monkeypatch):
     per_token = torch.rand(n, generator=g)  # a loss mask / mean: any per-token weights
 
     x1, w1 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-    loss = fused._LMHeadCrossEntropy.apply(x1, w1, target, None, vocab, True)
+    loss = fused._LMHeadCrossEntropy.apply(x1, w1, target, C.SINGLE, vocab, True)
     (loss * per_token).sum().backward()
 
     x2, w2 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()

@@ -154,7 +154,7 @@ class Muon:
         device = self.topo.device
         full = torch.empty(bucket.padded, dtype=torch.float32, device=device)
         C.all_gather_into(full, u.to(device).contiguous(),
-                          bucket.dp_group if bucket.dp > 1 else None).wait()
+                          bucket.dp_group if bucket.dp > 1 else C.SINGLE).wait()
         updates = torch.zeros_like(full)
         owner = assign_matrices([s.numel for s in bucket.slots], bucket.dp)
         for s, rank in zip(bucket.slots, owner):

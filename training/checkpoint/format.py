@@ -23,6 +23,7 @@ import logging
 import os
 import re
 import shutil
+import dataclasses
 from dataclasses import asdict
 
 import torch

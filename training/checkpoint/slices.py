@@ -203,7 +203,13 @@ def check_read(folder: str, record: dict, need: Need, considered, tp: int, *, we
     tp rank) weights read; `states`: {(state, canonical, stage, tp rank): ranges read} when the
     states came from ZeRO shards. A file not holding what its record says is damage, refused;
     never zeros loaded."""
-    names, seen = {k[0] for k in states or ()}, set()
+    # the states each tensor has (Muon's momentum or Adam's moments, by its optimizer); every
+    # tensor has a master, so a file that lost a tensor's states altogether is still caught
+    names: dict[str, set] = {}
+    for state, canon, *_ in states or ():
+        names.setdefault(canon, set()).add(state)
+    always = {"master"} if any("master" in held for held in names.values()) else set()
+    seen = set()
     for _, co in considered:
         for canon, row in record["params"].items():
             if co.pp not in row[4] or row[3] or (canon, co.pp, co.tp) in seen:
@@ -220,7 +226,7 @@ def check_read(folder: str, record: dict, need: Need, considered, tp: int, *, we
                 raise ckpt.CheckpointError(f"{folder}: the weights of {canon} (stage {co.pp}, "
                                            f"tensor-parallel rank {co.tp}) are not where "
                                            f"meta.json's slices place them; it is damaged")
-            for state in names if shards else ():
+            for state in names.get(canon, set()) | always if shards else ():
                 missing = gap(wanted, states.get((state, canon, co.pp, co.tp), []))
                 if missing:
                     raise ckpt.CheckpointError(f"{folder}: optimizer state {state} of {canon} "

@@ -14,6 +14,7 @@ import sys
 
 from data.blended import check_blend
 from models.config import PRESETS, TransformerConfig, preset
+from models.family_rules import DENSE_FAMILIES, MOE_FAMILIES, problem
 from parallel.context_parallel import check_attention
 from parallel.layout import LayoutError, ParallelConfig, microbatches_per_step, virtual_stages
 from parallel.zero.config import PRECISIONS, LossScaleConfig, OptimizerConfig
@@ -302,16 +303,19 @@ def check_warmup(warmup: int, decay_iters: int | None, train_iters: int, lr: flo
 def _preset_with_flags(name: str, overrides: dict) -> TransformerConfig:
     """The preset with the flags applied. Flags that make the model another family than the
     preset's (--qk-layernorm on moe-tiny: a Qwen3-MoE) give it that family, logged; flags that
-    fit no family are refused in one line naming the field."""
+    fit no family are refused in one line naming the field (a field no family could take, e.g.
+    an out-of-range value, is refused by its own check)."""
     try:
         return preset(name, **overrides)
     except ValueError as refused:
         try:
             model = preset(name, **overrides, family=None)  # the family the fields make
-        except ValueError:
-            raise refused from None
-        if model.family is None:
-            raise refused from None
+        except ValueError as invalid:  # the fields are wrong whatever the family
+            raise invalid from None
+        if model.family is None:  # say why each family of its kind does not fit
+            order = MOE_FAMILIES if model.num_experts else DENSE_FAMILIES
+            raise ValueError(f"--model {name} with these flags fits no model family: "
+                             + "; ".join(problem(model, f) for f in order)) from refused
     logger.info("--model %s is family %r; with these flags the model is family %r",
                 name, PRESETS[name].get("family"), model.family)
     return model
