@@ -2,7 +2,7 @@
 
 1. Correctness on CUDA tensors, each against its reference:
    - GPT-2, BLOOM and Llama (no tensor parallelism) against Hugging Face transformers, fp32,
-     the same random weights (the CPU suite's cases: tests/test_hf_parity.py, test_llama_hf.py);
+     the same random weights (the CPU suite's cases: tests/models/test_hf_parity.py, test_llama_hf.py);
    - the fused LM head + cross-entropy against the unfused head and F.cross_entropy, fp32/bf16;
    - the SDPA paths: the device's fused kernels against SDPA's math path, causal and ALiBi, bf16;
    - each CUDA kernel of parallel/kernels against the same call on the CPU in fp32: attention
@@ -52,7 +52,7 @@ def check_hf_parity(dev) -> str:
     from parallel.sharding import load_full_state_dict
     from parallel.topology import ParallelTopology
     from tests.helpers import hf_llama, perturbed
-    from tests.test_hf_parity import CASES
+    from tests.models.test_hf_parity import CASES
     from models import llama
     topo = ParallelTopology.single(device=dev)
     cases = {name: (module, cls, lambda b=build: perturbed(b()))

@@ -1,7 +1,7 @@
 """Help text for the core training flags, and the formatter that shows each flag's default.
 
 Kept beside, not inside, `build_parser` so the flag list stays one screen; a flag defined with its
-own `help=` keeps it. tests/test_megatron_flags.py checks that every flag has help.
+own `help=` keeps it. tests/training/test_megatron_flags.py checks that every flag has help.
 """
 from __future__ import annotations
 

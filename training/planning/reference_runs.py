@@ -124,7 +124,7 @@ def _flags(text: str) -> tuple[str, ...]:
 
 
 def published_layouts() -> list[PublishedLayout]:
-    """Layouts rehearsed by the dry run (bench/bench_dry_run.py, tests/test_dry_run.py)."""
+    """Layouts rehearsed by the dry run (bench/bench_dry_run.py, tests/training/test_dry_run.py)."""
     megatron = ("--hidden-dropout 0.1 --attention-dropout 0.1 --max-position-embeddings 2048 "
                 "--seq-length 2048 --micro-batch-size 1 --recompute-granularity full ")
     return [

@@ -15,7 +15,7 @@ from tests.distributed import run_distributed
 from tests.helpers import TINY, hf_gpt2, pretrain_gpt
 from tests.tolerances import assert_curves_close
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TP2PP2 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
           "--zero-stage", "1"]
 TP4 = ["--tensor-model-parallel-size", "4"]

@@ -11,7 +11,7 @@ import pytest
 from data.chat import ChatRenderer, ChatTemplateError, SkipRecord
 from data.sft_dataset import SFTDataset, pack_greedily
 
-FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "gpt2")
+FIXTURE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "gpt2")
 # ChatML, once with the reply marked as generation and once without any mark.
 TAGGED = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['role'] == 'assistant' %}"
           "{% generation %}{{ m['content'] }}<|im_end|>{% endgeneration %}{% else %}"

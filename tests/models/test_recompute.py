@@ -3,7 +3,7 @@
 For each setting: the bytes autograd keeps for backward (the pipeline engine's counter), which
 layers run again inside backward and in what order, and gradients bit for bit equal to no
 recompute (dropout on: the RNG streams are replayed). The tensor-parallel variant (tp 2, SP) is
-in tests/test_tensor_parallel.py, ZeRO-3 with units of two layers in tests/test_zero.py.
+in tests/parallel/test_tensor_parallel.py, ZeRO-3 with units of two layers in tests/parallel/test_zero.py.
 """
 from __future__ import annotations
 

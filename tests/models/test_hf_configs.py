@@ -122,7 +122,7 @@ def test_released_config_files_are_accepted(tmp_path):
     import os
 
     from training.checkpoint.hf import read_hf_config
-    fixture = os.path.join(os.path.dirname(__file__), "fixtures", "released_hf_configs.json")
+    fixture = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "released_hf_configs.json")
     for name, entry in json.load(open(fixture)).items():
         (tmp_path / name).mkdir()
         (tmp_path / name / "config.json").write_text(json.dumps(entry["config"]))

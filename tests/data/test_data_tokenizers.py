@@ -10,7 +10,7 @@ import pytest
 from data.tokenizers import TokenizerError, build_tokenizer
 from tests.fixtures import GPT2, SENTENCEPIECE_MODELS as SP_MODELS
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 TEXTS = [
     "Hello world",

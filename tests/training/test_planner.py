@@ -309,7 +309,7 @@ def test_activation_memory_matches_what_autograd_saves():
 def test_plan_tool_ranks_and_breaks_down(capsys):
     import importlib.util
     import pathlib
-    path = pathlib.Path(__file__).resolve().parents[1] / "tools" / "plan.py"
+    path = pathlib.Path(__file__).resolve().parents[2] / "tools" / "plan.py"
     spec = importlib.util.spec_from_file_location("plan_tool", path)
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)

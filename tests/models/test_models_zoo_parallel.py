@@ -21,7 +21,7 @@ LAYOUTS = [dict(tp=2), dict(cp=4), dict(cp=2, cp_comm_type="a2a")]
 def _references() -> dict:
     """Per model: config, megazoo full tensors, transformers' logits, the unsharded loss and
     gradients (computed here, so the ranks need not import transformers)."""
-    from tests.test_models_zoo import LONGROPE, converted, hf_model
+    from tests.models.test_models_zoo import LONGROPE, converted, hf_model
     models = {
         "mistral": hf_model("MistralConfig", sliding_window=3, head_dim=12,
                             rope_parameters=dict(rope_type="default", rope_theta=1000.0)),

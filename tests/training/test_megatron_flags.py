@@ -144,7 +144,7 @@ def test_log_line_and_throughput_flag(caplog):
 def test_plan_ranks_only_layouts_the_trainer_accepts(capsys):
     import importlib.util
     import os
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "plan.py")
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "tools", "plan.py")
     spec = importlib.util.spec_from_file_location("plan_tool", path)
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)

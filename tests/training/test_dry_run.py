@@ -107,7 +107,7 @@ def test_gpu_check_refuses_without_cuda():
     import subprocess
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is present: bench/gpu_check.sh runs for real there")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     done = subprocess.run(["bash", os.path.join(root, "bench", "gpu_check.sh"), "--skip-step"],
                           capture_output=True, text=True, timeout=120, env=dict(os.environ,
                                                                                PYTHONPATH=root))

@@ -6,7 +6,7 @@ import shlex
 
 from training.config.flags import build_parser, to_run_config
 
-PLAN = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "plan.py")
+PLAN = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "tools", "plan.py")
 FILLED = {"DATA_PREFIX": "corpus_text_document", "TOKENIZER_FOLDER": "tokenizer",
           "TRAIN_ITERS": "100", "CHECKPOINTS": "ckpt", "MASTER_HOST:29500": "node0:29500"}
 

@@ -345,7 +345,7 @@ def test_megatron_unsafe_and_inconsistent_files_are_refused(megatron, tmp_path):
 
 def _tool(name):
     import importlib.util
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools",
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "tools",
                         f"{name}.py")
     spec = importlib.util.spec_from_file_location(f"tool_{name}", path)
     module = importlib.util.module_from_spec(spec)

@@ -30,7 +30,7 @@ from training.checkpoint.tokenizer import (check_run_tokenizer, read_record, sto
                                            tokenizer_dir)
 from training.config.run_config import CheckpointConfig, DataConfig
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 META = dict(consumed_samples=8, skipped_steps=0, model={"vocab_size": 8}, layout={"tp": 1})
 
 

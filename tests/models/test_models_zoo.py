@@ -7,7 +7,7 @@ factor sets), partial_rotary_factor with default RoPE, and the activation aliase
 gelu_fast: logits equal transformers' within 1e-5 at sequences shorter and longer than the
 window / the original length; HF -> megazoo -> HF tensors and configs round-trip exactly; greedy
 generation past the window equals `generate` with a KV cache bounded by the window; what is not
-modelled is refused in one line. The parallel cases are tests/test_models_zoo_parallel.py.
+modelled is refused in one line. The parallel cases are tests/models/test_models_zoo_parallel.py.
 """
 from __future__ import annotations
 

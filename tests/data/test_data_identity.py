@@ -3,7 +3,7 @@
 - A vocab.json + merges.txt folder whose tokenizer_config.json names a class that keeps its
   pre-tokenizer in tokenizer.json only (SmolLM2's PreTrainedTokenizerFast) is refused in one line,
   as transformers refuses it; the GPT-2-like and Qwen2 classes still build (their ids are checked
-  against transformers in tests/test_tokenizer_folders.py).
+  against transformers in tests/data/test_tokenizer_folders.py).
 - The tokenizer fingerprint is the same for one tokenizer built from tokenizer.json or from
   vocab.json + merges.txt, and differs for a vocabulary of the same size with two ids swapped.
 - A dataset re-tokenized to the same byte sizes gets a new content fingerprint: its stats are
@@ -26,7 +26,7 @@ from data.token_stats import read_stats, token_stats
 from data.tokenizers import TokenizerError, build_tokenizer
 from tests.fixtures import small_gpt2
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 SMALL = 300  # small_gpt2's <|endoftext|> id (its vocabulary holds SMALL + 1 tokens)

@@ -1,7 +1,7 @@
 """Qwen presets and training: each preset builds HF's parameter count (and the released
 checkpoints' where known), and train_qwen.py trains Qwen3 (q/k norm, head_dim 2x hidden/heads) and
 Qwen2 (QKV bias) with the same loss curve under dp, tp (with sequence parallelism) and pp.
-Conversion and parity with transformers: tests/test_hf_configs.py."""
+Conversion and parity with transformers: tests/models/test_hf_configs.py."""
 import dataclasses
 
 import pytest

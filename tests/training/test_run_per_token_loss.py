@@ -4,7 +4,7 @@ tokens of the whole global batch, not a mean of microbatch means.
 Reference: the unsharded model on the full global batch, sum of masked per-token losses / number
 of counted tokens, backward. Against it, fp32 rtol = atol = 1e-5: the loss and every gradient of
 forward_backward in one process with 3 uneven microbatches (the data- and context-parallel
-reductions, with uneven counts per rank, are checked by tests/test_parallel_packed_documents.py
+reductions, with uneven counts per rank, are checked by tests/parallel/test_parallel_packed_documents.py
 in its spawned world). The masks are chosen so that a mean of microbatch means differs from the
 global mean (checked).
 """
