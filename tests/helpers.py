@@ -500,3 +500,16 @@ def tokenizer_folders(tmp_path, kind: str, old_config: bool):
             for t in CHAT}
     (mini / "tokenizer_config.json").write_text(json.dumps(config))
     return str(full), str(mini), tok
+
+
+def hf_converted(hf, adapter, topo=None):
+    """(config, megazoo model in eval mode) holding a transformers model's weights, through the
+    family's HF adapter (`models.<family>`), vocabulary padded to a multiple of 8."""
+    from models.registry import build_model
+    from parallel.sharding import load_full_state_dict
+    from parallel.topology import ParallelTopology
+    cfg = adapter.config_from_hf(hf.config).replace(make_vocab_size_divisible_by=8)
+    topo = topo or ParallelTopology.single()
+    model = build_model(cfg, topo).eval()
+    load_full_state_dict(model, adapter.from_hf_state_dict(hf.state_dict(), cfg), topo)
+    return cfg, model

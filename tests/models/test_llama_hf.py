@@ -9,17 +9,13 @@ import torch
 from models import llama
 from models.blocks import KVCache
 from models.config import PRESETS, preset
-from parallel.sharding import gather_full_state_dict, load_full_state_dict
+from parallel.sharding import gather_full_state_dict
 from parallel.topology import ParallelTopology
-from tests.helpers import LLAMA3, VOCAB, hf_llama
+from tests.helpers import LLAMA3, VOCAB, hf_converted, hf_llama
 
 
 def converted(hf, topo=None):
-    cfg = llama.config_from_hf(hf.config).replace(make_vocab_size_divisible_by=8)
-    topo = topo or ParallelTopology.single()
-    model = llama.LlamaModel(cfg, topo).eval()
-    load_full_state_dict(model, llama.from_hf_state_dict(hf.state_dict(), cfg), topo)
-    return cfg, model
+    return hf_converted(hf, llama, topo)
 
 
 CASES = {  # name: hf_llama kwargs

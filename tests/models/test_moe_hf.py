@@ -19,7 +19,7 @@ from models.language_model import gather_logits
 from parallel.sharding import load_full_state_dict
 from parallel.topology import ParallelTopology
 from tests.distributed import run_distributed
-from tests.helpers import perturbed
+from tests.helpers import hf_converted, perturbed
 
 VOCAB, SEQ, BATCH = 101, 8, 4
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -46,11 +46,7 @@ def _batch():
 
 
 def converted(hf, topo=None):
-    cfg = mixtral.config_from_hf(hf.config).replace(make_vocab_size_divisible_by=8)
-    topo = topo or ParallelTopology.single()
-    model = mixtral.MixtralModel(cfg, topo).eval()
-    load_full_state_dict(model, mixtral.from_hf_state_dict(hf.state_dict(), cfg), topo)
-    return cfg, model
+    return hf_converted(hf, mixtral, topo)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
