@@ -91,11 +91,14 @@ def _args():
         model_type=ModelType.encoder_or_decoder, use_distributed_optimizer=False)
 
 
-def _save_legacy(root, model, opt, args, iteration=7):
+def _save_legacy(root, model, opt, args, iteration=7, optimizer_state=None):
+    """Megatron-LM's legacy file layout; `optimizer_state`: what Megatron's optimizer saved
+    (default: the torch optimizer's own state dict)."""
     path = os.path.join(root, f"iter_{iteration:07d}", "mp_rank_00", "model_optim_rng.pt")
     os.makedirs(os.path.dirname(path))
     torch.save({"args": args, "checkpoint_version": 3.0, "iteration": iteration,
-                "model": model.state_dict(), "optimizer": opt.state_dict(),
+                "model": model.state_dict(),
+                "optimizer": opt.state_dict() if optimizer_state is None else optimizer_state,
                 "opt_param_scheduler": {"max_lr": 1e-2, "min_lr": 0.0, "num_steps": 56,
                                         "lr_warmup_steps": 0, "lr_decay_steps": 100,
                                         "lr_decay_style": "cosine"},
@@ -250,10 +253,7 @@ def _save_distrib_optim(root, model, opt, bucket):
         optimizer = DistributedOptimizer.state_dict(Shim())
     args = _args()
     args.use_distributed_optimizer, args.overlap_grad_reduce, args.ddp_bucket_size = True, True, bucket
-    path = _save_legacy(root, model, opt, args)
-    sd = torch.load(path, weights_only=False)
-    sd["optimizer"] = optimizer
-    torch.save(sd, path)
+    path = _save_legacy(root, model, opt, args, optimizer_state=optimizer)
     torch.save(state, os.path.join(os.path.dirname(path), "distrib_optim.pt"))
 
 
@@ -283,7 +283,7 @@ def test_megatron_distributed_optimizer_state_is_read(megatron, tmp_path):
                for s in ("master", "exp_avg", "exp_avg_sq") for k in full.optim[s])
     # a flat buffer that does not match the model's parameters is refused, naming both counts
     optim_path = os.path.join(root, "iter_0000007", "mp_rank_00", "distrib_optim.pt")
-    saved = torch.load(optim_path, weights_only=False)
+    saved = torch.load(optim_path, weights_only=True)
     flat = next(iter(saved[0].values()))
     flat.update({k: flat[k][:-64] for k in ("param", "exp_avg", "exp_avg_sq")},
                 numel_unpadded=flat["numel_unpadded"] - 64)
@@ -566,12 +566,13 @@ def test_deepspeed_universal_checkpoint_resumes_with_its_moments(bloom, tmp_path
     zero = tmp_path / "ds_out" / "global_step12" / "zero"
     assert sorted(p.name for p in zero.iterdir() if p.is_dir()) == \
         sorted(p.name for p in (folder / "zero").iterdir())
-    emb = torch.load(zero / "tied_modules.embed.word_embeddings.weight" / "exp_avg.pt")
+    emb = torch.load(zero / "tied_modules.embed.word_embeddings.weight" / "exp_avg.pt", weights_only=True)
     assert emb["cat_dim"] == 0 and emb["vocab_tensor"] is True
     assert torch.equal(emb["param"], moments["transformer.word_embeddings.weight"][0])
-    dense = torch.load(zero / "4.self_attention.dense.weight" / "fp32.pt")
-    assert dense["cat_dim"] == 1 and "cat_dim" not in torch.load(zero / "3.input_layernorm.bias" / "fp32.pt")
-    assert int(torch.load(zero / "5.mlp.dense_h_to_4h.weight" / "step.pt")) == 5
+    dense = torch.load(zero / "4.self_attention.dense.weight" / "fp32.pt", weights_only=True)
+    norm = torch.load(zero / "3.input_layernorm.bias" / "fp32.pt", weights_only=True)
+    assert dense["cat_dim"] == 1 and "cat_dim" not in norm
+    assert int(torch.load(zero / "5.mlp.dense_h_to_4h.weight" / "step.pt", weights_only=True)) == 5
     back = read_full_state(import_checkpoint("deepspeed", str(tmp_path / "ds_out"),
                                              str(tmp_path / "mz_back")))
     assert set(back.weights) == set(full.weights) and back.meta["consumed_samples"] == 96
@@ -698,8 +699,9 @@ def test_megatron_moe_imports_at_expert_parallel_and_round_trips(megatron, tmp_p
     torch.testing.assert_close(_megazoo_logits(folder, megatron["ids"]), logits[..., :VOCAB],
                                **FP32)
     export_checkpoint("megatron", folder, str(tmp_path / "out"), tp=2, pp=2)
-    rank = torch.load(os.path.join(tmp_path, "out", "iter_0000003", "mp_rank_01_001",
-                                   "model_optim_rng.pt"), weights_only=False)
+    from training.checkpoint.foreign import safe_load
+    rank = safe_load.load(os.path.join(tmp_path, "out", "iter_0000003", "mp_rank_01_001",
+                                       "model_optim_rng.pt"))
     fc1 = model.decoder.layers[1].mlp.experts.local_experts[3].linear_fc1.weight.detach()
     gate, up = fc1.chunk(2)  # expert 3 of layer 1 on tp rank 1: [gate_1; up_1]
     assert torch.equal(rank["model"]["decoder.layers.0.mlp.experts.local_experts.3.linear_fc1.weight"],
