@@ -35,7 +35,8 @@ import torch  # noqa: E402
 
 from train_gpt import model_provider  # noqa: E402
 from training.checkpoint import format as ckpt  # noqa: E402
-from training.config.flags import build_parser, to_run_config  # noqa: E402
+from training.config.flags import to_run_config  # noqa: E402
+from training.config.parser import build_parser  # noqa: E402
 from training.run.trainer import Trainer  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "bench", "results")

@@ -36,7 +36,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from models.config import TransformerConfig, preset  # noqa: E402
+from models.config import TransformerConfig  # noqa: E402
+from models.presets import preset  # noqa: E402
 from tests.distributed import run_distributed  # noqa: E402
 from training.planning.planner import Layout, memory_per_gpu  # noqa: E402
 

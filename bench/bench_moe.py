@@ -165,7 +165,7 @@ def run_rounds(variants: dict, rounds: int) -> dict:
 # ---- ep: all-to-all vs dense data parallelism -------------------------------------------------
 def _ep_worker(rank, a, kind, steps):
     torch.set_num_threads(1)
-    from models.config import preset
+    from models.presets import preset
     from models.registry import build_model
     base = dict(vocab_size=a.vocab, hidden_size=a.hidden, num_layers=a.layers,
                 num_attention_heads=a.heads, num_query_groups=a.heads // 4,

@@ -265,7 +265,7 @@ def check_generation(dev) -> str:
 
 def train_step(dev, compile_layers: bool, micro_batch: int, steps: int, model_name="gpt-1.3b",
                seq: int = 2048, peak_flops: float | None = None) -> dict:
-    from models.config import preset
+    from models.presets import preset
     from models.gpt import GPTModel
     from parallel.topology import ParallelTopology
     from parallel.zero import OptimizerConfig, build_optimizer

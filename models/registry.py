@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from types import ModuleType
 
 from . import bloom, deepseek_v3, gpt, llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe
-from .config import PRESETS, TransformerConfig
+from .config import TransformerConfig
+from .presets import PRESETS
 from .family_rules import SHAPES
 from .language_model import TransformerLanguageModel
 

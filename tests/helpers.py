@@ -47,7 +47,8 @@ TINY = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4"
 
 def pretrain_gpt(argv, world):
     from train_gpt import model_provider
-    from training.config.flags import build_parser, to_run_config
+    from training.config.flags import to_run_config
+    from training.config.parser import build_parser
     from training.run.loop import pretrain
     run = to_run_config(build_parser().parse_args(argv), world_size=world)
     return pretrain(model_provider, run)

@@ -28,7 +28,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from models.registry import FAMILIES, build_model  # noqa: E402
 from parallel.layout import Grid  # noqa: E402
-from training.config.flags import ArgumentError, build_parser, to_run_config  # noqa: E402
+from training.config.flags import ArgumentError, to_run_config  # noqa: E402
+from training.config.parser import build_parser  # noqa: E402
 from training.run.dry_run import RankReport, dry_run_rank, safetensors_bytes  # noqa: E402,F401
 
 def model_provider(run, arch: str | None = None):

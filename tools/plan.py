@@ -31,10 +31,12 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from models.config import PRESETS, TransformerConfig, preset  # noqa: E402
+from models.config import TransformerConfig  # noqa: E402
+from models.presets import PRESETS, preset  # noqa: E402
 from training.planning.planner import (MATMUL_EFFICIENCY, Cluster, Layout, PlanError, plan,  # noqa: E402
                               rank_layouts)
-from training.config.flags import build_parser, to_run_config  # noqa: E402
+from training.config.flags import to_run_config  # noqa: E402
+from training.config.parser import build_parser  # noqa: E402
 from training.planning.reference_runs import CLUSTERS, GiB, published_runs  # noqa: E402
 
 

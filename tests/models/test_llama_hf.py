@@ -8,7 +8,7 @@ import torch
 
 from models import llama
 from models.blocks import KVCache
-from models.config import PRESETS, preset
+from models.presets import PRESETS, preset
 from parallel.sharding import gather_full_state_dict
 from parallel.topology import ParallelTopology
 from tests.helpers import LLAMA3, VOCAB, hf_converted, hf_llama

@@ -422,7 +422,7 @@ def test_deepseek_v3_refuses_what_it_does_not_model_in_one_line(field, value, ma
 
 
 def test_presets_count_what_they_build_and_deepseek_v3_is_671b():
-    from models.config import preset
+    from models.presets import preset
     from models import deepseek_v3
     tiny = preset("deepseek-v3-tiny", vocab_size=1024)
     model = TransformerLanguageModel(tiny.replace(make_vocab_size_divisible_by=1), ParallelTopology.single())

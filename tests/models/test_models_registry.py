@@ -18,7 +18,7 @@ import shutil
 import pytest
 import torch
 
-from models.config import preset
+from models.presets import preset
 from models.language_model import gather_logits
 from models.registry import FAMILIES
 from parallel.topology import ParallelTopology
@@ -53,7 +53,8 @@ def _no_run_report(monkeypatch):
 def _train(family: str, flags: list[str]):
     """A train_*.py run of `family` in this process: its default preset, then the flags."""
     from models.registry import build_model, family as entry
-    from training.config.flags import build_parser, to_run_config
+    from training.config.flags import to_run_config
+    from training.config.parser import build_parser
     from training.run.entry import check_script_family
     from training.run.loop import pretrain
     run = to_run_config(build_parser(entry(family).default_preset).parse_args(flags + TRAIN),
@@ -155,7 +156,7 @@ def test_families_refuse_what_they_cannot_compute(tmp_path):
     from training.config.errors import ArgumentError
     from training.checkpoint.hf import ConversionError, check_complete
     from training.run.entry import check_script_family
-    from models.config import PRESETS
+    from models.presets import PRESETS
     assert sum(len(f.presets) for f in FAMILIES.values()) == len(PRESETS)  # each names one
     assert all(f.default_preset in f.presets for f in FAMILIES.values() if f.default_preset)
     with pytest.raises(ValueError, match="family 'llama' is dense: num_experts=4"):
@@ -164,7 +165,8 @@ def test_families_refuse_what_they_cannot_compute(tmp_path):
         preset("qwen3-tiny", qk_layernorm=False)
     with pytest.raises(ValueError, match="family 'mixtral' is a mixture of experts"):
         preset("moe-tiny", num_experts=None)
-    from training.config.flags import build_parser, to_run_config
+    from training.config.flags import to_run_config
+    from training.config.parser import build_parser
     for extra, family in (([], "mixtral"), (["--qk-layernorm"], "qwen3_moe"),
                           (["--add-qkv-bias"], "qwen2_moe")):  # flags that make another family
         args = build_parser("moe-tiny").parse_args(["--mock-data", "--train-iters", "1", *extra])

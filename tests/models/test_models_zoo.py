@@ -187,7 +187,7 @@ def test_what_is_not_modelled_is_refused_in_one_line(kind, fields, words):
 
 
 def test_families_without_windows_refuse_one_and_presets_build():
-    from models.config import preset
+    from models.presets import preset
     with pytest.raises(ValueError, match="sliding_window"):
         preset("smollm2-135m", sliding_window=8)  # HF Llama has no window
     from transformers import MistralForCausalLM

@@ -191,7 +191,8 @@ def test_bf16_experts_pad_groups_to_repeating_shapes(bias):
 
 
 def test_megatron_flags_map_onto_the_config():
-    from training.config.flags import ArgumentError, build_parser, to_run_config
+    from training.config.flags import ArgumentError, to_run_config
+    from training.config.parser import build_parser
     argv = ["--model", "moe-tiny", "--num-experts", "4", "--moe-router-topk", "1",
             "--moe-ffn-hidden-size", "64", "--moe-aux-loss-coeff", "0.02", "--moe-z-loss-coeff",
             "0.003", "--moe-expert-capacity-factor", "1.25", "--moe-router-pre-softmax",

@@ -164,7 +164,7 @@ def test_presets_build_the_hf_shapes(name):
     (on meta); Mixtral-8x7B's is the published 46.7B total, 12.9B active."""
     from transformers import MixtralForCausalLM
 
-    from models.config import preset
+    from models.presets import preset
     cfg = preset(name, moe_z_loss_coeff=0.0)
     with torch.device("meta"):
         hf = MixtralForCausalLM(mixtral.hf_config(cfg))

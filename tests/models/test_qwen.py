@@ -7,9 +7,10 @@ import dataclasses
 import pytest
 import torch
 
-from models.config import PRESETS, preset
+from models.presets import PRESETS, preset
 from tests.distributed import run_distributed
-from training.config.flags import build_parser, to_run_config
+from training.config.flags import to_run_config
+from training.config.parser import build_parser
 
 QWEN_PRESETS = [n for n, p in PRESETS.items() if p.get("add_qkv_bias") or p.get("qk_layernorm")]
 PUBLISHED = {"qwen2-0.5b": 494_032_768, "qwen2.5-0.5b": 494_032_768, "qwen3-0.6b": 596_049_920}

@@ -164,7 +164,7 @@ def test_released_configs_and_presets_match_hf_shapes(name, tmp_path):
     Qwen3-30B-A3B 30.53B / 3.35B (published: 14.3B / 2.7B and 30.5B / 3.3B)."""
     from transformers import AutoModelForCausalLM
 
-    from models.config import preset
+    from models.presets import preset
     from training.checkpoint.hf import read_hf_config
     (tmp_path / "config.json").write_text(json.dumps(RELEASED[name]))
     _, module, hf = read_hf_config(str(tmp_path))

@@ -16,7 +16,8 @@ from parallel.pipeline.engine import PipelineStats, run_pipeline
 from parallel.pipeline.schedules import build_schedule
 from parallel.random import model_parallel_seed
 from parallel.topology import ParallelTopology
-from training.config.flags import build_parser, to_run_config
+from training.config.flags import to_run_config
+from training.config.parser import build_parser
 
 B, S, H, HEADS, LAYERS = 2, 32, 32, 4, 4
 FULL = dict(recompute_granularity="full")

@@ -278,7 +278,8 @@ def test_chunks_positions_and_refusals():
                                                                num_query_groups=4)
     with pytest.raises(LayoutError, match="--cp-comm-type 'ring'"):
         ParallelConfig(cp=2, cp_comm_type="ring").validate(4)
-    from training.config.flags import ArgumentError, build_parser, to_run_config
+    from training.config.flags import ArgumentError, to_run_config
+    from training.config.parser import build_parser
     flags = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
              "--seq-length", "16", "--max-position-embeddings", "16", "--vocab-size", "64",
              "--train-iters", "1", "--mock-data", "--context-parallel-size", "2"]
@@ -291,7 +292,7 @@ def test_chunks_positions_and_refusals():
 
 
 def test_planner_models_context_parallelism():
-    from models.config import preset
+    from models.presets import preset
     from training.planning.planner import Cluster, Layout, PlanError, check_layout, memory_per_gpu, step_time
     cfg = preset("llama3-8b")
     base = dict(tp=8, sequence_parallel=True, recompute="full", zero=1, seq_length=131072,

@@ -199,7 +199,8 @@ TRAINER = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", 
 
 def _pretrain(*extra):
     from train_gpt import model_provider
-    from training.config.flags import build_parser, to_run_config
+    from training.config.flags import to_run_config
+    from training.config.parser import build_parser
     from training.run.loop import pretrain
     return pretrain(model_provider, to_run_config(build_parser().parse_args(TRAINER + list(extra)),
                                                   world_size=2))
@@ -261,7 +262,8 @@ def test_muon_layouts_match_reference_resume_and_reshard(tmp_path):
 
 def test_muon_flags_map_and_refuse():
     import pytest
-    from training.config.flags import ArgumentError, build_parser, to_run_config
+    from training.config.flags import ArgumentError, to_run_config
+    from training.config.parser import build_parser
     base = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
             "--seq-length", "16", "--max-position-embeddings", "16", "--mock-data",
             "--vocab-size", "61", "--micro-batch-size", "2", "--train-iters", "4"]

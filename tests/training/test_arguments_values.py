@@ -3,7 +3,8 @@
 import pytest
 
 from tests.helpers import TINY, pretrain_gpt
-from training.config.flags import ArgumentError, build_parser, to_run_config
+from training.config.flags import ArgumentError, to_run_config
+from training.config.parser import build_parser
 
 
 @pytest.mark.parametrize("extra, match", [

@@ -124,7 +124,8 @@ def test_a_failed_background_write_keeps_the_previous_checkpoint(tmp_path, monke
 
 def _pretrain(argv, world: int = 1):
     from train_gpt import model_provider
-    from training.config.flags import build_parser, to_run_config
+    from training.config.flags import to_run_config
+    from training.config.parser import build_parser
     from training.run.loop import pretrain
     return pretrain(model_provider, to_run_config(build_parser().parse_args(TINY + argv),
                                                   world_size=world))
@@ -264,7 +265,8 @@ def test_two_ranks_wait_for_the_slowest_stop_on_any_failed_write_and_match_sync(
 
 def test_async_save_without_save_is_refused_in_one_line():
     from training.config.errors import ArgumentError
-    from training.config.flags import build_parser, to_run_config
+    from training.config.flags import to_run_config
+    from training.config.parser import build_parser
     argv = TINY[:-2] + ["--async-save"]  # without --save-interval 2
     with pytest.raises(ArgumentError, match=r"^--async-save writes the checkpoints of --save in the "
                                             r"background; give --save DIR$"):

@@ -598,7 +598,8 @@ def test_megatron_resume_next_loss_equals_megatron_next_loss(megatron):
     from parallel.topology import ParallelTopology
     from parallel.zero.optimizer import build_optimizer
     from training.checkpoint.resume import load
-    from training.config.flags import build_parser, to_run_config
+    from training.config.flags import to_run_config
+    from training.config.parser import build_parser
     from training.run.loop import build_chunks
     from training.checkpoint.foreign.convert import import_checkpoint
     save = str(megatron["tmp"].mktemp("mz_resume"))

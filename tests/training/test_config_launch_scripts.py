@@ -13,7 +13,8 @@ import pytest
 
 from data.gpt_dataset import parse_split
 from tests.distributed import run_distributed
-from training.config.flags import ArgumentError, build_parser, to_run_config
+from training.config.flags import ArgumentError, to_run_config
+from training.config.parser import build_parser
 
 
 def gpt3_175b():

@@ -149,7 +149,8 @@ def test_import_export_logits_and_generation(tmp_path, capsys):
 
 def test_bad_inputs_give_one_line_errors(tmp_path, capsys):
     from tests.helpers import TINY, hf_gpt2
-    from training.config.flags import build_parser, to_run_config
+    from training.config.flags import to_run_config
+    from training.config.parser import build_parser
     from training.checkpoint.format import CheckpointError, latest_checkpoint, read_meta
     from training.checkpoint.hf import ConversionError, import_hf, read_hf_weights
     from training.run.loop import build_chunks

@@ -3,7 +3,8 @@
 (tp = 2 replicates the KV head; ZeRO-1) give the same loss curve."""
 from tests.distributed import run_distributed
 from tests.tolerances import assert_curves_close
-from training.config.flags import build_parser, to_run_config
+from training.config.flags import to_run_config
+from training.config.parser import build_parser
 
 TINY = ["--model", "smollm2-135m", "--num-layers", "2", "--hidden-size", "48",
         "--num-attention-heads", "6", "--ffn-hidden-size", "64", "--seq-length", "16",

@@ -8,7 +8,10 @@ import torch
 
 from tests.distributed import run_distributed
 from tests.helpers import TINY, pretrain_gpt
-from training.config.flags import ArgumentError, build_parser, to_run_config
+from training.config.flags import ArgumentError, to_run_config
+
+# Megatron-LM's examples/pretrain_gpt.sh (GPT-2 345M), plus the flags of its distributed launch.
+from training.config.parser import build_parser
 
 # Megatron-LM's examples/pretrain_gpt.sh (GPT-2 345M), plus the flags of its distributed launch.
 MEGATRON_345M = """--num-layers 24 --hidden-size 1024 --num-attention-heads 16 --seq-length 1024
@@ -148,7 +151,7 @@ def test_plan_ranks_only_layouts_the_trainer_accepts(capsys):
     spec = importlib.util.spec_from_file_location("plan_tool", path)
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
-    from models.config import preset
+    from models.presets import preset
     from training.planning.planner import Layout, rank_layouts
     from training.planning.reference_runs import CLUSTERS
     cfg, cluster = preset("gpt-1.3b"), CLUSTERS["dgx-a100-80gb"].replace(num_gpus=8)
@@ -164,7 +167,8 @@ def test_plan_ranks_only_layouts_the_trainer_accepts(capsys):
 
 
 def test_qwen_shape_flags_map_onto_the_config():
-    from training.config.flags import build_parser, to_run_config
+    from training.config.flags import to_run_config
+    from training.config.parser import build_parser
     argv = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--vocab-size",
             "128", "--seq-length", "16", "--max-position-embeddings", "16", "--train-iters", "1",
             "--mock-data", "--kv-channels", "32", "--add-qkv-bias", "--qk-layernorm",

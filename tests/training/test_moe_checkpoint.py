@@ -21,7 +21,8 @@ TINY_MOE = ["--model", "moe-tiny", "--num-layers", "2", "--hidden-size", "32",
 
 def _pretrain(argv, world=4):
     from train_moe import model_provider
-    from training.config.flags import build_parser, to_run_config
+    from training.config.flags import to_run_config
+    from training.config.parser import build_parser
     from training.run.loop import pretrain
     run = to_run_config(build_parser("moe-tiny").parse_args(argv), world_size=world)
     return pretrain(model_provider, run)

@@ -6,7 +6,8 @@ import math
 
 import pytest
 
-from models.config import TransformerConfig, preset
+from models.config import TransformerConfig
+from models.presets import preset
 from tests.distributed import run_distributed
 from training.planning.planner import (MATMUL_EFFICIENCY, Layout, PlanError, activation_bytes, candidate_layouts,
                               check_layout, layer_activation_bytes, memory_per_gpu,

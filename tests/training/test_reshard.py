@@ -24,7 +24,8 @@ DP2 = ["--zero-stage", "2"]
 
 def _pretrain_bloom(argv, world):
     from train_bloom import model_provider
-    from training.config.flags import build_parser, to_run_config
+    from training.config.flags import to_run_config
+    from training.config.parser import build_parser
     from training.run.loop import pretrain
     run = to_run_config(build_parser("bloom-560m").parse_args(argv), world_size=world)
     return pretrain(model_provider, run)

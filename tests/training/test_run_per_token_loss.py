@@ -102,7 +102,8 @@ def test_batches_carry_the_assistant_mask_and_documents():
 
 def test_sft_and_document_flags_are_checked():
     import pytest
-    from training.config.flags import ArgumentError, build_parser, to_run_config
+    from training.config.flags import ArgumentError, to_run_config
+    from training.config.parser import build_parser
     tiny = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
             "--max-position-embeddings", "16", "--vocab-size", "61", "--micro-batch-size", "1",
             "--global-batch-size", "2", "--train-iters", "1"]

@@ -3,7 +3,8 @@ before the error reaches the caller, which never got a trainer to close."""
 import pytest
 
 from training.checkpoint.storage import SaveLock
-from training.config.flags import build_parser, to_run_config
+from training.config.flags import to_run_config
+from training.config.parser import build_parser
 
 TINY = ["--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "2",
         "--seq-length", "8", "--max-position-embeddings", "8", "--mock-data", "--vocab-size", "31",

@@ -5,7 +5,8 @@ import os
 import signal
 
 import training.run.step as step
-from training.config.flags import build_parser, to_run_config
+from training.config.flags import to_run_config
+from training.config.parser import build_parser
 
 TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
         "--seq-length", "16", "--max-position-embeddings", "16", "--mock-data", "--vocab-size", "61",

@@ -9,7 +9,8 @@ import pytest
 
 from tests.distributed import free_port, run_distributed
 from tests.tolerances import assert_curves_close
-from training.config.flags import ArgumentError, build_parser, to_run_config
+from training.config.flags import ArgumentError, to_run_config
+from training.config.parser import build_parser
 from tests.helpers import REPO, TINY, pretrain_gpt
 
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from models.config import TransformerConfig, preset
+from models.config import TransformerConfig
+from models.presets import preset
 
 from training.planning.planner import Cluster, Layout
 

@@ -21,7 +21,8 @@ from models.registry import build_model, family
 from parallel import collectives as C
 from parallel.topology import LayoutError
 
-from training.config.flags import ArgumentError, build_parser, to_run_config
+from training.config.flags import ArgumentError, to_run_config
+from training.config.parser import build_parser
 from training.checkpoint.tokenizer import check_run_tokenizer
 from training.checkpoint.format import CheckpointError
 from training.resilience.health import RunHalted
