@@ -2,7 +2,7 @@
 balanced routing) and the planner's parameter terms for them (training/planning/parameters.py).
 
 * Mixtral-, Qwen2-MoE- and DeepSeek-V3-shaped layouts (TP + SP, EP, PP, an uneven split, ZeRO-1,
-  full recompute) step on meta tensors: each rank's model states are the planner's to the byte,
+  full recompute, an expert capacity) step on meta tensors: each rank's model states are the planner's to the byte,
   its activations within the dry-run tests' 5% of the planner's, its schedule at its bound.
 * DeepSeek-V3 671B at its published layout (pp16, ep64, ZeRO-1 dp128 on 2048 ranks): the first
   rank (3 dense layers + 1 MoE) stepped and checked the same way.
@@ -26,9 +26,11 @@ QWEN2_MOE = ["--model", "qwen2-moe-a2.7b", "--num-layers", "4", "--hidden-size",
              "--moe-ffn-hidden-size", "32", "--moe-shared-expert-intermediate-size", "64",
              "--vocab-size", "1000", "--max-position-embeddings", "256"]
 CASES = {  # name: (world, flags)
-    "mixtral tp2 sp pp2 ep2": (8, ["--model", "moe-tiny", "--tensor-model-parallel-size", "2",
-                                   "--sequence-parallel", "--pipeline-model-parallel-size", "2",
-                                   "--expert-model-parallel-size", "2", "--zero-stage", "1"]),
+    "mixtral tp2 sp pp2 ep2 capacity": (8, ["--model", "moe-tiny", "--tensor-model-parallel-size",
+                                            "2", "--sequence-parallel",
+                                            "--pipeline-model-parallel-size", "2",
+                                            "--expert-model-parallel-size", "2", "--zero-stage",
+                                            "1", "--moe-expert-capacity-factor", "1.0"]),
     "qwen2-moe ep4 full recompute": (8, QWEN2_MOE + ["--expert-model-parallel-size", "4",
                                                      "--zero-stage", "1",
                                                      "--recompute-granularity", "full"]),

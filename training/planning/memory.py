@@ -14,7 +14,8 @@ large untied/copied head and fewer activations):
   ZeRO shards their states over the expert-data-parallel group, N = dp x cp / ep ranks, as the
   optimizer's expert buckets do (parallel/zero/optimizer.py); the rest over dp x cp.
 * activations per layer and microbatch: Korthikanti et al. 2022's per-tensor count, redone for
-  what megazoo saves (`layer_activation_bytes`), for each rank's layers of the trainer's partition
+  what megazoo saves (`layer_activation_bytes`; multi-latent attention's own terms; dense and
+  MoE layers each as they are), for each rank's layers of the trainer's partition
   and the (microbatch, chunk) pairs its schedule keeps alive (`activation_bound`: under 1F1B
   min(pp, m) microbatches on the first stage, L*(1 + (p-1)/(p*v)) layer-microbatches interleaved); the
   last stage adds what the fused LM head saves, mainly the gradient of the logits, s*b*V/t.
