@@ -3,6 +3,7 @@ sizes, and how group construction and a one-rank dry run scale with the world si
 
     python bench/bench_dry_run.py            # the table in docs/planner.md, bench/results/dry_run.json
     python bench/bench_dry_run.py --table    # the tables again, from the JSON
+    python bench/bench_dry_run.py --only DeepSeek-V3   # one layout's rows redone in the JSON
 
 Per layout: the first, a middle and the last rank with one training step's schedule, and one rank
 per pipeline stage (built, not stepped) for the distinct parameter count.
@@ -101,7 +102,21 @@ def table(results: list[dict]) -> str:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--table", action="store_true", help="print the tables from the JSON only")
-    if not p.parse_args(argv).table:
+    p.add_argument("--only", metavar="NAME", help="dry-run this published layout alone and "
+                                                   "replace (or add) its rows in the JSON")
+    args = p.parse_args(argv)
+    if args.only:
+        layouts = {x.name: x for x in published_layouts()}
+        if args.only not in layouts:
+            p.error(f"--only: {args.only!r} is not a published layout; choose one of "
+                    f"{sorted(layouts)}")
+        with open(OUT) as f:
+            saved = json.load(f)
+        row = run_layout(layouts[args.only])
+        saved["layouts"] = [r for r in saved["layouts"] if r["name"] != args.only] + [row]
+        with open(OUT, "w") as f:
+            json.dump(saved, f, indent=1)
+    elif not args.table:
         results = [run_layout(layout) for layout in published_layouts()]
         scale = scaling()
         os.makedirs(os.path.dirname(OUT), exist_ok=True)

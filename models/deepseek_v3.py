@@ -9,8 +9,10 @@ the expert bias as the buffer `e_score_correction_bias`; megazoo as the frozen `
 updated in training (`--moe-router-bias-update-rate`). HF's config records no aux-loss
 coefficient: imported models train without one unless the flags add it. The multi-token
 prediction layers (`num_nextn_predict_layers`) are not modelled: transformers skips their weights
-too, and megazoo says so at import. Not modelled, refused: RoPE scaling (YaRN), attention biases,
-`rms_norm_eps` other than the latent norms' fixed 1e-6.
+too, and megazoo says so at import. RoPE scaling (the released configs' YaRN, with its
+`mscale_all_dim` softmax correction) is modelled by models/mla.py. Not modelled, refused: the
+length-dependent scalings (dynamic, longrope), attention biases, `rms_norm_eps` other than the
+latent norms' fixed 1e-6.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from .config import TransformerConfig
 from .hf_fields import check_fields, refuse
 from .language_model import TransformerLanguageModel
 from .qwen2_moe import stacked_experts
+from .rope import rope_type
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +44,9 @@ MAPPED = frozenset({
 # output_router_logits only adds outputs; pretraining_tp is not used by the modelling code
 IGNORED = frozenset({"output_router_logits", "pretraining_tp", "num_nextn_predict_layers"})
 LATENT_NORM_EPS = 1e-6  # transformers' q_a_layernorm / kv_a_layernorm take the default eps
+# RoPE scalings multi-latent attention models (models/mla.py: not the length-dependent ones);
+# a partial_rotary_factor record (rope_type default) has no meaning for MLA's rope channels
+SCALINGS = ("yarn", "linear", "llama3")
 
 
 class DeepseekV3Model(TransformerLanguageModel):
@@ -56,8 +62,10 @@ def config_from_hf(hf) -> TransformerConfig:
     """A TransformerConfig from a `transformers.DeepseekV3Config` (every field checked)."""
     check_fields(hf, FAMILY, MAPPED, IGNORED)
     theta, scaling = llama.rope_from_hf(hf, FAMILY)
-    checks = (("rope_parameters", scaling, None, "rope_type 'default' (YaRN for MLA is not modelled)"),
-              ("hidden_act", hf.hidden_act, "silu", "'silu'"),
+    if scaling is not None and rope_type(scaling) not in SCALINGS:
+        raise refuse(FAMILY, "rope_parameters.rope_type", rope_type(scaling),
+                     f"'default' or one of {list(SCALINGS)} (no partial_rotary_factor)")
+    checks = (("hidden_act", hf.hidden_act, "silu", "'silu'"),
               ("rms_norm_eps", hf.rms_norm_eps, LATENT_NORM_EPS, LATENT_NORM_EPS),
               ("num_key_value_heads", hf.num_key_value_heads, hf.num_attention_heads,
                "num_attention_heads (MLA has no key/value groups)"))
@@ -75,7 +83,8 @@ def config_from_hf(hf) -> TransformerConfig:
         vocab_size=hf.vocab_size, hidden_size=hf.hidden_size, num_layers=hf.num_hidden_layers,
         num_attention_heads=hf.num_attention_heads, ffn_hidden_size=hf.intermediate_size,
         max_position_embeddings=hf.max_position_embeddings, position_embedding="rope",
-        rope_theta=theta, normalization="rmsnorm", layernorm_epsilon=hf.rms_norm_eps,
+        rope_theta=theta, rope_scaling=scaling, normalization="rmsnorm",
+        layernorm_epsilon=hf.rms_norm_eps,
         activation="swiglu", bias=False, tie_word_embeddings=bool(hf.tie_word_embeddings),
         hidden_dropout=0.0, attention_dropout=float(hf.attention_dropout or 0.0),
         init_method_std=hf.initializer_range,
@@ -92,6 +101,13 @@ def config_from_hf(hf) -> TransformerConfig:
         moe_norm_topk_prob=bool(hf.norm_topk_prob), moe_first_dense_layers=hf.first_k_dense_replace)
 
 
+def _rope_parameters(config: TransformerConfig) -> dict:
+    """HF's rope_parameters: rope_theta and the scaling's fields as they were imported."""
+    rope = {"rope_type": "default", **(config.rope_scaling or {}), "rope_theta": config.rope_theta}
+    rope.pop("type", None)
+    return rope
+
+
 def hf_config(config: TransformerConfig, **extra):
     """The `transformers.DeepseekV3Config` of a megazoo DeepSeek-V3 configuration (for export)."""
     from transformers import DeepseekV3Config
@@ -106,7 +122,9 @@ def hf_config(config: TransformerConfig, **extra):
          (config.moe_shared_expert_intermediate_size or 0) % config.moe_ffn_hidden_size
          or not config.moe_shared_expert_intermediate_size),
         (f"layernorm_epsilon other than {LATENT_NORM_EPS}", config.layernorm_epsilon != LATENT_NORM_EPS),
-        ("rope_scaling", config.rope_scaling is not None)) if bad]
+        ("rope_scaling type " + rope_type(config.rope_scaling),
+         config.rope_scaling is not None and rope_type(config.rope_scaling) not in SCALINGS))
+        if bad]
     if problems:
         raise ValueError(f"HF {FAMILY} cannot express {', '.join(problems)}; export another family")
     for flag, value in (("--moe-aux-loss-coeff", config.moe_aux_loss_coeff),
@@ -131,7 +149,7 @@ def hf_config(config: TransformerConfig, **extra):
         hidden_act="silu", max_position_embeddings=config.max_position_embeddings,
         initializer_range=config.init_method_std, rms_norm_eps=config.layernorm_epsilon,
         tie_word_embeddings=config.tie_word_embeddings,
-        rope_parameters={"rope_theta": config.rope_theta, "rope_type": "default"},
+        rope_parameters=_rope_parameters(config),
         rope_interleave=config.rope_interleave, attention_bias=False,
         attention_dropout=config.attention_dropout, num_nextn_predict_layers=0,
         **{"architectures": ["DeepseekV3ForCausalLM"], **extra})

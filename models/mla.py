@@ -4,7 +4,7 @@
     kv  = kv_down x = [latent (kv_lora_rank) | k_pe (qk_rope_head_dim)]
     k, v = kv_up(norm(latent))                                                   [heads, nope], [heads, v]
     keys = [k | rope(k_pe) shared by every head], queries = [q_nope | rope(q_pe)]
-    out = dense(softmax(q k^T / sqrt(nope + rope) + causal) v)
+    out = dense(softmax(q k^T m / sqrt(nope + rope) + causal) v)
 
 Tensor parallelism splits the heads: `q_up` / `q_proj` and `kv_up` are column-parallel, `dense`
 row-parallel; the down-projections and the latent norms are replicated. Under sequence
@@ -17,7 +17,11 @@ RoPE rotates the decoupled `qk_rope_head_dim` channels only, in DeepSeek's inter
 (channels 2i, 2i+1 by frequency i: transformers' `rope_interleave`, the layout of the released
 weights), or HF's halves layout when `rope_interleave` is off. The latent norms use
 `layernorm_epsilon`. q/k head dim differs from v's: the attention kernel takes that as it is
-(`parallel/kernels/attention.py`). Not modelled, refused: context parallelism, RoPE scaling.
+(`parallel/kernels/attention.py`). RoPE scaling as transformers' DeepSeek-V3: the scaled
+frequencies over the rope channels, cos/sin times the type's attention factor, and the softmax
+times m = mscale(factor, mscale_all_dim)^2 when YaRN sets mscale_all_dim (1 else;
+models/rope.py). Not modelled, refused: context parallelism, the length-dependent scalings
+(dynamic, longrope).
 """
 from __future__ import annotations
 
@@ -37,21 +41,29 @@ from parallel.topology import ParallelTopology
 from .config import TransformerConfig
 from .init import Initializer
 from .norms import RMSNorm
-from .rope import inverse_frequencies, rotate_half
+from .rope import attention_factor, inverse_frequencies, latent_softmax_scale, rope_type, rotate_half
+
+# RoPE scalings whose frequencies depend on the sequence's length: not modelled for MLA
+_LENGTH_DEPENDENT = ("dynamic", "longrope")
 
 
 class LatentRotary(nn.Module):
-    """RoPE over the decoupled channels [..., qk_rope_head_dim] of queries and the shared key."""
+    """RoPE over the decoupled channels [..., qk_rope_head_dim] of queries and the shared key,
+    with the config's scaling (YaRN: its frequencies over these channels, cos and sin times its
+    attention factor, as transformers' DeepSeek-V3 rotary embedding)."""
 
     def __init__(self, config: TransformerConfig, device=None):
         super().__init__()
         self.interleaved = config.rope_interleave
-        inv_freq = inverse_frequencies(config.qk_rope_head_dim, config.rope_theta)
+        scaling, positions = config.rope_scaling, config.max_position_embeddings
+        inv_freq = inverse_frequencies(config.qk_rope_head_dim, config.rope_theta, scaling, positions)
+        self.factor = attention_factor(scaling, positions)
         self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         freqs = positions.to(self.inv_freq.device).float()[:, None] * self.inv_freq[None, :]
-        cos, sin = freqs.cos().to(x.dtype), freqs.sin().to(x.dtype)  # [s, d/2], fp32 like HF
+        # [s, d/2], fp32 like HF, the factor applied before the cast as HF does
+        cos, sin = (freqs.cos() * self.factor).to(x.dtype), (freqs.sin() * self.factor).to(x.dtype)
         if self.interleaved:  # pairs (2i, 2i+1) -> halves [first of each pair | second]
             x1, x2 = x[..., 0::2], x[..., 1::2]
             return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
@@ -68,9 +80,10 @@ class MultiLatentAttention(nn.Module):
         if topo.cp > 1:
             raise ValueError("multi-latent attention (--kv-lora-rank) with --context-parallel-size "
                              "> 1 is not supported; use 1")
-        if config.rope_scaling is not None:
-            raise ValueError(f"rope_scaling {config.rope_scaling} with multi-latent attention is not "
-                             f"supported (its YaRN attention scale is not modelled); drop it")
+        if rope_type(config.rope_scaling) in _LENGTH_DEPENDENT:
+            raise ValueError(f"rope_scaling type {rope_type(config.rope_scaling)!r} with "
+                             f"multi-latent attention is not supported (its frequencies depend "
+                             f"on the sequence's length); use yarn, linear or llama3")
         h, heads = config.hidden_size, config.num_attention_heads
         self.nope, self.rope, self.v_dim = (config.qk_nope_head_dim, config.qk_rope_head_dim,
                                             config.v_head_dim)
@@ -107,7 +120,9 @@ class MultiLatentAttention(nn.Module):
                                        init.scaled_normal(prefix + "dense.weight"), bias=False,
                                        dtype=config.dtype)
         self.rotary = LatentRotary(config, topo.device)
-        self.scale = qk ** -0.5
+        # YaRN with mscale_all_dim also scales the softmax (DeepSeek's correction)
+        self.scale = qk ** -0.5 * latent_softmax_scale(config.rope_scaling,
+                                                       config.max_position_embeddings)
 
     def core_attention(self, q, k, v) -> torch.Tensor:
         p = self.dropout if self.training else 0.0

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from parallel.expert_parallel import combine, dispatch, local_experts, reduce_expert_load
+from parallel.expert_parallel import TokenDispatcher, local_experts, reduce_expert_load
 from parallel.kernels.grouped_matmul import ExpertMatmuls
 from parallel.mappings import gather_sequence_replicated, scatter_to_sequence
 from parallel.param_spec import set_spec
@@ -139,6 +139,7 @@ class MoELayer(nn.Module):
         init.normal(prefix + "router.weight")(router)
         self.router = nn.Parameter(router.to(device=topo.device, dtype=config.dtype))
         self.experts = GroupedExperts(config, topo, init, prefix + "experts.")
+        self.dispatcher = TokenDispatcher(topo.ep_group)
         self.shared_expert = self.shared_expert_gate = None
         if config.moe_shared_expert_intermediate_size:
             shared = config.replace(ffn_hidden_size=config.moe_shared_expert_intermediate_size)
@@ -260,17 +261,10 @@ class MoELayer(nn.Module):
         weights, experts = self.route(logits)
         flat = experts.reshape(-1)  # assignment i is token i // k's (i % k)-th choice
         counts = torch.bincount(flat, minlength=self.num_experts)
-        order = torch.argsort(flat, stable=True)  # by expert, tokens in order within one
-        kept_counts = counts
-        cap = self.capacity(tokens.shape[0])
-        if cap is not None:  # keep each expert's first `cap` assignments (GShard's position order)
-            position = torch.arange(flat.numel(), device=flat.device) - \
-                (counts.cumsum(0) - counts)[flat[order]]
-            order = order[position < cap]
-            kept_counts = counts.clamp(max=cap)
+        order, kept_counts = self.dispatcher.sort(flat, counts, self.capacity(tokens.shape[0]))
         token = order // self.topk
-        rows, local_counts, handle = dispatch(tokens[token], kept_counts, self.topo.ep_group)
-        y = combine(self.experts(rows, local_counts), handle, self.topo.ep_group)
+        rows, local_counts, handle = self.dispatcher.dispatch(tokens[token], kept_counts)
+        y = self.dispatcher.combine(self.experts(rows, local_counts), handle)
         y = y * weights.reshape(-1)[order].to(y.dtype).unsqueeze(1)
         out = torch.zeros_like(tokens).index_add(0, token, y)
         if self.training:

@@ -120,7 +120,8 @@ PRESETS: dict[str, dict] = {
                               num_experts=128, moe_router_topk=8, moe_ffn_hidden_size=768),
     # DeepSeek-V3 (arXiv 2412.19437; docs/deepseek.md): MLA, 3 dense layers, 256 experts top-8 in
     # 8 groups (4 per token) + a shared one, the expert bias; multi-token prediction not modelled
-    # (pre-training's 4096 positions: the YaRN extension to 128K is not modelled)
+    # (pre-training's 4096 positions, before the YaRN extension to 128K: models/mla.py models
+    # YaRN when a rope_scaling is given)
     "deepseek-v3": dict(_DEEPSEEK_V3, vocab_size=129280, max_position_embeddings=4096,
                         hidden_size=7168, num_layers=61, num_attention_heads=128,
                         ffn_hidden_size=18432, q_lora_rank=1536, kv_lora_rank=512,

@@ -73,11 +73,25 @@ def attention_factor(scaling: dict | None, max_position_embeddings: int) -> floa
     if kind == "longrope":
         return 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(old_len))
 
-    def mscale(scale, m=1.0):
-        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
     m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
-    return float(mscale(factor, m) / mscale(factor, m_all)) if m and m_all else mscale(factor)
+    return float(_mscale(factor, m) / _mscale(factor, m_all)) if m and m_all else _mscale(factor)
+
+
+def _mscale(scale: float, m: float = 1.0) -> float:
+    """YaRN's attention temperature term, 0.1 m ln(scale) + 1 (1 without interpolation)."""
+    return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+
+def latent_softmax_scale(scaling: dict | None, max_position_embeddings: int) -> float:
+    """What DeepSeek's multi-latent attention multiplies its softmax scale by under a RoPE
+    scaling: mscale(factor, mscale_all_dim)^2 when the scaling sets `mscale_all_dim` (the YaRN
+    correction over every q/k channel, not only the rotated ones: transformers'
+    `yarn_apply_mscale` in modeling_deepseek_v3, for any rope_type but default); 1 else."""
+    if rope_type(scaling) == "default" or not scaling.get("mscale_all_dim"):
+        return 1.0
+    old_len = _original_length(scaling, max_position_embeddings)
+    factor = scaling.get("factor") or max_position_embeddings / old_len
+    return _mscale(factor, scaling["mscale_all_dim"]) ** 2
 
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: dict | None = None,

@@ -514,3 +514,26 @@ def hf_converted(hf, adapter, topo=None):
     model = build_model(cfg, topo).eval()
     load_full_state_dict(model, adapter.from_hf_state_dict(hf.state_dict(), cfg), topo)
     return cfg, model
+
+
+def hf_deepseek_v3(seed: int = 0, **kw):
+    """A random HF DeepseekV3ForCausalLM (every tensor and the expert bias perturbed): one dense
+    layer, then two MoE layers; 8 experts in 4 groups, 3 per token from 2 groups."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+    config = DeepseekV3Config(**{**dict(
+        vocab_size=96, hidden_size=40, intermediate_size=48, moe_intermediate_size=12,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=2,
+        n_routed_experts=8, routed_scaling_factor=2.5, kv_lora_rank=12, q_lora_rank=10,
+        qk_rope_head_dim=4, v_head_dim=5, qk_nope_head_dim=6, n_group=4, topk_group=2,
+        num_experts_per_tok=3, first_k_dense_replace=1, norm_topk_prob=True,
+        max_position_embeddings=64, rope_parameters={"rope_type": "default", "rope_theta": 500.0},
+        num_nextn_predict_layers=0, bos_token_id=None, eos_token_id=None, pad_token_id=None), **kw})
+    torch.manual_seed(seed)
+    hf = DeepseekV3ForCausalLM(config).eval()
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, t in list(hf.named_parameters()) + list(hf.named_buffers()):
+            if t.is_floating_point() and "inv_freq" not in name:
+                scale = 0.3 if name.endswith("e_score_correction_bias") or t.dim() == 1 else 0.05
+                t.add_(torch.randn(t.shape, generator=g) * scale)
+    return hf

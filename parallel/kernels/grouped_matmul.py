@@ -8,6 +8,8 @@ the kernel picked by device and dtype (`choose_grouped_matmul`).
   CUDA, bf16 sm90+ `torch._grouped_mm` over the unpadded groups (no padding to the largest
                    expert, so dropless routing costs the rows it routes, not experts x the
                    busiest expert's)
+  meta             `torch._grouped_mm` over the unpadded groups: shapes only (the dry run,
+                   training/run/dry_run.py), sized as the CUDA bf16 kernel runs
   elsewhere        one matmul per expert (CUDA fp32/fp16 or before sm90, torch < 2.8), logged once
 
 `torch._grouped_mm` needs every row of its operands to start on a 16-byte boundary (an fp32
@@ -48,6 +50,8 @@ def choose_grouped_matmul(device: torch.device, dtype: torch.dtype,
     minor), read from the device when None)."""
     device = torch.device(device)
     if hasattr(torch, "_grouped_mm"):  # torch >= 2.8
+        if device.type == "meta":
+            return GroupedMatmulChoice("grouped_mm", 1)
         if device.type == "cpu":
             return GroupedMatmulChoice("grouped_mm", 1 if dtype == torch.float32
                                        else ONEDNN_ROW_MULTIPLE)
@@ -134,7 +138,8 @@ class ExpertMatmuls:
         if self.choice.row_multiple > 1:
             x, counts, self._unpad = pad_groups(x, counts, self.choice.row_multiple)
         self.rows_in, self.counts = x, counts
-        self.expert = torch.repeat_interleave(torch.arange(counts.numel(), device=x.device), counts)
+        self.expert = torch.repeat_interleave(torch.arange(counts.numel(), device=x.device), counts,
+                                              output_size=x.shape[0])  # known: no device sync
         if self.choice.kernel == "grouped_mm":
             self._offs = counts.cumsum(0).to(torch.int32)
         else:

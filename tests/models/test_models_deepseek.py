@@ -29,6 +29,7 @@ from parallel.sharding import full_tensor
 from parallel.topology import ParallelConfig, ParallelTopology
 from parallel.zero import OptimizerConfig, build_optimizer
 from tests.distributed import run_distributed
+from tests.helpers import hf_deepseek_v3
 from tests.tolerances import assert_trained_close
 
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -345,34 +346,11 @@ def test_checkpoint_files_carry_the_expert_bias_at_every_zero_stage(stage):
     assert ("model.0.layers.0.mlp.router" in tensors) == (stage < 3)
 
 
-def _hf_deepseek(seed: int = 0, **kw):
-    """A random HF DeepseekV3ForCausalLM (every tensor and the expert bias perturbed): one dense
-    layer, then two MoE layers; 8 experts in 4 groups, 3 per token from 2 groups."""
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
-    config = DeepseekV3Config(**{**dict(
-        vocab_size=96, hidden_size=40, intermediate_size=48, moe_intermediate_size=12,
-        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=2,
-        n_routed_experts=8, routed_scaling_factor=2.5, kv_lora_rank=12, q_lora_rank=10,
-        qk_rope_head_dim=4, v_head_dim=5, qk_nope_head_dim=6, n_group=4, topk_group=2,
-        num_experts_per_tok=3, first_k_dense_replace=1, norm_topk_prob=True,
-        max_position_embeddings=64, rope_parameters={"rope_type": "default", "rope_theta": 500.0},
-        num_nextn_predict_layers=0, bos_token_id=None, eos_token_id=None, pad_token_id=None), **kw})
-    torch.manual_seed(seed)
-    hf = DeepseekV3ForCausalLM(config).eval()
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, t in list(hf.named_parameters()) + list(hf.named_buffers()):
-            if t.is_floating_point() and "inv_freq" not in name:
-                scale = 0.3 if name.endswith("e_score_correction_bias") or t.dim() == 1 else 0.05
-                t.add_(torch.randn(t.shape, generator=g) * scale)
-    return hf
-
-
 def test_deepseek_v3_family_logits_generation_and_round_trip():
     from models import deepseek_v3
     from models.registry import family
     from parallel.sharding import load_full_state_dict
-    hf = _hf_deepseek()
+    hf = hf_deepseek_v3()
     cfg = deepseek_v3.config_from_hf(hf.config).replace(make_vocab_size_divisible_by=8)
     assert family("deepseek_v3").adapter is deepseek_v3 and cfg.family == "deepseek_v3"
     assert [cfg.is_moe_layer(i) for i in range(3)] == [False, True, True]
@@ -407,8 +385,8 @@ def test_deepseek_v3_family_logits_generation_and_round_trip():
 
 
 @pytest.mark.parametrize("field, value, match", [
-    ("rope_parameters", {"rope_type": "yarn", "factor": 4.0, "rope_theta": 500.0,
-                         "original_max_position_embeddings": 16}, "rope_parameters"),
+    ("rope_parameters", {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 500.0},
+     "rope_parameters"),
     ("rms_norm_eps", 1e-5, "rms_norm_eps"),
     ("attention_bias", True, "attention_bias")])
 def test_deepseek_v3_refuses_what_it_does_not_model_in_one_line(field, value, match):

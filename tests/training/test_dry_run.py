@@ -120,7 +120,7 @@ def test_moe_rank_states_are_the_planners():
     """MoE layouts (tp2 x pp2 x dp4, ep2, every other layer MoE; pp1 under ZeRO-3; and cp2 x
     dp4, ep4): on each stage the ZeRO buffers hold the planner's model states to the byte, routed
     experts sharded over the dp x cp / ep = 2 expert-data-parallel ranks, the rest over dp x cp.
-    Built, not stepped: the MoE step's routing has data-dependent shapes, which meta tensors lack."""
+    Built, not stepped (tests/training/test_dry_run_moe.py steps MoE layouts)."""
     from training.planning import planner
     base = ["--model", "moe-tiny", "--moe-layer-freq", "2", "--bf16", "--seq-length", "64",
             "--micro-batch-size", "2", "--global-batch-size", "16"]

@@ -80,8 +80,8 @@ ACCEPTED = {
 }
 FP8 = "FP8 needs Transformer Engine on an FP8 GPU (Hopper or newer), which megazoo does not use; " \
       "drop the --fp8-* flags (--bf16 trains in bfloat16)"
-MLA = "DeepSeek's multi-latent attention (and its YaRN RoPE scaling) is not implemented; megazoo " \
-      "has grouped-query attention (--group-query-attention --num-query-groups)"
+MLA = "Megatron's multi-latent attention flags (and its YaRN RoPE scaling) are not mapped; megazoo " \
+      "builds MLA from the model config (--model deepseek-v3, or an imported HF DeepSeek-V3)"
 MTP = "multi-token prediction is not implemented; drop it"
 # Refused: why, and what to give instead.
 REFUSED = {

@@ -14,7 +14,8 @@ large untied/copied head and fewer activations):
   ZeRO shards their states over the expert-data-parallel group, N = dp x cp / ep ranks, as the
   optimizer's expert buckets do (parallel/zero/optimizer.py); the rest over dp x cp.
 * activations per layer and microbatch: Korthikanti et al. 2022's per-tensor count, redone for
-  what megazoo saves (`layer_activation_bytes`), for each rank's layers of the trainer's partition
+  what megazoo saves (`layer_activation_bytes`; multi-latent attention's own terms; dense and
+  MoE layers each as they are), for each rank's layers of the trainer's partition
   and the (microbatch, chunk) pairs its schedule keeps alive (`activation_bound`: under 1F1B
   min(pp, m) microbatches on the first stage, L*(1 + (p-1)/(p*v)) layer-microbatches interleaved); the
   last stage adds what the fused LM head saves, mainly the gradient of the logits, s*b*V/t.
@@ -30,6 +31,8 @@ from dataclasses import dataclass
 from models.config import TransformerConfig
 from parallel.layout import ParallelConfig
 from parallel.pipeline.schedules import activation_bound
+
+from training.planning.parameters import expert_bias_parameters, mtp_layers, mtp_parameters
 
 
 class PlanError(ValueError):
@@ -144,13 +147,23 @@ def rank_layer_ids(cfg: TransformerConfig, layout: "Layout", pp_rank: int) -> li
 
 
 def rank_params(cfg: TransformerConfig, layout: "Layout", pp_rank: int) -> tuple[float, float]:
-    """(dense, expert) parameters pipeline rank `pp_rank` holds: its TP shard of its layers and
-    stage ends, and its num_experts / ep share of each MoE layer's routed experts."""
+    """(dense, expert) parameters pipeline rank `pp_rank` trains: its TP shard of its layers and
+    stage ends (the last: with the multi-token prediction modules), and its num_experts / ep
+    share of each MoE layer's routed experts (the frozen expert biases: `rank_frozen_params`)."""
     ids = rank_layer_ids(cfg, layout, pp_rank)
     total = stage_params(cfg, layout.tp, layout.pp, stage_name(pp_rank, layout.pp), layers=0) + \
         sum(cfg.layer_parameters(layout.tp, i, layout.ep) for i in ids)
     expert = sum(cfg.expert_parameters(i, layout.ep) for i in ids)
+    if pp_rank == layout.pp - 1:
+        mtp_dense, mtp_expert = mtp_parameters(cfg, layout.tp, layout.ep)
+        total, expert = total + mtp_dense + mtp_expert, expert + mtp_expert
     return total - expert, expert
+
+
+def rank_frozen_params(cfg: TransformerConfig, layout: "Layout", pp_rank: int) -> int:
+    """Parameters pipeline rank `pp_rank` holds outside the optimizer: the router expert biases
+    of its MoE layers (fp32, whole on every rank; training/planning/parameters.py)."""
+    return expert_bias_parameters(cfg, rank_layer_ids(cfg, layout, pp_rank))
 
 
 # ---- memory ----------------------------------------------------------------------------------
@@ -190,8 +203,10 @@ def _norm_input_bytes(cfg: TransformerConfig, e: int) -> int:
     return e if cfg.normalization == "layernorm" else 4 + e  # RMSNorm: + its fp32 copy
 
 
-def layer_activation_bytes(cfg: TransformerConfig, layout: Layout) -> tuple[float, float]:
-    """(bytes kept per layer and microbatch, bytes of one layer's full activations).
+def layer_activation_bytes(cfg: TransformerConfig, layout: Layout,
+                           layer: int | None = None) -> tuple[float, float]:
+    """(bytes kept per layer and microbatch, bytes of one layer's full activations): of global
+    layer `layer`, or averaged over the model's layers (None: MoE and dense MLPs mixed).
 
     Korthikanti et al. 2022's s*b*h*(34 + 5*a*s/h) bytes (16-bit, dropout, unfused attention),
     counted again tensor by tensor for what megazoo's layer saves for backward. Per s*b*h, with
@@ -206,7 +221,7 @@ def layer_activation_bytes(cfg: TransformerConfig, layout: Layout) -> tuple[floa
       scores          as/(ht)(e + 1 + e): softmax out, dropout mask and out (e alone without
                       attention dropout); none with flash attention or selective recompute
       MLP             2ef/(ht) GELU (its input, fc2's); 4ef/(ht) SwiGLU (gate, up, silu, fc2's)
-      MoE MLP         averaged over the layers: the router's input e, its fp32 top-k weights
+      MoE MLP         the router's input e, its fp32 top-k weights
                       (all E probabilities with the pre-softmax router) and int64 choices
                       (4k or 4E, + 8k)/h; per routed copy (k per token, experts whole on every
                       TP rank, even load) its input, the expert output and the weighted one 3e,
@@ -228,12 +243,15 @@ def layer_activation_bytes(cfg: TransformerConfig, layout: Layout) -> tuple[floa
     norm = _norm_input_bytes(cfg, e)
     qkv = e * (a + 2 * max(cfg.num_query_groups, t)) * cfg.head_dim / (h * t)
     attn_out = (2 if flash else 1) * e / t
+    if cfg.kv_lora_rank:
+        qkv, attn_out = latent_attention_activation_bytes(cfg, layout, flash)
     per_score = e + ((1 + e) if cfg.attention_dropout > 0 else 0)
     scores = 0.0 if (flash or layout.recompute == "selective") else a * s / (h * t) * per_score
     per_f = e * (4 if cfg.activation == "swiglu" else 2) / h  # MLP bytes per hidden unit
     mlp = per_f * cfg.ffn_hidden_size / t
     if cfg.num_experts:
-        moe = sum(map(cfg.is_moe_layer, range(cfg.num_layers))) / cfg.num_layers
+        moe = sum(map(cfg.is_moe_layer, range(cfg.num_layers))) / cfg.num_layers \
+            if layer is None else float(cfg.is_moe_layer(layer))
         k = cfg.moe_router_topk
         router = e + (4 * (cfg.num_experts if cfg.moe_router_pre_softmax else k) + 8 * k) / h
         routed = router + k * (3 * e + per_f * cfg.moe_ffn_hidden_size + (24 + e) / h) + \
@@ -246,6 +264,22 @@ def layer_activation_bytes(cfg: TransformerConfig, layout: Layout) -> tuple[floa
     if layout.recompute == "full":
         return e * s * b * h / u, full
     return full, 0.0
+
+
+def latent_attention_activation_bytes(cfg: TransformerConfig, layout: Layout,
+                                      flash: bool) -> tuple[float, float]:
+    """Multi-latent attention's (q/k/v and latents, attention output) bytes per s*b*h in place of
+    GQA's (models/mla.py): the latent norms' inputs and outputs n(q_lora_rank + kv_lora_rank)/u
+    (the down-projections run on the sequence shard under SP, replicated over TP), the attention
+    kernel's q and k over nope + rope channels and v over v_head_dim, e(a/t)(2(nope + rope) + v)
+    (the latent itself is expanded into them: what the kernel keeps is the full keys and values),
+    and the output over v_head_dim, e(a/t)v, twice with flash attention (as for GQA)."""
+    h, a, t, e = cfg.hidden_size, cfg.num_attention_heads, layout.tp, activation_element_bytes(layout)
+    u = t if layout.sequence_parallel and t > 1 else 1
+    latents = _norm_input_bytes(cfg, e) * ((cfg.q_lora_rank or 0) + cfg.kv_lora_rank) / u
+    qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+    qkv = latents + e * a / t * (2 * qk + cfg.v_head_dim)
+    return qkv / h, (2 if flash else 1) * e * a / t * cfg.v_head_dim / h
 
 
 def pipeline_schedule(layout: Layout) -> str:
@@ -264,12 +298,13 @@ def activation_bytes(cfg: TransformerConfig, layout: Layout, stage: str,
     s, b, h, t = layout.seq_length / layout.cp, layout.micro_batch, cfg.hidden_size, layout.tp
     e = activation_element_bytes(layout)
     u = t if layout.sequence_parallel and t > 1 else 1
-    kept, working = layer_activation_bytes(cfg, layout)
     m = max(layout.microbatches, 1)
     rank = _stage_rank(stage, layout.pp, pp_rank)
     units = activation_bound(pipeline_schedule(layout), layout.pp, rank, m, layout.vpp)
-    in_flight = rank_layers(cfg, layout, rank) / layout.vpp * units
-    total = kept * in_flight + working
+    # each of the rank's layers as it is (dense or MoE), over the microbatch-chunks in flight
+    per_layer = [layer_activation_bytes(cfg, layout, i) for i in rank_layer_ids(cfg, layout, rank)]
+    total = sum(kept for kept, _ in per_layer) / layout.vpp * units + \
+        max((working for _, working in per_layer), default=0.0)
     sbh = s * b * h
     if stage in ("first", "only"):
         embedding = 8 * s * b + (e * sbh if cfg.embedding_layernorm else 0.0) + \
@@ -278,7 +313,12 @@ def activation_bytes(cfg: TransformerConfig, layout: Layout, stage: str,
     if stage in ("last", "only"):
         norm = _norm_input_bytes(cfg, e)
         grad_logits = 2 if layout.precision == "bf16" else 4
-        total += norm * sbh / u + e * sbh + grad_logits * s * b * cfg.padded_vocab_size(t) / t
+        head = norm * sbh / u + e * sbh + grad_logits * s * b * cfg.padded_vocab_size(t) / t
+        # each multi-token prediction module, per microbatch in flight: its layer (shaped as the
+        # last), its two input norms and eh_proj's input (2h), and a head of its own
+        mtp = layer_activation_bytes(cfg, layout, cfg.num_layers - 1)[0] + \
+            (2 * norm + 2 * e) * sbh / u + head
+        total += head + mtp_layers(cfg) * mtp * units
     return total
 
 

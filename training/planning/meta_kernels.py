@@ -1,5 +1,7 @@
 """Shape-only stand-ins for the kernels whose `meta` version keeps other tensors for backward
-than the device's kernels do (tools/dry_run.py measures activation memory on meta tensors).
+than the device's kernels do (tools/dry_run.py measures activation memory on meta tensors), and
+for the data-dependent shapes of MoE token dispatch, which meta tensors cannot have
+(`balanced_routing`: balanced routing's).
 
 On meta, SDPA takes its math path (fp32 copies, the attention scores) and dropout keeps a mask in
 the input's dtype; on CPUs and GPUs the fused attention kernels keep q, k, v, the output, the
@@ -11,6 +13,10 @@ import contextlib
 
 import torch
 import torch.nn.functional as F
+
+from models.moe import moe_layers
+from parallel import collectives as C
+from parallel.expert_parallel import TokenDispatcher
 
 
 class _FusedAttentionShapes(torch.autograd.Function):
@@ -66,3 +72,62 @@ def device_kernels_on_meta():
         yield
     finally:
         F.scaled_dot_product_attention, F.dropout = sdpa, dropout
+
+
+def balanced_counts(assignments: int, num_experts: int) -> list[int]:
+    """Balanced routing's assignments per expert: as even as whole numbers allow (the first
+    `assignments % num_experts` experts one more)."""
+    base, extra = divmod(assignments, num_experts)
+    return [base + (e < extra) for e in range(num_experts)]
+
+
+class BalancedDispatcher(TokenDispatcher):
+    """The token dispatch of a MoE layer on meta tensors (the dry run), as if routing were
+    balanced: every expert gets an even share of the rank's T * k assignments, from every rank
+    alike (each rank's T is the same in a training step). The real routing has no values on meta,
+    so the two data-dependent steps of `TokenDispatcher` take balanced routing's sizes; the sort,
+    the all-to-alls (on the fake group), the reorder and the combine run as they are, and so
+    keep for backward what they keep on a device. A balanced load is the planner's assumption
+    too (training/planning/memory.py); a skewed one is larger on the busiest ranks."""
+
+    def __init__(self, group, num_experts: int):
+        super().__init__(group)
+        self.num_experts = num_experts
+
+    def keep(self, order, fits, counts, capacity):
+        kept = sum(min(c, capacity) for c in balanced_counts(order.numel(), self.num_experts))
+        return order[:kept].clone()
+
+    def exchange_counts(self, counts, rows):
+        ep = C.group_size(self.group)
+        local = counts.numel() // ep
+        per_expert = balanced_counts(rows, counts.numel())
+        send = [sum(per_expert[r * local:(r + 1) * local]) for r in range(ep)]
+        received = C.all_to_all_rows(counts.view(ep, local), self.group, [1] * ep, [1] * ep)
+        return received, send, [send[C.group_rank(self.group)]] * ep
+
+
+@contextlib.contextmanager
+def balanced_routing(chunks):
+    """Every MoE layer of `chunks` dispatches tokens as `BalancedDispatcher` does, and
+    `torch.bincount` has a meta kernel (the bins' count, `minlength`: the router's expert ids
+    and the sequence-wise aux loss's keys are below it) while the block runs."""
+    layers = [layer for chunk in chunks for layer in moe_layers(chunk)]
+    real = [layer.dispatcher for layer in layers]
+    library = torch.library.Library("aten", "IMPL")  # noqa: TOR901 - removed on exit below
+
+    def bincount(x, weights=None, minlength=0):
+        if minlength < 1:
+            raise NotImplementedError("torch.bincount on meta tensors needs minlength (the "
+                                      "number of bins): its output size depends on the values")
+        return x.new_empty(minlength, dtype=torch.int64 if weights is None else weights.dtype)
+
+    library.impl("bincount", bincount, "Meta")
+    for layer, dispatcher in zip(layers, real):
+        layer.dispatcher = BalancedDispatcher(dispatcher.group, layer.num_experts)
+    try:
+        yield
+    finally:
+        for layer, dispatcher in zip(layers, real):
+            layer.dispatcher = dispatcher
+        library._destroy()  # noqa: SLF001 - the only way to unregister a kernel

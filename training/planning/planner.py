@@ -17,8 +17,8 @@ from parallel.zero.config import OptimizerConfig, ZeroConfigError
 from training.planning.memory import (Layout, Memory, PlanError, activation_bytes,  # noqa: F401
                              activation_element_bytes, layer_activation_bytes, layout_of_run,
                              memory_per_gpu, model_state_bytes, pipeline_schedule, rank_layer_ids,
-                             rank_layers, rank_params, rank_state_bytes, stage_name, stage_params,
-                             state_bytes_per_param)
+                             rank_frozen_params, rank_layers, rank_params, rank_state_bytes,
+                             stage_name, stage_params, state_bytes_per_param)
 from training.planning.step_time import (MATMUL_EFFICIENCY, OPTIMIZER_BYTES_PER_PARAM, Cluster,  # noqa: F401
                            StepTime, all_to_all_time, step_time)
 

@@ -164,4 +164,15 @@ def published_layouts() -> list[PublishedLayout]:
                 "--micro-batch-size 1 --global-batch-size 2048"),
             "Llama Team 2024, Table 4: tp8 cp1 pp16 dp64 on 8192 H100, seq 8192, 16M tokens per "
             "batch; first and last stage one layer short"),
+        PublishedLayout(
+            "DeepSeek-V3", 671e9, 2048, _flags(
+                "--model deepseek-v3 --pipeline-model-parallel-size 16 "
+                "--decoder-first-pipeline-num-layers 4 --decoder-last-pipeline-num-layers 1 "
+                "--expert-model-parallel-size 64 --zero-stage 1 --bf16 --seq-length 4096 "
+                "--micro-batch-size 1 --global-batch-size 15360 --recompute-granularity full"),
+            "DeepSeek-AI 2024 (arXiv 2412.19437), section 3.2 and 4.2: 2048 H800, pp16 (DualPipe; "
+            "here 1F1B), ep64 over 8 nodes, ZeRO-1 dp128, no TP, seq 4096, batch 15360; the 61 "
+            "layers split 4 + 14 x 4 + 1 (the last stage also holds the head and the MTP module); "
+            "full recompute in place of DeepSeek's recomputed norms and MLA up-projections with "
+            "FP8 activations, which megazoo has not"),
     ]

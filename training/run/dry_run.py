@@ -23,7 +23,7 @@ from parallel.zero.optimizer import build_optimizer
 from training.planning import planner
 from training.checkpoint.format import rank_file
 from training.run.loop import build_chunks
-from training.planning.meta_kernels import device_kernels_on_meta
+from training.planning.meta_kernels import balanced_routing, device_kernels_on_meta
 from training.checkpoint.reshard import param_table
 from training.checkpoint.resume import rank_tensors
 from training.run.step import activation_shape, make_forward_fn
@@ -175,21 +175,26 @@ def _microbatches_to_peak(schedule: str, topo, m: int, bound: int) -> int:
 
 def _recompute_working_bytes(run, topo, chunks) -> int:
     """Under full recompute, what one checkpointed unit saves while its backward recomputes it
-    (the engine sees only the units' inputs): the first unit's forward, uncheckpointed, counted."""
+    (the engine sees only the units' inputs): the largest unit's forward, uncheckpointed,
+    counted (a rank's layers differ: DeepSeek-V3's dense first layers and MoE layers)."""
     cfg = run.model
     if cfg.recompute_granularity != "full":
         return 0
     unit = cfg.recompute_num_layers if cfg.recompute_method == "uniform" else 1
-    layers = [layer for c in chunks for layer in c.layers.values()][:unit]
-    x = torch.empty(activation_shape(topo, run.data.seq_length, run.schedule.micro_batch_size,
-                                     run.model.hidden_size), dtype=run.model.dtype, device=META)
-    counter = SavedBytes(chunks)
-    with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack), \
-            device_kernels_on_meta():
-        x.requires_grad_()
-        for layer in layers:
-            x = layer(x)
-    return counter.total
+    layers = [layer for c in chunks for layer in c.layers.values()]
+    shape = activation_shape(topo, run.data.seq_length, run.schedule.micro_batch_size,
+                             run.model.hidden_size)
+    most = 0
+    for first in range(0, len(layers), unit):
+        x = torch.empty(shape, dtype=run.model.dtype, device=META)
+        counter = SavedBytes(chunks)
+        with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack), \
+                device_kernels_on_meta(), balanced_routing(chunks):
+            x.requires_grad_()
+            for layer in layers[first:first + unit]:
+                x = layer(x)
+        most = max(most, counter.total)
+    return most
 
 
 def _one_step(run, topo, chunks, opt, schedule: str, n: int, stats: PipelineStats) -> None:
@@ -199,7 +204,7 @@ def _one_step(run, topo, chunks, opt, schedule: str, n: int, stats: PipelineStat
     ids = torch.empty((mbs, seq), dtype=torch.long, device=META)
     microbatches = [{"tokens": ids, "labels": ids} for _ in range(n)]
     steps = build_schedule(schedule, topo.pp, topo.pp_rank, n, vpp=len(chunks))
-    with opt.no_sync(), device_kernels_on_meta():
+    with opt.no_sync(), device_kernels_on_meta(), balanced_routing(chunks):
         run_pipeline(steps, chunks, microbatches, topo,
                      activation_shape(topo, seq, mbs, run.model.hidden_size),
                      opt.cfg.model_dtype, make_forward_fn(opt.loss_scale), stats=stats)

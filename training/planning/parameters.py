@@ -1,0 +1,57 @@
+"""The planner's parameter terms beyond `TransformerConfig`'s per-layer counts: the multi-token
+prediction modules and the frozen router expert biases (training/planning/memory.py adds them to
+a rank's count).
+
+Multi-token prediction (DeepSeek-V3, `mtp_num_layers` D): each of the D modules is an RMSNorm of
+the hidden state (hnorm) and one of the next token's embedding (enorm), a projection of their
+concatenation eh_proj [h, 2h] (no bias, split over TP by its output like a column-parallel
+linear), one transformer layer shaped as the model's last (MoE in DeepSeek-V3), and a final norm;
+the word embedding and the head are the main model's, shared, so not counted again. The modules
+sit on the last pipeline stage, where the head is. A config without the field has none.
+
+The router expert bias (`moe_router_enable_expert_bias`, HF's `e_score_correction_bias`) is a
+parameter of E fp32 numbers per MoE layer that trains without gradients (models/moe.py): the
+model holds it whole on every rank, the optimizer never does, so it counts in the parameters a
+rank holds but not in the ZeRO model states.
+"""
+from __future__ import annotations
+
+from models.config import TransformerConfig
+
+
+def mtp_layers(cfg: TransformerConfig) -> int:
+    """The multi-token prediction depth D (0 for a config without the field)."""
+    return getattr(cfg, "mtp_num_layers", 0) or 0
+
+
+def mtp_parameters(cfg: TransformerConfig, tp: int = 1, ep: int = 1) -> tuple[float, float]:
+    """(dense, routed-expert) parameters of the D multi-token prediction modules one (TP, EP)
+    rank of the last stage holds."""
+    depth = mtp_layers(cfg)
+    if not depth:
+        return 0.0, 0.0
+    last = cfg.num_layers - 1  # each module's layer is shaped as the model's last one
+    h = cfg.hidden_size
+    expert = cfg.expert_parameters(last, ep)
+    module = 3 * cfg.norm_parameters() + 2 * h * h / tp + cfg.layer_parameters(tp, last, ep)
+    return depth * (module - expert), depth * expert
+
+
+def expert_bias_parameters(cfg: TransformerConfig, layers) -> int:
+    """Frozen router expert-bias numbers of the global `layers` (and their MTP copies when
+    `layers` holds the model's last layer)."""
+    if not cfg.num_experts or not cfg.moe_router_enable_expert_bias:
+        return 0
+    layers = list(layers)
+    moe = sum(map(cfg.is_moe_layer, layers))
+    if cfg.num_layers - 1 in layers and cfg.is_moe_layer(cfg.num_layers - 1):
+        moe += mtp_layers(cfg)
+    return moe * cfg.num_experts
+
+
+def total_parameters(cfg: TransformerConfig) -> float:
+    """Every parameter of the model as built unsharded and unpadded: `num_parameters` plus the
+    multi-token prediction modules and the frozen expert biases (a released checkpoint's count,
+    less the copies of the shared embedding and head it stores with each MTP module)."""
+    return cfg.num_parameters() + sum(mtp_parameters(cfg)) + \
+        expert_bias_parameters(cfg, range(cfg.num_layers))
