@@ -96,7 +96,7 @@ def megazoo_losses(root: str, folder: str, data_file: str) -> list[float]:
             "--lr-warmup-iters", 0, "--weight-decay", 0.0, "--clip-grad", 0.0,
             "--adam-beta1", h["beta1"], "--adam-beta2", h["beta2"], "--adam-eps", h["eps"],
             "--hidden-dropout", 0.0, "--attention-dropout", 0.0,
-            "--log-interval", STEPS, "--eval-iters", 0]
+            "--log-interval", STEPS, "--eval-iters", 0, "--split", "100,0,0"]
     from training.run.entry import build_run_tokenizer
     args = build_parser().parse_args([str(a) for a in argv])
     tok = build_run_tokenizer(args)
