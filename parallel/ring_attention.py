@@ -35,8 +35,8 @@ outputs, log-sum-exps and the travelling dK/dV accumulator stay fp32.
 """
 from __future__ import annotations
 
+import functools
 import math
-from dataclasses import dataclass
 
 import torch
 
@@ -52,25 +52,26 @@ def _fused(device) -> bool:
     return True
 
 
-@dataclass(frozen=True)
 class DocumentBlocks:
-    """A block's packed documents: `same` [b, m, n] (query row and key column in one document),
-    and `pairs[i]`, sample i's (row start, row end, column start, column end) of each document
-    with queries and keys in the block, or None where a document's ids are not one run."""
-    same: torch.Tensor
-    pairs: list[list[tuple[int, int, int, int]]] | None
+    """A block's packed documents, from its rows' documents [b, m] and columns' documents
+    [b, n]: `same` [b, m, n] (query row and key column in one document), and `pairs[i]`, sample
+    i's (row start, row end, column start, column end) of each document with queries and keys
+    in the block, or None where a document's ids are not one run (read from the ids once, when
+    a kernel asks: the matmul path never does)."""
 
-    @classmethod
-    def of(cls, q_docs: torch.Tensor, k_docs: torch.Tensor) -> "DocumentBlocks":
-        """From the block's rows' documents [b, m] and columns' documents [b, n]."""
+    def __init__(self, q_docs: torch.Tensor, k_docs: torch.Tensor):
+        self.q_docs, self.k_docs = q_docs, k_docs
+        self.same = q_docs[:, :, None] == k_docs[:, None, :]
+
+    @functools.cached_property
+    def pairs(self) -> list[list[tuple[int, int, int, int]]] | None:
         pairs = []
-        for qd, kd in zip(q_docs, k_docs):
+        for qd, kd in zip(self.q_docs, self.k_docs):
             q_runs, k_runs = _runs(qd), _runs(kd)
             if q_runs is None or k_runs is None:
-                pairs = None
-                break
+                return None
             pairs.append([(*q_runs[d], *k_runs[d]) for d in q_runs if d in k_runs])
-        return cls(q_docs[:, :, None] == k_docs[:, None, :], pairs)
+        return pairs
 
     def dense(self) -> torch.Tensor:
         """The per-sample bias [b, 1, m, n]: 0 within a document, -inf across."""
@@ -91,8 +92,8 @@ def _block_kernel(q, bias) -> str:
     if not _fused(q.device):
         return "matmul"
     if isinstance(bias, DocumentBlocks):  # the CPU flash kernel runs its documents' sub-blocks
-        fused = bias.pairs is not None and \
-            choose_block_kernel(q.device, q.dtype, bias=False) == "cpu_flash"
+        fused = choose_block_kernel(q.device, q.dtype, bias=False) == "cpu_flash" and \
+            bias.pairs is not None
         return "cpu_documents" if fused else "matmul"
     if bias is not None and bias.dim() == 4:
         return "matmul"  # a per-sample bias (packed documents with ALiBi or a window)
@@ -242,8 +243,8 @@ class _Ring:
         if self.slopes is None and self.window is None and self.docs is None:
             return rows, cols, None, None
         if self.slopes is None and self.window is None:  # documents alone: no mask needed
-            return rows, cols, DocumentBlocks.of(self.docs[self.rank][:, rows],
-                                                 self.docs[src][:, cols]), None
+            return rows, cols, DocumentBlocks(self.docs[self.rank][:, rows],
+                                              self.docs[src][:, cols]), None
         qpos, kpos = self.pos[self.rank][rows], self.pos[src][cols]
         distance = kpos[None, :] - qpos[:, None]
         bias = distance.new_zeros((1,) + distance.shape) if self.slopes is None \

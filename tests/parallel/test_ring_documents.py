@@ -40,7 +40,7 @@ def test_document_sub_blocks_equal_the_masked_block(monkeypatch):
     ]
     for q_docs, k_docs, causal in cases:
         monkeypatch.setattr(ra, "_fused", lambda device: True)
-        docs = ra.DocumentBlocks.of(q_docs, k_docs)
+        docs = ra.DocumentBlocks(q_docs, k_docs)
         assert docs.pairs is not None and ra._block_kernel(torch.zeros(1), docs) == "cpu_documents"
         q = torch.randn(b, heads, m, d, generator=g, requires_grad=True)
         k, v = (torch.randn(b, groups, m, d, generator=g, requires_grad=True) for _ in range(2))
@@ -66,6 +66,6 @@ def test_document_sub_blocks_equal_the_masked_block(monkeypatch):
 
 
 def test_ids_that_are_not_runs_take_the_masked_block():
-    docs = ra.DocumentBlocks.of(_ids([[(0, 2), (1, 2), (0, 2)]]), _ids([[(0, 6)]]))
+    docs = ra.DocumentBlocks(_ids([[(0, 2), (1, 2), (0, 2)]]), _ids([[(0, 6)]]))
     assert docs.pairs is None and ra._block_kernel(torch.zeros(1), docs) == "matmul"
     assert docs.dense().shape == (1, 1, 6, 6)
