@@ -14,11 +14,14 @@ samples); a sample is a function of (seed, index).
 """
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 
 from data.gpt_dataset import parse_split, split_boundaries
 from data.indexed import IndexedDataset, IndexedDatasetError
 
+logger = logging.getLogger(__name__)
 MODES = ("padded", "packed")
 
 
@@ -121,9 +124,13 @@ def split_sft_datasets(prefix: str, split: str, seq_length: int, seed: int, *, p
     pretraining cuts documents); None for a split without conversations."""
     pair = open_pair(prefix)
     bounds = split_boundaries(parse_split(split), len(pair[0]))
-    return [SFTDataset(prefix, seq_length, seed, pad_id=pad_id, mode=mode, pair=pair,
-                       documents=np.arange(bounds[i], bounds[i + 1]))
-            if bounds[i + 1] > bounds[i] else None for i in range(3)]
+    out = [SFTDataset(prefix, seq_length, seed, pad_id=pad_id, mode=mode, pair=pair,
+                      documents=np.arange(bounds[i], bounds[i + 1]))
+           if bounds[i + 1] > bounds[i] else None for i in range(3)]
+    logger.info("%s (--split %s): %s", prefix, split, ", ".join(
+        f"{name} {bounds[i + 1] - bounds[i]} conversations ({len(d) if d else 0} {mode} samples)"
+        for i, (name, d) in enumerate(zip(("train", "valid", "test"), out))))
+    return out
 
 
 class OnePass:
