@@ -7,16 +7,21 @@ document: ``<prefix>_text_document`` (token ids) and ``<prefix>_assistant_mask_d
 A sample is ``seq_length + 1`` tokens (inputs and their labels shifted by one), one conversation
 padded with the end-of-document id (`mode="padded"`; padding is never learned), or several
 conversations packed back to back (`mode="packed"`), each sample then also carries
-"document_ids" so attention and positions restart per conversation. Conversations are shuffled
-once with the seed (every pass over the set sees the same samples); a sample is a function of
-(seed, index).
+"document_ids" so attention and positions restart per conversation. A dataset holds the
+conversations of one split (`documents`: indices in file order, as --split cuts them, Megatron's
+`split_boundaries`), shuffled once with the seed (every pass over the set sees the same
+samples); a sample is a function of (seed, index).
 """
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 
+from data.gpt_dataset import parse_split, split_boundaries
 from data.indexed import IndexedDataset, IndexedDatasetError
 
+logger = logging.getLogger(__name__)
 MODES = ("padded", "packed")
 
 
@@ -55,12 +60,17 @@ def pack_greedily(lengths: np.ndarray, capacity: int) -> list[list[int]]:
 class SFTDataset:
     """Samples {"tokens" [s+1], "assistant_mask" [s+1] (+ "document_ids" [s+1] when packed)}."""
 
-    def __init__(self, prefix: str, seq_length: int, seed: int, *, pad_id: int, mode: str = "padded"):
+    def __init__(self, prefix: str, seq_length: int, seed: int, *, pad_id: int, mode: str = "padded",
+                 documents: np.ndarray | None = None, pair: tuple | None = None):
+        """`documents`: the conversations of this split (default: all); `pair`: the opened
+        `open_pair(prefix)`, shared by the splits of one set."""
         if mode not in MODES:
             raise ValueError(f"SFT sample mode must be one of {MODES}, got {mode!r}")
-        self.tokens, self.mask = open_pair(prefix)
+        self.tokens, self.mask = pair or open_pair(prefix)
         self.seq, self.pad_id, self.mode = seq_length, pad_id, mode
-        order = np.random.default_rng(seed).permutation(len(self.tokens))
+        if documents is None:
+            documents = np.arange(len(self.tokens))
+        order = np.asarray(documents, dtype=np.int64)[np.random.default_rng(seed).permutation(len(documents))]
         if mode == "padded":
             self.samples = [[int(i)] for i in order]
         else:
@@ -75,13 +85,25 @@ class SFTDataset:
         """Assistant tokens that enter a loss (the first token of a sample never is a label)."""
         return int(sum(self[i]["assistant_mask"][1:].sum() for i in range(len(self))))
 
+    @property
+    def conversations(self) -> list[int]:
+        """The conversations this dataset holds (indices in the preprocessed set), sorted."""
+        return sorted(c for sample in self.samples for c in sample)
+
+    def empty_sample(self) -> dict:
+        """A sample of padding alone (no counted token): fills an evaluation's last batch."""
+        return self._sample([])
+
     def __getitem__(self, idx: int) -> dict:
+        return self._sample(self.samples[idx])
+
+    def _sample(self, conversations: list[int]) -> dict:
         n = self.seq + 1
         tokens = np.full(n, self.pad_id, dtype=np.int64)
         mask = np.zeros(n, dtype=np.uint8)
         docs = np.full(n, -1, dtype=np.int64)  # padding: a document of its own
         at = 0
-        for d, conv in enumerate(self.samples[idx]):
+        for d, conv in enumerate(conversations):
             t = np.asarray(self.tokens[conv][:n - at], dtype=np.int64)
             tokens[at:at + len(t)] = t
             mask[at:at + len(t)] = self.mask[conv][:len(t)]
@@ -91,6 +113,36 @@ class SFTDataset:
             # A conversation's first token is not the label of the previous one's last token.
             starts = np.flatnonzero(np.diff(docs) != 0) + 1
             mask[starts] = 0
-            docs[docs < 0] = len(self.samples[idx])
+            docs[docs < 0] = len(conversations)
             return {"tokens": tokens, "assistant_mask": mask, "document_ids": docs}
         return {"tokens": tokens, "assistant_mask": mask}
+
+
+def split_sft_datasets(prefix: str, split: str, seq_length: int, seed: int, *, pad_id: int,
+                       mode: str = "padded") -> list[SFTDataset | None]:
+    """Train/valid/test SFTDatasets of the conversations --split cuts (in file order, as
+    pretraining cuts documents); None for a split without conversations."""
+    pair = open_pair(prefix)
+    bounds = split_boundaries(parse_split(split), len(pair[0]))
+    out = [SFTDataset(prefix, seq_length, seed, pad_id=pad_id, mode=mode, pair=pair,
+                      documents=np.arange(bounds[i], bounds[i + 1]))
+           if bounds[i + 1] > bounds[i] else None for i in range(3)]
+    logger.info("%s (--split %s): %s", prefix, split, ", ".join(
+        f"{name} {bounds[i + 1] - bounds[i]} conversations ({len(d) if d else 0} {mode} samples)"
+        for i, (name, d) in enumerate(zip(("train", "valid", "test"), out))))
+    return out
+
+
+class OnePass:
+    """An SFT dataset's samples once, then empty ones up to `length` samples: an evaluation reads
+    each held-out conversation once, its last global batch filled with samples that count no
+    token."""
+
+    def __init__(self, dataset: SFTDataset, length: int):
+        self.dataset, self.length = dataset, length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, idx: int) -> dict:
+        return self.dataset[idx] if idx < len(self.dataset) else self.dataset.empty_sample()

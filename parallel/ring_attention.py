@@ -17,9 +17,14 @@ a rank s > r only the second local chunk's queries see the block, all of it. So 
 step computes exactly half a block, on every rank. ALiBi adds slope x (key - query) from the
 absolute positions of both blocks. Only key/value heads travel (grouped-query attention).
 
-Packed documents add a per-sample -inf bias across documents, read from the whole sequence's
-ids (`Documents.ids`, on every rank); a query row that sees no key of a block gets a zero
-output and log-sum-exp -inf there, which the merge ignores.
+Packed documents are read from the whole sequence's ids (`Documents.ids`, on every rank). A
+rank's tokens are two chunks in increasing positions, so each document's queries, and each
+document's keys, are one run of a block's rows or columns: on the CPU's fused kernel a block
+with documents runs as its documents' sub-blocks (`DocumentBlocks`: each document's query run
+over the same document's key run; causal on the diagonal step, whole elsewhere), no [m, n] mask;
+with ALiBi, a window, ids that are not runs, or elsewhere, as a per-sample -inf bias across
+documents. A query row that sees no key of a block gets a zero output and log-sum-exp -inf
+there, which the merge ignores.
 
 Each block runs on the device's fused kernel where it has one (`kernels/attention_block.py`:
 aten's CPU flash kernel in fp32; FlashAttention-2 on CUDA in bf16/fp16 without ALiBi), whose
@@ -30,6 +35,7 @@ outputs, log-sum-exps and the travelling dK/dV accumulator stay fp32.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -46,10 +52,83 @@ def _fused(device) -> bool:
     return True
 
 
+class DocumentBlocks:
+    """A block's packed documents, from its rows' documents [b, m] and columns' documents
+    [b, n]: `same` [b, m, n] (query row and key column in one document), and `pairs[i]`, sample
+    i's (row start, row end, column start, column end) of each document with queries and keys
+    in the block, or None where a document's ids are not one run (read from the ids once, when
+    a kernel asks: the matmul path never does)."""
+
+    def __init__(self, q_docs: torch.Tensor, k_docs: torch.Tensor):
+        self.q_docs, self.k_docs = q_docs, k_docs
+        self.same = q_docs[:, :, None] == k_docs[:, None, :]
+
+    @functools.cached_property
+    def pairs(self) -> list[list[tuple[int, int, int, int]]] | None:
+        pairs = []
+        for qd, kd in zip(self.q_docs, self.k_docs):
+            q_runs, k_runs = _runs(qd), _runs(kd)
+            if q_runs is None or k_runs is None:
+                return None
+            pairs.append([(*q_runs[d], *k_runs[d]) for d in q_runs if d in k_runs])
+        return pairs
+
+    def dense(self) -> torch.Tensor:
+        """The per-sample bias [b, 1, m, n]: 0 within a document, -inf across."""
+        zeros = torch.zeros(self.same.shape, dtype=torch.float32, device=self.same.device)
+        return zeros.masked_fill(~self.same, float("-inf"))[:, None]
+
+
+def _runs(ids: torch.Tensor) -> dict[int, tuple[int, int]] | None:
+    """{id: (start, end)} of a 1-D tensor whose every value is one run; None if one is not."""
+    values, counts = torch.unique_consecutive(ids, return_counts=True)
+    if len(values) != len(set(values.tolist())):
+        return None
+    ends = counts.cumsum(0).tolist()
+    return {d: (e - c, e) for d, c, e in zip(values.tolist(), counts.tolist(), ends)}
+
+
 def _block_kernel(q, bias) -> str:
-    if not _fused(q.device) or (bias is not None and bias.dim() == 4):
-        return "matmul"  # a per-sample bias (packed documents) runs as matmuls
+    if not _fused(q.device):
+        return "matmul"
+    if isinstance(bias, DocumentBlocks):  # the CPU flash kernel runs its documents' sub-blocks
+        fused = choose_block_kernel(q.device, q.dtype, bias=False) == "cpu_flash" and \
+            bias.pairs is not None
+        return "cpu_documents" if fused else "matmul"
+    if bias is not None and bias.dim() == 4:
+        return "matmul"  # a per-sample bias (packed documents with ALiBi or a window)
     return choose_block_kernel(q.device, q.dtype, bias=bias is not None)
+
+
+def _documents_forward(q, k, v, scale, docs: DocumentBlocks, causal: bool):
+    """(out, lse) of a block as its documents' sub-blocks on the CPU flash kernel; rows whose
+    document has no key in the block: 0 and -inf."""
+    out = q.new_zeros(q.shape[:3] + (v.shape[3],))
+    lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
+    for b, pairs in enumerate(docs.pairs):
+        for r0, r1, c0, c1 in pairs:
+            o, l = fused_block_forward("cpu_flash", q[b:b + 1, :, r0:r1], k[b:b + 1, :, c0:c1],
+                                       v[b:b + 1, :, c0:c1], scale, None, causal)
+            out[b:b + 1, :, r0:r1] = o
+            lse[b:b + 1, :, r0:r1] = l
+    return out, lse
+
+
+def _documents_backward(q, k, v, do, out, lse, scale, docs: DocumentBlocks, causal: bool):
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+    dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+    for b, pairs in enumerate(docs.pairs):
+        for r0, r1, c0, c1 in pairs:
+            rows, cols = (slice(b, b + 1), slice(None), slice(r0, r1)), \
+                (slice(b, b + 1), slice(None), slice(c0, c1))
+            g_q, g_k, g_v = fused_block_backward(
+                "cpu_flash", q[rows], k[cols], v[cols], do[rows].contiguous(),
+                out[rows].contiguous(), lse[rows].contiguous(), scale, None, causal)
+            dq[rows] += g_q
+            dk[cols] += g_k
+            dv[cols] += g_v
+    return dq, dk, dv
 
 
 def _scores(q, k, scale, bias):
@@ -70,6 +149,10 @@ def block_forward(q, k, v, scale, bias, causal: bool):
     heads, m] fp32); out in fp32 on the matmul path, in the inputs' dtype on a fused one."""
     b, heads, m, d = q.shape
     kernel = _block_kernel(q, bias)
+    if kernel == "cpu_documents":
+        return _documents_forward(q, k, v, scale, bias, causal)
+    if isinstance(bias, DocumentBlocks):
+        bias = bias.dense()
     if kernel != "matmul":
         mask = None if bias is None else _causal(bias) if causal else bias
         return fused_block_forward(kernel, q, k, v, scale, None if mask is None else mask[None],
@@ -90,6 +173,10 @@ def block_backward(q, k, v, do, out, lse, scale, bias, causal: bool):
     b, heads, m, d = q.shape
     g = k.shape[1]
     kernel = _block_kernel(q, bias)
+    if kernel == "cpu_documents":
+        return _documents_backward(q, k, v, do, out, lse, scale, bias, causal)
+    if isinstance(bias, DocumentBlocks):
+        bias = bias.dense()
     if kernel != "matmul":
         mask = None if bias is None else _causal(bias) if causal else bias
         return fused_block_backward(kernel, q, k, v, do, out, lse, scale,
@@ -155,6 +242,9 @@ class _Ring:
             rows, cols = slice(h, None), slice(None)
         if self.slopes is None and self.window is None and self.docs is None:
             return rows, cols, None, None
+        if self.slopes is None and self.window is None:  # documents alone: no mask needed
+            return rows, cols, DocumentBlocks(self.docs[self.rank][:, rows],
+                                              self.docs[src][:, cols]), None
         qpos, kpos = self.pos[self.rank][rows], self.pos[src][cols]
         distance = kpos[None, :] - qpos[:, None]
         bias = distance.new_zeros((1,) + distance.shape) if self.slopes is None \

@@ -16,6 +16,10 @@ Paths (`AttentionChoice.path`):
                 then one [heads or 1, sq, sk] mask shared by the batch, never one per sample
   varlen        CUDA bf16/fp16 with documents or a window: torch's variable-length flash
                 attention over the batch flattened into documents (no mask at all)
+  cpu_documents the CPU with causal, aligned documents and no ALiBi, window or dropout: every
+                document on aten's CPU flash kernel inside one autograd node
+                (`cpu_documents.CpuDocumentAttention`: the work is what the documents need, in
+                the backward too)
   per_document  elsewhere, with documents: each document's queries against its own keys
                 (block diagonal), so the work is what the documents need
   window_blocks a window without documents elsewhere: queries in blocks of `window`, each
@@ -25,6 +29,7 @@ Each dense piece runs on `AttentionChoice.kernel`:
                        precision (`cpu_attention.CpuLowPrecisionAttention`, measured)
   sdpa_fused           CUDA bf16/fp16: SDPA preferring flash, then cuDNN, then memory-efficient
   sdpa                 everything else (fp32 anywhere, dropout on the CPU)
+  flash_varlen, cpu_flash  the varlen and cpu_documents paths' own kernels
 """
 from __future__ import annotations
 
@@ -34,7 +39,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from . import cpu_attention
+from . import cpu_attention, cpu_documents
 from .choice_log import log_choice_once
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
@@ -47,8 +52,8 @@ MIN_WINDOW_BLOCK = 128
 
 @dataclass(frozen=True)
 class AttentionChoice:
-    path: str    # "whole" | "varlen" | "per_document" | "window_blocks"
-    kernel: str  # "cpu_split_precision" | "sdpa_fused" | "sdpa" | "flash_varlen"
+    path: str    # "whole" | "varlen" | "cpu_documents" | "per_document" | "window_blocks"
+    kernel: str  # "cpu_split_precision" | "sdpa_fused" | "sdpa" | "flash_varlen" | "cpu_flash"
 
 
 def varlen_available() -> bool:
@@ -63,8 +68,8 @@ def _capability(device: torch.device, capability):
 
 def choose_attention(device: torch.device, dtype: torch.dtype, *, documents: bool = False,
                      window: bool = False, alibi: bool = False, dropout_p: float = 0.0,
-                     aligned: bool = True, capability: tuple[int, int] | None = None
-                     ) -> AttentionChoice:
+                     aligned: bool = True, capability: tuple[int, int] | None = None,
+                     causal: bool = True) -> AttentionChoice:
     """The path and kernel attention takes on `device` in `dtype`. `aligned`: queries and keys
     are the same positions and documents (no KV cache, no separate kv_document_ids);
     `capability`: a CUDA device's (major, minor), read from the device when None."""
@@ -81,6 +86,9 @@ def choose_attention(device: torch.device, dtype: torch.dtype, *, documents: boo
     if device.type == "cuda" and low and not alibi and dropout_p == 0.0 and aligned and \
             varlen_available() and _capability(device, capability) >= VARLEN_MIN_CAPABILITY:
         return AttentionChoice("varlen", "flash_varlen")
+    if device.type == "cpu" and documents and causal and aligned and not (window or alibi) and \
+            dropout_p == 0.0 and dtype in cpu_documents.DTYPES and cpu_attention.available():
+        return AttentionChoice("cpu_documents", "cpu_flash")
     return AttentionChoice("per_document" if documents else "window_blocks", kernel)
 
 
@@ -100,13 +108,17 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     aligned = q_offset == 0 and q.shape[2] == k.shape[2] and (
         kv_document_ids is None or kv_document_ids is q_document_ids)
     choice = choose_attention(q.device, q.dtype, documents=documents, window=window is not None,
-                              alibi=alibi_slopes is not None, dropout_p=dropout_p, aligned=aligned)
+                              alibi=alibi_slopes is not None, dropout_p=dropout_p, aligned=aligned,
+                              causal=causal)
     if choice.path != "whole":
         log_choice_once(__name__, f"attention with {'documents' if documents else 'a window'} on "
                         f"{q.device.type} {q.dtype}: {choice.path} ({choice.kernel})")
     span = _Span(choice.kernel, causal, scale, alibi_slopes, window, dropout_p)
     if choice.path == "varlen":
         return _varlen(q, k, v, q_document_ids, span)
+    if choice.path == "cpu_documents":
+        runs = [[(start, end) for _, start, end in _runs(row)] for row in q_document_ids]
+        return cpu_documents.CpuDocumentAttention.apply(q, k, v, runs, scale)
     if choice.path == "per_document":
         kv_ids = q_document_ids if kv_document_ids is None else kv_document_ids
         return _per_document(q, k, v, q_document_ids, kv_ids, q_offset, span)

@@ -15,6 +15,11 @@ def available() -> bool:
 CPU_BF16_FP32_BACKWARD_MAX_KEYS = 512
 
 
+def native_bf16(dtype: torch.dtype) -> bool:
+    """bf16 runs in its own kernel here: ATen runs its AVX-512 kernels (see below)."""
+    return dtype == torch.bfloat16 and torch.backends.cpu.get_cpu_capability() == "AVX512"
+
+
 class CpuLowPrecisionAttention(torch.autograd.Function):
     """SDPA's fused CPU kernel for bf16/fp16 inputs, each pass in the faster precision (torch
     2.13, one core, causal forward / backward in ms, Xeon with AMX; the fp32 figures include
@@ -36,7 +41,7 @@ class CpuLowPrecisionAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, mask, scale, causal=True):
-        native = q.dtype == torch.bfloat16 and torch.backends.cpu.get_cpu_capability() == "AVX512"
+        native = native_bf16(q.dtype)
         compute = q.dtype if native else torch.float32
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q.to(compute), k.to(compute), v.to(compute), 0.0, causal and mask is None,

@@ -62,7 +62,14 @@ def test_attention_dispatch_by_device_and_dtype():
     assert c(CUDA, BF16, window=True, dropout_p=0.1, capability=H100) == \
         AttentionChoice("window_blocks", "sdpa_fused")
     assert c(CUDA, FP32, documents=True, capability=H100) == AttentionChoice("per_document", "sdpa")
-    assert c(CPU, BF16, documents=True) == AttentionChoice("per_document", "cpu_split_precision")
+    # causal aligned documents on the CPU: every document on the flash kernel in one node
+    assert c(CPU, BF16, documents=True) == c(CPU, FP32, documents=True) == \
+        AttentionChoice("cpu_documents", "cpu_flash")
+    for other in (dict(causal=False), dict(alibi=True), dict(window=True), dict(aligned=False)):
+        assert c(CPU, BF16, documents=True, **other) == \
+            AttentionChoice("per_document", "cpu_split_precision"), other
+    assert c(CPU, BF16, documents=True, dropout_p=0.1) == AttentionChoice("per_document", "sdpa")
+    assert c(CPU, torch.float64, documents=True) == AttentionChoice("per_document", "sdpa")
     assert c(CPU, FP32, window=True) == AttentionChoice("window_blocks", "sdpa")
 
 
@@ -177,8 +184,10 @@ def test_varlen_path_flattens_documents_and_windows(monkeypatch):
 
 def test_per_document_attention_does_only_the_documents_work(monkeypatch):
     """Packed documents on the CPU: one kernel call per document, each over that document's
-    keys only (block diagonal), no [s, s] mask."""
+    keys only (block diagonal), no [s, s] mask: on the generic path (here non-causal) and on
+    the causal flash path, forward and backward."""
     import parallel.kernels.attention as kernels
+    import parallel.kernels.cpu_documents as cpu_documents
     shapes = []
     real = kernels.run_dense
 
@@ -188,8 +197,21 @@ def test_per_document_attention_does_only_the_documents_work(monkeypatch):
     monkeypatch.setattr(kernels, "run_dense", counting)
     ids = _packed_ids([[100, 300, 112], [512]])
     q = torch.randn(2, 2, 512, 8)
-    attention(q, q, q, q_document_ids=ids)
-    assert shapes == [(100, 100, None), (300, 300, None), (112, 112, None), (512, 512, None)]
+    attention(q, q, q, q_document_ids=ids, causal=False)
+    documents = [(100, 100, None), (300, 300, None), (112, 112, None), (512, 512, None)]
+    assert shapes == documents
+    shapes.clear()
+    for name in ("flash_forward", "flash_backward"):
+        def counted(*args, real=getattr(cpu_documents, name), name=name):
+            q, k = args[1:3] if name == "flash_backward" else args[:2]
+            shapes.append((name, q.shape[2], k.shape[2]))
+            return real(*args)
+        monkeypatch.setattr(cpu_documents, name, counted)
+    x = q.clone().requires_grad_()
+    attention(x, x, x, q_document_ids=ids).sum().backward()
+    assert shapes == [(name, m, n) for name in ("flash_forward", "flash_backward")
+                      for m, n, _ in documents]
+    shapes.clear()
     shapes.clear()
     attention(q, q, q, window=128)  # blocks of 128 queries over at most 255 keys
     assert len(shapes) == 4 and max(n for _, n, _ in shapes) == 255

@@ -112,7 +112,6 @@ def test_sft_and_document_flags_are_checked():
     assert run.data.sft and run.data.per_token_loss and run.data.pad_token == 3
     for extra, match in [(["--sft", "--mock-data"], "--sft needs one --data-path"),
                          (["--sft-packing", "--mock-data"], "add --sft"),
-                         (["--sft", "--data-path", "chat", "--split", "90,10,0"], "no validation split"),
                          (["--mock-data", "--reset-attention-mask"], "need a tokenizer")]:
         with pytest.raises(ArgumentError, match=match):
             to_run_config(build_parser().parse_args(tiny + extra), world_size=1)

@@ -72,7 +72,7 @@ HELP = {
     # data
     "--data-path": "dataset prefixes from tools/preprocess_data.py (no .bin/.idx), optionally "
                    "weighted: W1 PREFIX1 W2 PREFIX2",
-    "--split": "train,validation,test proportions of each dataset",
+    "--split": "train,validation,test proportions of each dataset (with --sft: of the conversations)",
     "--tokenizer-type": "GPT2BPETokenizer, SentencePieceTokenizer, HuggingFaceTokenizer, NullTokenizer",
     "--vocab-file": "GPT-2 BPE vocab.json",
     "--merge-file": "GPT-2 BPE merges.txt",

@@ -246,9 +246,6 @@ def to_run_config(args: argparse.Namespace, vocab_size: int | None = None,
         _fail("give --data-path PREFIX (from tools/preprocess_data.py) or --mock-data")
     if args.sft and (args.mock_data or len(args.data_path) != 1):
         _fail("--sft needs one --data-path PREFIX (the --output-prefix of tools/preprocess_sft.py)")
-    if args.sft and args.split != DataConfig.split:  # a split was asked for
-        _fail(f"--split {args.split}: --sft trains on the whole conversation set (no validation split "
-              f"yet); drop --split")
     if args.sft_packing and not args.sft:
         _fail("--sft-packing packs conversations: add --sft")
     if (args.reset_position_ids or args.reset_attention_mask) and eod_token is None:

@@ -17,9 +17,10 @@ import numpy as np
 import torch
 
 from data.blended import build_train_valid_test_datasets
+from data.indexed import IndexedDatasetError
 from data.packing import documents_after_eod, positions_in_documents
 from data.samplers import PretrainingSampler
-from data.sft_dataset import SFTDataset
+from data.sft_dataset import split_sft_datasets
 from parallel import collectives as C
 from parallel.context_parallel import split_sequence
 
@@ -46,21 +47,29 @@ class MockGPTDataset:
 
 
 def build_datasets(cfg: DataConfig, *, seed: int, vocab_size: int, num_samples: tuple[int, int, int]):
-    """(train, valid, test); valid/test may be None (a warning says so when evaluation was asked;
-    --sft: the whole set trains, no split)."""
-    if cfg.sft:
-        return (SFTDataset(cfg.data_path[0], cfg.seq_length, seed, pad_id=cfg.pad_token,
-                           mode="packed" if cfg.sft_packing else "padded"), None, None)
+    """(train, valid, test); valid/test may be None (a warning says so when evaluation was asked).
+    --sft: --split cuts the conversations (data/sft_dataset.py `split_sft_datasets`)."""
     if cfg.mock_data:
         return tuple(MockGPTDataset(max(n, 1), cfg.seq_length, vocab_size, seed + i)
                      for i, n in enumerate(num_samples))
-    train, valid, test = build_train_valid_test_datasets(
-        cfg.data_path, cfg.split, cfg.seq_length, seed, num_samples, cfg.data_cache_path,
-        vocab_size=vocab_size)
+    if cfg.sft:
+        train, valid, test = split_sft_datasets(cfg.data_path[0], cfg.split, cfg.seq_length, seed,
+                                                pad_id=cfg.pad_token,
+                                                mode="packed" if cfg.sft_packing else "padded")
+        if train is None:
+            raise IndexedDatasetError(f"--split {cfg.split} leaves no conversation of --data-path "
+                                      f"{cfg.data_path[0]} to train on; give the training split a share")
+        what = "conversations"
+    else:
+        train, valid, test = build_train_valid_test_datasets(
+            cfg.data_path, cfg.split, cfg.seq_length, seed, num_samples, cfg.data_cache_path,
+            vocab_size=vocab_size)
+        what = "documents"
     if valid is None and num_samples[1] and _first_rank():
-        logger.warning("--split %s leaves the validation split of --data-path %s with no documents: "
+        logger.warning("--split %s leaves the validation split of --data-path %s with no %s: "
                        "evaluation is skipped; give it a larger share (e.g. --split 969,30,1) or more "
-                       "documents, or pass --eval-iters 0", cfg.split, " ".join(map(str, cfg.data_path)))
+                       "%s, or pass --eval-iters 0", cfg.split, " ".join(map(str, cfg.data_path)), what,
+                       what)
     return train, valid, test
 
 

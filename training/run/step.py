@@ -7,10 +7,12 @@ MoE layers add their auxiliary losses to the gradients themselves (see models/mo
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 
 import torch
 
+from data.sft_dataset import OnePass
 from models.moe import set_aux_loss_scale
 from parallel import collectives as C
 from parallel.context_parallel import Documents
@@ -63,22 +65,29 @@ def documents_of(mb: dict) -> Documents | None:
     return Documents(ids=mb.get("document_ids"), positions=mb.get("position_ids"))
 
 
-def per_token_norm(microbatches: list[dict], topo: ParallelTopology) -> float:
+def per_token_norm(microbatches: list[dict], topo: ParallelTopology,
+                   counted: float | None = None) -> float:
     """The factor that turns a microbatch's summed token loss into its share of the global mean.
 
     The pipeline divides each microbatch loss by m (microbatches) and the gradient reduction
     divides by D = dp x cp (the ranks holding different tokens), so a microbatch returning
     sum x m D / N, with N the counted tokens of the whole global batch (all microbatches, all
-    data- and context-parallel ranks), makes the gradient that of sum over all tokens / N: the
-    mean over the global batch's counted tokens (not a mean of microbatch means), and
-    `mean_over_world` of those losses is that same mean.
+    data- and context-parallel ranks: `counted_tokens`, computed here unless given), makes the
+    gradient that of sum over all tokens / N: the mean over the global batch's counted tokens
+    (not a mean of microbatch means), and `mean_over_world` of those losses is that same mean.
     """
+    total = counted_tokens(microbatches, topo) if counted is None else counted
+    return len(microbatches) * topo.dp * topo.cp / total if total > 0 else 0.0
+
+
+def counted_tokens(microbatches: list[dict], topo: ParallelTopology) -> float:
+    """The tokens that enter the loss in the global batch: every data- and context-parallel
+    rank's microbatches (their "loss_mask", or every label)."""
     counted = sum(float(mb["loss_mask"].sum()) if "loss_mask" in mb else mb["labels"].numel()
                   for mb in microbatches)
     t = torch.tensor([counted], dtype=torch.float64, device=topo.device)
     C.all_reduce(t, topo.dp_cp_group)
-    total = t.item()
-    return len(microbatches) * topo.dp * topo.cp / total if total > 0 else 0.0
+    return t.item()
 
 
 def mean_over_world(losses: list[torch.Tensor], topo: ParallelTopology) -> float:
@@ -129,9 +138,11 @@ def _unmonitored(_what: str):
 
 
 def eval_step(chunks, microbatches: list[dict], topo: ParallelTopology, *, shape, dtype,
-              per_token_loss: bool = False) -> float:
-    """Mean loss over the microbatches, forward only (no graph kept)."""
-    norm = per_token_norm(microbatches, topo) if per_token_loss else None
+              per_token_loss: bool = False) -> tuple[float, float]:
+    """(mean loss over the microbatches, forward only (no graph kept), and the batch's weight in
+    an evaluation's mean: its counted tokens with `per_token_loss`, else 1)."""
+    counted = counted_tokens(microbatches, topo) if per_token_loss else 1.0
+    norm = per_token_norm(microbatches, topo, counted) if per_token_loss else None
     steps = build_schedule("forward_only", topo.pp, topo.pp_rank, len(microbatches), vpp=len(chunks))
     for c in chunks:
         c.eval()
@@ -141,25 +152,35 @@ def eval_step(chunks, microbatches: list[dict], topo: ParallelTopology, *, shape
     finally:
         for c in chunks:
             c.train()
-    return mean_over_world(losses, topo)
+    return mean_over_world(losses, topo), counted
 
 
 def evaluate(chunks, dataset, topo: ParallelTopology, run, shape, dtype, *, watchdog=None,
-             interrupted=None) -> tuple[float, int]:
+             interrupted=None) -> tuple[float, int, int]:
     """Validation loss over --eval-iters global batches (the same batches at every evaluation),
-    and how many batches it took. `interrupted()` (collective, the same on every rank) is asked
-    after each batch: True ends the evaluation early (a stop request)."""
-    mbs = run.schedule.micro_batch_size
+    how many batches it took and how many it was to take. `interrupted()` (collective, the same
+    on every rank) is asked after each batch: True ends the evaluation early (a stop request).
+
+    With the per-token loss (--sft, --calculate-per-token-loss) the loss is the mean over every
+    counted token of those batches (each batch weighed by its tokens), and --sft reads each
+    held-out conversation at most once: at most --eval-iters batches, fewer when the validation
+    conversations fill fewer (the last one filled with samples that count no token)."""
+    mbs, gbs = run.schedule.micro_batch_size, run.schedule.global_batch_size
+    planned = run.logging.eval_iters
+    if run.data.sft:
+        planned = min(planned, math.ceil(len(dataset) / gbs))
+        dataset = OnePass(dataset, planned * gbs)
     it = microbatches(dataset, consumed_samples=0, micro_batch_size=mbs, dp_rank=topo.dp_rank,
                       dp=topo.dp, device=topo.device, eod_mask_token=run.data.eod_mask_token,
                       cp=topo.cp, cp_rank=topo.cp_rank, documents=document_flags(run.data))
-    per_step = run.schedule.global_batch_size // (mbs * topo.dp)
+    per_step = gbs // (mbs * topo.dp)
     guard = watchdog.collective if watchdog is not None else _unmonitored
-    losses = []
-    for _ in range(run.logging.eval_iters):
+    total, weight, batches = 0.0, 0.0, 0
+    for _ in range(planned):
         with guard("evaluation batch (forward, all_reduce(loss))"):
-            losses.append(eval_step(chunks, [next(it) for _ in range(per_step)], topo, shape=shape,
-                                    dtype=dtype, per_token_loss=run.data.per_token_loss))
+            loss, counted = eval_step(chunks, [next(it) for _ in range(per_step)], topo, shape=shape,
+                                      dtype=dtype, per_token_loss=run.data.per_token_loss)
+            total, weight, batches = total + loss * counted, weight + counted, batches + 1
             if interrupted is not None and interrupted():
                 break
-    return sum(losses) / len(losses), len(losses)
+    return (total / weight if weight > 0 else float("nan")), batches, planned

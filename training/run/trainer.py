@@ -215,13 +215,13 @@ class Trainer:
         if self.valid_ds is None or not interval or it % interval:
             return
         interrupted = (lambda: stops.signalled(self.topo.device) != 0) if stops is not None else None
-        vloss, batches = evaluate(self.chunks, self.valid_ds, self.topo, self.run, self.shape,
-                                  self.opt.cfg.model_dtype, watchdog=self.watchdog,
-                                  interrupted=interrupted)
-        if batches < self.run.logging.eval_iters:
+        vloss, batches, planned = evaluate(self.chunks, self.valid_ds, self.topo, self.run,
+                                           self.shape, self.opt.cfg.model_dtype,
+                                           watchdog=self.watchdog, interrupted=interrupted)
+        if batches < planned:
             if self.topo.rank == 0:
                 logger.warning("evaluation at iteration %d stopped after %d of %d batches: a stop "
-                               "was requested", it, batches, self.run.logging.eval_iters)
+                               "was requested", it, batches, planned)
             return
         self.result.valid_losses.append((it, vloss))
         self.log.log(dict(loss=vloss, ppl=math.exp(min(vloss, 50))), it, "valid")
