@@ -141,7 +141,7 @@ def test_moe_rank_states_are_the_planners():
             mem = report.memory
             assert mem["model_states"] == sum(report.predicted_states), (extra, rank)
             assert (mem["params"], mem["grads"]) == report.predicted_states[:2]
-            layout = planner.layout_of_run(run, grid.dp)
+            layout = planner.Layout.of_run(run, grid.dp)
             assert layout.edp == 2
             dense, expert = planner.rank_params(run.model, layout, grid.coords(rank).pp)
             assert report.numel == dense + expert and expert > 0

@@ -29,6 +29,8 @@ from training.config.run_config import (CheckpointConfig, DataConfig, HealthConf
 
 logger = logging.getLogger(__name__)
 PRECISION_OF_DTYPE = {dtype: name for name, dtype in PRECISIONS.items()}  # torch.bfloat16 -> "bf16"
+# TransformerConfig.params_dtype -> the flag that asks for it (--bf16, --fp16; float32: neither)
+DTYPE_FLAGS = {"bfloat16": "bf16", "float16": "fp16"}
 
 
 def validate_values(args: argparse.Namespace) -> None:
@@ -149,7 +151,7 @@ def to_run_config(args: argparse.Namespace, vocab_size: int | None = None,
         tie_word_embeddings=False if args.untie_embeddings_and_output_weights else None,
         bias=False if args.disable_bias_linear else None,
         # the weights' dtype: the model config holds it, the optimizer's precision follows it
-        params_dtype="bfloat16" if args.bf16 else "float16" if args.fp16 else None)
+        params_dtype=next((d for d, flag in DTYPE_FLAGS.items() if getattr(args, flag)), None))
     same = {f.name: getattr(args, f.name) for f in dataclasses.fields(TransformerConfig)
             if f.name not in renamed and hasattr(args, f.name)}
     overrides = {k: v for k, v in {**same, **renamed}.items() if v is not None}

@@ -130,7 +130,7 @@ def dry_run_rank(run, world_size: int, rank: int, provider, step_microbatches: i
             chunks = build_chunks(provider, run, topo, rng)
             opt = build_optimizer(chunks, topo, run.optimizer)
         seconds["build"] = time.perf_counter() - t
-        layout = planner.layout_of_run(run, topo.dp)
+        layout = planner.Layout.of_run(run, topo.dp)
         m = layout.microbatches
         schedule = run.schedule.pipeline_schedule if topo.pp > 1 else "no_pipelining"
         bound = activation_bound(schedule, topo.pp, topo.pp_rank, m, topo.vpp)

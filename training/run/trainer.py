@@ -27,7 +27,7 @@ from training.monitor.journal import RunJournal
 from training.monitor.console import Progress, RunLogger
 from training.run.lr_schedule import global_batch_size, learning_rate
 from training.monitor.metrics import device_peak_flops, moe_metrics
-from training.planning.planner import PlanError, layout_of_run, memory_per_gpu
+from training.planning.planner import Layout, PlanError, memory_per_gpu
 from training.monitor.report import write_report
 from training.checkpoint.resume import TrainState, layout_of, load, save
 from training.run.step import activation_shape, evaluate, forward_backward
@@ -57,7 +57,7 @@ def build_chunks(model_provider, run: RunConfig, topo, rng):
 def predicted_memory(run: RunConfig, dp: int) -> str:
     """What the planner expects this run to hold per rank (a check on both: see docs/planner.md)."""
     try:
-        mem = memory_per_gpu(run.model, layout_of_run(run, dp))
+        mem = memory_per_gpu(run.model, Layout.of_run(run, dp))
     except (PlanError, ValueError) as e:  # a layout the planner does not model
         return f"not modelled ({e})"
     gib = 2 ** 30
