@@ -86,7 +86,7 @@ def _worker(rank, hidden, layers, tp, pp, microbatches, zero, steps, sp, precisi
     chunks = [TransformerLanguageModel(cfg, topo, **s.kwargs())
               for s in topo.config.chunk_specs(layers, topo.pp_rank)]
     broadcast_tied_embedding(chunks, topo)
-    opt = build_optimizer(chunks, topo, OptimizerConfig(zero_stage=zero, lr=1e-4, precision=precision))
+    opt = build_optimizer(chunks, topo, OptimizerConfig(zero_stage=zero, lr=1e-4), cfg.dtype)
     g = torch.Generator().manual_seed(1000 + topo.dp_rank)
 
     def batch():

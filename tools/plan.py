@@ -34,6 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from models.config import TransformerConfig  # noqa: E402
 from models.presets import PRESETS, preset  # noqa: E402
 from models.recompute import GRANULARITIES  # noqa: E402
+from parallel.zero.config import OptimizerConfig  # noqa: E402
 from training.planning.planner import (MATMUL_EFFICIENCY, Cluster, Layout, PlanError, plan,  # noqa: E402
                               rank_layouts)
 from training.config.flags import DTYPE_FLAGS, to_run_config  # noqa: E402
@@ -77,6 +78,9 @@ def parse_args(argv=None):
     lay.add_argument("--precision", choices=sorted(PARAMS_DTYPE), help=f"default {DEFAULTS['precision']}")
     lay.add_argument("--grad-bytes", type=int, choices=[2, 4], default=4)
     lay.add_argument("--flash-attention", action="store_true")
+    lay.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw",
+                     help="the optimizer's states: AdamW's two moments, or Muon's one momentum "
+                          "for the hidden matrices (AdamW for the rest)")
     lay.add_argument("--overlap-dp", action="store_true")
     p.add_argument("--top", type=int, default=10)
     p.add_argument("--published", action="store_true", help="predicted vs published runs")
@@ -168,6 +172,8 @@ def trainer_argv(cfg: TransformerConfig, lay: Layout) -> list[str]:
         argv += ["--decoder-last-pipeline-num-layers", lay.parallel.last_stage_layers]
     if lay.recompute_granularity is not None:
         argv += ["--recompute-granularity", lay.recompute_granularity]
+    if lay.optimizer.optimizer != OptimizerConfig.optimizer:
+        argv += ["--optimizer", lay.optimizer.optimizer]
     if lay.params_dtype in DTYPE_FLAGS:
         argv.append(f"--{DTYPE_FLAGS[lay.params_dtype]}")
     return [str(x) for x in argv]
@@ -261,6 +267,7 @@ def main(argv=None) -> None:
     if a.recompute == "none":  # the trainer's spelling of no recompute: no granularity
         fixed["recompute_granularity"] = None
     base = Layout.of(cp=a.context_parallel_size, params_dtype=PARAMS_DTYPE[a.precision],
+                     optimizer=OptimizerConfig(optimizer=a.optimizer),
                      grad_dtype="fp32" if a.grad_bytes == 4 else "model",
                      flash_attention=a.flash_attention, overlap_dp=a.overlap_dp,
                      first_stage_layers=a.decoder_first_pipeline_num_layers,

@@ -44,8 +44,8 @@ def test_assumptions_and_a_launch_command_the_trainer_accepts(capsys):
     p, s = run.parallel, run.schedule
     got = f"tp{p.tp} pp{p.pp} dp{8 // (p.tp * p.pp)}"
     assert " ".join(best[:3]) == got, (best, got)
-    assert (run.data.seq_length, s.global_batch_size, run.optimizer.precision,
-            run.model.num_parameters()) == (2048, 64, "bf16", tool.preset("gpt-1.3b",
+    assert (run.data.seq_length, s.global_batch_size, run.model.params_dtype,
+            run.model.num_parameters()) == (2048, 64, "bfloat16", tool.preset("gpt-1.3b",
                                             max_position_embeddings=2048).num_parameters())
     assert "launch the fastest (the first row, 8 GPUs):\ntorchrun" in out
 

@@ -30,7 +30,7 @@ def test_megatron_345m_launch_parses_unchanged(caplog):
     assert (m.num_layers, m.hidden_size, m.num_attention_heads, run.data.seq_length) == (24, 1024, 16, 1024)
     assert (s.micro_batch_size, s.global_batch_size, s.train_iters, s.lr_decay_iters) == (4, 8, 500000, 320000)
     assert s.lr_warmup_iters == 3200  # .01 x --lr-decay-iters, as Megatron computes it
-    assert run.optimizer.zero_stage == 1 and run.optimizer.precision == "fp16"
+    assert run.optimizer.zero_stage == 1 and run.model.params_dtype == "float16"
     assert run.data.split == "949,50,1" and run.checkpoint.save == run.checkpoint.load == "ckpt"
     lines = [r.getMessage() for r in caplog.records]
     for flag in ("--use-distributed-optimizer", "--overlap-grad-reduce", "--use-flash-attn",

@@ -8,11 +8,12 @@ import pytest
 
 from models.config import TransformerConfig
 from models.presets import preset
+from parallel.zero.config import OptimizerConfig
 from tests.distributed import run_distributed
 from training.planning.planner import (MATMUL_EFFICIENCY, Layout, PlanError, activation_bytes, candidate_layouts,
                               check_layout, layer_activation_bytes, memory_per_gpu,
-                              model_state_bytes, plan, rank_layouts, rank_params, stage_params,
-                              step_time)
+                              model_state_bytes, plan, rank_layouts, rank_params,
+                              rank_state_bytes, stage_params, step_time)
 from training.planning.reference_runs import CLUSTERS, GiB, published_runs
 
 P = 1_000_000.0
@@ -244,33 +245,51 @@ TINY = dict(vocab_size=1000, hidden_size=64, num_layers=2, num_attention_heads=4
 
 
 def _measure_states(rank):
+    from models.config import PARAMS_DTYPES
     from models.gpt import GPTModel
     from parallel.topology import ParallelConfig, ParallelTopology
-    from parallel.zero import OptimizerConfig, build_optimizer
+    from parallel.zero import build_optimizer
     import torch
     topo = ParallelTopology.from_config(ParallelConfig())
     out = {}
-    for precision in ("fp32", "bf16"):
-        for stage in (0, 1, 2, 3):
-            model = GPTModel(TransformerConfig(**TINY), topo)
-            opt = build_optimizer(model, topo, OptimizerConfig(zero_stage=stage, precision=precision))
-            ids = torch.randint(0, 1000, (2, 16), generator=torch.Generator().manual_seed(rank))
-            opt.backward(model(ids, labels=ids).float().mean())
-            opt.step()
-            opt.zero_grad()
-            out[(precision, stage)] = opt.memory_report()
+    for dtype in ("float32", "bfloat16"):
+        for optimizer in ("adamw", "muon"):
+            for stage in (0, 1, 2, 3):
+                model = GPTModel(TransformerConfig(**TINY), topo)
+                opt = build_optimizer(model, topo, OptimizerConfig(zero_stage=stage,
+                                                                   optimizer=optimizer),
+                                      PARAMS_DTYPES[dtype])
+                ids = torch.randint(0, 1000, (2, 16), generator=torch.Generator().manual_seed(rank))
+                opt.backward(model(ids, labels=ids).float().mean())
+                opt.step()
+                opt.zero_grad()
+                out[(dtype, optimizer, stage)] = opt.memory_report()
     return out
 
 
 def test_model_state_memory_matches_the_zero_optimizer():
+    """Weights, gradients and optimizer states (masters, AdamW's two moments; under Muon one
+    momentum per hidden matrix, AdamW's for the embeddings and 1-D parameters) as predicted."""
     reports = run_distributed(_measure_states, 2, timeout=120)
     cfg = TransformerConfig(**TINY)
     n = stage_params(cfg, 1, 1, "only")
-    for (precision, stage), rep in reports[0].items():
+    optim = {}
+    for (dtype, optimizer, stage), rep in reports[0].items():
         assert rep["numel"] == n
-        predicted = sum(model_state_bytes(n, Layout.of(dp=2, zero_stage=stage, params_dtype=precision)))
-        assert math.isclose(rep["model_states"], predicted, rel_tol=0.10), \
-            (precision, stage, rep, predicted)
+        layout = Layout.of(dp=2, params_dtype=dtype,
+                           optimizer=OptimizerConfig(zero_stage=stage, optimizer=optimizer))
+        predicted = rank_state_bytes(cfg, layout, 0)
+        assert math.isclose(rep["model_states"], sum(predicted), rel_tol=0.10), \
+            (dtype, optimizer, stage, rep, predicted)
+        # the optimizer's term within ZeRO's padding of the buckets to dp multiples
+        got = rep["master_params"] + rep["optimizer_states"]
+        assert math.isclose(got, predicted[2], rel_tol=0.02), (dtype, optimizer, stage, got, predicted)
+        optim[(dtype, optimizer, stage)] = got
+    # Muon's hidden matrices (qkv, dense, fc1, fc2: 12 h^2 per layer) keep one fp32 momentum
+    # instead of two moments; the embeddings and 1-D parameters stay on AdamW
+    matrices = TINY["num_layers"] * 12 * TINY["hidden_size"] ** 2
+    for dtype in ("float32", "bfloat16"):
+        assert optim[(dtype, "adamw", 0)] - optim[(dtype, "muon", 0)] == 4 * matrices
 
 
 # ---- predicted vs measured: the bytes autograd saves in one forward, tp 2 with and without SP ----

@@ -61,6 +61,9 @@ class Layout:
         if changes:
             raise TypeError(f"Layout has no field {sorted(changes)[0]!r} (nor ParallelConfig or "
                             f"OptimizerConfig)")
+        for name, kind in (("parallel", ParallelConfig), ("optimizer", OptimizerConfig)):
+            if name in own and not isinstance(own[name], kind):
+                raise TypeError(f"Layout.{name} is a {kind.__name__}, got {own[name]!r}")
         new = dataclasses.replace(self, **own)
         return dataclasses.replace(new, parallel=dataclasses.replace(new.parallel, **parallel),
                                    optimizer=dataclasses.replace(new.optimizer, **optimizer))
@@ -94,7 +97,7 @@ class Layout:
     def grad_bytes(self) -> int:
         """Bytes of one gradient: fp32 accumulation, or the weights' dtype (OptimizerConfig's
         grad_dtype "model", the ZeRO paper's accounting)."""
-        return 4 if self.optimizer.grad_dtype == "fp32" else self.dtype.itemsize
+        return self.optimizer.grad_torch_dtype(self.dtype).itemsize
 
     @property
     def sequence_parallel(self) -> bool:

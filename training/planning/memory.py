@@ -34,6 +34,7 @@ from models.config import TransformerConfig
 from parallel.pipeline.schedules import activation_bound
 
 from training.planning.layout import Layout
+from training.planning.optimizer_states import rank_muon_params, state_bytes
 
 
 class PlanError(ValueError):
@@ -113,29 +114,34 @@ def rank_params(cfg: TransformerConfig, layout: "Layout", pp_rank: int) -> tuple
 # ---- memory ----------------------------------------------------------------------------------
 
 def state_bytes_per_param(layout: Layout) -> tuple[float, float, float]:
-    """(weights, gradients, optimizer) bytes per parameter before ZeRO sharding."""
-    if layout.dtype == torch.float32:
-        return 4.0, 4.0, 8.0  # the fp32 weights are the masters; Adam m and v
-    return 2.0, float(layout.grad_bytes), 12.0  # fp32 master + Adam m and v
+    """(weights, gradients, optimizer) bytes per parameter before ZeRO sharding; the optimizer's
+    for a parameter its elementwise optimizer steps (AdamW, SGD; `optimizer_states.py`)."""
+    return float(layout.dtype.itemsize), float(layout.grad_bytes), state_bytes(layout)
 
 
-def model_state_bytes(n_params: float, layout: Layout,
-                      expert_params: float = 0.0) -> tuple[float, float, float]:
+def model_state_bytes(n_params: float, layout: Layout, expert_params: float = 0.0,
+                      muon_params: tuple[float, float] = (0.0, 0.0)) -> tuple[float, float, float]:
     """(weights, gradients, optimizer) bytes of `n_params` parameters sharded by ZeRO over dp and
-    `expert_params` routed-expert parameters sharded over the expert-data-parallel group."""
+    `expert_params` routed-expert parameters sharded over the expert-data-parallel group, of
+    which `muon_params` (dense, expert) are matrices Muon steps (one momentum, not two)."""
     w, g, k = state_bytes_per_param(layout)
+    k_muon = state_bytes(layout, muon=True)
     out = [0.0, 0.0, 0.0]
-    for params, n in ((n_params, layout.dp * layout.cp), (expert_params, layout.edp)):
+    for params, muon, n in ((n_params, muon_params[0], layout.dp * layout.cp),
+                            (expert_params, muon_params[1], layout.edp)):
         shard = {0: (1, 1, 1), 1: (1, 1, n), 2: (1, n, n), 3: (n, n, n)}[layout.optimizer.zero_stage]
-        for i, per_param in enumerate((w, g, k)):
-            out[i] += params * per_param / shard[i]
+        out[0] += params * w / shard[0]
+        out[1] += params * g / shard[1]
+        out[2] += ((params - muon) * k + muon * k_muon) / shard[2]
     return out[0], out[1], out[2]
 
 
 def rank_state_bytes(cfg: TransformerConfig, layout: Layout, pp_rank: int) -> tuple[float, float, float]:
     """(weights, gradients, optimizer) bytes pipeline rank `pp_rank` holds (the dry run's check)."""
     dense, expert = rank_params(cfg, layout, pp_rank)
-    return model_state_bytes(dense, layout, expert)
+    muon = rank_muon_params(cfg, layout, rank_layer_ids(cfg, layout, pp_rank),
+                            stage_name(pp_rank, layout.pp))
+    return model_state_bytes(dense, layout, expert, muon)
 
 
 def activation_element_bytes(layout: Layout) -> int:

@@ -82,7 +82,7 @@ class Trainer:
                                       timeout_s=backend_timeout(run.health.collective_timeout))
         self.rng = model_parallel_seed(run.seed, topo)
         self.chunks = build_chunks(model_provider, run, topo, self.rng)
-        self.opt = build_optimizer(self.chunks, topo, run.optimizer)
+        self.opt = build_optimizer(self.chunks, topo, run.optimizer, run.model.dtype)
         self.lock = storage.SaveLock(run.checkpoint.save) \
             if run.checkpoint.save and topo.rank == 0 else None
         if self.lock is not None:  # only the job holding --save writes there, the tokenizer first
@@ -114,7 +114,7 @@ class Trainer:
                               cp=topo.cp, cp_rank=topo.cp_rank, documents=document_flags(run.data))
         self.data.restart(self.state.consumed_samples)
         self.shape = activation_shape(topo, seq, self.sched.micro_batch_size, mcfg.hidden_size)
-        peak, peak_source = device_peak_flops(topo.device, run.logging.peak_flops, run.optimizer.precision)
+        peak, peak_source = device_peak_flops(topo.device, run.logging.peak_flops, run.model.params_dtype)
         self.window = LogWindow(mcfg.model_flops_per_token(seq), peak, topo, self.state.iteration + 1)
         self.log = RunLogger(run.logging, {"run": dataclasses.asdict(run)}, topo.rank == 0, journal,
                              self.state.iteration,
@@ -216,7 +216,7 @@ class Trainer:
             return
         interrupted = (lambda: stops.signalled(self.topo.device) != 0) if stops is not None else None
         vloss, batches = evaluate(self.chunks, self.valid_ds, self.topo, self.run, self.shape,
-                                  self.opt.cfg.model_dtype, watchdog=self.watchdog,
+                                  self.opt.dtype, watchdog=self.watchdog,
                                   interrupted=interrupted)
         if batches < self.run.logging.eval_iters:
             if self.topo.rank == 0:
