@@ -69,25 +69,11 @@ class Layout:
                                    optimizer=dataclasses.replace(new.optimizer, **optimizer))
 
     # The parallel sizes are the formulas' symbols (t, p, v, c, e): read through `parallel`.
-    @property
-    def tp(self) -> int:
-        return self.parallel.tp
-
-    @property
-    def pp(self) -> int:
-        return self.parallel.pp
-
-    @property
-    def vpp(self) -> int:
-        return self.parallel.vpp
-
-    @property
-    def cp(self) -> int:
-        return self.parallel.cp
-
-    @property
-    def ep(self) -> int:
-        return self.parallel.ep
+    tp = property(lambda self: self.parallel.tp)
+    pp = property(lambda self: self.parallel.pp)
+    vpp = property(lambda self: self.parallel.vpp)
+    cp = property(lambda self: self.parallel.cp)
+    ep = property(lambda self: self.parallel.ep)
 
     @property
     def dtype(self) -> torch.dtype:
