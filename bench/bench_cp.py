@@ -58,9 +58,9 @@ def _config(seq: int) -> TransformerConfig:
 
 
 def _layout(cp: int, seq: int, **kw) -> Layout:
-    base = dict(cp=cp, seq_length=seq, micro_batch=1, global_batch=1, precision="fp32",
-                flash_attention=True)
-    return Layout(**{**base, **kw})
+    base = dict(cp=cp, seq_length=seq, micro_batch_size=1, global_batch_size=1,
+                params_dtype="float32", flash_attention=True)
+    return Layout.of(**{**base, **kw})
 
 
 def _worker(rank, cp, seq, steps):
@@ -136,9 +136,9 @@ def budgets() -> list[dict]:
         out.append(dict(model="bench model, fp32, 1 GiB", cp=cp, longest=longest_sequence(
             small, 2 ** 30, 2 * cp, lambda s, cp=cp: _layout(cp, s))))
         out.append(dict(model="llama3-8b, bf16, tp8, full recompute, ZeRO-1, 72 GB", cp=cp,
-                        longest=longest_sequence(llama, 80e9 * 0.9, 2 * cp * 8, lambda s, cp=cp: Layout(
-                            tp=8, cp=cp, sequence_parallel=True, recompute="full", zero=1,
-                            seq_length=s, flash_attention=True))))
+                        longest=longest_sequence(llama, 80e9 * 0.9, 2 * cp * 8, lambda s, cp=cp: Layout.of(
+                            tp=8, cp=cp, sequence_parallel=True, recompute_granularity="full",
+                            zero_stage=1, seq_length=s, flash_attention=True))))
     return out
 
 

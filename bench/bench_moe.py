@@ -70,7 +70,8 @@ def step_variants(a, dtype: str):
     mz = mixtral.MixtralModel(cfg, topo)
     from parallel.sharding import load_full_state_dict
     load_full_state_dict(mz, mixtral.from_hf_state_dict(hf.state_dict(), cfg), topo)
-    opt = build_optimizer(mz, topo, OptimizerConfig(lr=LR, clip_grad=1.0, precision=dtype))
+    opt = build_optimizer(mz, topo, OptimizerConfig(lr=LR, clip_grad=1.0),
+                          torch.bfloat16 if dtype == "bf16" else torch.float32)
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, a.vocab, (a.batch, a.seq + 1), generator=g)
     ids, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()

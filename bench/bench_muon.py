@@ -49,8 +49,8 @@ def time_steps(args, optimizer: str, ns_dtype: str) -> dict:
     model = TransformerLanguageModel(cfg, topo)
     opt = build_optimizer(model, topo, OptimizerConfig(
         optimizer=optimizer, lr=1e-3, weight_decay=0.1, clip_grad=1.0,
-        precision="bf16" if topo.device.type == "cuda" else "fp32",
-        muon=MuonSettings(ns_dtype=ns_dtype)))
+        muon=MuonSettings(ns_dtype=ns_dtype)),
+        torch.bfloat16 if topo.device.type == "cuda" else torch.float32)
     g = torch.Generator().manual_seed(0)
     fb, st = [], []
     for i in range(args.warmup + args.iters):

@@ -86,7 +86,7 @@ def _worker(rank, hidden, layers, tp, pp, microbatches, zero, steps, sp, precisi
     chunks = [TransformerLanguageModel(cfg, topo, **s.kwargs())
               for s in topo.config.chunk_specs(layers, topo.pp_rank)]
     broadcast_tied_embedding(chunks, topo)
-    opt = build_optimizer(chunks, topo, OptimizerConfig(zero_stage=zero, lr=1e-4, precision=precision))
+    opt = build_optimizer(chunks, topo, OptimizerConfig(zero_stage=zero, lr=1e-4), cfg.dtype)
     g = torch.Generator().manual_seed(1000 + topo.dp_rank)
 
     def batch():
@@ -127,9 +127,9 @@ def run_one(w: World, steps: int) -> dict:
     ranks = run_distributed(_worker, tp * pp * dp, hidden, layers, tp, pp, m, zero, steps, w.sp,
                             w.precision, timeout=600)
     cfg = _config(hidden, layers, w.precision)
-    layout = Layout(tp=tp, pp=pp, dp=dp, zero=zero, sequence_parallel=w.sp, micro_batch=MBS,
-                    global_batch=m * MBS * dp, seq_length=SEQ, precision=w.precision,
-                    flash_attention=True)
+    layout = Layout.of(tp=tp, pp=pp, dp=dp, zero_stage=zero, sequence_parallel=w.sp,
+                       micro_batch_size=MBS, global_batch_size=m * MBS * dp, seq_length=SEQ,
+                       params_dtype=cfg.params_dtype, flash_attention=True)
     pred_mem = memory_per_gpu(cfg, layout)
     out = dict(w._asdict(), world=tp * pp * dp, params=cfg.num_parameters(),
                step_wall_s=statistics.median(r["wall"][i] for r in ranks for i in range(len(r["wall"]))),

@@ -10,7 +10,7 @@ and timed in interleaved rounds (each round runs every variant once, rotating wh
          (optimizer.step + zero_grad); HF is split the same way (backward | clip + AdamW).  HF: `model(ids)` + the same fp32 cross-entropy,
          `clip_grad_norm_`, `torch.optim.AdamW(fused=True)` (HF Trainer's default optimizer
          with torch >= 2.8, "adamw_torch_fused").
-  bf16   megazoo: the ZeRO optimizer with precision="bf16": bf16 weights and activations, fp32
+  bf16   megazoo: the ZeRO optimizer with dtype=torch.bfloat16: bf16 weights and activations, fp32
          gradient buffers, fp32 master weights.  HF runs two recipes and the ratio is taken
          against the FASTER one, so it never flatters megazoo:
            hf-bf16-master  model.to(bfloat16) + fp32 master copies (Megatron/DeepSpeed style);
@@ -87,7 +87,8 @@ def megazoo_step(arch: str, cfg: TransformerConfig, precision: str, init_sd) -> 
     model = (GPTModel if arch == "gpt" else BloomModel)(cfg, topo)
     model.load_state_dict(init_sd)
     opt = build_optimizer(model, topo, OptimizerConfig(
-        zero_stage=0, lr=LR, weight_decay=WD, clip_grad=CLIP, precision=precision))
+        zero_stage=0, lr=LR, weight_decay=WD, clip_grad=CLIP),
+        torch.bfloat16 if precision == "bf16" else torch.float32)
     last = {}
 
     def fb(ids, labels):

@@ -71,14 +71,15 @@ def _train(args, rank: int, backward_step) -> dict:
 
 
 def _megazoo_rank(args):
+    import torch
     from parallel.topology import ParallelConfig, ParallelTopology
     from parallel.zero import OptimizerConfig, build_optimizer
     topo = ParallelTopology.from_config(ParallelConfig())
     base = _rss_now()
     model = _model(args, topo)
     opt = build_optimizer(model, topo, OptimizerConfig(
-        zero_stage=args.stage, lr=args.lr, weight_decay=0.0, clip_grad=1.0, precision="bf16",
-        bucket_numel=args.bucket_numel))
+        zero_stage=args.stage, lr=args.lr, weight_decay=0.0, clip_grad=1.0,
+        bucket_numel=args.bucket_numel), torch.bfloat16)
 
     def step(ids, labels):
         loss = model(ids, labels=labels).float().mean()

@@ -279,7 +279,7 @@ def train_step(dev, compile_layers: bool, micro_batch: int, steps: int, model_na
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(dev)
     model = GPTModel(cfg, topo)
-    opt = build_optimizer(model, topo, OptimizerConfig(precision="bf16", lr=1e-4, clip_grad=1.0))
+    opt = build_optimizer(model, topo, OptimizerConfig(lr=1e-4, clip_grad=1.0), cfg.dtype)
     if compile_layers:
         for layer in model.layers.values():
             layer.compile()
@@ -300,12 +300,13 @@ def train_step(dev, compile_layers: bool, micro_batch: int, steps: int, model_na
         if i >= 2:
             times.append(time.perf_counter() - t)
     step = sorted(times)[len(times) // 2]
-    peak, source = device_peak_flops(dev, peak_flops, precision="bf16")
+    peak, source = device_peak_flops(dev, peak_flops, cfg.params_dtype)
     tokens_per_s = micro_batch * seq / step
     mfu = model_flops_utilisation(cfg.model_flops_per_token(seq) * tokens_per_s, peak) \
         if peak else float("nan")
-    planned = memory_per_gpu(cfg, Layout(micro_batch=micro_batch, global_batch=micro_batch,
-                                         seq_length=seq, precision="bf16", flash_attention=True))
+    planned = memory_per_gpu(cfg, Layout.of(micro_batch_size=micro_batch,
+                                            global_batch_size=micro_batch, seq_length=seq,
+                                            params_dtype="bfloat16", flash_attention=True))
     return dict(compile=compile_layers, micro_batch=micro_batch, seq=seq, step_s=step,
                 tokens_per_s=tokens_per_s, mfu=mfu, mfu_vs_megatron=mfu / MEGATRON_MFU,
                 peak_flops=peak, peak_source=source, loss=float(loss),

@@ -15,7 +15,7 @@ logger = logging.getLogger(__name__)
 # The rotary scalings models/rope.py computes (transformers' `rope_type` names).
 ROPE_TYPES = ("default", "linear", "llama3", "dynamic", "yarn", "longrope")
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+PARAMS_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # Fields that change how a model trains, not the function its weights compute. A checkpoint
 # resumes whatever their values (training/checkpoint/format.py::check_compatible), and a Hugging
@@ -125,7 +125,7 @@ class TransformerConfig:
                 ("position_embedding", self.position_embedding, ("learned", "alibi", "rope")),
                 ("normalization", self.normalization, ("layernorm", "rmsnorm")),
                 ("activation", self.activation, ("gelu_tanh", "gelu", "swiglu")),
-                ("params_dtype", self.params_dtype, tuple(_DTYPES))):
+                ("params_dtype", self.params_dtype, tuple(PARAMS_DTYPES))):
             if value not in allowed:
                 raise ValueError(f"{name}={value!r} is not supported; choose one of {allowed}")
         self.recompute_method, self.recompute_num_layers = resolve_recompute(
@@ -253,7 +253,7 @@ class TransformerConfig:
 
     @property
     def dtype(self) -> torch.dtype:
-        return _DTYPES[self.params_dtype]
+        return PARAMS_DTYPES[self.params_dtype]
 
     def padded_vocab_size(self, tp: int) -> int:
         multiple = self.make_vocab_size_divisible_by * tp

@@ -179,10 +179,11 @@ def opt_config(**kw) -> OptimizerConfig:
 
 def zero_run(topo: ParallelTopology, cfg: TransformerConfig, ocfg: OptimizerConfig,
              steps: int = STEPS, microbatches: int = 1, inject_inf_at: tuple[int, ...] = (),
-             on_step=None):
-    """Train with the ZeRO optimizer: (losses, full fp32 parameters, StepResults, optimizer)."""
+             on_step=None, dtype: torch.dtype = torch.float32):
+    """Train with the ZeRO optimizer, weights in `dtype`: (losses, full fp32 parameters,
+    StepResults, optimizer)."""
     model = TransformerLanguageModel(cfg, topo)
-    opt = build_optimizer(model, topo, ocfg)
+    opt = build_optimizer(model, topo, ocfg, dtype)
     losses, results = [], []
     for step in range(steps):
         ids, labels = batch(step, topo)

@@ -33,9 +33,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from models.config import TransformerConfig  # noqa: E402
 from models.presets import PRESETS, preset  # noqa: E402
+from models.recompute import GRANULARITIES  # noqa: E402
+from parallel.zero.config import OptimizerConfig  # noqa: E402
 from training.planning.planner import (MATMUL_EFFICIENCY, Cluster, Layout, PlanError, plan,  # noqa: E402
                               rank_layouts)
-from training.config.flags import to_run_config  # noqa: E402
+from training.config.flags import DTYPE_FLAGS, to_run_config  # noqa: E402
 from training.config.parser import build_parser  # noqa: E402
 from training.planning.reference_runs import CLUSTERS, GiB, published_runs  # noqa: E402
 
@@ -62,7 +64,7 @@ def parse_args(argv=None):
     lay.add_argument("--expert-model-parallel-size", type=int, dest="ep",
                      help="ranks each MoE layer's experts are split over (carved out of dp)")
     lay.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3])
-    lay.add_argument("--recompute", choices=["none", "selective", "full"])
+    lay.add_argument("--recompute", choices=["none", *GRANULARITIES])
     lay.add_argument("--sequence-parallel", action="store_true", default=None)
     lay.add_argument("--context-parallel-size", type=int, default=1,
                      help="ranks each sample's sequence is split over (ring attention)")
@@ -73,9 +75,12 @@ def parse_args(argv=None):
                      help="layers on the last pipeline stage")
     lay.add_argument("--global-batch-size", type=int, help=f"default {DEFAULTS['global_batch_size']}")
     lay.add_argument("--seq-length", type=int, help=f"default {DEFAULTS['seq_length']}")
-    lay.add_argument("--precision", choices=["bf16", "fp32"], help=f"default {DEFAULTS['precision']}")
+    lay.add_argument("--precision", choices=sorted(PARAMS_DTYPE), help=f"default {DEFAULTS['precision']}")
     lay.add_argument("--grad-bytes", type=int, choices=[2, 4], default=4)
     lay.add_argument("--flash-attention", action="store_true")
+    lay.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw",
+                     help="the optimizer's states: AdamW's two moments, or Muon's one momentum "
+                          "for the hidden matrices (AdamW for the rest)")
     lay.add_argument("--overlap-dp", action="store_true")
     p.add_argument("--top", type=int, default=10)
     p.add_argument("--published", action="store_true", help="predicted vs published runs")
@@ -88,6 +93,7 @@ def parse_args(argv=None):
 
 # What the plan assumes when no flag says otherwise (printed as "default" by `assumptions`).
 DEFAULTS = dict(seq_length=2048, global_batch_size=512, precision="bf16")
+PARAMS_DTYPE = {"bf16": "bfloat16", "fp32": "float32"}  # --precision -> TransformerConfig.params_dtype
 
 
 def assumptions(a, cluster: Cluster) -> str:
@@ -142,8 +148,8 @@ def trainer_argv(cfg: TransformerConfig, lay: Layout) -> list[str]:
             "--num-attention-heads", cfg.num_attention_heads, "--ffn-hidden-size", cfg.ffn_hidden_size,
             "--vocab-size", cfg.vocab_size, "--max-position-embeddings", cfg.max_position_embeddings,
             "--seq-length", lay.seq_length, "--tensor-model-parallel-size", lay.tp,
-            "--pipeline-model-parallel-size", lay.pp, "--zero-stage", lay.zero,
-            "--micro-batch-size", lay.micro_batch, "--global-batch-size", lay.global_batch,
+            "--pipeline-model-parallel-size", lay.pp, "--zero-stage", lay.optimizer.zero_stage,
+            "--micro-batch-size", lay.micro_batch_size, "--global-batch-size", lay.global_batch_size,
             "--mock-data", "--train-iters", 1]
     if cfg.num_experts:
         argv += ["--num-experts", cfg.num_experts, "--moe-router-topk", cfg.moe_router_topk,
@@ -160,14 +166,16 @@ def trainer_argv(cfg: TransformerConfig, lay: Layout) -> list[str]:
         argv.append("--sequence-parallel")
     if lay.cp > 1:
         argv += ["--context-parallel-size", lay.cp]
-    if lay.first_stage_layers is not None:
-        argv += ["--decoder-first-pipeline-num-layers", lay.first_stage_layers]
-    if lay.last_stage_layers is not None:
-        argv += ["--decoder-last-pipeline-num-layers", lay.last_stage_layers]
-    if lay.recompute != "none":
-        argv += ["--recompute-granularity", lay.recompute]
-    if lay.precision in ("bf16", "fp16"):
-        argv.append(f"--{lay.precision}")
+    if lay.parallel.first_stage_layers is not None:
+        argv += ["--decoder-first-pipeline-num-layers", lay.parallel.first_stage_layers]
+    if lay.parallel.last_stage_layers is not None:
+        argv += ["--decoder-last-pipeline-num-layers", lay.parallel.last_stage_layers]
+    if lay.recompute_granularity is not None:
+        argv += ["--recompute-granularity", lay.recompute_granularity]
+    if lay.optimizer.optimizer != OptimizerConfig.optimizer:
+        argv += ["--optimizer", lay.optimizer.optimizer]
+    if lay.params_dtype in DTYPE_FLAGS:
+        argv.append(f"--{DTYPE_FLAGS[lay.params_dtype]}")
     return [str(x) for x in argv]
 
 
@@ -252,13 +260,19 @@ def main(argv=None) -> None:
         return
     cfg, cluster = build_model(a), build_cluster(a)
     print(assumptions(a, cluster))
-    fixed = {k: v for k, v in dict(tp=a.tp, pp=a.pp, vpp=a.vpp, ep=a.ep, zero=a.zero_stage,
-                                   recompute=a.recompute, sequence_parallel=a.sequence_parallel,
-                                   micro_batch=a.micro_batch_size).items() if v is not None}
-    common = dict(cp=a.context_parallel_size, precision=a.precision, grad_bytes=a.grad_bytes,
-                  flash_attention=a.flash_attention, overlap_dp=a.overlap_dp,
-                  first_stage_layers=a.decoder_first_pipeline_num_layers,
-                  last_stage_layers=a.decoder_last_pipeline_num_layers)
+    fixed = {k: v for k, v in dict(tp=a.tp, pp=a.pp, vpp=a.vpp, ep=a.ep, zero_stage=a.zero_stage,
+                                   recompute_granularity=a.recompute,
+                                   sequence_parallel=a.sequence_parallel,
+                                   micro_batch_size=a.micro_batch_size).items() if v is not None}
+    if a.recompute == "none":  # the trainer's spelling of no recompute: no granularity
+        fixed["recompute_granularity"] = None
+    base = Layout.of(cp=a.context_parallel_size, params_dtype=PARAMS_DTYPE[a.precision],
+                     optimizer=OptimizerConfig(optimizer=a.optimizer),
+                     grad_dtype="fp32" if a.grad_bytes == 4 else "model",
+                     flash_attention=a.flash_attention, overlap_dp=a.overlap_dp,
+                     first_stage_layers=a.decoder_first_pipeline_num_layers,
+                     last_stage_layers=a.decoder_last_pipeline_num_layers,
+                     global_batch_size=a.global_batch_size, seq_length=a.seq_length)
     if cfg.num_experts:
         print(f"mixture of experts: {cfg.num_parameters(active=True) / 1e9:.2f}B of the "
               f"{cfg.num_parameters() / 1e9:.2f}B parameters active per token (FLOPs and MFU "
@@ -267,13 +281,10 @@ def main(argv=None) -> None:
           f"L={cfg.num_layers}, heads={cfg.num_attention_heads}, V={cfg.vocab_size}); cluster: "
           f"{cluster.num_gpus} x {cluster.memory_bytes / GiB:.0f} GiB, "
           f"{cluster.peak_flops / 1e12:.0f} TFLOP/s peak")
-    if {"tp", "pp", "zero", "recompute", "micro_batch"} <= set(fixed) and \
+    if {"tp", "pp", "zero_stage", "recompute_granularity", "micro_batch_size"} <= set(fixed) and \
             ("ep" in fixed or not cfg.num_experts):
         dp = cluster.num_gpus // (a.tp * a.pp * a.context_parallel_size)
-        layout = Layout(tp=a.tp, pp=a.pp, dp=dp, vpp=a.vpp or 1, ep=a.ep or 1, zero=a.zero_stage,
-                        sequence_parallel=bool(a.sequence_parallel), recompute=a.recompute,
-                        micro_batch=a.micro_batch_size, global_batch=a.global_batch_size,
-                        seq_length=a.seq_length, **common)
+        layout = base.replace(dp=dp, **fixed)
         try:
             p = plan(cfg, layout, cluster)
         except PlanError as e:
@@ -291,8 +302,7 @@ def main(argv=None) -> None:
             print(f"launch ({layout.world} GPUs):\n{launch_command(a, cfg, layout, cluster)}")
         return
     parser = build_parser()
-    plans = [p for p in rank_layouts(cfg, cluster, global_batch=a.global_batch_size,
-                                     seq_length=a.seq_length, fixed=fixed, **common)
+    plans = [p for p in rank_layouts(cfg, cluster, base, fixed)
              if trainer_refusal(cfg, p.layout, parser) is None]  # only what train_*.py accepts
     if not plans:
         sys.exit("no layout fits: add GPUs, memory, recompute or ZeRO, or shrink the batch")

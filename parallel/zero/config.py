@@ -7,8 +7,6 @@ import torch
 
 from .muon import MuonSettings
 
-PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
 
 class ZeroConfigError(ValueError):
     """A bad optimizer configuration; the message names the flag and the fix."""
@@ -40,7 +38,8 @@ class OptimizerConfig:
     # Megatron convention: no decay on biases and norm weights (any parameter with ndim < 2).
     decay_biases_and_norms: bool = False
     clip_grad: float = 0.0  # --clip-grad; 0 disables clipping (the norm is still reported)
-    precision: str = "fp32"  # fp32 | bf16 | fp16: dtype of the model weights
+    # (The weights' dtype is the model's, TransformerConfig.params_dtype; the optimizer is given
+    # it by whoever builds it: `build_optimizer(..., dtype=run.model.dtype)`.)
     # Gradient buffer dtype. "fp32" accumulates micro-batch gradients and reduces them in fp32
     # (accurate, Megatron's default); "model" keeps them in the model dtype (DeepSpeed's and
     # the ZeRO paper's accounting: 2 bytes per gradient).
@@ -55,13 +54,9 @@ class OptimizerConfig:
     offload_resident_buckets: int = 2
     raise_on_nonfinite: bool = False  # raise instead of skipping when the loss/grads are NaN/inf
 
-    @property
-    def model_dtype(self) -> torch.dtype:
-        return PRECISIONS[self.precision]
-
-    @property
-    def grad_torch_dtype(self) -> torch.dtype:
-        return torch.float32 if self.grad_dtype == "fp32" else self.model_dtype
+    def grad_torch_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """The gradient buffers' dtype for weights of `model_dtype`."""
+        return torch.float32 if self.grad_dtype == "fp32" else model_dtype
 
     def validate(self, pp: int = 1) -> None:
         if self.zero_stage not in (0, 1, 2, 3):
@@ -70,9 +65,6 @@ class OptimizerConfig:
             raise ZeroConfigError(
                 "--zero-stage 3 does not compose with --pipeline-model-parallel-size > 1; "
                 "use --zero-stage 1 or 2 with pipelines")
-        if self.precision not in PRECISIONS:
-            raise ZeroConfigError(f"--precision must be one of {sorted(PRECISIONS)}, "
-                                  f"got {self.precision!r}")
         if self.grad_dtype not in ("fp32", "model"):
             raise ZeroConfigError(f"grad_dtype must be 'fp32' or 'model', got {self.grad_dtype!r}")
         if self.optimizer not in ("adamw", "sgd", "muon"):

@@ -75,8 +75,9 @@ class DynamicLossScaler:
         self.hysteresis_tracker = int(state["hysteresis_tracker"])
 
 
-def build_loss_scaler(precision: str, cfg: LossScaleConfig):
-    if precision != "fp16":
+def build_loss_scaler(dtype: torch.dtype, cfg: LossScaleConfig):
+    """fp16 weights need a loss scale (their gradients underflow); bf16 and fp32 do not."""
+    if dtype != torch.float16:
         return NoLossScaler()
     if cfg.static_scale is not None:
         return StaticLossScaler(cfg.static_scale)

@@ -1,6 +1,6 @@
 """The mixed-precision ZeRO optimizer: what the training loop builds and calls.
 
-    opt = build_optimizer(model_or_chunks, topo, OptimizerConfig(zero_stage=2, precision="bf16"))
+    opt = build_optimizer(model_or_chunks, topo, OptimizerConfig(zero_stage=2), dtype=torch.bfloat16)
     for micro in micro_batches[:-1]:
         with opt.no_sync():                     # stages 0-1: accumulate without communicating
             opt.backward(model(micro).mean())
@@ -9,7 +9,8 @@
     opt.zero_grad()
 
 Building it moves every trainable parameter into flat buckets (see `flat_buffer.py`), casts the
-model weights to the configured precision and keeps fp32 master weights for this rank's shard.
+model weights to `dtype` (the model config's, TransformerConfig.dtype) and keeps fp32 master
+weights for this rank's shard.
 The step: wait for the gradient reductions, compute the global norm (which also detects
 overflow), unscale and clip in one multiplier, run AdamW/SGD on each bucket's shard, write the
 model-dtype weights and (stages 1-2) all-gather them. Stage 3 leaves the weights sharded; its
@@ -57,16 +58,18 @@ class StepResult:
 
 
 class ZeroOptimizer:
-    def __init__(self, modules: list[nn.Module], topo, cfg: OptimizerConfig):
+    def __init__(self, modules: list[nn.Module], topo, cfg: OptimizerConfig,
+                 dtype: torch.dtype = torch.float32):
         cfg.validate(topo.pp)
         self.cfg, self.topo, self.modules = cfg, topo, modules
+        self.dtype = dtype  # the model weights' (and under grad_dtype "model" the gradients')
         self.stage = cfg.zero_stage
         self.lr, self.iteration, self.applied_steps = cfg.lr, 0, 0
         self.inner = build_inner(cfg.optimizer, cfg.betas, cfg.eps, cfg.momentum)
         # --optimizer muon: Muon buckets hold the matrices it suits; AdamW steps the others.
         self.muon = Muon(cfg.muon, topo) if cfg.optimizer == "muon" else None
-        self.scaler = build_loss_scaler(cfg.precision, cfg.loss_scale)
-        self.mixed = cfg.model_dtype != torch.float32
+        self.scaler = build_loss_scaler(dtype, cfg.loss_scale)
+        self.mixed = dtype != torch.float32
         self.state_device = topo.device if cfg.offload == "none" else torch.device("cpu")
         # A separate fp32 master copy exists for bf16/fp16, or when the step runs elsewhere.
         self.separate_master = self.mixed or self.state_device != topo.device
@@ -102,7 +105,7 @@ class ZeroOptimizer:
             self.grad_sync.on_launched.append(self.zero3.on_bucket_launched)
             self.zero3.install()
         logger.info("ZeRO-%d optimizer: %d params in %d buckets, %s weights, dp=%d x cp=%d, "
-                    "offload=%s", self.stage, self.numel, len(self.buffers), cfg.precision, topo.dp,
+                    "offload=%s", self.stage, self.numel, len(self.buffers), dtype, topo.dp,
                     topo.cp, cfg.offload)
 
     # ---- construction --------------------------------------------------------------------------
@@ -118,8 +121,8 @@ class ZeroOptimizer:
         # Expert weights differ across the expert-parallel ranks: only the ranks holding the
         # same experts (expert data parallelism) reduce and shard them together.
         group = self.topo.edp_group if key.expert else self.topo.dp_cp_group
-        return FlatBuffer(items, key, dtype=self.cfg.model_dtype,
-                          grad_dtype=self.cfg.grad_torch_dtype, device=self.topo.device,
+        return FlatBuffer(items, key, dtype=self.dtype,
+                          grad_dtype=self.cfg.grad_torch_dtype(self.dtype), device=self.topo.device,
                           dp_group=group, dp_rank=C.group_rank(group),
                           sharded=self.stage >= 1, shard_grads=self.stage >= 2,
                           shard_params=self.stage == 3)
@@ -305,8 +308,10 @@ def _named(module: nn.Module, chunk: int, modules: list[nn.Module]):
     return [(prefix + n, p) for n, p in module.named_parameters() if p.requires_grad]
 
 
-def build_optimizer(model_or_chunks, topo, cfg: OptimizerConfig) -> ZeroOptimizer:
-    """Wrap a model (or a pipeline rank's list of model chunks) in the ZeRO optimizer."""
+def build_optimizer(model_or_chunks, topo, cfg: OptimizerConfig,
+                    dtype: torch.dtype = torch.float32) -> ZeroOptimizer:
+    """Wrap a model (or a pipeline rank's list of model chunks) in the ZeRO optimizer, its
+    weights in `dtype` (the model config's: `run.model.dtype`)."""
     modules = list(model_or_chunks) if isinstance(model_or_chunks, (list, tuple)) \
         else [model_or_chunks]
-    return ZeroOptimizer(modules, topo, cfg)
+    return ZeroOptimizer(modules, topo, cfg, dtype)

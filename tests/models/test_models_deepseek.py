@@ -420,7 +420,7 @@ def test_expert_biases_survive_a_change_of_layout_bit_for_bit(tmp_path, caplog):
     (pp2, dp2, ZeRO-3), read back whole and by a rank of another layout whose ZeRO shards need
     only the last element of every tensor, then rewritten at tp2 and loaded into a live unsharded model."""
     import math
-    from training.checkpoint import reshard, slices
+    from training.checkpoint import layout_writer, reshard, slices
     cfg = _parallel_config()
     model = TransformerLanguageModel(cfg, ParallelTopology.single())
     g = torch.Generator().manual_seed(7)
@@ -432,14 +432,14 @@ def test_expert_biases_survive_a_change_of_layout_bit_for_bit(tmp_path, caplog):
     trained = {k: v for k, v in weights.items() if not k.endswith("expert_bias")}
     optim = {"master": trained, "exp_avg": {k: v * 0.5 for k, v in trained.items()}}
     full = reshard.FullState(dict(consumed_samples=0, skipped_steps=0), weights, optim)
-    src = reshard.write_layout(full, str(tmp_path / "a"), config=cfg, tp=1, pp=2, dp=2,
+    src = layout_writer.write_layout(full, str(tmp_path / "a"), config=cfg, tp=1, pp=2, dp=2,
                                zero_stage=3)
     back = reshard.read_full_state(src)
     for i, bias in biases.items():
         assert torch.equal(back.weights[f"layers.{i}.mlp.expert_bias"], bias)
         assert f"layers.{i}.mlp.expert_bias" not in back.master  # weights only, no state
 
-    topo, chunks = reshard.build_rank_chunks(cfg, tp=1, pp=1, vpp=1, dp=2, rank=1)
+    topo, chunks = layout_writer.build_rank_chunks(cfg, tp=1, pp=1, vpp=1, dp=2, rank=1)
     rows = reshard.param_table(chunks, frozen=True)
     ranges = [[i, math.prod(r[3]) - 1, math.prod(r[3]), 0] for i, r in enumerate(rows)
               if not reshard.is_frozen(r)]
@@ -454,7 +454,7 @@ def test_expert_biases_survive_a_change_of_layout_bit_for_bit(tmp_path, caplog):
     assert [slices.file_wanted(record, 0, 0, 0, 1, need, optimizer_shards=True, holds_frozen=h)
             for h in ((True, True), (False, False))] == [True, False]
 
-    dst = reshard.write_layout(back, str(tmp_path / "b"), config=cfg, tp=2, pp=1, weights_only=True)
+    dst = layout_writer.write_layout(back, str(tmp_path / "b"), config=cfg, tp=2, pp=1, weights_only=True)
     fresh = TransformerLanguageModel(cfg, ParallelTopology.single())
     assert not any(torch.equal(b, biases[i]) for i, b in _biases(fresh).items())
     reshard.load_weights(dst, [fresh], ParallelTopology.single())

@@ -295,22 +295,22 @@ def test_planner_models_context_parallelism():
     from models.presets import preset
     from training.planning.planner import Cluster, Layout, PlanError, check_layout, memory_per_gpu, step_time
     cfg = preset("llama3-8b")
-    base = dict(tp=8, sequence_parallel=True, recompute="full", zero=1, seq_length=131072,
-                flash_attention=True)
-    mem = {c: memory_per_gpu(cfg, Layout(cp=c, **base)) for c in (1, 2, 4)}
+    base = dict(tp=8, sequence_parallel=True, recompute_granularity="full", zero_stage=1,
+                seq_length=131072, flash_attention=True)
+    mem = {c: memory_per_gpu(cfg, Layout.of(cp=c, **base)) for c in (1, 2, 4)}
     for c in (2, 4):
         assert mem[c].activations == pytest.approx(mem[1].activations / c, rel=1e-9)
     # ZeRO shards over dp x cp: cp4 x dp1 holds what cp1 x dp4 holds
     assert mem[4].optimizer == pytest.approx(
-        memory_per_gpu(cfg, Layout(dp=4, **{**base, "seq_length": 32768})).optimizer)
+        memory_per_gpu(cfg, Layout.of(dp=4, **{**base, "seq_length": 32768})).optimizer)
     cluster = Cluster(name="t", num_gpus=32, gpus_per_node=8, peak_flops=989e12,
                       memory_bytes=80e9, intra_node_bw=450e9, inter_node_bw=50e9, hbm_bw=3.35e12)
-    t1, t4 = (step_time(cfg, Layout(cp=c, dp=4 // c, global_batch=4, **base), cluster)
+    t1, t4 = (step_time(cfg, Layout.of(cp=c, dp=4 // c, global_batch_size=4, **base), cluster)
               for c in (1, 4))
     assert t1.cp_comm == 0 and t4.cp_comm >= 0 and t4.compute == pytest.approx(t1.compute)
-    check_layout(cfg, Layout(cp=4, global_batch=1, **base), cluster.replace(num_gpus=32))
+    check_layout(cfg, Layout.of(cp=4, global_batch_size=1, **base), cluster.replace(num_gpus=32))
     with pytest.raises(PlanError, match="tp\\*pp\\*dp\\*cp = 16"):
-        check_layout(cfg, Layout(cp=2, global_batch=1, **base), cluster)
+        check_layout(cfg, Layout.of(cp=2, global_batch_size=1, **base), cluster)
 
 
 @pytest.mark.parametrize("fused", [True, False])

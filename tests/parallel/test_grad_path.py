@@ -28,7 +28,7 @@ def test_bucket_gradients_equal_autograd(precision, stage, tied):
     model = TransformerLanguageModel(cfg, topo)
     model.load_state_dict(ref.state_dict())
     # bf16: the optimizer rounds the model's weights to bf16 (fp32 masters); so does .to()
-    opt = build_optimizer(model, topo, OptimizerConfig(zero_stage=stage, precision=precision))
+    opt = build_optimizer(model, topo, OptimizerConfig(zero_stage=stage), dtype)
     ref.to(dtype)
     names = {id(p): n for n, p in model.named_parameters()}
     ref_params = dict(ref.named_parameters())
@@ -57,7 +57,7 @@ def _fp32_pair(tied: bool):
     topo = ParallelTopology.single()
     ref, model = TransformerLanguageModel(cfg, topo), TransformerLanguageModel(cfg, topo)
     model.load_state_dict(ref.state_dict())
-    opt = build_optimizer(model, topo, OptimizerConfig(zero_stage=0, precision="fp32"))
+    opt = build_optimizer(model, topo, OptimizerConfig(zero_stage=0))
     return model, ref, opt
 
 

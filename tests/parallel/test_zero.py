@@ -26,7 +26,7 @@ from tests.tolerances import assert_trained_close, update_deviation
 # loss difference, and the deviation of the weights relative to how far fp32 training moved them,
 # ||w - w_fp32|| / ||w_fp32 - w_init|| over all parameters. (A per-element bound is meaningless
 # for Adam: an element whose gradient is rounding noise moves by +-lr either way.)
-MIXED_TOL = {"bf16": dict(loss=1e-3, update=0.1), "fp16": dict(loss=3e-4, update=0.03)}
+MIXED_TOL = {torch.bfloat16: dict(loss=1e-3, update=0.1), torch.float16: dict(loss=3e-4, update=0.03)}
 
 
 def _check_parity(topo, cfg, stages, where, microbatches=1):
@@ -62,13 +62,14 @@ def _dp_worker(rank, world):
         return checked
     # Mixed precision against the fp32 run of the same stage.
     init = initial_parameters(cfg)
-    for stage, precision in ((1, "fp16"), (2, "bf16"), (3, "bf16"), (0, "bf16")):
+    for stage, dtype in ((1, torch.float16), (2, torch.bfloat16), (3, torch.bfloat16),
+                         (0, torch.bfloat16)):
         f_losses, f_params, _, _ = zero_run(topo, cfg, opt_config(zero_stage=stage))
-        losses, params, results, opt = zero_run(topo, cfg, opt_config(zero_stage=stage,
-                                                                       precision=precision))
-        tol, tag = MIXED_TOL[precision], f"zero={stage} {precision}"
+        losses, params, results, opt = zero_run(topo, cfg, opt_config(zero_stage=stage),
+                                                dtype=dtype)
+        tol, tag = MIXED_TOL[dtype], f"zero={stage} {dtype}"
         assert not any(r.skipped for r in results), tag
-        assert all(p.dtype == opt.cfg.model_dtype for p in opt.modules[0].parameters())
+        assert all(p.dtype == dtype for p in opt.modules[0].parameters())
         assert len(losses) == len(f_losses) == STEPS, (tag, losses, f_losses)
         loss_diff = max(abs(a - b) / abs(b) for a, b in zip(losses, f_losses))
         deviation = update_deviation(params, f_params, init)

@@ -35,8 +35,8 @@ def _memory(topo, out):
     cfg = small_gpt(num_layers=4)
     for stage in (0, 1, 2, 3):
         for grad_dtype, table in (("model", PAPER), ("fp32", FP32_GRADS)):
-            _, _, _, opt = zero_run(topo, cfg, opt_config(zero_stage=stage, precision="bf16",
-                                                          grad_dtype=grad_dtype), steps=1)
+            _, _, _, opt = zero_run(topo, cfg, opt_config(zero_stage=stage, grad_dtype=grad_dtype),
+                                    steps=1, dtype=torch.bfloat16)
             rep = opt.memory_report()
             expected = table[stage](rep["numel"], topo.dp)
             ratio = rep["model_states"] / expected
@@ -46,8 +46,8 @@ def _memory(topo, out):
     # once are materialised: the current one, plus the next one when prefetching.
     for prefetch, layers_at_once in ((True, 2), (False, 1)):
         model = TransformerLanguageModel(cfg, topo)
-        opt = build_optimizer(model, topo, opt_config(zero_stage=3, precision="bf16",
-                                                      zero3_prefetch=prefetch))
+        opt = build_optimizer(model, topo, opt_config(zero_stage=3, zero3_prefetch=prefetch),
+                              torch.bfloat16)
         root, *layers = opt.units
         unit_bytes = [sum(b.padded * b.params.element_size() for b in u.buffers)
                       for u in opt.units]
@@ -80,9 +80,8 @@ def _overflow(topo, out):
     # second consecutive one halves it. Weights do not move on a skipped step.
     for stage in (1, 3):
         snapshots.clear()
-        losses, _, results, opt = zero_run(topo, cfg, opt_config(zero_stage=stage,
-                                                                 precision="fp16"),
-                                           steps=5, inject_inf_at=(2, 3), on_step=keep)
+        losses, _, results, opt = zero_run(topo, cfg, opt_config(zero_stage=stage), steps=5,
+                                           inject_inf_at=(2, 3), on_step=keep, dtype=torch.float16)
         scales = [r.loss_scale for r in results]
         assert [r.skipped for r in results] == [False, False, True, True, False], results
         assert scales[:4] == [2.0 ** 16] * 4 and scales[4] == 2.0 ** 15, scales
@@ -94,13 +93,13 @@ def _overflow(topo, out):
                 != snapshots[3]["layers.0.mlp.fc1.weight"]).any()  # training continued
     # Hysteresis 1: one overflow halves the scale at once.
     ls = LossScaleConfig(hysteresis=1)
-    _, _, results, _ = zero_run(topo, cfg, opt_config(zero_stage=2, precision="fp16",
-                                                      loss_scale=ls), steps=3, inject_inf_at=(1,))
+    _, _, results, _ = zero_run(topo, cfg, opt_config(zero_stage=2, loss_scale=ls), steps=3,
+                                inject_inf_at=(1,), dtype=torch.float16)
     assert [r.skipped for r in results] == [False, True, False]
     assert [r.loss_scale for r in results] == [2.0 ** 16, 2.0 ** 16, 2.0 ** 15]
     # bf16 has no scaler: a NaN is reported with its step and skipped, or raised if asked.
-    _, _, results, _ = zero_run(topo, cfg, opt_config(zero_stage=2, precision="bf16"), steps=3,
-                                inject_inf_at=(1,))
+    _, _, results, _ = zero_run(topo, cfg, opt_config(zero_stage=2), steps=3,
+                                inject_inf_at=(1,), dtype=torch.bfloat16)
     assert [r.skipped for r in results] == [False, True, False]
     assert results[1].reason.startswith("step 2: non-finite")
     with pytest.raises(NonFiniteError, match="step 2"):
@@ -111,15 +110,15 @@ def _overflow(topo, out):
 
 def _offload(topo, out, tmp):
     cfg = small_gpt()
-    for stage, precision in ((1, "fp32"), (2, "bf16"), (3, "fp16")):
-        base = dict(zero_stage=stage, precision=precision, bucket_numel=2000)
-        mem_losses, mem_params, _, mem_opt = zero_run(topo, cfg, opt_config(**base))
+    for stage, dtype in ((1, torch.float32), (2, torch.bfloat16), (3, torch.float16)):
+        base = dict(zero_stage=stage, bucket_numel=2000)
+        mem_losses, mem_params, _, mem_opt = zero_run(topo, cfg, opt_config(**base), dtype=dtype)
         # nvme with one staging buffer (no read-ahead), then two (read-ahead, the default).
         for offload, resident in (("cpu", 2), ("nvme", 1), ("nvme", 2)):
             losses, params, _, opt = zero_run(topo, cfg, opt_config(
                 **base, offload=offload, offload_dir=os.path.join(tmp, f"swap{stage}"),
-                offload_resident_buckets=resident))
-            tag = f"offload={offload} resident={resident} zero={stage} {precision}"
+                offload_resident_buckets=resident), dtype=dtype)
+            tag = f"offload={offload} resident={resident} zero={stage} {dtype}"
             assert losses == mem_losses, tag
             assert_params_equal(params, mem_params, tag)
         in_memory = sum(t.nbytes for s in mem_opt.states.states for t in s.values())
@@ -131,24 +130,24 @@ def _offload(topo, out, tmp):
         assert len(opt.buffers) >= 8 and peak * 3 < in_memory, (len(opt.buffers), peak, in_memory)
         files = [f for f in os.listdir(os.path.join(tmp, f"swap{stage}"))
                  if f.startswith(f"rank{topo.rank:05d}")]
-        assert len(files) == len(opt.buffers) * (2 + (precision != "fp32")), files
-        out[f"nvme zero={stage} {precision}"] = (peak, in_memory, len(opt.buffers))
+        assert len(files) == len(opt.buffers) * (2 + (dtype != torch.float32)), files
+        out[f"nvme zero={stage} {dtype}"] = (peak, in_memory, len(opt.buffers))
 
 
 def _checkpoint_and_fallbacks(topo, out):
     cfg = small_gpt()
     for stage in (1, 3):
-        ocfg = opt_config(zero_stage=stage, precision="bf16")
+        ocfg = opt_config(zero_stage=stage)
         saved = {}
 
         def keep(step, model, opt):
             if step == 1:
                 saved.update(opt.state_dict())
-        _, want, _, _ = zero_run(topo, cfg, ocfg, steps=3, on_step=keep)
+        _, want, _, _ = zero_run(topo, cfg, ocfg, steps=3, on_step=keep, dtype=torch.bfloat16)
         assert all(isinstance(v, torch.Tensor) for v in saved.values())
         assert saved["bucket0.ranges"].shape[1] == 4
         model = TransformerLanguageModel(cfg, topo)
-        opt = build_optimizer(model, topo, ocfg)
+        opt = build_optimizer(model, topo, ocfg, torch.bfloat16)
         opt.load_state_dict(saved)
         assert opt.applied_steps == 2
         ids, labels = batch(2, topo)
@@ -184,7 +183,8 @@ def test_zero_features_dp4():
     # missing here).
     expected = {f"memory zero={s} grads={g}" for s in range(4) for g in ("model", "fp32")}
     expected |= {f"zero3 forward/step peak prefetch={p}" for p in (True, False)}
-    expected |= {f"nvme zero={s} {p}" for s, p in ((1, "fp32"), (2, "bf16"), (3, "fp16"))}
+    expected |= {f"nvme zero={s} {d}" for s, d in ((1, torch.float32), (2, torch.bfloat16),
+                                                    (3, torch.float16))}
     expected |= {"overflow", "checkpoint+overlap"}
     assert set(out) == expected, set(out) ^ expected
     for k, v in out.items():
@@ -216,7 +216,6 @@ def test_dynamic_loss_scaler():
 @pytest.mark.parametrize("cfg, pp, match", [
     (OptimizerConfig(zero_stage=3), 2, "--zero-stage 3 does not compose with --pipeline"),
     (OptimizerConfig(zero_stage=4), 1, "--zero-stage must be"),
-    (OptimizerConfig(precision="fp8"), 1, "--precision"),
     (OptimizerConfig(zero_stage=1, offload="nvme"), 1, "--offload-dir"),
     (OptimizerConfig(offload="cpu"), 1, "--zero-stage >= 1"),
 ])

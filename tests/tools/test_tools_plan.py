@@ -44,8 +44,8 @@ def test_assumptions_and_a_launch_command_the_trainer_accepts(capsys):
     p, s = run.parallel, run.schedule
     got = f"tp{p.tp} pp{p.pp} dp{8 // (p.tp * p.pp)}"
     assert " ".join(best[:3]) == got, (best, got)
-    assert (run.data.seq_length, s.global_batch_size, run.optimizer.precision,
-            run.model.num_parameters()) == (2048, 64, "bf16", tool.preset("gpt-1.3b",
+    assert (run.data.seq_length, s.global_batch_size, run.model.params_dtype,
+            run.model.num_parameters()) == (2048, 64, "bfloat16", tool.preset("gpt-1.3b",
                                             max_position_embeddings=2048).num_parameters())
     assert "launch the fastest (the first row, 8 GPUs):\ntorchrun" in out
 
@@ -68,3 +68,17 @@ def test_a_llama_layout_over_nodes_launches_train_llama_with_the_preset(capsys):
         (2, 2, 1, 8, "rope", "rmsnorm", 14336, "selective")
     assert run.checkpoint.save == run.checkpoint.load == "ckpt" and run.data.data_path == [
         "corpus_text_document"]
+    # --optimizer muon: fewer optimizer bytes (one momentum per hidden matrix), the same weights
+    # and gradients, and a launch command whose run config is that optimizer's
+    row = out.split("\n")[3].split()  # the layout's row: name, then params grads optim ...
+    tool.main(["--model", "llama3-8b", "--cluster", "dgx-h100-80gb", "--gpus", "16", "--tp", "2",
+               "--pp", "2", "--zero-stage", "1", "--recompute", "selective", "--micro-batch-size",
+               "1", "--seq-length", "4096", "--optimizer", "muon"])
+    muon = capsys.readouterr().out
+    muon_row = muon.split("\n")[3].split()
+    # columns after the layout's name: params grads optim activ GiB step-s TFLOP/s MFU
+    assert muon_row[:10] == row[:4] + ["muon"] + row[4:9], (row, muon_row)
+    assert muon_row[11] == row[10] and muon_row[13:] == row[12:], (row, muon_row)
+    assert float(muon_row[10]) < 0.8 * float(row[9])  # GiB of optimizer states
+    run = to_run_config(build_parser("smollm2-135m").parse_args(_launch(muon)[2]), world_size=16)
+    assert run.optimizer.optimizer == "muon"

@@ -178,7 +178,8 @@ def _save_dist(root, model, args, iteration=7):
 def _megazoo_logits(folder, ids):
     """Logits of a megazoo checkpoint loaded in this process at tp=pp=1 (any saved layout)."""
     from training.checkpoint.hf import checkpoint_config
-    from training.checkpoint.reshard import build_rank_chunks, load_weights
+    from training.checkpoint.layout_writer import build_rank_chunks
+    from training.checkpoint.reshard import load_weights
     _, config = checkpoint_config(folder)
     topo, chunks = build_rank_chunks(config, tp=1, pp=1, vpp=1, dp=1, rank=0)
     load_weights(folder, chunks, topo)

@@ -13,8 +13,8 @@ import training.checkpoint.format as ckpt
 from models.config import TransformerConfig
 from parallel.layout import Grid
 from parallel.sharding import local_shard
-from training.checkpoint.reshard import FullState, build_rank_chunks, load_weights, param_table, \
-    read_full_state, write_layout
+from training.checkpoint.layout_writer import build_rank_chunks, write_layout
+from training.checkpoint.reshard import FullState, load_weights, param_table, read_full_state
 from training.checkpoint.slices import need_of
 
 CONFIG = dict(vocab_size=61, hidden_size=32, num_layers=4, num_attention_heads=4, ffn_hidden_size=64,

@@ -187,7 +187,7 @@ def test_gpt3_175b_refuses_only_its_step_batch_schedule(caplog):
     m, s, p = run.model, run.schedule, run.parallel
     assert (p.tp, p.pp, m.num_layers, m.num_attention_heads, run.data.seq_length) == (8, 16, 16, 8, 64)
     assert (s.global_batch_size, s.train_iters, s.lr_decay_iters, s.lr_warmup_iters) == (1536, 500000, 430000, 430)
-    assert run.optimizer.precision == "fp16" and run.optimizer.betas == (0.9, 0.95)
+    assert m.params_dtype == "float16" and run.optimizer.betas == (0.9, 0.95)
     assert sum(line.startswith("--attention-backend: ") for line in _logged(caplog)) == 1
 
 
@@ -204,7 +204,7 @@ def test_llama3_8b_fp8_refuses_fp8_and_decoupled_lr_together(caplog):
         (2, None, "swiglu", "rmsnorm", False)  # kv_channels 16 = 64 / 4, the default spelled out
     assert (s.train_iters, s.lr_decay_iters, s.lr_warmup_iters) == \
         (math.ceil(1953125000 / 128), math.ceil(1949218748 / 128), math.ceil(3906252 / 128))
-    assert (o.zero_stage, o.precision, o.grad_dtype) == (1, "bf16", "model")
+    assert (o.zero_stage, m.params_dtype, o.grad_dtype) == (1, "bfloat16", "model")
     assert run.health.collective_timeout == 3600.0 and run.data.tokenizer_type == "NullTokenizer"
     assert parse_split(run.data.split) == [0.99, 0.01, 0.0] and run.data.num_workers == 1
     lines = _logged(caplog)
@@ -237,7 +237,8 @@ def test_bloom_176b_megatron_deepspeed_parses_unchanged(tmp_path, caplog):
     assert m.embedding_layernorm and m.padded_vocab_size(4) == 250880 and m.position_embedding == "alibi"
     assert (m.recompute_granularity, m.recompute_method, m.recompute_num_layers) == ("full", "uniform", 1)
     assert (p.tp, p.pp, p.first_stage_layers, p.last_stage_layers) == (4, 12, 1, 1)  # 22 + 2 embeddings = 12 x 2
-    assert (o.optimizer, o.betas, o.zero_stage, o.precision, o.clip_grad) == ("adamw", (0.9, 0.95), 0, "bf16", 1.0)
+    assert (o.optimizer, o.betas, o.zero_stage, m.params_dtype, o.clip_grad) == \
+        ("adamw", (0.9, 0.95), 0, "bfloat16", 1.0)
     assert (s.micro_batch_size, s.global_batch_size, s.rampup_batch_size) == (2, 2048, (192, 16, 9765625))
     assert (s.train_iters, s.lr_decay_iters, s.lr_warmup_iters) == \
         (math.ceil(220e6 / 2048), math.ceil(200e6 / 2048), math.ceil(183105 / 2048))
@@ -270,7 +271,8 @@ def test_deepspeed_config_values_land_and_contradictions_are_refused_together(tm
     run = to_run_config(build_parser("bloom-560m").parse_args(argv), vocab_size=250680, world_size=4 * 12 * 2)
     o, s = run.optimizer, run.schedule
     assert (s.micro_batch_size, s.global_batch_size) == (4, 4 * 3 * 2)
-    assert (o.zero_stage, o.offload, o.clip_grad, o.bucket_numel, o.precision) == (2, "cpu", 0.5, 50_000_000, "fp16")
+    assert (o.zero_stage, o.offload, o.clip_grad, o.bucket_numel, run.model.params_dtype) == \
+        (2, "cpu", 0.5, 50_000_000, "float16")
     assert (o.lr, o.betas, o.eps, o.weight_decay) == (2e-4, (0.8, 0.9), 1e-6, 0.05)
     ls = o.loss_scale
     assert (ls.initial_scale, ls.growth_interval, ls.hysteresis, ls.min_scale) == (2.0 ** 12, 500, 3, 0.5)

@@ -117,8 +117,8 @@ def test_gpu_check_refuses_without_cuda():
 
 
 def test_moe_rank_states_are_the_planners():
-    """MoE layouts (tp2 x pp2 x dp4, ep2, every other layer MoE; pp1 under ZeRO-3; and cp2 x
-    dp4, ep4): on each stage the ZeRO buffers hold the planner's model states to the byte, routed
+    """MoE layouts (tp2 x pp2 x dp4, ep2, every other layer MoE; pp1 under ZeRO-3; cp2 x dp4,
+    ep4; and tp2 x pp2 x dp4 under Muon): on each stage the ZeRO buffers hold the planner's model states to the byte, routed
     experts sharded over the dp x cp / ep = 2 expert-data-parallel ranks, the rest over dp x cp.
     Built, not stepped (tests/training/test_dry_run_moe.py steps MoE layouts)."""
     from training.planning import planner
@@ -130,6 +130,11 @@ def test_moe_rank_states_are_the_planners():
                                             "--zero-stage", str(zero)]) for zero in (0, 1, 2, 3)]
     cases.append((16, ["--context-parallel-size", "2", "--pipeline-model-parallel-size", "2",
                        "--expert-model-parallel-size", "4", "--zero-stage", "2"]))
+    # Muon: one momentum for the hidden matrices and the experts' stacked ones, AdamW's two
+    # moments for the embeddings, the head and the 1-D parameters (parallel/zero/muon.py's rule)
+    cases.append((16, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                       "--expert-model-parallel-size", "2", "--zero-stage", "1",
+                       "--optimizer", "muon"]))
     for world, extra in cases:
         _, run = D.parse(["--world-size", str(world), *base, *extra])
         grid = run.parallel.grid(world)
@@ -141,7 +146,7 @@ def test_moe_rank_states_are_the_planners():
             mem = report.memory
             assert mem["model_states"] == sum(report.predicted_states), (extra, rank)
             assert (mem["params"], mem["grads"]) == report.predicted_states[:2]
-            layout = planner.layout_of_run(run, grid.dp)
+            layout = planner.Layout.of_run(run, grid.dp)
             assert layout.edp == 2
             dense, expert = planner.rank_params(run.model, layout, grid.coords(rank).pp)
             assert report.numel == dense + expert and expert > 0

@@ -110,7 +110,7 @@ def test_multi_token_prediction_counts_on_the_last_stage():
     dense, expert = mtp_parameters(tiny)
     assert dense + expert == 3 * h + 2 * h * h + tiny.layer_parameters(layer=last)
     assert expert == tiny.expert_parameters(last) > 0
-    layout = planner.Layout(pp=2)
+    layout = planner.Layout.of(pp=2)
     without = preset("deepseek-v3-tiny")
     assert planner.rank_params(tiny, layout, 0) == planner.rank_params(without, layout, 0)
     assert [a - b for a, b in zip(planner.rank_params(tiny, layout, 1),

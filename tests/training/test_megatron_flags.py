@@ -30,7 +30,7 @@ def test_megatron_345m_launch_parses_unchanged(caplog):
     assert (m.num_layers, m.hidden_size, m.num_attention_heads, run.data.seq_length) == (24, 1024, 16, 1024)
     assert (s.micro_batch_size, s.global_batch_size, s.train_iters, s.lr_decay_iters) == (4, 8, 500000, 320000)
     assert s.lr_warmup_iters == 3200  # .01 x --lr-decay-iters, as Megatron computes it
-    assert run.optimizer.zero_stage == 1 and run.optimizer.precision == "fp16"
+    assert run.optimizer.zero_stage == 1 and run.model.params_dtype == "float16"
     assert run.data.split == "949,50,1" and run.checkpoint.save == run.checkpoint.load == "ckpt"
     lines = [r.getMessage() for r in caplog.records]
     for flag in ("--use-distributed-optimizer", "--overlap-grad-reduce", "--use-flash-attn",
@@ -155,10 +155,12 @@ def test_plan_ranks_only_layouts_the_trainer_accepts(capsys):
     from training.planning.planner import Layout, rank_layouts
     from training.planning.reference_runs import CLUSTERS
     cfg, cluster = preset("gpt-1.3b"), CLUSTERS["dgx-a100-80gb"].replace(num_gpus=8)
-    zero3_pipeline = Layout(tp=1, pp=2, dp=4, zero=3, micro_batch=1, global_batch=64, seq_length=2048)
+    zero3_pipeline = Layout.of(tp=1, pp=2, dp=4, zero_stage=3, micro_batch_size=1,
+                               global_batch_size=64, seq_length=2048)
     assert "--zero-stage 3" in tool.trainer_refusal(cfg, zero3_pipeline)
-    assert tool.trainer_refusal(cfg, Layout(tp=2, pp=1, dp=4, zero=1, micro_batch=1, global_batch=64)) is None
-    plans = rank_layouts(cfg, cluster, global_batch=64, seq_length=2048)
+    assert tool.trainer_refusal(cfg, Layout.of(tp=2, pp=1, dp=4, zero_stage=1, micro_batch_size=1,
+                                               global_batch_size=64)) is None
+    plans = rank_layouts(cfg, cluster, Layout(global_batch_size=64, seq_length=2048))
     refused = [p for p in plans if tool.trainer_refusal(cfg, p.layout)]
     tool.main(["--model", "gpt-1.3b", "--gpus", "8", "--global-batch-size", "64", "--top", "1000"])
     shown = capsys.readouterr().out

@@ -65,22 +65,23 @@ def test_mfu_comes_from_a_documented_peak(caplog):
     assert device_peak_flops(torch.device("cpu")) == (0.0, "no MFU on CPU without --peak-flops")
     assert device_peak_flops(torch.device("cpu"), 2e12)[0] == 2e12
     table = dict(PEAK_FLOPS)
-    assert (table["H200"]["bf16"], table["H100"]["fp32"], table["A100"]["fp16"]) == (989e12, 67e12, 312e12)
+    assert (table["H200"]["bfloat16"], table["H100"]["float32"], table["A100"]["float16"]) == \
+        (989e12, 67e12, 312e12)
     with caplog.at_level(logging.WARNING):
         assert mfu(5e11, 1e12) == 0.5 and not caplog.records
         assert mfu(2e12, 1e12) == 2.0
     assert "MFU 2.00 is above 1" in caplog.records[0].getMessage()
 
 
-@pytest.mark.parametrize("name, precision, peak", [("NVIDIA H100 PCIe", "bf16", 756e12),
-                                                    ("NVIDIA H100 80GB HBM3", "fp32", 67e12),
-                                                    ("NVIDIA A100-SXM4-80GB", "bf16", 312e12),
-                                                    ("Tesla T4", "fp16", 0.0)])
-def test_gpu_peaks_by_name(monkeypatch, name, precision, peak):
+@pytest.mark.parametrize("name, dtype, peak", [("NVIDIA H100 PCIe", "bfloat16", 756e12),
+                                                ("NVIDIA H100 80GB HBM3", "float32", 67e12),
+                                                ("NVIDIA A100-SXM4-80GB", "bfloat16", 312e12),
+                                                ("Tesla T4", "float16", 0.0)])
+def test_gpu_peaks_by_name(monkeypatch, name, dtype, peak):
     from training.monitor.metrics import device_peak_flops
     monkeypatch.setattr(torch, "get_device_module", lambda device: types.SimpleNamespace(
         get_device_name=lambda d: name))
-    assert device_peak_flops(torch.device("cuda", 0), precision=precision)[0] == peak
+    assert device_peak_flops(torch.device("cuda", 0), params_dtype=dtype)[0] == peak
 
 
 def test_the_report_draws_moe_layers(tmp_path, monkeypatch):

@@ -35,7 +35,8 @@ from training.checkpoint import format as ckpt
 from training.checkpoint.tokenizer import TOKEN_IDS, copy_tokenizer, hf_token_record, read_record
 from training.checkpoint.tokenizer import tokenizer_dir as checkpoint_tokenizer_dir
 from training.checkpoint.tokenizer import write_record
-from training.checkpoint.reshard import FullState, load_weights, read_full_state, write_layout
+from training.checkpoint.layout_writer import write_layout
+from training.checkpoint.reshard import FullState, load_weights, read_full_state
 
 logger = logging.getLogger(__name__)
 

@@ -20,8 +20,8 @@ place in each data-parallel shard (ZeRO shards over data x context parallel rank
 that, context-parallel ranks hold replicas, like data-parallel ones). `load_into` then fills a
 live rank's model and optimizer by slicing those full tensors the way that rank's own optimizer
 asks (its fresh `ranges`), so a checkpoint loads under any layout (any C), bucket size or ZeRO
-stage. `write_layout` writes a checkpoint
-for a target layout from one process (the conversion and resharding tools).
+stage. `training/checkpoint/layout_writer.py` writes full tensors as a checkpoint for a target
+layout from one process (the conversion and resharding tools).
 
 Expert weights are read from the ranks of the first expert-parallel group (one per expert slice)
 and joined along dim 0; their ZeRO shards come from the expert-data-parallel ranks.
@@ -41,13 +41,11 @@ from dataclasses import dataclass, field
 import torch
 from safetensors import SafetensorError
 
-from models.registry import build_model
 from parallel.layout import Grid
 from parallel.param_spec import spec_of
 from parallel.pipeline.partition import chunk_prefix
 from parallel.sharding import local_shard
 from parallel.tensor_parallel import unshard
-from parallel.topology import ParallelConfig, ParallelTopology
 
 from training.checkpoint import format as ckpt
 from training.checkpoint import slices
@@ -370,85 +368,6 @@ def copy_weights(full: FullState, chunks, topo, folder: str, *, frozen_only: boo
         logger.warning("%s records no frozen parameters (written before they were saved "
                        "layout-independently): %d (e.g. %s) keep their initial values",
                        folder, len(absent), absent[0])
-
-
-def build_rank_chunks(config, *, tp: int, pp: int, vpp: int, dp: int, rank: int,
-                      ep: int = 1):
-    """One rank's model chunks, built on the CPU without process groups (to learn their names,
-    shapes, TP slicing and experts)."""
-    topo = ParallelTopology(config=ParallelConfig(tp=tp, pp=pp, vpp=vpp, ep=ep), rank=rank,
-                            world_size=tp * pp * dp, dp=dp)
-    topo.group_ranks = topo.grid.groups_of(rank)
-    specs = topo.config.chunk_specs(config.num_layers, topo.pp_rank)
-    return topo, [build_model(config, topo, **spec.kwargs()) for spec in specs]
-
-
-def write_layout(full: FullState, root: str, *, config, tp: int, pp: int, vpp: int = 1,
-                 dp: int = 1, zero_stage: int = 0, iteration: int = 0, meta: dict | None = None,
-                 weights_only: bool = False, ep: int = 1) -> str:
-    """Write `full` as a checkpoint for the target layout, one file per target rank.
-
-    Optimizer states go into one bucket per rank whose `ranges` split every parameter evenly over
-    the data-parallel ranks (all of it on each rank for ZeRO-0); loading re-slices them into the
-    live optimizer's buckets.
-    """
-    import dataclasses
-    parallel = ParallelConfig(tp=tp, pp=pp, vpp=vpp, ep=ep)
-    world = tp * pp * dp
-    parallel.validate(world)
-    config.check_layout(parallel)
-    with_optim = bool(full.optim) and not weights_only
-    tmp = ckpt.begin_offline(root, iteration)
-    records = []
-    for rank in range(world):
-        topo, chunks = build_rank_chunks(config, tp=tp, pp=pp, vpp=vpp, dp=dp, rank=rank, ep=ep)
-        rows = param_table(chunks, frozen=True)
-        named = [p for *_, p in table_order(chunks)]
-        tensors = {PARAMS: ckpt.json_tensor(rows)}
-        ranges = []
-        for (c, n, canon, *_), p in zip(rows, named):
-            if canon not in full.weights:
-                raise ckpt.CheckpointError(f"the source lacks {canon}; it is another model")
-            local = local_shard(p, full.weights[canon], topo)
-            if local.shape != p.shape:
-                raise ckpt.CheckpointError(f"{canon}: shape {tuple(full.weights[canon].shape)} does "
-                                           f"not fit this model; the source is another model")
-            # (frozen parameters keep their own dtype: the expert bias is fp32 in any model)
-            tensors[f"model.{c}.{n}"] = local.to(config.dtype if p.requires_grad else p.dtype)
-        if with_optim:
-            flats = defaultdict(list)
-            offset = 0
-            for idx, (row, p) in enumerate(zip(rows, named)):
-                if is_frozen(row):
-                    continue  # weights only: no optimizer state
-                canon, numel = row[2], p.numel()
-                group = topo.group_ranks["edp" if spec_of(p).expert else "dp"]
-                per = -(-numel // len(group)) if zero_stage > 0 else numel
-                lo = group.index(rank) * per if zero_stage > 0 else 0
-                hi = min(numel, lo + per)
-                if hi <= lo:
-                    continue
-                ranges.append([idx, lo, hi, offset])
-                offset += hi - lo
-                for state, values in full.optim.items():
-                    flats[state].append(local_shard(p, values[canon].float(), topo).reshape(-1)[lo:hi])
-            tensors["optim.bucket0.ranges"] = torch.tensor(ranges, dtype=torch.int64).reshape(-1, 4)
-            tensors.update({f"optim.bucket0.{s}": torch.cat(v) for s, v in flats.items()})
-            tensors.update({f"optim.{k}": v for k, v in full.scalars.items()})
-        ckpt.write_rank_file(tmp, rank, tensors)
-        records.append(slices.file_record(rows, ranges if zero_stage > 0 else [], topo.pp_rank))
-        del chunks
-    # (older checkpoints' top-level "family" was the class that wrote them: the model config's
-    # family field replaces it)
-    base = {k: v for k, v in (meta or full.meta).items()
-            if k not in ("layout", "model", "iteration", "world_size", "files", "family", "slices")}
-    base["slices"] = slices.meta_record(records)
-    base.update(model=dataclasses.asdict(config), layout=dict(
-        tp=tp, pp=pp, dp=dp, vpp=vpp, world_size=world, zero_stage=zero_stage,
-        **({"ep": ep} if ep != 1 else {})))
-    if not with_optim:
-        base["weights_only"] = True
-    return ckpt.commit(root, iteration, world, base)
 
 
 def load_weights(folder: str, chunks, topo) -> FullState:

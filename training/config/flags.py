@@ -18,7 +18,7 @@ from models.family_rules import DENSE_FAMILIES, MOE_FAMILIES, problem
 from models.presets import PRESETS, preset
 from parallel.context_parallel import check_attention
 from parallel.layout import LayoutError, ParallelConfig, microbatches_per_step, virtual_stages
-from parallel.zero.config import PRECISIONS, LossScaleConfig, OptimizerConfig
+from parallel.zero.config import LossScaleConfig, OptimizerConfig
 
 from training.config.errors import ArgumentError
 from training.config.muon_flags import muon_settings
@@ -28,7 +28,8 @@ from training.config.run_config import (CheckpointConfig, DataConfig, HealthConf
                                         ScheduleConfig)
 
 logger = logging.getLogger(__name__)
-PRECISION_OF_DTYPE = {dtype: name for name, dtype in PRECISIONS.items()}  # torch.bfloat16 -> "bf16"
+# TransformerConfig.params_dtype -> the flag that asks for it (--bf16, --fp16; float32: neither)
+DTYPE_FLAGS = {"bfloat16": "bf16", "float16": "fp16"}
 
 
 def validate_values(args: argparse.Namespace) -> None:
@@ -148,8 +149,8 @@ def to_run_config(args: argparse.Namespace, vocab_size: int | None = None,
         else None,
         tie_word_embeddings=False if args.untie_embeddings_and_output_weights else None,
         bias=False if args.disable_bias_linear else None,
-        # the weights' dtype: the model config holds it, the optimizer's precision follows it
-        params_dtype="bfloat16" if args.bf16 else "float16" if args.fp16 else None)
+        # the weights' dtype: the model config holds it (the optimizer is given run.model.dtype)
+        params_dtype=next((d for d, flag in DTYPE_FLAGS.items() if getattr(args, flag)), None))
     same = {f.name: getattr(args, f.name) for f in dataclasses.fields(TransformerConfig)
             if f.name not in renamed and hasattr(args, f.name)}
     overrides = {k: v for k, v in {**same, **renamed}.items() if v is not None}
@@ -216,7 +217,7 @@ def to_run_config(args: argparse.Namespace, vocab_size: int | None = None,
     optimizer = OptimizerConfig(
         zero_stage=compat.zero_stage, optimizer=args.optimizer, lr=args.lr,
         betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps, weight_decay=args.weight_decay,
-        clip_grad=args.clip_grad, precision=PRECISION_OF_DTYPE[model.dtype],
+        clip_grad=args.clip_grad,
         loss_scale=LossScaleConfig(initial_scale=args.initial_loss_scale,
                                    growth_interval=args.loss_scale_window,
                                    hysteresis=args.hysteresis, min_scale=args.min_loss_scale,

@@ -17,17 +17,19 @@ logger = logging.getLogger(__name__)
 # H100 SXM (H100 datasheet: 989 bf16/fp16, 67 fp32), H100 PCIe (756, 51), H200 SXM (H200 datasheet:
 # 989, 67). fp32 training does not use TF32 tensor cores unless torch is told to, so fp32 is the
 # non-tensor-core figure. Other devices: pass --peak-flops.
+# Keyed by the weights' dtype as TransformerConfig.params_dtype spells it.
 PEAK_FLOPS = [
-    ("H200", {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}),
-    ("H100 PCIe", {"bf16": 756e12, "fp16": 756e12, "fp32": 51e12}),
-    ("H100", {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}),
-    ("A100", {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12}),
+    ("H200", {"bfloat16": 989e12, "float16": 989e12, "float32": 67e12}),
+    ("H100 PCIe", {"bfloat16": 756e12, "float16": 756e12, "float32": 51e12}),
+    ("H100", {"bfloat16": 989e12, "float16": 989e12, "float32": 67e12}),
+    ("A100", {"bfloat16": 312e12, "float16": 312e12, "float32": 19.5e12}),
 ]
 
 
 def device_peak_flops(device: torch.device, override: float | None = None,
-                      precision: str = "fp32") -> tuple[float, str]:
-    """Peak FLOP/s of one device at the run's precision and where it came from; 0 means no MFU.
+                      params_dtype: str = "float32") -> tuple[float, str]:
+    """Peak FLOP/s of one device for weights of `params_dtype` (TransformerConfig's spelling) and
+    where it came from; 0 means no MFU.
 
     --peak-flops wins; GPUs in the table get NVIDIA's figure; anything else (the CPU included: a
     timed matmul on a shared CPU varies by 10x between runs) reports no MFU.
@@ -39,7 +41,7 @@ def device_peak_flops(device: torch.device, override: float | None = None,
     name = torch.get_device_module(device).get_device_name(device)
     for key, peaks in PEAK_FLOPS:
         if key in name:
-            return peaks[precision], f"NVIDIA dense {precision} peak of {key}"
+            return peaks[params_dtype], f"NVIDIA dense {params_dtype} peak of {key}"
     return 0.0, f"no MFU: {name} is not in training/monitor/metrics.py PEAK_FLOPS; pass --peak-flops"
 
 

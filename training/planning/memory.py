@@ -1,4 +1,5 @@
-"""The planner's layout and its memory per GPU (training/planning/planner.py ranks layouts with these).
+"""The planner's memory per GPU of a layout (training/planning/layout.py; training/planning/planner.py
+ranks layouts with these).
 
 Memory per GPU (bytes), for the heaviest pipeline stage (the first, or the last when it holds a
 large untied/copied head and fewer activations):
@@ -28,62 +29,18 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import torch
+
 from models.config import TransformerConfig
-from parallel.layout import ParallelConfig
 from parallel.pipeline.schedules import activation_bound
 
 from training.planning.parameters import expert_bias_parameters, mtp_layers, mtp_parameters
+from training.planning.layout import Layout
+from training.planning.optimizer_states import rank_muon_params, state_bytes
 
 
 class PlanError(ValueError):
     """A layout that cannot run at all (not one that merely does not fit)."""
-
-
-@dataclass(frozen=True)
-class Layout:
-    tp: int = 1
-    pp: int = 1
-    dp: int = 1
-    vpp: int = 1
-    cp: int = 1  # context parallel (ring attention)
-    zero: int = 0
-    sequence_parallel: bool = False
-    ep: int = 1  # expert parallel, carved out of dp (MoE models)
-    recompute: str = "none"  # none | selective | full
-    micro_batch: int = 1
-    global_batch: int = 1
-    seq_length: int = 2048
-    precision: str = "bf16"  # bf16 | fp16 (16-bit weights, fp32 masters) | fp32
-    grad_bytes: int = 4  # 4: fp32 gradient accumulation (Megatron, megazoo); 2: ZeRO paper
-    flash_attention: bool = False  # attention scores never stored (SDPA / FlashAttention)
-    overlap_dp: bool = False
-    first_stage_layers: int | None = None  # uneven pipeline split, as the trainer's flags
-    last_stage_layers: int | None = None
-
-    def parallel_config(self) -> ParallelConfig:
-        return ParallelConfig(tp=self.tp, pp=self.pp, vpp=self.vpp, cp=self.cp, ep=self.ep,
-                              sequence_parallel=self.sequence_parallel,
-                              first_stage_layers=self.first_stage_layers,
-                              last_stage_layers=self.last_stage_layers)
-
-    @property
-    def world(self) -> int:
-        return self.tp * self.pp * self.dp * self.cp
-
-    @property
-    def edp(self) -> int:
-        """Expert-data-parallel size: the ranks holding the same experts."""
-        return self.dp * self.cp // self.ep
-
-    @property
-    def microbatches(self) -> int:
-        return self.global_batch // (self.dp * self.micro_batch)
-
-    def describe(self) -> str:
-        extra = (f" vpp{self.vpp}" if self.vpp > 1 else "") + (" sp" if self.sequence_parallel else "") \
-            + (f" cp{self.cp}" if self.cp > 1 else "") + (f" ep{self.ep}" if self.ep > 1 else "")
-        return (f"tp{self.tp} pp{self.pp} dp{self.dp}{extra} zero{self.zero} rc={self.recompute} "
-                f"mbs{self.micro_batch} gbs{self.global_batch}")
 
 
 @dataclass
@@ -119,7 +76,7 @@ def _stage_rank(stage: str, pp: int, pp_rank: int | None) -> int:
 
 def rank_layers(cfg: TransformerConfig, layout: "Layout", pp_rank: int) -> int:
     """Layers pipeline rank `pp_rank` holds over its chunks, as the trainer partitions them."""
-    sizes = layout.parallel_config().layers_per_block(cfg.num_layers)
+    sizes = layout.parallel.layers_per_block(cfg.num_layers)
     return sum(sizes[pp_rank::layout.pp])
 
 
@@ -142,7 +99,7 @@ def stage_params(cfg: TransformerConfig, tp: int, pp: int, stage: str,
 
 def rank_layer_ids(cfg: TransformerConfig, layout: "Layout", pp_rank: int) -> list[int]:
     """Global indices of the layers pipeline rank `pp_rank` holds, as the trainer partitions."""
-    specs = layout.parallel_config().chunk_specs(cfg.num_layers, pp_rank)
+    specs = layout.parallel.chunk_specs(cfg.num_layers, pp_rank)
     return [i for spec in specs for i in range(*spec.layer_range)]
 
 
@@ -169,34 +126,39 @@ def rank_frozen_params(cfg: TransformerConfig, layout: "Layout", pp_rank: int) -
 # ---- memory ----------------------------------------------------------------------------------
 
 def state_bytes_per_param(layout: Layout) -> tuple[float, float, float]:
-    """(weights, gradients, optimizer) bytes per parameter before ZeRO sharding."""
-    if layout.precision == "fp32":
-        return 4.0, 4.0, 8.0  # the fp32 weights are the masters; Adam m and v
-    return 2.0, float(layout.grad_bytes), 12.0  # fp32 master + Adam m and v
+    """(weights, gradients, optimizer) bytes per parameter before ZeRO sharding; the optimizer's
+    for a parameter its elementwise optimizer steps (AdamW, SGD; `optimizer_states.py`)."""
+    return float(layout.dtype.itemsize), float(layout.grad_bytes), state_bytes(layout)
 
 
-def model_state_bytes(n_params: float, layout: Layout,
-                      expert_params: float = 0.0) -> tuple[float, float, float]:
+def model_state_bytes(n_params: float, layout: Layout, expert_params: float = 0.0,
+                      muon_params: tuple[float, float] = (0.0, 0.0)) -> tuple[float, float, float]:
     """(weights, gradients, optimizer) bytes of `n_params` parameters sharded by ZeRO over dp and
-    `expert_params` routed-expert parameters sharded over the expert-data-parallel group."""
+    `expert_params` routed-expert parameters sharded over the expert-data-parallel group, of
+    which `muon_params` (dense, expert) are matrices Muon steps (one momentum, not two)."""
     w, g, k = state_bytes_per_param(layout)
+    k_muon = state_bytes(layout, muon=True)
     out = [0.0, 0.0, 0.0]
-    for params, n in ((n_params, layout.dp * layout.cp), (expert_params, layout.edp)):
-        shard = {0: (1, 1, 1), 1: (1, 1, n), 2: (1, n, n), 3: (n, n, n)}[layout.zero]
-        for i, per_param in enumerate((w, g, k)):
-            out[i] += params * per_param / shard[i]
+    for params, muon, n in ((n_params, muon_params[0], layout.dp * layout.cp),
+                            (expert_params, muon_params[1], layout.edp)):
+        shard = {0: (1, 1, 1), 1: (1, 1, n), 2: (1, n, n), 3: (n, n, n)}[layout.optimizer.zero_stage]
+        out[0] += params * w / shard[0]
+        out[1] += params * g / shard[1]
+        out[2] += ((params - muon) * k + muon * k_muon) / shard[2]
     return out[0], out[1], out[2]
 
 
 def rank_state_bytes(cfg: TransformerConfig, layout: Layout, pp_rank: int) -> tuple[float, float, float]:
     """(weights, gradients, optimizer) bytes pipeline rank `pp_rank` holds (the dry run's check)."""
     dense, expert = rank_params(cfg, layout, pp_rank)
-    return model_state_bytes(dense, layout, expert)
+    muon = rank_muon_params(cfg, layout, rank_layer_ids(cfg, layout, pp_rank),
+                            stage_name(pp_rank, layout.pp))
+    return model_state_bytes(dense, layout, expert, muon)
 
 
 def activation_element_bytes(layout: Layout) -> int:
     """Bytes of one activation element: the model's dtype (4 fp32, 2 bf16 or fp16)."""
-    return 4 if layout.precision == "fp32" else 2
+    return layout.dtype.itemsize
 
 
 def _norm_input_bytes(cfg: TransformerConfig, e: int) -> int:
@@ -235,10 +197,10 @@ def layer_activation_bytes(cfg: TransformerConfig, layout: Layout,
     statistics, log-sum-exp) are left out. Full recompute keeps each layer's input, e*s*b*h/u,
     plus one layer's full activations while it is recomputed.
     """
-    s, b, h, a, t = (layout.seq_length / layout.cp, layout.micro_batch, cfg.hidden_size,
+    s, b, h, a, t = (layout.seq_length / layout.cp, layout.micro_batch_size, cfg.hidden_size,
                      cfg.num_attention_heads, layout.tp)
     e = activation_element_bytes(layout)
-    u = t if layout.sequence_parallel and t > 1 else 1
+    u = t if layout.sequence_parallel else 1
     flash = layout.flash_attention or layout.cp > 1
     norm = _norm_input_bytes(cfg, e)
     qkv = e * (a + 2 * max(cfg.num_query_groups, t)) * cfg.head_dim / (h * t)
@@ -246,7 +208,7 @@ def layer_activation_bytes(cfg: TransformerConfig, layout: Layout,
     if cfg.kv_lora_rank:
         qkv, attn_out = latent_attention_activation_bytes(cfg, layout, flash)
     per_score = e + ((1 + e) if cfg.attention_dropout > 0 else 0)
-    scores = 0.0 if (flash or layout.recompute == "selective") else a * s / (h * t) * per_score
+    scores = 0.0 if (flash or layout.recompute_granularity == "selective") else a * s / (h * t) * per_score
     per_f = e * (4 if cfg.activation == "swiglu" else 2) / h  # MLP bytes per hidden unit
     mlp = per_f * cfg.ffn_hidden_size / t
     if cfg.num_experts:
@@ -261,7 +223,7 @@ def layer_activation_bytes(cfg: TransformerConfig, layout: Layout,
     # A fused kernel given ALiBi's additive bias [1, a/t, s, s] keeps it (one per microbatch).
     alibi = e * a * s / (h * t * b) if flash and cfg.position_embedding == "alibi" else 0.0
     full = s * b * h * (2 * norm / u + 2 * e / u + qkv + attn_out + scores + mlp + masks + alibi)
-    if layout.recompute == "full":
+    if layout.recompute_granularity == "full":
         return e * s * b * h / u, full
     return full, 0.0
 
@@ -295,7 +257,7 @@ def activation_bytes(cfg: TransformerConfig, layout: Layout, stage: str,
     input (n*s*b*h/u) and what the fused head saves (parallel/fused_cross_entropy.py): its input
     after the SP gather (e*s*b*h, whole) and the gradient of the logits, s*b*V/t elements in the
     weights' dtype (fp32 for fp16 models); the logits themselves are never materialised."""
-    s, b, h, t = layout.seq_length / layout.cp, layout.micro_batch, cfg.hidden_size, layout.tp
+    s, b, h, t = layout.seq_length / layout.cp, layout.micro_batch_size, cfg.hidden_size, layout.tp
     e = activation_element_bytes(layout)
     u = t if layout.sequence_parallel and t > 1 else 1
     m = max(layout.microbatches, 1)
@@ -312,7 +274,7 @@ def activation_bytes(cfg: TransformerConfig, layout: Layout, stage: str,
         total += embedding * (min(layout.pp, m) if stage == "first" else 1)
     if stage in ("last", "only"):
         norm = _norm_input_bytes(cfg, e)
-        grad_logits = 2 if layout.precision == "bf16" else 4
+        grad_logits = 2 if layout.dtype == torch.bfloat16 else 4
         head = norm * sbh / u + e * sbh + grad_logits * s * b * cfg.padded_vocab_size(t) / t
         # each multi-token prediction module, per microbatch in flight: its layer (shaped as the
         # last), its two input norms and eh_proj's input (2h), and a head of its own
@@ -320,21 +282,6 @@ def activation_bytes(cfg: TransformerConfig, layout: Layout, stage: str,
             (2 * norm + 2 * e) * sbh / u + head
         total += head + mtp_layers(cfg) * mtp * units
     return total
-
-
-def layout_of_run(run, dp: int) -> Layout:
-    """The planner's view of a run: the same layout, batch and precision (SDPA: flash)."""
-    opt, p = run.optimizer, run.parallel
-    return Layout(
-        tp=p.tp, pp=p.pp, dp=dp, vpp=p.vpp, cp=p.cp, ep=p.ep, zero=opt.zero_stage,
-        sequence_parallel=p.sequence_parallel and p.tp > 1,
-        # the planner models full recompute as Megatron's default, uniform units of one layer
-        recompute=run.model.recompute_granularity or "none",
-        micro_batch=run.schedule.micro_batch_size, global_batch=run.schedule.global_batch_size,
-        seq_length=run.data.seq_length, precision=opt.precision,
-        grad_bytes=opt.grad_torch_dtype.itemsize,
-        flash_attention=True, first_stage_layers=p.first_stage_layers,
-        last_stage_layers=p.last_stage_layers)
 
 
 def memory_per_gpu(cfg: TransformerConfig, layout: Layout) -> Memory:

@@ -1,9 +1,10 @@
 """Capacity planner: per-GPU memory, step time and MFU of a (model, cluster, layout), and a ranking
 of the layouts that fit. Pure functions over dataclasses; `tools/plan.py` is the command line.
 
-The memory model (and the `Layout`) is training/planning/memory.py, the step-time model
-training/planning/step_time.py; this file checks layouts with the trainer's rules, plans and ranks
-them, and re-exports both so that `from training.planning.planner import ...` is the one entry point.
+The `Layout` is training/planning/layout.py, the memory model training/planning/memory.py, the
+step-time model training/planning/step_time.py; this file checks layouts with the trainer's rules,
+plans and ranks them, and re-exports the three so that `from training.planning.planner import ...`
+is the one entry point.
 """
 from __future__ import annotations
 
@@ -11,11 +12,12 @@ import itertools
 from dataclasses import dataclass
 
 from models.config import TransformerConfig
-from parallel.layout import LayoutError, microbatches_per_step
-from parallel.zero.config import OptimizerConfig, ZeroConfigError
+from models.recompute import GRANULARITIES
+from parallel.layout import microbatches_per_step
 
-from training.planning.memory import (Layout, Memory, PlanError, activation_bytes,  # noqa: F401
-                             activation_element_bytes, layer_activation_bytes, layout_of_run,
+from training.planning.layout import Layout
+from training.planning.memory import (Memory, PlanError, activation_bytes,  # noqa: F401
+                             activation_element_bytes, layer_activation_bytes,
                              memory_per_gpu, model_state_bytes, pipeline_schedule, rank_layer_ids,
                              rank_frozen_params, rank_layers, rank_params, rank_state_bytes,
                              stage_name, stage_params, state_bytes_per_param)
@@ -38,16 +40,14 @@ def check_layout(cfg: TransformerConfig, layout: Layout, cluster: Cluster | None
     config), so the planner never ranks a layout that cannot be launched."""
     if cluster is not None and layout.world != cluster.num_gpus:
         raise PlanError(f"tp*pp*dp*cp = {layout.world} != {cluster.num_gpus} GPUs")
-    if layout.recompute not in ("none", "selective", "full"):
-        raise PlanError(f"recompute must be none, selective or full, got {layout.recompute!r}")
     try:
-        parallel = layout.parallel_config()
-        parallel.validate(layout.world)
-        cfg.check_layout(parallel, seq_length=layout.seq_length)
-        microbatches_per_step(layout.global_batch, layout.micro_batch, layout.dp, layout.pp,
-                              layout.vpp)
-        OptimizerConfig(zero_stage=layout.zero).validate(pp=layout.pp)
-    except (LayoutError, ZeroConfigError) as e:
+        cfg.replace(recompute_granularity=layout.recompute_granularity)  # the model's own check
+        layout.parallel.validate(layout.world)
+        cfg.check_layout(layout.parallel, seq_length=layout.seq_length)
+        microbatches_per_step(layout.global_batch_size, layout.micro_batch_size, layout.dp,
+                              layout.pp, layout.vpp)
+        layout.optimizer.validate(pp=layout.pp)
+    except ValueError as e:  # LayoutError, ZeroConfigError, the model's own
         raise PlanError(str(e)) from None
 
 
@@ -58,30 +58,35 @@ def plan(cfg: TransformerConfig, layout: Layout, cluster: Cluster) -> Plan:
                 mem.total <= cluster.memory_bytes * cluster.usable_fraction)
 
 
-def candidate_layouts(cfg: TransformerConfig, cluster: Cluster, *, global_batch: int,
-                      seq_length: int, fixed: dict | None = None, **common):
-    """Every valid layout of the cluster's GPUs; `fixed` pins fields (e.g. {"tp": 8}); MoE
-    models also search the expert-parallel size (the powers of two dividing num_experts)."""
+def candidate_layouts(cfg: TransformerConfig, cluster: Cluster, base: Layout,
+                      fixed: dict | None = None):
+    """Every valid layout of the cluster's GPUs: `base` with the searched fields replaced (its
+    cp, dtype, batch, sequence, optimizer and kernels stay); `fixed` pins searched fields by
+    name (e.g. {"tp": 8, "zero_stage": 1}); MoE models also search the expert-parallel size
+    (the powers of two dividing num_experts)."""
     fixed = fixed or {}
     pow2 = [x for x in (1, 2, 4, 8, 16) if x <= cluster.gpus_per_node]
     axes = dict(tp=pow2, pp=[x for x in range(1, min(cfg.num_layers, cluster.num_gpus) + 1)
                               if cluster.num_gpus % x == 0],
-                vpp=[1, 2], zero=[0, 1, 2, 3], sequence_parallel=[False, True],
-                recompute=["none", "selective", "full"], micro_batch=[1, 2, 4, 8],
+                vpp=[1, 2], zero_stage=[0, 1, 2, 3], sequence_parallel=[False, True],
+                recompute_granularity=[None, *GRANULARITIES], micro_batch_size=[1, 2, 4, 8],
                 ep=[x for x in (1, 2, 4, 8, 16, 32, 64) if cfg.num_experts and
                     cfg.num_experts % x == 0 and x <= cluster.num_gpus] or [1])
+    unknown = set(fixed) - set(axes) - {"dp"}
+    if unknown:
+        raise PlanError(f"cannot pin {sorted(unknown)}: the searched fields are {sorted(axes)}")
     axes.update({k: [v] for k, v in fixed.items() if k in axes})
-    for tp, pp, vpp, zero, sp, rc, mbs, ep in itertools.product(*axes.values()):
-        cp = common.get("cp", 1)
-        if cluster.num_gpus % (tp * pp * cp) or (sp and tp == 1):
+    cp = base.cp
+    for values in itertools.product(*axes.values()):
+        pick = dict(zip(axes, values))
+        tp, pp = pick["tp"], pick["pp"]
+        if cluster.num_gpus % (tp * pp * cp) or (pick["sequence_parallel"] and tp == 1):
             continue
         dp = cluster.num_gpus // (tp * pp * cp)
-        if ("dp" in fixed and fixed["dp"] != dp) or (dp * cp == 1 and zero > 0
-                                                      and "zero" not in fixed):
+        if ("dp" in fixed and fixed["dp"] != dp) or (dp * cp == 1 and pick["zero_stage"] > 0
+                                                      and "zero_stage" not in fixed):
             continue  # ZeRO over one replica is stage 0
-        layout = Layout(tp=tp, pp=pp, dp=dp, vpp=vpp, ep=ep, zero=zero, sequence_parallel=sp,
-                        recompute=rc, micro_batch=mbs, global_batch=global_batch,
-                        seq_length=seq_length, **common)
+        layout = base.replace(dp=dp, **pick)
         try:
             check_layout(cfg, layout, cluster)
         except PlanError:
@@ -89,10 +94,9 @@ def candidate_layouts(cfg: TransformerConfig, cluster: Cluster, *, global_batch:
         yield layout
 
 
-def rank_layouts(cfg: TransformerConfig, cluster: Cluster, *, global_batch: int,
-                 seq_length: int, fixed: dict | None = None, **common) -> list[Plan]:
+def rank_layouts(cfg: TransformerConfig, cluster: Cluster, base: Layout,
+                 fixed: dict | None = None) -> list[Plan]:
     """The layouts that fit in memory, fastest first (ties: less memory first)."""
-    plans = [plan(cfg, lay, cluster) for lay in candidate_layouts(
-        cfg, cluster, global_batch=global_batch, seq_length=seq_length, fixed=fixed, **common)]
+    plans = [plan(cfg, lay, cluster) for lay in candidate_layouts(cfg, cluster, base, fixed)]
     fitting = [p for p in plans if p.fits]
     return sorted(fitting, key=lambda p: (p.time.total, p.memory.total))

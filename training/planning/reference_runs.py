@@ -57,8 +57,9 @@ def published_runs() -> list[PublishedRun]:
     for size, heads, h, layers, tp, pp, gpus, gbs, tflops in table1:
         runs.append(PublishedRun(
             f"Megatron-LM {size}B", _gpt(h, layers, heads), a100.replace(num_gpus=gpus),
-            Layout(tp=tp, pp=pp, dp=gpus // (tp * pp), recompute="full", micro_batch=1,
-                   global_batch=gbs), tflops, "Narayanan et al. 2021, Table 1"))
+            Layout.of(tp=tp, pp=pp, dp=gpus // (tp * pp), recompute_granularity="full",
+                      micro_batch_size=1, global_batch_size=gbs),
+            tflops, "Narayanan et al. 2021, Table 1"))
     bloom = TransformerConfig(vocab_size=250880, hidden_size=14336, num_layers=70,
                               num_attention_heads=112, position_embedding="alibi",
                               embedding_layernorm=True, max_position_embeddings=2048)
@@ -66,15 +67,16 @@ def published_runs() -> list[PublishedRun]:
         "BLOOM-176B", bloom, CLUSTERS["jean-zay-a100-80gb"].replace(num_gpus=384),
         # 70 layers over 12 stages: the first and last hold 5 (they also hold the embedding and
         # the head, which Megatron-DeepSpeed's partition counts as layers), the others 6.
-        Layout(tp=4, pp=12, dp=8, zero=1, recompute="full", micro_batch=2, global_batch=2048,
-               first_stage_layers=5, last_stage_layers=5),
+        Layout.of(tp=4, pp=12, dp=8, zero_stage=1, recompute_granularity="full", micro_batch_size=2,
+                  global_batch_size=2048, first_stage_layers=5, last_stage_layers=5),
         150, "BigScience 2022 (model card: ~150 TFLOP/s per GPU, 384 A100-80GB)"))
     for nodes, tflops in ((280, 126), (350, 121), (420, 113)):
         runs.append(PublishedRun(
             f"MT-NLG 530B ({nodes * 8} GPUs)", _gpt(20480, 105, 128, vocab=50257),
             a100.replace(num_gpus=nodes * 8),
-            Layout(tp=8, pp=35, dp=nodes * 8 // 280, zero=1, recompute="full", micro_batch=1,
-                   global_batch=1920), tflops, "Smith et al. 2022, Table 1"))
+            Layout.of(tp=8, pp=35, dp=nodes * 8 // 280, zero_stage=1, recompute_granularity="full",
+                      micro_batch_size=1, global_batch_size=1920),
+            tflops, "Smith et al. 2022, Table 1"))
     runs += moe_runs()
     return runs
 
@@ -93,8 +95,8 @@ def moe_runs() -> list[PublishedRun]:
     return [
         PublishedRun(
             "Mixtral-8x7B", preset("mixtral-8x7b"), h100.replace(num_gpus=64),
-            Layout(tp=1, pp=4, vpp=8, ep=8, dp=16, zero=1, micro_batch=1, global_batch=256,
-                   seq_length=4096, flash_attention=True), 438,
+            Layout.of(tp=1, pp=4, vpp=8, ep=8, dp=16, zero_stage=1, micro_batch_size=1,
+                      global_batch_size=256, seq_length=4096, flash_attention=True), 438,
             "Megatron-LM megatron/core/transformer/moe/README.md (MCore v0.8): 64 H100, TP1 EP8 "
             "PP4 VP8, MBS 1, GBS 256, seq 4096, bf16, dropless all-to-all; 438 TFLOP/s"),
         # The source's 276 TFLOP/s is for Megatron's expert-tensor folding (ETP 1: the experts
@@ -102,8 +104,9 @@ def moe_runs() -> list[PublishedRun]:
         # megazoo this layout replicates the expert compute over tp 2, so only memory is compared.
         PublishedRun(
             "Qwen3-235B-A22B", qwen3_235b_a22b(), h100.replace(num_gpus=256),
-            Layout(tp=2, pp=1, ep=8, dp=128, zero=3, sequence_parallel=True, recompute="full",
-                   micro_batch=4, global_batch=2048, seq_length=4096, flash_attention=True), None,
+            Layout.of(tp=2, pp=1, ep=8, dp=128, zero_stage=3, sequence_parallel=True,
+                      recompute_granularity="full", micro_batch_size=4, global_batch_size=2048,
+                      seq_length=4096, flash_attention=True), None,
             "yanring/Megatron-MoE-ModelZoo best_practice/qwen3/readme.md: 256 H100, TP2 EP8 "
             "PP1, FSDP, full recompute, MBS 4, GBS 2048, seq 4096, bf16 (memory fit only)"),
     ]

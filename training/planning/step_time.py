@@ -27,7 +27,8 @@ from dataclasses import dataclass
 
 from models.config import TransformerConfig
 
-from training.planning.memory import Layout, activation_element_bytes, rank_params, state_bytes_per_param
+from training.planning.layout import Layout
+from training.planning.memory import activation_element_bytes, rank_params, state_bytes_per_param
 
 # The ONE calibration constant: the fraction of the GPU's dense peak that a transformer layer's
 # compute (its GEMMs and the fused elementwise kernels between them) sustains. Fitted once, as the
@@ -78,16 +79,16 @@ class StepTime:
 
 def step_time(cfg: TransformerConfig, layout: Layout, cluster: Cluster,
               efficiency: float = MATMUL_EFFICIENCY) -> StepTime:
-    s, b, h, t, p, v = (layout.seq_length, layout.micro_batch, cfg.hidden_size, layout.tp,
+    s, b, h, t, p, v = (layout.seq_length, layout.micro_batch_size, cfg.hidden_size, layout.tp,
                         layout.pp, layout.vpp)
     m = layout.microbatches
     dense, attn, logits = cfg.forward_flops_per_token(s)
     model_per_token = 3 * (dense + attn + logits)
-    extra = {"full": dense + attn, "selective": attn}.get(layout.recompute, 0.0)
+    extra = {"full": dense + attn, "selective": attn}.get(layout.recompute_granularity, 0.0)
     hw_per_token = model_per_token + extra
     # MoE: the routers and experts run whole on every TP rank (models/moe.py)
-    routed = cfg.routed_flops_per_token() * (4 if layout.recompute == "full" else 3)
-    tokens = layout.global_batch * s
+    routed = cfg.routed_flops_per_token() * (4 if layout.recompute_granularity == "full" else 3)
+    tokens = layout.global_batch_size * s
     gpus = layout.world
     # The slowest stage has ceil(L/p) layers; stages are otherwise balanced (the logits' share is
     # spread, as Megatron-style partitions that count the embedding as a layer do).
@@ -96,7 +97,7 @@ def step_time(cfg: TransformerConfig, layout: Layout, cluster: Cluster,
     c = layout.cp
     compute_mb = (hw_per_token - routed + routed * t) * b * s / (t * p * c) * imbalance / flop_rate
     act = b * s / c * h * 2.0
-    n_ar = 6 if layout.recompute == "full" else 4
+    n_ar = 6 if layout.recompute_granularity == "full" else 4
     tp_bw = cluster.intra_node_bw if t <= cluster.gpus_per_node else cluster.inter_node_bw
     tp_mb = (n_ar * math.ceil(cfg.num_layers / p) * 2 * (t - 1) / t * act / tp_bw) if t > 1 else 0.0
     same_node = t * layout.dp < cluster.gpus_per_node
@@ -114,22 +115,23 @@ def step_time(cfg: TransformerConfig, layout: Layout, cluster: Cluster,
     # data-parallel reduction of this rank's gradients (its largest stage)
     dense_local, expert_local = rank_params(cfg, layout, 0)
     w_b, g_b, _ = state_bytes_per_param(layout)
+    zero = layout.optimizer.zero_stage
     dp = opt = 0.0
     # ZeRO and the gradient reduction span data x context parallel (stride t); routed experts
     # their expert-data-parallel ranks (stride t*ep)
     for n_local, d, stride in ((dense_local, layout.dp * c, t),
                                (expert_local, layout.edp, t * layout.ep)):
         dp_bw = cluster.intra_node_bw if stride * d <= cluster.gpus_per_node else cluster.inter_node_bw
-        if d > 1 and layout.zero == 0:
+        if d > 1 and zero == 0:
             dp += 2 * (d - 1) / d * n_local * g_b / dp_bw
         elif d > 1:
             # ZeRO-2/3 keep no full gradient to accumulate into: they reduce-scatter after every
             # microbatch; stage 3 also all-gathers the weights in forward and again in backward.
-            grad_rounds = m if layout.zero >= 2 else 1
-            gathers = 2 if layout.zero == 3 else 1
+            grad_rounds = m if zero >= 2 else 1
+            gathers = 2 if zero == 3 else 1
             dp += (d - 1) / d * n_local * (g_b * grad_rounds + w_b * gathers * (
-                m if layout.zero == 3 else 1)) / dp_bw
-        opt += n_local / (d if layout.zero >= 1 else 1) * OPTIMIZER_BYTES_PER_PARAM / cluster.hbm_bw
+                m if zero == 3 else 1)) / dp_bw
+        opt += n_local / (d if zero >= 1 else 1) * OPTIMIZER_BYTES_PER_PARAM / cluster.hbm_bw
     if layout.overlap_dp:
         dp = max(0.0, dp - pipeline * 2 / 3)  # hidden behind backward
     total = pipeline + dp + opt
@@ -149,8 +151,8 @@ def all_to_all_time(cfg: TransformerConfig, layout: Layout, cluster: Cluster) ->
     if ep == 1 or not cfg.num_experts:
         return 0.0
     moe_layers = math.ceil(sum(map(cfg.is_moe_layer, range(cfg.num_layers))) / layout.pp)
-    rounds = 6 if layout.recompute == "full" else 4
-    volume = layout.seq_length / layout.cp * layout.micro_batch * cfg.moe_router_topk * cfg.hidden_size * \
+    rounds = 6 if layout.recompute_granularity == "full" else 4
+    volume = layout.seq_length / layout.cp * layout.micro_batch_size * cfg.moe_router_topk * cfg.hidden_size * \
         activation_element_bytes(layout) * (ep - 1) / ep
     # the EP group: ep consecutive data-parallel ranks of one TP position, t*ep ranks apart at most
     bw = cluster.intra_node_bw if layout.tp * ep <= cluster.gpus_per_node else cluster.inter_node_bw

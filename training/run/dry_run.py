@@ -128,9 +128,9 @@ def dry_run_rank(run, world_size: int, rank: int, provider, step_microbatches: i
         topo.device = META
         with torch.device(META):
             chunks = build_chunks(provider, run, topo, rng)
-            opt = build_optimizer(chunks, topo, run.optimizer)
+            opt = build_optimizer(chunks, topo, run.optimizer, run.model.dtype)
         seconds["build"] = time.perf_counter() - t
-        layout = planner.layout_of_run(run, topo.dp)
+        layout = planner.Layout.of_run(run, topo.dp)
         m = layout.microbatches
         schedule = run.schedule.pipeline_schedule if topo.pp > 1 else "no_pipelining"
         bound = activation_bound(schedule, topo.pp, topo.pp_rank, m, topo.vpp)
@@ -207,6 +207,6 @@ def _one_step(run, topo, chunks, opt, schedule: str, n: int, stats: PipelineStat
     with opt.no_sync(), device_kernels_on_meta(), balanced_routing(chunks):
         run_pipeline(steps, chunks, microbatches, topo,
                      activation_shape(topo, seq, mbs, run.model.hidden_size),
-                     opt.cfg.model_dtype, make_forward_fn(opt.loss_scale), stats=stats)
+                     opt.dtype, make_forward_fn(opt.loss_scale), stats=stats)
     opt.grad_sync.launch_remaining()
     opt.grad_sync.finish()

@@ -124,7 +124,7 @@ def forward_backward(chunks, microbatches: list[dict], topo: ParallelTopology, o
     # Stages 0-1 accumulate microbatch gradients locally and reduce once, after the last one.
     with guard("pipeline forward/backward (p2p, tensor-parallel collectives)"), optimizer.no_sync():
         losses = run_pipeline(steps, chunks, microbatches, topo, shape,
-                              optimizer.cfg.model_dtype, make_forward_fn(scale, poison, norm))
+                              optimizer.dtype, make_forward_fn(scale, poison, norm))
     optimizer.grad_sync.launch_remaining()
     if timings is not None:
         timings["ready"] = time.perf_counter()

@@ -27,7 +27,7 @@ from training.monitor.journal import RunJournal
 from training.monitor.console import Progress, RunLogger
 from training.run.lr_schedule import global_batch_size, learning_rate
 from training.monitor.metrics import device_peak_flops, moe_metrics
-from training.planning.planner import PlanError, layout_of_run, memory_per_gpu
+from training.planning.planner import Layout, PlanError, memory_per_gpu
 from training.monitor.report import write_report
 from training.checkpoint.resume import TrainState, layout_of, load, save
 from training.run.step import activation_shape, evaluate, forward_backward
@@ -57,7 +57,7 @@ def build_chunks(model_provider, run: RunConfig, topo, rng):
 def predicted_memory(run: RunConfig, dp: int) -> str:
     """What the planner expects this run to hold per rank (a check on both: see docs/planner.md)."""
     try:
-        mem = memory_per_gpu(run.model, layout_of_run(run, dp))
+        mem = memory_per_gpu(run.model, Layout.of_run(run, dp))
     except (PlanError, ValueError) as e:  # a layout the planner does not model
         return f"not modelled ({e})"
     gib = 2 ** 30
@@ -82,7 +82,7 @@ class Trainer:
                                       timeout_s=backend_timeout(run.health.collective_timeout))
         self.rng = model_parallel_seed(run.seed, topo)
         self.chunks = build_chunks(model_provider, run, topo, self.rng)
-        self.opt = build_optimizer(self.chunks, topo, run.optimizer)
+        self.opt = build_optimizer(self.chunks, topo, run.optimizer, run.model.dtype)
         self.lock = storage.SaveLock(run.checkpoint.save) \
             if run.checkpoint.save and topo.rank == 0 else None
         if self.lock is not None:  # only the job holding --save writes there, the tokenizer first
@@ -114,7 +114,7 @@ class Trainer:
                               cp=topo.cp, cp_rank=topo.cp_rank, documents=document_flags(run.data))
         self.data.restart(self.state.consumed_samples)
         self.shape = activation_shape(topo, seq, self.sched.micro_batch_size, mcfg.hidden_size)
-        peak, peak_source = device_peak_flops(topo.device, run.logging.peak_flops, run.optimizer.precision)
+        peak, peak_source = device_peak_flops(topo.device, run.logging.peak_flops, run.model.params_dtype)
         self.window = LogWindow(mcfg.model_flops_per_token(seq), peak, topo, self.state.iteration + 1)
         self.log = RunLogger(run.logging, {"run": dataclasses.asdict(run)}, topo.rank == 0, journal,
                              self.state.iteration,
@@ -216,7 +216,7 @@ class Trainer:
             return
         interrupted = (lambda: stops.signalled(self.topo.device) != 0) if stops is not None else None
         vloss, batches, planned = evaluate(self.chunks, self.valid_ds, self.topo, self.run,
-                                           self.shape, self.opt.cfg.model_dtype,
+                                           self.shape, self.opt.dtype,
                                            watchdog=self.watchdog, interrupted=interrupted)
         if batches < planned:
             if self.topo.rank == 0:

@@ -18,7 +18,8 @@ from models.config import TransformerConfig
 
 from training.checkpoint import format as ckpt
 from training.checkpoint.foreign import names
-from training.checkpoint.reshard import build_rank_chunks, param_table
+from training.checkpoint.layout_writer import build_rank_chunks
+from training.checkpoint.reshard import param_table
 
 logger = logging.getLogger(__name__)
 

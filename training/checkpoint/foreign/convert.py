@@ -1,7 +1,7 @@
 """Foreign checkpoints -> megazoo checkpoints of any layout, and back (one entry per format).
 
 Import reads the foreign files into full tensors (weights, and where present the fp32 masters,
-Adam moments and step counts) and writes them with `reshard.write_layout` for the target layout;
+Adam moments and step counts) and writes them with `layout_writer.write_layout` for the target layout;
 `--load` then continues the run (iteration, consumed samples and optimizer state carried over)
 under any layout. Export reads a megazoo checkpoint of any layout and writes the foreign one.
 """
@@ -14,7 +14,8 @@ from parallel.layout import ParallelConfig
 from training.checkpoint import format as ckpt
 from training.checkpoint.foreign import deepspeed, deepspeed_universal, megatron_dist, megatron_legacy
 from training.checkpoint.hf import checkpoint_config
-from training.checkpoint.reshard import read_full_state, write_layout
+from training.checkpoint.layout_writer import write_layout
+from training.checkpoint.reshard import read_full_state
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,102 @@
+"""A checkpoint for a target layout written from one process: full tensors (`reshard.FullState`,
+read from any layout or converted from a foreign format) sliced the way each target rank's own
+chunks are sharded, one rank file per target rank (the conversion and resharding tools).
+
+The target ranks' chunks are built on the CPU without process groups (`build_rank_chunks`) to
+learn their names, shapes, TP slicing and experts; their rank files carry the same parameter
+table and slice records as a trained run's (training/checkpoint/reshard.py, slices.py), so
+`reshard.read_full_state` and the resume path read them like any checkpoint.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+
+import torch
+
+from models.registry import build_model
+from parallel.param_spec import spec_of
+from parallel.sharding import local_shard
+from parallel.topology import ParallelConfig, ParallelTopology
+
+from training.checkpoint import format as ckpt
+from training.checkpoint import slices
+from training.checkpoint.reshard import PARAMS, FullState, is_frozen, param_table, table_order
+
+
+def build_rank_chunks(config, *, tp: int, pp: int, vpp: int, dp: int, rank: int,
+                      ep: int = 1):
+    """One rank's model chunks, built on the CPU without process groups (to learn their names,
+    shapes, TP slicing and experts)."""
+    topo = ParallelTopology(config=ParallelConfig(tp=tp, pp=pp, vpp=vpp, ep=ep), rank=rank,
+                            world_size=tp * pp * dp, dp=dp)
+    topo.group_ranks = topo.grid.groups_of(rank)
+    specs = topo.config.chunk_specs(config.num_layers, topo.pp_rank)
+    return topo, [build_model(config, topo, **spec.kwargs()) for spec in specs]
+
+
+def write_layout(full: FullState, root: str, *, config, tp: int, pp: int, vpp: int = 1,
+                 dp: int = 1, zero_stage: int = 0, iteration: int = 0, meta: dict | None = None,
+                 weights_only: bool = False, ep: int = 1) -> str:
+    """Write `full` as a checkpoint for the target layout, one file per target rank.
+
+    Optimizer states go into one bucket per rank whose `ranges` split every parameter evenly over
+    the data-parallel ranks (all of it on each rank for ZeRO-0); loading re-slices them into the
+    live optimizer's buckets.
+    """
+    parallel = ParallelConfig(tp=tp, pp=pp, vpp=vpp, ep=ep)
+    world = tp * pp * dp
+    parallel.validate(world)
+    config.check_layout(parallel)
+    with_optim = bool(full.optim) and not weights_only
+    tmp = ckpt.begin_offline(root, iteration)
+    records = []
+    for rank in range(world):
+        topo, chunks = build_rank_chunks(config, tp=tp, pp=pp, vpp=vpp, dp=dp, rank=rank, ep=ep)
+        rows = param_table(chunks, frozen=True)
+        named = [p for *_, p in table_order(chunks)]
+        tensors = {PARAMS: ckpt.json_tensor(rows)}
+        ranges = []
+        for (c, n, canon, *_), p in zip(rows, named):
+            if canon not in full.weights:
+                raise ckpt.CheckpointError(f"the source lacks {canon}; it is another model")
+            local = local_shard(p, full.weights[canon], topo)
+            if local.shape != p.shape:
+                raise ckpt.CheckpointError(f"{canon}: shape {tuple(full.weights[canon].shape)} does "
+                                           f"not fit this model; the source is another model")
+            # (frozen parameters keep their own dtype: the expert bias is fp32 in any model)
+            tensors[f"model.{c}.{n}"] = local.to(config.dtype if p.requires_grad else p.dtype)
+        if with_optim:
+            flats = defaultdict(list)
+            offset = 0
+            for idx, (row, p) in enumerate(zip(rows, named)):
+                if is_frozen(row):
+                    continue  # weights only: no optimizer state
+                canon, numel = row[2], p.numel()
+                group = topo.group_ranks["edp" if spec_of(p).expert else "dp"]
+                per = -(-numel // len(group)) if zero_stage > 0 else numel
+                lo = group.index(rank) * per if zero_stage > 0 else 0
+                hi = min(numel, lo + per)
+                if hi <= lo:
+                    continue
+                ranges.append([idx, lo, hi, offset])
+                offset += hi - lo
+                for state, values in full.optim.items():
+                    flats[state].append(local_shard(p, values[canon].float(), topo).reshape(-1)[lo:hi])
+            tensors["optim.bucket0.ranges"] = torch.tensor(ranges, dtype=torch.int64).reshape(-1, 4)
+            tensors.update({f"optim.bucket0.{s}": torch.cat(v) for s, v in flats.items()})
+            tensors.update({f"optim.{k}": v for k, v in full.scalars.items()})
+        ckpt.write_rank_file(tmp, rank, tensors)
+        records.append(slices.file_record(rows, ranges if zero_stage > 0 else [], topo.pp_rank))
+        del chunks
+    # (older checkpoints' top-level "family" was the class that wrote them: the model config's
+    # family field replaces it)
+    base = {k: v for k, v in (meta or full.meta).items()
+            if k not in ("layout", "model", "iteration", "world_size", "files", "family", "slices")}
+    base["slices"] = slices.meta_record(records)
+    base.update(model=dataclasses.asdict(config), layout=dict(
+        tp=tp, pp=pp, dp=dp, vpp=vpp, world_size=world, zero_stage=zero_stage,
+        **({"ep": ep} if ep != 1 else {})))
+    if not with_optim:
+        base["weights_only"] = True
+    return ckpt.commit(root, iteration, world, base)
