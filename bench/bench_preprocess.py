@@ -212,6 +212,8 @@ def command(method: str, w: int, tmp: str, args) -> tuple[list[str], dict | None
 
 def outcome(method: str, w: int, tmp: str, out: str) -> dict:
     """Documents and tokens a run wrote (and, for Megatron's, whether its files equal ours)."""
+    import numpy as np
+
     from data.indexed import IndexedDataset
 
     if method.startswith("datasets.map"):
@@ -221,6 +223,10 @@ def outcome(method: str, w: int, tmp: str, out: str) -> dict:
     ds = IndexedDataset(os.path.join(tmp, prefix))
     info = {"docs": ds.num_documents, "tokens": int(ds.sequence_lengths.sum())}
     ds.close()
+    if method == "preprocess_sft.py":
+        masks = IndexedDataset(os.path.join(tmp, f"sft{w}_assistant_mask_document"))
+        info["assistant_tokens"] = int(masks.all_tokens().sum(dtype=np.int64))
+        masks.close()
     if method == "megatron preprocess_data.py":
         ours = os.path.join(tmp, f"ours{w}_text_document")
         info["identical_to_ours"] = all(
