@@ -39,7 +39,7 @@ from html.parser import HTMLParser
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
-from bench_preprocess_runs import plot, run_measured  # noqa: E402
+from preprocess_measure import plot, profile_stages, run_measured  # noqa: E402
 
 GPT2 = os.path.join(ROOT, "tests", "fixtures", "gpt2")
 VOCAB, MERGES = os.path.join(GPT2, "vocab.json"), os.path.join(GPT2, "merges.txt")
@@ -288,7 +288,10 @@ def main() -> None:
                            "load_average_1min": round(os.getloadavg()[0], 2), **outcome(method, w, tmp, out)}
                     print(f"round {rnd}: {run}", flush=True)
                     rounds.setdefault((method, w), []).append(run)
-    results = {"corpus": corpus, "rounds": args.repeat, "cpu_count": os.cpu_count(), "runs": [], "ratios": {}}
+        profile = profile_stages(os.path.join(tmp, "corpus.jsonl"), VOCAB, MERGES, tmp)
+        print(f"CPU seconds per stage (one process): {profile}")
+    results = {"corpus": corpus, "rounds": args.repeat, "cpu_count": os.cpu_count(), "runs": [], "ratios": {},
+               "profile_cpu_s": profile}
     for (method, w), runs in rounds.items():
         median = sorted(runs, key=lambda r: r["wall_s"])[len(runs) // 2]
         results["runs"].append({**median, "wall_s_rounds": [r["wall_s"] for r in runs]})

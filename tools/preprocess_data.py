@@ -64,7 +64,9 @@ def get_args(argv=None) -> argparse.Namespace:
     g = p.add_argument_group("output")
     g.add_argument("--output-prefix", required=True)
     g = p.add_argument_group("runtime")
-    g.add_argument("--workers", type=int, default=1, help="tokenizer processes (1: tokenize in the main process)")
+    g.add_argument("--workers", type=int, default=1,
+                   help="tokenizer processes, as Megatron's --workers (1: tokenize in the main process); "
+                        "each runs the Rust tokenizer on one thread unless TOKENIZERS_PARALLELISM=true is set")
     g.add_argument("--partitions", type=int, default=1, help="process the input files in N groups, then merge")
     g.add_argument("--log-interval", type=int, default=1000, help="documents between progress-bar updates")
     g.add_argument("--no-progress", action="store_true", help="no progress bar (a summary is still printed)")

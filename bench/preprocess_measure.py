@@ -1,5 +1,5 @@
-"""Measuring one preprocessing run as a process tree (wall, peak RSS, CPU), and the bar chart of
-bench/bench_preprocess.py's results."""
+"""Measuring one preprocessing run as a process tree (wall, peak RSS, CPU), the CPU time of each
+stage of the work in one process, and the bar chart of bench/bench_preprocess.py's results."""
 from __future__ import annotations
 
 import os
@@ -62,3 +62,44 @@ def plot(results: dict, path: str) -> None:
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
+
+
+def profile_stages(jsonl: str, vocab: str, merges: str, out_dir: str) -> dict:
+    """CPU seconds of each stage of tools/preprocess_data.py's work on `jsonl`, in this process
+    (one worker's share is this divided by the workers): where the time goes."""
+    import numpy as np
+    from tokenizers import Tokenizer, models
+
+    from data.indexed import IndexedDatasetBuilder
+    from data.text_sources import parse_record
+    from data.tokenizers import build_tokenizer
+
+    def timed(fn):
+        t0 = time.process_time()
+        value = fn()
+        return value, round(time.process_time() - t0, 2)
+
+    tok = build_tokenizer("GPT2BPETokenizer", vocab, merges)
+    stages = {}
+    lines, stages["read lines"] = timed(lambda: open(jsonl, "rb").readlines())
+    texts, stages["parse + validate json"] = timed(
+        lambda: [parse_record(("json", jsonl, i + 1, raw), ["text"])[0]["text"] for i, raw in enumerate(lines)])
+    encodings, stages["rust encode_batch_fast"] = timed(lambda: tok._tok.encode_batch_fast(texts, add_special_tokens=False))
+    ids, stages["encodings -> lists of ids"] = timed(lambda: [e.ids for e in encodings])
+    flat, stages["lists -> one int32 array"] = timed(
+        lambda: np.concatenate([np.asarray(d, dtype=np.int32) for d in ids]))
+    lengths = np.fromiter(map(len, ids), dtype=np.int32, count=len(ids))
+
+    def write():
+        b = IndexedDatasetBuilder(os.path.join(out_dir, "profile.bin"), dtype=np.uint16)
+        b.add_documents(flat, lengths)
+        b.finalize(os.path.join(out_dir, "profile.idx"))
+
+    stages["write .bin + .idx"] = timed(write)[1]
+    # The pre-tokenizer alone (GPT-2's regex + byte mapping), with a one-word model: the part of
+    # the Rust time that is not BPE merging.
+    pre = Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]"))
+    pre.pre_tokenizer = tok._tok.pre_tokenizer
+    stages["of the rust time: pre-tokenizer alone"] = timed(lambda: pre.encode_batch_fast(texts, add_special_tokens=False))[1]
+    stages["all stages"] = round(sum(v for k, v in stages.items() if not k.startswith("of ")), 2)
+    return stages
