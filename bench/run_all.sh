@@ -7,6 +7,8 @@
 #
 # The ZeRO-vs-DeepSpeed benchmark needs DeepSpeed in a separate virtual environment (see its
 # docstring); set DS_PYTHON=/path/to/that/python to include it, otherwise it is skipped.
+# The preprocessing benchmark compares with Megatron-LM's own tool when MEGATRON_LM names a
+# checkout of it (otherwise that column is skipped).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
@@ -25,6 +27,9 @@ for script in bench/bench_*.py; do
     if [[ -z ${DS_PYTHON:-} ]]; then echo "== $name: skipped (set DS_PYTHON)"; continue; fi
     args=(--ds-python "$DS_PYTHON")
     export DS_ACCELERATOR=cpu
+  fi
+  if [[ $name == bench_preprocess && -n ${MEGATRON_LM:-} ]]; then
+    args=(--megatron-lm "$MEGATRON_LM")  # a Megatron-LM checkout (see the script's docstring)
   fi
   echo "== $name $(date +%H:%M:%S)"
   start=$SECONDS

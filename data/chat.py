@@ -107,6 +107,36 @@ class ChatRenderer:
             tokens, mask = list(out["input_ids"]), list(out["assistant_masks"])
         else:
             tokens, mask = self._prefix_spans(messages)
+        return self._bounded(tokens, mask)
+
+    def render_batch(self, records: list) -> list:
+        """`render` of each record (a `Rendered`, or the `SkipRecord` it raised), with one
+        template call and one batched tokenizer call for the records that pass
+        `conversation_of` (the ids and masks of each are those of its own call; per record when
+        the template marks no generation span, or when the batch fails)."""
+        out: list = [None] * len(records)
+        todo: list[tuple[int, list[dict]]] = []
+        for i, record in enumerate(records):
+            try:
+                todo.append((i, conversation_of(record)))
+            except SkipRecord as e:
+                out[i] = e
+        if self.marks_generation and todo:
+            try:
+                batch = self.tok.apply_chat_template([m for _, m in todo], tokenize=True, return_dict=True,
+                                                     return_assistant_tokens_mask=True)
+            except Exception:  # noqa: BLE001 - one record's template error: each alone says which
+                batch = None
+            if batch is not None:
+                for (i, _), tokens, mask in zip(todo, batch["input_ids"], batch["assistant_masks"]):
+                    out[i] = _outcome(self._bounded, list(tokens), list(mask))
+                return out
+        for i, _ in todo:
+            out[i] = _outcome(self.render, records[i])
+        return out
+
+    def _bounded(self, tokens: list[int], mask: list[int]) -> Rendered:
+        """The rendered ids and mask, checked for an assistant token and cut to `max_tokens`."""
         if not any(mask):
             raise SkipRecord("the template marks no generation span (no assistant token)")
         truncated = False
@@ -133,3 +163,11 @@ class ChatRenderer:
                                  "the conversation (mark the reply with {% generation %})")
             mask[len(before):len(through)] = [1] * (len(through) - len(before))
         return tokens, mask
+
+
+def _outcome(fn, *args):
+    """fn(*args), or the SkipRecord it raised."""
+    try:
+        return fn(*args)
+    except SkipRecord as e:
+        return e

@@ -538,3 +538,26 @@ def hf_deepseek_v3(seed: int = 0, **kw):
                 scale = 0.3 if name.endswith("e_score_correction_bias") or t.dim() == 1 else 0.05
                 t.add_(torch.randn(t.shape, generator=g) * scale)
     return hf
+
+
+# ---- Chat data -------------------------------------------------------------------------------
+# ChatML, once with the reply marked as generation and once without any mark.
+CHATML_TAGGED = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['role'] == 'assistant' %}"
+                 "{% generation %}{{ m['content'] }}<|im_end|>{% endgeneration %}{% else %}"
+                 "{{ m['content'] }}<|im_end|>{% endif %}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CHATML_PLAIN = CHATML_TAGGED.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+CONVERSATION = {"messages": [{"role": "system", "content": "be brief"},
+                             {"role": "user", "content": "hi there"},
+                             {"role": "assistant", "content": "hello you"},
+                             {"role": "user", "content": "and now"},
+                             {"role": "assistant", "content": "bye"}]}
+
+
+def chatml_tokenizer(template: str | None):
+    """transformers' GPT-2 tokenizer from the fixture, with ChatML's tokens and `template`."""
+    from transformers import GPT2TokenizerFast
+    tok = GPT2TokenizerFast(str(GPT2 / "vocab.json"), str(GPT2 / "merges.txt"))
+    tok.add_special_tokens({"additional_special_tokens": CHAT})
+    tok.chat_template = template
+    return tok

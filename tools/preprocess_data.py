@@ -36,7 +36,9 @@ from data.token_stats import stats_path, write_stats  # noqa: E402
 from data.text_sources import DEFAULT_TEXT_SUFFIXES, CorruptInput, iter_records, parse_record, resolve_inputs  # noqa: E402
 from data.tokenizers import TokenizerError, build_tokenizer  # noqa: E402
 
-BATCH_BYTES = 1 << 20  # ~1 MB of input per task: large enough to amortise IPC, small enough to stream
+# ~256 KB of input per task: large enough to amortise IPC, small enough that the last tasks
+# (which leave the other workers idle) are short, and that memory stays bounded.
+BATCH_BYTES = 1 << 18
 BATCH_RECORDS = 512
 SHOWN_BAD = 20  # malformed records echoed to the console; all of them go to the _skipped.txt file
 
@@ -62,7 +64,9 @@ def get_args(argv=None) -> argparse.Namespace:
     g = p.add_argument_group("output")
     g.add_argument("--output-prefix", required=True)
     g = p.add_argument_group("runtime")
-    g.add_argument("--workers", type=int, default=1, help="tokenizer processes (1: tokenize in the main process)")
+    g.add_argument("--workers", type=int, default=1,
+                   help="tokenizer processes, as Megatron's --workers (1: tokenize in the main process); "
+                        "each runs the Rust tokenizer on one thread unless TOKENIZERS_PARALLELISM=true is set")
     g.add_argument("--partitions", type=int, default=1, help="process the input files in N groups, then merge")
     g.add_argument("--log-interval", type=int, default=1000, help="documents between progress-bar updates")
     g.add_argument("--no-progress", action="store_true", help="no progress bar (a summary is still printed)")
@@ -121,11 +125,12 @@ def encode_batch(records: list) -> BatchResult:
                 texts[k].append(parsed[k])
             result.docs += 1
             result.text_bytes += nbytes
-    eod = np.asarray([tok.eod] if append_eod else [], dtype=np.int32)
+    eod = np.asarray([tok.eod], dtype=np.int32)
     for k in keys:
-        ids = [np.concatenate([d, eod]) if append_eod else d for d in _encode_texts(tok, texts[k])]
-        result.lengths[k] = np.fromiter((len(d) for d in ids), dtype=np.int32, count=len(ids))
-        result.tokens[k] = np.concatenate(ids) if ids else np.zeros(0, np.int32)
+        ids = _encode_texts(tok, texts[k])
+        result.lengths[k] = np.fromiter((len(d) + append_eod for d in ids), dtype=np.int32, count=len(ids))
+        pieces = [piece for d in ids for piece in (d, eod)] if append_eod else ids
+        result.tokens[k] = np.concatenate(pieces) if pieces else np.zeros(0, np.int32)  # one copy
     return result
 
 

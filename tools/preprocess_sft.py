@@ -57,19 +57,24 @@ def _init(folder: str, max_tokens: int | None, overlong: str) -> None:
 
 
 def _render_batch(batch: list[tuple[str, int, str]]):
-    """[(file, line, text)] -> [(file, line, tokens or None, mask or None, note or None)]."""
-    out = []
+    """[(file, line, text)] -> [(file, line, tokens or None, mask or None, note or None)]: the
+    conversations of a batch rendered and tokenized together (`ChatRenderer.render_batch`)."""
+    out, records, where = [], [], []
     for name, line, text in batch:
         try:
             record = json.loads(text)
-            if not isinstance(record, dict):
-                raise SkipRecord("not a JSON object")
-            r = _renderer.render(record)
-            out.append((name, line, r.tokens, r.assistant_mask, "truncated" if r.truncated else None))
         except json.JSONDecodeError as e:
             out.append((name, line, None, None, f"bad JSON ({e.msg})"))
-        except SkipRecord as e:
-            out.append((name, line, None, None, str(e)))
+            continue
+        if not isinstance(record, dict):
+            out.append((name, line, None, None, "not a JSON object"))
+            continue
+        out.append(None)  # filled below, in input order
+        records.append(record)
+        where.append((len(out) - 1, name, line))
+    for (slot, name, line), r in zip(where, _renderer.render_batch(records)):
+        out[slot] = ((name, line, None, None, str(r)) if isinstance(r, SkipRecord) else
+                     (name, line, r.tokens, r.assistant_mask, "truncated" if r.truncated else None))
     return out
 
 
@@ -102,8 +107,11 @@ def preprocess(args) -> dict:
     tokens = IndexedDatasetBuilder(bin_path(tp), dtype=optimal_dtype(vocab))
     masks = IndexedDatasetBuilder(bin_path(mp_), dtype=np.uint8)
     reasons, listed, kept, n_tokens, n_assistant = Counter(), [], 0, 0, 0
-    pool = (mp.get_context("spawn").Pool(args.workers, _init, (args.tokenizer_model, max_tokens,
-                                                                args.overlong))
+    # Forked workers start with this process's renderer (no second tokenizer load); elsewhere
+    # each worker builds its own.
+    fork = sys.platform == "linux"
+    pool = (mp.get_context("fork" if fork else "spawn").Pool(
+        args.workers, None if fork else _init, () if fork else (args.tokenizer_model, max_tokens, args.overlong))
             if args.workers > 1 else None)
     try:
         results = (pool.imap(_render_batch, _batches(args.input), chunksize=1) if pool

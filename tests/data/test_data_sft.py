@@ -3,35 +3,13 @@ bad input counted and listed, the indexed token + mask pair, padded and packed s
 from __future__ import annotations
 
 import json
-import os
 
 import numpy as np
 import pytest
 
 from data.chat import ChatRenderer, ChatTemplateError, SkipRecord
 from data.sft_dataset import SFTDataset, pack_greedily
-
-FIXTURE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "gpt2")
-# ChatML, once with the reply marked as generation and once without any mark.
-TAGGED = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['role'] == 'assistant' %}"
-          "{% generation %}{{ m['content'] }}<|im_end|>{% endgeneration %}{% else %}"
-          "{{ m['content'] }}<|im_end|>{% endif %}\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-PLAIN = TAGGED.replace("{% generation %}", "").replace("{% endgeneration %}", "")
-CONVERSATION = {"messages": [{"role": "system", "content": "be brief"},
-                             {"role": "user", "content": "hi there"},
-                             {"role": "assistant", "content": "hello you"},
-                             {"role": "user", "content": "and now"},
-                             {"role": "assistant", "content": "bye"}]}
-
-
-def tokenizer(template: str | None):
-    from transformers import GPT2TokenizerFast
-    tok = GPT2TokenizerFast(os.path.join(FIXTURE, "vocab.json"), os.path.join(FIXTURE, "merges.txt"))
-    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
-    tok.chat_template = template
-    return tok
-
+from tests.helpers import CHATML_PLAIN as PLAIN, CHATML_TAGGED as TAGGED, CONVERSATION, chatml_tokenizer as tokenizer
 
 def folder(tmp_path, template: str | None) -> str:
     path = str(tmp_path / "tok")
