@@ -25,6 +25,7 @@ from models import deepseek_v3
 from models.multi_token_prediction import shifted
 from parallel.sharding import load_full_state_dict
 from parallel.topology import ParallelTopology
+from tests.helpers import one_thread  # noqa: F401 - autouse
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 N, D, VOCAB = 2, 2, 96  # main layers (1 dense, 1 MoE), prediction depths (MoE layers), vocabulary
