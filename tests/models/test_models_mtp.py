@@ -4,7 +4,8 @@
   and every gradient equal a reference assembled from transformers' DeepSeek-V3 modules (the HF
   model's embedding, final norm and lm_head, DeepseekV3DecoderLayer, DeepseekV3RMSNorm and an
   nn.Linear per depth) on the same weights, with two depths (an MoE layer each), fp32 1e-5; the
-  reported loss is the main one; eval forwards skip the depths.
+  reported loss is the main one; a loss mask masks the depths' shifted targets alike; the
+  depths' MoE layers join the expert-bias update; eval forwards skip the depths.
 * HF folder in the released layout (`model.layers.{N + k}.*` with the depths' embedding and head
   copies) -> megazoo checkpoint at tp2 x pp2 (the offline reshard) -> HF folder: bit-identical,
   tp1 again too; transformers' AutoModelForCausalLM loads the folder (skipping the depths) with
@@ -22,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from models import deepseek_v3
+from models.moe import update_expert_biases
 from models.multi_token_prediction import shifted
 from parallel.sharding import load_full_state_dict
 from parallel.topology import ParallelTopology
@@ -97,8 +99,10 @@ def _hf_models(seed: int = 0):
     return hf, depths
 
 
-def _reference_losses(hf, depths, ids, labels):
-    """(main mean loss, [each depth's mean loss]) computed from the HF modules."""
+def _reference_losses(hf, depths, ids, labels, mask=None):
+    """(main mean loss, [each depth's mean loss over the positions whose target `mask` counts])
+    computed from the HF modules."""
+    mask = torch.ones(labels.shape) if mask is None else mask
     s = ids.shape[1]
     positions = torch.arange(s)[None].expand(ids.shape[0], -1)
     causal = torch.full((s, s), float("-inf")).triu(1)[None, None]
@@ -115,7 +119,8 @@ def _reference_losses(hf, depths, ids, labels):
         hidden = depth.shared_head.norm(depth.layer(x, attention_mask=causal, position_ids=positions,
                                                     position_embeddings=rope))
         logits = hf.lm_head(hidden)[:, :s - k]
-        out.append(F.cross_entropy(logits.flatten(0, 1), labels[:, k:].flatten()))
+        ce = F.cross_entropy(logits.flatten(0, 1), labels[:, k:].flatten(), reduction="none")
+        out.append((ce * mask[:, k:].flatten()).sum() / mask[:, k:].sum())
     return main, out
 
 
@@ -161,6 +166,17 @@ def test_mtp_loss_and_gradients_equal_a_reference_from_transformers_modules():
                                        msg=name)
             checked += 1
     assert checked > 40 and model.mtp.depths[1].eh_proj.weight.grad.abs().sum() > 0
+    # the depths' MoE layers count their load for the expert-bias update too
+    update_expert_biases([model], cfg.num_layers, torch.device("cpu"))
+    assert all(d.layer.mlp.expert_bias.abs().sum() > 0 for d in model.mtp.depths)
+    # a loss mask (--eod-mask-loss) masks each depth's shifted targets alike
+    mask = (torch.rand(labels.shape, generator=torch.Generator().manual_seed(8)) > 0.3).float()
+    model.mtp.stats.reset()
+    with torch.no_grad():
+        model(ids, labels=labels, loss_mask=mask)
+        _, masked = _reference_losses(hf, depths, ids, labels, mask)
+    torch.testing.assert_close(model.mtp.stats.totals[1:].float(), torch.stack(masked), **TOL)
+    assert not torch.allclose(torch.stack(masked), torch.stack(theirs).detach())
     # evaluation (no graph) skips the depths: same main loss, nothing recorded
     model.eval()
     model.mtp.stats.reset()
