@@ -139,14 +139,37 @@ def dp_mean(value: float, topo) -> float:
     return t.item() / topo.dp
 
 
+def reference_adamw(named) -> torch.optim.AdamW:
+    """torch AdamW with HYPER over (name, parameter) pairs: decay on matrices only, as the ZeRO
+    optimizer's default (the references the parallel runs are compared with)."""
+    return torch.optim.AdamW([{"params": [p for _, p in named if p.dim() >= 2],
+                               "weight_decay": HYPER["weight_decay"]},
+                              {"params": [p for _, p in named if p.dim() < 2], "weight_decay": 0.0}],
+                             lr=HYPER["lr"], betas=HYPER["betas"], eps=HYPER["eps"])
+
+
+def check_bucket_grads(opt, chunks, topo, ref_grads: dict, tag: str) -> int:
+    """This rank's shard of every optimizer bucket equals the same slice of the reference's full
+    gradient (by canonical name); returns how many slices it compared."""
+    from parallel.sharding import local_shard
+    where = {id(p): local_shard(p, ref_grads[chunk.canonical_name(n)], topo).reshape(-1)
+             for chunk in chunks for n, p in chunk.named_parameters() if p.requires_grad}
+    checked = 0
+    for b in opt.buffers:
+        for slot, lo, hi in b.shard_ranges():
+            got = b.grad_shard[lo - b.shard_start:hi - b.shard_start]
+            want = where[id(slot.param)][lo - slot.offset:hi - slot.offset]
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5,
+                                       msg=lambda m: f"{tag} grad {slot.name}: {m}")
+            checked += 1
+    return checked
+
+
 def reference_run(topo: ParallelTopology, cfg: TransformerConfig, steps: int = STEPS):
     """Plain DP with torch.optim.AdamW: (per-step mean losses, full parameters, grad norms)."""
     model = TransformerLanguageModel(cfg, ParallelTopology.single())
     named = list(model.named_parameters())
-    opt = torch.optim.AdamW([{"params": [p for _, p in named if p.dim() >= 2],
-                              "weight_decay": HYPER["weight_decay"]},
-                             {"params": [p for _, p in named if p.dim() < 2], "weight_decay": 0.0}],
-                            lr=HYPER["lr"], betas=HYPER["betas"], eps=HYPER["eps"])
+    opt = reference_adamw(named)
     losses, norms = [], []
     for step in range(steps):
         ids, labels = batch(step, topo)

@@ -21,11 +21,11 @@ from models.language_model import TransformerLanguageModel
 from models.moe import moe_layers, set_aux_loss_scale
 from parallel import collectives as C
 from parallel.pipeline.partition import chunk_prefix, partition
-from parallel.sharding import full_tensor, local_shard
+from parallel.sharding import full_tensor
 from parallel.topology import ParallelTopology
 from parallel.zero import build_optimizer
 from tests.distributed import run_distributed
-from tests.helpers import (HYPER, SEQ, STEPS, batch,
+from tests.helpers import (HYPER, SEQ, STEPS, batch, check_bucket_grads,
                            dp_mean, initial_parameters, moe_config, opt_config, topology)
 from tests.tolerances import assert_trained_close
 from training.run.step import activation_shape, forward_backward
@@ -83,22 +83,6 @@ def reference(topo, cfg, microbatches: int):
     return losses, grads, norms, {n: full_tensor(p, single).clone() for n, p in named}, auxes
 
 
-def _check_grads(opt, chunks, topo, ref_grads, tag):
-    """This rank's shard of every bucket equals the same slice of the reference gradient."""
-    where = {}
-    for chunk in chunks:
-        for name, p in chunk.named_parameters():
-            where[id(p)] = local_shard(p, ref_grads[chunk.canonical_name(name)], topo).reshape(-1)
-    checked = 0
-    for b in opt.buffers:
-        for slot, lo, hi in b.shard_ranges():
-            got = b.grad_shard[lo - b.shard_start:hi - b.shard_start]
-            want = where[id(slot.param)][lo - slot.offset:hi - slot.offset]
-            torch.testing.assert_close(got, want, **TOL, msg=lambda m: f"{tag} grad {slot.name}: {m}")
-            checked += 1
-    return checked
-
-
 def parallel_run(topo, cfg, stage: int, microbatches: int, ref, tag: str,
                  schedule: str = "1f1b") -> str:
     ref_losses, ref_grads, ref_norms, ref_params, ref_aux = ref
@@ -116,7 +100,7 @@ def parallel_run(topo, cfg, stage: int, microbatches: int, ref, tag: str,
         torch.testing.assert_close(loss, ref_losses[step], **TOL, msg=f"{tag} loss step {step}")
         if step == 0:
             opt.grad_sync.finish()
-            grads_checked = _check_grads(opt, chunks, topo, ref_grads, tag)
+            grads_checked = check_bucket_grads(opt, chunks, topo, ref_grads, tag)
         result = opt.step()
         opt.zero_grad()
         assert not result.skipped, tag

@@ -21,12 +21,12 @@ from models.config import TransformerConfig
 from models.language_model import TransformerLanguageModel
 from models.multi_token_prediction import mtp_modules, set_mtp_loss_scale
 from parallel.pipeline.partition import chunk_prefix, partition
-from parallel.sharding import full_tensor, local_shard
+from parallel.sharding import full_tensor
 from parallel.topology import ParallelTopology
 from parallel.zero import build_optimizer
 from tests.distributed import run_distributed
-from tests.helpers import (HYPER, SEQ, batch, dp_mean, one_thread, opt_config,  # noqa: F401
-                           topology)  # one_thread: autouse
+from tests.helpers import (HYPER, SEQ, batch, check_bucket_grads, dp_mean,  # noqa: F401
+                           one_thread, opt_config, reference_adamw, topology)  # one_thread: autouse
 from tests.tolerances import assert_trained_close
 
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -65,10 +65,7 @@ def _reference(cfg):
     model = TransformerLanguageModel(cfg, single)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     initial = {n: full_tensor(p, single).clone() for n, p in named}
-    opt = torch.optim.AdamW([{"params": [p for _, p in named if p.dim() >= 2],
-                              "weight_decay": HYPER["weight_decay"]},
-                             {"params": [p for _, p in named if p.dim() < 2], "weight_decay": 0.0}],
-                            lr=HYPER["lr"], betas=HYPER["betas"], eps=HYPER["eps"])
+    opt = reference_adamw(named)
     shares = DP * MICROBATCHES
     set_mtp_loss_scale([model], 1.0 / shares)
     losses, depths, norms, grads = [], [], [], None
@@ -89,20 +86,6 @@ def _reference(cfg):
     return losses, depths, grads, norms, initial, {n: full_tensor(p, single).clone() for n, p in named}
 
 
-def _check_grads(opt, chunks, topo, ref_grads, tag) -> int:
-    """This rank's shard of every bucket equals the same slice of the reference gradient."""
-    where = {id(p): local_shard(p, ref_grads[chunk.canonical_name(n)], topo).reshape(-1)
-             for chunk in chunks for n, p in chunk.named_parameters() if p.requires_grad}
-    checked = 0
-    for b in opt.buffers:
-        for slot, lo, hi in b.shard_ranges():
-            got = b.grad_shard[lo - b.shard_start:hi - b.shard_start]
-            want = where[id(slot.param)][lo - slot.offset:hi - slot.offset]
-            torch.testing.assert_close(got, want, **TOL, msg=lambda m: f"{tag} grad {slot.name}: {m}")
-            checked += 1
-    return checked
-
-
 def _run(topo, cfg, ref, tag: str) -> tuple[int, int]:
     from training.run.step import activation_shape, forward_backward
     ref_losses, ref_depths, ref_grads, ref_norms, initial, ref_params = ref
@@ -119,7 +102,7 @@ def _run(topo, cfg, ref, tag: str) -> tuple[int, int]:
         torch.testing.assert_close(loss, ref_losses[step], **TOL, msg=f"{tag} loss step {step}")
         if step == 0:
             opt.grad_sync.finish()
-            grads_checked = _check_grads(opt, chunks, topo, ref_grads, tag)
+            grads_checked = check_bucket_grads(opt, chunks, topo, ref_grads, tag)
         result = opt.step()
         opt.zero_grad()
         assert not result.skipped, tag
