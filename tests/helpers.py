@@ -165,6 +165,28 @@ def check_bucket_grads(opt, chunks, topo, ref_grads: dict, tag: str) -> int:
     return checked
 
 
+def checked_step(chunks, topo, opt, step: int, microbatches: int, shape, ref_losses, ref_norms,
+                 ref_grads: dict | None, tag: str, schedule: str = "1f1b") -> int:
+    """One training step of `batch(step, topo)` in `microbatches` through the pipeline and the
+    optimizer, its loss and gradient norm checked against the reference's (fp32 1e-5), and with
+    `ref_grads` every bucket's gradient before the step; returns the slices compared."""
+    from training.run.step import forward_backward
+    ids, labels = batch(step, topo)
+    mbs = [{"tokens": i, "labels": y} for i, y in zip(ids.chunk(microbatches), labels.chunk(microbatches))]
+    loss = forward_backward(chunks, mbs, topo, opt, schedule=schedule, shape=shape)
+    torch.testing.assert_close(loss, ref_losses[step], rtol=1e-5, atol=1e-5, msg=f"{tag} loss step {step}")
+    checked = 0
+    if ref_grads is not None:
+        opt.grad_sync.finish()
+        checked = check_bucket_grads(opt, chunks, topo, ref_grads, tag)
+    result = opt.step()
+    opt.zero_grad()
+    assert not result.skipped, tag
+    torch.testing.assert_close(result.grad_norm, ref_norms[step], rtol=1e-5, atol=1e-5,
+                               msg=f"{tag} norm {step}")
+    return checked
+
+
 def reference_run(topo: ParallelTopology, cfg: TransformerConfig, steps: int = STEPS):
     """Plain DP with torch.optim.AdamW: (per-step mean losses, full parameters, grad norms)."""
     model = TransformerLanguageModel(cfg, ParallelTopology.single())

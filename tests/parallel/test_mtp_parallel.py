@@ -25,7 +25,7 @@ from parallel.sharding import full_tensor
 from parallel.topology import ParallelTopology
 from parallel.zero import build_optimizer
 from tests.distributed import run_distributed
-from tests.helpers import (HYPER, SEQ, batch, check_bucket_grads, dp_mean,  # noqa: F401
+from tests.helpers import (HYPER, SEQ, batch, checked_step, dp_mean,  # noqa: F401
                            one_thread, opt_config, reference_adamw, topology)  # one_thread: autouse
 from tests.tolerances import assert_trained_close
 
@@ -87,7 +87,7 @@ def _reference(cfg):
 
 
 def _run(topo, cfg, ref, tag: str) -> tuple[int, int]:
-    from training.run.step import activation_shape, forward_backward
+    from training.run.step import activation_shape
     ref_losses, ref_depths, ref_grads, ref_norms, initial, ref_params = ref
     specs = partition(cfg.num_layers, topo.pp, topo.vpp)[topo.pp_rank]
     chunks = [TransformerLanguageModel(cfg, topo, **s.kwargs()) for s in specs]
@@ -95,18 +95,8 @@ def _run(topo, cfg, ref, tag: str) -> tuple[int, int]:
     shape = activation_shape(topo, SEQ, batch(0, topo)[0].shape[0] // MICROBATCHES, cfg.hidden_size)
     grads_checked = depths_checked = 0
     for step in range(STEPS):
-        ids, labels = batch(step, topo)
-        mbs = [{"tokens": i, "labels": y}
-               for i, y in zip(ids.chunk(MICROBATCHES), labels.chunk(MICROBATCHES))]
-        loss = forward_backward(chunks, mbs, topo, opt, schedule="1f1b", shape=shape)
-        torch.testing.assert_close(loss, ref_losses[step], **TOL, msg=f"{tag} loss step {step}")
-        if step == 0:
-            opt.grad_sync.finish()
-            grads_checked = check_bucket_grads(opt, chunks, topo, ref_grads, tag)
-        result = opt.step()
-        opt.zero_grad()
-        assert not result.skipped, tag
-        torch.testing.assert_close(result.grad_norm, ref_norms[step], **TOL, msg=f"{tag} norm {step}")
+        grads_checked += checked_step(chunks, topo, opt, step, MICROBATCHES, shape, ref_losses,
+                                      ref_norms, ref_grads if step == 0 else None, tag)
         depths = _depth_losses(chunks)
         if depths is not None:  # the last stage: the depths' losses of this DP rank's share
             torch.testing.assert_close(torch.tensor([dp_mean(v, topo) for v in depths]),
