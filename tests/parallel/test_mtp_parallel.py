@@ -1,11 +1,12 @@
 """DeepSeek-V3 multi-token prediction under TP + SP + EP and PP + EP against the unsharded model.
 
 A model of MLA attention, one dense and one DeepSeek MoE layer and two prediction depths (MoE
-layers), ZeRO-1, two microbatches per step, in one 4-rank gloo world:
+layers), two microbatches per step, in one 4-rank gloo world:
 
-* tp2 + SP, ep2, dp2 (untied head): the depths' projection column-parallel, the shared
-  vocab-parallel embedding and head, the MoE depth's experts split over EP;
-* pp2, ep2, dp2 with tied embeddings: the depths on the last stage, which holds the embedding's
+* tp2 + SP, ep2, dp2 (untied head), ZeRO-1 and ZeRO-3 (each depth a unit gathered on use): the
+  depths' projection column-parallel, the shared vocab-parallel embedding and head, the MoE
+  depth's experts split over EP;
+* pp2, ep2, dp2 with tied embeddings, ZeRO-1: the depths on the last stage, which holds the embedding's
   copy (also the head), kept equal to the first stage's through the embedding group.
 
 Against the reference (the unsharded model on each DP rank's share of the batch, gradients
@@ -86,12 +87,12 @@ def _reference(cfg):
     return losses, depths, grads, norms, initial, {n: full_tensor(p, single).clone() for n, p in named}
 
 
-def _run(topo, cfg, ref, tag: str) -> tuple[int, int]:
+def _run(topo, cfg, ref, stage: int, tag: str) -> tuple[int, int]:
     from training.run.step import activation_shape
     ref_losses, ref_depths, ref_grads, ref_norms, initial, ref_params = ref
     specs = partition(cfg.num_layers, topo.pp, topo.vpp)[topo.pp_rank]
     chunks = [TransformerLanguageModel(cfg, topo, **s.kwargs()) for s in specs]
-    opt = build_optimizer(chunks, topo, opt_config(zero_stage=1))
+    opt = build_optimizer(chunks, topo, opt_config(zero_stage=stage))
     shape = activation_shape(topo, SEQ, batch(0, topo)[0].shape[0] // MICROBATCHES, cfg.hidden_size)
     grads_checked = depths_checked = 0
     for step in range(STEPS):
@@ -113,18 +114,21 @@ def _run(topo, cfg, ref, tag: str) -> tuple[int, int]:
 
 
 def _world(rank, layouts):
-    return [_run(topology(**kw), _config(**model), ref, str(kw)) for kw, model, ref in layouts]
+    return [_run(topology(**kw), _config(**model), ref, stage, f"{kw} zero {stage}")
+            for kw, model, stage, ref in layouts]
 
 
 def test_mtp_under_tensor_sequence_expert_and_pipeline_parallelism_equals_unsharded():
-    layouts = [(dict(tp=2, sequence_parallel=True, ep=2), {}),
-               (dict(pp=2, ep=2), dict(tie_word_embeddings=True))]
-    layouts = [(kw, model, _reference(_config(**model))) for kw, model in layouts]
+    untied, tied = {}, dict(tie_word_embeddings=True)
+    refs = {"untied": _reference(_config(**untied)), "tied": _reference(_config(**tied))}
+    layouts = [(dict(tp=2, sequence_parallel=True, ep=2), untied, 1, refs["untied"]),
+               (dict(tp=2, sequence_parallel=True, ep=2), untied, 3, refs["untied"]),
+               (dict(pp=2, ep=2), tied, 1, refs["tied"])]
     results = run_distributed(_world, 4, layouts, timeout=600)
     for rank, per_layout in enumerate(results):
-        assert len(per_layout) == 2
-        (tp_grads, tp_depths), (pp_grads, pp_depths) = per_layout
-        assert tp_grads > 0 and tp_depths == 2 * STEPS  # every TP rank holds the depths
-        assert pp_grads > 0
+        assert len(per_layout) == 3
+        (tp_grads, tp_depths), (z3_grads, z3_depths), (pp_grads, pp_depths) = per_layout
+        assert tp_grads > 0 and z3_grads > 0 and pp_grads > 0
+        assert tp_depths == z3_depths == 2 * STEPS  # every TP rank holds the depths
     # the depths live on the last stage only (ranks 2, 3 of the pp2 x dp2 world's layout)
-    assert sorted(r[1][1] for r in results) == [0, 0, 2 * STEPS, 2 * STEPS]
+    assert sorted(r[2][1] for r in results) == [0, 0, 2 * STEPS, 2 * STEPS]
