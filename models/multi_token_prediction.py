@@ -93,6 +93,9 @@ class MultiTokenPrediction(nn.Module):
         if topo.cp > 1:
             raise ValueError("--mtp-num-layers with --context-parallel-size > 1 is not modelled "
                              "(the shifted targets cross ranks); use --context-parallel-size 1")
+        if config.position_embedding == "learned" or config.embedding_layernorm:
+            raise ValueError("--mtp-num-layers is modelled with rotary or ALiBi positions and no "
+                             "embedding norm (the last stage's embedding copy holds words only)")
         self.config, self.topo = config, topo
         self.depths = nn.ModuleList(MTPDepth(config, topo, init, k, rng)
                                     for k in range(config.mtp_num_layers))

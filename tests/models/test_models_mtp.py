@@ -266,6 +266,12 @@ def test_mtp_flags_reach_the_config_and_the_rest_is_refused_in_one_line():
     built = {n: p.numel() for n, p in model.named_parameters() if not n.endswith("expert_bias")}
     assert sum(v for n, v in built.items() if n.startswith("mtp.")) == tiny.mtp_parameters()
     assert sum(built.values()) == tiny.num_parameters() + tiny.mtp_parameters()
+    from models.config import TransformerConfig
+    plain = TransformerConfig(vocab_size=64, hidden_size=16, num_layers=1, num_attention_heads=2,
+                              mtp_num_layers=1)  # learned positions: no family takes it
+    assert plain.family is None
+    with pytest.raises(ValueError, match="--mtp-num-layers is modelled with rotary or ALiBi"):
+        TransformerLanguageModel(plain, ParallelTopology.single())
     parse_args = build_parser().parse_args
     base = ["--model", "deepseek-v3-tiny", *TINY, "--train-iters", "2"]
     run = to_run_config(parse_args(base + ["--mtp-num-layers", "2", "--mtp-loss-scaling-factor",

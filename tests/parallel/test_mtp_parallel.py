@@ -3,16 +3,18 @@
 A model of MLA attention, one dense and one DeepSeek MoE layer and two prediction depths (MoE
 layers), two microbatches per step, in one 4-rank gloo world:
 
-* tp2 + SP, ep2, dp2 (untied head), ZeRO-1 and ZeRO-3 (each depth a unit gathered on use): the
-  depths' projection column-parallel, the shared vocab-parallel embedding and head, the MoE
-  depth's experts split over EP;
-* pp2, ep2, dp2 with tied embeddings, ZeRO-1: the depths on the last stage, which holds the embedding's
-  copy (also the head), kept equal to the first stage's through the embedding group.
+* tp2 + SP, ep2, dp2 (untied head), ZeRO-3 (each depth a unit gathered on use): the depths'
+  projection column-parallel, the shared vocab-parallel embedding and head, the MoE depth's
+  experts split over EP;
+* pp2, ep2, dp2, untied (DeepSeek-V3's), ZeRO-1: the depths on the last stage, with a copy of the
+  embedding kept equal to the first stage's through the embedding group, beside its own head;
+* pp2, ep2, dp2 with tied embeddings, ZeRO-1: that copy is also the head.
 
 Against the reference (the unsharded model on each DP rank's share of the batch, gradients
 averaged over DP, clip_grad_norm_, torch AdamW): the main loss of each of 2 steps and each
 depth's MTP loss, every gradient as the optimizer holds it after the reductions of step 1, the
-gradient norm of every step, and every parameter after the 2 steps (`assert_trained_close`). The reference runs once, in the test's process.
+gradient norm of every step, and every parameter after the 2 steps (`assert_trained_close`).
+The reference runs once, in the test's process.
 """
 from __future__ import annotations
 
@@ -121,14 +123,14 @@ def _world(rank, layouts):
 def test_mtp_under_tensor_sequence_expert_and_pipeline_parallelism_equals_unsharded():
     untied, tied = {}, dict(tie_word_embeddings=True)
     refs = {"untied": _reference(_config(**untied)), "tied": _reference(_config(**tied))}
-    layouts = [(dict(tp=2, sequence_parallel=True, ep=2), untied, 1, refs["untied"]),
-               (dict(tp=2, sequence_parallel=True, ep=2), untied, 3, refs["untied"]),
+    layouts = [(dict(tp=2, sequence_parallel=True, ep=2), untied, 3, refs["untied"]),
+               (dict(pp=2, ep=2), untied, 1, refs["untied"]),
                (dict(pp=2, ep=2), tied, 1, refs["tied"])]
     results = run_distributed(_world, 4, layouts, timeout=600)
     for rank, per_layout in enumerate(results):
         assert len(per_layout) == 3
-        (tp_grads, tp_depths), (z3_grads, z3_depths), (pp_grads, pp_depths) = per_layout
-        assert tp_grads > 0 and z3_grads > 0 and pp_grads > 0
-        assert tp_depths == z3_depths == 2 * STEPS  # every TP rank holds the depths
-    # the depths live on the last stage only (ranks 2, 3 of the pp2 x dp2 world's layout)
-    assert sorted(r[2][1] for r in results) == [0, 0, 2 * STEPS, 2 * STEPS]
+        assert all(grads > 0 for grads, _ in per_layout)
+        assert per_layout[0][1] == 2 * STEPS  # every TP rank holds the depths
+    # under pp2 the depths live on the last stage only (ranks 2, 3 of the pp2 x dp2 layout)
+    for i in (1, 2):
+        assert sorted(r[i][1] for r in results) == [0, 0, 2 * STEPS, 2 * STEPS]
