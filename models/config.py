@@ -30,6 +30,7 @@ TRAINING_ONLY_FIELDS = frozenset({
     "moe_aux_loss_coeff", "moe_z_loss_coeff",  # auxiliary training losses
     "moe_expert_capacity_factor",  # token dropping while training (HF routes dropless; logged)
     "moe_router_bias_update_rate", "moe_router_load_balancing_type",  # how routing is trained
+    "mtp_loss_scaling_factor",  # the multi-token prediction loss's weight (HF records none)
 })
 
 
@@ -103,6 +104,9 @@ class TransformerConfig:
     moe_shared_expert_gate: bool = False  # sigmoid gate on the shared expert (Qwen2-MoE)
     moe_layer_freq: int = 1  # --moe-layer-freq: layer i is MoE when i % freq == 0 (Megatron)
     moe_first_dense_layers: int = 0  # the first N layers dense (DeepSeek-V3 first_k_dense_replace)
+    # ---- multi-token prediction (models/multi_token_prediction.py; docs/deepseek.md) ----
+    mtp_num_layers: int = 0  # --mtp-num-layers (HF num_nextn_predict_layers): prediction depths
+    mtp_loss_scaling_factor: float = 0.1  # --mtp-loss-scaling-factor: weight of their mean loss
     # The model family (models/registry.py: its class, Hugging Face adapter and presets), recorded
     # in every checkpoint. None: inferred from the fields above (models/family_rules.py); a
     # named family whose rules the fields break is refused in one line naming the field.
@@ -135,6 +139,10 @@ class TransformerConfig:
             self._check_moe()
         if self.kv_lora_rank is not None:
             self._check_latent_attention()
+        if not isinstance(self.mtp_num_layers, int) or self.mtp_num_layers < 0 \
+                or not self.mtp_loss_scaling_factor >= 0:
+            raise ValueError(f"--mtp-num-layers must be an integer >= 0 and --mtp-loss-scaling-factor "
+                             f">= 0, got {self.mtp_num_layers} and {self.mtp_loss_scaling_factor}")
         if self.position_embedding == "rope" and self.kv_lora_rank is None and self.head_dim % 2:
             source = f"--kv-channels {self.kv_channels}" if self.kv_channels else (
                 f"--hidden-size {self.hidden_size} / --num-attention-heads {self.num_attention_heads}")
@@ -364,9 +372,19 @@ class TransformerConfig:
         """Parameters of one norm (LayerNorm has a bias, RMSNorm not)."""
         return 2 * self.hidden_size if self.normalization == "layernorm" else self.hidden_size
 
+    def mtp_parameters(self, tp: int = 1, ep: int = 1) -> float:
+        """Parameters of the multi-token prediction depths one (TP, EP) rank of the last stage
+        holds beyond the shared embedding and head: per depth two input norms, the [2h -> h]
+        projection (TP-split), one transformer layer (numbered after the main ones) and its
+        output norm. Not in `num_parameters` (DeepSeek-V3's 671B leaves them out too)."""
+        proj = 2 * self.hidden_size * self.hidden_size / tp
+        return sum(3 * self.norm_parameters() + proj + self.layer_parameters(tp, self.num_layers + k, ep)
+                   for k in range(self.mtp_num_layers))
+
     def num_parameters(self, active: bool = False) -> int:
-        """Parameters of the unpadded model (tied embeddings counted once); `active`: those one
-        token uses (MoE: the router's top-k experts of each layer, not all of them)."""
+        """Parameters of the unpadded model (tied embeddings counted once; the multi-token
+        prediction depths apart: `mtp_parameters`); `active`: those one token uses (MoE: the
+        router's top-k experts of each layer, not all of them)."""
         head = 0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size
         layers = sum(self.layer_parameters(layer=i, active=active) for i in range(self.num_layers))
         return int(self.embedding_parameters() + layers + self.norm_parameters() + head)

@@ -8,11 +8,12 @@ HF routes with groups always; `n_group` 1 is plain top-k (no group limit in mega
 the expert bias as the buffer `e_score_correction_bias`; megazoo as the frozen `expert_bias`,
 updated in training (`--moe-router-bias-update-rate`). HF's config records no aux-loss
 coefficient: imported models train without one unless the flags add it. The multi-token
-prediction layers (`num_nextn_predict_layers`) are not modelled: transformers skips their weights
-too, and megazoo says so at import. RoPE scaling (the released configs' YaRN, with its
-`mscale_all_dim` softmax correction) is modelled by models/mla.py. Not modelled, refused: the
-length-dependent scalings (dynamic, longrope), attention biases, `rms_norm_eps` other than the
-latent norms' fixed 1e-6.
+prediction depths (`num_nextn_predict_layers`, models/multi_token_prediction.py) are the released
+files' `model.layers.{num_hidden_layers + k}.*` (transformers skips them; megazoo trains them):
+their copies of the embedding and head must equal the main ones on import and are written back
+on export. RoPE scaling (the released configs' YaRN, with its `mscale_all_dim` softmax
+correction) is modelled by models/mla.py. Not modelled, refused: the length-dependent scalings
+(dynamic, longrope), attention biases, `rms_norm_eps` other than the latent norms' fixed 1e-6.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from parallel.topology import ParallelTopology
 from . import llama
 from .config import TransformerConfig
 from .hf_fields import check_fields, refuse
-from .language_model import TransformerLanguageModel
+from .language_model import WORD_EMBEDDINGS, TransformerLanguageModel
 from .qwen2_moe import stacked_experts
 from .rope import rope_type
 
@@ -39,10 +40,11 @@ MAPPED = frozenset({
     "qk_nope_head_dim", "n_group", "topk_group", "num_experts_per_tok", "first_k_dense_replace",
     "norm_topk_prob", "hidden_act", "max_position_embeddings", "initializer_range", "rms_norm_eps",
     "tie_word_embeddings", "rope_parameters", "rope_interleave", "attention_dropout",
+    "num_nextn_predict_layers",
     # derived by transformers from the fields above
     "qk_head_dim", "head_dim"})
 # output_router_logits only adds outputs; pretraining_tp is not used by the modelling code
-IGNORED = frozenset({"output_router_logits", "pretraining_tp", "num_nextn_predict_layers"})
+IGNORED = frozenset({"output_router_logits", "pretraining_tp"})
 LATENT_NORM_EPS = 1e-6  # transformers' q_a_layernorm / kv_a_layernorm take the default eps
 # RoPE scalings multi-latent attention models (models/mla.py: not the length-dependent ones);
 # a partial_rotary_factor record (rope_type default) has no meaning for MLA's rope channels
@@ -74,10 +76,6 @@ def config_from_hf(hf) -> TransformerConfig:
             raise refuse(FAMILY, field, value, supported)
     if not hf.n_shared_experts or hf.n_shared_experts < 1:
         raise refuse(FAMILY, "n_shared_experts", hf.n_shared_experts, ">= 1")
-    if getattr(hf, "num_nextn_predict_layers", 0):
-        logger.info("%s: num_nextn_predict_layers %d: the multi-token prediction layers are not "
-                    "modelled and their weights not imported (as transformers does)", FAMILY,
-                    hf.num_nextn_predict_layers)
     grouped = hf.n_group and hf.n_group > 1
     return TransformerConfig(
         vocab_size=hf.vocab_size, hidden_size=hf.hidden_size, num_layers=hf.num_hidden_layers,
@@ -98,7 +96,8 @@ def config_from_hf(hf) -> TransformerConfig:
         moe_router_num_groups=hf.n_group if grouped else None,
         moe_router_group_topk=hf.topk_group if grouped else None,
         moe_router_topk_scaling_factor=float(hf.routed_scaling_factor),
-        moe_norm_topk_prob=bool(hf.norm_topk_prob), moe_first_dense_layers=hf.first_k_dense_replace)
+        moe_norm_topk_prob=bool(hf.norm_topk_prob), moe_first_dense_layers=hf.first_k_dense_replace,
+        mtp_num_layers=hf.num_nextn_predict_layers or 0)
 
 
 def _rope_parameters(config: TransformerConfig) -> dict:
@@ -151,7 +150,8 @@ def hf_config(config: TransformerConfig, **extra):
         tie_word_embeddings=config.tie_word_embeddings,
         rope_parameters=_rope_parameters(config),
         rope_interleave=config.rope_interleave, attention_bias=False,
-        attention_dropout=config.attention_dropout, num_nextn_predict_layers=0,
+        attention_dropout=config.attention_dropout,
+        num_nextn_predict_layers=config.mtp_num_layers,
         **{"architectures": ["DeepseekV3ForCausalLM"], **extra})
 
 
@@ -163,31 +163,77 @@ _Q_LATENT = {"q_down": "q_a_proj.weight", "q_norm.weight": "q_a_layernorm.weight
 _Q_FULL = {"q_proj.weight": "q_proj.weight"}
 
 
+def _layers(config: TransformerConfig):
+    """(megazoo prefix, HF prefix, global layer number) of every transformer layer: the main
+    ones, then each multi-token prediction depth's (HF numbers them on after the main ones)."""
+    for i in range(config.num_layers):
+        yield f"layers.{i}.", f"model.layers.{i}.", i
+    for d in range(config.mtp_num_layers):
+        i = config.num_layers + d
+        yield f"mtp.depths.{d}.layer.", f"model.layers.{i}.", i
+
+
+def _mtp_pairs(config: TransformerConfig):
+    """(megazoo name, HF name) of the depths' own tensors beside their layers."""
+    for d in range(config.mtp_num_layers):
+        m, h = f"mtp.depths.{d}.", f"model.layers.{config.num_layers + d}."
+        for mz, hf in (("enorm", "enorm"), ("hnorm", "hnorm"), ("final_norm", "shared_head.norm")):
+            yield m + mz + ".weight", h + hf + ".weight"
+        yield m + "eh_proj.weight", h + "eh_proj.weight"
+
+
+def _shared_copies(config: TransformerConfig):
+    """(HF name of a depth's copy, the megazoo tensor it copies): megazoo shares the embedding
+    and the head with the main model, as DeepSeek-V3 and Megatron-core do."""
+    head = WORD_EMBEDDINGS if config.tie_word_embeddings else "head_weight"
+    for d in range(config.mtp_num_layers):
+        h = f"model.layers.{config.num_layers + d}."
+        yield h + "embed_tokens.weight", WORD_EMBEDDINGS
+        yield h + "shared_head.head.weight", head
+
+
 def _pairs(config: TransformerConfig):
     """(megazoo name, HF name) of the tensors mapped one to one (experts stacked apart)."""
-    yield from llama._pairs(config)  # embeddings, norms, o_proj, dense layers' down_proj
+    yield WORD_EMBEDDINGS, "model.embed_tokens.weight"
+    yield "final_norm.weight", "model.norm.weight"
+    if not config.tie_word_embeddings:  # HF does not save a tied lm_head
+        yield "head_weight", "lm_head.weight"
     attention = {**_ATTENTION, **(_Q_LATENT if config.q_lora_rank else _Q_FULL)}
-    for i in range(config.num_layers):
-        m, h = f"layers.{i}.", f"model.layers.{i}."
+    for m, h, i in _layers(config):
+        yield m + "input_norm.weight", h + "input_layernorm.weight"
+        yield m + "post_attention_norm.weight", h + "post_attention_layernorm.weight"
+        yield m + "attention.dense.weight", h + "self_attn.o_proj.weight"
         for mz, hf in attention.items():
             yield m + "attention." + mz, h + "self_attn." + hf
         if config.is_moe_layer(i):
             yield m + "mlp.router", h + "mlp.gate.weight"
             yield m + "mlp.expert_bias", h + "mlp.gate.e_score_correction_bias"
             yield m + "mlp.shared_expert.fc2.weight", h + "mlp.shared_experts.down_proj.weight"
+        else:
+            yield m + "mlp.fc2.weight", h + "mlp.down_proj.weight"
+    yield from _mtp_pairs(config)
 
 
 def from_hf_state_dict(sd: dict[str, torch.Tensor], config: TransformerConfig) -> dict[str, torch.Tensor]:
-    """HF DeepseekV3ForCausalLM tensors (file or in-memory form) -> full megazoo tensors."""
+    """HF DeepseekV3ForCausalLM tensors (file or in-memory form) -> full megazoo tensors. The
+    depths' copies of the embedding and head must equal the main ones (megazoo shares them)."""
     sd = {k if k.startswith(("model.", "lm_head.")) else "model." + k: v for k, v in sd.items()}
+    if config.mtp_num_layers and f"model.layers.{config.num_layers}.eh_proj.weight" not in sd:
+        raise ValueError(f"{FAMILY}: num_nextn_predict_layers {config.mtp_num_layers} but the "
+                         f"weights have no model.layers.{config.num_layers}.eh_proj.weight (a "
+                         f"transformers model drops them); import the checkpoint's files")
     out = {mz: sd[hf] for mz, hf in _pairs(config)}
-    for m, h, kind in llama._fused(config, qkv=False):  # dense layers' [gate; up]
-        out[m + f"mlp.fc1.{kind}"] = torch.cat([sd[h + f"mlp.gate_proj.{kind}"],
-                                                sd[h + f"mlp.up_proj.{kind}"]])
-    for i in range(config.num_layers):
-        if not config.is_moe_layer(i):
+    for copy, mz in _shared_copies(config):
+        if copy in sd and not torch.equal(sd[copy], out[mz]):
+            raise ValueError(f"{FAMILY}: {copy} differs from the main model's "
+                             f"{'model.embed_tokens' if mz == WORD_EMBEDDINGS else 'lm_head'}; "
+                             f"megazoo shares the embedding and head with the prediction depths")
+    for m, h, i in _layers(config):
+        if not config.is_moe_layer(i):  # dense [gate; up]
+            out[m + "mlp.fc1.weight"] = torch.cat([sd[h + "mlp.gate_proj.weight"],
+                                                   sd[h + "mlp.up_proj.weight"]])
             continue
-        m, h = f"layers.{i}.mlp.", f"model.layers.{i}.mlp."
+        m, h = m + "mlp.", h + "mlp."
         out[m + "shared_expert.fc1.weight"] = torch.cat([sd[h + "shared_experts.gate_proj.weight"],
                                                          sd[h + "shared_experts.up_proj.weight"]])
         out[m + "experts.weight1"], out[m + "experts.weight2"] = stacked_experts(sd, h, config.num_experts)
@@ -196,14 +242,16 @@ def from_hf_state_dict(sd: dict[str, torch.Tensor], config: TransformerConfig) -
 
 def to_hf_state_dict(full: dict[str, torch.Tensor], config: TransformerConfig) -> dict[str, torch.Tensor]:
     """Full megazoo tensors -> HF DeepSeek-V3 tensors in the file form of the released
-    checkpoints (experts apart; no lm_head when tied)."""
+    checkpoints (experts apart; no lm_head when tied; each prediction depth with its copies of
+    the embedding and head, as released)."""
     out = {hf: full[mz] for mz, hf in _pairs(config)}
-    for m, h, kind in llama._fused(config, qkv=False):
-        out[h + f"mlp.gate_proj.{kind}"], out[h + f"mlp.up_proj.{kind}"] = full[m + f"mlp.fc1.{kind}"].chunk(2)
-    for i in range(config.num_layers):
+    out.update({copy: full[mz] for copy, mz in _shared_copies(config)})
+    for m, h, i in _layers(config):
         if not config.is_moe_layer(i):
+            out[h + "mlp.gate_proj.weight"], out[h + "mlp.up_proj.weight"] = \
+                full[m + "mlp.fc1.weight"].chunk(2)
             continue
-        m, h = f"layers.{i}.mlp.", f"model.layers.{i}.mlp."
+        m, h = m + "mlp.", h + "mlp."
         out[h + "shared_experts.gate_proj.weight"], out[h + "shared_experts.up_proj.weight"] = \
             full[m + "shared_expert.fc1.weight"].chunk(2)
         for e in range(config.num_experts):

@@ -20,7 +20,7 @@ _ROPE = dict(position_embedding="rope", normalization="rmsnorm", activation="swi
 _FULL = dict(sliding_window=None)
 # Families without multi-head latent attention (DeepSeek-V3 has it), and MoE families whose router
 # is a softmax without DeepSeek-V3's expert bias, groups, scaling or dense first layers.
-_MHA = dict(kv_lora_rank=None)
+_MHA = dict(kv_lora_rank=None, mtp_num_layers=0)  # multi-token prediction: DeepSeek-V3's only
 _SOFTMAX_ROUTER = dict(_MHA, moe_router_score_function="softmax",
                        moe_router_enable_expert_bias=False, moe_router_num_groups=None, moe_router_topk_scaling_factor=None,
                        moe_first_dense_layers=0)

@@ -3,7 +3,9 @@
     tokens -> Embedding -> TransformerLayer x L -> final norm -> vocab-parallel head -> loss
 
 A pipeline chunk builds only its part: the embedding when `pre_process`, the global layers
-`layer_range`, the norm, head and loss when `post_process`. Parameter names carry global layer
+`layer_range`, the norm, head and loss when `post_process` (with the multi-token prediction
+depths, models/multi_token_prediction.py, and, on a last stage without the embedding, a copy of
+it kept equal to the first stage's as a tied embedding is). Parameter names carry global layer
 numbers (`layers.7.mlp.fc1.weight`), so chunks of any split share one naming.
 """
 from __future__ import annotations
@@ -25,10 +27,12 @@ from parallel.topology import ParallelTopology
 from .blocks import KVCache, TransformerLayer
 from .config import TransformerConfig
 from .init import Initializer
+from .multi_token_prediction import MultiTokenPrediction
 from .norms import build_norm
 from .recompute import layer_units
 
 WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
+MTP_EMBEDDINGS = "mtp_embedding.word_embeddings.weight"  # the last stage's copy (pp > 1)
 
 
 class Embedding(nn.Module):
@@ -41,7 +45,9 @@ class Embedding(nn.Module):
         self.word_embeddings = VocabParallelEmbedding(
             config.vocab_size, config.padded_vocab_size(topo.tp), config.hidden_size, topo,
             init.normal(WORD_EMBEDDINGS), dtype=config.dtype)
-        set_spec(self.word_embeddings.weight, tied_embedding=config.tie_word_embeddings)
+        # held by the last stage too when tied to the head or read by multi-token prediction
+        set_spec(self.word_embeddings.weight,
+                 tied_embedding=config.tie_word_embeddings or config.mtp_num_layers > 0)
         self.position_embeddings = None
         if config.position_embedding == "learned":
             weight = torch.empty(config.max_position_embeddings, config.hidden_size)
@@ -82,10 +88,14 @@ class TransformerLanguageModel(nn.Module):
         self.embedding = Embedding(config, topo, init, rng) if pre_process else None
         self.layers = nn.ModuleDict({str(i): TransformerLayer(config, topo, init, i, rng)
                                      for i in range(*self.layer_range)})
-        self.final_norm = self.head_weight = None
+        self.final_norm = self.head_weight = self.mtp = self.mtp_embedding = None
+        if post_process and config.mtp_num_layers:
+            self.mtp = MultiTokenPrediction(config, topo, init, rng)
+            if not pre_process:
+                self.mtp_embedding = Embedding(config, topo, init, rng)
         if post_process:
             self.final_norm = build_norm(config, topo)
-            if not (config.tie_word_embeddings and pre_process):
+            if not (config.tie_word_embeddings and (pre_process or self.mtp_embedding is not None)):
                 # Untied head, or the last stage's copy of a tied embedding (kept equal to the
                 # first stage's by summing their gradients over the embedding group).
                 head = VocabParallelEmbedding(config.vocab_size, config.padded_vocab_size(topo.tp),
@@ -97,21 +107,33 @@ class TransformerLanguageModel(nn.Module):
 
     def canonical_name(self, name: str) -> str:
         """The full-model tensor a parameter holds (a tied head copy holds the embedding)."""
-        if name == "head_weight" and self.config.tie_word_embeddings:
+        if name == "head_weight" and self.config.tie_word_embeddings or name == MTP_EMBEDDINGS:
             return WORD_EMBEDDINGS
         return name
 
+    def word_embedding(self) -> Embedding:
+        """The embedding this chunk holds (the first stage's, or the last stage's copy)."""
+        return self.embedding if self.embedding is not None else self.mtp_embedding
+
     def output_weight(self) -> torch.Tensor:
-        return self.head_weight if self.head_weight is not None else self.embedding.word_embeddings.weight
+        return self.head_weight if self.head_weight is not None else \
+            self.word_embedding().word_embeddings.weight
+
+    def transformer_layers(self) -> list[TransformerLayer]:
+        """This chunk's transformer layers: the main ones, then the prediction depths'."""
+        return list(self.layers.values()) + ([d.layer for d in self.mtp.depths] if self.mtp else [])
 
     def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None,
-                cache: KVCache | None = None, documents: Documents | None = None) -> torch.Tensor:
+                cache: KVCache | None = None, documents: Documents | None = None,
+                loss_mask: torch.Tensor | None = None) -> torch.Tensor:
         """x: token ids [b, s] (first chunk) or hidden states [s, b, h] (later chunks).
 
         Returns hidden states unless this chunk is the last; then per-token loss [b, s] when
         `labels` are given, else this rank's vocabulary shard of the logits [b, s, v/tp].
         With a `cache` (inference), x continues the cached positions and the cache advances.
         `documents` (packed samples): attention stays within each document, positions restart.
+        `loss_mask` [b, s] (the positions the caller counts) only masks the multi-token
+        prediction loss, which rides along the returned per-token loss into backward.
         """
         if cache is not None and self.topo.cp > 1:
             raise ValueError("KV-cache decoding is not supported with --context-parallel-size > 1; "
@@ -134,8 +156,15 @@ class TransformerLanguageModel(nn.Module):
             return h
         h = self.final_norm(h)
         if labels is not None:  # the head and the loss fused: the logits are never materialised
-            return lm_head_cross_entropy(h, self.output_weight(), labels.t(), self.topo,
+            loss = lm_head_cross_entropy(h, self.output_weight(), labels.t(), self.topo,
                                          self.config.vocab_size).t()
+            if self.mtp is None:
+                return loss
+            if documents is not None:
+                raise ValueError("--mtp-num-layers with packed documents is not modelled (the "
+                                 "shifted targets would cross documents); drop one")
+            return self.mtp.attach(loss, h, labels, self.word_embedding(), self.output_weight(),
+                                   loss_mask)
         logits = parallel_lm_logits(h, self.output_weight(), self.topo, self.config.vocab_size)
         return logits.transpose(0, 1)  # [b, s, v/tp]
 

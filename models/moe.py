@@ -293,10 +293,10 @@ def update_expert_biases(chunks, num_layers: int, device: torch.device) -> None:
     config = chunks[0].config
     if config.num_experts is None or not config.moe_router_enable_expert_bias:
         return
-    table = torch.zeros(num_layers, config.num_experts, device=device)
+    table = torch.zeros(num_layers + config.mtp_num_layers, config.num_experts, device=device)
     layers = {}
     for chunk in chunks:
-        for layer in chunk.layers.values():
+        for layer in chunk.transformer_layers():  # the prediction depths' layers too
             if isinstance(layer.mlp, MoELayer):
                 table[layer.layer_number] = layer.mlp.expert_load
                 layers[layer.layer_number] = layer.mlp

@@ -119,7 +119,7 @@ PRESETS: dict[str, dict] = {
                               num_query_groups=4, kv_channels=128, ffn_hidden_size=6144,
                               num_experts=128, moe_router_topk=8, moe_ffn_hidden_size=768),
     # DeepSeek-V3 (arXiv 2412.19437; docs/deepseek.md): MLA, 3 dense layers, 256 experts top-8 in
-    # 8 groups (4 per token) + a shared one, the expert bias; multi-token prediction not modelled
+    # 8 groups (4 per token) + a shared one, the expert bias, one multi-token prediction depth
     # (pre-training's 4096 positions, before the YaRN extension to 128K: models/mla.py models
     # YaRN when a rope_scaling is given)
     "deepseek-v3": dict(_DEEPSEEK_V3, vocab_size=129280, max_position_embeddings=4096,
@@ -128,7 +128,7 @@ PRESETS: dict[str, dict] = {
                         qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
                         num_experts=256, moe_router_topk=8, moe_ffn_hidden_size=2048,
                         moe_shared_expert_intermediate_size=2048, moe_router_num_groups=8,
-                        moe_router_group_topk=4, moe_first_dense_layers=3),
+                        moe_router_group_topk=4, moe_first_dense_layers=3, mtp_num_layers=1),
     # a DeepSeek-V3-shaped toy for CPUs and tests (not a released model)
     "deepseek-v3-tiny": dict(_DEEPSEEK_V3, vocab_size=32000, max_position_embeddings=1024,
                              hidden_size=128, num_layers=4, num_attention_heads=4,

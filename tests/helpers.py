@@ -139,14 +139,59 @@ def dp_mean(value: float, topo) -> float:
     return t.item() / topo.dp
 
 
+def reference_adamw(named) -> torch.optim.AdamW:
+    """torch AdamW with HYPER over (name, parameter) pairs: decay on matrices only, as the ZeRO
+    optimizer's default (the references the parallel runs are compared with)."""
+    return torch.optim.AdamW([{"params": [p for _, p in named if p.dim() >= 2],
+                               "weight_decay": HYPER["weight_decay"]},
+                              {"params": [p for _, p in named if p.dim() < 2], "weight_decay": 0.0}],
+                             lr=HYPER["lr"], betas=HYPER["betas"], eps=HYPER["eps"])
+
+
+def check_bucket_grads(opt, chunks, topo, ref_grads: dict, tag: str) -> int:
+    """This rank's shard of every optimizer bucket equals the same slice of the reference's full
+    gradient (by canonical name); returns how many slices it compared."""
+    from parallel.sharding import local_shard
+    where = {id(p): local_shard(p, ref_grads[chunk.canonical_name(n)], topo).reshape(-1)
+             for chunk in chunks for n, p in chunk.named_parameters() if p.requires_grad}
+    checked = 0
+    for b in opt.buffers:
+        for slot, lo, hi in b.shard_ranges():
+            got = b.grad_shard[lo - b.shard_start:hi - b.shard_start]
+            want = where[id(slot.param)][lo - slot.offset:hi - slot.offset]
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5,
+                                       msg=lambda m: f"{tag} grad {slot.name}: {m}")
+            checked += 1
+    return checked
+
+
+def checked_step(chunks, topo, opt, step: int, microbatches: int, shape, ref_losses, ref_norms,
+                 ref_grads: dict | None, tag: str, schedule: str = "1f1b") -> int:
+    """One training step of `batch(step, topo)` in `microbatches` through the pipeline and the
+    optimizer, its loss and gradient norm checked against the reference's (fp32 1e-5), and with
+    `ref_grads` every bucket's gradient before the step; returns the slices compared."""
+    from training.run.step import forward_backward
+    ids, labels = batch(step, topo)
+    mbs = [{"tokens": i, "labels": y} for i, y in zip(ids.chunk(microbatches), labels.chunk(microbatches))]
+    loss = forward_backward(chunks, mbs, topo, opt, schedule=schedule, shape=shape)
+    torch.testing.assert_close(loss, ref_losses[step], rtol=1e-5, atol=1e-5, msg=f"{tag} loss step {step}")
+    checked = 0
+    if ref_grads is not None:
+        opt.grad_sync.finish()
+        checked = check_bucket_grads(opt, chunks, topo, ref_grads, tag)
+    result = opt.step()
+    opt.zero_grad()
+    assert not result.skipped, tag
+    torch.testing.assert_close(result.grad_norm, ref_norms[step], rtol=1e-5, atol=1e-5,
+                               msg=f"{tag} norm {step}")
+    return checked
+
+
 def reference_run(topo: ParallelTopology, cfg: TransformerConfig, steps: int = STEPS):
     """Plain DP with torch.optim.AdamW: (per-step mean losses, full parameters, grad norms)."""
     model = TransformerLanguageModel(cfg, ParallelTopology.single())
     named = list(model.named_parameters())
-    opt = torch.optim.AdamW([{"params": [p for _, p in named if p.dim() >= 2],
-                              "weight_decay": HYPER["weight_decay"]},
-                             {"params": [p for _, p in named if p.dim() < 2], "weight_decay": 0.0}],
-                            lr=HYPER["lr"], betas=HYPER["betas"], eps=HYPER["eps"])
+    opt = reference_adamw(named)
     losses, norms = [], []
     for step in range(steps):
         ids, labels = batch(step, topo)

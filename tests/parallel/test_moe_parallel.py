@@ -21,14 +21,14 @@ from models.language_model import TransformerLanguageModel
 from models.moe import moe_layers, set_aux_loss_scale
 from parallel import collectives as C
 from parallel.pipeline.partition import chunk_prefix, partition
-from parallel.sharding import full_tensor, local_shard
+from parallel.sharding import full_tensor
 from parallel.topology import ParallelTopology
 from parallel.zero import build_optimizer
 from tests.distributed import run_distributed
-from tests.helpers import (HYPER, SEQ, STEPS, batch,
+from tests.helpers import (HYPER, SEQ, STEPS, batch, checked_step,
                            dp_mean, initial_parameters, moe_config, opt_config, topology)
 from tests.tolerances import assert_trained_close
-from training.run.step import activation_shape, forward_backward
+from training.run.step import activation_shape
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 
@@ -83,22 +83,6 @@ def reference(topo, cfg, microbatches: int):
     return losses, grads, norms, {n: full_tensor(p, single).clone() for n, p in named}, auxes
 
 
-def _check_grads(opt, chunks, topo, ref_grads, tag):
-    """This rank's shard of every bucket equals the same slice of the reference gradient."""
-    where = {}
-    for chunk in chunks:
-        for name, p in chunk.named_parameters():
-            where[id(p)] = local_shard(p, ref_grads[chunk.canonical_name(name)], topo).reshape(-1)
-    checked = 0
-    for b in opt.buffers:
-        for slot, lo, hi in b.shard_ranges():
-            got = b.grad_shard[lo - b.shard_start:hi - b.shard_start]
-            want = where[id(slot.param)][lo - slot.offset:hi - slot.offset]
-            torch.testing.assert_close(got, want, **TOL, msg=lambda m: f"{tag} grad {slot.name}: {m}")
-            checked += 1
-    return checked
-
-
 def parallel_run(topo, cfg, stage: int, microbatches: int, ref, tag: str,
                  schedule: str = "1f1b") -> str:
     ref_losses, ref_grads, ref_norms, ref_params, ref_aux = ref
@@ -109,18 +93,8 @@ def parallel_run(topo, cfg, stage: int, microbatches: int, ref, tag: str,
     shape = activation_shape(topo, SEQ, batch(0, topo)[0].shape[0] // microbatches, cfg.hidden_size)
     grads_checked, dropped = 0, []
     for step in range(STEPS):
-        ids, labels = batch(step, topo)
-        mbs = [{"tokens": i, "labels": y}
-               for i, y in zip(ids.chunk(microbatches), labels.chunk(microbatches))]
-        loss = forward_backward(chunks, mbs, topo, opt, schedule=schedule, shape=shape)
-        torch.testing.assert_close(loss, ref_losses[step], **TOL, msg=f"{tag} loss step {step}")
-        if step == 0:
-            opt.grad_sync.finish()
-            grads_checked = _check_grads(opt, chunks, topo, ref_grads, tag)
-        result = opt.step()
-        opt.zero_grad()
-        assert not result.skipped, tag
-        torch.testing.assert_close(result.grad_norm, ref_norms[step], **TOL, msg=f"{tag} norm {step}")
+        grads_checked += checked_step(chunks, topo, opt, step, microbatches, shape, ref_losses,
+                                      ref_norms, ref_grads if step == 0 else None, tag, schedule)
         for c in chunks:
             for k, v in _aux(c, dropped).items():
                 torch.testing.assert_close(v, ref_aux[step][names[k]], **TOL,

@@ -341,11 +341,12 @@ def test_llama3_8b_flag_set_trains_as_its_megazoo_spelling(tmp_path):
     assert megatron == own
 
 
-DEEPSEEK_REFUSED = [  # multi-latent attention, multi-token prediction, the rest
+DEEPSEEK_REFUSED = [  # multi-latent attention, the rest
     "--multi-latent-attention", "--q-lora-rank", "--kv-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim",
     "--v-head-dim", "--rotary-scaling-factor", "--mscale", "--mscale-all-dim",
-    "--moe-router-force-load-balancing", "--mtp-num-layers",
-    "--mtp-loss-scaling-factor", "--lr-warmup-init", "--recompute-modules"]
+    "--moe-router-force-load-balancing", "--lr-warmup-init", "--recompute-modules"]
+# Multi-token prediction is taken, but not beside the script's --calculate-per-token-loss
+DEEPSEEK_MTP = ["--mtp-num-layers", "--mtp-loss-scaling-factor"]
 # DeepSeek's routing is taken, but the script's 8 experts in 8 groups of one are not (a group
 # scores as its two best experts)
 DEEPSEEK_GROUPS = ["--moe-router-group-topk", "--moe-router-num-groups"]
@@ -362,8 +363,10 @@ def test_deepseek_v3_stops_naming_every_unsupported_flag_and_takes_the_rest():
     with pytest.raises(ValueError, match="fits no model family: .*deepseek_v3' needs qk_layernorm=False"):
         to_run_config(build_parser("moe-tiny").parse_args(
             _drop(deepseek_v3(), set(DEEPSEEK_REFUSED + DEEPSEEK_GROUPS))), vocab_size=1000, world_size=8)
-    args = build_parser("moe-tiny").parse_args(
-        _drop(deepseek_v3(), set(DEEPSEEK_REFUSED + DEEPSEEK_GROUPS + DEEPSEEK_QK)))
+    taken = _drop(deepseek_v3(), set(DEEPSEEK_REFUSED + DEEPSEEK_GROUPS + DEEPSEEK_QK))
+    with pytest.raises(ArgumentError, match="--mtp-num-layers with --calculate-per-token-loss"):
+        to_run_config(build_parser("moe-tiny").parse_args(taken), vocab_size=1000, world_size=8)
+    args = build_parser("moe-tiny").parse_args(_drop(taken, set(DEEPSEEK_MTP)))
     run = to_run_config(args, vocab_size=1000, world_size=8)
     o, m = run.optimizer, run.model
     assert (o.zero_stage, o.grad_dtype, run.parallel.ep, m.num_experts, m.moe_router_pre_softmax) == \
@@ -376,8 +379,7 @@ def test_deepseek_v3_stops_naming_every_unsupported_flag_and_takes_the_rest():
     assert [m.is_moe_layer(i) for i in range(4)] == [False, True, True, True]
     assert m.padded_vocab_size(1) == 3232 and run.health.collective_timeout == 3600.0
     # --moe-layer-freq as Megatron's list, where it has megazoo's shape
-    args = build_parser("moe-tiny").parse_args(_drop(deepseek_v3(), set(DEEPSEEK_REFUSED + DEEPSEEK_GROUPS + DEEPSEEK_QK))
-                                               + ["--moe-layer-freq", "[1,0]*2"])
+    args = build_parser("moe-tiny").parse_args(_drop(taken, set(DEEPSEEK_MTP)) + ["--moe-layer-freq", "[1,0]*2"])
     assert to_run_config(args, vocab_size=1000, world_size=8).model.moe_layer_freq == 2
     with pytest.raises(ArgumentError, match="--moe-layer-freq lists 6 layers, the model has 4"):
         to_run_config(build_parser("moe-tiny").parse_args(_drop(deepseek_v3(),

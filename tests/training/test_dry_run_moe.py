@@ -101,7 +101,7 @@ def test_planner_parameters_are_the_meta_models():
 
 def test_multi_token_prediction_counts_on_the_last_stage():
     """One MTP module = enorm, hnorm, eh_proj [h, 2h], a layer shaped as the last, a final norm
-    (counted from the attribute the model config will carry; a config without it has none)."""
+    (the model config's `mtp_parameters`, split into dense and expert parts)."""
     from models.presets import preset
     tiny = preset("deepseek-v3-tiny")
     assert mtp_parameters(tiny) == (0.0, 0.0)

@@ -138,12 +138,13 @@ def _bare(name: str) -> str:
 def check_all_used(sd: dict, full: dict, written: dict, where: str) -> None:
     """Refuse weights that hold more than config.json describes (a Llama config.json over Qwen2
     weights: the q/k/v biases would be dropped), naming the unused tensors. `written` is `full`
-    mapped back to HF names; a tensor form other than the file one (transformers 5's fused
+    mapped back to HF names (with the copies a file form holds twice: DeepSeek-V3's prediction
+    depths' embedding and head); a tensor form other than the file one (transformers 5's fused
     experts) holds the same elements, so the element counts decide and the names explain."""
     params = {k: v for k, v in sd.items() if not k.endswith(_BUFFERS)}
     if "lm_head.weight" in params and "lm_head.weight" not in written:  # a tied copy, compared
         del params["lm_head.weight"]
-    if sum(v.numel() for v in params.values()) > sum(v.numel() for v in full.values()):
+    if sum(v.numel() for v in params.values()) > sum(v.numel() for v in written.values()):
         known = {_bare(w) for w in written}
         unused = sorted(k for k in params if _bare(k) not in known)
         raise ConversionError(f"{where}: the weights hold {len(unused)} tensor(s) config.json "

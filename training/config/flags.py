@@ -165,6 +165,11 @@ def to_run_config(args: argparse.Namespace, vocab_size: int | None = None,
     if model.kv_lora_rank and (args.reset_position_ids or args.reset_attention_mask or args.sft_packing):
         _fail("multi-latent attention (--kv-lora-rank) does not model packed documents; drop "
               "--reset-position-ids/--reset-attention-mask/--sft-packing")
+    if model.mtp_num_layers and (args.sft or args.calculate_per_token_loss
+                                 or args.context_parallel_size > 1):
+        _fail("--mtp-num-layers with --calculate-per-token-loss, --sft or --context-parallel-size "
+              "> 1 is not modelled (its loss is a mean per microbatch of targets shifted within "
+              "the rank's sequence); drop one")
     seq = args.seq_length or model.max_position_embeddings
     if model.position_embedding == "learned" and seq > model.max_position_embeddings:
         _fail(f"--seq-length {seq} exceeds --max-position-embeddings {model.max_position_embeddings}")

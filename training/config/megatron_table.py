@@ -82,7 +82,6 @@ FP8 = "FP8 needs Transformer Engine on an FP8 GPU (Hopper or newer), which megaz
       "drop the --fp8-* flags (--bf16 trains in bfloat16)"
 MLA = "Megatron's multi-latent attention flags (and its YaRN RoPE scaling) are not mapped; megazoo " \
       "builds MLA from the model config (--model deepseek-v3, or an imported HF DeepSeek-V3)"
-MTP = "multi-token prediction is not implemented; drop it"
 # Refused: why, and what to give instead.
 REFUSED = {
     "--fp8-format": (VALUE, FP8),
@@ -104,8 +103,6 @@ REFUSED = {
     "--mscale": (VALUE, MLA),
     "--mscale-all-dim": (VALUE, MLA),
     "--moe-router-force-load-balancing": (FLAG, "benchmark-only uniform routing is not implemented"),
-    "--mtp-num-layers": (VALUE, MTP),
-    "--mtp-loss-scaling-factor": (VALUE, MTP),
     "--step-batch-size-schedule": (VALUE, "piecewise batch sizes are not implemented (and Megatron-LM "
                                           "refuses them beside --global-batch-size); drop it, or ramp "
                                           "linearly with --rampup-batch-size START INCREMENT SAMPLES"),

@@ -92,6 +92,10 @@ def build_parser(default_model: str | None = None) -> argparse.ArgumentParser:
                    help="groups each token may route to (HF topk_group)")
     g.add_argument("--moe-router-topk-scaling-factor", type=float,
                    help="routing weights times this (HF routed_scaling_factor)")
+    g.add_argument("--mtp-num-layers", type=int,
+                   help="multi-token prediction depths (DeepSeek-V3; HF num_nextn_predict_layers)")
+    g.add_argument("--mtp-loss-scaling-factor", type=float,
+                   help="weight of the depths' mean loss added to the main loss (default 0.1)")
     g.add_argument("--expert-model-parallel-size", type=int, default=1,
                    help="ranks (carved out of data parallelism) splitting each layer's experts")
     g = p.add_argument_group("parallelism")

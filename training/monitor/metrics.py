@@ -72,10 +72,11 @@ def moe_metrics(chunks, num_layers: int, device: torch.device) -> tuple[dict, di
     num_experts = chunks[0].config.num_experts  # from the config: every rank joins the sum,
     if not num_experts:  # also a pipeline stage without MoE layers
         return {}, {}
+    num_layers += chunks[0].config.mtp_num_layers  # the prediction depths' layers follow
     # Per global layer: [forwards, assignments, dropped, aux, z, tokens per expert...]
     table = torch.zeros(num_layers, 5 + num_experts, dtype=torch.float64, device=device)
     for chunk in chunks:
-        for layer in chunk.layers.values():
+        for layer in chunk.transformer_layers():
             if isinstance(layer.mlp, MoELayer):
                 stats = layer.mlp.stats
                 table[layer.layer_number] = torch.cat([stats.totals, stats.tokens_per_expert])
@@ -98,3 +99,23 @@ def moe_metrics(chunks, num_layers: int, device: torch.device) -> tuple[dict, di
     dropped_share = table[rows, 2].sum().item() / max(table[rows, 1].sum().item(), 1)
     return dict(moe_aux_loss=aux, moe_z_loss=z, moe_dropped=dropped_share,
                 moe_max_load=max(loads)), per_layer
+
+
+def mtp_metrics(chunks, device: torch.device) -> dict:
+    """The multi-token prediction losses since the last call, over all ranks (a collective:
+    every rank calls it), then reset: `mtp_loss` as it enters the training loss (scaling factor
+    x the mean over depths) and each depth's own mean loss, `mtp_{k}_loss` (Megatron's names)."""
+    from models.multi_token_prediction import mtp_modules
+    config = chunks[0].config
+    if not config.mtp_num_layers:
+        return {}
+    table = torch.zeros(config.mtp_num_layers + 1, dtype=torch.float64, device=device)
+    for block in mtp_modules(chunks):  # the last stage's; the other stages add zeros
+        table += block.stats.totals
+        block.stats.reset()
+    C.all_reduce(table, C.world())  # TP copies count alike in numerator and denominator
+    if table[0] == 0:
+        return {}
+    depths = (table[1:] / table[0]).tolist()
+    out = {f"mtp_{k}_loss": v for k, v in enumerate(depths, start=1)}
+    return dict(mtp_loss=config.mtp_loss_scaling_factor * sum(depths) / len(depths), **out)

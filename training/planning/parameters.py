@@ -5,9 +5,9 @@ a rank's count).
 Multi-token prediction (DeepSeek-V3, `mtp_num_layers` D): each of the D modules is an RMSNorm of
 the hidden state (hnorm) and one of the next token's embedding (enorm), a projection of their
 concatenation eh_proj [h, 2h] (no bias, split over TP by its output like a column-parallel
-linear), one transformer layer shaped as the model's last (MoE in DeepSeek-V3), and a final norm;
+linear), one transformer layer numbered after the model's (MoE in DeepSeek-V3), and a final norm;
 the word embedding and the head are the main model's, shared, so not counted again. The modules
-sit on the last pipeline stage, where the head is. A config without the field has none.
+sit on the last pipeline stage, where the head is.
 
 The router expert bias (`moe_router_enable_expert_bias`, HF's `e_score_correction_bias`) is a
 parameter of E fp32 numbers per MoE layer that trains without gradients (models/moe.py): the
@@ -20,21 +20,15 @@ from models.config import TransformerConfig
 
 
 def mtp_layers(cfg: TransformerConfig) -> int:
-    """The multi-token prediction depth D (0 for a config without the field)."""
-    return getattr(cfg, "mtp_num_layers", 0) or 0
+    """The multi-token prediction depth D."""
+    return cfg.mtp_num_layers
 
 
 def mtp_parameters(cfg: TransformerConfig, tp: int = 1, ep: int = 1) -> tuple[float, float]:
     """(dense, routed-expert) parameters of the D multi-token prediction modules one (TP, EP)
-    rank of the last stage holds."""
-    depth = mtp_layers(cfg)
-    if not depth:
-        return 0.0, 0.0
-    last = cfg.num_layers - 1  # each module's layer is shaped as the model's last one
-    h = cfg.hidden_size
-    expert = cfg.expert_parameters(last, ep)
-    module = 3 * cfg.norm_parameters() + 2 * h * h / tp + cfg.layer_parameters(tp, last, ep)
-    return depth * (module - expert), depth * expert
+    rank of the last stage holds (the model config's count, split)."""
+    expert = sum(cfg.expert_parameters(cfg.num_layers + k, ep) for k in range(cfg.mtp_num_layers))
+    return cfg.mtp_parameters(tp, ep) - expert, expert
 
 
 def expert_bias_parameters(cfg: TransformerConfig, layers) -> int:
@@ -44,8 +38,8 @@ def expert_bias_parameters(cfg: TransformerConfig, layers) -> int:
         return 0
     layers = list(layers)
     moe = sum(map(cfg.is_moe_layer, layers))
-    if cfg.num_layers - 1 in layers and cfg.is_moe_layer(cfg.num_layers - 1):
-        moe += mtp_layers(cfg)
+    if cfg.num_layers - 1 in layers:  # the depths sit with the last layer
+        moe += sum(cfg.is_moe_layer(cfg.num_layers + k) for k in range(cfg.mtp_num_layers))
     return moe * cfg.num_experts
 
 

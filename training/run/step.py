@@ -2,7 +2,8 @@
 
 The pipeline engine runs this rank's schedule (with pp = 1 the "no pipelining" schedule is plain
 gradient accumulation); the ZeRO optimizer reduces gradients over data parallelism and steps.
-MoE layers add their auxiliary losses to the gradients themselves (see models/moe.py).
+MoE layers add their auxiliary losses to the gradients themselves (see models/moe.py), and the
+multi-token prediction depths theirs (models/multi_token_prediction.py).
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 
 from data.sft_dataset import OnePass
 from models.moe import set_aux_loss_scale
+from models.multi_token_prediction import set_mtp_loss_scale
 from parallel import collectives as C
 from parallel.context_parallel import Documents
 from parallel.pipeline.engine import run_pipeline
@@ -45,8 +47,10 @@ def make_forward_fn(loss_scale: float = 1.0, poison: bool = False, token_norm: f
         docs = documents_of(mb)
         if not chunk.post_process:
             return chunk(inputs, documents=docs) if docs is not None else chunk(inputs)
-        per_token = (chunk(inputs, labels=mb["labels"], documents=docs) if docs is not None
-                     else chunk(inputs, labels=mb["labels"])).float()
+        extra = {"documents": docs} if docs is not None else {}
+        if getattr(chunk, "mtp", None) is not None and "loss_mask" in mb:
+            extra["loss_mask"] = mb["loss_mask"]  # masks the multi-token prediction loss alike
+        per_token = chunk(inputs, labels=mb["labels"], **extra).float()
         if token_norm is not None:
             mask = mb.get("loss_mask")
             loss = (per_token if mask is None else per_token * mask).sum() * token_norm
@@ -116,6 +120,7 @@ def forward_backward(chunks, microbatches: list[dict], topo: ParallelTopology, o
     scale = optimizer.loss_scale
     # MoE auxiliary losses enter backward inside the layers: same scale and averaging as the loss.
     set_aux_loss_scale(chunks, scale / len(microbatches))
+    set_mtp_loss_scale(chunks, scale / len(microbatches))  # the multi-token prediction loss too
     guard = watchdog.collective if watchdog is not None else _unmonitored
     norm = None
     if per_token_loss:

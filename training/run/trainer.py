@@ -26,7 +26,7 @@ from training.resilience.health import HealthMonitor, ProgressGuard, after_step
 from training.monitor.journal import RunJournal
 from training.monitor.console import Progress, RunLogger
 from training.run.lr_schedule import global_batch_size, learning_rate
-from training.monitor.metrics import device_peak_flops, moe_metrics
+from training.monitor.metrics import device_peak_flops, moe_metrics, mtp_metrics
 from training.planning.planner import Layout, PlanError, memory_per_gpu
 from training.monitor.report import write_report
 from training.checkpoint.resume import TrainState, layout_of, load, save
@@ -202,7 +202,7 @@ class Trainer:
             moe_summary, moe_layers = moe_metrics(self.chunks, self.run.model.num_layers,
                                                   self.topo.device)
             self.log.log({**self.window.metrics(self.opt, self.last_step, self.state, self.batch),
-                          **moe_summary}, it)
+                          **moe_summary, **mtp_metrics(self.chunks, self.topo.device)}, it)
             if moe_layers:
                 self.log.log(moe_layers, it, "moe")
             self.window.check_stragglers(self.run.health.straggler_threshold, self.journal, it)
