@@ -4,7 +4,8 @@ and CP, in one 4-rank gloo world.
 DeepSeek-V3 (random, tests/helpers.py `hf_deepseek_v3`: MLA with q/k head dim 10 and v head dim
 5, one dense and two MoE layers), with RoPE unscaled and with YaRN (mscale != mscale_all_dim, so
 the softmax scale carries mscale^2 and cos/sin an attention factor; the 16 positions run past
-the original 8), under cp2 ring, cp2 all-to-all and tp2 x cp2 ring with sequence parallelism:
+the original 8), under cp2 ring and cp2 all-to-all, and YaRN's under tp2 x cp2 ring with
+sequence parallelism:
 
 * logits at this rank's positions equal transformers' (fp32, rtol = atol = 1e-5);
 * the loss and every gradient, averaged over the context group, equal the unsharded megazoo
@@ -12,13 +13,14 @@ the original 8), under cp2 ring, cp2 all-to-all and tp2 x cp2 ring with sequence
 * every parameter after 2 ZeRO-1 AdamW steps (clipping on; batch split over dp x cp) is
   `assert_trained_close` to torch AdamW on the unsharded model.
 
-Mixtral (4 experts, 2 per token, GQA 4/2 heads, window 3 over 16 positions) under tp2 x ep2 and
-cp2 ring (whole ring blocks fall outside the window): logits equal transformers'
-MixtralForCausalLM's at this rank's positions (1e-5). The references run once, in the test's
-process.
+Mixtral (4 experts, 2 per token, GQA 4/2 heads, window 3 over 16 positions, shorter than a
+context chunk of 4, so the ring's off-diagonal blocks are partly hidden) under tp2 x ep2 and cp2
+ring: logits equal transformers' MixtralForCausalLM's at this rank's positions (1e-5), and
+differ without the window. The references run once, in the test's process.
 """
 from __future__ import annotations
 
+import pytest
 import torch
 
 from parallel.context_parallel import local_positions, split_sequence
@@ -31,8 +33,8 @@ TOL = dict(rtol=1e-5, atol=1e-5)
 BATCH, SEQ, STEPS = 2, 16, 2
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8,
         "mscale": 0.7, "mscale_all_dim": 1.3, "beta_fast": 4, "beta_slow": 1, "rope_theta": 500.0}
-MLA_LAYOUTS = [dict(cp=2), dict(cp=2, cp_comm_type="a2a"),
-               dict(tp=2, cp=2, sequence_parallel=True)]
+RING, A2A, TP_CP = dict(cp=2), dict(cp=2, cp_comm_type="a2a"), dict(tp=2, cp=2, sequence_parallel=True)
+MLA_CASES = [("rope", RING), ("yarn", RING), ("rope", A2A), ("yarn", A2A), ("yarn", TP_CP)]
 WINDOW_LAYOUTS = [dict(tp=2, ep=2), dict(cp=2)]
 
 
@@ -46,7 +48,11 @@ def _mla_reference(hf) -> dict:
     parameters before and after STEPS steps of torch AdamW (batch `step` each)."""
     from models import deepseek_v3
     from tests.helpers import reference_adamw
+    from models.rope import latent_softmax_scale
     cfg, model = hf_converted(hf, deepseek_v3)
+    assert cfg.qk_nope_head_dim + cfg.qk_rope_head_dim != cfg.v_head_dim
+    if cfg.rope_scaling is not None:  # the softmax scale is not SDPA's 1/sqrt(head dim)
+        assert latent_softmax_scale(cfg.rope_scaling, cfg.max_position_embeddings) > 1.3
     vocab = hf.config.vocab_size
     ids, labels = _tokens(0, vocab)
     with torch.no_grad():
@@ -155,11 +161,10 @@ def _worker(rank, mla_refs: dict, window_ref: dict):
     from models.registry import build_model
     from parallel.sharding import load_full_state_dict
     checked, worst = [], 0.0
-    for layout in MLA_LAYOUTS:
+    for name, layout in MLA_CASES:
         topo = ParallelTopology.from_config(ParallelConfig(**layout))
-        for name, ref in mla_refs.items():
-            worst = max(worst, _check_mla(ref, topo, f"deepseek-v3 {name} {layout}"))
-            checked.append(f"deepseek-v3 {name} {layout}")
+        worst = max(worst, _check_mla(mla_refs[name], topo, f"deepseek-v3 {name} {layout}"))
+        checked.append(f"deepseek-v3 {name} {layout}")
     for layout in WINDOW_LAYOUTS:
         topo = ParallelTopology.from_config(ParallelConfig(**layout))
         model = build_model(window_ref["cfg"], topo)
@@ -177,6 +182,37 @@ def test_latent_attention_under_context_parallelism_and_mixtral_windows_equal_re
                                                       rope_parameters=dict(YARN)))}
     out = run_distributed(_worker, 4, mla_refs, _window_reference(), timeout=600)
     worst, checked = out[0]
-    assert len(checked) == len(MLA_LAYOUTS) * len(mla_refs) + len(WINDOW_LAYOUTS)
+    assert len(checked) == len(MLA_CASES) + len(WINDOW_LAYOUTS)
     assert worst < 1e-5
     print("MLA x CP and Mixtral windows, worst |logits error|:", worst)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_ring_blocks_take_a_value_head_dim_of_their_own(fused, monkeypatch):
+    """A ring block whose values' head dim differs from the queries' and keys' (smaller, as
+    DeepSeek-V3's, or larger), with an explicit softmax scale: forward and backward on aten's
+    CPU flash kernel (zero-padded to one head dim) and on the matmul path equal SDPA and its
+    autograd; GQA, causal or not, with an additive bias."""
+    import torch.nn.functional as F
+
+    from parallel import ring_attention as ra
+    monkeypatch.setattr(ra, "_fused", lambda device: fused)
+    g = torch.Generator().manual_seed(0)
+    b, heads, groups, m, d, scale = 2, 4, 2, 6, 10, 0.47
+    for dv in (5, 14):
+        for causal, biased in ((True, False), (False, True)):
+            q = torch.randn(b, heads, m, d, generator=g, requires_grad=True)
+            k = torch.randn(b, groups, m, d, generator=g, requires_grad=True)
+            v = torch.randn(b, groups, m, dv, generator=g, requires_grad=True)
+            bias = torch.randn(heads, m, m, generator=g) if biased else None
+            mask = ra._causal(torch.zeros(1, m, m)) if causal else bias
+            ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True, scale=scale)
+            do = torch.randn(ref.shape, generator=g)
+            ref.backward(do)
+            with torch.no_grad():
+                out, lse = ra.block_forward(q, k, v, scale, bias, causal)
+                grads = ra.block_backward(q, k, v, do, out, lse, scale, bias, causal)
+            where = f"dv={dv} causal={causal} bias={biased}"
+            torch.testing.assert_close(out, ref.detach(), **TOL, msg=where)
+            for got, t in zip(grads, (q, k, v)):
+                torch.testing.assert_close(got, t.grad, **TOL, msg=where)
