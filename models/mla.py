@@ -13,6 +13,11 @@ summed over TP), the up-projections all-gather the latents as any column-paralle
 and the shared k_pe is gathered with a reduce-scatter backward; without SP it is the same tensor
 on every rank, each using it for its own heads, so its gradient is summed over TP.
 
+Context parallelism: each rank holds its two chunks of the sequence (parallel/context_parallel.py),
+RoPE rotates them at their own positions (`sequence_positions`), and the core runs as ring or
+all-to-all attention (`context_attention`) with the keys' nope + rope head dim, the values' own
+head dim and MLA's softmax scale below; k_pe is expanded to every head before it travels.
+
 RoPE rotates the decoupled `qk_rope_head_dim` channels only, in DeepSeek's interleaved pair layout
 (channels 2i, 2i+1 by frequency i: transformers' `rope_interleave`, the layout of the released
 weights), or HF's halves layout when `rope_interleave` is off. The latent norms use
@@ -20,8 +25,7 @@ weights), or HF's halves layout when `rope_interleave` is off. The latent norms 
 (`parallel/kernels/attention.py`). RoPE scaling as transformers' DeepSeek-V3: the scaled
 frequencies over the rope channels, cos/sin times the type's attention factor, and the softmax
 times m = mscale(factor, mscale_all_dim)^2 when YaRN sets mscale_all_dim (1 else;
-models/rope.py). Not modelled, refused: context parallelism, the length-dependent scalings
-(dynamic, longrope).
+models/rope.py). Not modelled, refused: the length-dependent scalings (dynamic, longrope).
 """
 from __future__ import annotations
 
@@ -31,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from parallel.context_parallel import sequence_positions
+from parallel.context_parallel import check_attention, context_attention, sequence_positions
 from parallel.kernels.attention import attention
 from parallel.mappings import copy_to_tp, gather_from_sequence
 from parallel.random import RNGStreams, checkpoint
@@ -77,9 +81,7 @@ class MultiLatentAttention(nn.Module):
     def __init__(self, config: TransformerConfig, topo: ParallelTopology, init: Initializer,
                  prefix: str, rng: RNGStreams | None):
         super().__init__()
-        if topo.cp > 1:
-            raise ValueError("multi-latent attention (--kv-lora-rank) with --context-parallel-size "
-                             "> 1 is not supported; use 1")
+        check_attention(config.attention_dropout, topo.cp)
         if rope_type(config.rope_scaling) in _LENGTH_DEPENDENT:
             raise ValueError(f"rope_scaling type {rope_type(config.rope_scaling)!r} with "
                              f"multi-latent attention is not supported (its frequencies depend "
@@ -125,6 +127,10 @@ class MultiLatentAttention(nn.Module):
                                                        config.max_position_embeddings)
 
     def core_attention(self, q, k, v) -> torch.Tensor:
+        """softmax(q k^T * scale + causal) v: q, k [b, heads, s, nope + rope], v [b, heads, s,
+        v_head_dim]; over every context-parallel rank's part of the sequence when cp > 1."""
+        if self.topo.cp > 1:
+            return context_attention(q, k, v, self.topo, None, attention, scale=self.scale)
         p = self.dropout if self.training else 0.0
         with self.rng.fork() if (self.rng is not None and p > 0) else contextlib.nullcontext():
             return attention(q, k, v, dropout_p=p, scale=self.scale, q_offset=k.shape[2] - q.shape[2])

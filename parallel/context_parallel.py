@@ -91,19 +91,21 @@ def check_attention(attention_dropout: float, cp: int) -> None:
 def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, topo: ParallelTopology,
                       alibi_slopes: torch.Tensor | None, attend: Callable,
                       window: int | None = None,
-                      document_ids: torch.Tensor | None = None) -> torch.Tensor:
+                      document_ids: torch.Tensor | None = None,
+                      scale: float | None = None) -> torch.Tensor:
     """Causal attention of this context rank's queries over the whole sequence's keys.
 
-    q [b, heads, s_local, d]; k, v [b, kv_heads, s_local, d] (grouped-query heads stay grouped;
-    only key/value heads travel); alibi_slopes [heads] or None. Returns [b, heads, s_local, d].
-    `attend(q, k, v, slopes, window=)`: the model's causal attention over one whole sequence
-    (a2a mode); `window`: a sliding window (keys window or more positions back hidden).
+    q [b, heads, s_local, d]; k [b, kv_heads, s_local, d], v [b, kv_heads, s_local, dv]
+    (grouped-query heads stay grouped; only key/value heads travel; dv may differ from d, as in
+    multi-latent attention); alibi_slopes [heads] or None. Returns [b, heads, s_local, dv].
+    `attend(q, k, v, slopes, window=, scale=)`: the model's causal attention over one whole
+    sequence (a2a mode); `window`: a sliding window (keys window or more positions back hidden).
     `document_ids` [b, s] (the whole sequence, `Documents.ids`): no query sees another document.
+    `scale`: the softmax scale; None: 1/sqrt(d).
     """
     if topo.config.cp_comm_type == "a2a":
         from .ulysses import ulysses_attention
-        return ulysses_attention(q, k, v, topo, alibi_slopes,
-                                 attend if window is None else functools.partial(attend, window=window),
-                                 document_ids)
+        attend = functools.partial(attend, window=window, scale=scale)
+        return ulysses_attention(q, k, v, topo, alibi_slopes, attend, document_ids)
     from .ring_attention import ring_attention
-    return ring_attention(q, k, v, topo.cp_group, alibi_slopes, window, document_ids)
+    return ring_attention(q, k, v, topo.cp_group, alibi_slopes, window, document_ids, scale)

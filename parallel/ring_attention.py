@@ -31,7 +31,9 @@ aten's CPU flash kernel in fp32; FlashAttention-2 on CUDA in bf16/fp16 without A
 backward takes the final output and log-sum-exp, so no block materialises its scores; else as
 plain fp32 matmuls (`block_forward`/`block_backward`, tested against each other). K/V travel in
 `ring_compute_dtype`: fp32 on the CPU (as measured), the activation dtype on a GPU; partial
-outputs, log-sum-exps and the travelling dK/dV accumulator stay fp32.
+outputs, log-sum-exps and the travelling dK/dV accumulator stay fp32. K and V travel as one
+flat buffer (`_pack`), so V's head dim may differ from Q's and K's (multi-latent attention), and
+the softmax scale is the caller's (MLA's YaRN correction) or 1/sqrt(Q's head dim).
 """
 from __future__ import annotations
 
@@ -144,7 +146,8 @@ def _scores(q, k, scale, bias):
 
 
 def block_forward(q, k, v, scale, bias, causal: bool):
-    """Attention of q [b, heads, m, d] over one block k, v [b, kv_heads, n, d], with an
+    """Attention of q [b, heads, m, d] over one block k [b, kv_heads, n, d], v [b, kv_heads,
+    n, dv] (out has v's head dim, which may differ: multi-latent attention), with an
     additive bias [heads or 1, m, n] and/or a causal (square, top-left) mask: (out, lse [b,
     heads, m] fp32); out in fp32 on the matmul path, in the inputs' dtype on a fused one."""
     b, heads, m, d = q.shape
@@ -165,7 +168,7 @@ def block_forward(q, k, v, scale, bias, causal: bool):
     # a query that sees no key of this block (another document): lse -inf, output 0
     safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
     out = torch.matmul(torch.exp(s - safe[..., None]), v.unsqueeze(2))
-    return out.reshape(b, heads, m, d), lse.reshape(b, heads, m)
+    return out.reshape(b, heads, m, v.shape[3]), lse.reshape(b, heads, m)
 
 
 def block_backward(q, k, v, do, out, lse, scale, bias, causal: bool):
@@ -265,17 +268,28 @@ class _Ring:
         return rows, cols, bias, seen
 
 
+def _pack(k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """k and v in one flat buffer, one message per ring step (their head dims may differ)."""
+    return torch.cat([k.reshape(-1).to(dtype), v.reshape(-1).to(dtype)])
+
+
+def _unpack(buf: torch.Tensor, k_shape, v_shape) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k and v views of a `_pack`ed buffer (or of a gradient buffer shaped like one)."""
+    n = math.prod(k_shape)
+    return buf[:n].view(k_shape), buf[n:].view(v_shape)
+
+
 class RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, slopes, group, window, document_ids):
+    def forward(ctx, q, k, v, slopes, group, window, document_ids, scale):
         b, heads, n, d = q.shape
         cp, rank = C.group_size(group), C.group_rank(group)
-        scale = 1.0 / math.sqrt(d)
+        scale = 1.0 / math.sqrt(d) if scale is None else scale
         compute = ring_compute_dtype(q.device, q.dtype)
         qf = q.to(compute)
         ring = _Ring(n, cp, rank, None if slopes is None else slopes.float()[:, None, None],
                      q.device, window, document_ids)
-        kv = torch.stack([k, v]).to(compute).contiguous()  # [2, b, kv_heads, n, d]
+        kv = _pack(k, v, compute)
         out = lse = None
         for step in range(cp):
             if step < cp - 1:
@@ -284,8 +298,9 @@ class RingAttention(torch.autograd.Function):
             plan = ring.block(step)
             if plan is not None:  # (step 0 always computes: every query sees itself)
                 rows, cols, bias, seen = plan
-                o, l = block_forward(qf[..., rows, :].contiguous(), kv[0][..., cols, :].contiguous(),
-                                     kv[1][..., cols, :].contiguous(), scale, bias, step == 0)
+                kb, vb = _unpack(kv, k.shape, v.shape)
+                o, l = block_forward(qf[..., rows, :].contiguous(), kb[..., cols, :].contiguous(),
+                                     vb[..., cols, :].contiguous(), scale, bias, step == 0)
                 o, l = o.float(), l.float()
                 if seen is not None:  # rows the window hides the whole block from add nothing
                     o = o.masked_fill(~seen[:, None], 0.0)
@@ -309,7 +324,7 @@ class RingAttention(torch.autograd.Function):
         compute = ctx.compute
         qf, do, of = q.to(compute), grad_out.to(compute).contiguous(), out.to(compute)
         dq = torch.zeros_like(qf, dtype=torch.float32)
-        kv = torch.stack([k, v]).to(compute).contiguous()
+        kv = _pack(k, v, compute)
         dkv = torch.zeros_like(kv, dtype=torch.float32)  # travels with kv; collects every rank's share
         for step in range(cp):
             if step < cp - 1:
@@ -318,9 +333,10 @@ class RingAttention(torch.autograd.Function):
             plan = ring.block(step)
             if plan is not None:
                 rows, cols, bias, seen = plan
+                kb, vb = _unpack(kv, k.shape, v.shape)
                 dq_b, dk_b, dv_b = block_backward(
-                    qf[..., rows, :].contiguous(), kv[0][..., cols, :].contiguous(),
-                    kv[1][..., cols, :].contiguous(), do[..., rows, :].contiguous(),
+                    qf[..., rows, :].contiguous(), kb[..., cols, :].contiguous(),
+                    vb[..., cols, :].contiguous(), do[..., rows, :].contiguous(),
                     of[..., rows, :].contiguous(), lse[..., rows].contiguous(), scale, bias,
                     step == 0)
                 if seen is not None:
@@ -330,21 +346,24 @@ class RingAttention(torch.autograd.Function):
                 dkv_pending.wait()
                 dkv = dkv_in
             if plan is not None:
-                dkv[0][..., cols, :] += dk_b
-                dkv[1][..., cols, :] += dv_b
+                dk, dv = _unpack(dkv, k.shape, v.shape)
+                dk[..., cols, :] += dk_b
+                dv[..., cols, :] += dv_b
             dkv_in = torch.empty_like(dkv)
             dkv_pending = C.ring_shift(dkv, dkv_in, group, tag=2)
             if step < cp - 1:
                 kv_pending.wait()
                 kv = kv_in
         dkv_pending.wait()  # after C shifts, the accumulator of this rank's own keys and values
-        return dq.to(q.dtype), dkv_in[0].to(k.dtype), dkv_in[1].to(v.dtype), None, None, None, None
+        dk, dv = _unpack(dkv_in, k.shape, v.shape)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group,
                    alibi_slopes: torch.Tensor | None = None, window: int | None = None,
-                   document_ids: torch.Tensor | None = None) -> torch.Tensor:
+                   document_ids: torch.Tensor | None = None,
+                   scale: float | None = None) -> torch.Tensor:
     """Causal attention over the context group's whole sequence (shapes: `context_attention`),
     within a sliding `window` when given; `document_ids` [b, s]: the whole sequence's documents
-    (no query sees another document)."""
-    return RingAttention.apply(q, k, v, alibi_slopes, group, window, document_ids)
+    (no query sees another document); `scale`: the softmax scale (None: 1/sqrt(q's head dim))."""
+    return RingAttention.apply(q, k, v, alibi_slopes, group, window, document_ids, scale)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.nn.functional as F
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 FLASH_MIN_CAPABILITY = (8, 0)
@@ -54,26 +55,28 @@ def sum_groups(t: torch.Tensor, groups: int) -> torch.Tensor:
 
 
 def fused_block_forward(kernel: str, q, k, v, scale: float, mask, causal: bool):
-    """(out, lse [b, heads, m] fp32) of q [b, heads, m, d] over k, v [b, kv_heads, n, d];
+    """(out, lse [b, heads, m] fp32) of q [b, heads, m, d] over k [b, kv_heads, n, d], v
+    [b, kv_heads, n, dv] (dv may differ from d: out has v's);
     `mask`: an additive [1, heads or 1, m, n] bias already holding any causal -inf (then
     `causal` is ignored), or None."""
-    heads = q.shape[1]
-    k, v = expand_heads(k, heads), expand_heads(v, heads)
+    heads, v_dim = q.shape[1], v.shape[3]
+    q, k, v = _one_head_dim(q, expand_heads(k, heads), expand_heads(v, heads))
     if kernel == "cpu_flash":
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, causal and mask is None, attn_mask=mask, scale=scale)
+        return out[..., :v_dim], lse
     varlen = _Varlen(q, k)
     out, lse, _, _, _ = torch.ops.aten._flash_attention_forward(
         varlen.flat(q), varlen.flat(k), varlen.flat(v), varlen.cu_q, varlen.cu_k, varlen.m,
         varlen.n, 0.0, causal, False, scale=scale)
-    return varlen.unflat(out), varlen.lse_to_batched(lse)
+    return varlen.unflat(out)[..., :v_dim], varlen.lse_to_batched(lse)
 
 
 def fused_block_backward(kernel: str, q, k, v, do, out, lse, scale: float, mask, causal: bool):
     """(dq, dk, dv) of one block given the final output and lse of its query rows; dk, dv per
     key/value head."""
-    heads, groups = q.shape[1], k.shape[1]
-    k, v = expand_heads(k, heads), expand_heads(v, heads)
+    heads, groups, qk_dim, v_dim = q.shape[1], k.shape[1], q.shape[3], v.shape[3]
+    q, k, v, do, out = _one_head_dim(q, expand_heads(k, heads), expand_heads(v, heads), do, out)
     if kernel == "cpu_flash":
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             do, q, k, v, out, lse, 0.0, causal and mask is None, attn_mask=mask, scale=scale)
@@ -86,7 +89,19 @@ def fused_block_backward(kernel: str, q, k, v, do, out, lse, scale: float, mask,
             varlen.lse_to_flat(lse), varlen.cu_q, varlen.cu_k, varlen.m, varlen.n, 0.0, causal,
             rng_state, unused, scale=scale)
         dq, dk, dv = varlen.unflat(dq), varlen.unflat(dk, varlen.n), varlen.unflat(dv, varlen.n)
-    return dq, sum_groups(dk, groups), sum_groups(dv, groups)
+    return (dq[..., :qk_dim], sum_groups(dk[..., :qk_dim], groups),
+            sum_groups(dv[..., :v_dim], groups))
+
+
+def _one_head_dim(q, k, v, *outputs):
+    """q, k, v (and output-shaped tensors) zero-padded to one head dim: the fused kernels take
+    a single one, multi-latent attention's v has its own. Zero channels leave q k^T, p v and
+    the backward's rowsum(dO * O) unchanged; the callers cut the padding from the results."""
+    dim = max(q.shape[3], v.shape[3])
+    if q.shape[3] == v.shape[3]:
+        return (q, k, v, *outputs)
+    return tuple(t if t.shape[3] == dim else F.pad(t, (0, dim - t.shape[3]))
+                 for t in (q, k, v, *outputs))
 
 
 @functools.lru_cache(maxsize=None)
