@@ -562,6 +562,28 @@ def hf_converted(hf, adapter, topo=None):
     return cfg, model
 
 
+# 8 experts in 4 groups of 2, each token in its best 2 groups, 3 experts per token
+DEEPSEEK_ROUTING = dict(
+    num_experts=8, moe_router_topk=3, moe_router_score_function="sigmoid",
+    moe_router_enable_expert_bias=True, moe_router_num_groups=4, moe_router_group_topk=2,
+    moe_router_topk_scaling_factor=2.5, moe_norm_topk_prob=True)
+
+
+def deepseek_config(**kw) -> TransformerConfig:
+    """A small DeepSeek-V3 MoE model config (rmsnorm, SwiGLU, RoPE, shared expert) with
+    DeepSeek-V3's routing; `kw` overrides any field."""
+    base = dict(vocab_size=96, hidden_size=32, num_layers=2, num_attention_heads=4,
+                normalization="rmsnorm", activation="swiglu", position_embedding="rope",
+                bias=False, tie_word_embeddings=False, make_vocab_size_divisible_by=8,
+                moe_ffn_hidden_size=12, moe_shared_expert_intermediate_size=12, seed=5,
+                **DEEPSEEK_ROUTING)
+    return TransformerConfig(**{**base, **kw})
+
+
+# multi-head latent attention's ranks and head sizes (query latent included)
+MLA_LATENT = dict(kv_lora_rank=12, q_lora_rank=10, qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=5)
+
+
 def hf_deepseek_v3(seed: int = 0, **kw):
     """A random HF DeepseekV3ForCausalLM (every tensor and the expert bias perturbed): one dense
     layer, then two MoE layers; 8 experts in 4 groups, 3 per token from 2 groups."""
