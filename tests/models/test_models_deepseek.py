@@ -25,7 +25,7 @@ from models.init import Initializer
 from models.language_model import TransformerLanguageModel
 from models.moe import MoELayer, moe_layers, update_expert_biases
 from parallel.topology import ParallelTopology
-from tests.helpers import MLA_LATENT, deepseek_config, hf_deepseek_v3
+from tests.hf_models import MLA_LATENT, deepseek_config, hf_deepseek_v3
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 

@@ -19,7 +19,8 @@ from parallel.sharding import full_tensor
 from parallel.topology import ParallelConfig, ParallelTopology
 from parallel.zero import OptimizerConfig, build_optimizer
 from tests.distributed import run_distributed
-from tests.helpers import HYPER, MLA_LATENT, deepseek_config
+from tests.helpers import HYPER
+from tests.hf_models import MLA_LATENT, deepseek_config
 from tests.tolerances import assert_trained_close
 
 TOL = dict(rtol=1e-5, atol=1e-5)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.foreign_checkpoints import FP32, SEQ, megazoo_logits
-from tests.helpers import tool_module
+from tests.tool_runs import tool_module
 
 
 def _bloom_layer_files(folder, hf, tp, padded, drift):

@@ -15,7 +15,7 @@ import torch
 from tests.foreign_checkpoints import (FP32, LAYERS, PADDED, SEQ, VOCAB, cpu_stubs,
                                        megatron_args, megatron_run, megatron_world,
                                        megazoo_logits, save_legacy)
-from tests.helpers import tool_module
+from tests.tool_runs import tool_module
 
 
 @pytest.fixture(scope="module")
