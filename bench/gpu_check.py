@@ -51,7 +51,7 @@ def _close(a, b, atol, rtol=0.0) -> float:
 def check_hf_parity(dev) -> str:
     from parallel.sharding import load_full_state_dict
     from parallel.topology import ParallelTopology
-    from tests.helpers import hf_llama, perturbed
+    from tests.hf_models import hf_llama, perturbed
     from tests.models.test_hf_parity import CASES
     from models import llama
     topo = ParallelTopology.single(device=dev)

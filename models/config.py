@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .counts import ModelCounts
 from .family_rules import resolve_family
 from .recompute import resolve_recompute
 
@@ -35,7 +36,7 @@ TRAINING_ONLY_FIELDS = frozenset({
 
 
 @dataclass
-class TransformerConfig:
+class TransformerConfig(ModelCounts):
     vocab_size: int = 50257
     hidden_size: int = 768
     num_layers: int = 12
@@ -304,125 +305,6 @@ class TransformerConfig:
         if self.position_embedding != "learned":  # no position table: the context is the run's
             del fields["max_position_embeddings"]
         return fields
-
-    # ---- counts shared by the trainer's metrics, the planner and the dry run ------------------
-    def _mlp_matrices(self, width: int) -> int:
-        """Weights of one MLP of this width (fc1, SwiGLU's doubled, and fc2), biases aside."""
-        return (3 if self.activation == "swiglu" else 2) * width * self.hidden_size
-
-    def mlp_parameters(self, layer: int = 0, tp: int = 1, ep: int = 1, active: bool = False) -> float:
-        """Parameters of layer `layer`'s MLP held by one (TP, EP) rank: the dense MLP sharded over
-        TP; or the router, this rank's experts (all `num_experts / ep`, or the `topk` a token
-        uses when `active`) whole, and a TP-sharded shared expert with its gate."""
-        h, bias = self.hidden_size, 1 if self.bias else 0
-        fc1 = 2 if self.activation == "swiglu" else 1
-        if not self.is_moe_layer(layer):
-            f = self.ffn_hidden_size
-            return (self._mlp_matrices(f) + bias * fc1 * f) / tp + bias * h
-        out = self.num_experts * h + self.expert_parameters(layer, ep, active)
-        if self.moe_shared_expert_intermediate_size:
-            s = self.moe_shared_expert_intermediate_size
-            out += (self._mlp_matrices(s) + bias * fc1 * s) / tp + bias * h
-            out += h if self.moe_shared_expert_gate else 0
-        return out
-
-    def expert_parameters(self, layer: int = 0, ep: int = 1, active: bool = False) -> float:
-        """Parameters of layer `layer`'s routed experts one EP rank holds (`num_experts / ep`, or
-        the `topk` a token uses when `active`); 0 for a dense layer. ZeRO shards these over the
-        expert-data-parallel group, the rest of the layer over data parallelism."""
-        if not self.is_moe_layer(layer):
-            return 0.0
-        h, f, bias = self.hidden_size, self.moe_ffn_hidden_size, 1 if self.bias else 0
-        fc1 = 2 if self.activation == "swiglu" else 1
-        experts = self.moe_router_topk if active else self.num_experts / ep
-        return experts * (self._mlp_matrices(f) + bias * (fc1 * f + h))
-
-    def layer_parameters(self, tp: int = 1, layer: int = 0, ep: int = 1, active: bool = False) -> float:
-        """Parameters of transformer layer `layer` held by one TP (and EP) rank (replicated norms
-        and biases whole; key/value heads replicated when tp exceeds their number)."""
-        h, d = self.hidden_size, self.head_dim
-        attn = self.num_attention_heads * d  # = h unless kv_channels decouples the head size
-        qkv = (self.num_attention_heads + 2 * max(self.num_query_groups, tp)) * d
-        bias = 1 if self.bias else 0
-        qkv_bias = 1 if (self.bias or self.add_qkv_bias) else 0
-        qk_norms = 2 * d if self.qk_layernorm else 0
-        attention = (qkv * h + attn * h + qkv_bias * qkv) / tp + bias * h + qk_norms
-        if self.kv_lora_rank:
-            attention = self.latent_attention_parameters(tp)
-        return attention + self.mlp_parameters(layer, tp, ep, active) + 2 * self.norm_parameters()
-
-    def latent_attention_parameters(self, tp: int = 1) -> float:
-        """Multi-latent attention (models/mla.py) on one TP rank: the down-projections and latent
-        norms whole, the up-projections and the output split by heads."""
-        h, heads, rq, rkv = self.hidden_size, self.num_attention_heads, self.q_lora_rank, self.kv_lora_rank
-        qk = self.qk_nope_head_dim + self.qk_rope_head_dim
-        q = rq * (h + 1) + rq * heads * qk / tp if rq else h * heads * qk / tp
-        kv = (rkv + self.qk_rope_head_dim) * h + rkv + rkv * heads * (self.qk_nope_head_dim + self.v_head_dim) / tp
-        return q + kv + heads * self.v_head_dim * h / tp
-
-    def embedding_parameters(self, tp: int = 1, padded: bool = False) -> float:
-        """Word embedding (one TP rank's share; padded as built, or the unpadded vocabulary),
-        learned positions and the embedding norm."""
-        words = (self.padded_vocab_size(tp) if padded else self.vocab_size) * self.hidden_size / tp
-        positions = self.max_position_embeddings * self.hidden_size \
-            if self.position_embedding == "learned" else 0
-        return words + positions + (self.norm_parameters() if self.embedding_layernorm else 0)
-
-    def norm_parameters(self) -> int:
-        """Parameters of one norm (LayerNorm has a bias, RMSNorm not)."""
-        return 2 * self.hidden_size if self.normalization == "layernorm" else self.hidden_size
-
-    def mtp_parameters(self, tp: int = 1, ep: int = 1) -> float:
-        """Parameters of the multi-token prediction depths one (TP, EP) rank of the last stage
-        holds beyond the shared embedding and head: per depth two input norms, the [2h -> h]
-        projection (TP-split), one transformer layer (numbered after the main ones) and its
-        output norm. Not in `num_parameters` (DeepSeek-V3's 671B leaves them out too)."""
-        proj = 2 * self.hidden_size * self.hidden_size / tp
-        return sum(3 * self.norm_parameters() + proj + self.layer_parameters(tp, self.num_layers + k, ep)
-                   for k in range(self.mtp_num_layers))
-
-    def num_parameters(self, active: bool = False) -> int:
-        """Parameters of the unpadded model (tied embeddings counted once; the multi-token
-        prediction depths apart: `mtp_parameters`); `active`: those one token uses (MoE: the
-        router's top-k experts of each layer, not all of them)."""
-        head = 0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size
-        layers = sum(self.layer_parameters(layer=i, active=active) for i in range(self.num_layers))
-        return int(self.embedding_parameters() + layers + self.norm_parameters() + head)
-
-    def forward_flops_per_token(self, seq_length: int) -> tuple[float, float, float]:
-        """(dense layer matmuls, attention scores and values, logits): forward FLOPs per token over
-        all layers, 2 per multiply-add (Narayanan et al. 2021's count, with GQA and SwiGLU; MoE
-        layers count the router and the top-k experts a token visits)."""
-        h, d = self.hidden_size, self.head_dim
-        attn = self.num_attention_heads * d  # = h unless kv_channels decouples the head size
-        qkv = (self.num_attention_heads + 2 * self.num_query_groups) * d
-        mlp = 0
-        for i in range(self.num_layers):
-            if not self.is_moe_layer(i):
-                mlp += self._mlp_matrices(self.ffn_hidden_size)
-                continue
-            if self.moe_shared_expert_intermediate_size:
-                mlp += self._mlp_matrices(self.moe_shared_expert_intermediate_size) + \
-                    (h if self.moe_shared_expert_gate else 0)
-        attention = h * qkv + attn * h
-        scores = 4 * seq_length * attn
-        if self.kv_lora_rank:  # MLA: its projections; scores over nope + rope, values over v
-            attention = self.latent_attention_parameters()
-            scores = 2 * seq_length * self.num_attention_heads * (
-                self.qk_nope_head_dim + self.qk_rope_head_dim + self.v_head_dim)
-        dense = 2 * (self.num_layers * attention + mlp) + self.routed_flops_per_token()
-        return dense, self.num_layers * scores, 2 * h * self.vocab_size
-
-    def routed_flops_per_token(self) -> int:
-        """Forward FLOPs per token of the routers and the top-k experts a token visits, over all
-        layers: the part of `forward_flops_per_token` that runs whole on every TP rank."""
-        per_layer = self.num_experts * self.hidden_size + self.moe_router_topk * \
-            self._mlp_matrices(self.moe_ffn_hidden_size) if self.num_experts else 0
-        return 2 * per_layer * sum(self.is_moe_layer(i) for i in range(self.num_layers))
-
-    def model_flops_per_token(self, seq_length: int) -> float:
-        """Forward + backward (3x forward) FLOPs per token without recompute: the MFU convention."""
-        return 3.0 * sum(self.forward_flops_per_token(seq_length))
 
     def check_layout(self, parallel, seq_length: int | None = None) -> None:
         """Refuse a parallel layout this model cannot take (the rules: parallel/layout.py)."""

@@ -1,23 +1,19 @@
-"""Helpers shared by the test modules (no test module imports from another one).
+"""Helpers shared by the test modules (no test module imports from another one): in-process
+training runs, pipeline-engine pieces, and the ZeRO tests' small GPT with its plain
+data-parallel reference and ZeRO run.
 
-Constants and builders for small models, in-process training runs, the ZeRO tests' plain
-data-parallel reference, pipeline-engine pieces, Hugging Face references and the tools/ scripts.
+Beside it: `tests/hf_models.py` (small model configs, random Hugging Face reference models and
+the checks against them), `tests/tool_runs.py` (the tools/ scripts run in-process, the data
+tools' files) and `tests/tokenizer_data.py` (tokenizer folders, chat templates and data), whose
+names are importable from here too; `tests/foreign_checkpoints.py` (Megatron-core sources),
+`tests/distributed.py` (spawned gloo worlds) and `tests/tolerances.py` (the numeric tolerances).
 Spawned test ranks import this module, so transformers, tokenizers and the training stack are
-imported inside the functions that need them. `tests/distributed.py` (spawned gloo worlds) and
-`tests/tolerances.py` (the numeric tolerances) stay where they are.
+imported inside the functions that need them.
 """
 from __future__ import annotations
 
-import contextlib
-import importlib.util
-import io
-import json
 import os
-import shutil
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -29,11 +25,17 @@ from parallel.sharding import full_tensor
 from parallel.topology import ParallelConfig, ParallelTopology
 from parallel.zero import OptimizerConfig, build_optimizer
 from tests.distributed import run_distributed
-from tests.fixtures import GPT2
-
-ROOT = Path(__file__).resolve().parents[1]  # the repository
-REPO = str(ROOT)
-VOCAB = 101  # the HF reference models' vocabulary (padded under TP)
+# defined beside this module; named here too, so `from tests.helpers import X` keeps working
+from tests.hf_models import (  # noqa: F401
+    VOCAB, moe_config, LLAMA3, hf_llama, perturbed, hf_gpt2, save_word_tokenizer, pipeline_logits,
+    hf_reference, check_against_hf, NEW_TOKENS, round_trip_cases, hf_converted, DEEPSEEK_ROUTING,
+    deepseek_config, MLA_LATENT, hf_deepseek_v3)
+from tests.tool_runs import (  # noqa: F401
+    ROOT, REPO, tool_module, convert_hf_tool, generate_tool, load_tool, preprocess, read_docs,
+    write_jsonl)
+from tests.tokenizer_data import (  # noqa: F401
+    CHAT, TOKENIZER_TEXTS, bpe_files, tokenizer_folders, CHATML_TAGGED, CHATML_PLAIN,
+    CONVERSATION, chatml_tokenizer)
 
 
 # ---- In-process training runs ----------------------------------------------------------------
@@ -266,343 +268,3 @@ class _null:
 
 def topology(**kw) -> ParallelTopology:
     return ParallelTopology.from_config(ParallelConfig(**kw))
-
-
-# ---- Models ----------------------------------------------------------------------------------
-
-
-def moe_config(**kw) -> TransformerConfig:
-    base = dict(vocab_size=96, hidden_size=32, num_layers=2, num_attention_heads=4,
-                normalization="rmsnorm", activation="swiglu", position_embedding="rope",
-                bias=False, tie_word_embeddings=False, make_vocab_size_divisible_by=8,
-                num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=24,
-                moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001)
-    return TransformerConfig(**{**base, **kw})
-
-
-LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-          "original_max_position_embeddings": 8}  # short: all three frequency bands occur
-
-
-def hf_llama(heads=6, kv_heads=2, tied=False, scaling=None, theta=500.0, layers=2, seed=0, hidden=48,
-             bias=False):
-    """A random HF Llama; every tensor perturbed (HF inits norms to 1, which would hide mistakes)."""
-    # imported here: spawned test ranks import this module's constants, and transformers costs
-    # seconds per process
-    from transformers import LlamaConfig, LlamaForCausalLM
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=80,
-                         num_hidden_layers=layers, num_attention_heads=heads,
-                         num_key_value_heads=kv_heads, max_position_embeddings=64,
-                         rms_norm_eps=1e-5, tie_word_embeddings=tied,
-                         rope_parameters={"rope_type": "default", **(scaling or {}), "rope_theta": theta},
-                         attention_bias=bias, mlp_bias=bias,
-                         bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    torch.manual_seed(seed)
-    return perturbed(LlamaForCausalLM(config), seed + 1)
-
-
-def perturbed(model, seed: int = 0):
-    """`model` in eval mode with every tensor moved by N(0, 0.05) noise (HF inits biases to 0 and
-    norms to 1, which would hide mistakes)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.05)
-    return model.eval()
-
-
-def hf_gpt2(folder, bloom=False):
-    """A random GPT-2 (or BLOOM) with TINY's shape, and transformers' loss on the first mock
-    batch."""
-    from transformers import BloomConfig, BloomForCausalLM, GPT2Config, GPT2LMHeadModel
-
-    from training.run.batches import MockGPTDataset
-    torch.manual_seed(0)
-    hf = BloomForCausalLM(BloomConfig(vocab_size=61, hidden_size=32, n_layer=4, n_head=4)) if bloom \
-        else GPT2LMHeadModel(GPT2Config(vocab_size=61, n_positions=16, n_embd=32, n_layer=4,
-                                        n_head=4, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0))
-    with torch.no_grad():
-        for p in hf.parameters():
-            p.add_(torch.randn(p.shape) * 0.05)
-    hf.eval().save_pretrained(folder)
-    data = MockGPTDataset(2 * 8, 16, 61, seed=5)  # train_iters x global batch, TINY's --seed
-    tokens = torch.stack([torch.from_numpy(data[i]["tokens"]) for i in range(8)])
-    with torch.no_grad():
-        logits = hf(tokens[:, :-1]).logits
-    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).item()
-
-
-# ---- Tools and Hugging Face references -------------------------------------------------------
-
-
-def tool_module(name):
-    """A tools/ script as a module (tools/ is not a package)."""
-    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, f"tools/{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def convert_hf_tool(*argv):
-    return tool_module("convert_hf").main(list(argv))
-
-
-def generate_tool(argv):
-    """tools/generate.py's main in this (spawned) process; returns what it printed."""
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        assert tool_module("generate").main(argv) == 0
-    return out.getvalue().strip()
-
-
-def save_word_tokenizer(folder):
-    """A word-level tokenizer.json over the 101-token vocabulary (w0..w99, <|endoftext|>)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    vocab = {f"w{i}": i for i in range(VOCAB - 1)}
-    vocab["<|endoftext|>"] = VOCAB - 1
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.save(os.path.join(folder, "tokenizer.json"))
-    return tok
-
-
-def pipeline_logits(chunks, topo, ids, hidden):
-    """Forward through the virtual stages in model order (stage s: rank s % pp, chunk s // pp)."""
-    import torch.distributed as dist
-
-    from models.language_model import gather_logits
-    h, last = None, topo.pp * topo.vpp - 1
-    for s in range(last + 1):
-        if topo.pp_rank != s % topo.pp:
-            continue
-        if s > 0:
-            h = torch.empty(ids.shape[1], ids.shape[0], hidden)
-            dist.recv(h, topo.stage_rank(topo.pp_rank - 1))
-        out = chunks[s // topo.pp](ids if s == 0 else h)
-        if s < last:
-            dist.send(out.contiguous(), topo.stage_rank(topo.pp_rank + 1))
-        else:
-            return gather_logits(out, topo, chunks[-1].config.vocab_size)
-    return None
-
-
-def hf_reference(hf, ids, prompt, new_tokens: int) -> dict:
-    """transformers' logits on `ids` and greedy generation from `prompt`, with an eos id chosen so
-    that row 0 stops after 3 tokens (the padding path): the keys `check_against_hf` reads."""
-    with torch.no_grad():
-        logits = hf(ids).logits
-        free = hf.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
-                           max_new_tokens=new_tokens, eos_token_id=None, pad_token_id=0)
-        eos = int(free[0, prompt.shape[1] + 2])
-        greedy = hf.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
-                             max_new_tokens=new_tokens, eos_token_id=eos, pad_token_id=eos)
-    return dict(ids=ids, prompt=prompt, logits=logits, eos=eos, greedy=greedy)
-
-
-def check_against_hf(case: dict, topo, new_tokens: int):
-    """Load `case["ckpt"]` under `topo`: logits within 1e-5 of `case["logits"]` (last stage) and,
-    with pp = 1, greedy generation equal to `case["greedy"]` (eos `case["eos"]`). Returns this
-    rank's chunks and its max logit error (0.0 off the last stage)."""
-    from models.generation import SamplingConfig, generate
-    from training.checkpoint.format import latest_checkpoint
-    from training.checkpoint.hf import load_model_chunks
-    config, chunks = load_model_chunks(latest_checkpoint(case["ckpt"]), topo)
-    where = f"{case.get('name', case.get('family'))} at tp={topo.tp} pp={topo.pp} vpp={topo.vpp}"
-    with torch.no_grad():
-        logits = pipeline_logits(chunks, topo, case["ids"], config.hidden_size)
-    error = 0.0
-    if logits is not None:
-        torch.testing.assert_close(logits, case["logits"], rtol=0, atol=1e-5, msg=where)
-        error = (logits - case["logits"]).abs().max().item()
-    if topo.pp == 1:
-        out = generate(chunks[0], topo, case["prompt"], new_tokens, SamplingConfig(eos_id=case["eos"]))
-        assert torch.equal(out, case["greedy"]), (where, out, case["greedy"])
-    return chunks, error
-
-
-NEW_TOKENS = 6
-
-
-def round_trip_cases(supported: dict, tmp_path, ids, prompt) -> tuple[list[dict], list]:
-    """Each `name: (builder, non-default fields)` of `supported` as a random (perturbed) HF model,
-    saved, imported and exported: the export's tensors equal HF's bit for bit, transformers reloads
-    it as the same class with the fields read back and HF's exact logits. Returns the cases
-    (`hf_reference`'s keys, the checkpoint, family, full tensors, config) and the HF models."""
-    from transformers import AutoModelForCausalLM
-
-    from training.checkpoint.hf import export_hf, hf_to_full, import_hf
-    cases, models = [], []
-    for i, (name, (build, fields)) in enumerate(sorted(supported.items())):
-        torch.manual_seed(i)
-        hf = perturbed(build(**fields), seed=i)
-        hf_dir, ckpt, out = (str(tmp_path / f"{k}_{name}") for k in ("hf", "mz", "back"))
-        hf.save_pretrained(hf_dir)
-        ref = hf_reference(hf, ids, prompt, NEW_TOKENS)
-        import_hf(hf_dir, ckpt)
-        export_hf(ckpt, out)
-        back = AutoModelForCausalLM.from_pretrained(out, local_files_only=True).eval()
-        assert type(back) is type(hf), name
-        assert back.config.architectures == [type(hf).__name__]
-        for field, value in fields.items():  # written back, read back the same
-            assert getattr(back.config, field) == value, (name, field)
-        ref_sd, back_sd = hf.state_dict(), back.state_dict()
-        assert ref_sd.keys() == back_sd.keys(), name
-        for k in ref_sd:
-            assert torch.equal(ref_sd[k], back_sd[k]), (name, k)
-        with torch.no_grad():
-            torch.testing.assert_close(back(ids).logits, ref["logits"], rtol=0, atol=0)
-        model_type, config, full = hf_to_full(hf_dir)
-        cases.append(dict(ref, name=name, ckpt=ckpt, hf_dir=hf_dir, out=out, family=model_type,
-                          full=full.weights, config=config.replace(make_vocab_size_divisible_by=8)))
-        models.append(hf)
-    return cases, models
-
-
-# ---- Data tools ------------------------------------------------------------------------------
-
-
-def load_tool(name):
-    """Import tools/<name>.py (not a package); registered so dataclasses and pickling (fork) work."""
-    if f"tool_{name}" not in sys.modules:
-        spec = importlib.util.spec_from_file_location(f"tool_{name}", ROOT / "tools" / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[f"tool_{name}"]
-
-
-def preprocess(*args, ok=True, subprocess_run=False):
-    """Run the tool in this process (fast: no interpreter start), or as the real script."""
-    argv = ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", str(GPT2 / "vocab.json"),
-            "--merge-file", str(GPT2 / "merges.txt"), "--no-progress", *map(str, args)]
-    if subprocess_run:
-        proc = subprocess.run([sys.executable, str(ROOT / "tools" / "preprocess_data.py"), *argv],
-                              capture_output=True, text=True, timeout=120)
-        rc, out = proc.returncode, proc.stdout + proc.stderr
-    else:
-        buf = io.StringIO()
-        with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
-            rc = load_tool("preprocess_data").main(argv)
-        out = buf.getvalue()
-    assert (rc == 0) == ok, out
-    return out
-
-
-def read_docs(prefix):
-    from data.indexed import IndexedDataset
-    ds = IndexedDataset(str(prefix))
-    return [ds[i].tolist() for i in range(len(ds))], ds
-
-
-def write_jsonl(path, docs, key="text"):
-    path.write_text("".join(json.dumps({key: d, "id": i}) + "\n" for i, d in enumerate(docs)))
-
-
-CHAT = ["<|im_start|>", "<|im_end|>"]
-
-
-TOKENIZER_TEXTS = ["Hello world! <|endoftext|> naïve café 123 4567\n\n  spaces\tand tabs",
-         "I'm here, don't you ALL'S", "日本語のテキスト 🤖 emoji",
-         "<|im_start|>user\nhi there<|im_end|>\n<|im_start|>assistant\n"]
-
-
-def bpe_files(tmp_path) -> tuple[str, str]:
-    """GPT-2's vocab.json + merges.txt (the repository's fixture), else a byte-level BPE trained
-    here with the tokenizers library."""
-    for folder in (os.path.join(REPO, "tests", "fixtures", "gpt2"), "/work/shared/data/tokenizers/gpt2"):
-        vocab, merges = os.path.join(folder, "vocab.json"), os.path.join(folder, "merges.txt")
-        if os.path.isfile(vocab) and os.path.isfile(merges):
-            return vocab, merges
-    from tokenizers import ByteLevelBPETokenizer
-    bpe = ByteLevelBPETokenizer()
-    bpe.train_from_iterator(TOKENIZER_TEXTS * 50 + ["the quick brown fox jumps over the lazy dog"] * 50,
-                            vocab_size=400, special_tokens=["<|endoftext|>"])
-    out = tmp_path / "trained"
-    out.mkdir()
-    return tuple(bpe.save_model(str(out)))
-
-
-def tokenizer_folders(tmp_path, kind: str, old_config: bool):
-    """(folder with tokenizer.json, folder with vocab.json + merges.txt + tokenizer_config.json,
-    the transformers tokenizer)."""
-    from transformers import GPT2Tokenizer, Qwen2Tokenizer
-    vocab, merges = bpe_files(tmp_path)
-    if kind == "gpt2":
-        tok = GPT2Tokenizer(vocab=vocab, merges=merges)
-    else:
-        tok = Qwen2Tokenizer(vocab=vocab, merges=merges, bos_token=None)
-    tok.add_special_tokens({"additional_special_tokens": CHAT})
-    full, mini = tmp_path / f"{kind}_full", tmp_path / f"{kind}_mini"
-    tok.save_pretrained(full)
-    mini.mkdir()
-    shutil.copy(vocab, mini / "vocab.json")
-    shutil.copy(merges, mini / "merges.txt")
-    config = json.loads((full / "tokenizer_config.json").read_text())
-    if old_config:  # transformers 4.x writes the added tokens with their ids
-        for key in ("extra_special_tokens", "additional_special_tokens"):
-            config.pop(key, None)
-        config["added_tokens_decoder"] = {
-            str(tok.convert_tokens_to_ids(t)): dict(content=t, lstrip=False, rstrip=False,
-                                                    normalized=False, single_word=False, special=True)
-            for t in CHAT}
-    (mini / "tokenizer_config.json").write_text(json.dumps(config))
-    return str(full), str(mini), tok
-
-
-def hf_converted(hf, adapter, topo=None):
-    """(config, megazoo model in eval mode) holding a transformers model's weights, through the
-    family's HF adapter (`models.<family>`), vocabulary padded to a multiple of 8."""
-    from models.registry import build_model
-    from parallel.sharding import load_full_state_dict
-    from parallel.topology import ParallelTopology
-    cfg = adapter.config_from_hf(hf.config).replace(make_vocab_size_divisible_by=8)
-    topo = topo or ParallelTopology.single()
-    model = build_model(cfg, topo).eval()
-    load_full_state_dict(model, adapter.from_hf_state_dict(hf.state_dict(), cfg), topo)
-    return cfg, model
-
-
-def hf_deepseek_v3(seed: int = 0, **kw):
-    """A random HF DeepseekV3ForCausalLM (every tensor and the expert bias perturbed): one dense
-    layer, then two MoE layers; 8 experts in 4 groups, 3 per token from 2 groups."""
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
-    config = DeepseekV3Config(**{**dict(
-        vocab_size=96, hidden_size=40, intermediate_size=48, moe_intermediate_size=12,
-        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=2,
-        n_routed_experts=8, routed_scaling_factor=2.5, kv_lora_rank=12, q_lora_rank=10,
-        qk_rope_head_dim=4, v_head_dim=5, qk_nope_head_dim=6, n_group=4, topk_group=2,
-        num_experts_per_tok=3, first_k_dense_replace=1, norm_topk_prob=True,
-        max_position_embeddings=64, rope_parameters={"rope_type": "default", "rope_theta": 500.0},
-        num_nextn_predict_layers=0, bos_token_id=None, eos_token_id=None, pad_token_id=None), **kw})
-    torch.manual_seed(seed)
-    hf = DeepseekV3ForCausalLM(config).eval()
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, t in list(hf.named_parameters()) + list(hf.named_buffers()):
-            if t.is_floating_point() and "inv_freq" not in name:
-                scale = 0.3 if name.endswith("e_score_correction_bias") or t.dim() == 1 else 0.05
-                t.add_(torch.randn(t.shape, generator=g) * scale)
-    return hf
-
-
-# ---- Chat data -------------------------------------------------------------------------------
-# ChatML, once with the reply marked as generation and once without any mark.
-CHATML_TAGGED = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['role'] == 'assistant' %}"
-                 "{% generation %}{{ m['content'] }}<|im_end|>{% endgeneration %}{% else %}"
-                 "{{ m['content'] }}<|im_end|>{% endif %}\n{% endfor %}"
-                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-CHATML_PLAIN = CHATML_TAGGED.replace("{% generation %}", "").replace("{% endgeneration %}", "")
-CONVERSATION = {"messages": [{"role": "system", "content": "be brief"},
-                             {"role": "user", "content": "hi there"},
-                             {"role": "assistant", "content": "hello you"},
-                             {"role": "user", "content": "and now"},
-                             {"role": "assistant", "content": "bye"}]}
-
-
-def chatml_tokenizer(template: str | None):
-    """transformers' GPT-2 tokenizer from the fixture, with ChatML's tokens and `template`."""
-    from transformers import GPT2TokenizerFast
-    tok = GPT2TokenizerFast(str(GPT2 / "vocab.json"), str(GPT2 / "merges.txt"))
-    tok.add_special_tokens({"additional_special_tokens": CHAT})
-    tok.chat_template = template
-    return tok

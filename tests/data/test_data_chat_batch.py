@@ -9,7 +9,7 @@ import json
 import numpy as np
 
 from data.chat import ChatRenderer, SkipRecord
-from tests.helpers import CHATML_PLAIN, CHATML_TAGGED, CONVERSATION, chatml_tokenizer
+from tests.tokenizer_data import CHATML_PLAIN, CHATML_TAGGED, CONVERSATION, chatml_tokenizer
 
 LONG = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "word " * 40}]}
 RECORDS = [CONVERSATION, {"text": "x"}, {"prompt": "hi", "completion": "hello"},

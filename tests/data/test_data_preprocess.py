@@ -9,7 +9,7 @@ from data.indexed import IndexedDataset
 from data.text_sources import iter_records
 from data.tokenizers import build_tokenizer
 from tests.fixtures import GPT2
-from tests.helpers import load_tool, preprocess, read_docs, write_jsonl
+from tests.tool_runs import load_tool, preprocess, read_docs, write_jsonl
 
 
 DOCS = ["first document\n", "second one with émoji 😀", "third\n\n  spaced   out", "x" * 5000]

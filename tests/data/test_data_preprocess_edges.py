@@ -12,7 +12,7 @@ from data import long_documents
 from data.indexed import IndexedDataset, IndexedDatasetBuilder
 from data.long_documents import safe_slices
 from tests.fixtures import GPT2, SENTENCEPIECE_MODELS
-from tests.helpers import load_tool, preprocess, read_docs, write_jsonl
+from tests.tool_runs import load_tool, preprocess, read_docs, write_jsonl
 
 
 @pytest.fixture(scope="module")

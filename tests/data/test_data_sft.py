@@ -9,7 +9,8 @@ import pytest
 
 from data.chat import ChatRenderer, ChatTemplateError, SkipRecord
 from data.sft_dataset import SFTDataset, pack_greedily
-from tests.helpers import CHATML_PLAIN as PLAIN, CHATML_TAGGED as TAGGED, CONVERSATION, chatml_tokenizer as tokenizer
+from tests.tokenizer_data import (CHATML_PLAIN as PLAIN, CHATML_TAGGED as TAGGED, CONVERSATION,
+                                  chatml_tokenizer as tokenizer)
 
 def folder(tmp_path, template: str | None) -> str:
     path = str(tmp_path / "tok")

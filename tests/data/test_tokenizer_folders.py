@@ -9,7 +9,7 @@ import os
 import pytest
 
 from data.tokenizers import TokenizerError, build_tokenizer
-from tests.helpers import CHAT, TOKENIZER_TEXTS, tokenizer_folders
+from tests.tokenizer_data import CHAT, TOKENIZER_TEXTS, tokenizer_folders
 
 
 @pytest.mark.parametrize("kind,old_config", [("gpt2", False), ("gpt2", True), ("qwen2", True)])
@@ -26,7 +26,7 @@ def test_vocab_and_merges_folder_gives_the_tokenizer_json_ids(tmp_path, kind, ol
 
 
 def test_preprocess_data_gives_the_same_files_from_both_folders(tmp_path):
-    from tests.helpers import load_tool
+    from tests.tool_runs import load_tool
     tool = load_tool("preprocess_data")
     full, mini, _ = tokenizer_folders(tmp_path, "gpt2", True)
     corpus = tmp_path / "corpus.jsonl"

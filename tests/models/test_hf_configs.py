@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.distributed import run_distributed
-from tests.helpers import NEW_TOKENS, round_trip_cases
+from tests.hf_models import NEW_TOKENS, round_trip_cases
 
 VOCAB = 101
 LOAD_LAYOUTS = [(2, 2, 1), (4, 1, 1)]  # (tp, pp, vpp)
@@ -134,7 +134,7 @@ def _worker(rank, cases):
     from models.registry import build_model
     from parallel.sharding import full_tensor, load_full_state_dict
     from parallel.topology import ParallelConfig, ParallelTopology
-    from tests.helpers import check_against_hf
+    from tests.hf_models import check_against_hf
     torch.use_deterministic_algorithms(True)
     errors, checked = [0.0], []
     for tp, pp, vpp in LOAD_LAYOUTS:  # one topology per layout: creating groups is slow
@@ -170,7 +170,7 @@ def test_fields_and_qwen_round_trip_and_match_transformers_under_tp_pp(tmp_path)
 
 
 def test_import_layout_errors_name_the_flag_and_field(tmp_path, capsys):
-    from tests.helpers import convert_hf_tool
+    from tests.tool_runs import convert_hf_tool
     _llama(hidden_size=36, num_attention_heads=9, num_key_value_heads=9, head_dim=4,
            intermediate_size=1536, num_hidden_layers=2).save_pretrained(tmp_path / "hf")
     capsys.readouterr()  # save_pretrained's progress bar

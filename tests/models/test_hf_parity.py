@@ -6,7 +6,7 @@ from transformers import BloomConfig, BloomForCausalLM, GPT2Config, GPT2LMHeadMo
 from models import bloom, gpt
 from parallel.sharding import gather_full_state_dict, load_full_state_dict
 from parallel.topology import ParallelTopology
-from tests.helpers import perturbed
+from tests.hf_models import perturbed
 
 VOCAB = 101  # odd on purpose: needs padding
 

@@ -11,7 +11,7 @@ from models.blocks import KVCache
 from models.presets import PRESETS, preset
 from parallel.sharding import gather_full_state_dict
 from parallel.topology import ParallelTopology
-from tests.helpers import LLAMA3, VOCAB, hf_converted, hf_llama
+from tests.hf_models import LLAMA3, VOCAB, hf_converted, hf_llama
 
 
 def converted(hf, topo=None):

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from parallel.topology import ParallelTopology
-from tests.helpers import hf_deepseek_v3
+from tests.hf_models import hf_deepseek_v3
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8,

@@ -17,7 +17,7 @@ from models.init import Initializer
 from models.language_model import TransformerLanguageModel
 from models.moe import MoELayer, moe_layers, set_aux_loss_scale
 from parallel.topology import ParallelTopology
-from tests.helpers import moe_config
+from tests.hf_models import moe_config
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 

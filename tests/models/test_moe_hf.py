@@ -19,7 +19,7 @@ from models.language_model import gather_logits
 from parallel.sharding import load_full_state_dict
 from parallel.topology import ParallelTopology
 from tests.distributed import run_distributed
-from tests.helpers import hf_converted, perturbed
+from tests.hf_models import hf_converted, perturbed
 
 VOCAB, SEQ, BATCH = 101, 8, 4
 TOL = dict(rtol=1e-5, atol=1e-5)

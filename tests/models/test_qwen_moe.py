@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from tests.distributed import run_distributed
-from tests.helpers import NEW_TOKENS, check_against_hf, round_trip_cases
+from tests.hf_models import NEW_TOKENS, check_against_hf, round_trip_cases
 
 VOCAB = 101
 LAYOUTS = [dict(tp=2, ep=2), dict(ep=4), dict(pp=2, ep=2)]

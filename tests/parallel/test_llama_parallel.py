@@ -26,7 +26,7 @@ from tests.distributed import sum_tied_embedding_grads
 from parallel.sharding import full_tensor, load_full_state_dict
 from parallel.topology import ParallelConfig, ParallelTopology
 from tests.distributed import run_distributed
-from tests.helpers import LLAMA3, VOCAB
+from tests.hf_models import LLAMA3, VOCAB
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 SEQ, BATCH = 8, 4
@@ -66,7 +66,7 @@ def _check_shards(chunks, topo, full, cfg, where):
 def hf_references() -> dict:
     """Per model: megazoo config, full tensors converted from HF, HF's logits and loss. Computed
     once in the test process, so the ranks need not import transformers (seconds each)."""
-    from tests.helpers import hf_llama
+    from tests.hf_models import hf_llama
     ids, labels = _batch()
     out = {}
     for name, kw in MODELS.items():

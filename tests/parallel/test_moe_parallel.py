@@ -25,8 +25,9 @@ from parallel.sharding import full_tensor
 from parallel.topology import ParallelTopology
 from parallel.zero import build_optimizer
 from tests.distributed import run_distributed
-from tests.helpers import (HYPER, SEQ, STEPS, batch, checked_step,
-                           dp_mean, initial_parameters, moe_config, opt_config, topology)
+from tests.helpers import (HYPER, SEQ, STEPS, batch, checked_step, dp_mean, initial_parameters,
+                           opt_config, topology)
+from tests.hf_models import moe_config
 from tests.tolerances import assert_trained_close
 from training.run.step import activation_shape
 

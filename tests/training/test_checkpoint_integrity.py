@@ -13,7 +13,8 @@ import torch
 
 import training.checkpoint.format as ckpt
 from tests.distributed import run_distributed
-from tests.helpers import REPO, TINY, one_thread, pretrain_gpt  # noqa: F401 - one_thread: autouse
+from tests.helpers import TINY, one_thread, pretrain_gpt  # noqa: F401 - one_thread: autouse
+from tests.tool_runs import REPO
 from training.checkpoint import storage
 
 

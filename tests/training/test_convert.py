@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from tests.distributed import run_distributed
-from tests.helpers import (VOCAB, check_against_hf, convert_hf_tool, generate_tool, hf_reference,
-                           save_word_tokenizer)
+from tests.hf_models import VOCAB, check_against_hf, hf_reference, save_word_tokenizer
+from tests.tool_runs import convert_hf_tool, generate_tool
 
 IMPORT_LAYOUTS = [(2, 2, 2), (4, 1, 1)]  # (tp, pp, vpp)
 LOAD_LAYOUTS = [(2, 2, 2), (4, 1, 1), (1, 4, 1), (2, 1, 1)]
@@ -148,7 +148,8 @@ def test_import_export_logits_and_generation(tmp_path, capsys):
 
 
 def test_bad_inputs_give_one_line_errors(tmp_path, capsys):
-    from tests.helpers import TINY, hf_gpt2
+    from tests.helpers import TINY
+    from tests.hf_models import hf_gpt2
     from training.config.flags import to_run_config
     from training.config.parser import build_parser
     from training.checkpoint.format import CheckpointError, latest_checkpoint, read_meta

@@ -10,7 +10,8 @@ import time
 from safetensors.torch import load_file
 
 from tests.distributed import run_distributed
-from tests.helpers import REPO, TINY, hang_detail, pretrain_gpt, record_hang_start
+from tests.helpers import TINY, hang_detail, pretrain_gpt, record_hang_start
+from tests.tool_runs import REPO
 from training.config.run_config import HealthConfig
 from training.resilience.health import HealthMonitor
 from training.run.batches import SkippingDataset, merge_ranges

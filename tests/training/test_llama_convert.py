@@ -12,7 +12,7 @@ at tp = 4 with a tokenizer folder, whose text equals HF's greedy continuation.
 import torch
 
 from tests.distributed import run_distributed
-from tests.helpers import LLAMA3, hf_llama
+from tests.hf_models import LLAMA3, hf_llama
 
 IMPORT_LAYOUTS = {"gqa": (2, 2, 2), "mqa": (4, 1, 1)}  # (tp, pp, vpp)
 LOAD_LAYOUTS = [(4, 1, 1), (2, 2, 2), (1, 4, 1)]
@@ -21,7 +21,8 @@ NEW_TOKENS = 8
 
 def _worker(rank, cases, tool_case):
     from parallel.topology import ParallelConfig, ParallelTopology
-    from tests.helpers import generate_tool, check_against_hf
+    from tests.hf_models import check_against_hf
+    from tests.tool_runs import generate_tool
     errors = [0.0]
     for tp, pp, vpp in LOAD_LAYOUTS:
         topo = ParallelTopology.from_config(ParallelConfig(tp=tp, pp=pp, vpp=vpp))
@@ -35,7 +36,8 @@ def _worker(rank, cases, tool_case):
 def test_llama_import_export_logits_and_generation(tmp_path):
     from transformers import LlamaForCausalLM
 
-    from tests.helpers import save_word_tokenizer, convert_hf_tool, hf_reference
+    from tests.hf_models import save_word_tokenizer, hf_reference
+    from tests.tool_runs import convert_hf_tool
     from training.checkpoint.hf import export_hf, import_hf
     models = {"gqa": hf_llama(hidden=64, heads=8, kv_heads=2, layers=4, scaling=LLAMA3),
               "mqa": hf_llama(hidden=32, heads=4, kv_heads=1, layers=4, tied=True,

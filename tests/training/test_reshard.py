@@ -12,7 +12,8 @@ import sys
 import torch
 
 from tests.distributed import run_distributed
-from tests.helpers import TINY, hf_gpt2, pretrain_gpt
+from tests.helpers import TINY, pretrain_gpt
+from tests.hf_models import hf_gpt2
 from tests.tolerances import assert_curves_close
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -18,7 +18,8 @@ import os
 
 import torch
 
-from tests.helpers import load_tool, one_thread  # noqa: F401 (autouse fixture)
+from tests.helpers import one_thread  # noqa: F401 (autouse fixture)
+from tests.tool_runs import load_tool
 
 TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['role'] == 'assistant' %}"
             "{% generation %}{{ m['content'] }}<|im_end|>{% endgeneration %}{% else %}"

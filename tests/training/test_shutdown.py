@@ -8,7 +8,8 @@ import sys
 import pytest
 
 from tests.distributed import free_port
-from tests.helpers import REPO, TINY
+from tests.helpers import TINY
+from tests.tool_runs import REPO
 
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
 

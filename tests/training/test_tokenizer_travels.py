@@ -17,7 +17,8 @@ import os
 import torch
 
 from tests.distributed import run_distributed
-from tests.helpers import convert_hf_tool, tokenizer_folders, tool_module
+from tests.tokenizer_data import tokenizer_folders
+from tests.tool_runs import convert_hf_tool, tool_module
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
                  "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")

@@ -11,7 +11,8 @@ from tests.distributed import free_port, run_distributed
 from tests.tolerances import assert_curves_close
 from training.config.flags import ArgumentError, to_run_config
 from training.config.parser import build_parser
-from tests.helpers import REPO, TINY, pretrain_gpt
+from tests.helpers import TINY, pretrain_gpt
+from tests.tool_runs import REPO
 
 
 def _layout_worker(rank, layouts, iters):
