@@ -7,8 +7,10 @@ document per file, plus real prose where it is on the machine offline (the Rust 
 books, ``share/doc/rust/html/*/print.html``, tags stripped, one document per chapter). The chat
 corpus is built from the same text: conversations of alternating user / assistant turns cut from
 consecutive paragraphs of each document.
-Tokenizer: GPT-2 BPE from tests/fixtures/gpt2 (ours and datasets.map use the same fast tokenizer
-object; Megatron's tool builds its own GPT2BPETokenizer from the same files).
+Tokenizer: GPT-2 BPE from tests/fixtures/gpt2. datasets.map calls the Rust fast tokenizer
+(`tokenizers.Tokenizer.encode_batch_fast`); ours is that same tokenizer behind a per-word id cache
+(data/gpt2_words.py, the same ids); Megatron's tool builds its own GPT2BPETokenizer from the same
+files (its pure-Python BPE caches words too).
 
 Each configuration runs as its own process tree (wall time includes start-up); peak memory is
 the largest RSS summed over the tree, sampled every 20 ms; CPU s is user + system over the tree.
@@ -152,13 +154,16 @@ def baseline_plain(jsonl: str, num_proc: int, cache_dir: str) -> None:
 
     os.makedirs(cache_dir, exist_ok=True)
     cache_dir = tempfile.mkdtemp(dir=cache_dir)  # fresh per run: a warm datasets cache would skip the work
-    tok = build_tokenizer("GPT2BPETokenizer", VOCAB, MERGES)
+    ours = build_tokenizer("GPT2BPETokenizer", VOCAB, MERGES)
+    # the fast tokenizer itself (the Rust `tokenizers.Tokenizer` ours wraps), at its fastest call:
+    # the plain approach has no word cache
+    rust, eod = ours._tok, ours.eod
     ds = load_dataset("json", data_files=jsonl, split="train", cache_dir=cache_dir)
 
     def encode(batch):
-        ids = tok.encode_batch(batch["text"])
+        ids = [e.ids for e in rust.encode_batch_fast(batch["text"], add_special_tokens=False)]
         for doc in ids:
-            doc.append(tok.eod)
+            doc.append(eod)
         return {"input_ids": ids}
 
     out = ds.map(encode, batched=True, num_proc=num_proc if num_proc > 1 else None, remove_columns=["text"])
