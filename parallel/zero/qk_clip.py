@@ -79,6 +79,7 @@ class QKClip:
         self.row_scales: dict[int, torch.Tensor] = {}  # id(qkv weight or bias) -> [rows]
         self.last_max: list[torch.Tensor] = []  # per layer [heads_local]: the reduced maxima
         self.last_gamma: list[torch.Tensor] = []
+        self.clipped = 0  # heads this rank clipped at the last step
 
     def prepare(self) -> int:
         """Reduce this step's maxima, reset them, and set the row factors; the number of heads
@@ -108,6 +109,7 @@ class QKClip:
                         self.row_scales[id(p)] = rows
         if clipped:
             logger.debug("QK-clip: %d heads over %g", clipped, self.s.threshold)
+        self.clipped = clipped
         return clipped
 
     def apply(self, bucket, master: torch.Tensor) -> None:

@@ -29,9 +29,9 @@ def _gpt() -> TransformerConfig:  # multi-head, learned positions, QKV bias
 def _llama() -> TransformerConfig:  # grouped-query (2 query heads per key), rotary, no bias
     return TransformerConfig(vocab_size=101, hidden_size=32, num_layers=2, num_attention_heads=4,
                              num_query_groups=2, ffn_hidden_size=64, max_position_embeddings=16,
-                             normalization="rmsnorm", activation="swiglu", position_embedding="rope",
-                             bias=False, tie_word_embeddings=False, make_vocab_size_divisible_by=8,
-                             seed=5)
+                             normalization="rmsnorm", activation="swiglu",
+                             position_embedding="rope", bias=False, tie_word_embeddings=False,
+                             make_vocab_size_divisible_by=8, seed=5)
 
 
 def _tokens():
@@ -72,7 +72,7 @@ def test_forced_threshold_clips_exactly_the_heads_over_it(config):
     topo = ParallelTopology.single()
     model = TransformerLanguageModel(config(), topo)
     # lr 0: the update leaves every weight as it is, so only the clip changes them.
-    opt = build_optimizer(model, topo, OptimizerConfig(optimizer="muon", lr=0.0,
+    opt = build_optimizer(model, topo, OptimizerConfig(lr=0.0,
                                                        qk_clip=QKClipSettings(threshold=1e9)))
     before = _step(model, opt)
     if config is _gpt:
