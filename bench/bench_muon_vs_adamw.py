@@ -197,6 +197,8 @@ def main(argv=None) -> None:
     p.add_argument("--eval-interval", type=int, default=50)
     p.add_argument("--eval-windows", type=int, default=16)
     p.add_argument("--precision", default="bf16", choices=["fp32", "bf16"])
+    p.add_argument("--reuse", action="store_true",
+                   help="keep the runs --out already holds with the same settings")
     p.add_argument("--out", default=os.path.join(RESULTS, "muon_vs_adamw.json"))
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as work:
@@ -208,12 +210,31 @@ def main(argv=None) -> None:
           f"tokens ({passages['train']} / {passages['valid']} passages)", flush=True)
     params = {f: sum(p.numel() for p in TransformerLanguageModel(
         model_config(f, args), ParallelTopology.single()).parameters()) for f in args.families}
+    done = previous_runs(args)
     runs = []
     for family in args.families:
         for optimizer in args.optimizers:
             for lr in (args.muon_lrs if optimizer == "muon" else args.adamw_lrs):
-                runs.append(run(family, optimizer, lr, train, valid, args))
+                again = done.get((family, optimizer, lr))
+                runs.append(again or run(family, optimizer, lr, train, valid, args))
                 write(args, runs, params, len(train_tokens), len(valid_tokens))  # as they finish
+
+
+def previous_runs(args) -> dict:
+    """--reuse: the runs of --out made with the same model, data and schedule settings (the runs
+    are deterministic), so a widened learning-rate grid trains only its new points."""
+    if not args.reuse or not os.path.exists(args.out):
+        return {}
+    old = json.load(open(args.out))
+    grid = ("families", "optimizers", "adamw_lrs", "muon_lrs")
+    mine = {k: v for k, v in settings_of(args).items() if k not in grid}
+    if {k: v for k, v in old["settings"].items() if k not in grid} != mine:
+        return {}
+    return {(r["family"], r["optimizer"], r["lr"]): r for r in old["runs"]}
+
+
+def settings_of(args) -> dict:
+    return {k: v for k, v in vars(args).items() if k not in ("austen", "out", "reuse")}
 
 
 def write(args, runs: list[dict], params: dict, train_tokens: int, valid_tokens: int) -> None:
@@ -230,7 +251,7 @@ def write(args, runs: list[dict], params: dict, train_tokens: int, valid_tokens:
         json.dump({"corpus": "Jane Austen's six novels (Debian r-cran-janeaustenr 1.0.0)",
                    "tokenizer": "GPT-2 BPE", "train_tokens": train_tokens,
                    "valid_tokens": valid_tokens, "parameters": params,
-                   "settings": {k: v for k, v in vars(args).items() if k not in ("austen", "out")},
+                   "settings": settings_of(args),
                    "tokens_seen_per_run": args.steps * args.batch * args.seq,
                    "best": summary, "runs": runs}, f, indent=1)
 

@@ -142,7 +142,36 @@ def test_refused_where_it_cannot_work():
         normalization="rmsnorm", position_embedding="rope", qk_layernorm=True), topo)
     with pytest.raises(ZeroConfigError, match="--qk-clip with --qk-layernorm"):
         build_optimizer(qwen3, topo, OptimizerConfig(qk_clip=QKClipSettings()))
+    mla = TransformerLanguageModel(TransformerConfig(
+        vocab_size=101, hidden_size=32, num_layers=1, num_attention_heads=4, ffn_hidden_size=64,
+        normalization="rmsnorm", position_embedding="rope", kv_lora_rank=16, qk_nope_head_dim=8,
+        qk_rope_head_dim=8, v_head_dim=8, bias=False), topo)
+    with pytest.raises(ZeroConfigError, match="not implemented for multi-latent attention"):
+        build_optimizer(mla, topo, OptimizerConfig(qk_clip=QKClipSettings()))
     with pytest.raises(ZeroConfigError, match="--qk-clip-threshold must be > 0"):
         OptimizerConfig(qk_clip=QKClipSettings(threshold=0.0)).validate()
     with pytest.raises(ZeroConfigError, match="--qk-clip-alpha must be in"):
         OptimizerConfig(qk_clip=QKClipSettings(alpha=1.0)).validate()
+
+
+def test_flags_map_and_refuse():
+    from training.config.flags import ArgumentError, to_run_config
+    from training.config.parser import build_parser
+    base = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+            "--seq-length", "16", "--max-position-embeddings", "16", "--mock-data",
+            "--vocab-size", "61", "--micro-batch-size", "2", "--train-iters", "4"]
+
+    def run(*extra):
+        args = build_parser().parse_args(base + list(extra))
+        return to_run_config(args, world_size=2).optimizer.qk_clip
+
+    assert run() is None
+    assert run("--qk-clip") == QKClipSettings(threshold=100.0, alpha=0.5)
+    assert run("--qk-clip", "--qk-clip-threshold", "30", "--qk-clip-alpha", "0.25") == \
+        QKClipSettings(threshold=30.0, alpha=0.25)
+    with pytest.raises(ArgumentError, match="--qk-clip-threshold apply with --qk-clip only"):
+        run("--qk-clip-threshold", "30")
+    with pytest.raises(ArgumentError, match="--qk-clip with --context-parallel-size 2"):
+        run("--qk-clip", "--context-parallel-size", "2")
+    with pytest.raises(ArgumentError, match="--qk-clip with --qk-layernorm"):
+        run("--qk-clip", "--qk-layernorm")
