@@ -49,24 +49,26 @@ def _clip_run(topo, tau: float):
 
 @functools.lru_cache(maxsize=None)
 def _clip_reference():
-    """The unsharded run with tau at the median of the first step's maxima: some heads over it,
+    """The unsharded run with tau amid the first step's maxima (half the heads over it): some over,
     some under, at every step."""
     single = ParallelTopology.single()
     init = muon_reference()[0]  # the same model's initial parameters
     _, first, _ = _clip_run(single, 1e9)
-    tau = float(first[0].median())
+    ranked = first[0].flatten().sort().values  # halfway between two heads: none sits on it
+    tau = float(ranked[ranked.numel() // 2 - 1] + ranked[ranked.numel() // 2]) / 2
     params, maxima, clipped = _clip_run(single, tau)
     assert all(0 < c < first[0].numel() for c in clipped), clipped
-    return init, params, maxima, tau
+    return init, params, maxima, clipped, tau
 
 
 def _worker(rank, clip_reference, muon_ref):
-    init, want, want_max, tau = clip_reference
+    init, want, want_max, want_clipped, tau = clip_reference
     checked = []
     for kw in (dict(tp=2), dict()):
         topo = ParallelTopology.from_config(ParallelConfig(**kw))
         got, maxima, clipped = _clip_run(topo, tau)
         where = f"qk-clip {kw or 'dp=2 zero=1'}"
+        assert clipped == want_clipped, (where, clipped, want_clipped)
         for step, (m, w) in enumerate(zip(maxima, want_max)):
             torch.testing.assert_close(m, w, rtol=1e-5, atol=1e-5, msg=f"{where} step {step}")
         dev = assert_trained_close(got, want, init, where, MUON_LR)
