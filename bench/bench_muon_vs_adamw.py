@@ -1,5 +1,5 @@
 """Muon against AdamW on real English prose: Jane Austen's six novels, GPT-2 tokenizer, a small
-GPT and a small Llama, each optimizer at its best of three learning rates, validation loss
+GPT and a small Llama, each optimizer at its best of a few learning rates, validation loss
 curves side by side.
 
 The corpus: Debian's `r-cran-janeaustenr` package (MIT; the novels themselves are public
@@ -16,7 +16,9 @@ tools/preprocess_data.py (GPT-2 BPE from tests/fixtures) into indexed files. Eac
 random windows of --seq tokens (the same windows, in the same order, for every run), warmup
 then cosine decay, and evaluates the mean loss over fixed validation windows every
 --eval-interval steps. Muon runs with the library's defaults (Moonlight's RMS-matched scale,
-so AdamW's learning rates are the natural grid for both), Newton-Schulz in bf16.
+so AdamW's learning rates are the natural grid for both), Newton-Schulz in bf16. Results are
+written after every run; --reuse keeps the runs --out holds with the same settings (the runs are
+deterministic), so widening a grid trains only its new points.
 
 Writes bench/results/muon_vs_adamw.json.
 """
@@ -186,8 +188,8 @@ def main(argv=None) -> None:
     p.add_argument("--austen", required=True, help="extracted r-cran-janeaustenr package folder")
     p.add_argument("--families", nargs="+", default=["gpt", "llama"])
     p.add_argument("--optimizers", nargs="+", default=["adamw", "muon"])
-    p.add_argument("--adamw-lrs", type=float, nargs="+", default=[1e-3, 3e-3, 1e-2])
-    p.add_argument("--muon-lrs", type=float, nargs="+", default=[1e-3, 3e-3, 1e-2])
+    p.add_argument("--adamw-lrs", type=float, nargs="+", default=[1e-3, 3e-3, 1e-2, 3e-2])
+    p.add_argument("--muon-lrs", type=float, nargs="+", default=[3e-3, 1e-2, 3e-2])
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--seq", type=int, default=256)
