@@ -17,6 +17,7 @@ from torch import nn
 
 from parallel.context_parallel import Documents, check_attention, context_attention, sequence_positions
 from parallel.kernels.attention import attention
+from parallel.kernels.max_logit import head_max_logits
 from parallel.random import RNGStreams, checkpoint
 from parallel.tensor_parallel import ColumnParallelLinear, GroupedLayout, RowParallelLinear
 from parallel.topology import ParallelTopology
@@ -77,6 +78,7 @@ class ParallelAttention(nn.Module):
         self.heads_local, self.head_dim = heads // topo.tp, d
         self.groups_local = max(groups // topo.tp, 1)  # 1 when KV heads are replicated
         self.q_per_group_local = self.heads_local // self.groups_local
+        self.multi_head = groups == heads  # each key head serves one query head (not GQA)
         self.dropout, self.rng, self.topo = config.attention_dropout, rng, topo
         self.window_of = config.attention_window  # per global layer (sliding-window layers)
         self.scale_attn_weights = config.scale_attn_weights
@@ -101,6 +103,11 @@ class ParallelAttention(nn.Module):
             self.q_norm = RMSNorm(config, topo, in_sequence_region=False, size=d, over_tp_heads=True)
             self.k_norm = RMSNorm(config, topo, in_sequence_region=False, size=d, over_tp_heads=True)
         self.rotary = RotaryEmbedding(config, topo.device) if config.position_embedding == "rope" else None
+        # QK-clip (parallel/zero/qk_clip.py) switches tracking on: then each training forward
+        # folds its heads' largest logit into `max_logits` [heads_local], read and reset by the
+        # optimizer step. The model never communicates it.
+        self.track_max_logits = False
+        self.max_logits: torch.Tensor | None = None
         if config.position_embedding == "alibi":
             first = topo.tp_rank * self.heads_local
             self.register_buffer("alibi_slopes",
@@ -122,6 +129,11 @@ class ParallelAttention(nn.Module):
         packed document when `documents` has ids."""
         ids = documents.ids if documents is not None else None
         window = self.window_of(layer)
+        if self.track_max_logits and self.training:
+            seen = head_max_logits(q, k, scale=self._scale(layer), window=window,
+                                   q_offset=k.shape[2] - q.shape[2], q_document_ids=ids)
+            self.max_logits = seen if self.max_logits is None else torch.maximum(self.max_logits,
+                                                                                  seen)
         if self.topo.cp > 1:
             return context_attention(q, k, v, self.topo, self.alibi_slopes, attention, window, ids)
         p = self.dropout if self.training else 0.0
@@ -158,3 +170,18 @@ class ParallelAttention(nn.Module):
             out = self.core_attention(q, k, v, layer, documents)
         out = out.permute(2, 0, 1, 3).reshape(s, b, self.heads_local * d)
         return self.dense(out)
+
+    def qk_clip_row_scales(self, gamma: torch.Tensor, alpha: float) -> torch.Tensor:
+        """Multipliers [local qkv rows] that scale head h's logits by gamma[h] (this TP rank's
+        heads): with one query head per key head (MHA) its query rows by gamma^alpha and its key
+        rows by gamma^(1 - alpha); a key shared by several query heads (grouped-query) is left
+        alone and each query head takes its whole gamma, as QK-clip treats MLA's shared rotary
+        key. Values are never scaled."""
+        g, qg, d = self.groups_local, self.q_per_group_local, self.head_dim
+        rows = torch.ones(g, qg + 2, dtype=torch.float32, device=gamma.device)
+        per_group = gamma.float().view(g, qg)
+        if self.multi_head:
+            rows[:, 0], rows[:, 1] = per_group[:, 0] ** alpha, per_group[:, 0] ** (1 - alpha)
+        else:
+            rows[:, :qg] = per_group
+        return rows.repeat_interleave(d, dim=1).reshape(-1)

@@ -4,8 +4,8 @@ data-parallel reference and ZeRO run.
 
 Beside it: `tests/hf_models.py` (small model configs, random Hugging Face reference models and
 the checks against them), `tests/tool_runs.py` (the tools/ scripts run in-process, the data
-tools' files) and `tests/tokenizer_data.py` (tokenizer folders, chat templates and data), whose
-names are importable from here too; `tests/foreign_checkpoints.py` (Megatron-core sources),
+tools' files), `tests/tokenizer_data.py` (tokenizer folders, chat templates and data),
+`tests/muon_reference.py` (torch.optim.Muon's reference), `tests/foreign_checkpoints.py` (Megatron-core sources),
 `tests/distributed.py` (spawned gloo worlds) and `tests/tolerances.py` (the numeric tolerances).
 Spawned test ranks import this module, so transformers, tokenizers and the training stack are
 imported inside the functions that need them.
@@ -25,17 +25,6 @@ from parallel.sharding import full_tensor
 from parallel.topology import ParallelConfig, ParallelTopology
 from parallel.zero import OptimizerConfig, build_optimizer
 from tests.distributed import run_distributed
-# defined beside this module; named here too, so `from tests.helpers import X` keeps working
-from tests.hf_models import (  # noqa: F401
-    VOCAB, moe_config, LLAMA3, hf_llama, perturbed, hf_gpt2, save_word_tokenizer, pipeline_logits,
-    hf_reference, check_against_hf, NEW_TOKENS, round_trip_cases, hf_converted, DEEPSEEK_ROUTING,
-    deepseek_config, MLA_LATENT, hf_deepseek_v3)
-from tests.tool_runs import (  # noqa: F401
-    ROOT, REPO, tool_module, convert_hf_tool, generate_tool, load_tool, preprocess, read_docs,
-    write_jsonl)
-from tests.tokenizer_data import (  # noqa: F401
-    CHAT, TOKENIZER_TEXTS, bpe_files, tokenizer_folders, CHATML_TAGGED, CHATML_PLAIN,
-    CONVERSATION, chatml_tokenizer)
 
 
 # ---- In-process training runs ----------------------------------------------------------------

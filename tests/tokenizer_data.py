@@ -3,11 +3,9 @@ module): GPT-2's BPE files, ChatML's tokens and templates, one conversation."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 
 from tests.fixtures import GPT2
-from tests.tool_runs import REPO
 
 
 CHAT = ["<|im_start|>", "<|im_end|>"]
@@ -19,19 +17,8 @@ TOKENIZER_TEXTS = ["Hello world! <|endoftext|> naïve café 123 4567\n\n  spaces
 
 
 def bpe_files(tmp_path) -> tuple[str, str]:
-    """GPT-2's vocab.json + merges.txt (the repository's fixture), else a byte-level BPE trained
-    here with the tokenizers library."""
-    for folder in (os.path.join(REPO, "tests", "fixtures", "gpt2"), "/work/shared/data/tokenizers/gpt2"):
-        vocab, merges = os.path.join(folder, "vocab.json"), os.path.join(folder, "merges.txt")
-        if os.path.isfile(vocab) and os.path.isfile(merges):
-            return vocab, merges
-    from tokenizers import ByteLevelBPETokenizer
-    bpe = ByteLevelBPETokenizer()
-    bpe.train_from_iterator(TOKENIZER_TEXTS * 50 + ["the quick brown fox jumps over the lazy dog"] * 50,
-                            vocab_size=400, special_tokens=["<|endoftext|>"])
-    out = tmp_path / "trained"
-    out.mkdir()
-    return tuple(bpe.save_model(str(out)))
+    """GPT-2's vocab.json + merges.txt (the repository's fixture)."""
+    return str(GPT2 / "vocab.json"), str(GPT2 / "merges.txt")
 
 
 def tokenizer_folders(tmp_path, kind: str, old_config: bool):

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .muon import MuonSettings
+from .qk_clip import QKClipSettings
 
 
 class ZeroConfigError(ValueError):
@@ -35,6 +36,7 @@ class OptimizerConfig:
     weight_decay: float = 0.0
     momentum: float = 0.0  # sgd only
     muon: MuonSettings = field(default_factory=MuonSettings)  # optimizer muon only
+    qk_clip: QKClipSettings | None = None  # --qk-clip: rescale Q/K after each step (None: off)
     # Megatron convention: no decay on biases and norm weights (any parameter with ndim < 2).
     decay_biases_and_norms: bool = False
     clip_grad: float = 0.0  # --clip-grad; 0 disables clipping (the norm is still reported)
@@ -71,6 +73,8 @@ class OptimizerConfig:
             raise ZeroConfigError(f"--optimizer must be adamw, sgd or muon, got {self.optimizer!r}")
         if self.optimizer == "muon":
             self.muon.validate()
+        if self.qk_clip is not None:
+            self.qk_clip.validate()
         if self.offload not in ("none", "cpu", "nvme"):
             raise ZeroConfigError(f"--offload must be none, cpu or nvme, got {self.offload!r}")
         if self.offload == "nvme" and not self.offload_dir:

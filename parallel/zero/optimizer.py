@@ -39,6 +39,7 @@ from .inner import Hyper, build_inner
 from .loss_scaler import build_loss_scaler
 from .muon import Muon, uses_muon
 from .offload import FileStates, build_states
+from .qk_clip import QKClip
 from .zero3 import Unit, Zero3Hooks, split_layers
 
 logger = logging.getLogger(__name__)
@@ -99,6 +100,8 @@ class ZeroOptimizer:
                                   embedding_group=topo.embedding_group,
                                   max_inflight=cfg.max_inflight_buckets)
         self.grad_sync.install_hooks()
+        # --qk-clip: the attention layers track their largest logits; the step clips Q/K.
+        self.qk_clip = QKClip(cfg.qk_clip, modules, topo) if cfg.qk_clip is not None else None
         self.zero3: Zero3Hooks | None = None
         if self.stage == 3:
             self.zero3 = Zero3Hooks(self.units, prefetch=cfg.zero3_prefetch)
@@ -182,7 +185,11 @@ class ZeroOptimizer:
                                 ep_group=self.topo.ep_group,
                                 device=self.topo.device, exclude=self.norm_exclusions) / scale
         loss_value = float(loss) if loss is not None else None
+        if self.qk_clip is not None:
+            self.qk_clip.prepare()  # this step's maxima, reset for the next step's forward
         if not math.isfinite(norm) or (loss_value is not None and not math.isfinite(loss_value)):
+            if self.qk_clip is not None:
+                self.qk_clip.row_scales.clear()  # a skipped step changes no weight
             return self._skip(norm, scale, loss_value)
         mult = clip_coefficient(norm, self.cfg.clip_grad) / scale
         self.applied_steps += 1
@@ -198,6 +205,8 @@ class ZeroOptimizer:
                 self.muon.update_bucket(b, master, grad, st, hyper, mult)
             else:
                 self.inner.update(master, grad, st, hyper, mult)
+            if self.qk_clip is not None:
+                self.qk_clip.apply(b, master)
             if self.separate_master:
                 b.write_params(master)
         for pending in [b.all_gather_params() for b in self.buffers]:

@@ -26,7 +26,8 @@ import torch
 from parallel.context_parallel import local_positions, split_sequence
 from parallel.topology import ParallelConfig, ParallelTopology
 from tests.distributed import run_distributed
-from tests.helpers import HYPER, hf_converted, hf_deepseek_v3, one_thread, opt_config  # noqa: F401
+from tests.helpers import HYPER, one_thread, opt_config  # noqa: F401
+from tests.hf_models import hf_converted, hf_deepseek_v3
 from tests.tolerances import assert_trained_close
 
 TOL = dict(rtol=1e-5, atol=1e-5)

@@ -12,116 +12,31 @@ checks equal to torch's own iteration bit for bit in bf16; megazoo runs it in fp
 """
 from __future__ import annotations
 
-import functools
-from unittest import mock
-
 import torch
 import torch.distributed as dist
 
-from models.config import TransformerConfig
 from models.language_model import TransformerLanguageModel
 from parallel.pipeline.engine import run_pipeline
 from parallel.pipeline.partition import partition
 from parallel.pipeline.schedules import build_schedule
 from parallel.pipeline.tied import broadcast_tied_embedding
-from parallel.sharding import full_tensor
 from parallel.topology import ParallelConfig, ParallelTopology
-from parallel.zero import OptimizerConfig, build_optimizer
-from parallel.zero.muon import MuonSettings, assign_matrices, newton_schulz, uses_muon
+from parallel.zero import build_optimizer
+from parallel.zero.muon import MuonSettings, assign_matrices, newton_schulz
 from tests.distributed import run_distributed
+from tests.muon_reference import MUON_FP32 as MUON
+from tests.muon_reference import MUON_LR as LR
+from tests.muon_reference import MUON_SEQ as SEQ
+from tests.muon_reference import MUON_STEPS as STEPS
+from tests.muon_reference import muon_batch as _batch
+from tests.muon_reference import muon_full_parameters as _full
+from tests.muon_reference import muon_gpt_config as _config
+from tests.muon_reference import muon_moe_config as _moe_config
+from tests.muon_reference import muon_opt_config as _opt_config
+from tests.muon_reference import muon_reference as _reference
+from tests.muon_reference import muon_train as _train
 from tests.tolerances import (assert_curves_close, assert_params_equal, assert_trained_close,
                               update_deviation)
-
-STEPS, BATCH, SEQ = 5, 8, 8
-LR, WD, CLIP, BETAS, EPS = 1e-2, 0.1, 0.5, (0.9, 0.95), 1e-6
-MUON = MuonSettings(momentum=0.95, nesterov=True, ns_dtype="fp32", scale_mode="spectral",
-                    extra_scale_factor=0.2)
-
-
-def _config() -> TransformerConfig:
-    return TransformerConfig(vocab_size=101, hidden_size=48, num_layers=2, num_attention_heads=4,
-                             ffn_hidden_size=96, max_position_embeddings=16,
-                             make_vocab_size_divisible_by=8, seed=7)
-
-
-def _moe_config() -> TransformerConfig:
-    return TransformerConfig(vocab_size=101, hidden_size=32, num_layers=2, num_attention_heads=4,
-                             normalization="rmsnorm", activation="swiglu", position_embedding="rope",
-                             bias=False, tie_word_embeddings=False, make_vocab_size_divisible_by=8,
-                             num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=24, seed=11)
-
-
-def _opt_config(**kw) -> OptimizerConfig:
-    return OptimizerConfig(**{**dict(optimizer="muon", lr=LR, betas=BETAS, eps=EPS,
-                                     weight_decay=WD, clip_grad=CLIP, muon=MUON), **kw})
-
-
-def _batch(step: int, topo=None):
-    """(inputs, labels) of step `step`: the whole batch, or this data-parallel rank's share."""
-    tokens = torch.randint(0, 101, (BATCH, SEQ + 1),
-                           generator=torch.Generator().manual_seed(100 + step))
-    if topo is not None and topo.dp > 1:
-        tokens = tokens.chunk(topo.dp)[topo.dp_rank]
-    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-
-
-@functools.lru_cache(maxsize=None)  # computed once in the test process, handed to the workers
-def _reference(config=_config):
-    """(initial, trained) full parameters with torch.optim.Muon + AdamW on the whole batch. An
-    expert weight [experts, out, in] is stepped as one 2-D torch.optim.Muon parameter per expert."""
-    single = ParallelTopology.single()
-    model = TransformerLanguageModel(config(), single)
-    named = list(model.named_parameters())
-    init = {n: full_tensor(p, single).clone() for n, p in named}  # vocabulary padding trimmed
-    chosen = [p for n, p in named if uses_muon(n, p, MUON)]
-    experts = {id(p): [torch.nn.Parameter(e.detach().clone()) for e in p] for p in chosen
-               if p.dim() == 3}
-    muon = [p for p in chosen if p.dim() == 2] + [e for es in experts.values() for e in es]
-    ids = {id(p) for p in chosen}
-    rest = [p for _, p in named if id(p) not in ids]
-    opts = [torch.optim.Muon(muon, lr=LR, weight_decay=WD, momentum=MUON.momentum,
-                             nesterov=MUON.nesterov, adjust_lr_fn="match_rms_adamw"),
-            torch.optim.AdamW([{"params": [p for p in rest if p.dim() >= 2], "weight_decay": WD},
-                               {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0}],
-                              lr=LR, betas=BETAS, eps=EPS)]
-    fp32_ns = lambda g, coefficients, steps, eps: newton_schulz(g, coefficients, steps,  # noqa
-                                                                torch.float32)
-    with mock.patch("torch.optim._muon._zeropower_via_newtonschulz", fp32_ns):
-        for step in range(STEPS):
-            ids, labels = _batch(step)
-            model(ids, labels=labels).mean().backward()
-            torch.nn.utils.clip_grad_norm_([p for _, p in named], CLIP)
-            for p in chosen:
-                for e, shadow in enumerate(experts.get(id(p), [])):
-                    shadow.grad = p.grad[e].clone()
-            for o in opts:
-                o.step()
-                o.zero_grad()
-            with torch.no_grad():
-                for p in chosen:
-                    p.grad = None
-                    for e, shadow in enumerate(experts.get(id(p), [])):
-                        p[e].copy_(shadow)
-    return init, {n: full_tensor(p, single).clone() for n, p in named}, len(muon)
-
-
-def _train(topo, ocfg, steps=STEPS, model=None, opt=None, config=_config, dtype=torch.float32):
-    model = model or TransformerLanguageModel(config(), topo)
-    opt = opt or build_optimizer(model, topo, ocfg, dtype)
-    start = opt.iteration  # a resumed run continues with the next batches
-    for step in range(start, start + steps):
-        ids, labels = _batch(step, topo)
-        opt.backward(model(ids, labels=labels).mean())
-        assert not opt.step().skipped
-        opt.zero_grad()
-    return model, opt
-
-
-def _full(model, opt, topo):
-    dp_full = opt.full_parameters()
-    return {model.canonical_name(n): full_tensor(p, topo, dp_full[n])
-            for n, p in model.named_parameters()}
-
 
 def test_newton_schulz_and_assignment():
     # 2-D: torch.optim.Muon's own iteration, to the bit; a batch of matrices: each one alone.

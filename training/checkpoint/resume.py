@@ -3,8 +3,8 @@
 Per rank: the model chunks' parameters (this rank's shards), the optimizer's state dict (its
 ZeRO shards, loss scaler, step counters) and the RNG streams; in the metadata: the iteration,
 the consumed-samples count (the data position), the layout, the model configuration (its
-family among the fields). Each rank file also holds its parameter table, so any other layout
-can read it (reshard.py).
+family among the fields), which optimizer state it holds (optimizer_record.py). Each rank file
+also holds its parameter table, so any other layout can read it (reshard.py).
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import torch
 
 from parallel import collectives as C
 from training.checkpoint import format as ckpt
+from training.checkpoint.optimizer_record import check_optimizer_record, optimizer_record
 from training.checkpoint import reshard
 from training.checkpoint import slices
 from training.checkpoint import storage
@@ -87,6 +88,7 @@ def save(run: RunConfig, topo, chunks, opt, rng, state: TrainState, writer=None)
     meta = dict(consumed_samples=state.consumed_samples, skipped_steps=state.skipped_steps,
                 model=dataclasses.asdict(run.model), layout=layout_of(run, topo),
                 seq_length=run.data.seq_length, seed=run.seed,
+                optimizer=optimizer_record(run.optimizer),
                 slices=slices_record(chunks, opt, topo, run.optimizer.zero_stage))
     root = run.checkpoint.save
     tensors = rank_tensors(chunks, opt, rng, run.optimizer.zero_stage)
@@ -166,6 +168,8 @@ def _read(run: RunConfig, topo, chunks, opt, folder: str):
             f"data position counts {saved_seq}-token samples; pass --seq-length {saved_seq}, or "
             f"--finetune to start a new data stream from these weights")
     ckpt.check_compatible(meta, model=run.model, folder=folder)
+    if not weights_only:
+        check_optimizer_record(meta, run.optimizer, folder)
     same_layout = meta.get("layout") == layout_of(run, topo)
     tensors = ckpt.load_rank_tensors(folder, topo.rank) if same_layout else {}
     if same_layout and not weights_only and _same_buckets(tensors, opt):

@@ -21,7 +21,7 @@ from parallel.layout import LayoutError, ParallelConfig, microbatches_per_step, 
 from parallel.zero.config import LossScaleConfig, OptimizerConfig
 
 from training.config.errors import ArgumentError
-from training.config.muon_flags import muon_settings
+from training.config.muon_flags import muon_settings, qk_clip_settings
 from training.config.megatron_compat import (check_model, resolve_megatron_compat, samples_to_iterations,
                                              stage_layers, vocab_multiple)
 from training.config.run_config import (CheckpointConfig, DataConfig, HealthConfig, LoggingConfig, RunConfig,
@@ -230,7 +230,8 @@ def to_run_config(args: argparse.Namespace, vocab_size: int | None = None,
         grad_dtype="model" if args.grad_reduce_in_bf16 else "fp32",
         bucket_numel=args.ddp_bucket_size or OptimizerConfig.bucket_numel,
         offload=args.offload_optimizer, offload_dir=args.offload_dir,
-        muon=muon_settings(args, _fail))
+        muon=muon_settings(args, _fail),
+        qk_clip=qk_clip_settings(args, model, parallel.cp, _fail))
     try:
         optimizer.validate(pp=parallel.pp)
     except ValueError as e:

@@ -4,12 +4,16 @@ Defaults are torch.optim.Muon's (momentum 0.95, Nesterov) with Moonlight's updat
 (spectral x 0.2: the update's RMS matches AdamW's, so --lr serves Muon and AdamW alike).
 Megatron-core's defaults differ (momentum 0.9, no Nesterov, extra scale 1.0): pass them
 explicitly to reproduce a Megatron run. A --muon-* flag without --optimizer muon is refused.
+
+QK-clip (MuonClip) takes Megatron-core's names: --qk-clip, --qk-clip-threshold, --qk-clip-alpha;
+it runs after the step of any optimizer (parallel/zero/qk_clip.py).
 """
 from __future__ import annotations
 
 import argparse
 
 from parallel.zero.muon import DEFAULT_ADAMW_PATTERNS, NS_DTYPES, SCALE_MODES, MuonSettings
+from parallel.zero.qk_clip import QKClipSettings, qk_clip_refusal
 
 _DEFAULTS = MuonSettings()
 
@@ -38,6 +42,15 @@ def add_muon_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--muon-adamw-params", nargs="+", metavar="REGEX",
                    help="matrices whose names match any of these get AdamW (default: "
                         f"{' '.join(DEFAULT_ADAMW_PATTERNS)}); 1-D parameters always do")
+    q = p.add_argument_group("QK-clip (MuonClip, Kimi K2)")
+    q.add_argument("--qk-clip", action="store_true",
+                   help="after each step, rescale the query/key projections of every head whose "
+                        "largest attention logit exceeded --qk-clip-threshold (docs/muon.md)")
+    q.add_argument("--qk-clip-threshold", type=float,
+                   help=f"the logit bound tau (default {QKClipSettings.threshold:g})")
+    q.add_argument("--qk-clip-alpha", type=float,
+                   help="the query's share of the rescaling: q by gamma^alpha, k by "
+                        f"gamma^(1-alpha) (default {QKClipSettings.alpha})")
 
 
 _FIELDS = {"muon_momentum": "momentum", "muon_use_nesterov": "nesterov",
@@ -57,3 +70,19 @@ def muon_settings(args: argparse.Namespace, fail) -> MuonSettings:
         if key in given:
             given[key] = tuple(given[key])
     return MuonSettings(**given)
+
+
+def qk_clip_settings(args: argparse.Namespace, model, cp: int, fail) -> QKClipSettings | None:
+    """--qk-clip's settings (None: off); `model` the TransformerConfig, `cp` the context size."""
+    given = [f for f in ("qk_clip_threshold", "qk_clip_alpha")
+             if getattr(args, f, None) is not None]
+    if not getattr(args, "qk_clip", False):
+        if given:
+            fail(f"{' '.join('--' + f.replace('_', '-') for f in given)} apply with --qk-clip "
+                 f"only; add --qk-clip or drop them")
+        return None
+    refusal = qk_clip_refusal(qk_layernorm=model.qk_layernorm,
+                              latent_attention=bool(model.kv_lora_rank), cp=cp)
+    if refusal:
+        fail(refusal)
+    return QKClipSettings(**{f[len("qk_clip_"):]: getattr(args, f) for f in given})

@@ -1,0 +1,89 @@
+"""Muon with QK-clip under tp = 2 and dp = 2 (ZeRO-1) against the unsharded run, after 3 steps
+with clipping active, heads' largest logits included; Muon under cp = 2 (ring attention)
+against the single-process torch.optim.Muon + AdamW reference after 5 steps. One world.
+
+QK-clip's own semantics (which heads, by how much) are checked unsharded in test_qk_clip.py; here
+the question is the layouts: TP ranks clip their own heads, data-parallel ranks agree on the
+maxima through the MAX reduction, and ZeRO's sharded masters take the factors exactly.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed as dist
+
+from models.language_model import TransformerLanguageModel
+from parallel import collectives as C
+from parallel.topology import ParallelConfig, ParallelTopology
+from parallel.zero import build_optimizer
+from parallel.zero.qk_clip import QKClipSettings
+from tests.distributed import run_distributed
+from tests.muon_reference import (MUON_LR, muon_batch, muon_full_parameters, muon_gpt_config,
+                                   muon_opt_config, muon_reference, muon_train)
+from tests.tolerances import assert_trained_close
+
+CLIP_STEPS = 3
+
+
+def _clip_run(topo, tau: float):
+    """(full parameters, per step the heads' maxima [layers, heads], per step heads clipped)."""
+    model = TransformerLanguageModel(muon_gpt_config(), topo)
+    opt = build_optimizer(model, topo, muon_opt_config(
+        zero_stage=1, qk_clip=QKClipSettings(threshold=tau)))
+    maxima, clipped = [], []
+    for step in range(CLIP_STEPS):
+        ids, labels = muon_batch(step, topo)
+        opt.backward(model(ids, labels=labels).mean())
+        assert not opt.step().skipped
+        opt.zero_grad()
+        heads = torch.stack(opt.qk_clip.last_max)  # [layers, this TP rank's heads]
+        count = torch.tensor([opt.qk_clip.clipped])
+        if topo.tp > 1:
+            heads = torch.cat([C.all_gather(heads.contiguous(), topo.tp_group, dim=1)])
+            count = C.all_reduce(count, topo.tp_group)
+        maxima.append(heads.clone())
+        clipped.append(int(count))
+    return muon_full_parameters(model, opt, topo), maxima, clipped
+
+
+@functools.lru_cache(maxsize=None)
+def _clip_reference():
+    """The unsharded run with tau amid the first step's maxima (half the heads over it): some over,
+    some under, at every step."""
+    single = ParallelTopology.single()
+    init = muon_reference()[0]  # the same model's initial parameters
+    _, first, _ = _clip_run(single, 1e9)
+    ranked = first[0].flatten().sort().values  # halfway between two heads: none sits on it
+    tau = float(ranked[ranked.numel() // 2 - 1] + ranked[ranked.numel() // 2]) / 2
+    params, maxima, clipped = _clip_run(single, tau)
+    assert all(0 < c < first[0].numel() for c in clipped), clipped
+    return init, params, maxima, clipped, tau
+
+
+def _worker(rank, clip_reference, muon_ref):
+    init, want, want_max, want_clipped, tau = clip_reference
+    checked = []
+    for kw in (dict(tp=2), dict()):
+        topo = ParallelTopology.from_config(ParallelConfig(**kw))
+        got, maxima, clipped = _clip_run(topo, tau)
+        where = f"qk-clip {kw or 'dp=2 zero=1'}"
+        assert clipped == want_clipped, (where, clipped, want_clipped)
+        for step, (m, w) in enumerate(zip(maxima, want_max)):
+            torch.testing.assert_close(m, w, rtol=1e-5, atol=1e-5, msg=f"{where} step {step}")
+        dev = assert_trained_close(got, want, init, where, MUON_LR)
+        checked.append(f"{where}: heads clipped per step {clipped}, deviation {dev:.1e}")
+    init, want, _ = muon_ref
+    topo = ParallelTopology.from_config(ParallelConfig(cp=2))
+    model, opt = muon_train(topo, muon_opt_config(zero_stage=1))
+    dev = assert_trained_close(muon_full_parameters(model, opt, topo), want, init, "cp=2 ring",
+                               MUON_LR)
+    checked.append(f"muon cp=2 ring zero=1: deviation {dev:.1e}")
+    dist.barrier()
+    return checked
+
+
+def test_muon_qk_clip_tp_dp_and_muon_cp_match_the_references():
+    results = run_distributed(_worker, 2, _clip_reference(), muon_reference(), timeout=300)
+    assert len(results[0]) == 3
+    print("\n".join(results[0]))
