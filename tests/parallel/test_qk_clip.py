@@ -143,12 +143,6 @@ def test_refused_where_it_cannot_work():
         normalization="rmsnorm", position_embedding="rope", qk_layernorm=True), topo)
     with pytest.raises(ZeroConfigError, match="--qk-clip with --qk-layernorm"):
         build_optimizer(qwen3, topo, OptimizerConfig(qk_clip=QKClipSettings()))
-    mla = TransformerLanguageModel(TransformerConfig(
-        vocab_size=101, hidden_size=32, num_layers=1, num_attention_heads=4, ffn_hidden_size=64,
-        normalization="rmsnorm", position_embedding="rope", kv_lora_rank=16, qk_nope_head_dim=8,
-        qk_rope_head_dim=8, v_head_dim=8, bias=False), topo)
-    with pytest.raises(ZeroConfigError, match="not implemented for multi-latent attention"):
-        build_optimizer(mla, topo, OptimizerConfig(qk_clip=QKClipSettings()))
     with pytest.raises(ZeroConfigError, match="--qk-clip-threshold must be > 0"):
         OptimizerConfig(qk_clip=QKClipSettings(threshold=0.0)).validate()
     with pytest.raises(ZeroConfigError, match="--qk-clip-alpha must be in"):

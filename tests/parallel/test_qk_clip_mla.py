@@ -1,0 +1,161 @@
+"""QK-clip (--qk-clip) for multi-latent attention, with and without a query latent (q_lora_rank),
+under YaRN with mscale_all_dim (so the softmax scale is not 1/sqrt(head dim)): the tracked maxima
+equal a plain [q_nope, q_pe] . [k_nope, k_pe] at MLA's scale; a forced threshold rescales exactly
+the heads over it, so that on the same batch their largest logit becomes the threshold (fp32
+1e-5) and the other heads stay bit for bit; per clipped head q nope and k nope rows by
+sqrt(gamma), q rope rows by gamma, values and the shared k_pe (kv_down) bit for bit. Then tp = 2
+against the unsharded run after 2 steps with clipping active (one spawned world).
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import pytest
+import torch
+
+from models.config import TransformerConfig
+from models.language_model import TransformerLanguageModel
+from parallel import collectives as C
+from parallel.topology import ParallelConfig, ParallelTopology
+from parallel.zero import OptimizerConfig, build_optimizer
+from parallel.zero.qk_clip import QKClipSettings
+from tests.distributed import run_distributed
+from tests.helpers import full_model_parameters, initial_parameters
+from tests.tolerances import assert_trained_close
+
+BATCH, SEQ, HEADS, NOPE, ROPE, V = 2, 12, 4, 6, 4, 5
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8,
+        "mscale": 0.7, "mscale_all_dim": 1.3, "beta_fast": 4, "beta_slow": 1}
+# MLA's softmax scale under this YaRN: (nope + rope)^-0.5 x (0.1 x 1.3 x ln 4 + 1)^2
+SCALE = (NOPE + ROPE) ** -0.5 * (0.1 * 1.3 * math.log(4.0) + 1) ** 2
+LR, STEPS = 1e-3, 2
+
+
+def _mla(q_lora_rank: int | None = 10) -> TransformerConfig:
+    return TransformerConfig(vocab_size=96, hidden_size=32, num_layers=2, num_attention_heads=HEADS,
+                             ffn_hidden_size=48, normalization="rmsnorm", activation="swiglu",
+                             position_embedding="rope", bias=False, tie_word_embeddings=False,
+                             make_vocab_size_divisible_by=8, max_position_embeddings=32,
+                             rope_scaling=YARN, kv_lora_rank=12, q_lora_rank=q_lora_rank,
+                             qk_nope_head_dim=NOPE, qk_rope_head_dim=ROPE, v_head_dim=V, seed=13)
+
+
+def _tokens(step: int = 0):
+    t = torch.randint(0, 96, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(20 + step))
+    return t[:, :-1].contiguous(), t[:, 1:].contiguous()
+
+
+def _step(model, opt, step: int = 0):
+    ids, labels = _tokens(step)
+    opt.backward(model(ids, labels=labels).mean())
+    assert not opt.step().skipped
+    opt.zero_grad()
+    return [m.detach().clone() for m in opt.qk_clip.last_max]
+
+
+def _naive_max_logits(model) -> list[torch.Tensor]:
+    """Per layer [heads]: max over batch and causal pairs of q . k x SCALE, from the q and k
+    the attention core receives."""
+    seen = []
+    for layer in model.layers.values():
+        attn = layer.attention
+        attn.core_attention = functools.partial(
+            lambda core, q, k, v: (seen.append((q.detach(), k.detach())), core(q, k, v))[1],
+            attn.core_attention)
+    with torch.no_grad():
+        model(_tokens()[0])
+    for layer in model.layers.values():
+        del layer.attention.core_attention  # the class's method again
+    causal = torch.ones(SEQ, SEQ, dtype=torch.bool).triu(1)
+    return [(torch.einsum("bhid,bhjd->bhij", q, k) * SCALE).masked_fill(causal, float("-inf"))
+            .amax(dim=(0, 2, 3)) for q, k in seen]
+
+
+@pytest.mark.parametrize("q_lora_rank", [10, None], ids=["q_lora", "q_proj"])
+def test_forced_threshold_clips_exactly_the_heads_over_it(q_lora_rank):
+    topo = ParallelTopology.single()
+    model = TransformerLanguageModel(_mla(q_lora_rank), topo)
+    # lr 0: the update leaves every weight as it is, so only the clip changes them.
+    opt = build_optimizer(model, topo, OptimizerConfig(lr=0.0,
+                                                       qk_clip=QKClipSettings(threshold=1e9)))
+    before = _step(model, opt)
+    for got, want in zip(before, _naive_max_logits(model)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    every = torch.cat(before)
+    ranked = every.sort().values  # tau halfway between two heads: none sits on it
+    tau = float(ranked[every.numel() // 2 - 1] + ranked[every.numel() // 2]) / 2
+    over = [m > tau for m in before]
+    assert 0 < int(torch.cat(over).sum()) < every.numel() and all(o.any() for o in over)
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt.qk_clip.s = QKClipSettings(threshold=tau)
+    assert torch.equal(torch.cat(_step(model, opt)), every)  # the same batch, the same maxima
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt.qk_clip.s = QKClipSettings(threshold=1e9)
+    after = _step(model, opt)  # measured with the clipped weights (and no further clip)
+    torch.testing.assert_close(after[0][over[0]], torch.full_like(after[0][over[0]], tau),
+                               rtol=1e-5, atol=1e-5)
+    assert torch.equal(after[0][~over[0]], before[0][~over[0]])
+    q_name = "q_up" if q_lora_rank else "q_proj"
+    changed = {n for n, p in params.items() if not torch.equal(p, weights[n])}
+    assert changed == {f"layers.{i}.attention.{w}.weight" for i in range(2)
+                       for w in (q_name, "kv_up")}, changed  # kv_down (k_pe) bit for bit
+    for layer, (top, o) in enumerate(zip(before, over)):
+        gamma = torch.where(o, tau / top, torch.ones_like(top))[:, None, None]
+        prefix = f"layers.{layer}.attention."
+        q_was, q_now = (d[prefix + q_name + ".weight"].view(HEADS, NOPE + ROPE, -1)
+                        for d in (weights, params))
+        kv_was, kv_now = (d[prefix + "kv_up.weight"].view(HEADS, NOPE + V, -1)
+                          for d in (weights, params))
+        tol = dict(rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(q_now[:, :NOPE], q_was[:, :NOPE] * gamma.sqrt(), **tol)
+        torch.testing.assert_close(q_now[:, NOPE:], q_was[:, NOPE:] * gamma, **tol)
+        torch.testing.assert_close(kv_now[:, :NOPE], kv_was[:, :NOPE] * gamma.sqrt(), **tol)
+        assert torch.equal(kv_now[:, NOPE:], kv_was[:, NOPE:])  # values
+
+
+def _clip_run(topo, tau: float):
+    """(full parameters, per step the heads' maxima [layers, heads], per step heads clipped)."""
+    model = TransformerLanguageModel(_mla(), topo)
+    opt = build_optimizer(model, topo, OptimizerConfig(lr=LR, qk_clip=QKClipSettings(threshold=tau)))
+    maxima, clipped = [], []
+    for step in range(STEPS):
+        _step(model, opt, step)
+        heads = torch.stack(opt.qk_clip.last_max)  # [layers, this TP rank's heads]
+        count = torch.tensor([opt.qk_clip.clipped])
+        if topo.tp > 1:
+            heads = C.all_gather(heads.contiguous(), topo.tp_group, dim=1)
+            count = C.all_reduce(count, topo.tp_group)
+        maxima.append(heads.clone())
+        clipped.append(int(count))
+    return full_model_parameters(model, opt, topo), maxima, clipped
+
+
+@functools.lru_cache(maxsize=None)
+def _reference():
+    """The unsharded run with tau amid the first step's maxima: some heads over, some under, at
+    every step."""
+    single = ParallelTopology.single()
+    init = initial_parameters(_mla())
+    _, first, _ = _clip_run(single, 1e9)
+    ranked = first[0].flatten().sort().values
+    tau = float(ranked[ranked.numel() // 2 - 1] + ranked[ranked.numel() // 2]) / 2
+    params, maxima, clipped = _clip_run(single, tau)
+    assert all(0 < c < first[0].numel() for c in clipped), clipped
+    return init, params, maxima, clipped, tau
+
+
+def _tp_worker(rank, reference):
+    init, want, want_max, want_clipped, tau = reference
+    topo = ParallelTopology.from_config(ParallelConfig(tp=2))
+    got, maxima, clipped = _clip_run(topo, tau)
+    assert clipped == want_clipped, (clipped, want_clipped)
+    for step, (m, w) in enumerate(zip(maxima, want_max)):
+        torch.testing.assert_close(m, w, rtol=1e-5, atol=1e-5, msg=f"tp=2 step {step}")
+    dev = assert_trained_close(got, want, init, "qk-clip mla tp=2", LR)
+    return f"tp=2: heads clipped per step {clipped}, deviation {dev:.1e}"
+
+
+def test_tp2_matches_the_unsharded_run_with_clipping():
+    results = run_distributed(_tp_worker, 2, _reference(), timeout=180)
+    print(results[0])
