@@ -3,8 +3,9 @@ under YaRN with mscale_all_dim (so the softmax scale is not 1/sqrt(head dim)): t
 equal a plain [q_nope, q_pe] . [k_nope, k_pe] at MLA's scale; a forced threshold rescales exactly
 the heads over it, so that on the same batch their largest logit becomes the threshold (fp32
 1e-5) and the other heads stay bit for bit; per clipped head q nope and k nope rows by
-sqrt(gamma), q rope rows by gamma, values and the shared k_pe (kv_down) bit for bit. Then tp = 2
-against the unsharded run after 2 steps with clipping active (one spawned world).
+sqrt(gamma), q rope rows by gamma, values and the shared k_pe (kv_down) bit for bit. Then tp = 2,
+without and with sequence parallelism, against the unsharded run after 2 steps with clipping
+active, maxima and heads clipped included (one spawned world).
 """
 from __future__ import annotations
 
@@ -114,12 +115,12 @@ def test_forced_threshold_clips_exactly_the_heads_over_it(q_lora_rank):
         assert torch.equal(kv_now[:, NOPE:], kv_was[:, NOPE:])  # values
 
 
-def _clip_run(topo, tau: float):
+def _clip_run(topo, tau: float, steps: int = STEPS):
     """(full parameters, per step the heads' maxima [layers, heads], per step heads clipped)."""
     model = TransformerLanguageModel(_mla(), topo)
     opt = build_optimizer(model, topo, OptimizerConfig(lr=LR, qk_clip=QKClipSettings(threshold=tau)))
     maxima, clipped = [], []
-    for step in range(STEPS):
+    for step in range(steps):
         _step(model, opt, step)
         heads = torch.stack(opt.qk_clip.last_max)  # [layers, this TP rank's heads]
         count = torch.tensor([opt.qk_clip.clipped])
@@ -137,7 +138,7 @@ def _reference():
     every step."""
     single = ParallelTopology.single()
     init = initial_parameters(_mla())
-    _, first, _ = _clip_run(single, 1e9)
+    _, first, _ = _clip_run(single, 1e9, steps=1)
     ranked = first[0].flatten().sort().values
     tau = float(ranked[ranked.numel() // 2 - 1] + ranked[ranked.numel() // 2]) / 2
     params, maxima, clipped = _clip_run(single, tau)
@@ -147,15 +148,20 @@ def _reference():
 
 def _tp_worker(rank, reference):
     init, want, want_max, want_clipped, tau = reference
-    topo = ParallelTopology.from_config(ParallelConfig(tp=2))
-    got, maxima, clipped = _clip_run(topo, tau)
-    assert clipped == want_clipped, (clipped, want_clipped)
-    for step, (m, w) in enumerate(zip(maxima, want_max)):
-        torch.testing.assert_close(m, w, rtol=1e-5, atol=1e-5, msg=f"tp=2 step {step}")
-    dev = assert_trained_close(got, want, init, "qk-clip mla tp=2", LR)
-    return f"tp=2: heads clipped per step {clipped}, deviation {dev:.1e}"
+    checked = []
+    for kw in (dict(tp=2), dict(tp=2, sequence_parallel=True)):
+        topo = ParallelTopology.from_config(ParallelConfig(**kw))
+        got, maxima, clipped = _clip_run(topo, tau)
+        where = f"qk-clip mla {kw}"
+        assert clipped == want_clipped, (where, clipped, want_clipped)
+        for step, (m, w) in enumerate(zip(maxima, want_max)):
+            torch.testing.assert_close(m, w, rtol=1e-5, atol=1e-5, msg=f"{where} step {step}")
+        dev = assert_trained_close(got, want, init, where, LR)
+        checked.append(f"{where}: heads clipped per step {clipped}, deviation {dev:.1e}")
+    return checked
 
 
 def test_tp2_matches_the_unsharded_run_with_clipping():
     results = run_distributed(_tp_worker, 2, _reference(), timeout=180)
-    print(results[0])
+    assert len(results[0]) == 2
+    print("\n".join(results[0]))
