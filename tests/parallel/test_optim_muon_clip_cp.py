@@ -14,11 +14,11 @@ import torch
 import torch.distributed as dist
 
 from models.language_model import TransformerLanguageModel
-from parallel import collectives as C
 from parallel.topology import ParallelConfig, ParallelTopology
 from parallel.zero import build_optimizer
 from parallel.zero.qk_clip import QKClipSettings
 from tests.distributed import run_distributed
+from tests.helpers import qk_clip_record, qk_clip_tau_amid
 from tests.muon_reference import (MUON_LR, muon_batch, muon_full_parameters, muon_gpt_config,
                                    muon_opt_config, muon_reference, muon_train)
 from tests.tolerances import assert_trained_close
@@ -37,13 +37,9 @@ def _clip_run(topo, tau: float):
         opt.backward(model(ids, labels=labels).mean())
         assert not opt.step().skipped
         opt.zero_grad()
-        heads = torch.stack(opt.qk_clip.last_max)  # [layers, this TP rank's heads]
-        count = torch.tensor([opt.qk_clip.clipped])
-        if topo.tp > 1:
-            heads = torch.cat([C.all_gather(heads.contiguous(), topo.tp_group, dim=1)])
-            count = C.all_reduce(count, topo.tp_group)
-        maxima.append(heads.clone())
-        clipped.append(int(count))
+        heads, count = qk_clip_record(opt, topo)
+        maxima.append(heads)
+        clipped.append(count)
     return muon_full_parameters(model, opt, topo), maxima, clipped
 
 
@@ -54,8 +50,7 @@ def _clip_reference():
     single = ParallelTopology.single()
     init = muon_reference()[0]  # the same model's initial parameters
     _, first, _ = _clip_run(single, 1e9)
-    ranked = first[0].flatten().sort().values  # halfway between two heads: none sits on it
-    tau = float(ranked[ranked.numel() // 2 - 1] + ranked[ranked.numel() // 2]) / 2
+    tau = qk_clip_tau_amid(first[:1])  # amid the first step's heads
     params, maxima, clipped = _clip_run(single, tau)
     assert all(0 < c < first[0].numel() for c in clipped), clipped
     return init, params, maxima, clipped, tau

@@ -17,12 +17,12 @@ import torch
 
 from models.config import TransformerConfig
 from models.language_model import TransformerLanguageModel
-from parallel import collectives as C
 from parallel.topology import ParallelConfig, ParallelTopology
 from parallel.zero import OptimizerConfig, build_optimizer
 from parallel.zero.qk_clip import QKClipSettings
 from tests.distributed import run_distributed
-from tests.helpers import full_model_parameters, initial_parameters
+from tests.helpers import (full_model_parameters, initial_parameters, qk_clip_forced,
+                           qk_clip_record, qk_clip_tau_amid)
 from tests.tolerances import assert_trained_close
 
 BATCH, SEQ, HEADS, NOPE, ROPE, V = 2, 12, 4, 6, 4, 5
@@ -83,20 +83,10 @@ def test_forced_threshold_clips_exactly_the_heads_over_it(q_lora_rank):
     before = _step(model, opt)
     for got, want in zip(before, _naive_max_logits(model)):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    every = torch.cat(before)
-    ranked = every.sort().values  # tau halfway between two heads: none sits on it
-    tau = float(ranked[every.numel() // 2 - 1] + ranked[every.numel() // 2]) / 2
+    tau = qk_clip_tau_amid(before)
     over = [m > tau for m in before]
-    assert 0 < int(torch.cat(over).sum()) < every.numel() and all(o.any() for o in over)
-    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
-    opt.qk_clip.s = QKClipSettings(threshold=tau)
-    assert torch.equal(torch.cat(_step(model, opt)), every)  # the same batch, the same maxima
-    params = {n: p.detach().clone() for n, p in model.named_parameters()}
-    opt.qk_clip.s = QKClipSettings(threshold=1e9)
-    after = _step(model, opt)  # measured with the clipped weights (and no further clip)
-    torch.testing.assert_close(after[0][over[0]], torch.full_like(after[0][over[0]], tau),
-                               rtol=1e-5, atol=1e-5)
-    assert torch.equal(after[0][~over[0]], before[0][~over[0]])
+    assert all(o.any() for o in over)
+    weights, params = qk_clip_forced(model, opt, _step, before, tau)
     q_name = "q_up" if q_lora_rank else "q_proj"
     changed = {n for n, p in params.items() if not torch.equal(p, weights[n])}
     assert changed == {f"layers.{i}.attention.{w}.weight" for i in range(2)
@@ -122,13 +112,9 @@ def _clip_run(topo, tau: float, steps: int = STEPS):
     maxima, clipped = [], []
     for step in range(steps):
         _step(model, opt, step)
-        heads = torch.stack(opt.qk_clip.last_max)  # [layers, this TP rank's heads]
-        count = torch.tensor([opt.qk_clip.clipped])
-        if topo.tp > 1:
-            heads = C.all_gather(heads.contiguous(), topo.tp_group, dim=1)
-            count = C.all_reduce(count, topo.tp_group)
-        maxima.append(heads.clone())
-        clipped.append(int(count))
+        heads, count = qk_clip_record(opt, topo)
+        maxima.append(heads)
+        clipped.append(count)
     return full_model_parameters(model, opt, topo), maxima, clipped
 
 
@@ -139,8 +125,7 @@ def _reference():
     single = ParallelTopology.single()
     init = initial_parameters(_mla())
     _, first, _ = _clip_run(single, 1e9, steps=1)
-    ranked = first[0].flatten().sort().values
-    tau = float(ranked[ranked.numel() // 2 - 1] + ranked[ranked.numel() // 2]) / 2
+    tau = qk_clip_tau_amid(first)
     params, maxima, clipped = _clip_run(single, tau)
     assert all(0 < c < first[0].numel() for c in clipped), clipped
     return init, params, maxima, clipped, tau
