@@ -298,3 +298,30 @@ def qk_clip_record(opt, topo) -> tuple[torch.Tensor, int]:
         heads = C.all_gather(heads.contiguous(), topo.tp_group, dim=1)
         count = C.all_reduce(count, topo.tp_group)
     return heads.clone(), int(count)
+
+
+def qk_clip_train(model, opt, topo, batches):
+    """Train on `batches` [(inputs, labels)] recording every step: (full parameters, per step
+    the maxima [layers, every head], per step the heads clipped)."""
+    maxima, clipped = [], []
+    for ids, labels in batches:
+        opt.backward(model(ids, labels=labels).mean())
+        assert not opt.step().skipped
+        opt.zero_grad()
+        heads, count = qk_clip_record(opt, topo)
+        maxima.append(heads)
+        clipped.append(count)
+    return full_model_parameters(model, opt, topo), maxima, clipped
+
+
+def qk_clip_check_run(run, reference, where: str, lr: float) -> str:
+    """A layout's `qk_clip_train` result against the unsharded one's: the same heads clipped per
+    step, maxima within fp32 1e-5, parameters by the shared rule; `reference` is (initial
+    parameters, parameters, maxima, heads clipped, ...)."""
+    from tests.tolerances import assert_trained_close
+    (got, maxima, clipped), (init, want, want_max, want_clipped) = run, reference[:4]
+    assert clipped == want_clipped, (where, clipped, want_clipped)
+    for step, (m, w) in enumerate(zip(maxima, want_max)):
+        torch.testing.assert_close(m, w, rtol=1e-5, atol=1e-5, msg=f"{where} step {step}")
+    dev = assert_trained_close(got, want, init, where, lr)
+    return f"{where}: heads clipped per step {clipped}, deviation {dev:.1e}"

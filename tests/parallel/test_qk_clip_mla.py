@@ -21,9 +21,8 @@ from parallel.topology import ParallelConfig, ParallelTopology
 from parallel.zero import OptimizerConfig, build_optimizer
 from parallel.zero.qk_clip import QKClipSettings
 from tests.distributed import run_distributed
-from tests.helpers import (full_model_parameters, initial_parameters, qk_clip_forced,
-                           qk_clip_record, qk_clip_tau_amid)
-from tests.tolerances import assert_trained_close
+from tests.helpers import (initial_parameters, qk_clip_check_run, qk_clip_forced,
+                           qk_clip_tau_amid, qk_clip_train)
 
 BATCH, SEQ, HEADS, NOPE, ROPE, V = 2, 12, 4, 6, 4, 5
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8,
@@ -109,13 +108,7 @@ def _clip_run(topo, tau: float, steps: int = STEPS):
     """(full parameters, per step the heads' maxima [layers, heads], per step heads clipped)."""
     model = TransformerLanguageModel(_mla(), topo)
     opt = build_optimizer(model, topo, OptimizerConfig(lr=LR, qk_clip=QKClipSettings(threshold=tau)))
-    maxima, clipped = [], []
-    for step in range(steps):
-        _step(model, opt, step)
-        heads, count = qk_clip_record(opt, topo)
-        maxima.append(heads)
-        clipped.append(count)
-    return full_model_parameters(model, opt, topo), maxima, clipped
+    return qk_clip_train(model, opt, topo, [_tokens(step) for step in range(steps)])
 
 
 @functools.lru_cache(maxsize=None)
@@ -132,17 +125,11 @@ def _reference():
 
 
 def _tp_worker(rank, reference):
-    init, want, want_max, want_clipped, tau = reference
+    tau = reference[-1]
     checked = []
     for kw in (dict(tp=2), dict(tp=2, sequence_parallel=True)):
         topo = ParallelTopology.from_config(ParallelConfig(**kw))
-        got, maxima, clipped = _clip_run(topo, tau)
-        where = f"qk-clip mla {kw}"
-        assert clipped == want_clipped, (where, clipped, want_clipped)
-        for step, (m, w) in enumerate(zip(maxima, want_max)):
-            torch.testing.assert_close(m, w, rtol=1e-5, atol=1e-5, msg=f"{where} step {step}")
-        dev = assert_trained_close(got, want, init, where, LR)
-        checked.append(f"{where}: heads clipped per step {clipped}, deviation {dev:.1e}")
+        checked.append(qk_clip_check_run(_clip_run(topo, tau), reference, f"qk-clip mla {kw}", LR))
     return checked
 
 
