@@ -1,6 +1,6 @@
 """Helpers shared by the test modules (no test module imports from another one): in-process
-training runs, pipeline-engine pieces, and the ZeRO tests' small GPT with its plain
-data-parallel reference and ZeRO run.
+training runs, pipeline-engine pieces, the ZeRO tests' small GPT with its plain
+data-parallel reference and ZeRO run, and QK-clip's test steps.
 
 Beside it: `tests/hf_models.py` (small model configs, random Hugging Face reference models and
 the checks against them), `tests/tool_runs.py` (the tools/ scripts run in-process, the data

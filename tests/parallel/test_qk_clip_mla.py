@@ -102,6 +102,7 @@ def test_forced_threshold_clips_exactly_the_heads_over_it(q_lora_rank):
         torch.testing.assert_close(q_now[:, NOPE:], q_was[:, NOPE:] * gamma, **tol)
         torch.testing.assert_close(kv_now[:, :NOPE], kv_was[:, :NOPE] * gamma.sqrt(), **tol)
         assert torch.equal(kv_now[:, NOPE:], kv_was[:, NOPE:])  # values
+        assert torch.equal(q_now[~o], q_was[~o]) and torch.equal(kv_now[~o], kv_was[~o])
 
 
 def _clip_run(topo, tau: float, steps: int = STEPS):
