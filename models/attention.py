@@ -99,6 +99,7 @@ class ParallelAttention(nn.Module):
                                        bias=config.bias, dtype=config.dtype)
         # Qwen3: RMSNorm over head_dim, one weight shared by all query (key) heads
         self.q_norm = self.k_norm = None
+        self.qk_layernorm = config.qk_layernorm  # (QK-clip refuses it: the norm undoes a rescaling)
         if config.qk_layernorm:
             self.q_norm = RMSNorm(config, topo, in_sequence_region=False, size=d, over_tp_heads=True)
             self.k_norm = RMSNorm(config, topo, in_sequence_region=False, size=d, over_tp_heads=True)
@@ -171,10 +172,11 @@ class ParallelAttention(nn.Module):
         out = out.permute(2, 0, 1, 3).reshape(s, b, self.heads_local * d)
         return self.dense(out)
 
-    def qk_clip_row_scales(self, gamma: torch.Tensor, alpha: float) -> torch.Tensor:
-        """Multipliers [local qkv rows] that scale head h's logits by gamma[h] (this TP rank's
-        heads): with one query head per key head (MHA) its query rows by gamma^alpha and its key
-        rows by gamma^(1 - alpha); a key shared by several query heads (grouped-query) is left
+    def qk_clip_row_scales(self, gamma: torch.Tensor, alpha: float
+                           ) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        """(parameter, multipliers [its local rows]) that scale head h's logits by gamma[h]
+        (this TP rank's heads): the fused QKV weight and bias, with one query head per key head
+        (MHA) its query rows by gamma^alpha and its key rows by gamma^(1 - alpha); a key shared by several query heads (grouped-query) is left
         alone and each query head takes its whole gamma, as QK-clip treats MLA's shared rotary
         key. Values are never scaled."""
         g, qg, d = self.groups_local, self.q_per_group_local, self.head_dim
@@ -184,4 +186,5 @@ class ParallelAttention(nn.Module):
             rows[:, 0], rows[:, 1] = per_group[:, 0] ** alpha, per_group[:, 0] ** (1 - alpha)
         else:
             rows[:, :qg] = per_group
-        return rows.repeat_interleave(d, dim=1).reshape(-1)
+        rows = rows.repeat_interleave(d, dim=1).reshape(-1)
+        return [(p, rows) for p in (self.qkv.weight, self.qkv.bias) if p is not None]

@@ -26,6 +26,12 @@ weights), or HF's halves layout when `rope_interleave` is off. The latent norms 
 frequencies over the rope channels, cos/sin times the type's attention factor, and the softmax
 times m = mscale(factor, mscale_all_dim)^2 when YaRN sets mscale_all_dim (1 else;
 models/rope.py). Not modelled, refused: the length-dependent scalings (dynamic, longrope).
+
+QK-clip (parallel/zero/qk_clip.py): while tracking is on, each training forward folds its heads'
+largest logit, q = [q_nope, q_pe] against k = [k_nope, k_pe] at MLA's softmax scale, into
+`max_logits`; the step then scales, per clipped head, q_C (its q nope rows) and k_C (its kv_up
+k nope rows) by gamma^alpha and gamma^(1 - alpha), q_R (its q rope rows) by gamma, and leaves the
+shared k_R (kv_down's k_pe rows) and the values alone, as the Kimi K2 report (sec. 2.1) does.
 """
 from __future__ import annotations
 
@@ -37,6 +43,7 @@ from torch import nn
 
 from parallel.context_parallel import check_attention, context_attention, sequence_positions
 from parallel.kernels.attention import attention
+from parallel.kernels.max_logit import head_max_logits
 from parallel.mappings import copy_to_tp, gather_from_sequence
 from parallel.random import RNGStreams, checkpoint
 from parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, sequence_parallel_param
@@ -125,10 +132,18 @@ class MultiLatentAttention(nn.Module):
         # YaRN with mscale_all_dim also scales the softmax (DeepSeek's correction)
         self.scale = qk ** -0.5 * latent_softmax_scale(config.rope_scaling,
                                                        config.max_position_embeddings)
+        # QK-clip switches tracking on (module docstring); the latent norms precede the
+        # up-projections, so unlike a q/k layernorm they keep a rescaling of those rows.
+        self.track_max_logits, self.qk_layernorm = False, False
+        self.max_logits: torch.Tensor | None = None
 
     def core_attention(self, q, k, v) -> torch.Tensor:
         """softmax(q k^T * scale + causal) v: q, k [b, heads, s, nope + rope], v [b, heads, s,
         v_head_dim]; over every context-parallel rank's part of the sequence when cp > 1."""
+        if self.track_max_logits and self.training:
+            seen = head_max_logits(q, k, scale=self.scale, q_offset=k.shape[2] - q.shape[2])
+            self.max_logits = seen if self.max_logits is None else torch.maximum(self.max_logits,
+                                                                                  seen)
         if self.topo.cp > 1:
             return context_attention(q, k, v, self.topo, None, attention, scale=self.scale)
         p = self.dropout if self.training else 0.0
@@ -169,3 +184,16 @@ class MultiLatentAttention(nn.Module):
             out = self.core_attention(q, k, v)
         out = out.permute(2, 0, 1, 3).reshape(s, b, self.heads_local * self.v_dim)
         return self.dense(out)
+
+    def qk_clip_row_scales(self, gamma: torch.Tensor, alpha: float
+                           ) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        """(parameter, multipliers [its local rows]) that scale head h's logits by gamma[h]
+        (this TP rank's heads; module docstring): the query projection's rows per head are
+        [nope | rope], kv_up's [k nope | v]; kv_down (the shared k_pe) is not among them."""
+        gamma = gamma.float()[:, None]
+        q_rows = torch.cat([(gamma ** alpha).expand(-1, self.nope),
+                            gamma.expand(-1, self.rope)], dim=1).reshape(-1)
+        kv_rows = torch.cat([(gamma ** (1 - alpha)).expand(-1, self.nope),
+                             torch.ones_like(gamma).expand(-1, self.v_dim)], dim=1).reshape(-1)
+        q = self.q_proj if self.q_proj is not None else self.q_up
+        return [(q.weight, q_rows), (self.kv_up.weight, kv_rows)]

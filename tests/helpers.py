@@ -1,6 +1,6 @@
 """Helpers shared by the test modules (no test module imports from another one): in-process
-training runs, pipeline-engine pieces, and the ZeRO tests' small GPT with its plain
-data-parallel reference and ZeRO run.
+training runs, pipeline-engine pieces, the ZeRO tests' small GPT with its plain
+data-parallel reference and ZeRO run, and QK-clip's test steps.
 
 Beside it: `tests/hf_models.py` (small model configs, random Hugging Face reference models and
 the checks against them), `tests/tool_runs.py` (the tools/ scripts run in-process, the data
@@ -257,3 +257,71 @@ class _null:
 
 def topology(**kw) -> ParallelTopology:
     return ParallelTopology.from_config(ParallelConfig(**kw))
+
+
+# ---- QK-clip ----------------------------------------------------------------------------------
+
+
+def qk_clip_tau_amid(maxima: list[torch.Tensor]) -> float:
+    """A threshold halfway between the two middle heads' maxima (none sits on it): half the
+    heads over it."""
+    ranked = torch.cat([m.flatten() for m in maxima]).sort().values
+    return float(ranked[ranked.numel() // 2 - 1] + ranked[ranked.numel() // 2]) / 2
+
+
+def qk_clip_forced(model, opt, step, before: list[torch.Tensor], tau: float):
+    """Clip once at `tau` on the batch that gave `before` (per layer [heads]; `step(model, opt)`
+    runs that batch and returns the reduced maxima) and measure again without a further clip:
+    the same maxima while clipping, then the first layer's clipped heads at tau (fp32 1e-5) and
+    its others bit for bit (its inputs are unchanged by the clip; later layers' are not).
+    Returns the parameters before and after the clip."""
+    from parallel.zero.qk_clip import QKClipSettings
+    over = before[0] > tau
+    assert 0 < int(torch.cat(before).gt(tau).sum()) < sum(m.numel() for m in before)
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt.qk_clip.s = QKClipSettings(threshold=tau)
+    assert torch.equal(torch.cat(step(model, opt)), torch.cat(before))  # same batch, same maxima
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt.qk_clip.s = QKClipSettings(threshold=1e9)
+    after = step(model, opt)  # measured with the clipped weights
+    torch.testing.assert_close(after[0][over], torch.full_like(after[0][over], tau),
+                               rtol=1e-5, atol=1e-5)
+    assert torch.equal(after[0][~over], before[0][~over])
+    return weights, params
+
+
+def qk_clip_record(opt, topo) -> tuple[torch.Tensor, int]:
+    """The last step's reduced maxima [layers, every head] and the heads clipped, over TP."""
+    heads = torch.stack(opt.qk_clip.last_max)  # [layers, this TP rank's heads]
+    count = torch.tensor([opt.qk_clip.clipped])
+    if topo.tp > 1:
+        heads = C.all_gather(heads.contiguous(), topo.tp_group, dim=1)
+        count = C.all_reduce(count, topo.tp_group)
+    return heads.clone(), int(count)
+
+
+def qk_clip_train(model, opt, topo, batches):
+    """Train on `batches` [(inputs, labels)] recording every step: (full parameters, per step
+    the maxima [layers, every head], per step the heads clipped)."""
+    maxima, clipped = [], []
+    for ids, labels in batches:
+        opt.backward(model(ids, labels=labels).mean())
+        assert not opt.step().skipped
+        opt.zero_grad()
+        heads, count = qk_clip_record(opt, topo)
+        maxima.append(heads)
+        clipped.append(count)
+    return full_model_parameters(model, opt, topo), maxima, clipped
+
+
+def qk_clip_check_run(run, reference, where: str, lr: float) -> str:
+    """A layout's `qk_clip_train` result against the unsharded one's: the same heads clipped per
+    step, maxima within fp32 1e-5, parameters by the shared rule; `reference` is (initial
+    parameters, parameters, maxima, heads clipped, ...)."""
+    from tests.tolerances import assert_trained_close
+    (got, maxima, clipped), (init, want, want_max, want_clipped) = run, reference[:4]
+    assert clipped == want_clipped, (where, clipped, want_clipped)
+    for step, (m, w) in enumerate(zip(maxima, want_max)):
+        torch.testing.assert_close(m, w, rtol=1e-5, atol=1e-5, msg=f"{where} step {step}")
+    dev = assert_trained_close(got, want, init, where, lr)
+    return f"{where}: heads clipped per step {clipped}, deviation {dev:.1e}"

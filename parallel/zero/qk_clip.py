@@ -8,14 +8,18 @@ the threshold tau has its query and key projections scaled so that its logits sh
 each, Megatron-core's --qk-clip-alpha the balance; a grouped-query key shared by several heads
 is left alone and each query head takes its whole gamma, as the report leaves MLA's shared
 rotary key alone). Biases of the fused QKV projection scale with their rows, so q.k scales by
-gamma exactly. The momentum and Adam moments are not touched (the report rescales weights only).
+gamma exactly. Multi-latent attention (`models/mla.py`) follows the report: q_C and k_C (the
+heads' no-rope rows of q_up / q_proj and kv_up) by gamma^alpha and gamma^(1 - alpha), q_R (the
+heads' rope rows) by gamma, the shared k_R (kv_down's k_pe rows) and the values untouched.
+Which parameter rows take which factor is the layer's to say (`qk_clip_row_scales`). The
+momentum and Adam moments are not touched (the report rescales weights only).
 
 Who does what: each attention layer (`models/attention.py`) folds its heads' largest logit of
 every training forward into `max_logits` (`parallel/kernels/max_logit.py`), without
 communicating. The step reduces those maxima with a MAX over data x context parallelism (the
 ranks that saw other samples; heads are TP-sharded, so each TP rank clips its own heads, and a
-pipeline stage its own layers), then multiplies this rank's fp32 master shard of each QKV
-weight and bias by the row factors, after the optimizer's update and before the weights are
+pipeline stage its own layers), then multiplies this rank's fp32 master shard of each q/k
+projection weight (and bias) by the row factors, after the optimizer's update and before the weights are
 written and gathered, so every ZeRO stage, offload and precision clips the same numbers.
 """
 from __future__ import annotations
@@ -44,15 +48,12 @@ class QKClipSettings:
             raise ZeroConfigError(f"--qk-clip-alpha must be in (0, 1), got {self.alpha}")
 
 
-def qk_clip_refusal(*, qk_layernorm: bool, latent_attention: bool, cp: int) -> str | None:
+def qk_clip_refusal(*, qk_layernorm: bool, cp: int) -> str | None:
     """Why --qk-clip cannot run on this model and layout (None: it can): the one rule, used by
     the flag checks and by the optimizer."""
     if qk_layernorm:
         return ("--qk-clip with --qk-layernorm: the query/key RMSNorm undoes any rescaling of "
                 "the projections; drop --qk-clip (the norm already bounds the logits)")
-    if latent_attention:
-        return ("--qk-clip is not implemented for multi-latent attention (--kv-lora-rank); "
-                "drop --qk-clip")
     if cp > 1:
         return (f"--qk-clip with --context-parallel-size {cp}: the heads' largest logits are "
                 f"not tracked inside context-parallel attention; drop --qk-clip or use cp 1")
@@ -60,7 +61,7 @@ def qk_clip_refusal(*, qk_layernorm: bool, latent_attention: bool, cp: int) -> s
 
 
 class QKClip:
-    """Tracks the attention layers of `modules` and clips their QKV master shards each step."""
+    """Tracks the attention layers of `modules` and clips their q/k master shards each step."""
 
     def __init__(self, settings: QKClipSettings, modules, topo):
         from .config import ZeroConfigError
@@ -68,15 +69,13 @@ class QKClip:
         self.s, self.topo = settings, topo
         self.layers = [m for root in modules for m in root.modules()
                        if hasattr(m, "qk_clip_row_scales")]
-        latent = any(type(m).__name__ == "MultiLatentAttention" for root in modules
-                     for m in root.modules())
-        norm = any(getattr(m, "q_norm", None) is not None for m in self.layers)
-        refusal = qk_clip_refusal(qk_layernorm=norm, latent_attention=latent, cp=topo.cp)
+        norm = any(m.qk_layernorm for m in self.layers)
+        refusal = qk_clip_refusal(qk_layernorm=norm, cp=topo.cp)
         if refusal:
             raise ZeroConfigError(refusal)
         for m in self.layers:
             m.track_max_logits = True
-        self.row_scales: dict[int, torch.Tensor] = {}  # id(qkv weight or bias) -> [rows]
+        self.row_scales: dict[int, torch.Tensor] = {}  # id(q/k projection parameter) -> [rows]
         self.last_max: list[torch.Tensor] = []  # per layer [heads_local]: the reduced maxima
         self.last_gamma: list[torch.Tensor] = []
         self.clipped = 0  # heads this rank clipped at the last step
@@ -103,10 +102,8 @@ class QKClip:
             self.last_gamma.append(gamma)
             if bool(over.any()):
                 clipped += int(over.sum())
-                rows = m.qk_clip_row_scales(gamma, self.s.alpha)
-                for p in (m.qkv.weight, m.qkv.bias):
-                    if p is not None:
-                        self.row_scales[id(p)] = rows
+                for p, rows in m.qk_clip_row_scales(gamma, self.s.alpha):
+                    self.row_scales[id(p)] = rows
         if clipped:
             logger.debug("QK-clip: %d heads over %g", clipped, self.s.threshold)
         self.clipped = clipped

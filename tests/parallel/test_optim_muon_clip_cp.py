@@ -10,15 +10,14 @@ from __future__ import annotations
 
 import functools
 
-import torch
 import torch.distributed as dist
 
 from models.language_model import TransformerLanguageModel
-from parallel import collectives as C
 from parallel.topology import ParallelConfig, ParallelTopology
 from parallel.zero import build_optimizer
 from parallel.zero.qk_clip import QKClipSettings
 from tests.distributed import run_distributed
+from tests.helpers import qk_clip_check_run, qk_clip_tau_amid, qk_clip_train
 from tests.muon_reference import (MUON_LR, muon_batch, muon_full_parameters, muon_gpt_config,
                                    muon_opt_config, muon_reference, muon_train)
 from tests.tolerances import assert_trained_close
@@ -31,20 +30,7 @@ def _clip_run(topo, tau: float):
     model = TransformerLanguageModel(muon_gpt_config(), topo)
     opt = build_optimizer(model, topo, muon_opt_config(
         zero_stage=1, qk_clip=QKClipSettings(threshold=tau)))
-    maxima, clipped = [], []
-    for step in range(CLIP_STEPS):
-        ids, labels = muon_batch(step, topo)
-        opt.backward(model(ids, labels=labels).mean())
-        assert not opt.step().skipped
-        opt.zero_grad()
-        heads = torch.stack(opt.qk_clip.last_max)  # [layers, this TP rank's heads]
-        count = torch.tensor([opt.qk_clip.clipped])
-        if topo.tp > 1:
-            heads = torch.cat([C.all_gather(heads.contiguous(), topo.tp_group, dim=1)])
-            count = C.all_reduce(count, topo.tp_group)
-        maxima.append(heads.clone())
-        clipped.append(int(count))
-    return muon_full_parameters(model, opt, topo), maxima, clipped
+    return qk_clip_train(model, opt, topo, [muon_batch(step, topo) for step in range(CLIP_STEPS)])
 
 
 @functools.lru_cache(maxsize=None)
@@ -54,25 +40,19 @@ def _clip_reference():
     single = ParallelTopology.single()
     init = muon_reference()[0]  # the same model's initial parameters
     _, first, _ = _clip_run(single, 1e9)
-    ranked = first[0].flatten().sort().values  # halfway between two heads: none sits on it
-    tau = float(ranked[ranked.numel() // 2 - 1] + ranked[ranked.numel() // 2]) / 2
+    tau = qk_clip_tau_amid(first[:1])  # amid the first step's heads
     params, maxima, clipped = _clip_run(single, tau)
     assert all(0 < c < first[0].numel() for c in clipped), clipped
     return init, params, maxima, clipped, tau
 
 
 def _worker(rank, clip_reference, muon_ref):
-    init, want, want_max, want_clipped, tau = clip_reference
+    tau = clip_reference[-1]
     checked = []
     for kw in (dict(tp=2), dict()):
         topo = ParallelTopology.from_config(ParallelConfig(**kw))
-        got, maxima, clipped = _clip_run(topo, tau)
-        where = f"qk-clip {kw or 'dp=2 zero=1'}"
-        assert clipped == want_clipped, (where, clipped, want_clipped)
-        for step, (m, w) in enumerate(zip(maxima, want_max)):
-            torch.testing.assert_close(m, w, rtol=1e-5, atol=1e-5, msg=f"{where} step {step}")
-        dev = assert_trained_close(got, want, init, where, MUON_LR)
-        checked.append(f"{where}: heads clipped per step {clipped}, deviation {dev:.1e}")
+        checked.append(qk_clip_check_run(_clip_run(topo, tau), clip_reference,
+                                         f"qk-clip {kw or 'dp=2 zero=1'}", MUON_LR))
     init, want, _ = muon_ref
     topo = ParallelTopology.from_config(ParallelConfig(cp=2))
     model, opt = muon_train(topo, muon_opt_config(zero_stage=1))

@@ -15,6 +15,7 @@ from parallel.topology import ParallelTopology
 from parallel.zero import OptimizerConfig, build_optimizer
 from parallel.zero.config import ZeroConfigError
 from parallel.zero.qk_clip import QKClipSettings
+from tests.helpers import qk_clip_forced, qk_clip_tau_amid
 from tests.tolerances import assert_params_equal
 
 BATCH, SEQ = 4, 8
@@ -78,22 +79,9 @@ def test_forced_threshold_clips_exactly_the_heads_over_it(config):
     if config is _gpt:
         for got, want in zip(before, _naive_max_logits(model)):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    every = torch.cat(before)
-    ranked = every.sort().values  # tau halfway between two heads: none sits on it
-    tau = float(ranked[every.numel() // 2 - 1] + ranked[every.numel() // 2]) / 2
+    tau = qk_clip_tau_amid(before)
     over = [m > tau for m in before]
-    assert 0 < int(torch.cat(over).sum()) < every.numel()
-    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
-    opt.qk_clip.s = QKClipSettings(threshold=tau)
-    assert torch.equal(torch.cat(_step(model, opt)), every)  # the same batch, the same maxima
-    params = {n: p.detach().clone() for n, p in model.named_parameters()}
-    opt.qk_clip.s = QKClipSettings(threshold=1e9)
-    after = _step(model, opt)  # measured with the clipped weights (and no further clip)
-    # The first layer's inputs are unchanged by the clip: its clipped heads now peak at tau and
-    # the others exactly where they did (later layers see the first one's new outputs).
-    torch.testing.assert_close(after[0][over[0]], torch.full_like(after[0][over[0]], tau),
-                               rtol=1e-5, atol=1e-5)
-    assert torch.equal(after[0][~over[0]], before[0][~over[0]])
+    weights, params = qk_clip_forced(model, opt, _step, before, tau)
     changed = {n for n, p in params.items() if not torch.equal(p, weights[n])}
     assert changed and all(".qkv." in n for n in changed), changed
     # Every layer: q and k rows of the heads over tau scaled (multi-head: sqrt(gamma) each;
@@ -143,12 +131,6 @@ def test_refused_where_it_cannot_work():
         normalization="rmsnorm", position_embedding="rope", qk_layernorm=True), topo)
     with pytest.raises(ZeroConfigError, match="--qk-clip with --qk-layernorm"):
         build_optimizer(qwen3, topo, OptimizerConfig(qk_clip=QKClipSettings()))
-    mla = TransformerLanguageModel(TransformerConfig(
-        vocab_size=101, hidden_size=32, num_layers=1, num_attention_heads=4, ffn_hidden_size=64,
-        normalization="rmsnorm", position_embedding="rope", kv_lora_rank=16, qk_nope_head_dim=8,
-        qk_rope_head_dim=8, v_head_dim=8, bias=False), topo)
-    with pytest.raises(ZeroConfigError, match="not implemented for multi-latent attention"):
-        build_optimizer(mla, topo, OptimizerConfig(qk_clip=QKClipSettings()))
     with pytest.raises(ZeroConfigError, match="--qk-clip-threshold must be > 0"):
         OptimizerConfig(qk_clip=QKClipSettings(threshold=0.0)).validate()
     with pytest.raises(ZeroConfigError, match="--qk-clip-alpha must be in"):

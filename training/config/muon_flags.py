@@ -81,8 +81,7 @@ def qk_clip_settings(args: argparse.Namespace, model, cp: int, fail) -> QKClipSe
             fail(f"{' '.join('--' + f.replace('_', '-') for f in given)} apply with --qk-clip "
                  f"only; add --qk-clip or drop them")
         return None
-    refusal = qk_clip_refusal(qk_layernorm=model.qk_layernorm,
-                              latent_attention=bool(model.kv_lora_rank), cp=cp)
+    refusal = qk_clip_refusal(qk_layernorm=model.qk_layernorm, cp=cp)
     if refusal:
         fail(refusal)
     return QKClipSettings(**{f[len("qk_clip_"):]: getattr(args, f) for f in given})
