@@ -2,7 +2,7 @@
 balanced routing) and the planner's parameter terms for them (training/planning/parameters.py).
 
 * Mixtral-, Qwen2-MoE- and DeepSeek-V3-shaped layouts (TP + SP, EP, PP, an uneven split, ZeRO-1,
-  full recompute, an expert capacity) step on meta tensors: each rank's model states are the planner's to the byte,
+  full recompute, an expert capacity, a multi-token prediction depth) step on meta tensors: each rank's model states are the planner's to the byte,
   its activations within the dry-run tests' 5% of the planner's, its schedule at its bound.
 * DeepSeek-V3 671B at its published layout (pp16, ep64, ZeRO-1 dp128 on 2048 ranks): the first
   rank (3 dense layers + 1 MoE) stepped and checked the same way.
@@ -38,7 +38,8 @@ CASES = {  # name: (world, flags)
                                        "--pipeline-model-parallel-size", "2",
                                        "--decoder-first-pipeline-num-layers", "1",
                                        "--decoder-last-pipeline-num-layers", "3",
-                                       "--expert-model-parallel-size", "4", "--zero-stage", "1"]),
+                                       "--expert-model-parallel-size", "4", "--zero-stage", "1",
+                                       "--mtp-num-layers", "1", "--recompute-granularity", "full"]),
 }
 
 
@@ -101,7 +102,8 @@ def test_planner_parameters_are_the_meta_models():
 
 def test_multi_token_prediction_counts_on_the_last_stage():
     """One MTP module = enorm, hnorm, eh_proj [h, 2h], a layer shaped as the last, a final norm
-    (the model config's `mtp_parameters`, split into dense and expert parts)."""
+    (the model config's `mtp_parameters`, split into dense and expert parts); under PP the last
+    stage also holds a copy of the word embedding."""
     from models.presets import preset
     tiny = preset("deepseek-v3-tiny")
     assert mtp_parameters(tiny) == (0.0, 0.0)
@@ -113,8 +115,11 @@ def test_multi_token_prediction_counts_on_the_last_stage():
     layout = planner.Layout.of(pp=2)
     without = preset("deepseek-v3-tiny")
     assert planner.rank_params(tiny, layout, 0) == planner.rank_params(without, layout, 0)
+    # the last stage also keeps a copy of the (untied) word embedding for the depths' inputs
+    copy = tiny.padded_vocab_size(1) * h
+    assert not tiny.tie_word_embeddings
     assert [a - b for a, b in zip(planner.rank_params(tiny, layout, 1),
-                                  planner.rank_params(without, layout, 1))] == [dense, expert]
+                                  planner.rank_params(without, layout, 1))] == [dense + copy, expert]
     v3 = preset("deepseek-v3")
     v3.mtp_num_layers = 1
     # 671B main model + 14B MTP (whose checkpoint also stores copies of the shared embedding and

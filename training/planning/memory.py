@@ -114,6 +114,10 @@ def rank_params(cfg: TransformerConfig, layout: "Layout", pp_rank: int) -> tuple
     if pp_rank == layout.pp - 1:
         mtp_dense, mtp_expert = mtp_parameters(cfg, layout.tp, layout.ep)
         total, expert = total + mtp_dense + mtp_expert, expert + mtp_expert
+        if mtp_layers(cfg) and layout.pp > 1 and not cfg.tie_word_embeddings:
+            # the depths embed tokens too: the last stage keeps a copy of the word embedding
+            # (a tied head already is one)
+            total += cfg.padded_vocab_size(layout.tp) * cfg.hidden_size / layout.tp
     return total - expert, expert
 
 
@@ -277,8 +281,10 @@ def activation_bytes(cfg: TransformerConfig, layout: Layout, stage: str,
         grad_logits = 2 if layout.dtype == torch.bfloat16 else 4
         head = norm * sbh / u + e * sbh + grad_logits * s * b * cfg.padded_vocab_size(t) / t
         # each multi-token prediction module, per microbatch in flight: its layer (shaped as the
-        # last), its two input norms and eh_proj's input (2h), and a head of its own
-        mtp = layer_activation_bytes(cfg, layout, cfg.num_layers - 1)[0] + \
+        # last; the depths are never recomputed, models/multi_token_prediction.py), its two input
+        # norms and eh_proj's input (2h), and a head of its own
+        whole = layout.replace(recompute_granularity=None)
+        mtp = layer_activation_bytes(cfg, whole, cfg.num_layers - 1)[0] + \
             (2 * norm + 2 * e) * sbh / u + head
         total += head + mtp_layers(cfg) * mtp * units
     return total
