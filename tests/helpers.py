@@ -156,6 +156,18 @@ def check_bucket_grads(opt, chunks, topo, ref_grads: dict, tag: str) -> int:
     return checked
 
 
+def accumulated_backward(model, ids, labels, shares: int) -> float:
+    """Forward and backward of the batch in `shares` equal parts, each loss divided by `shares`
+    (the gradient of the batch mean, as data parallelism x microbatches accumulate it); returns
+    that mean loss."""
+    total = 0.0
+    for i, y in zip(ids.chunk(shares), labels.chunk(shares)):
+        loss = model(i, labels=y).mean()
+        (loss / shares).backward()
+        total += loss.item() / shares
+    return total
+
+
 def checked_step(chunks, topo, opt, step: int, microbatches: int, shape, ref_losses, ref_norms,
                  ref_grads: dict | None, tag: str, schedule: str = "1f1b") -> int:
     """One training step of `batch(step, topo)` in `microbatches` through the pipeline and the

@@ -19,7 +19,7 @@ from parallel.sharding import full_tensor
 from parallel.topology import ParallelConfig, ParallelTopology
 from parallel.zero import OptimizerConfig, build_optimizer
 from tests.distributed import run_distributed
-from tests.helpers import HYPER
+from tests.helpers import HYPER, accumulated_backward
 from tests.hf_models import MLA_LATENT, deepseek_config
 from tests.tolerances import assert_trained_close
 
@@ -56,12 +56,7 @@ def _reference(cfg, dp: int):
     set_aux_loss_scale([model], 1.0 / dp)
     losses, biases = [], []
     for step in range(STEPS):
-        ids, labels = _batch(step)
-        total = 0.0
-        for i, y in zip(ids.chunk(dp), labels.chunk(dp)):
-            loss = model(i, labels=y).mean()
-            (loss / dp).backward()
-            total += loss.item() / dp
+        total = accumulated_backward(model, *_batch(step), dp)
         torch.nn.utils.clip_grad_norm_([p for _, p in named], HYPER["clip_grad"])
         opt.step()
         opt.zero_grad()

@@ -28,7 +28,7 @@ from parallel.sharding import full_tensor
 from parallel.topology import ParallelTopology
 from parallel.zero import build_optimizer
 from tests.distributed import run_distributed
-from tests.helpers import (HYPER, SEQ, batch, checked_step, dp_mean,  # noqa: F401
+from tests.helpers import (HYPER, SEQ, accumulated_backward, batch, checked_step, dp_mean,  # noqa: F401
                            one_thread, opt_config, reference_adamw, topology)  # one_thread: autouse
 from tests.tolerances import assert_trained_close
 
@@ -73,12 +73,7 @@ def _reference(cfg):
     set_mtp_loss_scale([model], 1.0 / shares)
     losses, depths, norms, grads = [], [], [], None
     for step in range(STEPS):
-        ids, labels = batch(step)
-        total = 0.0
-        for i, y in zip(ids.chunk(shares), labels.chunk(shares)):
-            loss = model(i, labels=y).mean()
-            (loss / shares).backward()
-            total += loss.item() / shares
+        total = accumulated_backward(model, *batch(step), shares)
         if step == 0:
             grads = {n: full_tensor(p, single, p.grad).clone() for n, p in named}
         norms.append(torch.nn.utils.clip_grad_norm_([p for _, p in named], HYPER["clip_grad"]).item())
