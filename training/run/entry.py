@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 
 import torch.distributed as dist
 
@@ -35,6 +36,7 @@ logger = logging.getLogger("megazoo.train")
 # A damaged checkpoint, a held --save, a run that makes no progress and foreign data are among them.
 USER_ERRORS = (ArgumentError, LayoutError, TokenizerError, IndexedDatasetError, CheckpointError,
                FileNotFoundError, SaveLockError, RunHalted, VocabularyMismatch)
+SILENT_RANK_WAIT_S = 10.0  # how long a rank that says nothing waits for rank 0 to fail (_fail)
 
 
 def build_run_tokenizer(args):
@@ -57,6 +59,11 @@ def _fail(message: str, code: int, every_rank: bool = False):
         prefix = f"error (rank {_rank()})" if every_rank and "WORLD_SIZE" in os.environ else "error"
         sys.stderr.write(f"{prefix}: {message}\n")
         sys.stderr.flush()
+    elif "WORLD_SIZE" in os.environ:
+        # torchrun stops every worker when the first one exits: a silent rank leaving first could
+        # cut rank 0 off before its line is written, so it waits (torchrun ends the wait as soon
+        # as rank 0 has failed; the bound only matters if rank 0 did not fail alike)
+        time.sleep(SILENT_RANK_WAIT_S)
     sys.exit(code)
 
 
