@@ -11,8 +11,8 @@ last save of each run is left out of the mean, since the end of the run waits fo
 (that wait is printed apart as the exit wait). Step times are printed too: the background writer shares the
 CPU with the step loop, so steps during a write may be slower.
 
-    python bench/bench_async_save.py                   # 370 MB checkpoints, ~4 min on 2 loaded cores
-    python bench/bench_async_save.py --hidden 768      # larger
+    python -m bench.bench_async_save                   # 370 MB checkpoints, ~4 min on 2 loaded cores
+    python -m bench.bench_async_save --hidden 768      # larger
 
 Writes bench/results/async_save.json.
 """
@@ -24,20 +24,18 @@ import logging
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
-import torch  # noqa: E402
+import torch
 
-from train_gpt import model_provider  # noqa: E402
-from training.checkpoint import format as ckpt  # noqa: E402
-from training.config.flags import to_run_config  # noqa: E402
-from training.config.parser import build_parser  # noqa: E402
-from training.run.trainer import Trainer  # noqa: E402
+from train_gpt import model_provider
+from megazoo.training.checkpoint import format as ckpt
+from megazoo.training.config.flags import to_run_config
+from megazoo.training.config.parser import build_parser
+from megazoo.training.run.trainer import Trainer
 
 RESULTS = os.path.join(ROOT, "bench", "results")
 

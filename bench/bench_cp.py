@@ -16,8 +16,8 @@ prediction, the longest sequence a memory budget allows for each C, and a long t
 Every rank runs one thread; worlds of 2 and 4 on 2 shared cores are oversubscribed, so wall time
 measures contention as much as the model; the CPU seconds per rank are the comparable figure.
 
-    python bench/bench_cp.py                 # parts 1 and 2 (~3 min on 2 shared cores)
-    python bench/bench_cp.py --train         # part 3 as well (~5 min more)
+    python -m bench.bench_cp                 # parts 1 and 2 (~3 min on 2 shared cores)
+    python -m bench.bench_cp --train         # part 3 as well (~5 min more)
 
 Writes bench/results/cp.json.
 """
@@ -34,12 +34,11 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
-from models.config import TransformerConfig  # noqa: E402
-from models.presets import preset  # noqa: E402
-from tests.distributed import run_distributed  # noqa: E402
-from training.planning.planner import Layout, memory_per_gpu  # noqa: E402
+from megazoo.models.config import TransformerConfig
+from megazoo.models.presets import preset
+from tests.distributed import run_distributed
+from megazoo.training.planning.planner import Layout, memory_per_gpu
 
 RESULTS = os.path.join(ROOT, "bench", "results")
 MODEL = dict(vocab_size=512, hidden_size=128, num_layers=2, num_attention_heads=4, num_query_groups=2,
@@ -65,13 +64,13 @@ def _layout(cp: int, seq: int, **kw) -> Layout:
 
 def _worker(rank, cp, seq, steps):
     import torch
-    from models.language_model import TransformerLanguageModel
-    from parallel.context_parallel import split_sequence
-    from parallel.pipeline.engine import PipelineStats, run_pipeline
-    from parallel.pipeline.schedules import build_schedule
-    from parallel.topology import ParallelConfig, ParallelTopology
-    from parallel.zero import OptimizerConfig, build_optimizer
-    from training.run.step import activation_shape, make_forward_fn
+    from megazoo.models.language_model import TransformerLanguageModel
+    from megazoo.parallel.context_parallel import split_sequence
+    from megazoo.parallel.pipeline.engine import PipelineStats, run_pipeline
+    from megazoo.parallel.pipeline.schedules import build_schedule
+    from megazoo.parallel.topology import ParallelConfig, ParallelTopology
+    from megazoo.parallel.zero import OptimizerConfig, build_optimizer
+    from megazoo.training.run.step import activation_shape, make_forward_fn
 
     cfg = _config(seq)
     topo = ParallelTopology.from_config(ParallelConfig(cp=cp))

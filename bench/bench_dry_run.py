@@ -1,9 +1,9 @@
 """Dry runs of the published layouts (tools/dry_run.py) against the planner and the published
 sizes, and how group construction and a one-rank dry run scale with the world size.
 
-    python bench/bench_dry_run.py            # the table in docs/planner.md, bench/results/dry_run.json
-    python bench/bench_dry_run.py --table    # the tables again, from the JSON
-    python bench/bench_dry_run.py --only DeepSeek-V3   # one layout's rows redone in the JSON
+    python -m bench.bench_dry_run            # the table in docs/planner.md, bench/results/dry_run.json
+    python -m bench.bench_dry_run --table    # the tables again, from the JSON
+    python -m bench.bench_dry_run --only DeepSeek-V3   # one layout's rows redone in the JSON
 
 Per layout: the first, a middle and the last rank with one training step's schedule, and one rank
 per pipeline stage (built, not stepped) for the distinct parameter count.
@@ -13,13 +13,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tools import dry_run as D  # noqa: E402
-from training.planning.reference_runs import published_layouts  # noqa: E402
+from megazoo.tools import dry_run as D
+from megazoo.training.planning.reference_runs import published_layouts
 
 GiB = 2 ** 30
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "dry_run.json")

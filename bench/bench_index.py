@@ -5,7 +5,7 @@ about ten epochs are needed, so the document index holds ~10M entries. The vecto
 index is also timed against the plain per-sample loop (a transcription of Megatron's C++) on a
 prefix of the samples, and the greedy blending index (a Python loop) on 1M samples.
 
-    python bench/bench_index.py [--samples 10000000] [--out bench/results/data_index.json]
+    python -m bench.bench_index [--samples 10000000] [--out bench/results/data_index.json]
 """
 from __future__ import annotations
 
@@ -13,15 +13,13 @@ import argparse
 import json
 import os
 import resource
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-from data.blended import build_blending_indices  # noqa: E402
-from data.gpt_indices import build_document_index, build_sample_index, build_shuffle_index, plan_epochs  # noqa: E402
+from megazoo.data.blended import build_blending_indices
+from megazoo.data.gpt_indices import build_document_index, build_sample_index, build_shuffle_index, plan_epochs
 
 
 def loop_sample_index(sizes, doc_idx, seq_length, num_samples):

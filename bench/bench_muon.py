@@ -8,8 +8,8 @@ share depends on the tokens per step (Newton-Schulz costs the same for any batch
 prints the FLOP ratio and what it gives at 0.5M tokens per step. Then it times Newton-Schulz
 alone on one (4h, h) MLP matrix in fp32 and bf16: the figure behind the default --muon-ns-dtype.
 
-    python bench/bench_muon.py                          # CPU: hidden 768, 4 layers, seq 128
-    python bench/bench_muon.py --layers 12 --seq 512 --batch 4  # the GPU size
+    python -m bench.bench_muon                          # CPU: hidden 768, 4 layers, seq 128
+    python -m bench.bench_muon --layers 12 --seq 512 --batch 4  # the GPU size
 
 Writes bench/results/muon.json.
 """
@@ -19,19 +19,17 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
-import torch  # noqa: E402
+import torch
 
-from models.config import TransformerConfig  # noqa: E402
-from models.language_model import TransformerLanguageModel  # noqa: E402
-from parallel.topology import ParallelTopology  # noqa: E402
-from parallel.zero import OptimizerConfig, build_optimizer  # noqa: E402
-from parallel.zero.muon import MuonSettings, newton_schulz  # noqa: E402
+from megazoo.models.config import TransformerConfig
+from megazoo.models.language_model import TransformerLanguageModel
+from megazoo.parallel.topology import ParallelTopology
+from megazoo.parallel.zero import OptimizerConfig, build_optimizer
+from megazoo.parallel.zero.muon import MuonSettings, newton_schulz
 
 RESULTS = os.path.join(ROOT, "bench", "results")
 

@@ -9,7 +9,7 @@ per novel. `austen_novels` reads that database without R (zlib chunks of R's XDR
 serialization). Fetch the package without installing R:
 
     apt-get download r-cran-janeaustenr && dpkg -x r-cran-janeaustenr_*.deb austen
-    nice -n 10 python bench/bench_muon_vs_adamw.py --austen austen
+    nice -n 10 python -m bench.bench_muon_vs_adamw --austen austen
 
 Every 20th passage (of ~40 lines) is held out for validation; the rest is tokenized with
 tools/preprocess_data.py (GPT-2 BPE from tests/fixtures) into indexed files. Each run trains on
@@ -36,17 +36,16 @@ import time
 import zlib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+import numpy as np
+import torch
 
-from data.indexed import IndexedDataset  # noqa: E402
-from models.config import TransformerConfig  # noqa: E402
-from models.language_model import TransformerLanguageModel  # noqa: E402
-from parallel.topology import ParallelTopology  # noqa: E402
-from parallel.zero import OptimizerConfig, build_optimizer  # noqa: E402
-from parallel.zero.muon import MuonSettings  # noqa: E402
+from megazoo.data.indexed import IndexedDataset
+from megazoo.models.config import TransformerConfig
+from megazoo.models.language_model import TransformerLanguageModel
+from megazoo.parallel.topology import ParallelTopology
+from megazoo.parallel.zero import OptimizerConfig, build_optimizer
+from megazoo.parallel.zero.muon import MuonSettings
 
 RESULTS = os.path.join(ROOT, "bench", "results")
 GPT2 = os.path.join(ROOT, "tests", "fixtures", "gpt2")

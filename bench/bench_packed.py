@@ -15,7 +15,7 @@ figure, which a load change between repeats does not move), with the spread of t
 ratios. The process lowers its own priority (`--nice`) so that it takes only idle CPU from other
 jobs rather than competing with them.
 
-    python bench/bench_packed.py [--seq 2048] [--documents 16] [--repeats 7] [--dtypes fp32 bf16]
+    python -m bench.bench_packed [--seq 2048] [--documents 16] [--repeats 7] [--dtypes fp32 bf16]
                                  [--threads N] [--out bench/results/packed.json]
 
 Writes bench/results/packed.json.
@@ -26,19 +26,17 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
-import torch  # noqa: E402
+import torch
 
-from data.packing import positions_in_documents  # noqa: E402
-from models.config import TransformerConfig  # noqa: E402
-from models.language_model import TransformerLanguageModel  # noqa: E402
-from parallel.context_parallel import Documents  # noqa: E402
-from parallel.topology import ParallelTopology  # noqa: E402
+from megazoo.data.packing import positions_in_documents
+from megazoo.models.config import TransformerConfig
+from megazoo.models.language_model import TransformerLanguageModel
+from megazoo.parallel.context_parallel import Documents
+from megazoo.parallel.topology import ParallelTopology
 
 MODEL = dict(vocab_size=4096, hidden_size=256, num_layers=2, num_attention_heads=8, num_query_groups=4,
              ffn_hidden_size=688, position_embedding="rope", normalization="rmsnorm",

@@ -10,7 +10,7 @@ and the schedules are expected to take ideal x (1 + (p-1)/m) (1F1B) and ideal x 
 (interleaved, v chunks per rank). The benchmark prints both side by side, writes
 bench/results/pipeline_bubble.json, the per-rank timelines, and a PNG of the measured schedules.
 
-    python bench/bench_pipeline.py            # p=4, m=8, v=2, L=8, 20/40 ms: ~20 s
+    python -m bench.bench_pipeline            # p=4, m=8, v=2, L=8, 20/40 ms: ~20 s
 """
 from __future__ import annotations
 
@@ -21,18 +21,17 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from torch import nn  # noqa: E402
+import torch
+import torch.distributed as dist
+from torch import nn
 
-from parallel.pipeline.engine import PipelineStats, Timeline, run_pipeline  # noqa: E402
-from parallel.pipeline.partition import partition  # noqa: E402
-from parallel.pipeline.schedules import activation_bound, build_schedule  # noqa: E402
-from parallel.pipeline.simulate import simulate  # noqa: E402
-from parallel.topology import ParallelConfig, ParallelTopology  # noqa: E402
-from tests.distributed import run_distributed  # noqa: E402
+from megazoo.parallel.pipeline.engine import PipelineStats, Timeline, run_pipeline
+from megazoo.parallel.pipeline.partition import partition
+from megazoo.parallel.pipeline.schedules import activation_bound, build_schedule
+from megazoo.parallel.pipeline.simulate import simulate
+from megazoo.parallel.topology import ParallelConfig, ParallelTopology
+from tests.distributed import run_distributed
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 HIDDEN = 16
@@ -135,7 +134,7 @@ def main(argv=None) -> int:
     runs = [("1f1b", 1), ("interleaved", args.vpp)]
     results = run_distributed(_bench_worker, args.pp, runs, args, timeout=600)[0]
     os.makedirs(args.out, exist_ok=True)
-    from tools.draw_timeline import bubble_fraction, draw  # noqa: PLC0415 - matplotlib only here
+    from megazoo.tools.draw_timeline import bubble_fraction, draw  # noqa: PLC0415 - matplotlib only here
 
     rows, panels = [], []
     for res in results:

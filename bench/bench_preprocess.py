@@ -24,7 +24,7 @@ column is skipped with a message. Tag core_v0.14.0 runs on a CPU-only machine (l
 triton from megatron.training, or build the GPT-2 tokenizer from the Hugging Face hub).
 
     git -C Megatron-LM worktree add /tmp/megatron-lm core_v0.14.0
-    nice -n 5 python bench/bench_preprocess.py --megatron-lm /tmp/megatron-lm [--workers 1 2]
+    nice -n 5 python -m bench.bench_preprocess --megatron-lm /tmp/megatron-lm [--workers 1 2]
 """
 from __future__ import annotations
 
@@ -39,9 +39,7 @@ import tempfile
 from html.parser import HTMLParser
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "bench"))
-from preprocess_measure import plot, profile_stages, run_measured  # noqa: E402
+from bench.preprocess_measure import plot, profile_stages, run_measured
 
 GPT2 = os.path.join(ROOT, "tests", "fixtures", "gpt2")
 VOCAB, MERGES = os.path.join(GPT2, "vocab.json"), os.path.join(GPT2, "merges.txt")
@@ -96,7 +94,7 @@ def prose_documents() -> tuple[list[str], list[str]]:
 
 
 def python_documents() -> list[str]:
-    from data.text_sources import resolve_inputs
+    from megazoo.data.text_sources import resolve_inputs
 
     docs = []
     for _, path in resolve_inputs([sysconfig.get_path("stdlib")], (".py",)).files:
@@ -150,7 +148,7 @@ def baseline_plain(jsonl: str, num_proc: int, cache_dir: str) -> None:
     os.environ["HF_DATASETS_OFFLINE"] = "1"
     from datasets import load_dataset
 
-    from data.tokenizers import build_tokenizer
+    from megazoo.data.tokenizers import build_tokenizer
 
     os.makedirs(cache_dir, exist_ok=True)
     cache_dir = tempfile.mkdtemp(dir=cache_dir)  # fresh per run: a warm datasets cache would skip the work
@@ -196,7 +194,7 @@ def baseline_chat(jsonl: str, num_proc: int, cache_dir: str, folder: str) -> Non
 # ---------------------------------------------------------------- the driver
 def command(method: str, w: int, tmp: str, args) -> tuple[list[str], dict | None]:
     """The command line of one configuration, and the environment it needs (None: inherited)."""
-    me = [sys.executable, os.path.abspath(__file__)]
+    me = [sys.executable, "-m", "bench.bench_preprocess"]  # run from the checkout root
     tok = ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", VOCAB, "--merge-file", MERGES, "--append-eod"]
     plain, chat = os.path.join(tmp, "corpus.jsonl"), os.path.join(tmp, "chat.jsonl")
     if method == "preprocess_data.py":
@@ -219,7 +217,7 @@ def outcome(method: str, w: int, tmp: str, out: str) -> dict:
     """Documents and tokens a run wrote (and, for Megatron's, whether its files equal ours)."""
     import numpy as np
 
-    from data.indexed import IndexedDataset
+    from megazoo.data.indexed import IndexedDataset
 
     if method.startswith("datasets.map"):
         return json.loads(out.strip().splitlines()[-1])

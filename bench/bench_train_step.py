@@ -22,9 +22,9 @@ core, while wall time swings 2x with the neighbours' load (it is recorded too). 
 (square 1024 matmuls, fp32 and bf16, this thread) is sampled between rounds the same way; MFU =
 model FLOPs (training/monitor/metrics.py: 3x forward, no recompute) x tokens per CPU-second / peak.
 
-    python bench/bench_train_step.py              # both models, fp32 + bf16: ~6 min on 2 cores
-    python bench/bench_train_step.py --models gpt --dtypes fp32 --rounds 3   # quick look
-    python bench/bench_train_step.py --profile    # + torch.profiler top ops per variant
+    python -m bench.bench_train_step              # both models, fp32 + bf16: ~6 min on 2 cores
+    python -m bench.bench_train_step --models gpt --dtypes fp32 --rounds 3   # quick look
+    python -m bench.bench_train_step --profile    # + torch.profiler top ops per variant
 
 Writes bench/results/train_step.json and train_step.png.
 """
@@ -36,23 +36,21 @@ import json
 import os
 import platform
 import statistics
-import sys
 import time
 from dataclasses import dataclass
 from typing import Callable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
-import torch  # noqa: E402
+import torch
 
-from models import bloom as mz_bloom, gpt as mz_gpt  # noqa: E402
-from models.bloom import BloomModel  # noqa: E402
-from models.config import TransformerConfig  # noqa: E402
-from models.gpt import GPTModel  # noqa: E402
-from parallel.topology import ParallelTopology  # noqa: E402
-from parallel.zero import OptimizerConfig, build_optimizer  # noqa: E402
-from training.run.step import activation_shape, forward_backward  # noqa: E402
+from megazoo.models import bloom as mz_bloom, gpt as mz_gpt
+from megazoo.models.bloom import BloomModel
+from megazoo.models.config import TransformerConfig
+from megazoo.models.gpt import GPTModel
+from megazoo.parallel.topology import ParallelTopology
+from megazoo.parallel.zero import OptimizerConfig, build_optimizer
+from megazoo.training.run.step import activation_shape, forward_backward
 
 RESULTS = os.path.join(ROOT, "bench", "results")
 LR, WD, CLIP = 1e-4, 0.01, 1.0

@@ -1,6 +1,6 @@
 """Exit soak: N consecutive multi-process trainings under torchrun must all exit 0.
 
-    python bench/exit_soak.py --runs 30 [--nproc 4]
+    python -m bench.exit_soak --runs 30 [--nproc 4]
 
 Each run trains a tiny GPT for a few iterations with a checkpoint and the report, then ends; a run
 counts as clean when torchrun exits 0 and no rank printed `terminate called` (the abort that an
@@ -17,8 +17,7 @@ import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-from tests.distributed import free_port  # noqa: E402
+from tests.distributed import free_port
 
 TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
         "--max-position-embeddings", "16", "--mock-data", "--vocab-size", "61", "--micro-batch-size", "2",

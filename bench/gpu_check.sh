@@ -7,4 +7,4 @@
 #   bash bench/gpu_check.sh [--skip-step] [--micro-batch-size 4] [--steps 5]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-exec "${PYTHON:-python3}" bench/gpu_check.py "$@"
+exec "${PYTHON:-python3}" -m bench.gpu_check "$@"

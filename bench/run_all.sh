@@ -33,9 +33,9 @@ for script in bench/bench_*.py; do
   fi
   echo "== $name $(date +%H:%M:%S)"
   start=$SECONDS
-  if ! "$PY" "$script" "${args[@]}"; then failed+=("$name"); fi
+  if ! "$PY" -m "bench.$name" "${args[@]}"; then failed+=("$name"); fi
   if [[ $name == bench_train_step ]]; then  # and at a GPT-2-sized vocabulary and width
-    "$PY" "$script" --hidden 768 --layers 6 --heads 12 --vocab 50257 --seq 512 --batch 1 \
+    "$PY" -m "bench.$name" --hidden 768 --layers 6 --heads 12 --vocab 50257 --seq 512 --batch 1 \
       --rounds 3 --out bench/results/train_step_gpt2_vocab || failed+=("$name (gpt2 vocab)")
   fi
   echo "== $name done in $((SECONDS - start)) s"

@@ -15,13 +15,10 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from training.checkpoint.format import CheckpointError  # noqa: E402
-from training.checkpoint.hf import ConversionError, export_hf, import_hf  # noqa: E402
+from megazoo.training.checkpoint.format import CheckpointError
+from megazoo.training.checkpoint.hf import ConversionError, export_hf, import_hf
 
 
 def build_parser() -> argparse.ArgumentParser:

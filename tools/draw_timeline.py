@@ -19,7 +19,7 @@ import sys
 import matplotlib
 
 matplotlib.use("Agg")  # headless: files only
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 # Chunk colours (forward shade, backward shade).
 _COLOURS = [("#9ecae1", "#2171b5"), ("#a1d99b", "#238b45"), ("#fdae6b", "#d94801"),

@@ -21,16 +21,13 @@ The dry run of one rank is `training/run/dry_run.py`; docs/planner.md has the pu
 from __future__ import annotations
 
 import dataclasses
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from models.registry import FAMILIES, build_model  # noqa: E402
-from parallel.layout import Grid  # noqa: E402
-from training.config.flags import ArgumentError, to_run_config  # noqa: E402
-from training.config.parser import build_parser  # noqa: E402
-from training.run.dry_run import RankReport, dry_run_rank, safetensors_bytes  # noqa: E402,F401
+from megazoo.models.registry import FAMILIES, build_model
+from megazoo.parallel.layout import Grid
+from megazoo.training.config.flags import ArgumentError, to_run_config
+from megazoo.training.config.parser import build_parser
+from megazoo.training.run.dry_run import RankReport, dry_run_rank, safetensors_bytes  # noqa: E402,F401
 
 def model_provider(run, arch: str | None = None):
     """What the training scripts build: the registry's model of the config's family (`--arch`
@@ -180,6 +177,12 @@ def main(argv=None) -> list[RankReport]:
         print(rank_text(reports[-1]), flush=True)
     print(summary_text(run, reports, grid))
     return reports
+
+
+def cli() -> int:
+    """The console entry point: the reports are printed, the exit code is 0."""
+    main()
+    return 0
 
 
 if __name__ == "__main__":

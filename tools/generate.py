@@ -20,18 +20,16 @@ import logging
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from data.tokenizers import TokenizerError  # noqa: E402
-from models.generation import SamplingConfig, generate  # noqa: E402
-from parallel import collectives as C  # noqa: E402
-from parallel.topology import LayoutError, ParallelConfig, initialize  # noqa: E402
-from training.checkpoint import format as ckpt  # noqa: E402
-from training.checkpoint.tokenizer import checkpoint_tokenizer, eos_token_ids  # noqa: E402
-from training.checkpoint.hf import load_model_chunks  # noqa: E402
+from megazoo.data.tokenizers import TokenizerError
+from megazoo.models.generation import SamplingConfig, generate
+from megazoo.parallel import collectives as C
+from megazoo.parallel.topology import LayoutError, ParallelConfig, initialize
+from megazoo.training.checkpoint import format as ckpt
+from megazoo.training.checkpoint.tokenizer import checkpoint_tokenizer, eos_token_ids
+from megazoo.training.checkpoint.hf import load_model_chunks
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -11,12 +11,10 @@ import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tqdm import tqdm
 
-from tqdm import tqdm  # noqa: E402
-
-from data.indexed import IndexedDatasetError, merge_datasets  # noqa: E402
-from data.token_stats import merge_stats  # noqa: E402
+from megazoo.data.indexed import IndexedDatasetError, merge_datasets
+from megazoo.data.token_stats import merge_stats
 
 
 def expand(inputs: list[str]) -> list[str]:

@@ -23,14 +23,13 @@ import os
 import sys
 from collections import Counter
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # workers are the parallelism
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-from data.chat import OVERLONG, ChatRenderer, ChatTemplateError, SkipRecord  # noqa: E402
-from data.indexed import IndexedDatasetBuilder, bin_path, idx_path, optimal_dtype  # noqa: E402
-from data.sft_dataset import mask_prefix, token_prefix  # noqa: E402
+from megazoo.data.chat import OVERLONG, ChatRenderer, ChatTemplateError, SkipRecord
+from megazoo.data.indexed import IndexedDatasetBuilder, bin_path, idx_path, optimal_dtype
+from megazoo.data.sft_dataset import mask_prefix, token_prefix
 
 BATCH_LINES = 256
 _renderer: ChatRenderer | None = None  # one per worker process, built by _init
