@@ -348,7 +348,8 @@ def write(full: FullState, config, root: str, *, tp: int, pp: int, vpp: int = 1,
     weights = {**full.weights, **full.master}
     step = int(full.scalars.get("applied_steps", torch.tensor(iteration)))
     scheduler = scheduler_state((meta.get("source") or {}).get("scheduler"), consumed)
-    folder = os.path.join(root, f"iter_{iteration:07d}")
+    # Megatron-LM's loader refuses a tracker reading 0: an untrained model is a release
+    folder = os.path.join(root, f"iter_{iteration:07d}" if iteration else "release")
     for t in range(tp):
         for p in range(pp):
             def part(values, canon, split, expert):
@@ -373,7 +374,7 @@ def write(full: FullState, config, root: str, *, tp: int, pp: int, vpp: int = 1,
             os.makedirs(os.path.dirname(path), exist_ok=True)
             torch.save(sd, path)
     with open(os.path.join(root, TRACKER), "w") as f:
-        f.write(str(iteration))
+        f.write(str(iteration) if iteration else "release")
     logger.info("wrote Megatron-LM checkpoint %s (tp=%d pp=%d vpp=%d, iteration %d%s)", folder,
                 tp, pp, vpp, iteration, ", with optimizer" if full.optim else "")
     return folder
