@@ -4,12 +4,15 @@ README.md names the Megatron-LM release and the command lines).
 The files come from Megatron-LM's own tools/checkpoint/convert.py and save_checkpoint: a tiny
 random Hugging Face Llama through `--loader llama_mistral --saver legacy` at tp2 and tp2/pp2, and
 a GPT-2-shaped megazoo export read by `--loader core` and re-saved with `--saver legacy` at tp2
-(so Megatron-LM loaded what megazoo writes). Checked: every file loads with
+(so Megatron-LM loaded what megazoo writes), and a Llama-shaped Megatron-core model after two
+steps of Megatron's own optimizer, saved by save_checkpoint with optimizer, scheduler and RNG
+state. Checked: every file loads with
 `weights_only=True` through the allowlist; imported at other layouts, the logits equal the
 source model's stored reference logits within 1e-5; the round trip through Megatron-LM's
 converter is bit for bit; the QKV orders of checkpoint_version 0 and 1.0 (rewritten here from a
 real file, as Megatron-LM's fix_query_key_value_ordering reads them) come back to the same
-weights; a tensor of another legacy model is refused by name.
+weights; a tensor of another legacy model is refused by name; the trained file's Adam moments,
+fp32 weights, step, iteration and consumed samples carry over exactly.
 """
 import os
 
@@ -42,7 +45,7 @@ def imported(tmp_path_factory):
     from training.checkpoint.foreign.convert import import_checkpoint
     tmp = tmp_path_factory.mktemp("golden")
     layouts = {"llama_tp2": (1, 1), "llama_tp2_pp2": (1, 2), "gpt_tp2": (4, 1),
-               "gpt_megazoo_export": (2, 2)}
+               "gpt_megazoo_export": (2, 2), "trained_tp1": (2, 2)}
     return {name: import_checkpoint("megatron", str(MEGATRON_LM / name), str(tmp / name),
                                     tp=tp, pp=pp)
             for name, (tp, pp) in layouts.items()}
@@ -51,24 +54,58 @@ def imported(tmp_path_factory):
 def test_megatron_lm_files_load_through_the_allowlist():
     from training.checkpoint.foreign import safe_load
     checked = 0
-    for name in LLAMA + ("gpt_tp2",):
+    for name in LLAMA + ("gpt_tp2", "trained_tp1"):
         for path in _files(name):
             sd = safe_load.load(path)  # weights_only=True with the allowlist
-            assert sorted(sd) == ["args", "checkpoint_version", "iteration", "model",
-                                  "num_floating_point_operations_so_far", "rerun_state_machine"]
+            assert {"args", "checkpoint_version", "iteration", "model", "rerun_state_machine",
+                    "num_floating_point_operations_so_far"} <= set(sd)
             assert sd["rerun_state_machine"]["mode"].type_name == \
                 "megatron.core.rerun_state_machine.RerunMode"
-            assert sd["args"].use_legacy_models and sd["checkpoint_version"] == 3.0
-            assert "language_model" in sd["model"]
+            assert sd["checkpoint_version"] == 3.0
+            legacy = name != "trained_tp1"
+            assert bool(sd["args"].use_legacy_models) == legacy == ("language_model" in sd["model"])
             checked += 1
-    assert checked == 2 + 4 + 2
+    assert checked == 2 + 4 + 2 + 1
 
 
-@pytest.mark.parametrize("name", ["llama_tp2", "llama_tp2_pp2", "gpt_tp2", "gpt_megazoo_export"])
+@pytest.mark.parametrize("name", ["llama_tp2", "llama_tp2_pp2", "gpt_tp2", "gpt_megazoo_export",
+                                  "trained_tp1"])
 def test_megatron_lm_file_imported_at_another_layout_gives_the_reference_logits(imported, name):
     ref = _reference(name.split("_")[0])
     logits = megazoo_logits(imported[name], ref["input_ids"])
-    torch.testing.assert_close(logits, ref["logits"], **FP32)
+    # Megatron's trained logits span its padded vocabulary (112); the import keeps the 100 tokens
+    torch.testing.assert_close(logits, ref["logits"][..., :logits.shape[-1]], **FP32)
+
+
+def test_megatron_lm_save_checkpoint_with_optimizer_carries_it_over(imported):
+    from training.checkpoint.foreign import safe_load
+    from training.checkpoint.reshard import read_full_state
+    sd = safe_load.load(_files("trained_tp1")[0])
+    assert {"optimizer", "opt_param_scheduler", "rng_state", "rerun_state_machine"} <= set(sd)
+    full = read_full_state(imported["trained_tp1"])
+    assert (full.meta["iteration"], full.meta["consumed_samples"]) == (2, 4)
+    assert {k: int(v) for k, v in full.scalars.items()} == {"iteration": 2, "applied_steps": 2}
+    assert full.meta["source"]["scheduler"]["lr_decay_style"] == "cosine"
+    opt = sd["optimizer"]
+    params = [k for k, v in sd["model"].items() if isinstance(v, torch.Tensor)]
+    by_group = [[k for k in params if (k.endswith("bias") or sd["model"][k].dim() == 1) ==
+                 (g["wd_mult"] == 0.0)] for g in opt["param_groups"]]
+    names = {"embedding.word_embeddings.weight": "embedding.word_embeddings.weight",
+             "decoder.layers.1.mlp.linear_fc1.weight": "layers.1.mlp.fc1.weight",
+             "decoder.layers.0.self_attention.linear_qkv.weight": "layers.0.attention.qkv.weight",
+             "decoder.layers.1.pre_mlp_layernorm.weight": "layers.1.post_attention_norm.weight",
+             "output_layer.weight": "head_weight"}
+    checked = 0
+    for group, keys in zip(opt["param_groups"], by_group):
+        for idx, key in zip(group["params"], keys):
+            if key in names:
+                rows = slice(0, 100)  # the vocabulary padding is cut
+                for s in ("exp_avg", "exp_avg_sq"):
+                    assert torch.equal(full.optim[s][names[key]], opt["state"][idx][s][rows])
+                assert torch.equal(full.optim["master"][names[key]], sd["model"][key][rows])
+                assert int(opt["state"][idx]["step"]) == 2
+                checked += 1
+    assert checked == len(names)
 
 
 def test_megatron_lm_converter_round_trip_is_exact(imported, tmp_path):
