@@ -122,21 +122,6 @@ def _layout(args) -> tuple[int, int, int, int]:
             getattr(args, "virtual_pipeline_model_parallel_size", None) or 1)
 
 
-def _stage_models(sd: dict, vpp: int, path: str, heads_per_rank: int) -> list[dict]:
-    """The stage's model chunks in Megatron-core names (legacy-model files converted)."""
-    keys = ["model"] if vpp == 1 and "model" in sd else [f"model{v}" for v in range(vpp)]
-    if not all(k in sd for k in keys):
-        raise ckpt.CheckpointError(f"{path}: holds {sorted(k for k in sd if k.startswith('model'))}"
-                                   f", the recorded virtual pipeline size {vpp} calls for {keys}")
-    if not any(legacy_model.is_legacy_model(sd[k]) for k in keys):
-        return [sd[k] for k in keys]
-    version = legacy_model.checkpoint_version(sd, path)
-    if version < 2.0 and sd.get("optimizer") is not None:
-        raise ckpt.CheckpointError(f"{path}: optimizer state of checkpoint_version {version} "
-                                   f"(another QKV order) is not read; import with --no-optimizer")
-    return [legacy_model.to_core(sd[k], version, heads_per_rank, path) for k in keys]
-
-
 def _param_items(model: dict):
     """(key, tensor) of the stage's parameters in module order (buffers and FP8 state left out)."""
     return [(k, v) for k, v in model.items()
@@ -216,7 +201,7 @@ def read(root: str, vocab_size: int | None = None, *, optimizer: bool = True):
     steps, sched, optim_found = set(), first.get("opt_param_scheduler"), []
     for (t, p, e), path in sorted(files.items()):
         sd = first if path == _first_file(folder) else safe_load.load(path)
-        models = _stage_models(sd, vpp, path, args.num_attention_heads // tp)
+        models = legacy_model.stage_models(sd, vpp, path, args.num_attention_heads // tp, optimizer)
         params = [(f"{v}:{k}", x) for v, m in enumerate(models) for k, x in _param_items(m)]
         if not optimizer:
             assigned = {}

@@ -120,3 +120,20 @@ def to_core(model: dict, version: float, heads_per_rank: int, path: str) -> dict
             value = fix_qkv(value, version, heads_per_rank)
         out[name] = value
     return out
+
+
+def stage_models(sd: dict, vpp: int, path: str, heads_per_rank: int,
+                 optimizer: bool = True) -> list[dict]:
+    """The stage's model chunks in Megatron-core names (legacy-model files converted); with
+    `optimizer`, a file of checkpoint_version 0 / 1.0 holding optimizer state is refused."""
+    keys = ["model"] if vpp == 1 and "model" in sd else [f"model{v}" for v in range(vpp)]
+    if not all(k in sd for k in keys):
+        raise ckpt.CheckpointError(f"{path}: holds {sorted(k for k in sd if k.startswith('model'))}"
+                                   f", the recorded virtual pipeline size {vpp} calls for {keys}")
+    if not any(is_legacy_model(sd[k]) for k in keys):
+        return [sd[k] for k in keys]
+    version = checkpoint_version(sd, path)
+    if version < 2.0 and optimizer and sd.get("optimizer") is not None:
+        raise ckpt.CheckpointError(f"{path}: optimizer state of checkpoint_version {version} "
+                                   f"(another QKV order) is not read; import with --no-optimizer")
+    return [to_core(sd[k], version, heads_per_rank, path) for k in keys]
