@@ -35,14 +35,14 @@ def _files(name):
 
 
 def _weights(folder):
-    from training.checkpoint.reshard import read_full_state
+    from megazoo.training.checkpoint.reshard import read_full_state
     return read_full_state(folder).weights
 
 
 @pytest.fixture(scope="module")
 def imported(tmp_path_factory):
     """Each golden checkpoint imported once at a layout other than its own."""
-    from training.checkpoint.foreign.convert import import_checkpoint
+    from megazoo.training.checkpoint.foreign.convert import import_checkpoint
     tmp = tmp_path_factory.mktemp("golden")
     layouts = {"llama_tp2": (1, 1), "llama_tp2_pp2": (1, 2), "gpt_tp2": (4, 1),
                "gpt_megazoo_export": (2, 2), "trained_tp1": (2, 2),
@@ -53,7 +53,7 @@ def imported(tmp_path_factory):
 
 
 def test_megatron_lm_files_load_through_the_allowlist():
-    from training.checkpoint.foreign import safe_load
+    from megazoo.training.checkpoint.foreign import safe_load
     checked = 0
     for name in LLAMA + ("gpt_tp2", "trained_tp1", "trained_legacy_tp1"):
         for path in _files(name):
@@ -82,8 +82,8 @@ def test_megatron_lm_file_imported_at_another_layout_gives_the_reference_logits(
 
 @pytest.mark.parametrize("name", ["trained_tp1", "trained_legacy_tp1"])
 def test_megatron_lm_save_checkpoint_with_optimizer_carries_it_over(imported, name):
-    from training.checkpoint.foreign import megatron_legacy_model, safe_load
-    from training.checkpoint.reshard import read_full_state
+    from megazoo.training.checkpoint.foreign import megatron_legacy_model, safe_load
+    from megazoo.training.checkpoint.reshard import read_full_state
     sd = safe_load.load(_files(name)[0])
     assert {"optimizer", "opt_param_scheduler", "rng_state", "rerun_state_machine"} <= set(sd)
     sd["model"] = megatron_legacy_model.stage_models(sd, 1, name, 4)[0]  # Megatron-core names
@@ -117,8 +117,8 @@ def test_megatron_lm_converter_round_trip_is_exact(imported, tmp_path):
     """megazoo's export -> Megatron-LM's converter (tp1 -> tp2, legacy model) -> import: every
     weight bit for bit; both Llama layouts Megatron wrote hold the same weights; today's export
     of the import equals the file Megatron-LM's converter loaded, tensor for tensor."""
-    from training.checkpoint.foreign import safe_load
-    from training.checkpoint.foreign.convert import export_checkpoint
+    from megazoo.training.checkpoint.foreign import safe_load
+    from megazoo.training.checkpoint.foreign.convert import export_checkpoint
     pairs = [("gpt_megazoo_export", "gpt_tp2"), LLAMA]
     checked = 0
     for a, b in pairs:
@@ -150,7 +150,7 @@ def _resave(path, sd):
     not pickle, so the args keep plain values and the rerun state is dropped."""
     import argparse
 
-    from training.checkpoint.foreign.safe_load import ForeignValue
+    from megazoo.training.checkpoint.foreign.safe_load import ForeignValue
     sd["args"] = argparse.Namespace(**{k: v for k, v in vars(sd["args"]).items()
                                        if not isinstance(v, ForeignValue)})
     sd.pop("rerun_state_machine", None)
@@ -160,9 +160,9 @@ def _resave(path, sd):
 def test_megatron_lm_older_qkv_orders_and_foreign_tensors(imported, tmp_path):
     import shutil
 
-    from training.checkpoint.foreign import safe_load
-    from training.checkpoint.foreign.convert import import_checkpoint
-    from training.checkpoint.format import CheckpointError
+    from megazoo.training.checkpoint.foreign import safe_load
+    from megazoo.training.checkpoint.foreign.convert import import_checkpoint
+    from megazoo.training.checkpoint.format import CheckpointError
     want = _weights(imported["gpt_tp2"])
     for version in (0, 1.0):
         root = tmp_path / f"v{version}"

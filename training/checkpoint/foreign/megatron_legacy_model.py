@@ -25,7 +25,7 @@ import re
 
 import torch
 
-from training.checkpoint import format as ckpt
+from megazoo.training.checkpoint import format as ckpt
 
 _LAYER = {  # legacy suffix after `layers.N.` -> Megatron-core suffix after `decoder.layers.N.`
     "input_norm": "input_layernorm", "input_layernorm": "input_layernorm",
