@@ -1,7 +1,10 @@
-"""Megatron-LM legacy checkpoints in and out (training/checkpoint/foreign/).
+"""Megatron-LM legacy checkpoints in and out (training/checkpoint/foreign/), on files written by
+the test.
 
 The source (tests/foreign_checkpoints.py) is Megatron-core's own GPTModel after two AdamW
-steps, in the legacy file layout of Megatron-LM's training/checkpointing.py. Checked: imported
+steps, wrapped by the test in the legacy file layout as we read Megatron-LM's
+training/checkpointing.py (not written by Megatron-LM: its own files are checked in
+test_checkpoint_megatron_golden.py). Checked: imported
 at another layout the logits equal Megatron-core's forward within 1e-5, iteration, consumed
 samples and Adam moments carry over exactly, `--load` of the import continues the run with
 Megatron's next loss, export -> import is bit for bit, TP shards follow Megatron's

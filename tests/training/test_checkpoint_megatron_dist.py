@@ -4,8 +4,9 @@ The torch_dist checkpoint is written by Megatron-core's own `dist_checkpointing.
 the exported one is loaded by its `dist_checkpointing.load` (CUDA calls stubbed for the CPU).
 A `--use-distributed-optimizer` save's `distrib_optim.pt` is laid out by Megatron-core's own
 grad buffers and written by its own DistributedOptimizer methods (on a stand-in: its
-constructor refuses CPU tensors); MoE is checked in both legacy and torch_dist. The source
-models and files: tests/foreign_checkpoints.py.
+constructor refuses CPU tensors); MoE is checked in both legacy and torch_dist (the legacy
+file wrapped by the test, not written by Megatron-LM). The source models and files:
+tests/foreign_checkpoints.py.
 """
 import argparse
 import os

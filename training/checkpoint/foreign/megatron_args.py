@@ -200,7 +200,10 @@ def from_config(config: TransformerConfig, *, tp: int, pp: int, vpp: int, iterat
         virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
         expert_model_parallel_size=1, use_distributed_optimizer=False, use_mcore_models=True,
         iteration=iteration, consumed_train_samples=consumed_samples,
-        transformer_impl="local")
+        transformer_impl="local",
+        # Megatron-LM's converter (tools/checkpoint) refuses args without a tokenizer type;
+        # megazoo's models take Hugging Face tokenizers
+        tokenizer_type="HuggingFaceTokenizer")
     if megatron_deepspeed:
         fields.update(position_embedding_type=_DEEPSPEED_POSITION[config.position_embedding],
                       embed_layernorm=config.embedding_layernorm, use_mcore_models=False)

@@ -30,6 +30,7 @@ import torch
 from megazoo.training.checkpoint import format as ckpt
 from megazoo.training.checkpoint.foreign import megatron_args, names, safe_load
 from megazoo.training.checkpoint.foreign import megatron_distrib_optim as distrib_optim
+from megazoo.training.checkpoint.foreign import megatron_legacy_model as legacy_model
 from megazoo.training.checkpoint.foreign.assemble import Pieces, check_shapes, expected_shapes
 from megazoo.training.checkpoint.reshard import FullState
 
@@ -121,16 +122,6 @@ def _layout(args) -> tuple[int, int, int, int]:
             getattr(args, "virtual_pipeline_model_parallel_size", None) or 1)
 
 
-def _stage_models(sd: dict, vpp: int, path: str) -> list[dict]:
-    if vpp == 1 and "model" in sd:
-        return [sd["model"]]
-    keys = [f"model{v}" for v in range(vpp)]
-    if not all(k in sd for k in keys):
-        raise ckpt.CheckpointError(f"{path}: holds {sorted(k for k in sd if k.startswith('model'))}"
-                                   f", the recorded virtual pipeline size {vpp} calls for {keys}")
-    return [sd[k] for k in keys]
-
-
 def _param_items(model: dict):
     """(key, tensor) of the stage's parameters in module order (buffers and FP8 state left out)."""
     return [(k, v) for k, v in model.items()
@@ -210,7 +201,7 @@ def read(root: str, vocab_size: int | None = None, *, optimizer: bool = True):
     steps, sched, optim_found = set(), first.get("opt_param_scheduler"), []
     for (t, p, e), path in sorted(files.items()):
         sd = first if path == _first_file(folder) else safe_load.load(path)
-        models = _stage_models(sd, vpp, path)
+        models = legacy_model.stage_models(sd, vpp, path, args.num_attention_heads // tp, optimizer)
         params = [(f"{v}:{k}", x) for v, m in enumerate(models) for k, x in _param_items(m)]
         if not optimizer:
             assigned = {}
@@ -348,7 +339,8 @@ def write(full: FullState, config, root: str, *, tp: int, pp: int, vpp: int = 1,
     weights = {**full.weights, **full.master}
     step = int(full.scalars.get("applied_steps", torch.tensor(iteration)))
     scheduler = scheduler_state((meta.get("source") or {}).get("scheduler"), consumed)
-    folder = os.path.join(root, f"iter_{iteration:07d}")
+    # Megatron-LM's loader refuses a tracker reading 0: an untrained model is a release
+    folder = os.path.join(root, f"iter_{iteration:07d}" if iteration else "release")
     for t in range(tp):
         for p in range(pp):
             def part(values, canon, split, expert):
@@ -373,7 +365,7 @@ def write(full: FullState, config, root: str, *, tp: int, pp: int, vpp: int = 1,
             os.makedirs(os.path.dirname(path), exist_ok=True)
             torch.save(sd, path)
     with open(os.path.join(root, TRACKER), "w") as f:
-        f.write(str(iteration))
+        f.write(str(iteration) if iteration else "release")
     logger.info("wrote Megatron-LM checkpoint %s (tp=%d pp=%d vpp=%d, iteration %d%s)", folder,
                 tp, pp, vpp, iteration, ", with optimizer" if full.optim else "")
     return folder

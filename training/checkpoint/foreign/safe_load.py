@@ -50,6 +50,10 @@ class ForeignValue:
 STAND_INS = (
     "megatron.core.enums.ModelType",
     "megatron.core.enums.Fp8Recipe",
+    # Megatron-LM's save_checkpoint stores the rerun state machine's state in every file
+    "megatron.core.rerun_state_machine.RerunMode",
+    "megatron.core.rerun_state_machine.RerunState",
+    "megatron.core.rerun_state_machine.RerunDiagnostic",
     "megatron.core.transformer.enums.AttnBackend",
     "megatron.core.transformer.enums.AttnMaskType",
     "megatron.core.transformer.enums.AttnType",

@@ -1,0 +1,185 @@
+"""Megatron-LM checkpoints written by Megatron-LM itself (tests/fixtures/megatron_lm/, its
+README.md names the Megatron-LM release and the command lines).
+
+The files come from Megatron-LM's own tools/checkpoint/convert.py and save_checkpoint: a tiny
+random Hugging Face Llama through `--loader llama_mistral --saver legacy` at tp2 and tp2/pp2, and
+a GPT-2-shaped megazoo export read by `--loader core` and re-saved with `--saver legacy` at tp2
+(so Megatron-LM loaded what megazoo writes), and a Llama-shaped Megatron-core model after two
+steps of Megatron's own optimizer, saved by save_checkpoint with optimizer, scheduler and RNG
+state (and the same as a legacy model, `--use-legacy-models`, as GPT-3-era runs saved). Checked: every file loads with
+`weights_only=True` through the allowlist; imported at other layouts, the logits equal the
+source model's stored reference logits within 1e-5; the round trip through Megatron-LM's
+converter is bit for bit; the QKV orders of checkpoint_version 0 and 1.0 (rewritten here from a
+real file, as Megatron-LM's fix_query_key_value_ordering reads them) come back to the same
+weights; a tensor of another legacy model is refused by name; the trained file's Adam moments,
+fp32 weights, step, iteration and consumed samples carry over exactly.
+"""
+import os
+
+import pytest
+import torch
+
+from tests.fixtures import MEGATRON_LM
+from tests.foreign_checkpoints import FP32, megazoo_logits
+
+LLAMA = ("llama_tp2", "llama_tp2_pp2")
+
+
+def _reference(name):
+    from safetensors.torch import load_file
+    return load_file(str(MEGATRON_LM / f"{name}_reference.safetensors"))
+
+
+def _files(name):
+    return sorted(str(p) for p in (MEGATRON_LM / name).rglob("model_optim_rng.pt"))
+
+
+def _weights(folder):
+    from megazoo.training.checkpoint.reshard import read_full_state
+    return read_full_state(folder).weights
+
+
+@pytest.fixture(scope="module")
+def imported(tmp_path_factory):
+    """Each golden checkpoint imported once at a layout other than its own."""
+    from megazoo.training.checkpoint.foreign.convert import import_checkpoint
+    tmp = tmp_path_factory.mktemp("golden")
+    layouts = {"llama_tp2": (1, 1), "llama_tp2_pp2": (1, 2), "gpt_tp2": (4, 1),
+               "gpt_megazoo_export": (2, 2), "trained_tp1": (2, 2),
+               "trained_legacy_tp1": (2, 1)}
+    return {name: import_checkpoint("megatron", str(MEGATRON_LM / name), str(tmp / name),
+                                    tp=tp, pp=pp)
+            for name, (tp, pp) in layouts.items()}
+
+
+def test_megatron_lm_files_load_through_the_allowlist():
+    from megazoo.training.checkpoint.foreign import safe_load
+    checked = 0
+    for name in LLAMA + ("gpt_tp2", "trained_tp1", "trained_legacy_tp1"):
+        for path in _files(name):
+            sd = safe_load.load(path)  # weights_only=True with the allowlist
+            assert {"args", "checkpoint_version", "iteration", "model", "rerun_state_machine",
+                    "num_floating_point_operations_so_far"} <= set(sd)
+            # the stand-in, or Megatron-core's own enum where an imported megatron-core has
+            # added it to torch's safe globals itself
+            mode = sd["rerun_state_machine"]["mode"]
+            assert type(mode).__name__ == "RerunMode" and mode.value == "disabled"
+            assert sd["checkpoint_version"] == 3.0
+            legacy = name != "trained_tp1"
+            assert bool(sd["args"].use_legacy_models) == legacy == ("language_model" in sd["model"])
+            checked += 1
+    assert checked == 2 + 4 + 2 + 1 + 1
+
+
+@pytest.mark.parametrize("name", ["llama_tp2", "llama_tp2_pp2", "gpt_tp2", "gpt_megazoo_export",
+                                  "trained_tp1", "trained_legacy_tp1"])
+def test_megatron_lm_file_imported_at_another_layout_gives_the_reference_logits(imported, name):
+    ref = _reference(name.split("_")[0] if name != "trained_legacy_tp1" else "trained_legacy")
+    logits = megazoo_logits(imported[name], ref["input_ids"])
+    # Megatron's trained logits span its padded vocabulary (112); the import keeps the 100 tokens
+    torch.testing.assert_close(logits, ref["logits"][..., :logits.shape[-1]], **FP32)
+
+
+@pytest.mark.parametrize("name", ["trained_tp1", "trained_legacy_tp1"])
+def test_megatron_lm_save_checkpoint_with_optimizer_carries_it_over(imported, name):
+    from megazoo.training.checkpoint.foreign import megatron_legacy_model, safe_load
+    from megazoo.training.checkpoint.reshard import read_full_state
+    sd = safe_load.load(_files(name)[0])
+    assert {"optimizer", "opt_param_scheduler", "rng_state", "rerun_state_machine"} <= set(sd)
+    sd["model"] = megatron_legacy_model.stage_models(sd, 1, name, 4)[0]  # Megatron-core names
+    full = read_full_state(imported[name])
+    assert (full.meta["iteration"], full.meta["consumed_samples"]) == (2, 4)
+    assert {k: int(v) for k, v in full.scalars.items()} == {"iteration": 2, "applied_steps": 2}
+    assert full.meta["source"]["scheduler"]["lr_decay_style"] == "cosine"
+    opt = sd["optimizer"]
+    params = [k for k, v in sd["model"].items() if isinstance(v, torch.Tensor)]
+    by_group = [[k for k in params if (k.endswith("bias") or sd["model"][k].dim() == 1) ==
+                 (g["wd_mult"] == 0.0)] for g in opt["param_groups"]]
+    names = {"embedding.word_embeddings.weight": "embedding.word_embeddings.weight",
+             "decoder.layers.1.mlp.linear_fc1.weight": "layers.1.mlp.fc1.weight",
+             "decoder.layers.0.self_attention.linear_qkv.weight": "layers.0.attention.qkv.weight",
+             "decoder.layers.1.pre_mlp_layernorm.weight": "layers.1.post_attention_norm.weight",
+             "output_layer.weight": "head_weight"}
+    checked = 0
+    for group, keys in zip(opt["param_groups"], by_group):
+        for idx, key in zip(group["params"], keys):
+            if key in names:
+                rows = slice(0, 100)  # the vocabulary padding is cut
+                for s in ("exp_avg", "exp_avg_sq"):
+                    assert torch.equal(full.optim[s][names[key]], opt["state"][idx][s][rows])
+                assert torch.equal(full.optim["master"][names[key]], sd["model"][key][rows])
+                assert int(opt["state"][idx]["step"]) == 2
+                checked += 1
+    assert checked == len(names)
+
+
+def test_megatron_lm_converter_round_trip_is_exact(imported, tmp_path):
+    """megazoo's export -> Megatron-LM's converter (tp1 -> tp2, legacy model) -> import: every
+    weight bit for bit; both Llama layouts Megatron wrote hold the same weights; today's export
+    of the import equals the file Megatron-LM's converter loaded, tensor for tensor."""
+    from megazoo.training.checkpoint.foreign import safe_load
+    from megazoo.training.checkpoint.foreign.convert import export_checkpoint
+    pairs = [("gpt_megazoo_export", "gpt_tp2"), LLAMA]
+    checked = 0
+    for a, b in pairs:
+        wa, wb = _weights(imported[a]), _weights(imported[b])
+        assert set(wa) == set(wb)
+        for k in wa:
+            assert torch.equal(wa[k], wb[k]), (a, b, k)
+            checked += 1
+    again = export_checkpoint("megatron", imported["gpt_megazoo_export"], str(tmp_path / "mg"))
+    new = safe_load.load(os.path.join(again, "mp_rank_00", "model_optim_rng.pt"))
+    old = safe_load.load(_files("gpt_megazoo_export")[0])
+    assert list(new["model"]) == list(old["model"])
+    assert all(torch.equal(new["model"][k], old["model"][k]) for k in old["model"])
+    assert vars(new["args"]) == vars(old["args"])
+    assert checked > 30
+
+
+def _old_qkv_order(t, version, heads):
+    """A rank's QKV rows of checkpoint_version 3.0 (no grouping: per head [q; k; v]) in the
+    order of version 0 ([3, heads, head_dim]) or 1.0 ([heads, head_dim, 3])."""
+    rest = tuple(t.shape[1:])
+    t = t.reshape((heads, 3, t.shape[0] // (3 * heads)) + rest)
+    t = t.transpose(0, 1) if version == 0 else t.transpose(1, 2)
+    return t.reshape((-1,) + rest).contiguous()
+
+
+def _resave(path, sd):
+    """torch.save of a file read through the allowlist: the stand-ins for Megatron's enums do
+    not pickle, so the args keep plain values and the rerun state is dropped."""
+    import argparse
+
+    from megazoo.training.checkpoint.foreign.safe_load import ForeignValue
+    sd["args"] = argparse.Namespace(**{k: v for k, v in vars(sd["args"]).items()
+                                       if not isinstance(v, ForeignValue)})
+    sd.pop("rerun_state_machine", None)
+    torch.save(sd, path)
+
+
+def test_megatron_lm_older_qkv_orders_and_foreign_tensors(imported, tmp_path):
+    import shutil
+
+    from megazoo.training.checkpoint.foreign import safe_load
+    from megazoo.training.checkpoint.foreign.convert import import_checkpoint
+    from megazoo.training.checkpoint.format import CheckpointError
+    want = _weights(imported["gpt_tp2"])
+    for version in (0, 1.0):
+        root = tmp_path / f"v{version}"
+        shutil.copytree(MEGATRON_LM / "gpt_tp2", root)
+        for path in root.rglob("model_optim_rng.pt"):
+            sd = safe_load.load(str(path))
+            enc = sd["model"]["language_model"]["encoder"]
+            for k in [k for k in enc if ".query_key_value." in k and enc[k] is not None]:
+                enc[k] = _old_qkv_order(enc[k], version, 2)  # 4 heads over tp2
+            sd["checkpoint_version"] = version
+            _resave(path, sd)
+        got = _weights(import_checkpoint("megatron", str(root), str(tmp_path / f"mz{version}")))
+        assert all(torch.equal(got[k], want[k]) for k in want)
+    path = next(root.rglob("model_optim_rng.pt"))
+    sd = safe_load.load(str(path))
+    sd["model"]["language_model"]["pooler"] = {"dense.weight": torch.zeros(2, 2)}
+    _resave(path, sd)
+    with pytest.raises(CheckpointError, match=r"language_model.pooler.dense.weight is not a "
+                                              r"tensor of Megatron-LM's legacy GPT model"):
+        import_checkpoint("megatron", str(root), str(tmp_path / "refused"))
