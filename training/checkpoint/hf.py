@@ -106,6 +106,7 @@ def hf_to_full(folder: str, parsed: tuple | None = None) -> tuple[str, Transform
     model_type, module, hf = parsed or read_hf_config(folder)
     config = module.config_from_hf(hf)
     sd = read_hf_weights(folder)
+    config, record = _without_missing_depths(module, config, sd, folder)
     try:
         full = module.from_hf_state_dict(sd, config)
         if config.tie_word_embeddings and "lm_head.weight" in sd and \
@@ -121,8 +122,28 @@ def hf_to_full(folder: str, parsed: tuple | None = None) -> tuple[str, Transform
     check_all_used(sd, full, module.to_hf_state_dict(full, config), f"{folder} ({model_type})")
     dtype = str(getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None) or "float32")
     meta = dict(consumed_samples=0, skipped_steps=0,
-                hf_config={**hf_token_record(folder, hf), "dtype": dtype.removeprefix("torch.")})
+                hf_config={**hf_token_record(folder, hf), **record,
+                           "dtype": dtype.removeprefix("torch.")})
     return model_type, config, FullState(meta, {k: v.float() for k, v in full.items()})
+
+
+# meta.json's hf_config key: prediction depths config.json named without their weights
+MTP_WITHOUT_WEIGHTS = "mtp_depths_without_weights"
+
+
+def _without_missing_depths(adapter, config: TransformerConfig, sd: dict, folder: str):
+    """(config, record): a folder whose config.json names multi-token prediction depths its
+    weights lack (transformers saves DeepSeek-V3 so: it keeps num_nextn_predict_layers, drops the
+    depths) imports as the main model without them, said once; the record lets export write the
+    field back, so the folder round-trips unchanged."""
+    present = getattr(adapter, "mtp_weights_present", None)
+    if not config.mtp_num_layers or present is None or present(sd, config):
+        return config, {}
+    logger.warning("%s: config.json names %d multi-token prediction depth(s) (%s) but the weights "
+                   "hold none (as transformers saves them); importing the model without them "
+                   "(export writes %s back)", folder, config.mtp_num_layers, adapter.MTP_FIELD,
+                   adapter.MTP_FIELD)
+    return config.replace(mtp_num_layers=0), {MTP_WITHOUT_WEIGHTS: config.mtp_num_layers}
 
 
 # Buffers some HF weight files carry that are no parameters (rotary frequencies, GPT-2's causal
@@ -249,6 +270,8 @@ def export_hf(load: str, save: str, *, tokenizer_dir: str | None = None,
     recorded = {**(meta.get("hf_config") or {}), **read_record(checkpoint_tokenizer_dir(folder))}
     for k in TOKEN_IDS:  # ids outside the vocabulary are dropped
         setattr(hf, k, _valid_ids(recorded.get(k, getattr(hf, k, None)), config.vocab_size))
+    if recorded.get(MTP_WITHOUT_WEIGHTS) and not config.mtp_num_layers:
+        setattr(hf, module.MTP_FIELD, recorded[MTP_WITHOUT_WEIGHTS])  # as the imported folder said
     dtype = dtype or (meta.get("hf_config") or {}).get("dtype") or config.params_dtype
     hf.dtype = dtype
     os.makedirs(save, exist_ok=True)
