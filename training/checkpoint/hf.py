@@ -2,8 +2,8 @@
 
 Import reads `config.json` and the weights (`model.safetensors`, `pytorch_model.bin`, or their
 sharded `*.index.json` forms; `.bin` files with `torch.load(weights_only=True)`, so nothing
-arbitrary is unpickled), maps them to megazoo's full tensors with the family's
-`from_hf_state_dict` (GPT-2's Conv1D transposes and [q|k|v] -> per-head QKV order live there)
+arbitrary is unpickled; an FP8 release's block-scaled tensors dequantized: hf_fp8.py), maps
+them to megazoo's full tensors with the family's `from_hf_state_dict` (GPT-2's Conv1D transposes and [q|k|v] -> per-head QKV order live there)
 and writes a weights-only checkpoint for the target (tp, pp, vpp). Tokenizer files are copied
 into the checkpoint's `tokenizer/` folder with the special-token ids of config.json and
 generation_config.json.
@@ -32,6 +32,7 @@ from models.registry import build_model, family
 from parallel.layout import ParallelConfig, virtual_stages
 
 from training.checkpoint import format as ckpt
+from training.checkpoint.hf_fp8 import dequantize, read_quantization
 from training.checkpoint.tokenizer import TOKEN_IDS, copy_tokenizer, hf_token_record, read_record
 from training.checkpoint.tokenizer import tokenizer_dir as checkpoint_tokenizer_dir
 from training.checkpoint.tokenizer import write_record
@@ -62,9 +63,16 @@ def read_hf_config(folder: str):
     except ValueError as e:
         raise ConversionError(str(e)) from None
     try:
-        return model_type, module, AutoConfig.from_pretrained(folder, local_files_only=True)
+        quantized = read_quantization(folder)
+    except ValueError as e:
+        raise ConversionError(str(e)) from None
+    try:
+        hf = AutoConfig.from_pretrained(folder, local_files_only=True)
     except (ValueError, OSError) as e:
         raise ConversionError(f"{path}: unreadable config ({e})") from None
+    if quantized is not None and hasattr(hf, "quantization_config"):
+        del hf.quantization_config  # the weights are dequantized as they are read
+    return model_type, module, hf
 
 
 def _weight_files(folder: str) -> list[str]:
@@ -84,6 +92,7 @@ def _weight_files(folder: str) -> list[str]:
 
 
 def read_hf_weights(folder: str) -> dict[str, torch.Tensor]:
+    """Every tensor of a folder's weight files; an FP8 release's dequantized (hf_fp8.py)."""
     sd = {}
     for path in _weight_files(folder):
         if not os.path.isfile(path):
@@ -97,7 +106,11 @@ def read_hf_weights(folder: str) -> dict[str, torch.Tensor]:
                 ValueError) as e:
             raise ConversionError(f"{path}: corrupt, truncated or not a weights file "
                                   f"({str(e).splitlines()[0][:200]}); download it again") from None
-    return sd
+    try:
+        quantized = read_quantization(folder)
+        return sd if quantized is None else dequantize(sd, quantized, folder)
+    except ValueError as e:
+        raise ConversionError(str(e)) from None
 
 
 def hf_to_full(folder: str, parsed: tuple | None = None) -> tuple[str, TransformerConfig, FullState]:
