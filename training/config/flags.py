@@ -131,7 +131,8 @@ def _preset_with_flags(name: str, overrides: dict) -> TransformerConfig:
 RUN_SETTINGS = ("params_dtype", "recompute_granularity", "recompute_method", "recompute_num_layers")
 
 
-def _loaded_with_flags(loaded: TransformerConfig, overrides: dict, args) -> TransformerConfig:
+def _loaded_with_flags(loaded: TransformerConfig, overrides: dict, args,
+                       tokenizer_vocab: bool) -> TransformerConfig:
     """--load's model (the whole config its checkpoint records: family, sizes, rope, norms ...)
     with the flags given applied. Training settings may change (dropout, aux losses, ...); a flag
     that changes what the weights compute is refused, naming both values."""
@@ -143,8 +144,11 @@ def _loaded_with_flags(loaded: TransformerConfig, overrides: dict, args) -> Tran
     saved, here = loaded.computed_fields(), model.computed_fields()
     for k in dict.fromkeys([*saved, *here]):
         if saved.get(k) != here.get(k):
+            fix = "the tokenizer's vocabulary: give the tokenizer it was trained with" \
+                if k == "vocab_size" and tokenizer_vocab else \
+                "drop the flag (the checkpoint gives the model's shape)"
             _fail(f"--load {args.load} holds another model: {k}={saved.get(k)!r} there, "
-                  f"{here.get(k)!r} here; drop the flag (the checkpoint gives the model's shape)")
+                  f"{here.get(k)!r} here; {fix}")
     if args.model and "model" in (getattr(args, "given_flags", None) or ()):
         logger.info("--use-checkpoint-args: the model is --load's, not --model %s", args.model)
     logger.info("--load %s: the model from its checkpoint (family %r, %d layers, hidden size %d)",
@@ -185,7 +189,7 @@ def to_run_config(args: argparse.Namespace, vocab_size: int | None = None,
     given = getattr(args, "given_flags", None)  # None: a namespace not from the parser
     if loaded is not None and (getattr(args, "use_checkpoint_args", False)
                                or (given is not None and "model" not in given)):
-        model = _loaded_with_flags(loaded, overrides, args)
+        model = _loaded_with_flags(loaded, overrides, args, tokenizer_vocab=bool(vocab_size))
     elif args.model:
         model = _preset_with_flags(args.model, overrides)
     else:
