@@ -2,7 +2,8 @@
 
 * `tools/convert_hf.py import` of a tiny HF Llama (2 layers, hidden 32, GQA, llama3 rope), then
   `train_llama.py --load CK --finetune` with no model flag (the script's default preset is
-  SmolLM2-135M, hidden 576) trains 2 iterations; the saved model config is the imported one.
+  SmolLM2-135M, hidden 576) trains 2 iterations in this process; the saved model config is the
+  imported one.
 * The flags on top of the checkpoint's config: a training setting changes (dropout); a shape
   flag that contradicts the checkpoint is refused in one line naming both values; an explicit
   --model is the preset (refused at load as before), unless --use-checkpoint-args; no --load,
@@ -12,18 +13,12 @@ from __future__ import annotations
 
 import pytest
 
-from tests.distributed import run_distributed
+from tests.helpers import one_thread  # noqa: F401 (autouse fixture)
 from tests.hf_models import LLAMA3, hf_llama
 from tests.tool_runs import convert_hf_tool
 
 RUN = ["--mock-data", "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "4",
        "--lr", "1e-3", "--log-interval", "1", "--eval-interval", "1000", "--train-iters", "2"]
-
-
-def _train_llama(rank, argv):
-    from training.run.entry import main
-    result = main("llama", argv)  # train_llama.py
-    return result.checkpoint, result.losses
 
 
 @pytest.fixture(scope="module")
@@ -34,12 +29,13 @@ def imported(tmp_path_factory):
     return root
 
 
-def test_finetune_an_import_without_shape_flags(imported):
+def test_finetune_an_import_without_shape_flags(imported, monkeypatch):
     from training.checkpoint.format import latest_checkpoint, read_meta
+    from training.run.entry import main
+    monkeypatch.setattr("training.run.trainer.write_report", lambda run_dir: "(not drawn)")
     ck, tuned = str(imported / "ck"), str(imported / "tuned")
-    checkpoint, losses = run_distributed(_train_llama, 1, RUN + ["--load", ck, "--finetune",
-                                                            "--save", tuned], timeout=300)[0]
-    assert checkpoint and checkpoint.endswith("iter_0000002") and len(losses) == 2
+    result = main("llama", RUN + ["--load", ck, "--finetune", "--save", tuned])  # train_llama.py
+    assert result.checkpoint.endswith("iter_0000002") and len(result.losses) == 2
     saved = read_meta(latest_checkpoint(tuned))["model"]
     want = read_meta(latest_checkpoint(ck))["model"]
     assert saved["hidden_size"] == 32 and saved["family"] == "llama"
