@@ -18,6 +18,7 @@ import shutil
 import pytest
 import torch
 
+from tests.helpers import one_thread  # noqa: F401 (autouse fixture)
 from tests.hf_models import hf_deepseek_v3
 from tests.tool_runs import convert_hf_tool
 

@@ -28,6 +28,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.helpers import one_thread  # noqa: F401 (autouse fixture)
 from tests.hf_models import hf_deepseek_v3
 
 BLOCK = [128, 128]
