@@ -34,10 +34,10 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 
 from train_gpt import model_provider  # noqa: E402
-from training.checkpoint import format as ckpt  # noqa: E402
-from training.config.flags import to_run_config  # noqa: E402
-from training.config.parser import build_parser  # noqa: E402
-from training.run.trainer import Trainer  # noqa: E402
+from megazoo.training.checkpoint import format as ckpt  # noqa: E402
+from megazoo.training.config.flags import to_run_config  # noqa: E402
+from megazoo.training.config.parser import build_parser  # noqa: E402
+from megazoo.training.run.trainer import Trainer  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "bench", "results")
 

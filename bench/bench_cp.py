@@ -36,10 +36,10 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from models.config import TransformerConfig  # noqa: E402
-from models.presets import preset  # noqa: E402
+from megazoo.models.config import TransformerConfig  # noqa: E402
+from megazoo.models.presets import preset  # noqa: E402
 from tests.distributed import run_distributed  # noqa: E402
-from training.planning.planner import Layout, memory_per_gpu  # noqa: E402
+from megazoo.training.planning.planner import Layout, memory_per_gpu  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "bench", "results")
 MODEL = dict(vocab_size=512, hidden_size=128, num_layers=2, num_attention_heads=4, num_query_groups=2,
@@ -65,13 +65,13 @@ def _layout(cp: int, seq: int, **kw) -> Layout:
 
 def _worker(rank, cp, seq, steps):
     import torch
-    from models.language_model import TransformerLanguageModel
-    from parallel.context_parallel import split_sequence
-    from parallel.pipeline.engine import PipelineStats, run_pipeline
-    from parallel.pipeline.schedules import build_schedule
-    from parallel.topology import ParallelConfig, ParallelTopology
-    from parallel.zero import OptimizerConfig, build_optimizer
-    from training.run.step import activation_shape, make_forward_fn
+    from megazoo.models.language_model import TransformerLanguageModel
+    from megazoo.parallel.context_parallel import split_sequence
+    from megazoo.parallel.pipeline.engine import PipelineStats, run_pipeline
+    from megazoo.parallel.pipeline.schedules import build_schedule
+    from megazoo.parallel.topology import ParallelConfig, ParallelTopology
+    from megazoo.parallel.zero import OptimizerConfig, build_optimizer
+    from megazoo.training.run.step import activation_shape, make_forward_fn
 
     cfg = _config(seq)
     topo = ParallelTopology.from_config(ParallelConfig(cp=cp))

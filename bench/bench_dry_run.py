@@ -18,8 +18,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tools import dry_run as D  # noqa: E402
-from training.planning.reference_runs import published_layouts  # noqa: E402
+from megazoo.tools import dry_run as D  # noqa: E402
+from megazoo.training.planning.reference_runs import published_layouts  # noqa: E402
 
 GiB = 2 ** 30
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "dry_run.json")

@@ -20,8 +20,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 
-from data.blended import build_blending_indices  # noqa: E402
-from data.gpt_indices import build_document_index, build_sample_index, build_shuffle_index, plan_epochs  # noqa: E402
+from megazoo.data.blended import build_blending_indices  # noqa: E402
+from megazoo.data.gpt_indices import build_document_index, build_sample_index, build_shuffle_index, plan_epochs  # noqa: E402
 
 
 def loop_sample_index(sizes, doc_idx, seq_length, num_samples):

@@ -34,11 +34,11 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from models import mixtral  # noqa: E402
-from models.moe import moe_layers  # noqa: E402
-from parallel.topology import ParallelConfig, ParallelTopology  # noqa: E402
-from parallel.zero import OptimizerConfig, build_optimizer  # noqa: E402
-from training.run.step import activation_shape, forward_backward  # noqa: E402
+from megazoo.models import mixtral  # noqa: E402
+from megazoo.models.moe import moe_layers  # noqa: E402
+from megazoo.parallel.topology import ParallelConfig, ParallelTopology  # noqa: E402
+from megazoo.parallel.zero import OptimizerConfig, build_optimizer  # noqa: E402
+from megazoo.training.run.step import activation_shape, forward_backward  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "bench", "results")
 LR = 1e-4
@@ -68,7 +68,7 @@ def step_variants(a, dtype: str):
     cfg = mixtral.config_from_hf(hf.config)
     topo = ParallelTopology.single()
     mz = mixtral.MixtralModel(cfg, topo)
-    from parallel.sharding import load_full_state_dict
+    from megazoo.parallel.sharding import load_full_state_dict
     load_full_state_dict(mz, mixtral.from_hf_state_dict(hf.state_dict(), cfg), topo)
     opt = build_optimizer(mz, topo, OptimizerConfig(lr=LR, clip_grad=1.0),
                           torch.bfloat16 if dtype == "bf16" else torch.float32)
@@ -102,7 +102,7 @@ def roofline(a, dtype: str) -> dict:
     """The step's FLOPs (forward + backward, causal attention at half the square) at the rate
     this core reaches on one large matmul of the model's own shape in `dtype`, nothing else
     counted: an upper bound on tokens/s for megazoo and transformers alike."""
-    from models.config import TransformerConfig
+    from megazoo.models.config import TransformerConfig
     cfg = TransformerConfig(vocab_size=a.vocab, hidden_size=a.hidden, num_layers=a.layers,
                             num_attention_heads=a.heads, num_query_groups=a.heads // 4,
                             activation="swiglu", bias=False, num_experts=a.experts,
@@ -120,9 +120,9 @@ def roofline(a, dtype: str) -> dict:
 
 # ---- experts: batched matmul vs a loop --------------------------------------------------------
 def expert_variants(a, dtype: str):
-    from models.config import TransformerConfig
-    from models.init import Initializer
-    from models.moe import MoELayer
+    from megazoo.models.config import TransformerConfig
+    from megazoo.models.init import Initializer
+    from megazoo.models.moe import MoELayer
     cfg = TransformerConfig(vocab_size=a.vocab, hidden_size=a.hidden, num_layers=1,
                             num_attention_heads=a.heads, activation="swiglu", bias=False,
                             num_experts=a.experts, moe_router_topk=a.topk, moe_ffn_hidden_size=a.ffn,
@@ -166,8 +166,8 @@ def run_rounds(variants: dict, rounds: int) -> dict:
 # ---- ep: all-to-all vs dense data parallelism -------------------------------------------------
 def _ep_worker(rank, a, kind, steps):
     torch.set_num_threads(1)
-    from models.presets import preset
-    from models.registry import build_model
+    from megazoo.models.presets import preset
+    from megazoo.models.registry import build_model
     base = dict(vocab_size=a.vocab, hidden_size=a.hidden, num_layers=a.layers,
                 num_attention_heads=a.heads, num_query_groups=a.heads // 4,
                 max_position_embeddings=a.seq)

@@ -27,11 +27,11 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
-from models.config import TransformerConfig  # noqa: E402
-from models.language_model import TransformerLanguageModel  # noqa: E402
-from parallel.topology import ParallelTopology  # noqa: E402
-from parallel.zero import OptimizerConfig, build_optimizer  # noqa: E402
-from parallel.zero.muon import MuonSettings, newton_schulz  # noqa: E402
+from megazoo.models.config import TransformerConfig  # noqa: E402
+from megazoo.models.language_model import TransformerLanguageModel  # noqa: E402
+from megazoo.parallel.topology import ParallelTopology  # noqa: E402
+from megazoo.parallel.zero import OptimizerConfig, build_optimizer  # noqa: E402
+from megazoo.parallel.zero.muon import MuonSettings, newton_schulz  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "bench", "results")
 

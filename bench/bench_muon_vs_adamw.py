@@ -41,12 +41,12 @@ sys.path.insert(0, ROOT)
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from data.indexed import IndexedDataset  # noqa: E402
-from models.config import TransformerConfig  # noqa: E402
-from models.language_model import TransformerLanguageModel  # noqa: E402
-from parallel.topology import ParallelTopology  # noqa: E402
-from parallel.zero import OptimizerConfig, build_optimizer  # noqa: E402
-from parallel.zero.muon import MuonSettings  # noqa: E402
+from megazoo.data.indexed import IndexedDataset  # noqa: E402
+from megazoo.models.config import TransformerConfig  # noqa: E402
+from megazoo.models.language_model import TransformerLanguageModel  # noqa: E402
+from megazoo.parallel.topology import ParallelTopology  # noqa: E402
+from megazoo.parallel.zero import OptimizerConfig, build_optimizer  # noqa: E402
+from megazoo.parallel.zero.muon import MuonSettings  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "bench", "results")
 GPT2 = os.path.join(ROOT, "tests", "fixtures", "gpt2")

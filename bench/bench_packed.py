@@ -34,11 +34,11 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
-from data.packing import positions_in_documents  # noqa: E402
-from models.config import TransformerConfig  # noqa: E402
-from models.language_model import TransformerLanguageModel  # noqa: E402
-from parallel.context_parallel import Documents  # noqa: E402
-from parallel.topology import ParallelTopology  # noqa: E402
+from megazoo.data.packing import positions_in_documents  # noqa: E402
+from megazoo.models.config import TransformerConfig  # noqa: E402
+from megazoo.models.language_model import TransformerLanguageModel  # noqa: E402
+from megazoo.parallel.context_parallel import Documents  # noqa: E402
+from megazoo.parallel.topology import ParallelTopology  # noqa: E402
 
 MODEL = dict(vocab_size=4096, hidden_size=256, num_layers=2, num_attention_heads=8, num_query_groups=4,
              ffn_hidden_size=688, position_embedding="rope", normalization="rmsnorm",

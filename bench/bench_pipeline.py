@@ -27,11 +27,11 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
-from parallel.pipeline.engine import PipelineStats, Timeline, run_pipeline  # noqa: E402
-from parallel.pipeline.partition import partition  # noqa: E402
-from parallel.pipeline.schedules import activation_bound, build_schedule  # noqa: E402
-from parallel.pipeline.simulate import simulate  # noqa: E402
-from parallel.topology import ParallelConfig, ParallelTopology  # noqa: E402
+from megazoo.parallel.pipeline.engine import PipelineStats, Timeline, run_pipeline  # noqa: E402
+from megazoo.parallel.pipeline.partition import partition  # noqa: E402
+from megazoo.parallel.pipeline.schedules import activation_bound, build_schedule  # noqa: E402
+from megazoo.parallel.pipeline.simulate import simulate  # noqa: E402
+from megazoo.parallel.topology import ParallelConfig, ParallelTopology  # noqa: E402
 from tests.distributed import run_distributed  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -135,7 +135,7 @@ def main(argv=None) -> int:
     runs = [("1f1b", 1), ("interleaved", args.vpp)]
     results = run_distributed(_bench_worker, args.pp, runs, args, timeout=600)[0]
     os.makedirs(args.out, exist_ok=True)
-    from tools.draw_timeline import bubble_fraction, draw  # noqa: PLC0415 - matplotlib only here
+    from megazoo.tools.draw_timeline import bubble_fraction, draw  # noqa: PLC0415 - matplotlib only here
 
     rows, panels = [], []
     for res in results:

@@ -96,7 +96,7 @@ def prose_documents() -> tuple[list[str], list[str]]:
 
 
 def python_documents() -> list[str]:
-    from data.text_sources import resolve_inputs
+    from megazoo.data.text_sources import resolve_inputs
 
     docs = []
     for _, path in resolve_inputs([sysconfig.get_path("stdlib")], (".py",)).files:
@@ -150,7 +150,7 @@ def baseline_plain(jsonl: str, num_proc: int, cache_dir: str) -> None:
     os.environ["HF_DATASETS_OFFLINE"] = "1"
     from datasets import load_dataset
 
-    from data.tokenizers import build_tokenizer
+    from megazoo.data.tokenizers import build_tokenizer
 
     os.makedirs(cache_dir, exist_ok=True)
     cache_dir = tempfile.mkdtemp(dir=cache_dir)  # fresh per run: a warm datasets cache would skip the work
@@ -219,7 +219,7 @@ def outcome(method: str, w: int, tmp: str, out: str) -> dict:
     """Documents and tokens a run wrote (and, for Megatron's, whether its files equal ours)."""
     import numpy as np
 
-    from data.indexed import IndexedDataset
+    from megazoo.data.indexed import IndexedDataset
 
     if method.startswith("datasets.map"):
         return json.loads(out.strip().splitlines()[-1])

@@ -32,9 +32,9 @@ from typing import NamedTuple
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from models.config import TransformerConfig  # noqa: E402
+from megazoo.models.config import TransformerConfig  # noqa: E402
 from tests.distributed import run_distributed  # noqa: E402
-from training.planning.planner import (Layout, activation_bytes, memory_per_gpu,  # noqa: E402
+from megazoo.training.planning.planner import (Layout, activation_bytes, memory_per_gpu,  # noqa: E402
                               model_state_bytes, stage_params)
 
 RESULTS = os.path.join(ROOT, "bench", "results")
@@ -73,13 +73,13 @@ def _config(hidden: int, layers: int, precision: str = "fp32") -> TransformerCon
 def _worker(rank, hidden, layers, tp, pp, microbatches, zero, steps, sp, precision):
     import torch
 
-    from models.language_model import TransformerLanguageModel
-    from parallel.pipeline.engine import PipelineStats, run_pipeline
-    from parallel.pipeline.schedules import build_schedule
-    from parallel.pipeline.tied import broadcast_tied_embedding
-    from parallel.topology import ParallelConfig, ParallelTopology
-    from parallel.zero import OptimizerConfig, build_optimizer
-    from training.run.step import activation_shape, make_forward_fn
+    from megazoo.models.language_model import TransformerLanguageModel
+    from megazoo.parallel.pipeline.engine import PipelineStats, run_pipeline
+    from megazoo.parallel.pipeline.schedules import build_schedule
+    from megazoo.parallel.pipeline.tied import broadcast_tied_embedding
+    from megazoo.parallel.topology import ParallelConfig, ParallelTopology
+    from megazoo.parallel.zero import OptimizerConfig, build_optimizer
+    from megazoo.training.run.step import activation_shape, make_forward_fn
 
     cfg = _config(hidden, layers, precision)
     topo = ParallelTopology.from_config(ParallelConfig(tp=tp, pp=pp, sequence_parallel=sp))

@@ -46,13 +46,13 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
-from models import bloom as mz_bloom, gpt as mz_gpt  # noqa: E402
-from models.bloom import BloomModel  # noqa: E402
-from models.config import TransformerConfig  # noqa: E402
-from models.gpt import GPTModel  # noqa: E402
-from parallel.topology import ParallelTopology  # noqa: E402
-from parallel.zero import OptimizerConfig, build_optimizer  # noqa: E402
-from training.run.step import activation_shape, forward_backward  # noqa: E402
+from megazoo.models import bloom as mz_bloom, gpt as mz_gpt  # noqa: E402
+from megazoo.models.bloom import BloomModel  # noqa: E402
+from megazoo.models.config import TransformerConfig  # noqa: E402
+from megazoo.models.gpt import GPTModel  # noqa: E402
+from megazoo.parallel.topology import ParallelTopology  # noqa: E402
+from megazoo.parallel.zero import OptimizerConfig, build_optimizer  # noqa: E402
+from megazoo.training.run.step import activation_shape, forward_backward  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "bench", "results")
 LR, WD, CLIP = 1e-4, 0.01, 1.0

@@ -38,8 +38,8 @@ def _rss_now() -> int:
 
 
 def _model(args, topo):
-    from models.config import TransformerConfig
-    from models.language_model import TransformerLanguageModel
+    from megazoo.models.config import TransformerConfig
+    from megazoo.models.language_model import TransformerLanguageModel
     cfg = TransformerConfig(vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers,
                             num_attention_heads=args.heads, max_position_embeddings=args.seq,
                             make_vocab_size_divisible_by=128, seed=1234)
@@ -72,8 +72,8 @@ def _train(args, rank: int, backward_step) -> dict:
 
 def _megazoo_rank(args):
     import torch
-    from parallel.topology import ParallelConfig, ParallelTopology
-    from parallel.zero import OptimizerConfig, build_optimizer
+    from megazoo.parallel.topology import ParallelConfig, ParallelTopology
+    from megazoo.parallel.zero import OptimizerConfig, build_optimizer
     topo = ParallelTopology.from_config(ParallelConfig())
     base = _rss_now()
     model = _model(args, topo)
@@ -95,7 +95,7 @@ def _megazoo_rank(args):
 def _deepspeed_rank(args):
     import deepspeed
     import torch
-    from parallel.topology import ParallelTopology
+    from megazoo.parallel.topology import ParallelTopology
     base = _rss_now()
     model = _model(args, ParallelTopology.single())
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)

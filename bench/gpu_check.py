@@ -49,11 +49,11 @@ def _close(a, b, atol, rtol=0.0) -> float:
 # ---- 1. correctness ------------------------------------------------------------------------
 
 def check_hf_parity(dev) -> str:
-    from parallel.sharding import load_full_state_dict
-    from parallel.topology import ParallelTopology
+    from megazoo.parallel.sharding import load_full_state_dict
+    from megazoo.parallel.topology import ParallelTopology
     from tests.hf_models import hf_llama, perturbed
     from tests.models.test_hf_parity import CASES
-    from models import llama
+    from megazoo.models import llama
     topo = ParallelTopology.single(device=dev)
     cases = {name: (module, cls, lambda b=build: perturbed(b()))
              for name, (module, cls, build) in CASES.items()}
@@ -76,7 +76,7 @@ def check_hf_parity(dev) -> str:
 
 
 def check_fused_cross_entropy(dev) -> str:
-    import parallel.fused_cross_entropy as fused
+    import megazoo.parallel.fused_cross_entropy as fused
     out = []
     for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 2e-2)):
         g = torch.Generator().manual_seed(0)
@@ -99,9 +99,9 @@ def check_fused_cross_entropy(dev) -> str:
 
 def check_sdpa_paths(dev) -> str:
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    from models.config import TransformerConfig
-    from models.language_model import TransformerLanguageModel
-    from parallel.topology import ParallelTopology
+    from megazoo.models.config import TransformerConfig
+    from megazoo.models.language_model import TransformerLanguageModel
+    from megazoo.parallel.topology import ParallelTopology
     out = []
     for pos in ("learned", "alibi"):
         cfg = TransformerConfig(vocab_size=512, hidden_size=256, num_layers=2, num_attention_heads=4,
@@ -145,10 +145,10 @@ def _relative(got, want) -> float:
 def check_kernels(dev) -> str:
     """parallel/kernels on CUDA in bf16 against the same calls on the CPU in fp32; bf16
     rounding keeps outputs and gradients within ~1% of the norm."""
-    from parallel.kernels.attention import attention, choose_attention
-    from parallel.kernels.attention_block import choose_block_kernel
-    from parallel.kernels.grouped_matmul import ExpertMatmuls, choose_grouped_matmul
-    from parallel import ring_attention as ra
+    from megazoo.parallel.kernels.attention import attention, choose_attention
+    from megazoo.parallel.kernels.attention_block import choose_block_kernel
+    from megazoo.parallel.kernels.grouped_matmul import ExpertMatmuls, choose_grouped_matmul
+    from megazoo.parallel import ring_attention as ra
     tol, out = 2e-2, []
     g = torch.Generator().manual_seed(0)
     slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625, 0.03, 0.015, 0.008, 0.004])
@@ -213,10 +213,10 @@ def check_kernels(dev) -> str:
 
 
 def check_zero_world_size_1(dev) -> str:
-    from models.config import TransformerConfig
-    from models.language_model import TransformerLanguageModel
-    from parallel.topology import ParallelTopology
-    from parallel.zero import OptimizerConfig, build_optimizer
+    from megazoo.models.config import TransformerConfig
+    from megazoo.models.language_model import TransformerLanguageModel
+    from megazoo.parallel.topology import ParallelTopology
+    from megazoo.parallel.zero import OptimizerConfig, build_optimizer
     cfg = TransformerConfig(vocab_size=101, hidden_size=64, num_layers=2, num_attention_heads=4,
                             max_position_embeddings=32, make_vocab_size_divisible_by=8)
     topo = ParallelTopology.single(device=dev)
@@ -243,10 +243,10 @@ def check_zero_world_size_1(dev) -> str:
 
 
 def check_generation(dev) -> str:
-    from models.config import TransformerConfig
-    from models.generation import generate
-    from models.llama import LlamaModel
-    from parallel.topology import ParallelTopology
+    from megazoo.models.config import TransformerConfig
+    from megazoo.models.generation import generate
+    from megazoo.models.llama import LlamaModel
+    from megazoo.parallel.topology import ParallelTopology
     cfg = TransformerConfig(vocab_size=300, hidden_size=64, num_layers=2, num_attention_heads=4,
                             num_query_groups=2, ffn_hidden_size=128, max_position_embeddings=64,
                             position_embedding="rope", normalization="rmsnorm", activation="swiglu",
@@ -265,13 +265,13 @@ def check_generation(dev) -> str:
 
 def train_step(dev, compile_layers: bool, micro_batch: int, steps: int, model_name="gpt-1.3b",
                seq: int = 2048, peak_flops: float | None = None) -> dict:
-    from models.presets import preset
-    from models.gpt import GPTModel
-    from parallel.topology import ParallelTopology
-    from parallel.zero import OptimizerConfig, build_optimizer
-    from training.monitor.metrics import device_peak_flops, mfu as model_flops_utilisation
-    from training.planning.planner import Layout, memory_per_gpu
-    from training.run.step import activation_shape, forward_backward
+    from megazoo.models.presets import preset
+    from megazoo.models.gpt import GPTModel
+    from megazoo.parallel.topology import ParallelTopology
+    from megazoo.parallel.zero import OptimizerConfig, build_optimizer
+    from megazoo.training.monitor.metrics import device_peak_flops, mfu as model_flops_utilisation
+    from megazoo.training.planning.planner import Layout, memory_per_gpu
+    from megazoo.training.run.step import activation_shape, forward_backward
     cuda = dev.type == "cuda"
     cfg = preset(model_name, params_dtype="bfloat16")
     topo = ParallelTopology.single(device=dev)

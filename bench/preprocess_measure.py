@@ -70,9 +70,9 @@ def profile_stages(jsonl: str, vocab: str, merges: str, out_dir: str) -> dict:
     import numpy as np
     from tokenizers import Tokenizer, models
 
-    from data.indexed import IndexedDatasetBuilder
-    from data.text_sources import parse_record
-    from data.tokenizers import build_tokenizer
+    from megazoo.data.indexed import IndexedDatasetBuilder
+    from megazoo.data.text_sources import parse_record
+    from megazoo.data.tokenizers import build_tokenizer
 
     def timed(fn):
         t0 = time.process_time()

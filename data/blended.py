@@ -14,10 +14,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from data.gpt_dataset import GPTDataset, GPTDatasetConfig, build_split_datasets
-from data.index_cache import CachedIndices
-from data.indexed import IndexedDataset
-from data.token_stats import check_vocabulary
+from megazoo.data.gpt_dataset import GPTDataset, GPTDatasetConfig, build_split_datasets
+from megazoo.data.index_cache import CachedIndices
+from megazoo.data.indexed import IndexedDataset
+from megazoo.data.token_stats import check_vocabulary
 
 logger = logging.getLogger(__name__)
 

@@ -9,9 +9,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from data.gpt_indices import build_gpt_indices
-from data.index_cache import CachedIndices
-from data.indexed import IndexedDataset, dataset_fingerprint, idx_path
+from megazoo.data.gpt_indices import build_gpt_indices
+from megazoo.data.index_cache import CachedIndices
+from megazoo.data.indexed import IndexedDataset, dataset_fingerprint, idx_path
 
 logger = logging.getLogger(__name__)
 

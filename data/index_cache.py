@@ -28,7 +28,7 @@ def world_collectives():
     """`parallel.collectives` and its world group, or None without torch (a project dependency,
     but data/ need not insist on it)."""
     try:
-        from parallel import collectives
+        from megazoo.parallel import collectives
     except ImportError:
         return None
     return collectives, collectives.world()

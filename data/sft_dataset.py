@@ -18,8 +18,8 @@ import logging
 
 import numpy as np
 
-from data.gpt_dataset import parse_split, split_boundaries
-from data.indexed import IndexedDataset, IndexedDatasetError
+from megazoo.data.gpt_dataset import parse_split, split_boundaries
+from megazoo.data.indexed import IndexedDataset, IndexedDatasetError
 
 logger = logging.getLogger(__name__)
 MODES = ("padded", "packed")

@@ -18,8 +18,8 @@ import os
 
 import numpy as np
 
-from data.index_cache import barrier, is_first_rank, world_collectives
-from data.indexed import IndexedDataset, bin_path, dataset_fingerprint, idx_path
+from megazoo.data.index_cache import barrier, is_first_rank, world_collectives
+from megazoo.data.indexed import IndexedDataset, bin_path, dataset_fingerprint, idx_path
 
 logger = logging.getLogger(__name__)
 

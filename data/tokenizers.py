@@ -16,7 +16,7 @@ import logging
 import os
 from typing import Sequence
 
-from data.gpt2_words import WordCache
+from megazoo.data.gpt2_words import WordCache
 
 logger = logging.getLogger(__name__)
 

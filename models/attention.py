@@ -15,12 +15,12 @@ import math
 import torch
 from torch import nn
 
-from parallel.context_parallel import Documents, check_attention, context_attention, sequence_positions
-from parallel.kernels.attention import attention
-from parallel.kernels.max_logit import head_max_logits
-from parallel.random import RNGStreams, checkpoint
-from parallel.tensor_parallel import ColumnParallelLinear, GroupedLayout, RowParallelLinear
-from parallel.topology import ParallelTopology
+from megazoo.parallel.context_parallel import Documents, check_attention, context_attention, sequence_positions
+from megazoo.parallel.kernels.attention import attention
+from megazoo.parallel.kernels.max_logit import head_max_logits
+from megazoo.parallel.random import RNGStreams, checkpoint
+from megazoo.parallel.tensor_parallel import ColumnParallelLinear, GroupedLayout, RowParallelLinear
+from megazoo.parallel.topology import ParallelTopology
 
 from .config import TransformerConfig
 from .init import Initializer

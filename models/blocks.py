@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from parallel.random import RNGStreams
-from parallel.topology import ParallelTopology
+from megazoo.parallel.random import RNGStreams
+from megazoo.parallel.topology import ParallelTopology
 
 from .attention import KVCache, ParallelAttention, alibi_slopes  # noqa: F401 - re-exported
 from .config import TransformerConfig

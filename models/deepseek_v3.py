@@ -21,7 +21,7 @@ import logging
 
 import torch
 
-from parallel.topology import ParallelTopology
+from megazoo.parallel.topology import ParallelTopology
 
 from . import llama
 from .config import TransformerConfig

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from parallel import collectives as C
+from megazoo.parallel import collectives as C
 
 from .blocks import KVCache
 from .language_model import gather_logits

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from parallel.topology import ParallelTopology
+from megazoo.parallel.topology import ParallelTopology
 
 from .config import TransformerConfig
 from .hf_fields import check_fields, refuse

@@ -16,13 +16,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from parallel.context_parallel import Documents, sequence_positions
-from parallel.param_spec import set_spec
-from parallel.mappings import gather_last_dim, scatter_to_sequence
-from parallel.random import RNGStreams, checkpoint
-from parallel.fused_cross_entropy import lm_head_cross_entropy
-from parallel.tensor_parallel import VocabParallelEmbedding, parallel_lm_logits
-from parallel.topology import ParallelTopology
+from megazoo.parallel.context_parallel import Documents, sequence_positions
+from megazoo.parallel.param_spec import set_spec
+from megazoo.parallel.mappings import gather_last_dim, scatter_to_sequence
+from megazoo.parallel.random import RNGStreams, checkpoint
+from megazoo.parallel.fused_cross_entropy import lm_head_cross_entropy
+from megazoo.parallel.tensor_parallel import VocabParallelEmbedding, parallel_lm_logits
+from megazoo.parallel.topology import ParallelTopology
 
 from .blocks import KVCache, TransformerLayer
 from .config import TransformerConfig

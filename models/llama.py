@@ -13,7 +13,7 @@ import logging
 
 import torch
 
-from parallel.topology import ParallelTopology
+from megazoo.parallel.topology import ParallelTopology
 
 from .config import ROPE_TYPES, TransformerConfig, canonical_rope_scaling
 from .hf_fields import check_fields, refuse

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from parallel.topology import ParallelTopology
+from megazoo.parallel.topology import ParallelTopology
 
 from . import llama
 from .config import TransformerConfig

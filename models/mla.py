@@ -41,13 +41,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from parallel.context_parallel import check_attention, context_attention, sequence_positions
-from parallel.kernels.attention import attention
-from parallel.kernels.max_logit import head_max_logits
-from parallel.mappings import copy_to_tp, gather_from_sequence
-from parallel.random import RNGStreams, checkpoint
-from parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, sequence_parallel_param
-from parallel.topology import ParallelTopology
+from megazoo.parallel.context_parallel import check_attention, context_attention, sequence_positions
+from megazoo.parallel.kernels.attention import attention
+from megazoo.parallel.kernels.max_logit import head_max_logits
+from megazoo.parallel.mappings import copy_to_tp, gather_from_sequence
+from megazoo.parallel.random import RNGStreams, checkpoint
+from megazoo.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, sequence_parallel_param
+from megazoo.parallel.topology import ParallelTopology
 
 from .config import TransformerConfig
 from .init import Initializer

@@ -5,8 +5,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, StridedLayout
-from parallel.topology import ParallelTopology
+from megazoo.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, StridedLayout
+from megazoo.parallel.topology import ParallelTopology
 
 from .config import TransformerConfig
 from .init import Initializer

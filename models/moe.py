@@ -33,12 +33,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from parallel.expert_parallel import TokenDispatcher, local_experts, reduce_expert_load
-from parallel.kernels.grouped_matmul import ExpertMatmuls
-from parallel.mappings import gather_sequence_replicated, scatter_to_sequence
-from parallel.param_spec import set_spec
-from parallel.tensor_parallel import sequence_parallel_param
-from parallel.topology import ParallelTopology
+from megazoo.parallel.expert_parallel import TokenDispatcher, local_experts, reduce_expert_load
+from megazoo.parallel.kernels.grouped_matmul import ExpertMatmuls
+from megazoo.parallel.mappings import gather_sequence_replicated, scatter_to_sequence
+from megazoo.parallel.param_spec import set_spec
+from megazoo.parallel.tensor_parallel import sequence_parallel_param
+from megazoo.parallel.topology import ParallelTopology
 
 from .config import TransformerConfig
 from .init import Initializer

@@ -27,11 +27,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from parallel.fused_cross_entropy import lm_head_cross_entropy
-from parallel.mappings import scatter_to_sequence
-from parallel.random import RNGStreams
-from parallel.tensor_parallel import ColumnParallelLinear
-from parallel.topology import ParallelTopology
+from megazoo.parallel.fused_cross_entropy import lm_head_cross_entropy
+from megazoo.parallel.mappings import scatter_to_sequence
+from megazoo.parallel.random import RNGStreams
+from megazoo.parallel.tensor_parallel import ColumnParallelLinear
+from megazoo.parallel.topology import ParallelTopology
 
 from .blocks import TransformerLayer
 from .config import TransformerConfig

@@ -5,9 +5,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from parallel.mappings import copy_to_tp
-from parallel.tensor_parallel import sequence_parallel_param
-from parallel.topology import ParallelTopology
+from megazoo.parallel.mappings import copy_to_tp
+from megazoo.parallel.tensor_parallel import sequence_parallel_param
+from megazoo.parallel.topology import ParallelTopology
 
 from .config import TransformerConfig
 

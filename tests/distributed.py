@@ -81,8 +81,8 @@ def sum_tied_embedding_grads(chunks, topo) -> None:
     """Reference for pipelines run without the optimizer: sum the tied embedding's gradient over
     the first and last stage, as the gradient sync does inside its buckets in training."""
     import torch
-    from parallel import collectives as C
-    from parallel.pipeline.tied import embedding_group, tied_parameters
+    from megazoo.parallel import collectives as C
+    from megazoo.parallel.pipeline.tied import embedding_group, tied_parameters
     group = embedding_group(topo)
     if C.is_single(group):
         return

@@ -171,9 +171,9 @@ def save_dist(root, model, args, iteration=7):
 
 def megazoo_logits(folder, ids):
     """Logits of a megazoo checkpoint loaded in this process at tp=pp=1 (any saved layout)."""
-    from training.checkpoint.hf import checkpoint_config
-    from training.checkpoint.layout_writer import build_rank_chunks
-    from training.checkpoint.reshard import load_weights
+    from megazoo.training.checkpoint.hf import checkpoint_config
+    from megazoo.training.checkpoint.layout_writer import build_rank_chunks
+    from megazoo.training.checkpoint.reshard import load_weights
     _, config = checkpoint_config(folder)
     topo, chunks = build_rank_chunks(config, tp=1, pp=1, vpp=1, dp=1, rank=0)
     load_weights(folder, chunks, topo)

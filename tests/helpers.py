@@ -18,12 +18,12 @@ import time
 import pytest
 import torch
 
-from models.config import TransformerConfig
-from models.language_model import TransformerLanguageModel
-from parallel import collectives as C
-from parallel.sharding import full_tensor
-from parallel.topology import ParallelConfig, ParallelTopology
-from parallel.zero import OptimizerConfig, build_optimizer
+from megazoo.models.config import TransformerConfig
+from megazoo.models.language_model import TransformerLanguageModel
+from megazoo.parallel import collectives as C
+from megazoo.parallel.sharding import full_tensor
+from megazoo.parallel.topology import ParallelConfig, ParallelTopology
+from megazoo.parallel.zero import OptimizerConfig, build_optimizer
 from tests.distributed import run_distributed
 
 
@@ -38,9 +38,9 @@ TINY = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4"
 
 def pretrain_gpt(argv, world):
     from train_gpt import model_provider
-    from training.config.flags import to_run_config
-    from training.config.parser import build_parser
-    from training.run.loop import pretrain
+    from megazoo.training.config.flags import to_run_config
+    from megazoo.training.config.parser import build_parser
+    from megazoo.training.run.loop import pretrain
     run = to_run_config(build_parser().parse_args(argv), world_size=world)
     return pretrain(model_provider, run)
 
@@ -64,7 +64,7 @@ def hang_detail(worker, run_dir) -> str:
     """Run a 2-rank world in which rank 1 hangs (recording when, `record_hang_start`); rank 0's
     watchdog must end it within 40 s of the hang's start (a 3 s timeout: the bound is for load, not
     for the watchdog): its message."""
-    from training.monitor.journal import read_jsonl
+    from megazoo.training.monitor.journal import read_jsonl
     with pytest.raises(RuntimeError, match=r"ranks \[0\] died"):
         run_distributed(worker, 2, str(run_dir), timeout=120)
     hangs = [e for e in read_jsonl(os.path.join(run_dir, "journal.jsonl")) if e["kind"] == "hang"]
@@ -142,7 +142,7 @@ def reference_adamw(named) -> torch.optim.AdamW:
 def check_bucket_grads(opt, chunks, topo, ref_grads: dict, tag: str) -> int:
     """This rank's shard of every optimizer bucket equals the same slice of the reference's full
     gradient (by canonical name); returns how many slices it compared."""
-    from parallel.sharding import local_shard
+    from megazoo.parallel.sharding import local_shard
     where = {id(p): local_shard(p, ref_grads[chunk.canonical_name(n)], topo).reshape(-1)
              for chunk in chunks for n, p in chunk.named_parameters() if p.requires_grad}
     checked = 0
@@ -173,7 +173,7 @@ def checked_step(chunks, topo, opt, step: int, microbatches: int, shape, ref_los
     """One training step of `batch(step, topo)` in `microbatches` through the pipeline and the
     optimizer, its loss and gradient norm checked against the reference's (fp32 1e-5), and with
     `ref_grads` every bucket's gradient before the step; returns the slices compared."""
-    from training.run.step import forward_backward
+    from megazoo.training.run.step import forward_backward
     ids, labels = batch(step, topo)
     mbs = [{"tokens": i, "labels": y} for i, y in zip(ids.chunk(microbatches), labels.chunk(microbatches))]
     loss = forward_backward(chunks, mbs, topo, opt, schedule=schedule, shape=shape)
@@ -287,7 +287,7 @@ def qk_clip_forced(model, opt, step, before: list[torch.Tensor], tau: float):
     the same maxima while clipping, then the first layer's clipped heads at tau (fp32 1e-5) and
     its others bit for bit (its inputs are unchanged by the clip; later layers' are not).
     Returns the parameters before and after the clip."""
-    from parallel.zero.qk_clip import QKClipSettings
+    from megazoo.parallel.zero.qk_clip import QKClipSettings
     over = before[0] > tau
     assert 0 < int(torch.cat(before).gt(tau).sum()) < sum(m.numel() for m in before)
     weights = {n: p.detach().clone() for n, p in model.named_parameters()}

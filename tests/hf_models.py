@@ -10,7 +10,7 @@ import os
 
 import torch
 
-from models.config import TransformerConfig
+from megazoo.models.config import TransformerConfig
 
 VOCAB = 101  # the HF reference models' vocabulary (padded under TP)
 
@@ -60,7 +60,7 @@ def hf_gpt2(folder, bloom=False):
     batch."""
     from transformers import BloomConfig, BloomForCausalLM, GPT2Config, GPT2LMHeadModel
 
-    from training.run.batches import MockGPTDataset
+    from megazoo.training.run.batches import MockGPTDataset
     torch.manual_seed(0)
     hf = BloomForCausalLM(BloomConfig(vocab_size=61, hidden_size=32, n_layer=4, n_head=4)) if bloom \
         else GPT2LMHeadModel(GPT2Config(vocab_size=61, n_positions=16, n_embd=32, n_layer=4,
@@ -91,7 +91,7 @@ def pipeline_logits(chunks, topo, ids, hidden):
     """Forward through the virtual stages in model order (stage s: rank s % pp, chunk s // pp)."""
     import torch.distributed as dist
 
-    from models.language_model import gather_logits
+    from megazoo.models.language_model import gather_logits
     h, last = None, topo.pp * topo.vpp - 1
     for s in range(last + 1):
         if topo.pp_rank != s % topo.pp:
@@ -124,9 +124,9 @@ def check_against_hf(case: dict, topo, new_tokens: int):
     """Load `case["ckpt"]` under `topo`: logits within 1e-5 of `case["logits"]` (last stage) and,
     with pp = 1, greedy generation equal to `case["greedy"]` (eos `case["eos"]`). Returns this
     rank's chunks and its max logit error (0.0 off the last stage)."""
-    from models.generation import SamplingConfig, generate
-    from training.checkpoint.format import latest_checkpoint
-    from training.checkpoint.hf import load_model_chunks
+    from megazoo.models.generation import SamplingConfig, generate
+    from megazoo.training.checkpoint.format import latest_checkpoint
+    from megazoo.training.checkpoint.hf import load_model_chunks
     config, chunks = load_model_chunks(latest_checkpoint(case["ckpt"]), topo)
     where = f"{case.get('name', case.get('family'))} at tp={topo.tp} pp={topo.pp} vpp={topo.vpp}"
     with torch.no_grad():
@@ -151,7 +151,7 @@ def round_trip_cases(supported: dict, tmp_path, ids, prompt) -> tuple[list[dict]
     (`hf_reference`'s keys, the checkpoint, family, full tensors, config) and the HF models."""
     from transformers import AutoModelForCausalLM
 
-    from training.checkpoint.hf import export_hf, hf_to_full, import_hf
+    from megazoo.training.checkpoint.hf import export_hf, hf_to_full, import_hf
     cases, models = [], []
     for i, (name, (build, fields)) in enumerate(sorted(supported.items())):
         torch.manual_seed(i)
@@ -182,9 +182,9 @@ def round_trip_cases(supported: dict, tmp_path, ids, prompt) -> tuple[list[dict]
 def hf_converted(hf, adapter, topo=None):
     """(config, megazoo model in eval mode) holding a transformers model's weights, through the
     family's HF adapter (`models.<family>`), vocabulary padded to a multiple of 8."""
-    from models.registry import build_model
-    from parallel.sharding import load_full_state_dict
-    from parallel.topology import ParallelTopology
+    from megazoo.models.registry import build_model
+    from megazoo.parallel.sharding import load_full_state_dict
+    from megazoo.parallel.topology import ParallelTopology
     cfg = adapter.config_from_hf(hf.config).replace(make_vocab_size_divisible_by=8)
     topo = topo or ParallelTopology.single()
     model = build_model(cfg, topo).eval()

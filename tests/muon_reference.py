@@ -8,12 +8,12 @@ from unittest import mock
 
 import torch
 
-from models.config import TransformerConfig
-from models.language_model import TransformerLanguageModel
-from parallel.sharding import full_tensor
-from parallel.topology import ParallelTopology
-from parallel.zero import OptimizerConfig, build_optimizer
-from parallel.zero.muon import MuonSettings, newton_schulz, uses_muon
+from megazoo.models.config import TransformerConfig
+from megazoo.models.language_model import TransformerLanguageModel
+from megazoo.parallel.sharding import full_tensor
+from megazoo.parallel.topology import ParallelTopology
+from megazoo.parallel.zero import OptimizerConfig, build_optimizer
+from megazoo.parallel.zero.muon import MuonSettings, newton_schulz, uses_muon
 
 
 
@@ -45,7 +45,7 @@ def muon_opt_config(**kw) -> OptimizerConfig:
 def muon_batch(step: int, topo=None):
     """(inputs, labels) of step `step`: the whole batch, or this data-parallel rank's share (of
     the samples) and context-parallel rank's share (of each sequence)."""
-    from parallel.context_parallel import split_sequence
+    from megazoo.parallel.context_parallel import split_sequence
     tokens = torch.randint(0, 101, (MUON_BATCH, MUON_SEQ + 1),
                            generator=torch.Generator().manual_seed(100 + step))
     if topo is not None and topo.dp > 1:

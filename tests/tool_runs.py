@@ -65,7 +65,7 @@ def preprocess(*args, ok=True, subprocess_run=False):
 
 
 def read_docs(prefix):
-    from data.indexed import IndexedDataset
+    from megazoo.data.indexed import IndexedDataset
     ds = IndexedDataset(str(prefix))
     return [ds[i].tolist() for i in range(len(ds))], ds
 

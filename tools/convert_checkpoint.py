@@ -25,11 +25,11 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from training.checkpoint.foreign.convert import READERS, WRITERS  # noqa: E402
-from training.checkpoint.foreign.convert import export_checkpoint, import_checkpoint  # noqa: E402
-from training.checkpoint.foreign.safe_load import UnsafeCheckpointError  # noqa: E402
-from training.checkpoint.format import CheckpointError  # noqa: E402
-from training.checkpoint.hf import ConversionError, export_hf, import_hf  # noqa: E402
+from megazoo.training.checkpoint.foreign.convert import READERS, WRITERS  # noqa: E402
+from megazoo.training.checkpoint.foreign.convert import export_checkpoint, import_checkpoint  # noqa: E402
+from megazoo.training.checkpoint.foreign.safe_load import UnsafeCheckpointError  # noqa: E402
+from megazoo.training.checkpoint.format import CheckpointError  # noqa: E402
+from megazoo.training.checkpoint.hf import ConversionError, export_hf, import_hf  # noqa: E402
 
 FORMATS = sorted(set(READERS) | set(WRITERS) | {"hf"})
 

@@ -22,8 +22,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from training.checkpoint.format import CheckpointError  # noqa: E402
-from training.checkpoint.hf import ConversionError, export_hf, import_hf  # noqa: E402
+from megazoo.training.checkpoint.format import CheckpointError  # noqa: E402
+from megazoo.training.checkpoint.hf import ConversionError, export_hf, import_hf  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:

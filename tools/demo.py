@@ -56,7 +56,7 @@ def stream(cmd: list[str], env: dict) -> list[str]:
 
 def unigram_entropy(prefix: str) -> float:
     """Entropy (nats) of the token unigram distribution: the loss of a model without context."""
-    from data.indexed import IndexedDataset
+    from megazoo.data.indexed import IndexedDataset
     tokens = np.concatenate(list(IndexedDataset(prefix)))
     counts = np.bincount(tokens.astype(np.int64))
     p = counts[counts > 0] / counts.sum()

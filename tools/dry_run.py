@@ -26,11 +26,11 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from models.registry import FAMILIES, build_model  # noqa: E402
-from parallel.layout import Grid  # noqa: E402
-from training.config.flags import ArgumentError, to_run_config  # noqa: E402
-from training.config.parser import build_parser  # noqa: E402
-from training.run.dry_run import RankReport, dry_run_rank, safetensors_bytes  # noqa: E402,F401
+from megazoo.models.registry import FAMILIES, build_model  # noqa: E402
+from megazoo.parallel.layout import Grid  # noqa: E402
+from megazoo.training.config.flags import ArgumentError, to_run_config  # noqa: E402
+from megazoo.training.config.parser import build_parser  # noqa: E402
+from megazoo.training.run.dry_run import RankReport, dry_run_rank, safetensors_bytes  # noqa: E402,F401
 
 def model_provider(run, arch: str | None = None):
     """What the training scripts build: the registry's model of the config's family (`--arch`

@@ -25,13 +25,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from data.tokenizers import TokenizerError  # noqa: E402
-from models.generation import SamplingConfig, generate  # noqa: E402
-from parallel import collectives as C  # noqa: E402
-from parallel.topology import LayoutError, ParallelConfig, initialize  # noqa: E402
-from training.checkpoint import format as ckpt  # noqa: E402
-from training.checkpoint.tokenizer import checkpoint_tokenizer, eos_token_ids  # noqa: E402
-from training.checkpoint.hf import load_model_chunks  # noqa: E402
+from megazoo.data.tokenizers import TokenizerError  # noqa: E402
+from megazoo.models.generation import SamplingConfig, generate  # noqa: E402
+from megazoo.parallel import collectives as C  # noqa: E402
+from megazoo.parallel.topology import LayoutError, ParallelConfig, initialize  # noqa: E402
+from megazoo.training.checkpoint import format as ckpt  # noqa: E402
+from megazoo.training.checkpoint.tokenizer import checkpoint_tokenizer, eos_token_ids  # noqa: E402
+from megazoo.training.checkpoint.hf import load_model_chunks  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:

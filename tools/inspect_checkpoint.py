@@ -15,7 +15,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from training.checkpoint.format import (CheckpointError, VerifiedReader, listed_files,  # noqa: E402
+from megazoo.training.checkpoint.format import (CheckpointError, VerifiedReader, listed_files,  # noqa: E402
                                         read_resumable_meta, resolve)
 
 
@@ -37,7 +37,7 @@ def _shapes(path: str, verify: bool) -> tuple[dict, int]:
 
 def _foreign(path: str) -> str | None:
     """One line naming another framework's checkpoint format and layout, else None."""
-    from training.checkpoint.foreign import deepspeed, megatron_dist, megatron_legacy
+    from megazoo.training.checkpoint.foreign import deepspeed, megatron_dist, megatron_legacy
     if deepspeed.is_universal(path) or deepspeed.is_pipeline_layout(path) or deepspeed.is_zero(path):
         return deepspeed.describe(path) + "; convert with tools/convert_checkpoint.py import --format deepspeed"
     if megatron_dist.is_dist(path):

@@ -15,8 +15,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tqdm import tqdm  # noqa: E402
 
-from data.indexed import IndexedDatasetError, merge_datasets  # noqa: E402
-from data.token_stats import merge_stats  # noqa: E402
+from megazoo.data.indexed import IndexedDatasetError, merge_datasets  # noqa: E402
+from megazoo.data.token_stats import merge_stats  # noqa: E402
 
 
 def expand(inputs: list[str]) -> list[str]:

@@ -31,15 +31,15 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from models.config import TransformerConfig  # noqa: E402
-from models.presets import PRESETS, preset  # noqa: E402
-from models.recompute import GRANULARITIES  # noqa: E402
-from parallel.zero.config import OptimizerConfig  # noqa: E402
-from training.planning.planner import (MATMUL_EFFICIENCY, Cluster, Layout, PlanError, plan,  # noqa: E402
+from megazoo.models.config import TransformerConfig  # noqa: E402
+from megazoo.models.presets import PRESETS, preset  # noqa: E402
+from megazoo.models.recompute import GRANULARITIES  # noqa: E402
+from megazoo.parallel.zero.config import OptimizerConfig  # noqa: E402
+from megazoo.training.planning.planner import (MATMUL_EFFICIENCY, Cluster, Layout, PlanError, plan,  # noqa: E402
                               rank_layouts)
-from training.config.flags import DTYPE_FLAGS, to_run_config  # noqa: E402
-from training.config.parser import build_parser  # noqa: E402
-from training.planning.reference_runs import CLUSTERS, GiB, published_runs  # noqa: E402
+from megazoo.training.config.flags import DTYPE_FLAGS, to_run_config  # noqa: E402
+from megazoo.training.config.parser import build_parser  # noqa: E402
+from megazoo.training.planning.reference_runs import CLUSTERS, GiB, published_runs  # noqa: E402
 
 
 def parse_args(argv=None):

@@ -29,12 +29,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # workers are the para
 import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from data import long_documents  # noqa: E402
-from data.long_documents import MAX_UNSLICED_CHARS, encode_long, too_long  # noqa: E402
-from data.indexed import IndexedDatasetBuilder, IndexedDatasetError, merge_datasets, optimal_dtype  # noqa: E402
-from data.token_stats import stats_path, write_stats  # noqa: E402
-from data.text_sources import DEFAULT_TEXT_SUFFIXES, CorruptInput, iter_records, parse_record, resolve_inputs  # noqa: E402
-from data.tokenizers import TokenizerError, build_tokenizer  # noqa: E402
+from megazoo.data import long_documents  # noqa: E402
+from megazoo.data.long_documents import MAX_UNSLICED_CHARS, encode_long, too_long  # noqa: E402
+from megazoo.data.indexed import IndexedDatasetBuilder, IndexedDatasetError, merge_datasets, optimal_dtype  # noqa: E402
+from megazoo.data.token_stats import stats_path, write_stats  # noqa: E402
+from megazoo.data.text_sources import DEFAULT_TEXT_SUFFIXES, CorruptInput, iter_records, parse_record, resolve_inputs  # noqa: E402
+from megazoo.data.tokenizers import TokenizerError, build_tokenizer  # noqa: E402
 
 # ~256 KB of input per task: large enough to amortise IPC, small enough that the last tasks
 # (which leave the other workers idle) are short, and that memory stays bounded.

@@ -28,9 +28,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # workers are the para
 
 import numpy as np  # noqa: E402
 
-from data.chat import OVERLONG, ChatRenderer, ChatTemplateError, SkipRecord  # noqa: E402
-from data.indexed import IndexedDatasetBuilder, bin_path, idx_path, optimal_dtype  # noqa: E402
-from data.sft_dataset import mask_prefix, token_prefix  # noqa: E402
+from megazoo.data.chat import OVERLONG, ChatRenderer, ChatTemplateError, SkipRecord  # noqa: E402
+from megazoo.data.indexed import IndexedDatasetBuilder, bin_path, idx_path, optimal_dtype  # noqa: E402
+from megazoo.data.sft_dataset import mask_prefix, token_prefix  # noqa: E402
 
 BATCH_LINES = 256
 _renderer: ChatRenderer | None = None  # one per worker process, built by _init

@@ -16,12 +16,12 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from models.config import TransformerConfig  # noqa: E402
-from parallel.zero.config import OptimizerConfig  # noqa: E402
-from training.checkpoint import format as ckpt  # noqa: E402
-from parallel.layout import virtual_stages  # noqa: E402
-from training.checkpoint.layout_writer import write_layout  # noqa: E402
-from training.checkpoint.reshard import read_full_state  # noqa: E402
+from megazoo.models.config import TransformerConfig  # noqa: E402
+from megazoo.parallel.zero.config import OptimizerConfig  # noqa: E402
+from megazoo.training.checkpoint import format as ckpt  # noqa: E402
+from megazoo.parallel.layout import virtual_stages  # noqa: E402
+from megazoo.training.checkpoint.layout_writer import write_layout  # noqa: E402
+from megazoo.training.checkpoint.reshard import read_full_state  # noqa: E402
 
 
 def reshard(load: str, save: str, *, tp: int, pp: int, vpp: int = 1, dp: int = 1,

@@ -19,8 +19,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tqdm import tqdm  # noqa: E402
 
-from data.text_sources import DEFAULT_TEXT_SUFFIXES, iter_records, parse_record, resolve_inputs  # noqa: E402
-from data.tokenizers import GPT2_EOD  # noqa: E402
+from megazoo.data.text_sources import DEFAULT_TEXT_SUFFIXES, iter_records, parse_record, resolve_inputs  # noqa: E402
+from megazoo.data.tokenizers import GPT2_EOD  # noqa: E402
 
 
 def get_args(argv=None) -> argparse.Namespace:

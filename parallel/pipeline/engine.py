@@ -26,10 +26,10 @@ from typing import Callable
 import torch
 from torch import nn
 
-from parallel import collectives as C
-from parallel.pipeline.schedules import (Backward, Comm, Forward, RecvActivation,
+from megazoo.parallel import collectives as C
+from megazoo.parallel.pipeline.schedules import (Backward, Comm, Forward, RecvActivation,
                                          RecvGrad, SendActivation, SendGrad, Step, comm_batches)
-from parallel.topology import ParallelTopology
+from megazoo.parallel.topology import ParallelTopology
 
 logger = logging.getLogger(__name__)
 

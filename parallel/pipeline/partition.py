@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from parallel.layout import LayoutError
+from megazoo.parallel.layout import LayoutError
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from parallel.topology import LayoutError
+from megazoo.parallel.topology import LayoutError
 
 
 # ---- the instruction set ------------------------------------------------------------------

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
 
-from parallel.pipeline.schedules import (RECVS, Backward, Comm, Compute, Forward, RecvActivation,
+from megazoo.parallel.pipeline.schedules import (RECVS, Backward, Comm, Compute, Forward, RecvActivation,
                                          SendActivation, SendGrad, Step, comm_batches)
 
 

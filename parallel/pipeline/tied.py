@@ -13,10 +13,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from parallel import collectives as C
+from megazoo.parallel import collectives as C
 
-from parallel.param_spec import spec_of
-from parallel.topology import ParallelTopology
+from megazoo.parallel.param_spec import spec_of
+from megazoo.parallel.topology import ParallelTopology
 
 
 def tied_parameters(chunks: list[nn.Module]) -> list[torch.nn.Parameter]:

@@ -17,7 +17,7 @@ import math
 import torch
 
 from .. import collectives as C
-from parallel.tensor_parallel import duplicate_rows
+from megazoo.parallel.tensor_parallel import duplicate_rows
 
 from .flat_buffer import FlatBuffer
 

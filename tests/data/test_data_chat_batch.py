@@ -8,7 +8,7 @@ import json
 
 import numpy as np
 
-from data.chat import ChatRenderer, SkipRecord
+from megazoo.data.chat import ChatRenderer, SkipRecord
 from tests.tokenizer_data import CHATML_PLAIN, CHATML_TAGGED, CONVERSATION, chatml_tokenizer
 
 LONG = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "word " * 40}]}
@@ -54,8 +54,8 @@ def test_batch_renders_each_record_as_alone():
 
 
 def test_preprocess_sft_workers_write_identical_files(tmp_path, monkeypatch):
-    from tools import preprocess_sft
-    from tools.preprocess_sft import parse_args, preprocess
+    from megazoo.tools import preprocess_sft
+    from megazoo.tools.preprocess_sft import parse_args, preprocess
     monkeypatch.setattr(preprocess_sft, "BATCH_LINES", 5)  # several batches for the workers
     folder = str(tmp_path / "tok")
     chatml_tokenizer(CHATML_TAGGED).save_pretrained(folder)

@@ -1,8 +1,8 @@
 """The GPT-2 word cache (data/gpt2_words.py) gives the Rust tokenizer's ids on every text."""
 import random
 
-from data.gpt2_words import UNSURE
-from data.tokenizers import GPT2BPETokenizer
+from megazoo.data.gpt2_words import UNSURE
+from megazoo.data.tokenizers import GPT2BPETokenizer
 from tests.fixtures import GPT2
 
 # contexts that exercise each class of the split: letters, digits, punctuation, whitespace runs

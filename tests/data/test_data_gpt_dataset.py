@@ -4,10 +4,10 @@ import os
 import numpy as np
 import pytest
 
-from data.blended import build_blending_indices, build_train_valid_test_datasets, parse_data_path
-from data.gpt_dataset import GPTDataset, GPTDatasetConfig, parse_split, split_boundaries
-from data.indexed import IndexedDataset, IndexedDatasetBuilder
-from data.samplers import PretrainingSampler
+from megazoo.data.blended import build_blending_indices, build_train_valid_test_datasets, parse_data_path
+from megazoo.data.gpt_dataset import GPTDataset, GPTDatasetConfig, parse_split, split_boundaries
+from megazoo.data.indexed import IndexedDataset, IndexedDatasetBuilder
+from megazoo.data.samplers import PretrainingSampler
 from tests.distributed import run_distributed
 
 

@@ -4,7 +4,7 @@ import math
 import numpy as np
 import pytest
 
-from data.gpt_indices import (
+from megazoo.data.gpt_indices import (
     build_document_index,
     build_gpt_indices,
     build_sample_index,

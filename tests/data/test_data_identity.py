@@ -20,10 +20,10 @@ import sys
 import numpy as np
 import pytest
 
-from data.gpt_dataset import GPTDataset, GPTDatasetConfig
-from data.indexed import IndexedDataset, IndexedDatasetBuilder, dataset_fingerprint
-from data.token_stats import read_stats, token_stats
-from data.tokenizers import TokenizerError, build_tokenizer
+from megazoo.data.gpt_dataset import GPTDataset, GPTDatasetConfig
+from megazoo.data.indexed import IndexedDataset, IndexedDatasetBuilder, dataset_fingerprint
+from megazoo.data.token_stats import read_stats, token_stats
+from megazoo.data.tokenizers import TokenizerError, build_tokenizer
 from tests.fixtures import small_gpt2
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -93,7 +93,7 @@ def test_same_size_retokenization_is_rescanned_and_reindexed(tmp_path, caplog):
     # the same documents' lengths and byte sizes, other ids (another vocabulary)
     _write_dataset(prefix, [d + 2000 for d in docs])
     assert dataset_fingerprint(prefix) != before
-    with caplog.at_level(logging.WARNING, logger="data.token_stats"):
+    with caplog.at_level(logging.WARNING, logger="megazoo.data.token_stats"):
         second = token_stats(prefix)
     assert (second["min_token_id"], second["max_token_id"]) == \
         (first["min_token_id"] + 2000, first["max_token_id"] + 2000)

@@ -4,7 +4,7 @@ import struct
 import numpy as np
 import pytest
 
-from data.indexed import (
+from megazoo.data.indexed import (
     IndexedDataset,
     IndexedDatasetBuilder,
     IndexedDatasetError,

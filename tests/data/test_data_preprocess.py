@@ -5,9 +5,9 @@ import json
 import numpy as np
 import pytest
 
-from data.indexed import IndexedDataset
-from data.text_sources import iter_records
-from data.tokenizers import build_tokenizer
+from megazoo.data.indexed import IndexedDataset
+from megazoo.data.text_sources import iter_records
+from megazoo.data.tokenizers import build_tokenizer
 from tests.fixtures import GPT2
 from tests.tool_runs import load_tool, preprocess, read_docs, write_jsonl
 
@@ -131,8 +131,8 @@ def test_merge_tool(tmp_path, tok):
 def test_end_to_end_into_a_dataloader(tmp_path, tok):
     import torch
 
-    from data.blended import build_train_valid_test_datasets
-    from data.samplers import PretrainingSampler
+    from megazoo.data.blended import build_train_valid_test_datasets
+    from megazoo.data.samplers import PretrainingSampler
 
     texts = [f"Document {i}: " + "lorem ipsum dolor " * (i % 5 + 1) for i in range(40)]
     write_jsonl(tmp_path / "c.jsonl", texts)

@@ -8,16 +8,16 @@ import json
 import numpy as np
 import pytest
 
-from data import long_documents
-from data.indexed import IndexedDataset, IndexedDatasetBuilder
-from data.long_documents import safe_slices
+from megazoo.data import long_documents
+from megazoo.data.indexed import IndexedDataset, IndexedDatasetBuilder
+from megazoo.data.long_documents import safe_slices
 from tests.fixtures import GPT2, SENTENCEPIECE_MODELS
 from tests.tool_runs import load_tool, preprocess, read_docs, write_jsonl
 
 
 @pytest.fixture(scope="module")
 def tok():
-    from data.tokenizers import build_tokenizer
+    from megazoo.data.tokenizers import build_tokenizer
     return build_tokenizer("GPT2BPETokenizer", str(GPT2 / "vocab.json"), str(GPT2 / "merges.txt"))
 
 

@@ -7,8 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from data.chat import ChatRenderer, ChatTemplateError, SkipRecord
-from data.sft_dataset import SFTDataset, pack_greedily
+from megazoo.data.chat import ChatRenderer, ChatTemplateError, SkipRecord
+from megazoo.data.sft_dataset import SFTDataset, pack_greedily
 from tests.tokenizer_data import (CHATML_PLAIN as PLAIN, CHATML_TAGGED as TAGGED, CONVERSATION,
                                   chatml_tokenizer as tokenizer)
 
@@ -61,7 +61,7 @@ def test_bad_records_and_templates_say_why():
 
 
 def test_preprocess_writes_tokens_and_mask_and_lists_what_it_skipped(tmp_path):
-    from tools.preprocess_sft import parse_args, preprocess
+    from megazoo.tools.preprocess_sft import parse_args, preprocess
     data = tmp_path / "chat.jsonl"
     long_reply = {"messages": [{"role": "user", "content": "q"},
                                {"role": "assistant", "content": "word " * 80}]}

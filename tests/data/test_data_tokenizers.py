@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from data.tokenizers import TokenizerError, build_tokenizer
+from megazoo.data.tokenizers import TokenizerError, build_tokenizer
 from tests.fixtures import GPT2, SENTENCEPIECE_MODELS as SP_MODELS
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -6,9 +6,9 @@ import os
 import numpy as np
 import pytest
 
-from data import token_stats
-from data.indexed import IndexedDatasetBuilder, bin_path, idx_path
-from data.token_stats import VocabularyMismatch, check_vocabulary, stats_path
+from megazoo.data import token_stats
+from megazoo.data.indexed import IndexedDatasetBuilder, bin_path, idx_path
+from megazoo.data.token_stats import VocabularyMismatch, check_vocabulary, stats_path
 
 
 def build(prefix: str, ids, dtype, tokenizer=None, sidecar=True) -> str:

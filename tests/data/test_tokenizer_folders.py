@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from data.tokenizers import TokenizerError, build_tokenizer
+from megazoo.data.tokenizers import TokenizerError, build_tokenizer
 from tests.tokenizer_data import CHAT, TOKENIZER_TEXTS, tokenizer_folders
 
 

@@ -92,8 +92,8 @@ REFUSED = {  # name: (builder, fields, the field the error must name)
 
 @pytest.mark.parametrize("name", sorted(REFUSED))
 def test_unmodelled_fields_are_refused_naming_the_field(name, tmp_path):
-    from models.hf_fields import UnsupportedConfigError
-    from training.checkpoint.hf import ConversionError, import_hf
+    from megazoo.models.hf_fields import UnsupportedConfigError
+    from megazoo.training.checkpoint.hf import ConversionError, import_hf
     build, fields, field = REFUSED[name]
     hf = build(**fields)
     hf.save_pretrained(tmp_path / "hf")
@@ -106,7 +106,7 @@ def test_real_config_files_with_training_leftovers_are_accepted():
     """Fields that transformers ignores for a family (as in released config.json files) pass."""
     from transformers import BloomConfig, GPT2Config, LlamaConfig
 
-    from models import bloom, gpt, llama
+    from megazoo.models import bloom, gpt, llama
     gpt.config_from_hf(GPT2Config(n_ctx=1024, summary_type="cls_index", reorder_and_upcast_attn=True,
                                   task_specific_params={"text-generation": {"do_sample": True}}))
     bloom.config_from_hf(BloomConfig(offset_alibi=100, skip_bias_add=True, pretraining_tp=4,
@@ -121,7 +121,7 @@ def test_released_config_files_are_accepted(tmp_path):
     import json
     import os
 
-    from training.checkpoint.hf import read_hf_config
+    from megazoo.training.checkpoint.hf import read_hf_config
     fixture = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "released_hf_configs.json")
     for name, entry in json.load(open(fixture)).items():
         (tmp_path / name).mkdir()
@@ -131,9 +131,9 @@ def test_released_config_files_are_accepted(tmp_path):
 
 
 def _worker(rank, cases):
-    from models.registry import build_model
-    from parallel.sharding import full_tensor, load_full_state_dict
-    from parallel.topology import ParallelConfig, ParallelTopology
+    from megazoo.models.registry import build_model
+    from megazoo.parallel.sharding import full_tensor, load_full_state_dict
+    from megazoo.parallel.topology import ParallelConfig, ParallelTopology
     from tests.hf_models import check_against_hf
     torch.use_deterministic_algorithms(True)
     errors, checked = [0.0], []

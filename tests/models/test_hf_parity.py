@@ -3,9 +3,9 @@ import pytest
 import torch
 from transformers import BloomConfig, BloomForCausalLM, GPT2Config, GPT2LMHeadModel
 
-from models import bloom, gpt
-from parallel.sharding import gather_full_state_dict, load_full_state_dict
-from parallel.topology import ParallelTopology
+from megazoo.models import bloom, gpt
+from megazoo.parallel.sharding import gather_full_state_dict, load_full_state_dict
+from megazoo.parallel.topology import ParallelTopology
 from tests.hf_models import perturbed
 
 VOCAB = 101  # odd on purpose: needs padding
@@ -55,9 +55,9 @@ def test_model_class_checks_architecture():
 
 @pytest.mark.parametrize("position_embedding", ["learned", "alibi"])
 def test_kv_cache_decoding_matches_full_forward(position_embedding):
-    from models.blocks import KVCache
-    from models.config import TransformerConfig
-    from models.language_model import TransformerLanguageModel
+    from megazoo.models.blocks import KVCache
+    from megazoo.models.config import TransformerConfig
+    from megazoo.models.language_model import TransformerLanguageModel
     cfg = TransformerConfig(vocab_size=50, hidden_size=32, num_layers=2, num_attention_heads=4,
                             max_position_embeddings=32, position_embedding=position_embedding,
                             embedding_layernorm=position_embedding == "alibi")

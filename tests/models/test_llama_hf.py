@@ -6,11 +6,11 @@ round trip, KV-cache decoding, greedy generation against `generate`, and the pre
 import pytest
 import torch
 
-from models import llama
-from models.blocks import KVCache
-from models.presets import PRESETS, preset
-from parallel.sharding import gather_full_state_dict
-from parallel.topology import ParallelTopology
+from megazoo.models import llama
+from megazoo.models.blocks import KVCache
+from megazoo.models.presets import PRESETS, preset
+from megazoo.parallel.sharding import gather_full_state_dict
+from megazoo.parallel.topology import ParallelTopology
 from tests.hf_models import LLAMA3, VOCAB, hf_converted, hf_llama
 
 

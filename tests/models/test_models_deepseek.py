@@ -20,11 +20,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models.config import TransformerConfig
-from models.init import Initializer
-from models.language_model import TransformerLanguageModel
-from models.moe import MoELayer, moe_layers, update_expert_biases
-from parallel.topology import ParallelTopology
+from megazoo.models.config import TransformerConfig
+from megazoo.models.init import Initializer
+from megazoo.models.language_model import TransformerLanguageModel
+from megazoo.models.moe import MoELayer, moe_layers, update_expert_biases
+from megazoo.parallel.topology import ParallelTopology
 from tests.hf_models import MLA_LATENT, deepseek_config, hf_deepseek_v3
 
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -84,7 +84,7 @@ def _hf_attention(cfg: TransformerConfig, mla):
 
 @pytest.mark.parametrize("kw", [dict(), dict(q_lora_rank=None, rope_interleave=False)])
 def test_multi_latent_attention_equals_transformers(kw):
-    from models.mla import MultiLatentAttention
+    from megazoo.models.mla import MultiLatentAttention
     cfg = deepseek_config(hidden_size=40, layernorm_epsilon=1e-6, rope_theta=500.0, **{**MLA_LATENT, **kw})
     mla = MultiLatentAttention(cfg, ParallelTopology.single(), Initializer(cfg), "layers.0.attention.",
                                None)
@@ -222,9 +222,9 @@ def test_expert_bias_update_is_the_sign_rule_on_the_load():
 
 
 def test_deepseek_v3_family_logits_generation_and_round_trip():
-    from models import deepseek_v3
-    from models.registry import family
-    from parallel.sharding import load_full_state_dict
+    from megazoo.models import deepseek_v3
+    from megazoo.models.registry import family
+    from megazoo.parallel.sharding import load_full_state_dict
     hf = hf_deepseek_v3()
     cfg = deepseek_v3.config_from_hf(hf.config).replace(make_vocab_size_divisible_by=8)
     assert family("deepseek_v3").adapter is deepseek_v3 and cfg.family == "deepseek_v3"
@@ -247,7 +247,7 @@ def test_deepseek_v3_family_logits_generation_and_round_trip():
     assert torch.equal(files["model.layers.2.mlp.gate.e_score_correction_bias"],
                        sd["model.layers.2.mlp.gate.e_score_correction_bias"])
     # greedy generation (a KV cache of the expanded keys and values) equals transformers'
-    from models.generation import SamplingConfig, generate
+    from megazoo.models.generation import SamplingConfig, generate
     prompt = ids[:, :4]
     ours = generate(model, topo, prompt, 6, SamplingConfig())
     theirs = hf.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)
@@ -266,7 +266,7 @@ def test_deepseek_v3_family_logits_generation_and_round_trip():
     ("attention_bias", True, "attention_bias")])
 def test_deepseek_v3_refuses_what_it_does_not_model_in_one_line(field, value, match):
     from transformers import DeepseekV3Config
-    from models import deepseek_v3
+    from megazoo.models import deepseek_v3
     hf = DeepseekV3Config(hidden_size=40, num_attention_heads=4, num_key_value_heads=4,
                           n_routed_experts=8, num_hidden_layers=2, **{field: value})
     with pytest.raises(ValueError, match=match) as e:
@@ -275,8 +275,8 @@ def test_deepseek_v3_refuses_what_it_does_not_model_in_one_line(field, value, ma
 
 
 def test_presets_count_what_they_build_and_deepseek_v3_is_671b():
-    from models.presets import preset
-    from models import deepseek_v3
+    from megazoo.models.presets import preset
+    from megazoo.models import deepseek_v3
     tiny = preset("deepseek-v3-tiny", vocab_size=1024)
     model = TransformerLanguageModel(tiny.replace(make_vocab_size_divisible_by=1), ParallelTopology.single())
     built = sum(p.numel() for n, p in model.named_parameters() if not n.endswith("expert_bias"))

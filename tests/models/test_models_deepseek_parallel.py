@@ -11,13 +11,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models.config import TransformerConfig
-from models.language_model import TransformerLanguageModel
-from models.moe import MoELayer, moe_layers, update_expert_biases
-from parallel.pipeline.partition import partition
-from parallel.sharding import full_tensor
-from parallel.topology import ParallelConfig, ParallelTopology
-from parallel.zero import OptimizerConfig, build_optimizer
+from megazoo.models.config import TransformerConfig
+from megazoo.models.language_model import TransformerLanguageModel
+from megazoo.models.moe import MoELayer, moe_layers, update_expert_biases
+from megazoo.parallel.pipeline.partition import partition
+from megazoo.parallel.sharding import full_tensor
+from megazoo.parallel.topology import ParallelConfig, ParallelTopology
+from megazoo.parallel.zero import OptimizerConfig, build_optimizer
 from tests.distributed import run_distributed
 from tests.helpers import HYPER, accumulated_backward
 from tests.hf_models import MLA_LATENT, deepseek_config
@@ -46,7 +46,7 @@ def _biases(model) -> dict[int, torch.Tensor]:
 def _reference(cfg, dp: int):
     """The unsharded model on the whole batch, one microbatch per DP share (each its own aux
     loss), torch AdamW: (losses, biases per step per layer, trained parameters)."""
-    from models.moe import set_aux_loss_scale
+    from megazoo.models.moe import set_aux_loss_scale
     model = TransformerLanguageModel(cfg, ParallelTopology.single())
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     opt = torch.optim.AdamW([{"params": [p for _, p in named if p.dim() >= 2],
@@ -67,7 +67,7 @@ def _reference(cfg, dp: int):
 
 
 def _bias_world(rank, layouts):
-    from training.run.step import activation_shape, forward_backward
+    from megazoo.training.run.step import activation_shape, forward_backward
     cfg = _parallel_config()
     initial = {n: p.detach().clone() for n, p in
                TransformerLanguageModel(cfg, ParallelTopology.single()).named_parameters()}
@@ -108,7 +108,7 @@ def test_expert_bias_updates_under_tensor_sequence_pipeline_expert_and_data_para
 
 @pytest.mark.parametrize("stage", [1, 3])
 def test_checkpoint_files_carry_the_expert_bias_at_every_zero_stage(stage):
-    from training.checkpoint.resume import rank_tensors
+    from megazoo.training.checkpoint.resume import rank_tensors
     cfg = deepseek_config()
     topo = ParallelTopology.single()
     model = TransformerLanguageModel(cfg, topo)
@@ -128,7 +128,7 @@ def test_expert_biases_survive_a_change_of_layout_bit_for_bit(tmp_path, caplog):
     (pp2, dp2, ZeRO-3), read back whole and by a rank of another layout whose ZeRO shards need
     only the last element of every tensor, then rewritten at tp2 and loaded into a live unsharded model."""
     import math
-    from training.checkpoint import layout_writer, reshard, slices
+    from megazoo.training.checkpoint import layout_writer, reshard, slices
     cfg = _parallel_config()
     model = TransformerLanguageModel(cfg, ParallelTopology.single())
     g = torch.Generator().manual_seed(7)
@@ -175,7 +175,7 @@ def test_expert_biases_survive_a_change_of_layout_bit_for_bit(tmp_path, caplog):
                                         if not k.endswith("expert_bias")})
     other = TransformerLanguageModel(cfg, ParallelTopology.single())
     before = _biases(other)
-    with caplog.at_level("WARNING", logger="training.checkpoint.reshard"):
+    with caplog.at_level("WARNING", logger="megazoo.training.checkpoint.reshard"):
         reshard.copy_weights(old, [other], ParallelTopology.single(), "old", frozen_only=False)
     assert all(torch.equal(b, before[i]) for i, b in _biases(other).items())
     assert [r.getMessage().split(":")[0] for r in caplog.records] == [

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from parallel.topology import ParallelTopology
+from megazoo.parallel.topology import ParallelTopology
 from tests.hf_models import hf_deepseek_v3
 
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -22,8 +22,8 @@ YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 
 
 
 def _converted(hf):
-    from models import deepseek_v3
-    from parallel.sharding import load_full_state_dict
+    from megazoo.models import deepseek_v3
+    from megazoo.parallel.sharding import load_full_state_dict
     cfg = deepseek_v3.config_from_hf(hf.config).replace(make_vocab_size_divisible_by=8)
     topo = ParallelTopology.single()
     model = deepseek_v3.DeepseekV3Model(cfg, topo).eval()
@@ -33,8 +33,8 @@ def _converted(hf):
 
 @pytest.mark.parametrize("interleave", [True, False])
 def test_yarn_latent_attention_logits_equal_transformers(interleave):
-    from models import deepseek_v3
-    from models.rope import attention_factor, latent_softmax_scale
+    from megazoo.models import deepseek_v3
+    from megazoo.models.rope import attention_factor, latent_softmax_scale
     hf = hf_deepseek_v3(max_position_embeddings=32, qk_rope_head_dim=8, rope_interleave=interleave,
                         rope_parameters=dict(YARN))
     cfg, model = _converted(hf)
@@ -56,9 +56,9 @@ def test_yarn_latent_attention_logits_equal_transformers(interleave):
 
 
 def test_length_dependent_scalings_are_refused_by_latent_attention():
-    from models.init import Initializer
-    from models.mla import MultiLatentAttention
-    from models.presets import preset
+    from megazoo.models.init import Initializer
+    from megazoo.models.mla import MultiLatentAttention
+    from megazoo.models.presets import preset
     cfg = preset("deepseek-v3-tiny", rope_scaling={"rope_type": "dynamic", "factor": 2.0})
     with pytest.raises(ValueError, match="'dynamic' with multi-latent attention") as e:
         MultiLatentAttention(cfg, ParallelTopology.single(), Initializer(cfg),

@@ -2,9 +2,9 @@
 forward again inside the backward."""
 import torch
 
-from models.config import TransformerConfig
-from models.language_model import TransformerLanguageModel
-from parallel.topology import ParallelTopology
+from megazoo.models.config import TransformerConfig
+from megazoo.models.language_model import TransformerLanguageModel
+from megazoo.parallel.topology import ParallelTopology
 
 
 def test_recompute_does_not_count_twice():

@@ -22,11 +22,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models import deepseek_v3
-from models.moe import update_expert_biases
-from models.multi_token_prediction import shifted
-from parallel.sharding import load_full_state_dict
-from parallel.topology import ParallelTopology
+from megazoo.models import deepseek_v3
+from megazoo.models.moe import update_expert_biases
+from megazoo.models.multi_token_prediction import shifted
+from megazoo.parallel.sharding import load_full_state_dict
+from megazoo.parallel.topology import ParallelTopology
 from tests.helpers import one_thread  # noqa: F401 - autouse
 
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -206,7 +206,7 @@ def _folder_tensors(folder) -> dict[str, torch.Tensor]:
 
 def test_hf_folder_round_trip_carries_the_depths_through_tp2_pp2_and_transformers_loads_it(tmp_path):
     from transformers import AutoModelForCausalLM
-    from training.checkpoint.hf import ConversionError, export_hf, import_hf
+    from megazoo.training.checkpoint.hf import ConversionError, export_hf, import_hf
     hf, depths = _hf_models(seed=4)
     cfg, model, _ = _ours(hf, depths)
     files = deepseek_v3.to_hf_state_dict({k: v for k, v in deepseek_v3.from_hf_state_dict(
@@ -241,7 +241,7 @@ def test_hf_folder_round_trip_carries_the_depths_through_tp2_pp2_and_transformer
 
 
 def test_generation_is_unchanged_by_the_depths():
-    from models.generation import SamplingConfig, generate
+    from megazoo.models.generation import SamplingConfig, generate
     hf, depths = _hf_models(seed=7)
     cfg, model, sd = _ours(hf, depths)
     plain_cfg = cfg.replace(mtp_num_layers=0)
@@ -254,19 +254,19 @@ def test_generation_is_unchanged_by_the_depths():
 
 
 def test_mtp_flags_reach_the_config_and_the_rest_is_refused_in_one_line():
-    from models.presets import preset
-    from training.config.errors import ArgumentError
-    from training.config.parser import build_parser
-    from training.config.flags import to_run_config
+    from megazoo.models.presets import preset
+    from megazoo.training.config.errors import ArgumentError
+    from megazoo.training.config.parser import build_parser
+    from megazoo.training.config.flags import to_run_config
     from tests.helpers import TINY
-    from models.language_model import TransformerLanguageModel
+    from megazoo.models.language_model import TransformerLanguageModel
     assert preset("deepseek-v3").mtp_num_layers == 1
     tiny = preset("deepseek-v3-tiny", vocab_size=1024, mtp_num_layers=2, make_vocab_size_divisible_by=1)
     model = TransformerLanguageModel(tiny, ParallelTopology.single())  # the depths counted apart
     built = {n: p.numel() for n, p in model.named_parameters() if not n.endswith("expert_bias")}
     assert sum(v for n, v in built.items() if n.startswith("mtp.")) == tiny.mtp_parameters()
     assert sum(built.values()) == tiny.num_parameters() + tiny.mtp_parameters()
-    from models.config import TransformerConfig
+    from megazoo.models.config import TransformerConfig
     plain = TransformerConfig(vocab_size=64, hidden_size=16, num_layers=1, num_attention_heads=2,
                               mtp_num_layers=1)  # learned positions: no family takes it
     assert plain.family is None

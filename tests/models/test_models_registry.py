@@ -18,10 +18,10 @@ import shutil
 import pytest
 import torch
 
-from models.presets import preset
-from models.language_model import gather_logits
-from models.registry import FAMILIES
-from parallel.topology import ParallelTopology
+from megazoo.models.presets import preset
+from megazoo.models.language_model import gather_logits
+from megazoo.models.registry import FAMILIES
+from megazoo.parallel.topology import ParallelTopology
 
 SHAPE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
          "--ffn-hidden-size", "48", "--vocab-size", "61", "--seq-length", "16"]
@@ -47,16 +47,16 @@ IDS = torch.randint(0, 61, (2, 9), generator=torch.Generator().manual_seed(0))
 @pytest.fixture(autouse=True)
 def _no_run_report(monkeypatch):
     """The run report's PNG (seconds of matplotlib per run) is not what these tests check."""
-    monkeypatch.setattr("training.run.trainer.write_report", lambda run_dir: "(not drawn)")
+    monkeypatch.setattr("megazoo.training.run.trainer.write_report", lambda run_dir: "(not drawn)")
 
 
 def _train(family: str, flags: list[str]):
     """A train_*.py run of `family` in this process: its default preset, then the flags."""
-    from models.registry import build_model, family as entry
-    from training.config.flags import to_run_config
-    from training.config.parser import build_parser
-    from training.run.entry import check_script_family
-    from training.run.loop import pretrain
+    from megazoo.models.registry import build_model, family as entry
+    from megazoo.training.config.flags import to_run_config
+    from megazoo.training.config.parser import build_parser
+    from megazoo.training.run.entry import check_script_family
+    from megazoo.training.run.loop import pretrain
     run = to_run_config(build_parser(entry(family).default_preset).parse_args(flags + TRAIN),
                         world_size=1)
     check_script_family(run.model.family, family)
@@ -67,8 +67,8 @@ def _export_and_compare(ckpt: str, out: str, family: str) -> None:
     """Export with the real path; transformers loads every tensor; logits equal megazoo's."""
     from transformers import AutoModelForCausalLM
 
-    from training.checkpoint.format import resolve
-    from training.checkpoint.hf import export_hf, load_model_chunks
+    from megazoo.training.checkpoint.format import resolve
+    from megazoo.training.checkpoint.hf import export_hf, load_model_chunks
     export_hf(ckpt, out)
     assert json.load(open(os.path.join(out, "config.json")))["model_type"] == family
     hf, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
@@ -87,7 +87,7 @@ def trained(tmp_path_factory):
     """Every family trained 1 step from its (shrunk) preset and saved: family -> checkpoint."""
     root, out = tmp_path_factory.mktemp("families"), {}
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr("training.run.trainer.write_report", lambda run_dir: "(not drawn)")
+        mp.setattr("megazoo.training.run.trainer.write_report", lambda run_dir: "(not drawn)")
         for family, flags in FLAGS.items():
             out[family] = str(root / family)
             _train(family, SHAPE + flags + ["--train-iters", "1", "--save", out[family]])
@@ -131,7 +131,7 @@ def _hf_moe(family: str, folder: str) -> list[str]:
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
 def test_moe_import_finetune_export(tmp_path, family):
-    from training.checkpoint.hf import import_hf
+    from megazoo.training.checkpoint.hf import import_hf
     hf_dir, imported, tuned = (str(tmp_path / d) for d in ("hf", "imported", "tuned"))
     flags = _hf_moe(family, hf_dir)
     import_hf(hf_dir, imported)
@@ -153,10 +153,10 @@ def test_checkpoint_without_family_field_infers_it(trained, tmp_path):
 
 
 def test_families_refuse_what_they_cannot_compute(tmp_path):
-    from training.config.errors import ArgumentError
-    from training.checkpoint.hf import ConversionError, check_complete
-    from training.run.entry import check_script_family
-    from models.presets import PRESETS
+    from megazoo.training.config.errors import ArgumentError
+    from megazoo.training.checkpoint.hf import ConversionError, check_complete
+    from megazoo.training.run.entry import check_script_family
+    from megazoo.models.presets import PRESETS
     assert sum(len(f.presets) for f in FAMILIES.values()) == len(PRESETS)  # each names one
     assert all(f.default_preset in f.presets for f in FAMILIES.values() if f.default_preset)
     with pytest.raises(ValueError, match="family 'llama' is dense: num_experts=4"):
@@ -165,8 +165,8 @@ def test_families_refuse_what_they_cannot_compute(tmp_path):
         preset("qwen3-tiny", qk_layernorm=False)
     with pytest.raises(ValueError, match="family 'mixtral' is a mixture of experts"):
         preset("moe-tiny", num_experts=None)
-    from training.config.flags import to_run_config
-    from training.config.parser import build_parser
+    from megazoo.training.config.flags import to_run_config
+    from megazoo.training.config.parser import build_parser
     for extra, family in (([], "mixtral"), (["--qk-layernorm"], "qwen3_moe"),
                           (["--add-qkv-bias"], "qwen2_moe")):  # flags that make another family
         args = build_parser("moe-tiny").parse_args(["--mock-data", "--train-iters", "1", *extra])
@@ -199,9 +199,9 @@ def test_import_edges_are_modelled_or_refused(tmp_path):
     from transformers import (AutoModelForCausalLM, BloomConfig, LlamaConfig, Qwen2Config,
                               Qwen2ForCausalLM)
 
-    from models import bloom
-    from models.hf_fields import UnsupportedConfigError
-    from training.checkpoint.hf import ConversionError, hf_to_full
+    from megazoo.models import bloom
+    from megazoo.models.hf_fields import UnsupportedConfigError
+    from megazoo.training.checkpoint.hf import ConversionError, hf_to_full
     with pytest.raises(UnsupportedConfigError, match="slow_but_exact=True is not supported"):
         bloom.config_from_hf(BloomConfig(hidden_size=16, n_layer=1, n_head=2, vocab_size=10,
                                          slow_but_exact=True, pretraining_tp=2))

@@ -14,10 +14,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models.language_model import gather_logits
-from models.registry import family
-from parallel.sharding import load_full_state_dict
-from parallel.topology import ParallelTopology
+from megazoo.models.language_model import gather_logits
+from megazoo.models.registry import family
+from megazoo.parallel.sharding import load_full_state_dict
+from megazoo.parallel.topology import ParallelTopology
 
 VOCAB = 67  # padded to 72
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -131,8 +131,8 @@ def test_round_trips_are_exact(models):
 
 @pytest.mark.parametrize("name", ["mistral-head12", "qwen2-longrope-swish"])
 def test_greedy_generation_past_the_window_equals_generate(models, name):
-    from models.blocks import KVCache
-    from models.generation import generate
+    from megazoo.models.blocks import KVCache
+    from megazoo.models.generation import generate
     hf = models[name]
     cfg, model = converted(hf)
     topo = ParallelTopology.single()
@@ -177,7 +177,7 @@ def test_gpt2_gelu_aliases_compute_gelu_new():
 ])
 def test_what_is_not_modelled_is_refused_in_one_line(kind, fields, words):
     import transformers
-    from models.hf_fields import UnsupportedConfigError
+    from megazoo.models.hf_fields import UnsupportedConfigError
     config = getattr(transformers, kind)(vocab_size=VOCAB, hidden_size=48, intermediate_size=40,
                                          num_hidden_layers=3, num_attention_heads=6,
                                          num_key_value_heads=2, **fields)
@@ -187,7 +187,7 @@ def test_what_is_not_modelled_is_refused_in_one_line(kind, fields, words):
 
 
 def test_families_without_windows_refuse_one_and_presets_build():
-    from models.presets import preset
+    from megazoo.models.presets import preset
     with pytest.raises(ValueError, match="sliding_window"):
         preset("smollm2-135m", sliding_window=8)  # HF Llama has no window
     from transformers import MistralForCausalLM

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from parallel.context_parallel import local_positions, split_sequence
-from parallel.topology import ParallelConfig, ParallelTopology
+from megazoo.parallel.context_parallel import local_positions, split_sequence
+from megazoo.parallel.topology import ParallelConfig, ParallelTopology
 from tests.distributed import run_distributed
 
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -46,9 +46,9 @@ def _references() -> dict:
 def _worker(rank, refs, ids, labels):
     import torch.distributed as dist
 
-    from models.language_model import gather_logits
-    from models.registry import build_model
-    from parallel.sharding import full_tensor, load_full_state_dict
+    from megazoo.models.language_model import gather_logits
+    from megazoo.models.registry import build_model
+    from megazoo.parallel.sharding import full_tensor, load_full_state_dict
     worst, checked = 0.0, []
     for layout in LAYOUTS:
         topo = ParallelTopology.from_config(ParallelConfig(**layout))
@@ -89,7 +89,7 @@ def test_windows_and_rope_under_tp_and_cp_equal_transformers_and_the_unsharded_m
 
 
 def test_ring_skips_the_blocks_outside_the_window():
-    from parallel.ring_attention import _Ring
+    from megazoo.parallel.ring_attention import _Ring
     skipped = [(rank, step) for rank in range(4) for step in range(4)
                if _Ring(SEQ // 4, 4, rank, None, "cpu", window=3).block(step) is None]
     assert skipped and all(step > 0 for _, step in skipped)

@@ -13,10 +13,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models.init import Initializer
-from models.language_model import TransformerLanguageModel
-from models.moe import MoELayer, moe_layers, set_aux_loss_scale
-from parallel.topology import ParallelTopology
+from megazoo.models.init import Initializer
+from megazoo.models.language_model import TransformerLanguageModel
+from megazoo.models.moe import MoELayer, moe_layers, set_aux_loss_scale
+from megazoo.parallel.topology import ParallelTopology
 from tests.hf_models import moe_config
 
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -138,7 +138,7 @@ def test_bad_moe_configs_are_refused(kw, match):
 
 
 def test_layouts_checked_against_experts():
-    from parallel.layout import LayoutError, ParallelConfig
+    from megazoo.parallel.layout import LayoutError, ParallelConfig
     with pytest.raises(LayoutError, match="--num-experts 4 is not divisible by --expert-model-parallel-size 3"):
         moe_config().check_layout(ParallelConfig(ep=3))
     with pytest.raises(LayoutError, match="needs a mixture-of-experts model"):
@@ -153,7 +153,7 @@ def test_bf16_experts_pad_groups_to_repeating_shapes(bias):
     kernel per matmul shape): rows land in their padded places, and the layer's output and
     gradients equal fp32 arithmetic on the same bf16 weights, one expert at a time, to within
     bf16 rounding (2% of the norm; misplaced rows are off by about 100%)."""
-    from parallel.kernels.grouped_matmul import ONEDNN_ROW_MULTIPLE, pad_groups, padded_group_sizes
+    from megazoo.parallel.kernels.grouped_matmul import ONEDNN_ROW_MULTIPLE, pad_groups, padded_group_sizes
     sizes = torch.tensor([0, 1, 32, 33, 511, 512, 513, 1000, 1024, 5000, 70000])
     assert padded_group_sizes(sizes, 32).tolist() == \
         [0, 32, 32, 64, 512, 512, 544, 1024, 1024, 5120, 73728]
@@ -191,8 +191,8 @@ def test_bf16_experts_pad_groups_to_repeating_shapes(bias):
 
 
 def test_megatron_flags_map_onto_the_config():
-    from training.config.flags import ArgumentError, to_run_config
-    from training.config.parser import build_parser
+    from megazoo.training.config.flags import ArgumentError, to_run_config
+    from megazoo.training.config.parser import build_parser
     argv = ["--model", "moe-tiny", "--num-experts", "4", "--moe-router-topk", "1",
             "--moe-ffn-hidden-size", "64", "--moe-aux-loss-coeff", "0.02", "--moe-z-loss-coeff",
             "0.003", "--moe-expert-capacity-factor", "1.25", "--moe-router-pre-softmax",

@@ -13,11 +13,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models import mixtral
-from models.generation import SamplingConfig, generate
-from models.language_model import gather_logits
-from parallel.sharding import load_full_state_dict
-from parallel.topology import ParallelTopology
+from megazoo.models import mixtral
+from megazoo.models.generation import SamplingConfig, generate
+from megazoo.models.language_model import gather_logits
+from megazoo.parallel.sharding import load_full_state_dict
+from megazoo.parallel.topology import ParallelTopology
 from tests.distributed import run_distributed
 from tests.hf_models import hf_converted, perturbed
 
@@ -70,7 +70,7 @@ def test_logits_loss_config_and_round_trip(name, tmp_path):
     # Files (per-expert w1/w2/w3) and memory (fused) forms give the same tensors; a folder
     # written by save_pretrained imports and exports bit-identical.
     from safetensors.torch import load_file
-    from training.checkpoint.hf import export_hf, import_hf
+    from megazoo.training.checkpoint.hf import export_hf, import_hf
     hf.save_pretrained(tmp_path / "hf")
     files = load_file(tmp_path / "hf" / "model.safetensors")
     from_files = mixtral.from_hf_state_dict(files, cfg)
@@ -120,9 +120,9 @@ def _loss(chunk, x, mb):
 
 
 def _world(rank, cfg, full, ref_logits, ref_loss):
-    from parallel.pipeline.engine import run_pipeline
-    from parallel.pipeline.schedules import build_schedule
-    from parallel.topology import ParallelConfig
+    from megazoo.parallel.pipeline.engine import run_pipeline
+    from megazoo.parallel.pipeline.schedules import build_schedule
+    from megazoo.parallel.topology import ParallelConfig
     ids, labels = _batch()
     done = []
     for kw in LAYOUTS:
@@ -164,7 +164,7 @@ def test_presets_build_the_hf_shapes(name):
     (on meta); Mixtral-8x7B's is the published 46.7B total, 12.9B active."""
     from transformers import MixtralForCausalLM
 
-    from models.presets import preset
+    from megazoo.models.presets import preset
     cfg = preset(name, moe_z_loss_coeff=0.0)
     with torch.device("meta"):
         hf = MixtralForCausalLM(mixtral.hf_config(cfg))

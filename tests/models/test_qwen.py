@@ -7,10 +7,10 @@ import dataclasses
 import pytest
 import torch
 
-from models.presets import PRESETS, preset
+from megazoo.models.presets import PRESETS, preset
 from tests.distributed import run_distributed
-from training.config.flags import to_run_config
-from training.config.parser import build_parser
+from megazoo.training.config.flags import to_run_config
+from megazoo.training.config.parser import build_parser
 
 QWEN_PRESETS = [n for n, p in PRESETS.items() if p.get("add_qkv_bias") or p.get("qk_layernorm")]
 PUBLISHED = {"qwen2-0.5b": 494_032_768, "qwen2.5-0.5b": 494_032_768, "qwen3-0.6b": 596_049_920}
@@ -18,7 +18,7 @@ PUBLISHED = {"qwen2-0.5b": 494_032_768, "qwen2.5-0.5b": 494_032_768, "qwen3-0.6b
 
 @pytest.mark.parametrize("name", QWEN_PRESETS)
 def test_presets_build_the_hf_shapes(name):
-    from models import qwen2, qwen2_moe, qwen3, qwen3_moe
+    from megazoo.models import qwen2, qwen2_moe, qwen3, qwen3_moe
     from transformers import AutoModelForCausalLM
     cfg = preset(name)
     module = ((qwen3_moe if cfg.qk_layernorm else qwen2_moe) if cfg.num_experts else
@@ -42,7 +42,7 @@ LAYOUTS = [[], ["--pipeline-model-parallel-size", "2"],
 
 def _worker(rank):
     from train_qwen import model_provider
-    from training.run.loop import pretrain
+    from megazoo.training.run.loop import pretrain
     curves = {}
     for qwen2 in (False, True):
         for i, layout in enumerate(LAYOUTS):

@@ -67,8 +67,8 @@ REFUSED = {  # name: (builder, fields, the field the error must name)
 
 @pytest.mark.parametrize("name", sorted(REFUSED))
 def test_unmodelled_fields_are_refused_naming_the_field(name, tmp_path):
-    from models.hf_fields import UnsupportedConfigError
-    from training.checkpoint.hf import ConversionError, import_hf
+    from megazoo.models.hf_fields import UnsupportedConfigError
+    from megazoo.training.checkpoint.hf import ConversionError, import_hf
     build, fields, field = REFUSED[name]
     build(model=False, **fields).save_pretrained(tmp_path / "hf")  # refused before weights are read
     with pytest.raises((ConversionError, UnsupportedConfigError), match=rf"^[^\n]*{field}=[^\n]*$"):
@@ -77,7 +77,7 @@ def test_unmodelled_fields_are_refused_naming_the_field(name, tmp_path):
 
 
 def _world(rank, cases):
-    from parallel.topology import ParallelConfig, ParallelTopology
+    from megazoo.parallel.topology import ParallelConfig, ParallelTopology
     torch.use_deterministic_algorithms(True)
     errors, checked = [0.0], []
     for kw in LAYOUTS:  # one topology per layout: creating groups is slow
@@ -91,8 +91,8 @@ def _world(rank, cases):
 def test_round_trip_and_logits_and_generation_under_tp_pp_ep(tmp_path):
     from safetensors.torch import load_file
 
-    from models.registry import family, model_class
-    from parallel.topology import ParallelTopology
+    from megazoo.models.registry import family, model_class
+    from megazoo.parallel.topology import ParallelTopology
     ids = torch.randint(0, VOCAB, (2, 17), generator=torch.Generator().manual_seed(1))
     cases, models = round_trip_cases(SUPPORTED, tmp_path, ids, ids[:, :5])
     for case, hf in zip(cases, models):
@@ -117,7 +117,7 @@ def test_round_trip_and_logits_and_generation_under_tp_pp_ep(tmp_path):
 
 
 def test_layer_placement_maps_onto_moe_layer_freq():
-    from models import qwen2_moe
+    from megazoo.models import qwen2_moe
     cfg = qwen2_moe.config_from_hf(_qwen2_moe(model=False, num_hidden_layers=6,
                                               mlp_only_layers=[1, 2, 4, 5, 9]))
     assert cfg.moe_layer_freq == 3 and cfg.moe_aux_loss_coeff == pytest.approx(0.002)
@@ -164,8 +164,8 @@ def test_released_configs_and_presets_match_hf_shapes(name, tmp_path):
     Qwen3-30B-A3B 30.53B / 3.35B (published: 14.3B / 2.7B and 30.5B / 3.3B)."""
     from transformers import AutoModelForCausalLM
 
-    from models.presets import preset
-    from training.checkpoint.hf import read_hf_config
+    from megazoo.models.presets import preset
+    from megazoo.training.checkpoint.hf import read_hf_config
     (tmp_path / "config.json").write_text(json.dumps(RELEASED[name]))
     _, module, hf = read_hf_config(str(tmp_path))
     imported = module.config_from_hf(hf)

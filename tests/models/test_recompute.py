@@ -10,14 +10,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models.config import TransformerConfig
-from models.language_model import TransformerLanguageModel
-from parallel.pipeline.engine import PipelineStats, run_pipeline
-from parallel.pipeline.schedules import build_schedule
-from parallel.random import model_parallel_seed
-from parallel.topology import ParallelTopology
-from training.config.flags import to_run_config
-from training.config.parser import build_parser
+from megazoo.models.config import TransformerConfig
+from megazoo.models.language_model import TransformerLanguageModel
+from megazoo.parallel.pipeline.engine import PipelineStats, run_pipeline
+from megazoo.parallel.pipeline.schedules import build_schedule
+from megazoo.parallel.random import model_parallel_seed
+from megazoo.parallel.topology import ParallelTopology
+from megazoo.training.config.flags import to_run_config
+from megazoo.training.config.parser import build_parser
 
 B, S, H, HEADS, LAYERS = 2, 32, 32, 4, 4
 FULL = dict(recompute_granularity="full")

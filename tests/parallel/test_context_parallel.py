@@ -26,17 +26,17 @@ import numpy as np
 import pytest
 import torch
 
-from models.config import TransformerConfig
-from models.language_model import TransformerLanguageModel
-from parallel import collectives as C
-from parallel.context_parallel import local_positions, split_sequence
-from parallel.layout import LayoutError, ParallelConfig
-from parallel.pipeline.engine import PipelineStats, run_pipeline
-from parallel.pipeline.partition import partition
-from parallel.pipeline.schedules import build_schedule
-from parallel.pipeline.tied import broadcast_tied_embedding
-from parallel.sharding import full_tensor
-from parallel.topology import ParallelTopology
+from megazoo.models.config import TransformerConfig
+from megazoo.models.language_model import TransformerLanguageModel
+from megazoo.parallel import collectives as C
+from megazoo.parallel.context_parallel import local_positions, split_sequence
+from megazoo.parallel.layout import LayoutError, ParallelConfig
+from megazoo.parallel.pipeline.engine import PipelineStats, run_pipeline
+from megazoo.parallel.pipeline.partition import partition
+from megazoo.parallel.pipeline.schedules import build_schedule
+from megazoo.parallel.pipeline.tied import broadcast_tied_embedding
+from megazoo.parallel.sharding import full_tensor
+from megazoo.parallel.topology import ParallelTopology
 from tests.distributed import run_distributed, sum_tied_embedding_grads
 
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -82,8 +82,8 @@ def _dp_cp_mean(tensors, topo) -> None:
 
 
 def _numerics_worker(rank):
-    from training.run.batches import microbatches
-    from training.run.step import activation_shape
+    from megazoo.training.run.batches import microbatches
+    from megazoo.training.run.step import activation_shape
     torch.use_deterministic_algorithms(True)
     data = _Tokens(BATCH, seed=3)
     ids, labels = data.t[:, :-1], data.t[:, 1:]
@@ -160,7 +160,7 @@ def _train_step(model, opt, topo, step: int) -> tuple[float, float]:
 
 
 def _training_worker(rank, tmp):
-    from parallel.zero import build_optimizer
+    from megazoo.parallel.zero import build_optimizer
     from tests.helpers import (HYPER, STEPS, full_model_parameters, initial_parameters,
                                opt_config, reference_run, small_gpt)
     from tests.tolerances import assert_trained_close
@@ -190,13 +190,13 @@ def _training_worker(rank, tmp):
 def _checkpoint_moves_between_c(model, opt, topo, cfg, params, tmp) -> None:
     """Save under cp2 x dp2 with ZeRO-2 (states sharded over dp x cp): the reader sees the cp
     ranks as replicas and rebuilds every full tensor, which loads exactly into cp4 and cp1 x dp4."""
-    from parallel.random import RNGStreams
-    from parallel.zero import build_optimizer
+    from megazoo.parallel.random import RNGStreams
+    from megazoo.parallel.zero import build_optimizer
     from tests.helpers import HYPER, STEPS, full_model_parameters, opt_config
     from tests.tolerances import assert_trained_close
-    from training.checkpoint import format as ckpt
-    from training.checkpoint import reshard
-    from training.checkpoint.resume import rank_tensors
+    from megazoo.training.checkpoint import format as ckpt
+    from megazoo.training.checkpoint import reshard
+    from megazoo.training.checkpoint.resume import rank_tensors
     tensors = rank_tensors([model], opt, RNGStreams(), 2)
     layout = dict(tp=1, pp=1, dp=topo.dp, vpp=1, world_size=topo.world_size, zero_stage=2, cp=2)
     folder = ckpt.save_checkpoint(tmp, 3, topo.rank, topo.world_size, tensors, dict(layout=layout))
@@ -278,8 +278,8 @@ def test_chunks_positions_and_refusals():
                                                                num_query_groups=4)
     with pytest.raises(LayoutError, match="--cp-comm-type 'ring'"):
         ParallelConfig(cp=2, cp_comm_type="ring").validate(4)
-    from training.config.flags import ArgumentError, to_run_config
-    from training.config.parser import build_parser
+    from megazoo.training.config.flags import ArgumentError, to_run_config
+    from megazoo.training.config.parser import build_parser
     flags = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
              "--seq-length", "16", "--max-position-embeddings", "16", "--vocab-size", "64",
              "--train-iters", "1", "--mock-data", "--context-parallel-size", "2"]
@@ -292,8 +292,8 @@ def test_chunks_positions_and_refusals():
 
 
 def test_planner_models_context_parallelism():
-    from models.presets import preset
-    from training.planning.planner import Cluster, Layout, PlanError, check_layout, memory_per_gpu, step_time
+    from megazoo.models.presets import preset
+    from megazoo.training.planning.planner import Cluster, Layout, PlanError, check_layout, memory_per_gpu, step_time
     cfg = preset("llama3-8b")
     base = dict(tp=8, sequence_parallel=True, recompute_granularity="full", zero_stage=1,
                 seq_length=131072, flash_attention=True)
@@ -319,7 +319,7 @@ def test_ring_block_kernels_match_sdpa(fused, monkeypatch):
     devices take) equals SDPA and its autograd on one block: GQA, ALiBi bias, causal or not."""
     import math
     import torch.nn.functional as F
-    from parallel import ring_attention as ra
+    from megazoo.parallel import ring_attention as ra
     monkeypatch.setattr(ra, "_fused", lambda device: fused)
     g = torch.Generator().manual_seed(0)
     b, heads, groups, m, d = 2, 4, 2, 6, 8

@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import parallel.fused_cross_entropy as fused
-from parallel import collectives as C
-import parallel.kernels.lm_head_loss as lm_head_loss
+import megazoo.parallel.fused_cross_entropy as fused
+from megazoo.parallel import collectives as C
+import megazoo.parallel.kernels.lm_head_loss as lm_head_loss
 
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
        torch.float16: dict(atol=2e-3, rtol=2e-3)}
@@ -46,7 +46,7 @@ def test_matches_unfused(dtype, padded, chunk, monkeypatch):
 def test_evaluation_computes_the_loss_alone(monkeypatch):
     """Without gradients (evaluation) the loss takes the short path, bitwise the same, and no
     [tokens, vocabulary] gradient is allocated."""
-    from parallel.topology import ParallelTopology
+    from megazoo.parallel.topology import ParallelTopology
     g = torch.Generator().manual_seed(1)
     hidden = torch.randn(30, 1, 16, generator=g).requires_grad_()
     weight = torch.randn(104, 16, generator=g).requires_grad_()  # as a model's parameter

@@ -10,10 +10,10 @@ of two micro-batches each, per-token loss weights, tied and untied heads, stages
 import pytest
 import torch
 
-from models.language_model import TransformerLanguageModel
-from parallel.param_spec import spec_of
-from parallel.topology import ParallelTopology
-from parallel.zero import OptimizerConfig, build_optimizer
+from megazoo.models.language_model import TransformerLanguageModel
+from megazoo.parallel.param_spec import spec_of
+from megazoo.parallel.topology import ParallelTopology
+from megazoo.parallel.zero import OptimizerConfig, build_optimizer
 from tests.helpers import batch, small_gpt
 
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import parallel.kernels.cpu_attention as cpu_attention
-from parallel.kernels.attention import AttentionChoice, attention, choose_attention
+import megazoo.parallel.kernels.cpu_attention as cpu_attention
+from megazoo.parallel.kernels.attention import AttentionChoice, attention, choose_attention
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
@@ -77,7 +77,7 @@ def test_attention_dispatch_by_device_and_dtype():
 def test_window_means_transformers_sliding_window():
     """`window` W is transformers' Mistral/Qwen2 `sliding_window`: W keys counting the query."""
     from transformers.masking_utils import sliding_window_causal_mask_function
-    from parallel.kernels.attention import position_bias
+    from megazoo.parallel.kernels.attention import position_bias
     q_idx, kv_idx = torch.arange(12)[:, None], torch.arange(12)[None, :]
     for w in (1, 3, 12):
         want = sliding_window_causal_mask_function(w)(0, 0, q_idx, kv_idx)
@@ -167,7 +167,7 @@ def test_varlen_path_flattens_documents_and_windows(monkeypatch):
     window_size, the [tokens, heads, d] layout), run on the CPU through FlashAttention's
     documented contract in place of the GPU kernel, against the dense reference."""
     import torch.nn.attention.varlen as varlen
-    import parallel.kernels.attention as kernels
+    import megazoo.parallel.kernels.attention as kernels
     monkeypatch.setattr(varlen, "varlen_attn", _flash_varlen_semantics)
     monkeypatch.setattr(kernels, "choose_attention",
                         lambda *a, **kw: AttentionChoice("varlen", "flash_varlen"))
@@ -187,8 +187,8 @@ def test_per_document_attention_does_only_the_documents_work(monkeypatch):
     """Packed documents on the CPU: one kernel call per document, each over that document's
     keys only (block diagonal), no [s, s] mask: on the generic path (here non-causal) and on
     the causal flash path, forward and backward."""
-    import parallel.kernels.attention as kernels
-    import parallel.kernels.cpu_documents as cpu_documents
+    import megazoo.parallel.kernels.attention as kernels
+    import megazoo.parallel.kernels.cpu_documents as cpu_documents
     shapes = []
     real = kernels.run_dense
 
@@ -250,7 +250,7 @@ def test_low_precision_attention_saves_what_sdpa_saves(dtype, fp32_backward_keys
         assert (out - want).norm() <= 1e-2 * want.norm()
 
         def native():
-            from parallel.kernels.attention import position_bias
+            from megazoo.parallel.kernels.attention import position_bias
             mask = None if s is None and q_len == 48 else position_bias(
                 48 - q_len, q_len, 0, 48, causal=True, window=None, slopes=s, dtype=dtype,
                 device=CPU)[None]
@@ -280,7 +280,7 @@ def test_bf16_attention_runs_under_any_cpu_capability():
 
 
 def test_lm_head_loss_chunk_by_device_and_dtype():
-    from parallel.kernels.lm_head_loss import (CHUNK_TOKENS, CPU_LOW_PRECISION_CHUNK_TOKENS,
+    from megazoo.parallel.kernels.lm_head_loss import (CHUNK_TOKENS, CPU_LOW_PRECISION_CHUNK_TOKENS,
                                                chunk_tokens)
     assert chunk_tokens(CPU, BF16) == chunk_tokens(CPU, FP16) == CPU_LOW_PRECISION_CHUNK_TOKENS
     assert chunk_tokens(CPU, FP32) == chunk_tokens(CUDA, BF16) == chunk_tokens(CUDA, FP32) \
@@ -290,7 +290,7 @@ def test_lm_head_loss_chunk_by_device_and_dtype():
 # ---- ring attention blocks -----------------------------------------------------------------------
 
 def test_ring_block_dispatch_and_exchange_dtype():
-    from parallel.kernels.attention_block import choose_block_kernel as c, ring_compute_dtype
+    from megazoo.parallel.kernels.attention_block import choose_block_kernel as c, ring_compute_dtype
     assert c(CPU, BF16, bias=False) == c(CPU, FP32, bias=True) == "cpu_flash"
     assert c(CUDA, BF16, bias=False, capability=H100) == c(CUDA, FP16, bias=False,
                                                            capability=A100) == "cuda_flash"
@@ -306,8 +306,8 @@ def test_ring_block_dispatch_and_exchange_dtype():
 def test_ring_attention_in_the_activation_dtype(alibi, monkeypatch):
     """The GPU's ring path on the CPU (K/V in bf16, blocks on the matmul fallback that CUDA
     takes for ALiBi), one rank: output and gradients against the dense reference."""
-    from parallel import collectives as C
-    from parallel import ring_attention as ra
+    from megazoo.parallel import collectives as C
+    from megazoo.parallel import ring_attention as ra
     monkeypatch.setattr(ra, "ring_compute_dtype", lambda device, dtype: dtype)
     monkeypatch.setattr(ra, "_fused", lambda device: False)
     seen = []
@@ -369,8 +369,8 @@ def test_cuda_ring_block_plumbing_against_flash_contract(monkeypatch):
     """The CUDA ring block's own work (layout to FlashAttention's varlen form and back, its
     log-sum-exp layout both ways, GQA heads expanded and summed), run on the CPU through
     FlashAttention's contract in place of the GPU kernel, against the CPU flash block."""
-    import parallel.kernels.attention_block as blocks
-    from parallel import ring_attention as ra
+    import megazoo.parallel.kernels.attention_block as blocks
+    from megazoo.parallel import ring_attention as ra
     g = torch.Generator().manual_seed(0)
     q = torch.randn(2, 4, 6, 8, generator=g)
     k, v = (torch.randn(2, 2, 6, 8, generator=g) for _ in range(2))

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from parallel.kernels.attention import attention, choose_attention
+from megazoo.parallel.kernels.attention import attention, choose_attention
 
 LENGTHS = [[1, 37, 20, 6], [64]]  # two samples of 64 tokens
 

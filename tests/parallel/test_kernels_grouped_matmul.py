@@ -13,7 +13,7 @@ H100, A100 = (9, 0), (8, 0)
 
 
 def test_grouped_matmul_dispatch_by_device_and_dtype():
-    from parallel.kernels.grouped_matmul import (ONEDNN_ROW_MULTIPLE, GroupedMatmulChoice as G,
+    from megazoo.parallel.kernels.grouped_matmul import (ONEDNN_ROW_MULTIPLE, GroupedMatmulChoice as G,
                                                  choose_grouped_matmul as c)
     assert c(CPU, FP32) == G("grouped_mm", 1)
     assert c(CPU, BF16) == c(CPU, FP16) == G("grouped_mm", ONEDNN_ROW_MULTIPLE)
@@ -27,7 +27,7 @@ def test_grouped_matmul_kernels_equal_a_loop_reference(kernel):
     """Forward and both gradients of each kernel, with empty groups and no rows at all, and with
     widths whose rows are not a multiple of 16 bytes (fp32 37 / hidden 90, bf16 36), which
     `torch._grouped_mm` refuses unpadded."""
-    from parallel.kernels.grouped_matmul import ExpertMatmuls, GroupedMatmulChoice
+    from megazoo.parallel.kernels.grouped_matmul import ExpertMatmuls, GroupedMatmulChoice
     g = torch.Generator().manual_seed(0)
     cases = [(FP32, 16, 24, c) for c in ([3, 0, 5, 2], [0, 0, 0, 0], [0, 7, 0, 0])] + \
         [(BF16, 16, 24, [0, 7, 0, 0])] + \
@@ -63,10 +63,10 @@ def test_grouped_matmul_kernels_equal_a_loop_reference(kernel):
 def test_moe_layer_trains_with_unaligned_expert_widths(dtype, hidden, width):
     """The shapes that crashed every MoE forward in `torch._grouped_mm` ("strides should be
     multiple of 16 bytes") run forward and backward and match one expert at a time."""
-    from models.config import TransformerConfig
-    from models.init import Initializer
-    from models.moe import MoELayer
-    from parallel.topology import ParallelTopology
+    from megazoo.models.config import TransformerConfig
+    from megazoo.models.init import Initializer
+    from megazoo.models.moe import MoELayer
+    from megazoo.parallel.topology import ParallelTopology
     cfg = TransformerConfig(vocab_size=96, hidden_size=hidden, num_layers=1,
                             num_attention_heads=2 if hidden % 4 == 0 else 3,  # head_dim even (RoPE)
                             normalization="rmsnorm", activation="swiglu", position_embedding="rope",

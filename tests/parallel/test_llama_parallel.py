@@ -13,18 +13,18 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from models import llama
-from models.blocks import KVCache
-from models.language_model import gather_logits
-from parallel.collectives import all_gather
-from parallel.pipeline.engine import run_pipeline
-from parallel.pipeline.partition import partition
-from parallel.pipeline.schedules import build_schedule
-from parallel.pipeline.tied import broadcast_tied_embedding
-from parallel.tensor_parallel import tp_layout
+from megazoo.models import llama
+from megazoo.models.blocks import KVCache
+from megazoo.models.language_model import gather_logits
+from megazoo.parallel.collectives import all_gather
+from megazoo.parallel.pipeline.engine import run_pipeline
+from megazoo.parallel.pipeline.partition import partition
+from megazoo.parallel.pipeline.schedules import build_schedule
+from megazoo.parallel.pipeline.tied import broadcast_tied_embedding
+from megazoo.parallel.tensor_parallel import tp_layout
 from tests.distributed import sum_tied_embedding_grads
-from parallel.sharding import full_tensor, load_full_state_dict
-from parallel.topology import ParallelConfig, ParallelTopology
+from megazoo.parallel.sharding import full_tensor, load_full_state_dict
+from megazoo.parallel.topology import ParallelConfig, ParallelTopology
 from tests.distributed import run_distributed
 from tests.hf_models import LLAMA3, VOCAB
 

@@ -23,8 +23,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from parallel.context_parallel import local_positions, split_sequence
-from parallel.topology import ParallelConfig, ParallelTopology
+from megazoo.parallel.context_parallel import local_positions, split_sequence
+from megazoo.parallel.topology import ParallelConfig, ParallelTopology
 from tests.distributed import run_distributed
 from tests.helpers import HYPER, one_thread, opt_config  # noqa: F401
 from tests.hf_models import hf_converted, hf_deepseek_v3
@@ -47,9 +47,9 @@ def _tokens(seed: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
 def _mla_reference(hf) -> dict:
     """transformers' logits, the unsharded model's loss and gradients on batch 0, and its
     parameters before and after STEPS steps of torch AdamW (batch `step` each)."""
-    from models import deepseek_v3
+    from megazoo.models import deepseek_v3
     from tests.helpers import reference_adamw
-    from models.rope import latent_softmax_scale
+    from megazoo.models.rope import latent_softmax_scale
     cfg, model = hf_converted(hf, deepseek_v3)
     assert cfg.qk_nope_head_dim + cfg.qk_rope_head_dim != cfg.v_head_dim
     if cfg.rope_scaling is not None:  # the softmax scale is not SDPA's 1/sqrt(head dim)
@@ -79,7 +79,7 @@ def _mla_reference(hf) -> dict:
 def _window_reference() -> dict:
     from transformers import MixtralConfig, MixtralForCausalLM
 
-    from models import mixtral
+    from megazoo.models import mixtral
     config = MixtralConfig(vocab_size=67, hidden_size=32, intermediate_size=24, num_hidden_layers=2,
                            num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
                            num_experts_per_tok=2, sliding_window=3, max_position_embeddings=32,
@@ -91,7 +91,7 @@ def _window_reference() -> dict:
     with torch.no_grad():
         for p in hf.parameters():
             p.add_(torch.randn(p.shape, generator=g) * 0.05)
-    from models.registry import build_model
+    from megazoo.models.registry import build_model
     cfg, model = hf_converted(hf, mixtral)
     assert cfg.attention_window(0) == 3 < SEQ
     ids, _ = _tokens(7, 67)
@@ -109,7 +109,7 @@ def _local(t: torch.Tensor, topo) -> torch.Tensor:
 
 
 def _logits_error(model, ids, hf_logits, topo, vocab, where) -> float:
-    from models.language_model import gather_logits
+    from megazoo.models.language_model import gather_logits
     model.eval()
     with torch.no_grad():
         logits = gather_logits(model(_local(ids, topo)), topo, vocab)
@@ -123,9 +123,9 @@ def _check_mla(ref: dict, topo, where: str) -> float:
     logits error."""
     import torch.distributed as dist
 
-    from models.registry import build_model
-    from parallel.sharding import full_tensor, load_full_state_dict
-    from parallel.zero import build_optimizer
+    from megazoo.models.registry import build_model
+    from megazoo.parallel.sharding import full_tensor, load_full_state_dict
+    from megazoo.parallel.zero import build_optimizer
     cfg, vocab = ref["cfg"], ref["vocab"]
     model = build_model(cfg, topo)
     load_full_state_dict(model, ref["initial"], topo)
@@ -159,8 +159,8 @@ def _check_mla(ref: dict, topo, where: str) -> float:
 
 
 def _worker(rank, mla_refs: dict, window_ref: dict):
-    from models.registry import build_model
-    from parallel.sharding import load_full_state_dict
+    from megazoo.models.registry import build_model
+    from megazoo.parallel.sharding import load_full_state_dict
     checked, worst = [], 0.0
     for name, layout in MLA_CASES:
         topo = ParallelTopology.from_config(ParallelConfig(**layout))
@@ -196,7 +196,7 @@ def test_ring_blocks_take_a_value_head_dim_of_their_own(fused, monkeypatch):
     autograd; GQA, causal or not, with an additive bias."""
     import torch.nn.functional as F
 
-    from parallel import ring_attention as ra
+    from megazoo.parallel import ring_attention as ra
     monkeypatch.setattr(ra, "_fused", lambda device: fused)
     g = torch.Generator().manual_seed(0)
     b, heads, groups, m, d, scale = 2, 4, 2, 6, 10, 0.47

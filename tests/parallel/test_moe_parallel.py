@@ -17,19 +17,19 @@ from __future__ import annotations
 
 import torch
 
-from models.language_model import TransformerLanguageModel
-from models.moe import moe_layers, set_aux_loss_scale
-from parallel import collectives as C
-from parallel.pipeline.partition import chunk_prefix, partition
-from parallel.sharding import full_tensor
-from parallel.topology import ParallelTopology
-from parallel.zero import build_optimizer
+from megazoo.models.language_model import TransformerLanguageModel
+from megazoo.models.moe import moe_layers, set_aux_loss_scale
+from megazoo.parallel import collectives as C
+from megazoo.parallel.pipeline.partition import chunk_prefix, partition
+from megazoo.parallel.sharding import full_tensor
+from megazoo.parallel.topology import ParallelTopology
+from megazoo.parallel.zero import build_optimizer
 from tests.distributed import run_distributed
 from tests.helpers import (HYPER, SEQ, STEPS, batch, checked_step, dp_mean, initial_parameters,
                            opt_config, topology)
 from tests.hf_models import moe_config
 from tests.tolerances import assert_trained_close
-from training.run.step import activation_shape
+from megazoo.training.run.step import activation_shape
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 

@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import torch
 
-from models.config import TransformerConfig
-from models.language_model import TransformerLanguageModel
-from models.multi_token_prediction import mtp_modules, set_mtp_loss_scale
-from parallel.pipeline.partition import chunk_prefix, partition
-from parallel.sharding import full_tensor
-from parallel.topology import ParallelTopology
-from parallel.zero import build_optimizer
+from megazoo.models.config import TransformerConfig
+from megazoo.models.language_model import TransformerLanguageModel
+from megazoo.models.multi_token_prediction import mtp_modules, set_mtp_loss_scale
+from megazoo.parallel.pipeline.partition import chunk_prefix, partition
+from megazoo.parallel.sharding import full_tensor
+from megazoo.parallel.topology import ParallelTopology
+from megazoo.parallel.zero import build_optimizer
 from tests.distributed import run_distributed
 from tests.helpers import (HYPER, SEQ, accumulated_backward, batch, checked_step, dp_mean,  # noqa: F401
                            one_thread, opt_config, reference_adamw, topology)  # one_thread: autouse
@@ -85,7 +85,7 @@ def _reference(cfg):
 
 
 def _run(topo, cfg, ref, stage: int, tag: str) -> tuple[int, int]:
-    from training.run.step import activation_shape
+    from megazoo.training.run.step import activation_shape
     ref_losses, ref_depths, ref_grads, ref_norms, initial, ref_params = ref
     specs = partition(cfg.num_layers, topo.pp, topo.vpp)[topo.pp_rank]
     chunks = [TransformerLanguageModel(cfg, topo, **s.kwargs()) for s in specs]

@@ -15,14 +15,14 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from models.language_model import TransformerLanguageModel
-from parallel.pipeline.engine import run_pipeline
-from parallel.pipeline.partition import partition
-from parallel.pipeline.schedules import build_schedule
-from parallel.pipeline.tied import broadcast_tied_embedding
-from parallel.topology import ParallelConfig, ParallelTopology
-from parallel.zero import build_optimizer
-from parallel.zero.muon import MuonSettings, assign_matrices, newton_schulz
+from megazoo.models.language_model import TransformerLanguageModel
+from megazoo.parallel.pipeline.engine import run_pipeline
+from megazoo.parallel.pipeline.partition import partition
+from megazoo.parallel.pipeline.schedules import build_schedule
+from megazoo.parallel.pipeline.tied import broadcast_tied_embedding
+from megazoo.parallel.topology import ParallelConfig, ParallelTopology
+from megazoo.parallel.zero import build_optimizer
+from megazoo.parallel.zero.muon import MuonSettings, assign_matrices, newton_schulz
 from tests.distributed import run_distributed
 from tests.muon_reference import MUON_FP32 as MUON
 from tests.muon_reference import MUON_LR as LR
@@ -114,9 +114,9 @@ TRAINER = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", 
 
 def _pretrain(*extra):
     from train_gpt import model_provider
-    from training.config.flags import to_run_config
-    from training.config.parser import build_parser
-    from training.run.loop import pretrain
+    from megazoo.training.config.flags import to_run_config
+    from megazoo.training.config.parser import build_parser
+    from megazoo.training.run.loop import pretrain
     return pretrain(model_provider, to_run_config(build_parser().parse_args(TRAINER + list(extra)),
                                                   world_size=2))
 
@@ -177,8 +177,8 @@ def test_muon_layouts_match_reference_resume_and_reshard(tmp_path):
 
 def test_muon_flags_map_and_refuse():
     import pytest
-    from training.config.flags import ArgumentError, to_run_config
-    from training.config.parser import build_parser
+    from megazoo.training.config.flags import ArgumentError, to_run_config
+    from megazoo.training.config.parser import build_parser
     base = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
             "--seq-length", "16", "--max-position-embeddings", "16", "--mock-data",
             "--vocab-size", "61", "--micro-batch-size", "2", "--train-iters", "4"]

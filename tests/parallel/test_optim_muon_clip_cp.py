@@ -12,10 +12,10 @@ import functools
 
 import torch.distributed as dist
 
-from models.language_model import TransformerLanguageModel
-from parallel.topology import ParallelConfig, ParallelTopology
-from parallel.zero import build_optimizer
-from parallel.zero.qk_clip import QKClipSettings
+from megazoo.models.language_model import TransformerLanguageModel
+from megazoo.parallel.topology import ParallelConfig, ParallelTopology
+from megazoo.parallel.zero import build_optimizer
+from megazoo.parallel.zero.qk_clip import QKClipSettings
 from tests.distributed import run_distributed
 from tests.helpers import qk_clip_check_run, qk_clip_tau_amid, qk_clip_train
 from tests.muon_reference import (MUON_LR, muon_batch, muon_full_parameters, muon_gpt_config,

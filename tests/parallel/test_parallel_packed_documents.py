@@ -14,17 +14,17 @@ from __future__ import annotations
 
 import torch
 
-from data.packing import documents_after_eod, positions_in_documents
-from models.config import TransformerConfig
-from models.language_model import TransformerLanguageModel
-from parallel.context_parallel import Documents, split_sequence
-from parallel.layout import ParallelConfig
-from parallel.pipeline.partition import partition
-from parallel.sharding import local_shard
-from parallel.topology import ParallelTopology
-from parallel.zero import OptimizerConfig, build_optimizer
+from megazoo.data.packing import documents_after_eod, positions_in_documents
+from megazoo.models.config import TransformerConfig
+from megazoo.models.language_model import TransformerLanguageModel
+from megazoo.parallel.context_parallel import Documents, split_sequence
+from megazoo.parallel.layout import ParallelConfig
+from megazoo.parallel.pipeline.partition import partition
+from megazoo.parallel.sharding import local_shard
+from megazoo.parallel.topology import ParallelTopology
+from megazoo.parallel.zero import OptimizerConfig, build_optimizer
 from tests.distributed import run_distributed
-from training.run.step import activation_shape, forward_backward
+from megazoo.training.run.step import activation_shape, forward_backward
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 SEQ, EOD, VOCAB = 16, 0, 64

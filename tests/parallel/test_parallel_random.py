@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from parallel.random import TP_STREAM, RNGStreams
+from megazoo.parallel.random import TP_STREAM, RNGStreams
 
 
 def test_fork_unknown_stream_names_the_known_ones():

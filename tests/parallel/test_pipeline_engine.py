@@ -10,13 +10,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from parallel.pipeline.engine import PipelineStats, run_pipeline
-from parallel.pipeline.partition import partition
-from parallel.pipeline.schedules import activation_bound, build_schedule
-from parallel.param_spec import set_spec
-from parallel.pipeline.tied import broadcast_tied_embedding
+from megazoo.parallel.pipeline.engine import PipelineStats, run_pipeline
+from megazoo.parallel.pipeline.partition import partition
+from megazoo.parallel.pipeline.schedules import activation_bound, build_schedule
+from megazoo.parallel.param_spec import set_spec
+from megazoo.parallel.pipeline.tied import broadcast_tied_embedding
 from tests.distributed import sum_tied_embedding_grads
-from parallel.topology import ParallelConfig, ParallelTopology
+from megazoo.parallel.topology import ParallelConfig, ParallelTopology
 from tests.distributed import run_distributed
 from tests.helpers import data_parallel_mean, mean_loss_forward, microbatches
 
@@ -181,7 +181,7 @@ def test_pipeline_matches_single_process_4_ranks():
 
 def test_backward_through_a_deallocated_output():
     """A sent activation's values are dropped; its backward still gives the exact gradients."""
-    from parallel.pipeline.engine import backward_through, deallocate
+    from megazoo.parallel.pipeline.engine import backward_through, deallocate
     layer = ToyLayer(0)
     x = torch.randn(SEQ, 2, HIDDEN, requires_grad=True)
     grad = torch.randn(SEQ, 2, HIDDEN)

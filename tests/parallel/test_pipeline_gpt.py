@@ -9,15 +9,15 @@ from __future__ import annotations
 
 import torch
 
-from models.config import TransformerConfig
-from models.language_model import TransformerLanguageModel
-from parallel.pipeline.engine import PipelineStats, run_pipeline
-from parallel.pipeline.partition import partition
-from parallel.pipeline.schedules import activation_bound, build_schedule
-from parallel.pipeline.tied import broadcast_tied_embedding
+from megazoo.models.config import TransformerConfig
+from megazoo.models.language_model import TransformerLanguageModel
+from megazoo.parallel.pipeline.engine import PipelineStats, run_pipeline
+from megazoo.parallel.pipeline.partition import partition
+from megazoo.parallel.pipeline.schedules import activation_bound, build_schedule
+from megazoo.parallel.pipeline.tied import broadcast_tied_embedding
 from tests.distributed import sum_tied_embedding_grads
-from parallel.sharding import full_tensor
-from parallel.topology import ParallelConfig, ParallelTopology
+from megazoo.parallel.sharding import full_tensor
+from megazoo.parallel.topology import ParallelConfig, ParallelTopology
 from tests.distributed import run_distributed
 from tests.helpers import data_parallel_mean, mean_loss_forward, microbatches
 

@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import pytest
 
-from parallel.pipeline.partition import block_sizes, partition
-from parallel.pipeline.schedules import (Backward, Forward, RecvActivation, RecvGrad,
+from megazoo.parallel.pipeline.partition import block_sizes, partition
+from megazoo.parallel.pipeline.schedules import (Backward, Forward, RecvActivation, RecvGrad,
                                          SendActivation, SendGrad, activation_bound,
                                          build_schedule, comm_batches, order_1f1b)
-from parallel.pipeline.simulate import ScheduleError, check_complete, simulate
-from parallel.topology import LayoutError
+from megazoo.parallel.pipeline.simulate import ScheduleError, check_complete, simulate
+from megazoo.parallel.topology import LayoutError
 
 MICROBATCHES = (1, 2, 3, 4, 5, 8, 12, 16)
 

@@ -5,9 +5,9 @@ import json
 
 import pytest
 
-from parallel.pipeline.schedules import build_schedule
-from parallel.pipeline.simulate import simulate
-from tools.draw_timeline import bubble_fraction, main
+from megazoo.parallel.pipeline.schedules import build_schedule
+from megazoo.parallel.pipeline.simulate import simulate
+from megazoo.tools.draw_timeline import bubble_fraction, main
 
 
 def _timeline(name, pp, vpp, m):

@@ -9,12 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models.config import TransformerConfig
-from models.language_model import TransformerLanguageModel
-from parallel.topology import ParallelTopology
-from parallel.zero import OptimizerConfig, build_optimizer
-from parallel.zero.config import ZeroConfigError
-from parallel.zero.qk_clip import QKClipSettings
+from megazoo.models.config import TransformerConfig
+from megazoo.models.language_model import TransformerLanguageModel
+from megazoo.parallel.topology import ParallelTopology
+from megazoo.parallel.zero import OptimizerConfig, build_optimizer
+from megazoo.parallel.zero.config import ZeroConfigError
+from megazoo.parallel.zero.qk_clip import QKClipSettings
 from tests.helpers import qk_clip_forced, qk_clip_tau_amid
 from tests.tolerances import assert_params_equal
 
@@ -138,8 +138,8 @@ def test_refused_where_it_cannot_work():
 
 
 def test_flags_map_and_refuse():
-    from training.config.flags import ArgumentError, to_run_config
-    from training.config.parser import build_parser
+    from megazoo.training.config.flags import ArgumentError, to_run_config
+    from megazoo.training.config.parser import build_parser
     base = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
             "--seq-length", "16", "--max-position-embeddings", "16", "--mock-data",
             "--vocab-size", "61", "--micro-batch-size", "2", "--train-iters", "4"]

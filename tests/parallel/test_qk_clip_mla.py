@@ -15,11 +15,11 @@ import math
 import pytest
 import torch
 
-from models.config import TransformerConfig
-from models.language_model import TransformerLanguageModel
-from parallel.topology import ParallelConfig, ParallelTopology
-from parallel.zero import OptimizerConfig, build_optimizer
-from parallel.zero.qk_clip import QKClipSettings
+from megazoo.models.config import TransformerConfig
+from megazoo.models.language_model import TransformerLanguageModel
+from megazoo.parallel.topology import ParallelConfig, ParallelTopology
+from megazoo.parallel.zero import OptimizerConfig, build_optimizer
+from megazoo.parallel.zero.qk_clip import QKClipSettings
 from tests.distributed import run_distributed
 from tests.helpers import (initial_parameters, qk_clip_check_run, qk_clip_forced,
                            qk_clip_tau_amid, qk_clip_train)

@@ -10,7 +10,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from parallel import ring_attention as ra
+from megazoo.parallel import ring_attention as ra
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 

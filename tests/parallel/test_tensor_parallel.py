@@ -8,11 +8,11 @@ Also: dropout with activation checkpointing reproduces the gradients exactly.
 import pytest
 import torch
 
-from models.config import TransformerConfig
-from models.language_model import TransformerLanguageModel, gather_logits
-from parallel.random import model_parallel_seed
-from parallel.sharding import full_tensor
-from parallel.topology import LayoutError, ParallelConfig, ParallelTopology
+from megazoo.models.config import TransformerConfig
+from megazoo.models.language_model import TransformerLanguageModel, gather_logits
+from megazoo.parallel.random import model_parallel_seed
+from megazoo.parallel.sharding import full_tensor
+from megazoo.parallel.topology import LayoutError, ParallelConfig, ParallelTopology
 from tests.distributed import run_distributed
 
 TOL = dict(rtol=1e-5, atol=1e-5)

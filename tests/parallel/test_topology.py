@@ -1,7 +1,7 @@
 import pytest
 
-from parallel.layout import Grid, microbatches_per_step, virtual_stages
-from parallel.topology import LayoutError, ParallelConfig, ParallelTopology
+from megazoo.parallel.layout import Grid, microbatches_per_step, virtual_stages
+from megazoo.parallel.topology import LayoutError, ParallelConfig, ParallelTopology
 from tests.distributed import run_distributed
 
 
@@ -91,7 +91,7 @@ def test_invalid_model_layouts(cfg, kw, match):
 
 def _groups_worker(rank):
     import torch
-    from parallel import collectives as C
+    from megazoo.parallel import collectives as C
     topo = ParallelTopology.from_config(ParallelConfig(tp=2, pp=2))
     x = C.all_reduce(torch.tensor([float(rank)]), topo.tp_group)
     y = C.all_reduce(torch.tensor([float(rank)]), topo.pp_group)
@@ -131,7 +131,7 @@ def test_single_group_is_explicit():
     """Without a process group, SINGLE is the identity and None (torch's default group) is not
     silently taken for a group of one."""
     import torch
-    from parallel import collectives as C
+    from megazoo.parallel import collectives as C
     topo = ParallelTopology.single()
     assert C.world() is C.SINGLE and topo.world_group is C.SINGLE
     assert all(g is C.SINGLE for g in (topo.tp_group, topo.dp_group, topo.pp_group,

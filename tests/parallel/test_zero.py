@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import torch
 
-from models.language_model import TransformerLanguageModel
-from parallel.pipeline.engine import run_pipeline
-from parallel.pipeline.partition import partition
-from parallel.pipeline.schedules import build_schedule
-from parallel.pipeline.tied import broadcast_tied_embedding
-from parallel.zero import build_optimizer
+from megazoo.models.language_model import TransformerLanguageModel
+from megazoo.parallel.pipeline.engine import run_pipeline
+from megazoo.parallel.pipeline.partition import partition
+from megazoo.parallel.pipeline.schedules import build_schedule
+from megazoo.parallel.pipeline.tied import broadcast_tied_embedding
+from megazoo.parallel.zero import build_optimizer
 from tests.distributed import run_distributed
 from tests.helpers import (HYPER, SEQ, STEPS, batch, dp_mean, full_model_parameters,
                            initial_parameters, opt_config, reference_run, small_gpt, topology,

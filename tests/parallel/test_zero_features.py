@@ -11,12 +11,12 @@ import tempfile
 import pytest
 import torch
 
-from models.language_model import TransformerLanguageModel
-from parallel.sharding import full_tensor
-from parallel.topology import ParallelTopology
-from parallel.zero import (LossScaleConfig, NonFiniteError, OptimizerConfig, ZeroConfigError,
+from megazoo.models.language_model import TransformerLanguageModel
+from megazoo.parallel.sharding import full_tensor
+from megazoo.parallel.topology import ParallelTopology
+from megazoo.parallel.zero import (LossScaleConfig, NonFiniteError, OptimizerConfig, ZeroConfigError,
                            build_optimizer)
-from parallel.zero.loss_scaler import DynamicLossScaler
+from megazoo.parallel.zero.loss_scaler import DynamicLossScaler
 from tests.distributed import run_distributed
 from tests.helpers import (batch, full_model_parameters, initial_parameters, opt_config,
                            small_gpt, topology, zero_run)

@@ -4,8 +4,8 @@ import importlib.util
 import os
 import shlex
 
-from training.config.flags import to_run_config
-from training.config.parser import build_parser
+from megazoo.training.config.flags import to_run_config
+from megazoo.training.config.parser import build_parser
 
 PLAN = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "tools", "plan.py")
 FILLED = {"DATA_PREFIX": "corpus_text_document", "TOKENIZER_FOLDER": "tokenizer",

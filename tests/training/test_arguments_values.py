@@ -3,8 +3,8 @@
 import pytest
 
 from tests.helpers import TINY, pretrain_gpt
-from training.config.flags import ArgumentError, to_run_config
-from training.config.parser import build_parser
+from megazoo.training.config.flags import ArgumentError, to_run_config
+from megazoo.training.config.parser import build_parser
 
 
 @pytest.mark.parametrize("extra, match", [
@@ -32,7 +32,7 @@ def test_bad_values_are_refused_in_one_line(extra, match):
 
 
 def test_changed_seq_length_on_resume_is_refused(tmp_path):
-    from training.checkpoint.format import CheckpointError
+    from megazoo.training.checkpoint.format import CheckpointError
     pretrain_gpt(TINY + ["--train-iters", "1", "--save", str(tmp_path)], 1)
     longer = [a if a != "16" else "8" for a in TINY]  # --seq-length 8 (and max positions 8)
     with pytest.raises(CheckpointError, match=r"--seq-length 8 differs from 16 in .*iter_0000001: the "

@@ -12,10 +12,10 @@ import threading
 import pytest
 import torch
 
-import training.checkpoint.format as ckpt
+import megazoo.training.checkpoint.format as ckpt
 from tests.distributed import run_distributed
-from training.checkpoint import async_writer
-from training.checkpoint.async_writer import AsyncCheckpointWriter
+from megazoo.training.checkpoint import async_writer
+from megazoo.training.checkpoint.async_writer import AsyncCheckpointWriter
 
 TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
         "--seq-length", "16", "--max-position-embeddings", "16", "--mock-data", "--vocab-size", "61",
@@ -124,9 +124,9 @@ def test_a_failed_background_write_keeps_the_previous_checkpoint(tmp_path, monke
 
 def _pretrain(argv, world: int = 1):
     from train_gpt import model_provider
-    from training.config.flags import to_run_config
-    from training.config.parser import build_parser
-    from training.run.loop import pretrain
+    from megazoo.training.config.flags import to_run_config
+    from megazoo.training.config.parser import build_parser
+    from megazoo.training.run.loop import pretrain
     return pretrain(model_provider, to_run_config(build_parser().parse_args(TINY + argv),
                                                   world_size=world))
 
@@ -214,8 +214,8 @@ def test_async_run_equals_sync_and_resumes_exactly_after_a_writer_crash(tmp_path
 def _two_rank_worker(rank, root):
     """A slow rank holds the commit back; a rank whose write fails stops both with one line;
     a dp2 run with --async-save writes what the synchronous save writes."""
-    import training.checkpoint.format as fmt
-    from training.checkpoint.async_writer import AsyncCheckpointWriter as Writer
+    import megazoo.training.checkpoint.format as fmt
+    from megazoo.training.checkpoint.async_writer import AsyncCheckpointWriter as Writer
     done, writer = [], Writer(rank, 2)
     gate, real = threading.Event(), fmt.save_file
 
@@ -264,9 +264,9 @@ def test_two_ranks_wait_for_the_slowest_stop_on_any_failed_write_and_match_sync(
 
 
 def test_async_save_without_save_is_refused_in_one_line():
-    from training.config.errors import ArgumentError
-    from training.config.flags import to_run_config
-    from training.config.parser import build_parser
+    from megazoo.training.config.errors import ArgumentError
+    from megazoo.training.config.flags import to_run_config
+    from megazoo.training.config.parser import build_parser
     argv = TINY[:-2] + ["--async-save"]  # without --save-interval 2
     with pytest.raises(ArgumentError, match=r"^--async-save writes the checkpoints of --save in the "
                                             r"background; give --save DIR$"):

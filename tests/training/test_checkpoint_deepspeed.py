@@ -94,7 +94,7 @@ def _save_model_states(folder, bloom, tp=2):
 
 def test_deepspeed_bloom_pipeline_layout_imports_with_drift_averaged(bloom, tmp_path, caplog):
     import logging
-    from training.checkpoint.foreign.convert import import_checkpoint
+    from megazoo.training.checkpoint.foreign.convert import import_checkpoint
     folder = tmp_path / "bloom" / "global_step12"
     folder.mkdir(parents=True)
     (tmp_path / "bloom" / "latest").write_text("global_step12")
@@ -130,8 +130,8 @@ def test_deepspeed_universal_checkpoint_resumes_with_its_moments(bloom, tmp_path
     (DeepSpeed is not installed by the tests): fp32 masters, moments and step carry over.
     Exported back (the files of universal_checkpoint.py's loader: `param`, `cat_dim`,
     `vocab_tensor`, step.pt, latest_universal) it imports bit for bit."""
-    from training.checkpoint.foreign.convert import import_checkpoint
-    from training.checkpoint.reshard import read_full_state
+    from megazoo.training.checkpoint.foreign.convert import import_checkpoint
+    from megazoo.training.checkpoint.reshard import read_full_state
     folder = tmp_path / "ds" / "global_step12"
     (folder / "zero").mkdir(parents=True)
     (tmp_path / "ds" / "latest").write_text("global_step12")
@@ -164,7 +164,7 @@ def test_deepspeed_universal_checkpoint_resumes_with_its_moments(bloom, tmp_path
     assert "DeepSpeed universal checkpoint (global_step12)" in \
         tool_module("inspect_checkpoint")._foreign(str(tmp_path / "ds"))
     # export: the universal layout DeepSpeed's loader reads, and back bit for bit
-    from training.checkpoint.foreign.convert import export_checkpoint
+    from megazoo.training.checkpoint.foreign.convert import export_checkpoint
     export_checkpoint("deepspeed", out, str(tmp_path / "ds_out"))
     assert (tmp_path / "ds_out" / "latest_universal").read_text() == "global_step12"
     zero = tmp_path / "ds_out" / "global_step12" / "zero"
@@ -244,8 +244,8 @@ def test_deepspeed_zero_checkpoint_imports_masters_and_moments(stage, tmp_path):
     import sys
     import types
     from transformers import GPT2Config, GPT2LMHeadModel
-    from training.checkpoint.foreign.convert import import_checkpoint
-    from training.checkpoint.reshard import read_full_state
+    from megazoo.training.checkpoint.foreign.convert import import_checkpoint
+    from megazoo.training.checkpoint.reshard import read_full_state
     torch.manual_seed(0)
     hf = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB_BLOOM, n_positions=32, n_embd=32, n_layer=2,
                                     n_head=4, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0)).eval()

@@ -22,13 +22,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from data.tokenizers import TokenizerError, build_tokenizer
+from megazoo.data.tokenizers import TokenizerError, build_tokenizer
 from tests.fixtures import small_gpt2
-from training.checkpoint import format as ckpt
-from training.checkpoint import storage
-from training.checkpoint.tokenizer import (check_run_tokenizer, read_record, store_training_tokenizer,
+from megazoo.training.checkpoint import format as ckpt
+from megazoo.training.checkpoint import storage
+from megazoo.training.checkpoint.tokenizer import (check_run_tokenizer, read_record, store_training_tokenizer,
                                            tokenizer_dir)
-from training.config.run_config import CheckpointConfig, DataConfig
+from megazoo.training.config.run_config import CheckpointConfig, DataConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 META = dict(consumed_samples=8, skipped_steps=0, model={"vocab_size": 8}, layout={"tp": 1})
@@ -57,7 +57,7 @@ def test_garbage_latest_and_incomplete_meta_are_one_line(tmp_path, caplog, capsy
     root = tmp_path / "save"
     first = _checkpoint(root, 1)
     (root / "latest").write_bytes(os.urandom(64))
-    with caplog.at_level(logging.WARNING, logger="training.checkpoint.format"):
+    with caplog.at_level(logging.WARNING, logger="megazoo.training.checkpoint.format"):
         assert ckpt.latest_checkpoint(str(root)) == first
     assert any("no folder name" in r.getMessage() for r in caplog.records)
     shutil.rmtree(first)
@@ -90,7 +90,7 @@ def test_keep_last_makes_room_before_the_save(tmp_path, monkeypatch, caplog):
     problem = storage.free_space_problem(str(root), need, 1, folders[-1])
     assert problem is not None and "--keep-last N" in problem and "first deletes" in problem
     assert storage.make_room(str(root), ckpt.candidates(str(root)), need, 1, None, None) == []
-    with caplog.at_level(logging.WARNING, logger="training.checkpoint.storage"):
+    with caplog.at_level(logging.WARNING, logger="megazoo.training.checkpoint.storage"):
         deleted = storage.make_room(str(root), ckpt.candidates(str(root)), need, 1, 2, None)
     assert sorted(deleted) == folders[:2]  # --keep-last 2: the newest stays, the save makes two
     assert any("before saving" in r.getMessage() for r in caplog.records)
@@ -117,13 +117,13 @@ def test_tokenizer_fingerprint_is_recorded_and_compared(tmp_path, caplog):
     with pytest.raises(TokenizerError) as e:
         check_run_tokenizer(swapped, _data(*other), CheckpointConfig(load=save))
     assert tok.fingerprint() in str(e.value) and swapped.fingerprint() in str(e.value)
-    with caplog.at_level(logging.WARNING, logger="training.checkpoint.tokenizer"):
+    with caplog.at_level(logging.WARNING, logger="megazoo.training.checkpoint.tokenizer"):
         check_run_tokenizer(swapped, _data(*other), CheckpointConfig(load=save, finetune=True))
     assert any("--finetune" in r.getMessage() for r in caplog.records)
 
 
 def test_a_job_refused_by_the_lock_writes_nothing(tmp_path, capsys):
-    from training.run.entry import main
+    from megazoo.training.run.entry import main
     mine, other = small_gpt2(str(tmp_path / "a")), small_gpt2(str(tmp_path / "b"), swap=("a", "b"))
     save = tmp_path / "save"
     store_training_tokenizer(_data(*mine), CheckpointConfig(save=str(save)))

@@ -4,8 +4,8 @@ meta.json records known types only."""
 import pytest
 import torch
 
-from training.checkpoint import reshard
-from training.checkpoint.format import CheckpointError
+from megazoo.training.checkpoint import reshard
+from megazoo.training.checkpoint.format import CheckpointError
 
 
 def _assemble(copies: list[torch.Tensor]):
@@ -33,8 +33,8 @@ def test_meta_json_takes_known_types_only(tmp_path):
     import json
     import os
 
-    from models.config import TransformerConfig
-    from training.checkpoint import format as ckpt
+    from megazoo.models.config import TransformerConfig
+    from megazoo.training.checkpoint import format as ckpt
     cfg = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, vocab_size=11)
     os.makedirs(ckpt.iteration_dir(str(tmp_path), 1) + ".tmp")
     ckpt.commit(str(tmp_path), 1, 0, dict(model=cfg, dtype=torch.bfloat16))

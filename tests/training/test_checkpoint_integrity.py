@@ -11,11 +11,11 @@ import sys
 import pytest
 import torch
 
-import training.checkpoint.format as ckpt
+import megazoo.training.checkpoint.format as ckpt
 from tests.distributed import run_distributed
 from tests.helpers import TINY, one_thread, pretrain_gpt  # noqa: F401 - one_thread: autouse
 from tests.tool_runs import REPO
-from training.checkpoint import storage
+from megazoo.training.checkpoint import storage
 
 
 def flip(path: str, tensor: str, n: int = 8) -> None:
@@ -158,7 +158,7 @@ def test_resume_falls_back_to_the_newest_checkpoint_that_verifies(tmp_path):
     tool[-2] = root
     ok = subprocess.run(tool, capture_output=True, text=True)
     assert ok.returncode == 0 and "every tensor matches its checksum" in ok.stdout, ok.stdout
-    from training.checkpoint.hf import export_hf
+    from megazoo.training.checkpoint.hf import export_hf
     with pytest.raises(ckpt.IntegrityError, match=rf"rank_00001.safetensors: tensor {master} fails"):
         export_hf(os.path.join(root, "iter_0000004"), hf)
     export_hf(root, hf)

@@ -24,8 +24,8 @@ def megatron(tmp_path_factory):
 
 
 def test_megatron_import_at_another_layout_continues_the_run(megatron):
-    from training.checkpoint.foreign.convert import import_checkpoint
-    from training.checkpoint.reshard import read_full_state
+    from megazoo.training.checkpoint.foreign.convert import import_checkpoint
+    from megazoo.training.checkpoint.reshard import read_full_state
     save = str(megatron["tmp"].mktemp("mz"))
     folder = import_checkpoint("megatron", megatron["root"], save, tp=2, pp=2)
     logits = megazoo_logits(folder, megatron["ids"])
@@ -52,12 +52,12 @@ def test_megatron_import_at_another_layout_continues_the_run(megatron):
 
 
 def test_megatron_export_shards_like_megatron_and_round_trips(megatron):
-    from training.checkpoint.foreign import safe_load
-    from training.checkpoint.foreign.convert import export_checkpoint, import_checkpoint
-    from training.checkpoint.reshard import read_full_state
+    from megazoo.training.checkpoint.foreign import safe_load
+    from megazoo.training.checkpoint.foreign.convert import export_checkpoint, import_checkpoint
+    from megazoo.training.checkpoint.reshard import read_full_state
     if "imported" not in megatron:
         pytest.fail("needs the import test's checkpoint")
-    from training.checkpoint import format as ckpt
+    from megazoo.training.checkpoint import format as ckpt
     out = str(megatron["tmp"].mktemp("mg_out"))
     with pytest.raises(ckpt.CheckpointError, match="only Megatron-DeepSpeed's GPT and BLOOM"):
         export_checkpoint("deepspeed", megatron["imported"], out)  # Llama: no universal names
@@ -87,9 +87,9 @@ class _Payload:
 
 
 def test_megatron_unsafe_and_inconsistent_files_are_refused(megatron, tmp_path):
-    from training.checkpoint.foreign import safe_load
-    from training.checkpoint.foreign.convert import import_checkpoint
-    from training.checkpoint.format import CheckpointError
+    from megazoo.training.checkpoint.foreign import safe_load
+    from megazoo.training.checkpoint.foreign.convert import import_checkpoint
+    from megazoo.training.checkpoint.format import CheckpointError
     bad = tmp_path / "bad.pt"
     torch.save({"args": _Payload()}, bad)
     with pytest.raises(safe_load.UnsafeCheckpointError, match="_Payload"):
@@ -111,7 +111,7 @@ def test_megatron_tools_name_and_convert_the_checkpoint(megatron, tmp_path, caps
     save = str(tmp_path / "mz")
     assert convert.main(["import", "--format", "megatron", "--load", megatron["root"], "--save",
                          save, "--tensor-model-parallel-size", "2", "--no-optimizer"]) == 0
-    from training.checkpoint.format import read_meta, resolve
+    from megazoo.training.checkpoint.format import read_meta, resolve
     meta = read_meta(resolve(save))
     assert meta["weights_only"] and meta["layout"]["tp"] == 2 and meta["model"]["family"] == "llama"
     assert convert.main(["export", "--format", "megatron", "--load", save, "--save",
@@ -125,14 +125,14 @@ def test_megatron_resume_next_loss_equals_megatron_next_loss(megatron):
     step count), the next losses agree within 1e-4 relative. Megatron's softmax runs over the
     padded vocabulary, so the import keeps the padding rows as tokens (--vocab-size 64)."""
     from train_llama import model_provider
-    from parallel.random import model_parallel_seed
-    from parallel.topology import ParallelTopology
-    from parallel.zero.optimizer import build_optimizer
-    from training.checkpoint.resume import load
-    from training.config.flags import to_run_config
-    from training.config.parser import build_parser
-    from training.run.loop import build_chunks
-    from training.checkpoint.foreign.convert import import_checkpoint
+    from megazoo.parallel.random import model_parallel_seed
+    from megazoo.parallel.topology import ParallelTopology
+    from megazoo.parallel.zero.optimizer import build_optimizer
+    from megazoo.training.checkpoint.resume import load
+    from megazoo.training.config.flags import to_run_config
+    from megazoo.training.config.parser import build_parser
+    from megazoo.training.run.loop import build_chunks
+    from megazoo.training.checkpoint.foreign.convert import import_checkpoint
     save = str(megatron["tmp"].mktemp("mz_resume"))
     import_checkpoint("megatron", megatron["root"], save, tp=2, pp=2, vocab_size=PADDED)
     ids = megatron["ids"]

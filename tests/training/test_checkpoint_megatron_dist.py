@@ -22,7 +22,7 @@ from tests.foreign_checkpoints import (FP32, PADDED, VOCAB, cpu_stubs, megatron_
 def megatron(tmp_path_factory):
     """The source checkpoints, and the legacy one imported at tp=2, pp=2 (the megazoo checkpoint
     the torch_dist export starts from)."""
-    from training.checkpoint.foreign.convert import import_checkpoint
+    from megazoo.training.checkpoint.foreign.convert import import_checkpoint
     run = megatron_run(tmp_path_factory)
     run["imported"] = import_checkpoint("megatron", run["root"], str(run["tmp"].mktemp("mz")),
                                         tp=2, pp=2)
@@ -73,8 +73,8 @@ def _save_distrib_optim(root, model, opt, bucket):
 
 
 def test_megatron_distributed_optimizer_state_is_read(megatron, tmp_path):
-    from training.checkpoint import format as ckpt
-    from training.checkpoint.foreign import megatron_legacy, names
+    from megazoo.training.checkpoint import format as ckpt
+    from megazoo.training.checkpoint.foreign import megatron_legacy, names
     root = str(tmp_path / "mg")
     _save_distrib_optim(root, megatron["model"], megatron["opt"], bucket=3000)
     _, _, full, it = megatron_legacy.read(root)
@@ -90,8 +90,8 @@ def test_megatron_distributed_optimizer_state_is_read(megatron, tmp_path):
         checked += 1
     assert checked == len(list(megatron["model"].parameters())) > 10
     # imported at tp=2 for `--load`: the same state, iteration and step
-    from training.checkpoint.foreign.convert import import_checkpoint
-    from training.checkpoint.reshard import read_full_state
+    from megazoo.training.checkpoint.foreign.convert import import_checkpoint
+    from megazoo.training.checkpoint.reshard import read_full_state
     imported = read_full_state(import_checkpoint("megatron", root, str(tmp_path / "mz"), tp=2))
     assert imported.meta["iteration"] == 7 and int(imported.scalars["applied_steps"]) == 2
     assert all(torch.equal(imported.optim[s][k], full.optim[s][k])
@@ -111,8 +111,8 @@ def test_megatron_dist_read_and_written_for_megatron_core(megatron):
     """torch_dist from Megatron-core -> megazoo tp=2 (logits); megazoo -> torch_dist that
     Megatron-core loads into a zeroed model (same logits); torch_dist round trip bit for bit."""
     from megatron.core import dist_checkpointing
-    from training.checkpoint.foreign.convert import export_checkpoint, import_checkpoint
-    from training.checkpoint.reshard import read_full_state
+    from megazoo.training.checkpoint.foreign.convert import export_checkpoint, import_checkpoint
+    from megazoo.training.checkpoint.reshard import read_full_state
     if "imported" not in megatron:
         pytest.fail("needs the import test's checkpoint")
     folder = import_checkpoint("megatron-dist", megatron["dist_root"],
@@ -154,8 +154,8 @@ def test_megatron_moe_imports_at_expert_parallel_and_round_trips(megatron, tmp_p
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.moe import moe_utils
     from megatron.core.transformer.transformer_config import TransformerConfig
-    from training.checkpoint.foreign.convert import export_checkpoint, import_checkpoint
-    from training.checkpoint.reshard import read_full_state
+    from megazoo.training.checkpoint.foreign.convert import export_checkpoint, import_checkpoint
+    from megazoo.training.checkpoint.reshard import read_full_state
     gemm = getattr(moe_utils, "te_general_gemm", None)
     moe_utils.te_general_gemm = None  # Megatron-core's router without Transformer Engine
     try:
@@ -194,7 +194,7 @@ def test_megatron_moe_imports_at_expert_parallel_and_round_trips(megatron, tmp_p
     torch.testing.assert_close(megazoo_logits(folder, megatron["ids"]), logits[..., :VOCAB],
                                **FP32)
     export_checkpoint("megatron", folder, str(tmp_path / "out"), tp=2, pp=2)
-    from training.checkpoint.foreign import safe_load
+    from megazoo.training.checkpoint.foreign import safe_load
     rank = safe_load.load(os.path.join(tmp_path, "out", "iter_0000003", "mp_rank_01_001",
                                        "model_optim_rng.pt"))
     fc1 = model.decoder.layers[1].mlp.experts.local_experts[3].linear_fc1.weight.detach()

@@ -10,7 +10,7 @@ import os
 import pytest
 
 from tests.helpers import TINY, pretrain_gpt
-from training.checkpoint.format import CheckpointError
+from megazoo.training.checkpoint.format import CheckpointError
 
 SMALL = TINY[:1] + ["2"] + TINY[2:]  # --num-layers 2
 MUON = ["--optimizer", "muon", "--muon-ns-dtype", "fp32"]

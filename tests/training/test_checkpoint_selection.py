@@ -9,13 +9,13 @@ import os
 import pytest
 import torch
 
-import training.checkpoint.format as ckpt
-from models.config import TransformerConfig
-from parallel.layout import Grid
-from parallel.sharding import local_shard
-from training.checkpoint.layout_writer import build_rank_chunks, write_layout
-from training.checkpoint.reshard import FullState, load_weights, param_table, read_full_state
-from training.checkpoint.slices import need_of
+import megazoo.training.checkpoint.format as ckpt
+from megazoo.models.config import TransformerConfig
+from megazoo.parallel.layout import Grid
+from megazoo.parallel.sharding import local_shard
+from megazoo.training.checkpoint.layout_writer import build_rank_chunks, write_layout
+from megazoo.training.checkpoint.reshard import FullState, load_weights, param_table, read_full_state
+from megazoo.training.checkpoint.slices import need_of
 
 CONFIG = dict(vocab_size=61, hidden_size=32, num_layers=4, num_attention_heads=4, ffn_hidden_size=64,
               max_position_embeddings=16)

@@ -11,8 +11,8 @@ import logging
 
 import pytest
 
-from training.config.flags import to_run_config
-from training.config.parser import build_parser
+from megazoo.training.config.flags import to_run_config
+from megazoo.training.config.parser import build_parser
 
 TINY = ["--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "8",
         "--max-position-embeddings", "8", "--mock-data", "--vocab-size", "64"]

@@ -11,10 +11,10 @@ import re
 
 import pytest
 
-from data.gpt_dataset import parse_split
+from megazoo.data.gpt_dataset import parse_split
 from tests.distributed import run_distributed
-from training.config.flags import ArgumentError, to_run_config
-from training.config.parser import build_parser
+from megazoo.training.config.flags import ArgumentError, to_run_config
+from megazoo.training.config.parser import build_parser
 
 
 def gpt3_175b():
@@ -308,7 +308,7 @@ def test_deepspeed_config_values_land_and_contradictions_are_refused_together(tm
 
 def _llama_run_worker(rank, root):
     from train_llama import model_provider
-    from training.run.loop import pretrain
+    from megazoo.training.run.loop import pretrain
     shrink = {"--vocab-size": "512", "--global-batch-size": "4", "--train-samples": "8", "--lr-warmup-samples": "6",
               "--lr-decay-samples": "10", "--data-cache-path": f"{root}/cache"}
     refused = {"--decoupled-lr", "--decoupled-min-lr", "--fp8-format", "--fp8-amax-history-len",

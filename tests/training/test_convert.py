@@ -55,8 +55,8 @@ def _save_hf(name, model, folder):
 
 
 def _worker(rank, cases, tool_case):
-    from models.generation import SamplingConfig, generate
-    from parallel.topology import ParallelConfig, ParallelTopology
+    from megazoo.models.generation import SamplingConfig, generate
+    from megazoo.parallel.topology import ParallelConfig, ParallelTopology
     errors, samples = [], []
     for tp, pp, vpp in LOAD_LAYOUTS:  # creating groups is slow: one topology per layout
         topo = ParallelTopology.from_config(ParallelConfig(tp=tp, pp=pp, vpp=vpp))
@@ -81,7 +81,7 @@ def _worker(rank, cases, tool_case):
 
 
 def test_import_export_logits_and_generation(tmp_path, capsys):
-    from training.checkpoint.hf import export_hf, import_hf
+    from megazoo.training.checkpoint.hf import export_hf, import_hf
     ids = torch.randint(0, VOCAB, (3, 17), generator=torch.Generator().manual_seed(1))
     prompt = ids[:2, :5]
     cases = []
@@ -150,16 +150,16 @@ def test_import_export_logits_and_generation(tmp_path, capsys):
 def test_bad_inputs_give_one_line_errors(tmp_path, capsys):
     from tests.helpers import TINY
     from tests.hf_models import hf_gpt2
-    from training.config.flags import to_run_config
-    from training.config.parser import build_parser
-    from training.checkpoint.format import CheckpointError, latest_checkpoint, read_meta
-    from training.checkpoint.hf import ConversionError, import_hf, read_hf_weights
-    from training.run.loop import build_chunks
-    from training.checkpoint.resume import load
+    from megazoo.training.config.flags import to_run_config
+    from megazoo.training.config.parser import build_parser
+    from megazoo.training.checkpoint.format import CheckpointError, latest_checkpoint, read_meta
+    from megazoo.training.checkpoint.hf import ConversionError, import_hf, read_hf_weights
+    from megazoo.training.run.loop import build_chunks
+    from megazoo.training.checkpoint.resume import load
     from train_gpt import model_provider
-    from parallel.random import model_parallel_seed
-    from parallel.topology import ParallelTopology
-    from parallel.zero.optimizer import build_optimizer
+    from megazoo.parallel.random import model_parallel_seed
+    from megazoo.parallel.topology import ParallelTopology
+    from megazoo.parallel.zero.optimizer import build_optimizer
 
     hf_dir, ckpt = str(tmp_path / "hf"), str(tmp_path / "mz")
     hf_gpt2(hf_dir)

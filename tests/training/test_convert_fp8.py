@@ -113,9 +113,9 @@ def _deepseek():  # kv_a_proj_with_mqa 128 + 64 = 192 rows, q_b_proj 192 columns
 def test_fp8_release_imports_dequantized_and_exports_plain(family, tmp_path, caplog):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
-    from parallel.topology import ParallelTopology
-    from training.checkpoint.format import latest_checkpoint
-    from training.checkpoint.hf import export_hf, import_hf, load_model_chunks
+    from megazoo.parallel.topology import ParallelTopology
+    from megazoo.training.checkpoint.format import latest_checkpoint
+    from megazoo.training.checkpoint.hf import export_hf, import_hf, load_model_chunks
     deepseek = family == "deepseek_v3"
     hf = _deepseek() if deepseek else _qwen3()
     fp8 = _write_fp8(hf, tmp_path / "fp8", "mlp.gate.weight" if deepseek else None)
@@ -151,8 +151,8 @@ def test_fp8_release_imports_dequantized_and_exports_plain(family, tmp_path, cap
 def test_block_rule_equals_transformers_and_bad_folders_are_refused(tmp_path):
     from safetensors.torch import save_file
     from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
-    from training.checkpoint.hf import ConversionError, import_hf
-    from training.checkpoint.hf_fp8 import dequantize, dequantize_tensor
+    from megazoo.training.checkpoint.hf import ConversionError, import_hf
+    from megazoo.training.checkpoint.hf_fp8 import dequantize, dequantize_tensor
     g = torch.Generator().manual_seed(0)
     experts = torch.randn(3, 200, 300, generator=g) * torch.rand(3, 1, 300, generator=g)
     q = _quantize(_quantizer(), "experts.weight", experts)

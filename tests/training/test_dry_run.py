@@ -8,8 +8,8 @@ import os
 import pytest
 import torch
 
-from tools import dry_run as D
-from training.planning.reference_runs import published_layouts
+from megazoo.tools import dry_run as D
+from megazoo.training.planning.reference_runs import published_layouts
 
 LAYOUTS = {x.name: x for x in published_layouts()}
 
@@ -121,7 +121,7 @@ def test_moe_rank_states_are_the_planners():
     ep4; and tp2 x pp2 x dp4 under Muon): on each stage the ZeRO buffers hold the planner's model states to the byte, routed
     experts sharded over the dp x cp / ep = 2 expert-data-parallel ranks, the rest over dp x cp.
     Built, not stepped (tests/training/test_dry_run_moe.py steps MoE layouts)."""
-    from training.planning import planner
+    from megazoo.training.planning import planner
     base = ["--model", "moe-tiny", "--moe-layer-freq", "2", "--bf16", "--seq-length", "64",
             "--micro-batch-size", "2", "--global-batch-size", "16"]
     cases = [(8 * (1 if zero == 3 else 2), ["--tensor-model-parallel-size", "2",

@@ -15,10 +15,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tools import dry_run as D
-from training.planning import planner
-from training.planning.parameters import mtp_parameters, total_parameters
-from training.planning.reference_runs import published_layouts
+from megazoo.tools import dry_run as D
+from megazoo.training.planning import planner
+from megazoo.training.planning.parameters import mtp_parameters, total_parameters
+from megazoo.training.planning.reference_runs import published_layouts
 
 TINY_RUN = ["--bf16", "--seq-length", "64", "--micro-batch-size", "2", "--global-batch-size", "16"]
 QWEN2_MOE = ["--model", "qwen2-moe-a2.7b", "--num-layers", "4", "--hidden-size", "64",
@@ -76,8 +76,8 @@ def test_deepseek_v3_671b_first_rank_of_the_published_layout():
 
 def _meta_model_params(cfg) -> tuple[int, int]:
     """(trained, frozen) parameters of the unsharded model built on meta."""
-    from models.registry import build_model
-    from parallel.topology import ParallelTopology
+    from megazoo.models.registry import build_model
+    from megazoo.parallel.topology import ParallelTopology
     with torch.device("meta"):
         model = build_model(cfg, ParallelTopology.single(device="meta"))
     params = list(model.parameters())
@@ -86,7 +86,7 @@ def _meta_model_params(cfg) -> tuple[int, int]:
 
 
 def test_planner_parameters_are_the_meta_models():
-    from models.presets import preset
+    from megazoo.models.presets import preset
     _, qwen = D.parse(["--world-size", "1", *QWEN2_MOE])
     configs = {"mixtral": preset("moe-tiny"), "qwen2-moe": qwen.model,
                "deepseek-v3": preset("deepseek-v3-tiny"),
@@ -104,7 +104,7 @@ def test_multi_token_prediction_counts_on_the_last_stage():
     """One MTP module = enorm, hnorm, eh_proj [h, 2h], a layer shaped as the last, a final norm
     (the model config's `mtp_parameters`, split into dense and expert parts); under PP the last
     stage also holds a copy of the word embedding."""
-    from models.presets import preset
+    from megazoo.models.presets import preset
     tiny = preset("deepseek-v3-tiny")
     assert mtp_parameters(tiny) == (0.0, 0.0)
     h, last = tiny.hidden_size, tiny.num_layers - 1
@@ -128,11 +128,11 @@ def test_multi_token_prediction_counts_on_the_last_stage():
 
 
 def test_balanced_routing_leaves_the_model_as_it_was():
-    from models.presets import preset
-    from models.registry import build_model
-    from parallel.expert_parallel import TokenDispatcher
-    from parallel.topology import ParallelTopology
-    from training.planning.meta_kernels import BalancedDispatcher, balanced_counts, balanced_routing
+    from megazoo.models.presets import preset
+    from megazoo.models.registry import build_model
+    from megazoo.parallel.expert_parallel import TokenDispatcher
+    from megazoo.parallel.topology import ParallelTopology
+    from megazoo.training.planning.meta_kernels import BalancedDispatcher, balanced_counts, balanced_routing
     assert balanced_counts(10, 4) == [3, 3, 2, 2]
     with torch.device("meta"):
         model = build_model(preset("moe-tiny", num_layers=2), ParallelTopology.single(device="meta"))

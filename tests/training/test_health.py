@@ -12,10 +12,10 @@ from safetensors.torch import load_file
 from tests.distributed import run_distributed
 from tests.helpers import TINY, hang_detail, pretrain_gpt, record_hang_start
 from tests.tool_runs import REPO
-from training.config.run_config import HealthConfig
-from training.resilience.health import HealthMonitor
-from training.run.batches import SkippingDataset, merge_ranges
-from training.monitor.journal import read_jsonl
+from megazoo.training.config.run_config import HealthConfig
+from megazoo.training.resilience.health import HealthMonitor
+from megazoo.training.run.batches import SkippingDataset, merge_ranges
+from megazoo.training.monitor.journal import read_jsonl
 
 
 def test_monitor_flags_nonfinite_and_spikes():
@@ -70,7 +70,7 @@ def test_nan_rollback_replays_and_equals_a_run_without_the_fault(tmp_path):
 
 
 def _hang_worker(rank, run_dir):
-    import training.run.trainer as trainer
+    import megazoo.training.run.trainer as trainer
     real = trainer.maybe_hang
 
     def recorded(cfg, r, iteration):

@@ -5,10 +5,10 @@ import os
 
 import pytest
 
-import training.run.trainer as trainer
+import megazoo.training.run.trainer as trainer
 from tests.helpers import TINY, one_thread, pretrain_gpt  # noqa: F401 - one_thread: autouse
-from training.resilience.health import RunHalted
-from training.monitor.journal import read_jsonl
+from megazoo.training.resilience.health import RunHalted
+from megazoo.training.monitor.journal import read_jsonl
 
 
 def test_fp16_rollback_over_200_iterations_never_rolls_back(tmp_path):
@@ -66,7 +66,7 @@ def test_samples_are_skipped_only_when_they_fail_twice(tmp_path, monkeypatch):
 def _frozen_worker(rank, run_dir):
     import signal
 
-    import training.checkpoint.format as ckpt
+    import megazoo.training.checkpoint.format as ckpt
     from tests.helpers import record_hang_start
     real = ckpt.write_rank_file
 

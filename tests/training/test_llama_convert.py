@@ -20,7 +20,7 @@ NEW_TOKENS = 8
 
 
 def _worker(rank, cases, tool_case):
-    from parallel.topology import ParallelConfig, ParallelTopology
+    from megazoo.parallel.topology import ParallelConfig, ParallelTopology
     from tests.hf_models import check_against_hf
     from tests.tool_runs import generate_tool
     errors = [0.0]
@@ -38,7 +38,7 @@ def test_llama_import_export_logits_and_generation(tmp_path):
 
     from tests.hf_models import save_word_tokenizer, hf_reference
     from tests.tool_runs import convert_hf_tool
-    from training.checkpoint.hf import export_hf, import_hf
+    from megazoo.training.checkpoint.hf import export_hf, import_hf
     models = {"gqa": hf_llama(hidden=64, heads=8, kv_heads=2, layers=4, scaling=LLAMA3),
               "mqa": hf_llama(hidden=32, heads=4, kv_heads=1, layers=4, tied=True,
                               scaling={"rope_type": "linear", "factor": 2.0})}

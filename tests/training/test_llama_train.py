@@ -3,8 +3,8 @@
 (tp = 2 replicates the KV head; ZeRO-1) give the same loss curve."""
 from tests.distributed import run_distributed
 from tests.tolerances import assert_curves_close
-from training.config.flags import to_run_config
-from training.config.parser import build_parser
+from megazoo.training.config.flags import to_run_config
+from megazoo.training.config.parser import build_parser
 
 TINY = ["--model", "smollm2-135m", "--num-layers", "2", "--hidden-size", "48",
         "--num-attention-heads", "6", "--ffn-hidden-size", "64", "--seq-length", "16",
@@ -16,7 +16,7 @@ TP2 = ["--tensor-model-parallel-size", "2", "--zero-stage", "1"]
 
 def _worker(rank, layouts):
     from train_llama import model_provider
-    from training.run.loop import pretrain
+    from megazoo.training.run.loop import pretrain
     curves = []
     for layout in layouts:
         run = to_run_config(build_parser("smollm2-135m").parse_args(TINY + layout), world_size=2)

@@ -30,9 +30,9 @@ def imported(tmp_path_factory):
 
 
 def test_finetune_an_import_without_shape_flags(imported, monkeypatch):
-    from training.checkpoint.format import latest_checkpoint, read_meta
-    from training.run.entry import main
-    monkeypatch.setattr("training.run.trainer.write_report", lambda run_dir: "(not drawn)")
+    from megazoo.training.checkpoint.format import latest_checkpoint, read_meta
+    from megazoo.training.run.entry import main
+    monkeypatch.setattr("megazoo.training.run.trainer.write_report", lambda run_dir: "(not drawn)")
     ck, tuned = str(imported / "ck"), str(imported / "tuned")
     result = main("llama", RUN + ["--load", ck, "--finetune", "--save", tuned])  # train_llama.py
     assert result.checkpoint.endswith("iter_0000002") and len(result.losses) == 2
@@ -44,9 +44,9 @@ def test_finetune_an_import_without_shape_flags(imported, monkeypatch):
 
 
 def test_flags_on_top_of_the_checkpoints_model(imported, tmp_path):
-    from training.config.flags import ArgumentError, to_run_config
-    from training.config.parser import build_parser
-    from training.run.entry import loaded_model
+    from megazoo.training.config.flags import ArgumentError, to_run_config
+    from megazoo.training.config.parser import build_parser
+    from megazoo.training.run.entry import loaded_model
     ck = str(imported / "ck")
     loaded = loaded_model(ck)
     assert loaded.hidden_size == 32 and loaded.rope_scaling["rope_type"] == "llama3"

@@ -8,10 +8,10 @@ import torch
 
 from tests.distributed import run_distributed
 from tests.helpers import TINY, pretrain_gpt
-from training.config.flags import ArgumentError, to_run_config
+from megazoo.training.config.flags import ArgumentError, to_run_config
 
 # Megatron-LM's examples/pretrain_gpt.sh (GPT-2 345M), plus the flags of its distributed launch.
-from training.config.parser import build_parser
+from megazoo.training.config.parser import build_parser
 
 # Megatron-LM's examples/pretrain_gpt.sh (GPT-2 345M), plus the flags of its distributed launch.
 MEGATRON_345M = """--num-layers 24 --hidden-size 1024 --num-attention-heads 16 --seq-length 1024
@@ -72,7 +72,7 @@ def test_every_flag_has_help_and_shows_its_default():
 
 
 def test_null_tokenizer():
-    from data.tokenizers import TokenizerError, build_tokenizer
+    from megazoo.data.tokenizers import TokenizerError, build_tokenizer
     tok = build_tokenizer("NullTokenizer", vocab_size=60)
     assert (tok.vocab_size, tok.eod, tok.encode("3 5 59"), tok.decode([3, 5])) == (61, 60, [3, 5, 59], "3 5")
     with pytest.raises(TokenizerError, match="NullTokenizer needs --vocab-size"):
@@ -80,7 +80,7 @@ def test_null_tokenizer():
 
 
 def test_read_ahead_workers_and_eod_mask():
-    from training.run.batches import MockGPTDataset, microbatches
+    from megazoo.training.run.batches import MockGPTDataset, microbatches
     ds = MockGPTDataset(50, 16, 7, seed=3)
     kw = dict(consumed_samples=6, micro_batch_size=2, dp_rank=1, dp=2, device=torch.device("cpu"))
     plain, ahead = microbatches(ds, **kw), microbatches(ds, num_workers=3, eod_mask_token=6, **kw)
@@ -89,7 +89,7 @@ def test_read_ahead_workers_and_eod_mask():
         assert torch.equal(a["tokens"], b["tokens"]) and torch.equal(a["labels"], b["labels"])
         assert torch.equal(b["loss_mask"], (b["tokens"] != 6).float())
     ahead.close()
-    from training.run.step import make_forward_fn
+    from megazoo.training.run.step import make_forward_fn
 
     class Last(torch.nn.Module):
         pre_process, post_process = True, True
@@ -102,7 +102,7 @@ def test_read_ahead_workers_and_eod_mask():
 
 
 def test_stop_requests_exit_interval_and_duration():
-    from training.run.stop import StopRequests
+    from megazoo.training.run.stop import StopRequests
     cpu = torch.device("cpu")
     stops = StopRequests(exit_interval=4)
     assert stops.agreed(3, cpu) == (0, "") and stops.agreed(8, cpu) == (0, "--exit-interval 4")
@@ -131,9 +131,9 @@ def test_exit_interval_and_load_without_optimizer_or_rng(tmp_path):
 
 
 def test_log_line_and_throughput_flag(caplog):
-    from training.config.run_config import LoggingConfig
-    from training.monitor.journal import RunJournal
-    from training.monitor.console import RunLogger
+    from megazoo.training.config.run_config import LoggingConfig
+    from megazoo.training.monitor.journal import RunJournal
+    from megazoo.training.monitor.console import RunLogger
     metrics = dict(loss=2.123456789, lr=1e-3, consumed_samples=64, ms_per_iter=12.345, tokens_per_s=1e4,
                    tflops_per_rank=1.5)
     with caplog.at_level(logging.INFO, logger="megazoo.train"):
@@ -151,9 +151,9 @@ def test_plan_ranks_only_layouts_the_trainer_accepts(capsys):
     spec = importlib.util.spec_from_file_location("plan_tool", path)
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
-    from models.presets import preset
-    from training.planning.planner import Layout, rank_layouts
-    from training.planning.reference_runs import CLUSTERS
+    from megazoo.models.presets import preset
+    from megazoo.training.planning.planner import Layout, rank_layouts
+    from megazoo.training.planning.reference_runs import CLUSTERS
     cfg, cluster = preset("gpt-1.3b"), CLUSTERS["dgx-a100-80gb"].replace(num_gpus=8)
     zero3_pipeline = Layout.of(tp=1, pp=2, dp=4, zero_stage=3, micro_batch_size=1,
                                global_batch_size=64, seq_length=2048)
@@ -169,8 +169,8 @@ def test_plan_ranks_only_layouts_the_trainer_accepts(capsys):
 
 
 def test_qwen_shape_flags_map_onto_the_config():
-    from training.config.flags import to_run_config
-    from training.config.parser import build_parser
+    from megazoo.training.config.flags import to_run_config
+    from megazoo.training.config.parser import build_parser
     argv = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--vocab-size",
             "128", "--seq-length", "16", "--max-position-embeddings", "16", "--train-iters", "1",
             "--mock-data", "--kv-channels", "32", "--add-qkv-bias", "--qk-layernorm",

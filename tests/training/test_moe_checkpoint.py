@@ -21,9 +21,9 @@ TINY_MOE = ["--model", "moe-tiny", "--num-layers", "2", "--hidden-size", "32",
 
 def _pretrain(argv, world=4):
     from train_moe import model_provider
-    from training.config.flags import to_run_config
-    from training.config.parser import build_parser
-    from training.run.loop import pretrain
+    from megazoo.training.config.flags import to_run_config
+    from megazoo.training.config.parser import build_parser
+    from megazoo.training.run.loop import pretrain
     run = to_run_config(build_parser("moe-tiny").parse_args(argv), world_size=world)
     return pretrain(model_provider, run)
 
@@ -32,7 +32,7 @@ def _world(rank, root, resharded):
     ep2 = ["--expert-model-parallel-size", "2", "--zero-stage", "1"]
     _pretrain(TINY_MOE + ep2 + ["--train-iters", "3", "--save", root])
     if rank == 0:
-        from tools.reshard import reshard
+        from megazoo.tools.reshard import reshard
         reshard(root, resharded, tp=1, pp=1, dp=4, zero_stage=3, ep=4)
     import torch.distributed as dist
     dist.barrier()

@@ -3,9 +3,9 @@
 import json
 import logging
 
-from training.config.run_config import LoggingConfig
-from training.monitor.console import Progress, RunLogger
-from training.monitor.journal import RunJournal
+from megazoo.training.config.run_config import LoggingConfig
+from megazoo.training.monitor.console import Progress, RunLogger
+from megazoo.training.monitor.journal import RunJournal
 
 
 class Clock:

@@ -1,9 +1,9 @@
 """The run report: constant quantities get no panel (and are named), no title overlaps another
 panel, and the first row carries a second x axis in tokens."""
-from training.config.run_config import LoggingConfig
-from training.monitor.console import Progress, RunLogger
-from training.monitor.journal import RunJournal
-from training.monitor.report import choose_panels, draw_report, run_segments, token_axis
+from megazoo.training.config.run_config import LoggingConfig
+from megazoo.training.monitor.console import Progress, RunLogger
+from megazoo.training.monitor.journal import RunJournal
+from megazoo.training.monitor.report import choose_panels, draw_report, run_segments, token_axis
 
 
 def _moe_run(folder, loss_scale=lambda it: 1.0, dropped=lambda it: 0.0):
@@ -21,7 +21,7 @@ def _moe_run(folder, loss_scale=lambda it: 1.0, dropped=lambda it: 0.0):
 
 
 def _rows(folder):
-    from training.monitor.journal import read_jsonl
+    from megazoo.training.monitor.journal import read_jsonl
     runs = run_segments(read_jsonl(str(folder / "metrics.jsonl")))
     return runs, [r for rows in runs for r in rows if r["split"] == "moe"]
 

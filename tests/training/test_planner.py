@@ -6,15 +6,15 @@ import math
 
 import pytest
 
-from models.config import TransformerConfig
-from models.presets import preset
-from parallel.zero.config import OptimizerConfig
+from megazoo.models.config import TransformerConfig
+from megazoo.models.presets import preset
+from megazoo.parallel.zero.config import OptimizerConfig
 from tests.distributed import run_distributed
-from training.planning.planner import (MATMUL_EFFICIENCY, Layout, PlanError, activation_bytes, candidate_layouts,
+from megazoo.training.planning.planner import (MATMUL_EFFICIENCY, Layout, PlanError, activation_bytes, candidate_layouts,
                               check_layout, layer_activation_bytes, memory_per_gpu,
                               model_state_bytes, plan, rank_layouts, rank_params,
                               rank_state_bytes, stage_params, step_time)
-from training.planning.reference_runs import CLUSTERS, GiB, published_runs
+from megazoo.training.planning.reference_runs import CLUSTERS, GiB, published_runs
 
 P = 1_000_000.0
 
@@ -219,11 +219,11 @@ def test_moe_activations_match_what_autograd_saves(dtype, monkeypatch):
     saves: the CPU-only bf16 padding of expert rows to multiples of 32 is off here (at 32 rows
     per expert on average it would add half again)."""
     import torch
-    import parallel.kernels.grouped_matmul as grouped_matmul
+    import megazoo.parallel.kernels.grouped_matmul as grouped_matmul
     monkeypatch.setattr(grouped_matmul, "ONEDNN_ROW_MULTIPLE", 1)
-    from models.language_model import TransformerLanguageModel
-    from parallel.pipeline.engine import SavedBytes
-    from parallel.topology import ParallelConfig, ParallelTopology
+    from megazoo.models.language_model import TransformerLanguageModel
+    from megazoo.parallel.pipeline.engine import SavedBytes
+    from megazoo.parallel.topology import ParallelConfig, ParallelTopology
     topo = ParallelTopology.from_config(ParallelConfig())
     for fields in ({}, {"moe_layer_freq": 2}, {"moe_router_pre_softmax": True}):
         cfg = preset("moe-tiny", params_dtype=dtype, **fields)
@@ -245,10 +245,10 @@ TINY = dict(vocab_size=1000, hidden_size=64, num_layers=2, num_attention_heads=4
 
 
 def _measure_states(rank):
-    from models.config import PARAMS_DTYPES
-    from models.gpt import GPTModel
-    from parallel.topology import ParallelConfig, ParallelTopology
-    from parallel.zero import build_optimizer
+    from megazoo.models.config import PARAMS_DTYPES
+    from megazoo.models.gpt import GPTModel
+    from megazoo.parallel.topology import ParallelConfig, ParallelTopology
+    from megazoo.parallel.zero import build_optimizer
     import torch
     topo = ParallelTopology.from_config(ParallelConfig())
     out = {}
@@ -300,8 +300,8 @@ ACT = dict(vocab_size=1024, hidden_size=128, num_layers=2, num_attention_heads=2
 
 def _measure_activations(rank):
     import torch
-    from models.language_model import TransformerLanguageModel
-    from parallel.topology import ParallelConfig, ParallelTopology
+    from megazoo.models.language_model import TransformerLanguageModel
+    from megazoo.parallel.topology import ParallelConfig, ParallelTopology
     out = {}
     for sp in (False, True):
         topo = ParallelTopology.from_config(ParallelConfig(tp=2, sequence_parallel=sp))

@@ -25,9 +25,9 @@ DP2 = ["--zero-stage", "2"]
 
 def _pretrain_bloom(argv, world):
     from train_bloom import model_provider
-    from training.config.flags import to_run_config
-    from training.config.parser import build_parser
-    from training.run.loop import pretrain
+    from megazoo.training.config.flags import to_run_config
+    from megazoo.training.config.parser import build_parser
+    from megazoo.training.run.loop import pretrain
     run = to_run_config(build_parser("bloom-560m").parse_args(argv), world_size=world)
     return pretrain(model_provider, run)
 
@@ -61,7 +61,7 @@ def _world2(rank, root, tool_root, root_dp2, saves):
 
 
 def test_reshard_and_finetune(tmp_path):
-    from training.checkpoint.hf import import_hf
+    from megazoo.training.checkpoint.hf import import_hf
     root, imported = str(tmp_path / "run"), str(tmp_path / "imported")
     hf_loss = hf_gpt2(str(tmp_path / "hf"))
     import_hf(str(tmp_path / "hf"), imported, tp=2, pp=2)
@@ -91,7 +91,7 @@ def test_reshard_and_finetune(tmp_path):
     # keeps its weights only in the optimizer's shards).
     from safetensors.torch import load_file
 
-    from training.checkpoint.hf import export_hf
+    from megazoo.training.checkpoint.hf import export_hf
     exported = [load_file(os.path.join(export_hf(s, s + "_hf"), "model.safetensors")) for s in saves]
     for other in exported[1:]:
         assert other.keys() == exported[0].keys()

@@ -3,7 +3,7 @@ constant per rank and independent of the number of steps, and the verdicts (a li
 not arrive, a frozen rank, a slow but alive rank in a patient phase) from the keys alone."""
 from collections import Counter
 
-from training.resilience.watchdog import BEATS_PER_TIMEOUT, PATIENCE, CollectiveWatchdog
+from megazoo.training.resilience.watchdog import BEATS_PER_TIMEOUT, PATIENCE, CollectiveWatchdog
 
 
 class CountingStore:

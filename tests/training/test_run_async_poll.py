@@ -3,8 +3,8 @@ inside a watchdog phase, so a rank frozen there is named; with no save in flight
 armed."""
 from types import SimpleNamespace
 
-from training.resilience.watchdog import CollectiveWatchdog
-from training.run.trainer import Trainer
+from megazoo.training.resilience.watchdog import CollectiveWatchdog
+from megazoo.training.run.trainer import Trainer
 
 
 class _Store:

@@ -4,9 +4,9 @@ import logging
 
 import numpy as np
 
-from data.indexed import IndexedDatasetBuilder
-from training.config.run_config import DataConfig
-from training.run.batches import build_datasets
+from megazoo.data.indexed import IndexedDatasetBuilder
+from megazoo.training.config.run_config import DataConfig
+from megazoo.training.run.batches import build_datasets
 
 
 def test_empty_validation_split_is_said(tmp_path, caplog):
@@ -17,7 +17,7 @@ def test_empty_validation_split_is_said(tmp_path, caplog):
     builder.finalize(prefix + ".idx")
     cfg = DataConfig(data_path=[prefix], split="969,30,1", seq_length=4,
                      data_cache_path=str(tmp_path / "cache"))
-    with caplog.at_level(logging.WARNING, logger="training.run.batches"):
+    with caplog.at_level(logging.WARNING, logger="megazoo.training.run.batches"):
         train, valid, _ = build_datasets(cfg, seed=1, vocab_size=100, num_samples=(8, 4, 0))
         assert train is not None and valid is None
         assert [r.getMessage() for r in caplog.records if "evaluation is skipped" in r.getMessage()]

@@ -9,10 +9,10 @@ import types
 import pytest
 import torch
 
-from training.config.run_config import LoggingConfig
-from training.monitor.journal import RunJournal
-from training.monitor.console import WANDB_ID, RunLogger
-from training.monitor.report import run_segments, write_report
+from megazoo.training.config.run_config import LoggingConfig
+from megazoo.training.monitor.journal import RunJournal
+from megazoo.training.monitor.console import WANDB_ID, RunLogger
+from megazoo.training.monitor.report import run_segments, write_report
 
 
 def test_each_run_is_a_segment_and_the_report_draws_them(tmp_path):
@@ -53,7 +53,7 @@ def test_a_resume_continues_the_same_wandb_run(tmp_path, monkeypatch):
 
 
 def test_checkpoint_files_follow_the_umask(tmp_path):
-    from training.checkpoint.format import rank_file, save_checkpoint
+    from megazoo.training.checkpoint.format import rank_file, save_checkpoint
     folder = save_checkpoint(str(tmp_path), 1, 0, 1, {"w": torch.ones(3)}, {"model": {}})
     umask = os.umask(0)
     os.umask(umask)
@@ -61,7 +61,7 @@ def test_checkpoint_files_follow_the_umask(tmp_path):
 
 
 def test_mfu_comes_from_a_documented_peak(caplog):
-    from training.monitor.metrics import PEAK_FLOPS, device_peak_flops, mfu
+    from megazoo.training.monitor.metrics import PEAK_FLOPS, device_peak_flops, mfu
     assert device_peak_flops(torch.device("cpu")) == (0.0, "no MFU on CPU without --peak-flops")
     assert device_peak_flops(torch.device("cpu"), 2e12)[0] == 2e12
     table = dict(PEAK_FLOPS)
@@ -78,7 +78,7 @@ def test_mfu_comes_from_a_documented_peak(caplog):
                                                 ("NVIDIA A100-SXM4-80GB", "bfloat16", 312e12),
                                                 ("Tesla T4", "float16", 0.0)])
 def test_gpu_peaks_by_name(monkeypatch, name, dtype, peak):
-    from training.monitor.metrics import device_peak_flops
+    from megazoo.training.monitor.metrics import device_peak_flops
     monkeypatch.setattr(torch, "get_device_module", lambda device: types.SimpleNamespace(
         get_device_name=lambda d: name))
     assert device_peak_flops(torch.device("cuda", 0), params_dtype=dtype)[0] == peak

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import torch
 
-from models.config import TransformerConfig
-from models.language_model import TransformerLanguageModel
-from parallel.context_parallel import split_sequence
-from parallel.topology import ParallelTopology
-from parallel.zero import OptimizerConfig, build_optimizer
-from training.run.step import activation_shape, forward_backward
+from megazoo.models.config import TransformerConfig
+from megazoo.models.language_model import TransformerLanguageModel
+from megazoo.parallel.context_parallel import split_sequence
+from megazoo.parallel.topology import ParallelTopology
+from megazoo.parallel.zero import OptimizerConfig, build_optimizer
+from megazoo.training.run.step import activation_shape, forward_backward
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 BATCH, SEQ, MICRO = 6, 8, 3  # 6 samples: 3 microbatches of 2, or 3 of 1 per rank at dp2
@@ -81,7 +81,7 @@ def test_per_token_loss_is_the_global_mean_in_one_process():
 
 def test_batches_carry_the_assistant_mask_and_documents():
     import numpy as np
-    from training.run.batches import DocumentFlags, microbatches
+    from megazoo.training.run.batches import DocumentFlags, microbatches
     tokens = np.array([5, 0, 7, 8, 0, 9, 3, 4, 2])  # eod = 0 ends documents of 2 and 3 tokens
     mask = np.array([0, 0, 1, 1, 1, 0, 0, 1, 1], dtype=np.uint8)
     sft = [{"tokens": tokens, "assistant_mask": mask}]
@@ -102,8 +102,8 @@ def test_batches_carry_the_assistant_mask_and_documents():
 
 def test_sft_and_document_flags_are_checked():
     import pytest
-    from training.config.flags import ArgumentError, to_run_config
-    from training.config.parser import build_parser
+    from megazoo.training.config.flags import ArgumentError, to_run_config
+    from megazoo.training.config.parser import build_parser
     tiny = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
             "--max-position-embeddings", "16", "--vocab-size", "61", "--micro-batch-size", "1",
             "--global-batch-size", "2", "--train-iters", "1"]

@@ -2,9 +2,9 @@
 before the error reaches the caller, which never got a trainer to close."""
 import pytest
 
-from training.checkpoint.storage import SaveLock
-from training.config.flags import to_run_config
-from training.config.parser import build_parser
+from megazoo.training.checkpoint.storage import SaveLock
+from megazoo.training.config.flags import to_run_config
+from megazoo.training.config.parser import build_parser
 
 TINY = ["--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "2",
         "--seq-length", "8", "--max-position-embeddings", "8", "--mock-data", "--vocab-size", "31",
@@ -13,8 +13,8 @@ TINY = ["--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "2"
 
 def test_failed_setup_releases_the_save_lock(tmp_path, monkeypatch):
     from train_gpt import model_provider
-    from training.run import trainer
-    from training.run.loop import pretrain
+    from megazoo.training.run import trainer
+    from megazoo.training.run.loop import pretrain
 
     def no_data(*args, **kwargs):
         raise RuntimeError("no data today")

@@ -71,11 +71,11 @@ def hf_folder(root: str, data: list[dict]) -> str:
 
 
 def megazoo_losses(root: str, folder: str, data_file: str) -> list[float]:
-    from models.registry import build_model
-    from training.checkpoint.hf import import_hf
-    from training.config.flags import to_run_config
-    from training.config.parser import build_parser
-    from training.run.loop import pretrain
+    from megazoo.models.registry import build_model
+    from megazoo.training.checkpoint.hf import import_hf
+    from megazoo.training.config.flags import to_run_config
+    from megazoo.training.config.parser import build_parser
+    from megazoo.training.run.loop import pretrain
     ckpt, prefix = os.path.join(root, "ckpt"), os.path.join(root, "chat")
     import_hf(folder, ckpt, make_vocab_size_divisible_by=1)
     sft = load_tool("preprocess_sft")
@@ -98,7 +98,7 @@ def megazoo_losses(root: str, folder: str, data_file: str) -> list[float]:
             "--adam-beta1", h["beta1"], "--adam-beta2", h["beta2"], "--adam-eps", h["eps"],
             "--hidden-dropout", 0.0, "--attention-dropout", 0.0,
             "--log-interval", STEPS, "--eval-iters", 0, "--split", "100,0,0"]
-    from training.run.entry import build_run_tokenizer
+    from megazoo.training.run.entry import build_run_tokenizer
     args = build_parser().parse_args([str(a) for a in argv])
     tok = build_run_tokenizer(args)
     run = to_run_config(args, world_size=1, vocab_size=tok.vocab_size, eod_token=tok.eod)

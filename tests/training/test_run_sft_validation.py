@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-import training.run.trainer as trainer
-from data.indexed import IndexedDataset, IndexedDatasetBuilder
-from data.sft_dataset import mask_prefix, token_prefix
+import megazoo.training.run.trainer as trainer
+from megazoo.data.indexed import IndexedDataset, IndexedDatasetBuilder
+from megazoo.data.sft_dataset import mask_prefix, token_prefix
 from tests.helpers import one_thread  # noqa: F401 (autouse fixture)
 
 TOL = dict(rtol=1e-5, atol=1e-5)  # fp32 losses (tests/tolerances.py)
@@ -56,10 +56,10 @@ def held_out_loss(chunk, prefix: str) -> float:
 
 @pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
 def test_sft_evaluates_once_on_the_held_out_conversations(tmp_path, monkeypatch, packing):
-    from models.registry import build_model
-    from training.config.flags import to_run_config
-    from training.config.parser import build_parser
-    from training.run.loop import pretrain
+    from megazoo.models.registry import build_model
+    from megazoo.training.config.flags import to_run_config
+    from megazoo.training.config.parser import build_parser
+    from megazoo.training.run.loop import pretrain
     prefix = str(tmp_path / "chat")
     conversation_set(prefix)
     real, seen = trainer.evaluate, []

@@ -4,9 +4,9 @@ import logging
 import os
 import signal
 
-import training.run.step as step
-from training.config.flags import to_run_config
-from training.config.parser import build_parser
+import megazoo.training.run.step as step
+from megazoo.training.config.flags import to_run_config
+from megazoo.training.config.parser import build_parser
 
 TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
         "--seq-length", "16", "--max-position-embeddings", "16", "--mock-data", "--vocab-size", "61",
@@ -16,7 +16,7 @@ TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"
 def test_sigterm_during_evaluation_stops_after_the_batch_and_skips_the_report(tmp_path, monkeypatch,
                                                                                 caplog):
     from train_gpt import model_provider
-    from training.run.loop import pretrain
+    from megazoo.training.run.loop import pretrain
     real, batches = step.eval_step, []
 
     def eval_step(*a, **kw):  # the scheduler's notice arrives during the second batch

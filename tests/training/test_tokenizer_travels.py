@@ -34,7 +34,7 @@ def _generate(*argv):
 def test_chat_prompt_stops_at_the_end_of_turn_token(tmp_path):
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
-    from training.checkpoint.hf import import_hf
+    from megazoo.training.checkpoint.hf import import_hf
     full, mini, _ = tokenizer_folders(tmp_path, "qwen2", old_config=True)
     for folder in (full, mini):
         path = os.path.join(folder, "tokenizer_config.json")
@@ -80,7 +80,7 @@ TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"
 
 
 def _train(rank, argv):
-    from training.run.entry import main
+    from megazoo.training.run.entry import main
     return main("gpt2", argv).checkpoint  # train_gpt.py
 
 
@@ -88,8 +88,8 @@ def test_tokenizer_travels_through_training_fine_tuning_and_export(tmp_path):
     from safetensors.torch import load_file
     from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
-    from training.checkpoint.tokenizer import read_record
-    from training.checkpoint.hf import export_hf, import_hf
+    from megazoo.training.checkpoint.tokenizer import read_record
+    from megazoo.training.checkpoint.hf import export_hf, import_hf
     _, mini, hf_tok = tokenizer_folders(tmp_path, "gpt2", old_config=True)
     vocab, merges = os.path.join(mini, "vocab.json"), os.path.join(mini, "merges.txt")
     # 1. training with GPT-2 BPE files -> generate.py without tokenizer flags

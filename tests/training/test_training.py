@@ -9,8 +9,8 @@ import pytest
 
 from tests.distributed import free_port, run_distributed
 from tests.tolerances import assert_curves_close
-from training.config.flags import ArgumentError, to_run_config
-from training.config.parser import build_parser
+from megazoo.training.config.flags import ArgumentError, to_run_config
+from megazoo.training.config.parser import build_parser
 from tests.helpers import TINY, pretrain_gpt
 from tests.tool_runs import REPO
 
@@ -56,7 +56,7 @@ def test_resume_is_bitwise_exact(tmp_path, layout, world):
 def _crash_worker(rank, root):
     import signal
 
-    import training.checkpoint.format as ckpt
+    import megazoo.training.checkpoint.format as ckpt
     pretrain_gpt(TINY + ["--train-iters", "2", "--save", root], 2)
     real = ckpt.save_file
 
@@ -75,7 +75,7 @@ def _crash_worker(rank, root):
 def test_kill_during_save_keeps_previous_checkpoint(tmp_path):
     with pytest.raises(RuntimeError, match=r"ranks \[1\] died|rank 0 of 2 failed"):
         run_distributed(_crash_worker, 2, str(tmp_path), timeout=120)
-    from training.checkpoint.format import latest_checkpoint, load_rank_tensors, read_meta
+    from megazoo.training.checkpoint.format import latest_checkpoint, load_rank_tensors, read_meta
     folder = latest_checkpoint(str(tmp_path))
     assert folder.endswith("iter_0000002")
     assert read_meta(folder)["iteration"] == 2
@@ -85,7 +85,7 @@ def test_kill_during_save_keeps_previous_checkpoint(tmp_path):
 
 
 def test_corrupt_checkpoint_gives_clear_error(tmp_path):
-    from training.checkpoint.format import CheckpointError, load_rank_tensors, save_checkpoint
+    from megazoo.training.checkpoint.format import CheckpointError, load_rank_tensors, save_checkpoint
     import torch
     folder = save_checkpoint(str(tmp_path), 1, 0, 1, {"w": torch.ones(1000)}, {"model": {}})
     path = os.path.join(folder, "rank_00000.safetensors")
@@ -147,7 +147,7 @@ def test_saved_model_configs_of_older_and_newer_versions():
     """meta.json written before recompute took Megatron's settings still loads; fields a newer
     version wrote are refused by name instead of being dropped."""
     import dataclasses
-    from models.config import TransformerConfig
+    from megazoo.models.config import TransformerConfig
     old = dataclasses.asdict(TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4))
     for k in ("recompute_granularity", "recompute_method", "recompute_num_layers"):
         old.pop(k)

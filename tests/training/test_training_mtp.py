@@ -35,12 +35,12 @@ def test_a_run_logs_the_mtp_losses_apart_from_the_main_loss(tmp_path):
     for d in range(2):
         assert {f"model.0.mtp.depths.{d}.eh_proj.weight",
                 f"model.0.mtp.depths.{d}.layer.mlp.expert_bias"} <= names
-    from training.checkpoint import format as ckpt
-    from training.checkpoint.foreign.convert import export_checkpoint
+    from megazoo.training.checkpoint import format as ckpt
+    from megazoo.training.checkpoint.foreign.convert import export_checkpoint
     with pytest.raises(ckpt.CheckpointError, match="'deepseek_v3' has no Megatron-core layout") as e:
         export_checkpoint("megatron-dist", str(tmp_path), str(tmp_path / "megatron"))
     assert "\n" not in str(e.value)
-    from training.checkpoint.foreign.megatron_args import to_config
+    from megazoo.training.checkpoint.foreign.megatron_args import to_config
     with pytest.raises(ckpt.CheckpointError, match="args.mtp_num_layers=1: multi-token") as e:
         to_config(argparse.Namespace(mtp_num_layers=1, num_attention_heads=4), "iter_0000010")
     assert "\n" not in str(e.value)

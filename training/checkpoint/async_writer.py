@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from training.checkpoint import format as ckpt
+from megazoo.training.checkpoint import format as ckpt
 
 logger = logging.getLogger(__name__)
 

@@ -31,11 +31,11 @@ from safetensors import SafetensorError
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from models.config import TransformerConfig
-from parallel import collectives as C
+from megazoo.models.config import TransformerConfig
+from megazoo.parallel import collectives as C
 
-from training.checkpoint import integrity
-from training.checkpoint import storage
+from megazoo.training.checkpoint import integrity
+from megazoo.training.checkpoint import storage
 
 logger = logging.getLogger(__name__)
 

@@ -26,18 +26,18 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from models.config import TransformerConfig
-from models.language_model import WORD_EMBEDDINGS
-from models.registry import build_model, family
-from parallel.layout import ParallelConfig, virtual_stages
+from megazoo.models.config import TransformerConfig
+from megazoo.models.language_model import WORD_EMBEDDINGS
+from megazoo.models.registry import build_model, family
+from megazoo.parallel.layout import ParallelConfig, virtual_stages
 
-from training.checkpoint import format as ckpt
-from training.checkpoint.hf_fp8 import dequantize, read_quantization
-from training.checkpoint.tokenizer import TOKEN_IDS, copy_tokenizer, hf_token_record, read_record
-from training.checkpoint.tokenizer import tokenizer_dir as checkpoint_tokenizer_dir
-from training.checkpoint.tokenizer import write_record
-from training.checkpoint.layout_writer import write_layout
-from training.checkpoint.reshard import FullState, load_weights, read_full_state
+from megazoo.training.checkpoint import format as ckpt
+from megazoo.training.checkpoint.hf_fp8 import dequantize, read_quantization
+from megazoo.training.checkpoint.tokenizer import TOKEN_IDS, copy_tokenizer, hf_token_record, read_record
+from megazoo.training.checkpoint.tokenizer import tokenizer_dir as checkpoint_tokenizer_dir
+from megazoo.training.checkpoint.tokenizer import write_record
+from megazoo.training.checkpoint.layout_writer import write_layout
+from megazoo.training.checkpoint.reshard import FullState, load_weights, read_full_state
 
 logger = logging.getLogger(__name__)
 

@@ -14,14 +14,14 @@ from collections import defaultdict
 
 import torch
 
-from models.registry import build_model
-from parallel.param_spec import spec_of
-from parallel.sharding import local_shard
-from parallel.topology import ParallelConfig, ParallelTopology
+from megazoo.models.registry import build_model
+from megazoo.parallel.param_spec import spec_of
+from megazoo.parallel.sharding import local_shard
+from megazoo.parallel.topology import ParallelConfig, ParallelTopology
 
-from training.checkpoint import format as ckpt
-from training.checkpoint import slices
-from training.checkpoint.reshard import PARAMS, FullState, is_frozen, param_table, table_order
+from megazoo.training.checkpoint import format as ckpt
+from megazoo.training.checkpoint import slices
+from megazoo.training.checkpoint.reshard import PARAMS, FullState, is_frozen, param_table, table_order
 
 
 def build_rank_chunks(config, *, tp: int, pp: int, vpp: int, dp: int, rank: int,

@@ -10,7 +10,7 @@ written before the record existed are not checked.
 """
 from __future__ import annotations
 
-from parallel.zero.config import OptimizerConfig
+from megazoo.parallel.zero.config import OptimizerConfig
 
 from .format import CheckpointError
 

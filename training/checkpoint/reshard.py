@@ -41,14 +41,14 @@ from dataclasses import dataclass, field
 import torch
 from safetensors import SafetensorError
 
-from parallel.layout import Grid
-from parallel.param_spec import spec_of
-from parallel.pipeline.partition import chunk_prefix
-from parallel.sharding import local_shard
-from parallel.tensor_parallel import unshard
+from megazoo.parallel.layout import Grid
+from megazoo.parallel.param_spec import spec_of
+from megazoo.parallel.pipeline.partition import chunk_prefix
+from megazoo.parallel.sharding import local_shard
+from megazoo.parallel.tensor_parallel import unshard
 
-from training.checkpoint import format as ckpt
-from training.checkpoint import slices
+from megazoo.training.checkpoint import format as ckpt
+from megazoo.training.checkpoint import slices
 
 logger = logging.getLogger(__name__)
 

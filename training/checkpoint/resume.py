@@ -14,13 +14,13 @@ from dataclasses import dataclass
 
 import torch
 
-from parallel import collectives as C
-from training.checkpoint import format as ckpt
-from training.checkpoint.optimizer_record import check_optimizer_record, optimizer_record
-from training.checkpoint import reshard
-from training.checkpoint import slices
-from training.checkpoint import storage
-from training.config.run_config import RunConfig
+from megazoo.parallel import collectives as C
+from megazoo.training.checkpoint import format as ckpt
+from megazoo.training.checkpoint.optimizer_record import check_optimizer_record, optimizer_record
+from megazoo.training.checkpoint import reshard
+from megazoo.training.checkpoint import slices
+from megazoo.training.checkpoint import storage
+from megazoo.training.config.run_config import RunConfig
 
 logger = logging.getLogger(__name__)
 

@@ -28,9 +28,9 @@ import math
 import re
 from dataclasses import dataclass, field
 
-from parallel.topology import ParallelConfig
+from megazoo.parallel.topology import ParallelConfig
 
-from training.checkpoint import format as ckpt
+from megazoo.training.checkpoint import format as ckpt
 
 
 def merged_ranges(rows, ranges) -> dict[str, list[list[int]]]:

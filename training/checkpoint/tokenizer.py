@@ -16,10 +16,10 @@ import logging
 import os
 import shutil
 
-from data.blended import check_blend
-from data.indexed import bin_path, idx_path
-from data.token_stats import VocabularyMismatch, current_stats, describe_tokenizer
-from data.tokenizers import (GPT2_TYPES, HF_TYPES, NULL_TYPES, SENTENCEPIECE_TYPES, TokenizerError,
+from megazoo.data.blended import check_blend
+from megazoo.data.indexed import bin_path, idx_path
+from megazoo.data.token_stats import VocabularyMismatch, current_stats, describe_tokenizer
+from megazoo.data.tokenizers import (GPT2_TYPES, HF_TYPES, NULL_TYPES, SENTENCEPIECE_TYPES, TokenizerError,
                              build_tokenizer, same_tokenizer)
 
 logger = logging.getLogger(__name__)
@@ -198,7 +198,7 @@ def checkpoint_tokenizer(checkpoint: str, tokenizer_type: str | None = None, *,
         return build_tokenizer(kind, vocab_file=vocab_file, merge_file=merge_file,
                                tokenizer_model=tokenizer_model)
     if kind in NULL_TYPES:  # its end-of-document id is the last of the model's vocabulary
-        from training.checkpoint.format import read_meta
+        from megazoo.training.checkpoint.format import read_meta
         return build_tokenizer(kind, vocab_size=read_meta(checkpoint)["model"]["vocab_size"] - 1)
     if not any(os.path.isfile(os.path.join(folder, f)) for f in TOKENIZER_FILES[:-1]):
         raise TokenizerError(f"{folder}: not found, the checkpoint carries no tokenizer; pass "

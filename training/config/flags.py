@@ -12,19 +12,19 @@ import logging
 import math
 import os
 
-from data.blended import check_blend
-from models.config import TransformerConfig
-from models.family_rules import DENSE_FAMILIES, MOE_FAMILIES, problem
-from models.presets import PRESETS, preset
-from parallel.context_parallel import check_attention
-from parallel.layout import LayoutError, ParallelConfig, microbatches_per_step, virtual_stages
-from parallel.zero.config import LossScaleConfig, OptimizerConfig
+from megazoo.data.blended import check_blend
+from megazoo.models.config import TransformerConfig
+from megazoo.models.family_rules import DENSE_FAMILIES, MOE_FAMILIES, problem
+from megazoo.models.presets import PRESETS, preset
+from megazoo.parallel.context_parallel import check_attention
+from megazoo.parallel.layout import LayoutError, ParallelConfig, microbatches_per_step, virtual_stages
+from megazoo.parallel.zero.config import LossScaleConfig, OptimizerConfig
 
-from training.config.errors import ArgumentError
-from training.config.muon_flags import muon_settings, qk_clip_settings
-from training.config.megatron_compat import (check_model, resolve_megatron_compat, samples_to_iterations,
+from megazoo.training.config.errors import ArgumentError
+from megazoo.training.config.muon_flags import muon_settings, qk_clip_settings
+from megazoo.training.config.megatron_compat import (check_model, resolve_megatron_compat, samples_to_iterations,
                                              stage_layers, vocab_multiple)
-from training.config.run_config import (CheckpointConfig, DataConfig, HealthConfig, LoggingConfig, RunConfig,
+from megazoo.training.config.run_config import (CheckpointConfig, DataConfig, HealthConfig, LoggingConfig, RunConfig,
                                         ScheduleConfig)
 
 logger = logging.getLogger(__name__)

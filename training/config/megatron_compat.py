@@ -17,10 +17,10 @@ import logging
 import os
 from dataclasses import dataclass
 
-from training.config.deepspeed_config import DeepSpeedConfigError, contradictions, read_deepspeed_config
-from training.config.errors import ArgumentError
-from training.config.megatron_table import ACCEPTED, MAPPED, REFUSED
-from training.config.weighted_split_paths import WeightedSplitError, to_data_path_and_split
+from megazoo.training.config.deepspeed_config import DeepSpeedConfigError, contradictions, read_deepspeed_config
+from megazoo.training.config.errors import ArgumentError
+from megazoo.training.config.megatron_table import ACCEPTED, MAPPED, REFUSED
+from megazoo.training.config.weighted_split_paths import WeightedSplitError, to_data_path_and_split
 
 logger = logging.getLogger("megazoo.train")
 

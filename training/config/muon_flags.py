@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import argparse
 
-from parallel.zero.muon import DEFAULT_ADAMW_PATTERNS, NS_DTYPES, SCALE_MODES, MuonSettings
-from parallel.zero.qk_clip import QKClipSettings, qk_clip_refusal
+from megazoo.parallel.zero.muon import DEFAULT_ADAMW_PATTERNS, NS_DTYPES, SCALE_MODES, MuonSettings
+from megazoo.parallel.zero.qk_clip import QKClipSettings, qk_clip_refusal
 
 _DEFAULTS = MuonSettings()
 

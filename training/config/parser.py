@@ -6,13 +6,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from models.presets import PRESETS
+from megazoo.models.presets import PRESETS
 
-from training.config.errors import ArgumentError
-from training.config.flag_help import HelpFormatter, apply_help
-from training.config.megatron_compat import add_megatron_compat_flags, translate
-from training.config.muon_flags import add_muon_flags
-from training.config.run_config import HealthConfig
+from megazoo.training.config.errors import ArgumentError
+from megazoo.training.config.flag_help import HelpFormatter, apply_help
+from megazoo.training.config.megatron_compat import add_megatron_compat_flags, translate
+from megazoo.training.config.muon_flags import add_muon_flags
+from megazoo.training.config.run_config import HealthConfig
 
 
 class _Parser(argparse.ArgumentParser):

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from models.config import TransformerConfig
-from parallel.topology import ParallelConfig
-from parallel.zero.config import OptimizerConfig
+from megazoo.models.config import TransformerConfig
+from megazoo.parallel.topology import ParallelConfig
+from megazoo.parallel.zero.config import OptimizerConfig
 
 
 

@@ -15,8 +15,8 @@ import logging
 import os
 import time
 
-from training.config.run_config import LoggingConfig
-from training.monitor.journal import RunJournal
+from megazoo.training.config.run_config import LoggingConfig
+from megazoo.training.monitor.journal import RunJournal
 
 logger = logging.getLogger("megazoo.train")
 THROUGHPUT = ("tokens_per_s", "tflops_per_rank", "mfu")  # on the console with --log-throughput

@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from parallel import collectives as C
+from megazoo.parallel import collectives as C
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ def moe_metrics(chunks, num_layers: int, device: torch.device) -> tuple[dict, di
     loss, summed over layers; the share of dropped assignments; the worst layer's load, i.e. its
     busiest expert's tokens over the mean), and per layer: load, dropped share, and each expert's
     share of the assignments)."""
-    from models.moe import MoELayer
+    from megazoo.models.moe import MoELayer
     num_experts = chunks[0].config.num_experts  # from the config: every rank joins the sum,
     if not num_experts:  # also a pipeline stage without MoE layers
         return {}, {}
@@ -105,7 +105,7 @@ def mtp_metrics(chunks, device: torch.device) -> dict:
     """The multi-token prediction losses since the last call, over all ranks (a collective:
     every rank calls it), then reset: `mtp_loss` as it enters the training loss (scaling factor
     x the mean over depths) and each depth's own mean loss, `mtp_{k}_loss` (Megatron's names)."""
-    from models.multi_token_prediction import mtp_modules
+    from megazoo.models.multi_token_prediction import mtp_modules
     config = chunks[0].config
     if not config.mtp_num_layers:
         return {}

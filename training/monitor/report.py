@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 
-from training.monitor.journal import JOURNAL, METRICS, read_jsonl
+from megazoo.training.monitor.journal import JOURNAL, METRICS, read_jsonl
 
 PANELS = [("loss", "loss"), ("lr", "learning rate"), ("grad_norm", "gradient norm"),
           ("loss_scale", "loss scale"), ("tokens_per_s", "tokens/s"), ("mem_gib", "peak memory per rank (GiB)")]

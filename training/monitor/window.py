@@ -6,8 +6,8 @@ import logging
 
 import torch
 
-from parallel import collectives as C
-from training.monitor.metrics import mfu, peak_memory_bytes
+from megazoo.parallel import collectives as C
+from megazoo.training.monitor.metrics import mfu, peak_memory_bytes
 
 logger = logging.getLogger(__name__)
 

@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from models.config import PARAMS_DTYPES
-from parallel.layout import ParallelConfig
-from parallel.zero.config import OptimizerConfig
+from megazoo.models.config import PARAMS_DTYPES
+from megazoo.parallel.layout import ParallelConfig
+from megazoo.parallel.zero.config import OptimizerConfig
 
 _PARALLEL = {f.name for f in dataclasses.fields(ParallelConfig)}
 _OPTIMIZER = {f.name for f in dataclasses.fields(OptimizerConfig)}

@@ -31,12 +31,12 @@ from dataclasses import dataclass
 
 import torch
 
-from models.config import TransformerConfig
-from parallel.pipeline.schedules import activation_bound
+from megazoo.models.config import TransformerConfig
+from megazoo.parallel.pipeline.schedules import activation_bound
 
-from training.planning.parameters import expert_bias_parameters, mtp_layers, mtp_parameters
-from training.planning.layout import Layout
-from training.planning.optimizer_states import rank_muon_params, state_bytes
+from megazoo.training.planning.parameters import expert_bias_parameters, mtp_layers, mtp_parameters
+from megazoo.training.planning.layout import Layout
+from megazoo.training.planning.optimizer_states import rank_muon_params, state_bytes
 
 
 class PlanError(ValueError):

@@ -14,9 +14,9 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
-from models.moe import moe_layers
-from parallel import collectives as C
-from parallel.expert_parallel import TokenDispatcher
+from megazoo.models.moe import moe_layers
+from megazoo.parallel import collectives as C
+from megazoo.parallel.expert_parallel import TokenDispatcher
 
 
 class _FusedAttentionShapes(torch.autograd.Function):

@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import torch
 
-from models.config import TransformerConfig
-from models.registry import build_model
-from parallel.param_spec import spec_of
-from parallel.topology import ParallelTopology
-from parallel.zero.inner import build_inner
-from parallel.zero.muon import Muon, uses_muon
+from megazoo.models.config import TransformerConfig
+from megazoo.models.registry import build_model
+from megazoo.parallel.param_spec import spec_of
+from megazoo.parallel.topology import ParallelTopology
+from megazoo.parallel.zero.inner import build_inner
+from megazoo.parallel.zero.muon import Muon, uses_muon
 
-from training.planning.layout import Layout
+from megazoo.training.planning.layout import Layout
 
 META = torch.device("meta")
 STATE_BYTES = 4  # every optimizer state is fp32 (parallel/zero/optimizer.py's state store)

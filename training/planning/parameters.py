@@ -16,7 +16,7 @@ rank holds but not in the ZeRO model states.
 """
 from __future__ import annotations
 
-from models.config import TransformerConfig
+from megazoo.models.config import TransformerConfig
 
 
 def mtp_layers(cfg: TransformerConfig) -> int:

@@ -11,17 +11,17 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from models.config import TransformerConfig
-from models.recompute import GRANULARITIES
-from parallel.layout import microbatches_per_step
+from megazoo.models.config import TransformerConfig
+from megazoo.models.recompute import GRANULARITIES
+from megazoo.parallel.layout import microbatches_per_step
 
-from training.planning.layout import Layout
-from training.planning.memory import (Memory, PlanError, activation_bytes,  # noqa: F401
+from megazoo.training.planning.layout import Layout
+from megazoo.training.planning.memory import (Memory, PlanError, activation_bytes,  # noqa: F401
                              activation_element_bytes, layer_activation_bytes,
                              memory_per_gpu, model_state_bytes, pipeline_schedule, rank_layer_ids,
                              rank_frozen_params, rank_layers, rank_params, rank_state_bytes,
                              stage_name, stage_params, state_bytes_per_param)
-from training.planning.step_time import (MATMUL_EFFICIENCY, OPTIMIZER_BYTES_PER_PARAM, Cluster,  # noqa: F401
+from megazoo.training.planning.step_time import (MATMUL_EFFICIENCY, OPTIMIZER_BYTES_PER_PARAM, Cluster,  # noqa: F401
                            StepTime, all_to_all_time, step_time)
 
 

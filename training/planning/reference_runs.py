@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from models.config import TransformerConfig
-from models.presets import preset
+from megazoo.models.config import TransformerConfig
+from megazoo.models.presets import preset
 
-from training.planning.planner import Cluster, Layout
+from megazoo.training.planning.planner import Cluster, Layout
 
 GiB = 2 ** 30
 CLUSTERS: dict[str, Cluster] = {

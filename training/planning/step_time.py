@@ -25,10 +25,10 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from models.config import TransformerConfig
+from megazoo.models.config import TransformerConfig
 
-from training.planning.layout import Layout
-from training.planning.memory import activation_element_bytes, rank_params, state_bytes_per_param
+from megazoo.training.planning.layout import Layout
+from megazoo.training.planning.memory import activation_element_bytes, rank_params, state_bytes_per_param
 
 # The ONE calibration constant: the fraction of the GPU's dense peak that a transformer layer's
 # compute (its GEMMs and the fused elementwise kernels between them) sustains. Fitted once, as the

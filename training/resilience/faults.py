@@ -10,8 +10,8 @@ import dataclasses
 import logging
 import time
 
-from training.config.run_config import HealthConfig
-from training.checkpoint.resume import TrainState, load
+from megazoo.training.config.run_config import HealthConfig
+from megazoo.training.checkpoint.resume import TrainState, load
 
 logger = logging.getLogger(__name__)
 

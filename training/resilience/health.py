@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from training.config.run_config import HealthConfig
+from megazoo.training.config.run_config import HealthConfig
 
 @dataclass
 class Verdict:

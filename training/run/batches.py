@@ -16,15 +16,15 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from data.blended import build_train_valid_test_datasets
-from data.indexed import IndexedDatasetError
-from data.packing import documents_after_eod, positions_in_documents
-from data.samplers import PretrainingSampler
-from data.sft_dataset import split_sft_datasets
-from parallel import collectives as C
-from parallel.context_parallel import split_sequence
+from megazoo.data.blended import build_train_valid_test_datasets
+from megazoo.data.indexed import IndexedDatasetError
+from megazoo.data.packing import documents_after_eod, positions_in_documents
+from megazoo.data.samplers import PretrainingSampler
+from megazoo.data.sft_dataset import split_sft_datasets
+from megazoo.parallel import collectives as C
+from megazoo.parallel.context_parallel import split_sequence
 
-from training.config.run_config import DataConfig
+from megazoo.training.config.run_config import DataConfig
 
 logger = logging.getLogger(__name__)
 

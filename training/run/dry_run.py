@@ -13,20 +13,20 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from parallel.layout import Grid
-from parallel.pipeline.engine import PipelineStats, SavedBytes, run_pipeline
-from parallel.pipeline.schedules import activation_bound, build_schedule
-from parallel.random import model_parallel_seed
-from parallel.topology import ParallelTopology
-from parallel.zero.optimizer import build_optimizer
+from megazoo.parallel.layout import Grid
+from megazoo.parallel.pipeline.engine import PipelineStats, SavedBytes, run_pipeline
+from megazoo.parallel.pipeline.schedules import activation_bound, build_schedule
+from megazoo.parallel.random import model_parallel_seed
+from megazoo.parallel.topology import ParallelTopology
+from megazoo.parallel.zero.optimizer import build_optimizer
 
-from training.planning import planner
-from training.checkpoint.format import rank_file
-from training.run.loop import build_chunks
-from training.planning.meta_kernels import balanced_routing, device_kernels_on_meta
-from training.checkpoint.reshard import param_table
-from training.checkpoint.resume import rank_tensors
-from training.run.step import activation_shape, make_forward_fn
+from megazoo.training.planning import planner
+from megazoo.training.checkpoint.format import rank_file
+from megazoo.training.run.loop import build_chunks
+from megazoo.training.planning.meta_kernels import balanced_routing, device_kernels_on_meta
+from megazoo.training.checkpoint.reshard import param_table
+from megazoo.training.checkpoint.resume import rank_tensors
+from megazoo.training.run.step import activation_shape, make_forward_fn
 
 META = torch.device("meta")
 

@@ -14,23 +14,23 @@ import time
 
 import torch.distributed as dist
 
-from data.indexed import IndexedDatasetError
-from data.token_stats import VocabularyMismatch
-from data.tokenizers import TokenizerError
-from models.config import TransformerConfig
-from models.family_rules import MOE_FAMILIES
-from models.registry import build_model, family
-from parallel import collectives as C
-from parallel.topology import LayoutError
+from megazoo.data.indexed import IndexedDatasetError
+from megazoo.data.token_stats import VocabularyMismatch
+from megazoo.data.tokenizers import TokenizerError
+from megazoo.models.config import TransformerConfig
+from megazoo.models.family_rules import MOE_FAMILIES
+from megazoo.models.registry import build_model, family
+from megazoo.parallel import collectives as C
+from megazoo.parallel.topology import LayoutError
 
-from training.config.flags import ArgumentError, to_run_config
-from training.config.parser import build_parser
-from training.checkpoint.tokenizer import check_run_tokenizer
-from training.checkpoint.format import CheckpointError, candidates, read_meta
-from training.resilience.health import RunHalted
-from training.run.loop import pretrain
-from training.run.stop import exit_code
-from training.checkpoint.storage import SaveLockError
+from megazoo.training.config.flags import ArgumentError, to_run_config
+from megazoo.training.config.parser import build_parser
+from megazoo.training.checkpoint.tokenizer import check_run_tokenizer
+from megazoo.training.checkpoint.format import CheckpointError, candidates, read_meta
+from megazoo.training.resilience.health import RunHalted
+from megazoo.training.run.loop import pretrain
+from megazoo.training.run.stop import exit_code
+from megazoo.training.checkpoint.storage import SaveLockError
 
 logger = logging.getLogger("megazoo.train")
 # Raised by a run for something the user can fix (the message names the file or flag): no traceback.
@@ -45,7 +45,7 @@ def build_run_tokenizer(args):
     if args.mock_data and not (args.vocab_file or args.tokenizer_model) and \
             args.tokenizer_type != "NullTokenizer":
         return None
-    from data.tokenizers import build_tokenizer
+    from megazoo.data.tokenizers import build_tokenizer
     return build_tokenizer(args.tokenizer_type, vocab_file=args.vocab_file, merge_file=args.merge_file,
                            tokenizer_model=args.tokenizer_model, vocab_size=args.vocab_size)
 

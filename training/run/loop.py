@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import time
 
-from training.config.run_config import RunConfig
-from training.run.stop import StopRequests
-from training.run.trainer import TrainResult, Trainer, build_chunks
+from megazoo.training.config.run_config import RunConfig
+from megazoo.training.run.stop import StopRequests
+from megazoo.training.run.trainer import TrainResult, Trainer, build_chunks
 
 __all__ = ["TrainResult", "build_chunks", "pretrain"]
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 
-from training.config.run_config import ScheduleConfig
+from megazoo.training.config.run_config import ScheduleConfig
 
 
 def learning_rate(cfg: ScheduleConfig, iteration: int) -> float:

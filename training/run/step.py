@@ -13,16 +13,16 @@ import time
 
 import torch
 
-from data.sft_dataset import OnePass
-from models.moe import set_aux_loss_scale
-from models.multi_token_prediction import set_mtp_loss_scale
-from parallel import collectives as C
-from parallel.context_parallel import Documents
-from parallel.pipeline.engine import run_pipeline
-from parallel.pipeline.schedules import build_schedule
-from parallel.topology import ParallelTopology
+from megazoo.data.sft_dataset import OnePass
+from megazoo.models.moe import set_aux_loss_scale
+from megazoo.models.multi_token_prediction import set_mtp_loss_scale
+from megazoo.parallel import collectives as C
+from megazoo.parallel.context_parallel import Documents
+from megazoo.parallel.pipeline.engine import run_pipeline
+from megazoo.parallel.pipeline.schedules import build_schedule
+from megazoo.parallel.topology import ParallelTopology
 
-from training.run.batches import document_flags, microbatches
+from megazoo.training.run.batches import document_flags, microbatches
 
 
 def activation_shape(topo: ParallelTopology, seq_length: int, micro_batch_size: int, hidden: int):

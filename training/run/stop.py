@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from parallel import collectives as C
+from megazoo.parallel import collectives as C
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 

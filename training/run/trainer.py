@@ -9,30 +9,30 @@ import math
 import time
 from dataclasses import dataclass
 
-from models.moe import update_expert_biases
-from parallel.pipeline.tied import broadcast_tied_embedding
-from parallel.random import model_parallel_seed
-from parallel.topology import initialize
-from parallel.zero.optimizer import build_optimizer
+from megazoo.models.moe import update_expert_biases
+from megazoo.parallel.pipeline.tied import broadcast_tied_embedding
+from megazoo.parallel.random import model_parallel_seed
+from megazoo.parallel.topology import initialize
+from megazoo.parallel.zero.optimizer import build_optimizer
 
-from training.checkpoint import format as ckpt
-from training.checkpoint.async_writer import AsyncCheckpointWriter
-from training.checkpoint import storage
-from training.checkpoint.tokenizer import store_training_tokenizer
-from training.config.run_config import RunConfig
-from training.run.batches import TrainData, build_datasets, document_flags
-from training.resilience.faults import maybe_hang, report_unhealthy, roll_back
-from training.resilience.health import HealthMonitor, ProgressGuard, after_step
-from training.monitor.journal import RunJournal
-from training.monitor.console import Progress, RunLogger
-from training.run.lr_schedule import global_batch_size, learning_rate
-from training.monitor.metrics import device_peak_flops, moe_metrics, mtp_metrics
-from training.planning.planner import Layout, PlanError, memory_per_gpu
-from training.monitor.report import write_report
-from training.checkpoint.resume import TrainState, layout_of, load, save
-from training.run.step import activation_shape, evaluate, forward_backward
-from training.resilience.watchdog import CollectiveWatchdog, backend_timeout
-from training.monitor.window import LogWindow
+from megazoo.training.checkpoint import format as ckpt
+from megazoo.training.checkpoint.async_writer import AsyncCheckpointWriter
+from megazoo.training.checkpoint import storage
+from megazoo.training.checkpoint.tokenizer import store_training_tokenizer
+from megazoo.training.config.run_config import RunConfig
+from megazoo.training.run.batches import TrainData, build_datasets, document_flags
+from megazoo.training.resilience.faults import maybe_hang, report_unhealthy, roll_back
+from megazoo.training.resilience.health import HealthMonitor, ProgressGuard, after_step
+from megazoo.training.monitor.journal import RunJournal
+from megazoo.training.monitor.console import Progress, RunLogger
+from megazoo.training.run.lr_schedule import global_batch_size, learning_rate
+from megazoo.training.monitor.metrics import device_peak_flops, moe_metrics, mtp_metrics
+from megazoo.training.planning.planner import Layout, PlanError, memory_per_gpu
+from megazoo.training.monitor.report import write_report
+from megazoo.training.checkpoint.resume import TrainState, layout_of, load, save
+from megazoo.training.run.step import activation_shape, evaluate, forward_backward
+from megazoo.training.resilience.watchdog import CollectiveWatchdog, backend_timeout
+from megazoo.training.monitor.window import LogWindow
 
 logger = logging.getLogger(__name__)
 

@@ -14,12 +14,12 @@ from collections import defaultdict
 
 import torch
 
-from models.config import TransformerConfig
+from megazoo.models.config import TransformerConfig
 
-from training.checkpoint import format as ckpt
-from training.checkpoint.foreign import names
-from training.checkpoint.layout_writer import build_rank_chunks
-from training.checkpoint.reshard import param_table
+from megazoo.training.checkpoint import format as ckpt
+from megazoo.training.checkpoint.foreign import names
+from megazoo.training.checkpoint.layout_writer import build_rank_chunks
+from megazoo.training.checkpoint.reshard import param_table
 
 logger = logging.getLogger(__name__)
 

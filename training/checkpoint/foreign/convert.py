@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import logging
 
-from parallel.layout import ParallelConfig
+from megazoo.parallel.layout import ParallelConfig
 
-from training.checkpoint import format as ckpt
-from training.checkpoint.foreign import deepspeed, deepspeed_universal, megatron_dist, megatron_legacy
-from training.checkpoint.hf import checkpoint_config
-from training.checkpoint.layout_writer import write_layout
-from training.checkpoint.reshard import read_full_state
+from megazoo.training.checkpoint import format as ckpt
+from megazoo.training.checkpoint.foreign import deepspeed, deepspeed_universal, megatron_dist, megatron_legacy
+from megazoo.training.checkpoint.hf import checkpoint_config
+from megazoo.training.checkpoint.layout_writer import write_layout
+from megazoo.training.checkpoint.reshard import read_full_state
 
 logger = logging.getLogger(__name__)
 

@@ -41,10 +41,10 @@ import re
 
 import torch
 
-from training.checkpoint import format as ckpt
-from training.checkpoint.foreign import megatron_args, safe_load
-from training.checkpoint.foreign.assemble import Pieces, check_shapes, expected_shapes
-from training.checkpoint.reshard import FullState
+from megazoo.training.checkpoint import format as ckpt
+from megazoo.training.checkpoint.foreign import megatron_args, safe_load
+from megazoo.training.checkpoint.foreign.assemble import Pieces, check_shapes, expected_shapes
+from megazoo.training.checkpoint.reshard import FullState
 
 logger = logging.getLogger(__name__)
 
@@ -337,7 +337,7 @@ def _read_zero(folder: str, optimizer: bool, hf_config: str | None):
         raise ckpt.CheckpointError(f"{folder}: a DeepSpeed ZeRO checkpoint records no model "
                                    f"configuration; pass --hf-config with the model's "
                                    f"config.json folder")
-    from training.checkpoint.hf import read_hf_config
+    from megazoo.training.checkpoint.hf import read_hf_config
     model_type, module, hf = read_hf_config(hf_config)
     config = module.config_from_hf(hf)
     states = safe_load.load(os.path.join(folder, "mp_rank_00_model_states.pt"))

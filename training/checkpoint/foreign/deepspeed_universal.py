@@ -26,10 +26,10 @@ import os
 
 import torch
 
-from training.checkpoint import format as ckpt
-from training.checkpoint.foreign import megatron_args
-from training.checkpoint.foreign.deepspeed import BLOCK, EMBEDDING, FINAL, pipeline_numbers
-from training.checkpoint.reshard import FullState
+from megazoo.training.checkpoint import format as ckpt
+from megazoo.training.checkpoint.foreign import megatron_args
+from megazoo.training.checkpoint.foreign.deepspeed import BLOCK, EMBEDDING, FINAL, pipeline_numbers
+from megazoo.training.checkpoint.reshard import FullState
 
 logger = logging.getLogger(__name__)
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import argparse
 
-from models.config import TransformerConfig
+from megazoo.models.config import TransformerConfig
 
-from training.checkpoint import format as ckpt
+from megazoo.training.checkpoint import format as ckpt
 
 
 def _get(args, *names, default=None):

@@ -28,11 +28,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from training.checkpoint import format as ckpt
-from training.checkpoint.foreign import megatron_args, names, safe_load
-from training.checkpoint.foreign.assemble import check_shapes, expected_shapes
-from training.checkpoint.foreign.megatron_legacy import TRACKER, iteration_folder, scheduler_state
-from training.checkpoint.reshard import FullState
+from megazoo.training.checkpoint import format as ckpt
+from megazoo.training.checkpoint.foreign import megatron_args, names, safe_load
+from megazoo.training.checkpoint.foreign.assemble import check_shapes, expected_shapes
+from megazoo.training.checkpoint.foreign.megatron_legacy import TRACKER, iteration_folder, scheduler_state
+from megazoo.training.checkpoint.reshard import FullState
 
 logger = logging.getLogger(__name__)
 

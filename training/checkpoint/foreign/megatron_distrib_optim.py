@@ -23,8 +23,8 @@ import os
 
 import torch
 
-from training.checkpoint import format as ckpt
-from training.checkpoint.foreign import safe_load
+from megazoo.training.checkpoint import format as ckpt
+from megazoo.training.checkpoint.foreign import safe_load
 
 FILE = "distrib_optim.pt"
 _ALIGN = 64  # a parameter starts at a 128-byte address (>= 16-bit values)

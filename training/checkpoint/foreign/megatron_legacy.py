@@ -27,11 +27,11 @@ import re
 
 import torch
 
-from training.checkpoint import format as ckpt
-from training.checkpoint.foreign import megatron_args, names, safe_load
-from training.checkpoint.foreign import megatron_distrib_optim as distrib_optim
-from training.checkpoint.foreign.assemble import Pieces, check_shapes, expected_shapes
-from training.checkpoint.reshard import FullState
+from megazoo.training.checkpoint import format as ckpt
+from megazoo.training.checkpoint.foreign import megatron_args, names, safe_load
+from megazoo.training.checkpoint.foreign import megatron_distrib_optim as distrib_optim
+from megazoo.training.checkpoint.foreign.assemble import Pieces, check_shapes, expected_shapes
+from megazoo.training.checkpoint.reshard import FullState
 
 logger = logging.getLogger(__name__)
 

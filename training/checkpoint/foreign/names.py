@@ -17,7 +17,7 @@ import re
 
 import torch
 
-from parallel.tensor_parallel import StridedLayout
+from megazoo.parallel.tensor_parallel import StridedLayout
 
 # (Megatron-core suffix after `decoder.layers.{i}.`, megazoo suffix after `layers.{i}.`, split).
 # Transformer Engine's specs fuse the norms into the next linear (`layer_norm_weight`); the local
