@@ -35,6 +35,13 @@ TRAINING_ONLY_FIELDS = frozenset({
 })
 
 
+def canonical_rope_scaling(scaling: dict | None) -> dict | None:
+    """`rope_scaling` in one spelling: the older key `type` (DeepSeek-V3's released config.json)
+    read as `rope_type`, as transformers' `standardize_rope_params` does (`rope_type` wins)."""
+    if not scaling or "type" not in scaling:
+        return scaling
+    return {"rope_type": scaling["type"], **{k: v for k, v in scaling.items() if k != "type"}}
+
 @dataclass
 class TransformerConfig(ModelCounts):
     vocab_size: int = 50257
@@ -300,6 +307,7 @@ class TransformerConfig(ModelCounts):
         del fields["moe_norm_topk_prob"]
         if self.num_experts and all(self.is_moe_layer(i) for i in range(self.num_layers)):
             del fields["ffn_hidden_size"]  # no dense MLP is left
+        fields["rope_scaling"] = canonical_rope_scaling(self.rope_scaling)
         if self.position_embedding != "rope":
             del fields["rope_theta"], fields["rope_scaling"]
         if self.position_embedding != "learned":  # no position table: the context is the run's

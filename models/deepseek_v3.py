@@ -214,14 +214,25 @@ def _pairs(config: TransformerConfig):
     yield from _mtp_pairs(config)
 
 
+MTP_FIELD = "num_nextn_predict_layers"  # the HF field of config.mtp_num_layers
+
+
+def mtp_weights_present(sd: dict[str, torch.Tensor], config: TransformerConfig) -> bool:
+    """Whether HF tensors hold the prediction depths config.json names: transformers keeps
+    num_nextn_predict_layers but neither loads nor saves their weights (the HF import then
+    imports the main model without them: training/checkpoint/hf.py)."""
+    first = f"layers.{config.num_layers}.eh_proj.weight"
+    return not config.mtp_num_layers or first in sd or "model." + first in sd
+
+
 def from_hf_state_dict(sd: dict[str, torch.Tensor], config: TransformerConfig) -> dict[str, torch.Tensor]:
     """HF DeepseekV3ForCausalLM tensors (file or in-memory form) -> full megazoo tensors. The
     depths' copies of the embedding and head must equal the main ones (megazoo shares them)."""
-    sd = {k if k.startswith(("model.", "lm_head.")) else "model." + k: v for k, v in sd.items()}
-    if config.mtp_num_layers and f"model.layers.{config.num_layers}.eh_proj.weight" not in sd:
+    if not mtp_weights_present(sd, config):
         raise ValueError(f"{FAMILY}: num_nextn_predict_layers {config.mtp_num_layers} but the "
                          f"weights have no model.layers.{config.num_layers}.eh_proj.weight (a "
-                         f"transformers model drops them); import the checkpoint's files")
+                         f"transformers model drops them); map them with mtp_num_layers=0")
+    sd = {k if k.startswith(("model.", "lm_head.")) else "model." + k: v for k, v in sd.items()}
     out = {mz: sd[hf] for mz, hf in _pairs(config)}
     for copy, mz in _shared_copies(config):
         if copy in sd and not torch.equal(sd[copy], out[mz]):

@@ -15,7 +15,7 @@ import torch
 
 from megazoo.parallel.topology import ParallelTopology
 
-from .config import ROPE_TYPES, TransformerConfig
+from .config import ROPE_TYPES, TransformerConfig, canonical_rope_scaling
 from .hf_fields import check_fields, refuse
 from .language_model import WORD_EMBEDDINGS, TransformerLanguageModel
 from .rope import rope_type
@@ -48,7 +48,8 @@ SILU_NAMES = ("silu", "swish")
 def rope_from_hf(hf, family: str) -> tuple[float, dict | None]:
     """(rope_theta, rope_scaling or None) from the old `rope_theta`/`rope_scaling` attributes or
     the newer `rope_parameters` dict (models/rope.py computes every type of config.ROPE_TYPES)."""
-    params = dict(getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {})
+    params = dict(canonical_rope_scaling(getattr(hf, "rope_parameters", None)
+                                         or getattr(hf, "rope_scaling", None)) or {})
     theta = params.pop("rope_theta", None) or getattr(hf, "rope_theta", None) or 10000.0
     partial = params.pop("partial_rotary_factor", 1.0)
     kind = rope_type(params)

@@ -1,14 +1,16 @@
 """Convert between Hugging Face folders and megazoo checkpoints (any tp, pp, vpp).
 
 Families: GPT-2, BLOOM, Llama, Qwen2, Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE (models/registry.py).
-An imported MoE checkpoint loads under any --expert-model-parallel-size.
+An imported MoE checkpoint loads under any --expert-model-parallel-size. FP8 block-scaled releases
+(quantization_config fp8, `<name>_scale_inv` tensors) are dequantized at import; export writes
+plain weights.
 
     python tools/convert_hf.py import --hf-dir gpt2_folder --save ckpt/gpt2 \
         --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2
     python tools/convert_hf.py export --load ckpt/run1 --save hf_out [--tokenizer-dir gpt2_folder]
 
 Import writes a weights-only checkpoint (train from it with `--load ckpt/gpt2 --finetune`, under
-any layout). Export accepts a checkpoint of any layout and writes config.json,
+any layout; the model's shape comes from the checkpoint). Export accepts a checkpoint of any layout and writes config.json,
 model.safetensors and tokenizer files that `transformers` loads with `from_pretrained`.
 """
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 Import reads `config.json` and the weights (`model.safetensors`, `pytorch_model.bin`, or their
 sharded `*.index.json` forms; `.bin` files with `torch.load(weights_only=True)`, so nothing
-arbitrary is unpickled), maps them to megazoo's full tensors with the family's
-`from_hf_state_dict` (GPT-2's Conv1D transposes and [q|k|v] -> per-head QKV order live there)
+arbitrary is unpickled; an FP8 release's block-scaled tensors dequantized: hf_fp8.py), maps
+them to megazoo's full tensors with the family's `from_hf_state_dict` (GPT-2's Conv1D transposes and [q|k|v] -> per-head QKV order live there)
 and writes a weights-only checkpoint for the target (tp, pp, vpp). Tokenizer files are copied
 into the checkpoint's `tokenizer/` folder with the special-token ids of config.json and
 generation_config.json.
@@ -32,6 +32,7 @@ from megazoo.models.registry import build_model, family
 from megazoo.parallel.layout import ParallelConfig, virtual_stages
 
 from megazoo.training.checkpoint import format as ckpt
+from megazoo.training.checkpoint.hf_fp8 import dequantize, read_quantization
 from megazoo.training.checkpoint.tokenizer import TOKEN_IDS, copy_tokenizer, hf_token_record, read_record
 from megazoo.training.checkpoint.tokenizer import tokenizer_dir as checkpoint_tokenizer_dir
 from megazoo.training.checkpoint.tokenizer import write_record
@@ -62,9 +63,16 @@ def read_hf_config(folder: str):
     except ValueError as e:
         raise ConversionError(str(e)) from None
     try:
-        return model_type, module, AutoConfig.from_pretrained(folder, local_files_only=True)
+        quantized = read_quantization(folder)
+    except ValueError as e:
+        raise ConversionError(str(e)) from None
+    try:
+        hf = AutoConfig.from_pretrained(folder, local_files_only=True)
     except (ValueError, OSError) as e:
         raise ConversionError(f"{path}: unreadable config ({e})") from None
+    if quantized is not None and hasattr(hf, "quantization_config"):
+        del hf.quantization_config  # the weights are dequantized as they are read
+    return model_type, module, hf
 
 
 def _weight_files(folder: str) -> list[str]:
@@ -84,6 +92,7 @@ def _weight_files(folder: str) -> list[str]:
 
 
 def read_hf_weights(folder: str) -> dict[str, torch.Tensor]:
+    """Every tensor of a folder's weight files; an FP8 release's dequantized (hf_fp8.py)."""
     sd = {}
     for path in _weight_files(folder):
         if not os.path.isfile(path):
@@ -97,7 +106,11 @@ def read_hf_weights(folder: str) -> dict[str, torch.Tensor]:
                 ValueError) as e:
             raise ConversionError(f"{path}: corrupt, truncated or not a weights file "
                                   f"({str(e).splitlines()[0][:200]}); download it again") from None
-    return sd
+    try:
+        quantized = read_quantization(folder)
+        return sd if quantized is None else dequantize(sd, quantized, folder)
+    except ValueError as e:
+        raise ConversionError(str(e)) from None
 
 
 def hf_to_full(folder: str, parsed: tuple | None = None) -> tuple[str, TransformerConfig, FullState]:
@@ -106,6 +119,7 @@ def hf_to_full(folder: str, parsed: tuple | None = None) -> tuple[str, Transform
     model_type, module, hf = parsed or read_hf_config(folder)
     config = module.config_from_hf(hf)
     sd = read_hf_weights(folder)
+    config, record = _without_missing_depths(module, config, sd, folder)
     try:
         full = module.from_hf_state_dict(sd, config)
         if config.tie_word_embeddings and "lm_head.weight" in sd and \
@@ -121,8 +135,28 @@ def hf_to_full(folder: str, parsed: tuple | None = None) -> tuple[str, Transform
     check_all_used(sd, full, module.to_hf_state_dict(full, config), f"{folder} ({model_type})")
     dtype = str(getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None) or "float32")
     meta = dict(consumed_samples=0, skipped_steps=0,
-                hf_config={**hf_token_record(folder, hf), "dtype": dtype.removeprefix("torch.")})
+                hf_config={**hf_token_record(folder, hf), **record,
+                           "dtype": dtype.removeprefix("torch.")})
     return model_type, config, FullState(meta, {k: v.float() for k, v in full.items()})
+
+
+# meta.json's hf_config key: prediction depths config.json named without their weights
+MTP_WITHOUT_WEIGHTS = "mtp_depths_without_weights"
+
+
+def _without_missing_depths(adapter, config: TransformerConfig, sd: dict, folder: str):
+    """(config, record): a folder whose config.json names multi-token prediction depths its
+    weights lack (transformers saves DeepSeek-V3 so: it keeps num_nextn_predict_layers, drops the
+    depths) imports as the main model without them, said once; the record lets export write the
+    field back, so the folder round-trips unchanged."""
+    present = getattr(adapter, "mtp_weights_present", None)
+    if not config.mtp_num_layers or present is None or present(sd, config):
+        return config, {}
+    logger.warning("%s: config.json names %d multi-token prediction depth(s) (%s) but the weights "
+                   "hold none (as transformers saves them); importing the model without them "
+                   "(export writes %s back)", folder, config.mtp_num_layers, adapter.MTP_FIELD,
+                   adapter.MTP_FIELD)
+    return config.replace(mtp_num_layers=0), {MTP_WITHOUT_WEIGHTS: config.mtp_num_layers}
 
 
 # Buffers some HF weight files carry that are no parameters (rotary frequencies, GPT-2's causal
@@ -249,6 +283,8 @@ def export_hf(load: str, save: str, *, tokenizer_dir: str | None = None,
     recorded = {**(meta.get("hf_config") or {}), **read_record(checkpoint_tokenizer_dir(folder))}
     for k in TOKEN_IDS:  # ids outside the vocabulary are dropped
         setattr(hf, k, _valid_ids(recorded.get(k, getattr(hf, k, None)), config.vocab_size))
+    if recorded.get(MTP_WITHOUT_WEIGHTS) and not config.mtp_num_layers:
+        setattr(hf, module.MTP_FIELD, recorded[MTP_WITHOUT_WEIGHTS])  # as the imported folder said
     dtype = dtype or (meta.get("hf_config") or {}).get("dtype") or config.params_dtype
     hf.dtype = dtype
     os.makedirs(save, exist_ok=True)

@@ -127,11 +127,43 @@ def _preset_with_flags(name: str, overrides: dict) -> TransformerConfig:
     return model
 
 
+# How a run computes, not what: the command line's (or the default), never a checkpoint's
+RUN_SETTINGS = ("params_dtype", "recompute_granularity", "recompute_method", "recompute_num_layers")
+
+
+def _loaded_with_flags(loaded: TransformerConfig, overrides: dict, args,
+                       tokenizer_vocab: bool) -> TransformerConfig:
+    """--load's model (the whole config its checkpoint records: family, sizes, rope, norms ...)
+    with the flags given applied. Training settings may change (dropout, aux losses, ...); a flag
+    that changes what the weights compute is refused, naming both values."""
+    run = {k: overrides.get(k, getattr(TransformerConfig, k)) for k in RUN_SETTINGS}
+    try:
+        model = loaded.replace(**{**overrides, **run})
+    except ValueError as e:
+        _fail(f"--load {args.load}: the checkpoint's model with these flags: {e}")
+    saved, here = loaded.computed_fields(), model.computed_fields()
+    for k in dict.fromkeys([*saved, *here]):
+        if saved.get(k) != here.get(k):
+            fix = "the tokenizer's vocabulary: give the tokenizer it was trained with" \
+                if k == "vocab_size" and tokenizer_vocab else \
+                "drop the flag (the checkpoint gives the model's shape)"
+            _fail(f"--load {args.load} holds another model: {k}={saved.get(k)!r} there, "
+                  f"{here.get(k)!r} here; {fix}")
+    if args.model and "model" in (getattr(args, "given_flags", None) or ()):
+        logger.info("--use-checkpoint-args: the model is --load's, not --model %s", args.model)
+    logger.info("--load %s: the model from its checkpoint (family %r, %d layers, hidden size %d)",
+                args.load, model.family, model.num_layers, model.hidden_size)
+    return model
+
+
 def to_run_config(args: argparse.Namespace, vocab_size: int | None = None,
-                  world_size: int | None = None, eod_token: int | None = None) -> RunConfig:
+                  world_size: int | None = None, eod_token: int | None = None,
+                  loaded: TransformerConfig | None = None) -> RunConfig:
     """Map parsed flags onto the configs and check that they fit together.
 
-    `vocab_size` and `eod_token` come from the tokenizer when there is one (training/run/entry.py)."""
+    `vocab_size` and `eod_token` come from the tokenizer when there is one (training/run/entry.py).
+    `loaded`: the model config --load's checkpoint records (training/run/entry.py), which is the
+    model when --model is not given (or --use-checkpoint-args is)."""
     validate_values(args)
     world = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
     compat = resolve_megatron_compat(args, eod_token)
@@ -154,7 +186,11 @@ def to_run_config(args: argparse.Namespace, vocab_size: int | None = None,
     same = {f.name: getattr(args, f.name) for f in dataclasses.fields(TransformerConfig)
             if f.name not in renamed and hasattr(args, f.name)}
     overrides = {k: v for k, v in {**same, **renamed}.items() if v is not None}
-    if args.model:
+    given = getattr(args, "given_flags", None)  # None: a namespace not from the parser
+    if loaded is not None and (getattr(args, "use_checkpoint_args", False)
+                               or (given is not None and "model" not in given)):
+        model = _loaded_with_flags(loaded, overrides, args, tokenizer_vocab=bool(vocab_size))
+    elif args.model:
         model = _preset_with_flags(args.model, overrides)
     else:
         missing = [f for f in ("num_layers", "hidden_size", "num_attention_heads") if f not in overrides]

@@ -38,6 +38,7 @@ class _Parser(argparse.ArgumentParser):
             raise ArgumentError(f"{len(problems)} refusals, nothing started:\n  "
                                 + "\n  ".join(problems))
         notes.emit()
+        ns.given_flags = frozenset(given)  # what the command line set (not a default)
         return ns, []
 
 
@@ -175,6 +176,9 @@ def build_parser(default_model: str | None = None) -> argparse.ArgumentParser:
     g.add_argument("--save-interval", type=int)
     g.add_argument("--async-save", action="store_true")
     g.add_argument("--finetune", action="store_true")
+    g.add_argument("--use-checkpoint-args", action="store_true",
+                   help="the model is --load's (its checkpoint's config) even with --model; "
+                        "without --model that is the default")
     g = p.add_argument_group("logging")
     g.add_argument("--log-interval", type=int, default=10)
     g.add_argument("--eval-interval", type=int, default=100)

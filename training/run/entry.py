@@ -17,6 +17,7 @@ import torch.distributed as dist
 from megazoo.data.indexed import IndexedDatasetError
 from megazoo.data.token_stats import VocabularyMismatch
 from megazoo.data.tokenizers import TokenizerError
+from megazoo.models.config import TransformerConfig
 from megazoo.models.family_rules import MOE_FAMILIES
 from megazoo.models.registry import build_model, family
 from megazoo.parallel import collectives as C
@@ -25,7 +26,7 @@ from megazoo.parallel.topology import LayoutError
 from megazoo.training.config.flags import ArgumentError, to_run_config
 from megazoo.training.config.parser import build_parser
 from megazoo.training.checkpoint.tokenizer import check_run_tokenizer
-from megazoo.training.checkpoint.format import CheckpointError
+from megazoo.training.checkpoint.format import CheckpointError, candidates, read_meta
 from megazoo.training.resilience.health import RunHalted
 from megazoo.training.run.loop import pretrain
 from megazoo.training.run.stop import exit_code
@@ -47,6 +48,19 @@ def build_run_tokenizer(args):
     from megazoo.data.tokenizers import build_tokenizer
     return build_tokenizer(args.tokenizer_type, vocab_file=args.vocab_file, merge_file=args.merge_file,
                            tokenizer_model=args.tokenizer_model, vocab_size=args.vocab_size)
+
+
+def loaded_model(load: str | None):
+    """The model config --load's checkpoint records (the one a resume reads first), or None
+    without --load or while it holds no checkpoint yet (a run that --save's there later)."""
+    for folder in candidates(load) if load else ():
+        try:
+            fields = read_meta(folder).get("model")
+        except CheckpointError:  # damaged: the resume falls back past it, and says so
+            continue
+        if fields is not None:
+            return TransformerConfig.from_saved(fields)
+    return None
 
 
 def _rank() -> int:
@@ -95,7 +109,7 @@ def main(default_family: str, argv=None):
         args = build_parser(family(default_family, "main").default_preset).parse_args(argv)
         tok = build_run_tokenizer(args)
         run = to_run_config(args, vocab_size=tok.vocab_size if tok else None,
-                            eod_token=tok.eod if tok else None)
+                            eod_token=tok.eod if tok else None, loaded=loaded_model(args.load))
         check_script_family(run.model.family, default_family)
         if tok is not None:  # same vocabulary size is not the same tokenizer
             check_run_tokenizer(tok, run.data, run.checkpoint)
