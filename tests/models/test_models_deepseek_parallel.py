@@ -129,6 +129,7 @@ def test_expert_biases_survive_a_change_of_layout_bit_for_bit(tmp_path, caplog):
     only the last element of every tensor, then rewritten at tp2 and loaded into a live unsharded model."""
     import math
     from megazoo.training.checkpoint import layout_writer, reshard, slices
+    from megazoo.training.checkpoint.param_table import SliceEntry, param_table
     cfg = _parallel_config()
     model = TransformerLanguageModel(cfg, ParallelTopology.single())
     g = torch.Generator().manual_seed(7)
@@ -148,16 +149,18 @@ def test_expert_biases_survive_a_change_of_layout_bit_for_bit(tmp_path, caplog):
         assert f"layers.{i}.mlp.expert_bias" not in back.master  # weights only, no state
 
     topo, chunks = layout_writer.build_rank_chunks(cfg, tp=1, pp=1, vpp=1, dp=2, rank=1)
-    rows = reshard.param_table(chunks, frozen=True)
-    ranges = [[i, math.prod(r[3]) - 1, math.prod(r[3]), 0] for i, r in enumerate(rows)
-              if not reshard.is_frozen(r)]
-    part = reshard.read_full_state(src, {r[2] for r in rows}, need=slices.need_of(rows, 0, 1, ranges))
+    rows = param_table(chunks, frozen=True)
+    ranges = [[i, math.prod(r.shape) - 1, math.prod(r.shape), 0] for i, r in enumerate(rows)
+              if not r.frozen]
+    part = reshard.read_full_state(src, {r.canonical for r in rows},
+                                   need=slices.need_of(rows, 0, 1, ranges))
     for i, bias in biases.items():
         assert torch.equal(part.weights[f"layers.{i}.mlp.expert_bias"], bias)
     # the first data-parallel rank's file is opened for the frozen biases alone once nothing
     # else it holds is needed (here the experts, always read whole, are taken out of the record)
     record = dict(reshard.ckpt.read_meta(src)["slices"])
-    record["params"] = {k: v for k, v in record["params"].items() if not v[3]}
+    record["params"] = {k: v for k, v in record["params"].items()
+                        if not SliceEntry.from_json(v).expert}
     need = slices.need_of(rows, 0, 1, ranges)
     assert [slices.file_wanted(record, 0, 0, 0, 1, need, optimizer_shards=True, holds_frozen=h)
             for h in ((True, True), (False, False))] == [True, False]

@@ -14,7 +14,8 @@ from megazoo.models.config import TransformerConfig
 from megazoo.parallel.layout import Grid
 from megazoo.parallel.sharding import local_shard
 from megazoo.training.checkpoint.layout_writer import build_rank_chunks, write_layout
-from megazoo.training.checkpoint.reshard import FullState, load_weights, param_table, read_full_state
+from megazoo.training.checkpoint.param_table import param_table
+from megazoo.training.checkpoint.reshard import FullState, load_weights, read_full_state
 from megazoo.training.checkpoint.slices import need_of
 
 CONFIG = dict(vocab_size=61, hidden_size=32, num_layers=4, num_attention_heads=4, ffn_hidden_size=64,
@@ -26,8 +27,8 @@ def _full(config) -> FullState:
     g = torch.Generator().manual_seed(0)
     weights = {}
     for row, (_, p) in zip(param_table(chunks), chunks[0].named_parameters()):
-        dim, size = row[4], row[5]  # cut the vocabulary padding: full tensors are unpadded
-        weights[row[2]] = (p.narrow(dim, 0, size) if dim >= 0 else p).detach().clone()
+        dim, size = row.tp_dim, row.full_size  # cut the vocabulary padding: full tensors are unpadded
+        weights[row.canonical] = (p.narrow(dim, 0, size) if dim >= 0 else p).detach().clone()
     optim = {"master": {k: v.float() for k, v in weights.items()},
              "exp_avg": {k: torch.randn(v.shape, generator=g) for k, v in weights.items()},
              "exp_avg_sq": {k: torch.rand(v.shape, generator=g) for k, v in weights.items()}}
@@ -69,7 +70,7 @@ def test_another_layout_opens_only_the_files_holding_its_slices(tmp_path, monkey
         for rank in range(ttp * tpp * tdp):
             topo, chunks = build_rank_chunks(config, tp=ttp, pp=tpp, vpp=1,
                                              dp=tdp, rank=rank)
-            names = {row[2] for row in param_table(chunks)}
+            names = {row.canonical for row in param_table(chunks)}
             opened.clear()
             got = read_full_state(folder, names, optimizer=optimizer)
             holding = _source_stages(pp, tpp, topo.pp_rank, tied)
@@ -139,19 +140,19 @@ def test_recorded_slices_open_only_the_files_a_rank_needs(tmp_path, monkeypatch)
             rows = param_table(chunks)
             ranges = _even_ranges(chunks, topo.dp_rank, tdp, zero)
             opened.clear()
-            got = read_full_state(folder, {r[2] for r in rows},
+            got = read_full_state(folder, {r.canonical for r in rows},
                                   need=need_of(rows, topo.tp_rank, ttp, ranges))
             assert len(opened) == files, (n, rank, opened)
             params = [p for chunk in chunks for _, p in chunk.named_parameters()]
             for idx, start, end, _ in ranges:  # what this rank's shards take, as saved
-                p, k = params[idx], rows[idx][2]
+                p, k = params[idx], rows[idx].canonical
                 for state in ("master", "exp_avg", "exp_avg_sq"):
                     mine = local_shard(p, got.optim[state][k], topo).reshape(-1)[start:end]
                     saved = local_shard(p, full.optim[state][k], topo).reshape(-1)[start:end]
                     assert torch.equal(mine, saved), (n, rank, k, state)
         if n == 0:
             meta = ckpt.read_meta(folder)
-            names, need = {r[2] for r in rows}, need_of(rows, topo.tp_rank, ttp, ranges)
+            names, need = {r.canonical for r in rows}, need_of(rows, topo.tp_rank, ttp, ranges)
             # a record that misplaces a file's slices: refused as damage, never zeros loaded
             wrong = json.loads(json.dumps(meta))
             wrong["slices"]["ranks"].reverse()
@@ -184,4 +185,4 @@ def test_weights_of_another_tp_open_only_the_shards_they_need(tmp_path, monkeypa
         load_weights(folder, chunks, topo)
         assert len(opened) == 2, opened  # tp4 -> tp2: two of four
         for (_, p), row in zip(chunks[0].named_parameters(), param_table(chunks)):
-            assert torch.equal(p.detach(), local_shard(p, full.weights[row[2]], topo)), row[2]
+            assert torch.equal(p.detach(), local_shard(p, full.weights[row.canonical], topo)), row.canonical

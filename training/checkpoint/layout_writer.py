@@ -21,7 +21,8 @@ from megazoo.parallel.topology import ParallelConfig, ParallelTopology
 
 from megazoo.training.checkpoint import format as ckpt
 from megazoo.training.checkpoint import slices
-from megazoo.training.checkpoint.reshard import PARAMS, FullState, is_frozen, param_table, table_order
+from megazoo.training.checkpoint.param_table import PARAMS, param_table, table_json, table_order
+from megazoo.training.checkpoint.reshard import FullState
 
 
 def build_rank_chunks(config, *, tp: int, pp: int, vpp: int, dp: int, rank: int,
@@ -55,9 +56,10 @@ def write_layout(full: FullState, root: str, *, config, tp: int, pp: int, vpp: i
         topo, chunks = build_rank_chunks(config, tp=tp, pp=pp, vpp=vpp, dp=dp, rank=rank, ep=ep)
         rows = param_table(chunks, frozen=True)
         named = [p for *_, p in table_order(chunks)]
-        tensors = {PARAMS: ckpt.json_tensor(rows)}
+        tensors = {PARAMS: ckpt.json_tensor(table_json(rows))}
         ranges = []
-        for (c, n, canon, *_), p in zip(rows, named):
+        for row, p in zip(rows, named):
+            c, n, canon = row.chunk, row.name, row.canonical
             if canon not in full.weights:
                 raise ckpt.CheckpointError(f"the source lacks {canon}; it is another model")
             local = local_shard(p, full.weights[canon], topo)
@@ -70,9 +72,9 @@ def write_layout(full: FullState, root: str, *, config, tp: int, pp: int, vpp: i
             flats = defaultdict(list)
             offset = 0
             for idx, (row, p) in enumerate(zip(rows, named)):
-                if is_frozen(row):
+                if row.frozen:
                     continue  # weights only: no optimizer state
-                canon, numel = row[2], p.numel()
+                canon, numel = row.canonical, p.numel()
                 group = topo.group_ranks["edp" if spec_of(p).expert else "dp"]
                 per = -(-numel // len(group)) if zero_stage > 0 else numel
                 lo = group.index(rank) * per if zero_stage > 0 else 0

@@ -1,16 +1,9 @@
 """Checkpoints of any (tp, pp, vpp, cp, dp, zero) layout as full tensors, and back into any layout.
 
-Every rank file carries a parameter table (`PARAMS`, JSON in a uint8 tensor), one row per
-parameter in the optimizer's order:
-
-    [chunk, name in the chunk, canonical name, local shape, TP partition dim (-1: replicated),
-     full (unpadded) size of that dim, shard layout spec (None: contiguous chunks),
-     MoE expert weight (its experts split over expert parallelism along dim 0; absent: False),
-     frozen (requires_grad=False, e.g. the router's expert bias; only on such rows)]
-
-The trainable parameters come first, in the optimizer's order (the ZeRO `ranges` rows index
-them); the frozen ones follow, weights only: no optimizer state, each replicated or split per
-its ParamSpec like any weight. Checkpoints written before frozen rows were recorded keep those
+Every rank file carries a parameter table (`param_table.py`: one `ParamRow` per parameter,
+the trainable ones first in the optimizer's order, the ZeRO `ranges` rows index them; the frozen
+ones follow, weights only: no optimizer state, each replicated or split per its ParamSpec like
+any weight). Checkpoints written before frozen rows were recorded keep those
 parameters at their initial values on load (logged once).
 
 With it, `read_full_state` turns the files of any layout into full, unpadded tensors keyed by
@@ -42,17 +35,15 @@ import torch
 from safetensors import SafetensorError
 
 from megazoo.parallel.layout import Grid
-from megazoo.parallel.param_spec import spec_of
-from megazoo.parallel.pipeline.partition import chunk_prefix
 from megazoo.parallel.sharding import local_shard
 from megazoo.parallel.tensor_parallel import unshard
 
 from megazoo.training.checkpoint import format as ckpt
 from megazoo.training.checkpoint import slices
+from megazoo.training.checkpoint.param_table import PARAMS, param_table, table_from_json, table_order
 
 logger = logging.getLogger(__name__)
 
-PARAMS = "megazoo.params"  # the parameter table's key in every rank file
 _BUCKET = re.compile(r"optim\.bucket(\d+)\.(\w+)")
 SCALARS = ("iteration", "applied_steps")  # optimizer counters carried across layouts
 
@@ -72,49 +63,12 @@ class FullState:
         return self.optim.get("master", {})
 
 
-def table_order(chunks) -> list[tuple[int, str, torch.nn.Parameter]]:
-    """(chunk, name, parameter) in the parameter table's order: the trainable ones chunk by chunk
-    (the optimizer's order), then the frozen ones."""
-    named = [(c, n, p) for c, chunk in enumerate(chunks) for n, p in chunk.named_parameters()]
-    return [t for t in named if t[2].requires_grad] + [t for t in named if not t[2].requires_grad]
-
-
-def param_table(chunks, opt=None, *, frozen: bool = False) -> list[list]:
-    """The parameter table of one rank's chunks: its trainable rows in the optimizer's parameter
-    order, then (frozen: checkpoints' tables) the frozen ones, each with a ninth column True."""
-    rows = []
-    for c, n, p in table_order(chunks):
-        if not (frozen or p.requires_grad):
-            continue
-        canonical = getattr(chunks[c], "canonical_name", lambda n: n)
-        split = spec_of(p).tp_split
-        layout = split.layout if split else None
-        rows.append([c, n, canonical(n), list(p.shape), split.dim if split else -1,
-                     split.full_size if split else 0, layout.spec() if layout else None,
-                     spec_of(p).expert] + ([] if p.requires_grad else [True]))
-    if opt is not None:  # the optimizer numbers parameters the same way; make sure of it
-        trained = [chunk_prefix(r[0], len(chunks)) + r[1] for r in rows if not is_frozen(r)]
-        if trained != list(opt.param_names):
-            raise RuntimeError("the optimizer's parameter order differs from the chunks'; "
-                               "training/checkpoint/reshard.py must follow parallel/zero/optimizer.py")
-    return rows
-
-
-def is_frozen(row) -> bool:
-    """Whether a parameter-table row is a frozen parameter's (weights only, no optimizer state)."""
-    return len(row) > 8 and bool(row[8])
-
-
 def _layout(meta: dict, folder: str) -> tuple[int, int, int, int]:
     layout = meta.get("layout")
     if not layout or "tp" not in layout:
         raise ckpt.CheckpointError(f"{folder}/meta.json records no layout; it is not a megazoo "
                                    f"checkpoint")
     return layout["tp"], layout.get("dp", 1), layout.get("cp", 1), layout.get("zero_stage", 0)
-
-
-def _is_expert(row) -> bool:
-    return len(row) > 7 and bool(row[7])
 
 
 def _read_rank(folder, rank, coords, ep_pos, names, optimizer, pieces, states, covered, scalars,
@@ -131,15 +85,15 @@ def _read_rank(folder, rank, coords, ep_pos, names, optimizer, pieces, states, c
             raise ckpt.CheckpointError(
                 f"{path} has no parameter table (written before megazoo recorded one); load it "
                 f"with the layout it was saved with")
-        rows = ckpt.tensor_json(f.get_tensor(PARAMS))
-        wanted = lambda row: names is None or row[2] in names  # noqa: E731
+        rows = table_from_json(ckpt.tensor_json(f.get_tensor(PARAMS)))
+        wanted = lambda row: names is None or row.canonical in names  # noqa: E731
         for row in rows:
-            c, n, canon = row[:3]
-            key, expert = f"model.{c}.{n}", _is_expert(row)
+            c, n, canon = row.chunk, row.name, row.canonical
+            key, expert = f"model.{c}.{n}", row.expert
             # experts: the first expert-parallel group; the rest: the first data x context rank
             holder = ep_block == 0 if expert else dp_r == 0 and cp_r == 0
             # frozen parameters have no fp32 master to stand in for them: always their weights
-            if (weights or is_frozen(row)) and holder and key in keys and wanted(row):
+            if (weights or row.frozen) and holder and key in keys and wanted(row):
                 pieces[canon][(pp_r, c, tp_r, ep_r if expert else 0)] = f.get_tensor(key)
         if not optimizer:
             return rows
@@ -155,8 +109,8 @@ def _read_rank(folder, rank, coords, ep_pos, names, optimizer, pieces, states, c
             for skey in names_here:
                 state, flat = skey.rsplit(".", 1)[1], f.get_tensor(skey)
                 for idx, start, end, off in ranges:
-                    c, _, canon, shape = rows[idx][:4]
-                    expert = _is_expert(rows[idx])
+                    c, canon, shape = rows[idx].chunk, rows[idx].canonical, rows[idx].shape
+                    expert = rows[idx].expert
                     if not wanted(rows[idx]) or (zero == 0 and (ep_block if expert else dp_r) > 0):
                         continue  # ZeRO-0: copies of the first holder's states
                     copy = (pp_r, c, tp_r, ep_r if expert else 0)
@@ -265,10 +219,9 @@ def read_full_state(folder: str, names: set[str] | None = None, optimizer: bool 
             rows = _read_rank(folder, rank, coords, ep_pos, names, optimizer, pieces, states,
                               covered, scalars, zero, weights=not (selective and shards))
             for row in rows:
-                c, _, canon, shape, dim, full = row[:6]
-                layout = row[6] if len(row) > 6 else None
-                info.setdefault(canon, [{}, dim, full, tp, layout, ep if _is_expert(row) else 1]
-                                )[0][(coords.pp, c)] = shape
+                info.setdefault(row.canonical, [{}, row.tp_dim, row.full_size, tp, row.layout,
+                                                ep if row.expert else 1]
+                                )[0][(coords.pp, row.chunk)] = row.shape
 
     stages = slices.stages_holding(meta, names)
     read(stages)
@@ -306,7 +259,7 @@ def load_into(full: FullState, chunks, opt, topo, *, weights_only: bool, folder:
     weights_only: the optimizer starts fresh (zero moments, step 0) from the weights.
     """
     rows = param_table(chunks, opt, frozen=True)
-    missing = sorted({r[2] for r in rows if not is_frozen(r)} - set(full.weights) - full.unread)
+    missing = sorted({r.canonical for r in rows if not r.frozen} - set(full.weights) - full.unread)
     if missing:
         raise ckpt.CheckpointError(f"{folder} lacks {len(missing)} tensors of this model, e.g. "
                                    f"{missing[:3]}; the checkpoint is for another model")
@@ -327,10 +280,11 @@ def load_into(full: FullState, chunks, opt, topo, *, weights_only: bool, folder:
             continue  # fresh moments: zeros
         out = torch.zeros_like(sd[key])
         for idx, start, end, off in sd[f"bucket{m[1]}.ranges"].tolist():
-            local = local_shard(params[idx], source[rows[idx][2]].float(), topo).reshape(-1)
-            if local.numel() != math.prod(rows[idx][3]):
-                raise ckpt.CheckpointError(f"{folder}: {rows[idx][2]} has shape "
-                                           f"{tuple(source[rows[idx][2]].shape)}, which does not "
+            canon = rows[idx].canonical
+            local = local_shard(params[idx], source[canon].float(), topo).reshape(-1)
+            if local.numel() != math.prod(rows[idx].shape):
+                raise ckpt.CheckpointError(f"{folder}: {canon} has shape "
+                                           f"{tuple(source[canon].shape)}, which does not "
                                            f"fit this model; the checkpoint is for another model")
             out[off:off + end - start] = local[start:end]
         sd[key] = out
@@ -376,7 +330,7 @@ def load_weights(folder: str, chunks, topo) -> FullState:
     meta = ckpt.read_meta(folder)
     zero3 = meta.get("layout", {}).get("zero_stage", 0) == 3  # weights live in the optimizer
     rows = param_table(chunks, frozen=True)
-    full = read_full_state(folder, {row[2] for row in rows}, optimizer=zero3,
+    full = read_full_state(folder, {row.canonical for row in rows}, optimizer=zero3,
                            need=slices.need_of(rows, topo.tp_rank, topo.tp))
     copy_weights(full, chunks, topo, folder, frozen_only=False)
     return full

@@ -17,6 +17,7 @@ import torch
 from megazoo.parallel import collectives as C
 from megazoo.training.checkpoint import format as ckpt
 from megazoo.training.checkpoint.optimizer_record import check_optimizer_record, optimizer_record
+from megazoo.training.checkpoint.param_table import PARAMS, param_table, table_json
 from megazoo.training.checkpoint import reshard
 from megazoo.training.checkpoint import slices
 from megazoo.training.checkpoint import storage
@@ -48,7 +49,7 @@ def layout_of(run: RunConfig, topo) -> dict:
 def rank_tensors(chunks, opt, rng, zero_stage: int) -> dict[str, torch.Tensor]:
     """What one rank's checkpoint file holds (tools/dry_run.py sizes it on meta tensors)."""
     tensors = {f"optim.{k}": v for k, v in opt.state_dict().items()}
-    tensors[reshard.PARAMS] = ckpt.json_tensor(reshard.param_table(chunks, opt, frozen=True))
+    tensors[PARAMS] = ckpt.json_tensor(table_json(param_table(chunks, opt, frozen=True)))
     tensors.update({f"rng.{k}": v for k, v in rng.get_states().items()})
     for c, chunk in enumerate(chunks):
         # under ZeRO-3 the weights live in the optimizer's shards only; frozen parameters (the
@@ -68,7 +69,7 @@ def slices_record(chunks, opt, topo, zero_stage: int) -> dict:
     hold whole tensors, so no ranges). Each rank's description travels as JSON bytes padded to
     the longest (two all-gathers)."""
     ranges = _ranges_rows(opt) if zero_stage > 0 else []
-    mine = ckpt.json_tensor(slices.file_record(reshard.param_table(chunks, opt, frozen=True), ranges,
+    mine = ckpt.json_tensor(slices.file_record(param_table(chunks, opt, frozen=True), ranges,
                                                topo.pp_rank))
     group = C.world()
     if C.is_single(group):
@@ -177,9 +178,10 @@ def _read(run: RunConfig, topo, chunks, opt, folder: str):
     if meta.get("weights_only") and not weights_only:
         raise ckpt.CheckpointError(f"{folder} holds weights only (an imported model); add "
                                    f"--finetune to start training from it")
-    rows = reshard.param_table(chunks, frozen=True)
+    rows = param_table(chunks, frozen=True)
     need = slices.need_of(rows, topo.tp_rank, topo.tp, _ranges_rows(opt))
-    return meta, (tensors, reshard.read_full_state(folder, {row[2] for row in rows}, need=need))
+    return meta, (tensors, reshard.read_full_state(folder, {row.canonical for row in rows},
+                                                   need=need))
 
 
 def _apply(run: RunConfig, topo, chunks, opt, rng, folder: str, meta: dict, source) -> TrainState:

@@ -6,8 +6,8 @@ ranges of its local (TP-sharded) tensor that its optimizer shards hold (ZeRO fla
 `ranges`, merged over buckets). Rank 0 records them all in meta.json under `slices`
 (`meta_record`), with each tensor's TP split, local shape and stages once:
 
-    {"params": {canonical: [TP dim (-1: replicated), local shape, layout spec, expert,
-                            pipeline stages holding it, frozen (absent: False)]},
+    {"params": {canonical: SliceEntry (param_table.py: TP dim, local shape, layout spec,
+                            expert, pipeline stages holding it, frozen), as a JSON list},
      "ranks": [{canonical: [start, end, start, end, ...]} for every rank]}
 
 Frozen parameters (outside the optimizer) are weights only: read from the files of the first
@@ -31,35 +31,36 @@ from dataclasses import dataclass, field
 from megazoo.parallel.topology import ParallelConfig
 
 from megazoo.training.checkpoint import format as ckpt
+from megazoo.training.checkpoint.param_table import ParamRow, SliceEntry
 
 
-def merged_ranges(rows, ranges) -> dict[str, list[list[int]]]:
+def merged_ranges(rows: list[ParamRow], ranges) -> dict[str, list[list[int]]]:
     """{canonical: [[start, end], ...]} of the ZeRO `ranges` rows ([index, start, end, offset])
     of one rank, over the parameter table `rows` (only the tensors its shards hold some of)."""
     out: dict[str, list[list[int]]] = {}
     for idx, start, end, _ in ranges:
-        out.setdefault(rows[idx][2], []).append([int(start), int(end)])
+        out.setdefault(rows[idx].canonical, []).append([int(start), int(end)])
     return {k: sorted(v) for k, v in out.items()}
 
 
-def file_record(rows, ranges, stage: int) -> dict:
+def file_record(rows: list[ParamRow], ranges, stage: int) -> dict:
     """One rank's description of its file (see the module docstring); `stage`: its pipeline
     stage (every file of a stage holds the weights of all its tensors)."""
-    params = {row[2]: [row[4], row[3], row[6] if len(row) > 6 else None,
-                       bool(row[7]) if len(row) > 7 else False, [stage]]
-              + ([True] if len(row) > 8 and row[8] else []) for row in rows}
+    params = {row.canonical: SliceEntry.of_row(row, stage).to_json() for row in rows}
     held = {k: [i for r in v for i in r] for k, v in merged_ranges(rows, ranges).items()}
     return {"params": params, "held": held}
 
 
 def meta_record(per_rank: list[dict]) -> dict:
     """meta.json's `slices` from every rank's `file_record`, in rank order."""
-    params: dict[str, list] = {}
+    params: dict[str, SliceEntry] = {}
     for r in per_rank:
-        for canon, row in r["params"].items():
-            known = params.setdefault(canon, row[:4] + [[]] + row[5:])
-            known[4] = sorted(set(known[4]) | set(row[4]))
-    return {"params": params, "ranks": [r["held"] for r in per_rank]}
+        for canon, raw in r["params"].items():
+            entry = SliceEntry.from_json(raw)
+            known = params.setdefault(canon, entry)
+            known.stages = sorted(set(known.stages) | set(entry.stages))
+    return {"params": {k: v.to_json() for k, v in params.items()},
+            "ranks": [r["held"] for r in per_rank]}
 
 
 def _pairs(flat: list[int]) -> list[tuple[int, int]]:
@@ -73,18 +74,18 @@ class Need:
 
     tp_rank: int
     tp: int
-    params: dict[str, list] = field(default_factory=dict)  # canonical -> [dim, local shape, layout]
+    params: dict[str, ParamRow] = field(default_factory=dict)  # canonical -> its row
     ranges: dict[str, list[list[int]] | None] = field(default_factory=dict)
 
 
-def need_of(rows, tp_rank: int, tp: int, ranges=None) -> Need:
+def need_of(rows: list[ParamRow], tp_rank: int, tp: int, ranges=None) -> Need:
     """A rank's `Need` from its parameter table and (when it loads optimizer states) its fresh
     optimizer's `ranges` rows."""
     held = merged_ranges(rows, ranges) if ranges is not None else {}
     need = Need(tp_rank, tp)
     for row in rows:
-        need.params[row[2]] = [row[4], row[3], row[6] if len(row) > 6 else None]
-        need.ranges[row[2]] = held.get(row[2]) if ranges is not None else None
+        need.params[row.canonical] = row
+        need.ranges[row.canonical] = held.get(row.canonical) if ranges is not None else None
     return need
 
 
@@ -107,7 +108,7 @@ def _overlap(src_tp_rank: int, src_tp: int, src_shape, dim: int, layout, need: N
     """The part of the needed TP slice inside the source shard, as [lo, hi) along `dim` in the
     source's local coordinates; None: no overlap; (0, size): all of it."""
     size = src_shape[dim]
-    t_dim, t_shape, t_layout = need.params[canon]
+    t_shape, t_layout = need.params[canon].shape, need.params[canon].layout
     if not (_by_fraction(layout, src_tp) and _by_fraction(t_layout, need.tp)):
         return 0, size
     if not _tp_overlap(src_tp_rank, src_tp, need):
@@ -140,8 +141,9 @@ def wanted_ranges(record: dict, canon: str, src_tp_rank: int, src_tp: int, need:
     shards), [] when only its presence matters (weights, ZeRO-0 states); None: nothing."""
     if canon not in need.params:
         return None
-    dim, shape, layout, expert = record["params"][canon][:4]
-    if expert:
+    entry = SliceEntry.from_json(record["params"][canon])
+    dim, shape, layout = entry.tp_dim, entry.shape, entry.layout
+    if entry.expert:
         return [[0, math.prod(shape)]]  # expert slices: no finer selection
     if dim < 0:  # replicas: read those of the TP ranks the split tensors come from
         if not _tp_overlap(src_tp_rank, src_tp, need):
@@ -154,12 +156,8 @@ def wanted_ranges(record: dict, canon: str, src_tp_rank: int, src_tp: int, need:
     if not optimizer_shards:
         return []
     same = src_tp == need.tp and src_tp_rank == need.tp_rank and list(shape) == list(
-        need.params[canon][1])  # the same local tensor: flat ranges compare directly
+        need.params[canon].shape)  # the same local tensor: flat ranges compare directly
     return _wanted_flat(shape, dim, cut, same, need.ranges.get(canon)) or None
-
-
-def _frozen(row) -> bool:
-    return len(row) > 5 and bool(row[5])
 
 
 def file_wanted(record: dict, rank: int, src_tp_rank: int, src_stage: int, src_tp: int,
@@ -169,11 +167,12 @@ def file_wanted(record: dict, rank: int, src_tp_rank: int, src_stage: int, src_t
     holds_frozen: whether frozen parameters (weights only) are read from this file, for
     (other, expert) ones."""
     held = record["ranks"][rank]
-    for canon, row in record["params"].items():
-        if src_stage not in row[4]:
+    for canon, raw in record["params"].items():
+        entry = SliceEntry.from_json(raw)
+        if src_stage not in entry.stages:
             continue
-        if _frozen(row):  # a weight whatever the ZeRO stage, from its holder's file
-            if holds_frozen[bool(row[3])] and wanted_ranges(
+        if entry.frozen:  # a weight whatever the ZeRO stage, from its holder's file
+            if holds_frozen[entry.expert] and wanted_ranges(
                     record, canon, src_tp_rank, src_tp, need, optimizer_shards=False) is not None:
                 return True
             continue
@@ -183,7 +182,7 @@ def file_wanted(record: dict, rank: int, src_tp_rank: int, src_stage: int, src_t
                                optimizer_shards=optimizer_shards)
         if wanted is None:
             continue
-        if not optimizer_shards or row[3]:
+        if not optimizer_shards or entry.expert:
             return True
         if any(start < hi and lo < end for lo, hi in wanted for start, end in held_ranges(
                 record, rank, canon)):
@@ -211,10 +210,11 @@ def check_read(folder: str, record: dict, need: Need, considered, tp: int, *, we
     always = {"master"} if any("master" in held for held in names.values()) else set()
     seen = set()
     for _, co in considered:
-        for canon, row in record["params"].items():
-            if co.pp not in row[4] or row[3] or (canon, co.pp, co.tp) in seen:
+        for canon, raw in record["params"].items():
+            entry = SliceEntry.from_json(raw)
+            if co.pp not in entry.stages or entry.expert or (canon, co.pp, co.tp) in seen:
                 continue  # another stage's, an expert's (read whole), or asked already
-            frozen = _frozen(row)
+            frozen = entry.frozen
             if frozen and (co.dp, co.cp) != (0, 0):
                 continue  # frozen weights come from the first data x context rank's files
             seen.add((canon, co.pp, co.tp))

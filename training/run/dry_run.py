@@ -24,7 +24,7 @@ from megazoo.training.planning import planner
 from megazoo.training.checkpoint.format import rank_file
 from megazoo.training.run.loop import build_chunks
 from megazoo.training.planning.meta_kernels import balanced_routing, device_kernels_on_meta
-from megazoo.training.checkpoint.reshard import param_table
+from megazoo.training.checkpoint.param_table import param_table
 from megazoo.training.checkpoint.resume import rank_tensors
 from megazoo.training.run.step import activation_shape, make_forward_fn
 
@@ -83,14 +83,15 @@ def _distinct(chunks, topo) -> dict:
     model counts it: TP-replicated tensors on TP rank 0, a tied head copy not at all, a MoE
     layer's stacked experts as all `ep` ranks' of them."""
     out = {}
-    for _, name, canonical, shape, dim, full, _, expert in param_table(chunks):
+    for row in param_table(chunks):
+        name, canonical, shape, dim, full = row.name, row.canonical, row.shape, row.tp_dim, row.full_size
         if canonical != name and name.endswith("head_weight"):
             continue  # the last stage's copy of the tied word embedding
         if dim < 0 and topo.tp_rank != 0:
             continue
         numel = 1
         for i, n in enumerate(shape):
-            numel *= full if i == dim else n * (topo.ep if expert and i == 0 else 1)
+            numel *= full if i == dim else n * (topo.ep if row.expert and i == 0 else 1)
         out[canonical] = numel
     return out
 

@@ -19,7 +19,7 @@ from megazoo.models.config import TransformerConfig
 from megazoo.training.checkpoint import format as ckpt
 from megazoo.training.checkpoint.foreign import names
 from megazoo.training.checkpoint.layout_writer import build_rank_chunks
-from megazoo.training.checkpoint.reshard import param_table
+from megazoo.training.checkpoint.param_table import param_table
 
 logger = logging.getLogger(__name__)
 
@@ -85,10 +85,10 @@ def expected_shapes(family_name: str, config: TransformerConfig) -> dict[str, tu
     _, chunks = build_rank_chunks(config, tp=1, pp=1, vpp=1, dp=1, rank=0)
     shapes = {}
     for row in param_table(chunks):
-        shape, dim, full = list(row[3]), row[4], row[5]
-        if dim >= 0:
-            shape[dim] = full
-        shapes[row[2]] = tuple(shape)
+        shape = list(row.shape)
+        if row.tp_dim >= 0:
+            shape[row.tp_dim] = row.full_size
+        shapes[row.canonical] = tuple(shape)
     return shapes
 
 
