@@ -65,7 +65,7 @@ def _layout(cp: int, seq: int, **kw) -> Layout:
 def _worker(rank, cp, seq, steps):
     import torch
     from megazoo.models.language_model import TransformerLanguageModel
-    from megazoo.parallel.context_parallel import split_sequence
+    from megazoo.parallel.context_split import split_sequence
     from megazoo.parallel.pipeline.engine import PipelineStats, run_pipeline
     from megazoo.parallel.pipeline.schedules import build_schedule
     from megazoo.parallel.topology import ParallelConfig, ParallelTopology

@@ -35,7 +35,7 @@ import torch
 from megazoo.data.packing import positions_in_documents
 from megazoo.models.config import TransformerConfig
 from megazoo.models.language_model import TransformerLanguageModel
-from megazoo.parallel.context_parallel import Documents
+from megazoo.parallel.context_split import Documents
 from megazoo.parallel.topology import ParallelTopology
 
 MODEL = dict(vocab_size=4096, hidden_size=256, num_layers=2, num_attention_heads=8, num_query_groups=4,

@@ -15,7 +15,8 @@ import math
 import torch
 from torch import nn
 
-from megazoo.parallel.context_parallel import Documents, check_attention, context_attention, sequence_positions
+from megazoo.parallel.context_parallel import check_attention, context_attention
+from megazoo.parallel.context_split import Documents, sequence_positions
 from megazoo.parallel.kernels.attention import attention
 from megazoo.parallel.kernels.max_logit import head_max_logits
 from megazoo.parallel.random import RNGStreams, checkpoint

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megazoo.parallel.context_parallel import Documents, sequence_positions
+from megazoo.parallel.context_split import Documents, sequence_positions
 from megazoo.parallel.param_spec import set_spec
 from megazoo.parallel.mappings import gather_last_dim, scatter_to_sequence
 from megazoo.parallel.random import RNGStreams, checkpoint

@@ -41,7 +41,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megazoo.parallel.context_parallel import check_attention, context_attention, sequence_positions
+from megazoo.parallel.context_parallel import check_attention, context_attention
+from megazoo.parallel.context_split import sequence_positions
 from megazoo.parallel.kernels.attention import attention
 from megazoo.parallel.kernels.max_logit import head_max_logits
 from megazoo.parallel.mappings import copy_to_tp, gather_from_sequence

@@ -20,11 +20,10 @@ import logging
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from .errors import LayoutError
+from .pipeline.partition import block_sizes, partition
+
 logger = logging.getLogger(__name__)
-
-
-class LayoutError(ValueError):
-    """An impossible parallel layout; the message names the flag to change."""
 
 
 class Coords(NamedTuple):
@@ -132,13 +131,11 @@ class ParallelConfig:
 
     def layers_per_block(self, num_layers: int) -> list[int]:
         """Layers in each of the pp * vpp pipeline blocks, in model order (see partition.py)."""
-        from .pipeline.partition import block_sizes  # partition imports LayoutError from here
         return block_sizes(num_layers, self.pp, self.vpp, first_stage_layers=self.first_stage_layers,
                            last_stage_layers=self.last_stage_layers)
 
     def chunk_specs(self, num_layers: int, pp_rank: int) -> list:
         """The model chunks (`ChunkSpec`s) pipeline rank `pp_rank` builds, in chunk order."""
-        from .pipeline.partition import partition
         return partition(num_layers, self.pp, self.vpp, first_stage_layers=self.first_stage_layers,
                          last_stage_layers=self.last_stage_layers)[pp_rank]
 

@@ -1,7 +1,7 @@
 """Ring attention (Liu et al. 2023; Megatron-core's context parallelism), exact, with its backward.
 
 Each context rank holds its queries and its keys/values for chunks r and 2C-1-r of the sequence
-(`context_parallel.local_positions`). Forward: the key/value block travels around the ring
+(`context_split.local_positions`). Forward: the key/value block travels around the ring
 (`ring_shift`, one `batch_isend_irecv` per step, launched before the block in hand is computed),
 and each step's partial attention is merged into the running output by the log-sum-exp rule
 
@@ -43,7 +43,7 @@ import math
 import torch
 
 from . import collectives as C
-from .context_parallel import local_positions
+from .context_split import local_positions
 from .kernels.attention_block import (choose_block_kernel, fused_block_backward, fused_block_forward,
                                       ring_compute_dtype)
 

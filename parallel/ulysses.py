@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 
 from . import collectives as C
-from .context_parallel import local_positions
+from .context_split import local_positions
 from .mappings import all_to_all
 
 

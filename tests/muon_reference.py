@@ -45,7 +45,7 @@ def muon_opt_config(**kw) -> OptimizerConfig:
 def muon_batch(step: int, topo=None):
     """(inputs, labels) of step `step`: the whole batch, or this data-parallel rank's share (of
     the samples) and context-parallel rank's share (of each sequence)."""
-    from megazoo.parallel.context_parallel import split_sequence
+    from megazoo.parallel.context_split import split_sequence
     tokens = torch.randint(0, 101, (MUON_BATCH, MUON_SEQ + 1),
                            generator=torch.Generator().manual_seed(100 + step))
     if topo is not None and topo.dp > 1:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megazoo.parallel.layout import LayoutError
+from megazoo.parallel.errors import LayoutError
 
 
 @dataclass(frozen=True)

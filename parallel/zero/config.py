@@ -5,12 +5,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .errors import ZeroConfigError
 from .muon import MuonSettings
 from .qk_clip import QKClipSettings
-
-
-class ZeroConfigError(ValueError):
-    """A bad optimizer configuration; the message names the flag and the fix."""
 
 
 @dataclass(frozen=True)

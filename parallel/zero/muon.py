@@ -38,6 +38,7 @@ import torch
 from .. import collectives as C
 from ..param_spec import spec_of
 from ..sharding import full_tensor, local_shard
+from .errors import ZeroConfigError
 
 # Parameters matched by any of these (regular expressions searched in the parameter's name, as the
 # model names it: `embedding.word_embeddings.weight`, `embedding.position_embeddings.weight`, the
@@ -72,7 +73,6 @@ class MuonSettings:
     adamw_patterns: tuple[str, ...] = DEFAULT_ADAMW_PATTERNS  # --muon-adamw-params
 
     def validate(self) -> None:
-        from .config import ZeroConfigError
         if self.scale_mode not in SCALE_MODES:
             raise ZeroConfigError(f"--muon-scale-mode must be one of {sorted(SCALE_MODES)}, "
                                   f"got {self.scale_mode!r}")

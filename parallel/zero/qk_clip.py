@@ -31,6 +31,7 @@ import torch
 from torch.distributed import ReduceOp
 
 from .. import collectives as C
+from .errors import ZeroConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +42,6 @@ class QKClipSettings:
     alpha: float = 0.5  # --qk-clip-alpha: the query's share of the rescaling
 
     def validate(self) -> None:
-        from .config import ZeroConfigError
         if not self.threshold > 0:
             raise ZeroConfigError(f"--qk-clip-threshold must be > 0, got {self.threshold}")
         if not 0 < self.alpha < 1:
@@ -64,7 +64,6 @@ class QKClip:
     """Tracks the attention layers of `modules` and clips their q/k master shards each step."""
 
     def __init__(self, settings: QKClipSettings, modules, topo):
-        from .config import ZeroConfigError
         settings.validate()
         self.s, self.topo = settings, topo
         self.layers = [m for root in modules for m in root.modules()

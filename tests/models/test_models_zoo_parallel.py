@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from megazoo.parallel.context_parallel import local_positions, split_sequence
+from megazoo.parallel.context_split import local_positions, split_sequence
 from megazoo.parallel.topology import ParallelConfig, ParallelTopology
 from tests.distributed import run_distributed
 

@@ -29,7 +29,7 @@ import torch
 from megazoo.models.config import TransformerConfig
 from megazoo.models.language_model import TransformerLanguageModel
 from megazoo.parallel import collectives as C
-from megazoo.parallel.context_parallel import local_positions, split_sequence
+from megazoo.parallel.context_split import local_positions, split_sequence
 from megazoo.parallel.layout import LayoutError, ParallelConfig
 from megazoo.parallel.pipeline.engine import PipelineStats, run_pipeline
 from megazoo.parallel.pipeline.partition import partition

@@ -17,7 +17,7 @@ import torch
 from megazoo.data.packing import documents_after_eod, positions_in_documents
 from megazoo.models.config import TransformerConfig
 from megazoo.models.language_model import TransformerLanguageModel
-from megazoo.parallel.context_parallel import Documents, split_sequence
+from megazoo.parallel.context_split import Documents, split_sequence
 from megazoo.parallel.layout import ParallelConfig
 from megazoo.parallel.pipeline.partition import partition
 from megazoo.parallel.sharding import local_shard

@@ -14,7 +14,7 @@ import torch
 
 from megazoo.models.config import TransformerConfig
 from megazoo.models.language_model import TransformerLanguageModel
-from megazoo.parallel.context_parallel import split_sequence
+from megazoo.parallel.context_split import split_sequence
 from megazoo.parallel.topology import ParallelTopology
 from megazoo.parallel.zero import OptimizerConfig, build_optimizer
 from megazoo.training.run.step import activation_shape, forward_backward

@@ -3,7 +3,7 @@
 Every rank reads its own microbatches (the datasets are memory-mapped, the sampler is
 deterministic), so no broadcast of data across TP or PP ranks is needed. Under context
 parallelism a rank keeps only its chunks of each sample's tokens and labels
-(`parallel.context_parallel.split_sequence`); the model derives their positions from its rank.
+(`parallel.context_split.split_sequence`); the model derives their positions from its rank.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from megazoo.data.packing import documents_after_eod, positions_in_documents
 from megazoo.data.samplers import PretrainingSampler
 from megazoo.data.sft_dataset import split_sft_datasets
 from megazoo.parallel import collectives as C
-from megazoo.parallel.context_parallel import split_sequence
+from megazoo.parallel.context_split import split_sequence
 
 from megazoo.training.config.run_config import DataConfig
 

@@ -17,7 +17,7 @@ from megazoo.data.sft_dataset import OnePass
 from megazoo.models.moe import set_aux_loss_scale
 from megazoo.models.multi_token_prediction import set_mtp_loss_scale
 from megazoo.parallel import collectives as C
-from megazoo.parallel.context_parallel import Documents
+from megazoo.parallel.context_split import Documents
 from megazoo.parallel.pipeline.engine import run_pipeline
 from megazoo.parallel.pipeline.schedules import build_schedule
 from megazoo.parallel.topology import ParallelTopology
