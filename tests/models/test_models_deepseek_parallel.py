@@ -108,7 +108,7 @@ def test_expert_bias_updates_under_tensor_sequence_pipeline_expert_and_data_para
 
 @pytest.mark.parametrize("stage", [1, 3])
 def test_checkpoint_files_carry_the_expert_bias_at_every_zero_stage(stage):
-    from megazoo.training.checkpoint.resume import rank_tensors
+    from megazoo.training.checkpoint.save import rank_tensors
     cfg = deepseek_config()
     topo = ParallelTopology.single()
     model = TransformerLanguageModel(cfg, topo)

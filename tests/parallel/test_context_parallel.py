@@ -196,7 +196,7 @@ def _checkpoint_moves_between_c(model, opt, topo, cfg, params, tmp) -> None:
     from tests.tolerances import assert_trained_close
     from megazoo.training.checkpoint import format as ckpt
     from megazoo.training.checkpoint import reshard
-    from megazoo.training.checkpoint.resume import rank_tensors
+    from megazoo.training.checkpoint.save import rank_tensors
     tensors = rank_tensors([model], opt, RNGStreams(), 2)
     layout = dict(tp=1, pp=1, dp=topo.dp, vpp=1, world_size=topo.world_size, zero_stage=2, cp=2)
     folder = ckpt.save_checkpoint(tmp, 3, topo.rank, topo.world_size, tensors, dict(layout=layout))

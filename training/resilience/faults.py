@@ -11,7 +11,8 @@ import logging
 import time
 
 from megazoo.training.config.run_config import HealthConfig
-from megazoo.training.checkpoint.resume import TrainState, load
+from megazoo.training.checkpoint.resume import load
+from megazoo.training.checkpoint.save import TrainState
 
 logger = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from megazoo.training.checkpoint.format import rank_file
 from megazoo.training.run.loop import build_chunks
 from megazoo.training.planning.meta_kernels import balanced_routing, device_kernels_on_meta
 from megazoo.training.checkpoint.param_table import param_table
-from megazoo.training.checkpoint.resume import rank_tensors
+from megazoo.training.checkpoint.save import rank_tensors
 from megazoo.training.run.step import activation_shape, make_forward_fn
 
 META = torch.device("meta")

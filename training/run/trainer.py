@@ -29,7 +29,8 @@ from megazoo.training.run.lr_schedule import global_batch_size, learning_rate
 from megazoo.training.monitor.metrics import device_peak_flops, moe_metrics, mtp_metrics
 from megazoo.training.planning.planner import Layout, PlanError, memory_per_gpu
 from megazoo.training.monitor.report import write_report
-from megazoo.training.checkpoint.resume import TrainState, layout_of, load, save
+from megazoo.training.checkpoint.resume import load
+from megazoo.training.checkpoint.save import TrainState, layout_of, save
 from megazoo.training.run.step import activation_shape, evaluate, forward_backward
 from megazoo.training.resilience.watchdog import CollectiveWatchdog, backend_timeout
 from megazoo.training.monitor.window import LogWindow
