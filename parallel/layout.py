@@ -50,6 +50,14 @@ class ParallelConfig:
     last_stage_layers: int | None = None  # --decoder-last-pipeline-num-layers
 
     # ---- against the world size ----------------------------------------------------------
+    @classmethod
+    def of(cls, parallel: "ParallelConfig | None" = None, **sizes) -> "ParallelConfig":
+        """`parallel`, or one made of field values (`tp=2, pp=2`): for functions that take the
+        layout as one object and let a caller spell a small one by its sizes."""
+        if parallel is not None and sizes:
+            raise TypeError(f"give a ParallelConfig or its fields ({sorted(sizes)}), not both")
+        return parallel if parallel is not None else cls(**sizes)
+
     def validate(self, world_size: int) -> int:
         """Check the layout against the world size and return the data-parallel size."""
         for flag, value in (("--tensor-model-parallel-size", self.tp),

@@ -8,7 +8,7 @@
 
 Formats: megatron (Megatron-LM's legacy `--ckpt-format torch` folders), megatron-dist
 (Megatron-core's `torch_dist` checkpoints, which Megatron-core loads back), hf (Hugging Face
-folders; the same as tools/convert_hf.py), each both ways; deepspeed (import: ZeRO-1/2/3
+folders; tools/convert_hf.py is this with --format hf), each both ways; deepspeed (import: ZeRO-1/2/3
 checkpoints of a Hugging Face model with --hf-config, universal checkpoints, and the
 Megatron-DeepSpeed pipeline layout BLOOM-176B was saved in, weights only; export: a universal
 checkpoint of a GPT or BLOOM run with its optimizer, no layout flags). A Megatron-LM import carries the weights, and
@@ -26,16 +26,10 @@ from megazoo.training.checkpoint.foreign.convert import READERS, WRITERS
 from megazoo.training.checkpoint.foreign.convert import export_checkpoint, import_checkpoint
 from megazoo.training.checkpoint.foreign.safe_load import UnsafeCheckpointError
 from megazoo.training.checkpoint.format import CheckpointError
-from megazoo.training.checkpoint.hf import ConversionError, export_hf, import_hf
+from megazoo.training.checkpoint.hf import ConversionError, export_hf, hf_model_config, import_hf
+from megazoo.training.config.layout_flags import add_layout_flags, given, parallel_config_of
 
 FORMATS = sorted(set(READERS) | set(WRITERS) | {"hf"})
-
-
-def _layout_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    p.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=1,
-                   help="model chunks per pipeline rank")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -47,11 +41,10 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("--format", required=True, choices=FORMATS)
         s.add_argument("--load", required=True, help="the checkpoint (or HF folder) to read")
         s.add_argument("--save", required=True, help="the folder to write")
-        _layout_flags(s)
-    imp.add_argument("--expert-model-parallel-size", type=int, default=1)
-    imp.add_argument("--data-parallel-size", type=int,
-                     help="data-parallel ranks of the target (default: the expert-parallel size, "
-                          "which experts split over)")
+    # import: the megazoo layout to write (dp default: what the experts split over);
+    # export: how the foreign files are split (tp, pp, vpp)
+    add_layout_flags(imp, defaults={"dp": None})
+    add_layout_flags(exp, fields={"tp", "pp", "vpp"})
     imp.add_argument("--no-optimizer", action="store_true",
                      help="weights only (train from them with --finetune)")
     imp.add_argument("--vocab-size", type=int,
@@ -59,23 +52,46 @@ def build_parser() -> argparse.ArgumentParser:
                           "records only the padded size unless --vocab-size was given)")
     imp.add_argument("--hf-config", help="deepspeed ZeRO checkpoints of a Hugging Face model: "
                                          "the folder with its config.json")
-    exp.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="hf only")
+    imp.add_argument("--make-vocab-size-divisible-by", type=int, help="hf only")
+    exp.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                     help="hf only: weights' dtype (default: the checkpoint's; an imported "
+                          "model's own)")
+    exp.add_argument("--tokenizer-dir", help="hf only: copy tokenizer files from here (default: "
+                                             "the checkpoint's tokenizer/ folder, if any)")
     return p
+
+
+# flags that apply to some formats only: (command, flag's dest, formats it applies to)
+FORMAT_ONLY = (("import", "make_vocab_size_divisible_by", {"hf"}),
+               ("export", "dtype", {"hf"}), ("export", "tokenizer_dir", {"hf"}),
+               ("import", "vocab_size", set(READERS)), ("import", "hf_config", {"deepspeed"}))
+
+
+def inapplicable(a: argparse.Namespace) -> list[str]:
+    """Every flag given that this command and format ignore (refused, all at once)."""
+    return [f"--{dest.replace('_', '-')} applies to --format {'/'.join(sorted(formats))} only, "
+            f"not {a.format}; drop it" for command, dest, formats in FORMAT_ONLY
+            if a.command == command and getattr(a, dest, None) and a.format not in formats]
 
 
 def convert(a: argparse.Namespace) -> str:
     """Run the parsed command; returns the folder written."""
-    tp, pp = a.tensor_model_parallel_size, a.pipeline_model_parallel_size
-    vpp = a.virtual_pipeline_model_parallel_size
+    problems = inapplicable(a)
+    if problems:
+        raise ValueError("; ".join(problems))
+    if a.command == "export":
+        if a.format == "hf":
+            return export_hf(a.load, a.save, tokenizer_dir=a.tokenizer_dir, dtype=a.dtype)
+        return export_checkpoint(a.format, a.load, a.save,
+                                 parallel=parallel_config_of(a, None))
     if a.format == "hf":
-        return import_hf(a.load, a.save, tp=tp, pp=pp, vpp=vpp) if a.command == "import" \
-            else export_hf(a.load, a.save, dtype=a.dtype)
-    if a.command == "import":
-        return import_checkpoint(a.format, a.load, a.save, tp=tp, pp=pp, vpp=vpp,
-                                 ep=a.expert_model_parallel_size, dp=a.data_parallel_size,
-                                 optimizer=not a.no_optimizer,
-                                 vocab_size=a.vocab_size, hf_config=a.hf_config)
-    return export_checkpoint(a.format, a.load, a.save, tp=tp, pp=pp, vpp=vpp)
+        parallel = parallel_config_of(a, hf_model_config(a.load).num_layers)
+        return import_hf(a.load, a.save, parallel=parallel, dp=given(a, "dp") or 1,
+                         make_vocab_size_divisible_by=a.make_vocab_size_divisible_by)
+    return import_checkpoint(a.format, a.load, a.save, parallel=parallel_config_of(a, None),
+                             dp=given(a, "dp"), zero_stage=given(a, "zero_stage"),
+                             optimizer=not a.no_optimizer, vocab_size=a.vocab_size,
+                             hf_config=a.hf_config)
 
 
 def main(argv=None) -> int:

@@ -35,6 +35,7 @@ from megazoo.parallel.zero.config import OptimizerConfig
 from megazoo.training.planning.planner import (MATMUL_EFFICIENCY, Cluster, Layout, PlanError, plan,
                               rank_layouts)
 from megazoo.training.config.flags import DTYPE_FLAGS, to_run_config
+from megazoo.training.config.layout_flags import BY_FIELD, add_layout_flags, given, layout_argv
 from megazoo.training.config.parser import build_parser
 from megazoo.training.planning.reference_runs import CLUSTERS, GiB, published_runs
 
@@ -54,22 +55,13 @@ def parse_args(argv=None):
     c.add_argument("--peak-tflops", type=float, help="dense 16-bit peak per GPU")
     c.add_argument("--intra-node-gbps", type=float, help="GB/s per GPU, all-reduce bus bandwidth")
     c.add_argument("--inter-node-gbps", type=float, help="GB/s per GPU across nodes")
-    lay = p.add_argument_group("layout (any given value is pinned; the rest are searched)")
-    lay.add_argument("--tp", type=int)
-    lay.add_argument("--pp", type=int)
-    lay.add_argument("--vpp", type=int)
-    lay.add_argument("--expert-model-parallel-size", type=int, dest="ep",
-                     help="ranks each MoE layer's experts are split over (carved out of dp)")
-    lay.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3])
+    # the trainer's layout flags (--tp, --pp ... as short forms); dp follows from --gpus
+    lay = add_layout_flags(p, fields=set(BY_FIELD) - {"dp", "layers_per_virtual_stage"},
+                           searched=True,
+                           title="layout (any given value is pinned; tp, pp, vpp, ep, zero stage "
+                                 "and sequence parallelism are searched, the rest default)")
     lay.add_argument("--recompute", choices=["none", *GRANULARITIES])
-    lay.add_argument("--sequence-parallel", action="store_true", default=None)
-    lay.add_argument("--context-parallel-size", type=int, default=1,
-                     help="ranks each sample's sequence is split over (ring attention)")
     lay.add_argument("--micro-batch-size", type=int)
-    lay.add_argument("--decoder-first-pipeline-num-layers", type=int,
-                     help="layers on the first pipeline stage (uneven split, as the trainer's flag)")
-    lay.add_argument("--decoder-last-pipeline-num-layers", type=int,
-                     help="layers on the last pipeline stage")
     lay.add_argument("--global-batch-size", type=int, help=f"default {DEFAULTS['global_batch_size']}")
     lay.add_argument("--seq-length", type=int, help=f"default {DEFAULTS['seq_length']}")
     lay.add_argument("--precision", choices=sorted(PARAMS_DTYPE), help=f"default {DEFAULTS['precision']}")
@@ -88,6 +80,8 @@ def parse_args(argv=None):
     return a
 
 
+# The layout fields the planner searches unless a flag pins them
+SEARCHED = ("tp", "pp", "vpp", "ep", "zero_stage", "sequence_parallel")
 # What the plan assumes when no flag says otherwise (printed as "default" by `assumptions`).
 DEFAULTS = dict(seq_length=2048, global_batch_size=512, precision="bf16")
 PARAMS_DTYPE = {"bf16": "bfloat16", "fp32": "float32"}  # --precision -> TransformerConfig.params_dtype
@@ -144,29 +138,19 @@ def trainer_argv(cfg: TransformerConfig, lay: Layout) -> list[str]:
     argv = ["--num-layers", cfg.num_layers, "--hidden-size", cfg.hidden_size,
             "--num-attention-heads", cfg.num_attention_heads, "--ffn-hidden-size", cfg.ffn_hidden_size,
             "--vocab-size", cfg.vocab_size, "--max-position-embeddings", cfg.max_position_embeddings,
-            "--seq-length", lay.seq_length, "--tensor-model-parallel-size", lay.tp,
-            "--pipeline-model-parallel-size", lay.pp, "--zero-stage", lay.optimizer.zero_stage,
+            "--seq-length", lay.seq_length,
+            *layout_argv(lay.parallel, zero_stage=lay.optimizer.zero_stage),
             "--micro-batch-size", lay.micro_batch_size, "--global-batch-size", lay.global_batch_size,
             "--mock-data", "--train-iters", 1]
     if cfg.num_experts:
         argv += ["--num-experts", cfg.num_experts, "--moe-router-topk", cfg.moe_router_topk,
                  "--moe-ffn-hidden-size", cfg.moe_ffn_hidden_size,
-                 "--moe-layer-freq", cfg.moe_layer_freq, "--expert-model-parallel-size", lay.ep]
+                 "--moe-layer-freq", cfg.moe_layer_freq]
         if cfg.moe_shared_expert_intermediate_size:
             argv += ["--moe-shared-expert-intermediate-size",
                      cfg.moe_shared_expert_intermediate_size]
     if cfg.num_query_groups:
         argv += ["--group-query-attention", "--num-query-groups", cfg.num_query_groups]
-    if lay.vpp > 1:
-        argv += ["--num-layers-per-virtual-pipeline-stage", max(cfg.num_layers // (lay.pp * lay.vpp), 1)]
-    if lay.sequence_parallel:
-        argv.append("--sequence-parallel")
-    if lay.cp > 1:
-        argv += ["--context-parallel-size", lay.cp]
-    if lay.parallel.first_stage_layers is not None:
-        argv += ["--decoder-first-pipeline-num-layers", lay.parallel.first_stage_layers]
-    if lay.parallel.last_stage_layers is not None:
-        argv += ["--decoder-last-pipeline-num-layers", lay.parallel.last_stage_layers]
     if lay.recompute_granularity is not None:
         argv += ["--recompute-granularity", lay.recompute_granularity]
     if lay.optimizer.optimizer != OptimizerConfig.optimizer:
@@ -257,18 +241,19 @@ def main(argv=None) -> None:
         return
     cfg, cluster = build_model(a), build_cluster(a)
     print(assumptions(a, cluster))
-    fixed = {k: v for k, v in dict(tp=a.tp, pp=a.pp, vpp=a.vpp, ep=a.ep, zero_stage=a.zero_stage,
-                                   recompute_granularity=a.recompute,
-                                   sequence_parallel=a.sequence_parallel,
-                                   micro_batch_size=a.micro_batch_size).items() if v is not None}
+    fixed = {k: v for k, v in dict(
+        **{f: given(a, f) for f in SEARCHED}, recompute_granularity=a.recompute,
+        micro_batch_size=a.micro_batch_size).items() if v is not None}
     if a.recompute == "none":  # the trainer's spelling of no recompute: no granularity
         fixed["recompute_granularity"] = None
-    base = Layout.of(cp=a.context_parallel_size, params_dtype=PARAMS_DTYPE[a.precision],
+    cp = given(a, "cp") or 1
+    base = Layout.of(cp=cp, cp_comm_type=given(a, "cp_comm_type") or "p2p",
+                     params_dtype=PARAMS_DTYPE[a.precision],
                      optimizer=OptimizerConfig(optimizer=a.optimizer),
                      grad_dtype="fp32" if a.grad_bytes == 4 else "model",
                      flash_attention=a.flash_attention, overlap_dp=a.overlap_dp,
-                     first_stage_layers=a.decoder_first_pipeline_num_layers,
-                     last_stage_layers=a.decoder_last_pipeline_num_layers,
+                     first_stage_layers=given(a, "first_stage_layers"),
+                     last_stage_layers=given(a, "last_stage_layers"),
                      global_batch_size=a.global_batch_size, seq_length=a.seq_length)
     if cfg.num_experts:
         print(f"mixture of experts: {cfg.num_parameters(active=True) / 1e9:.2f}B of the "
@@ -280,7 +265,7 @@ def main(argv=None) -> None:
           f"{cluster.peak_flops / 1e12:.0f} TFLOP/s peak")
     if {"tp", "pp", "zero_stage", "recompute_granularity", "micro_batch_size"} <= set(fixed) and \
             ("ep" in fixed or not cfg.num_experts):
-        dp = cluster.num_gpus // (a.tp * a.pp * a.context_parallel_size)
+        dp = cluster.num_gpus // (fixed["tp"] * fixed["pp"] * cp)
         layout = base.replace(dp=dp, **fixed)
         try:
             p = plan(cfg, layout, cluster)

@@ -109,8 +109,8 @@ def test_gpu_check_refuses_without_cuda():
         pytest.skip("a CUDA device is present: bench/gpu_check.sh runs for real there")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     done = subprocess.run(["bash", os.path.join(root, "bench", "gpu_check.sh"), "--skip-step"],
-                          capture_output=True, text=True, timeout=120, env=dict(os.environ,
-                                                                               PYTHONPATH=root))
+                          capture_output=True, text=True, timeout=120, env=dict(
+        os.environ, PYTHONPATH=os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH"))))))
     assert done.returncode == 1 and done.stdout == ""
     assert done.stderr.strip().endswith("python -m pytest -q tests")
     assert "no CUDA device here" in done.stderr and "Traceback" not in done.stderr

@@ -78,7 +78,7 @@ def test_reshard_and_finetune(tmp_path):
     import subprocess
     out = subprocess.run([sys.executable, os.path.join(REPO, "tools/reshard.py"), "--load", root,
                           "--save", tool_root, "--data-parallel-size", "2", "--zero-stage", "2"],
-                         capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=REPO))
+                         capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, (REPO, os.environ.get("PYTHONPATH"))))))
     assert out.returncode == 0, out.stderr
     saves = [str(tmp_path / f"iter5_{k}") for k in ("zero2", "tp2", "zero3")]
     direct, tool, it, cont, tp2, z3 = run_distributed(_world2, 2, root, tool_root,

@@ -11,7 +11,7 @@ from tests.distributed import free_port
 from tests.helpers import TINY
 from tests.tool_runs import REPO
 
-ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
+ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(filter(None, (REPO, os.environ.get("PYTHONPATH")))))
 
 
 def _torchrun(nproc, argv):

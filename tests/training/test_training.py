@@ -120,7 +120,7 @@ def test_two_simulated_nodes_train_together(tmp_path):
                         "--master_port", port, os.path.join(REPO, "train_gpt.py"), *TINY,
                         "--train-iters", "3", "--log-interval", "1",
                         "--tensor-model-parallel-size", "2", "--save", str(tmp_path)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(filter(None, (REPO, os.environ.get("PYTHONPATH")))))
     agents = [subprocess.Popen(cmd(n), cwd=REPO, env=env, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True) for n in (0, 1)]
     outs = [a.communicate(timeout=240)[0] for a in agents]

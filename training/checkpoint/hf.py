@@ -16,7 +16,6 @@ ids travel in the checkpoint's `tokenizer/` folder (training/checkpoint/tokenize
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -29,7 +28,7 @@ from safetensors.torch import load_file, save_file
 from megazoo.models.config import TransformerConfig
 from megazoo.models.language_model import WORD_EMBEDDINGS
 from megazoo.models.registry import build_model, family
-from megazoo.parallel.layout import ParallelConfig, virtual_stages
+from megazoo.parallel.layout import ParallelConfig
 
 from megazoo.training.checkpoint import format as ckpt
 from megazoo.training.checkpoint.hf_fp8 import dequantize, read_quantization
@@ -187,28 +186,33 @@ def check_all_used(sd: dict, full: dict, written: dict, where: str) -> None:
                               f"model type: fix config.json")
 
 
-def import_hf(folder: str, save: str, *, tp: int = 1, pp: int = 1, vpp: int = 1,
-              layers_per_virtual_stage: int | None = None,
-              make_vocab_size_divisible_by: int | None = None) -> str:
-    """Convert a Hugging Face folder into a weights-only megazoo checkpoint for (tp, pp, vpp)."""
+def hf_model_config(folder: str) -> TransformerConfig:
+    """The model a Hugging Face folder holds, from its config.json alone (unmodelled fields
+    refused before any weight is read)."""
+    parsed = read_hf_config(folder)
+    return parsed[1].config_from_hf(parsed[2])
+
+
+def import_hf(folder: str, save: str, *, parallel: ParallelConfig | None = None, dp: int = 1,
+              make_vocab_size_divisible_by: int | None = None, **sizes) -> str:
+    """Convert a Hugging Face folder into a weights-only megazoo checkpoint for the layout
+    `parallel` (or its `sizes`, e.g. tp=2; default: unsharded) x `dp`."""
+    parallel = ParallelConfig.of(parallel, **sizes)
     parsed = read_hf_config(folder)
     config = parsed[1].config_from_hf(parsed[2])  # refuses unmodelled fields before weights are read
-    vpp = virtual_stages(config.num_layers, pp, layers_per_virtual_stage) \
-        if layers_per_virtual_stage else vpp
-    layout = ParallelConfig(tp=tp, pp=pp, vpp=vpp)
-    layout.validate(tp * pp)  # one line each (tp 0, vpp without pp, ...) before any work
-    config.check_layout(layout)
+    # one line each (tp 0, vpp without pp, heads tp does not divide ...) before any work
+    parallel.validate(parallel.tp * parallel.pp * parallel.cp * dp)
+    config.check_layout(parallel)
     model_type, config, full = hf_to_full(folder, parsed)
     if make_vocab_size_divisible_by:
         config = config.replace(make_vocab_size_divisible_by=make_vocab_size_divisible_by)
-    out = write_layout(full, save, config=config, tp=tp, pp=pp,
-                       vpp=vpp, weights_only=True)
+    out = write_layout(full, save, config=config, parallel=parallel, dp=dp, weights_only=True)
     copied = copy_tokenizer(folder, checkpoint_tokenizer_dir(save))
     record = {k: v for k, v in full.meta["hf_config"].items() if k != "dtype"}
     write_record(checkpoint_tokenizer_dir(save), {"tokenizer_type": "HuggingFaceTokenizer", **record}
                  if copied else record)
-    logger.info("imported %s (%s) into %s at tp=%d pp=%d vpp=%d; tokenizer files: %s", folder,
-                model_type, out, tp, pp, vpp, copied or "none")
+    logger.info("imported %s (%s) into %s at %s; tokenizer files: %s", folder, model_type, out,
+                parallel, copied or "none")
     return out
 
 

@@ -21,39 +21,42 @@ from megazoo.parallel.topology import ParallelConfig, ParallelTopology
 
 from megazoo.training.checkpoint import format as ckpt
 from megazoo.training.checkpoint import slices
+from megazoo.training.checkpoint.layout_record import layout_record
 from megazoo.training.checkpoint.param_table import PARAMS, param_table, table_json, table_order
 from megazoo.training.checkpoint.reshard import FullState
 
 
-def build_rank_chunks(config, *, tp: int, pp: int, vpp: int, dp: int, rank: int,
-                      ep: int = 1):
-    """One rank's model chunks, built on the CPU without process groups (to learn their names,
-    shapes, TP slicing and experts)."""
-    topo = ParallelTopology(config=ParallelConfig(tp=tp, pp=pp, vpp=vpp, ep=ep), rank=rank,
-                            world_size=tp * pp * dp, dp=dp)
+def build_rank_chunks(config, parallel: ParallelConfig | None = None, *, dp: int = 1,
+                      rank: int = 0, **sizes):
+    """One rank's model chunks at `parallel` (or its `sizes`; none: unsharded) x `dp`, built on
+    the CPU without process groups (to learn their names, shapes, TP slicing and experts)."""
+    parallel = ParallelConfig.of(parallel, **sizes)
+    topo = ParallelTopology(config=parallel, rank=rank,
+                            world_size=parallel.tp * parallel.pp * parallel.cp * dp, dp=dp)
     topo.group_ranks = topo.grid.groups_of(rank)
     specs = topo.config.chunk_specs(config.num_layers, topo.pp_rank)
     return topo, [build_model(config, topo, **spec.kwargs()) for spec in specs]
 
 
-def write_layout(full: FullState, root: str, *, config, tp: int, pp: int, vpp: int = 1,
+def write_layout(full: FullState, root: str, *, config, parallel: ParallelConfig | None = None,
                  dp: int = 1, zero_stage: int = 0, iteration: int = 0, meta: dict | None = None,
-                 weights_only: bool = False, ep: int = 1) -> str:
-    """Write `full` as a checkpoint for the target layout, one file per target rank.
+                 weights_only: bool = False, **sizes) -> str:
+    """Write `full` as a checkpoint for the target layout (`parallel`, or its `sizes` such as
+    tp=2, x `dp` data-parallel ranks), one file per target rank.
 
     Optimizer states go into one bucket per rank whose `ranges` split every parameter evenly over
-    the data-parallel ranks (all of it on each rank for ZeRO-0); loading re-slices them into the
-    live optimizer's buckets.
+    the data x context parallel ranks (ZeRO's group; all of it on each rank for ZeRO-0); loading
+    re-slices them into the live optimizer's buckets.
     """
-    parallel = ParallelConfig(tp=tp, pp=pp, vpp=vpp, ep=ep)
-    world = tp * pp * dp
+    parallel = ParallelConfig.of(parallel, **sizes)
+    world = parallel.tp * parallel.pp * parallel.cp * dp
     parallel.validate(world)
     config.check_layout(parallel)
     with_optim = bool(full.optim) and not weights_only
     tmp = ckpt.begin_offline(root, iteration)
     records = []
     for rank in range(world):
-        topo, chunks = build_rank_chunks(config, tp=tp, pp=pp, vpp=vpp, dp=dp, rank=rank, ep=ep)
+        topo, chunks = build_rank_chunks(config, parallel, dp=dp, rank=rank)
         rows = param_table(chunks, frozen=True)
         named = [p for *_, p in table_order(chunks)]
         tensors = {PARAMS: ckpt.json_tensor(table_json(rows))}
@@ -75,7 +78,7 @@ def write_layout(full: FullState, root: str, *, config, tp: int, pp: int, vpp: i
                 if row.frozen:
                     continue  # weights only: no optimizer state
                 canon, numel = row.canonical, p.numel()
-                group = topo.group_ranks["edp" if spec_of(p).expert else "dp"]
+                group = topo.group_ranks["edp" if spec_of(p).expert else "dp_cp"]
                 per = -(-numel // len(group)) if zero_stage > 0 else numel
                 lo = group.index(rank) * per if zero_stage > 0 else 0
                 hi = min(numel, lo + per)
@@ -96,9 +99,8 @@ def write_layout(full: FullState, root: str, *, config, tp: int, pp: int, vpp: i
     base = {k: v for k, v in (meta or full.meta).items()
             if k not in ("layout", "model", "iteration", "world_size", "files", "family", "slices")}
     base["slices"] = slices.meta_record(records)
-    base.update(model=dataclasses.asdict(config), layout=dict(
-        tp=tp, pp=pp, dp=dp, vpp=vpp, world_size=world, zero_stage=zero_stage,
-        **({"ep": ep} if ep != 1 else {})))
+    base.update(model=dataclasses.asdict(config),
+                layout=layout_record(parallel, dp=dp, zero_stage=zero_stage))
     if not with_optim:
         base["weights_only"] = True
     return ckpt.commit(root, iteration, world, base)

@@ -19,6 +19,7 @@ from megazoo.parallel import collectives as C
 from megazoo.training.checkpoint import format as ckpt
 from megazoo.training.checkpoint import slices
 from megazoo.training.checkpoint import storage
+from megazoo.training.checkpoint.layout_record import layout_record
 from megazoo.training.checkpoint.optimizer_record import optimizer_record
 from megazoo.training.checkpoint.param_table import PARAMS, param_table, table_json
 from megazoo.training.config.run_config import RunConfig
@@ -34,16 +35,8 @@ class TrainState:
 
 
 def layout_of(run: RunConfig, topo) -> dict:
-    """The layout a checkpoint records. Dimensions added later are recorded only when used, so
-    older checkpoints of the same layout still compare equal."""
-    layout = dict(tp=topo.tp, pp=topo.pp, dp=topo.dp, vpp=topo.vpp, world_size=topo.world_size,
-                  zero_stage=run.optimizer.zero_stage)
-    c = topo.config
-    layout.update({k: v for k, v in dict(cp=c.cp, ep=c.ep).items() if v != 1})
-    layout.update({k: v for k, v in dict(first_stage_layers=c.first_stage_layers,
-                                         last_stage_layers=c.last_stage_layers).items()
-                   if v is not None})
-    return layout
+    """The layout this run's checkpoints record (layout_record.py)."""
+    return layout_record(topo.config, dp=topo.dp, zero_stage=run.optimizer.zero_stage)
 
 
 def rank_tensors(chunks, opt, rng, zero_stage: int) -> dict[str, torch.Tensor]:

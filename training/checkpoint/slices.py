@@ -28,9 +28,8 @@ import math
 import re
 from dataclasses import dataclass, field
 
-from megazoo.parallel.topology import ParallelConfig
-
 from megazoo.training.checkpoint import format as ckpt
+from megazoo.training.checkpoint.layout_record import parallel_of_record
 from megazoo.training.checkpoint.param_table import ParamRow, SliceEntry
 
 
@@ -261,9 +260,7 @@ def stages_holding(meta: dict, names: set[str] | None) -> set[int] | None:
     pp = layout.get("pp", 1)
     if names is None or pp == 1:
         return None
-    config = ParallelConfig(tp=layout["tp"], pp=pp, vpp=layout.get("vpp", 1),
-                            first_stage_layers=layout.get("first_stage_layers"),
-                            last_stage_layers=layout.get("last_stage_layers"))
+    config = parallel_of_record(layout)
     if "num_layers" not in meta.get("model", {}):
         return None
     specs = [config.chunk_specs(meta["model"]["num_layers"], r) for r in range(pp)]

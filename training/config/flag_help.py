@@ -31,10 +31,6 @@ HELP = {
     "--add-qkv-bias": "a bias on the query/key/value projection even with --disable-bias-linear (Qwen2)",
     "--qk-layernorm": "RMSNorm over each query and key head before attention (Qwen3)",
     # parallelism
-    "--tensor-model-parallel-size": "tensor-parallel size tp (divides heads, hidden and vocabulary)",
-    "--pipeline-model-parallel-size": "pipeline stages pp (divides the layers)",
-    "--num-layers-per-virtual-pipeline-stage": "layers per virtual stage: interleaved 1F1B",
-    "--sequence-parallel": "shard norms and dropout activations along the sequence over tp",
     "--pipeline-schedule": "pipeline schedule when pp > 1 (interleaved is chosen by virtual stages)",
     # batch and schedule
     "--micro-batch-size": "samples per microbatch per data-parallel rank",
@@ -62,8 +58,6 @@ HELP = {
     "--loss-scale-window": "fp16: steps without overflow before the scale doubles",
     "--hysteresis": "fp16: overflows tolerated before the scale halves",
     "--min-loss-scale": "fp16: the scale never drops below this",
-    "--zero-stage": "ZeRO stage: 1 shards optimizer state, 2 also gradients, 3 also weights "
-                    "(default: 0, or 1 with --use-distributed-optimizer)",
     "--offload-optimizer": "keep optimizer state on the CPU or on NVMe (--offload-dir)",
     "--offload-dir": "folder for --offload-optimizer nvme",
     "--recompute-granularity": "activation recomputation in backward",

@@ -17,10 +17,11 @@ from megazoo.models.config import TransformerConfig
 from megazoo.models.family_rules import DENSE_FAMILIES, MOE_FAMILIES, problem
 from megazoo.models.presets import PRESETS, preset
 from megazoo.parallel.context_parallel import check_attention
-from megazoo.parallel.layout import LayoutError, ParallelConfig, microbatches_per_step, virtual_stages
+from megazoo.parallel.layout import LayoutError, microbatches_per_step
 from megazoo.parallel.zero.config import LossScaleConfig, OptimizerConfig
 
 from megazoo.training.config.errors import ArgumentError
+from megazoo.training.config.layout_flags import parallel_config_of
 from megazoo.training.config.muon_flags import muon_settings, qk_clip_settings
 from megazoo.training.config.megatron_compat import (check_model, resolve_megatron_compat, samples_to_iterations,
                                              stage_layers, vocab_multiple)
@@ -210,15 +211,9 @@ def to_run_config(args: argparse.Namespace, vocab_size: int | None = None,
     if model.position_embedding == "learned" and seq > model.max_position_embeddings:
         _fail(f"--seq-length {seq} exceeds --max-position-embeddings {model.max_position_embeddings}")
 
-    first_stage_layers, last_stage_layers = stage_layers(args, model.num_layers)
     try:
-        parallel = ParallelConfig(
-            tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
-            vpp=virtual_stages(model.num_layers, args.pipeline_model_parallel_size,
-                               args.num_layers_per_virtual_pipeline_stage),
-            sequence_parallel=args.sequence_parallel, ep=args.expert_model_parallel_size,
-            cp=args.context_parallel_size, cp_comm_type=args.cp_comm_type,
-            first_stage_layers=first_stage_layers, last_stage_layers=last_stage_layers)
+        parallel = parallel_config_of(args, model.num_layers,
+                                      stage_layers=stage_layers(args, model.num_layers))
         dp = parallel.validate(world)
         model.check_layout(parallel, seq_length=seq)
         check_attention(model.attention_dropout, parallel.cp)

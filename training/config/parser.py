@@ -10,6 +10,7 @@ from megazoo.models.presets import PRESETS
 
 from megazoo.training.config.errors import ArgumentError
 from megazoo.training.config.flag_help import HelpFormatter, apply_help
+from megazoo.training.config.layout_flags import BY_FIELD, add_layout_flags
 from megazoo.training.config.megatron_compat import add_megatron_compat_flags, translate
 from megazoo.training.config.muon_flags import add_muon_flags
 from megazoo.training.config.run_config import HealthConfig
@@ -97,24 +98,10 @@ def build_parser(default_model: str | None = None) -> argparse.ArgumentParser:
                    help="multi-token prediction depths (DeepSeek-V3; HF num_nextn_predict_layers)")
     g.add_argument("--mtp-loss-scaling-factor", type=float,
                    help="weight of the depths' mean loss added to the main loss (default 0.1)")
-    g.add_argument("--expert-model-parallel-size", type=int, default=1,
-                   help="ranks (carved out of data parallelism) splitting each layer's experts")
-    g = p.add_argument_group("parallelism")
-    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int)
-    g.add_argument("--decoder-first-pipeline-num-layers", type=int,
-                   help="layers on the first pipeline stage (uneven split; it also holds the "
-                        "embedding); the other stages share the rest evenly")
-    g.add_argument("--decoder-last-pipeline-num-layers", type=int,
-                   help="layers on the last pipeline stage (it also holds the head and loss)")
-    g.add_argument("--sequence-parallel", action="store_true")
-    g.add_argument("--context-parallel-size", type=int, default=1,
-                   help="split every sample's sequence over this many ranks (carved from data "
-                        "parallelism); each holds chunks i and 2C-1-i (load-balanced causal)")
-    g.add_argument("--cp-comm-type", default="p2p", choices=["p2p", "a2a"],
-                   help="context-parallel attention: p2p = ring attention (K/V blocks around the "
-                        "ring), a2a = all-to-all over heads (DeepSpeed-Ulysses)")
+    # the data-parallel size comes from the world; --zero-stage None: 0, or what
+    # --use-distributed-optimizer / --deepspeed_config say (megatron_compat.py)
+    g = add_layout_flags(p, fields=set(BY_FIELD) - {"dp"}, defaults={"zero_stage": None},
+                         title="parallelism (training/config/layout_flags.py)")
     g.add_argument("--pipeline-schedule", default="1f1b", choices=["1f1b", "gpipe", "no_pipelining"])
     g = p.add_argument_group("batch and schedule")
     g.add_argument("--micro-batch-size", type=int, default=1)
@@ -141,7 +128,6 @@ def build_parser(default_model: str | None = None) -> argparse.ArgumentParser:
     g.add_argument("--loss-scale-window", type=int, default=1000)
     g.add_argument("--hysteresis", type=int, default=2)
     g.add_argument("--min-loss-scale", type=float, default=1.0)
-    g.add_argument("--zero-stage", type=int)
     g.add_argument("--offload-optimizer", default="none", choices=["none", "cpu", "nvme"])
     g.add_argument("--offload-dir")
     g.add_argument("--recompute-granularity", choices=["full", "selective"],

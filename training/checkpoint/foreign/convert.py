@@ -25,34 +25,39 @@ WRITERS = {"megatron": megatron_legacy.write, "megatron-dist": megatron_dist.wri
            "deepspeed": deepspeed_universal.write}
 
 
-def import_checkpoint(fmt: str, load: str, save: str, *, tp: int = 1, pp: int = 1, vpp: int = 1,
-                      ep: int = 1, dp: int | None = None, optimizer: bool = True,
-                      vocab_size: int | None = None, hf_config: str | None = None) -> str:
-    """Convert a foreign checkpoint into a megazoo checkpoint for (tp, pp, vpp, ep, dp); experts
-    split over data-parallel ranks, so dp defaults to ep."""
+def import_checkpoint(fmt: str, load: str, save: str, *, parallel: ParallelConfig | None = None,
+                      dp: int | None = None, zero_stage: int = 0, optimizer: bool = True,
+                      vocab_size: int | None = None, hf_config: str | None = None,
+                      **sizes) -> str:
+    """Convert a foreign checkpoint into a megazoo checkpoint for the layout `parallel` (or its
+    `sizes`, e.g. tp=2) x `dp`; experts split over data x context parallel ranks, so dp defaults
+    to ep / cp (at least 1)."""
     if fmt not in READERS:
         raise ckpt.CheckpointError(f"--format {fmt!r}: import reads {sorted(READERS)}")
-    dp = dp or ep
-    ParallelConfig(tp=tp, pp=pp, vpp=vpp, ep=ep).validate(tp * pp * dp)
+    parallel = ParallelConfig.of(parallel, **sizes)
+    dp = dp or max(1, parallel.ep // parallel.cp)
+    parallel.validate(parallel.tp * parallel.pp * parallel.cp * dp)
     extra = {"hf_config": hf_config} if hf_config else {}  # DeepSpeed ZeRO: names and shapes
     if extra and fmt != "deepspeed":
         raise ckpt.CheckpointError(f"--hf-config applies to --format deepspeed only, not {fmt}")
     name, config, full, iteration = READERS[fmt](load, vocab_size, optimizer=optimizer, **extra)
-    out = write_layout(full, save, config=config, tp=tp,
-                       pp=pp, vpp=vpp, ep=ep, dp=dp, iteration=iteration,
-                       weights_only=not full.optim)
-    logger.info("imported %s (%s, %s) into %s at tp=%d pp=%d vpp=%d ep=%d, iteration %d, %s",
-                load, fmt, name, out, tp, pp, vpp, ep, iteration,
+    out = write_layout(full, save, config=config, parallel=parallel, dp=dp, zero_stage=zero_stage,
+                       iteration=iteration, weights_only=not full.optim)
+    logger.info("imported %s (%s, %s) into %s at %s dp=%d, iteration %d, %s", load, fmt, name,
+                out, parallel, dp, iteration,
                 "with optimizer state" if full.optim else "weights only")
     return out
 
 
-def export_checkpoint(fmt: str, load: str, save: str, *, tp: int = 1, pp: int = 1,
-                      vpp: int = 1) -> str:
-    """Write a megazoo checkpoint (any layout) as a foreign checkpoint for (tp, pp, vpp)."""
+def export_checkpoint(fmt: str, load: str, save: str, *,
+                      parallel: ParallelConfig | None = None, **sizes) -> str:
+    """Write a megazoo checkpoint (any layout) as a foreign checkpoint for the layout `parallel`
+    (or its `sizes`; its tp, pp and vpp: what the foreign files are split by)."""
+    parallel = ParallelConfig.of(parallel, **sizes)
     if fmt not in WRITERS:
         raise ckpt.CheckpointError(f"--format {fmt!r}: export writes {sorted(WRITERS)}")
     folder = ckpt.require_verified(ckpt.resolve(load))
     meta, config = checkpoint_config(folder)
     full = read_full_state(folder)
-    return WRITERS[fmt](full, config, save, tp=tp, pp=pp, vpp=vpp, iteration=meta["iteration"])
+    return WRITERS[fmt](full, config, save, tp=parallel.tp, pp=parallel.pp, vpp=parallel.vpp,
+                        iteration=meta["iteration"])
