@@ -198,7 +198,15 @@ def run_dense(kernel: str, q, k, v, mask, is_causal: bool, scale, dropout_p: flo
     """One SDPA-shaped call on `kernel` (`AttentionChoice.kernel`, not flash_varlen)."""
     gqa = q.shape[1] != k.shape[1]
     if kernel == "cpu_split_precision":
-        return cpu_attention.CpuLowPrecisionAttention.apply(q, k, v, mask, scale, is_causal)
+        qk_dim, v_dim = q.shape[-1], v.shape[-1]
+        if qk_dim == v_dim:
+            return cpu_attention.CpuLowPrecisionAttention.apply(q, k, v, mask, scale, is_causal)
+        # the CPU flash kernel takes one head dim; multi-latent attention's values have their
+        # own: zero channels leave q k^T and p v unchanged, the padding is cut from the output
+        dim = max(qk_dim, v_dim)
+        q, k, v = (t if t.shape[-1] == dim else F.pad(t, (0, dim - t.shape[-1])) for t in (q, k, v))
+        return cpu_attention.CpuLowPrecisionAttention.apply(
+            q, k, v, mask, qk_dim ** -0.5 if scale is None else scale, is_causal)[..., :v_dim]
     if kernel == "sdpa_fused":
         from torch.nn.attention import SDPBackend, sdpa_kernel
         with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION,
