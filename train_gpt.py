@@ -5,7 +5,6 @@
         --data-path my_text_document --vocab-file vocab.json --merge-file merges.txt \
         --seq-length 128 --micro-batch-size 4 --global-batch-size 16 --train-iters 100
 """
-from megazoo.models.registry import build_model as model_provider  # noqa: F401 (tests build with it)
 from megazoo.training.run.entry import main
 
 if __name__ == "__main__":

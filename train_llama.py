@@ -9,7 +9,6 @@ Megatron-LM flags; see train_gpt.py. Example, 4 CPU processes, tp=2 x pp=2, a sh
 Presets: smollm2-135m/360m/1.7b, llama2-7b/13b/70b, llama3-8b/70b/405b. Start from released weights
 by importing a Hugging Face folder (tools/convert_hf.py import) and adding --load ... --finetune.
 """
-from megazoo.models.registry import build_model as model_provider  # noqa: F401 (tests build with it)
 from megazoo.training.run.entry import main
 
 if __name__ == "__main__":

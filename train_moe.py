@@ -11,7 +11,6 @@ Presets: moe-tiny, mixtral-8x7b/8x22b, qwen2-moe-a2.7b/57b-a14b, qwen3-moe-30b-a
 interval adds the auxiliary losses apart from the LM loss and, per MoE layer, the tokens per expert
 and dropped share.
 """
-from megazoo.models.registry import build_model as model_provider  # noqa: F401 (tests build with it)
 from megazoo.training.run.entry import main
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ processes, tp=2 x pp=2, the toy Qwen3 preset:
 Presets: qwen2-0.5b, qwen2.5-0.5b, qwen3-0.6b, qwen3-1.7b, qwen3-tiny. Start from released weights
 by importing a Hugging Face folder (tools/convert_hf.py import) and adding --load ... --finetune.
 """
-from megazoo.models.registry import build_model as model_provider  # noqa: F401 (tests build with it)
 from megazoo.training.run.entry import main
 
 if __name__ == "__main__":

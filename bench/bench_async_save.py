@@ -31,7 +31,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 import torch
 
-from train_gpt import model_provider
+from megazoo.models.registry import build_model as model_provider
 from megazoo.training.checkpoint import format as ckpt
 from megazoo.training.config.flags import to_run_config
 from megazoo.training.config.parser import build_parser

@@ -37,7 +37,7 @@ TINY = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4"
 
 
 def pretrain_gpt(argv, world):
-    from train_gpt import model_provider
+    from megazoo.models.registry import build_model as model_provider
     from megazoo.training.config.flags import to_run_config
     from megazoo.training.config.parser import build_parser
     from megazoo.training.run.loop import pretrain

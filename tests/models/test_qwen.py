@@ -41,7 +41,7 @@ LAYOUTS = [[], ["--pipeline-model-parallel-size", "2"],
 
 
 def _worker(rank):
-    from train_qwen import model_provider
+    from megazoo.models.registry import build_model as model_provider
     from megazoo.training.run.loop import pretrain
     curves = {}
     for qwen2 in (False, True):

@@ -113,7 +113,7 @@ TRAINER = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", 
 
 
 def _pretrain(*extra):
-    from train_gpt import model_provider
+    from megazoo.models.registry import build_model as model_provider
     from megazoo.training.config.flags import to_run_config
     from megazoo.training.config.parser import build_parser
     from megazoo.training.run.loop import pretrain

@@ -123,7 +123,7 @@ def test_a_failed_background_write_keeps_the_previous_checkpoint(tmp_path, monke
 
 
 def _pretrain(argv, world: int = 1):
-    from train_gpt import model_provider
+    from megazoo.models.registry import build_model as model_provider
     from megazoo.training.config.flags import to_run_config
     from megazoo.training.config.parser import build_parser
     from megazoo.training.run.loop import pretrain

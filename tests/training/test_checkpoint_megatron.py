@@ -127,7 +127,7 @@ def test_megatron_resume_next_loss_equals_megatron_next_loss(megatron):
     with torch's AdamW from its saved state; megazoo's optimizer from the imported moments and
     step count), the next losses agree within 1e-4 relative. Megatron's softmax runs over the
     padded vocabulary, so the import keeps the padding rows as tokens (--vocab-size 64)."""
-    from train_llama import model_provider
+    from megazoo.models.registry import build_model as model_provider
     from megazoo.parallel.random import model_parallel_seed
     from megazoo.parallel.topology import ParallelTopology
     from megazoo.parallel.zero.optimizer import build_optimizer

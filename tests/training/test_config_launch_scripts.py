@@ -307,7 +307,7 @@ def test_deepspeed_config_values_land_and_contradictions_are_refused_together(tm
 
 
 def _llama_run_worker(rank, root):
-    from train_llama import model_provider
+    from megazoo.models.registry import build_model as model_provider
     from megazoo.training.run.loop import pretrain
     shrink = {"--vocab-size": "512", "--global-batch-size": "4", "--train-samples": "8", "--lr-warmup-samples": "6",
               "--lr-decay-samples": "10", "--data-cache-path": f"{root}/cache"}

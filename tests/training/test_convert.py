@@ -156,7 +156,7 @@ def test_bad_inputs_give_one_line_errors(tmp_path, capsys):
     from megazoo.training.checkpoint.hf import ConversionError, import_hf, read_hf_weights
     from megazoo.training.run.loop import build_chunks
     from megazoo.training.checkpoint.resume import load
-    from train_gpt import model_provider
+    from megazoo.models.registry import build_model as model_provider
     from megazoo.parallel.random import model_parallel_seed
     from megazoo.parallel.topology import ParallelTopology
     from megazoo.parallel.zero.optimizer import build_optimizer

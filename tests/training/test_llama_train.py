@@ -15,7 +15,7 @@ TP2 = ["--tensor-model-parallel-size", "2", "--zero-stage", "1"]
 
 
 def _worker(rank, layouts):
-    from train_llama import model_provider
+    from megazoo.models.registry import build_model as model_provider
     from megazoo.training.run.loop import pretrain
     curves = []
     for layout in layouts:

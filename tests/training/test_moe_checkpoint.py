@@ -20,7 +20,7 @@ TINY_MOE = ["--model", "moe-tiny", "--num-layers", "2", "--hidden-size", "32",
 
 
 def _pretrain(argv, world=4):
-    from train_moe import model_provider
+    from megazoo.models.registry import build_model as model_provider
     from megazoo.training.config.flags import to_run_config
     from megazoo.training.config.parser import build_parser
     from megazoo.training.run.loop import pretrain

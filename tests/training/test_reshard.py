@@ -24,7 +24,7 @@ DP2 = ["--zero-stage", "2"]
 
 
 def _pretrain_bloom(argv, world):
-    from train_bloom import model_provider
+    from megazoo.models.registry import build_model as model_provider
     from megazoo.training.config.flags import to_run_config
     from megazoo.training.config.parser import build_parser
     from megazoo.training.run.loop import pretrain

@@ -12,7 +12,7 @@ TINY = ["--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "2"
 
 
 def test_failed_setup_releases_the_save_lock(tmp_path, monkeypatch):
-    from train_gpt import model_provider
+    from megazoo.models.registry import build_model as model_provider
     from megazoo.training.run import trainer
     from megazoo.training.run.loop import pretrain
 

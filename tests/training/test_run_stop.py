@@ -15,7 +15,7 @@ TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"
 
 def test_sigterm_during_evaluation_stops_after_the_batch_and_skips_the_report(tmp_path, monkeypatch,
                                                                                 caplog):
-    from train_gpt import model_provider
+    from megazoo.models.registry import build_model as model_provider
     from megazoo.training.run.loop import pretrain
     real, batches = step.eval_step, []
 
