@@ -160,7 +160,7 @@ def _loaded_with_flags(loaded: TransformerConfig, overrides: dict, args,
 def to_run_config(args: argparse.Namespace, vocab_size: int | None = None,
                   world_size: int | None = None, eod_token: int | None = None,
                   loaded: TransformerConfig | None = None) -> RunConfig:
-    """Map parsed flags onto the configs and check that they fit together.
+    """Map parsed flags onto the configs and check that they fit together, one config at a time.
 
     `vocab_size` and `eod_token` come from the tokenizer when there is one (training/run/entry.py).
     `loaded`: the model config --load's checkpoint records (training/run/entry.py), which is the
@@ -168,6 +168,32 @@ def to_run_config(args: argparse.Namespace, vocab_size: int | None = None,
     validate_values(args)
     world = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
     compat = resolve_megatron_compat(args, eod_token)
+    model, seq = model_config(args, vocab_size, loaded)
+    parallel, dp, gbs = layout_config(args, model, seq, world)
+    schedule = schedule_config(args, parallel, dp, gbs)
+    if vocab_size and args.vocab_size and args.tokenizer_type not in ("NullTokenizer",) \
+            and args.vocab_size != vocab_size:
+        _warn(f"--vocab-size {args.vocab_size} ignored: the tokenizer gives the vocabulary "
+              f"({vocab_size} tokens, padded by --make-vocab-size-divisible-by); drop the flag")
+    return RunConfig(
+        model=model, parallel=parallel, optimizer=optimizer_config(args, model, parallel, compat),
+        seed=args.seed, health=health_config(args), schedule=schedule,
+        data=data_config(args, seq, compat, eod_token),
+        checkpoint=from_flags(CheckpointConfig, args, load_optim=not args.no_load_optim,
+                              load_rng=not args.no_load_rng),
+        logging=from_flags(LoggingConfig, args))
+
+
+def from_flags(cls, args: argparse.Namespace, **computed):
+    """A config whose fields are flags of the same name (--keep-last -> keep_last), except those
+    `computed` gives."""
+    return cls(**{f.name: computed[f.name] if f.name in computed else getattr(args, f.name)
+                  for f in dataclasses.fields(cls)})
+
+
+def model_config(args, vocab_size: int | None, loaded: TransformerConfig | None):
+    """(the model, the sequence length): the preset, --load's model or the flags alone, with the
+    model flags applied (module docstring), and the model checks that need the other flags."""
     # Model flags named as their TransformerConfig field pass through; these carry Megatron's
     # names or values. A flag not given (None) leaves the preset's value (or the default).
     renamed = dict(
@@ -210,7 +236,12 @@ def to_run_config(args: argparse.Namespace, vocab_size: int | None = None,
     seq = args.seq_length or model.max_position_embeddings
     if model.position_embedding == "learned" and seq > model.max_position_embeddings:
         _fail(f"--seq-length {seq} exceeds --max-position-embeddings {model.max_position_embeddings}")
+    return model, seq
 
+
+def layout_config(args, model: TransformerConfig, seq: int, world: int):
+    """(the ParallelConfig, dp, the global batch size): the layout flags against the world, the
+    model and the batch."""
     try:
         parallel = parallel_config_of(args, model.num_layers,
                                       stage_layers=stage_layers(args, model.num_layers))
@@ -226,7 +257,11 @@ def to_run_config(args: argparse.Namespace, vocab_size: int | None = None,
         microbatches_per_step(gbs, mbs, dp, parallel.pp, parallel.vpp)
     except LayoutError as e:
         _fail(str(e))
-    vpp = parallel.vpp
+    return parallel, dp, gbs
+
+
+def schedule_config(args, parallel, dp: int, gbs: int) -> ScheduleConfig:
+    """Iterations, the learning-rate schedule (samples turned into iterations) and the batch ramp."""
     if args.train_iters is None and args.train_samples is None:
         _fail("give --train-iters or --train-samples")
     train_iters = args.train_iters or -(-args.train_samples // gbs)
@@ -237,19 +272,24 @@ def to_run_config(args: argparse.Namespace, vocab_size: int | None = None,
     if args.lr_warmup_fraction is not None:  # Megatron: a fraction of the decay iterations
         warmup = int(args.lr_warmup_fraction * (lr_decay_iters or train_iters))
     check_warmup(warmup, lr_decay_iters, train_iters, args.lr)
-    if vocab_size and args.vocab_size and args.tokenizer_type not in ("NullTokenizer",) \
-            and args.vocab_size != vocab_size:
-        _warn(f"--vocab-size {args.vocab_size} ignored: the tokenizer gives the vocabulary "
-              f"({vocab_size} tokens, padded by --make-vocab-size-divisible-by); drop the flag")
+    mbs = args.micro_batch_size
     if args.rampup_batch_size:
         start, inc, _ = args.rampup_batch_size
         if start % (mbs * dp) or inc % (mbs * dp):
             _fail(f"--rampup-batch-size start {start} and increment {inc} must be multiples of "
                   f"--micro-batch-size x dp = {mbs * dp}")
+    return ScheduleConfig(
+        micro_batch_size=mbs, global_batch_size=gbs,
+        rampup_batch_size=tuple(args.rampup_batch_size) if args.rampup_batch_size else None,
+        train_iters=train_iters, lr=args.lr, min_lr=args.min_lr, lr_decay_style=args.lr_decay_style,
+        lr_warmup_iters=warmup, lr_decay_iters=lr_decay_iters,
+        pipeline_schedule="interleaved" if parallel.vpp > 1 else args.pipeline_schedule,
+        exit_interval=args.exit_interval, exit_duration_mins=args.exit_duration_in_mins)
+
+
+def optimizer_config(args, model: TransformerConfig, parallel, compat) -> OptimizerConfig:
     if args.bf16 and args.fp16:
         _fail("choose one of --bf16 and --fp16")
-    schedule_name = "interleaved" if vpp > 1 else args.pipeline_schedule
-
     optimizer = OptimizerConfig(
         zero_stage=compat.zero_stage, optimizer=args.optimizer, lr=args.lr,
         betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps, weight_decay=args.weight_decay,
@@ -267,6 +307,10 @@ def to_run_config(args: argparse.Namespace, vocab_size: int | None = None,
         optimizer.validate(pp=parallel.pp)
     except ValueError as e:
         _fail(str(e))
+    return optimizer
+
+
+def health_config(args) -> HealthConfig:
     health = HealthConfig(
         policy=args.health_policy, spike_zscore=args.spike_zscore, spike_window=args.spike_window,
         collective_timeout=args.collective_timeout, straggler_threshold=args.straggler_threshold,
@@ -280,6 +324,10 @@ def to_run_config(args: argparse.Namespace, vocab_size: int | None = None,
         _fail(str(e))
     if args.health_policy == "rollback" and not (args.save and args.save_interval):
         _fail("--health-policy rollback needs --save and --save-interval (checkpoints to roll back to)")
+    return health
+
+
+def data_config(args, seq: int, compat, eod_token: int | None) -> DataConfig:
     if not args.data_path and not args.mock_data:
         _fail("give --data-path PREFIX (from tools/preprocess_data.py) or --mock-data")
     if args.sft and (args.mock_data or len(args.data_path) != 1):
@@ -295,33 +343,9 @@ def to_run_config(args: argparse.Namespace, vocab_size: int | None = None,
     for path in args.data_path:
         if path.endswith((".bin", ".idx")):
             _fail(f"--data-path {path}: give the prefix without the suffix, --data-path {path[:-4]}")
-    return RunConfig(
-        model=model, parallel=parallel, optimizer=optimizer, seed=args.seed, health=health,
-        schedule=ScheduleConfig(micro_batch_size=mbs, global_batch_size=gbs,
-                                rampup_batch_size=tuple(args.rampup_batch_size) if args.rampup_batch_size else None,
-                                train_iters=train_iters, lr=args.lr, min_lr=args.min_lr,
-                                lr_decay_style=args.lr_decay_style, lr_warmup_iters=warmup,
-                                lr_decay_iters=lr_decay_iters, pipeline_schedule=schedule_name,
-                                exit_interval=args.exit_interval,
-                                exit_duration_mins=args.exit_duration_in_mins),
-        data=DataConfig(data_path=args.data_path, split=args.split, seq_length=seq,
-                        tokenizer_type=args.tokenizer_type, vocab_file=args.vocab_file,
-                        merge_file=args.merge_file, tokenizer_model=args.tokenizer_model,
-                        data_cache_path=args.data_cache_path, mock_data=args.mock_data,
-                        num_workers=args.num_workers, eod_mask_token=compat.eod_mask_token,
-                        sft=args.sft, sft_packing=args.sft_packing, pad_token=eod_token or 0,
-                        eod_token=eod_token, reset_position_ids=args.reset_position_ids,
-                        reset_attention_mask=args.reset_attention_mask,
-                        per_token_loss=args.sft or args.calculate_per_token_loss),
-        checkpoint=CheckpointConfig(save=args.save, load=args.load, save_interval=args.save_interval,
-                                    finetune=args.finetune, load_optim=not args.no_load_optim,
-                                    load_rng=not args.no_load_rng, keep_last=args.keep_last,
-                                    keep_every=args.keep_every, async_save=args.async_save),
-        logging=LoggingConfig(log_interval=args.log_interval, eval_interval=args.eval_interval,
-                              eval_iters=args.eval_iters, wandb_project=args.wandb_project,
-                              wandb_exp_name=args.wandb_exp_name, wandb_save_dir=args.wandb_save_dir,
-                              peak_flops=args.peak_flops, tensorboard_dir=args.tensorboard_dir,
-                              log_throughput=args.log_throughput))
+    return from_flags(DataConfig, args, seq_length=seq, eod_mask_token=compat.eod_mask_token,
+                      pad_token=eod_token or 0, eod_token=eod_token,
+                      per_token_loss=args.sft or args.calculate_per_token_loss)
 
 
 __all__ = ["ArgumentError", "LayoutError", "to_run_config"]

@@ -43,159 +43,154 @@ class _Parser(argparse.ArgumentParser):
         return ns, []
 
 
+# The core flags, group by group: (flag, argparse keywords). Help not given here comes from
+# flag_help.py; the layout flags come from layout_flags.py, Muon's from muon_flags.py, the other
+# Megatron-LM / DeepSpeed spellings from megatron_compat.py.
+_INT, _FLOAT, _SWITCH, _ON = dict(type=int), dict(type=float), dict(action="store_true"), \
+    dict(action="store_true", default=None)  # _ON: None when not given (the preset decides)
+MODEL_FLAGS = (
+    *((flag, _INT) for flag in ("--num-layers", "--hidden-size", "--num-attention-heads",
+                                "--ffn-hidden-size", "--max-position-embeddings",
+                                "--make-vocab-size-divisible-by", "--seq-length",
+                                "--num-query-groups", "--kv-channels")),
+    *((flag, _FLOAT) for flag in ("--hidden-dropout", "--attention-dropout", "--init-method-std",
+                                  "--norm-epsilon")),
+    ("--position-embedding-type", dict(choices=["learned_absolute", "rope", "alibi"])),
+    ("--rotary-base", dict(type=float, help="RoPE theta")),
+    ("--normalization", dict(choices=["LayerNorm", "RMSNorm"])),
+    ("--group-query-attention", _SWITCH),
+    *((flag, _ON) for flag in ("--swiglu", "--untie-embeddings-and-output-weights",
+                               "--disable-bias-linear", "--add-qkv-bias", "--qk-layernorm")),
+)
+MOE_FLAGS = (
+    ("--num-experts", dict(type=int, help="experts per MoE layer (none: dense MLPs)")),
+    ("--moe-router-topk", dict(type=int, help="experts per token")),
+    ("--moe-ffn-hidden-size", dict(type=int, help="each expert's width (default --ffn-hidden-size)")),
+    ("--moe-router-pre-softmax", dict(_ON, help="softmax over all experts, then top-k (Qwen); "
+                                                "default top-k, then softmax (Mixtral)")),
+    ("--moe-aux-loss-coeff", dict(type=float, help="Switch/GShard load-balancing loss")),
+    ("--moe-z-loss-coeff", dict(type=float, help="router z-loss (ST-MoE)")),
+    ("--moe-expert-capacity-factor", dict(type=float, help="drop assignments over factor x tokens "
+                                                           "x topk / experts per expert (default dropless)")),
+    ("--moe-shared-expert-intermediate-size", dict(type=int, help="a shared expert's width")),
+    ("--moe-first-dense-layers", dict(type=int, help="the first K layers dense (DeepSeek-V3's "
+                                                     "first_k_dense_replace)")),
+    ("--moe-router-score-function", dict(choices=("softmax", "sigmoid"), help=(
+        "softmax (default) or sigmoid scores (DeepSeek-V3: the chosen scores weigh)"))),
+    ("--moe-router-enable-expert-bias", dict(_ON, help=(
+        "sigmoid: a per-expert bias for the choice only, updated from the load after each step "
+        "(aux-loss-free balancing)"))),
+    ("--moe-router-bias-update-rate", dict(type=float, help="the expert bias's step towards the "
+                                                            "mean load (default 1e-3)")),
+    ("--moe-router-num-groups", dict(type=int, help="sigmoid: expert groups for group-limited "
+                                                    "routing (HF n_group)")),
+    ("--moe-router-group-topk", dict(type=int, help="groups each token may route to (HF topk_group)")),
+    ("--moe-router-topk-scaling-factor", dict(type=float, help="routing weights times this (HF "
+                                                               "routed_scaling_factor)")),
+    ("--mtp-num-layers", dict(type=int, help="multi-token prediction depths (DeepSeek-V3; HF "
+                                             "num_nextn_predict_layers)")),
+    ("--mtp-loss-scaling-factor", dict(type=float, help="weight of the depths' mean loss added to "
+                                                        "the main loss (default 0.1)")),
+)
+SCHEDULE_FLAGS = (
+    ("--pipeline-schedule", dict(default="1f1b", choices=["1f1b", "gpipe", "no_pipelining"])),
+    ("--micro-batch-size", dict(type=int, default=1)),
+    ("--global-batch-size", _INT),
+    ("--rampup-batch-size", dict(nargs=3, type=int, metavar=("START", "INCREMENT", "SAMPLES"))),
+    ("--train-iters", _INT), ("--train-samples", _INT),
+    ("--lr", dict(type=float, default=1e-3)), ("--min-lr", dict(type=float, default=0.0)),
+    ("--lr-decay-style", dict(default="cosine", choices=["constant", "linear", "cosine"])),
+    ("--lr-warmup-iters", dict(type=int, default=0)), ("--lr-warmup-samples", _INT),
+    ("--lr-decay-iters", _INT),
+)
+OPTIMIZER_FLAGS = (
+    ("--optimizer", dict(default="adamw", choices=["adamw", "adam", "sgd", "muon"])),
+    ("--weight-decay", dict(type=float, default=0.01)), ("--clip-grad", dict(type=float, default=1.0)),
+    ("--adam-beta1", dict(type=float, default=0.9)), ("--adam-beta2", dict(type=float, default=0.999)),
+    ("--adam-eps", dict(type=float, default=1e-8)), ("--bf16", _SWITCH), ("--fp16", _SWITCH),
+    ("--initial-loss-scale", dict(type=float, default=2.0 ** 16)),
+    ("--loss-scale-window", dict(type=int, default=1000)), ("--hysteresis", dict(type=int, default=2)),
+    ("--min-loss-scale", dict(type=float, default=1.0)),
+    ("--offload-optimizer", dict(default="none", choices=["none", "cpu", "nvme"])),
+    ("--offload-dir", {}),
+    ("--recompute-granularity", dict(choices=["full", "selective"], help=(
+        "full: whole layers (see --recompute-method); selective: the attention core"))),
+    ("--recompute-method", dict(choices=["uniform", "block"], help=(
+        "full only: units of N layers (uniform, default) or the first N layers of each pipeline "
+        "chunk (block)"))),
+    ("--recompute-num-layers", dict(type=int, help="full only: N (default 1)")),
+)
+DATA_FLAGS = (
+    ("--data-path", dict(nargs="*", default=[])),
+    ("--mock-data", dict(_SWITCH, help="synthetic tokens instead of --data-path")),
+    ("--sft", dict(_SWITCH, help="chat fine-tuning: --data-path is a prefix from "
+                                 "tools/preprocess_sft.py; loss on assistant tokens only, averaged "
+                                 "over the global batch (docs/sft.md)")),
+    ("--sft-packing", dict(_SWITCH, help="--sft: pack conversations into each sample (document "
+                                         "masks, positions restarting) instead of one padded "
+                                         "conversation per sample")),
+    ("--reset-position-ids", dict(_SWITCH, help="positions restart after every end-of-document token")),
+    ("--reset-attention-mask", dict(_SWITCH, help="no token attends across an end-of-document token")),
+    ("--calculate-per-token-loss", dict(_SWITCH, help=(
+        "loss = sum over the global batch's counted tokens / their number (not a mean of "
+        "microbatch means); implied by --sft"))),
+    ("--split", dict(default="969,30,1")), ("--tokenizer-type", dict(default="GPT2BPETokenizer")),
+    ("--vocab-file", {}), ("--merge-file", {}), ("--tokenizer-model", {}),
+    ("--vocab-size", dict(type=int, help="model vocabulary when no tokenizer is given")),
+    ("--data-cache-path", {}),
+)
+CHECKPOINT_FLAGS = (
+    ("--save", {}), ("--load", {}), ("--save-interval", _INT), ("--async-save", _SWITCH),
+    ("--finetune", _SWITCH),
+    ("--use-checkpoint-args", dict(_SWITCH, help="the model is --load's (its checkpoint's config) "
+                                                 "even with --model; without --model that is the "
+                                                 "default")),
+    ("--keep-last", dict(type=int, help="keep only the newest N checkpoints (default: all)")),
+    ("--keep-every", dict(type=int, help="with --keep-last: also keep every checkpoint whose "
+                                         "iteration is a multiple of K")),
+)
+LOGGING_FLAGS = (
+    ("--log-interval", dict(type=int, default=10)), ("--eval-interval", dict(type=int, default=100)),
+    ("--eval-iters", dict(type=int, default=10)), ("--wandb-project", {}), ("--wandb-exp-name", {}),
+    ("--wandb-save-dir", {}), ("--peak-flops", dict(type=float, help="per-device peak FLOP/s for MFU")),
+    ("--tensorboard-dir", {}),
+)
+HEALTH_FLAGS = (
+    ("--health-policy", dict(default="warn", choices=["warn", "skip", "rollback"], help=(
+        "on a loss spike or NaN: log it, drop the step's update, or reload the last checkpoint "
+        "and skip the offending samples"))),
+    ("--spike-zscore", dict(type=float, default=6.0)), ("--spike-window", dict(type=int, default=50)),
+    ("--collective-timeout", dict(type=float, default=HealthConfig.collective_timeout, help=(
+        "seconds (default 5 minutes; 0: off) before a hung collective ends the job naming the "
+        "ranks that did not arrive or froze"))),
+    ("--straggler-threshold", dict(type=float, default=1.25)),
+    ("--inject-nan-at-iteration", dict(type=int, help="fault drill: NaN gradients once")),
+    ("--inject-hang", dict(nargs=3, type=float, metavar=("RANK", "ITERATION", "SECONDS"),
+                           help="fault drill: RANK sleeps SECONDS before a collective at ITERATION")),
+    ("--max-bad-steps", dict(type=int, default=20, help=(
+        "stop the run (exit status 1) after this many consecutive steps with a non-finite loss "
+        "or a skipped update, under any --health-policy"))),
+    ("--seed", dict(type=int, default=1234)),
+)
+GROUPS = (("model", MODEL_FLAGS), ("mixture of experts (docs/moe.md)", MOE_FLAGS),
+          ("batch and schedule", SCHEDULE_FLAGS), ("optimizer", OPTIMIZER_FLAGS),
+          ("data", DATA_FLAGS), ("checkpoints", CHECKPOINT_FLAGS), ("logging", LOGGING_FLAGS),
+          ("health", HEALTH_FLAGS))
+
+
 def build_parser(default_model: str | None = None) -> argparse.ArgumentParser:
     p = _Parser(description="megazoo pretraining (Megatron-LM flag names; docs/megatron.md maps them)",
                 allow_abbrev=False, formatter_class=HelpFormatter)
-    a = p.add_argument
-    g = p.add_argument_group("model")
-    g.add_argument("--model", default=default_model, help=f"preset: {', '.join(sorted(PRESETS))}")
-    for flag in ("--num-layers", "--hidden-size", "--num-attention-heads", "--ffn-hidden-size",
-                 "--max-position-embeddings", "--make-vocab-size-divisible-by"):
-        g.add_argument(flag, type=int)
-    g.add_argument("--seq-length", type=int, default=None)
-    g.add_argument("--hidden-dropout", type=float)
-    g.add_argument("--attention-dropout", type=float)
-    g.add_argument("--init-method-std", type=float)
-    g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope", "alibi"])
-    g.add_argument("--rotary-base", type=float, help="RoPE theta")
-    g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"])
-    g.add_argument("--norm-epsilon", type=float)
-    g.add_argument("--swiglu", action="store_true", default=None)
-    g.add_argument("--group-query-attention", action="store_true")
-    g.add_argument("--num-query-groups", type=int)
-    g.add_argument("--untie-embeddings-and-output-weights", action="store_true", default=None)
-    g.add_argument("--disable-bias-linear", action="store_true", default=None)
-    g.add_argument("--kv-channels", type=int)
-    g.add_argument("--add-qkv-bias", action="store_true", default=None)
-    g.add_argument("--qk-layernorm", action="store_true", default=None)
-    g = p.add_argument_group("mixture of experts (docs/moe.md)")
-    g.add_argument("--num-experts", type=int, help="experts per MoE layer (none: dense MLPs)")
-    g.add_argument("--moe-router-topk", type=int, help="experts per token")
-    g.add_argument("--moe-ffn-hidden-size", type=int, help="each expert's width (default --ffn-hidden-size)")
-    g.add_argument("--moe-router-pre-softmax", action="store_true", default=None,
-                   help="softmax over all experts, then top-k (Qwen); default top-k, then softmax (Mixtral)")
-    g.add_argument("--moe-aux-loss-coeff", type=float, help="Switch/GShard load-balancing loss")
-    g.add_argument("--moe-z-loss-coeff", type=float, help="router z-loss (ST-MoE)")
-    g.add_argument("--moe-expert-capacity-factor", type=float,
-                   help="drop assignments over factor x tokens x topk / experts per expert (default dropless)")
-    g.add_argument("--moe-shared-expert-intermediate-size", type=int, help="a shared expert's width")
-    g.add_argument("--moe-first-dense-layers", type=int,
-                   help="the first K layers dense (DeepSeek-V3's first_k_dense_replace)")
-    g.add_argument("--moe-router-score-function", choices=("softmax", "sigmoid"),
-                   help="softmax (default) or sigmoid scores (DeepSeek-V3: the chosen scores weigh)")
-    g.add_argument("--moe-router-enable-expert-bias", action="store_true", default=None,
-                   help="sigmoid: a per-expert bias for the choice only, updated from the load after "
-                        "each step (aux-loss-free balancing)")
-    g.add_argument("--moe-router-bias-update-rate", type=float,
-                   help="the expert bias's step towards the mean load (default 1e-3)")
-    g.add_argument("--moe-router-num-groups", type=int,
-                   help="sigmoid: expert groups for group-limited routing (HF n_group)")
-    g.add_argument("--moe-router-group-topk", type=int,
-                   help="groups each token may route to (HF topk_group)")
-    g.add_argument("--moe-router-topk-scaling-factor", type=float,
-                   help="routing weights times this (HF routed_scaling_factor)")
-    g.add_argument("--mtp-num-layers", type=int,
-                   help="multi-token prediction depths (DeepSeek-V3; HF num_nextn_predict_layers)")
-    g.add_argument("--mtp-loss-scaling-factor", type=float,
-                   help="weight of the depths' mean loss added to the main loss (default 0.1)")
+    p.add_argument("--model", default=default_model, help=f"preset: {', '.join(sorted(PRESETS))}")
     # the data-parallel size comes from the world; --zero-stage None: 0, or what
     # --use-distributed-optimizer / --deepspeed_config say (megatron_compat.py)
-    g = add_layout_flags(p, fields=set(BY_FIELD) - {"dp"}, defaults={"zero_stage": None},
-                         title="parallelism (training/config/layout_flags.py)")
-    g.add_argument("--pipeline-schedule", default="1f1b", choices=["1f1b", "gpipe", "no_pipelining"])
-    g = p.add_argument_group("batch and schedule")
-    g.add_argument("--micro-batch-size", type=int, default=1)
-    g.add_argument("--global-batch-size", type=int)
-    g.add_argument("--rampup-batch-size", nargs=3, type=int, metavar=("START", "INCREMENT", "SAMPLES"))
-    g.add_argument("--train-iters", type=int)
-    g.add_argument("--train-samples", type=int)
-    g.add_argument("--lr", type=float, default=1e-3)
-    g.add_argument("--min-lr", type=float, default=0.0)
-    g.add_argument("--lr-decay-style", default="cosine", choices=["constant", "linear", "cosine"])
-    g.add_argument("--lr-warmup-iters", type=int, default=0)
-    g.add_argument("--lr-warmup-samples", type=int)
-    g.add_argument("--lr-decay-iters", type=int)
-    g = p.add_argument_group("optimizer")
-    g.add_argument("--optimizer", default="adamw", choices=["adamw", "adam", "sgd", "muon"])
-    g.add_argument("--weight-decay", type=float, default=0.01)
-    g.add_argument("--clip-grad", type=float, default=1.0)
-    g.add_argument("--adam-beta1", type=float, default=0.9)
-    g.add_argument("--adam-beta2", type=float, default=0.999)
-    g.add_argument("--adam-eps", type=float, default=1e-8)
-    g.add_argument("--bf16", action="store_true")
-    g.add_argument("--fp16", action="store_true")
-    g.add_argument("--initial-loss-scale", type=float, default=2.0 ** 16)
-    g.add_argument("--loss-scale-window", type=int, default=1000)
-    g.add_argument("--hysteresis", type=int, default=2)
-    g.add_argument("--min-loss-scale", type=float, default=1.0)
-    g.add_argument("--offload-optimizer", default="none", choices=["none", "cpu", "nvme"])
-    g.add_argument("--offload-dir")
-    g.add_argument("--recompute-granularity", choices=["full", "selective"],
-                   help="full: whole layers (see --recompute-method); selective: the attention core")
-    g.add_argument("--recompute-method", choices=["uniform", "block"],
-                   help="full only: units of N layers (uniform, default) or the first N layers "
-                        "of each pipeline chunk (block)")
-    g.add_argument("--recompute-num-layers", type=int, help="full only: N (default 1)")
-    g = p.add_argument_group("data")
-    g.add_argument("--data-path", nargs="*", default=[])
-    g.add_argument("--mock-data", action="store_true", help="synthetic tokens instead of --data-path")
-    for flag, text in (
-            ("--sft", "chat fine-tuning: --data-path is a prefix from tools/preprocess_sft.py; loss on "
-                      "assistant tokens only, averaged over the global batch (docs/sft.md)"),
-            ("--sft-packing", "--sft: pack conversations into each sample (document masks, positions "
-                              "restarting) instead of one padded conversation per sample"),
-            ("--reset-position-ids", "positions restart after every end-of-document token"),
-            ("--reset-attention-mask", "no token attends across an end-of-document token"),
-            ("--calculate-per-token-loss", "loss = sum over the global batch's counted tokens / their "
-                                           "number (not a mean of microbatch means); implied by --sft")):
-        g.add_argument(flag, action="store_true", help=text)
-    g.add_argument("--split", default="969,30,1")
-    g.add_argument("--tokenizer-type", default="GPT2BPETokenizer")
-    g.add_argument("--vocab-file")
-    g.add_argument("--merge-file")
-    g.add_argument("--tokenizer-model")
-    g.add_argument("--vocab-size", type=int, help="model vocabulary when no tokenizer is given")
-    g.add_argument("--data-cache-path")
-    g = p.add_argument_group("checkpoints")
-    g.add_argument("--save")
-    g.add_argument("--load")
-    g.add_argument("--save-interval", type=int)
-    g.add_argument("--async-save", action="store_true")
-    g.add_argument("--finetune", action="store_true")
-    g.add_argument("--use-checkpoint-args", action="store_true",
-                   help="the model is --load's (its checkpoint's config) even with --model; "
-                        "without --model that is the default")
-    g = p.add_argument_group("logging")
-    g.add_argument("--log-interval", type=int, default=10)
-    g.add_argument("--eval-interval", type=int, default=100)
-    g.add_argument("--eval-iters", type=int, default=10)
-    g.add_argument("--wandb-project")
-    g.add_argument("--wandb-exp-name")
-    g.add_argument("--wandb-save-dir")
-    g.add_argument("--peak-flops", type=float, help="per-device peak FLOP/s for MFU")
-    g.add_argument("--tensorboard-dir")
-    g = p.add_argument_group("health")
-    g.add_argument("--health-policy", default="warn", choices=["warn", "skip", "rollback"],
-                   help="on a loss spike or NaN: log it, drop the step's update, or reload the last "
-                        "checkpoint and skip the offending samples")
-    g.add_argument("--spike-zscore", type=float, default=6.0)
-    g.add_argument("--spike-window", type=int, default=50)
-    g.add_argument("--collective-timeout", type=float, default=HealthConfig.collective_timeout,
-                   help="seconds (default 5 minutes; 0: off) before a hung collective ends the job "
-                        "naming the ranks that did not arrive or froze")
-    g.add_argument("--straggler-threshold", type=float, default=1.25)
-    g.add_argument("--inject-nan-at-iteration", type=int, help="fault drill: NaN gradients once")
-    g.add_argument("--inject-hang", nargs=3, type=float, metavar=("RANK", "ITERATION", "SECONDS"),
-                   help="fault drill: RANK sleeps SECONDS before a collective at ITERATION")
-    g = p.add_argument_group("checkpoint storage / health")
-    g.add_argument("--keep-last", type=int, help="keep only the newest N checkpoints (default: all)")
-    g.add_argument("--keep-every", type=int,
-                   help="with --keep-last: also keep every checkpoint whose iteration is a multiple of K")
-    g.add_argument("--max-bad-steps", type=int, default=20,
-                   help="stop the run (exit status 1) after this many consecutive steps with a "
-                        "non-finite loss or a skipped update, under any --health-policy")
+    add_layout_flags(p, fields=set(BY_FIELD) - {"dp"}, defaults={"zero_stage": None},
+                     title="parallelism (training/config/layout_flags.py)")
+    for title, flags in GROUPS:
+        group = p.add_argument_group(title)
+        for flag, keywords in flags:
+            group.add_argument(flag, **keywords)
     add_muon_flags(p)
     add_megatron_compat_flags(p)
-    a("--seed", type=int, default=1234)
     apply_help(p)
     return p
