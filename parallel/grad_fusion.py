@@ -49,6 +49,9 @@ def weight_grad(accumulate_wgrad, a: torch.Tensor, b: torch.Tensor) -> torch.Ten
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    if spec_of(weight).accumulate_wgrad is not None and torch.is_grad_enabled():
+    """Inside a compiled layer (training/run/compile.py) plain F.linear: the compiler fuses the
+    weight gradient itself, and the bucket's hook takes it like any other gradient."""
+    if spec_of(weight).accumulate_wgrad is not None and torch.is_grad_enabled() and \
+            not torch.compiler.is_compiling():
         return _LinearWgradIntoBucket.apply(x, weight, bias)
     return F.linear(x, weight, bias)

@@ -44,11 +44,11 @@ _DEFAULT = ParamSpec()
 
 def spec_of(param: torch.Tensor) -> ParamSpec:
     """The parameter's record (the default one: replicated, nothing attached, when none was set)."""
-    return param.__dict__.get(_ATTR, _DEFAULT)
+    return getattr(param, _ATTR, _DEFAULT)
 
 
 def set_spec(param: torch.Tensor, **changes) -> ParamSpec:
     """Change fields of the parameter's record (the only way a record is written)."""
     spec = dataclasses.replace(spec_of(param), **changes)
-    param.__dict__[_ATTR] = spec
+    setattr(param, _ATTR, spec)
     return spec

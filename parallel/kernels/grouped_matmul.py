@@ -102,6 +102,9 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torc
     return y[:, :out_f]
 
 
+_eager_grouped_linear = torch.compiler.disable(grouped_linear)
+
+
 def padded_group_sizes(counts: torch.Tensor, multiple: int) -> torch.Tensor:
     """Each count rounded up to a multiple of max(`multiple`, 2^floor(log2 count) / 16)."""
     octave = torch.log2(counts.clamp(min=1).double()).floor()
@@ -149,6 +152,11 @@ class ExpertMatmuls:
 
     def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """Each group's rows of x [rows, in] times its weight w [groups, out, in] transposed."""
+        if self.choice.kernel == "grouped_mm" and torch.compiler.is_compiling() and \
+                x.dtype != torch.bfloat16:
+            # torch's compile-time (fake) `_grouped_mm` takes bf16 only: the experts run eager
+            # inside a compiled layer (a graph break --compile reports)
+            return _eager_grouped_linear(x, w, self._offs)
         if self.choice.kernel == "grouped_mm":
             return grouped_linear(x, w, self._offs)
         pieces = x.split(self._sizes)

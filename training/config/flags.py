@@ -175,7 +175,10 @@ def to_run_config(args: argparse.Namespace, vocab_size: int | None = None,
             and args.vocab_size != vocab_size:
         _warn(f"--vocab-size {args.vocab_size} ignored: the tokenizer gives the vocabulary "
               f"({vocab_size} tokens, padded by --make-vocab-size-divisible-by); drop the flag")
+    if args.compile_backend and not args.compile:
+        _fail(f"--compile-backend {args.compile_backend} chooses how --compile compiles; add --compile")
     return RunConfig(
+        compile_backend=(args.compile_backend or "inductor") if args.compile else None,
         model=model, parallel=parallel, optimizer=optimizer_config(args, model, parallel, compat),
         seed=args.seed, health=health_config(args), schedule=schedule,
         data=data_config(args, seq, compat, eod_token),

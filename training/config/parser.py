@@ -13,7 +13,7 @@ from megazoo.training.config.flag_help import HelpFormatter, apply_help
 from megazoo.training.config.layout_flags import BY_FIELD, add_layout_flags
 from megazoo.training.config.megatron_compat import add_megatron_compat_flags, translate
 from megazoo.training.config.muon_flags import add_muon_flags
-from megazoo.training.config.run_config import HealthConfig
+from megazoo.training.config.run_config import COMPILE_BACKENDS, HealthConfig
 
 
 class _Parser(argparse.ArgumentParser):
@@ -172,10 +172,17 @@ HEALTH_FLAGS = (
         "or a skipped update, under any --health-policy"))),
     ("--seed", dict(type=int, default=1234)),
 )
+COMPILE_FLAGS = (
+    ("--compile", dict(_SWITCH, help="compile each transformer layer with torch.compile (the rest "
+                                     "eager; training/run/compile.py)")),
+    ("--compile-backend", dict(choices=COMPILE_BACKENDS, help="with --compile: inductor (default; the "
+                                                      "CPU's C++ or CUDA's Triton kernels), or "
+                                                      "aot_eager / eager to check tracing only")),
+)
 GROUPS = (("model", MODEL_FLAGS), ("mixture of experts (docs/moe.md)", MOE_FLAGS),
           ("batch and schedule", SCHEDULE_FLAGS), ("optimizer", OPTIMIZER_FLAGS),
           ("data", DATA_FLAGS), ("checkpoints", CHECKPOINT_FLAGS), ("logging", LOGGING_FLAGS),
-          ("health", HEALTH_FLAGS))
+          ("health", HEALTH_FLAGS), ("compilation", COMPILE_FLAGS))
 
 
 def build_parser(default_model: str | None = None) -> argparse.ArgumentParser:

@@ -82,6 +82,8 @@ class LoggingConfig:
 
 
 POLICIES = ("warn", "skip", "rollback")
+# --compile-backend: inductor compiles (training/run/compile.py); the others only trace
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 
 
 @dataclass(frozen=True)
@@ -115,6 +117,7 @@ class RunConfig:
     logging: LoggingConfig
     health: HealthConfig = field(default_factory=HealthConfig)
     seed: int = 1234
+    compile_backend: str | None = None  # --compile (--compile-backend): layers compiled; None: eager
 
     @property
     def run_dir(self) -> str | None:

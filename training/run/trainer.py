@@ -21,6 +21,7 @@ from megazoo.training.checkpoint import storage
 from megazoo.training.checkpoint.tokenizer import store_training_tokenizer
 from megazoo.training.config.run_config import RunConfig
 from megazoo.training.run.batches import TrainData, build_datasets, document_flags
+from megazoo.training.run.compile import compile_layers, report_graph_breaks
 from megazoo.training.resilience.faults import maybe_hang, report_unhealthy, roll_back
 from megazoo.training.resilience.health import HealthMonitor, ProgressGuard, after_step
 from megazoo.training.monitor.journal import RunJournal
@@ -83,6 +84,8 @@ class Trainer:
                                       timeout_s=backend_timeout(run.health.collective_timeout))
         self.rng = model_parallel_seed(run.seed, topo)
         self.chunks = build_chunks(model_provider, run, topo, self.rng)
+        self.compiled = compile_layers(self.chunks, run.compile_backend) \
+            if run.compile_backend else 0  # reported after the first step: report_graph_breaks
         self.opt = build_optimizer(self.chunks, topo, run.optimizer, run.model.dtype)
         self.lock = storage.SaveLock(run.checkpoint.save) \
             if run.checkpoint.save and topo.rank == 0 else None
@@ -189,6 +192,9 @@ class Trainer:
         self.window.add(loss, batch * run.data.seq_length, elapsed, timings["ready"] - step_begin,
                         time.perf_counter() - step_begin)
         self.last_step, self.batch = step, batch
+        if self.compiled:  # the first step compiled the layers: say what it broke, once
+            report_graph_breaks(self.journal, topo.rank, self.compiled, run.compile_backend)
+            self.compiled = 0
         return True
 
     def log_if_due(self) -> None:
