@@ -1,0 +1,183 @@
+"""megazoo as an lm-evaluation-harness model (`lm_eval --model megazoo`): log-likelihoods,
+rolling log-likelihoods and greedy generation on a megazoo model of any tensor/pipeline layout.
+
+Two ways in: `MegazooLM(load=CKPT, tp=.., pp=..)` loads a checkpoint (lm_eval's
+`--model_args`; every process of a torchrun world builds one, the layout's product being the
+world size or a divisor of it, the rest data-parallel copies), or `MegazooLM.of_chunks(...)`
+wraps the chunks a training run holds. The tokenizer is the checkpoint's own
+(training/checkpoint/tokenizer.py), its chat template serves `--apply_chat_template`.
+
+Every process runs the whole harness on every request (lm_eval sees rank 0 of a world of 1:
+its own data-parallel split would hand different requests to the ranks of one model), so the
+collectives of the forward passes line up; lm_eval returns the results where LOCAL_RANK is 0.
+Requests are scored in batches of `batch_size`, longest first, as lm_eval's HF backend does,
+and context and continuation are encoded as it encodes them (TemplateLM), so per-item
+log-likelihoods are comparable with `--model hf` on the exported model.
+"""
+from __future__ import annotations
+
+import logging
+
+from lm_eval.api.model import TemplateLM
+from lm_eval.api.registry import model_registry, register_model
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+from megazoo.training.evaluation.scorer import Scorer
+
+logger = logging.getLogger(__name__)
+
+NAME = "megazoo"
+
+
+def register() -> None:
+    """Make `megazoo` a model name lm_eval knows (idempotent)."""
+    if NAME not in model_registry.keys():
+        register_model(NAME)(MegazooLM)
+
+
+class MegazooLM(TemplateLM):
+    def __init__(self, load: str | None = None, tp: int = 1, pp: int = 1, sequence_parallel=False,
+                 batch_size=8, max_gen_toks: int = 256, max_batch_size=None, device=None,
+                 **unknown):
+        super().__init__()
+        if unknown:
+            raise ValueError(f"--model_args: unknown megazoo argument(s) {sorted(unknown)}; known: "
+                             "load, tp, pp, sequence_parallel, batch_size, max_gen_toks")
+        if not load:
+            raise ValueError("--model_args needs load=CHECKPOINT (a megazoo checkpoint folder)")
+        if str(batch_size).startswith("auto"):
+            raise ValueError("--batch_size auto is not supported by the megazoo model; give a number")
+        from megazoo.parallel.topology import ParallelConfig, initialize
+        from megazoo.training.checkpoint import format as ckpt
+        from megazoo.training.checkpoint.hf import load_model_chunks
+        from megazoo.training.checkpoint.tokenizer import checkpoint_tokenizer, eos_token_ids
+        folder = ckpt.resolve(load)
+        sp = str(sequence_parallel).lower() in ("1", "true", "yes")
+        topo = initialize(ParallelConfig(tp=int(tp), pp=int(pp), sequence_parallel=sp))
+        _, chunks = load_model_chunks(folder, topo)
+        tok = checkpoint_tokenizer(folder)
+        eos = eos_token_ids(folder, ckpt.read_meta(folder)) or [tok.eod]
+        self._set(chunks, topo, tok, eos, int(batch_size), int(max_gen_toks))
+
+    @classmethod
+    def of_chunks(cls, chunks, topo, tokenizer, eos_ids, batch_size: int = 8,
+                  max_gen_toks: int = 256) -> "MegazooLM":
+        """The model a training run holds (its chunks and layout), unchanged by evaluating."""
+        self = cls.__new__(cls)
+        TemplateLM.__init__(self)
+        self._set(chunks, topo, tokenizer, eos_ids, batch_size, max_gen_toks)
+        return self
+
+    def _set(self, chunks, topo, tok, eos, batch_size, max_gen_toks):
+        self.scorer = Scorer(chunks, topo, batch_size)
+        self.tok, self.eos_ids, self.max_gen_toks = tok, list(eos), max_gen_toks
+        self.batch_size = batch_size
+
+    # ---- what lm_eval asks of a model ---------------------------------------------------------
+    @property
+    def eot_token_id(self) -> int:
+        return self.eos_ids[0]
+
+    @property
+    def max_length(self) -> int:
+        return self.scorer.max_length
+
+    @property
+    def tokenizer_name(self) -> str:
+        return type(self.tok).__name__
+
+    def tok_encode(self, string: str, add_special_tokens=None, **kwargs) -> list[int]:
+        return self.tok.encode(string)
+
+    def tok_decode(self, ids) -> str:
+        return self.tok.decode(ids)
+
+    def chat_template(self, chat_template=False):
+        if not chat_template:
+            return None
+        template = getattr(self.tok, "chat_template", None)
+        if not template:
+            raise ValueError("--apply_chat_template: the checkpoint's tokenizer has no chat "
+                             "template (tokenizer/chat_template.jinja or tokenizer_config.json)")
+        return template
+
+    def apply_chat_template(self, chat_history, add_generation_prompt: bool = True) -> str:
+        from transformers.utils.chat_template_utils import render_jinja_template
+        special = self.tok.special_tokens() if hasattr(self.tok, "special_tokens") else {}
+        rendered, _ = render_jinja_template([chat_history], chat_template=self.chat_template(True),
+                                            add_generation_prompt=add_generation_prompt, **special)
+        return rendered[0]
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs):
+        """(sum of the continuation's log-probabilities, whether greedy decoding gives it)."""
+        inputs, targets, conts = [], [], []
+        for _, context, continuation in requests:
+            whole = (list(context) + list(continuation))[-(self.max_length + 1):]
+            inputs.append(whole[:-1])
+            targets.append(whole[1:])
+            conts.append(list(continuation))
+        order = sorted(range(len(inputs)), key=lambda i: -len(inputs[i]))  # similar lengths batch
+        logps, greedy = self.scorer.run([inputs[i] for i in order], [targets[i] for i in order])
+        out = [None] * len(inputs)
+        for k, i in enumerate(order):
+            n = len(conts[i])
+            lp, gr = logps[k][-n:], greedy[k][-n:]
+            out[i] = (float(sum(lp)), gr == targets[i][-n:])
+        for req, result in zip(requests, out):
+            if req[0] is not None:
+                self.cache_hook.add_partial("loglikelihood", req[0], result)
+        return out
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        windows, owner = [], []
+        for i, (string,) in enumerate(r.args for r in requests):
+            for ctx, cont in map(make_disjoint_window, get_rolling_token_windows(
+                    token_list=self.tok_encode(string), prefix_token=self.prefix_token_id,
+                    max_seq_len=self.max_length, context_len=1)):
+                windows.append((None, ctx, cont))
+                owner.append(i)
+        totals = [0.0] * len(requests)
+        for i, (lp, _) in zip(owner, self._loglikelihood_tokens(windows)):
+            totals[i] += lp
+        for r, total in zip(requests, totals):
+            self.cache_hook.add_partial("loglikelihood_rolling", r.args, total)
+        return totals
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        """Greedy decoding (each new token from a full forward pass over the sequence so far, so
+        any layout decodes alike) until a stop string, an eos id or max_gen_toks."""
+        out = []
+        for req in requests:
+            context, gen_kwargs = req.args
+            out.append(self._generate_one(context, dict(gen_kwargs or {})))
+            self.cache_hook.add_partial("generate_until", req.args, out[-1])
+        return out
+
+    def _generate_one(self, context: str, kwargs: dict) -> str:
+        if kwargs.pop("do_sample", False) or float(kwargs.pop("temperature", 0.0) or 0.0) > 0:
+            raise ValueError("the megazoo model decodes greedily: set do_sample: false and "
+                             "temperature: 0 in the task's generation_kwargs (or --gen_kwargs)")
+        until = kwargs.pop("until", None) or []
+        until = [until] if isinstance(until, str) else list(until)
+        eos_text = self.tok_decode([self.eot_token_id])
+        if eos_text not in until:
+            until.append(eos_text)
+        max_gen = int(kwargs.pop("max_gen_toks", self.max_gen_toks))
+        if max_gen >= self.max_length:
+            raise ValueError(f"max_gen_toks {max_gen} must be below the model's {self.max_length} "
+                             f"positions")
+        ids = self.tok_encode(context)[-(self.max_length - max_gen):]
+        start = len(ids)
+        for _ in range(max_gen):
+            _, greedy = self.scorer.run([ids])
+            token = greedy[0][-1]
+            if token in self.eos_ids:
+                break
+            ids.append(token)
+            text = self.tok_decode(ids[start:])
+            if any(u in text for u in until):
+                break
+        text = self.tok_decode(ids[start:])
+        for u in until:
+            text = text.split(u)[0]
+        return text
