@@ -3,6 +3,7 @@ model: per-item log-likelihoods within 1e-5 and the same scores on a local multi
 local generation task, at tp1 (in process) and tp2 / pp2 (one spawned 2-rank world)."""
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 
 from tests.distributed import run_distributed
 from tests.fixtures import HERE as FIXTURES
-from tests.tokenizer_data import tokenizer_folders
+from tests.tokenizer_data import CHATML_PLAIN, tokenizer_folders
 
 TASKS = [str(FIXTURES / "lm_eval" / "tiny_mc.yaml"), str(FIXTURES / "lm_eval" / "tiny_gen.yaml")]
 ATOL = 1e-5
@@ -38,6 +39,9 @@ def models(tmp_path_factory):
     from megazoo.training.checkpoint.hf import export_hf, import_hf
     tmp = tmp_path_factory.mktemp("lm_eval")
     _, mini, hf_tok = tokenizer_folders(tmp, "gpt2", old_config=True)
+    config = json.loads(open(os.path.join(mini, "tokenizer_config.json")).read())
+    with open(os.path.join(mini, "tokenizer_config.json"), "w") as f:
+        json.dump({**config, "chat_template": CHATML_PLAIN}, f)
     torch.manual_seed(0)
     hf = GPT2LMHeadModel(GPT2Config(vocab_size=len(hf_tok), n_positions=32, n_embd=32, n_layer=2,
                                     n_head=4, eos_token_id=50256, bos_token_id=50256))
@@ -47,9 +51,9 @@ def models(tmp_path_factory):
     ckpt, exported = str(tmp / "megazoo"), str(tmp / "exported")
     import_hf(str(tmp / "hf"), ckpt)
     export_hf(ckpt, exported)
-    reference = _evaluate("hf", dict(pretrained=exported, dtype="float32", device="cpu",
-                                     batch_size=4))
-    return ckpt, reference
+    from lm_eval.models.huggingface import HFLM
+    hf_lm = HFLM(pretrained=exported, dtype="float32", device="cpu", batch_size=4)
+    return ckpt, _evaluate(hf_lm), hf_lm
 
 
 def _check(got, reference):
@@ -60,15 +64,27 @@ def _check(got, reference):
     assert diff <= ATOL, diff
     assert gens == ref_gens
     assert scores == ref_scores
+    print(f"largest log-likelihood difference {diff:.2e}; generations {gens}")
     return diff
 
 
+ROLLING = ["The quick brown fox jumps over the lazy dog. " * 6, "Hello world", "naïve café 123"]
+CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}]
+
+
 def test_tp1_matches_hf_backend(models):
-    from megazoo.training.evaluation.harness import register
-    ckpt, reference = models
-    register()
-    got = _evaluate("megazoo", dict(load=ckpt, batch_size=4))
-    _check(got, reference)
+    from lm_eval.api.instance import Instance
+    from megazoo.training.evaluation.harness import MegazooLM
+    ckpt, reference, hf_lm = models
+    lm = MegazooLM(load=ckpt, batch_size=4)
+    _check(_evaluate(lm), reference)
+    # perplexity: rolling windows past the 32 positions, against the HF backend's
+    reqs = [Instance("loglikelihood_rolling", {}, (text,), i) for i, text in enumerate(ROLLING)]
+    got, ref = lm.loglikelihood_rolling(reqs), hf_lm.loglikelihood_rolling(reqs)
+    assert all(abs(a - b) <= ATOL * max(1.0, abs(b)) for a, b in zip(got, ref, strict=True)), (got, ref)
+    # the checkpoint's chat template renders as the HF backend renders the exported one
+    assert lm.apply_chat_template(CHAT) == hf_lm.apply_chat_template(CHAT)
+    assert lm.tok_encode(lm.apply_chat_template(CHAT)) == hf_lm.tok_encode(hf_lm.apply_chat_template(CHAT))
 
 
 def _layouts(rank, ckpt):
@@ -81,7 +97,7 @@ def _layouts(rank, ckpt):
 
 
 def test_tp2_and_pp2_match_hf_backend(models):
-    ckpt, reference = models
+    ckpt, reference, _ = models
     results = run_distributed(_layouts, 2, ckpt, timeout=240)
     checked = [_check(got, reference) for got in results[0]]
     assert len(checked) == 3

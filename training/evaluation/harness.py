@@ -35,14 +35,22 @@ def register() -> None:
         register_model(NAME)(MegazooLM)
 
 
+def bos_token(tok) -> tuple[str | None, int | None]:
+    """(text, id) of the tokenizer's bos_token (tokenizer_config.json), or (None, None)."""
+    special = tok.special_tokens() if hasattr(tok, "special_tokens") else {}
+    text = special.get("bos_token")
+    ids = tok.encode(text) if text else []
+    return (text, ids[0]) if len(ids) == 1 else (None, None)
+
+
 class MegazooLM(TemplateLM):
     def __init__(self, load: str | None = None, tp: int = 1, pp: int = 1, sequence_parallel=False,
-                 batch_size=8, max_gen_toks: int = 256, max_batch_size=None, device=None,
-                 **unknown):
+                 batch_size=8, max_gen_toks: int = 256, add_bos_token=False, max_batch_size=None,
+                 device=None, **unknown):
         super().__init__()
         if unknown:
             raise ValueError(f"--model_args: unknown megazoo argument(s) {sorted(unknown)}; known: "
-                             "load, tp, pp, sequence_parallel, batch_size, max_gen_toks")
+                             "load, tp, pp, sequence_parallel, max_gen_toks, add_bos_token")
         if not load:
             raise ValueError("--model_args needs load=CHECKPOINT (a megazoo checkpoint folder)")
         if str(batch_size).startswith("auto"):
@@ -57,26 +65,38 @@ class MegazooLM(TemplateLM):
         _, chunks = load_model_chunks(folder, topo)
         tok = checkpoint_tokenizer(folder)
         eos = eos_token_ids(folder, ckpt.read_meta(folder)) or [tok.eod]
-        self._set(chunks, topo, tok, eos, int(batch_size), int(max_gen_toks))
+        self._set(chunks, topo, tok, eos, int(batch_size), int(max_gen_toks),
+                  str(add_bos_token).lower() in ("1", "true", "yes"))
 
     @classmethod
     def of_chunks(cls, chunks, topo, tokenizer, eos_ids, batch_size: int = 8,
-                  max_gen_toks: int = 256) -> "MegazooLM":
+                  max_gen_toks: int = 256, add_bos_token: bool = False) -> "MegazooLM":
         """The model a training run holds (its chunks and layout), unchanged by evaluating."""
         self = cls.__new__(cls)
         TemplateLM.__init__(self)
-        self._set(chunks, topo, tokenizer, eos_ids, batch_size, max_gen_toks)
+        self._set(chunks, topo, tokenizer, eos_ids, batch_size, max_gen_toks, add_bos_token)
         return self
 
-    def _set(self, chunks, topo, tok, eos, batch_size, max_gen_toks):
+    def _set(self, chunks, topo, tok, eos, batch_size, max_gen_toks, add_bos):
         self.scorer = Scorer(chunks, topo, batch_size)
         self.tok, self.eos_ids, self.max_gen_toks = tok, list(eos), max_gen_toks
         self.batch_size = batch_size
+        self.bos_text, self.bos_id = bos_token(tok)
+        if add_bos and self.bos_id is None:
+            raise ValueError("add_bos_token=true: the checkpoint's tokenizer names no "
+                             "bos_token (tokenizer_config.json); drop add_bos_token")
+        self.add_bos = bool(add_bos)
 
     # ---- what lm_eval asks of a model ---------------------------------------------------------
     @property
     def eot_token_id(self) -> int:
         return self.eos_ids[0]
+
+    @property
+    def prefix_token_id(self) -> int:
+        """What an empty context is conditioned on: bos when the tokenizer names one (as the HF
+        backend does), else the end-of-document token."""
+        return self.bos_id if self.bos_id is not None else self.eot_token_id
 
     @property
     def max_length(self) -> int:
@@ -87,7 +107,13 @@ class MegazooLM(TemplateLM):
         return type(self.tok).__name__
 
     def tok_encode(self, string: str, add_special_tokens=None, **kwargs) -> list[int]:
-        return self.tok.encode(string)
+        """The tokenizer's ids; with add_bos_token, bos first (unless the string starts with it
+        or the caller asks for no special tokens), as the HF backend encodes."""
+        ids = self.tok.encode(string)
+        bos = self.add_bos if add_special_tokens is None else add_special_tokens
+        if bos and self.bos_id is not None and not string.startswith(self.bos_text):
+            ids = [self.bos_id] + ids
+        return ids
 
     def tok_decode(self, ids) -> str:
         return self.tok.decode(ids)
@@ -144,16 +170,21 @@ class MegazooLM(TemplateLM):
         return totals
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        """Greedy decoding (each new token from a full forward pass over the sequence so far, so
-        any layout decodes alike) until a stop string, an eos id or max_gen_toks."""
-        out = []
-        for req in requests:
-            context, gen_kwargs = req.args
-            out.append(self._generate_one(context, dict(gen_kwargs or {})))
-            self.cache_hook.add_partial("generate_until", req.args, out[-1])
+        """Greedy decoding until a stop string, an eos id or max_gen_toks, `batch_size` requests
+        at a time (each new token from a full forward pass over the sequences so far, so every
+        layout decodes alike)."""
+        jobs = [self._job(*req.args) for req in requests]
+        out = [None] * len(jobs)
+        for start in range(0, len(jobs), self.batch_size):
+            part = list(range(start, min(start + self.batch_size, len(jobs))))
+            for i, text in zip(part, self._decode([jobs[i] for i in part])):
+                out[i] = text
+        for req, text in zip(requests, out):
+            self.cache_hook.add_partial("generate_until", req.args, text)
         return out
 
-    def _generate_one(self, context: str, kwargs: dict) -> str:
+    def _job(self, context: str, gen_kwargs) -> dict:
+        kwargs = dict(gen_kwargs or {})
         if kwargs.pop("do_sample", False) or float(kwargs.pop("temperature", 0.0) or 0.0) > 0:
             raise ValueError("the megazoo model decodes greedily: set do_sample: false and "
                              "temperature: 0 in the task's generation_kwargs (or --gen_kwargs)")
@@ -167,17 +198,27 @@ class MegazooLM(TemplateLM):
             raise ValueError(f"max_gen_toks {max_gen} must be below the model's {self.max_length} "
                              f"positions")
         ids = self.tok_encode(context)[-(self.max_length - max_gen):]
-        start = len(ids)
-        for _ in range(max_gen):
-            _, greedy = self.scorer.run([ids])
-            token = greedy[0][-1]
-            if token in self.eos_ids:
+        return dict(ids=ids, start=len(ids), until=until, left=max_gen, done=max_gen == 0)
+
+    def _decode(self, jobs: list[dict]) -> list[str]:
+        while True:
+            active = [j for j in jobs if not j["done"]]
+            if not active:
                 break
-            ids.append(token)
-            text = self.tok_decode(ids[start:])
-            if any(u in text for u in until):
-                break
-        text = self.tok_decode(ids[start:])
-        for u in until:
-            text = text.split(u)[0]
-        return text
+            _, greedy = self.scorer.run([j["ids"] for j in active])
+            for j, row in zip(active, greedy):
+                token = row[-1]
+                if token in self.eos_ids:
+                    j["done"] = True
+                    continue
+                j["ids"].append(token)
+                j["left"] -= 1
+                text = self.tok_decode(j["ids"][j["start"]:])
+                j["done"] = j["left"] == 0 or any(u in text for u in j["until"])
+        out = []
+        for j in jobs:
+            text = self.tok_decode(j["ids"][j["start"]:])
+            for u in j["until"]:
+                text = text.split(u)[0]
+            out.append(text)
+        return out
