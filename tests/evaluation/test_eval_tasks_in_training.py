@@ -45,3 +45,21 @@ def test_eval_tasks_change_nothing_and_reach_every_sink(tmp_path):
     logged = [r for r in rows if r["split"] == "eval_tasks"]
     assert [r["iteration"] for r in logged] == [2, 4] and logged[-1]["tiny_mc/acc"] == scores[-1]["tiny_mc/acc"]
     assert os.path.exists(tmp_path / "tasks" / "report.png")
+
+
+def test_eval_task_flags_refused_in_one_line(tmp_path):
+    import pytest
+    from megazoo.training.config.flags import ArgumentError, to_run_config
+    from megazoo.training.config.parser import build_parser
+    with_tok = _argv()[:-2]  # no pp: one process
+    cases = [(with_tok + ["--eval-tasks", str(tmp_path / "nope.yaml")], "no such task file"),
+             (with_tok + ["--eval-tasks-interval", "5"], "without --eval-tasks"),
+             (list(TINY) + ["--train-iters", "2", "--eval-tasks", TASKS[0]], "needs the run's tokenizer"),
+             (with_tok + ["--eval-tasks", TASKS[0], "--eval-tasks-interval", "-1"], ">= 0"),
+             (with_tok + ["--eval-tasks", TASKS[0], "--context-parallel-size", "2"],
+              "--context-parallel-size 1")]
+    for argv, words in cases:
+        with pytest.raises(ArgumentError, match=words.replace("(", r"\(").replace("-", r"\-")):
+            to_run_config(build_parser().parse_args(argv), world_size=2)
+    run = to_run_config(build_parser().parse_args(with_tok + ["--eval-tasks", *TASKS]), world_size=1)
+    assert run.logging.eval_tasks == tuple(TASKS) and run.logging.eval_tasks_interval == 0
