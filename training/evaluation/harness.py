@@ -55,6 +55,9 @@ class MegazooLM(TemplateLM):
             raise ValueError("--model_args needs load=CHECKPOINT (a megazoo checkpoint folder)")
         if str(batch_size).startswith("auto"):
             raise ValueError("--batch_size auto is not supported by the megazoo model; give a number")
+        if device is not None or max_batch_size is not None:
+            logger.info("megazoo model: --device/--max_batch_size not used (the layout picks the "
+                        "device: CUDA when present; the batch is --batch_size)")
         from megazoo.parallel.topology import ParallelConfig, initialize
         from megazoo.training.checkpoint import format as ckpt
         from megazoo.training.checkpoint.hf import load_model_chunks
