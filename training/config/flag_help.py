@@ -83,6 +83,11 @@ HELP = {
     "--log-interval": "iterations per console/metrics line",
     "--eval-interval": "iterations between validation runs (0: none)",
     "--eval-iters": "global batches per validation run",
+    "--eval-tasks": "lm-evaluation-harness task names or task YAML paths, run on the training ranks "
+                    "and layout every --eval-tasks-interval iterations (docs/evaluation.md)",
+    "--eval-tasks-interval": "iterations between --eval-tasks runs (0: only at the end of training)",
+    "--eval-tasks-limit": "documents per task (default: all)",
+    "--eval-tasks-batch-size": "sequences per forward pass when scoring --eval-tasks",
     "--wandb-project": "log to Weights & Biases (offline without WANDB_API_KEY)",
     "--wandb-exp-name": "wandb run name",
     "--wandb-save-dir": "wandb folder",

@@ -33,16 +33,41 @@ logger = logging.getLogger(__name__)
 DTYPE_FLAGS = {"bfloat16": "bf16", "float16": "fp16"}
 
 
+def _check_eval_tasks(args: argparse.Namespace) -> None:
+    tasks = getattr(args, "eval_tasks", None)
+    if not tasks:
+        if getattr(args, "eval_tasks_interval", 0) or getattr(args, "eval_tasks_limit", None):
+            _fail("--eval-tasks-interval/--eval-tasks-limit without --eval-tasks: name the tasks")
+        return
+    for spec in tasks:
+        if spec.endswith((".yaml", ".yml")) and not os.path.isfile(spec):
+            _fail(f"--eval-tasks: {spec}: no such task file; give an lm-eval task name or the path "
+                  f"of a task YAML file")
+    if args.mock_data and not (args.vocab_file or args.tokenizer_model) and \
+            args.tokenizer_type != "NullTokenizer":
+        _fail("--eval-tasks needs the run's tokenizer: give --vocab-file/--merge-file or "
+              "--tokenizer-model (mock data has none)")
+    if getattr(args, "context_parallel_size", 1) > 1:
+        _fail("--eval-tasks runs at --context-parallel-size 1; drop --eval-tasks or evaluate the "
+              "checkpoints with megazoo-lm-eval")
+    try:
+        import lm_eval  # noqa: F401
+    except ImportError:
+        _fail("--eval-tasks needs lm-evaluation-harness: pip install 'megazoo[eval]'")
+
+
 def validate_values(args: argparse.Namespace) -> None:
     """Values that are wrong on their own (whatever the other flags), refused in one line."""
     positive = ("micro_batch_size", "global_batch_size", "train_iters", "train_samples",
                 "log_interval", "save_interval", "keep_last", "keep_every", "max_bad_steps",
-                "seq_length", "num_layers", "hidden_size", "num_attention_heads")
+                "seq_length", "num_layers", "hidden_size", "num_attention_heads",
+                "eval_tasks_limit", "eval_tasks_batch_size")
     for name in positive:
         value = getattr(args, name, None)
         if value is not None and value < 1:
             _fail(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-    for name in ("eval_interval", "eval_iters", "lr_warmup_iters", "lr_decay_iters", "zero_stage"):
+    _check_eval_tasks(args)
+    for name in ("eval_interval", "eval_tasks_interval", "eval_iters", "lr_warmup_iters", "lr_decay_iters", "zero_stage"):
         value = getattr(args, name, None)
         if value is not None and value < 0:
             _fail(f"--{name.replace('_', '-')} must be >= 0, got {value}")
@@ -184,7 +209,7 @@ def to_run_config(args: argparse.Namespace, vocab_size: int | None = None,
         data=data_config(args, seq, compat, eod_token),
         checkpoint=from_flags(CheckpointConfig, args, load_optim=not args.no_load_optim,
                               load_rng=not args.no_load_rng),
-        logging=from_flags(LoggingConfig, args))
+        logging=from_flags(LoggingConfig, args, eval_tasks=tuple(args.eval_tasks)))
 
 
 def from_flags(cls, args: argparse.Namespace, **computed):

@@ -151,7 +151,10 @@ CHECKPOINT_FLAGS = (
 )
 LOGGING_FLAGS = (
     ("--log-interval", dict(type=int, default=10)), ("--eval-interval", dict(type=int, default=100)),
-    ("--eval-iters", dict(type=int, default=10)), ("--wandb-project", {}), ("--wandb-exp-name", {}),
+    ("--eval-iters", dict(type=int, default=10)),
+    ("--eval-tasks", dict(nargs="+", default=[])), ("--eval-tasks-interval", dict(type=int, default=0)),
+    ("--eval-tasks-limit", _INT), ("--eval-tasks-batch-size", dict(type=int, default=8)),
+    ("--wandb-project", {}), ("--wandb-exp-name", {}),
     ("--wandb-save-dir", {}), ("--peak-flops", dict(type=float, help="per-device peak FLOP/s for MFU")),
     ("--tensorboard-dir", {}),
 )

@@ -73,6 +73,10 @@ class LoggingConfig:
     log_interval: int = 10
     eval_interval: int = 100
     eval_iters: int = 10
+    eval_tasks: tuple[str, ...] = ()  # --eval-tasks: lm-eval task names or YAML paths
+    eval_tasks_interval: int = 0  # --eval-tasks-interval (0: only after the last iteration)
+    eval_tasks_limit: int | None = None  # --eval-tasks-limit: documents per task
+    eval_tasks_batch_size: int = 8  # --eval-tasks-batch-size
     wandb_project: str | None = None
     wandb_exp_name: str | None = None
     wandb_save_dir: str | None = None

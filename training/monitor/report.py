@@ -1,5 +1,5 @@
 """A one-page PNG of a run folder: losses, learning rate, gradient norm, loss scale, throughput,
-memory (and for MoE runs the auxiliary losses, the busiest expert's load, each layer's dropped
+memory, --eval-tasks scores (and for MoE runs the auxiliary losses, the busiest expert's load, each layer's dropped
 share and, from the last log, each layer's tokens per expert), with every rollback and skipped step
 marked. Reads only the folder's JSON-lines files.
 
@@ -103,7 +103,8 @@ def draw_report(run_dir: str):
     moe_rows = [r for rows in runs for r in rows if r["split"] == "moe"]
     panels, dropped_panel, constant = choose_panels(runs, moe_rows)
     per_layer = (1 if moe_rows else 0) + dropped_panel  # the heatmap, the dropped share
-    cells = len(panels) + per_layer
+    task_rows = [r for rows in runs for r in rows if r["split"] == "eval_tasks"]
+    cells = len(panels) + per_layer + bool(task_rows)
     rows_n = (cells + 1) // 2
     fig, axes = plt.subplots(rows_n, 2, figsize=(11, 3.1 * rows_n + 0.6), layout="constrained",
                              squeeze=False)
@@ -116,6 +117,8 @@ def draw_report(run_dir: str):
     if moe_rows:
         draw_moe_layers(moe_rows, flat_axes[len(panels)] if dropped_panel else None,
                         flat_axes[cells - 1], fig)
+    if task_rows:
+        draw_task_scores(task_rows, flat_axes[len(panels) + dropped_panel])
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for ax, (key, title) in zip(flat_axes, panels):
         for k, rows in enumerate(runs):
@@ -169,6 +172,20 @@ def write_report(run_dir: str, out_path: str | None = None) -> str:
     fig.savefig(out_path, dpi=90)
     plt.close(fig)
     return out_path
+
+
+def draw_task_scores(rows: list[dict], ax) -> None:
+    """--eval-tasks: each task metric over iterations, the seconds each evaluation took named."""
+    keys = sorted({k for r in rows for k in r if "/" in k and isinstance(r[k], (int, float))})
+    for key in keys:
+        pts = [(r["iteration"], r[key]) for r in rows if key in r]
+        ax.plot(*zip(*pts), "o-", label=key, ms=4, lw=1)
+    if keys:
+        ax.legend(fontsize=7)
+    seconds = [r["seconds"] for r in rows if "seconds" in r]
+    took = f" ({min(seconds):.1f}-{max(seconds):.1f} s each)" if seconds else ""
+    ax.set_title(f"downstream tasks (lm-eval){took}", fontsize=10)
+    ax.set_xlabel("iteration")
 
 
 def draw_moe_layers(rows: list[dict], dropped_ax, tokens_ax, fig) -> None:

@@ -1,7 +1,7 @@
 """`pretrain`: set up one rank's run (`training/run/trainer.py`), then iterate until done or told to stop.
 
     trainer = topology, this rank's model chunks, ZeRO optimizer, data, logging (resumed with --load)
-    each iteration: step (health policy) -> log window -> evaluate -> stop? -> save
+    each iteration: step (health policy) -> log window -> evaluate -> tasks -> stop? -> save
     at the end: the final checkpoint and the run report
 
 Resume is exact: the checkpoint holds the weights, optimizer shards, loss scaler, every rank's
@@ -30,6 +30,7 @@ def pretrain(model_provider, run: RunConfig) -> TrainResult:
                     continue
                 trainer.log_if_due()
                 trainer.evaluate_if_due(stops)
+                trainer.evaluate_tasks_if_due()
                 with trainer.watchdog.collective("all_reduce(stop request)"):
                     signum, why = stops.agreed(trainer.state.iteration, trainer.topo.device)
                 trainer.save_if_due(stopping=bool(why))

@@ -46,6 +46,7 @@ class TrainResult:
     valid_losses: list[tuple[int, float]]
     checkpoint: str | None
     stop_signal: int = 0  # SIGTERM or SIGINT that stopped the run early (0: none)
+    task_scores: list[tuple[int, dict]] = dataclasses.field(default_factory=list)  # --eval-tasks
 
 
 def build_chunks(model_provider, run: RunConfig, topo, rng):
@@ -132,6 +133,10 @@ class Trainer:
             logger.info("memory per rank (bytes): %s", self.opt.memory_report())
             logger.info("planner's prediction for the heaviest rank: %s", predicted_memory(run, topo.dp))
         self.monitor, self.guard = HealthMonitor(run.health), ProgressGuard(run.health)
+        self.tasks = None
+        if run.logging.eval_tasks:  # lm-evaluation-harness is imported only when asked for
+            from megazoo.training.evaluation.during_training import TaskEvaluator
+            self.tasks = TaskEvaluator(run, self.chunks, topo)
         self.nan_injected = False
         self.last_step, self.batch = None, 0
         self.result = TrainResult(self.state, [], [], None)
@@ -232,6 +237,16 @@ class Trainer:
             return
         self.result.valid_losses.append((it, vloss))
         self.log.log(dict(loss=vloss, ppl=math.exp(min(vloss, 50))), it, "valid")
+
+    def evaluate_tasks_if_due(self) -> None:
+        """--eval-tasks every --eval-tasks-interval iterations and after the last: the scores
+        and the seconds it took, logged as split "eval_tasks" in every sink."""
+        if self.tasks is None or not self.tasks.due(self.state.iteration):
+            return
+        with self.watchdog.collective("lm-eval tasks (forward passes of the layout)", patient=True):
+            scores = self.tasks.evaluate()
+        self.result.task_scores.append((self.state.iteration, scores))
+        self.log.log(scores, self.state.iteration, "eval_tasks")
 
     def save_if_due(self, stopping: bool) -> None:
         """Every --save-interval iterations, and when the run stops early (--async-save: first
