@@ -292,6 +292,18 @@ def _optim_files(folder: str) -> list[str]:
     return [p for _, p in sorted(found)]
 
 
+def _zero_model_states(folder: str) -> str:
+    """The model-state file with the engine's records (param_shapes, steps, samples): ZeRO-1/2
+    write one, `mp_rank_00_model_states.pt`; ZeRO-3 one per data-parallel rank,
+    `zero_pp_rank_R_mp_rank_00_model_states.pt`, whose records are the same on every rank."""
+    for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt"):
+        if os.path.isfile(os.path.join(folder, name)):
+            return os.path.join(folder, name)
+    raise ckpt.CheckpointError(f"{folder}: neither mp_rank_00_model_states.pt (ZeRO-1/2) nor "
+                               f"zero_pp_rank_0_mp_rank_00_model_states.pt (ZeRO-3) is there; "
+                               f"copy the model-state files with the optimizer's")
+
+
 def _value(v):
     return getattr(v, "value", v)
 
@@ -340,11 +352,11 @@ def _read_zero(folder: str, optimizer: bool, hf_config: str | None):
     from megazoo.training.checkpoint.hf import read_hf_config
     model_type, module, hf = read_hf_config(hf_config)
     config = module.config_from_hf(hf)
-    states = safe_load.load(os.path.join(folder, "mp_rank_00_model_states.pt"))
+    path = _zero_model_states(folder)
+    states = safe_load.load(path)
     shapes = states.get("param_shapes")
     if not shapes:
-        raise ckpt.CheckpointError(f"{folder}/mp_rank_00_model_states.pt records no param_shapes; "
-                                   f"it is not a ZeRO checkpoint")
+        raise ckpt.CheckpointError(f"{path} records no param_shapes; it is not a ZeRO checkpoint")
     shapes = shapes if isinstance(shapes, list) else [shapes]
     osds = [safe_load.load(p)["optimizer_state_dict"] for p in _optim_files(folder)]
     stage = int(_value(osds[0].get("zero_stage", 0)))
