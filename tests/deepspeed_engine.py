@@ -117,6 +117,9 @@ def resume(out: str) -> None:
 if __name__ == "__main__":
     import deepspeed
     torch.set_num_threads(1)
+    # gloo does the collectives: DeepSpeed's shared-memory all-reduce op would be compiled
+    # (a C++ build of a minute) on the first run of a machine
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     deepspeed.init_distributed(dist_backend="gloo")
     {"train": train, "resume": resume}[sys.argv[1]](sys.argv[2])
     torch.distributed.barrier()

@@ -60,6 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
     imp.add_argument("--hf-config", help="deepspeed ZeRO checkpoints of a Hugging Face model: "
                                          "the folder with its config.json")
     exp.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="hf only")
+    exp.add_argument("--universal-names", choices=("auto", "hf", "megatron-deepspeed"),
+                     help="deepspeed only: name the parameters as a Hugging Face module run by "
+                          "deepspeed.initialize does (hf) or as Megatron-DeepSpeed's pipeline "
+                          "module (GPT/BLOOM); auto (default): the pipeline names where the model "
+                          "has them")
     return p
 
 
@@ -75,7 +80,8 @@ def convert(a: argparse.Namespace) -> str:
                                  ep=a.expert_model_parallel_size, dp=a.data_parallel_size,
                                  optimizer=not a.no_optimizer,
                                  vocab_size=a.vocab_size, hf_config=a.hf_config)
-    return export_checkpoint(a.format, a.load, a.save, tp=tp, pp=pp, vpp=vpp)
+    return export_checkpoint(a.format, a.load, a.save, tp=tp, pp=pp, vpp=vpp,
+                             universal_names=a.universal_names)
 
 
 def main(argv=None) -> int:

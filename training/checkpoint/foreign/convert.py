@@ -48,11 +48,18 @@ def import_checkpoint(fmt: str, load: str, save: str, *, tp: int = 1, pp: int = 
 
 
 def export_checkpoint(fmt: str, load: str, save: str, *, tp: int = 1, pp: int = 1,
-                      vpp: int = 1) -> str:
+                      vpp: int = 1, universal_names: str | None = None) -> str:
     """Write a megazoo checkpoint (any layout) as a foreign checkpoint for (tp, pp, vpp)."""
     if fmt not in WRITERS:
         raise ckpt.CheckpointError(f"--format {fmt!r}: export writes {sorted(WRITERS)}")
     folder = ckpt.require_verified(ckpt.resolve(load))
     meta, config = checkpoint_config(folder)
     full = read_full_state(folder)
-    return WRITERS[fmt](full, config, save, tp=tp, pp=pp, vpp=vpp, iteration=meta["iteration"])
+    extra = {}
+    if universal_names is not None:  # DeepSpeed universal: whose parameter names
+        if fmt != "deepspeed":
+            raise ckpt.CheckpointError(f"--universal-names applies to --format deepspeed only, "
+                                       f"not {fmt}")
+        extra["names"] = universal_names
+    return WRITERS[fmt](full, config, save, tp=tp, pp=pp, vpp=vpp, iteration=meta["iteration"],
+                        **extra)
