@@ -25,6 +25,8 @@ from tests.foreign_checkpoints import FP32, megazoo_logits
 
 EXACT = [c for c, (_, dtype) in CASES.items() if dtype == "fp32"]
 LOSS = dict(rtol=1e-4, atol=0.0)
+# DeepSpeed's universal loaders: ZeRO-1 and 2 share one (DeepSpeedZeroOptimizer), ZeRO-3 has its own
+RESUMED = ("zero2", "zero3")
 _ABORT_TRIES = 3
 
 
@@ -132,9 +134,10 @@ def test_deepspeed_zero_checkpoints_import_at_tp2(deepspeed_run, imported):
             in line, line
 
 
-def _megazoo_next(rank, folders):
-    """Each imported checkpoint resumed by megazoo at tp=2 on DeepSpeed's next global batches:
-    the losses of NEXT_STEPS steps."""
+def _megazoo_next(rank, runs):
+    """Each (imported checkpoint, fresh moments) resumed by megazoo at tp=2 on DeepSpeed's next
+    global batches: the losses of NEXT_STEPS steps (fresh moments: the weights alone, Adam
+    restarts)."""
     torch.set_num_threads(1)
     from megazoo.models.registry import build_model
     from megazoo.parallel.topology import ParallelConfig, ParallelTopology
@@ -143,13 +146,13 @@ def _megazoo_next(rank, folders):
     from megazoo.training.checkpoint.hf import checkpoint_config
     topo = ParallelTopology.from_config(ParallelConfig(tp=2))
     out = []
-    for folder in folders:
+    for folder, fresh_moments in runs:
         _, config = checkpoint_config(folder)
         model = build_model(config, topo)
         opt = build_optimizer(model, topo, OptimizerConfig(lr=LR, betas=(0.9, 0.95), eps=1e-8,
                                                            weight_decay=0.0), torch.float32)
         reshard.load_into(reshard.read_full_state(folder), [model], opt, topo,
-                          weights_only=False, folder=folder)
+                          weights_only=fresh_moments, folder=folder)
         losses = []
         for step in range(TRAIN_STEPS, TRAIN_STEPS + NEXT_STEPS):
             ids = torch.cat([batch(step, r) for r in range(WORLD)])  # DeepSpeed's global batch
@@ -164,9 +167,10 @@ def _megazoo_next(rank, folders):
 
 @pytest.fixture(scope="module")
 def megazoo_next(imported):
-    ranks = run_distributed(_megazoo_next, 2, [imported[c] for c in EXACT])
+    runs = [(imported[c], False) for c in EXACT] + [(imported["zero3"], True)]
+    ranks = run_distributed(_megazoo_next, 2, runs)
     assert ranks[0] == ranks[1]
-    return dict(zip(EXACT, ranks[0]))
+    return dict(zip(EXACT + ["fresh"], ranks[0]))
 
 
 def test_megazoo_resumes_with_deepspeeds_next_losses(deepspeed_run, megazoo_next):
@@ -174,17 +178,21 @@ def test_megazoo_resumes_with_deepspeeds_next_losses(deepspeed_run, megazoo_next
         want = _record(deepspeed_run, case)["next"]
         assert len(megazoo_next[case]) == len(want) == NEXT_STEPS
         torch.testing.assert_close(torch.tensor(megazoo_next[case]), torch.tensor(want), **LOSS)
+    # the moments matter: restarted Adam (the weights alone) takes another second step
+    fresh, kept = megazoo_next["fresh"], megazoo_next["zero3"]
+    assert fresh[0] == pytest.approx(kept[0], rel=1e-6)
+    assert abs(fresh[1] - kept[1]) > 10 * LOSS["rtol"] * abs(kept[1])  # measured: 30x
 
 
 def test_universal_export_continues_in_deepspeed(deepspeed_run, imported, megazoo_next):
-    """megazoo's universal export (Hugging Face names) loaded by DeepSpeed's engine under each
-    ZeRO stage continues with megazoo's next losses."""
+    """megazoo's universal export (Hugging Face names) loaded by DeepSpeed's engine under ZeRO-2
+    and ZeRO-3 continues with megazoo's next losses."""
     from megazoo.training.checkpoint.foreign.convert import export_checkpoint
-    for case in EXACT:
+    for case in RESUMED:
         export_checkpoint("deepspeed", imported[case],
                           os.path.join(deepspeed_run, case + "-universal"), universal_names="hf")
     _launch("resume", deepspeed_run)
-    for case in EXACT:
+    for case in RESUMED:
         record = _record(deepspeed_run, case + "-universal")
         assert record["global_steps"] == TRAIN_STEPS
         assert len(record["next"]) == NEXT_STEPS
