@@ -24,13 +24,17 @@ the args. Its names are the pipeline module's (`tied_modules.embed.word_embeddin
 `{layer}.input_layernorm.weight`, `{layer}.weight` for the final norm), mapped as above. It
 imports with the fp32 masters and moments, so `--load` continues the run at any layout.
 
-A ZeRO checkpoint (`global_stepN/mp_rank_00_model_states.pt` with `param_shapes`, and one
-`zero_pp_rank_R_mp_rank_00_optim_states.pt` per data-parallel rank) keeps each parameter
-group's fp32 masters and Adam moments flat: ZeRO-1/2 split the group's concatenated parameters
-over the ranks (`single_partition_of_fp32_groups`, padding removed), ZeRO-3 splits every
-parameter into ceil(numel / ranks) pieces (`fp32_flat_groups`). Its names are the trained
-module's, so a Hugging Face model's config.json (`--hf-config`) gives the model and the names;
-a ZeRO checkpoint records no configuration of its own.
+A ZeRO checkpoint, as DeepSpeed's engine.save_checkpoint writes it, has one
+`[bf16_]zero_pp_rank_R_mp_rank_00_optim_states.pt` per data-parallel rank (`bf16_` with bf16
+training) and the engine's records (`param_shapes`, steps, samples) in
+`mp_rank_00_model_states.pt` (ZeRO-1/2) or in one `zero_pp_rank_R_mp_rank_00_model_states.pt`
+per rank (ZeRO-3, whose `module` holds empty placeholders). The optimizer files keep each
+parameter group's fp32 masters and Adam moments flat: ZeRO-1/2 split the group's concatenated
+parameters over the ranks (`single_partition_of_fp32_groups`, padding removed), ZeRO-3 splits
+every parameter into ceil(numel / ranks) pieces (`fp32_flat_groups`). The fp32 masters are
+read whatever the training dtype. Its names are the trained module's, so a Hugging Face model's
+config.json (`--hf-config`) gives the model and the names; a ZeRO checkpoint records no
+configuration of its own.
 """
 from __future__ import annotations
 
