@@ -5,9 +5,10 @@ tiny Hugging Face Llama under ZeRO-1, 2 and 3 in fp32 and ZeRO-1 and 3 in bf16, 
 `engine.save_checkpoint` and records the saved model's logits and DeepSpeed's own next losses.
 Checked here: every file loads through the unpickling allowlist; imported at tp=2 the logits
 equal DeepSpeed's within 1e-5 and the fp32 masters equal DeepSpeed's own `zero_to_fp32` reader's
-bit for bit; megazoo's resumed run (tp=2) continues with DeepSpeed's next losses; and megazoo's
+bit for bit; megazoo's resumed run (tp=2) continues with DeepSpeed's next losses; megazoo's
 universal export, loaded by a second DeepSpeed launch (`checkpoint: {load_universal: true}`),
-continues with megazoo's next losses.
+continues with megazoo's next losses and imports back bit for bit; DeepSpeed's own
+ds_to_universal.py output of the ZeRO-3 run imports with the same state.
 """
 import json
 import os
@@ -187,14 +188,46 @@ def test_megazoo_resumes_with_deepspeeds_next_losses(deepspeed_run, megazoo_next
 def test_universal_export_continues_in_deepspeed(deepspeed_run, imported, megazoo_next):
     """megazoo's universal export (Hugging Face names) loaded by DeepSpeed's engine under ZeRO-2
     and ZeRO-3 continues with megazoo's next losses."""
-    from megazoo.training.checkpoint.foreign.convert import export_checkpoint
+    from megazoo.training.checkpoint.foreign.convert import export_checkpoint, import_checkpoint
+    from megazoo.training.checkpoint.reshard import read_full_state
     for case in RESUMED:
         export_checkpoint("deepspeed", imported[case],
                           os.path.join(deepspeed_run, case + "-universal"), universal_names="hf")
     _launch("resume", deepspeed_run)
     for case in RESUMED:
+        back = read_full_state(import_checkpoint(
+            "deepspeed", os.path.join(deepspeed_run, case + "-universal"),
+            os.path.join(deepspeed_run, case + "-back"), hf_config=os.path.join(deepspeed_run, "hf")))
+        _assert_same_state(back, read_full_state(imported[case]), case)
         record = _record(deepspeed_run, case + "-universal")
         assert record["global_steps"] == TRAIN_STEPS
         assert len(record["next"]) == NEXT_STEPS
         torch.testing.assert_close(torch.tensor(record["next"]), torch.tensor(megazoo_next[case]),
                                    **LOSS)
+
+
+def _assert_same_state(got, want, where):
+    assert set(got.optim) == set(want.optim) == {"master", "exp_avg", "exp_avg_sq"}
+    for state, tensors in want.optim.items():
+        assert set(got.optim[state]) == set(tensors)
+        for name, tensor in tensors.items():
+            assert torch.equal(got.optim[state][name], tensor), (where, state, name)
+    assert int(got.scalars["applied_steps"]) == int(want.scalars["applied_steps"]) == TRAIN_STEPS
+    assert got.meta["iteration"] == TRAIN_STEPS and got.meta["consumed_samples"] == 12
+
+
+def test_deepspeeds_own_universal_conversion_imports(deepspeed_run, imported, tmp_path):
+    """DeepSpeed's ds_to_universal.py output of the ZeRO-3 run (whole states under Hugging Face
+    names, saved flat) imports with the masters, moments and step of the ZeRO import."""
+    from megazoo.training.checkpoint.foreign.convert import import_checkpoint
+    from megazoo.training.checkpoint.reshard import read_full_state
+    out = tmp_path / "universal" / f"global_step{TRAIN_STEPS}"
+    run = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
+                          "--input_folder", os.path.join(deepspeed_run, "zero3", f"global_step{TRAIN_STEPS}"),
+                          "--output_folder", str(out), "--num_extract_workers", "1",
+                          "--num_merge_workers", "1"], env=dict(os.environ, DS_ACCELERATOR="cpu"),
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
+    got = read_full_state(import_checkpoint("deepspeed", str(out), str(tmp_path / "mz"), dp=2,
+                                            hf_config=os.path.join(deepspeed_run, "hf")))
+    _assert_same_state(got, read_full_state(imported["zero3"]), "ds_to_universal")

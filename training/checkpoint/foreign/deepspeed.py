@@ -46,7 +46,7 @@ import re
 import torch
 
 from megazoo.training.checkpoint import format as ckpt
-from megazoo.training.checkpoint.foreign import megatron_args, safe_load
+from megazoo.training.checkpoint.foreign import deepspeed_universal_hf, megatron_args, safe_load
 from megazoo.training.checkpoint.foreign.assemble import Pieces, check_shapes, expected_shapes
 from megazoo.training.checkpoint.reshard import FullState
 
@@ -163,10 +163,12 @@ def describe(root: str) -> str:
 
 def read(root: str, vocab_size: int | None = None, *, optimizer: bool = True,
          hf_config: str | None = None):
-    """(family, config, FullState, iteration) of a universal checkpoint (with the optimizer) or
-    of the pipeline layout (weights only)."""
+    """(family, config, FullState, iteration) of a universal or ZeRO checkpoint (with the
+    optimizer) or of the pipeline layout (weights only)."""
     folder = step_folder(root)
     if os.path.isdir(os.path.join(folder, "zero")):
+        if deepspeed_universal_hf.is_hf_named(os.path.join(folder, "zero")):
+            return deepspeed_universal_hf.read(folder, optimizer, hf_config)
         return _read_universal(folder, vocab_size, optimizer)
     if _optim_files(folder) and not _layer_files(folder):
         return _read_zero(folder, optimizer, hf_config)
