@@ -190,9 +190,12 @@ def test_universal_export_continues_in_deepspeed(deepspeed_run, imported, megazo
     and ZeRO-3 continues with megazoo's next losses."""
     from megazoo.training.checkpoint.foreign.convert import export_checkpoint, import_checkpoint
     from megazoo.training.checkpoint.reshard import read_full_state
-    for case in RESUMED:
-        export_checkpoint("deepspeed", imported[case],
-                          os.path.join(deepspeed_run, case + "-universal"), universal_names="hf")
+    from tests.tool_runs import tool_module
+    export_checkpoint("deepspeed", imported["zero2"], os.path.join(deepspeed_run, "zero2-universal"),
+                      universal_names="hf")
+    assert tool_module("convert_checkpoint").main([  # the command line, as docs/conversion.md
+        "export", "--format", "deepspeed", "--universal-names", "hf", "--load", imported["zero3"],
+        "--save", os.path.join(deepspeed_run, "zero3-universal")]) == 0
     _launch("resume", deepspeed_run)
     for case in RESUMED:
         back = read_full_state(import_checkpoint(

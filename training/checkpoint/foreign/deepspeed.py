@@ -34,7 +34,7 @@ parameters over the ranks (`single_partition_of_fp32_groups`, padding removed), 
 every parameter into ceil(numel / ranks) pieces (`fp32_flat_groups`). The fp32 masters are
 read whatever the training dtype. Its names are the trained module's, so a Hugging Face model's
 config.json (`--hf-config`) gives the model and the names; a ZeRO checkpoint records no
-configuration of its own.
+configuration of its own (as universal checkpoints under its names: deepspeed_universal_hf.py).
 """
 from __future__ import annotations
 
@@ -299,9 +299,8 @@ def _optim_files(folder: str) -> list[str]:
 
 
 def _zero_model_states(folder: str) -> str:
-    """The model-state file with the engine's records (param_shapes, steps, samples): ZeRO-1/2
-    write one, `mp_rank_00_model_states.pt`; ZeRO-3 one per data-parallel rank,
-    `zero_pp_rank_R_mp_rank_00_model_states.pt`, whose records are the same on every rank."""
+    """The engine's records (param_shapes, steps, samples): ZeRO-1/2's one file, or rank 0's of
+    ZeRO-3's per-rank files (the same records on every rank)."""
     for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt"):
         if os.path.isfile(os.path.join(folder, name)):
             return os.path.join(folder, name)
