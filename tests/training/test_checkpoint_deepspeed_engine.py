@@ -20,7 +20,8 @@ import pickletools
 import pytest
 import torch
 
-from tests.deepspeed_engine import CASES, IDS, LR, NEXT_STEPS, TRAIN_STEPS, WORLD, batch, llama_config
+from tests.deepspeed_engine import (CASES, IDS, LR, NEXT_STEPS, TRAIN_STEPS, WORLD, batch,
+                                    llama_config)
 from tests.distributed import free_port, run_distributed
 from tests.foreign_checkpoints import FP32, megazoo_logits
 
@@ -191,8 +192,8 @@ def test_universal_export_continues_in_deepspeed(deepspeed_run, imported, megazo
     from megazoo.training.checkpoint.foreign.convert import export_checkpoint, import_checkpoint
     from megazoo.training.checkpoint.reshard import read_full_state
     from tests.tool_runs import tool_module
-    export_checkpoint("deepspeed", imported["zero2"], os.path.join(deepspeed_run, "zero2-universal"),
-                      universal_names="hf")
+    export_checkpoint("deepspeed", imported["zero2"],
+                      os.path.join(deepspeed_run, "zero2-universal"), universal_names="hf")
     assert tool_module("convert_checkpoint").main([  # the command line, as docs/conversion.md
         "export", "--format", "deepspeed", "--universal-names", "hf", "--load", imported["zero3"],
         "--save", os.path.join(deepspeed_run, "zero3-universal")]) == 0
@@ -200,7 +201,8 @@ def test_universal_export_continues_in_deepspeed(deepspeed_run, imported, megazo
     for case in RESUMED:
         back = read_full_state(import_checkpoint(
             "deepspeed", os.path.join(deepspeed_run, case + "-universal"),
-            os.path.join(deepspeed_run, case + "-back"), hf_config=os.path.join(deepspeed_run, "hf")))
+            os.path.join(deepspeed_run, case + "-back"),
+            hf_config=os.path.join(deepspeed_run, "hf")))
         _assert_same_state(back, read_full_state(imported[case]), case)
         record = _record(deepspeed_run, case + "-universal")
         assert record["global_steps"] == TRAIN_STEPS
@@ -225,8 +227,9 @@ def test_deepspeeds_own_universal_conversion_imports(deepspeed_run, imported, tm
     from megazoo.training.checkpoint.foreign.convert import import_checkpoint
     from megazoo.training.checkpoint.reshard import read_full_state
     out = tmp_path / "universal" / f"global_step{TRAIN_STEPS}"
+    source = os.path.join(deepspeed_run, "zero3", f"global_step{TRAIN_STEPS}")
     run = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
-                          "--input_folder", os.path.join(deepspeed_run, "zero3", f"global_step{TRAIN_STEPS}"),
+                          "--input_folder", source,
                           "--output_folder", str(out), "--num_extract_workers", "1",
                           "--num_merge_workers", "1"], env=dict(os.environ, DS_ACCELERATOR="cpu"),
                          capture_output=True, text=True, timeout=300)
