@@ -58,13 +58,19 @@ def build_parser() -> argparse.ArgumentParser:
                           "model's own)")
     exp.add_argument("--tokenizer-dir", help="hf only: copy tokenizer files from here (default: "
                                              "the checkpoint's tokenizer/ folder, if any)")
+    exp.add_argument("--universal-names", choices=("auto", "hf", "megatron-deepspeed"),
+                     help="deepspeed only: name the parameters as a Hugging Face module run by "
+                          "deepspeed.initialize does (hf) or as Megatron-DeepSpeed's pipeline "
+                          "module (GPT/BLOOM); auto (default): the pipeline names where the model "
+                          "has them")
     return p
 
 
 # flags that apply to some formats only: (command, flag's dest, formats it applies to)
 FORMAT_ONLY = (("import", "make_vocab_size_divisible_by", {"hf"}),
                ("export", "dtype", {"hf"}), ("export", "tokenizer_dir", {"hf"}),
-               ("import", "vocab_size", set(READERS)), ("import", "hf_config", {"deepspeed"}))
+               ("import", "vocab_size", set(READERS)), ("import", "hf_config", {"deepspeed"}),
+               ("export", "universal_names", {"deepspeed"}))
 
 
 def inapplicable(a: argparse.Namespace) -> list[str]:
@@ -82,8 +88,8 @@ def convert(a: argparse.Namespace) -> str:
     if a.command == "export":
         if a.format == "hf":
             return export_hf(a.load, a.save, tokenizer_dir=a.tokenizer_dir, dtype=a.dtype)
-        return export_checkpoint(a.format, a.load, a.save,
-                                 parallel=parallel_config_of(a, None))
+        return export_checkpoint(a.format, a.load, a.save, parallel=parallel_config_of(a, None),
+                                 universal_names=a.universal_names)
     if a.format == "hf":
         parallel = parallel_config_of(a, hf_model_config(a.load).num_layers)
         return import_hf(a.load, a.save, parallel=parallel, dp=given(a, "dp") or 1,

@@ -1,9 +1,11 @@
 """DeepSpeed checkpoints in and out (training/checkpoint/foreign/deepspeed.py).
 
-DeepSpeed is not installed by the tests: its ZeRO-2/3 files, Megatron-DeepSpeed's pipeline
-layer files (as BLOOM-176B was saved) and universal checkpoints are written by hand from
-their formats, around random `transformers` models. Checked: the logits equal the Hugging Face
-model's within 1e-5, masters, moments and steps carry over exactly, TP copies that drifted
+Megatron-DeepSpeed's pipeline layer files (as BLOOM-176B was saved) and its universal
+checkpoints are written here by hand from their formats, around random `transformers` models
+(Megatron-DeepSpeed is a training repository, not a package the tests install). The ZeRO files
+written by hand here add what DeepSpeed's own files in test_checkpoint_deepspeed_engine.py lack:
+two parameter groups and GPT-2's Conv1D layout; that module runs DeepSpeed 0.19.8's engine
+itself. Checked: the logits equal the Hugging Face model's within 1e-5, masters, moments and steps carry over exactly, TP copies that drifted
 apart are averaged with one warning, and universal checkpoints are exported and read back
 bit for bit.
 """
@@ -20,8 +22,8 @@ from tests.tool_runs import tool_module
 def _bloom_layer_files(folder, hf, tp, padded, drift):
     """Megatron-DeepSpeed's pipeline layout of a Hugging Face BLOOM, as BLOOM-176B was saved:
     written by hand from the format (layer 1 the embedding, 3.. the blocks, L+4 the final norm;
-    Hugging Face's BLOOM converter reads the same names and splits). DeepSpeed is not installed
-    by the tests. `drift` is added to rank 0's and taken from rank 1's copy of one norm."""
+    Hugging Face's BLOOM converter reads the same names and splits). `drift` is added to rank
+    0's and taken from rank 1's copy of one norm."""
     sd = {k.removeprefix("transformer."): v for k, v in hf.state_dict().items()}
     L = hf.config.n_layer
     row = ("self_attention.dense.weight", "mlp.dense_4h_to_h.weight")
@@ -127,7 +129,7 @@ def _pipeline_name(hf_name, layers):
 
 def test_deepspeed_universal_checkpoint_resumes_with_its_moments(bloom, tmp_path):
     """A universal checkpoint written by hand from DeepSpeed's ds_to_universal.py format
-    (DeepSpeed is not installed by the tests): fp32 masters, moments and step carry over.
+    (Megatron-DeepSpeed's pipeline names): fp32 masters, moments and step carry over.
     Exported back (the files of universal_checkpoint.py's loader: `param`, `cat_dim`,
     `vocab_tensor`, step.pt, latest_universal) it imports bit for bit."""
     from megazoo.training.checkpoint.foreign.convert import import_checkpoint
@@ -200,9 +202,12 @@ def _zero_files(folder, hf, stage, world, moments, zero_stage_enum):
     named = [(n, p.detach()) for n, p in hf.named_parameters()]
     groups = [[(n, p) for n, p in named if p.dim() > 1], [(n, p) for n, p in named if p.dim() == 1]]
     shapes = [OrderedDict((n, p.shape) for n, p in g) for g in groups]
-    torch.save({"module": hf.state_dict() if stage < 3 else {}, "param_shapes": shapes,
-                "global_steps": 9, "global_samples": 72, "ds_version": "0.19.8"},
-               os.path.join(folder, "mp_rank_00_model_states.pt"))
+    record = {"module": hf.state_dict() if stage < 3 else {}, "param_shapes": shapes,
+              "global_steps": 9, "global_samples": 72, "ds_version": "0.19.8"}
+    # ZeRO-3 writes one model-state file per data-parallel rank and no mp_rank_00 file
+    for name in (["mp_rank_00_model_states.pt"] if stage < 3 else
+                 [f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in range(world)]):
+        torch.save(record, os.path.join(folder, name))
 
     def partitions(tensors):
         """Per rank, this group's flat piece."""

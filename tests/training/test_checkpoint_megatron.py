@@ -63,7 +63,8 @@ def test_megatron_export_shards_like_megatron_and_round_trips(megatron):
     from megazoo.training.checkpoint import format as ckpt
     out = str(megatron["tmp"].mktemp("mg_out"))
     with pytest.raises(ckpt.CheckpointError, match="only Megatron-DeepSpeed's GPT and BLOOM"):
-        export_checkpoint("deepspeed", megatron["imported"], out)  # Llama: no universal names
+        export_checkpoint("deepspeed", megatron["imported"], out,  # Llama: no pipeline names
+                          universal_names="megatron-deepspeed")
     export_checkpoint("megatron", megatron["imported"], out, tp=2, pp=2, vpp=2)
     rank = safe_load.load(os.path.join(out, "iter_0000007", "mp_rank_00_001", "model_optim_rng.pt"))
     assert sorted(k for k in rank if k.startswith("model")) == ["model0", "model1"]

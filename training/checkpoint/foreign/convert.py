@@ -50,7 +50,8 @@ def import_checkpoint(fmt: str, load: str, save: str, *, parallel: ParallelConfi
 
 
 def export_checkpoint(fmt: str, load: str, save: str, *,
-                      parallel: ParallelConfig | None = None, **sizes) -> str:
+                      parallel: ParallelConfig | None = None, universal_names: str | None = None,
+                      **sizes) -> str:
     """Write a megazoo checkpoint (any layout) as a foreign checkpoint for the layout `parallel`
     (or its `sizes`; its tp, pp and vpp: what the foreign files are split by)."""
     parallel = ParallelConfig.of(parallel, **sizes)
@@ -59,5 +60,11 @@ def export_checkpoint(fmt: str, load: str, save: str, *,
     folder = ckpt.require_verified(ckpt.resolve(load))
     meta, config = checkpoint_config(folder)
     full = read_full_state(folder)
+    extra = {}
+    if universal_names is not None:  # DeepSpeed universal: whose parameter names
+        if fmt != "deepspeed":
+            raise ckpt.CheckpointError(f"--universal-names applies to --format deepspeed only, "
+                                       f"not {fmt}")
+        extra["names"] = universal_names
     return WRITERS[fmt](full, config, save, tp=parallel.tp, pp=parallel.pp, vpp=parallel.vpp,
-                        iteration=meta["iteration"])
+                        iteration=meta["iteration"], **extra)

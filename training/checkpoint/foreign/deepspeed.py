@@ -24,13 +24,17 @@ the args. Its names are the pipeline module's (`tied_modules.embed.word_embeddin
 `{layer}.input_layernorm.weight`, `{layer}.weight` for the final norm), mapped as above. It
 imports with the fp32 masters and moments, so `--load` continues the run at any layout.
 
-A ZeRO checkpoint (`global_stepN/mp_rank_00_model_states.pt` with `param_shapes`, and one
-`zero_pp_rank_R_mp_rank_00_optim_states.pt` per data-parallel rank) keeps each parameter
-group's fp32 masters and Adam moments flat: ZeRO-1/2 split the group's concatenated parameters
-over the ranks (`single_partition_of_fp32_groups`, padding removed), ZeRO-3 splits every
-parameter into ceil(numel / ranks) pieces (`fp32_flat_groups`). Its names are the trained
-module's, so a Hugging Face model's config.json (`--hf-config`) gives the model and the names;
-a ZeRO checkpoint records no configuration of its own.
+A ZeRO checkpoint, as DeepSpeed's engine.save_checkpoint writes it, has one
+`[bf16_]zero_pp_rank_R_mp_rank_00_optim_states.pt` per data-parallel rank (`bf16_` with bf16
+training) and the engine's records (`param_shapes`, steps, samples) in
+`mp_rank_00_model_states.pt` (ZeRO-1/2) or in one `zero_pp_rank_R_mp_rank_00_model_states.pt`
+per rank (ZeRO-3, whose `module` holds empty placeholders). The optimizer files keep each
+parameter group's fp32 masters and Adam moments flat: ZeRO-1/2 split the group's concatenated
+parameters over the ranks (`single_partition_of_fp32_groups`, padding removed), ZeRO-3 splits
+every parameter into ceil(numel / ranks) pieces (`fp32_flat_groups`). The fp32 masters are
+read whatever the training dtype. Its names are the trained module's, so a Hugging Face model's
+config.json (`--hf-config`) gives the model and the names; a ZeRO checkpoint records no
+configuration of its own (as universal checkpoints under its names: deepspeed_universal_hf.py).
 """
 from __future__ import annotations
 
@@ -42,7 +46,7 @@ import re
 import torch
 
 from megazoo.training.checkpoint import format as ckpt
-from megazoo.training.checkpoint.foreign import megatron_args, safe_load
+from megazoo.training.checkpoint.foreign import deepspeed_universal_hf, megatron_args, safe_load
 from megazoo.training.checkpoint.foreign.assemble import Pieces, check_shapes, expected_shapes
 from megazoo.training.checkpoint.reshard import FullState
 
@@ -159,10 +163,12 @@ def describe(root: str) -> str:
 
 def read(root: str, vocab_size: int | None = None, *, optimizer: bool = True,
          hf_config: str | None = None):
-    """(family, config, FullState, iteration) of a universal checkpoint (with the optimizer) or
-    of the pipeline layout (weights only)."""
+    """(family, config, FullState, iteration) of a universal or ZeRO checkpoint (with the
+    optimizer) or of the pipeline layout (weights only)."""
     folder = step_folder(root)
     if os.path.isdir(os.path.join(folder, "zero")):
+        if deepspeed_universal_hf.is_hf_named(os.path.join(folder, "zero")):
+            return deepspeed_universal_hf.read(folder, optimizer, hf_config)
         return _read_universal(folder, vocab_size, optimizer)
     if _optim_files(folder) and not _layer_files(folder):
         return _read_zero(folder, optimizer, hf_config)
@@ -292,6 +298,17 @@ def _optim_files(folder: str) -> list[str]:
     return [p for _, p in sorted(found)]
 
 
+def _zero_model_states(folder: str) -> str:
+    """The engine's records (param_shapes, steps, samples): ZeRO-1/2's one file, or rank 0's of
+    ZeRO-3's per-rank files (the same records on every rank)."""
+    for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt"):
+        if os.path.isfile(os.path.join(folder, name)):
+            return os.path.join(folder, name)
+    raise ckpt.CheckpointError(f"{folder}: neither mp_rank_00_model_states.pt (ZeRO-1/2) nor "
+                               f"zero_pp_rank_0_mp_rank_00_model_states.pt (ZeRO-3) is there; "
+                               f"copy the model-state files with the optimizer's")
+
+
 def _value(v):
     return getattr(v, "value", v)
 
@@ -340,11 +357,11 @@ def _read_zero(folder: str, optimizer: bool, hf_config: str | None):
     from megazoo.training.checkpoint.hf import read_hf_config
     model_type, module, hf = read_hf_config(hf_config)
     config = module.config_from_hf(hf)
-    states = safe_load.load(os.path.join(folder, "mp_rank_00_model_states.pt"))
+    path = _zero_model_states(folder)
+    states = safe_load.load(path)
     shapes = states.get("param_shapes")
     if not shapes:
-        raise ckpt.CheckpointError(f"{folder}/mp_rank_00_model_states.pt records no param_shapes; "
-                                   f"it is not a ZeRO checkpoint")
+        raise ckpt.CheckpointError(f"{path} records no param_shapes; it is not a ZeRO checkpoint")
     shapes = shapes if isinstance(shapes, list) else [shapes]
     osds = [safe_load.load(p)["optimizer_state_dict"] for p in _optim_files(folder)]
     stage = int(_value(osds[0].get("zero_stage", 0)))

@@ -32,16 +32,20 @@ class ForeignValue:
 
     @property
     def name(self) -> str:
-        return str(self.value)
+        return str(self._shown())
+
+    def _shown(self):
+        """An enum's value, or a plain object's attributes (set by unpickling, no `value`)."""
+        return vars(self).get("value", vars(self))
 
     def __eq__(self, other):
         return type(other) is type(self) and vars(other) == vars(self)
 
     def __hash__(self):
-        return hash((self.type_name, repr(self.value)))
+        return hash((self.type_name, repr(self._shown())))
 
     def __repr__(self):
-        return f"<{self.type_name} {self.value!r}>"
+        return f"<{self.type_name} {self._shown()!r}>"
 
 
 # The classes other frameworks' checkpoints hold that are data, not code (qualified names as
