@@ -75,6 +75,8 @@ class GatedRMSNorm(nn.Module):
 
 
 class GatedDeltaNet(nn.Module):
+    State = LinearState
+
     def __init__(self, shape: GatedDeltaNetShape):
         super().__init__()
         self.shape = s = shape
@@ -90,6 +92,12 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.empty(s.value_heads).uniform_(0.01, 16).log())
         self.norm = GatedRMSNorm(s.value_head_dim, s.eps)
         self.out_proj = nn.Linear(self.value_dim, s.hidden_size, bias=False)
+
+    def state_shapes(self, batch: int, dtype: torch.dtype, device) -> list:
+        """(shape, dtype, device) of the conv tail and the recurrent state."""
+        s = self.shape
+        return [((batch, s.conv_kernel - 1, 2 * self.key_dim + self.value_dim), dtype, device),
+                ((batch, s.value_heads, s.key_head_dim, s.value_head_dim), torch.float32, device)]
 
     def forward(self, x: torch.Tensor, state: LinearState | None = None
                 ) -> tuple[torch.Tensor, LinearState]:

@@ -69,6 +69,8 @@ class GroupedGatedRMSNorm(nn.Module):
 
 
 class Mamba2Mixer(nn.Module):
+    State = LinearState
+
     def __init__(self, shape: Mamba2Shape):
         super().__init__()
         self.shape = s = shape
@@ -82,6 +84,12 @@ class Mamba2Mixer(nn.Module):
         self.D = nn.Parameter(torch.ones(s.heads))
         self.norm = GroupedGatedRMSNorm(self.inner, s.groups, s.eps)
         self.out_proj = nn.Linear(self.inner, s.hidden_size, bias=s.bias)
+
+    def state_shapes(self, batch: int, dtype: torch.dtype, device) -> list:
+        """(shape, dtype, device) of the conv tail and the SSM state."""
+        s = self.shape
+        return [((batch, s.conv_kernel - 1, self.channels), dtype, device),
+                ((batch, s.heads, s.head_dim, s.state_size), torch.float32, device)]
 
     def forward(self, x: torch.Tensor, state: LinearState | None = None
                 ) -> tuple[torch.Tensor, LinearState]:
