@@ -99,14 +99,15 @@ class GatedDeltaNet(nn.Module):
         return [((batch, s.conv_kernel - 1, 2 * self.key_dim + self.value_dim), dtype, device),
                 ((batch, s.value_heads, s.key_head_dim, s.value_head_dim), torch.float32, device)]
 
-    def forward(self, x: torch.Tensor, state: LinearState | None = None
-                ) -> tuple[torch.Tensor, LinearState]:
-        """x [s, b, hidden] -> (out [s, b, hidden], the state after the last token)."""
+    def forward(self, x: torch.Tensor, state: LinearState | None = None,
+                resets: torch.Tensor | None = None) -> tuple[torch.Tensor, LinearState]:
+        """x [s, b, hidden] -> (out [s, b, hidden], the state after the last token). `resets`
+        [b, s] bool: True where a packed document starts (conv and state start afresh)."""
         s = self.shape
         x = x.transpose(0, 1)
         b, t, _ = x.shape
         qkv, tail = causal_conv(self.in_proj_qkv(x), self.conv1d.weight, None,
-                                None if state is None else state.conv)
+                                None if state is None else state.conv, resets)
         q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.reshape(b, t, s.key_heads, s.key_head_dim)
         k = k.reshape(b, t, s.key_heads, s.key_head_dim)
@@ -114,7 +115,8 @@ class GatedDeltaNet(nn.Module):
         beta = self.in_proj_b(x).sigmoid()
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
         o, recurrent = gated_delta_rule(q, k, v, g, beta, chunk_size=s.chunk_size,
-                                        initial_state=None if state is None else state.recurrent)
+                                        initial_state=None if state is None else state.recurrent,
+                                        resets=resets)
         z = self.in_proj_z(x).reshape(b, t, s.value_heads, s.value_head_dim)
         o = self.norm(o, z).reshape(b, t, self.value_dim)
         return self.out_proj(o).transpose(0, 1), LinearState(tail, recurrent)

@@ -91,21 +91,23 @@ class Mamba2Mixer(nn.Module):
         return [((batch, s.conv_kernel - 1, self.channels), dtype, device),
                 ((batch, s.heads, s.head_dim, s.state_size), torch.float32, device)]
 
-    def forward(self, x: torch.Tensor, state: LinearState | None = None
-                ) -> tuple[torch.Tensor, LinearState]:
-        """x [s, b, hidden] -> (out [s, b, hidden], the state after the last token)."""
+    def forward(self, x: torch.Tensor, state: LinearState | None = None,
+                resets: torch.Tensor | None = None) -> tuple[torch.Tensor, LinearState]:
+        """x [s, b, hidden] -> (out [s, b, hidden], the state after the last token). `resets`
+        [b, s] bool: True where a packed document starts (conv and state start afresh)."""
         s = self.shape
         x = x.transpose(0, 1)
         b, t, _ = x.shape
         z, xbc, dt = self.in_proj(x).split([self.inner, self.channels, s.heads], dim=-1)
         xbc, tail = causal_conv(xbc, self.conv1d.weight, self.conv1d.bias,
-                                None if state is None else state.conv)
+                                None if state is None else state.conv, resets)
         xs, B, C = xbc.split([self.inner, s.groups * s.state_size, s.groups * s.state_size], -1)
         y, ssm = ssd_scan(xs.reshape(b, t, s.heads, s.head_dim), dt, -self.A_log.float().exp(),
                           B.reshape(b, t, s.groups, s.state_size),
                           C.reshape(b, t, s.groups, s.state_size), self.D, self.dt_bias,
                           limit=(s.time_step_min, float("inf")), chunk_size=s.chunk_size,
-                          initial_state=None if state is None else state.recurrent)
+                          initial_state=None if state is None else state.recurrent,
+                          resets=resets)
         y = self.norm(y.reshape(b, t, self.inner), z)
         return self.out_proj(y.to(x.dtype)).transpose(0, 1), LinearState(tail, ssm)
 

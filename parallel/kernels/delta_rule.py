@@ -43,12 +43,13 @@ def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
-def gated_delta_rule(q, k, v, g, beta, *, initial_state=None, chunk_size: int = 64):
+def gated_delta_rule(q, k, v, g, beta, *, initial_state=None, chunk_size: int = 64, resets=None):
     """q, k [b, t, hk, dk], v [b, t, hv, dv], g and beta [b, t, hv] -> (o [b, t, hv, dv] in v's dtype,
     final state [b, hv, dk, dv] fp32). q and k are L2-normalised here; q is scaled by dk^-1/2.
-    Each key head serves hv / hk consecutive value heads."""
+    Each key head serves hv / hk consecutive value heads. `resets` [b, t] bool: True where a
+    packed document starts (the state is discarded before that token)."""
     kernel = choose_delta_rule(q.device)
-    if kernel == "fla":
+    if kernel == "fla" and resets is None:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
         rep = v.shape[2] // k.shape[2]
         if rep > 1:
@@ -57,9 +58,10 @@ def gated_delta_rule(q, k, v, g, beta, *, initial_state=None, chunk_size: int = 
                                           output_final_state=True, use_qk_l2norm_in_kernel=True)
         return o, state.float()
     if q.device.type == "cuda":
-        log_choice_once(__name__, "gated delta rule on CUDA without flash-linear-attention (fla): "
-                        "the chunked PyTorch version runs")
-    return chunk_delta_rule(q, k, v, g, beta, initial_state=initial_state, chunk_size=chunk_size)
+        log_choice_once(__name__, "gated delta rule on CUDA without flash-linear-attention (fla) "
+                        "or with packed documents: the chunked PyTorch version runs")
+    return chunk_delta_rule(q, k, v, g, beta, initial_state=initial_state, chunk_size=chunk_size,
+                            resets=resets)
 
 
 def _heads_first(x: torch.Tensor, rep: int = 1) -> torch.Tensor:
@@ -68,9 +70,11 @@ def _heads_first(x: torch.Tensor, rep: int = 1) -> torch.Tensor:
     return x.transpose(1, 2).float()
 
 
-def chunk_delta_rule(q, k, v, g, beta, *, initial_state=None, chunk_size: int = 64):
+def chunk_delta_rule(q, k, v, g, beta, *, initial_state=None, chunk_size: int = 64, resets=None):
     """The chunked gated delta rule in PyTorch, fp32 (module docstring); same contract as
-    `gated_delta_rule`."""
+    `gated_delta_rule`. With `resets`, pairs of tokens in different documents are masked out,
+    the start state is read only before a chunk's first reset, and only the last document of a
+    chunk writes its end state (`document_masks`)."""
     b, t, hk, dk = k.shape
     hv, dv, dtype = v.shape[2], v.shape[3], v.dtype
     rep = hv // hk
@@ -88,15 +92,16 @@ def chunk_delta_rule(q, k, v, g, beta, *, initial_state=None, chunk_size: int = 
     causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).tril()
     # exp(G_t - G_j) for j <= t, 0 above the diagonal (masked before exp: no overflow)
     decay = (G.unsqueeze(-1) - G.unsqueeze(-2)).masked_fill(~causal, float("-inf")).exp()
+    decay, fresh, last = document_masks(resets, t + pad, n, chunk_size, decay)
     kb = k * beta.unsqueeze(-1)
     strict = (kb @ k.transpose(-1, -2)) * decay
     system = strict.masked_fill(~causal.tril(-1), 0) + torch.eye(chunk_size, device=q.device)
-    rhs = torch.cat([v * beta.unsqueeze(-1), kb * G.exp().unsqueeze(-1)], dim=-1)
+    rhs = torch.cat([v * beta.unsqueeze(-1), kb * (G.exp() * fresh).unsqueeze(-1)], dim=-1)
     W, Y = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True).split([dv, dk], -1)
     scores = (q @ k.transpose(-1, -2)) * decay          # [b, h, n, C, C], lower triangular
-    q_in = q * G.exp().unsqueeze(-1)                    # reads of the chunk's start state
-    k_out = k * (G[..., -1:] - G).exp().unsqueeze(-1)   # writes into the chunk's end state
-    chunk_decay = G[..., -1].exp()[..., None, None]
+    q_in = q * (G.exp() * fresh).unsqueeze(-1)                # reads of the chunk's start state
+    k_out = k * ((G[..., -1:] - G).exp() * last).unsqueeze(-1)  # writes into its end state
+    chunk_decay = (G[..., -1].exp() * fresh[..., -1])[..., None, None]
     state = (torch.zeros(b, hv, dk, dv, device=q.device) if initial_state is None
              else initial_state.float())
     outs = []
@@ -106,6 +111,20 @@ def chunk_delta_rule(q, k, v, g, beta, *, initial_state=None, chunk_size: int = 
         state = state * chunk_decay[:, :, i] + k_out[:, :, i].transpose(-1, -2) @ u
     o = torch.stack(outs, dim=2).reshape(b, hv, n * chunk_size, dv)[:, :, :t]
     return o.transpose(1, 2).to(dtype), state
+
+
+def document_masks(resets, padded: int, n: int, chunk_size: int, decay: torch.Tensor):
+    """For packed documents (`resets` [b, t], True at a document's first token; None: one
+    document): `decay` [b, h, n, C, C] times "same document", `fresh` (the token's document
+    began before the chunk: it reads the start state) and `last` (the token is in the chunk's
+    last document: it writes the end state), each [b or 1, 1, n, C]."""
+    if resets is None:
+        ones = decay.new_ones(1, 1, n, chunk_size)
+        return decay, ones, ones
+    r = F.pad(resets.to(decay.dtype), (0, padded - resets.shape[1])).reshape(resets.shape[0], 1, n, chunk_size)
+    seg = r.cumsum(-1)
+    same = (seg.unsqueeze(-1) == seg.unsqueeze(-2)).to(decay.dtype)
+    return decay * same, (seg == 0).to(decay.dtype), (seg == seg[..., -1:]).to(decay.dtype)
 
 
 def recurrent_delta_rule(q, k, v, g, beta, *, initial_state=None):

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from .choice_log import log_choice_once
+from .delta_rule import document_masks
 
 
 def mamba_ssm_available() -> bool:
@@ -41,24 +42,25 @@ def discretize(dt: torch.Tensor, dt_bias: torch.Tensor, limit: tuple[float, floa
 
 
 def ssd_scan(x, dt, A, B, C, D, dt_bias, *, limit=(0.0, float("inf")), initial_state=None,
-             chunk_size: int = 128):
+             chunk_size: int = 128, resets=None):
     """x [b, t, h, p], dt [b, t, h] (before bias and softplus), A, D, dt_bias [h], B, C [b, t, g, n]
-    -> (y [b, t, h, p] fp32, final state [b, h, p, n] fp32)."""
-    if choose_ssd(x.device) == "mamba_ssm":
+    -> (y [b, t, h, p] fp32, final state [b, h, p, n] fp32). `resets` [b, t] bool: True where a
+    packed document starts."""
+    if choose_ssd(x.device) == "mamba_ssm" and resets is None:
         from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
         y, state = mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=D, dt_bias=dt_bias,
                                              initial_states=initial_state, dt_softplus=True,
                                              dt_limit=limit, return_final_states=True)
         return y.float(), state.float()
     if x.device.type == "cuda":
-        log_choice_once(__name__, "Mamba-2 scan on CUDA without mamba_ssm: the chunked PyTorch "
-                        "version runs")
+        log_choice_once(__name__, "Mamba-2 scan on CUDA without mamba_ssm or with packed "
+                        "documents: the chunked PyTorch version runs")
     return chunk_ssd(x, dt, A, B, C, D, dt_bias, limit=limit, initial_state=initial_state,
-                     chunk_size=chunk_size)
+                     chunk_size=chunk_size, resets=resets)
 
 
 def chunk_ssd(x, dt, A, B, C, D, dt_bias, *, limit=(0.0, float("inf")), initial_state=None,
-              chunk_size: int = 128):
+              chunk_size: int = 128, resets=None):
     """The chunked scan in PyTorch, fp32 (module docstring); same contract as `ssd_scan`."""
     b, t, h, p = x.shape
     rep = h // B.shape[2]
@@ -77,11 +79,12 @@ def chunk_ssd(x, dt, A, B, C, D, dt_bias, *, limit=(0.0, float("inf")), initial_
     G = (dt * A.float()[:, None, None]).cumsum(-1)
     causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=x.device).tril()
     decay = (G.unsqueeze(-1) - G.unsqueeze(-2)).masked_fill(~causal, float("-inf")).exp()
+    decay, fresh, last = document_masks(resets, t + pad, n, chunk_size, decay)
     u = xs * dt.unsqueeze(-1)
     intra = ((Ch @ Bh.transpose(-1, -2)) * decay) @ u                    # [b, h, n, C, p]
-    c_in = Ch * G.exp().unsqueeze(-1)
-    b_out = Bh * (G[..., -1:] - G).exp().unsqueeze(-1)
-    chunk_decay = G[..., -1].exp()[..., None, None]
+    c_in = Ch * (G.exp() * fresh).unsqueeze(-1)
+    b_out = Bh * ((G[..., -1:] - G).exp() * last).unsqueeze(-1)
+    chunk_decay = (G[..., -1].exp() * fresh[..., -1])[..., None, None]
     state = (torch.zeros(b, h, p, Bh.shape[-1], device=x.device) if initial_state is None
              else initial_state.float())
     outs = []

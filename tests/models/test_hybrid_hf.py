@@ -171,3 +171,30 @@ def test_presets_published_sizes():
     assert 8.5e9 < q < 9.5e9
     with pytest.raises(ValueError, match="presets"):
         nemotron("nemotron-h-1t")
+
+
+def test_packed_documents_reset_the_state(qwen35, nemotron_h):
+    """Documents packed in one row (cuts inside and at chunk edges, a one-token document) give
+    what each document gives alone, outputs and gradients; a second row is one document."""
+    mixers = [qwen35[1].model.layers[0].linear_attn, nemotron_h[1].model.layers[0].mixer]
+    lengths = [5, 1, 10, 8, 3]  # starts at 0, 5, 6, 16 (a chunk edge), 24
+    resets = torch.zeros(2, sum(lengths), dtype=torch.bool)
+    resets[0, torch.tensor(lengths).cumsum(0)[:-1]] = True
+    for mixer in mixers:
+        mixer.zero_grad(set_to_none=True)
+        forward = super(type(mixer), mixer).forward
+        x = torch.randn(sum(lengths), 2, mixer.shape.hidden_size, requires_grad=True)
+        packed, _ = forward(x, resets=resets)
+        packed.square().sum().backward()
+        got = [x.grad.clone()] + [p.grad.clone() for p in mixer.parameters()]
+        x.grad = None
+        mixer.zero_grad()
+        alone = torch.cat([forward(piece)[0] for piece in x[:, :1].split(lengths)])
+        whole, _ = forward(x[:, 1:])
+        torch.testing.assert_close(packed[:, :1], alone, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(packed[:, 1:], whole, rtol=1e-5, atol=1e-5)
+        (alone.square().sum() + whole.square().sum()).backward()
+        want = [x.grad] + [p.grad for p in mixer.parameters()]
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+        mixer.zero_grad()
