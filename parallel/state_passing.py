@@ -58,16 +58,17 @@ class _SendState(torch.autograd.Function):
         return (gy, None, *_recv(ctx.shapes, ctx.group, ctx.rank + 1))
 
 
-def state_passing_forward(mixer, x: torch.Tensor, group):
-    """mixer(x, state) over a sequence cut into the cp ranks' contiguous slices (x: this rank's,
-    [s / cp, b, hidden]); returns (this rank's output, its final state). `mixer.state_shapes(b,
-    dtype, device)` gives the state tensors' shapes (conv tail, recurrent)."""
+def state_passing_forward(mixer, x: torch.Tensor, group, resets: torch.Tensor | None = None):
+    """mixer(x, state, resets) over a sequence cut into the cp ranks' contiguous slices (x: this
+    rank's, [s / cp, b, hidden]; `resets` [b, s / cp]: packed documents' first tokens, where the
+    received state is not read); returns (this rank's output, its final state).
+    `mixer.state_shapes(b, dtype, device)` gives the state tensors' shapes (conv tail, recurrent)."""
     n, r = group_size(group), group_rank(group)
     state = None
     if r > 0:
         conv, recurrent = _ReceiveState.apply(x, group, mixer.state_shapes(x.shape[1], x.dtype, x.device))
         state = type(mixer).State(conv, recurrent)
-    y, final = mixer(x, state)
+    y, final = mixer(x, state, resets)
     if r < n - 1:
         y = _SendState.apply(y, group, final.conv, final.recurrent)
     return y, final

@@ -4,7 +4,8 @@ model run unsharded in the same process:
        gates, decays, norms sharded with their heads), outputs summed: outputs, input and
        parameter gradients within 1e-5;
   cp2  each rank half of the sequence (18 tokens: a cut inside a chunk of 8), the state and the
-       conv tail passed from rank 0 to rank 1 and their gradients back: the same;
+       conv tail passed from rank 0 to rank 1 and their gradients back: the same; again with
+       packed documents (one starting at rank 1's first token: the passed state is not read);
   pp2  a Nemotron-H with Mamba-2 + attention on stage 0 and MLP + Mamba-2 on stage 1, activations
        and their gradients sent between the stages: loss and every gradient within 1e-5."""
 from __future__ import annotations
@@ -84,6 +85,25 @@ def _world(rank):
             dist.all_reduce(got)
             torch.testing.assert_close(got, grads_ref[n], **TOL, msg=f"cp2 {name} {n}")
         done.append(f"cp2 {name}")
+        # cp2 with packed documents: row 0 starts documents at 4, 9 (rank 1's first token), 13
+        resets = torch.zeros(2, 18, dtype=torch.bool)
+        resets[0, [4, 9, 13]] = True
+        xp = x.clone().requires_grad_(True)
+        full.zero_grad()
+        yp_ref, _ = full(xp, None, resets)
+        yp_ref.square().sum().backward()
+        gxp_ref, gp_ref = xp.grad, {n: p.grad.clone() for n, p in full.named_parameters()}
+        full.zero_grad()
+        xc = x[rank * 9:(rank + 1) * 9].clone().requires_grad_(True)
+        y, _ = state_passing_forward(full, xc, None, resets[:, rank * 9:(rank + 1) * 9])
+        y.square().sum().backward()
+        torch.testing.assert_close(y, yp_ref[rank * 9:(rank + 1) * 9].detach(), **TOL)
+        torch.testing.assert_close(xc.grad, gxp_ref[rank * 9:(rank + 1) * 9], **TOL)
+        for n, p in full.named_parameters():
+            got = p.grad.clone()
+            dist.all_reduce(got)
+            torch.testing.assert_close(got, gp_ref[n], **TOL, msg=f"cp2 documents {name} {n}")
+        done.append(f"cp2 documents {name}")
     done.append(_pp2(rank))
     return done
 
@@ -141,5 +161,6 @@ def _pp2(rank):
 def test_tp2_cp2_pp2_equal_unsharded():
     results = run_distributed(_world, 2)
     for rank, done in enumerate(results):
-        assert done[:4] == ["tp2 gated_deltanet", "cp2 gated_deltanet", "tp2 mamba2", "cp2 mamba2"]
-        assert done[4].startswith(f"pp2 stage {rank}")
+        assert done[:6] == [f"{c} {m}" for m in ("gated_deltanet", "mamba2")
+                            for c in ("tp2", "cp2", "cp2 documents")]
+        assert done[6].startswith(f"pp2 stage {rank}")
