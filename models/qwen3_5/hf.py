@@ -25,6 +25,12 @@ TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 def config_from_hf(hf) -> Qwen35Config:
     """A Qwen35Config from a `transformers.Qwen3_5TextConfig` (every field checked)."""
     check_fields(hf, FAMILY, MAPPED, IGNORED)
+    return base_config(hf, FAMILY)
+
+
+def base_config(hf, family: str) -> Qwen35Config:
+    """The fields Qwen3.5 shares with Qwen3-Next, checked (`family` names it in errors)."""
+    FAMILY = family  # noqa: N806 - the refusals below name the family read
     if hf.hidden_act not in ("silu", "swish"):
         raise refuse(FAMILY, "hidden_act", hf.hidden_act, "silu")
     if hf.attention_dropout:
@@ -65,9 +71,14 @@ def config_from_hf(hf) -> Qwen35Config:
 def hf_config(c: Qwen35Config):
     """The `transformers.Qwen3_5TextConfig` of `c` (export)."""
     from transformers import Qwen3_5TextConfig
+    return Qwen3_5TextConfig(**hf_fields(c))
+
+
+def hf_fields(c: Qwen35Config) -> dict:
+    """The config.json fields Qwen3.5 shares with Qwen3-Next."""
     rope = {"rope_theta": c.rope_theta, "partial_rotary_factor": c.partial_rotary_factor,
             **c.extra.get("rope_extra", {"rope_type": "default"})}
-    return Qwen3_5TextConfig(
+    return dict(
         vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
         num_hidden_layers=len(c.layer_types), num_attention_heads=c.num_attention_heads,
         num_key_value_heads=c.num_key_value_heads, hidden_act="silu",

@@ -110,11 +110,12 @@ class LinearAttention(GatedDeltaNet):
 
 
 class MLP(nn.Module):
-    def __init__(self, c: Qwen35Config):
+    def __init__(self, c: Qwen35Config, size: int | None = None):
         super().__init__()
-        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+        size = c.intermediate_size if size is None else size
+        self.gate_proj = nn.Linear(c.hidden_size, size, bias=False)
+        self.up_proj = nn.Linear(c.hidden_size, size, bias=False)
+        self.down_proj = nn.Linear(size, c.hidden_size, bias=False)
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -1,4 +1,5 @@
-"""Qwen3.5 (Gated DeltaNet + gated attention) and Nemotron-H (Mamba-2 + attention + MLP) against
+"""Qwen3.5 (Gated DeltaNet + gated attention), Qwen3-Next (the same with MoE MLPs and fused linear
+projections) and Nemotron-H (Mamba-2 + attention + MLP) against
 transformers' own models: logits within 1e-5 (fp32), greedy generation equal, export
 bit-identical; the chunked mixers against their token-by-token form and a sequence cut anywhere
 (the state passed on); refusals in one line; the kernel choice; the published sizes."""
@@ -65,7 +66,35 @@ def nemotron_h():
     return hf, ours, adapter, config
 
 
-@pytest.fixture(params=["qwen35", "nemotron_h"])
+@pytest.fixture(scope="module")
+def qwen3_next():
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    from megazoo.models.qwen3_next import hf as adapter
+    from megazoo.models.qwen3_next.model import Qwen3NextForCausalLM as Ours
+    torch.manual_seed(2)
+    cfg = Qwen3NextConfig(
+        vocab_size=VOCAB, hidden_size=40, intermediate_size=56, num_hidden_layers=3,
+        num_attention_heads=3, num_key_value_heads=1, head_dim=16, linear_num_key_heads=2,
+        linear_num_value_heads=6, linear_key_head_dim=12, linear_value_head_dim=10,
+        linear_conv_kernel_dim=3, layer_types=["linear_attention", "full_attention", "linear_attention"],
+        num_experts=5, num_experts_per_tok=2, moe_intermediate_size=12,
+        shared_expert_intermediate_size=20, mlp_only_layers=[1], initializer_range=0.1,
+        eos_token_id=VOCAB,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25})
+    hf = Qwen3NextForCausalLM(cfg).float().eval()
+    _perturb(hf)
+    with torch.no_grad():  # a router that prefers some experts
+        for name, p in hf.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.add_(torch.randn_like(p) * 0.3)
+    config = dataclasses.replace(adapter.config_from_hf(hf.config), chunk_size=8)
+    ours = Ours(config).eval()
+    ours.load_state_dict(adapter.from_hf_state_dict(hf.state_dict(), config))
+    return hf, ours, adapter, config
+
+
+@pytest.fixture(params=["qwen35", "nemotron_h", "qwen3_next"])
 def family(request):
     return request.getfixturevalue(request.param)
 
@@ -164,11 +193,15 @@ def test_presets_published_sizes():
     from megazoo.models.nemotron_h.presets import preset_config as nemotron
     from megazoo.models.qwen3_5.model import Qwen35ForCausalLM
     from megazoo.models.qwen3_5.presets import preset_config as qwen
+    from megazoo.models.qwen3_next.model import Qwen3NextForCausalLM
+    from megazoo.models.qwen3_next.presets import preset_config as qwen_next
     with torch.device("meta"):
         n = sum(p.numel() for p in NemotronHForCausalLM(nemotron("nemotron-h-8b")).parameters())
         q = sum(p.numel() for p in Qwen35ForCausalLM(qwen("qwen3.5-9b")).parameters())
+        x = sum(p.numel() for p in Qwen3NextForCausalLM(qwen_next("qwen3-next-80b-a3b")).parameters())
     assert n == 8_100_852_736  # Nemotron-H-8B-Base-8K as released
     assert 8.5e9 < q < 9.5e9
+    assert 79e9 < x < 82e9
     with pytest.raises(ValueError, match="presets"):
         nemotron("nemotron-h-1t")
 
