@@ -70,7 +70,8 @@ def main(argv=None):
     groups = max(1, h // 4)
     x, dt = torch.randn(b, t, h, d, generator=g), torch.randn(b, t, h, generator=g)
     B, C = (torch.randn(b, t, groups, n, generator=g) for _ in range(2))
-    A, D, dt_bias = -torch.rand(h, generator=g) - 0.5, torch.randn(h, generator=g), torch.randn(h, generator=g)
+    A = -torch.rand(h, generator=g) - 0.5
+    D, dt_bias = torch.randn(h, generator=g), torch.randn(h, generator=g)
     ssd = {
         "megazoo": _fwd_bwd(lambda *z: chunk_ssd(*z, chunk_size=a.chunk)[0], (x, dt, A, B, C, D, dt_bias)),
         "transformers": _fwd_bwd(lambda x_, dt_, A_, B_, C_, D_, bias: mamba2_chunk_scan(

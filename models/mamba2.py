@@ -128,6 +128,7 @@ def shard_heads(name: str, full: torch.Tensor, shape: Mamba2Shape, rank: int, tp
         return full.chunk(tp)[rank]
     if name == "out_proj.weight":
         return full.chunk(tp, dim=1)[rank]
-    if name == "out_proj.bias":
-        return full / tp  # each rank's partial sum carries 1/tp of the bias
+    if name in ("out_proj.bias",):
+        raise ValueError("Mamba-2 with use_bias under tensor parallelism: out_proj's bias belongs "
+                         "after the reduction of the ranks' partial sums; run it at tp 1")
     raise KeyError(f"Mamba2Mixer has no parameter {name}")

@@ -26,7 +26,8 @@ MAPPED = qwen35.MAPPED | set(MOE) | {"mlp_only_layers", "router_aux_loss_coef", 
 def config_from_hf(hf) -> Qwen3NextConfig:
     check_fields(hf, FAMILY, frozenset(MAPPED), qwen35.IGNORED)
     if hf.router_aux_loss_coef and hf.output_router_logits:
-        raise refuse(FAMILY, "output_router_logits", True, "False (the auxiliary loss is not modelled)")
+        raise refuse(FAMILY, "output_router_logits", True,
+                     "False (the auxiliary loss is not modelled)")
     if hf.num_experts and hf.num_experts_per_tok > hf.num_experts:
         raise refuse(FAMILY, "num_experts_per_tok", hf.num_experts_per_tok, f"<= num_experts ({hf.num_experts})")
     base = qwen35.base_config(hf, FAMILY)
@@ -77,7 +78,8 @@ def to_hf_state_dict(state: dict[str, torch.Tensor], c: Qwen3NextConfig) -> dict
             q, k, v = t.split([hk * dk, hk * dk, hk * vd])
             z = state[prefix + "in_proj_z.weight"]
             out[prefix + "in_proj_qkvz.weight"] = torch.cat(
-                [q.view(hk, dk, h), k.view(hk, dk, h), v.view(hk, vd, h), z.view(hk, vd, h)], 1).reshape(-1, h)
+                [q.view(hk, dk, h), k.view(hk, dk, h), v.view(hk, vd, h), z.view(hk, vd, h)],
+                1).reshape(-1, h)
         elif name.endswith("in_proj_b.weight"):
             prefix, h = name[:-len("in_proj_b.weight")], t.shape[1]
             a = state[prefix + "in_proj_a.weight"]

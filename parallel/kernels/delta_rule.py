@@ -121,7 +121,8 @@ def document_masks(resets, padded: int, n: int, chunk_size: int, decay: torch.Te
     if resets is None:
         ones = decay.new_ones(1, 1, n, chunk_size)
         return decay, ones, ones
-    r = F.pad(resets.to(decay.dtype), (0, padded - resets.shape[1])).reshape(resets.shape[0], 1, n, chunk_size)
+    r = F.pad(resets.to(decay.dtype), (0, padded - resets.shape[1]))
+    r = r.reshape(resets.shape[0], 1, n, chunk_size)
     seg = r.cumsum(-1)
     same = (seg.unsqueeze(-1) == seg.unsqueeze(-2)).to(decay.dtype)
     return decay * same, (seg == 0).to(decay.dtype), (seg == seg[..., -1:]).to(decay.dtype)

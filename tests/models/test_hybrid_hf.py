@@ -131,7 +131,8 @@ def test_refusals_one_line():
     from megazoo.models.hf_fields import UnsupportedConfigError
     for make, kwargs, field in (
             (nemotron, NemotronHConfig(hybrid_override_pattern="ME*"), "layers_block_type"),
-            (nemotron, NemotronHConfig(hybrid_override_pattern="M*", mlp_hidden_act="gelu"), "mlp_hidden_act"),
+            (nemotron, NemotronHConfig(hybrid_override_pattern="M*", mlp_hidden_act="gelu"),
+             "mlp_hidden_act"),
             (qwen, Qwen3_5TextConfig(num_hidden_layers=4, hidden_act="gelu"), "hidden_act"),
             (qwen, Qwen3_5TextConfig(num_hidden_layers=4, rope_parameters={
                 "rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}), "rope_type")):

@@ -151,7 +151,8 @@ def _pp2(rank):
         loss.backward()
         dist.send(x.grad.contiguous(), 0)
         torch.testing.assert_close(loss, ref, **TOL)
-        names = [n for n in want if n.startswith(("model.layers.2.", "model.layers.3.", "model.norm_f", "lm_head"))]
+        names = [n for n in want if n.startswith(
+            ("model.layers.2.", "model.layers.3.", "model.norm_f", "lm_head"))]
     params = dict(model.named_parameters())
     for n in names:
         torch.testing.assert_close(params[n].grad, want[n], **TOL, msg=f"pp2 {n}")
