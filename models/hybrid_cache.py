@@ -26,11 +26,27 @@ class HybridCache:
         return attention(q, k, v, causal=True, scale=scale, q_offset=k.shape[2] - q.shape[2])
 
 
-def causal_self_attention(q, k, v, scale: float, cache: HybridCache | None, layer: int):
-    """Causal attention of q [b, h, s, d] over k, v [b, kv, s, d], through the cache if any."""
+def causal_self_attention(q, k, v, scale: float, cache: HybridCache | None, layer: int,
+                          document_ids: torch.Tensor | None = None):
+    """Causal attention of q [b, h, s, d] over k, v [b, kv, s, d], through the cache if any;
+    `document_ids` [b, s]: packed documents, each attending to itself only."""
     if cache is None:
-        return attention(q, k, v, causal=True, scale=scale)
+        return attention(q, k, v, causal=True, scale=scale, q_document_ids=document_ids)
+    if document_ids is not None:
+        raise ValueError("packed documents with a generation cache: generate one sequence per row")
     return cache.attend(layer, q, k, v, scale)
+
+
+def document_starts(document_ids: torch.Tensor | None) -> tuple:
+    """(resets [b, s] bool: a token starts a document, positions [b, s]: its index inside its
+    document) of packed rows; (None, None) without documents."""
+    if document_ids is None:
+        return None, None
+    resets = torch.ones_like(document_ids, dtype=torch.bool)
+    resets[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+    index = torch.arange(document_ids.shape[1], device=document_ids.device).expand_as(document_ids)
+    start = torch.cummax(torch.where(resets, index, torch.zeros_like(index)), dim=1).values
+    return resets, index - start
 
 
 @torch.no_grad()

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..hybrid_cache import HybridCache, causal_self_attention
+from ..hybrid_cache import HybridCache, causal_self_attention, document_starts
 from ..mamba2 import Mamba2Mixer, Mamba2Shape
 
 LAYER_TYPES = ("linear_attention", "full_attention", "mlp")
@@ -72,12 +72,12 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(c.hidden_size, kv * d, bias=c.attention_bias)
         self.o_proj = nn.Linear(h * d, c.hidden_size, bias=c.attention_bias)
 
-    def forward(self, x, cache, layer):
+    def forward(self, x, cache, layer, document_ids=None, resets=None):
         b, t, _ = x.shape
         d = self.head_dim
         q, k, v = (p(x).view(b, t, -1, d).transpose(1, 2)
                    for p in (self.q_proj, self.k_proj, self.v_proj))
-        o = causal_self_attention(q, k, v, d ** -0.5, cache, layer)
+        o = causal_self_attention(q, k, v, d ** -0.5, cache, layer, document_ids)
         return self.o_proj(o.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -87,16 +87,16 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
         self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias)
 
-    def forward(self, x, cache=None, layer=None):
+    def forward(self, x, cache=None, layer=None, document_ids=None, resets=None):
         return self.down_proj(F.relu(self.up_proj(x)).square())
 
 
 class Mamba(Mamba2Mixer):
     """Mamba-2 on [b, t, hidden], its state in the cache."""
 
-    def forward(self, x, cache: HybridCache | None, layer: int):
+    def forward(self, x, cache: HybridCache | None, layer: int, document_ids=None, resets=None):
         state = None if cache is None else cache.linear.get(layer)
-        y, state = super().forward(x.transpose(0, 1), state)
+        y, state = super().forward(x.transpose(0, 1), state, resets)
         if cache is not None:
             cache.linear[layer] = state
         return y.transpose(0, 1)
@@ -109,8 +109,8 @@ class Block(nn.Module):
         self.mixer = {"linear_attention": lambda: Mamba(c.mamba_shape),
                       "full_attention": lambda: Attention(c), "mlp": lambda: MLP(c)}[kind]()
 
-    def forward(self, x, cache, layer):
-        return x + self.mixer(self.norm(x), cache, layer)
+    def forward(self, x, cache, layer, document_ids=None, resets=None):
+        return x + self.mixer(self.norm(x), cache, layer, document_ids, resets)
 
 
 class Backbone(nn.Module):
@@ -130,11 +130,14 @@ class NemotronHForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embeddings.weight
 
-    def forward(self, input_ids: torch.Tensor, cache: HybridCache | None = None) -> torch.Tensor:
-        """input_ids [b, t] -> logits [b, t, vocab] (continuing `cache`'s sequence if given)."""
+    def forward(self, input_ids: torch.Tensor, cache: HybridCache | None = None,
+                document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids [b, t] -> logits [b, t, vocab] (continuing `cache`'s sequence if given).
+        `document_ids` [b, t]: packed documents, each on its own."""
         x = self.model.embeddings(input_ids)
+        resets, _ = document_starts(document_ids)
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cache, i)
+            x = layer(x, cache, i, document_ids, resets)
         if cache is not None:
             cache.offset += input_ids.shape[1]
         return self.lm_head(self.model.norm_f(x))

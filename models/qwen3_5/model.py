@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..gated_deltanet import GatedDeltaNet, GatedDeltaNetShape
-from ..hybrid_cache import HybridCache, causal_self_attention
+from ..hybrid_cache import HybridCache, causal_self_attention, document_starts
 
 LAYER_TYPES = ("linear_attention", "full_attention")
 
@@ -87,23 +87,24 @@ class GatedAttention(nn.Module):
         self.q_norm = ZeroCentredRMSNorm(d, c.rms_norm_eps)
         self.k_norm = ZeroCentredRMSNorm(d, c.rms_norm_eps)
 
-    def forward(self, x, cos, sin, cache, layer):
+    def forward(self, x, cos, sin, cache, layer, document_ids=None):
         b, t, _ = x.shape
         d = self.c.head_dim
         q, gate = self.q_proj(x).view(b, t, -1, 2 * d).chunk(2, dim=-1)
         q = rotate(self.q_norm(q).transpose(1, 2), cos, sin)
         k = rotate(self.k_norm(self.k_proj(x).view(b, t, -1, d)).transpose(1, 2), cos, sin)
         v = self.v_proj(x).view(b, t, -1, d).transpose(1, 2)
-        o = causal_self_attention(q, k, v, d ** -0.5, cache, layer).transpose(1, 2).reshape(b, t, -1)
+        o = causal_self_attention(q, k, v, d ** -0.5, cache, layer, document_ids)
+        o = o.transpose(1, 2).reshape(b, t, -1)
         return self.o_proj(o * torch.sigmoid(gate.reshape(b, t, -1)))
 
 
 class LinearAttention(GatedDeltaNet):
     """Gated DeltaNet on [b, t, hidden], its state in the cache."""
 
-    def forward(self, x, cache: HybridCache | None, layer: int):
+    def forward(self, x, cache: HybridCache | None, layer: int, resets=None):
         state = None if cache is None else cache.linear.get(layer)
-        y, state = super().forward(x.transpose(0, 1), state)
+        y, state = super().forward(x.transpose(0, 1), state, resets)
         if cache is not None:
             cache.linear[layer] = state
         return y.transpose(0, 1)
@@ -133,10 +134,10 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = ZeroCentredRMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = ZeroCentredRMSNorm(c.hidden_size, c.rms_norm_eps)
 
-    def forward(self, x, cos, sin, cache, layer):
+    def forward(self, x, cos, sin, cache, layer, document_ids=None, resets=None):
         h = self.input_layernorm(x)
-        h = (self.linear_attn(h, cache, layer) if self.kind == "linear_attention"
-             else self.self_attn(h, cos, sin, cache, layer))
+        h = (self.linear_attn(h, cache, layer, resets) if self.kind == "linear_attention"
+             else self.self_attn(h, cos, sin, cache, layer, document_ids))
         x = x + h
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -161,16 +162,23 @@ class Qwen35ForCausalLM(nn.Module):
         self.register_buffer("inv_freq", 1.0 / (c.rope_theta ** (
             torch.arange(0, dim, 2, dtype=torch.float) / dim)), persistent=False)
 
-    def forward(self, input_ids: torch.Tensor, cache: HybridCache | None = None) -> torch.Tensor:
-        """input_ids [b, t] -> logits [b, t, vocab] (continuing `cache`'s sequence if given)."""
+    def forward(self, input_ids: torch.Tensor, cache: HybridCache | None = None,
+                document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids [b, t] -> logits [b, t, vocab] (continuing `cache`'s sequence if given).
+        `document_ids` [b, t]: packed documents, each on its own (positions from 0, attention
+        within it, linear states reset at its start)."""
         offset = 0 if cache is None else cache.offset
         x = self.model.embed_tokens(input_ids)
-        pos = torch.arange(offset, offset + input_ids.shape[1], device=x.device, dtype=torch.float)
-        freqs = pos[:, None] * self.inv_freq
+        resets, positions = document_starts(document_ids)
+        if positions is None:
+            pos = torch.arange(offset, offset + input_ids.shape[1], device=x.device).float()
+        else:
+            pos = positions[:, None].float()  # [b, 1 (heads), t]
+        freqs = pos[..., None] * self.inv_freq
         emb = torch.cat([freqs, freqs], dim=-1)
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, cache, i)
+            x = layer(x, cos, sin, cache, i, document_ids, resets)
         if cache is not None:
             cache.offset += input_ids.shape[1]
         return self.lm_head(self.model.norm(x))

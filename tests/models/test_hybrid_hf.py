@@ -232,3 +232,18 @@ def test_packed_documents_reset_the_state(qwen35, nemotron_h):
         for g, w in zip(got, want):
             torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
         mixer.zero_grad()
+
+
+@torch.no_grad()
+def test_packed_rows_equal_documents_alone(family):
+    """A row of packed documents (positions from 0, attention and linear states per document)
+    gives each document's logits alone; the second row is one document."""
+    _, ours, _, _ = family
+    lengths = [6, 1, 9, 8]
+    ids = torch.randint(0, VOCAB, (2, sum(lengths)), generator=torch.Generator().manual_seed(7))
+    doc = torch.zeros_like(ids)
+    doc[0] = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    packed = ours(ids, document_ids=doc)
+    alone = torch.cat([ours(piece) for piece in ids[:1].split(lengths, dim=1)], dim=1)
+    torch.testing.assert_close(packed[:1], alone, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(packed[1:], ours(ids[1:]), rtol=1e-5, atol=1e-5)
