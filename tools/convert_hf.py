@@ -8,6 +8,7 @@ plain weights.
     python tools/convert_hf.py import --hf-dir gpt2_folder --save ckpt/gpt2 \
         --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2
     python tools/convert_hf.py export --load ckpt/run1 --save hf_out [--tokenizer-dir gpt2_folder]
+        [--merge-lora | --lora-adapter-dir adapter_out]   (a LoRA checkpoint, docs/post_training.md)
 
 Import writes a weights-only checkpoint (train from it with `--load ckpt/gpt2 --finetune`, under
 any layout; the model's shape comes from the checkpoint). Export accepts a checkpoint of any layout and writes config.json,
@@ -43,6 +44,11 @@ def build_parser() -> argparse.ArgumentParser:
                                              "checkpoint's tokenizer/ folder, if any)")
     exp.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                      help="weights' dtype (default: the checkpoint's; an imported model's own)")
+    exp.add_argument("--merge-lora", action="store_true",
+                     help="a LoRA checkpoint: fold the adapters into the weights (PEFT's "
+                          "merge_and_unload)")
+    exp.add_argument("--lora-adapter-dir", help="a LoRA checkpoint: write the adapters here in "
+                                                "PEFT's format (--save gets the base model)")
     return p
 
 
@@ -57,7 +63,8 @@ def main(argv=None) -> int:
                             layers_per_virtual_stage=args.num_layers_per_virtual_pipeline_stage,
                             make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
         else:
-            out = export_hf(args.load, args.save, tokenizer_dir=args.tokenizer_dir, dtype=args.dtype)
+            out = export_hf(args.load, args.save, tokenizer_dir=args.tokenizer_dir, dtype=args.dtype,
+                            merge_lora=args.merge_lora, adapter_dir=args.lora_adapter_dir)
     except (ConversionError, CheckpointError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -21,6 +21,7 @@ from megazoo.parallel.layout import LayoutError, ParallelConfig, microbatches_pe
 from megazoo.parallel.zero.config import LossScaleConfig, OptimizerConfig
 
 from megazoo.training.config.errors import ArgumentError
+from megazoo.training.config.lora_flags import lora_settings
 from megazoo.training.config.muon_flags import muon_settings, qk_clip_settings
 from megazoo.training.config.megatron_compat import (check_model, resolve_megatron_compat, samples_to_iterations,
                                              stage_layers, vocab_multiple)
@@ -231,6 +232,10 @@ def to_run_config(args: argparse.Namespace, vocab_size: int | None = None,
         microbatches_per_step(gbs, mbs, dp, parallel.pp, parallel.vpp)
     except LayoutError as e:
         _fail(str(e))
+    try:
+        lora = lora_settings(args, model, parallel.tp)
+    except ValueError as e:
+        _fail(str(e))
     vpp = parallel.vpp
     if args.train_iters is None and args.train_samples is None:
         _fail("give --train-iters or --train-samples")
@@ -301,7 +306,7 @@ def to_run_config(args: argparse.Namespace, vocab_size: int | None = None,
         if path.endswith((".bin", ".idx")):
             _fail(f"--data-path {path}: give the prefix without the suffix, --data-path {path[:-4]}")
     return RunConfig(
-        model=model, parallel=parallel, optimizer=optimizer, seed=args.seed, health=health,
+        model=model, parallel=parallel, optimizer=optimizer, seed=args.seed, health=health, lora=lora,
         schedule=ScheduleConfig(micro_batch_size=mbs, global_batch_size=gbs,
                                 rampup_batch_size=tuple(args.rampup_batch_size) if args.rampup_batch_size else None,
                                 train_iters=train_iters, lr=args.lr, min_lr=args.min_lr,

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from megazoo.models.config import TransformerConfig
+from megazoo.models.lora_targets import LoRASettings
 from megazoo.parallel.topology import ParallelConfig
 from megazoo.parallel.zero.config import OptimizerConfig
 
@@ -115,6 +116,7 @@ class RunConfig:
     logging: LoggingConfig
     health: HealthConfig = field(default_factory=HealthConfig)
     seed: int = 1234
+    lora: LoRASettings | None = None  # --lora-rank > 0
 
     @property
     def run_dir(self) -> str | None:

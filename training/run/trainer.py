@@ -9,6 +9,7 @@ import math
 import time
 from dataclasses import dataclass
 
+from megazoo.models.lora import apply_lora
 from megazoo.models.moe import update_expert_biases
 from megazoo.parallel.pipeline.tied import broadcast_tied_embedding
 from megazoo.parallel.random import model_parallel_seed
@@ -51,6 +52,8 @@ def build_chunks(model_provider, run: RunConfig, topo, rng):
     chunks = [model_provider(run.model, topo, rng=rng, **spec.kwargs()) for spec in specs]
     if topo.pp > 1:
         broadcast_tied_embedding(chunks, topo)
+    if run.lora is not None:  # before the optimizer: it holds the adapters only
+        apply_lora(chunks, run.lora, run.model, topo, rng, run.seed)
     return chunks
 
 
