@@ -21,6 +21,7 @@ adapter keeps them (`start_full`) for a checkpoint that holds no adapters (an im
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Callable
 
@@ -70,6 +71,7 @@ class LoRAAdapter(nn.Module):
         self.parts = [(n, rows) for n, rows in parts]
         self.groups_local = max(groups // topo.tp, 1)
         self.targeted = [n for n, _ in parts if n in targeted]
+        self.enabled = True  # False: the base layer alone (DPO's reference, `adapters_disabled`)
         self.start_full: dict[str, torch.Tensor] = {}  # parameter name -> full starting tensor
         for name, rows in self.parts:
             if name not in targeted:
@@ -125,6 +127,19 @@ class LoRAAdapter(nn.Module):
                 y = x.new_zeros(*lead, self.groups_local * local)
             blocks.append(y.reshape(*lead, self.groups_local, local))
         return torch.cat(blocks, -1).reshape(*lead, -1) * self.scale
+
+
+@contextlib.contextmanager
+def adapters_disabled(modules):
+    """The base model: every adapter in `modules` adds nothing inside the block."""
+    found = [a for m in modules for _, a in adapters(m)]
+    for a in found:
+        a.enabled = False
+    try:
+        yield
+    finally:
+        for a in found:
+            a.enabled = True
 
 
 def attach(layer: nn.Module, adapter: LoRAAdapter) -> None:

@@ -241,7 +241,7 @@ class ColumnParallelLinear(nn.Module):
             y = sequence_gathered_linear(x, weight, bias, group)
         else:
             y = linear(copy_to_tp(x, group), weight, bias)
-        if self.lora is not None:
+        if self.lora is not None and self.lora.enabled:
             y = y + self.lora(x)
         return gather_last_dim(y, group) if self.gather_output else y
 
@@ -273,7 +273,7 @@ class RowParallelLinear(nn.Module):
             y = reduce_scatter_to_sequence(y, group)
         else:
             y = reduce_from_tp(y, group)
-        if self.lora is not None:
+        if self.lora is not None and self.lora.enabled:
             y = y + self.lora(x)
         if self.bias is not None:
             y = y + sequence_parallel_param(self.bias, self.topo)

@@ -19,14 +19,12 @@ import pytest
 import torch
 
 from tests.distributed import run_distributed
+from tests.hf_models import chat_llama_argv, chat_llama_folder, run_llama
 from tests.helpers import one_thread  # noqa: F401 (autouse fixture)
 from tests.tokenizer_data import CHATML_TAGGED
 from tests.tolerances import assert_trained_close
 from tests.tool_runs import load_tool
 
-SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-SHAPE = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=64)
 LORA = dict(r=4, lora_alpha=8, targets=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                                          "up_proj", "down_proj"])
 HYPER = dict(lr=1e-2, micro_batch=4, global_batch=8, seq=32)
@@ -40,26 +38,6 @@ def conversations() -> list[dict]:
                           {"role": "user", "content": f"tell me about {t}"},
                           {"role": "assistant", "content": " ".join(([t, "is", "fine"] * 4)[:1 + (i * 3) % 9])}]}
             for i, t in enumerate(TOPICS)]
-
-
-def hf_folder(root: str, data: list[dict]) -> str:
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-    words = sorted({w for c in data for m in c["messages"] for w in (m["role"] + " " + m["content"]).split()})
-    vocab = {t: i for i, t in enumerate(SPECIAL + words)}
-    core = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
-    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|endoftext|>",
-                                  pad_token="<|endoftext|>", additional_special_tokens=SPECIAL[1:])
-    tok.chat_template = CHATML_TAGGED
-    folder = os.path.join(root, "hf")
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(vocab), tie_word_embeddings=False,
-                                         eos_token_id=0, bos_token_id=None, pad_token_id=0,
-                                         initializer_range=0.5, **SHAPE))
-    model.save_pretrained(folder)
-    tok.save_pretrained(folder)
-    return folder
 
 
 def peft_model(folder: str, adapter: str | None = None):
@@ -104,43 +82,19 @@ def peft_losses(model, ids, attention, assistant) -> list[float]:
 
 
 def megazoo_argv(root: str, folder: str, init: str, save: str, *extra) -> list[str]:
-    s, h = SHAPE, HYPER
-    argv = ["--num-layers", s["num_hidden_layers"], "--hidden-size", s["hidden_size"],
-            "--ffn-hidden-size", s["intermediate_size"], "--num-attention-heads", s["num_attention_heads"],
-            "--group-query-attention", "--num-query-groups", s["num_key_value_heads"],
-            "--max-position-embeddings", s["max_position_embeddings"], "--make-vocab-size-divisible-by", 1,
-            "--untie-embeddings-and-output-weights", "--rotary-base", 10000, "--norm-epsilon", 1e-6,
-            "--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
-            "--disable-bias-linear", "--load", os.path.join(root, "ckpt"), "--finetune", "--sft",
-            "--data-path", os.path.join(root, "chat"), "--tokenizer-type", "HuggingFaceTokenizer",
-            "--tokenizer-model", folder, "--seq-length", h["seq"], "--micro-batch-size", h["micro_batch"],
-            "--global-batch-size", h["global_batch"], "--train-iters", STEPS,
-            "--lr", h["lr"], "--min-lr", h["lr"], "--lr-decay-style", "constant",
-            "--lr-warmup-iters", 0, "--weight-decay", 0.0, "--clip-grad", 0.0,
-            "--adam-beta1", 0.9, "--adam-beta2", 0.999, "--adam-eps", 1e-8,
-            "--hidden-dropout", 0.0, "--attention-dropout", 0.0, "--log-interval", STEPS,
-            "--eval-iters", 0, "--split", "100,0,0", "--lora-init", init,
-            "--save", save, "--save-interval", STEPS, *extra]
-    return [str(a) for a in argv]
-
-
-def megazoo_run(argv: list[str], world: int):
-    from megazoo.models.registry import build_model
-    from megazoo.training.config.flags import to_run_config
-    from megazoo.training.config.parser import build_parser
-    from megazoo.training.run.entry import build_run_tokenizer
-    from megazoo.training.run.loop import pretrain
-    args = build_parser().parse_args(argv)
-    tok = build_run_tokenizer(args)
-    run = to_run_config(args, world_size=world, vocab_size=tok.vocab_size, eod_token=tok.eod)
-    return pretrain(build_model, run)
+    h = HYPER
+    return chat_llama_argv(folder, os.path.join(root, "ckpt"), os.path.join(root, "chat"), h["seq"],
+                           "--sft", "--micro-batch-size", h["micro_batch"], "--global-batch-size",
+                           h["global_batch"], "--train-iters", STEPS, "--lr", h["lr"], "--min-lr", h["lr"],
+                           "--log-interval", STEPS, "--lora-init", init, "--save", save,
+                           "--save-interval", STEPS, *extra)
 
 
 def _layouts_worker(rank: int, root: str, folder: str, init: str) -> dict:
     out = {}
     for name, extra in (("tp2", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
                         ("dp2", ["--zero-stage", "1", "--use-distributed-optimizer"])):
-        out[name] = megazoo_run(megazoo_argv(root, folder, init, os.path.join(root, name), *extra),
+        out[name] = run_llama(megazoo_argv(root, folder, init, os.path.join(root, name), *extra),
                                 world=2).losses
     return out
 
@@ -158,7 +112,8 @@ def runs(tmp_path_factory):
     data = conversations()
     with open(os.path.join(root, "chat.jsonl"), "w") as f:
         f.write("".join(json.dumps(c) + "\n" for c in data))
-    folder = hf_folder(root, data)
+    folder = chat_llama_folder(root, [m["role"] + " " + m["content"] for c in data for m in c["messages"]],
+                               CHATML_TAGGED)
     init = os.path.join(root, "init")
     theirs = peft_model(folder)
     theirs.save_pretrained(init)
@@ -171,7 +126,7 @@ def runs(tmp_path_factory):
     sft.preprocess(sft.parse_args(["--input", os.path.join(root, "chat.jsonl"), "--output-prefix",
                                    os.path.join(root, "chat"), "--tokenizer-model", folder,
                                    "--seq-length", str(HYPER["seq"])]))
-    ours = megazoo_run(megazoo_argv(root, folder, init, os.path.join(root, "one")), world=1).losses
+    ours = run_llama(megazoo_argv(root, folder, init, os.path.join(root, "one")), world=1).losses
     layouts = run_distributed(_layouts_worker, 2, root, folder, init, timeout=300)[0]
     return dict(root=root, folder=folder, init=init, peft=peft, ours=ours, layouts=layouts,
                 ids=ids, start=start)

@@ -21,6 +21,7 @@ from megazoo.parallel.layout import LayoutError, ParallelConfig, microbatches_pe
 from megazoo.parallel.zero.config import LossScaleConfig, OptimizerConfig
 
 from megazoo.training.config.errors import ArgumentError
+from megazoo.training.config.dpo_flags import dpo_settings
 from megazoo.training.config.lora_flags import lora_settings
 from megazoo.training.config.muon_flags import muon_settings, qk_clip_settings
 from megazoo.training.config.megatron_compat import (check_model, resolve_megatron_compat, samples_to_iterations,
@@ -234,6 +235,7 @@ def to_run_config(args: argparse.Namespace, vocab_size: int | None = None,
         _fail(str(e))
     try:
         lora = lora_settings(args, model, parallel.tp)
+        dpo = dpo_settings(args, parallel, lora)
     except ValueError as e:
         _fail(str(e))
     vpp = parallel.vpp
@@ -306,7 +308,7 @@ def to_run_config(args: argparse.Namespace, vocab_size: int | None = None,
         if path.endswith((".bin", ".idx")):
             _fail(f"--data-path {path}: give the prefix without the suffix, --data-path {path[:-4]}")
     return RunConfig(
-        model=model, parallel=parallel, optimizer=optimizer, seed=args.seed, health=health, lora=lora,
+        model=model, parallel=parallel, optimizer=optimizer, seed=args.seed, health=health, lora=lora, dpo=dpo,
         schedule=ScheduleConfig(micro_batch_size=mbs, global_batch_size=gbs,
                                 rampup_batch_size=tuple(args.rampup_batch_size) if args.rampup_batch_size else None,
                                 train_iters=train_iters, lr=args.lr, min_lr=args.min_lr,
@@ -319,7 +321,7 @@ def to_run_config(args: argparse.Namespace, vocab_size: int | None = None,
                         merge_file=args.merge_file, tokenizer_model=args.tokenizer_model,
                         data_cache_path=args.data_cache_path, mock_data=args.mock_data,
                         num_workers=args.num_workers, eod_mask_token=compat.eod_mask_token,
-                        sft=args.sft, sft_packing=args.sft_packing, pad_token=eod_token or 0,
+                        sft=args.sft, sft_packing=args.sft_packing, dpo=args.dpo, pad_token=eod_token or 0,
                         eod_token=eod_token, reset_position_ids=args.reset_position_ids,
                         reset_attention_mask=args.reset_attention_mask,
                         per_token_loss=args.sft or args.calculate_per_token_loss),

@@ -11,6 +11,7 @@ from megazoo.models.presets import PRESETS
 from megazoo.training.config.errors import ArgumentError
 from megazoo.training.config.flag_help import HelpFormatter, apply_help
 from megazoo.training.config.megatron_compat import add_megatron_compat_flags, translate
+from megazoo.training.config.dpo_flags import add_dpo_flags
 from megazoo.training.config.lora_flags import add_lora_flags
 from megazoo.training.config.muon_flags import add_muon_flags
 from megazoo.training.config.run_config import HealthConfig
@@ -211,6 +212,7 @@ def build_parser(default_model: str | None = None) -> argparse.ArgumentParser:
                         "non-finite loss or a skipped update, under any --health-policy")
     add_muon_flags(p)
     add_lora_flags(p)
+    add_dpo_flags(p)
     add_megatron_compat_flags(p)
     a("--seed", type=int, default=1234)
     apply_help(p)

@@ -46,6 +46,7 @@ class DataConfig:
     num_workers: int = 0  # threads reading samples ahead of the step (0: read in the step)
     eod_mask_token: int | None = None  # --eod-mask-loss: no loss where the input is this token
     sft: bool = False  # --sft: --data-path is a conversation set (tools/preprocess_sft.py)
+    dpo: bool = False  # --dpo: --data-path is a preference set (tools/preprocess_dpo.py)
     sft_packing: bool = False  # --sft-packing: conversations packed with document masks, not padded
     pad_token: int = 0  # --sft padding id (the tokenizer's end-of-document; never learned)
     eod_token: int | None = None  # the tokenizer's end-of-document id
@@ -80,6 +81,16 @@ class LoggingConfig:
     tensorboard_dir: str | None = None
     peak_flops: float | None = None  # per-device peak FLOP/s for MFU (training/monitor/metrics.py)
     log_throughput: bool = False  # tokens/s, TFLOP/s and MFU on the console line too
+
+
+@dataclass(frozen=True)
+class DPOSettings:
+    """--dpo: the preference loss (training/run/dpo.py)."""
+
+    beta: float = 0.1
+    loss_type: str = "sigmoid"  # sigmoid | robust | ipo (TRL's names)
+    label_smoothing: float = 0.0  # robust only
+    reference: str | None = None  # the frozen reference's checkpoint (None: LoRA's base)
 
 
 POLICIES = ("warn", "skip", "rollback")
@@ -117,6 +128,7 @@ class RunConfig:
     health: HealthConfig = field(default_factory=HealthConfig)
     seed: int = 1234
     lora: LoRASettings | None = None  # --lora-rank > 0
+    dpo: DPOSettings | None = None  # --dpo
 
     @property
     def run_dir(self) -> str | None:

@@ -108,12 +108,14 @@ def mean_over_world(losses: list[torch.Tensor], topo: ParallelTopology) -> float
 
 def forward_backward(chunks, microbatches: list[dict], topo: ParallelTopology, optimizer, *,
                      schedule: str, shape, watchdog=None, poison: bool = False,
-                     timings: dict | None = None, per_token_loss: bool = False) -> float:
+                     timings: dict | None = None, per_token_loss: bool = False,
+                     forward_fn=None) -> float:
     """Forward and backward over the microbatches; returns the mean loss over the global batch
     (with `per_token_loss`, over its counted tokens: see `per_token_norm`).
 
     Gradients end up reduced (or being reduced) in the optimizer's buckets, ready for its step.
     `timings["ready"]` receives the moment this rank reached the step's global collective.
+    `forward_fn(loss_scale, poison)` makes another loss's forward function (--dpo: training/run/dpo.py).
     """
     steps = build_schedule(schedule if topo.pp > 1 else "no_pipelining", topo.pp, topo.pp_rank,
                            len(microbatches), vpp=len(chunks))
@@ -129,7 +131,8 @@ def forward_backward(chunks, microbatches: list[dict], topo: ParallelTopology, o
     # Stages 0-1 accumulate microbatch gradients locally and reduce once, after the last one.
     with guard("pipeline forward/backward (p2p, tensor-parallel collectives)"), optimizer.no_sync():
         losses = run_pipeline(steps, chunks, microbatches, topo, shape,
-                              optimizer.dtype, make_forward_fn(scale, poison, norm))
+                              optimizer.dtype, forward_fn(scale, poison) if forward_fn is not None
+                              else make_forward_fn(scale, poison, norm))
     optimizer.grad_sync.launch_remaining()
     if timings is not None:
         timings["ready"] = time.perf_counter()

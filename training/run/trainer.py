@@ -26,6 +26,7 @@ from megazoo.training.resilience.faults import maybe_hang, report_unhealthy, rol
 from megazoo.training.resilience.health import HealthMonitor, ProgressGuard, after_step
 from megazoo.training.monitor.journal import RunJournal
 from megazoo.training.monitor.console import Progress, RunLogger
+from megazoo.training.run.dpo import PreferenceStats, build_reference, make_dpo_forward_fn
 from megazoo.training.run.lr_schedule import global_batch_size, learning_rate
 from megazoo.training.monitor.metrics import device_peak_flops, moe_metrics, mtp_metrics
 from megazoo.training.planning.planner import Layout, PlanError, memory_per_gpu
@@ -45,6 +46,7 @@ class TrainResult:
     valid_losses: list[tuple[int, float]]
     checkpoint: str | None
     stop_signal: int = 0  # SIGTERM or SIGINT that stopped the run early (0: none)
+    dpo: list[dict] = dataclasses.field(default_factory=list)  # --dpo: each step's rewards etc.
 
 
 def build_chunks(model_provider, run: RunConfig, topo, rng):
@@ -116,6 +118,11 @@ class Trainer:
                               num_workers=run.data.num_workers, eod_mask_token=run.data.eod_mask_token,
                               cp=topo.cp, cp_rank=topo.cp_rank, documents=document_flags(run.data))
         self.data.restart(self.state.consumed_samples)
+        self.dpo_forward, self.dpo_stats = None, PreferenceStats()
+        if run.dpo is not None:
+            reference = build_reference(run, topo, self.chunks, model_provider)
+            self.dpo_forward = lambda scale, poison: make_dpo_forward_fn(
+                run.dpo, reference, self.dpo_stats, scale, poison)
         self.shape = activation_shape(topo, seq, self.sched.micro_batch_size, mcfg.hidden_size)
         peak, peak_source = device_peak_flops(topo.device, run.logging.peak_flops, run.model.params_dtype)
         self.window = LogWindow(mcfg.model_flops_per_token(seq), peak, topo, self.state.iteration + 1)
@@ -155,7 +162,7 @@ class Trainer:
         start = time.perf_counter()
         loss = forward_backward(self.chunks, microbatch_list, topo, opt, schedule=self.sched.pipeline_schedule,
                                 shape=self.shape, watchdog=self.watchdog, poison=poison, timings=timings,
-                                per_token_loss=run.data.per_token_loss)
+                                per_token_loss=run.data.per_token_loss, forward_fn=self.dpo_forward)
         verdict, step = self.monitor.check(loss), None
         if verdict.healthy or health.policy == "warn":
             with self.watchdog.collective("optimizer step (dp reduce, grad norm, all-gather)"):
@@ -188,6 +195,9 @@ class Trainer:
         state.consumed_samples += batch
         state.skipped_steps += int(step is None or step.skipped)
         self.result.losses.append(loss)
+        if run.dpo is not None:
+            with self.watchdog.collective("DPO metrics all-reduce"):
+                self.result.dpo.append(self.dpo_stats.reduce(topo))
         self.window.add(loss, batch * run.data.seq_length, elapsed, timings["ready"] - step_begin,
                         time.perf_counter() - step_begin)
         self.last_step, self.batch = step, batch
@@ -208,6 +218,9 @@ class Trainer:
                           **moe_summary, **mtp_metrics(self.chunks, self.topo.device)}, it)
             if moe_layers:
                 self.log.log(moe_layers, it, "moe")
+            if self.run.dpo is not None and self.window.n:  # the window's steps' mean
+                recent = self.result.dpo[-self.window.n:]
+                self.log.log({k: sum(d[k] for d in recent) / len(recent) for k in recent[0]}, it, "dpo")
             self.window.check_stragglers(self.run.health.straggler_threshold, self.journal, it)
         self.window.reset()
 

@@ -1,0 +1,124 @@
+"""DPO against TRL's DPOTrainer: the same tiny Llama folder, preference pairs and
+hyper-parameters (sigmoid loss, beta 0.1, AdamW at a constant learning rate).
+
+megazoo runs the user's path in this process: import_hf -> tools/preprocess_dpo.py ->
+pretrain(--dpo --load --finetune), the reference a frozen copy of the imported checkpoint; TRL
+runs DPOTrainer (its reference loaded from the same folder). The set is one global batch (4
+pairs; megazoo in two microbatches of 2 pairs), so both see the same pairs at every step. Loss,
+chosen and rejected rewards and margins over 5 steps within 1e-5 relative. Then the same with
+LoRA (PEFT's adapter under TRL, the reference the base with the adapters off), and the
+robust (label-smoothed) and IPO losses at step 1.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from tests.helpers import one_thread  # noqa: F401 (autouse fixture)
+from tests.hf_models import chat_llama_argv, chat_llama_folder, run_llama
+from tests.tokenizer_data import CHATML_PLAIN
+from tests.tool_runs import load_tool
+
+STEPS, BETA, LR, SEQ = 5, 0.1, 1e-2, 32
+TOPICS = ["the sea", "a red kite", "bread", "rain on tin"]
+KEYS = {"loss": "loss", "rewards_chosen": "rewards/chosen", "rewards_rejected": "rewards/rejected",
+        "rewards_margins": "rewards/margins"}
+
+
+def pairs() -> list[dict]:
+    """4 preference records in TRL's conversational form, replies of different lengths."""
+    out = []
+    for i, t in enumerate(TOPICS):
+        out.append({"prompt": [{"role": "user", "content": f"tell me about {t}"}],
+                    "chosen": [{"role": "assistant", "content": " ".join([t, "is", "fine"] * (1 + i % 2))}],
+                    "rejected": [{"role": "assistant", "content": "no" if i % 2 else "i do not know"}]})
+    return out
+
+
+def trl_history(root: str, folder: str, data: list[dict], lora: bool, **loss) -> list[dict]:
+    import datasets
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import DPOConfig, DPOTrainer
+    cfg = DPOConfig(output_dir=os.path.join(root, "trl"), beta=BETA, per_device_train_batch_size=len(data),
+                    gradient_accumulation_steps=1, learning_rate=LR, lr_scheduler_type="constant",
+                    warmup_steps=0, weight_decay=0.0, max_grad_norm=0.0, adam_beta1=0.9,
+                    adam_beta2=0.999, adam_epsilon=1e-8, optim="adamw_torch",
+                    max_steps=STEPS if not loss else 1, logging_steps=1, report_to=[], use_cpu=True,
+                    save_strategy="no", bf16=False, fp16=False, seed=0, disable_tqdm=True,
+                    dataset_num_proc=None, **loss)
+    peft_config = None
+    if lora:
+        from peft import LoraConfig
+        peft_config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
+    trainer = DPOTrainer(model=AutoModelForCausalLM.from_pretrained(folder, dtype="float32"), args=cfg,
+                         train_dataset=datasets.Dataset.from_list(data),
+                         processing_class=AutoTokenizer.from_pretrained(folder), peft_config=peft_config)
+    if lora:  # save the starting adapter: megazoo starts from it
+        trainer.model.save_pretrained(os.path.join(root, "init"))
+    trainer.train()
+    return [h for h in trainer.state.log_history if "loss" in h]
+
+
+def megazoo_history(root: str, folder: str, lora: bool, *extra) -> list[dict]:
+    argv = chat_llama_argv(folder, os.path.join(root, "ckpt"), os.path.join(root, "prefs"), SEQ,
+                           "--dpo", "--dpo-beta", BETA, "--micro-batch-size", 4,
+                           "--global-batch-size", 8, "--train-iters", STEPS if not extra else 1,
+                           "--lr", LR, "--min-lr", LR, "--log-interval", 1, *extra,
+                           *(["--lora-init", os.path.join(root, "init")] if lora else []))
+    result = run_llama(argv, world=1)
+    return [dict(loss=loss, **d) for loss, d in zip(result.losses, result.dpo)]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("dpo"))
+    data = pairs()
+    with open(os.path.join(root, "prefs.jsonl"), "w") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in data))
+    texts = [m["role"] + " " + m["content"] for r in data for k in ("prompt", "chosen", "rejected")
+             for m in r[k]]
+    folder = chat_llama_folder(root, texts, CHATML_PLAIN)
+    from megazoo.training.checkpoint.hf import import_hf
+    import_hf(folder, os.path.join(root, "ckpt"), make_vocab_size_divisible_by=1)
+    dpo = load_tool("preprocess_dpo")
+    summary = dpo.preprocess(dpo.parse_args(["--input", os.path.join(root, "prefs.jsonl"), "--output-prefix",
+                                             os.path.join(root, "prefs"), "--tokenizer-model", folder,
+                                             "--seq-length", str(SEQ)]))
+    assert summary["pairs"] == len(data) and not summary["notes"]
+    return dict(root=root, folder=folder, data=data)
+
+
+def check(ours: list[dict], theirs: list[dict], steps: int) -> None:
+    assert len(ours) == len(theirs) == steps
+    for i, (a, b) in enumerate(zip(ours, theirs), 1):
+        for k, trl_key in KEYS.items():
+            assert abs(a[k] - b[trl_key]) <= 1e-5 * max(abs(b[trl_key]), 1e-3), \
+                f"step {i} {k}: megazoo {a[k]}, TRL {b[trl_key]}"
+
+
+def test_full_dpo_equals_trl_dpo_trainer(setup):
+    root, folder = setup["root"], setup["folder"]
+    theirs = trl_history(root, folder, setup["data"], lora=False)
+    ours = megazoo_history(root, folder, lora=False)
+    check(ours, theirs, STEPS)
+    assert theirs[-1]["rewards/margins"] > theirs[0]["rewards/margins"]  # it learns
+
+
+def test_lora_dpo_equals_trl_with_peft(setup):
+    root, folder = setup["root"], setup["folder"]
+    theirs = trl_history(root, folder, setup["data"], lora=True)
+    ours = megazoo_history(root, folder, True)
+    check(ours, theirs, STEPS)
+
+
+@pytest.mark.parametrize("loss", [dict(loss_type=["robust"], label_smoothing=0.2), dict(loss_type=["ipo"])])
+def test_robust_and_ipo_losses_equal_trl(setup, loss):
+    root, folder = setup["root"], setup["folder"]
+    theirs = trl_history(root, folder, setup["data"], lora=False, **loss)
+    extra = ["--dpo-loss-type", loss["loss_type"][0]]
+    if "label_smoothing" in loss:
+        extra += ["--dpo-label-smoothing", loss["label_smoothing"]]
+    ours = megazoo_history(root, folder, False, *extra)
+    check(ours, theirs, 1)
