@@ -16,6 +16,7 @@ import os
 
 import pytest
 
+from tests.distributed import run_distributed
 from tests.helpers import one_thread  # noqa: F401 (autouse fixture)
 from tests.hf_models import chat_llama_argv, chat_llama_folder, run_llama
 from tests.tokenizer_data import CHATML_PLAIN
@@ -61,13 +62,13 @@ def trl_history(root: str, folder: str, data: list[dict], lora: bool, **loss) ->
     return [h for h in trainer.state.log_history if "loss" in h]
 
 
-def megazoo_history(root: str, folder: str, lora: bool, *extra) -> list[dict]:
+def megazoo_history(root: str, folder: str, lora: bool, *extra, world: int = 1) -> list[dict]:
     argv = chat_llama_argv(folder, os.path.join(root, "ckpt"), os.path.join(root, "prefs"), SEQ,
                            "--dpo", "--dpo-beta", BETA, "--micro-batch-size", 4,
                            "--global-batch-size", 8, "--train-iters", STEPS if not extra else 1,
                            "--lr", LR, "--min-lr", LR, "--log-interval", 1, *extra,
                            *(["--lora-init", os.path.join(root, "init")] if lora else []))
-    result = run_llama(argv, world=1)
+    result = run_llama(argv, world=world)
     return [dict(loss=loss, **d) for loss, d in zip(result.losses, result.dpo)]
 
 
@@ -122,3 +123,27 @@ def test_robust_and_ipo_losses_equal_trl(setup, loss):
         extra += ["--dpo-label-smoothing", loss["label_smoothing"]]
     ours = megazoo_history(root, folder, False, *extra)
     check(ours, theirs, 1)
+
+
+def _layouts_worker(rank: int, root: str, folder: str) -> dict:
+    layouts = {"tp2": ["--tensor-model-parallel-size", 2, "--sequence-parallel"],
+               "dp2": ["--zero-stage", 1, "--use-distributed-optimizer"]}
+    return {(name, lora): megazoo_history(root, folder, lora, *extra, "--train-iters", 3, world=2)
+            for name, extra in layouts.items() for lora in (False, True)}
+
+
+def test_tp2_and_dp2_zero_equal_the_single_process(setup):
+    """Full and LoRA DPO (after the LoRA test wrote its starting adapter) in one 2-rank world."""
+    root, folder = setup["root"], setup["folder"]
+    if not os.path.isdir(os.path.join(root, "init")):
+        trl_history(root, folder, setup["data"], lora=True)
+    got = run_distributed(_layouts_worker, 2, root, folder, timeout=300)[0]
+    for lora in (False, True):
+        want = megazoo_history(root, folder, lora, "--train-iters", 3)
+        for name in ("tp2", "dp2"):
+            ours = got[(name, lora)]
+            assert len(ours) == len(want) == 3
+            for i, (a, b) in enumerate(zip(ours, want), 1):
+                for k in KEYS:
+                    assert abs(a[k] - b[k]) <= 1e-5 * max(abs(b[k]), 1e-3), \
+                        f"{name} lora={lora} step {i} {k}: {a[k]} vs {b[k]}"
