@@ -152,14 +152,24 @@ def test_tp2_and_dp2_zero_equal_the_single_process(runs):
 
 def test_exported_adapter_loads_in_peft_and_merges_like_merge_and_unload(runs):
     from megazoo.parallel.topology import ParallelConfig, ParallelTopology
+    from megazoo.training.checkpoint import format as ckpt
     from megazoo.training.checkpoint.hf import export_hf, load_model_chunks
     from megazoo.models.language_model import gather_logits
     root, ids = runs["root"], runs["ids"]
     save = os.path.join(root, "one")
+    from megazoo.training.checkpoint.hf import ConversionError
+    from megazoo.training.checkpoint.resume import check_lora
+    from megazoo.models.lora_targets import LoRASettings
+    with pytest.raises(ConversionError, match="holds LoRA adapters: add --merge-lora .* or --lora-adapter-dir"):
+        export_hf(save, os.path.join(root, "refused"))
+    record = LoRASettings(rank=4, alpha=8, targets=tuple(LORA["targets"])).record()
+    with pytest.raises(ckpt.CheckpointError, match="holds LoRA adapters .*: add --lora-rank 4 --lora-alpha 8"):
+        check_lora(record, None, save)
+    with pytest.raises(ckpt.CheckpointError, match="this run asks for"):
+        check_lora(record, LoRASettings(rank=2, alpha=8, targets=tuple(LORA["targets"])), save)
     export_hf(save, os.path.join(root, "base_out"), adapter_dir=os.path.join(root, "adapter_out"))
     export_hf(save, os.path.join(root, "merged_out"), merge_lora=True)
     topo = ParallelTopology.from_config(ParallelConfig())
-    from megazoo.training.checkpoint import format as ckpt
     _, chunks = load_model_chunks(ckpt.resolve(save), topo)
     with torch.no_grad():
         ours = gather_logits(chunks[0](ids), topo, chunks[0].config.vocab_size)

@@ -191,6 +191,9 @@ def _read(run: RunConfig, topo, chunks, opt, folder: str):
     if not weights_only:
         check_optimizer_record(meta, run.optimizer, folder)
     check_lora(meta.get("lora"), run.lora, folder)
+    if run.lora is not None and meta.get("lora") is None and not weights_only:
+        raise ckpt.CheckpointError(f"{folder} holds no LoRA adapters (nor their optimizer state): "
+                                   f"start LoRA from it with --finetune")
     same_layout = meta.get("layout") == layout_of(run, topo)
     tensors = ckpt.load_rank_tensors(folder, topo.rank) if same_layout else {}
     if same_layout and not weights_only and _same_buckets(tensors, opt):

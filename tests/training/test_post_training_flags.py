@@ -1,0 +1,59 @@
+"""LoRA, DPO and export flags refused in one line naming the flag and the fix, before any work."""
+from __future__ import annotations
+
+import pytest
+
+from megazoo.training.config.flags import ArgumentError, to_run_config
+from megazoo.training.config.parser import build_parser
+
+LLAMA = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--group-query-attention",
+         "--num-query-groups", "2", "--swiglu", "--normalization", "RMSNorm", "--position-embedding-type",
+         "rope", "--disable-bias-linear", "--untie-embeddings-and-output-weights", "--seq-length", "16",
+         "--max-position-embeddings", "16", "--vocab-size", "61", "--micro-batch-size", "2",
+         "--global-batch-size", "8", "--train-iters", "4", "--lr", "1e-3"]
+
+
+def _config(*extra, world=1):
+    return to_run_config(build_parser().parse_args(LLAMA + [str(a) for a in extra]), world_size=world)
+
+
+def test_lora_and_dpo_settings_map(tmp_path):
+    run = _config("--mock-data", "--lora-rank", 4, "--lora-alpha", 16, "--lora-target-modules", "q_proj,down_proj")
+    assert (run.lora.rank, run.lora.alpha, run.lora.targets) == (4, 16.0, ("q_proj", "down_proj"))
+    assert _config("--mock-data", "--lora-rank", 2, "--lora-target-modules", "all-linear").lora.targets[-1] == "down_proj"
+    assert _config("--mock-data").lora is None
+    (tmp_path / "p_preference.json").write_text("{}")
+    run = _config("--lora-rank", 2, "--dpo", "--data-path", tmp_path / "p", "--eval-iters", 0,
+                  "--dpo-loss-type", "robust", "--dpo-label-smoothing", 0.1)
+    assert (run.dpo.loss_type, run.dpo.label_smoothing, run.dpo.reference, run.data.dpo) == ("robust", 0.1, None, True)
+
+
+@pytest.mark.parametrize("extra, match", [
+    (["--mock-data", "--lora-target-modules", "q_proj"], "--lora-target-modules needs --lora-rank"),
+    (["--mock-data", "--lora-rank", 4, "--lora-target-modules", "qkv"], r"unknown \['qkv'\]; choose from q_proj"),
+    (["--mock-data", "--lora-rank", 0, "--lora-alpha", 4], "--lora-alpha needs --lora-rank"),
+    (["--mock-data", "--lora-rank", 4, "--lora-dropout", 1.0], r"--lora-dropout must be in \[0, 1\)"),
+    (["--mock-data", "--lora-init", "/nonexistent"], "--lora-init /nonexistent: needs adapter_config.json"),
+    (["--mock-data", "--lora-rank", 4, "--tensor-model-parallel-size", 4, "--num-attention-heads", 8],
+     "with --tensor-model-parallel-size 4 > 2 key/value groups"),
+    (["--mock-data", "--dpo"], "--dpo needs one --data-path"),
+    (["--data-path", "x", "--dpo", "--sft"], "--dpo and --sft exclude each other"),
+    (["--data-path", "x", "--dpo", "--eval-iters", 0, "--micro-batch-size", 1, "--global-batch-size", 4],
+     "--micro-batch-size 1 must be even"),
+    (["--data-path", "x", "--dpo", "--eval-iters", 0], "--dpo without LoRA needs its reference model"),
+    (["--data-path", "x", "--dpo", "--eval-iters", 0, "--lora-rank", 2, "--dpo-label-smoothing", 0.1],
+     "--dpo-label-smoothing is used by --dpo-loss-type robust only"),
+    (["--data-path", "x", "--dpo", "--lora-rank", 2], "--dpo: evaluation of the preference loss is not implemented"),
+    (["--mock-data", "--dpo-beta", 0.5], "--dpo-\\* flags need --dpo"),
+])
+def test_refused_in_one_line(extra, match):
+    with pytest.raises(ArgumentError, match=match):
+        _config(*extra, world=4 if "--tensor-model-parallel-size" in extra else 1)
+
+
+def test_gpt_family_refuses_lora():
+    with pytest.raises(ArgumentError, match="LoRA is supported for the llama, mistral, qwen2, qwen3 families"):
+        to_run_config(build_parser().parse_args(["--num-layers", "2", "--hidden-size", "32",
+                                                 "--num-attention-heads", "4", "--seq-length", "16",
+                                                 "--max-position-embeddings", "16", "--vocab-size", "61",
+                                                 "--mock-data", "--lora-rank", "4"]), world_size=1)
