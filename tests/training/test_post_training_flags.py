@@ -57,3 +57,32 @@ def test_gpt_family_refuses_lora():
                                                  "--num-attention-heads", "4", "--seq-length", "16",
                                                  "--max-position-embeddings", "16", "--vocab-size", "61",
                                                  "--mock-data", "--lora-rank", "4"]), world_size=1)
+
+
+def test_planner_counts_the_adapters_only_as_trained():
+    """The optimizer's numel, gradients and states of a LoRA model are the planner's adapter
+    terms; the frozen base only counts in the weights."""
+    import math
+
+    import torch
+    from megazoo.models.lora import apply_lora
+    from megazoo.models.registry import build_model
+    from megazoo.parallel.topology import ParallelConfig, ParallelTopology
+    from megazoo.parallel.zero import build_optimizer
+    from megazoo.parallel.zero.config import OptimizerConfig
+    from megazoo.training.planning.layout import Layout
+    from megazoo.training.planning.memory import rank_params, rank_state_bytes
+    from megazoo.training.planning.parameters import lora_parameters
+    run = _config("--mock-data", "--lora-rank", 4, "--lora-target-modules", "q_proj,v_proj,o_proj,up_proj,down_proj")
+    topo = ParallelTopology.from_config(ParallelConfig())
+    for dtype in ("float32", "bfloat16"):
+        model = build_model(run.model.replace(params_dtype=dtype), topo)
+        apply_lora([model], run.lora, run.model, topo, None, 0)
+        opt = build_optimizer(model, topo, OptimizerConfig(), getattr(torch, dtype))
+        rep = opt.memory_report()
+        layout = Layout.of(params_dtype=dtype, lora=run.lora)
+        w, g, o = rank_state_bytes(run.model, layout, 0)
+        assert rep["numel"] == lora_parameters(run.model, run.lora, 1, range(2))
+        assert (rep["grads"], rep["master_params"] + rep["optimizer_states"]) == (g, o)
+        frozen = sum(rank_params(run.model, layout, 0)) * layout.dtype.itemsize
+        assert math.isclose(w, rep["params"] + frozen)
