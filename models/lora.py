@@ -17,25 +17,26 @@ from .peft_format import read_adapter
 logger = logging.getLogger(__name__)
 
 
-def starting_tensors(lora: LoRASettings, config, seed: int) -> dict[str, torch.Tensor]:
-    """Full starting A and B of every adapter, by megazoo name."""
+def starting_tensors(lora: LoRASettings, config, seed: int, layers) -> dict[str, torch.Tensor]:
+    """Full starting A and B of the adapters of global `layers`, by megazoo name (a fresh B is
+    a broadcast zero: no memory)."""
     if lora.init_dir:
         return read_adapter(lora.init_dir, lora.targets, config.num_layers)
     out = {}
-    for i in range(config.num_layers):
+    for i in layers:
         for target in lora.targets:
             parts, _, fan_in = lt.module_parts(config, lt.TARGETS[target][0])
             rows = dict(parts)[target]
             a_name, b_name = (lt.megazoo_name(i, target, w) for w in "AB")
             a = torch.empty(lora.rank, fan_in)
             kaiming_uniform(a_name, seed)(a)
-            out[a_name], out[b_name] = a, torch.zeros(rows, lora.rank)
+            out[a_name], out[b_name] = a, torch.zeros(()).expand(rows, lora.rank)
     return out
 
 
 def apply_lora(chunks, lora: LoRASettings, config, topo, rng, seed: int) -> None:
     """Attach the adapters to every chunk's targeted linears and freeze the rest."""
-    start = starting_tensors(lora, config, seed)
+    start = starting_tensors(lora, config, seed, [int(i) for c in chunks for i in c.layers])
     modules = sorted({lt.TARGETS[t][0] for t in lora.targets})
     for chunk in chunks:
         for index, layer in chunk.layers.items():

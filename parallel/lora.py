@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import zlib
 from typing import Callable
 
 import torch
@@ -42,8 +43,6 @@ def lora_scale(rank: int, alpha: float, rslora: bool = False) -> float:
 
 def kaiming_uniform(name: str, seed: int) -> Callable[[torch.Tensor], None]:
     """PEFT's default A initialisation (kaiming-uniform, a = sqrt(5)), seeded by the name."""
-    import zlib
-
     def fill(t: torch.Tensor) -> None:
         gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
         bound = 1.0 / math.sqrt(t.shape[1])  # kaiming_uniform_(a=sqrt(5)) = U(-1/sqrt(fan_in), ..)
