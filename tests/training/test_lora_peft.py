@@ -169,6 +169,13 @@ def test_exported_adapter_loads_in_peft_and_merges_like_merge_and_unload(runs):
         check_lora(record, LoRASettings(rank=2, alpha=8, targets=tuple(LORA["targets"])), save)
     export_hf(save, os.path.join(root, "base_out"), adapter_dir=os.path.join(root, "adapter_out"))
     export_hf(save, os.path.join(root, "merged_out"), merge_lora=True)
+    from megazoo.training.checkpoint.reshard import read_full_state
+    from tests.tool_runs import tool_module
+    tool_module("reshard").reshard(save, os.path.join(root, "tp2_copy"), tp=2, pp=1, dp=2, zero_stage=1)
+    resharded = read_full_state(ckpt.resolve(os.path.join(root, "tp2_copy")))
+    assert ckpt.read_meta(ckpt.resolve(os.path.join(root, "tp2_copy")))["lora"]["rank"] == LORA["r"]
+    for k, v in adapters(save).items():  # the adapters and their optimizer states travel
+        assert torch.equal(resharded.weights[k], v) and k in resharded.optim["exp_avg"], k
     topo = ParallelTopology.from_config(ParallelConfig())
     _, chunks = load_model_chunks(ckpt.resolve(save), topo)
     with torch.no_grad():

@@ -14,6 +14,8 @@ from collections import defaultdict
 
 import torch
 
+from megazoo.models.lora import apply_lora
+from megazoo.models.lora_targets import LoRASettings
 from megazoo.models.registry import build_model
 from megazoo.parallel.param_spec import spec_of
 from megazoo.parallel.sharding import local_shard
@@ -25,14 +27,17 @@ from megazoo.training.checkpoint.reshard import PARAMS, FullState, is_frozen, pa
 
 
 def build_rank_chunks(config, *, tp: int, pp: int, vpp: int, dp: int, rank: int,
-                      ep: int = 1):
+                      ep: int = 1, lora: dict | None = None):
     """One rank's model chunks, built on the CPU without process groups (to learn their names,
-    shapes, TP slicing and experts)."""
+    shapes, TP slicing and experts); with `lora` (a checkpoint's record) their adapters too."""
     topo = ParallelTopology(config=ParallelConfig(tp=tp, pp=pp, vpp=vpp, ep=ep), rank=rank,
                             world_size=tp * pp * dp, dp=dp)
     topo.group_ranks = topo.grid.groups_of(rank)
     specs = topo.config.chunk_specs(config.num_layers, topo.pp_rank)
-    return topo, [build_model(config, topo, **spec.kwargs()) for spec in specs]
+    chunks = [build_model(config, topo, **spec.kwargs()) for spec in specs]
+    if lora is not None:  # the adapters trained, the base frozen, as the run that wrote them
+        apply_lora(chunks, LoRASettings.from_record(lora), config, topo, None, 0)
+    return topo, chunks
 
 
 def write_layout(full: FullState, root: str, *, config, tp: int, pp: int, vpp: int = 1,
@@ -52,7 +57,8 @@ def write_layout(full: FullState, root: str, *, config, tp: int, pp: int, vpp: i
     tmp = ckpt.begin_offline(root, iteration)
     records = []
     for rank in range(world):
-        topo, chunks = build_rank_chunks(config, tp=tp, pp=pp, vpp=vpp, dp=dp, rank=rank, ep=ep)
+        topo, chunks = build_rank_chunks(config, tp=tp, pp=pp, vpp=vpp, dp=dp, rank=rank, ep=ep,
+                                         lora=(meta or full.meta).get("lora"))
         rows = param_table(chunks, frozen=True)
         named = [p for *_, p in table_order(chunks)]
         tensors = {PARAMS: ckpt.json_tensor(rows)}
