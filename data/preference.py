@@ -58,13 +58,13 @@ def render_pair(renderer: ChatRenderer, record: dict) -> tuple[Rendered, Rendere
     replies = [_messages(record[k], "assistant", k) for k in ("chosen", "rejected")]
     for reply in replies:  # roles and contents checked as a conversation
         conversation_of({"messages": prompt + reply})
-    before = renderer._ids(prompt, add_generation_prompt=True)
-    full = [renderer._ids(prompt + reply) for reply in replies]
+    before = renderer.token_ids(prompt, add_generation_prompt=True)
+    full = [renderer.token_ids(prompt + reply) for reply in replies]
     start = min(_common(before, f) for f in full)
     out = []
     for ids in full:
         mask = [0] * start + [1] * (len(ids) - start)
-        out.append(renderer._bounded(ids, mask))
+        out.append(renderer.bounded(ids, mask))
     return out[0], out[1]
 
 

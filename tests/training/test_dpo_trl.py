@@ -147,3 +147,26 @@ def test_tp2_and_dp2_zero_equal_the_single_process(setup):
                 for k in KEYS:
                     assert abs(a[k] - b[k]) <= 1e-5 * max(abs(b[k]), 1e-3), \
                         f"{name} lora={lora} step {i} {k}: {a[k]} vs {b[k]}"
+
+
+def test_preprocess_dpo_strings_and_skipped_records(setup):
+    """String prompts and replies are one user and one assistant turn (the same tokens as the
+    messages); records that cannot train are counted and listed, not written."""
+    from megazoo.data.preference import split_preference_datasets
+    root, folder = setup["root"], setup["folder"]
+    r = setup["data"][0]
+    lines = [json.dumps({"prompt": r["prompt"][0]["content"], "chosen": r["chosen"][0]["content"],
+                         "rejected": r["rejected"][0]["content"]}), "{not json", json.dumps({"prompt": "x"})]
+    with open(os.path.join(root, "mixed.jsonl"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    dpo = load_tool("preprocess_dpo")
+    summary = dpo.preprocess(dpo.parse_args(["--input", os.path.join(root, "mixed.jsonl"), "--output-prefix",
+                                             os.path.join(root, "mixed"), "--tokenizer-model", folder]))
+    assert summary["pairs"] == 1
+    assert summary["notes"] == {"bad JSON": 1, "not a preference record": 1}
+    strings = split_preference_datasets(os.path.join(root, "mixed"), "100,0,0", SEQ, 0, pad_id=0)[0]
+    messages = split_preference_datasets(os.path.join(root, "prefs"), "100,0,0", SEQ, 0, pad_id=0)[0]
+    first = [i for i in range(len(messages)) if messages.samples[i][0] in (0, 1)]
+    for k in (0, 1):  # chosen, rejected
+        a, b = strings[k], messages[first[k]]
+        assert (a["tokens"] == b["tokens"]).all() and (a["assistant_mask"] == b["assistant_mask"]).all()
