@@ -170,3 +170,37 @@ def test_preprocess_dpo_strings_and_skipped_records(setup):
     for k in (0, 1):  # chosen, rejected
         a, b = strings[k], messages[first[k]]
         assert (a["tokens"] == b["tokens"]).all() and (a["assistant_mask"] == b["assistant_mask"]).all()
+
+
+def test_evaluation_on_held_out_pairs(setup):
+    """--split 50,50,0 with --eval-interval 1: after a step at learning rate 0 (policy = reference)
+    the held-out loss is log 2, the rewards 0, and the held-out pairs' log-probabilities those
+    transformers gives (the reply tokens after the prompt rendered with its generation prompt)."""
+    import math
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    root, folder, data = setup["root"], setup["folder"], setup["data"]
+    tok, hf = AutoTokenizer.from_pretrained(folder), AutoModelForCausalLM.from_pretrained(folder)
+    want = {}
+    for key in ("chosen", "rejected"):
+        total = 0.0
+        for r in data[2:]:
+            start = len(tok.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=True,
+                                                return_dict=True)["input_ids"])
+            ids = torch.tensor([tok.apply_chat_template(r["prompt"] + r[key], tokenize=True,
+                                                        return_dict=True)["input_ids"]])
+            with torch.no_grad():
+                logps = torch.log_softmax(hf(ids).logits[0, :-1], -1).gather(-1, ids[0, 1:, None])
+            total += logps[start - 1:].sum().item()
+        want["logps_" + key] = total / 2
+    argv = chat_llama_argv(folder, os.path.join(root, "ckpt"), os.path.join(root, "prefs"), SEQ,
+                           "--dpo", "--dpo-beta", BETA, "--micro-batch-size", 2, "--global-batch-size", 4,
+                           "--train-iters", 1, "--lr", 0.0, "--min-lr", 0.0, "--split", "50,50,0",
+                           "--eval-interval", 1, "--eval-iters", 1)
+    result = run_llama(argv, world=1)
+    (it, ours), = result.valid_dpo
+    assert it == 1 and math.isclose(result.valid_losses[0][1], math.log(2), rel_tol=1e-6)
+    assert ours["rewards_chosen"] == ours["rewards_rejected"] == ours["rewards_margins"] == 0.0
+    for k, v in want.items():
+        assert abs(ours[k] - v) <= 1e-5 * abs(v), (k, ours[k], v)

@@ -46,9 +46,6 @@ def dpo_settings(args: argparse.Namespace, parallel, lora) -> DPOSettings | None
     if args.micro_batch_size % 2:
         raise ValueError(f"--dpo: --micro-batch-size {args.micro_batch_size} must be even (a "
                          f"microbatch holds whole pairs: chosen, rejected)")
-    if args.eval_iters:
-        raise ValueError("--dpo: evaluation of the preference loss is not implemented; pass "
-                         "--eval-iters 0")
     if args.dpo_beta <= 0:
         raise ValueError(f"--dpo-beta must be > 0, got {args.dpo_beta}")
     if args.dpo_loss_type == "robust" and not 0.0 <= args.dpo_label_smoothing < 0.5:

@@ -47,6 +47,7 @@ class TrainResult:
     checkpoint: str | None
     stop_signal: int = 0  # SIGTERM or SIGINT that stopped the run early (0: none)
     dpo: list[dict] = dataclasses.field(default_factory=list)  # --dpo: each step's rewards etc.
+    valid_dpo: list[tuple[int, dict]] = dataclasses.field(default_factory=list)  # and held out
 
 
 def build_chunks(model_provider, run: RunConfig, topo, rng):
@@ -118,11 +119,14 @@ class Trainer:
                               num_workers=run.data.num_workers, eod_mask_token=run.data.eod_mask_token,
                               cp=topo.cp, cp_rank=topo.cp_rank, documents=document_flags(run.data))
         self.data.restart(self.state.consumed_samples)
-        self.dpo_forward, self.dpo_stats = None, PreferenceStats()
+        self.dpo_forward = self.dpo_eval_forward = None
+        self.dpo_stats, self.dpo_eval_stats = PreferenceStats(), PreferenceStats()
         if run.dpo is not None:
             reference = build_reference(run, topo, self.chunks, model_provider)
             self.dpo_forward = lambda scale, poison: make_dpo_forward_fn(
                 run.dpo, reference, self.dpo_stats, scale, poison)
+            self.dpo_eval_forward = lambda scale, poison: make_dpo_forward_fn(
+                run.dpo, reference, self.dpo_eval_stats, scale, poison)
         self.shape = activation_shape(topo, seq, self.sched.micro_batch_size, mcfg.hidden_size)
         peak, peak_source = device_peak_flops(topo.device, run.logging.peak_flops, run.model.params_dtype)
         self.window = LogWindow(mcfg.model_flops_per_token(seq), peak, topo, self.state.iteration + 1)
@@ -233,14 +237,22 @@ class Trainer:
         interrupted = (lambda: stops.signalled(self.topo.device) != 0) if stops is not None else None
         vloss, batches, planned = evaluate(self.chunks, self.valid_ds, self.topo, self.run,
                                            self.shape, self.opt.dtype,
-                                           watchdog=self.watchdog, interrupted=interrupted)
+                                           watchdog=self.watchdog, interrupted=interrupted,
+                                           forward_fn=self.dpo_eval_forward)
+        dpo = {}
+        if self.run.dpo is not None:  # the held-out pairs' rewards (collective)
+            with self.watchdog.collective("DPO evaluation metrics all-reduce"):
+                dpo = self.dpo_eval_stats.reduce(self.topo)
         if batches < planned:
             if self.topo.rank == 0:
                 logger.warning("evaluation at iteration %d stopped after %d of %d batches: a stop "
                                "was requested", it, batches, planned)
             return
         self.result.valid_losses.append((it, vloss))
-        self.log.log(dict(loss=vloss, ppl=math.exp(min(vloss, 50))), it, "valid")
+        if dpo:
+            self.result.valid_dpo.append((it, dpo))
+        self.log.log(dict(loss=vloss, **dpo) if dpo else dict(loss=vloss, ppl=math.exp(min(vloss, 50))),
+                     it, "valid")
 
     def save_if_due(self, stopping: bool) -> None:
         """Every --save-interval iterations, and when the run stops early (--async-save: first
