@@ -5,7 +5,8 @@ megazoo runs the user's path in this process: import_hf -> tools/preprocess_dpo.
 pretrain(--dpo --load --finetune), the reference a frozen copy of the imported checkpoint; TRL
 runs DPOTrainer (its reference loaded from the same folder). The set is one global batch (4
 pairs; megazoo in two microbatches of 2 pairs), so both see the same pairs at every step. Loss,
-chosen and rejected rewards and margins over 5 steps within 1e-5 relative. Then the same with
+chosen and rejected rewards, margins and policy log-probabilities over 5 steps within 1e-5
+relative. Then the same with
 LoRA (PEFT's adapter under TRL, the reference the base with the adapters off), and the
 robust (label-smoothed) and IPO losses over 3 steps (the first has z = 0: policy = reference).
 """
@@ -25,7 +26,8 @@ from tests.tool_runs import load_tool
 STEPS, BETA, LR, SEQ = 5, 0.1, 1e-2, 32
 TOPICS = ["the sea", "a red kite", "bread", "rain on tin"]
 KEYS = {"loss": "loss", "rewards_chosen": "rewards/chosen", "rewards_rejected": "rewards/rejected",
-        "rewards_margins": "rewards/margins"}
+        "rewards_margins": "rewards/margins", "logps_chosen": "logps/chosen",
+        "logps_rejected": "logps/rejected"}
 
 
 def pairs() -> list[dict]:
