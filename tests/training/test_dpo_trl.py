@@ -6,9 +6,9 @@ pretrain(--dpo --load --finetune), the reference a frozen copy of the imported c
 runs DPOTrainer (its reference loaded from the same folder). The set is one global batch (4
 pairs; megazoo in two microbatches of 2 pairs), so both see the same pairs at every step. Loss,
 chosen and rejected rewards, margins and policy log-probabilities over 5 steps within 1e-5
-relative. Then the same with
-LoRA (PEFT's adapter under TRL, the reference the base with the adapters off), and the
-robust (label-smoothed) and IPO losses over 3 steps (the first has z = 0: policy = reference).
+relative. Then the same with LoRA (PEFT's adapter under TRL, the reference the base with the
+adapters off), the robust (label-smoothed) and IPO losses over 3 steps (the first has z = 0:
+policy = reference), tp2 and dp2 with ZeRO-1 in one spawned world, and the held-out evaluation.
 """
 from __future__ import annotations
 
