@@ -99,6 +99,15 @@ class ChatRenderer:
         out = self.tok.apply_chat_template(messages, tokenize=True, return_dict=True, **kw)
         return list(out["input_ids"])
 
+    def token_ids(self, messages: list[dict], **kw) -> list[int]:
+        """The template's token ids of `messages` (kw: e.g. add_generation_prompt=True)."""
+        return self._ids(messages, **kw)
+
+    def bounded(self, tokens: list[int], mask: list[int]) -> Rendered:
+        """`tokens` and their learned-token `mask`, checked and cut to `max_tokens` (the
+        record skipped, or truncated, as `overlong` says)."""
+        return self._bounded(tokens, mask)
+
     def render(self, record: dict) -> Rendered:
         messages = conversation_of(record)
         if self.marks_generation:

@@ -231,6 +231,7 @@ class ColumnParallelLinear(nn.Module):
             mark_tensor_parallel(self.bias, 0, out_features, layout)
         else:
             self.register_parameter("bias", None)
+        self.lora = None  # a LoRA adapter (parallel/lora.py) adds its update to the output
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         group = self.topo.tp_group
@@ -240,6 +241,8 @@ class ColumnParallelLinear(nn.Module):
             y = sequence_gathered_linear(x, weight, bias, group)
         else:
             y = linear(copy_to_tp(x, group), weight, bias)
+        if self.lora is not None and self.lora.enabled:
+            y = y + self.lora(x)
         return gather_last_dim(y, group) if self.gather_output else y
 
 
@@ -261,6 +264,7 @@ class RowParallelLinear(nn.Module):
             self.bias = _replicated_parameter((out_features,), topo, dtype)
         else:
             self.register_parameter("bias", None)
+        self.lora = None  # a LoRA adapter (parallel/lora.py) adds its update to the output
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = linear(x, self.weight)
@@ -269,6 +273,8 @@ class RowParallelLinear(nn.Module):
             y = reduce_scatter_to_sequence(y, group)
         else:
             y = reduce_from_tp(y, group)
+        if self.lora is not None and self.lora.enabled:
+            y = y + self.lora(x)
         if self.bias is not None:
             y = y + sequence_parallel_param(self.bias, self.topo)
         return y

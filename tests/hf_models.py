@@ -235,3 +235,64 @@ def hf_deepseek_v3(seed: int = 0, **kw):
                 scale = 0.3 if name.endswith("e_score_correction_bias") or t.dim() == 1 else 0.05
                 t.add_(torch.randn(t.shape, generator=g) * scale)
     return hf
+
+
+CHAT_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_LLAMA = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64)
+
+
+def chat_llama_folder(root: str, texts: list[str], template: str) -> str:
+    """A Hugging Face folder for post-training tests: a word-level tokenizer over the words of
+    `texts` with ChatML's tokens and `template`, and a random tiny Llama (CHAT_LLAMA, a wide
+    initialisation so per-token losses are far apart)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    words = sorted({w for t in texts for w in t.split()})
+    vocab = {t: i for i, t in enumerate(CHAT_SPECIAL + words)}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|endoftext|>",
+                                  pad_token="<|endoftext|>", additional_special_tokens=CHAT_SPECIAL[1:])
+    tok.chat_template = template
+    folder = os.path.join(root, "hf")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(vocab), tie_word_embeddings=False,
+                                         eos_token_id=0, bos_token_id=None, pad_token_id=0,
+                                         initializer_range=0.5, **CHAT_LLAMA))
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+def chat_llama_argv(folder: str, load: str, data: str, seq: int, *extra) -> list[str]:
+    """train_llama.py flags for `chat_llama_folder`'s model imported at `load`, fine-tuned on
+    `data` with constant-LR AdamW, no weight decay, clipping or dropout (TRL's and torch's
+    defaults otherwise), no evaluation."""
+    s = CHAT_LLAMA
+    argv = ["--num-layers", s["num_hidden_layers"], "--hidden-size", s["hidden_size"],
+            "--ffn-hidden-size", s["intermediate_size"], "--num-attention-heads", s["num_attention_heads"],
+            "--group-query-attention", "--num-query-groups", s["num_key_value_heads"],
+            "--max-position-embeddings", s["max_position_embeddings"], "--make-vocab-size-divisible-by", 1,
+            "--untie-embeddings-and-output-weights", "--rotary-base", 10000, "--norm-epsilon", 1e-6,
+            "--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
+            "--disable-bias-linear", "--load", load, "--finetune", "--data-path", data,
+            "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", folder,
+            "--seq-length", seq, "--lr-decay-style", "constant", "--lr-warmup-iters", 0,
+            "--weight-decay", 0.0, "--clip-grad", 0.0, "--adam-beta1", 0.9, "--adam-beta2", 0.999,
+            "--adam-eps", 1e-8, "--hidden-dropout", 0.0, "--attention-dropout", 0.0,
+            "--eval-iters", 0, "--split", "100,0,0", *extra]
+    return [str(a) for a in argv]
+
+
+def run_llama(argv: list[str], world: int):
+    """pretrain() of train_llama.py's flags in this process (the tokenizer read as entry does)."""
+    from megazoo.models.registry import build_model
+    from megazoo.training.config.flags import to_run_config
+    from megazoo.training.config.parser import build_parser
+    from megazoo.training.run.entry import build_run_tokenizer
+    from megazoo.training.run.loop import pretrain
+    args = build_parser().parse_args(argv)
+    tok = build_run_tokenizer(args)
+    run = to_run_config(args, world_size=world, vocab_size=tok.vocab_size, eod_token=tok.eod)
+    return pretrain(build_model, run)

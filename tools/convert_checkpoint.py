@@ -58,6 +58,11 @@ def build_parser() -> argparse.ArgumentParser:
                           "model's own)")
     exp.add_argument("--tokenizer-dir", help="hf only: copy tokenizer files from here (default: "
                                              "the checkpoint's tokenizer/ folder, if any)")
+    exp.add_argument("--merge-lora", action="store_true",
+                     help="hf only, a LoRA checkpoint: fold the adapters into the weights (PEFT's "
+                          "merge_and_unload)")
+    exp.add_argument("--lora-adapter-dir", help="hf only, a LoRA checkpoint: write the adapters "
+                                                "here in PEFT's format (--save gets the base model)")
     exp.add_argument("--universal-names", choices=("auto", "hf", "megatron-deepspeed"),
                      help="deepspeed only: name the parameters as a Hugging Face module run by "
                           "deepspeed.initialize does (hf) or as Megatron-DeepSpeed's pipeline "
@@ -70,7 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
 FORMAT_ONLY = (("import", "make_vocab_size_divisible_by", {"hf"}),
                ("export", "dtype", {"hf"}), ("export", "tokenizer_dir", {"hf"}),
                ("import", "vocab_size", set(READERS)), ("import", "hf_config", {"deepspeed"}),
-               ("export", "universal_names", {"deepspeed"}))
+               ("export", "universal_names", {"deepspeed"}), ("export", "merge_lora", {"hf"}),
+               ("export", "lora_adapter_dir", {"hf"}))
 
 
 def inapplicable(a: argparse.Namespace) -> list[str]:
@@ -87,7 +93,8 @@ def convert(a: argparse.Namespace) -> str:
         raise ValueError("; ".join(problems))
     if a.command == "export":
         if a.format == "hf":
-            return export_hf(a.load, a.save, tokenizer_dir=a.tokenizer_dir, dtype=a.dtype)
+            return export_hf(a.load, a.save, tokenizer_dir=a.tokenizer_dir, dtype=a.dtype,
+                             merge_lora=a.merge_lora, adapter_dir=a.lora_adapter_dir)
         return export_checkpoint(a.format, a.load, a.save, parallel=parallel_config_of(a, None),
                                  universal_names=a.universal_names)
     if a.format == "hf":

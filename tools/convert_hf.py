@@ -8,6 +8,7 @@ Families: every family in models/registry.py. An imported MoE checkpoint loads u
     python tools/convert_hf.py import --hf-dir gpt2_folder --save ckpt/gpt2 \
         --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2
     python tools/convert_hf.py export --load ckpt/run1 --save hf_out [--tokenizer-dir gpt2_folder]
+        [--merge-lora | --lora-adapter-dir adapter_out]   (a LoRA checkpoint, docs/post_training.md)
 
 Import writes a weights-only checkpoint (train from it with `--load ckpt/gpt2 --finetune`, under
 any layout; the model's shape comes from the checkpoint). Export accepts a checkpoint of any

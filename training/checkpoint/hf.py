@@ -25,6 +25,9 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from megazoo.models import peft_format
+from megazoo.models.lora import apply_lora
+from megazoo.models.lora_targets import LoRASettings
 from megazoo.models.config import TransformerConfig
 from megazoo.models.language_model import WORD_EMBEDDINGS
 from megazoo.models.registry import build_model, family
@@ -226,9 +229,11 @@ def checkpoint_config(folder: str) -> tuple[dict, TransformerConfig]:
 
 def load_model_chunks(folder: str, topo) -> tuple[TransformerConfig, list]:
     """This rank's model chunks for `topo` (eval mode), with a checkpoint's weights of any layout."""
-    _, config = checkpoint_config(folder)
+    meta, config = checkpoint_config(folder)
     chunks = [build_model(config, topo, **spec.kwargs()).eval()
               for spec in topo.config.chunk_specs(config.num_layers, topo.pp_rank)]
+    if meta.get("lora") is not None:  # the adapters too (a LoRA run's checkpoint)
+        apply_lora(chunks, LoRASettings.from_record(meta["lora"]), config, topo, None, 0)
     load_weights(folder, chunks, topo)
     return config, chunks
 
@@ -266,10 +271,31 @@ def check_complete(adapter, config: TransformerConfig, hf, weights: dict, sd: di
                               f"{', ...' if len(lost) > 4 else ''})")
 
 
+def _split_lora(weights: dict, meta: dict, merge_lora: bool, adapter_dir: str | None,
+                folder: str) -> dict:
+    """The LoRA adapter tensors taken out of `weights` (empty without LoRA); a LoRA checkpoint
+    needs --merge-lora or --lora-adapter-dir, and those need one."""
+    lora = {k: weights.pop(k) for k in [k for k in weights if ".lora." in k]}
+    if lora and not (merge_lora or adapter_dir):
+        raise ConversionError(f"{folder} holds LoRA adapters: add --merge-lora (folded into the "
+                              f"weights) or --lora-adapter-dir DIR (PEFT's adapter folder)")
+    if (merge_lora or adapter_dir) and not lora:
+        raise ConversionError(f"{folder} holds no LoRA adapters; drop --merge-lora / "
+                              f"--lora-adapter-dir")
+    if merge_lora and adapter_dir:
+        raise ConversionError("--merge-lora and --lora-adapter-dir exclude each other: the merged "
+                              "model already holds the adapters")
+    if lora and meta.get("lora") is None:
+        raise ConversionError(f"{folder}/meta.json records no LoRA settings for its adapters")
+    return lora
+
+
 def export_hf(load: str, save: str, *, tokenizer_dir: str | None = None,
-              dtype: str | None = None) -> str:
+              dtype: str | None = None, merge_lora: bool = False,
+              adapter_dir: str | None = None) -> str:
     """Write a checkpoint (`--load` root or an iter_* folder) as a Hugging Face folder, in the
-    checkpoint's dtype (an imported model's own) unless `dtype` is given."""
+    checkpoint's dtype (an imported model's own) unless `dtype` is given. A LoRA checkpoint's
+    adapters are folded in (`merge_lora`) or written in PEFT's format to `adapter_dir`."""
     if dtype is not None and dtype not in _DTYPES:
         raise ConversionError(f"--dtype {dtype!r} is not supported; choose one of {_DTYPES}")
     folder = ckpt.require_verified(ckpt.resolve(load))
@@ -280,9 +306,12 @@ def export_hf(load: str, save: str, *, tokenizer_dir: str | None = None,
         raise ConversionError(f"{e}: it has no Hugging Face form") from None
     full = read_full_state(folder)  # the fp32 masters when present: the copy a resume continues
     weights = {**full.weights, **full.master}
+    lora = _split_lora(weights, meta, merge_lora, adapter_dir, folder)
     hf = module.hf_config(config)
     sd = module.to_hf_state_dict(weights, config)
     check_complete(module, config, hf, weights, sd, f"{folder} as {config.family}")
+    if lora and merge_lora:
+        peft_format.merge_into(sd, meta["lora"], lora, config.num_layers)
     # the model's special tokens, recorded at import and carried by the tokenizer folder
     recorded = {**(meta.get("hf_config") or {}), **read_record(checkpoint_tokenizer_dir(folder))}
     for k in TOKEN_IDS:  # ids outside the vocabulary are dropped
@@ -300,4 +329,8 @@ def export_hf(load: str, save: str, *, tokenizer_dir: str | None = None,
     copied = copy_tokenizer(tok_src, save)
     logger.info("exported %s to %s (%d tensors; tokenizer files: %s)", folder, save, len(sd),
                 copied or "none")
+    if lora and adapter_dir:
+        peft_format.write_adapter(adapter_dir, meta["lora"], lora, config.num_layers,
+                                  getattr(torch, dtype), base=os.path.abspath(save))
+        logger.info("LoRA adapters of %s written to %s (PEFT's format)", folder, adapter_dir)
     return save

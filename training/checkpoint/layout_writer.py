@@ -14,6 +14,8 @@ from collections import defaultdict
 
 import torch
 
+from megazoo.models.lora import apply_lora
+from megazoo.models.lora_targets import LoRASettings
 from megazoo.models.registry import build_model
 from megazoo.parallel.param_spec import spec_of
 from megazoo.parallel.sharding import local_shard
@@ -27,15 +29,19 @@ from megazoo.training.checkpoint.reshard import FullState
 
 
 def build_rank_chunks(config, parallel: ParallelConfig | None = None, *, dp: int = 1,
-                      rank: int = 0, **sizes):
+                      rank: int = 0, lora: dict | None = None, **sizes):
     """One rank's model chunks at `parallel` (or its `sizes`; none: unsharded) x `dp`, built on
-    the CPU without process groups (to learn their names, shapes, TP slicing and experts)."""
+    the CPU without process groups (to learn their names, shapes, TP slicing and experts); with
+    `lora` (a checkpoint's record) their adapters too."""
     parallel = ParallelConfig.of(parallel, **sizes)
     topo = ParallelTopology(config=parallel, rank=rank,
                             world_size=parallel.tp * parallel.pp * parallel.cp * dp, dp=dp)
     topo.group_ranks = topo.grid.groups_of(rank)
     specs = topo.config.chunk_specs(config.num_layers, topo.pp_rank)
-    return topo, [build_model(config, topo, **spec.kwargs()) for spec in specs]
+    chunks = [build_model(config, topo, **spec.kwargs()) for spec in specs]
+    if lora is not None:  # the adapters trained, the base frozen, as the run that wrote them
+        apply_lora(chunks, LoRASettings.from_record(lora), config, topo, None, 0)
+    return topo, chunks
 
 
 def write_layout(full: FullState, root: str, *, config, parallel: ParallelConfig | None = None,
@@ -56,7 +62,8 @@ def write_layout(full: FullState, root: str, *, config, parallel: ParallelConfig
     tmp = ckpt.begin_offline(root, iteration)
     records = []
     for rank in range(world):
-        topo, chunks = build_rank_chunks(config, parallel, dp=dp, rank=rank)
+        topo, chunks = build_rank_chunks(config, parallel, dp=dp, rank=rank,
+                                         lora=(meta or full.meta).get("lora"))
         rows = param_table(chunks, frozen=True)
         named = [p for *_, p in table_order(chunks)]
         tensors = {PARAMS: ckpt.json_tensor(table_json(rows))}

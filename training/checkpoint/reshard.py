@@ -41,6 +41,7 @@ from megazoo.parallel.tensor_parallel import unshard
 from megazoo.training.checkpoint import format as ckpt
 from megazoo.training.checkpoint import slices
 from megazoo.training.checkpoint.param_table import PARAMS, param_table, table_from_json, table_order
+from megazoo.training.checkpoint.lora_load import with_adapter_starts, without_absent_adapters
 
 logger = logging.getLogger(__name__)
 
@@ -259,6 +260,7 @@ def load_into(full: FullState, chunks, opt, topo, *, weights_only: bool, folder:
     weights_only: the optimizer starts fresh (zero moments, step 0) from the weights.
     """
     rows = param_table(chunks, opt, frozen=True)
+    with_adapter_starts(full, chunks, folder, topo)
     missing = sorted({r.canonical for r in rows if not r.frozen} - set(full.weights) - full.unread)
     if missing:
         raise ckpt.CheckpointError(f"{folder} lacks {len(missing)} tensors of this model, e.g. "
@@ -330,7 +332,9 @@ def load_weights(folder: str, chunks, topo) -> FullState:
     meta = ckpt.read_meta(folder)
     zero3 = meta.get("layout", {}).get("zero_stage", 0) == 3  # weights live in the optimizer
     rows = param_table(chunks, frozen=True)
-    full = read_full_state(folder, {row.canonical for row in rows}, optimizer=zero3,
-                           need=slices.need_of(rows, topo.tp_rank, topo.tp))
+    need = slices.need_of(rows, topo.tp_rank, topo.tp)
+    names = without_absent_adapters(meta, {row.canonical for row in rows}, need)
+    full = read_full_state(folder, names, optimizer=zero3, need=need)
+    with_adapter_starts(full, chunks, folder, topo)
     copy_weights(full, chunks, topo, folder, frozen_only=False)
     return full

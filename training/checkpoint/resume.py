@@ -11,6 +11,7 @@ from megazoo.training.checkpoint import format as ckpt
 from megazoo.training.checkpoint.optimizer_record import check_optimizer_record
 from megazoo.training.checkpoint.param_table import param_table
 from megazoo.training.checkpoint import reshard
+from megazoo.training.checkpoint.lora_load import without_absent_adapters
 from megazoo.training.checkpoint import slices
 from megazoo.training.checkpoint.save import TrainState, layout_of, ranges_rows
 from megazoo.training.config.run_config import RunConfig
@@ -64,6 +65,23 @@ def load(run: RunConfig, topo, chunks, opt, rng) -> TrainState:
     return _apply(run, topo, chunks, opt, rng, folder, meta, source)
 
 
+def check_lora(saved: dict | None, lora, folder: str) -> None:
+    """A checkpoint's LoRA adapters load only into a run with the same adapters (dropout aside)."""
+    if saved is None:
+        return
+    if lora is None:
+        raise ckpt.CheckpointError(
+            f"{folder} holds LoRA adapters (rank {saved['rank']} on {','.join(saved['targets'])}): "
+            f"add --lora-rank {saved['rank']} --lora-alpha {saved['alpha']:g} --lora-target-modules "
+            f"{','.join(saved['targets'])}, or export it merged (tools/convert_hf.py export "
+            f"--merge-lora) and import that")
+    mine = {k: v for k, v in lora.record().items() if k != "dropout"}
+    theirs = {k: saved.get(k) for k in mine}
+    if mine != theirs:
+        raise ckpt.CheckpointError(f"{folder} holds LoRA adapters {theirs}; this run asks for "
+                                   f"{mine}: give the checkpoint's --lora-* flags")
+
+
 def _read(run: RunConfig, topo, chunks, opt, folder: str):
     """(meta, what to load) of one checkpoint, every tensor read verified; nothing applied."""
     meta = ckpt.read_resumable_meta(folder)
@@ -79,6 +97,10 @@ def _read(run: RunConfig, topo, chunks, opt, folder: str):
     ckpt.check_compatible(meta, model=run.model, folder=folder)
     if not weights_only:
         check_optimizer_record(meta, run.optimizer, folder)
+    check_lora(meta.get("lora"), run.lora, folder)
+    if run.lora is not None and meta.get("lora") is None and not weights_only:
+        raise ckpt.CheckpointError(f"{folder} holds no LoRA adapters (nor their optimizer state): "
+                                   f"start LoRA from it with --finetune")
     same_layout = meta.get("layout") == layout_of(run, topo)
     tensors = ckpt.load_rank_tensors(folder, topo.rank) if same_layout else {}
     if same_layout and not weights_only and _same_buckets(tensors, opt):
@@ -88,8 +110,8 @@ def _read(run: RunConfig, topo, chunks, opt, folder: str):
                                    f"--finetune to start training from it")
     rows = param_table(chunks, frozen=True)
     need = slices.need_of(rows, topo.tp_rank, topo.tp, ranges_rows(opt))
-    return meta, (tensors, reshard.read_full_state(folder, {row.canonical for row in rows},
-                                                   need=need))
+    names = without_absent_adapters(meta, {row.canonical for row in rows}, need)
+    return meta, (tensors, reshard.read_full_state(folder, names, need=need))
 
 
 def _apply(run: RunConfig, topo, chunks, opt, rng, folder: str, meta: dict, source) -> TrainState:

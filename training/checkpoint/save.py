@@ -84,6 +84,8 @@ def save(run: RunConfig, topo, chunks, opt, rng, state: TrainState, writer=None)
                 seq_length=run.data.seq_length, seed=run.seed,
                 optimizer=optimizer_record(run.optimizer),
                 slices=slices_record(chunks, opt, topo, run.optimizer.zero_stage))
+    if run.lora is not None:  # what export needs to write PEFT's adapter_config.json or merge
+        meta["lora"] = run.lora.record()
     root = run.checkpoint.save
     tensors = rank_tensors(chunks, opt, rng, run.optimizer.zero_stage)
     if topo.rank == 0:  # before the save's free-space check: --keep-last can make room

@@ -22,6 +22,8 @@ from megazoo.parallel.zero.config import LossScaleConfig, OptimizerConfig
 
 from megazoo.training.config.errors import ArgumentError
 from megazoo.training.config.layout_flags import parallel_config_of
+from megazoo.training.config.dpo_flags import dpo_settings
+from megazoo.training.config.lora_flags import lora_settings
 from megazoo.training.config.muon_flags import muon_settings, qk_clip_settings
 from megazoo.training.config.megatron_compat import (check_model, resolve_megatron_compat, samples_to_iterations,
                                              stage_layers, vocab_multiple)
@@ -195,6 +197,11 @@ def to_run_config(args: argparse.Namespace, vocab_size: int | None = None,
     compat = resolve_megatron_compat(args, eod_token)
     model, seq = model_config(args, vocab_size, loaded)
     parallel, dp, gbs = layout_config(args, model, seq, world)
+    try:
+        lora = lora_settings(args, model, parallel.tp)
+        dpo = dpo_settings(args, parallel, lora)
+    except ValueError as e:
+        _fail(str(e))
     schedule = schedule_config(args, parallel, dp, gbs)
     if vocab_size and args.vocab_size and args.tokenizer_type not in ("NullTokenizer",) \
             and args.vocab_size != vocab_size:
@@ -205,7 +212,7 @@ def to_run_config(args: argparse.Namespace, vocab_size: int | None = None,
     return RunConfig(
         compile_backend=(args.compile_backend or "inductor") if args.compile else None,
         model=model, parallel=parallel, optimizer=optimizer_config(args, model, parallel, compat),
-        seed=args.seed, health=health_config(args), schedule=schedule,
+        seed=args.seed, health=health_config(args), schedule=schedule, lora=lora, dpo=dpo,
         data=data_config(args, seq, compat, eod_token),
         checkpoint=from_flags(CheckpointConfig, args, load_optim=not args.no_load_optim,
                               load_rng=not args.no_load_rng),

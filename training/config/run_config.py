@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from megazoo.models.config import TransformerConfig
+from megazoo.models.lora_targets import LoRASettings
 from megazoo.parallel.topology import ParallelConfig
 from megazoo.parallel.zero.config import OptimizerConfig
 
@@ -45,6 +46,7 @@ class DataConfig:
     num_workers: int = 0  # threads reading samples ahead of the step (0: read in the step)
     eod_mask_token: int | None = None  # --eod-mask-loss: no loss where the input is this token
     sft: bool = False  # --sft: --data-path is a conversation set (tools/preprocess_sft.py)
+    dpo: bool = False  # --dpo: --data-path is a preference set (tools/preprocess_dpo.py)
     sft_packing: bool = False  # --sft-packing: conversations packed with document masks, not padded
     pad_token: int = 0  # --sft padding id (the tokenizer's end-of-document; never learned)
     eod_token: int | None = None  # the tokenizer's end-of-document id
@@ -85,6 +87,16 @@ class LoggingConfig:
     log_throughput: bool = False  # tokens/s, TFLOP/s and MFU on the console line too
 
 
+@dataclass(frozen=True)
+class DPOSettings:
+    """--dpo: the preference loss (training/run/dpo.py)."""
+
+    beta: float = 0.1
+    loss_type: str = "sigmoid"  # sigmoid | robust | ipo (TRL's names)
+    label_smoothing: float = 0.0  # robust only
+    reference: str | None = None  # the frozen reference's checkpoint (None: LoRA's base)
+
+
 POLICIES = ("warn", "skip", "rollback")
 # --compile-backend: inductor compiles (training/run/compile.py); the others only trace
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
@@ -122,6 +134,8 @@ class RunConfig:
     health: HealthConfig = field(default_factory=HealthConfig)
     seed: int = 1234
     compile_backend: str | None = None  # --compile (--compile-backend): layers compiled; None: eager
+    lora: LoRASettings | None = None  # --lora-rank > 0
+    dpo: DPOSettings | None = None  # --dpo
 
     @property
     def run_dir(self) -> str | None:

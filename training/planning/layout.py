@@ -36,6 +36,7 @@ class Layout:
     recompute_granularity: str | None = None  # TransformerConfig's: None | selective | full
     flash_attention: bool = False  # attention scores never stored (SDPA / FlashAttention)
     overlap_dp: bool = False  # the data-parallel reduction hidden behind backward
+    lora: object | None = None  # RunConfig's LoRASettings: the base frozen, adapters trained
 
     @classmethod
     def of(cls, **fields) -> "Layout":
@@ -49,7 +50,8 @@ class Layout:
                    micro_batch_size=run.schedule.micro_batch_size,
                    global_batch_size=run.schedule.global_batch_size,
                    seq_length=run.data.seq_length, params_dtype=run.model.params_dtype,
-                   recompute_granularity=run.model.recompute_granularity, flash_attention=True)
+                   recompute_granularity=run.model.recompute_granularity, flash_attention=True,
+                   lora=getattr(run, "lora", None))
 
     def replace(self, **changes) -> "Layout":
         """This layout with fields changed by name, each where it lives: the layout's own

@@ -34,7 +34,8 @@ import torch
 from megazoo.models.config import TransformerConfig
 from megazoo.parallel.pipeline.schedules import activation_bound
 
-from megazoo.training.planning.parameters import expert_bias_parameters, mtp_layers, mtp_parameters
+from megazoo.training.planning.parameters import (expert_bias_parameters, lora_parameters, mtp_layers,
+                                                  mtp_parameters)
 from megazoo.training.planning.layout import Layout
 from megazoo.training.planning.optimizer_states import rank_muon_params, state_bytes
 
@@ -155,6 +156,10 @@ def model_state_bytes(n_params: float, layout: Layout, expert_params: float = 0.
 def rank_state_bytes(cfg: TransformerConfig, layout: Layout, pp_rank: int) -> tuple[float, float, float]:
     """(weights, gradients, optimizer) bytes pipeline rank `pp_rank` holds (the dry run's check)."""
     dense, expert = rank_params(cfg, layout, pp_rank)
+    if layout.lora is not None:  # the base frozen (weights only, whole), the adapters trained
+        adapters = lora_parameters(cfg, layout.lora, layout.tp, rank_layer_ids(cfg, layout, pp_rank))
+        w, g, o = model_state_bytes(adapters, layout)
+        return w + (dense + expert) * layout.dtype.itemsize, g, o
     muon = rank_muon_params(cfg, layout, rank_layer_ids(cfg, layout, pp_rank),
                             stage_name(pp_rank, layout.pp))
     return model_state_bytes(dense, layout, expert, muon)

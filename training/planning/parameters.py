@@ -1,6 +1,6 @@
 """The planner's parameter terms beyond `TransformerConfig`'s per-layer counts: the multi-token
 prediction modules and the frozen router expert biases (training/planning/memory.py adds them to
-a rank's count).
+a rank's count), and LoRA's adapters (the only trained parameters when the base is frozen).
 
 Multi-token prediction (DeepSeek-V3, `mtp_num_layers` D): each of the D modules is an RMSNorm of
 the hidden state (hnorm) and one of the next token's embedding (enorm), a projection of their
@@ -16,6 +16,7 @@ rank holds but not in the ZeRO model states.
 """
 from __future__ import annotations
 
+from megazoo.models import lora_targets as lt
 from megazoo.models.config import TransformerConfig
 
 
@@ -49,3 +50,19 @@ def total_parameters(cfg: TransformerConfig) -> float:
     less the copies of the shared embedding and head it stores with each MTP module)."""
     return cfg.num_parameters() + sum(mtp_parameters(cfg)) + \
         expert_bias_parameters(cfg, range(cfg.num_layers))
+
+
+def lora_parameters(cfg: TransformerConfig, lora, tp: int, layers) -> int:
+    """LoRA adapter parameters one TP rank holds for the global `layers` (`lora`: the run's
+    LoRASettings): per target, A [r, in] and B [out, r], B split over TP with a column-parallel
+    base, A with a row-parallel one (parallel/lora.py)."""
+    per_layer = 0
+    for target in lora.targets:
+        module = lt.TARGETS[target][0]
+        parts, _, fan_in = lt.module_parts(cfg, module)
+        rows = dict(parts)[target]
+        if module in lt.ROW_PARALLEL:
+            per_layer += lora.rank * (fan_in // tp + rows)
+        else:
+            per_layer += lora.rank * (fan_in + rows // tp)
+    return per_layer * len(list(layers))

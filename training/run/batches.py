@@ -20,6 +20,7 @@ from megazoo.data.blended import build_train_valid_test_datasets
 from megazoo.data.indexed import IndexedDatasetError
 from megazoo.data.packing import documents_after_eod, positions_in_documents
 from megazoo.data.samplers import PretrainingSampler
+from megazoo.data.preference import split_preference_datasets
 from megazoo.data.sft_dataset import split_sft_datasets
 from megazoo.parallel import collectives as C
 from megazoo.parallel.context_split import split_sequence
@@ -52,7 +53,14 @@ def build_datasets(cfg: DataConfig, *, seed: int, vocab_size: int, num_samples: 
     if cfg.mock_data:
         return tuple(MockGPTDataset(max(n, 1), cfg.seq_length, vocab_size, seed + i)
                      for i, n in enumerate(num_samples))
-    if cfg.sft:
+    if cfg.dpo:
+        train, valid, test = split_preference_datasets(cfg.data_path[0], cfg.split, cfg.seq_length,
+                                                       seed, pad_id=cfg.pad_token)
+        if train is None:
+            raise IndexedDatasetError(f"--split {cfg.split} leaves no pair of --data-path "
+                                      f"{cfg.data_path[0]} to train on; give the training split a share")
+        what = "pairs"
+    elif cfg.sft:
         train, valid, test = split_sft_datasets(cfg.data_path[0], cfg.split, cfg.seq_length, seed,
                                                 pad_id=cfg.pad_token,
                                                 mode="packed" if cfg.sft_packing else "padded")

@@ -108,12 +108,14 @@ def mean_over_world(losses: list[torch.Tensor], topo: ParallelTopology) -> float
 
 def forward_backward(chunks, microbatches: list[dict], topo: ParallelTopology, optimizer, *,
                      schedule: str, shape, watchdog=None, poison: bool = False,
-                     timings: dict | None = None, per_token_loss: bool = False) -> float:
+                     timings: dict | None = None, per_token_loss: bool = False,
+                     forward_fn=None) -> float:
     """Forward and backward over the microbatches; returns the mean loss over the global batch
     (with `per_token_loss`, over its counted tokens: see `per_token_norm`).
 
     Gradients end up reduced (or being reduced) in the optimizer's buckets, ready for its step.
     `timings["ready"]` receives the moment this rank reached the step's global collective.
+    `forward_fn(loss_scale, poison)` makes another loss's forward function (--dpo: training/run/dpo.py).
     """
     steps = build_schedule(schedule if topo.pp > 1 else "no_pipelining", topo.pp, topo.pp_rank,
                            len(microbatches), vpp=len(chunks))
@@ -129,7 +131,8 @@ def forward_backward(chunks, microbatches: list[dict], topo: ParallelTopology, o
     # Stages 0-1 accumulate microbatch gradients locally and reduce once, after the last one.
     with guard("pipeline forward/backward (p2p, tensor-parallel collectives)"), optimizer.no_sync():
         losses = run_pipeline(steps, chunks, microbatches, topo, shape,
-                              optimizer.dtype, make_forward_fn(scale, poison, norm))
+                              optimizer.dtype, forward_fn(scale, poison) if forward_fn is not None
+                              else make_forward_fn(scale, poison, norm))
     optimizer.grad_sync.launch_remaining()
     if timings is not None:
         timings["ready"] = time.perf_counter()
@@ -143,7 +146,7 @@ def _unmonitored(_what: str):
 
 
 def eval_step(chunks, microbatches: list[dict], topo: ParallelTopology, *, shape, dtype,
-              per_token_loss: bool = False) -> tuple[float, float]:
+              per_token_loss: bool = False, forward_fn=None) -> tuple[float, float]:
     """(mean loss over the microbatches, forward only (no graph kept), and the batch's weight in
     an evaluation's mean: its counted tokens with `per_token_loss`, else 1)."""
     counted = counted_tokens(microbatches, topo) if per_token_loss else 1.0
@@ -153,7 +156,8 @@ def eval_step(chunks, microbatches: list[dict], topo: ParallelTopology, *, shape
         c.eval()
     try:
         losses = run_pipeline(steps, chunks, microbatches, topo, shape, dtype,
-                              make_forward_fn(token_norm=norm))
+                              forward_fn(1.0, False) if forward_fn is not None
+                              else make_forward_fn(token_norm=norm))
     finally:
         for c in chunks:
             c.train()
@@ -161,7 +165,7 @@ def eval_step(chunks, microbatches: list[dict], topo: ParallelTopology, *, shape
 
 
 def evaluate(chunks, dataset, topo: ParallelTopology, run, shape, dtype, *, watchdog=None,
-             interrupted=None) -> tuple[float, int, int]:
+             interrupted=None, forward_fn=None) -> tuple[float, int, int]:
     """Validation loss over --eval-iters global batches (the same batches at every evaluation),
     how many batches it took and how many it was to take. `interrupted()` (collective, the same
     on every rank) is asked after each batch: True ends the evaluation early (a stop request).
@@ -169,7 +173,8 @@ def evaluate(chunks, dataset, topo: ParallelTopology, run, shape, dtype, *, watc
     With the per-token loss (--sft, --calculate-per-token-loss) the loss is the mean over every
     counted token of those batches (each batch weighed by its tokens), and --sft reads each
     held-out conversation at most once: at most --eval-iters batches, fewer when the validation
-    conversations fill fewer (the last one filled with samples that count no token)."""
+    conversations fill fewer (the last one filled with samples that count no token).
+    `forward_fn` as in `forward_backward` (--dpo: the preference loss over held-out pairs)."""
     mbs, gbs = run.schedule.micro_batch_size, run.schedule.global_batch_size
     planned = run.logging.eval_iters
     if run.data.sft:
@@ -184,7 +189,8 @@ def evaluate(chunks, dataset, topo: ParallelTopology, run, shape, dtype, *, watc
     for _ in range(planned):
         with guard("evaluation batch (forward, all_reduce(loss))"):
             loss, counted = eval_step(chunks, [next(it) for _ in range(per_step)], topo, shape=shape,
-                                      dtype=dtype, per_token_loss=run.data.per_token_loss)
+                                      dtype=dtype, per_token_loss=run.data.per_token_loss,
+                                      forward_fn=forward_fn)
             total, weight, batches = total + loss * counted, weight + counted, batches + 1
             if interrupted is not None and interrupted():
                 break

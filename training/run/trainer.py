@@ -9,6 +9,7 @@ import math
 import time
 from dataclasses import dataclass
 
+from megazoo.models.lora import apply_lora
 from megazoo.models.moe import update_expert_biases
 from megazoo.parallel.pipeline.tied import broadcast_tied_embedding
 from megazoo.parallel.random import model_parallel_seed
@@ -26,6 +27,7 @@ from megazoo.training.resilience.faults import maybe_hang, report_unhealthy, rol
 from megazoo.training.resilience.health import HealthMonitor, ProgressGuard, after_step
 from megazoo.training.monitor.journal import RunJournal
 from megazoo.training.monitor.console import Progress, RunLogger
+from megazoo.training.run.dpo import PreferenceStats, build_reference, make_dpo_forward_fn
 from megazoo.training.run.lr_schedule import global_batch_size, learning_rate
 from megazoo.training.monitor.metrics import device_peak_flops, moe_metrics, mtp_metrics
 from megazoo.training.planning.planner import Layout, PlanError, memory_per_gpu
@@ -47,6 +49,8 @@ class TrainResult:
     checkpoint: str | None
     stop_signal: int = 0  # SIGTERM or SIGINT that stopped the run early (0: none)
     task_scores: list[tuple[int, dict]] = dataclasses.field(default_factory=list)  # --eval-tasks
+    dpo: list[dict] = dataclasses.field(default_factory=list)  # --dpo: each step's rewards etc.
+    valid_dpo: list[tuple[int, dict]] = dataclasses.field(default_factory=list)  # and held out
 
 
 def build_chunks(model_provider, run: RunConfig, topo, rng):
@@ -54,6 +58,8 @@ def build_chunks(model_provider, run: RunConfig, topo, rng):
     chunks = [model_provider(run.model, topo, rng=rng, **spec.kwargs()) for spec in specs]
     if topo.pp > 1:
         broadcast_tied_embedding(chunks, topo)
+    if run.lora is not None:  # before the optimizer: it holds the adapters only
+        apply_lora(chunks, run.lora, run.model, topo, rng, run.seed)
     return chunks
 
 
@@ -118,6 +124,14 @@ class Trainer:
                               num_workers=run.data.num_workers, eod_mask_token=run.data.eod_mask_token,
                               cp=topo.cp, cp_rank=topo.cp_rank, documents=document_flags(run.data))
         self.data.restart(self.state.consumed_samples)
+        self.dpo_forward = self.dpo_eval_forward = None
+        self.dpo_stats, self.dpo_eval_stats = PreferenceStats(), PreferenceStats()
+        if run.dpo is not None:
+            reference = build_reference(run, topo, self.chunks, model_provider)
+            self.dpo_forward = lambda scale, poison: make_dpo_forward_fn(
+                run.dpo, reference, self.dpo_stats, scale, poison)
+            self.dpo_eval_forward = lambda scale, poison: make_dpo_forward_fn(
+                run.dpo, reference, self.dpo_eval_stats, scale, poison)
         self.shape = activation_shape(topo, seq, self.sched.micro_batch_size, mcfg.hidden_size)
         peak, peak_source = device_peak_flops(topo.device, run.logging.peak_flops, run.model.params_dtype)
         self.window = LogWindow(mcfg.model_flops_per_token(seq), peak, topo, self.state.iteration + 1)
@@ -161,7 +175,7 @@ class Trainer:
         start = time.perf_counter()
         loss = forward_backward(self.chunks, microbatch_list, topo, opt, schedule=self.sched.pipeline_schedule,
                                 shape=self.shape, watchdog=self.watchdog, poison=poison, timings=timings,
-                                per_token_loss=run.data.per_token_loss)
+                                per_token_loss=run.data.per_token_loss, forward_fn=self.dpo_forward)
         verdict, step = self.monitor.check(loss), None
         if verdict.healthy or health.policy == "warn":
             with self.watchdog.collective("optimizer step (dp reduce, grad norm, all-gather)"):
@@ -194,6 +208,9 @@ class Trainer:
         state.consumed_samples += batch
         state.skipped_steps += int(step is None or step.skipped)
         self.result.losses.append(loss)
+        if run.dpo is not None:
+            with self.watchdog.collective("DPO metrics all-reduce"):
+                self.result.dpo.append(self.dpo_stats.reduce(topo))
         self.window.add(loss, batch * run.data.seq_length, elapsed, timings["ready"] - step_begin,
                         time.perf_counter() - step_begin)
         self.last_step, self.batch = step, batch
@@ -217,6 +234,9 @@ class Trainer:
                           **moe_summary, **mtp_metrics(self.chunks, self.topo.device)}, it)
             if moe_layers:
                 self.log.log(moe_layers, it, "moe")
+            if self.run.dpo is not None and self.window.n:  # the window's steps' mean
+                recent = self.result.dpo[-self.window.n:]
+                self.log.log({k: sum(d[k] for d in recent) / len(recent) for k in recent[0]}, it, "dpo")
             self.window.check_stragglers(self.run.health.straggler_threshold, self.journal, it)
         self.window.reset()
 
@@ -229,14 +249,22 @@ class Trainer:
         interrupted = (lambda: stops.signalled(self.topo.device) != 0) if stops is not None else None
         vloss, batches, planned = evaluate(self.chunks, self.valid_ds, self.topo, self.run,
                                            self.shape, self.opt.dtype,
-                                           watchdog=self.watchdog, interrupted=interrupted)
+                                           watchdog=self.watchdog, interrupted=interrupted,
+                                           forward_fn=self.dpo_eval_forward)
+        dpo = {}
+        if self.run.dpo is not None:  # the held-out pairs' rewards (collective)
+            with self.watchdog.collective("DPO evaluation metrics all-reduce"):
+                dpo = self.dpo_eval_stats.reduce(self.topo)
         if batches < planned:
             if self.topo.rank == 0:
                 logger.warning("evaluation at iteration %d stopped after %d of %d batches: a stop "
                                "was requested", it, batches, planned)
             return
         self.result.valid_losses.append((it, vloss))
-        self.log.log(dict(loss=vloss, ppl=math.exp(min(vloss, 50))), it, "valid")
+        if dpo:
+            self.result.valid_dpo.append((it, dpo))
+        self.log.log(dict(loss=vloss, **dpo) if dpo else dict(loss=vloss, ppl=math.exp(min(vloss, 50))),
+                     it, "valid")
 
     def evaluate_tasks_if_due(self) -> None:
         """--eval-tasks every --eval-tasks-interval iterations and after the last: the scores
