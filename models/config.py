@@ -10,6 +10,7 @@ import torch
 from .counts import ModelCounts
 from .family_rules import resolve_family
 from .recompute import resolve_recompute
+from .spec import ACTIVATIONS, NORMS, LayerSpec, NormKind, layer_spec, lookup
 
 logger = logging.getLogger(__name__)
 
@@ -58,9 +59,10 @@ class TransformerConfig(ModelCounts):
     # first max_window_layers). None: every layer attends to the whole context.
     sliding_window: int | None = None
     full_attention_layers: tuple[int, ...] = ()
-    normalization: str = "layernorm"  # layernorm | rmsnorm
+    normalization: str = "layernorm"  # a kind of models/spec.py NORMS
     layernorm_epsilon: float = 1e-5
-    activation: str = "gelu_tanh"  # gelu_tanh | gelu | swiglu (ffn_hidden_size is the gate width)
+    activation: str = "gelu_tanh"  # a kind of models/spec.py ACTIVATIONS (gated: ffn_hidden_size
+    #                               is the gate width)
     num_query_groups: int | None = None  # key/value heads (grouped-query attention); default: heads
     kv_channels: int | None = None  # head_dim; default hidden_size // heads (Qwen3 decouples it)
     add_qkv_bias: bool = False  # bias on the QKV projection only (Qwen2), whatever `bias` says
@@ -119,6 +121,15 @@ class TransformerConfig(ModelCounts):
     # in every checkpoint. None: inferred from the fields above (models/family_rules.py); a
     # named family whose rules the fields break is refused in one line naming the field.
     family: str | None = None
+    # ---- layer options of newer families (models/spec.py MixerSpec, LayerSpec) ----
+    rope_local_theta: float | None = None  # sliding-window layers' RoPE base, unscaled (Gemma 3);
+    #   None: every layer rotates with rope_theta and rope_scaling
+    post_norms: bool = False  # a norm after attention and after the MLP too (Gemma's sandwich)
+    embedding_scale: bool = False  # word embeddings times sqrt(hidden_size) (Gemma)
+    query_pre_attn_scalar: float | None = None  # softmax scale 1/sqrt(this) (None: of head_dim)
+    attn_logit_softcapping: float | None = None  # attention scores -> c * tanh(scores / c)
+    final_logit_softcapping: float | None = None  # logits -> c * tanh(logits / c)
+    attention_sinks: bool = False  # a learned sink logit per head in each softmax (gpt-oss)
 
     def __post_init__(self):
         if self.ffn_hidden_size is None:
@@ -135,8 +146,8 @@ class TransformerConfig(ModelCounts):
                              f"--num-query-groups {self.num_query_groups}")
         for name, value, allowed in (
                 ("position_embedding", self.position_embedding, ("learned", "alibi", "rope")),
-                ("normalization", self.normalization, ("layernorm", "rmsnorm")),
-                ("activation", self.activation, ("gelu_tanh", "gelu", "swiglu")),
+                ("normalization", self.normalization, tuple(NORMS)),
+                ("activation", self.activation, tuple(ACTIVATIONS)),
                 ("params_dtype", self.params_dtype, tuple(PARAMS_DTYPES))):
             if value not in allowed:
                 raise ValueError(f"{name}={value!r} is not supported; choose one of {allowed}")
@@ -262,6 +273,26 @@ class TransformerConfig(ModelCounts):
         if self.sliding_window is None or layer_number in self.full_attention_layers:
             return None
         return self.sliding_window
+
+    def rope_of(self, layer_number: int) -> tuple[float, dict | None]:
+        """(RoPE base, rope_scaling) of global layer `layer_number`: sliding-window layers take
+        `rope_local_theta` unscaled when it is set (Gemma 3), the others rope_theta and scaling."""
+        if self.rope_local_theta is not None and self.attention_window(layer_number) is not None:
+            return self.rope_local_theta, None
+        return self.rope_theta, self.rope_scaling
+
+    def layer_spec(self, layer_number: int) -> LayerSpec:
+        """What global layer `layer_number` is made of (models/spec.py)."""
+        return layer_spec(self, layer_number)
+
+    @property
+    def gated_mlp(self) -> bool:
+        """Whether the MLPs are gated (fc1 the fused [gate; up] projection, twice the width)."""
+        return lookup(ACTIVATIONS, self.activation, "activation").gated
+
+    @property
+    def norm_kind(self) -> NormKind:
+        return lookup(NORMS, self.normalization, "normalization")
 
     @property
     def head_dim(self) -> int:

@@ -20,7 +20,12 @@ _ROPE = dict(position_embedding="rope", normalization="rmsnorm", activation="swi
 _FULL = dict(sliding_window=None)
 # Families without multi-head latent attention (DeepSeek-V3 has it), and MoE families whose router
 # is a softmax without DeepSeek-V3's expert bias, groups, scaling or dense first layers.
-_MHA = dict(kv_lora_rank=None, mtp_num_layers=0)  # multi-token prediction: DeepSeek-V3's only
+# The layer options newer families brought (models/spec.py), at their defaults: the families
+# before them refuse each.
+_CLASSIC = dict(rope_local_theta=None, post_norms=False, embedding_scale=False,
+                query_pre_attn_scalar=None, attn_logit_softcapping=None,
+                final_logit_softcapping=None, attention_sinks=False)
+_MHA = dict(_CLASSIC, kv_lora_rank=None, mtp_num_layers=0)  # multi-token prediction: DeepSeek-V3's
 _SOFTMAX_ROUTER = dict(_MHA, moe_router_score_function="softmax",
                        moe_router_enable_expert_bias=False, moe_router_num_groups=None, moe_router_topk_scaling_factor=None,
                        moe_first_dense_layers=0)
@@ -38,7 +43,7 @@ SHAPES: dict[str, dict] = {
     "qwen2_moe": dict(_SOFTMAX_ROUTER, **_ROPE, **_FULL, qk_layernorm=False, bias=False),
     "qwen3_moe": dict(_SOFTMAX_ROUTER, **_ROPE, **_FULL, add_qkv_bias=False, qk_layernorm=True,
                       bias=False),
-    "deepseek_v3": dict(_ROPE, **_FULL, add_qkv_bias=False, qk_layernorm=False, bias=False,
+    "deepseek_v3": dict(_CLASSIC, **_ROPE, **_FULL, add_qkv_bias=False, qk_layernorm=False, bias=False,
                         moe_router_score_function="sigmoid"),
 }
 MOE_FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3")  # inference tries them in order

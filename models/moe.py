@@ -43,6 +43,7 @@ from megazoo.parallel.topology import ParallelTopology
 from .config import TransformerConfig
 from .init import Initializer
 from .mlp import ParallelMLP
+from .spec import ACTIVATIONS, lookup
 
 
 class _AttachAuxLoss(torch.autograd.Function):
@@ -90,9 +91,8 @@ class GroupedExperts(nn.Module):
                  prefix: str):
         super().__init__()
         h, f = config.hidden_size, config.moe_ffn_hidden_size
-        self.swiglu = config.activation == "swiglu"
-        self.approximate = "tanh" if config.activation == "gelu_tanh" else "none"
-        fc1 = 2 * f if self.swiglu else f
+        self.activation = lookup(ACTIVATIONS, config.activation, "activation")
+        fc1 = 2 * f if self.activation.gated else f
         ids = local_experts(config.num_experts, topo)
 
         def stacked(name: str, shape: tuple[int, ...], fill) -> nn.Parameter:
@@ -116,11 +116,10 @@ class GroupedExperts(nn.Module):
         y = mm.linear(mm.rows_in, self.weight1)
         if self.bias1 is not None:
             y = y + self.bias1[mm.expert]
-        if self.swiglu:
-            gate, up = y.chunk(2, dim=-1)
-            y = F.silu(gate) * up
+        if self.activation.gated:
+            y = self.activation.fn(*y.chunk(2, dim=-1))
         else:
-            y = F.gelu(y, approximate=self.approximate)
+            y = self.activation.fn(y)
         y = mm.linear(y, self.weight2)
         if self.bias2 is not None:
             y = y + self.bias2[mm.expert]

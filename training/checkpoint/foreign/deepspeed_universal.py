@@ -60,7 +60,7 @@ def _check(full: FullState, config, tp: int, pp: int, vpp: int, where: str) -> N
     if not full.optim:
         raise ckpt.CheckpointError(f"{where}: holds no optimizer state; a universal checkpoint "
                                    f"is the fp32 masters and Adam moments (save with optimizer)")
-    if not config.tie_word_embeddings or config.activation == "swiglu" or config.num_experts:
+    if not config.tie_word_embeddings or config.gated_mlp or config.num_experts:
         raise ckpt.CheckpointError(f"{where}: only Megatron-DeepSpeed's GPT and BLOOM pipeline "
                                    f"models (tied head, GELU MLP, no experts) have universal "
                                    f"names; export --format megatron or hf instead")
