@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from .family_folders import load
+
 # Shared by the Llama-shaped families (rotary positions, RMSNorm, SwiGLU).
 _ROPE = dict(position_embedding="rope", normalization="rmsnorm", activation="swiglu",
              embedding_layernorm=False)
@@ -46,7 +48,10 @@ SHAPES: dict[str, dict] = {
     "deepseek_v3": dict(_CLASSIC, **_ROPE, **_FULL, add_qkv_bias=False, qk_layernorm=False, bias=False,
                         moe_router_score_function="sigmoid"),
 }
-MOE_FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3")  # inference tries them in order
+_FOLDERS = load("rules")  # models/<family>/rules.py: each folder's shape, after the classic ones
+SHAPES.update({name: dict(rules.SHAPE) for name, rules in _FOLDERS.items()})
+MOE_FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3") + tuple(
+    name for name, rules in _FOLDERS.items() if rules.MOE)  # inference tries them in order
 DENSE_FAMILIES = tuple(name for name in SHAPES if name not in MOE_FAMILIES)
 
 
