@@ -48,6 +48,11 @@ def config_from_hf(hf) -> TransformerConfig:
                                 hf.use_bidirectional_attention, (False, None))):
         if value not in want:
             raise refuse(FAMILY, field, value, list(want))
+    if hf.attn_logit_softcapping is not None:
+        # transformers' Gemma3Attention stores it but never passes it to its attention: a
+        # config that sets it names two different models (megazoo's spec could compute it)
+        raise refuse(FAMILY, "attn_logit_softcapping", hf.attn_logit_softcapping,
+                     "None (transformers' Gemma 3 attention does not apply it)")
     types = list(hf.layer_types)
     if len(types) != hf.num_hidden_layers or set(types) - set(LAYER_TYPES):
         raise refuse(FAMILY, "layer_types", types,
@@ -67,7 +72,6 @@ def config_from_hf(hf) -> TransformerConfig:
         normalization="rmsnorm_offset", layernorm_epsilon=hf.rms_norm_eps,
         activation="geglu_tanh", qk_layernorm=True, post_norms=True, embedding_scale=True,
         query_pre_attn_scalar=float(hf.query_pre_attn_scalar),
-        attn_logit_softcapping=hf.attn_logit_softcapping,
         final_logit_softcapping=hf.final_logit_softcapping,
         bias=False, tie_word_embeddings=bool(hf.tie_word_embeddings),
         hidden_dropout=0.0, attention_dropout=float(hf.attention_dropout or 0.0),
@@ -97,7 +101,7 @@ def hf_config(config: TransformerConfig, **extra):
         query_pre_attn_scalar=_integral(config.query_pre_attn_scalar or config.head_dim),
         sliding_window=config.sliding_window or 4096, layer_types=types,
         final_logit_softcapping=config.final_logit_softcapping,
-        attn_logit_softcapping=config.attn_logit_softcapping,
+        attn_logit_softcapping=None,
         **{"architectures": ["Gemma3ForCausalLM"], **extra})
 
 

@@ -1,7 +1,8 @@
 """Gemma 3 text, a family folder (models/gemma3_text/), against transformers' Gemma3ForCausalLM:
 a random model with odd sizes and every field its config sets (5:1 sliding/full layers with two
 RoPE bases and a linear scaling on the full ones, grouped-query attention with a decoupled
-head_dim, query_pre_attn_scalar, attention and final logit softcapping, untied head), fp32.
+head_dim, query_pre_attn_scalar, final logit softcapping, untied head), fp32; attention-logit
+softcapping, which transformers' Gemma 3 stores but does not apply, is refused.
 Logits within 1e-5, greedy generation equal, export back bit-identical; in one 2-rank world the
 tp2 and pp2 logits equal the unsharded model's."""
 from __future__ import annotations
@@ -29,7 +30,7 @@ def _hf_config(**overrides):
         rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0,
                                             "rope_theta": 50000.0},
                          "sliding_attention": {"rope_type": "default", "rope_theta": 777.0}},
-        attn_logit_softcapping=20.0, final_logit_softcapping=7.0, tie_word_embeddings=False,
+        final_logit_softcapping=7.0, tie_word_embeddings=False,
         initializer_range=0.05, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     return Gemma3TextConfig(**{**fields, **overrides})
 
@@ -60,6 +61,8 @@ def test_config_maps_every_field_both_ways(pair):
             assert sent[k] == v, k
     with pytest.raises(ValueError, match="hidden_activation"):
         adapter.config_from_hf(_hf_config(hidden_activation="silu"))
+    with pytest.raises(ValueError, match="attn_logit_softcapping"):
+        adapter.config_from_hf(_hf_config(attn_logit_softcapping=50.0))
     with pytest.raises(ValueError, match="attention_bias"):
         adapter.config_from_hf(_hf_config(attention_bias=True))
 
@@ -93,7 +96,7 @@ def _worker(rank, cfg, full, ids, ref):
     with torch.no_grad():
         tp = gather_logits(model(ids), topo, VOCAB)
     worst = {"tp2": (tp - ref).abs().max().item()}
-    topo = ParallelTopology.from_config(ParallelConfig(pp=2))
+    topo = ParallelTopology.from_config(ParallelConfig(pp=2, first_stage_layers=4))
     split = 4
     chunk = build_model(cfg, topo, pre_process=rank == 0, post_process=rank == 1,
                         layer_range=(0, split) if rank == 0 else (split, cfg.num_layers)).eval()
