@@ -130,6 +130,9 @@ class TransformerConfig(ModelCounts):
     attn_logit_softcapping: float | None = None  # attention scores -> c * tanh(scores / c)
     final_logit_softcapping: float | None = None  # logits -> c * tanh(logits / c)
     attention_sinks: bool = False  # a learned sink logit per head in each softmax (gpt-oss)
+    swiglu_alpha: float = 1.702  # activation "swiglu_clamped" (gpt-oss): gate * sigmoid(alpha gate)
+    swiglu_limit: float | None = None  # its clamp of gate (above) and up (both sides)
+    moe_router_bias: bool = False  # a learned bias on the router logits (gpt-oss)
 
     def __post_init__(self):
         if self.ffn_hidden_size is None:
@@ -151,6 +154,9 @@ class TransformerConfig(ModelCounts):
                 ("params_dtype", self.params_dtype, tuple(PARAMS_DTYPES))):
             if value not in allowed:
                 raise ValueError(f"{name}={value!r} is not supported; choose one of {allowed}")
+        for option in ACTIVATIONS[self.activation].options:
+            if getattr(self, option) is None:
+                raise ValueError(f"activation {self.activation!r} needs {option}; set it")
         self.recompute_method, self.recompute_num_layers = resolve_recompute(
             self.recompute_granularity, self.recompute_method, self.recompute_num_layers,
             self.num_layers)

@@ -24,7 +24,8 @@ class ModelCounts:
         if not self.is_moe_layer(layer):
             f = self.ffn_hidden_size
             return (self._mlp_matrices(f) + bias * fc1 * f) / tp + bias * h
-        out = self.num_experts * h + self.expert_parameters(layer, ep, active)
+        out = self.num_experts * (h + (1 if self.moe_router_bias else 0)) \
+            + self.expert_parameters(layer, ep, active)
         if self.moe_shared_expert_intermediate_size:
             s = self.moe_shared_expert_intermediate_size
             out += (self._mlp_matrices(s) + bias * fc1 * s) / tp + bias * h
@@ -54,7 +55,9 @@ class ModelCounts:
         attention = (qkv * h + attn * h + qkv_bias * qkv) / tp + bias * h + qk_norms
         if self.kv_lora_rank:
             attention = self.latent_attention_parameters(tp)
-        return attention + self.mlp_parameters(layer, tp, ep, active) + 2 * self.norm_parameters()
+        attention += self.num_attention_heads / tp if self.attention_sinks else 0
+        norms = (4 if self.post_norms else 2) * self.norm_parameters()
+        return attention + self.mlp_parameters(layer, tp, ep, active) + norms
 
     def latent_attention_parameters(self, tp: int = 1) -> float:
         """Multi-latent attention (models/mla.py) on one TP rank: the down-projections and latent

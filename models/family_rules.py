@@ -26,9 +26,10 @@ _FULL = dict(sliding_window=None)
 # before them refuse each.
 _CLASSIC = dict(rope_local_theta=None, post_norms=False, embedding_scale=False,
                 query_pre_attn_scalar=None, attn_logit_softcapping=None,
-                final_logit_softcapping=None, attention_sinks=False)
+                final_logit_softcapping=None, attention_sinks=False, swiglu_alpha=1.702,
+                swiglu_limit=None)
 _MHA = dict(_CLASSIC, kv_lora_rank=None, mtp_num_layers=0)  # multi-token prediction: DeepSeek-V3's
-_SOFTMAX_ROUTER = dict(_MHA, moe_router_score_function="softmax",
+_SOFTMAX_ROUTER = dict(_MHA, moe_router_score_function="softmax", moe_router_bias=False,
                        moe_router_enable_expert_bias=False, moe_router_num_groups=None, moe_router_topk_scaling_factor=None,
                        moe_first_dense_layers=0)
 SHAPES: dict[str, dict] = {
@@ -45,7 +46,7 @@ SHAPES: dict[str, dict] = {
     "qwen2_moe": dict(_SOFTMAX_ROUTER, **_ROPE, **_FULL, qk_layernorm=False, bias=False),
     "qwen3_moe": dict(_SOFTMAX_ROUTER, **_ROPE, **_FULL, add_qkv_bias=False, qk_layernorm=True,
                       bias=False),
-    "deepseek_v3": dict(_CLASSIC, **_ROPE, **_FULL, add_qkv_bias=False, qk_layernorm=False, bias=False,
+    "deepseek_v3": dict(_CLASSIC, **_ROPE, **_FULL, moe_router_bias=False, add_qkv_bias=False, qk_layernorm=False, bias=False,
                         moe_router_score_function="sigmoid"),
 }
 _FOLDERS = load("rules")  # models/<family>/rules.py: each folder's shape, after the classic ones

@@ -23,6 +23,7 @@ class ParallelMLP(nn.Module):
         super().__init__()
         h, f = config.hidden_size, config.ffn_hidden_size
         self.activation = lookup(ACTIVATIONS, activation or config.activation, "activation")
+        self.act = self.activation.bind(config)
         gated = self.activation.gated
         self.fc1 = ColumnParallelLinear(h, 2 * f if gated else f, topo,
                                         init.normal(prefix + "fc1.weight"), bias=config.bias,
@@ -34,5 +35,5 @@ class ParallelMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.fc1(x)
         if self.activation.gated:
-            return self.fc2(self.activation.fn(*y.chunk(2, dim=-1)))
-        return self.fc2(self.activation.fn(y))
+            return self.fc2(self.act(*y.chunk(2, dim=-1)))
+        return self.fc2(self.act(y))

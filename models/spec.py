@@ -60,13 +60,29 @@ NORMS: dict[str, NormKind] = {
 @dataclass(frozen=True)
 class Activation:
     """An MLP's nonlinearity. Gated: fc1 is the fused [gate; up] projection (twice the width) and
-    `fn(gate, up)` combines them; else `fn(x)`."""
+    `fn(gate, up)` combines them; else `fn(x)`. `options`: config fields passed to `fn` by name
+    (`bind`)."""
     gated: bool
     fn: Callable
+    options: tuple[str, ...] = ()
+
+    def bind(self, config) -> Callable:
+        """`fn` with this config's options filled in."""
+        if not self.options:
+            return self.fn
+        kwargs = {name: getattr(config, name) for name in self.options}
+        return lambda *xs: self.fn(*xs, **kwargs)
 
 
 def _gelu_tanh(x):
     return F.gelu(x, approximate="tanh")
+
+
+def clamped_swiglu(gate, up, swiglu_alpha: float, swiglu_limit: float):
+    """gpt-oss: gate clamped above at the limit, up to [-limit, limit], then
+    gate * sigmoid(alpha * gate) * (up + 1)."""
+    gate, up = gate.clamp(max=swiglu_limit), up.clamp(-swiglu_limit, swiglu_limit)
+    return gate * torch.sigmoid(gate * swiglu_alpha) * (up + 1)
 
 
 ACTIVATIONS: dict[str, Activation] = {
@@ -74,6 +90,7 @@ ACTIVATIONS: dict[str, Activation] = {
     "gelu": Activation(False, F.gelu),
     "swiglu": Activation(True, lambda gate, up: F.silu(gate) * up),
     "geglu_tanh": Activation(True, lambda gate, up: _gelu_tanh(gate) * up),  # Gemma
+    "swiglu_clamped": Activation(True, clamped_swiglu, ("swiglu_alpha", "swiglu_limit")),  # gpt-oss
 }
 
 
