@@ -1,7 +1,7 @@
 """Convert between Hugging Face folders and megazoo checkpoints (any tp, pp, vpp).
 
 Families: every one models/registry.py registers (GPT-2, BLOOM, Llama, Qwen2, Qwen3, Mistral,
-Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3, and the family folders models/<family>/: Gemma 3 text).
+Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3, and the family folders models/<family>/: Gemma 3 text, gpt-oss).
 An imported MoE checkpoint loads under any --expert-model-parallel-size. FP8 block-scaled releases
 (quantization_config fp8, `<name>_scale_inv` tensors) are dequantized at import; export writes
 plain weights.
