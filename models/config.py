@@ -199,6 +199,10 @@ class TransformerConfig(ModelCounts):
             raise ValueError(f"multi-latent attention rotates qk_rope_head_dim "
                              f"{self.qk_rope_head_dim} channels: it needs an even number and "
                              f"position_embedding 'rope' (got {self.position_embedding!r})")
+        if self.attention_sinks or self.attn_logit_softcapping is not None \
+                or self.query_pre_attn_scalar is not None or self.rope_local_theta is not None:
+            raise ValueError("multi-latent attention has no attention sinks, attention-logit "
+                             "softcapping, query_pre_attn_scalar or rope_local_theta; drop them")
         if self.num_query_groups != self.num_attention_heads or self.bias or self.add_qkv_bias \
                 or self.qk_layernorm or self.kv_channels:
             raise ValueError("multi-latent attention has no key/value groups, attention biases, "
