@@ -10,7 +10,7 @@ import torch
 from .counts import ModelCounts
 from .family_rules import resolve_family
 from .recompute import resolve_recompute
-from .spec import ACTIVATIONS, NORMS, LayerSpec, NormKind, layer_spec, lookup
+from .spec import ACTIVATIONS, MIXER_KINDS, NORMS, LayerSpec, NormKind, layer_spec, lookup
 
 logger = logging.getLogger(__name__)
 
@@ -133,6 +133,9 @@ class TransformerConfig(ModelCounts):
     swiglu_alpha: float = 1.702  # activation "swiglu_clamped" (gpt-oss): gate * sigmoid(alpha gate)
     swiglu_limit: float | None = None  # its clamp of gate (above) and up (both sides)
     moe_router_bias: bool = False  # a learned bias on the router logits (gpt-oss)
+    # Each layer's token mixer kind (models/spec.py MIXER_KINDS), for hybrid stacks; None: every
+    # layer attention (multi-latent attention with kv_lora_rank)
+    token_mixers: tuple[str, ...] | None = None
 
     def __post_init__(self):
         if self.ffn_hidden_size is None:
@@ -174,6 +177,15 @@ class TransformerConfig(ModelCounts):
             raise ValueError(f"{source} gives head_dim {self.head_dim}, but RoPE rotates channel "
                              f"pairs and needs an even head_dim; choose sizes with an even quotient")
         self.full_attention_layers = tuple(sorted(set(self.full_attention_layers)))  # JSON: a list
+        if self.token_mixers is not None:
+            self.token_mixers = tuple(self.token_mixers)
+            if len(self.token_mixers) != self.num_layers:
+                raise ValueError(f"token_mixers names {len(self.token_mixers)} layers; the model "
+                                 f"has --num-layers {self.num_layers}")
+            for kind in self.token_mixers:
+                lookup(dict.fromkeys(MIXER_KINDS), kind, "token mixer (token_mixers)")
+            if set(self.token_mixers) == {"mla" if self.kv_lora_rank else "attention"}:
+                self.token_mixers = None  # one spelling of the default
         if self.sliding_window is not None and (not isinstance(self.sliding_window, int)
                                                 or self.sliding_window < 1):
             raise ValueError(f"sliding_window must be an integer >= 1 (or None), got "

@@ -27,7 +27,7 @@ _FULL = dict(sliding_window=None)
 _CLASSIC = dict(rope_local_theta=None, post_norms=False, embedding_scale=False,
                 query_pre_attn_scalar=None, attn_logit_softcapping=None,
                 final_logit_softcapping=None, attention_sinks=False, swiglu_alpha=1.702,
-                swiglu_limit=None)
+                swiglu_limit=None, token_mixers=None)
 _MHA = dict(_CLASSIC, kv_lora_rank=None, mtp_num_layers=0)  # multi-token prediction: DeepSeek-V3's
 _SOFTMAX_ROUTER = dict(_MHA, moe_router_score_function="softmax", moe_router_bias=False,
                        moe_router_enable_expert_bias=False, moe_router_num_groups=None, moe_router_topk_scaling_factor=None,

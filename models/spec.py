@@ -146,8 +146,11 @@ def layer_spec(config, layer: int) -> LayerSpec:
     numbered after the main ones, follow the same rules)."""
     window = config.attention_window(layer)
     theta, scaling = config.rope_of(layer) if config.position_embedding == "rope" else (None, None)
+    kind = "mla" if config.kv_lora_rank else "attention"
+    if config.token_mixers is not None and layer < len(config.token_mixers):
+        kind = config.token_mixers[layer]  # (the MTP depths' layers, after them, attend)
     mixer = MixerSpec(
-        kind="mla" if config.kv_lora_rank else "attention", window=window,
+        kind=kind, window=window,
         rope_theta=theta, rope_scaling=scaling, qk_norm=config.qk_layernorm,
         sinks=config.attention_sinks, softcap=config.attn_logit_softcapping,
         scale=None if config.query_pre_attn_scalar is None else config.query_pre_attn_scalar ** -0.5)

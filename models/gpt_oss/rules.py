@@ -3,7 +3,7 @@
 SHAPE = dict(position_embedding="rope", normalization="rmsnorm", activation="swiglu_clamped",
              embedding_layernorm=False, post_norms=False, embedding_scale=False,
              qk_layernorm=False, bias=True, add_qkv_bias=False, attention_sinks=True,
-             kv_lora_rank=None, mtp_num_layers=0, rope_local_theta=None,
+             kv_lora_rank=None, mtp_num_layers=0, token_mixers=None, rope_local_theta=None,
              query_pre_attn_scalar=None, attn_logit_softcapping=None,
              final_logit_softcapping=None, moe_router_bias=True,
              moe_router_score_function="softmax", moe_router_pre_softmax=False,
