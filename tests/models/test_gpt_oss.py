@@ -117,3 +117,15 @@ def test_tp2_ep2_and_pp2_equal_the_unsharded_model(pair):
     worst = run_distributed(_worker, 2, cfg, full, ids, ref, timeout=300)
     assert max(worst[0].values()) < 1e-5, worst
     assert set(worst[1]) == {"tp2", "ep2", "pp2"} and max(worst[1].values()) < 1e-5, worst
+
+
+@pytest.mark.parametrize("name", ("gpt-oss-20b", "gpt-oss-tiny"))
+def test_presets_build_the_hf_parameter_count(name):
+    from transformers import AutoModelForCausalLM
+
+    from megazoo.models.presets import preset
+    cfg = preset(name)
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(adapter.hf_config(cfg))
+    assert sum(p.numel() for p in hf.parameters()) == cfg.num_parameters()
+    assert adapter.config_from_hf(adapter.hf_config(cfg)).computed_fields() == cfg.computed_fields()
