@@ -18,15 +18,18 @@ from torch import nn
 from megazoo.parallel.context_parallel import check_attention, context_attention
 from megazoo.parallel.context_split import Documents, sequence_positions
 from megazoo.parallel.kernels.attention import attention
+from megazoo.parallel.kernels.eager_attention import eager_attention
 from megazoo.parallel.kernels.max_logit import head_max_logits
+from megazoo.parallel.param_spec import TensorParallelSplit, set_spec
 from megazoo.parallel.random import RNGStreams, checkpoint
 from megazoo.parallel.tensor_parallel import ColumnParallelLinear, GroupedLayout, RowParallelLinear
 from megazoo.parallel.topology import ParallelTopology
 
 from .config import TransformerConfig
 from .init import Initializer
-from .norms import RMSNorm
+from .norms import build_norm
 from .rope import RotaryEmbedding
+from .spec import MixerSpec
 
 
 def alibi_slopes(num_heads: int) -> torch.Tensor:
@@ -69,10 +72,13 @@ class KVCache:
 
 
 class ParallelAttention(nn.Module):
-    """Causal self-attention; query heads split over TP ranks; fused QKV grouped per KV head."""
+    """Causal self-attention; query heads split over TP ranks; fused QKV grouped per KV head.
+
+    `spec` (the layer's token mixer, models/spec.py) gives the layer's window, RoPE base and
+    scaling, q/k norm, sinks, softcap and softmax scale; None: the config's, for any layer."""
 
     def __init__(self, config: TransformerConfig, topo: ParallelTopology, init: Initializer,
-                 prefix: str, rng: RNGStreams | None):
+                 prefix: str, rng: RNGStreams | None, spec: MixerSpec | None = None):
         super().__init__()
         h, heads, groups, d = (config.hidden_size, config.num_attention_heads,
                                config.num_query_groups, config.head_dim)
@@ -82,6 +88,10 @@ class ParallelAttention(nn.Module):
         self.multi_head = groups == heads  # each key head serves one query head (not GQA)
         self.dropout, self.rng, self.topo = config.attention_dropout, rng, topo
         self.window_of = config.attention_window  # per global layer (sliding-window layers)
+        if spec is not None:
+            self.window_of = lambda _layer, window=spec.window: window
+        self.softmax_scale = spec.scale if spec is not None else None
+        self.softcap = spec.softcap if spec is not None else None
         self.scale_attn_weights = config.scale_attn_weights
         self.scale_by_layer = config.scale_attn_by_inverse_layer_idx
         check_attention(config.attention_dropout, topo.cp)
@@ -98,13 +108,33 @@ class ParallelAttention(nn.Module):
                                         layout=layout)
         self.dense = RowParallelLinear(heads * d, h, topo, init.scaled_normal(prefix + "dense.weight"),
                                        bias=config.bias, dtype=config.dtype)
-        # Qwen3: RMSNorm over head_dim, one weight shared by all query (key) heads
+        # Qwen3, Gemma 3: a norm over head_dim, one weight shared by all query (key) heads
         self.q_norm = self.k_norm = None
-        self.qk_layernorm = config.qk_layernorm  # (QK-clip refuses it: the norm undoes a rescaling)
-        if config.qk_layernorm:
-            self.q_norm = RMSNorm(config, topo, in_sequence_region=False, size=d, over_tp_heads=True)
-            self.k_norm = RMSNorm(config, topo, in_sequence_region=False, size=d, over_tp_heads=True)
-        self.rotary = RotaryEmbedding(config, topo.device) if config.position_embedding == "rope" else None
+        qk_norm = spec.qk_norm if spec is not None else config.qk_layernorm
+        self.qk_layernorm = qk_norm  # (QK-clip refuses it: the norm undoes a rescaling)
+        if qk_norm:
+            self.q_norm = build_norm(config, topo, in_sequence_region=False, size=d, over_tp_heads=True)
+            self.k_norm = build_norm(config, topo, in_sequence_region=False, size=d, over_tp_heads=True)
+        self.rotary = None
+        if spec is not None and spec.rope_theta is not None:
+            self.rotary = RotaryEmbedding(config, topo.device, theta=spec.rope_theta,
+                                          scaling=spec.rope_scaling)
+        elif spec is None and config.position_embedding == "rope":
+            self.rotary = RotaryEmbedding(config, topo.device)
+        # gpt-oss: a learned sink logit per head (this rank's heads), in every softmax
+        self.sinks = None
+        if spec is not None and spec.sinks:
+            weight = torch.empty(heads)
+            init.normal(prefix + "sinks")(weight)
+            first = topo.tp_rank * self.heads_local
+            self.sinks = nn.Parameter(weight[first:first + self.heads_local].to(
+                device=topo.device, dtype=config.dtype))
+            set_spec(self.sinks, tp_split=TensorParallelSplit(dim=0, full_size=heads))
+        self.eager = self.sinks is not None or self.softcap is not None
+        if self.eager and (topo.cp > 1 or config.attention_dropout):
+            raise ValueError("attention sinks and attention-logit softcapping are computed by "
+                             "eager attention: they take neither --context-parallel-size > 1 nor "
+                             "--attention-dropout; drop one")
         # QK-clip (parallel/zero/qk_clip.py) switches tracking on: then each training forward
         # folds its heads' largest logit into `max_logits` [heads_local], read and reset by the
         # optimizer step. The model never communicates it.
@@ -120,6 +150,8 @@ class ParallelAttention(nn.Module):
     def _scale(self, layer: int) -> float | None:
         """Softmax scale: 1/sqrt(head_dim) (None: SDPA's own), unless GPT-2's flags switch it off
         or divide it by (layer + 1) (`layer` is the global layer number)."""
+        if self.softmax_scale is not None:
+            return self.softmax_scale
         if self.scale_attn_weights and not self.scale_by_layer:
             return None
         scale = self.head_dim ** -0.5 if self.scale_attn_weights else 1.0
@@ -136,6 +168,13 @@ class ParallelAttention(nn.Module):
                                    q_offset=k.shape[2] - q.shape[2], q_document_ids=ids)
             self.max_logits = seen if self.max_logits is None else torch.maximum(self.max_logits,
                                                                                   seen)
+        if self.eager:
+            if ids is not None:
+                raise ValueError("attention sinks and softcapping do not take packed documents "
+                                 "(--reset-attention-mask); drop one")
+            return eager_attention(q, k, v, scale=self._scale(layer), window=window,
+                                   q_offset=k.shape[2] - q.shape[2], softcap=self.softcap,
+                                   sinks=self.sinks)
         if self.topo.cp > 1:
             return context_attention(q, k, v, self.topo, self.alibi_slopes, attention, window, ids)
         p = self.dropout if self.training else 0.0

@@ -1,4 +1,9 @@
-"""The transformer layer, built from the shared blocks (norms, attention, MLP).
+"""The transformer layer, built from its layer spec (models/spec.py) out of the shared blocks.
+
+The spec's kinds choose the builders from the tables below: `TOKEN_MIXERS` (token mixer kind ->
+module class taking (config, topo, init, prefix, rng, spec)) and `MLPS` (MLP kind -> module class
+taking (config, topo, init, prefix, activation)); a new kind is one entry in models/spec.py's
+kind list and one here.
 
 Activations are [sequence, batch, hidden]; under sequence parallelism the sequence dimension is
 sharded over TP ranks outside attention and MLP. Communication happens only inside the parallel
@@ -22,23 +27,43 @@ from .mlp import ParallelMLP
 from .mla import MultiLatentAttention
 from .moe import MoELayer
 from .norms import LayerNorm, RMSNorm, build_norm  # noqa: F401 - re-exported
+from .spec import MIXER_KINDS, MLP_KINDS, LayerSpec, lookup
+
+
+def _latent_attention(config, topo, init, prefix, rng, spec):
+    return MultiLatentAttention(config, topo, init, prefix, rng)
+
+
+def _moe(config, topo, init, prefix, activation):
+    return MoELayer(config, topo, init, prefix)
+
+
+TOKEN_MIXERS = {"attention": ParallelAttention, "mla": _latent_attention}
+MLPS = {"dense": ParallelMLP, "moe": _moe}
+assert tuple(TOKEN_MIXERS) == MIXER_KINDS and tuple(MLPS) == MLP_KINDS, "models/spec.py's kinds"
 
 
 class TransformerLayer(nn.Module):
-    """Pre-norm block: x + drop(attn(norm(x))), then x + drop(mlp(norm(x)))."""
+    """Pre-norm block: x + drop(mixer(norm(x))), then x + drop(mlp(norm(x))); with the spec's
+    post_norms a norm also follows the mixer and the MLP (before each residual add)."""
 
     def __init__(self, config: TransformerConfig, topo: ParallelTopology, init: Initializer,
-                 layer_number: int, rng: RNGStreams | None):
+                 layer_number: int, rng: RNGStreams | None, spec: LayerSpec | None = None):
         super().__init__()
         prefix = f"layers.{layer_number}."
+        self.spec = spec = spec or config.layer_spec(layer_number)
         self.layer_number = layer_number
         self.topo, self.rng, self.dropout = topo, rng, config.hidden_dropout
         self.input_norm = build_norm(config, topo)
-        attention = MultiLatentAttention if config.kv_lora_rank else ParallelAttention
-        self.attention = attention(config, topo, init, prefix + "attention.", rng)
+        mixer = lookup(TOKEN_MIXERS, spec.mixer.kind, "token mixer")
+        self.attention = mixer(config, topo, init, prefix + "attention.", rng, spec.mixer)
         self.post_attention_norm = build_norm(config, topo)
-        mlp = MoELayer if config.is_moe_layer(layer_number) else ParallelMLP
-        self.mlp = mlp(config, topo, init, prefix + "mlp.")
+        mlp = lookup(MLPS, spec.mlp.kind, "MLP kind")
+        self.mlp = mlp(config, topo, init, prefix + "mlp.", spec.mlp.activation)
+        self.attention_output_norm = self.mlp_output_norm = None
+        if spec.post_norms:
+            self.attention_output_norm = build_norm(config, topo)
+            self.mlp_output_norm = build_norm(config, topo)
 
     def residual_dropout(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.dropout == 0:
@@ -48,6 +73,11 @@ class TransformerLayer(nn.Module):
             return F.dropout(x, self.dropout, training=True)
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None, documents=None) -> torch.Tensor:
-        x = x + self.residual_dropout(self.attention(self.input_norm(x), cache, self.layer_number,
-                                                     documents))
-        return x + self.residual_dropout(self.mlp(self.post_attention_norm(x)))
+        y = self.attention(self.input_norm(x), cache, self.layer_number, documents)
+        if self.attention_output_norm is not None:
+            y = self.attention_output_norm(y)
+        x = x + self.residual_dropout(y)
+        y = self.mlp(self.post_attention_norm(x))
+        if self.mlp_output_norm is not None:
+            y = self.mlp_output_norm(y)
+        return x + self.residual_dropout(y)

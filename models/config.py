@@ -10,6 +10,7 @@ import torch
 from .counts import ModelCounts
 from .family_rules import resolve_family
 from .recompute import resolve_recompute
+from .spec import ACTIVATIONS, MIXER_KINDS, NORMS, LayerSpec, NormKind, layer_spec, lookup
 
 logger = logging.getLogger(__name__)
 
@@ -58,9 +59,10 @@ class TransformerConfig(ModelCounts):
     # first max_window_layers). None: every layer attends to the whole context.
     sliding_window: int | None = None
     full_attention_layers: tuple[int, ...] = ()
-    normalization: str = "layernorm"  # layernorm | rmsnorm
+    normalization: str = "layernorm"  # a kind of models/spec.py NORMS
     layernorm_epsilon: float = 1e-5
-    activation: str = "gelu_tanh"  # gelu_tanh | gelu | swiglu (ffn_hidden_size is the gate width)
+    activation: str = "gelu_tanh"  # a kind of models/spec.py ACTIVATIONS (gated: ffn_hidden_size
+    #                               is the gate width)
     num_query_groups: int | None = None  # key/value heads (grouped-query attention); default: heads
     kv_channels: int | None = None  # head_dim; default hidden_size // heads (Qwen3 decouples it)
     add_qkv_bias: bool = False  # bias on the QKV projection only (Qwen2), whatever `bias` says
@@ -119,6 +121,21 @@ class TransformerConfig(ModelCounts):
     # in every checkpoint. None: inferred from the fields above (models/family_rules.py); a
     # named family whose rules the fields break is refused in one line naming the field.
     family: str | None = None
+    # ---- layer options of newer families (models/spec.py MixerSpec, LayerSpec) ----
+    rope_local_theta: float | None = None  # sliding-window layers' RoPE base, unscaled (Gemma 3);
+    #   None: every layer rotates with rope_theta and rope_scaling
+    post_norms: bool = False  # a norm after attention and after the MLP too (Gemma's sandwich)
+    embedding_scale: bool = False  # word embeddings times sqrt(hidden_size) (Gemma)
+    query_pre_attn_scalar: float | None = None  # softmax scale 1/sqrt(this) (None: of head_dim)
+    attn_logit_softcapping: float | None = None  # attention scores -> c * tanh(scores / c)
+    final_logit_softcapping: float | None = None  # logits -> c * tanh(logits / c)
+    attention_sinks: bool = False  # a learned sink logit per head in each softmax (gpt-oss)
+    swiglu_alpha: float = 1.702  # activation "swiglu_clamped" (gpt-oss): gate * sigmoid(alpha gate)
+    swiglu_limit: float | None = None  # its clamp of gate (above) and up (both sides)
+    moe_router_bias: bool = False  # a learned bias on the router logits (gpt-oss)
+    # Each layer's token mixer kind (models/spec.py MIXER_KINDS), for hybrid stacks; None: every
+    # layer attention (multi-latent attention with kv_lora_rank)
+    token_mixers: tuple[str, ...] | None = None
 
     def __post_init__(self):
         if self.ffn_hidden_size is None:
@@ -135,11 +152,14 @@ class TransformerConfig(ModelCounts):
                              f"--num-query-groups {self.num_query_groups}")
         for name, value, allowed in (
                 ("position_embedding", self.position_embedding, ("learned", "alibi", "rope")),
-                ("normalization", self.normalization, ("layernorm", "rmsnorm")),
-                ("activation", self.activation, ("gelu_tanh", "gelu", "swiglu")),
+                ("normalization", self.normalization, tuple(NORMS)),
+                ("activation", self.activation, tuple(ACTIVATIONS)),
                 ("params_dtype", self.params_dtype, tuple(PARAMS_DTYPES))):
             if value not in allowed:
                 raise ValueError(f"{name}={value!r} is not supported; choose one of {allowed}")
+        for option in ACTIVATIONS[self.activation].options:
+            if getattr(self, option) is None:
+                raise ValueError(f"activation {self.activation!r} needs {option}; set it")
         self.recompute_method, self.recompute_num_layers = resolve_recompute(
             self.recompute_granularity, self.recompute_method, self.recompute_num_layers,
             self.num_layers)
@@ -157,6 +177,15 @@ class TransformerConfig(ModelCounts):
             raise ValueError(f"{source} gives head_dim {self.head_dim}, but RoPE rotates channel "
                              f"pairs and needs an even head_dim; choose sizes with an even quotient")
         self.full_attention_layers = tuple(sorted(set(self.full_attention_layers)))  # JSON: a list
+        if self.token_mixers is not None:
+            self.token_mixers = tuple(self.token_mixers)
+            if len(self.token_mixers) != self.num_layers:
+                raise ValueError(f"token_mixers names {len(self.token_mixers)} layers; the model "
+                                 f"has --num-layers {self.num_layers}")
+            for kind in self.token_mixers:
+                lookup(dict.fromkeys(MIXER_KINDS), kind, "token mixer (token_mixers)")
+            if set(self.token_mixers) == {"mla" if self.kv_lora_rank else "attention"}:
+                self.token_mixers = None  # one spelling of the default
         if self.sliding_window is not None and (not isinstance(self.sliding_window, int)
                                                 or self.sliding_window < 1):
             raise ValueError(f"sliding_window must be an integer >= 1 (or None), got "
@@ -182,6 +211,10 @@ class TransformerConfig(ModelCounts):
             raise ValueError(f"multi-latent attention rotates qk_rope_head_dim "
                              f"{self.qk_rope_head_dim} channels: it needs an even number and "
                              f"position_embedding 'rope' (got {self.position_embedding!r})")
+        if self.attention_sinks or self.attn_logit_softcapping is not None \
+                or self.query_pre_attn_scalar is not None or self.rope_local_theta is not None:
+            raise ValueError("multi-latent attention has no attention sinks, attention-logit "
+                             "softcapping, query_pre_attn_scalar or rope_local_theta; drop them")
         if self.num_query_groups != self.num_attention_heads or self.bias or self.add_qkv_bias \
                 or self.qk_layernorm or self.kv_channels:
             raise ValueError("multi-latent attention has no key/value groups, attention biases, "
@@ -262,6 +295,26 @@ class TransformerConfig(ModelCounts):
         if self.sliding_window is None or layer_number in self.full_attention_layers:
             return None
         return self.sliding_window
+
+    def rope_of(self, layer_number: int) -> tuple[float, dict | None]:
+        """(RoPE base, rope_scaling) of global layer `layer_number`: sliding-window layers take
+        `rope_local_theta` unscaled when it is set (Gemma 3), the others rope_theta and scaling."""
+        if self.rope_local_theta is not None and self.attention_window(layer_number) is not None:
+            return self.rope_local_theta, None
+        return self.rope_theta, self.rope_scaling
+
+    def layer_spec(self, layer_number: int) -> LayerSpec:
+        """What global layer `layer_number` is made of (models/spec.py)."""
+        return layer_spec(self, layer_number)
+
+    @property
+    def gated_mlp(self) -> bool:
+        """Whether the MLPs are gated (fc1 the fused [gate; up] projection, twice the width)."""
+        return lookup(ACTIVATIONS, self.activation, "activation").gated
+
+    @property
+    def norm_kind(self) -> NormKind:
+        return lookup(NORMS, self.normalization, "normalization")
 
     @property
     def head_dim(self) -> int:

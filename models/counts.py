@@ -13,18 +13,19 @@ class ModelCounts:
 
     def _mlp_matrices(self, width: int) -> int:
         """Weights of one MLP of this width (fc1, SwiGLU's doubled, and fc2), biases aside."""
-        return (3 if self.activation == "swiglu" else 2) * width * self.hidden_size
+        return (3 if self.gated_mlp else 2) * width * self.hidden_size
 
     def mlp_parameters(self, layer: int = 0, tp: int = 1, ep: int = 1, active: bool = False) -> float:
         """Parameters of layer `layer`'s MLP held by one (TP, EP) rank: the dense MLP sharded over
         TP; or the router, this rank's experts (all `num_experts / ep`, or the `topk` a token
         uses when `active`) whole, and a TP-sharded shared expert with its gate."""
         h, bias = self.hidden_size, 1 if self.bias else 0
-        fc1 = 2 if self.activation == "swiglu" else 1
+        fc1 = 2 if self.gated_mlp else 1
         if not self.is_moe_layer(layer):
             f = self.ffn_hidden_size
             return (self._mlp_matrices(f) + bias * fc1 * f) / tp + bias * h
-        out = self.num_experts * h + self.expert_parameters(layer, ep, active)
+        out = self.num_experts * (h + (1 if self.moe_router_bias else 0)) \
+            + self.expert_parameters(layer, ep, active)
         if self.moe_shared_expert_intermediate_size:
             s = self.moe_shared_expert_intermediate_size
             out += (self._mlp_matrices(s) + bias * fc1 * s) / tp + bias * h
@@ -38,7 +39,7 @@ class ModelCounts:
         if not self.is_moe_layer(layer):
             return 0.0
         h, f, bias = self.hidden_size, self.moe_ffn_hidden_size, 1 if self.bias else 0
-        fc1 = 2 if self.activation == "swiglu" else 1
+        fc1 = 2 if self.gated_mlp else 1
         experts = self.moe_router_topk if active else self.num_experts / ep
         return experts * (self._mlp_matrices(f) + bias * (fc1 * f + h))
 
@@ -54,7 +55,9 @@ class ModelCounts:
         attention = (qkv * h + attn * h + qkv_bias * qkv) / tp + bias * h + qk_norms
         if self.kv_lora_rank:
             attention = self.latent_attention_parameters(tp)
-        return attention + self.mlp_parameters(layer, tp, ep, active) + 2 * self.norm_parameters()
+        attention += self.num_attention_heads / tp if self.attention_sinks else 0
+        norms = (4 if self.post_norms else 2) * self.norm_parameters()
+        return attention + self.mlp_parameters(layer, tp, ep, active) + norms
 
     def latent_attention_parameters(self, tp: int = 1) -> float:
         """Multi-latent attention (models/mla.py) on one TP rank: the down-projections and latent
@@ -75,7 +78,7 @@ class ModelCounts:
 
     def norm_parameters(self) -> int:
         """Parameters of one norm (LayerNorm has a bias, RMSNorm not)."""
-        return 2 * self.hidden_size if self.normalization == "layernorm" else self.hidden_size
+        return self.norm_kind.parameters(self.hidden_size)
 
     def mtp_parameters(self, tp: int = 1, ep: int = 1) -> float:
         """Parameters of the multi-token prediction depths one (TP, EP) rank of the last stage

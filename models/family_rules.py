@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from .family_folders import load
+
 # Shared by the Llama-shaped families (rotary positions, RMSNorm, SwiGLU).
 _ROPE = dict(position_embedding="rope", normalization="rmsnorm", activation="swiglu",
              embedding_layernorm=False)
@@ -20,8 +22,14 @@ _ROPE = dict(position_embedding="rope", normalization="rmsnorm", activation="swi
 _FULL = dict(sliding_window=None)
 # Families without multi-head latent attention (DeepSeek-V3 has it), and MoE families whose router
 # is a softmax without DeepSeek-V3's expert bias, groups, scaling or dense first layers.
-_MHA = dict(kv_lora_rank=None, mtp_num_layers=0)  # multi-token prediction: DeepSeek-V3's only
-_SOFTMAX_ROUTER = dict(_MHA, moe_router_score_function="softmax",
+# The layer options newer families brought (models/spec.py), at their defaults: the families
+# before them refuse each.
+_CLASSIC = dict(rope_local_theta=None, post_norms=False, embedding_scale=False,
+                query_pre_attn_scalar=None, attn_logit_softcapping=None,
+                final_logit_softcapping=None, attention_sinks=False, swiglu_alpha=1.702,
+                swiglu_limit=None, token_mixers=None)
+_MHA = dict(_CLASSIC, kv_lora_rank=None, mtp_num_layers=0)  # multi-token prediction: DeepSeek-V3's
+_SOFTMAX_ROUTER = dict(_MHA, moe_router_score_function="softmax", moe_router_bias=False,
                        moe_router_enable_expert_bias=False, moe_router_num_groups=None, moe_router_topk_scaling_factor=None,
                        moe_first_dense_layers=0)
 SHAPES: dict[str, dict] = {
@@ -38,10 +46,13 @@ SHAPES: dict[str, dict] = {
     "qwen2_moe": dict(_SOFTMAX_ROUTER, **_ROPE, **_FULL, qk_layernorm=False, bias=False),
     "qwen3_moe": dict(_SOFTMAX_ROUTER, **_ROPE, **_FULL, add_qkv_bias=False, qk_layernorm=True,
                       bias=False),
-    "deepseek_v3": dict(_ROPE, **_FULL, add_qkv_bias=False, qk_layernorm=False, bias=False,
+    "deepseek_v3": dict(_CLASSIC, **_ROPE, **_FULL, moe_router_bias=False, add_qkv_bias=False, qk_layernorm=False, bias=False,
                         moe_router_score_function="sigmoid"),
 }
-MOE_FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3")  # inference tries them in order
+_FOLDERS = load("rules")  # models/<family>/rules.py: each folder's shape, after the classic ones
+SHAPES.update({name: dict(rules.SHAPE) for name, rules in _FOLDERS.items()})
+MOE_FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3") + tuple(
+    name for name, rules in _FOLDERS.items() if rules.MOE)  # inference tries them in order
 DENSE_FAMILIES = tuple(name for name in SHAPES if name not in MOE_FAMILIES)
 
 

@@ -55,10 +55,14 @@ class Embedding(nn.Module):
             self.position_embeddings = nn.Embedding.from_pretrained(
                 weight.to(device=topo.device, dtype=config.dtype), freeze=False)
         self.norm = build_norm(config, topo, in_sequence_region=False) if config.embedding_layernorm else None
+        # Gemma: the word embeddings times sqrt(hidden_size), rounded to the weights' dtype
+        self.scale = config.hidden_size ** 0.5 if config.embedding_scale else None
 
     def forward(self, ids: torch.Tensor, position_offset: int = 0,
                 documents: Documents | None = None) -> torch.Tensor:
         x = self.word_embeddings(ids)
+        if self.scale is not None:
+            x = x * torch.tensor(self.scale, dtype=x.dtype)
         if self.position_embeddings is not None:
             positions = documents.positions if documents is not None and documents.positions is not None \
                 else sequence_positions(ids.shape[1], self.topo, position_offset, ids.device)
@@ -86,8 +90,10 @@ class TransformerLanguageModel(nn.Module):
         self.layer_range = layer_range or (0, config.num_layers)
         init = Initializer(config)
         self.embedding = Embedding(config, topo, init, rng) if pre_process else None
-        self.layers = nn.ModuleDict({str(i): TransformerLayer(config, topo, init, i, rng)
-                                     for i in range(*self.layer_range)})
+        # the model: embedding, one layer per LayerSpec (models/spec.py), final norm and head
+        self.layers = nn.ModuleDict({
+            str(i): TransformerLayer(config, topo, init, i, rng, config.layer_spec(i))
+            for i in range(*self.layer_range)})
         self.final_norm = self.head_weight = self.mtp = self.mtp_embedding = None
         if post_process and config.mtp_num_layers:
             self.mtp = MultiTokenPrediction(config, topo, init, rng)
@@ -155,6 +161,10 @@ class TransformerLanguageModel(nn.Module):
         if not self.post_process:
             return h
         h = self.final_norm(h)
+        softcap = self.config.final_logit_softcapping
+        if labels is not None and softcap is not None:
+            raise ValueError("final_logit_softcapping: the fused head-and-loss does not cap "
+                             "logits, so training such a model is not modelled (its logits are)")
         if labels is not None:  # the head and the loss fused: the logits are never materialised
             loss = lm_head_cross_entropy(h, self.output_weight(), labels.t(), self.topo,
                                          self.config.vocab_size).t()
@@ -166,6 +176,8 @@ class TransformerLanguageModel(nn.Module):
             return self.mtp.attach(loss, h, labels, self.word_embedding(), self.output_weight(),
                                    loss_mask)
         logits = parallel_lm_logits(h, self.output_weight(), self.topo, self.config.vocab_size)
+        if softcap is not None:
+            logits = torch.tanh(logits / softcap) * softcap
         return logits.transpose(0, 1)  # [b, s, v/tp]
 
 

@@ -43,6 +43,7 @@ from megazoo.parallel.topology import ParallelTopology
 from .config import TransformerConfig
 from .init import Initializer
 from .mlp import ParallelMLP
+from .spec import ACTIVATIONS, lookup
 
 
 class _AttachAuxLoss(torch.autograd.Function):
@@ -90,9 +91,9 @@ class GroupedExperts(nn.Module):
                  prefix: str):
         super().__init__()
         h, f = config.hidden_size, config.moe_ffn_hidden_size
-        self.swiglu = config.activation == "swiglu"
-        self.approximate = "tanh" if config.activation == "gelu_tanh" else "none"
-        fc1 = 2 * f if self.swiglu else f
+        self.activation = lookup(ACTIVATIONS, config.activation, "activation")
+        self.act = self.activation.bind(config)
+        fc1 = 2 * f if self.activation.gated else f
         ids = local_experts(config.num_experts, topo)
 
         def stacked(name: str, shape: tuple[int, ...], fill) -> nn.Parameter:
@@ -116,11 +117,10 @@ class GroupedExperts(nn.Module):
         y = mm.linear(mm.rows_in, self.weight1)
         if self.bias1 is not None:
             y = y + self.bias1[mm.expert]
-        if self.swiglu:
-            gate, up = y.chunk(2, dim=-1)
-            y = F.silu(gate) * up
+        if self.activation.gated:
+            y = self.act(*y.chunk(2, dim=-1))
         else:
-            y = F.gelu(y, approximate=self.approximate)
+            y = self.act(y)
         y = mm.linear(y, self.weight2)
         if self.bias2 is not None:
             y = y + self.bias2[mm.expert]
@@ -138,6 +138,10 @@ class MoELayer(nn.Module):
         router = torch.empty(config.num_experts, config.hidden_size)
         init.normal(prefix + "router.weight")(router)
         self.router = nn.Parameter(router.to(device=topo.device, dtype=config.dtype))
+        self.router_bias = None  # gpt-oss: a learned bias on the router logits
+        if config.moe_router_bias:
+            self.router_bias = nn.Parameter(torch.zeros(config.num_experts, device=topo.device,
+                                                        dtype=config.dtype))
         self.experts = GroupedExperts(config, topo, init, prefix + "experts.")
         self.dispatcher = TokenDispatcher(topo.ep_group)
         self.shared_expert = self.shared_expert_gate = None
@@ -257,7 +261,7 @@ class MoELayer(nn.Module):
     def routed(self, tokens: torch.Tensor, batch: int = 1) -> torch.Tensor:
         """The routed experts' weighted outputs for tokens [T, h] (`batch` sequences, [s, b]
         flattened)."""
-        logits = F.linear(tokens, self.router).float()
+        logits = F.linear(tokens, self.router, self.router_bias).float()
         weights, experts = self.route(logits)
         flat = experts.reshape(-1)  # assignment i is token i // k's (i % k)-th choice
         counts = torch.bincount(flat, minlength=self.num_experts)

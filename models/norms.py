@@ -1,4 +1,5 @@
-"""LayerNorm and RMSNorm whose replicated weights work under sequence parallelism."""
+"""LayerNorm and RMSNorm whose replicated weights work under sequence parallelism; the kind a
+config names (models/spec.py NORMS) picks the class and its options."""
 from __future__ import annotations
 
 import torch
@@ -34,15 +35,20 @@ class RMSNorm(nn.Module):
     weight, as Llama and HF do; same sequence-parallel gradient handling as LayerNorm.
 
     `size`/`over_tp_heads` make Qwen3's per-head q/k norm: one [head_dim] weight for all heads;
-    each TP rank normalises other heads, so the weight's gradient is summed over TP."""
+    each TP rank normalises other heads, so the weight's gradient is summed over TP.
+
+    `offset` (Gemma): the weight is stored as w, starts at 0 and scales by (1 + w), in fp32 with
+    the normalised input, cast back after (as Gemma's RMSNorm)."""
 
     def __init__(self, config: TransformerConfig, topo: ParallelTopology, *, in_sequence_region=True,
-                 size: int | None = None, over_tp_heads: bool = False):
+                 size: int | None = None, over_tp_heads: bool = False, offset: bool | None = None):
         super().__init__()
         self.eps, self.topo, self.in_sequence_region = config.layernorm_epsilon, topo, in_sequence_region
         self.over_tp_heads = over_tp_heads and topo.tp > 1
-        self.weight = nn.Parameter(torch.ones(size or config.hidden_size, device=topo.device,
-                                              dtype=config.dtype))
+        self.offset = config.norm_kind.offset if offset is None else offset
+        fill = torch.zeros if self.offset else torch.ones
+        self.weight = nn.Parameter(fill(size or config.hidden_size, device=topo.device,
+                                        dtype=config.dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = sequence_parallel_param(self.weight, self.topo) if self.in_sequence_region else self.weight
@@ -50,9 +56,20 @@ class RMSNorm(nn.Module):
             w = copy_to_tp(w, self.topo.tp_group)
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:
+            return (normed * (1.0 + w.float())).to(x.dtype)
         return w * normed.to(x.dtype)
 
 
-def build_norm(config: TransformerConfig, topo: ParallelTopology, *, in_sequence_region=True) -> nn.Module:
-    cls = RMSNorm if config.normalization == "rmsnorm" else LayerNorm
-    return cls(config, topo, in_sequence_region=in_sequence_region)
+def build_norm(config: TransformerConfig, topo: ParallelTopology, *, in_sequence_region=True,
+               size: int | None = None, over_tp_heads: bool = False) -> nn.Module:
+    """The norm of the config's kind (models/spec.py NORMS; an unknown kind is an error):
+    over hidden_size, or `size` channels (per-head q/k norms, `over_tp_heads`)."""
+    kind = config.norm_kind
+    if not kind.rms:
+        if size is not None or over_tp_heads:
+            raise ValueError(f"normalization {config.normalization!r} has no per-head form; "
+                             f"q/k norms need an RMSNorm kind")
+        return LayerNorm(config, topo, in_sequence_region=in_sequence_region)
+    return RMSNorm(config, topo, in_sequence_region=in_sequence_region, size=size,
+                   over_tp_heads=over_tp_heads, offset=kind.offset)

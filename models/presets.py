@@ -4,6 +4,7 @@ override them field by field."""
 from __future__ import annotations
 
 from .config import TransformerConfig
+from .family_folders import load
 
 _GPT = dict(family="gpt2", vocab_size=50257, position_embedding="learned", activation="gelu_tanh")
 _MEGATRON_GPT = dict(_GPT, max_position_embeddings=2048)
@@ -143,6 +144,9 @@ PRESETS: dict[str, dict] = {
                      ffn_hidden_size=256, num_experts=8, moe_router_topk=2,
                      moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=1e-3),
 }
+# the family folders' presets (models/<family>/presets.py)
+for _folder in load("presets").values():
+    PRESETS.update(_folder.PRESETS)
 
 
 def preset(name: str, **overrides) -> TransformerConfig:

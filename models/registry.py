@@ -16,6 +16,7 @@ from types import ModuleType
 from . import bloom, deepseek_v3, gpt, llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe
 from .config import TransformerConfig
 from .presets import PRESETS
+from .family_folders import load
 from .family_rules import SHAPES
 from .language_model import TransformerLanguageModel
 
@@ -44,6 +45,9 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("qwen3_moe", qwen3_moe.Qwen3MoeModel, qwen3_moe, "qwen3-moe-30b-a3b"),
     Family("deepseek_v3", deepseek_v3.DeepseekV3Model, deepseek_v3, "deepseek-v3-tiny"),
 )}
+# the family folders (models/<family>/family.py; models/family_folders.py)
+FAMILIES.update({name: Family(name, f.MODEL_CLASS, f.ADAPTER, f.DEFAULT_PRESET)
+                 for name, f in load("family").items()})
 assert FAMILIES.keys() == SHAPES.keys(), "models/family_rules.py and the registry disagree"
 
 

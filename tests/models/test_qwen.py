@@ -12,7 +12,8 @@ from tests.distributed import run_distributed
 from megazoo.training.config.flags import to_run_config
 from megazoo.training.config.parser import build_parser
 
-QWEN_PRESETS = [n for n, p in PRESETS.items() if p.get("add_qkv_bias") or p.get("qk_layernorm")]
+QWEN_PRESETS = [n for n, p in PRESETS.items() if p.get("family", "").startswith("qwen")
+                and (p.get("add_qkv_bias") or p.get("qk_layernorm"))]
 PUBLISHED = {"qwen2-0.5b": 494_032_768, "qwen2.5-0.5b": 494_032_768, "qwen3-0.6b": 596_049_920}
 
 

@@ -171,7 +171,7 @@ def activation_element_bytes(layout: Layout) -> int:
 
 
 def _norm_input_bytes(cfg: TransformerConfig, e: int) -> int:
-    return e if cfg.normalization == "layernorm" else 4 + e  # RMSNorm: + its fp32 copy
+    return 4 + e if cfg.norm_kind.rms else e  # RMSNorm: + its fp32 copy
 
 
 def layer_activation_bytes(cfg: TransformerConfig, layout: Layout,
@@ -218,7 +218,7 @@ def layer_activation_bytes(cfg: TransformerConfig, layout: Layout,
         qkv, attn_out = latent_attention_activation_bytes(cfg, layout, flash)
     per_score = e + ((1 + e) if cfg.attention_dropout > 0 else 0)
     scores = 0.0 if (flash or layout.recompute_granularity == "selective") else a * s / (h * t) * per_score
-    per_f = e * (4 if cfg.activation == "swiglu" else 2) / h  # MLP bytes per hidden unit
+    per_f = e * (4 if cfg.gated_mlp else 2) / h  # MLP bytes per hidden unit
     mlp = per_f * cfg.ffn_hidden_size / t
     if cfg.num_experts:
         moe = sum(map(cfg.is_moe_layer, range(cfg.num_layers))) / cfg.num_layers \

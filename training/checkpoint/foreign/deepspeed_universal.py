@@ -69,7 +69,7 @@ _GROUPS = 16
 
 
 def _has_pipeline_names(config) -> bool:
-    return config.tie_word_embeddings and config.activation != "swiglu" and not config.num_experts
+    return config.tie_word_embeddings and not config.gated_mlp and not config.num_experts
 
 
 def _check(full: FullState, config, tp: int, pp: int, vpp: int, where: str, names: str) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 
 from megazoo.models.config import TransformerConfig
+from megazoo.models.spec import lookup
 
 from megazoo.training.checkpoint import format as ckpt
 
@@ -146,6 +147,11 @@ def to_config(args, where: str, vocab_size: int | None = None) -> tuple[str, Tra
     return config.family, config
 
 
+# megazoo's MLP activations (models/spec.py ACTIVATIONS) as Megatron-LM's flags
+MEGATRON_ACTIVATIONS = {"swiglu": dict(swiglu=True, openai_gelu=False),
+                        "gelu_tanh": dict(swiglu=False, openai_gelu=True),
+                        "gelu": dict(swiglu=False, openai_gelu=False)}
+
 # The families whose tensors the Megatron name table (names.py) covers.
 MEGATRON_FAMILIES = ("gpt2", "bloom", "llama", "qwen2", "qwen3", "mixtral")
 
@@ -185,8 +191,8 @@ def from_config(config: TransformerConfig, *, tp: int, pp: int, vpp: int, iterat
             config.position_embedding),
         rotary_base=config.rope_theta, rotary_percent=1.0,
         normalization={"layernorm": "LayerNorm", "rmsnorm": "RMSNorm"}[config.normalization],
-        norm_epsilon=config.layernorm_epsilon, swiglu=config.activation == "swiglu",
-        openai_gelu=config.activation == "gelu_tanh",
+        norm_epsilon=config.layernorm_epsilon,
+        **lookup(MEGATRON_ACTIVATIONS, config.activation, "activation (for Megatron-LM's flags)"),
         add_bias_linear=config.bias, add_qkv_bias=config.bias or config.add_qkv_bias,
         qk_layernorm=config.qk_layernorm,
         untie_embeddings_and_output_weights=not config.tie_word_embeddings,

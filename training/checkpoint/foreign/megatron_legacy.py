@@ -221,7 +221,7 @@ def read(root: str, vocab_size: int | None = None, *, optimizer: bool = True):
                     raise ckpt.CheckpointError(f"{path}: {key} is not a tensor megazoo maps (GPT, "
                                                f"Llama, Qwen, Mixtral in Megatron-core names)") from None
                 canon, split, expert = mapped
-                split = names.split_for(split, config.activation == "swiglu")
+                split = names.split_for(split, config.gated_mlp)
                 if expert is not None:
                     expert += e * local_experts
                 elif e > 0:
@@ -295,7 +295,7 @@ def scheduler_state(recorded: dict | None, consumed: int | None = None) -> dict 
 def _stage_entries(full: dict, config, stage: int, stages: int):
     """[(Megatron key, canonical name, split, expert)] of one virtual stage in module order."""
     per_chunk = config.num_layers // stages
-    swiglu = config.activation == "swiglu"
+    swiglu = config.gated_mlp
     out = []
     if stage == 0:
         out += [(m, z, s, None) for m, z, s in names.TOP[:2] if z in full]

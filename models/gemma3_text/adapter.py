@@ -1,0 +1,155 @@
+"""Gemma 3 text <-> Hugging Face `Gemma3ForCausalLM` (`Gemma3TextConfig`): every config field
+mapped both ways or refused, and the tensors (q, k, v fused per key/value group and [gate; up]
+fused as models/llama.py does; Gemma's four norms per layer named here)."""
+from __future__ import annotations
+
+import torch
+
+from ..config import ROPE_TYPES, TransformerConfig, canonical_rope_scaling
+from ..hf_fields import check_fields, refuse
+from ..language_model import WORD_EMBEDDINGS
+from ..llama import _fuse_qkv, _split_qkv
+from ..rope import rope_type
+
+FAMILY = "Gemma3"
+MAPPED = frozenset({
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "hidden_activation", "max_position_embeddings",
+    "initializer_range", "rms_norm_eps", "tie_word_embeddings", "rope_parameters",
+    "attention_bias", "attention_dropout", "query_pre_attn_scalar", "sliding_window",
+    "layer_types", "final_logit_softcapping", "attn_logit_softcapping",
+    "use_bidirectional_attention"})
+TANH_GELU = ("gelu_pytorch_tanh", "gelu_tanh")  # ACT2FN's tanh-approximated GELU names
+LAYER_TYPES = ("sliding_attention", "full_attention")
+
+
+def _rope(hf) -> tuple[float, dict | None, float]:
+    """(full layers' rope_theta, their scaling or None, sliding layers' theta)."""
+    params = hf.rope_parameters or {}
+    full = dict(canonical_rope_scaling(params.get("full_attention")) or {})
+    local = dict(canonical_rope_scaling(params.get("sliding_attention")) or {})
+    theta, local_theta = full.pop("rope_theta", 1e6), local.pop("rope_theta", 1e4)
+    if rope_type(local) != "default" or set(local) - {"rope_type"}:
+        raise refuse(FAMILY, "rope_parameters.sliding_attention", params.get("sliding_attention"),
+                     "rope_type 'default' with a rope_theta (sliding layers rotate unscaled)")
+    kind = rope_type(full)
+    if kind not in ROPE_TYPES or full.get("partial_rotary_factor", 1.0) != 1.0:
+        raise refuse(FAMILY, "rope_parameters.full_attention", params.get("full_attention"),
+                     f"rope_type one of {list(ROPE_TYPES)}, the whole head rotated")
+    return float(theta), (full if kind != "default" else None), float(local_theta)
+
+
+def config_from_hf(hf) -> TransformerConfig:
+    """A TransformerConfig from a `transformers.Gemma3TextConfig` (every field checked)."""
+    check_fields(hf, FAMILY, MAPPED)
+    for field, value, want in (("hidden_activation", hf.hidden_activation, TANH_GELU),
+                               ("attention_bias", hf.attention_bias, (False,)),
+                               ("use_bidirectional_attention",
+                                hf.use_bidirectional_attention, (False, None))):
+        if value not in want:
+            raise refuse(FAMILY, field, value, list(want))
+    if hf.attn_logit_softcapping is not None:
+        # transformers' Gemma3Attention stores it but never passes it to its attention: a
+        # config that sets it names two different models (megazoo's spec could compute it)
+        raise refuse(FAMILY, "attn_logit_softcapping", hf.attn_logit_softcapping,
+                     "None (transformers' Gemma 3 attention does not apply it)")
+    types = list(hf.layer_types)
+    if len(types) != hf.num_hidden_layers or set(types) - set(LAYER_TYPES):
+        raise refuse(FAMILY, "layer_types", types,
+                     f"{hf.num_hidden_layers} entries of {list(LAYER_TYPES)}")
+    full = tuple(i for i, t in enumerate(types) if t == "full_attention")
+    window = hf.sliding_window if len(full) < len(types) else None
+    theta, scaling, local_theta = _rope(hf)
+    d = hf.head_dim
+    return TransformerConfig(
+        family="gemma3_text", vocab_size=hf.vocab_size, hidden_size=hf.hidden_size,
+        num_layers=hf.num_hidden_layers, num_attention_heads=hf.num_attention_heads,
+        num_query_groups=hf.num_key_value_heads, kv_channels=d,
+        ffn_hidden_size=hf.intermediate_size, max_position_embeddings=hf.max_position_embeddings,
+        position_embedding="rope", rope_theta=theta, rope_scaling=scaling,
+        rope_local_theta=local_theta, sliding_window=window,
+        full_attention_layers=full if window is not None else (),
+        normalization="rmsnorm_offset", layernorm_epsilon=hf.rms_norm_eps,
+        activation="geglu_tanh", qk_layernorm=True, post_norms=True, embedding_scale=True,
+        query_pre_attn_scalar=float(hf.query_pre_attn_scalar),
+        final_logit_softcapping=hf.final_logit_softcapping,
+        bias=False, tie_word_embeddings=bool(hf.tie_word_embeddings),
+        hidden_dropout=0.0, attention_dropout=float(hf.attention_dropout or 0.0),
+        init_method_std=hf.initializer_range)
+
+
+def hf_config(config: TransformerConfig, **extra):
+    """The `transformers.Gemma3TextConfig` of a megazoo Gemma 3 text config (for export)."""
+    from transformers import Gemma3TextConfig
+    types = ["full_attention" if config.attention_window(i) is None else "sliding_attention"
+             for i in range(config.num_layers)]
+    full = {"rope_type": "default", **(config.rope_scaling or {}), "rope_theta": config.rope_theta}
+    local_theta = config.rope_local_theta if config.rope_local_theta is not None \
+        else config.rope_theta
+    return Gemma3TextConfig(
+        vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+        intermediate_size=config.ffn_hidden_size, num_hidden_layers=config.num_layers,
+        num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_query_groups, head_dim=config.head_dim,
+        hidden_activation="gelu_pytorch_tanh",
+        max_position_embeddings=config.max_position_embeddings,
+        initializer_range=config.init_method_std, rms_norm_eps=config.layernorm_epsilon,
+        tie_word_embeddings=config.tie_word_embeddings,
+        rope_parameters={"full_attention": full,
+                         "sliding_attention": {"rope_type": "default", "rope_theta": local_theta}},
+        attention_bias=False, attention_dropout=config.attention_dropout,
+        query_pre_attn_scalar=_integral(config.query_pre_attn_scalar or config.head_dim),
+        sliding_window=config.sliding_window or 4096, layer_types=types,
+        final_logit_softcapping=config.final_logit_softcapping,
+        attn_logit_softcapping=None,
+        **{"architectures": ["Gemma3ForCausalLM"], **extra})
+
+
+def _integral(x: float):
+    """transformers types query_pre_attn_scalar as an int: a whole number written as one."""
+    return int(x) if float(x).is_integer() else x
+
+
+_NORMS = (("input_norm", "input_layernorm"), ("attention_output_norm", "post_attention_layernorm"),
+          ("post_attention_norm", "pre_feedforward_layernorm"),
+          ("mlp_output_norm", "post_feedforward_layernorm"),
+          ("attention.q_norm", "self_attn.q_norm"), ("attention.k_norm", "self_attn.k_norm"))
+
+
+def _pairs(config: TransformerConfig):
+    """(megazoo name, HF name) of the tensors mapped one to one."""
+    yield WORD_EMBEDDINGS, "model.embed_tokens.weight"
+    yield "final_norm.weight", "model.norm.weight"
+    if not config.tie_word_embeddings:
+        yield "head_weight", "lm_head.weight"
+    for i in range(config.num_layers):
+        m, h = f"layers.{i}.", f"model.layers.{i}."
+        for mz, hf in _NORMS:
+            yield m + mz + ".weight", h + hf + ".weight"
+        yield m + "attention.dense.weight", h + "self_attn.o_proj.weight"
+        yield m + "mlp.fc2.weight", h + "mlp.down_proj.weight"
+
+
+def from_hf_state_dict(sd: dict[str, torch.Tensor], config: TransformerConfig) -> dict[str, torch.Tensor]:
+    """HF Gemma3ForCausalLM tensors -> full megazoo tensors."""
+    sd = {k if k.startswith(("model.", "lm_head.")) else "model." + k: v for k, v in sd.items()}
+    out = {mz: sd[hf] for mz, hf in _pairs(config)}
+    for i in range(config.num_layers):
+        m, h = f"layers.{i}.", f"model.layers.{i}."
+        q, k, v = (sd[h + f"self_attn.{x}_proj.weight"] for x in "qkv")
+        out[m + "attention.qkv.weight"] = _fuse_qkv(q, k, v, config.num_query_groups)
+        out[m + "mlp.fc1.weight"] = torch.cat([sd[h + "mlp.gate_proj.weight"],
+                                               sd[h + "mlp.up_proj.weight"]])
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def to_hf_state_dict(full: dict[str, torch.Tensor], config: TransformerConfig) -> dict[str, torch.Tensor]:
+    """Full megazoo tensors -> HF Gemma3ForCausalLM tensors (no lm_head when tied)."""
+    out = {hf: full[mz] for mz, hf in _pairs(config)}
+    for i in range(config.num_layers):
+        m, h = f"layers.{i}.", f"model.layers.{i}."
+        for x, t in zip("qkv", _split_qkv(full[m + "attention.qkv.weight"], config)):
+            out[h + f"self_attn.{x}_proj.weight"] = t
+        gate, up = full[m + "mlp.fc1.weight"].chunk(2)
+        out[h + "mlp.gate_proj.weight"], out[h + "mlp.up_proj.weight"] = gate, up
+    return {k: v.contiguous() for k, v in out.items()}
