@@ -3,7 +3,9 @@
 Every rank runs `fn(topo_or_rank, *args)`; results come back as a list indexed by rank. An
 exception on any rank fails the test with that rank's traceback; a rank that neither returns
 nor fails within `timeout` seconds fails it too, and every child is killed: nothing hangs.
-Starting a world costs seconds, so tests put many assertions into one world.
+The processes are kept for the session's next world (spawning them and importing torch costs
+seconds; see `run_distributed`); building a world's models still costs time, so tests put many
+assertions into one world.
 """
 from __future__ import annotations
 
@@ -40,6 +42,7 @@ def _enter_world(rank: int, world_size: int, port: int, env: dict, cwd: str) -> 
     torch.set_num_threads(1)
     torch.set_default_dtype(torch.float32)
     torch.set_grad_enabled(True)
+    torch.use_deterministic_algorithms(False)
     torch.manual_seed(_FRESH_SEED)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
 

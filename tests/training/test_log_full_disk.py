@@ -56,10 +56,14 @@ def _run(argv) -> tuple[int, str]:
 def _two_ranks(rank: int, save: str):
     from megazoo.training.monitor import journal
     from megazoo.training.run import entry
+    saved = entry.SILENT_RANK_WAIT_S, journal._append  # the rank's process serves later worlds
     entry.SILENT_RANK_WAIT_S = 0.0  # no torchrun here to end the silent rank's wait
     if rank == 0:  # the start line and iterations 1, 2 written; iteration 3's line fails
         journal._append = _full_disk("metrics.jsonl", 3)
-    return _run(ARGS + ["--save", save])
+    try:
+        return _run(ARGS + ["--save", save])
+    finally:
+        entry.SILENT_RANK_WAIT_S, journal._append = saved
 
 
 def test_full_disk_under_the_run_log_ends_in_one_line(tmp_path, monkeypatch):
