@@ -3,10 +3,13 @@
 Every rank runs `fn(topo_or_rank, *args)`; results come back as a list indexed by rank. An
 exception on any rank fails the test with that rank's traceback; a rank that neither returns
 nor fails within `timeout` seconds fails it too, and every child is killed: nothing hangs.
-Starting a world costs seconds, so tests put many assertions into one world.
+The processes are kept for the session's next world (spawning them and importing torch costs
+seconds; see `run_distributed`); building a world's models still costs time, so tests put many
+assertions into one world.
 """
 from __future__ import annotations
 
+import atexit
 import os
 import queue
 import socket
@@ -22,59 +25,183 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child(rank: int, world_size: int, port: int, fn, args, results) -> None:
+# Torch's default generator seed in a fresh process: a reused rank starts each world from it too.
+_FRESH_SEED = 67280421310721
+
+
+def _enter_world(rank: int, world_size: int, port: int, env: dict, cwd: str) -> None:
+    """The process environment a freshly spawned rank would have had, then its gloo group."""
+    import torch
+    import torch.distributed as dist
+    os.environ.clear()
+    os.environ.update(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size))
-    import torch
-    import torch.distributed as dist
+    os.chdir(cwd)
     torch.set_num_threads(1)
+    torch.set_default_dtype(torch.float32)
+    torch.set_grad_enabled(True)
+    torch.use_deterministic_algorithms(False)
+    torch.manual_seed(_FRESH_SEED)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+
+
+def _leave_world() -> None:
+    import logging
+
+    import torch.distributed as dist
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    root = logging.getLogger()  # a run's logging.basicConfig: the next world starts without it
+    for h in list(root.handlers):
+        root.removeHandler(h)
+    root.setLevel(logging.WARNING)
+
+
+def _child(rank: int, world_size: int, port: int, fn, args, results) -> None:
+    """A rank spawned for one world only (`fresh=True`)."""
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        _enter_world(rank, world_size, port, dict(os.environ), os.getcwd())
         out = fn(rank, *args)
-        results.put((rank, "ok", out))
+        results.put((None, rank, "ok", out))
     except BaseException:  # noqa: BLE001 - report everything, including KeyboardInterrupt
-        results.put((rank, "error", traceback.format_exc()))
+        results.put((None, rank, "error", traceback.format_exc()))
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        _leave_world()
 
 
-def run_distributed(fn, world_size: int, *args, timeout: float = 180.0) -> list:
-    """Run `fn(rank, *args)` on `world_size` gloo ranks; return the per-rank results."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_child, args=(r, world_size, port, fn, args, results), daemon=True)
-             for r in range(world_size)]
-    for p in procs:
-        p.start()
-    outputs: dict[int, object] = {}
-    deadline = time.monotonic() + timeout
-    try:
-        while len(outputs) < world_size:
-            try:
-                rank, status, payload = results.get(timeout=0.5)
-            except queue.Empty:
-                dead = [r for r, p in enumerate(procs)
-                        if r not in outputs and p.exitcode not in (None, 0)]
-                if dead:
-                    raise RuntimeError(f"ranks {dead} died (exit codes "
-                                       f"{[procs[r].exitcode for r in dead]})") from None
-                if time.monotonic() > deadline:
-                    missing = sorted(set(range(world_size)) - set(outputs))
-                    raise TimeoutError(f"ranks {missing} did not finish within {timeout:.0f} s") \
-                        from None
-                continue
-            if status == "error":
-                raise RuntimeError(f"rank {rank} of {world_size} failed:\n{payload}")
-            outputs[rank] = payload
-    finally:
-        for p in procs:
-            p.join(timeout=5)
+def _pooled(tasks, results) -> None:
+    """A process kept for many worlds: each task is one rank of one world (starting a process
+    and importing torch costs seconds; joining a new gloo group costs milliseconds)."""
+    import torch
+    torch.set_num_threads(1)
+    while True:
+        meta = tasks.get()
+        if meta is None:
+            return
+        task_id, rank, world_size, port, env, cwd = meta
+        try:
+            fn, args = tasks.get()  # unpickled here: an import error is this rank's failure
+            _enter_world(rank, world_size, port, env, cwd)
+            out = fn(rank, *args)
+            results.put((task_id, rank, "ok", out))
+        except BaseException:  # noqa: BLE001 - report everything, including KeyboardInterrupt
+            results.put((task_id, rank, "error", traceback.format_exc()))
+        finally:
+            _leave_world()
+
+
+class _Pool:
+    """Spawned ranks reused from world to world. A world that fails or times out takes every
+    process down with it (ranks may be stuck in a collective); the next world spawns new ones."""
+
+    def __init__(self):
+        self.ctx = mp.get_context("spawn")
+        self.procs: list = []
+        self.tasks: list = []
+        self.results = None
+        self.count = 0
+
+    def ranks(self, n: int):
+        if any(not p.is_alive() for p in self.procs):
+            self.close()
+        if self.results is None:
+            self.results = self.ctx.Queue()
+        while len(self.procs) < n:
+            q = self.ctx.Queue()
+            p = self.ctx.Process(target=_pooled, args=(q, self.results), daemon=True)
+            p.start()
+            self.procs.append(p)
+            self.tasks.append(q)
+        return self.procs[:n]
+
+    def submit(self, world_size: int, fn, args):
+        procs = self.ranks(world_size)
+        self.count += 1
+        port, env, cwd = free_port(), dict(os.environ), os.getcwd()
+        for r in range(world_size):
+            self.tasks[r].put((self.count, r, world_size, port, env, cwd))
+            self.tasks[r].put((fn, args))
+        return procs, self.count
+
+    def close(self) -> None:
+        for p in self.procs:
             if p.is_alive():
                 p.kill()
+        for p in self.procs:
+            p.join(timeout=5)
+        for q in self.tasks + ([self.results] if self.results is not None else []):
+            q.close()
+            q.cancel_join_thread()
+        self.procs, self.tasks, self.results = [], [], None
+
+
+_POOL: list[_Pool] = []  # the test session's reused ranks (created on first use)
+
+
+def _pool() -> _Pool:
+    if not _POOL:
+        _POOL.append(_Pool())
+        atexit.register(_POOL[0].close)
+    return _POOL[0]
+
+
+def _collect(procs, results, task_id, world_size: int, timeout: float) -> list:
+    outputs: dict[int, object] = {}
+    deadline = time.monotonic() + timeout
+    while len(outputs) < world_size:
+        try:
+            got, rank, status, payload = results.get(timeout=0.5)
+        except queue.Empty:
+            dead = [r for r, p in enumerate(procs)
+                    if r not in outputs and p.exitcode not in (None, 0)]
+            if dead:
+                raise RuntimeError(f"ranks {dead} died (exit codes "
+                                   f"{[procs[r].exitcode for r in dead]})") from None
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(world_size)) - set(outputs))
+                raise TimeoutError(f"ranks {missing} did not finish within {timeout:.0f} s") \
+                    from None
+            continue
+        if got != task_id:
+            continue
+        if status == "error":
+            raise RuntimeError(f"rank {rank} of {world_size} failed:\n{payload}")
+        outputs[rank] = payload
     return [outputs[r] for r in range(world_size)]
+
+
+def run_distributed(fn, world_size: int, *args, timeout: float = 180.0, fresh: bool = False) -> list:
+    """Run `fn(rank, *args)` on `world_size` gloo ranks; return the per-rank results.
+
+    The ranks are processes kept from earlier worlds of the session, each entering the world
+    as a spawned one would: the caller's environment and working directory, float32 default
+    dtype, grad mode on, one thread, torch's fresh-process seed, no root log handler.
+    `fresh=True` (or MEGAZOO_TEST_FRESH_WORLDS=1) spawns new processes for this world only.
+    """
+    if fresh or os.environ.get("MEGAZOO_TEST_FRESH_WORLDS") == "1":
+        ctx = mp.get_context("spawn")
+        results = ctx.Queue()
+        port = free_port()
+        procs = [ctx.Process(target=_child, args=(r, world_size, port, fn, args, results),
+                             daemon=True) for r in range(world_size)]
+        for p in procs:
+            p.start()
+        try:
+            return _collect(procs, results, None, world_size, timeout)
+        finally:
+            for p in procs:
+                p.join(timeout=5)
+                if p.is_alive():
+                    p.kill()
+    pool = _pool()
+    procs, task_id = pool.submit(world_size, fn, args)
+    try:
+        return _collect(procs, pool.results, task_id, world_size, timeout)
+    except BaseException:
+        pool.close()
+        raise
 
 
 def sum_tied_embedding_grads(chunks, topo) -> None:

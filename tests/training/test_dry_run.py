@@ -4,6 +4,7 @@ ranks; the table is in docs/planner.md)."""
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 import torch
@@ -108,9 +109,11 @@ def test_gpu_check_refuses_without_cuda():
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is present: bench/gpu_check.sh runs for real there")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    # PYTHON: this interpreter, so the suite passes from a virtual environment not activated
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
     done = subprocess.run(["bash", os.path.join(root, "bench", "gpu_check.sh"), "--skip-step"],
-                          capture_output=True, text=True, timeout=120, env=dict(
-        os.environ, PYTHONPATH=os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH"))))))
+                          capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, PYTHONPATH=path, PYTHON=sys.executable))
     assert done.returncode == 1 and done.stdout == ""
     assert done.stderr.strip().endswith("python -m pytest -q tests")
     assert "no CUDA device here" in done.stderr and "Traceback" not in done.stderr

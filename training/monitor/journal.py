@@ -1,7 +1,13 @@
 """The run journal: one JSON line per event (spikes, NaNs, rollbacks, skipped samples, hangs) and
-one per logged iteration of metrics, in files next to the checkpoints that any tool can read."""
+one per logged iteration of metrics, in files next to the checkpoints that any tool can read.
+
+A write that fails (a full disk) does not raise where it happens, on whichever rank or thread
+wrote: the journal records the first failure (`failed`) and writes nothing more; the training
+loop agrees on it across ranks and ends the run with one line (`LogWriteError`).
+"""
 from __future__ import annotations
 
+import errno
 import json
 import os
 import time
@@ -17,6 +23,19 @@ def _append(path: str, record: dict) -> None:
         os.write(fd, line)
     finally:
         os.close(fd)
+
+
+class LogWriteError(RuntimeError):
+    """The run log could not be written. `here`: this rank's write failed (it says so); the
+    other ranks stop with it silently."""
+
+    def __init__(self, message: str, here: bool = True):
+        super().__init__(message)
+        self.here = here
+
+
+def _reason(e: OSError) -> str:
+    return "no space left on device" if e.errno == errno.ENOSPC else (e.strerror or str(e))
 
 
 def read_jsonl(path: str) -> list[dict]:
@@ -37,16 +56,25 @@ def read_jsonl(path: str) -> list[dict]:
 class RunJournal:
     def __init__(self, run_dir: str | None):
         self.dir = run_dir
+        self.failed: str | None = None  # the first failed write's message; nothing written since
         if run_dir:
             os.makedirs(run_dir, exist_ok=True)
 
+    def _write(self, name: str, record: dict) -> None:
+        if not self.dir or self.failed:
+            return
+        path = os.path.join(self.dir, name)
+        try:
+            _append(path, record)
+        except OSError as e:
+            self.failed = (f"{path}: {_reason(e)} while writing the run log; the run stops here "
+                           f"and the last checkpoint is intact: free space, then resume with --load")
+
     def event(self, kind: str, **fields) -> None:
-        if self.dir:
-            _append(os.path.join(self.dir, JOURNAL), dict(kind=kind, time=time.time(), **fields))
+        self._write(JOURNAL, dict(kind=kind, time=time.time(), **fields))
 
     def metrics(self, iteration: int, prefix: str, values: dict) -> None:
-        if self.dir:
-            _append(os.path.join(self.dir, METRICS), dict(iteration=iteration, split=prefix, **values))
+        self._write(METRICS, dict(iteration=iteration, split=prefix, **values))
 
     def events(self, kind: str | None = None) -> list[dict]:
         if not self.dir:

@@ -20,6 +20,7 @@ PANELS = [("loss", "loss"), ("lr", "learning rate"), ("grad_norm", "gradient nor
           ("loss_scale", "loss scale"), ("tokens_per_s", "tokens/s"), ("mem_gib", "peak memory per rank (GiB)")]
 MOE_PANELS = [("moe_aux_loss", "MoE load-balancing loss (apart from the LM loss)"),
               ("moe_max_load", "MoE busiest expert / mean (worst layer)")]
+FROM_ZERO = {"mem_gib"}  # panels whose y axis starts at zero
 DROPPED = "MoE dropped share of assignments, per layer"
 
 
@@ -135,6 +136,8 @@ def draw_report(run_dir: str):
         values = _train_values(runs, key)
         if key == "loss_scale" and values and min(values) > 0:
             ax.set_yscale("log")
+        if key in FROM_ZERO and values and min(values) >= 0:
+            ax.set_ylim(bottom=0)  # a 3% change in memory is not drawn as a cliff
     for ax in time_axes:
         for e in events:
             if e["kind"] == "rollback":

@@ -3,7 +3,8 @@
 Exit codes: 0 on success (also after --exit-interval / --exit-duration-in-mins), 2 for a bad flag or
 configuration (one line from rank 0, no traceback), 1 for a run that fails with a user error (a
 missing or corrupt file: one line, no traceback) or a bug (traceback), 143 / 130 after SIGTERM / SIGINT
-(the checkpoint written first when --save is set). The process groups are destroyed on every path.
+(the checkpoint written first when --save is set). A run log that cannot be written (a full disk)
+ends the run with one line from the rank that failed and exit code 1. The process groups are destroyed on every path.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from megazoo.training.config.flags import ArgumentError, to_run_config
 from megazoo.training.config.parser import build_parser
 from megazoo.training.checkpoint.tokenizer import check_run_tokenizer
 from megazoo.training.checkpoint.format import CheckpointError, candidates, read_meta
+from megazoo.training.monitor.journal import LogWriteError
 from megazoo.training.resilience.health import RunHalted
 from megazoo.training.run.loop import pretrain
 from megazoo.training.run.stop import exit_code
@@ -67,9 +69,10 @@ def _rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
-def _fail(message: str, code: int, every_rank: bool = False):
-    """One line on stderr (rank 0 only, unless the error may be this rank's alone), then exit."""
-    if every_rank or _rank() == 0:
+def _fail(message: str, code: int, every_rank: bool = False, silent: bool = False):
+    """One line on stderr (rank 0 only, unless the error may be this rank's alone; none when
+    `silent`: another rank says it), then exit."""
+    if not silent and (every_rank or _rank() == 0):
         prefix = f"error (rank {_rank()})" if every_rank and "WORLD_SIZE" in os.environ else "error"
         sys.stderr.write(f"{prefix}: {message}\n")
         sys.stderr.flush()
@@ -122,6 +125,8 @@ def main(default_family: str, argv=None):
         # leave together: a gloo rank torn down while a peer is still connected aborts
         # ("terminate called without an active exception")
         C.barrier(C.world())
+    except LogWriteError as e:  # a full disk under the run log: the rank(s) that failed say so
+        _fail(str(e), 1, every_rank=True, silent=not e.here)
     except USER_ERRORS as e:  # after the groups exist, a file may be missing on one rank only
         _fail(str(e), 1, every_rank=True)
     except KeyboardInterrupt:  # Ctrl-C before the training loop took over the signal

@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 
 from megazoo.training.config.run_config import RunConfig
-from megazoo.training.run.stop import StopRequests
+from megazoo.training.run.stop import LOG_FAILED, StopRequests
 from megazoo.training.run.trainer import TrainResult, Trainer, build_chunks
 
 __all__ = ["TrainResult", "build_chunks", "pretrain"]
@@ -32,7 +32,10 @@ def pretrain(model_provider, run: RunConfig) -> TrainResult:
                 trainer.evaluate_if_due(stops)
                 trainer.evaluate_tasks_if_due()
                 with trainer.watchdog.collective("all_reduce(stop request)"):
-                    signum, why = stops.agreed(trainer.state.iteration, trainer.topo.device)
+                    signum, why = stops.agreed(trainer.state.iteration, trainer.topo.device,
+                                               trainer.journal.failed is not None)
+                if why == LOG_FAILED:
+                    trainer.log_failed()
                 trainer.save_if_due(stopping=bool(why))
                 if why:
                     trainer.stop(signum, why)

@@ -18,6 +18,7 @@ import torch
 from megazoo.parallel import collectives as C
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+LOG_FAILED = "the run log could not be written"  # `agreed`'s reason when a rank's log write failed
 
 
 def exit_code(signum: int) -> int:
@@ -57,12 +58,17 @@ class StopRequests:
         C.all_reduce(t, C.world(), op=C.ReduceOp.MAX)
         return int(t[0].item())
 
-    def agreed(self, iteration: int, device) -> tuple[int, str]:
-        """(signal number or 0, reason or ""), the same on every rank: one all-reduce per step."""
+    def agreed(self, iteration: int, device, log_failed: bool = False) -> tuple[int, str]:
+        """(signal number or 0, reason or ""), the same on every rank: one all-reduce per step.
+        `log_failed`: this rank could not write the run log; on every rank the reason is then
+        LOG_FAILED (the run ends there, with no checkpoint written onto the full disk)."""
         elapsed_mins = (time.monotonic() - self.start) / 60
-        t = torch.tensor([float(self.signum), elapsed_mins], dtype=torch.float64, device=device)
+        t = torch.tensor([float(self.signum), elapsed_mins, float(log_failed)], dtype=torch.float64,
+                         device=device)
         C.all_reduce(t, C.world(), op=C.ReduceOp.MAX)  # the slowest rank's clock decides
         signum, elapsed_mins = int(t[0].item()), t[1].item()
+        if t[2].item():
+            return 0, LOG_FAILED
         if signum:
             return signum, f"{signal.Signals(signum).name}"
         if self.exit_interval and iteration % self.exit_interval == 0:

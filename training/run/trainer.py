@@ -9,8 +9,11 @@ import math
 import time
 from dataclasses import dataclass
 
+import torch
+
 from megazoo.models.lora import apply_lora
 from megazoo.models.moe import update_expert_biases
+from megazoo.parallel import collectives as C
 from megazoo.parallel.pipeline.tied import broadcast_tied_embedding
 from megazoo.parallel.random import model_parallel_seed
 from megazoo.parallel.topology import initialize
@@ -25,7 +28,7 @@ from megazoo.training.run.batches import TrainData, build_datasets, document_fla
 from megazoo.training.run.compile import compile_layers, report_graph_breaks
 from megazoo.training.resilience.faults import maybe_hang, report_unhealthy, roll_back
 from megazoo.training.resilience.health import HealthMonitor, ProgressGuard, after_step
-from megazoo.training.monitor.journal import RunJournal
+from megazoo.training.monitor.journal import LogWriteError, RunJournal
 from megazoo.training.monitor.console import Progress, RunLogger
 from megazoo.training.run.dpo import PreferenceStats, build_reference, make_dpo_forward_fn
 from megazoo.training.run.lr_schedule import global_batch_size, learning_rate
@@ -326,6 +329,17 @@ class Trainer:
             except FileNotFoundError as e:  # no iteration logged in this folder yet
                 logger.info("no run report: %s", e)
         self.log.summary(self.state.iteration, self.state.consumed_samples, self.checkpoints, save_dir)
+        with self.watchdog.collective("all_reduce(run log written)"):
+            t = torch.tensor([float(self.journal.failed is not None)], device=self.topo.device)
+            C.all_reduce(t, C.world(), op=C.ReduceOp.MAX)
+        if t.item():
+            self.log_failed()
+
+    def log_failed(self) -> None:
+        """A rank could not write the run log (a full disk): every rank stops here, the rank that
+        failed with its one line (training/run/entry.py); nothing more is written."""
+        failed = self.journal.failed
+        raise LogWriteError(failed or "another rank could not write the run log", failed is not None)
 
     def close(self) -> None:
         if self.writer is not None:  # a run that failed: a save in flight is not committed
