@@ -37,19 +37,28 @@ def ckpt_dir(tmp_path_factory):
     return root
 
 
-def test_tool_runs_logs_and_calls_the_reward(ckpt_dir):
-    from megazoo.tools.grpo import main
-    prompts = os.path.join(ckpt_dir, "prompts.jsonl")
+def tool_argv(root: str, save: str) -> list[str]:
+    prompts = os.path.join(root, "prompts.jsonl")
     with open(prompts, "w") as f:
         f.write(json.dumps({"prompt": "a b c", "target": "a"}) + "\n")
         f.write(json.dumps({"messages": [{"role": "user", "content": "d e"}], "target": "b"}) + "\n")
+    return ["--load", os.path.join(root, "ckpt"), "--prompts", prompts, "--reward",
+            "tests.training.test_grpo_online:count_a", "--save", save, "--train-iters", "2",
+            "--prompts-per-step", "2", "--grpo-num-generations", "3",
+            "--grpo-max-completion-length", "6", "--grpo-beta", "0.04", "--lr", "1e-3"]
+
+
+def _tool_rank(rank, argv):
+    from megazoo.tools.grpo import main
+    return main(argv)
+
+
+def test_tool_runs_logs_and_calls_the_reward_tp1_and_tp2(ckpt_dir):
+    from megazoo.tools.grpo import main
+    from tests.distributed import run_distributed
     save = os.path.join(ckpt_dir, "run")
     CALLS.clear()
-    rc = main(["--load", os.path.join(ckpt_dir, "ckpt"), "--prompts", prompts, "--reward",
-               "tests.training.test_grpo_online:count_a", "--save", save, "--train-iters", "2",
-               "--prompts-per-step", "2", "--grpo-num-generations", "3",
-               "--grpo-max-completion-length", "6", "--grpo-beta", "0.04", "--lr", "1e-3"])
-    assert rc == 0
+    assert main(tool_argv(ckpt_dir, save)) == 0
     rows = [json.loads(line) for line in open(os.path.join(save, "metrics.jsonl"))]
     assert [r["iteration"] for r in rows] == [1, 2] and all(r["split"] == "grpo" for r in rows)
     for key in ("loss", "reward_mean", "reward_std", "kl", "clip_ratio", "completion_length_mean",
@@ -60,9 +69,16 @@ def test_tool_runs_logs_and_calls_the_reward(ckpt_dir):
         assert row["reward_mean"] == pytest.approx(sum(call["values"]) / 6, abs=1e-6)
     assert all(1 <= r["completion_length_mean"] <= 6 for r in rows)
     assert rows[1]["kl"] > 0  # the first step moved the policy away from the reference
-    bad = main(["--load", os.path.join(ckpt_dir, "ckpt"), "--prompts", prompts, "--reward", "nomodule",
-                "--save", save])
-    assert bad == 1
+    argv = tool_argv(ckpt_dir, save)
+    assert main(argv[:5] + ["nomodule"] + argv[6:]) == 1
+    # tp2: the same samples (TP rank 0 draws), rewards, and both steps' losses and KL
+    save2 = os.path.join(ckpt_dir, "run_tp2")
+    assert run_distributed(_tool_rank, 2, tool_argv(ckpt_dir, save2)) == [0, 0]
+    rows2 = [json.loads(line) for line in open(os.path.join(save2, "metrics.jsonl"))]
+    for a, b in zip(rows, rows2):
+        assert a["reward_mean"] == b["reward_mean"] and a["completion_length_mean"] == b["completion_length_mean"]
+        for key in ("loss", "kl"):
+            assert abs(a[key] - b[key]) < 1e-5, (key, a[key], b[key])
 
 
 @pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
