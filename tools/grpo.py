@@ -116,6 +116,8 @@ def _run(args) -> int:
             temperature=args.grpo_temperature, top_p=args.grpo_top_p, beta=args.grpo_beta,
             epsilon_low=args.grpo_epsilon, epsilon_high=args.grpo_epsilon_high or args.grpo_epsilon,
             loss_type=args.grpo_loss_type, scale_rewards=args.grpo_scale_rewards)
+        if args.prompts_per_step < 1 or args.train_iters < 1:
+            raise ValueError("--prompts-per-step and --train-iters must be >= 1")
         reward_fn = load_reward(args.reward)
         folder = ckpt.resolve(args.load)
         tok = checkpoint_tokenizer(folder)

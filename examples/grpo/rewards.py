@@ -11,3 +11,8 @@ def sum_digit(prompts, completions, answer, **kw):
         first = 1.0 if words and words[0] == str(want) else 0.0
         out.append(first + 0.1 * sum(w.isdigit() for w in words[1:]))
     return out
+
+
+def sevens(prompts, completions, **kw):
+    """The share of the completion's words that are "7" (a reward on the completion alone)."""
+    return [sum(w == "7" for w in c.split()) / max(len(c.split()), 1) for c in completions]

@@ -1,5 +1,5 @@
 """GRPO on CPU in a few minutes: a tiny random Llama learns to answer "a + b =" with the last
-digit of a + b (examples/grpo/rewards.py), trained by tools/grpo.py; prints the mean reward of
+digit of a + b (examples/grpo/rewards.py; --reward sevens: to say 7), trained by tools/grpo.py; prints the mean reward of
 each step and of each tenth of the run.
 
     PYTHONPATH=<a folder where `megazoo` imports> python examples/grpo/run_example.py [--steps 60]
@@ -38,6 +38,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--reward", choices=("sum_digit", "sevens"), default="sum_digit",
+                   help="sum_digit: the last digit of a + b first (conditioned on the prompt, "
+                        "slow to learn); sevens: the share of words that are 7 (fast)")
     p.add_argument("--work", help="folder for the model and metrics (default: a temporary one)")
     args = p.parse_args()
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
@@ -53,7 +56,7 @@ def main() -> int:
             f.write(json.dumps({"prompt": f"{a} + {b} =", "answer": (a + b) % 10}) + "\n")
     save = os.path.join(work, "run")
     rc = grpo(["--load", os.path.join(work, "ckpt"), "--prompts", os.path.join(work, "prompts.jsonl"),
-               "--reward", "rewards:sum_digit", "--save", save, "--train-iters", str(args.steps),
+               "--reward", f"rewards:{args.reward}", "--save", save, "--train-iters", str(args.steps),
                "--prompts-per-step", "8", "--grpo-num-generations", "8", "--grpo-max-completion-length", "3",
                "--lr", str(args.lr), "--seed", "0"])
     if rc:

@@ -84,7 +84,7 @@ def grpo_step(chunk, topo, records: list[dict], prompts: list[list[int]], reward
     groups = [sample_group(chunk, topo, p, settings, eos, generator) for p in prompts]
     gen_time = time.perf_counter() - t0
     G, T = settings.num_generations, settings.max_completion_length
-    texts, rep, extra = [], [], {}
+    texts, rep = [], []
     for rec, p, (tokens, mask) in zip(records, prompts, groups):
         for row, m in zip(tokens, mask):
             texts.append(decode(row[len(p):][m.bool()].tolist()))
