@@ -1,6 +1,7 @@
-"""GRPO on CPU in a few minutes: a tiny random Llama learns to answer "a + b =" with the last
-digit of a + b (examples/grpo/rewards.py; --reward sevens: to say 7), trained by tools/grpo.py; prints the mean reward of
-each step and of each tenth of the run.
+"""GRPO on CPU in a few minutes: a tiny random Llama, prompted "a + b =", learns to answer 7s
+(--reward sevens, the default: mean reward 0.06 to 1.0 within 10 steps) or the last digit of
+a + b (--reward sum_digit: conditioned on the prompt, not learned in 150 steps); rewards in
+examples/grpo/rewards.py, training by tools/grpo.py; prints the mean reward per tenth of the run.
 
     PYTHONPATH=<a folder where `megazoo` imports> python examples/grpo/run_example.py [--steps 60]
 """
@@ -38,7 +39,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--reward", choices=("sum_digit", "sevens"), default="sum_digit",
+    p.add_argument("--reward", choices=("sevens", "sum_digit"), default="sevens",
                    help="sum_digit: the last digit of a + b first (conditioned on the prompt, "
                         "slow to learn); sevens: the share of words that are 7 (fast)")
     p.add_argument("--work", help="folder for the model and metrics (default: a temporary one)")
