@@ -13,8 +13,10 @@ aligned with `completions`. The reward function is called as fn(prompts=..., com
 order (cycling), samples --grpo-num-generations completions of each, takes one AdamW step and
 appends the metrics (reward mean and std, KL, clip fraction, completion lengths, generation and
 training seconds) to --save/metrics.jsonl. --grpo-beta > 0 adds the KL to a frozen copy of the
-starting weights. Pipeline and context parallelism are not supported: the whole model runs on
-every rank; data parallelism is not either (one data-parallel rank).
+starting weights. --tp sets tensor parallelism (default: the world size); the other ranks are
+data parallel, each sampling its share of the step's prompts (every prompt with its own seeded
+generator, so the samples do not depend on the layout) and the gradients are summed over them.
+Pipeline and context parallelism are not supported: the whole model runs on every tp group.
 """
 from __future__ import annotations
 
@@ -52,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts-per-step", type=int, default=4)
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--tp", type=int, help="tensor-parallel size (default: the world size; the rest "
+                                         "is data parallelism)")
     p.add_argument("--grpo-num-generations", type=int, default=4)
     p.add_argument("--grpo-max-completion-length", type=int, default=16)
     p.add_argument("--grpo-temperature", type=float, default=1.0)
@@ -123,7 +127,12 @@ def _run(args) -> int:
         tok = checkpoint_tokenizer(folder)
         records, prompts = read_prompts(args.prompts, tok, args.chat)
         eos = tuple(eos_token_ids(folder, ckpt.read_meta(folder)) or [tok.eod])
-        topo = initialize(ParallelConfig(tp=int(os.environ.get("WORLD_SIZE", "1"))))
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        tp = args.tp or world
+        if world % tp or args.prompts_per_step % (world // tp):
+            raise ValueError(f"--tp {tp} must divide the world size {world}, and the data-parallel "
+                             f"size {world // max(tp, 1)} must divide --prompts-per-step {args.prompts_per_step}")
+        topo = initialize(ParallelConfig(tp=tp))
         _, (model,) = load_model_chunks(folder, topo)
         frozen = load_model_chunks(folder, topo)[1][0].requires_grad_(False) if settings.beta else None
     except (ckpt.CheckpointError, TokenizerError, LayoutError, ValueError, OSError) as e:
@@ -135,12 +144,14 @@ def _run(args) -> int:
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr,
                             weight_decay=0.0)
     journal = RunJournal(args.save if topo.rank == 0 else None)
-    generator = torch.Generator().manual_seed(args.seed)
-    n = args.prompts_per_step
+    n, share = args.prompts_per_step, args.prompts_per_step // topo.dp
     for it in range(1, args.train_iters + 1):
-        idx = [((it - 1) * n + j) % len(records) for j in range(n)]
+        # this data-parallel rank's prompts; each sampled with its own generator (layout-free)
+        slots = [(it - 1) * n + topo.dp_rank * share + j for j in range(share)]
+        idx = [k % len(records) for k in slots]
+        generators = [torch.Generator().manual_seed(args.seed * 1_000_003 + k) for k in slots]
         metrics = grpo_step(model, topo, [records[i] for i in idx], [prompts[i] for i in idx], reward_fn,
-                            tok.decode, settings, eos, reference, generator)
+                            tok.decode, settings, eos, reference, generators)
         metrics.pop("_batch")
         opt.step()
         opt.zero_grad()

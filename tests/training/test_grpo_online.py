@@ -71,11 +71,15 @@ def test_tool_runs_logs_and_calls_the_reward_tp1_and_tp2(ckpt_dir):
     assert rows[1]["kl"] > 0  # the first step moved the policy away from the reference
     argv = tool_argv(ckpt_dir, save)
     assert main(argv[:5] + ["nomodule"] + argv[6:]) == 1
-    # tp2: the same samples (TP rank 0 draws), rewards, and both steps' losses and KL
-    save2 = os.path.join(ckpt_dir, "run_tp2")
+    # tp2 and dp2: the same samples (TP rank 0 draws; a generator per prompt), rewards, and
+    # both steps' losses and KL (the second step after an update from the summed gradients)
+    save2, save3 = os.path.join(ckpt_dir, "run_tp2"), os.path.join(ckpt_dir, "run_dp2")
     assert run_distributed(_tool_rank, 2, tool_argv(ckpt_dir, save2)) == [0, 0]
+    assert run_distributed(_tool_rank, 2, tool_argv(ckpt_dir, save3) + ["--tp", "1"]) == [0, 0]
     rows2 = [json.loads(line) for line in open(os.path.join(save2, "metrics.jsonl"))]
-    for a, b in zip(rows, rows2):
+    rows3 = [json.loads(line) for line in open(os.path.join(save3, "metrics.jsonl"))]
+    assert len(rows2) == len(rows3) == 2
+    for a, b in zip(rows + rows, rows2 + rows3):
         assert a["reward_mean"] == b["reward_mean"] and a["completion_length_mean"] == b["completion_length_mean"]
         for key in ("loss", "kl"):
             assert abs(a[key] - b[key]) < 1e-5, (key, a[key], b[key])
@@ -106,7 +110,7 @@ def test_step_gradient_equals_grpo_loss_on_the_sampled_batch(ckpt_dir, loss_type
     prompts = [[5, 6, 7], [8, 9, 10]]  # one length: the whole batch is one tensor for the reference
     chunk.zero_grad()
     out = grpo_step(chunk, topo, records, prompts, reward, lambda ids: " ".join(map(str, ids)), settings,
-                    (0,), Reference([chunk], [frozen]), torch.Generator().manual_seed(0))
+                    (0,), Reference([chunk], [frozen]), [torch.Generator().manual_seed(k) for k in (0, 1)])
     ours = {n: p.grad.clone() for n, p in chunk.named_parameters()}
     batch = out["_batch"]
     tokens = torch.cat([t for t, _ in batch["groups"]])

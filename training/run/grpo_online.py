@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from megazoo.models.generation import SamplingConfig, generate
+from megazoo.parallel import collectives as C
 from megazoo.training.run.grpo import completion_logps, group_advantages, grpo_loss
 
 
@@ -76,12 +77,16 @@ def sample_group(chunk, topo, prompt: list[int], settings: GRPOSettings, eos: tu
 
 
 def grpo_step(chunk, topo, records: list[dict], prompts: list[list[int]], reward_fn, decode,
-              settings: GRPOSettings, eos: tuple[int, ...], reference=None, generator=None) -> dict:
-    """Sample, score and backpropagate one batch (gradients accumulate in `chunk`; the caller
-    steps its optimizer). records[i]: the prompt's jsonl record (its other fields go to the
-    reward function); decode: token ids -> text. Returns the step's metrics."""
+              settings: GRPOSettings, eos: tuple[int, ...], reference=None, generators=None) -> dict:
+    """Sample, score and backpropagate this data-parallel rank's share of one batch (every
+    rank the same number of prompts; gradients accumulate in `chunk`, summed over data
+    parallelism, so the caller steps its optimizer). records[i]: the prompt's jsonl record (its
+    other fields go to the reward function); decode: token ids -> text; generators[i]: the
+    prompt's sampling generator (one per prompt: the samples do not depend on the layout).
+    Returns the step's metrics over the whole batch."""
     t0 = time.perf_counter()
-    groups = [sample_group(chunk, topo, p, settings, eos, generator) for p in prompts]
+    generators = generators or [None] * len(prompts)
+    groups = [sample_group(chunk, topo, p, settings, eos, g) for p, g in zip(prompts, generators)]
     gen_time = time.perf_counter() - t0
     G, T = settings.num_generations, settings.max_completion_length
     texts, rep = [], []
@@ -98,7 +103,10 @@ def grpo_step(chunk, topo, records: list[dict], prompts: list[list[int]], reward
         raise ValueError(f"--reward returned {rewards.numel()} values for {len(texts)} completions")
     advantages = group_advantages(rewards, G, settings.scale_rewards).to(topo.device)
     t1 = time.perf_counter()
-    tokens_total = sum(float(m.sum()) for _, m in groups)
+    counts = torch.tensor([sum(float(m.sum()) for _, m in groups), float(len(groups))], dtype=torch.float64,
+                          device=topo.device)
+    C.all_reduce(counts, topo.dp_group)
+    tokens_total, n_groups = counts.tolist()
     loss_sum, kl_sum, clip_sum = 0.0, 0.0, 0.0
     for i, (tokens, mask) in enumerate(groups):
         logps = completion_logps(chunk, tokens, T)
@@ -114,13 +122,19 @@ def grpo_step(chunk, topo, records: list[dict], prompts: list[list[int]], reward
             loss, stats = grpo_loss(logps, logps.detach(), adv, mask, ref_logps=ref, beta=settings.beta,
                                     epsilon_low=settings.epsilon_low, epsilon_high=settings.epsilon_high,
                                     loss_type=settings.loss_type, max_completion_length=T)
-            loss = loss / len(groups)
+            loss = loss / n_groups
         loss.backward()
         share = float(mask.sum()) / max(tokens_total, 1.0)
         loss_sum += loss.item()
         kl_sum += stats["kl"] * share
         clip_sum += stats["clip_ratio"] * share
-    lengths = torch.cat([m.sum(1) for _, m in groups]).float()
+    for p in chunk.parameters():  # the batch's gradient: the sum of the ranks' weighted parts
+        if p.grad is not None:
+            C.all_reduce(p.grad, topo.dp_group)
+    sums = torch.tensor([loss_sum, kl_sum, clip_sum], dtype=torch.float64, device=topo.device)
+    loss_sum, kl_sum, clip_sum = C.all_reduce(sums, topo.dp_group).tolist()
+    rewards = C.all_gather(rewards.to(topo.device), topo.dp_group).cpu()
+    lengths = C.all_gather(torch.cat([m.sum(1) for _, m in groups]).float(), topo.dp_group).cpu()
     return {"loss": loss_sum, "reward_mean": rewards.mean().item(), "reward_std": rewards.std().item(),
             "kl": kl_sum, "clip_ratio": clip_sum, "completion_length_mean": lengths.mean().item(),
             "completion_length_max": lengths.max().item(), "generation_time": gen_time,
