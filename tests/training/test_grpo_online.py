@@ -1,6 +1,7 @@
 """GRPO's online loop (training/run/grpo_online.py, tools/grpo.py) on a tiny imported Llama: the
 tool runs two steps from a jsonl of prompts (plain and chat `messages`), the rewards come from
-the named function (called with the records' other fields) and every metric is logged; one
+the named function (called with the records' other fields) and every metric is logged; at tp2
+and at dp2 (one spawned world) it samples the same completions and logs the same metrics; one
 step's gradient (groups sampled with the training weights, one backward per group) equals the
 gradient of training/run/grpo.py's `grpo_loss` over the whole sampled batch at once, with the
 KL to a perturbed frozen reference, for a token-normalised and a sequence-normalised loss type.
@@ -48,9 +49,9 @@ def tool_argv(root: str, save: str) -> list[str]:
             "--grpo-max-completion-length", "6", "--grpo-beta", "0.04", "--lr", "1e-3"]
 
 
-def _tool_rank(rank, argv):
+def _tool_ranks(rank, *argvs):
     from megazoo.tools.grpo import main
-    return main(argv)
+    return [main(argv) for argv in argvs]
 
 
 def test_tool_runs_logs_and_calls_the_reward_tp1_and_tp2(ckpt_dir):
@@ -74,8 +75,8 @@ def test_tool_runs_logs_and_calls_the_reward_tp1_and_tp2(ckpt_dir):
     # tp2 and dp2: the same samples (TP rank 0 draws; a generator per prompt), rewards, and
     # both steps' losses and KL (the second step after an update from the summed gradients)
     save2, save3 = os.path.join(ckpt_dir, "run_tp2"), os.path.join(ckpt_dir, "run_dp2")
-    assert run_distributed(_tool_rank, 2, tool_argv(ckpt_dir, save2)) == [0, 0]
-    assert run_distributed(_tool_rank, 2, tool_argv(ckpt_dir, save3) + ["--tp", "1"]) == [0, 0]
+    assert run_distributed(_tool_ranks, 2, tool_argv(ckpt_dir, save2),
+                           tool_argv(ckpt_dir, save3) + ["--tp", "1"]) == [[0, 0], [0, 0]]
     rows2 = [json.loads(line) for line in open(os.path.join(save2, "metrics.jsonl"))]
     rows3 = [json.loads(line) for line in open(os.path.join(save3, "metrics.jsonl"))]
     assert len(rows2) == len(rows3) == 2
