@@ -149,7 +149,7 @@ def _run(args) -> int:
         # this data-parallel rank's prompts; each sampled with its own generator (layout-free)
         slots = [(it - 1) * n + topo.dp_rank * share + j for j in range(share)]
         idx = [k % len(records) for k in slots]
-        generators = [torch.Generator().manual_seed(args.seed * 1_000_003 + k) for k in slots]
+        generators = [torch.Generator(device=topo.device).manual_seed(args.seed * 1_000_003 + k) for k in slots]
         metrics = grpo_step(model, topo, [records[i] for i in idx], [prompts[i] for i in idx], reward_fn,
                             tok.decode, settings, eos, reference, generators)
         metrics.pop("_batch")

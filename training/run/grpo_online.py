@@ -39,6 +39,8 @@ class GRPOSettings:
             raise ValueError("--grpo-num-generations must be >= 2 (advantages compare a group)")
         if self.max_completion_length < 1:
             raise ValueError("--grpo-max-completion-length must be >= 1")
+        if self.temperature <= 0 or not 0 < self.top_p <= 1:
+            raise ValueError("need --grpo-temperature > 0 and 0 < --grpo-top-p <= 1")
 
 
 def load_reward(spec: str):
