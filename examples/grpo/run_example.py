@@ -38,7 +38,7 @@ def tiny_llama(folder: str) -> None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=60)
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--reward", choices=("sevens", "sum_digit"), default="sevens",
                    help="sum_digit: the last digit of a + b first (conditioned on the prompt, "
                         "slow to learn); sevens: the share of words that are 7 (fast)")
