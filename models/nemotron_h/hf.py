@@ -79,7 +79,10 @@ def hf_config(c: NemotronHConfig):
 
 
 def from_hf_state_dict(state: dict[str, torch.Tensor], c: NemotronHConfig) -> dict[str, torch.Tensor]:
-    out = dict(state)
+    # NVIDIA's released files name the trunk `backbone.`; transformers renames it `model.` on
+    # load (its checkpoint conversion mapping for nemotron_h), and so does this import
+    out = {("model." + k[len("backbone."):]) if k.startswith("backbone.") else k: v
+           for k, v in state.items()}
     if c.tie_word_embeddings:
         out.pop("lm_head.weight", None)
     return out

@@ -247,3 +247,13 @@ def test_packed_rows_equal_documents_alone(family):
     alone = torch.cat([ours(piece) for piece in ids[:1].split(lengths, dim=1)], dim=1)
     torch.testing.assert_close(packed[:1], alone, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(packed[1:], ours(ids[1:]), rtol=1e-5, atol=1e-5)
+
+
+def test_nemotron_h_release_names(nemotron_h):
+    """NVIDIA's released Nemotron-H files name the trunk `backbone.` (transformers renames it on
+    load): the import reads them as transformers does."""
+    hf, ours, adapter, config = nemotron_h
+    released = {k.replace("model.", "backbone.", 1): v for k, v in hf.state_dict().items()}
+    got = adapter.from_hf_state_dict(released, config)
+    want = adapter.from_hf_state_dict(hf.state_dict(), config)
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
