@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import torch
 
-from megazoo.parallel.topology import ParallelTopology
 
 from .config import TransformerConfig
 from .hf_fields import check_fields, refuse
@@ -14,10 +13,7 @@ from .language_model import WORD_EMBEDDINGS, TransformerLanguageModel
 
 
 class BloomModel(TransformerLanguageModel):
-    def __init__(self, config: TransformerConfig, topo: ParallelTopology, **kwargs):
-        from .registry import require_family  # the registry imports this module
-        require_family(type(self), config)
-        super().__init__(config, topo, **kwargs)
+    family = "bloom"
 
 
 MAPPED = frozenset({

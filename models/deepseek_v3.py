@@ -52,9 +52,9 @@ SCALINGS = ("yarn", "linear", "llama3")
 
 
 class DeepseekV3Model(TransformerLanguageModel):
+    family = "deepseek_v3"
+
     def __init__(self, config: TransformerConfig, topo: ParallelTopology, **kwargs):
-        from .registry import require_family  # the registry imports this module
-        require_family(type(self), config)
         if not config.kv_lora_rank:
             raise ValueError("DeepseekV3Model needs multi-latent attention (--kv-lora-rank)")
         super().__init__(config, topo, **kwargs)

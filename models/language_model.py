@@ -80,10 +80,17 @@ class Embedding(nn.Module):
 
 
 class TransformerLanguageModel(nn.Module):
+    # a family's class names its family (models/registry.py keys the registry by it) and builds
+    # that family's configs only; the plain language model (None) builds a config of no family
+    family: str | None = None
+
     def __init__(self, config: TransformerConfig, topo: ParallelTopology, *,
                  pre_process: bool = True, post_process: bool = True,
                  layer_range: tuple[int, int] | None = None, rng: RNGStreams | None = None):
         super().__init__()
+        if self.family is not None and config.family != self.family:
+            raise ValueError(f"{type(self).__name__} needs a {self.family!r} config; this one is "
+                             f"family {config.family!r} (models/registry.py build_model builds it)")
         config.check_layout(topo.config)  # the one layout rule set, once per model chunk
         self.config, self.topo, self.rng = config, topo, rng
         self.pre_process, self.post_process = pre_process, post_process

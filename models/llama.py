@@ -13,7 +13,6 @@ import logging
 
 import torch
 
-from megazoo.parallel.topology import ParallelTopology
 
 from .config import ROPE_TYPES, TransformerConfig, canonical_rope_scaling
 from .hf_fields import check_fields, refuse
@@ -24,10 +23,7 @@ logger = logging.getLogger(__name__)
 
 
 class LlamaModel(TransformerLanguageModel):
-    def __init__(self, config: TransformerConfig, topo: ParallelTopology, **kwargs):
-        from .registry import require_family  # the registry imports this module
-        require_family(type(self), config)
-        super().__init__(config, topo, **kwargs)
+    family = "llama"
 
 
 MAPPED = frozenset({

@@ -20,6 +20,8 @@ MAPPED = (LLAMA_MAPPED - {"attention_bias", "mlp_bias"}) | {"sliding_window"}
 class MistralModel(LlamaModel):
     """Llama blocks; models/family_rules.py says what the config holds."""
 
+    family = "mistral"
+
 
 def config_from_hf(hf) -> TransformerConfig:
     """A TransformerConfig from a `transformers.MistralConfig` (every field checked)."""

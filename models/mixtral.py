@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import torch
 
-from megazoo.parallel.topology import ParallelTopology
 
 from . import llama
 from .config import TransformerConfig
@@ -32,10 +31,7 @@ IGNORED = llama.IGNORED | {"output_router_logits"}
 
 
 class MixtralModel(TransformerLanguageModel):
-    def __init__(self, config: TransformerConfig, topo: ParallelTopology, **kwargs):
-        from .registry import require_family  # the registry imports this module
-        require_family(type(self), config)
-        super().__init__(config, topo, **kwargs)
+    family = "mixtral"
 
 
 def config_from_hf(hf) -> TransformerConfig:

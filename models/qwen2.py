@@ -16,6 +16,8 @@ MAPPED = (LLAMA_MAPPED - {"attention_bias", "mlp_bias"}) | {
 class Qwen2Model(LlamaModel):
     """Llama blocks; models/family_rules.py says what the config holds."""
 
+    family = "qwen2"
+
 
 def check_full_attention(hf, family: str) -> None:
     """For the families without sliding windows (Qwen2-MoE): every layer attends to the whole

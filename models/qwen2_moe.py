@@ -35,6 +35,8 @@ IGNORED = frozenset({"output_router_logits"})
 class Qwen2MoeModel(LlamaModel):
     """Llama blocks; models/family_rules.py says what the config holds."""
 
+    family = "qwen2_moe"
+
 
 def moe_config_fields(hf, family: str) -> dict:
     """The TransformerConfig MoE fields of a Qwen2-MoE / Qwen3-MoE config (refusing what megazoo's

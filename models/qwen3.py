@@ -17,6 +17,8 @@ MAPPED = (LLAMA_MAPPED - {"mlp_bias"}) | {
 class Qwen3Model(LlamaModel):
     """Llama blocks; models/family_rules.py says what the config holds."""
 
+    family = "qwen3"
+
 
 def config_from_hf(hf) -> TransformerConfig:
     """A TransformerConfig from a `transformers.Qwen3Config` (every field checked)."""

@@ -23,6 +23,8 @@ IGNORED = QWEN2_MOE_IGNORED | {"max_window_layers"}
 class Qwen3MoeModel(LlamaModel):
     """Llama blocks; models/family_rules.py says what the config holds."""
 
+    family = "qwen3_moe"
+
 
 def config_from_hf(hf) -> TransformerConfig:
     """A TransformerConfig from a `transformers.Qwen3MoeConfig` (every field checked)."""

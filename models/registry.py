@@ -23,7 +23,7 @@ from .language_model import TransformerLanguageModel
 
 @dataclass(frozen=True)
 class Family:
-    name: str  # = the Hugging Face config.json `model_type`
+    name: str  # = the Hugging Face config.json `model_type` = model_class.family
     model_class: type
     adapter: ModuleType
     default_preset: str | None  # what the family's training script builds without --model
@@ -33,21 +33,27 @@ class Family:
         return sorted(n for n, fields in PRESETS.items() if fields.get("family") == self.name)
 
 
+def _family(model_class: type, adapter: ModuleType, default_preset: str | None) -> Family:
+    return Family(model_class.family, model_class, adapter, default_preset)
+
+
 FAMILIES: dict[str, Family] = {f.name: f for f in (
-    Family("gpt2", gpt.GPTModel, gpt, None),  # train_gpt.py: the flags give the shape
-    Family("bloom", bloom.BloomModel, bloom, "bloom-560m"),
-    Family("llama", llama.LlamaModel, llama, "smollm2-135m"),
-    Family("qwen2", qwen2.Qwen2Model, qwen2, "qwen2.5-0.5b"),
-    Family("qwen3", qwen3.Qwen3Model, qwen3, "qwen3-tiny"),
-    Family("mistral", mistral.MistralModel, mistral, "mistral-tiny"),
-    Family("mixtral", mixtral.MixtralModel, mixtral, "moe-tiny"),
-    Family("qwen2_moe", qwen2_moe.Qwen2MoeModel, qwen2_moe, "qwen2-moe-a2.7b"),
-    Family("qwen3_moe", qwen3_moe.Qwen3MoeModel, qwen3_moe, "qwen3-moe-30b-a3b"),
-    Family("deepseek_v3", deepseek_v3.DeepseekV3Model, deepseek_v3, "deepseek-v3-tiny"),
+    _family(gpt.GPTModel, gpt, None),  # train_gpt.py: the flags give the shape
+    _family(bloom.BloomModel, bloom, "bloom-560m"),
+    _family(llama.LlamaModel, llama, "smollm2-135m"),
+    _family(qwen2.Qwen2Model, qwen2, "qwen2.5-0.5b"),
+    _family(qwen3.Qwen3Model, qwen3, "qwen3-tiny"),
+    _family(mistral.MistralModel, mistral, "mistral-tiny"),
+    _family(mixtral.MixtralModel, mixtral, "moe-tiny"),
+    _family(qwen2_moe.Qwen2MoeModel, qwen2_moe, "qwen2-moe-a2.7b"),
+    _family(qwen3_moe.Qwen3MoeModel, qwen3_moe, "qwen3-moe-30b-a3b"),
+    _family(deepseek_v3.DeepseekV3Model, deepseek_v3, "deepseek-v3-tiny"),
 )}
 # the family folders (models/<family>/family.py; models/family_folders.py)
 FAMILIES.update({name: Family(name, f.MODEL_CLASS, f.ADAPTER, f.DEFAULT_PRESET)
                  for name, f in load("family").items()})
+assert all(f.model_class.family == name for name, f in FAMILIES.items()), \
+    "a family's model class names another family (its `family` attribute)"
 assert FAMILIES.keys() == SHAPES.keys(), "models/family_rules.py and the registry disagree"
 
 
@@ -73,10 +79,3 @@ def build_model(config: TransformerConfig, topo, **kwargs) -> TransformerLanguag
     return model_class(config)(config, topo, **kwargs)
 
 
-def require_family(model_cls: type, config: TransformerConfig) -> None:
-    """A family's class refuses a config of another family (build it with `build_model`)."""
-    want = next((f.name for f in FAMILIES.values() if f.model_class is model_cls), None)
-    built = model_class(config)
-    if want is not None and built is not model_cls:  # (an unregistered subclass builds anything)
-        raise ValueError(f"{model_cls.__name__} needs a {want!r} config; this one is family "
-                         f"{config.family!r} ({built.__name__} builds it; models/registry.py)")

@@ -5,8 +5,4 @@ from ..language_model import TransformerLanguageModel
 
 
 class Gemma3TextModel(TransformerLanguageModel):
-    def __init__(self, config, topo, **kwargs):
-        if config.family != "gemma3_text":
-            raise ValueError(f"Gemma3TextModel needs a 'gemma3_text' config; this one is family "
-                             f"{config.family!r} (models/registry.py build_model builds it)")
-        super().__init__(config, topo, **kwargs)
+    family = "gemma3_text"

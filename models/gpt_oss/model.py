@@ -5,8 +5,4 @@ from ..language_model import TransformerLanguageModel
 
 
 class GptOssModel(TransformerLanguageModel):
-    def __init__(self, config, topo, **kwargs):
-        if config.family != "gpt_oss":
-            raise ValueError(f"GptOssModel needs a 'gpt_oss' config; this one is family "
-                             f"{config.family!r} (models/registry.py build_model builds it)")
-        super().__init__(config, topo, **kwargs)
+    family = "gpt_oss"
