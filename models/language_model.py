@@ -79,6 +79,11 @@ class Embedding(nn.Module):
         return x
 
 
+def _family_classes(cls: type) -> list[type]:
+    """Every subclass of `cls`, depth first (the family classes; for an error message)."""
+    return [c for sub in cls.__subclasses__() for c in (sub, *_family_classes(sub))]
+
+
 class TransformerLanguageModel(nn.Module):
     # a family's class names its family (models/registry.py keys the registry by it) and builds
     # that family's configs only; the plain language model (None) builds a config of no family
@@ -89,8 +94,10 @@ class TransformerLanguageModel(nn.Module):
                  layer_range: tuple[int, int] | None = None, rng: RNGStreams | None = None):
         super().__init__()
         if self.family is not None and config.family != self.family:
+            builder = next((c.__name__ for c in _family_classes(TransformerLanguageModel)
+                            if c.family == config.family), "models/registry.py's build_model")
             raise ValueError(f"{type(self).__name__} needs a {self.family!r} config; this one is "
-                             f"family {config.family!r} (models/registry.py build_model builds it)")
+                             f"family {config.family!r} ({builder} builds it)")
         config.check_layout(topo.config)  # the one layout rule set, once per model chunk
         self.config, self.topo, self.rng = config, topo, rng
         self.pre_process, self.post_process = pre_process, post_process
