@@ -81,15 +81,21 @@ def to_hf_state_dict(full: dict[str, torch.Tensor], config: TransformerConfig) -
             for mz, hf in _pairs(config)}
 
 
+# What transformers' BloomConfig cannot express otherwise (besides the 4h MLP and full heads)
+HF_FIXED = dict(activation="gelu_tanh", bias=True, kv_channels=None, add_qkv_bias=False,
+                qk_layernorm=False, scale_attn_weights=True, scale_attn_by_inverse_layer_idx=False)
+
+
 def hf_config(config: TransformerConfig):
     """The `transformers.BloomConfig` of a megazoo BLOOM configuration (for export)."""
     from transformers import BloomConfig
-    if (config.ffn_hidden_size != 4 * config.hidden_size or config.activation != "gelu_tanh"
-            or (config.bias, config.num_query_groups, config.kv_channels, config.add_qkv_bias,
-                config.qk_layernorm, config.scale_attn_weights, config.scale_attn_by_inverse_layer_idx)
-            != (True, config.num_attention_heads, None, False, False, True, False)):
-        raise ValueError("HF BLOOM fixes ffn_hidden_size = 4 * hidden_size, tanh-GELU, biases and "
-                         "plain multi-head attention; this model differs and cannot be exported as BLOOM")
+    fixed = dict(HF_FIXED, ffn_hidden_size=4 * config.hidden_size,
+                 num_query_groups=config.num_attention_heads)
+    differs = [k for k, v in fixed.items() if getattr(config, k) != v]
+    if differs:
+        raise ValueError(f"HF BLOOM fixes ffn_hidden_size = 4 * hidden_size, tanh-GELU, biases and "
+                         f"plain multi-head attention; this model differs ({', '.join(differs)}) "
+                         f"and cannot be exported as BLOOM")
     hf = BloomConfig(
         vocab_size=config.vocab_size, hidden_size=config.hidden_size, n_layer=config.num_layers,
         n_head=config.num_attention_heads, layer_norm_epsilon=config.layernorm_epsilon,

@@ -296,3 +296,36 @@ def run_llama(argv: list[str], world: int):
     tok = build_run_tokenizer(args)
     run = to_run_config(args, world_size=world, vocab_size=tok.vocab_size, eod_token=tok.eod)
     return pretrain(build_model, run)
+
+
+def assert_config_round_trip(hf, cfg, adapter) -> None:
+    """The adapter's HF config of `cfg` reads back as `cfg` and says what `hf`'s config says for
+    every field the adapter maps."""
+    back = adapter.hf_config(cfg)
+    assert adapter.config_from_hf(back).computed_fields() == cfg.computed_fields()
+    sent = hf.config.to_dict()
+    for k, v in back.to_dict().items():
+        if k in adapter.MAPPED:
+            assert sent[k] == v, k
+
+
+def assert_equals_transformers(hf, cfg, model, adapter, vocab: int, seq: int, tol: dict) -> None:
+    """One process: logits within `tol` of transformers', greedy generation equal to its
+    `generate`, and the export back equal to its state dict bit for bit."""
+    from megazoo.models.generation import SamplingConfig, generate
+    from megazoo.parallel.sharding import gather_full_state_dict
+    from megazoo.parallel.topology import ParallelTopology
+    ids = torch.randint(3, vocab, (2, seq), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = hf(ids).logits
+        logits = model(ids)[..., :vocab]
+    torch.testing.assert_close(logits, ref, **tol)
+    out = generate(model, ParallelTopology.single(), ids[:, :6], 8, SamplingConfig(greedy=True))
+    want = hf.generate(ids[:, :6], max_new_tokens=8, do_sample=False, min_new_tokens=8,
+                       eos_token_id=None, pad_token_id=0)
+    assert torch.equal(out, want)
+    back = adapter.to_hf_state_dict(gather_full_state_dict(model, ParallelTopology.single()), cfg)
+    sd = hf.state_dict()
+    assert back.keys() == sd.keys()
+    for k in sd:
+        assert torch.equal(back[k], sd[k]), k

@@ -14,7 +14,7 @@ from megazoo.models.registry import build_model, family
 from megazoo.parallel.sharding import gather_full_state_dict, load_full_state_dict
 from megazoo.parallel.topology import ParallelConfig, ParallelTopology
 from tests.distributed import run_distributed
-from tests.hf_models import perturbed
+from tests.hf_models import assert_config_round_trip, assert_equals_transformers, perturbed
 
 VOCAB, SEQ = 97, 19
 TOL = dict(rtol=0, atol=1e-5)
@@ -54,34 +54,14 @@ def test_config_maps_every_field_both_ways(pair):
     assert spec.mixer.sinks and spec.mixer.window == 5 and spec.mlp.kind == "moe"
     assert cfg.layer_spec(1).mixer.window is None
     assert sum(p.numel() for p in hf.parameters()) == cfg.num_parameters()
-    back = adapter.hf_config(cfg)
-    assert adapter.config_from_hf(back).computed_fields() == cfg.computed_fields()
-    sent = hf.config.to_dict()
-    for k, v in back.to_dict().items():
-        if k in adapter.MAPPED:
-            assert sent[k] == v, k
+    assert_config_round_trip(hf, cfg, adapter)
     with pytest.raises(ValueError, match="attention_bias"):
         adapter.config_from_hf(_hf_config(attention_bias=False))
 
 
 def test_logits_generation_and_export_equal_transformers(pair):
-    from megazoo.models.generation import SamplingConfig, generate
     hf, cfg, model = pair
-    ids = torch.randint(3, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        ref = hf(ids).logits
-        logits = model(ids)[..., :VOCAB]
-    torch.testing.assert_close(logits, ref, **TOL)
-    out = generate(model, ParallelTopology.single(), ids[:, :6], 8, SamplingConfig(greedy=True))
-    want = hf.generate(ids[:, :6], max_new_tokens=8, do_sample=False, min_new_tokens=8,
-                       eos_token_id=None, pad_token_id=0)
-    assert torch.equal(out, want)
-    back = adapter.to_hf_state_dict(gather_full_state_dict(model, ParallelTopology.single()), cfg)
-    sd = hf.state_dict()
-    assert back.keys() == sd.keys()
-    for k in sd:
-        assert torch.equal(back[k], sd[k]), k
-
+    assert_equals_transformers(hf, cfg, model, adapter, VOCAB, SEQ, TOL)
 
 def _worker(rank, cfg, full, ids, ref):
     import torch.distributed as dist
