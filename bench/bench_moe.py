@@ -32,7 +32,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 import torch
 import torch.nn.functional as F
 
-from megazoo.models import mixtral
+from megazoo.models.mixtral import adapter as mixtral
+from megazoo.models.mixtral.model import MixtralModel
 from megazoo.models.moe import moe_layers
 from megazoo.parallel.topology import ParallelConfig, ParallelTopology
 from megazoo.parallel.zero import OptimizerConfig, build_optimizer
@@ -65,7 +66,7 @@ def step_variants(a, dtype: str):
     hf = hf_model(a)
     cfg = mixtral.config_from_hf(hf.config)
     topo = ParallelTopology.single()
-    mz = mixtral.MixtralModel(cfg, topo)
+    mz = MixtralModel(cfg, topo)
     from megazoo.parallel.sharding import load_full_state_dict
     load_full_state_dict(mz, mixtral.from_hf_state_dict(hf.state_dict(), cfg), topo)
     opt = build_optimizer(mz, topo, OptimizerConfig(lr=LR, clip_grad=1.0),

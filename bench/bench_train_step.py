@@ -44,10 +44,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 import torch
 
-from megazoo.models import bloom as mz_bloom, gpt as mz_gpt
-from megazoo.models.bloom import BloomModel
+from megazoo.models.bloom import adapter as mz_bloom
+from megazoo.models.gpt2 import adapter as mz_gpt
+from megazoo.models.bloom.model import BloomModel
 from megazoo.models.config import TransformerConfig
-from megazoo.models.gpt import GPTModel
+from megazoo.models.gpt2.model import GPTModel
 from megazoo.parallel.topology import ParallelTopology
 from megazoo.parallel.zero import OptimizerConfig, build_optimizer
 from megazoo.training.run.step import activation_shape, forward_backward

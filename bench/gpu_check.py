@@ -52,11 +52,12 @@ def check_hf_parity(dev) -> str:
     from megazoo.parallel.topology import ParallelTopology
     from tests.hf_models import hf_llama, perturbed
     from tests.models.test_hf_parity import CASES
-    from megazoo.models import llama
+    from megazoo.models.llama import adapter as llama
+    from megazoo.models.llama.model import LlamaModel
     topo = ParallelTopology.single(device=dev)
     cases = {name: (module, cls, lambda b=build: perturbed(b()))
              for name, (module, cls, build) in CASES.items()}
-    cases["llama"] = (llama, llama.LlamaModel, hf_llama)
+    cases["llama"] = (llama, LlamaModel, hf_llama)
     out = []
     for name, (module, cls, build) in sorted(cases.items()):
         torch.manual_seed(0)
@@ -244,7 +245,7 @@ def check_zero_world_size_1(dev) -> str:
 def check_generation(dev) -> str:
     from megazoo.models.config import TransformerConfig
     from megazoo.models.generation import generate
-    from megazoo.models.llama import LlamaModel
+    from megazoo.models.llama.model import LlamaModel
     from megazoo.parallel.topology import ParallelTopology
     cfg = TransformerConfig(vocab_size=300, hidden_size=64, num_layers=2, num_attention_heads=4,
                             num_query_groups=2, ffn_hidden_size=128, max_position_embeddings=64,
@@ -265,7 +266,7 @@ def check_generation(dev) -> str:
 def train_step(dev, compile_layers: bool, micro_batch: int, steps: int, model_name="gpt-1.3b",
                seq: int = 2048, peak_flops: float | None = None) -> dict:
     from megazoo.models.presets import preset
-    from megazoo.models.gpt import GPTModel
+    from megazoo.models.gpt2.model import GPTModel
     from megazoo.parallel.topology import ParallelTopology
     from megazoo.parallel.zero import OptimizerConfig, build_optimizer
     from megazoo.training.monitor.metrics import device_peak_flops, mfu as model_flops_utilisation

@@ -1,13 +1,17 @@
 """Family folders: a family is one folder `models/<family>/`, named by its Hugging Face
 `model_type`, holding what makes it itself:
 
-    rules.py    SHAPE (the config fields the family fixes) and MOE; data only, no imports
+    rules.py    SHAPE (the config fields the family fixes), MOE, optional MEGATRON and
+                INFER_BEFORE; data only (it may start from models/family_bases.py)
     presets.py  PRESETS (name -> TransformerConfig fields, each naming the family)
     adapter.py  the Hugging Face adapter (config_from_hf, hf_config, from_hf_state_dict,
                 to_hf_state_dict)
+    model.py    the model class (its `family` attribute is the folder's name)
     family.py   MODEL_CLASS, ADAPTER, DEFAULT_PRESET (what models/registry.py registers)
 
-The registry, family_rules and presets find the folders here; nothing else lists them. A folder
+The registry, family_rules and presets find the folders here; nothing else lists them. Code
+several families share lives in modules beside the folders (llama_like.py, qwen_moe_like.py),
+never in another family's folder. A folder
 builds its layers from layer specs (models/spec.py): it changes no shared block.
 """
 from __future__ import annotations

@@ -3,8 +3,9 @@ given, and refuse a config its family cannot compute (one line naming the field)
 
 A family is data: `TransformerConfig.family` is recorded in every checkpoint, and
 models/registry.py maps the name to the model class, the Hugging Face adapter and the presets.
-These rules read only config fields, so `models/config.py` applies them without importing any
-family's code; the registry checks that it registers exactly these names.
+The rules are each family folder's rules.py (models/family_folders.py): data that reads only
+config fields, so `models/config.py` applies them without importing any family's code; the
+registry checks that it registers exactly these names.
 """
 from __future__ import annotations
 
@@ -12,48 +13,29 @@ import dataclasses
 
 from .family_folders import load
 
-# Shared by the Llama-shaped families (rotary positions, RMSNorm, SwiGLU).
-_ROPE = dict(position_embedding="rope", normalization="rmsnorm", activation="swiglu",
-             embedding_layernorm=False)
+# models/<family>/rules.py of every family folder: SHAPE (the fields whose value the family
+# fixes; dense families also refuse every MoE field that differs from its default, `moe_fields`),
+# MOE (a mixture-of-experts family: it needs --num-experts), MEGATRON (optional: the Megatron-core
+# tensor layout covers it) and INFER_BEFORE (optional: families a config that fits both is
+# inferred not to be, e.g. a Llama config fits Mistral's rules too).
+_FOLDERS = load("rules")
+SHAPES: dict[str, dict] = {name: dict(rules.SHAPE) for name, rules in _FOLDERS.items()}
 
-# family -> the fields whose value it fixes. Dense families also refuse every MoE field that
-# differs from its default (`moe_fields`); MoE families need --num-experts.
-# Families whose attention has no sliding window (Mistral, Qwen2/3 and Mixtral have one).
-_FULL = dict(sliding_window=None)
-# Families without multi-head latent attention (DeepSeek-V3 has it), and MoE families whose router
-# is a softmax without DeepSeek-V3's expert bias, groups, scaling or dense first layers.
-# The layer options newer families brought (models/spec.py), at their defaults: the families
-# before them refuse each.
-_CLASSIC = dict(rope_local_theta=None, post_norms=False, embedding_scale=False,
-                query_pre_attn_scalar=None, attn_logit_softcapping=None,
-                final_logit_softcapping=None, attention_sinks=False, swiglu_alpha=1.702,
-                swiglu_limit=None, token_mixers=None)
-_MHA = dict(_CLASSIC, kv_lora_rank=None, mtp_num_layers=0)  # multi-token prediction: DeepSeek-V3's
-_SOFTMAX_ROUTER = dict(_MHA, moe_router_score_function="softmax", moe_router_bias=False,
-                       moe_router_enable_expert_bias=False, moe_router_num_groups=None, moe_router_topk_scaling_factor=None,
-                       moe_first_dense_layers=0)
-SHAPES: dict[str, dict] = {
-    "gpt2": dict(_MHA, **_FULL, position_embedding="learned", embedding_layernorm=False),
-    "bloom": dict(_MHA, **_FULL, position_embedding="alibi", embedding_layernorm=True),
-    "llama": dict(_MHA, **_ROPE, **_FULL, add_qkv_bias=False, qk_layernorm=False),
-    "qwen2": dict(_MHA, **_ROPE, add_qkv_bias=True, qk_layernorm=False, bias=False),
-    "qwen3": dict(_MHA, **_ROPE, add_qkv_bias=False, qk_layernorm=True, bias=False),
-    "mistral": dict(_MHA, **_ROPE, add_qkv_bias=False, qk_layernorm=False, bias=False,
-                    full_attention_layers=()),
-    "mixtral": dict(_SOFTMAX_ROUTER, **_ROPE, add_qkv_bias=False, qk_layernorm=False,
-                    full_attention_layers=(), moe_shared_expert_intermediate_size=None,
-                    moe_shared_expert_gate=False),
-    "qwen2_moe": dict(_SOFTMAX_ROUTER, **_ROPE, **_FULL, qk_layernorm=False, bias=False),
-    "qwen3_moe": dict(_SOFTMAX_ROUTER, **_ROPE, **_FULL, add_qkv_bias=False, qk_layernorm=True,
-                      bias=False),
-    "deepseek_v3": dict(_CLASSIC, **_ROPE, **_FULL, moe_router_bias=False, add_qkv_bias=False, qk_layernorm=False, bias=False,
-                        moe_router_score_function="sigmoid"),
-}
-_FOLDERS = load("rules")  # models/<family>/rules.py: each folder's shape, after the classic ones
-SHAPES.update({name: dict(rules.SHAPE) for name, rules in _FOLDERS.items()})
-MOE_FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3") + tuple(
-    name for name, rules in _FOLDERS.items() if rules.MOE)  # inference tries them in order
-DENSE_FAMILIES = tuple(name for name in SHAPES if name not in MOE_FAMILIES)
+
+def _inference_order(names: list[str]) -> tuple[str, ...]:
+    """`names` sorted, each moved before the families its INFER_BEFORE names."""
+    order = sorted(names)
+    for name in sorted(names):
+        for later in getattr(_FOLDERS[name], "INFER_BEFORE", ()):
+            if later in order and order.index(later) < order.index(name):
+                order.remove(name)
+                order.insert(order.index(later), name)
+    return tuple(order)
+
+
+MOE_FAMILIES = _inference_order([n for n, rules in _FOLDERS.items() if rules.MOE])  # tried in order
+DENSE_FAMILIES = _inference_order([n for n in SHAPES if n not in MOE_FAMILIES])
+MEGATRON_FAMILIES = tuple(n for n, rules in _FOLDERS.items() if getattr(rules, "MEGATRON", False))
 
 
 def moe_fields(config_cls) -> tuple[str, ...]:

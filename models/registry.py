@@ -1,19 +1,18 @@
 """The model families: the one place that maps a family name to code.
 
 A family is data: `TransformerConfig.family` (recorded in every checkpoint's model config) names
-an entry here, which gives the model class, the Hugging Face adapter (the module with
-`config_from_hf`, `hf_config`, `from_hf_state_dict`, `to_hf_state_dict`; a family's name is its
-HF `model_type`) and the presets of that family. Training scripts, HF import and export,
+an entry here, read from its folder (models/<family>/family.py), which gives the model class,
+the Hugging Face adapter (the module with `config_from_hf`, `hf_config`, `from_hf_state_dict`,
+`to_hf_state_dict`; a family's name is its HF `model_type`) and the presets of that family. Training scripts, HF import and export,
 resharding, generation, the dry run and resume all ask it; none compares classes. What a
-family's config must look like is models/family_rules.py. Add a family with one entry here and
-its rules there.
+family's config must look like is its folder's rules.py (models/family_rules.py). Add a family
+with one folder (models/family_folders.py); nothing here names one.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from types import ModuleType
 
-from . import bloom, deepseek_v3, gpt, llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe
 from .config import TransformerConfig
 from .presets import PRESETS
 from .family_folders import load
@@ -23,7 +22,7 @@ from .language_model import TransformerLanguageModel
 
 @dataclass(frozen=True)
 class Family:
-    name: str  # = the Hugging Face config.json `model_type` = model_class.family
+    name: str  # = the Hugging Face config.json `model_type` = model_class.family = its folder
     model_class: type
     adapter: ModuleType
     default_preset: str | None  # what the family's training script builds without --model
@@ -33,28 +32,14 @@ class Family:
         return sorted(n for n, fields in PRESETS.items() if fields.get("family") == self.name)
 
 
-def _family(model_class: type, adapter: ModuleType, default_preset: str | None) -> Family:
-    return Family(model_class.family, model_class, adapter, default_preset)
-
-
-FAMILIES: dict[str, Family] = {f.name: f for f in (
-    _family(gpt.GPTModel, gpt, None),  # train_gpt.py: the flags give the shape
-    _family(bloom.BloomModel, bloom, "bloom-560m"),
-    _family(llama.LlamaModel, llama, "smollm2-135m"),
-    _family(qwen2.Qwen2Model, qwen2, "qwen2.5-0.5b"),
-    _family(qwen3.Qwen3Model, qwen3, "qwen3-tiny"),
-    _family(mistral.MistralModel, mistral, "mistral-tiny"),
-    _family(mixtral.MixtralModel, mixtral, "moe-tiny"),
-    _family(qwen2_moe.Qwen2MoeModel, qwen2_moe, "qwen2-moe-a2.7b"),
-    _family(qwen3_moe.Qwen3MoeModel, qwen3_moe, "qwen3-moe-30b-a3b"),
-    _family(deepseek_v3.DeepseekV3Model, deepseek_v3, "deepseek-v3-tiny"),
-)}
-# the family folders (models/<family>/family.py; models/family_folders.py)
-FAMILIES.update({name: Family(name, f.MODEL_CLASS, f.ADAPTER, f.DEFAULT_PRESET)
-                 for name, f in load("family").items()})
+# every family folder's family.py (models/<family>/family.py; models/family_folders.py)
+FAMILIES: dict[str, Family] = {name: Family(name, f.MODEL_CLASS, f.ADAPTER, f.DEFAULT_PRESET)
+                               for name, f in load("family").items()}
 assert all(f.model_class.family == name for name, f in FAMILIES.items()), \
     "a family's model class names another family (its `family` attribute)"
 assert FAMILIES.keys() == SHAPES.keys(), "models/family_rules.py and the registry disagree"
+assert all(f.default_preset is None or f.default_preset in f.presets for f in FAMILIES.values()), \
+    "a family.py's DEFAULT_PRESET is not one of its folder's presets"
 
 
 def family(name: str | None, where: str = "the checkpoint") -> Family:

@@ -1,6 +1,6 @@
 """Gemma 3 text <-> Hugging Face `Gemma3ForCausalLM` (`Gemma3TextConfig`): every config field
 mapped both ways or refused, and the tensors (q, k, v fused per key/value group and [gate; up]
-fused as models/llama.py does; Gemma's four norms per layer named here)."""
+fused as models/llama_like.py does; Gemma's four norms per layer named here)."""
 from __future__ import annotations
 
 import torch
@@ -8,7 +8,7 @@ import torch
 from ..config import ROPE_TYPES, TransformerConfig, canonical_rope_scaling
 from ..hf_fields import check_fields, refuse
 from ..language_model import WORD_EMBEDDINGS
-from ..llama import _fuse_qkv, _split_qkv
+from ..llama_like import fuse_qkv, split_qkv
 from ..rope import rope_type
 
 FAMILY = "Gemma3"
@@ -137,7 +137,7 @@ def from_hf_state_dict(sd: dict[str, torch.Tensor], config: TransformerConfig) -
     for i in range(config.num_layers):
         m, h = f"layers.{i}.", f"model.layers.{i}."
         q, k, v = (sd[h + f"self_attn.{x}_proj.weight"] for x in "qkv")
-        out[m + "attention.qkv.weight"] = _fuse_qkv(q, k, v, config.num_query_groups)
+        out[m + "attention.qkv.weight"] = fuse_qkv(q, k, v, config.num_query_groups)
         out[m + "mlp.fc1.weight"] = torch.cat([sd[h + "mlp.gate_proj.weight"],
                                                sd[h + "mlp.up_proj.weight"]])
     return {k: v.contiguous() for k, v in out.items()}
@@ -148,7 +148,7 @@ def to_hf_state_dict(full: dict[str, torch.Tensor], config: TransformerConfig) -
     out = {hf: full[mz] for mz, hf in _pairs(config)}
     for i in range(config.num_layers):
         m, h = f"layers.{i}.", f"model.layers.{i}."
-        for x, t in zip("qkv", _split_qkv(full[m + "attention.qkv.weight"], config)):
+        for x, t in zip("qkv", split_qkv(full[m + "attention.qkv.weight"], config)):
             out[h + f"self_attn.{x}_proj.weight"] = t
         gate, up = full[m + "mlp.fc1.weight"].chunk(2)
         out[h + "mlp.gate_proj.weight"], out[h + "mlp.up_proj.weight"] = gate, up

@@ -1,5 +1,5 @@
 """gpt-oss <-> Hugging Face `GptOssForCausalLM` (`GptOssConfig`): every config field mapped both
-ways or refused, and the tensors: attention and norms as Llama's (models/llama.py, with biases),
+ways or refused, and the tensors: attention and norms as Llama's (models/llama_like.py, with biases),
 the sinks one to one, the router's weight and bias, and the experts' interleaved
 `gate_up_proj` [experts, hidden, 2 x ffn] (gate the even columns, up the odd ones) as megazoo's
 stacked [gate; up] rows."""
@@ -9,7 +9,7 @@ import torch
 
 from ..config import TransformerConfig
 from ..hf_fields import check_fields, refuse
-from .. import llama
+from .. import llama_like
 
 FAMILY = "GptOss"
 MAPPED = frozenset({
@@ -26,10 +26,10 @@ def config_from_hf(hf) -> TransformerConfig:
     check_fields(hf, FAMILY, MAPPED)
     if hf.attention_bias is not True:
         raise refuse(FAMILY, "attention_bias", hf.attention_bias, True)
-    if hf.hidden_act not in llama.SILU_NAMES:  # transformers' experts compute their own SwiGLU
-        raise refuse(FAMILY, "hidden_act", hf.hidden_act, list(llama.SILU_NAMES))
-    theta, scaling = llama.rope_from_hf(hf, FAMILY)
-    window = llama.window_from_hf(hf, FAMILY, list(hf.layer_types))
+    if hf.hidden_act not in llama_like.SILU_NAMES:  # transformers' experts compute their own SwiGLU
+        raise refuse(FAMILY, "hidden_act", hf.hidden_act, list(llama_like.SILU_NAMES))
+    theta, scaling = llama_like.rope_from_hf(hf, FAMILY)
+    window = llama_like.window_from_hf(hf, FAMILY, list(hf.layer_types))
     return TransformerConfig(
         family="gpt_oss", vocab_size=hf.vocab_size, hidden_size=hf.hidden_size,
         num_layers=hf.num_hidden_layers, num_attention_heads=hf.num_attention_heads,
@@ -43,7 +43,7 @@ def config_from_hf(hf) -> TransformerConfig:
         attention_dropout=float(hf.attention_dropout or 0.0), hidden_dropout=0.0,
         init_method_std=hf.initializer_range, num_experts=hf.num_local_experts,
         moe_router_topk=hf.num_experts_per_tok, moe_router_bias=True,
-        # HF's coefficient multiplies a sum topk times larger than Megatron's (models/mixtral.py)
+        # HF's coefficient multiplies a sum topk times larger than Megatron's (models/mixtral/adapter.py)
         moe_aux_loss_coeff=float(hf.router_aux_loss_coef) * hf.num_experts_per_tok)
 
 
@@ -72,7 +72,7 @@ def hf_config(config: TransformerConfig, **extra):
 def from_hf_state_dict(sd: dict[str, torch.Tensor], config: TransformerConfig) -> dict[str, torch.Tensor]:
     """HF GptOssForCausalLM tensors -> full megazoo tensors."""
     sd = {k if k.startswith(("model.", "lm_head.")) else "model." + k: v for k, v in sd.items()}
-    out = llama.from_hf_state_dict(sd, config)
+    out = llama_like.from_hf_state_dict(sd, config)
     for i in range(config.num_layers):
         h, m = f"model.layers.{i}.", f"layers.{i}."
         out[m + "attention.sinks"] = sd[h + "self_attn.sinks"]
@@ -93,7 +93,7 @@ def _interleave(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 def to_hf_state_dict(full: dict[str, torch.Tensor], config: TransformerConfig) -> dict[str, torch.Tensor]:
     """Full megazoo tensors -> HF GptOssForCausalLM tensors (no lm_head when tied)."""
-    out = llama.to_hf_state_dict(full, config)
+    out = llama_like.to_hf_state_dict(full, config)
     for i in range(config.num_layers):
         h, m = f"model.layers.{i}.", f"layers.{i}."
         out[h + "self_attn.sinks"] = full[m + "attention.sinks"]

@@ -106,7 +106,9 @@ def test_real_config_files_with_training_leftovers_are_accepted():
     """Fields that transformers ignores for a family (as in released config.json files) pass."""
     from transformers import BloomConfig, GPT2Config, LlamaConfig
 
-    from megazoo.models import bloom, gpt, llama
+    from megazoo.models.bloom import adapter as bloom
+    from megazoo.models.gpt2 import adapter as gpt
+    from megazoo.models.llama import adapter as llama
     gpt.config_from_hf(GPT2Config(n_ctx=1024, summary_type="cls_index", reorder_and_upcast_attn=True,
                                   task_specific_params={"text-generation": {"do_sample": True}}))
     bloom.config_from_hf(BloomConfig(offset_alibi=100, skip_bias_add=True, pretraining_tp=4,

@@ -3,7 +3,10 @@ import pytest
 import torch
 from transformers import BloomConfig, BloomForCausalLM, GPT2Config, GPT2LMHeadModel
 
-from megazoo.models import bloom, gpt
+from megazoo.models.bloom import adapter as bloom
+from megazoo.models.bloom.model import BloomModel
+from megazoo.models.gpt2 import adapter as gpt
+from megazoo.models.gpt2.model import GPTModel
 from megazoo.parallel.sharding import gather_full_state_dict, load_full_state_dict
 from megazoo.parallel.topology import ParallelTopology
 from tests.hf_models import perturbed
@@ -12,10 +15,10 @@ VOCAB = 101  # odd on purpose: needs padding
 
 
 CASES = {
-    "gpt2": (gpt, gpt.GPTModel, lambda: GPT2LMHeadModel(GPT2Config(
+    "gpt2": (gpt, GPTModel, lambda: GPT2LMHeadModel(GPT2Config(
         vocab_size=VOCAB, n_positions=32, n_embd=48, n_layer=2, n_head=4,
         resid_pdrop=0, embd_pdrop=0, attn_pdrop=0, bos_token_id=0, eos_token_id=0))),
-    "bloom": (bloom, bloom.BloomModel, lambda: BloomForCausalLM(BloomConfig(
+    "bloom": (bloom, BloomModel, lambda: BloomForCausalLM(BloomConfig(
         vocab_size=VOCAB, hidden_size=48, n_layer=2, n_head=6,  # 6 heads: not a power of two
         hidden_dropout=0, attention_dropout=0, bos_token_id=0, eos_token_id=0))),
 }
@@ -49,7 +52,7 @@ def test_logits_and_loss_match_transformers(name):
 
 def test_model_class_checks_architecture():
     with pytest.raises(ValueError, match="BloomModel"):
-        gpt.GPTModel(bloom.config_from_hf(BloomConfig(hidden_size=16, n_layer=1, n_head=2, vocab_size=10)),
+        GPTModel(bloom.config_from_hf(BloomConfig(hidden_size=16, n_layer=1, n_head=2, vocab_size=10)),
                      ParallelTopology.single())
 
 

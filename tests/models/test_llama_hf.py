@@ -6,7 +6,8 @@ round trip, KV-cache decoding, greedy generation against `generate`, and the pre
 import pytest
 import torch
 
-from megazoo.models import llama
+from megazoo.models.llama import adapter as llama
+from megazoo.models.llama.model import LlamaModel
 from megazoo.models.blocks import KVCache
 from megazoo.models.presets import PRESETS, preset
 from megazoo.parallel.sharding import gather_full_state_dict
@@ -82,7 +83,7 @@ def test_kv_cache_decoding_and_greedy_generation_match():
 
 def test_model_class_checks_architecture():
     with pytest.raises(ValueError, match="LlamaModel needs"):
-        llama.LlamaModel(preset("gpt2", num_layers=1), ParallelTopology.single())
+        LlamaModel(preset("gpt2", num_layers=1), ParallelTopology.single())
 
 
 LLAMA_PRESETS = [n for n, p in PRESETS.items() if p.get("activation") == "swiglu"

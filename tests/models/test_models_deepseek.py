@@ -1,4 +1,4 @@
-"""DeepSeek-V3 (models/moe.py, models/mla.py, models/deepseek_v3.py) against transformers and hand
+"""DeepSeek-V3 (models/moe.py, models/mla.py, models/deepseek_v3/) against transformers and hand
 references.
 
 * Sigmoid scores, the expert bias for the choice only, group-limited routing (a group scores as
@@ -222,7 +222,8 @@ def test_expert_bias_update_is_the_sign_rule_on_the_load():
 
 
 def test_deepseek_v3_family_logits_generation_and_round_trip():
-    from megazoo.models import deepseek_v3
+    from megazoo.models.deepseek_v3 import adapter as deepseek_v3
+    from megazoo.models.deepseek_v3.model import DeepseekV3Model
     from megazoo.models.registry import family
     from megazoo.parallel.sharding import load_full_state_dict
     hf = hf_deepseek_v3()
@@ -230,7 +231,7 @@ def test_deepseek_v3_family_logits_generation_and_round_trip():
     assert family("deepseek_v3").adapter is deepseek_v3 and cfg.family == "deepseek_v3"
     assert [cfg.is_moe_layer(i) for i in range(3)] == [False, True, True]
     topo = ParallelTopology.single()
-    model = deepseek_v3.DeepseekV3Model(cfg, topo).eval()
+    model = DeepseekV3Model(cfg, topo).eval()
     sd = {k: v for k, v in hf.state_dict().items()}
     full = deepseek_v3.from_hf_state_dict(sd, cfg)
     load_full_state_dict(model, full, topo)
@@ -266,7 +267,7 @@ def test_deepseek_v3_family_logits_generation_and_round_trip():
     ("attention_bias", True, "attention_bias")])
 def test_deepseek_v3_refuses_what_it_does_not_model_in_one_line(field, value, match):
     from transformers import DeepseekV3Config
-    from megazoo.models import deepseek_v3
+    from megazoo.models.deepseek_v3 import adapter as deepseek_v3
     hf = DeepseekV3Config(hidden_size=40, num_attention_heads=4, num_key_value_heads=4,
                           n_routed_experts=8, num_hidden_layers=2, **{field: value})
     with pytest.raises(ValueError, match=match) as e:
@@ -276,7 +277,7 @@ def test_deepseek_v3_refuses_what_it_does_not_model_in_one_line(field, value, ma
 
 def test_presets_count_what_they_build_and_deepseek_v3_is_671b():
     from megazoo.models.presets import preset
-    from megazoo.models import deepseek_v3
+    from megazoo.models.deepseek_v3 import adapter as deepseek_v3
     tiny = preset("deepseek-v3-tiny", vocab_size=1024)
     model = TransformerLanguageModel(tiny.replace(make_vocab_size_divisible_by=1), ParallelTopology.single())
     built = sum(p.numel() for n, p in model.named_parameters() if not n.endswith("expert_bias"))

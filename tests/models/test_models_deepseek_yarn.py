@@ -22,18 +22,20 @@ YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 
 
 
 def _converted(hf):
-    from megazoo.models import deepseek_v3
+    from megazoo.models.deepseek_v3 import adapter as deepseek_v3
+    from megazoo.models.deepseek_v3.model import DeepseekV3Model
     from megazoo.parallel.sharding import load_full_state_dict
     cfg = deepseek_v3.config_from_hf(hf.config).replace(make_vocab_size_divisible_by=8)
     topo = ParallelTopology.single()
-    model = deepseek_v3.DeepseekV3Model(cfg, topo).eval()
+    model = DeepseekV3Model(cfg, topo).eval()
     load_full_state_dict(model, deepseek_v3.from_hf_state_dict(hf.state_dict(), cfg), topo)
     return cfg, model
 
 
 @pytest.mark.parametrize("interleave", [True, False])
 def test_yarn_latent_attention_logits_equal_transformers(interleave):
-    from megazoo.models import deepseek_v3
+    from megazoo.models.deepseek_v3 import adapter as deepseek_v3
+    from megazoo.models.deepseek_v3.model import DeepseekV3Model
     from megazoo.models.rope import attention_factor, latent_softmax_scale
     hf = hf_deepseek_v3(max_position_embeddings=32, qk_rope_head_dim=8, rope_interleave=interleave,
                         rope_parameters=dict(YARN))
@@ -41,7 +43,7 @@ def test_yarn_latent_attention_logits_equal_transformers(interleave):
     assert cfg.rope_scaling["rope_type"] == "yarn"
     assert attention_factor(cfg.rope_scaling, 32) != pytest.approx(1.0, abs=0.01)
     assert latent_softmax_scale(cfg.rope_scaling, 32) > 1.3
-    plain = deepseek_v3.DeepseekV3Model(cfg.replace(rope_scaling=None), ParallelTopology.single())
+    plain = DeepseekV3Model(cfg.replace(rope_scaling=None), ParallelTopology.single())
     plain.load_state_dict(model.state_dict())
     plain.eval()
     for seq in (6, 20):  # within and past the original 8 positions

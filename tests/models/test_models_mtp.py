@@ -22,7 +22,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megazoo.models import deepseek_v3
+from megazoo.models.deepseek_v3 import adapter as deepseek_v3
+from megazoo.models.deepseek_v3.model import DeepseekV3Model
 from megazoo.models.moe import update_expert_biases
 from megazoo.models.multi_token_prediction import shifted
 from megazoo.parallel.sharding import load_full_state_dict
@@ -127,7 +128,7 @@ def _reference_losses(hf, depths, ids, labels, mask=None):
 def _ours(hf, depths, topo=None):
     topo = topo or ParallelTopology.single()
     cfg = deepseek_v3.config_from_hf(hf.config).replace(make_vocab_size_divisible_by=8)
-    model = deepseek_v3.DeepseekV3Model(cfg, topo)
+    model = DeepseekV3Model(cfg, topo)
     sd = {**hf.state_dict(), **depths.file_tensors()}
     load_full_state_dict(model, deepseek_v3.from_hf_state_dict(sd, cfg), topo)
     return cfg, model, sd
@@ -246,7 +247,7 @@ def test_generation_is_unchanged_by_the_depths():
     cfg, model, sd = _ours(hf, depths)
     plain_cfg = cfg.replace(mtp_num_layers=0)
     topo = ParallelTopology.single()
-    plain = deepseek_v3.DeepseekV3Model(plain_cfg, topo)
+    plain = DeepseekV3Model(plain_cfg, topo)
     load_full_state_dict(plain, deepseek_v3.from_hf_state_dict(hf.state_dict(), plain_cfg), topo)
     prompt = _batch()[0][:, :4]
     ours = generate(model.eval(), topo, prompt, 6, SamplingConfig())

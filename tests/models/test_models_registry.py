@@ -201,7 +201,7 @@ def test_import_edges_are_modelled_or_refused(tmp_path):
     from transformers import (AutoModelForCausalLM, BloomConfig, LlamaConfig, Qwen2Config,
                               Qwen2ForCausalLM)
 
-    from megazoo.models import bloom
+    from megazoo.models.bloom import adapter as bloom
     from megazoo.models.hf_fields import UnsupportedConfigError
     from megazoo.training.checkpoint.hf import ConversionError, hf_to_full
     with pytest.raises(UnsupportedConfigError, match="slow_but_exact=True is not supported"):

@@ -13,7 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megazoo.models import mixtral
+from megazoo.models.mixtral import adapter as mixtral
+from megazoo.models.mixtral.model import MixtralModel
 from megazoo.models.generation import SamplingConfig, generate
 from megazoo.models.language_model import gather_logits
 from megazoo.parallel.sharding import load_full_state_dict
@@ -127,7 +128,7 @@ def _world(rank, cfg, full, ref_logits, ref_loss):
     done = []
     for kw in LAYOUTS:
         topo = ParallelTopology.from_config(ParallelConfig(**kw))
-        chunks = [mixtral.MixtralModel(cfg, topo, **s.kwargs()).eval()
+        chunks = [MixtralModel(cfg, topo, **s.kwargs()).eval()
                   for s in topo.config.chunk_specs(cfg.num_layers, topo.pp_rank)]
         for c in chunks:
             load_full_state_dict(c, full, topo)

@@ -19,7 +19,10 @@ PUBLISHED = {"qwen2-0.5b": 494_032_768, "qwen2.5-0.5b": 494_032_768, "qwen3-0.6b
 
 @pytest.mark.parametrize("name", QWEN_PRESETS)
 def test_presets_build_the_hf_shapes(name):
-    from megazoo.models import qwen2, qwen2_moe, qwen3, qwen3_moe
+    from megazoo.models.qwen2 import adapter as qwen2
+    from megazoo.models.qwen2_moe import adapter as qwen2_moe
+    from megazoo.models.qwen3 import adapter as qwen3
+    from megazoo.models.qwen3_moe import adapter as qwen3_moe
     from transformers import AutoModelForCausalLM
     cfg = preset(name)
     module = ((qwen3_moe if cfg.qk_layernorm else qwen2_moe) if cfg.num_experts else

@@ -117,7 +117,7 @@ def test_round_trip_and_logits_and_generation_under_tp_pp_ep(tmp_path):
 
 
 def test_layer_placement_maps_onto_moe_layer_freq():
-    from megazoo.models import qwen2_moe
+    from megazoo.models.qwen2_moe import adapter as qwen2_moe
     cfg = qwen2_moe.config_from_hf(_qwen2_moe(model=False, num_hidden_layers=6,
                                               mlp_only_layers=[1, 2, 4, 5, 9]))
     assert cfg.moe_layer_freq == 3 and cfg.moe_aux_loss_coeff == pytest.approx(0.002)

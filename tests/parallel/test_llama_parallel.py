@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from megazoo.models import llama
+from megazoo.models.llama import adapter as llama
+from megazoo.models.llama.model import LlamaModel
 from megazoo.models.blocks import KVCache
 from megazoo.models.language_model import gather_logits
 from megazoo.parallel.collectives import all_gather
@@ -91,7 +92,7 @@ def _worker(rank, hf_refs):
     refs = {}
     for name, (cfg, full, hf_logits, hf_loss) in hf_refs.items():
         single = ParallelTopology.single()
-        ref = llama.LlamaModel(cfg, single)
+        ref = LlamaModel(cfg, single)
         load_full_state_dict(ref, full, single)
         ref(ids, labels=labels).mean().backward()
         ref_grads = {ref.canonical_name(n): full_tensor(p, single, p.grad) for n, p in ref.named_parameters()}
@@ -100,7 +101,7 @@ def _worker(rank, hf_refs):
             for sp in ((False,) if tp == 1 else (False, True)):
                 where = f"{name} tp={tp} sp={sp}"
                 topo = ParallelTopology.from_config(ParallelConfig(tp=tp, sequence_parallel=sp))
-                model = llama.LlamaModel(cfg, topo)
+                model = LlamaModel(cfg, topo)
                 load_full_state_dict(model, full, topo)
                 logits = gather_logits(model(ids), topo, cfg.vocab_size)
                 loss = model(ids, labels=labels).mean()
@@ -127,7 +128,7 @@ def _worker(rank, hf_refs):
         cfg, full, hf_logits, hf_loss, ref_grads = refs[name]
         where = f"{name} {schedule} pp={pp} vpp={vpp} tp={tp} sp={sp}"
         topo = ParallelTopology.from_config(ParallelConfig(tp=tp, pp=pp, vpp=vpp, sequence_parallel=sp))
-        chunks = [llama.LlamaModel(cfg, topo, **spec.kwargs())
+        chunks = [LlamaModel(cfg, topo, **spec.kwargs())
                   for spec in partition(cfg.num_layers, pp, vpp)[topo.pp_rank]]
         for chunk in chunks:
             load_full_state_dict(chunk, full, topo)

@@ -47,7 +47,7 @@ def _tokens(seed: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
 def _mla_reference(hf) -> dict:
     """transformers' logits, the unsharded model's loss and gradients on batch 0, and its
     parameters before and after STEPS steps of torch AdamW (batch `step` each)."""
-    from megazoo.models import deepseek_v3
+    from megazoo.models.deepseek_v3 import adapter as deepseek_v3
     from tests.helpers import reference_adamw
     from megazoo.models.rope import latent_softmax_scale
     cfg, model = hf_converted(hf, deepseek_v3)
@@ -79,7 +79,7 @@ def _mla_reference(hf) -> dict:
 def _window_reference() -> dict:
     from transformers import MixtralConfig, MixtralForCausalLM
 
-    from megazoo.models import mixtral
+    from megazoo.models.mixtral import adapter as mixtral
     config = MixtralConfig(vocab_size=67, hidden_size=32, intermediate_size=24, num_hidden_layers=2,
                            num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
                            num_experts_per_tok=2, sliding_window=3, max_position_embeddings=32,

@@ -112,7 +112,7 @@ def test_deepspeed_zero_checkpoints_import_at_tp2(deepspeed_run, imported):
     """Logits (fp32 runs) within 1e-5 of DeepSpeed's engine; masters (every run, bf16 included)
     equal to DeepSpeed's own zero_to_fp32 reader's; step, iteration and samples carried over."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-    from megazoo.models import llama
+    from megazoo.models.llama import adapter as llama
     from megazoo.training.checkpoint.reshard import read_full_state
     from tests.tool_runs import tool_module
     config = None

@@ -246,7 +246,7 @@ TINY = dict(vocab_size=1000, hidden_size=64, num_layers=2, num_attention_heads=4
 
 def _measure_states(rank):
     from megazoo.models.config import PARAMS_DTYPES
-    from megazoo.models.gpt import GPTModel
+    from megazoo.models.gpt2.model import GPTModel
     from megazoo.parallel.topology import ParallelConfig, ParallelTopology
     from megazoo.parallel.zero import build_optimizer
     import torch

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 
 from megazoo.models.config import TransformerConfig
+from megazoo.models.family_rules import MEGATRON_FAMILIES  # rules.py MEGATRON: names.py covers them
 from megazoo.models.spec import lookup
 
 from megazoo.training.checkpoint import format as ckpt
@@ -151,10 +152,6 @@ def to_config(args, where: str, vocab_size: int | None = None) -> tuple[str, Tra
 MEGATRON_ACTIVATIONS = {"swiglu": dict(swiglu=True, openai_gelu=False),
                         "gelu_tanh": dict(swiglu=False, openai_gelu=True),
                         "gelu": dict(swiglu=False, openai_gelu=False)}
-
-# The families whose tensors the Megatron name table (names.py) covers.
-MEGATRON_FAMILIES = ("gpt2", "bloom", "llama", "qwen2", "qwen3", "mixtral")
-
 
 def check_exportable(config: TransformerConfig, where: str) -> None:
     """Refuse, in one line, a model whose family Megatron-core's layout does not cover."""

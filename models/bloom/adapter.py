@@ -1,20 +1,13 @@
-"""BLOOM: ALiBi attention, LayerNorm on the word embeddings, tanh-GELU, tied (or untied)
-embeddings; and the
-mapping to and from Hugging Face `BloomForCausalLM` tensors (whose fused QKV already uses the
-per-head [heads, 3, head_dim] order, so no permutation is needed)."""
+"""BLOOM's Hugging Face adapter: the config and the tensors of `BloomForCausalLM`, both ways
+(its fused QKV already uses the per-head [heads, 3, head_dim] order, so no permutation is
+needed)."""
 from __future__ import annotations
 
 import torch
 
-
-from .config import TransformerConfig
-from .hf_fields import check_fields, refuse
-from .language_model import WORD_EMBEDDINGS, TransformerLanguageModel
-
-
-class BloomModel(TransformerLanguageModel):
-    family = "bloom"
-
+from ..config import TransformerConfig
+from ..hf_fields import check_fields, refuse
+from ..language_model import WORD_EMBEDDINGS
 
 MAPPED = frozenset({
     "vocab_size", "hidden_size", "n_layer", "n_head", "layer_norm_epsilon", "initializer_range",

@@ -1,8 +1,8 @@
-"""DeepSeek-V3 (and Kimi K2's layout): multi-head latent attention (models/mla.py), the first
+"""DeepSeek-V3's Hugging Face adapter (Kimi K2's layout too): `DeepseekV3Config` and the
+`DeepseekV3ForCausalLM` tensors, both ways. Multi-head latent attention (models/mla.py), the first
 `first_k_dense_replace` layers dense SwiGLU MLPs, the rest DeepSeek MoE layers (sigmoid routing
 with the expert bias, group-limited, renormalised, scaled; `n_shared_experts` shared experts as
-one ungated shared MLP of their summed width; models/moe.py); and the mapping to and from Hugging
-Face `DeepseekV3ForCausalLM` tensors.
+one ungated shared MLP of their summed width; models/moe.py).
 
 HF routes with groups always; `n_group` 1 is plain top-k (no group limit in megazoo). HF keeps
 the expert bias as the buffer `e_score_correction_bias`; megazoo as the frozen `expert_bias`,
@@ -21,14 +21,12 @@ import logging
 
 import torch
 
-from megazoo.parallel.topology import ParallelTopology
-
-from . import llama
-from .config import TransformerConfig
-from .hf_fields import check_fields, refuse
-from .language_model import WORD_EMBEDDINGS, TransformerLanguageModel
-from .qwen2_moe import stacked_experts
-from .rope import rope_type
+from .. import llama_like
+from ..config import TransformerConfig
+from ..hf_fields import check_fields, refuse
+from ..language_model import WORD_EMBEDDINGS
+from ..qwen_moe_like import stacked_experts
+from ..rope import rope_type
 
 logger = logging.getLogger(__name__)
 
@@ -51,19 +49,10 @@ LATENT_NORM_EPS = 1e-6  # transformers' q_a_layernorm / kv_a_layernorm take the 
 SCALINGS = ("yarn", "linear", "llama3")
 
 
-class DeepseekV3Model(TransformerLanguageModel):
-    family = "deepseek_v3"
-
-    def __init__(self, config: TransformerConfig, topo: ParallelTopology, **kwargs):
-        if not config.kv_lora_rank:
-            raise ValueError("DeepseekV3Model needs multi-latent attention (--kv-lora-rank)")
-        super().__init__(config, topo, **kwargs)
-
-
 def config_from_hf(hf) -> TransformerConfig:
     """A TransformerConfig from a `transformers.DeepseekV3Config` (every field checked)."""
     check_fields(hf, FAMILY, MAPPED, IGNORED)
-    theta, scaling = llama.rope_from_hf(hf, FAMILY)
+    theta, scaling = llama_like.rope_from_hf(hf, FAMILY)
     if scaling is not None and rope_type(scaling) not in SCALINGS:
         raise refuse(FAMILY, "rope_parameters.rope_type", rope_type(scaling),
                      f"'default' or one of {list(SCALINGS)} (no partial_rotary_factor)")

@@ -1,18 +1,11 @@
-"""GPT (GPT-2 architecture, Megatron's GPT): learned positions, pre-LayerNorm, tanh-GELU, tied
-(or untied) embeddings; and the mapping to and from Hugging Face `GPT2LMHeadModel` tensors."""
+"""GPT-2's Hugging Face adapter: the config and the tensors of `GPT2LMHeadModel`, both ways."""
 from __future__ import annotations
 
 import torch
 
-
-from .config import TransformerConfig
-from .hf_fields import check_fields, refuse
-from .language_model import WORD_EMBEDDINGS, TransformerLanguageModel
-
-
-class GPTModel(TransformerLanguageModel):
-    family = "gpt2"
-
+from ..config import TransformerConfig
+from ..hf_fields import check_fields, refuse
+from ..language_model import WORD_EMBEDDINGS
 
 MAPPED = frozenset({
     "vocab_size", "n_positions", "n_embd", "n_layer", "n_head", "n_inner", "activation_function",

@@ -1,6 +1,7 @@
-"""Llama family (Llama 2/3, SmolLM2, ...): rotary positions, RMSNorm, SwiGLU, grouped-query
-attention, untied (or tied) embeddings; and the mapping to and from Hugging Face
-`LlamaForCausalLM` tensors, which Qwen2 (QKV bias) and Qwen3 (q/k norm) share (models/qwen*.py).
+"""The Hugging Face conversion the Llama-shaped families share (Llama, Qwen2, Qwen3, Mistral,
+Mixtral, Qwen-MoE, gpt-oss, Gemma 3 reuse parts of it; each family's adapter.py adds its own
+fields): the config fields of transformers' `LlamaConfig` and its descendants, RoPE and
+sliding-window fields, and the `LlamaForCausalLM` tensor names.
 
 HF keeps q, k, v and gate, up as separate projections; megazoo fuses them: QKV per key/value
 group as [that group's query heads, key, value] (see models/attention.py), and fc1 as [gate; up].
@@ -15,15 +16,11 @@ import torch
 
 
 from .config import ROPE_TYPES, TransformerConfig, canonical_rope_scaling
-from .hf_fields import check_fields, refuse
-from .language_model import WORD_EMBEDDINGS, TransformerLanguageModel
+from .hf_fields import refuse
+from .language_model import WORD_EMBEDDINGS
 from .rope import rope_type
 
 logger = logging.getLogger(__name__)
-
-
-class LlamaModel(TransformerLanguageModel):
-    family = "llama"
 
 
 MAPPED = frozenset({
@@ -35,6 +32,11 @@ MAPPED = frozenset({
 # older versions; max_sequence_length is LLaMA-1 conversions' copy of max_position_embeddings;
 # the others are SmolLM2's notes)
 IGNORED = frozenset({"pretraining_tp", "is_llama_config", "rope_interleaved", "max_sequence_length"})
+
+
+# the window fields of Qwen2/3-shaped configs (transformers derives layer_types from the others)
+WINDOW_MAPPED = frozenset({"use_sliding_window", "sliding_window", "max_window_layers",
+                           "layer_types"})
 
 
 # hidden_act values transformers computes as SiLU (ACT2FN maps both to nn.SiLU)
@@ -96,6 +98,14 @@ def window_hf_fields(config: TransformerConfig) -> dict:
     return fields
 
 
+def check_full_attention(hf, family: str) -> None:
+    """For the families without sliding windows (Qwen2-MoE): every layer attends to the whole
+    context (transformers derives `layer_types` from use_sliding_window and max_window_layers)."""
+    if window_from_hf(hf, family, hf.layer_types)["sliding_window"] is not None:
+        raise refuse(family, "layer_types", hf.layer_types, "'full_attention' in every layer "
+                     "(use_sliding_window=False)")
+
+
 def llama_like_config(hf, label: str, **fields) -> TransformerConfig:
     """The TransformerConfig shared by Llama, Qwen2 and Qwen3 (`label` names the HF family in
     errors; `fields` add or override, the registry's `family` among them)."""
@@ -135,31 +145,14 @@ def llama_like_hf_fields(config: TransformerConfig, family: str, *, add_qkv_bias
         attention_dropout=config.attention_dropout, initializer_range=config.init_method_std)
 
 
-def config_from_hf(hf) -> TransformerConfig:
-    """A TransformerConfig from a `transformers.LlamaConfig` (every field checked)."""
-    check_fields(hf, "Llama", MAPPED, IGNORED)
-    attention_bias, mlp_bias = getattr(hf, "attention_bias", False), getattr(hf, "mlp_bias", False)
-    if attention_bias != mlp_bias:
-        raise refuse("Llama", "mlp_bias", mlp_bias, f"mlp_bias = attention_bias = {attention_bias}")
-    return llama_like_config(hf, "Llama", family="llama", bias=bool(attention_bias))
-
-
-def hf_config(config: TransformerConfig, **extra):
-    """The `transformers.LlamaConfig` for a megazoo Llama config (extra keys passed through)."""
-    from transformers import LlamaConfig
-    fields = llama_like_hf_fields(config, "Llama", add_qkv_bias=False, qk_layernorm=False)
-    return LlamaConfig(**fields, attention_bias=config.bias, mlp_bias=config.bias,
-                       **{"architectures": ["LlamaForCausalLM"], **extra})
-
-
-def _fuse_qkv(q, k, v, groups: int) -> torch.Tensor:
+def fuse_qkv(q, k, v, groups: int) -> torch.Tensor:
     """HF q [heads*d, ...], k, v [groups*d, ...] -> per group [q heads of the group, k, v]."""
     per = lambda t: t.reshape(groups, -1, *t.shape[1:])  # noqa: E731
     fused = torch.cat([per(q), per(k), per(v)], dim=1)
     return fused.reshape(-1, *q.shape[1:])
 
 
-def _split_qkv(t, config: TransformerConfig):
+def split_qkv(t, config: TransformerConfig):
     groups, d = config.num_query_groups, config.head_dim
     q_rows = config.num_attention_heads // groups * d
     q, k, v = t.reshape(groups, -1, *t.shape[1:]).split([q_rows, d, d], dim=1)
@@ -183,7 +176,7 @@ def _pairs(config: TransformerConfig):
         yield m + "post_attention_norm.weight", h + "post_attention_layernorm.weight"
         for kind in _kinds(config):
             yield m + f"attention.dense.{kind}", h + f"self_attn.o_proj.{kind}"
-            if not config.is_moe_layer(i):  # MoE layers: models/mixtral.py
+            if not config.is_moe_layer(i):  # MoE layers: the MoE families' adapters
                 yield m + f"mlp.fc2.{kind}", h + f"mlp.down_proj.{kind}"
         if config.qk_layernorm:  # Qwen3
             yield m + "attention.q_norm.weight", h + "self_attn.q_norm.weight"
@@ -192,7 +185,7 @@ def _pairs(config: TransformerConfig):
 
 def _fused(config: TransformerConfig, qkv: bool):
     """(layer's megazoo prefix, layer's HF prefix, kind) of the fused qkv tensors, or of the
-    dense layers' fused fc1 (MoE layers' experts: models/mixtral.py)."""
+    dense layers' fused fc1 (MoE layers' experts: the MoE families' adapters)."""
     for i in range(config.num_layers):
         if not qkv and config.is_moe_layer(i):
             continue
@@ -206,7 +199,7 @@ def from_hf_state_dict(sd: dict[str, torch.Tensor], config: TransformerConfig) -
     out = {mz: sd[hf] for mz, hf in _pairs(config)}
     for m, h, kind in _fused(config, qkv=True):
         q, k, v = (sd[h + f"self_attn.{x}_proj.{kind}"] for x in "qkv")
-        out[m + f"attention.qkv.{kind}"] = _fuse_qkv(q, k, v, config.num_query_groups)
+        out[m + f"attention.qkv.{kind}"] = fuse_qkv(q, k, v, config.num_query_groups)
     for m, h, kind in _fused(config, qkv=False):
         gate, up = sd[h + f"mlp.gate_proj.{kind}"], sd[h + f"mlp.up_proj.{kind}"]
         out[m + f"mlp.fc1.{kind}"] = torch.cat([gate, up])
@@ -217,7 +210,7 @@ def to_hf_state_dict(full: dict[str, torch.Tensor], config: TransformerConfig) -
     """Full megazoo tensors -> HF LlamaForCausalLM tensors (no lm_head when tied, as HF saves)."""
     out = {hf: full[mz] for mz, hf in _pairs(config)}
     for m, h, kind in _fused(config, qkv=True):
-        for x, t in zip("qkv", _split_qkv(full[m + f"attention.qkv.{kind}"], config)):
+        for x, t in zip("qkv", split_qkv(full[m + f"attention.qkv.{kind}"], config)):
             out[h + f"self_attn.{x}_proj.{kind}"] = t
     for m, h, kind in _fused(config, qkv=False):
         gate, up = full[m + f"mlp.fc1.{kind}"].chunk(2)

@@ -1,6 +1,6 @@
-"""Qwen2-MoE (Qwen1.5-MoE, Qwen2-57B-A14B): Qwen2 attention (q, k, v biased) whose MLPs are
-routed SwiGLU experts plus a shared expert gated by sigmoid(x . g); and the mapping to and from
-Hugging Face `Qwen2MoeForCausalLM` tensors. Qwen3-MoE (models/qwen3_moe.py) shares the MoE part.
+"""The Hugging Face conversion the Qwen-MoE families share (Qwen2-MoE, Qwen3-MoE; DeepSeek-V3
+reads its experts the same way): the MoE config fields and the tensors of routed experts and the
+optional gated shared expert.
 
 Router: softmax over all experts, then top-k (`--moe-router-pre-softmax`), renormalised when
 `norm_topk_prob`. Which layers are sparse: HF makes layer i sparse when i is not in
@@ -16,26 +16,16 @@ from __future__ import annotations
 
 import torch
 
-from . import llama
+from . import llama_like
 from .config import TransformerConfig
-from .hf_fields import check_fields, log_unrecorded_moe_settings, refuse
-from .llama import LlamaModel, llama_like_config, llama_like_hf_fields
-from .qwen2 import MAPPED as QWEN2_MAPPED, check_full_attention
+from .hf_fields import log_unrecorded_moe_settings, refuse
 
-FAMILY = "Qwen2-MoE"
 # the MoE fields both Qwen-MoE families map
 MOE_MAPPED = frozenset({"num_experts", "num_experts_per_tok", "moe_intermediate_size",
                         "norm_topk_prob", "router_aux_loss_coef", "decoder_sparse_step",
                         "mlp_only_layers"})
-MAPPED = QWEN2_MAPPED | MOE_MAPPED | {"head_dim", "qkv_bias", "shared_expert_intermediate_size"}
 # output_router_logits only adds HF's own aux loss to HF's loss; the logits are the same
 IGNORED = frozenset({"output_router_logits"})
-
-
-class Qwen2MoeModel(LlamaModel):
-    """Llama blocks; models/family_rules.py says what the config holds."""
-
-    family = "qwen2_moe"
 
 
 def moe_config_fields(hf, family: str) -> dict:
@@ -82,32 +72,6 @@ def moe_hf_fields(config: TransformerConfig, family: str, *, shared: bool) -> di
                 mlp_only_layers=[i for i in range(config.num_layers) if not config.is_moe_layer(i)])
 
 
-def config_from_hf(hf) -> TransformerConfig:
-    """A TransformerConfig from a `transformers.Qwen2MoeConfig` (every field checked)."""
-    check_fields(hf, FAMILY, MAPPED, IGNORED)
-    check_full_attention(hf, FAMILY)
-    if not hf.shared_expert_intermediate_size:
-        raise refuse(FAMILY, "shared_expert_intermediate_size", hf.shared_expert_intermediate_size,
-                     ">= 1")
-    return llama_like_config(hf, FAMILY, family="qwen2_moe", add_qkv_bias=bool(hf.qkv_bias),
-                             moe_shared_expert_intermediate_size=hf.shared_expert_intermediate_size,
-                             moe_shared_expert_gate=True, **moe_config_fields(hf, FAMILY))
-
-
-def hf_config(config: TransformerConfig, **extra):
-    """The `transformers.Qwen2MoeConfig` of a megazoo Qwen2-MoE configuration (for export)."""
-    from transformers import Qwen2MoeConfig
-    moe = moe_hf_fields(config, FAMILY, shared=True)
-    fields = llama_like_hf_fields(config, FAMILY, add_qkv_bias=config.add_qkv_bias,
-                                  qk_layernorm=False)
-    if config.kv_channels is None:  # HF's default head_dim, written only when it differs
-        fields.pop("head_dim")
-    shared = config.moe_shared_expert_intermediate_size
-    return Qwen2MoeConfig(**fields, **moe, qkv_bias=config.add_qkv_bias, use_sliding_window=False,
-                          shared_expert_intermediate_size=shared,
-                          **{"architectures": ["Qwen2MoeForCausalLM"], **extra})
-
-
 def _moe_layers(config: TransformerConfig):
     for i in range(config.num_layers):
         if config.is_moe_layer(i):
@@ -130,7 +94,7 @@ def from_hf_state_dict(sd: dict[str, torch.Tensor], config: TransformerConfig) -
     """HF Qwen2MoeForCausalLM / Qwen3MoeForCausalLM tensors (file or in-memory form) -> full
     megazoo tensors."""
     sd = {k if k.startswith(("model.", "lm_head.")) else "model." + k: v for k, v in sd.items()}
-    out = llama.from_hf_state_dict(sd, config)  # attention, norms, embeddings, dense layers
+    out = llama_like.from_hf_state_dict(sd, config)  # attention, norms, embeddings, dense layers
     for m, h in _moe_layers(config):
         out[m + "router"] = sd[h + "gate.weight"]
         out[m + "experts.weight1"], out[m + "experts.weight2"] = stacked_experts(sd, h, config.num_experts)
@@ -146,7 +110,7 @@ def from_hf_state_dict(sd: dict[str, torch.Tensor], config: TransformerConfig) -
 def to_hf_state_dict(full: dict[str, torch.Tensor], config: TransformerConfig) -> dict[str, torch.Tensor]:
     """Full megazoo tensors -> HF Qwen2-MoE / Qwen3-MoE tensors in the file form
     `save_pretrained` writes (no lm_head when tied)."""
-    out = llama.to_hf_state_dict(full, config)
+    out = llama_like.to_hf_state_dict(full, config)
     for m, h in _moe_layers(config):
         out[h + "gate.weight"] = full[m + "router"]
         for e in range(config.num_experts):

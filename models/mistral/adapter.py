@@ -1,26 +1,20 @@
-"""Mistral (Jiang et al. 2023): Llama blocks (no biases, grouped-query attention, an explicit
-head_dim allowed) with sliding-window attention in every layer (`sliding_window`: a query sees
-itself and the window - 1 keys before it; None: the whole context). The mapping to and from
-Hugging Face `MistralForCausalLM` tensors is Llama's (models/llama.py).
+"""Mistral's Hugging Face adapter: `MistralConfig` both ways (`sliding_window`: a query sees
+itself and the window - 1 keys before it; None: the whole context); the tensors of
+`MistralForCausalLM` are the Llama-shaped families' shared mapping (models/llama_like.py).
 
 transformers' Mistral reads no `layer_types` (it warns and points to Ministral), so a config.json
 that carries one is refused by the field guard rather than half-honoured.
 """
 from __future__ import annotations
 
-from .config import TransformerConfig
-from .hf_fields import check_fields
-from .llama import (MAPPED as LLAMA_MAPPED, LlamaModel, from_hf_state_dict,  # noqa: F401
-                    llama_like_config, llama_like_hf_fields, to_hf_state_dict, window_from_hf)
+from ..config import TransformerConfig
+from ..hf_fields import check_fields
+from ..llama_like import (MAPPED as LLAMA_MAPPED, from_hf_state_dict,  # noqa: F401
+                          llama_like_config, llama_like_hf_fields, to_hf_state_dict,
+                          window_from_hf)
 
 FAMILY = "Mistral"
 MAPPED = (LLAMA_MAPPED - {"attention_bias", "mlp_bias"}) | {"sliding_window"}
-
-
-class MistralModel(LlamaModel):
-    """Llama blocks; models/family_rules.py says what the config holds."""
-
-    family = "mistral"
 
 
 def config_from_hf(hf) -> TransformerConfig:

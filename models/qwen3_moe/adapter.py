@@ -1,29 +1,21 @@
-"""Qwen3-MoE (Qwen3-30B-A3B, Qwen3-235B-A22B): Qwen3 attention (per-head q/k RMSNorm, explicit
-head_dim, no biases) whose MLPs are routed SwiGLU experts without a shared expert; softmax over
-all experts, then top-k, renormalised when `norm_topk_prob`. Layer placement, the router and the
-tensor mapping to and from Hugging Face `Qwen3MoeForCausalLM` are Qwen2-MoE's
-(models/qwen2_moe.py) without the shared expert.
-"""
+"""Qwen3-MoE's Hugging Face adapter: `Qwen3MoeConfig` both ways; the `Qwen3MoeForCausalLM`
+tensors are the Qwen-MoE families' shared mapping (models/qwen_moe_like.py) without the shared
+expert."""
 from __future__ import annotations
 
-from .config import TransformerConfig
-from .hf_fields import check_fields, refuse
-from .llama import MAPPED as LLAMA_MAPPED, LlamaModel, llama_like_config, llama_like_hf_fields
-from .qwen2_moe import (IGNORED as QWEN2_MOE_IGNORED, MOE_MAPPED, from_hf_state_dict,  # noqa: F401
-                        moe_config_fields, moe_hf_fields, to_hf_state_dict)
+from ..config import TransformerConfig
+from ..hf_fields import check_fields, refuse
+from ..llama_like import MAPPED as LLAMA_MAPPED, llama_like_config, llama_like_hf_fields
+from ..qwen_moe_like import (IGNORED as QWEN_MOE_IGNORED, MOE_MAPPED,  # noqa: F401
+                             from_hf_state_dict, moe_config_fields, moe_hf_fields,
+                             to_hf_state_dict)
 
 FAMILY = "Qwen3-MoE"
 # use_sliding_window and sliding_window are not mapped: a value other than the default (off) is
 # refused by the field check. transformers' Qwen3-MoE never reads max_window_layers, which
 # released config.json files carry. Qwen3MoeConfig stores num_experts as num_local_experts.
 MAPPED = (LLAMA_MAPPED - {"mlp_bias"}) | MOE_MAPPED | {"num_local_experts"}
-IGNORED = QWEN2_MOE_IGNORED | {"max_window_layers"}
-
-
-class Qwen3MoeModel(LlamaModel):
-    """Llama blocks; models/family_rules.py says what the config holds."""
-
-    family = "qwen3_moe"
+IGNORED = QWEN_MOE_IGNORED | {"max_window_layers"}
 
 
 def config_from_hf(hf) -> TransformerConfig:

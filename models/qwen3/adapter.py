@@ -1,23 +1,15 @@
-"""Qwen3: Llama with an RMSNorm over head_dim on every query and key head (before the rotary
-embedding), no QKV bias and an explicit head_dim (hidden_size need not equal heads x head_dim);
-the mapping to and from Hugging Face `Qwen3ForCausalLM` tensors is Llama's (models/llama.py)."""
+"""Qwen3's Hugging Face adapter: `Qwen3Config` both ways; the tensors of `Qwen3ForCausalLM` are
+the Llama-shaped families' shared mapping (models/llama_like.py), with the q/k norms."""
 from __future__ import annotations
 
-from .config import TransformerConfig
-from .hf_fields import check_fields, refuse
-from .llama import (MAPPED as LLAMA_MAPPED, LlamaModel, from_hf_state_dict,  # noqa: F401
-                    llama_like_config, llama_like_hf_fields, to_hf_state_dict, window_from_hf,
-                    window_hf_fields)
+from ..config import TransformerConfig
+from ..hf_fields import check_fields, refuse
+from ..llama_like import (MAPPED as LLAMA_MAPPED, WINDOW_MAPPED, from_hf_state_dict,  # noqa: F401
+                          llama_like_config, llama_like_hf_fields, to_hf_state_dict,
+                          window_from_hf, window_hf_fields)
 
 FAMILY = "Qwen3"
-MAPPED = (LLAMA_MAPPED - {"mlp_bias"}) | {
-    "use_sliding_window", "sliding_window", "max_window_layers", "layer_types"}
-
-
-class Qwen3Model(LlamaModel):
-    """Llama blocks; models/family_rules.py says what the config holds."""
-
-    family = "qwen3"
+MAPPED = (LLAMA_MAPPED - {"mlp_bias"}) | WINDOW_MAPPED
 
 
 def config_from_hf(hf) -> TransformerConfig:

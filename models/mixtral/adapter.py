@@ -1,7 +1,6 @@
-"""Mixtral (Jiang et al. 2024): Llama blocks whose MLPs are 8 routed SwiGLU experts, top-2; and
-the mapping to and from Hugging Face `MixtralForCausalLM` tensors.
+"""Mixtral's Hugging Face adapter: `MixtralConfig` and the `MixtralForCausalLM` tensors, both ways.
 
-Attention, norms and embeddings map as for Llama (models/llama.py). The experts: HF files keep
+Attention, norms and embeddings map as for Llama (models/llama_like.py). The experts: HF files keep
 each expert's w1 (gate), w3 (up) and w2 (down) apart under `block_sparse_moe.experts.{e}`, and
 the router as `block_sparse_moe.gate`; transformers >= 5 holds them fused in memory
 (`mlp.experts.gate_up_proj` [E, 2f, h] = [gate; up], `mlp.experts.down_proj`, `mlp.gate`). Both
@@ -16,22 +15,16 @@ from __future__ import annotations
 
 import torch
 
-
-from . import llama
-from .config import TransformerConfig
-from .hf_fields import check_fields, log_unrecorded_moe_settings
-from .language_model import TransformerLanguageModel
+from .. import llama_like
+from ..config import TransformerConfig
+from ..hf_fields import check_fields, log_unrecorded_moe_settings
 
 # Fields config_from_hf maps, beyond Llama's (models/hf_fields.py refuses any other that differs).
-MAPPED = llama.MAPPED | {"num_local_experts", "num_experts_per_tok", "router_aux_loss_coef",
+MAPPED = llama_like.MAPPED | {"num_local_experts", "num_experts_per_tok", "router_aux_loss_coef",
                          "sliding_window", "router_jitter_noise"}
 # output_router_logits only adds HF's own aux loss to HF's training loss (megazoo adds its own,
 # --moe-aux-loss-coeff); the logits are the same either way.
-IGNORED = llama.IGNORED | {"output_router_logits"}
-
-
-class MixtralModel(TransformerLanguageModel):
-    family = "mixtral"
+IGNORED = llama_like.IGNORED | {"output_router_logits"}
 
 
 def config_from_hf(hf) -> TransformerConfig:
@@ -41,18 +34,19 @@ def config_from_hf(hf) -> TransformerConfig:
                          f"not supported (megazoo does not model router jitter)")
     check_fields(hf, "Mixtral", MAPPED, IGNORED)
     topk = hf.num_experts_per_tok
-    return llama.llama_like_config(  # attention, norms, rope: as Llama
+    return llama_like.llama_like_config(  # attention, norms, rope: as Llama
         hf, "Mixtral", family="mixtral", num_experts=hf.num_local_experts, moe_router_topk=topk,
         moe_ffn_hidden_size=hf.intermediate_size,
         moe_aux_loss_coeff=float(hf.router_aux_loss_coef or 0.0) * topk,
-        **llama.window_from_hf(hf, "Mixtral", None))
+        **llama_like.window_from_hf(hf, "Mixtral", None))
 
 
 def hf_config(config: TransformerConfig, **extra):
     """The `transformers.MixtralConfig` for a megazoo Mixtral-shaped config."""
-    from transformers import MixtralConfig
+    from transformers import LlamaConfig, MixtralConfig
     _check_exportable(config)
-    dense = llama.hf_config(config).to_dict()
+    fields = llama_like.llama_like_hf_fields(config, "Llama", add_qkv_bias=False, qk_layernorm=False)
+    dense = LlamaConfig(**fields).to_dict()  # Llama's normalised fields, as Llama exports them
     keep = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
             "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps", "hidden_act",
             "tie_word_embeddings", "rope_parameters", "attention_dropout", "initializer_range")
@@ -79,7 +73,7 @@ def _check_exportable(config: TransformerConfig) -> None:
 def from_hf_state_dict(sd: dict[str, torch.Tensor], config: TransformerConfig) -> dict[str, torch.Tensor]:
     """HF MixtralForCausalLM tensors (file or in-memory form) -> full megazoo tensors."""
     sd = {k if k.startswith(("model.", "lm_head.")) else "model." + k: v for k, v in sd.items()}
-    out = llama.from_hf_state_dict(sd, config)
+    out = llama_like.from_hf_state_dict(sd, config)
     for i in range(config.num_layers):
         h, m = f"model.layers.{i}.", f"layers.{i}.mlp."
         if h + "mlp.gate.weight" in sd:  # transformers >= 5, in memory
@@ -100,7 +94,7 @@ def to_hf_state_dict(full: dict[str, torch.Tensor], config: TransformerConfig) -
     """Full megazoo tensors -> HF MixtralForCausalLM tensors in the file form `save_pretrained`
     writes (no lm_head when tied)."""
     _check_exportable(config)
-    out = llama.to_hf_state_dict(full, config)
+    out = llama_like.to_hf_state_dict(full, config)
     for i in range(config.num_layers):
         moe, m = f"model.layers.{i}.block_sparse_moe.", f"layers.{i}.mlp."
         out[moe + "gate.weight"] = full[m + "router"]

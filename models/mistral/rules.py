@@ -1,0 +1,8 @@
+"""The fields a Mistral config fixes (models/family_rules.py reads SHAPE, MOE and
+MEGATRON)."""
+from ..family_bases import MHA, ROPE
+
+SHAPE = dict(MHA, **ROPE, add_qkv_bias=False, qk_layernorm=False, bias=False,
+             full_attention_layers=())
+MOE = False
+MEGATRON = False  # whether the Megatron-core tensor layout (training/checkpoint/foreign) covers it

@@ -1,0 +1,9 @@
+"""The Qwen3 model: the shared blocks, built as its config says (models/family_rules.py
+checks what the config holds)."""
+from __future__ import annotations
+
+from ..language_model import TransformerLanguageModel
+
+
+class Qwen3Model(TransformerLanguageModel):
+    family = "qwen3"

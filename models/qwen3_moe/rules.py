@@ -1,0 +1,8 @@
+"""The fields a Qwen3-MoE config fixes (models/family_rules.py reads SHAPE, MOE and
+MEGATRON)."""
+from ..family_bases import FULL, ROPE, SOFTMAX_ROUTER
+
+SHAPE = dict(SOFTMAX_ROUTER, **ROPE, **FULL, add_qkv_bias=False, qk_layernorm=True,
+             bias=False)
+MOE = True
+MEGATRON = False  # whether the Megatron-core tensor layout (training/checkpoint/foreign) covers it
