@@ -1,8 +1,8 @@
 """A family is a folder (models/family_folders.py), one process, no model built:
 
-every folder holding a rules.py has the six parts, its model class names the folder, and the
-registry, the rules and the presets hold exactly the folders; no code outside the folders
-imports one or keeps a list of family names (the script -> default family map of the console
+every folder holding a rules.py has its parts, its model class names the folder, its adapter
+has the four conversions, and the registry, the rules and the presets hold exactly the folders;
+no code outside the folders imports one or keeps a list of family names (the script -> default family map of the console
 commands and LoRA's module names aside); no folder imports another family's folder. A config
 naming no family is inferred as before the move (a Llama config fits Mistral's rules too, a
 window-less Mixtral Qwen2-MoE's), and two folders defining one preset name are refused.
@@ -21,7 +21,8 @@ from megazoo.models.registry import FAMILIES
 
 ROOT = Path(__file__).resolve().parents[2]
 MODELS = ROOT / "models"
-PARTS = ("__init__", "rules", "presets", "adapter", "model", "family")
+PARTS = ("__init__", "rules", "presets", "family")  # family.py names the model class and adapter
+ADAPTER = ("config_from_hf", "hf_config", "from_hf_state_dict", "to_hf_state_dict")
 # code outside the folders that may name several families: the console commands' script ->
 # default family map (each train_*.py names its one default too) and LoRA's per-family names
 NAMED_ELSEWHERE = {"training/run/cli.py", "models/lora_targets.py"}
@@ -34,7 +35,8 @@ def test_the_registry_rules_and_presets_are_the_folders():
     for name in names:
         assert all((MODELS / name / f"{part}.py").is_file() for part in PARTS), name
         assert FAMILIES[name].model_class.family == name
-        assert FAMILIES[name].adapter.__name__.endswith(f".{name}.adapter")
+        assert FAMILIES[name].adapter.__name__.startswith(f"megazoo.models.{name}.")
+        assert all(callable(getattr(FAMILIES[name].adapter, f)) for f in ADAPTER), name
     assert sorted(FAMILIES) == sorted(family_rules.SHAPES) == names
     folder_presets = {n: p for name in names
                       for n, p in family_folders.load("presets")[name].PRESETS.items()}
