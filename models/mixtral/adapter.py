@@ -1,8 +1,8 @@
 """Mixtral's Hugging Face adapter: `MixtralConfig` and the `MixtralForCausalLM` tensors, both ways.
 
-Attention, norms and embeddings map as for Llama (models/llama_like.py). The experts: HF files keep
-each expert's w1 (gate), w3 (up) and w2 (down) apart under `block_sparse_moe.experts.{e}`, and
-the router as `block_sparse_moe.gate`; transformers >= 5 holds them fused in memory
+Attention, norms and embeddings map as for Llama (models/llama_like.py). The experts: HF files
+keep each expert's w1 (gate), w3 (up) and w2 (down) apart under `block_sparse_moe.experts.{e}`,
+and the router as `block_sparse_moe.gate`; transformers >= 5 holds them fused in memory
 (`mlp.experts.gate_up_proj` [E, 2f, h] = [gate; up], `mlp.experts.down_proj`, `mlp.gate`). Both
 import; export writes the file form, as `save_pretrained` does. megazoo stacks the same
 [gate; up] rows (`experts.weight1`), so no permutation is needed.
@@ -20,8 +20,8 @@ from ..config import TransformerConfig
 from ..hf_fields import check_fields, log_unrecorded_moe_settings
 
 # Fields config_from_hf maps, beyond Llama's (models/hf_fields.py refuses any other that differs).
-MAPPED = llama_like.MAPPED | {"num_local_experts", "num_experts_per_tok", "router_aux_loss_coef",
-                         "sliding_window", "router_jitter_noise"}
+MAPPED = llama_like.MAPPED | {"num_local_experts", "num_experts_per_tok",
+                              "router_aux_loss_coef", "sliding_window", "router_jitter_noise"}
 # output_router_logits only adds HF's own aux loss to HF's training loss (megazoo adds its own,
 # --moe-aux-loss-coeff); the logits are the same either way.
 IGNORED = llama_like.IGNORED | {"output_router_logits"}
