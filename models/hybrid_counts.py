@@ -22,9 +22,9 @@ Counts per layer kind (h hidden, t tensor-parallel size, C the chunk, s the sequ
   read and write, 2 N P.
 * Full attention: GQA projections (Qwen3.5's q_proj twice as wide: query and gate), q/k norms whole,
   scores 4 s a d per token (Narayanan et al.'s count, as models/counts.py).
-* What a layer keeps for backward (elements per token, `activation_elements`): counted on the
+* What a layer keeps for backward (bytes per token, `layer_activation_bytes`): counted on the
   PyTorch path (the chunked kernels compute in fp32) from the tensors autograd saves, see
-  `gdn_activation_elements` / `mamba_activation_elements`; the generation state of a linear layer
+  `GDN_BYTES` / `MAMBA_BYTES`; the generation state of a linear layer
   is its conv tail [(k - 1), channels] and its recurrent state [heads, dk, dv] / [heads, P, N] in
   fp32, whatever the sequence length; attention layers alone keep keys and values per token.
 """
@@ -240,41 +240,49 @@ def forward_flops_per_token(shape: HybridShape, seq_length: int) -> tuple[float,
 
 # ---- activations, state, KV cache -------------------------------------------------------------
 
-def gdn_activation_elements(m, tp: int = 1) -> tuple[float, float]:
-    """(per token, per sequence) elements a Gated DeltaNet layer keeps for backward on one TP rank,
-    beside its input: 6K + 11V + 12 hv dk + 12 hv + 5 hv C + hv dk dv / C per token (the conv's
-    input, pre-activation and output; q and k before and after their L2 norm, and as repeated to
-    the value heads; the chunked rule's [C, C] decay, score and system matrices and its chunk
-    states; the gated norm's input, gate and output), and the conv's padded input, 4 (2K + V) per
-    sequence. Counted from what autograd saves (value heads a multiple of key heads > 1; with
-    equal counts the repeat is a view and the count is a little high)."""
+# Bytes per token (and per sequence, x conv channels) that the PyTorch path of each linear mixer
+# saves for backward beside its input, by term, counted from autograd's saved tensors over many
+# shapes (fp32 weights; 16-bit weights, where the chunked kernels still compute in fp32 and the
+# norms keep fp32 copies). Gated DeltaNet's terms: K, V, hv dk, hv, hv C, hv dk dv / C, and per
+# sequence the conv's padded input; Mamba-2's: I, GN, H, H C, H P N / C, H N, and the same.
+GDN_BYTES = {4: (24, 44, 48, 48, 20, 4, 16), 2: (8, 34, 48, 50, 20, 4, 10)}
+MAMBA_BYTES = {4: (48, 32, 36, 12, 4, 24, 16), 2: (38, 8, 31, 12, 4, 24, 9)}
+
+
+def gdn_activation_bytes(m, tp: int = 1, element_bytes: int = 4) -> tuple[float, float]:
+    """(per token, per sequence) bytes a Gated DeltaNet layer keeps for backward on one TP rank,
+    beside its input (`GDN_BYTES`): the conv's input, pre-activation and output; q and k before
+    and after their L2 norm and as repeated to the value heads; g and beta; the chunked rule's
+    [C, C] decay, score and system matrices and its chunk states; the gated norm's tensors. With
+    as many value heads as key heads the repeat is a view and the count is a little high."""
     k, v, ch = _gdn_dims(m)
     hv, dk, dv, c = m.value_heads, m.key_head_dim, m.value_head_dim, m.chunk_size
-    tok = 6 * k + 11 * v + 12 * hv * dk + 12 * hv + 5 * hv * c + hv * dk * dv / c
-    return tok / tp, 4 * ch / tp
+    ck, cv, cqk, chv, cc, cs, cseq = GDN_BYTES[4 if element_bytes >= 4 else 2]
+    tok = ck * k + cv * v + cqk * hv * dk + chv * hv + cc * hv * c + cs * hv * dk * dv / c
+    return tok / tp, cseq * ch / tp
 
 
-def mamba_activation_elements(m, tp: int = 1) -> tuple[float, float]:
-    """(per token, per sequence) elements a Mamba-2 layer keeps for backward on one TP rank beside
-    its input: 12 I + 8 GN + 9 H + 3 H C + H P N / C + 6 H N per token (in_proj's output, the
-    conv's input, pre-activation and output, dt and its softplus, B and C as repeated to the
-    heads, the SSD's [C, C] decays and chunk states, the gated group norm's tensors) and the conv's
-    padded input, 4 (I + 2GN) per sequence, counted from what autograd saves."""
+def mamba_activation_bytes(m, tp: int = 1, element_bytes: int = 4) -> tuple[float, float]:
+    """(per token, per sequence) bytes a Mamba-2 layer keeps for backward on one TP rank beside its
+    input (`MAMBA_BYTES`): in_proj's output, the conv's input, pre-activation and output, dt and
+    its softplus, B and C as repeated to the heads, the SSD's [C, C] decays and chunk states, the
+    gated group norm's tensors."""
     inner, gn, ch = _mamba_dims(m)
     hh, c = m.heads, m.chunk_size
-    tok = 12 * inner + 8 * gn + 9 * hh + 3 * hh * c + hh * m.head_dim * m.state_size / c + \
-        6 * hh * m.state_size
-    return tok / tp, 4 * ch / tp
+    ci, cg, chh, cc, cs, chn, cseq = MAMBA_BYTES[4 if element_bytes >= 4 else 2]
+    tok = ci * inner + cg * gn + chh * hh + cc * hh * c + cs * hh * m.head_dim * m.state_size / c + \
+        chn * hh * m.state_size
+    return tok / tp, cseq * ch / tp
 
 
 def attention_activation_elements(m: AttentionShape, tp: int = 1) -> float:
     """Elements per token a full-attention layer keeps on one TP rank beside its input, with a
     fused kernel (no scores): q, k, v, the kernel's output and o_proj's input; Qwen3.5's gate adds
-    the gate, its sigmoid and the q/k norms' inputs and outputs."""
+    the gate, its sigmoid, their product and the q/k norms' inputs and outputs."""
     a, kv, d = m.heads / tp, max(m.kv_heads, tp) / tp, m.head_dim
     out = (a + 2 * kv) * d + 2 * a * d + a  # + the log-sum-exp
     if m.gated:
-        out += 2 * a * d + 2 * (a + kv) * d
+        out += 3 * a * d + 2 * (a + kv) * d
     return out
 
 
@@ -289,26 +297,27 @@ def mlp_activation_elements(m, h: int, tp: int = 1) -> float:
     return 2 * m.experts + 2 * m.topk + m.topk * (3 * h + 4 * m.size) + 4 * m.shared / tp + 2
 
 
-def layer_activation_elements(shape: HybridShape, i: int, tp: int = 1,
-                              sp: bool = False) -> tuple[float, float]:
-    """(per token, per sequence) elements layer `i` keeps for backward on one TP rank: its norms'
-    inputs and outputs (2h + 1 each, the sequence shard under SP), its mixer's and MLP's inputs
-    (h each, the shard under SP) and what each keeps beside them."""
-    layer, h = shape.layers[i], shape.hidden_size
+def layer_activation_bytes(shape: HybridShape, i: int, tp: int = 1, sp: bool = False,
+                           element_bytes: int = 4) -> tuple[float, float]:
+    """(per token, per sequence) bytes layer `i` keeps for backward on one TP rank: its RMSNorms'
+    input, fp32 copy and output (8h + 4 bytes each, either dtype; the sequence shard under SP),
+    its mixer's and MLP's inputs (h elements each, the shard under SP) and what each keeps
+    beside them (the linear mixers' counted bytes; attention and MLP elements x element_bytes)."""
+    layer, h, e = shape.layers[i], shape.hidden_size, element_bytes
     u = tp if sp else 1
-    tok = layer.norms * (2 * h / u + 1)
+    tok = layer.norms * (8 * h / u + 4)
     seq = 0.0
     name = type(layer.mixer).__name__
     if name == "GatedDeltaNetShape":
-        tok_m, seq = gdn_activation_elements(layer.mixer, tp)
-        tok += tok_m + h / u
+        tok_m, seq = gdn_activation_bytes(layer.mixer, tp, e)
+        tok += tok_m + e * h / u
     elif name == "Mamba2Shape":
-        tok_m, seq = mamba_activation_elements(layer.mixer, tp)
-        tok += tok_m + h / u
+        tok_m, seq = mamba_activation_bytes(layer.mixer, tp, e)
+        tok += tok_m + e * h / u
     elif layer.mixer is not None:
-        tok += attention_activation_elements(layer.mixer, tp) + h / u
+        tok += e * (attention_activation_elements(layer.mixer, tp) + h / u)
     if layer.mlp is not None:
-        tok += mlp_activation_elements(layer.mlp, h, tp) + h / u
+        tok += e * (mlp_activation_elements(layer.mlp, h, tp) + h / u)
     return tok, seq
 
 
