@@ -101,3 +101,32 @@ def dry_run(config, model_class, layout: Layout, cluster: Cluster, measure: bool
     report.layers = [(i, shape.layers[i].kind, saved.get(i, 0), predicted[i])
                      for i in range(shape.num_layers)]
     return report
+
+
+def hybrid_preset(name: str):
+    """(config, model class) of a Qwen3.5 / Qwen3-Next / Nemotron-H preset (the family folders'
+    presets.py), or None: how `tools/dry_run.py --model` reaches a hybrid family the registry
+    does not list."""
+    from megazoo.models.nemotron_h import model as nemotron_h, presets as nemotron_h_presets
+    from megazoo.models.qwen3_5 import model as qwen3_5, presets as qwen3_5_presets
+    from megazoo.models.qwen3_next import model as qwen3_next, presets as qwen3_next_presets
+    for presets, cls in ((qwen3_5_presets, qwen3_5.Qwen35ForCausalLM),
+                         (qwen3_next_presets, qwen3_next.Qwen3NextForCausalLM),
+                         (nemotron_h_presets, nemotron_h.NemotronHForCausalLM)):
+        if name in presets.PRESETS:
+            return presets.preset_config(name), cls
+    return None
+
+
+def report_text(name: str, r: HybridDryRun) -> str:
+    """The plan's lines, the parameter check and each layer kind's measured vs planned bytes."""
+    gib = 2 ** 30
+    lines = [hybrid.describe_plan(name, r.plan),
+             f"  parameters: built {r.built_parameters:,}, counted {r.counted_parameters:,}"
+             f" ({'equal' if r.built_parameters == r.counted_parameters else 'DIFFERENT'})"]
+    for kind, (measured, planned) in sorted(r.by_kind().items()):
+        lines.append(f"  {kind}: one cp rank (tp 1) saves {measured / gib:.2f} GiB over its layers, "
+                     f"planned {planned / gib:.2f} GiB ({measured / planned:.3f}x)")
+    if not r.by_kind():
+        lines.append("  activations not measured on meta (MoE routing needs values): planned only")
+    return "\n".join(lines)
