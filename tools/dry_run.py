@@ -131,7 +131,8 @@ def summary_text(run, reports: list[RankReport], grid: Grid) -> str:
 
 # ---- command line ------------------------------------------------------------------------------
 
-def parse(argv=None):
+def dry_run_parser():
+    """The training scripts' parser with the dry run's own flags."""
     p = build_parser()
     g = p.add_argument_group("dry run")
     g.add_argument("--world-size", type=int, required=True, help="ranks of the run to rehearse")
@@ -145,7 +146,15 @@ def parse(argv=None):
                    help="microbatches through the engine (default: the fewest that reach the "
                         "schedule's activation peak on the rank)")
     g.add_argument("--no-step", action="store_true", help="build only; skip the training step")
+    g.add_argument("--cluster", default="dgx-h100-80gb",
+                   help="a hybrid preset's plan: the GPUs it is planned for (tools/plan.py's "
+                        "--cluster names)")
     p.set_defaults(train_iters=1, mock_data=True)
+    return p
+
+
+def parse(argv=None):
+    p = dry_run_parser()
     try:
         args = p.parse_args(argv)
         if args.world_size < 1:
@@ -171,11 +180,12 @@ def hybrid_main(argv: list[str], name: str):
     from megazoo.training.planning import hybrid_dry_run as H
     from megazoo.training.planning.layout import Layout
     from megazoo.training.planning.reference_runs import CLUSTERS
-    p = build_parser()
-    g = p.add_argument_group("dry run")
-    g.add_argument("--world-size", type=int, required=True)
-    g.add_argument("--cluster", default="dgx-h100-80gb", choices=sorted(CLUSTERS))
-    args, _ = p.parse_known_args(argv)
+    try:
+        args = dry_run_parser().parse_args(argv)
+        if args.cluster not in CLUSTERS:
+            raise ArgumentError(f"--cluster {args.cluster!r}: choose one of {sorted(CLUSTERS)}")
+    except ValueError as e:
+        _fail(str(e))
     config, cls = H.hybrid_preset(name)
     shape_layers = len(config.layer_types)
     try:
