@@ -140,7 +140,7 @@ def test_published_sizes_plan():
             for c in (1, 2, 4)]
     assert acts[0] > acts[1] > acts[2]
     # refused in one line: tp not dividing the Mamba-2 groups
-    with pytest.raises(PlanError, match="Mamba-2 groups") as err:
+    with pytest.raises(PlanError, match="Mamba layers' groups") as err:
         hybrid.plan(nemotron("nemotron-h-8b"), runs["nemotron-h-8b"][2].replace(tp=16, dp=1),
                     _h100(16))
     assert "\n" not in str(err.value)
@@ -195,8 +195,9 @@ def _slices_saved_bytes(model, ids, cp):
 def test_activation_memory_falls_with_cp():
     """A small Nemotron-H (Mamba-2, MLP, attention) and Qwen3.5 (Gated DeltaNet, gated attention),
     fp32, 64 tokens at cp 1, 2, 4: each rank's slice continued from the state passed to it gives
-    the whole run's logits, the bytes its linear and MLP layers save equal the planner's to 3% (16-token slices: two chunks, where the per-sequence terms weigh most)
-    (attention's at rank 0, with no earlier keys, to 15%), and the most any rank saves falls with cp."""
+    the whole run's logits, the bytes its linear and MLP layers save equal the planner's to 3%
+    (16-token slices: two chunks, where the per-sequence terms weigh most; attention's at rank 0,
+    with no earlier keys, to 15%), and the most any rank saves falls with cp."""
     from transformers import NemotronHConfig, Qwen3_5TextConfig
 
     from megazoo.models import hybrid_counts as hc

@@ -24,7 +24,6 @@ these; their real efficiency is not measured here).
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from megazoo.models import hybrid_counts as hc
@@ -68,9 +67,10 @@ def padded_vocab(shape: hc.HybridShape, tp: int, multiple: int = 128) -> int:
 
 
 def check_layout(shape: hc.HybridShape, layout: Layout, cluster: Cluster | None = None) -> None:
-    """Refuse a layout the hybrid model cannot take, in one line naming the rule: tp divides each
-    kind's heads (Gated DeltaNet key and value heads, Mamba-2 groups and heads, attention heads;
-    key/value heads may be replicated), ep divides the experts, cp the sequence."""
+    """Refuse a layout the hybrid model cannot take, in one line naming the rule: the trainer's
+    layout rules, tp dividing each kind's heads (the mixers' own `local(tp)`: Gated DeltaNet key
+    and value heads, Mamba-2 groups and heads; attention heads, key/value heads replicated when
+    fewer), ep dividing the experts, cp the sequence."""
     if cluster is not None and layout.world != cluster.num_gpus:
         raise PlanError(f"tp*pp*dp*cp = {layout.world} != {cluster.num_gpus} GPUs")
     try:
@@ -83,9 +83,15 @@ def check_layout(shape: hc.HybridShape, layout: Layout, cluster: Cluster | None 
         raise PlanError(str(e)) from None
     tp = layout.tp
     for m in {layer.mixer for layer in shape.layers if layer.mixer is not None}:
-        for what, n in _head_counts(m):
-            if n % tp:
-                raise PlanError(f"--tensor-model-parallel-size {tp} does not divide the {what} ({n})")
+        if isinstance(m, hc.AttentionShape):
+            if m.heads % tp:
+                raise PlanError(f"--tensor-model-parallel-size {tp} does not divide the attention "
+                                f"heads ({m.heads})")
+        else:
+            try:
+                m.local(tp)  # the mixer's own rule (models/gated_deltanet.py, mamba2.py)
+            except ValueError as e:
+                raise PlanError(str(e)) from None
     experts = {layer.mlp.experts for layer in shape.layers if isinstance(layer.mlp, hc.MoEMLP)}
     if layout.ep > 1 and (not experts or any(e % layout.ep for e in experts)):
         raise PlanError(f"--expert-model-parallel-size {layout.ep} must divide the experts "
@@ -95,16 +101,6 @@ def check_layout(shape: hc.HybridShape, layout: Layout, cluster: Cluster | None 
     if layout.seq_length % layout.cp:
         raise PlanError(f"--context-parallel-size {layout.cp} does not divide --seq-length "
                         f"{layout.seq_length}")
-
-
-def _head_counts(m) -> list[tuple[str, int]]:
-    """(what, count) of the heads TP splits in mixer `m` (attention's key/value heads may be
-    replicated, so only its query heads count)."""
-    if isinstance(m, hc.AttentionShape):
-        return [("attention heads", m.heads)]
-    if hasattr(m, "key_heads"):
-        return [("Gated DeltaNet key heads", m.key_heads), ("Gated DeltaNet value heads", m.value_heads)]
-    return [("Mamba-2 groups", m.groups), ("Mamba-2 heads", m.heads)]
 
 
 def rank_layer_ids(shape: hc.HybridShape, layout: Layout, pp_rank: int) -> list[int]:
