@@ -149,7 +149,7 @@ def test_published_sizes_plan():
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_dry_run_meta_measured_equals_planned(dtype):
-    """One cp rank of Nemotron-H-8B and Qwen3.5-9B at 8K / cp2 on meta: parameters as built equal
+    """One cp rank of Nemotron-H-8B and Qwen3.5-9B at 4K / cp2 on meta: parameters as built equal
     the count, and the bytes each layer saves equal the planner's within 1% (linear and MLP
     layers) and 6% (attention)."""
     from megazoo.models.nemotron_h.model import NemotronHForCausalLM
@@ -158,7 +158,7 @@ def test_dry_run_meta_measured_equals_planned(dtype):
     from megazoo.models.qwen3_5.presets import preset_config as qwen35
     from megazoo.training.planning import hybrid_dry_run as D
     from megazoo.training.planning.layout import Layout
-    layout = Layout.of(tp=1, dp=4, cp=2, zero_stage=1, global_batch_size=32, seq_length=8192,
+    layout = Layout.of(tp=1, dp=4, cp=2, zero_stage=1, global_batch_size=32, seq_length=4096,
                        flash_attention=True, params_dtype=dtype)
     kinds = {}
     for config, cls in ((nemotron("nemotron-h-8b"), NemotronHForCausalLM),
