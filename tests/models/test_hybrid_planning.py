@@ -117,8 +117,10 @@ def test_published_sizes_plan():
             recompute_granularity="full", **common)),
     }
     checked = 0
+    from megazoo.training.planning import planner
     for name, (config, gpus, layout) in runs.items():
-        p = hybrid.plan(config, layout, _h100(gpus))
+        p = planner.plan(config, layout, _h100(gpus))  # the planner's entry point dispatches
+        assert isinstance(p, hybrid.HybridPlan)
         shape = hc.describe(config)
         assert p.fits and 0 < p.memory.total < 80 * GiB, (name, p.memory.total / GiB)
         assert 0.05 < p.time.mfu < 0.7 and p.time.total > 0, name
