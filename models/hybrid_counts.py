@@ -87,9 +87,22 @@ class HybridShape:
         return len(self.layers)
 
 
+HYBRID_MIXERS = frozenset({"gated_deltanet", "mamba2", "gated_attention", "none"})
+
+
+def is_hybrid(c) -> bool:
+    """Whether `c` describes a hybrid stack: a family config of Qwen3.5 / Qwen3-Next / Nemotron-H,
+    or a `TransformerConfig` whose `token_mixers` name one of the hybrid layer kinds."""
+    return hasattr(c, "mamba_shape") or hasattr(c, "linear_shape") or \
+        bool(HYBRID_MIXERS & set(getattr(c, "token_mixers", None) or ()))
+
+
 def describe(c) -> HybridShape:
     """The layer-kind description of a Qwen3.5 / Qwen3-Next (`linear_shape`) or Nemotron-H
-    (`mamba_shape`) config; a config of neither kind is refused in one line."""
+    (`mamba_shape`) family config, or of a `TransformerConfig` with hybrid `token_mixers`
+    (`_layer_specs`); a config of neither kind is refused in one line."""
+    if getattr(c, "token_mixers", None) and is_hybrid(c):
+        return _layer_specs(c)
     if hasattr(c, "mamba_shape"):
         return _nemotron_h(c)
     if hasattr(c, "linear_shape"):
@@ -120,6 +133,44 @@ def _nemotron_h(c) -> HybridShape:
              "mlp": (None, mlp)}
     layers = tuple(HybridLayer(*kinds[k], norms=1) for k in c.layer_types)
     return HybridShape(c.vocab_size, c.hidden_size, c.tie_word_embeddings, layers)
+
+
+def _layer_specs(c) -> HybridShape:
+    """A TransformerConfig's hybrid stack: per layer its token mixer kind (`token_mixers`:
+    gated_deltanet, mamba2, gated_attention, attention or none) and MLP kind (`layer_mlps`:
+    dense, moe or none; else MoE where `is_moe_layer` says), with the linear_* / mamba_* shape
+    fields; a layer holding a mixer and an MLP has two norms, a single-mixer layer one."""
+    from .gated_deltanet import GatedDeltaNetShape
+    from .mamba2 import Mamba2Shape
+    h = c.hidden_size
+    gdn = GatedDeltaNetShape(h, c.linear_num_key_heads, c.linear_num_value_heads,
+                             c.linear_key_head_dim, c.linear_value_head_dim, c.linear_conv_kernel,
+                             c.layernorm_epsilon, c.linear_chunk_size) \
+        if c.linear_num_key_heads else None
+    mamba = Mamba2Shape(h, c.mamba_num_heads, c.mamba_head_dim, c.mamba_state_size,
+                        c.mamba_groups, c.linear_conv_kernel, c.layernorm_epsilon,
+                        c.linear_chunk_size, c.mamba_time_step_min, c.mamba_conv_bias,
+                        c.mamba_proj_bias) if c.mamba_num_heads else None
+
+    def attention(gated: bool) -> AttentionShape:
+        return AttentionShape(c.num_attention_heads, c.num_query_groups, c.head_dim, gated=gated,
+                              qk_norm=c.qk_layernorm, bias=bool(c.bias or c.add_qkv_bias))
+
+    mixers = {"gated_deltanet": gdn, "mamba2": mamba, "gated_attention": attention(True),
+              "attention": attention(False), "none": None}
+    gated = c.gated_mlp
+    layers = []
+    for i, kind in enumerate(c.token_mixers):
+        mlp_kind = c.layer_mlps[i] if getattr(c, "layer_mlps", None) else (
+            "moe" if c.is_moe_layer(i) else "dense")
+        mlp = None if mlp_kind == "none" else DenseMLP(c.ffn_hidden_size, gated, bool(c.bias)) \
+            if mlp_kind == "dense" else MoEMLP(c.num_experts, c.moe_router_topk,
+                                               c.moe_ffn_hidden_size,
+                                               c.moe_shared_expert_intermediate_size or 0,
+                                               c.moe_shared_expert_gate)
+        mixer = mixers[kind]
+        layers.append(HybridLayer(mixer, mlp, norms=2 if (mixer is not None and mlp is not None) else 1))
+    return HybridShape(c.vocab_size, h, c.tie_word_embeddings, tuple(layers))
 
 
 # ---- parameters -----------------------------------------------------------------------------

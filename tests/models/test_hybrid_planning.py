@@ -265,3 +265,50 @@ def test_dry_run_cli_hybrid_preset(capsys):
         assert result.built_parameters == result.counted_parameters == 8_100_852_736
         assert "parameters: built 8,100,852,736, counted 8,100,852,736 (equal)" in text
         assert "mamba2: one cp rank" in text and "stage 0" in text
+
+
+def test_layer_spec_configs_describe_alike():
+    """A TransformerConfig that names the hybrid kinds in `token_mixers` (the registry's form of
+    these families: layer_mlps, linear_* and mamba_* fields) is described as its family config:
+    the same counts. Spelled here as the fields such a config carries."""
+    from types import SimpleNamespace
+
+    from megazoo.models import hybrid_counts as hc
+    from megazoo.models.nemotron_h.presets import preset_config as nemotron
+    from megazoo.models.qwen3_5.presets import preset_config as qwen35
+    from megazoo.models.qwen3_next.presets import preset_config as qwen_next
+
+    def config(**kw):
+        base = dict(bias=False, add_qkv_bias=False, layernorm_epsilon=1e-6, linear_conv_kernel=4,
+                    linear_num_key_heads=None, mamba_num_heads=None, tie_word_embeddings=False,
+                    layer_mlps=None, num_experts=None, moe_shared_expert_intermediate_size=None,
+                    moe_shared_expert_gate=False, mamba_time_step_min=0.0, mamba_conv_bias=True,
+                    mamba_proj_bias=False, qk_layernorm=False)
+        c = SimpleNamespace(**{**base, **kw})
+        c.is_moe_layer = lambda i: bool(c.num_experts)
+        return c
+
+    qwen = dict(vocab_size=248320, hidden_size=4096, num_attention_heads=16, num_query_groups=4,
+                head_dim=256, ffn_hidden_size=12288, gated_mlp=True, qk_layernorm=True,
+                token_mixers=("gated_deltanet",) * 3 + ("gated_attention",), linear_num_key_heads=16,
+                linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
+                linear_chunk_size=64)
+    q = config(**{**qwen, "token_mixers": qwen["token_mixers"] * 8})
+    nxt = config(**{**qwen, "vocab_size": 151936, "hidden_size": 2048, "num_query_groups": 2,
+                    "ffn_hidden_size": 5632, "token_mixers": qwen["token_mixers"] * 12,
+                    "num_experts": 512, "moe_router_topk": 10, "moe_ffn_hidden_size": 512,
+                    "moe_shared_expert_intermediate_size": 512, "moe_shared_expert_gate": True})
+    pattern = "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-"
+    n = config(vocab_size=131072, hidden_size=4096, num_attention_heads=32, num_query_groups=8,
+               head_dim=128, ffn_hidden_size=21504, gated_mlp=False, linear_chunk_size=128,
+               layernorm_epsilon=1e-5, mamba_num_heads=128, mamba_head_dim=64,
+               mamba_state_size=128, mamba_groups=8, mamba_time_step_min=0.001,
+               token_mixers=tuple({"M": "mamba2", "*": "attention", "-": "none"}[x] for x in pattern),
+               layer_mlps=tuple("dense" if x == "-" else "none" for x in pattern))
+    for spec_config, family in ((q, qwen35("qwen3.5-9b")), (nxt, qwen_next("qwen3-next-80b-a3b")),
+                                (n, nemotron("nemotron-h-8b"))):
+        assert hc.is_hybrid(spec_config)
+        a, b = hc.describe(spec_config), hc.describe(family)
+        assert hc.num_parameters(a) == hc.num_parameters(b)
+        assert hc.forward_flops_per_token(a, 4096) == hc.forward_flops_per_token(b, 4096)
+        assert [layer.kind for layer in a.layers] == [layer.kind for layer in b.layers]

@@ -28,8 +28,9 @@ from dataclasses import dataclass
 
 from megazoo.models import hybrid_counts as hc
 from megazoo.parallel.layout import microbatches_per_step
-from megazoo.parallel.pipeline.schedules import activation_bound
 
+from megazoo.training.planning.hybrid_memory import (activation_bytes, layer_activation_bytes,  # noqa: F401
+                                                     padded_vocab, rank_layer_ids)
 from megazoo.training.planning.layout import Layout
 from megazoo.training.planning.memory import Memory, PlanError, model_state_bytes, pipeline_schedule
 from megazoo.training.planning.step_time import (MATMUL_EFFICIENCY, OPTIMIZER_BYTES_PER_PARAM,
@@ -59,11 +60,6 @@ class HybridPlan:
 
 def shape_of(config) -> hc.HybridShape:
     return config if isinstance(config, hc.HybridShape) else hc.describe(config)
-
-
-def padded_vocab(shape: hc.HybridShape, tp: int, multiple: int = 128) -> int:
-    m = multiple * tp
-    return -(-shape.vocab_size // m) * m
 
 
 def check_layout(shape: hc.HybridShape, layout: Layout, cluster: Cluster | None = None) -> None:
@@ -103,12 +99,6 @@ def check_layout(shape: hc.HybridShape, layout: Layout, cluster: Cluster | None 
                         f"{layout.seq_length}")
 
 
-def rank_layer_ids(shape: hc.HybridShape, layout: Layout, pp_rank: int) -> list[int]:
-    """The layers pipeline rank `pp_rank` holds, as the trainer partitions them."""
-    specs = layout.parallel.chunk_specs(shape.num_layers, pp_rank)
-    return [i for spec in specs for i in range(*spec.layer_range)]
-
-
 def rank_params(shape: hc.HybridShape, layout: Layout, pp_rank: int) -> tuple[float, float]:
     """(dense, expert) parameters pipeline rank `pp_rank` holds: its layers' TP/EP shares, the
     word embedding on the first stage, the final norm and the head (or the tied copy) on the last."""
@@ -123,38 +113,6 @@ def rank_params(shape: hc.HybridShape, layout: Layout, pp_rank: int) -> tuple[fl
     if pp_rank == layout.pp - 1:
         dense += h + (words if (layout.pp > 1 or not shape.tie_word_embeddings) else 0)
     return dense, expert
-
-
-def layer_activation_bytes(shape: hc.HybridShape, layout: Layout, i: int) -> float:
-    """Bytes layer `i` keeps for one microbatch on one rank: s/cp tokens of what its kind keeps
-    (models/hybrid_counts.py `layer_activation_bytes`, in the weights' dtype)."""
-    tok, seq = hc.layer_activation_bytes(shape, i, layout.tp, layout.sequence_parallel,
-                                         layout.dtype.itemsize)
-    s, b = layout.seq_length / layout.cp, layout.micro_batch_size
-    return (tok * s + seq) * b
-
-
-def activation_bytes(shape: hc.HybridShape, layout: Layout, pp_rank: int) -> float:
-    """Activation bytes pipeline rank `pp_rank` keeps at its peak: its layers' for the microbatch
-    chunks its schedule keeps alive (full recompute: each layer's input, plus one layer's whole),
-    the token ids on the first stage, the final norm's input and the fused head's gradient of
-    the logits (s b V / t) on the last."""
-    s, b, h, t = layout.seq_length / layout.cp, layout.micro_batch_size, shape.hidden_size, layout.tp
-    e = layout.dtype.itemsize
-    u = t if layout.sequence_parallel else 1
-    units = activation_bound(pipeline_schedule(layout), layout.pp, pp_rank,
-                             max(layout.microbatches, 1), layout.vpp)
-    per_layer = [layer_activation_bytes(shape, layout, i)
-                 for i in rank_layer_ids(shape, layout, pp_rank)]
-    if layout.recompute_granularity == "full":
-        total = len(per_layer) * e * s * b * h / u / layout.vpp * units + max(per_layer, default=0.0)
-    else:
-        total = sum(per_layer) / layout.vpp * units
-    if pp_rank == 0:
-        total += 8 * s * b * min(layout.pp, max(layout.microbatches, 1))
-    if pp_rank == layout.pp - 1:
-        total += (4 + e) * s * b * h / u + e * s * b * h + 4 * s * b * padded_vocab(shape, t) / t
-    return total
 
 
 def layer_flops(shape: hc.HybridShape, layout: Layout, i: int) -> float:
@@ -199,7 +157,8 @@ def stage_costs(shape: hc.HybridShape, layout: Layout) -> list[StageCost]:
             flops += 3 * 2 * shape.hidden_size * shape.vocab_size * layout.micro_batch_size * \
                 layout.seq_length / layout.cp / layout.tp
         dense, expert = rank_params(shape, layout, r)
-        out.append(StageCost(r, ids, kinds, dense, expert, flops, activation_bytes(shape, layout, r)))
+        out.append(StageCost(r, ids, kinds, dense, expert, flops,
+                              activation_bytes(shape, layout, r, pipeline_schedule(layout))))
     return out
 
 
