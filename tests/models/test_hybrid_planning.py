@@ -38,7 +38,7 @@ def test_parameters_equal_transformers_on_meta():
     for presets, cls, cfg_cls in ((q35, "Qwen3_5ForCausalLM", "Qwen3_5TextConfig"),
                                   (qn, "Qwen3NextForCausalLM", "Qwen3NextConfig"),
                                   (nh, "NemotronHForCausalLM", "NemotronHConfig")):
-        for name, fields in presets.PRESETS.items():
+        for name, fields in getattr(presets, "HF_PRESETS", presets.PRESETS).items():
             hf_config = getattr(transformers, cfg_cls)(**fields)
             counted = hc.num_parameters(hc.describe(presets.preset_config(name)))
             assert counted == _hf_count(getattr(transformers, cls), hf_config), name

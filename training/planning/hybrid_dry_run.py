@@ -113,7 +113,8 @@ def hybrid_preset(name: str):
     for presets, cls in ((qwen3_5_presets, qwen3_5.Qwen35ForCausalLM),
                          (qwen3_next_presets, qwen3_next.Qwen3NextForCausalLM),
                          (nemotron_h_presets, nemotron_h.NemotronHForCausalLM)):
-        if name in presets.PRESETS:
+        # transformers' fields (HF_PRESETS once a folder also lists TransformerConfig presets)
+        if name in getattr(presets, "HF_PRESETS", presets.PRESETS):
             return presets.preset_config(name), cls
     return None
 
