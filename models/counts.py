@@ -4,12 +4,22 @@ the dry run.
 `ModelCounts` is mixed into `models.config.TransformerConfig` (callers write
 `config.num_parameters()`): it holds no fields of its own and reads the config's sizes,
 `head_dim`, `is_moe_layer` and `padded_vocab_size`.
+
+A hybrid stack (`token_mixers` naming Gated DeltaNet, Mamba-2, gated attention or mixer-less
+layers) is counted layer kind by layer kind by models/hybrid_counts.py: the methods below hand it
+over (`_hybrid`), so the trainer's metrics and the planner count those layers as they are.
 """
 from __future__ import annotations
+
+from . import hybrid_counts
 
 
 class ModelCounts:
     """Counts of the model a `TransformerConfig` describes (weights per rank, FLOPs per token)."""
+
+    def _hybrid(self):
+        """The layer-kind description of a hybrid stack (models/hybrid_counts.py), else None."""
+        return hybrid_counts.describe(self) if hybrid_counts.is_hybrid(self) else None
 
     def _mlp_matrices(self, width: int) -> int:
         """Weights of one MLP of this width (fc1, SwiGLU's doubled, and fc2), biases aside."""
@@ -36,6 +46,9 @@ class ModelCounts:
         """Parameters of layer `layer`'s routed experts one EP rank holds (`num_experts / ep`, or
         the `topk` a token uses when `active`); 0 for a dense layer. ZeRO shards these over the
         expert-data-parallel group, the rest of the layer over data parallelism."""
+        shape = self._hybrid()
+        if shape is not None and layer < shape.num_layers:
+            return hybrid_counts.layer_parameters(shape, layer, 1, ep, active)[1]
         if not self.is_moe_layer(layer):
             return 0.0
         h, f, bias = self.hidden_size, self.moe_ffn_hidden_size, 1 if self.bias else 0
@@ -46,6 +59,12 @@ class ModelCounts:
     def layer_parameters(self, tp: int = 1, layer: int = 0, ep: int = 1, active: bool = False) -> float:
         """Parameters of transformer layer `layer` held by one TP (and EP) rank (replicated norms
         and biases whole; key/value heads replicated when tp exceeds their number)."""
+        shape = self._hybrid()
+        if shape is not None and layer < shape.num_layers:
+            return sum(hybrid_counts.layer_parameters(shape, layer, tp, ep, active))
+        shape = self._hybrid()
+        if shape is not None and layer < shape.num_layers:
+            return sum(hybrid_counts.layer_parameters(shape, layer, tp, ep, active))
         h, d = self.hidden_size, self.head_dim
         attn = self.num_attention_heads * d  # = h unless kv_channels decouples the head size
         qkv = (self.num_attention_heads + 2 * max(self.num_query_groups, tp)) * d
@@ -101,6 +120,9 @@ class ModelCounts:
         """(dense layer matmuls, attention scores and values, logits): forward FLOPs per token over
         all layers, 2 per multiply-add (Narayanan et al. 2021's count, with GQA and SwiGLU; MoE
         layers count the router and the top-k experts a token visits)."""
+        shape = self._hybrid()
+        if shape is not None:
+            return hybrid_counts.forward_flops_per_token(shape, seq_length)
         h, d = self.hidden_size, self.head_dim
         attn = self.num_attention_heads * d  # = h unless kv_channels decouples the head size
         qkv = (self.num_attention_heads + 2 * self.num_query_groups) * d

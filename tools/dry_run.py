@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 
+from megazoo.models.presets import PRESETS
 from megazoo.models.registry import FAMILIES, build_model
 from megazoo.parallel.layout import Grid
 from megazoo.training.config.flags import ArgumentError, to_run_config
@@ -130,7 +131,8 @@ def summary_text(run, reports: list[RankReport], grid: Grid) -> str:
 
 # ---- command line ------------------------------------------------------------------------------
 
-def parse(argv=None):
+def dry_run_parser():
+    """The training scripts' parser with the dry run's own flags."""
     p = build_parser()
     g = p.add_argument_group("dry run")
     g.add_argument("--world-size", type=int, required=True, help="ranks of the run to rehearse")
@@ -144,7 +146,15 @@ def parse(argv=None):
                    help="microbatches through the engine (default: the fewest that reach the "
                         "schedule's activation peak on the rank)")
     g.add_argument("--no-step", action="store_true", help="build only; skip the training step")
+    g.add_argument("--cluster", default="dgx-h100-80gb",
+                   help="a hybrid preset's plan: the GPUs it is planned for (tools/plan.py's "
+                        "--cluster names)")
     p.set_defaults(train_iters=1, mock_data=True)
+    return p
+
+
+def parse(argv=None):
+    p = dry_run_parser()
     try:
         args = p.parse_args(argv)
         if args.world_size < 1:
@@ -162,7 +172,55 @@ def _fail(message: str):
     sys.exit(2)
 
 
+def hybrid_main(argv: list[str], name: str):
+    """A hybrid preset (Qwen3.5, Qwen3-Next, Nemotron-H) the registry does not list: its plan
+    at the layout the flags give, the family model built on meta, one cp rank's forward measured
+    layer by layer (training/planning/hybrid_dry_run.py); --cluster-memory-gib sizes the GPU."""
+    from megazoo.training.config.layout_flags import parallel_config_of
+    from megazoo.training.planning import hybrid_dry_run as H
+    from megazoo.training.planning.layout import Layout
+    from megazoo.training.planning.reference_runs import CLUSTERS
+    try:
+        args = dry_run_parser().parse_args(argv)
+        if args.cluster not in CLUSTERS:
+            raise ArgumentError(f"--cluster {args.cluster!r}: choose one of {sorted(CLUSTERS)}")
+    except ValueError as e:
+        _fail(str(e))
+    config, cls = H.hybrid_preset(name)
+    shape_layers = len(config.layer_types)
+    try:
+        parallel = parallel_config_of(args, shape_layers)
+        dp = args.world_size // (parallel.tp * parallel.pp * parallel.cp)
+        dtype = "bfloat16" if args.bf16 else "float16" if args.fp16 else "float32"
+        layout = Layout(parallel=parallel, dp=dp, micro_batch_size=args.micro_batch_size,
+                        global_batch_size=args.global_batch_size or args.micro_batch_size * dp,
+                        seq_length=args.seq_length, params_dtype=dtype,
+                        recompute_granularity=args.recompute_granularity, flash_attention=True)
+        layout = layout.replace(zero_stage=args.zero_stage or 0)
+        cluster = CLUSTERS[args.cluster].replace(num_gpus=args.world_size)
+        report = H.dry_run(config, cls, layout, cluster)
+    except ValueError as e:
+        _fail(str(e))
+    print(H.report_text(name, report))
+    return report
+
+
+def _model_flag(argv: list[str]) -> str | None:
+    for i, a in enumerate(argv):
+        if a == "--model" and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith("--model="):
+            return a.split("=", 1)[1]
+    return None
+
+
 def main(argv=None) -> list[RankReport]:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    name = _model_flag(argv)
+    if name is not None and name not in PRESETS:
+        from megazoo.training.planning.hybrid_dry_run import hybrid_preset
+        if hybrid_preset(name) is not None:
+            return hybrid_main(argv, name)
     args, run = parse(argv)
     grid = run.parallel.grid(args.world_size)
     try:

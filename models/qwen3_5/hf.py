@@ -2,8 +2,18 @@
 config.json field mapped, neutral (models/hf_fields.py) or refused in one line; the tensors keep
 transformers' names (models/qwen3_5/model.py builds the same module tree), so import and export
 are the identity on the state dict and an export is bit-identical to what was imported.
+
+Released checkpoints are the vision-language model (`Qwen3_5ForConditionalGeneration`): config.json
+has model_type `qwen3_5` with the text model's fields in `text_config`, and the tensors are named
+`model.language_model.*` beside `model.visual.*` (the vision tower) and `mtp.*` (the
+multi-token-prediction head). The import reads the text config, renames `model.language_model.`
+to `model.` and leaves the vision and MTP tensors out with one logged line, as transformers'
+`Qwen3_5ForCausalLM` does (its conversion mapping for qwen3_5_text; its keys ignored on load).
+A `qwen3_5_moe` release (Qwen3.5's MoE sizes) is refused: megazoo does not model that family.
 """
 from __future__ import annotations
+
+import logging
 
 import torch
 
@@ -20,12 +30,36 @@ MAPPED = frozenset({
 # transformers' text model reads no encoder-decoder setting
 IGNORED = frozenset({"is_encoder_decoder"})
 TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+RELEASE_PREFIX = "model.language_model."  # the text model inside the released VL checkpoint
+NOT_MODELLED = ("model.visual.", "mtp.")  # its vision tower and multi-token-prediction head
+
+logger = logging.getLogger(__name__)
 
 
 def config_from_hf(hf) -> Qwen35Config:
-    """A Qwen35Config from a `transformers.Qwen3_5TextConfig` (every field checked)."""
+    """A Qwen35Config from a `transformers.Qwen3_5TextConfig` (every field checked), or from a
+    release's `Qwen3_5Config` (its `text_config`; the vision part left out, logged)."""
+    if hasattr(hf, "text_config"):
+        hf = text_config_of(hf)
     check_fields(hf, FAMILY, MAPPED, IGNORED)
     return base_config(hf, FAMILY)
+
+
+def text_config_of(release, model_type: str = "qwen3_5"):
+    """The text config inside a released vision-language config of `model_type`, refusing
+    another model_type (e.g. qwen3_5_moe) or a top-level tie_word_embeddings that contradicts it."""
+    kind = getattr(release, "model_type", None)
+    if kind != model_type:
+        raise refuse(FAMILY, "model_type", kind, f"{model_type!r} (Qwen3.5's MoE release, "
+                     f"qwen3_5_moe, is not a megazoo family)")
+    text = release.text_config
+    top = getattr(release, "tie_word_embeddings", text.tie_word_embeddings)
+    if bool(top) != bool(text.tie_word_embeddings):
+        raise refuse(FAMILY, "tie_word_embeddings", top,
+                     f"text_config's value ({text.tie_word_embeddings})")
+    logger.info("%s: reading the text model of a %s release; its vision config is not modelled "
+                "and is left out", FAMILY, model_type)
+    return text
 
 
 def base_config(hf, family: str) -> Qwen35Config:
@@ -93,17 +127,24 @@ def hf_fields(c: Qwen35Config) -> dict:
 
 
 def from_hf_state_dict(state: dict[str, torch.Tensor], c: Qwen35Config) -> dict[str, torch.Tensor]:
-    """transformers' tensors -> this model's (same names; the tied head's copy dropped; the
-    multi-token-prediction and vision tensors of a full release refused)."""
-    foreign = sorted(k for k in state if k.startswith(("mtp.", "model.visual.")))
-    if foreign:
-        raise ValueError(f"{FAMILY}: {foreign[0]} ({len(foreign)} tensors) belongs to the "
-                         f"multi-token-prediction or vision part, which megazoo does not model; "
-                         f"export the text model (Qwen3_5ForCausalLM) without it")
-    out = dict(state)
+    """transformers' tensors -> this model's (same names; the tied head's copy dropped), from the
+    text model's layout or a release's (`release_text_tensors`)."""
+    out = release_text_tensors(state, FAMILY)
     if c.tie_word_embeddings:
         out.pop("lm_head.weight", None)
     return out
+
+
+def release_text_tensors(state: dict[str, torch.Tensor], family: str) -> dict[str, torch.Tensor]:
+    """The text model's tensors under transformers' text-model names: a release's
+    `model.language_model.*` renamed `model.*`, its vision and MTP tensors left out (one logged
+    line naming how many); a state dict already in the text layout passes unchanged."""
+    skipped = [k for k in state if k.startswith(NOT_MODELLED)]
+    if skipped:
+        logger.info("%s: leaving out %d tensors megazoo does not model (vision tower model.visual.*, "
+                    "multi-token prediction mtp.*), e.g. %s", family, len(skipped), skipped[0])
+    return {("model." + k[len(RELEASE_PREFIX):]) if k.startswith(RELEASE_PREFIX) else k: v
+            for k, v in state.items() if not k.startswith(NOT_MODELLED)}
 
 
 def to_hf_state_dict(state: dict[str, torch.Tensor], c: Qwen35Config) -> dict[str, torch.Tensor]:

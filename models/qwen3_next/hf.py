@@ -7,8 +7,18 @@ tensors keep transformers' names except each linear layer's fused projections:
 
 which import splits into Qwen3.5's in_proj_qkv ([all q | all k | all v]), in_proj_z, in_proj_b
 and in_proj_a (a permutation of rows: exact), and export fuses back bit-identically.
+
+The released checkpoints (Qwen3-Next-80B-A3B) store each routed expert on its own,
+`mlp.experts.{i}.gate_proj.weight` / `up_proj` [moe_intermediate, hidden] and `down_proj`
+[hidden, moe_intermediate], where transformers 5.24 holds them stacked: `gate_up_proj`
+[experts, 2 x moe_intermediate, hidden] (each expert's gate rows, then its up rows) and
+`down_proj` [experts, hidden, moe_intermediate] (its conversion mapping for qwen2_moe, which
+qwen3_next uses). The import stacks them the same way (`stack_experts`); the multi-token-prediction
+tensors (`mtp.*`) are left out with a logged line. Export writes transformers' stacked form.
 """
 from __future__ import annotations
+
+import re
 
 import torch
 
@@ -50,10 +60,39 @@ def _sizes(c):
     return c.linear_num_key_heads, c.linear_key_head_dim, rep * c.linear_value_head_dim, rep
 
 
+PER_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def stack_experts(state: dict[str, torch.Tensor], c: Qwen3NextConfig) -> dict[str, torch.Tensor]:
+    """A release's per-expert tensors stacked into transformers' `gate_up_proj` and `down_proj`
+    (a layer missing an expert's tensor, or holding both forms, is refused in one line)."""
+    found: dict[str, dict[tuple[int, str], torch.Tensor]] = {}
+    out = {}
+    for name, t in state.items():
+        m = PER_EXPERT.match(name)
+        if m:
+            found.setdefault(m.group(1), {})[(int(m.group(2)), m.group(3))] = t
+        else:
+            out[name] = t
+    for prefix, parts in found.items():
+        need = [(i, p) for i in range(c.num_experts) for p in ("gate_proj", "up_proj", "down_proj")]
+        missing = [f"{prefix}.{i}.{p}.weight" for i, p in need if (i, p) not in parts]
+        extra = sorted({i for i, _ in parts} - set(range(c.num_experts)))
+        if missing or extra or f"{prefix}.gate_up_proj" in out:
+            what = (f"{missing[0]} is missing ({len(missing)} tensors)" if missing else
+                    f"expert {extra[0]} is beyond num_experts {c.num_experts}" if extra else
+                    f"{prefix} holds both per-expert and stacked tensors")
+            raise ValueError(f"{FAMILY}: {what}; give a complete checkpoint of this config")
+        out[f"{prefix}.gate_up_proj"] = torch.stack(
+            [torch.cat([parts[(i, "gate_proj")], parts[(i, "up_proj")]]) for i in range(c.num_experts)])
+        out[f"{prefix}.down_proj"] = torch.stack([parts[(i, "down_proj")] for i in range(c.num_experts)])
+    return out
+
+
 def from_hf_state_dict(state: dict[str, torch.Tensor], c: Qwen3NextConfig) -> dict[str, torch.Tensor]:
     hk, dk, vd, rep = _sizes(c)
     out = {}
-    for name, t in qwen35.from_hf_state_dict(state, c).items():
+    for name, t in stack_experts(qwen35.from_hf_state_dict(state, c), c).items():
         if name.endswith("in_proj_qkvz.weight"):
             q, k, v, z = t.view(hk, 2 * dk + 2 * vd, -1).split([dk, dk, vd, vd], dim=1)
             prefix = name[:-len("in_proj_qkvz.weight")]

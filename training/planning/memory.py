@@ -32,7 +32,10 @@ from dataclasses import dataclass
 import torch
 
 from megazoo.models.config import TransformerConfig
+from megazoo.models.hybrid_counts import describe, is_hybrid
 from megazoo.parallel.pipeline.schedules import activation_bound
+
+from megazoo.training.planning import hybrid_memory
 
 from megazoo.training.planning.parameters import (expert_bias_parameters, lora_parameters, mtp_layers,
                                                   mtp_parameters)
@@ -265,7 +268,12 @@ def activation_bytes(cfg: TransformerConfig, layout: Layout, stage: str,
     in flight the token ids (int64), the embedding LayerNorm's input (e*s*b*h, BLOOM) and dropout mask (s*b*h/u); on the last the final norm's
     input (n*s*b*h/u) and what the fused head saves (parallel/fused_cross_entropy.py): its input
     after the SP gather (e*s*b*h, whole) and the gradient of the logits, s*b*V/t elements in the
-    weights' dtype (fp32 for fp16 models); the logits themselves are never materialised."""
+    weights' dtype (fp32 for fp16 models); the logits themselves are never materialised.
+    A hybrid stack (token mixers of Gated DeltaNet / Mamba-2 kinds) is counted layer kind by
+    layer kind (training/planning/hybrid_memory.py)."""
+    if is_hybrid(cfg):
+        return hybrid_memory.activation_bytes(describe(cfg), layout, _stage_rank(stage, layout.pp, pp_rank),
+                                              pipeline_schedule(layout))
     s, b, h, t = layout.seq_length / layout.cp, layout.micro_batch_size, cfg.hidden_size, layout.tp
     e = activation_element_bytes(layout)
     u = t if layout.sequence_parallel and t > 1 else 1

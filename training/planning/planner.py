@@ -52,6 +52,13 @@ def check_layout(cfg: TransformerConfig, layout: Layout, cluster: Cluster | None
 
 
 def plan(cfg: TransformerConfig, layout: Layout, cluster: Cluster) -> Plan:
+    """The plan of `cfg` at `layout`: a hybrid config (Qwen3.5, Qwen3-Next, Nemotron-H: layers of
+    Gated DeltaNet / Mamba-2 / attention) goes to training/planning/hybrid.py, whose `HybridPlan`
+    adds per-stage costs and the generation cache to the same fields."""
+    from megazoo.models.hybrid_counts import is_hybrid
+    if is_hybrid(cfg):
+        from megazoo.training.planning import hybrid
+        return hybrid.plan(cfg, layout, cluster)
     check_layout(cfg, layout, cluster)
     mem = memory_per_gpu(cfg, layout)
     return Plan(layout, mem, step_time(cfg, layout, cluster),
