@@ -10,7 +10,7 @@ import torch
 from .counts import ModelCounts
 from .family_rules import resolve_family
 from .recompute import resolve_recompute
-from .spec import ACTIVATIONS, MIXER_KINDS, NORMS, LayerSpec, NormKind, layer_spec, lookup
+from .spec import ACTIVATIONS, MIXER_KINDS, MLP_KINDS, NORMS, LayerSpec, NormKind, layer_spec, lookup
 
 logger = logging.getLogger(__name__)
 
@@ -136,6 +136,24 @@ class TransformerConfig(ModelCounts):
     # Each layer's token mixer kind (models/spec.py MIXER_KINDS), for hybrid stacks; None: every
     # layer attention (multi-latent attention with kv_lora_rank)
     token_mixers: tuple[str, ...] | None = None
+    # ---- hybrid stacks (models/linear_mixers.py, models/gated_attention.py; docs/hybrid.md) ----
+    # Each layer's MLP kind (models/spec.py MLP_KINDS, "none": a mixer-only layer); None: dense,
+    # or MoE where num_experts / moe_layer_freq put experts
+    layer_mlps: tuple[str, ...] | None = None
+    rotary_fraction: float = 1.0  # gated_attention layers rotate head_dim x this channels
+    linear_num_key_heads: int | None = None  # gated_deltanet layers: key heads
+    linear_num_value_heads: int | None = None  # value heads (a multiple of the key heads)
+    linear_key_head_dim: int | None = None
+    linear_value_head_dim: int | None = None
+    linear_conv_kernel: int = 4  # the short causal conv of gated_deltanet and mamba2 layers
+    linear_chunk_size: int = 64  # the chunked algorithms' chunk (changes rounding only)
+    mamba_num_heads: int | None = None  # mamba2 layers: heads, their width, state, groups
+    mamba_head_dim: int | None = None
+    mamba_state_size: int | None = None
+    mamba_groups: int | None = None
+    mamba_time_step_min: float = 0.0  # dt clamped below to this
+    mamba_conv_bias: bool = True
+    mamba_proj_bias: bool = False
 
     def __post_init__(self):
         if self.ffn_hidden_size is None:
@@ -186,6 +204,7 @@ class TransformerConfig(ModelCounts):
                 lookup(dict.fromkeys(MIXER_KINDS), kind, "token mixer (token_mixers)")
             if set(self.token_mixers) == {"mla" if self.kv_lora_rank else "attention"}:
                 self.token_mixers = None  # one spelling of the default
+        self._check_hybrid()
         if self.sliding_window is not None and (not isinstance(self.sliding_window, int)
                                                 or self.sliding_window < 1):
             raise ValueError(f"sliding_window must be an integer >= 1 (or None), got "
@@ -199,6 +218,50 @@ class TransformerConfig(ModelCounts):
             if kind not in ROPE_TYPES:
                 raise ValueError(f"rope_scaling type {kind!r} is not supported; choose one of "
                                  f"{ROPE_TYPES}")
+
+    def _check_hybrid(self) -> None:
+        """The hybrid stacks' fields: set exactly when a layer kind reads them."""
+        kinds = set(self.token_mixers or ())
+        if self.layer_mlps is not None:
+            self.layer_mlps = tuple(self.layer_mlps)
+            if len(self.layer_mlps) != self.num_layers or self.token_mixers is None:
+                raise ValueError(f"layer_mlps names {len(self.layer_mlps)} layers; it needs "
+                                 f"token_mixers and one entry per layer ({self.num_layers})")
+            for kind in self.layer_mlps:
+                lookup(dict.fromkeys(MLP_KINDS), kind, "MLP kind (layer_mlps)")
+            if "moe" in self.layer_mlps and not self.num_experts:
+                raise ValueError("layer_mlps names 'moe' layers: set num_experts")
+        used = {"rotary_fraction": "gated_attention" in kinds,
+                "linear_num_key_heads": "gated_deltanet" in kinds,
+                "mamba_num_heads": "mamba2" in kinds}
+        groups = {"linear_num_key_heads": ("linear_num_value_heads", "linear_key_head_dim",
+                                           "linear_value_head_dim"),
+                  "mamba_num_heads": ("mamba_head_dim", "mamba_state_size", "mamba_groups")}
+        for lead, needed in used.items():
+            if lead == "rotary_fraction":
+                if not needed and self.rotary_fraction != 1.0:
+                    raise ValueError("rotary_fraction applies to gated_attention layers only; "
+                                     "drop it or name such layers in token_mixers")
+                if not 0 < self.rotary_fraction <= 1 or (
+                        round(self.head_dim * self.rotary_fraction) % 2):
+                    raise ValueError(f"rotary_fraction {self.rotary_fraction} must be in (0, 1] "
+                                     f"and rotate an even number of head_dim's channels")
+                continue
+            names = (lead,) + groups[lead]
+            values = [getattr(self, n) for n in names]
+            if needed and any(not isinstance(v, int) or v < 1 for v in values):
+                raise ValueError(f"token_mixers names {lead.split('_')[0]} layers: set "
+                                 f"{', '.join(names)} (integers >= 1), got {values}")
+            if not needed and any(v is not None for v in values):
+                raise ValueError(f"{', '.join(names)} apply to "
+                                 f"{'gated_deltanet' if lead.startswith('linear') else 'mamba2'} "
+                                 f"layers only; drop them or name such layers in token_mixers")
+        if "gated_deltanet" in kinds and self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ValueError(f"linear_num_value_heads {self.linear_num_value_heads} must be a "
+                             f"multiple of linear_num_key_heads {self.linear_num_key_heads}")
+        if "mamba2" in kinds and self.mamba_num_heads % self.mamba_groups:
+            raise ValueError(f"mamba_num_heads {self.mamba_num_heads} must be a multiple of "
+                             f"mamba_groups {self.mamba_groups}")
 
     def _check_latent_attention(self) -> None:
         for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
@@ -287,6 +350,8 @@ class TransformerConfig(ModelCounts):
 
     def is_moe_layer(self, layer_number: int) -> bool:
         """Whether global layer `layer_number` (0-based) has experts instead of a dense MLP."""
+        if self.layer_mlps is not None and layer_number < len(self.layer_mlps):
+            return self.layer_mlps[layer_number] == "moe"
         return self.num_experts is not None and layer_number >= self.moe_first_dense_layers \
             and layer_number % self.moe_layer_freq == 0
 
