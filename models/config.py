@@ -51,7 +51,7 @@ class TransformerConfig(ModelCounts):
     num_attention_heads: int = 12
     ffn_hidden_size: int | None = None  # default 4 * hidden_size
     max_position_embeddings: int = 1024
-    position_embedding: str = "learned"  # learned | alibi | rope
+    position_embedding: str = "learned"  # learned | alibi | rope | none (Nemotron-H)
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None  # HF's dict: {"rope_type": ROPE_TYPES[i], "factor": ...}
     # Sliding-window attention (Mistral, Qwen2/3, Mixtral): a query sees itself and the
@@ -169,7 +169,8 @@ class TransformerConfig(ModelCounts):
             raise ValueError(f"--num-attention-heads {self.num_attention_heads} is not divisible by "
                              f"--num-query-groups {self.num_query_groups}")
         for name, value, allowed in (
-                ("position_embedding", self.position_embedding, ("learned", "alibi", "rope")),
+                ("position_embedding", self.position_embedding,
+                 ("learned", "alibi", "rope", "none")),
                 ("normalization", self.normalization, tuple(NORMS)),
                 ("activation", self.activation, tuple(ACTIVATIONS)),
                 ("params_dtype", self.params_dtype, tuple(PARAMS_DTYPES))):

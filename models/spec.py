@@ -91,6 +91,7 @@ ACTIVATIONS: dict[str, Activation] = {
     "swiglu": Activation(True, lambda gate, up: F.silu(gate) * up),
     "geglu_tanh": Activation(True, lambda gate, up: _gelu_tanh(gate) * up),  # Gemma
     "swiglu_clamped": Activation(True, clamped_swiglu, ("swiglu_alpha", "swiglu_limit")),  # gpt-oss
+    "relu2": Activation(False, lambda x: F.relu(x).square()),  # squared ReLU (Nemotron-H)
 }
 
 
