@@ -33,6 +33,7 @@ TRAINING_ONLY_FIELDS = frozenset({
     "moe_expert_capacity_factor",  # token dropping while training (HF routes dropless; logged)
     "moe_router_bias_update_rate", "moe_router_load_balancing_type",  # how routing is trained
     "mtp_loss_scaling_factor",  # the multi-token prediction loss's weight (HF records none)
+    "linear_chunk_size",  # the chunked linear-mixer algorithms' block size (rounding only)
 })
 
 

@@ -10,7 +10,7 @@ qwen3.5-tiny for CPUs and tests."""
 from __future__ import annotations
 
 _LIN, _ATT = "gated_deltanet", "gated_attention"
-_QWEN35 = dict(family="qwen3_5", position_embedding="rope", normalization="rmsnorm_offset",
+_QWEN35 = dict(family="qwen3_5_text", position_embedding="rope", normalization="rmsnorm_offset",
                activation="swiglu", qk_layernorm=True, bias=False, layernorm_epsilon=1e-6,
                tie_word_embeddings=False, hidden_dropout=0.0)
 

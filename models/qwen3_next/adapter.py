@@ -1,5 +1,5 @@
 """Qwen3-Next <-> transformers for megazoo's trainable stack (the family folder's adapter): the
-config through hf.py's checks, then Qwen3.5's layers (models/qwen3_5/adapter.py) with megazoo's
+config through hf.py's checks, then Qwen3.5's layers (models/qwen3_5_text/adapter.py) with megazoo's
 mixture of experts on the sparse layers (`layer_mlps`: "moe" where transformers puts experts,
 "dense" on `mlp_only_layers` and off-step layers): the top-k of the softmax router
 (`moe_router_pre_softmax`, renormalised with `norm_topk_prob`), SwiGLU experts, the shared
@@ -13,7 +13,7 @@ import torch
 
 from ..config import TransformerConfig
 from ..hf_fields import refuse
-from ..qwen3_5.adapter import layers_from_hf, layers_to_hf, standalone_fields, transformer_fields
+from ..qwen3_5_text.adapter import layers_from_hf, layers_to_hf, standalone_fields, transformer_fields
 from . import hf
 from .model import Qwen3NextConfig
 

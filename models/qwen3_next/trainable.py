@@ -3,7 +3,7 @@ single-device model with transformers' module names is model.py)."""
 from __future__ import annotations
 
 from ..language_model import TransformerLanguageModel
-from ..qwen3_5.trainable import check_kinds
+from ..qwen3_5_text.trainable import check_kinds
 
 
 class Qwen3NextModel(TransformerLanguageModel):

@@ -174,7 +174,7 @@ def _hf_models():
                 rope_parameters={"rope_type": "default", "rope_theta": 1000.0,
                                  "partial_rotary_factor": 0.5})
     return {
-        "qwen3_5": (Qwen3_5ForCausalLM, Qwen3_5TextConfig(**qwen)),
+        "qwen3_5_text": (Qwen3_5ForCausalLM, Qwen3_5TextConfig(**qwen)),
         "qwen3_next": (Qwen3NextForCausalLM, Qwen3NextConfig(
             **qwen, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
             shared_expert_intermediate_size=24, mlp_only_layers=[0])),
@@ -229,7 +229,7 @@ def test_presets_equal_the_importers_and_fields_are_refused_where_unused():
     from megazoo.models.qwen3_5 import presets as qwen35
     from megazoo.models.qwen3_next import presets as qwen3_next
     from megazoo.models.registry import family
-    for module, hf_cls, fam in ((qwen35, Qwen3_5TextConfig, "qwen3_5"),
+    for module, hf_cls, fam in ((qwen35, Qwen3_5TextConfig, "qwen3_5_text"),
                                 (qwen3_next, Qwen3NextConfig, "qwen3_next"),
                                 (nemotron, NemotronHConfig, "nemotron_h")):
         for name, fields in module.HF_PRESETS.items():

@@ -21,8 +21,8 @@ from ..config import TransformerConfig
 from ..hf_fields import refuse
 from ..language_model import WORD_EMBEDDINGS
 from ..llama import _fuse_qkv, _split_qkv
-from . import hf
-from .model import Qwen35Config
+from ..qwen3_5 import hf
+from ..qwen3_5.model import Qwen35Config
 
 logger = logging.getLogger(__name__)
 KINDS = {"linear_attention": "gated_deltanet", "full_attention": "gated_attention"}
@@ -73,7 +73,7 @@ def standalone_fields(config: TransformerConfig) -> dict:
 
 def config_from_hf(hf_cfg) -> TransformerConfig:
     """A TransformerConfig from a `transformers.Qwen3_5TextConfig` (every field checked)."""
-    return TransformerConfig(**transformer_fields(hf.config_from_hf(hf_cfg), "qwen3_5", hf.FAMILY))
+    return TransformerConfig(**transformer_fields(hf.config_from_hf(hf_cfg), "qwen3_5_text", hf.FAMILY))
 
 
 def hf_config(config: TransformerConfig, **extra):

@@ -15,7 +15,7 @@ def check_kinds(config, family: str, kinds=KINDS) -> None:
 
 
 class Qwen35Model(TransformerLanguageModel):
-    family = "qwen3_5"
+    family = "qwen3_5_text"
 
     def __init__(self, config, topo, **kwargs):
         if config.family == self.family:
