@@ -62,12 +62,13 @@ class TransformerLayer(nn.Module):
         self.spec = spec = spec or config.layer_spec(layer_number)
         self.layer_number = layer_number
         self.topo, self.rng, self.dropout = topo, rng, config.hidden_dropout
+        # a "none" mixer or MLP (a single-mixer layer, Nemotron-H) has no norm before it either
+        self.input_norm = None if spec.mixer.kind == "none" else build_norm(config, topo)
         mixer = lookup(TOKEN_MIXERS, spec.mixer.kind, "token mixer")
         self.attention = mixer(config, topo, init, prefix + "attention.", rng, spec.mixer)
-        self.input_norm = None if self.attention is None else build_norm(config, topo)
+        self.post_attention_norm = None if spec.mlp.kind == "none" else build_norm(config, topo)
         mlp = lookup(MLPS, spec.mlp.kind, "MLP kind")
         self.mlp = mlp(config, topo, init, prefix + "mlp.", spec.mlp.activation)
-        self.post_attention_norm = None if self.mlp is None else build_norm(config, topo)
         self.attention_output_norm = self.mlp_output_norm = None
         if spec.post_norms:
             self.attention_output_norm = build_norm(config, topo)

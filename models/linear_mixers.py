@@ -61,8 +61,7 @@ class _LinearMixer(nn.Module):
         feats = self.in_proj(x)  # [s (whole under SP), b, local features]
         resets = _document_resets(documents, self.topo)
         if cache is not None:
-            states = cache.__dict__.setdefault("states", {})
-            y, states[layer] = self.core(feats, states.get(layer), resets)
+            y, cache.states[layer] = self.core(feats, cache.states.get(layer), resets)
         elif self.topo.cp > 1:
             y = context_state_passing(self.core, self.state_shapes, feats, self.topo.cp_group,
                                       resets)
