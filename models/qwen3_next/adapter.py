@@ -13,6 +13,7 @@ import torch
 
 from ..config import TransformerConfig
 from ..hf_fields import refuse
+from ..qwen2_moe import stacked_experts
 from ..qwen3_5_text.adapter import layers_from_hf, layers_to_hf, standalone_fields, transformer_fields
 from . import hf
 from .model import Qwen3NextConfig
@@ -69,8 +70,9 @@ def from_hf_state_dict(sd: dict[str, torch.Tensor], config: TransformerConfig) -
     out = layers_from_hf(sd, config)
     for m, h in _moe_layers(config):
         out[m + "router"] = sd[h + "gate.weight"]
-        out[m + "experts.weight1"] = sd[h + "experts.gate_up_proj"]
-        out[m + "experts.weight2"] = sd[h + "experts.down_proj"]
+        # transformers' in-memory 3-D form, or the files' per-expert tensors
+        out[m + "experts.weight1"], out[m + "experts.weight2"] = stacked_experts(
+            sd, h, config.num_experts)
         s = h + "shared_expert."
         out[m + "shared_expert.fc1.weight"] = torch.cat([sd[s + "gate_proj.weight"],
                                                          sd[s + "up_proj.weight"]])

@@ -2,8 +2,9 @@
 attention, docs/hybrid.md) through megazoo's registry, adapters and real trainer.
 
 - In process: each family's adapter against transformers (random tiny models: logits within
-  1e-5, tensors and config back bit-identical) and its published presets equal to what the
-  importer makes of transformers' config fields.
+  1e-5, greedy generation equal, tensors and config back bit-identical, a saved folder through
+  the real import path) and its published presets equal to what the importer makes of
+  transformers' config fields.
 - One 2-rank world: the trainer (training/run/loop.py, what train_*.py runs) on each family's
   tiny preset under tp2 + sequence parallelism, pp2 (each stage holds two layer kinds), cp2
   (linear layers by state passing, attention by the ring), dp2 with ZeRO-3, and ep2 for
@@ -186,12 +187,14 @@ def _hf_models():
     }
 
 
-def test_adapters_equal_transformers_and_export_bit_identical():
+def test_adapters_equal_transformers_and_export_bit_identical(tmp_path):
     from megazoo.models.generation import generate
     from megazoo.models.language_model import gather_logits
     from megazoo.models.registry import build_model, family
     from megazoo.parallel.sharding import load_full_state_dict
     from megazoo.parallel.topology import ParallelConfig, ParallelTopology
+    from megazoo.training.checkpoint.format import resolve
+    from megazoo.training.checkpoint.hf import import_hf, load_model_chunks
     topo = ParallelTopology.from_config(ParallelConfig())
     ids = torch.randint(0, 96, (2, 20), generator=torch.Generator().manual_seed(1))
     for name, (cls, hf_config) in _hf_models().items():
@@ -201,6 +204,7 @@ def test_adapters_equal_transformers_and_export_bit_identical():
             for p in hf.parameters():
                 p.add_(torch.randn_like(p) * 0.05)
         adapter = family(name).adapter
+        reference = hf_config.to_dict()  # (saving the model below records its dtype there)
         config = adapter.config_from_hf(hf_config).replace(linear_chunk_size=8)
         assert config.family == name
         full = adapter.from_hf_state_dict(hf.state_dict(), config)
@@ -222,8 +226,16 @@ def test_adapters_equal_transformers_and_export_bit_identical():
         back, state = adapter.to_hf_state_dict(full, config), hf.state_dict()
         assert back.keys() == state.keys(), name
         assert all(torch.equal(back[k], state[k]) for k in state), name
+        # the real import path from a saved folder (Qwen3-Next's experts in the file form)
+        hf.save_pretrained(tmp_path / name)
+        import_hf(str(tmp_path / name), str(tmp_path / f"{name}-ckpt"))
+        imported, (chunk,) = load_model_chunks(resolve(str(tmp_path / f"{name}-ckpt")), topo)
+        assert imported.family == name
+        with torch.no_grad():
+            torch.testing.assert_close(gather_logits(chunk.eval()(ids), topo, 96),
+                                       hf(ids).logits, **TOL, msg=f"{name} imported")
         written = adapter.hf_config(config).to_dict()
-        for key, value in hf_config.to_dict().items():
+        for key, value in reference.items():
             if key not in ("architectures", "chunk_size", "transformers_version"):
                 assert written[key] == value, (name, key, written[key], value)
 
