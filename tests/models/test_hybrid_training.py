@@ -11,7 +11,8 @@ attention, docs/hybrid.md) through megazoo's registry, adapters and real trainer
   Qwen3-Next's experts: every iteration's loss equal to the unsharded run's (1e-5). Then a
   Qwen3.5 checkpoint written at tp2 + SP resumes at pp2 and continues the unsharded curve. And
   packed documents at cp2, model level: loss and every gradient equal the unsharded model's.
-- One 4-rank world: the trainer at cp4 for each family and packed documents at cp4.
+- One 4-rank world: the trainer at cp4 for each family, Qwen3-Next at tp2 + SP + cp2 and
+  Nemotron-H at pp2 + cp2, and packed documents at cp4.
 """
 from __future__ import annotations
 
@@ -33,6 +34,10 @@ LAYOUTS_2 = {"tp2 sp": ["--tensor-model-parallel-size", "2", "--sequence-paralle
              "cp2": ["--context-parallel-size", "2"],
              "dp2 zero3": ["--zero-stage", "3", "--use-distributed-optimizer"]}
 EP2 = {"qwen3-next-tiny": ["--expert-model-parallel-size", "2"]}
+# cp with tp + SP (the mixers' sequence gather before the state chain), cp with pp
+COMBINED = {"qwen3-next-tiny": ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                "--context-parallel-size", "2"],
+            "nemotron-h-tiny": ["--pipeline-model-parallel-size", "2", "--context-parallel-size", "2"]}
 SEQ, BATCH = 32, 2
 
 
@@ -126,6 +131,8 @@ def _world2(rank, packed, run_dir):
 def _world4(rank, packed):
     losses = {f"{name} cp4": _train(["--model", name, "--context-parallel-size", "4"], 4)
               for name in PRESETS}
+    for name, layout in COMBINED.items():
+        losses[f"{name} {' '.join(layout)}"] = _train(["--model", name] + layout, 4)
     return losses, _packed(*packed, cp=4)
 
 
@@ -156,10 +163,10 @@ def test_trainer_layouts_equal_the_unsharded_run(references):
     assert _assert_curves(losses, refs) < 1e-5
 
 
-def test_trainer_cp4_equals_the_unsharded_run(references):
+def test_trainer_cp4_and_combined_layouts_equal_the_unsharded_run(references):
     refs, packed = references
     losses, checked = run_distributed(_world4, 4, packed, timeout=600)[0]
-    assert len(losses) == 3 and len(checked) == 3
+    assert len(losses) == 3 + len(COMBINED) and len(checked) == 3
     assert _assert_curves(losses, refs) < 1e-5
 
 
