@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from megazoo.parallel.errors import LayoutError
+
 from .counts import ModelCounts
 from .family_rules import resolve_family
 from .recompute import resolve_recompute
@@ -441,3 +443,14 @@ class TransformerConfig(ModelCounts):
                              ffn_hidden_size=self.ffn_hidden_size, seq_length=seq_length,
                              num_experts=self.num_experts,
                              shared_expert_size=self.moe_shared_expert_intermediate_size)
+        kinds = set(self.token_mixers or ())
+        sizes = {}  # the linear mixers' head counts TP splits (models/linear_mixers.py)
+        if "gated_deltanet" in kinds:
+            sizes.update(linear_num_key_heads=self.linear_num_key_heads,
+                         linear_num_value_heads=self.linear_num_value_heads)
+        if "mamba2" in kinds:
+            sizes.update(mamba_num_heads=self.mamba_num_heads, mamba_groups=self.mamba_groups)
+        for name, n in sizes.items():
+            if n % parallel.tp:
+                raise LayoutError(f"--tensor-model-parallel-size {parallel.tp} does not divide the "
+                                  f"linear layers' {name} ({n}); pick a tp that divides it")

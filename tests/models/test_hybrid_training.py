@@ -272,6 +272,14 @@ def test_presets_equal_the_importers_and_fields_are_refused_where_unused():
         TransformerConfig(**{**dataclasses.asdict(preset("llama-tiny" if "llama-tiny" in PRESETS
                                                          else "qwen3-tiny")),
                              "rotary_fraction": 0.5})
+    from megazoo.training.config.errors import ArgumentError
+    from megazoo.training.config.flags import to_run_config
+    from megazoo.training.config.parser import build_parser
+    with pytest.raises(ArgumentError, match="does not divide the linear layers' mamba_groups"):
+        to_run_config(build_parser().parse_args(
+            ["--model", "nemotron-h-tiny", "--mock-data", "--seq-length", "32",
+             "--tensor-model-parallel-size", "4", "--num-attention-heads", "8",
+             "--num-query-groups", "4"]), world_size=4)
     with pytest.raises(ValueError, match="token_mixers are"):
         from megazoo.models.registry import build_model
         from megazoo.parallel.topology import ParallelConfig, ParallelTopology
