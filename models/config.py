@@ -7,12 +7,11 @@ from dataclasses import dataclass
 
 import torch
 
-from megazoo.parallel.errors import LayoutError
-
 from .counts import ModelCounts
 from .family_rules import resolve_family
+from .hybrid_fields import check_hybrid, check_hybrid_layout
 from .recompute import resolve_recompute
-from .spec import ACTIVATIONS, MIXER_KINDS, MLP_KINDS, NORMS, LayerSpec, NormKind, layer_spec, lookup
+from .spec import ACTIVATIONS, MIXER_KINDS, NORMS, LayerSpec, NormKind, layer_spec, lookup
 
 logger = logging.getLogger(__name__)
 
@@ -208,7 +207,7 @@ class TransformerConfig(ModelCounts):
                 lookup(dict.fromkeys(MIXER_KINDS), kind, "token mixer (token_mixers)")
             if set(self.token_mixers) == {"mla" if self.kv_lora_rank else "attention"}:
                 self.token_mixers = None  # one spelling of the default
-        self._check_hybrid()
+        check_hybrid(self)
         if self.sliding_window is not None and (not isinstance(self.sliding_window, int)
                                                 or self.sliding_window < 1):
             raise ValueError(f"sliding_window must be an integer >= 1 (or None), got "
@@ -222,50 +221,6 @@ class TransformerConfig(ModelCounts):
             if kind not in ROPE_TYPES:
                 raise ValueError(f"rope_scaling type {kind!r} is not supported; choose one of "
                                  f"{ROPE_TYPES}")
-
-    def _check_hybrid(self) -> None:
-        """The hybrid stacks' fields: set exactly when a layer kind reads them."""
-        kinds = set(self.token_mixers or ())
-        if self.layer_mlps is not None:
-            self.layer_mlps = tuple(self.layer_mlps)
-            if len(self.layer_mlps) != self.num_layers or self.token_mixers is None:
-                raise ValueError(f"layer_mlps names {len(self.layer_mlps)} layers; it needs "
-                                 f"token_mixers and one entry per layer ({self.num_layers})")
-            for kind in self.layer_mlps:
-                lookup(dict.fromkeys(MLP_KINDS), kind, "MLP kind (layer_mlps)")
-            if "moe" in self.layer_mlps and not self.num_experts:
-                raise ValueError("layer_mlps names 'moe' layers: set num_experts")
-        used = {"rotary_fraction": "gated_attention" in kinds,
-                "linear_num_key_heads": "gated_deltanet" in kinds,
-                "mamba_num_heads": "mamba2" in kinds}
-        groups = {"linear_num_key_heads": ("linear_num_value_heads", "linear_key_head_dim",
-                                           "linear_value_head_dim"),
-                  "mamba_num_heads": ("mamba_head_dim", "mamba_state_size", "mamba_groups")}
-        for lead, needed in used.items():
-            if lead == "rotary_fraction":
-                if not needed and self.rotary_fraction != 1.0:
-                    raise ValueError("rotary_fraction applies to gated_attention layers only; "
-                                     "drop it or name such layers in token_mixers")
-                if not 0 < self.rotary_fraction <= 1 or (
-                        round(self.head_dim * self.rotary_fraction) % 2):
-                    raise ValueError(f"rotary_fraction {self.rotary_fraction} must be in (0, 1] "
-                                     f"and rotate an even number of head_dim's channels")
-                continue
-            names = (lead,) + groups[lead]
-            values = [getattr(self, n) for n in names]
-            if needed and any(not isinstance(v, int) or v < 1 for v in values):
-                raise ValueError(f"token_mixers names {lead.split('_')[0]} layers: set "
-                                 f"{', '.join(names)} (integers >= 1), got {values}")
-            if not needed and any(v is not None for v in values):
-                raise ValueError(f"{', '.join(names)} apply to "
-                                 f"{'gated_deltanet' if lead.startswith('linear') else 'mamba2'} "
-                                 f"layers only; drop them or name such layers in token_mixers")
-        if "gated_deltanet" in kinds and self.linear_num_value_heads % self.linear_num_key_heads:
-            raise ValueError(f"linear_num_value_heads {self.linear_num_value_heads} must be a "
-                             f"multiple of linear_num_key_heads {self.linear_num_key_heads}")
-        if "mamba2" in kinds and self.mamba_num_heads % self.mamba_groups:
-            raise ValueError(f"mamba_num_heads {self.mamba_num_heads} must be a multiple of "
-                             f"mamba_groups {self.mamba_groups}")
 
     def _check_latent_attention(self) -> None:
         for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
@@ -443,14 +398,4 @@ class TransformerConfig(ModelCounts):
                              ffn_hidden_size=self.ffn_hidden_size, seq_length=seq_length,
                              num_experts=self.num_experts,
                              shared_expert_size=self.moe_shared_expert_intermediate_size)
-        kinds = set(self.token_mixers or ())
-        sizes = {}  # the linear mixers' head counts TP splits (models/linear_mixers.py)
-        if "gated_deltanet" in kinds:
-            sizes.update(linear_num_key_heads=self.linear_num_key_heads,
-                         linear_num_value_heads=self.linear_num_value_heads)
-        if "mamba2" in kinds:
-            sizes.update(mamba_num_heads=self.mamba_num_heads, mamba_groups=self.mamba_groups)
-        for name, n in sizes.items():
-            if n % parallel.tp:
-                raise LayoutError(f"--tensor-model-parallel-size {parallel.tp} does not divide the "
-                                  f"linear layers' {name} ({n}); pick a tp that divides it")
+        check_hybrid_layout(self, parallel)
