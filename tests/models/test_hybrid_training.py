@@ -139,7 +139,12 @@ def _world4(rank, packed):
 @pytest.fixture(scope="module")
 def references():
     """The unsharded trainer's losses per preset, and the packed-document references."""
-    return {name: _train(["--model", name], 1) for name in PRESETS}, _packed_references()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # (module scope: before the autouse one_thread applies)
+    try:
+        return {name: _train(["--model", name], 1) for name in PRESETS}, _packed_references()
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _assert_curves(losses: dict, refs: dict) -> float:
