@@ -56,6 +56,7 @@ class KVCache:
     def __init__(self):
         self.keys: dict[int, torch.Tensor] = {}
         self.values: dict[int, torch.Tensor] = {}
+        self.states: dict[int, object] = {}  # linear token mixers' constant-size states
         self.offset = 0
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, window: int | None = None

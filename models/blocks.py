@@ -26,6 +26,8 @@ from .init import Initializer
 from .mlp import ParallelMLP
 from .mla import MultiLatentAttention
 from .moe import MoELayer
+from .gated_attention import GatedAttention
+from .linear_mixers import ParallelGatedDeltaNet, ParallelMamba2
 from .norms import LayerNorm, RMSNorm, build_norm  # noqa: F401 - re-exported
 from .spec import MIXER_KINDS, MLP_KINDS, LayerSpec, lookup
 
@@ -38,8 +40,14 @@ def _moe(config, topo, init, prefix, activation):
     return MoELayer(config, topo, init, prefix)
 
 
-TOKEN_MIXERS = {"attention": ParallelAttention, "mla": _latent_attention}
-MLPS = {"dense": ParallelMLP, "moe": _moe}
+def _absent(*_args):
+    return None  # a layer without this part (Nemotron-H's single-mixer layers)
+
+
+TOKEN_MIXERS = {"attention": ParallelAttention, "mla": _latent_attention,
+                "gated_attention": GatedAttention, "gated_deltanet": ParallelGatedDeltaNet,
+                "mamba2": ParallelMamba2, "none": _absent}
+MLPS = {"dense": ParallelMLP, "moe": _moe, "none": _absent}
 assert tuple(TOKEN_MIXERS) == MIXER_KINDS and tuple(MLPS) == MLP_KINDS, "models/spec.py's kinds"
 
 
@@ -54,10 +62,11 @@ class TransformerLayer(nn.Module):
         self.spec = spec = spec or config.layer_spec(layer_number)
         self.layer_number = layer_number
         self.topo, self.rng, self.dropout = topo, rng, config.hidden_dropout
-        self.input_norm = build_norm(config, topo)
+        # a "none" mixer or MLP (a single-mixer layer, Nemotron-H) has no norm before it either
+        self.input_norm = None if spec.mixer.kind == "none" else build_norm(config, topo)
         mixer = lookup(TOKEN_MIXERS, spec.mixer.kind, "token mixer")
         self.attention = mixer(config, topo, init, prefix + "attention.", rng, spec.mixer)
-        self.post_attention_norm = build_norm(config, topo)
+        self.post_attention_norm = None if spec.mlp.kind == "none" else build_norm(config, topo)
         mlp = lookup(MLPS, spec.mlp.kind, "MLP kind")
         self.mlp = mlp(config, topo, init, prefix + "mlp.", spec.mlp.activation)
         self.attention_output_norm = self.mlp_output_norm = None
@@ -73,10 +82,13 @@ class TransformerLayer(nn.Module):
             return F.dropout(x, self.dropout, training=True)
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None, documents=None) -> torch.Tensor:
-        y = self.attention(self.input_norm(x), cache, self.layer_number, documents)
-        if self.attention_output_norm is not None:
-            y = self.attention_output_norm(y)
-        x = x + self.residual_dropout(y)
+        if self.attention is not None:
+            y = self.attention(self.input_norm(x), cache, self.layer_number, documents)
+            if self.attention_output_norm is not None:
+                y = self.attention_output_norm(y)
+            x = x + self.residual_dropout(y)
+        if self.mlp is None:
+            return x
         y = self.mlp(self.post_attention_norm(x))
         if self.mlp_output_norm is not None:
             y = self.mlp_output_norm(y)

@@ -15,7 +15,8 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     """x [b, t, c], weight [c, 1, k] (nn.Conv1d's), tail [b, k - 1, c] (zeros when None: the
     sequence's start) -> (silu(conv(x)) [b, t, c], the new tail [b, k - 1, c]). `resets` [b, t]
     bool (True at a packed document's first token): a token sees no input of an earlier document
-    (nor the tail, when the first token starts one)."""
+    (nor the tail, when the first token starts one); the new tail holds zeros in place of the
+    inputs before the last document start in it."""
     b, t, c = x.shape
     k = weight.shape[-1]
     if tail is None:
@@ -29,4 +30,9 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         taps = full.unfold(1, k, 1) * same[:, :, None, :].to(x.dtype)   # [b, t, c, k]
         y = (taps * weight[:, 0]).sum(-1)
         y = y if bias is None else y + bias
+        # the tail keeps only the last document's inputs: a continuation (the next context rank,
+        # the next generation step) must not see an earlier document's through it
+        last = doc[:, full.shape[1] - (k - 1):]
+        kept = (last == doc[:, -1:]).to(x.dtype)[..., None]
+        return F.silu(y), full[:, full.shape[1] - (k - 1):] * kept
     return F.silu(y), full[:, full.shape[1] - (k - 1):]

@@ -9,6 +9,7 @@ import torch
 
 from .counts import ModelCounts
 from .family_rules import resolve_family
+from .hybrid_fields import check_hybrid, check_hybrid_layout
 from .recompute import resolve_recompute
 from .spec import ACTIVATIONS, MIXER_KINDS, NORMS, LayerSpec, NormKind, layer_spec, lookup
 
@@ -33,6 +34,7 @@ TRAINING_ONLY_FIELDS = frozenset({
     "moe_expert_capacity_factor",  # token dropping while training (HF routes dropless; logged)
     "moe_router_bias_update_rate", "moe_router_load_balancing_type",  # how routing is trained
     "mtp_loss_scaling_factor",  # the multi-token prediction loss's weight (HF records none)
+    "linear_chunk_size",  # the chunked linear-mixer algorithms' block size (rounding only)
 })
 
 
@@ -51,7 +53,7 @@ class TransformerConfig(ModelCounts):
     num_attention_heads: int = 12
     ffn_hidden_size: int | None = None  # default 4 * hidden_size
     max_position_embeddings: int = 1024
-    position_embedding: str = "learned"  # learned | alibi | rope
+    position_embedding: str = "learned"  # learned | alibi | rope | none (Nemotron-H)
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None  # HF's dict: {"rope_type": ROPE_TYPES[i], "factor": ...}
     # Sliding-window attention (Mistral, Qwen2/3, Mixtral): a query sees itself and the
@@ -136,6 +138,24 @@ class TransformerConfig(ModelCounts):
     # Each layer's token mixer kind (models/spec.py MIXER_KINDS), for hybrid stacks; None: every
     # layer attention (multi-latent attention with kv_lora_rank)
     token_mixers: tuple[str, ...] | None = None
+    # ---- hybrid stacks (models/linear_mixers.py, models/gated_attention.py; docs/hybrid.md) ----
+    # Each layer's MLP kind (models/spec.py MLP_KINDS, "none": a mixer-only layer); None: dense,
+    # or MoE where num_experts / moe_layer_freq put experts
+    layer_mlps: tuple[str, ...] | None = None
+    rotary_fraction: float = 1.0  # gated_attention layers rotate head_dim x this channels
+    linear_num_key_heads: int | None = None  # gated_deltanet layers: key heads
+    linear_num_value_heads: int | None = None  # value heads (a multiple of the key heads)
+    linear_key_head_dim: int | None = None
+    linear_value_head_dim: int | None = None
+    linear_conv_kernel: int = 4  # the short causal conv of gated_deltanet and mamba2 layers
+    linear_chunk_size: int = 64  # the chunked algorithms' chunk (changes rounding only)
+    mamba_num_heads: int | None = None  # mamba2 layers: heads, their width, state, groups
+    mamba_head_dim: int | None = None
+    mamba_state_size: int | None = None
+    mamba_groups: int | None = None
+    mamba_time_step_min: float = 0.0  # dt clamped below to this
+    mamba_conv_bias: bool = True
+    mamba_proj_bias: bool = False
 
     def __post_init__(self):
         if self.ffn_hidden_size is None:
@@ -151,7 +171,8 @@ class TransformerConfig(ModelCounts):
             raise ValueError(f"--num-attention-heads {self.num_attention_heads} is not divisible by "
                              f"--num-query-groups {self.num_query_groups}")
         for name, value, allowed in (
-                ("position_embedding", self.position_embedding, ("learned", "alibi", "rope")),
+                ("position_embedding", self.position_embedding,
+                 ("learned", "alibi", "rope", "none")),
                 ("normalization", self.normalization, tuple(NORMS)),
                 ("activation", self.activation, tuple(ACTIVATIONS)),
                 ("params_dtype", self.params_dtype, tuple(PARAMS_DTYPES))):
@@ -186,6 +207,7 @@ class TransformerConfig(ModelCounts):
                 lookup(dict.fromkeys(MIXER_KINDS), kind, "token mixer (token_mixers)")
             if set(self.token_mixers) == {"mla" if self.kv_lora_rank else "attention"}:
                 self.token_mixers = None  # one spelling of the default
+        check_hybrid(self)
         if self.sliding_window is not None and (not isinstance(self.sliding_window, int)
                                                 or self.sliding_window < 1):
             raise ValueError(f"sliding_window must be an integer >= 1 (or None), got "
@@ -287,6 +309,8 @@ class TransformerConfig(ModelCounts):
 
     def is_moe_layer(self, layer_number: int) -> bool:
         """Whether global layer `layer_number` (0-based) has experts instead of a dense MLP."""
+        if self.layer_mlps is not None and layer_number < len(self.layer_mlps):
+            return self.layer_mlps[layer_number] == "moe"
         return self.num_experts is not None and layer_number >= self.moe_first_dense_layers \
             and layer_number % self.moe_layer_freq == 0
 
@@ -374,3 +398,4 @@ class TransformerConfig(ModelCounts):
                              ffn_hidden_size=self.ffn_hidden_size, seq_length=seq_length,
                              num_experts=self.num_experts,
                              shared_expert_size=self.moe_shared_expert_intermediate_size)
+        check_hybrid_layout(self, parallel)

@@ -91,13 +91,16 @@ ACTIVATIONS: dict[str, Activation] = {
     "swiglu": Activation(True, lambda gate, up: F.silu(gate) * up),
     "geglu_tanh": Activation(True, lambda gate, up: _gelu_tanh(gate) * up),  # Gemma
     "swiglu_clamped": Activation(True, clamped_swiglu, ("swiglu_alpha", "swiglu_limit")),  # gpt-oss
+    "relu2": Activation(False, lambda x: F.relu(x).square()),  # squared ReLU (Nemotron-H)
 }
 
 
 # ---------------------------------------------------------------- token mixers
 # The kinds of token mixer a layer may hold; models/blocks.py TOKEN_MIXERS maps each to its
 # builder (a new kind, e.g. linear attention, is one name here and one builder there).
-MIXER_KINDS = ("attention", "mla")
+# Hybrid stacks (docs/hybrid.md): Qwen3.5's gated attention (an output gate, partial RoPE), the
+# linear-time Gated DeltaNet and Mamba-2, and "none" (a layer holding only its MLP).
+MIXER_KINDS = ("attention", "mla", "gated_attention", "gated_deltanet", "mamba2", "none")
 
 
 @dataclass(frozen=True)
@@ -123,7 +126,7 @@ class MLPSpec:
         return lookup(ACTIVATIONS, self.activation, "activation").gated
 
 
-MLP_KINDS = ("dense", "moe")
+MLP_KINDS = ("dense", "moe", "none")  # none: a layer holding only its token mixer
 
 
 @dataclass(frozen=True)
@@ -154,7 +157,10 @@ def layer_spec(config, layer: int) -> LayerSpec:
         rope_theta=theta, rope_scaling=scaling, qk_norm=config.qk_layernorm,
         sinks=config.attention_sinks, softcap=config.attn_logit_softcapping,
         scale=None if config.query_pre_attn_scalar is None else config.query_pre_attn_scalar ** -0.5)
-    mlp = MLPSpec(kind="moe" if config.is_moe_layer(layer) else "dense",
+    mlp_kind = "moe" if config.is_moe_layer(layer) else "dense"
+    if config.layer_mlps is not None and layer < len(config.layer_mlps):
+        mlp_kind = config.layer_mlps[layer]
+    mlp = MLPSpec(kind=mlp_kind,
                   activation=config.activation)
     return LayerSpec(norm=config.normalization, mixer=mixer, mlp=mlp,
                      post_norms=config.post_norms).check()

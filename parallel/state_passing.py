@@ -10,9 +10,17 @@ layer at published sizes), so the traffic is one small message per layer and dir
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from .collectives import exchange, global_rank, group_rank, group_size
+
+
+class PassedState(NamedTuple):
+    """A state received from another rank (a mixer reads `.conv` and `.recurrent`)."""
+    conv: torch.Tensor
+    recurrent: torch.Tensor
 
 
 def _send(tensors, group, to: int) -> None:
@@ -28,34 +36,37 @@ def _recv(shapes, group, frm: int) -> list[torch.Tensor]:
 
 
 class _ReceiveState(torch.autograd.Function):
-    """Forward: the previous rank's final state; backward: its gradient sent back there.
-    `anchor` (this rank's input) only ties the node into the graph."""
+    """Forward: the state group rank `peer` (default: the previous one) ended with; backward:
+    its gradient sent back there. `anchor` (this rank's input) only ties the node into the graph."""
 
     @staticmethod
-    def forward(ctx, anchor, group, shapes):
-        ctx.group, ctx.rank = group, group_rank(group)
-        return tuple(_recv(shapes, group, ctx.rank - 1))
+    def forward(ctx, anchor, group, shapes, peer=None):
+        ctx.group = group
+        ctx.peer = group_rank(group) - 1 if peer is None else peer
+        return tuple(_recv(shapes, group, ctx.peer))
 
     @staticmethod
     def backward(ctx, *grads):
-        _send(grads, ctx.group, ctx.rank - 1)
-        return None, None, None
+        _send(grads, ctx.group, ctx.peer)
+        return None, None, None, None
 
 
 class _SendState(torch.autograd.Function):
-    """Forward: y unchanged, this rank's final state sent to the next rank; backward: the next
-    rank's gradient of that state received and handed to the state's producers."""
+    """Forward: y unchanged, this rank's final state sent to group rank `peer` (the next one
+    when None); backward: that rank's gradient of the state received and handed to the state's
+    producers."""
 
     @staticmethod
-    def forward(ctx, y, group, *states):
-        ctx.group, ctx.rank = group, group_rank(group)
+    def forward(ctx, y, group, peer, *states):
+        ctx.group = group
+        ctx.peer = group_rank(group) + 1 if peer is None else peer
         ctx.shapes = [(s.shape, s.dtype, s.device) for s in states]
-        _send(states, group, ctx.rank + 1)
+        _send(states, group, ctx.peer)
         return y.view_as(y)
 
     @staticmethod
     def backward(ctx, gy):
-        return (gy, None, *_recv(ctx.shapes, ctx.group, ctx.rank + 1))
+        return (gy, None, None, *_recv(ctx.shapes, ctx.group, ctx.peer))
 
 
 def state_passing_forward(mixer, x: torch.Tensor, group, resets: torch.Tensor | None = None):
@@ -70,5 +81,39 @@ def state_passing_forward(mixer, x: torch.Tensor, group, resets: torch.Tensor | 
         state = type(mixer).State(conv, recurrent)
     y, final = mixer(x, state, resets)
     if r < n - 1:
-        y = _SendState.apply(y, group, final.conv, final.recurrent)
+        y = _SendState.apply(y, group, None, final.conv, final.recurrent)
     return y, final
+
+
+def context_state_passing(core, state_shapes, x: torch.Tensor, group, resets=None) -> torch.Tensor:
+    """A linear recurrence over megazoo's load-balanced context split (parallel/context_split.py:
+    of 2 cp chunks, rank r holds chunks r and 2 cp - 1 - r; x [2c, b, ...] is this rank's two,
+    sequence first). The state runs through the chunks in sequence order: up the ranks through
+    the first halves (0 -> 1 -> ... -> cp - 1), then down through the second halves
+    (cp - 1 -> ... -> 0); the last rank hands its first half's state to its second half locally.
+    `core(x, state, resets) -> (y, final state)` (state None: the sequence start; a state has
+    `.conv` and `.recurrent`); `state_shapes(b, dtype, device)` gives their shapes; `resets`
+    [b, 2c] marks packed documents' first tokens. Returns this rank's outputs [2c, b, ...].
+
+    Backward retraces the chain the other way: the second halves' gradients go up the ranks,
+    then the first halves' down. On each rank the second half's graph was built last, so
+    autograd (which runs the most recently created ready node first) finishes it, sending its
+    state gradient on, before it waits for the first half's."""
+    n, r = group_size(group), group_rank(group)
+    c = x.shape[0] // 2
+    halves = (x[:c], x[c:])
+    marks = (None, None) if resets is None else (resets[:, :c], resets[:, c:])
+    shapes = state_shapes(x.shape[1], x.dtype, x.device)
+    state = None
+    if r > 0:
+        state = PassedState(*_ReceiveState.apply(halves[0], group, shapes, r - 1))
+    ya, final = core(halves[0], state, marks[0])
+    if r < n - 1:
+        ya = _SendState.apply(ya, group, r + 1, final.conv, final.recurrent)
+        state = PassedState(*_ReceiveState.apply(halves[1], group, shapes, r + 1))
+    else:
+        state = final
+    yb, final = core(halves[1], state, marks[1])
+    if r > 0:
+        yb = _SendState.apply(yb, group, r - 1, final.conv, final.recurrent)
+    return torch.cat([ya, yb])

@@ -74,6 +74,25 @@ class StridedLayout(ShardLayout):
         return torch.cat([pieces[r][j] for j in range(self.stride) for r in range(len(parts))], dim)
 
 
+class SegmentLayout(ShardLayout):
+    """The full tensor is consecutive segments of the given `sizes` (a linear mixer's fused
+    [q | k | v] or [z | x | B | C | dt] rows); each segment is split over TP and rank i holds
+    [segment_0 chunk i; segment_1 chunk i; ...] (StridedLayout with unequal blocks)."""
+
+    def __init__(self, sizes):
+        self.sizes = [int(n) for n in sizes]
+
+    def shard(self, full, dim, rank, tp):
+        if any(n % tp for n in self.sizes):
+            raise ValueError(f"segments {self.sizes} cannot be split over {tp} ranks")
+        return torch.cat([b.chunk(tp, dim)[rank] for b in full.split(self.sizes, dim)], dim)
+
+    def unshard(self, parts, dim):
+        tp = len(parts)
+        pieces = [p.split([n // tp for n in self.sizes], dim) for p in parts]
+        return torch.cat([pieces[r][j] for j in range(len(self.sizes)) for r in range(tp)], dim)
+
+
 class GroupedLayout(ShardLayout):
     """`groups` groups of [split rows | shared rows] (grouped-query attention: per KV head, its
     query heads, then its key and value). With tp <= groups every rank holds whole groups
@@ -113,7 +132,8 @@ class GroupedLayout(ShardLayout):
 def layout_from_spec(spec: dict | None) -> ShardLayout | None:
     if not spec:
         return None
-    kinds = {"StridedLayout": StridedLayout, "GroupedLayout": GroupedLayout}
+    kinds = {"StridedLayout": StridedLayout, "GroupedLayout": GroupedLayout,
+             "SegmentLayout": SegmentLayout}
     args = {k: v for k, v in spec.items() if k != "kind"}
     return kinds[spec["kind"]](**args)
 

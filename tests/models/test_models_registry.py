@@ -40,6 +40,10 @@ FLAGS = {  # family: its default preset shrunk (heads 4 need key/value groups di
     "gpt_oss": ["--num-query-groups", "2", "--kv-channels", "16"] + MOE,
     "deepseek_v3": MOE + ["--moe-router-num-groups", "2", "--moe-router-group-topk", "1",
                           "--moe-shared-expert-intermediate-size", "24"],
+    # hybrid stacks: their presets name each of 4 layers' kind (docs/hybrid.md)
+    "qwen3_5_text": ["--num-layers", "4"],
+    "qwen3_next": ["--num-layers", "4"],
+    "nemotron_h": ["--num-layers", "4"],
 }
 TRAIN = ["--mock-data", "--micro-batch-size", "2", "--global-batch-size", "2", "--lr", "1e-2",
          "--log-interval", "100", "--eval-interval", "1000", "--seed", "3"]

@@ -13,7 +13,8 @@ from megazoo.training.config.flags import to_run_config
 from megazoo.training.config.parser import build_parser
 
 QWEN_PRESETS = [n for n, p in PRESETS.items() if p.get("family", "").startswith("qwen")
-                and (p.get("add_qkv_bias") or p.get("qk_layernorm"))]
+                and (p.get("add_qkv_bias") or p.get("qk_layernorm"))
+                and not p.get("token_mixers")]  # hybrids: tests/models/test_hybrid_training.py
 PUBLISHED = {"qwen2-0.5b": 494_032_768, "qwen2.5-0.5b": 494_032_768, "qwen3-0.6b": 596_049_920}
 
 
