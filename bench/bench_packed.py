@@ -6,12 +6,9 @@ semantics, against the same tokens as one causal sequence: forward + backward of
 loss, in fp32 and in bf16. The goal: the packed step costs no more than 1.2x the causal one
 (attention runs per document: less work than the causal triangle, the rest is the same).
 
-A third case, `packed_per_document`, is the packed step with one CPU flash call per document
-(`cpu_documents.PAD_WORK = 0`: no document shares a padded batched call), the kernel as it was
-before documents were grouped, so the change is measured side by side in the same run.
-
-On a shared machine load comes and goes, so the cases are interleaved: each repeat times one
-step of each back to back (rotating which goes first), after one untimed step of each. Reported per dtype, in wall time and in the process's CPU time (what the step costs in
+On a shared machine load comes and goes, so the two cases are interleaved: each repeat times one
+causal and one packed step back to back (alternating which goes first), after one untimed step of
+each. Reported per dtype, in wall time and in the process's CPU time (what the step costs in
 work, which other jobs' load moves far less, above all with `--threads 1`): the median step of
 each case, the ratio of those medians and the median of the per-repeat ratios (the paired
 figure, which a load change between repeats does not move), with the spread of the per-repeat
@@ -39,7 +36,6 @@ from megazoo.data.packing import positions_in_documents
 from megazoo.models.config import TransformerConfig
 from megazoo.models.language_model import TransformerLanguageModel
 from megazoo.parallel.context_split import Documents
-from megazoo.parallel.kernels import cpu_documents
 from megazoo.parallel.topology import ParallelTopology
 
 MODEL = dict(vocab_size=4096, hidden_size=256, num_layers=2, num_attention_heads=8, num_query_groups=4,
@@ -58,17 +54,11 @@ def document_ids(seq: int, documents: int, seed: int = 0) -> torch.Tensor:
     return torch.repeat_interleave(torch.arange(documents), lengths)[None]
 
 
-def one_step(model, ids, labels, documents, pad_work: float | None = None) -> tuple[float, float]:
-    """(wall seconds, process CPU seconds) of one forward + backward (`pad_work`: the document
-    kernel's grouping bound for this step, None: its own)."""
-    saved = cpu_documents.PAD_WORK
-    cpu_documents.PAD_WORK = saved if pad_work is None else pad_work
-    try:
-        start, cpu = time.perf_counter(), time.process_time()
-        model(ids, labels=labels, documents=documents).float().mean().backward()
-        elapsed = time.perf_counter() - start, time.process_time() - cpu
-    finally:
-        cpu_documents.PAD_WORK = saved
+def one_step(model, ids, labels, documents) -> tuple[float, float]:
+    """(wall seconds, process CPU seconds) of one forward + backward."""
+    start, cpu = time.perf_counter(), time.process_time()
+    model(ids, labels=labels, documents=documents).float().mean().backward()
+    elapsed = time.perf_counter() - start, time.process_time() - cpu
     model.zero_grad(set_to_none=True)
     return elapsed
 
@@ -80,30 +70,25 @@ def measure(dtype: str, seq: int, documents: int, repeats: int) -> dict:
     tokens = torch.randint(0, cfg.vocab_size, (1, seq + 1), generator=g)
     ids, labels = tokens[:, :-1], tokens[:, 1:]
     docs = document_ids(seq, documents)
-    packed = Documents(ids=docs, positions=positions_in_documents(docs))
-    cases = {"causal": (None, None), "packed": (packed, None), "packed_per_document": (packed, 0.0)}
-    for d, pad in cases.values():  # warm-up: allocator, kernels, the attention path's first log
-        one_step(model, ids, labels, d, pad)
+    cases = {"causal": None, "packed": Documents(ids=docs, positions=positions_in_documents(docs))}
+    for d in cases.values():  # warm-up: allocator, kernels, the attention path's first log
+        one_step(model, ids, labels, d)
     times: dict[str, list[tuple[float, float]]] = {name: [] for name in cases}
-    names = list(cases)
     for r in range(repeats):
-        for name in names[r % 3:] + names[:r % 3]:
-            times[name].append(one_step(model, ids, labels, *cases[name]))
+        for name in (("causal", "packed") if r % 2 == 0 else ("packed", "causal")):
+            times[name].append(one_step(model, ids, labels, cases[name]))
     lengths = torch.unique_consecutive(docs[0], return_counts=True)[1].double()
     # attention score work of the documents' triangles against the whole sequence's triangle
     out = {"attention_work_ratio": float((lengths * (lengths + 1)).sum() / (seq * (seq + 1)))}
     for i, clock in enumerate(("wall", "cpu")):
         causal = [t[i] for t in times["causal"]]
-        out[clock] = {"causal_s": statistics.median(causal), "causal_steps_s": causal}
-        for name, prefix in (("packed", "packed"), ("packed_per_document", "per_document")):
-            steps = [t[i] for t in times[name]]
-            ratios = [p / c for p, c in zip(steps, causal)]
-            out[clock].update({
-                f"{prefix}_s": statistics.median(steps),
-                f"{prefix}_over_causal": statistics.median(steps) / statistics.median(causal),
-                f"{prefix}_paired_ratio_median": statistics.median(ratios),
-                f"{prefix}_paired_ratio_range": [min(ratios), max(ratios)],
-                f"{prefix}_steps_s": steps})
+        packed = [t[i] for t in times["packed"]]
+        ratios = [p / c for p, c in zip(packed, causal)]
+        out[clock] = {"causal_s": statistics.median(causal), "packed_s": statistics.median(packed),
+                      "packed_over_causal": statistics.median(packed) / statistics.median(causal),
+                      "paired_ratio_median": statistics.median(ratios),
+                      "paired_ratio_range": [min(ratios), max(ratios)],
+                      "causal_steps_s": causal, "packed_steps_s": packed}
     return out
 
 
@@ -129,12 +114,9 @@ def main() -> None:
         for clock in ("wall", "cpu"):
             c = r[clock]
             print(f"{dtype} {clock}: causal {c['causal_s']:.3f} s, packed {c['packed_s']:.3f} s: "
-                  f"{c['packed_over_causal']:.2f}x (paired median {c['packed_paired_ratio_median']:.2f}x, "
-                  f"range {c['packed_paired_ratio_range'][0]:.2f}-{c['packed_paired_ratio_range'][1]:.2f}x); "
-                  f"one call per document {c['per_document_s']:.3f} s: {c['per_document_over_causal']:.2f}x "
-                  f"(paired {c['per_document_paired_ratio_median']:.2f}x, range "
-                  f"{c['per_document_paired_ratio_range'][0]:.2f}-{c['per_document_paired_ratio_range'][1]:.2f}x); "
-                  f"attention work {r['attention_work_ratio']:.3f}x", flush=True)
+                  f"{c['packed_over_causal']:.2f}x (paired median {c['paired_ratio_median']:.2f}x, "
+                  f"range {c['paired_ratio_range'][0]:.2f}-{c['paired_ratio_range'][1]:.2f}x; "
+                  f"attention work {r['attention_work_ratio']:.3f}x)", flush=True)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)

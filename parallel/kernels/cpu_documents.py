@@ -14,14 +14,6 @@ each document's gradients into one buffer. Measured (attention alone, q [1, 8, 2
 a parallel region of its own); in bench_packed's whole step at one thread the difference is
 within the noise. The kernel takes grouped key/value heads as they are.
 
-Documents of similar length run as one batched call (`groups`): each is padded at its end with
-zeros to the group's longest, which changes nothing for its tokens (causal: no real query sees
-a padded key; in the backward the padded queries get a zero gradient and a log-sum-exp of +inf,
-so they contribute exact zeros), at most `PAD_WORK` times the group's own score work. Each call
-is a parallel region whose threads wait for the slowest: on 2 cores shared with other jobs one
-call per document (16) made the packed step cost up to 1.66x the causal one (median 1.06x of CPU
-time, bench/bench_packed.py at load 9), against 0.69x quiet.
-
 Precision as `cpu_attention.CpuLowPrecisionAttention` (measured there): fp32 in fp32; bf16's
 forward in bf16 where ATen runs its AVX-512 kernels, its backward in fp32 for documents of up to
 `CPU_BF16_FP32_BACKWARD_MAX_KEYS` keys; fp16 in fp32. Autograd saves q, k, v and the output in
@@ -48,49 +40,6 @@ def flash_backward(grad, q, k, v, out, lse, scale):
         grad, q, k, v, out, lse, 0.0, True, scale=scale)
 
 
-# A group's padded score work (its length squared per document) at most this times its own.
-PAD_WORK = 2.0
-
-
-def groups(runs, split: int | None = None) -> list[tuple[int, list[tuple[int, int, int]]]]:
-    """The documents of `runs` (per sample (start, end) ranges) as (padded length, [(sample,
-    start, end), ...]) groups: longest first, a document joins the current group while the
-    group's padded work stays within `PAD_WORK` of its own; documents longer than `split` never
-    share a group with shorter ones (the backward picks its precision by length)."""
-    docs = sorted(((end - start, b, start, end) for b, row in enumerate(runs) for start, end in row),
-                  reverse=True)
-    out: list[tuple[int, list[tuple[int, int, int]]]] = []
-    work = 0
-    for length, b, start, end in docs:
-        if out:
-            padded, members = out[-1]
-            same_side = split is None or (padded > split) == (length > split)
-            if same_side and (len(members) + 1) * padded ** 2 <= PAD_WORK * (work + length ** 2):
-                members.append((b, start, end))
-                work += length ** 2
-                continue
-        out.append((length, [(b, start, end)]))
-        work = length ** 2
-    return out
-
-
-def _gather(t, members, padded, fill=0.0):
-    """The members' slices of t [b, heads, s, ...] stacked, each padded at its end to `padded`."""
-    if len(members) == 1:
-        b, start, end = members[0]
-        return t[b:b + 1, :, start:end]
-    out = t.new_full((len(members), t.shape[1], padded) + tuple(t.shape[3:]), fill)
-    for i, (b, start, end) in enumerate(members):
-        out[i, :, :end - start] = t[b, :, start:end]
-    return out
-
-
-def _scatter(dst, src, members):
-    """Write each member's rows of the stacked `src` back into `dst` [b, heads, s, ...]."""
-    for i, (b, start, end) in enumerate(members):
-        dst[b, :, start:end] = src[i, :, :end - start]
-
-
 class CpuDocumentAttention(torch.autograd.Function):
     """softmax(q k^T * scale) v, causal within each document. q [b, heads, s, d], k, v
     [b, kv_heads, s, d]; `runs[i]`: sample i's documents as (start, end) token ranges covering
@@ -103,15 +52,15 @@ class CpuDocumentAttention(torch.autograd.Function):
         qc, kc, vc = q.to(compute), k.to(compute), v.to(compute)  # the kernel takes grouped heads
         out = q.new_empty(q.shape[:3] + (v.shape[3],), dtype=compute)
         lse = q.new_empty(q.shape[:3], dtype=torch.float32)
-        split = cpu_attention.CPU_BF16_FP32_BACKWARD_MAX_KEYS if native else None
-        parts = groups(runs, split)
-        for padded, members in parts:
-            o, l = flash_forward(*(_gather(t, members, padded) for t in (qc, kc, vc)), scale)
-            _scatter(out, o, members)
-            _scatter(lse, l, members)
+        for b, row in enumerate(runs):
+            for start, end in row:
+                o, l = flash_forward(qc[b:b + 1, :, start:end], kc[b:b + 1, :, start:end],
+                                     vc[b:b + 1, :, start:end], scale)
+                out[b:b + 1, :, start:end] = o
+                lse[b:b + 1, :, start:end] = l
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.parts, ctx.scale, ctx.native = parts, scale, native
+        ctx.runs, ctx.scale, ctx.native = runs, scale, native
         return out
 
     @staticmethod
@@ -127,13 +76,12 @@ class CpuDocumentAttention(torch.autograd.Function):
             if compute not in cast:
                 cast[compute] = [t.to(compute) for t in (grad, q, k, v, out)]
             return cast[compute]
-        for padded, members in ctx.parts:
-            compute = q.dtype if ctx.native and padded > limit else torch.float32
-            piece = [_gather(t, members, padded) for t in inputs(compute)]
-            # padded queries: +inf log-sum-exp, so their attention weights are exact zeros
-            g_q, g_k, g_v = flash_backward(*piece, _gather(lse, members, padded, float("inf")),
-                                           ctx.scale)
-            _scatter(dq, g_q, members)
-            _scatter(dk, g_k, members)
-            _scatter(dv, g_v, members)
+        for b, row in enumerate(ctx.runs):
+            for start, end in row:
+                compute = q.dtype if ctx.native and end - start > limit else torch.float32
+                piece = [t[b:b + 1, :, start:end] for t in inputs(compute)]
+                g_q, g_k, g_v = flash_backward(*piece, lse[b:b + 1, :, start:end], ctx.scale)
+                dq[b:b + 1, :, start:end] = g_q
+                dk[b:b + 1, :, start:end] = g_k
+                dv[b:b + 1, :, start:end] = g_v
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
