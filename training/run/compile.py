@@ -43,9 +43,11 @@ class CompiledLayer:
 
     def __init__(self, forward, backend: str):
         self.forward = torch.compile(forward, backend=backend)
-        self.breaks = 0
+        self.breaks, self.counting = 0, True
 
     def __call__(self, *args, **kwargs):
+        if not self.counting:
+            return self.forward(*args, **kwargs)
         before = sum(graph_breaks().values())
         try:
             return self.forward(*args, **kwargs)
@@ -71,6 +73,11 @@ class CompiledLayers:
         """Graph breaks traced per layer so far."""
         return {name: layer.breaks for name, layer in self.layers.items()}
 
+    def stop_counting(self) -> None:
+        """The layers run without looking at the counters from now on."""
+        for layer in self.layers.values():
+            layer.counting = False
+
 
 def compile_layers(chunks, backend: str) -> CompiledLayers:
     """Compile the forward of every transformer layer of `chunks` in place (names and state dicts
@@ -80,7 +87,7 @@ def compile_layers(chunks, backend: str) -> CompiledLayers:
 
 def report_graph_breaks(journal, rank: int, compiled: CompiledLayers) -> int:
     """Log (rank 0) and journal the graph breaks of the first compiled step, per layer and by
-    reason; returns their number."""
+    reason (later recompiles are not counted); returns their number."""
     per_layer = compiled.breaks()
     total = sum(per_layer.values())
     if rank == 0:
@@ -91,4 +98,5 @@ def report_graph_breaks(journal, rank: int, compiled: CompiledLayers) -> int:
             len(compiled), compiled.backend, total, layers, f": {reasons}" if total else "")
         journal.event("compile", layers=len(compiled), backend=compiled.backend,
                       graph_breaks=total, graph_breaks_per_layer=per_layer)
+    compiled.stop_counting()
     return total
