@@ -1,9 +1,9 @@
 """--compile: each transformer layer's forward compiled on its own (training/run/compile.py).
 
 In one 2-rank world, the same tiny GPT trains 3 steps eager and compiled (aot_eager: dynamo and
-AOT autograd, what inductor compiles from) under tp2, tp2 with sequence parallelism, tp2 with
-selective recompute, tp2 + SP with full recompute, pp2, dp2 with ZeRO-3, and, as a mixture of
-experts, ep2: losses equal the eager run's within 1e-5; no
+AOT autograd, what inductor compiles from) under tp2 (with selective recompute: the attention
+core's checkpoint inside the compiled layer), tp2 with sequence parallelism (with full recompute:
+the checkpoint around it), pp2, dp2 with ZeRO-3, and, as a mixture of experts, ep2: losses equal the eager run's within 1e-5; no
 dense layer breaks its graph (sequence parallelism's collectives are traced as functional
 collectives), and an MoE layer breaks only where its routing runs eager as one unit. Flag
 refusals are checked without a run. Inductor itself (the CPU's C++ backend; minutes of compile
@@ -22,8 +22,7 @@ ARGV = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"
         "--mock-data", "--train-iters", "3", "--log-interval", "1", "--global-batch-size", "4",
         "--micro-batch-size", "1", "--lr", "1e-2"]
 MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--ffn-hidden-size", "48"]
-LAYOUTS = {"tp2": ["--tp", "2"], "tp2 sp": ["--tp", "2", "--sequence-parallel"],
-           "tp2 selective recompute": ["--tp", "2", "--recompute-granularity", "selective"],
+LAYOUTS = {"tp2 selective recompute": ["--tp", "2", "--recompute-granularity", "selective"],
            "tp2 sp full recompute": ["--tp", "2", "--sequence-parallel", "--recompute-granularity", "full"],
            "pp2": ["--pp", "2"], "zero3": ["--zero-stage", "3"], "ep2 moe": MOE + ["--ep", "2"]}
 MOE_BREAK = "Skip calling `torch.compiler.disable()`d function"  # the eager routing
