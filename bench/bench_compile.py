@@ -50,7 +50,8 @@ def run(family: str, args, compiled: bool) -> dict:
             times.append(time.perf_counter() - start)
     finally:
         trainer.close()
-    return dict(losses=trainer.result.losses, first_s=sum(times[:2]), step_s=statistics.median(times[2:]))
+    return dict(losses=trainer.result.losses, first_s=sum(times[:2]), step_s=statistics.median(times[2:]),
+                breaks_per_layer=trainer.graph_breaks)
 
 
 def main() -> None:
@@ -72,7 +73,8 @@ def main() -> None:
         rows[family] = dict(eager_step_s=eager["step_s"], compiled_step_s=compiled["step_s"],
                             speedup=eager["step_s"] / compiled["step_s"],
                             compile_s=compiled["first_s"], loss_rel_diff=diff,
-                            graph_breaks=sum(graph_breaks().values()) - before)
+                            graph_breaks=sum(graph_breaks().values()) - before,
+                            graph_breaks_per_layer=compiled["breaks_per_layer"])
         r = rows[family]
         print(f"{family} {args.dtype}: eager {1e3 * r['eager_step_s']:.1f} ms/step, compiled "
               f"{1e3 * r['compiled_step_s']:.1f} ms/step ({r['speedup']:.2f}x; compile "

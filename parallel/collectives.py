@@ -22,6 +22,12 @@ the default group when one is initialised, else `SINGLE`.
 NCCL and gloo (torch >= 2.4) both have the fused reduce-scatter and all-gather into one
 contiguous tensor, and both have `all_to_all_single` with uneven splits (gloo on CPU tensors),
 so there is no fallback path to choose and no backend state to remember.
+
+Inside a compiled region (`--compile`, training/run/compile.py) the blocking verbs all_reduce,
+all_gather and reduce_scatter run as torch's functional collectives
+(`torch.distributed._functional_collectives`), which torch.compile traces into its graph; the
+launched `Work` objects of the eager verbs would each break the graph. The eager path is the same
+code as without compilation.
 """
 from __future__ import annotations
 
@@ -36,6 +42,8 @@ _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 
 
 ReduceOp = dist.ReduceOp  # re-exported so callers name reductions without torch.distributed
+# The functional collectives' names of the reductions the blocking verbs take while compiled.
+_TRACED_OPS = {ReduceOp.SUM: "sum", ReduceOp.MAX: "max", ReduceOp.MIN: "min", ReduceOp.AVG: "avg"}
 
 
 class _Single:
@@ -101,12 +109,30 @@ def _check_divisible(x: torch.Tensor, dim: int, n: int) -> None:
         raise ValueError(f"dimension {dim} of size {x.shape[dim]} is not divisible by group size {n}")
 
 
+def _traced() -> bool:
+    """Whether collectives are being traced by torch.compile: then a blocking verb runs as a
+    functional collective, part of the compiled graph."""
+    return torch.compiler.is_compiling()
+
+
+def _functional():
+    import torch.distributed._functional_collectives as funcol
+    return funcol
+
+
+def _named(group):
+    """`group` as the functional collectives take it (they have no None for the default group)."""
+    return dist.group.WORLD if group is None else group
+
+
 # ---- blocking verbs ------------------------------------------------------------------------
 
 def all_reduce(x: torch.Tensor, group, op=ReduceOp.SUM) -> torch.Tensor:
     """Reduce `x` over the group in place (made contiguous first) and return it."""
     if group_size(group) > 1:
         x = x.contiguous()
+        if _traced() and op in _TRACED_OPS:  # a new tensor, as callers use the result
+            return _functional().all_reduce(x, _TRACED_OPS[op], _named(group))
         dist.all_reduce(x, op=op, group=group)
     return x
 
@@ -116,6 +142,8 @@ def all_gather(x: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
     n = group_size(group)
     if n == 1:
         return x
+    if _traced():
+        return _functional().all_gather_tensor(x.contiguous(), dim, _named(group))
     x = x.movedim(dim, 0).contiguous()
     out = torch.empty((n * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
     all_gather_into(out.view(-1), x.view(-1), group).wait()  # dim-0 chunks are flat ranges
@@ -128,6 +156,8 @@ def reduce_scatter(x: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
     if n == 1:
         return x
     _check_divisible(x, dim, n)
+    if _traced():
+        return _functional().reduce_scatter_tensor(x.contiguous(), "sum", dim, _named(group))
     x = x.movedim(dim, 0).contiguous()
     out = torch.empty((x.shape[0] // n,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
     reduce_scatter_into(out.view(-1), x.view(-1), group).wait()

@@ -98,7 +98,10 @@ def checkpoint(fn, rng: RNGStreams | None, *args):
     dropout masks (default and tensor-parallel) are identical in both passes; the streams then
     continue from where the forward left them.
     """
-    if rng is None:
+    if rng is None or torch.compiler.is_compiling():
+        # compiled (--compile, selective recompute inside a layer): torch.compile traces the
+        # checkpoint itself and cannot trace a context_fn; with dropout, its recompute draws from
+        # torch's own RNG state handling, not from these streams
         return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
     snapshot: dict[str, torch.Tensor] = {}
 

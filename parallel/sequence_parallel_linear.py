@@ -5,7 +5,9 @@ as this rank's [s/tp, b, h] chunk and are all-gathered to [s, b, h] first. Autog
 the gathered tensor for the weight gradient: tp times the memory sequence parallelism set out to
 save, in the two largest inputs of every layer. As in Megatron, this keeps the chunk and gathers
 again in backward. The gather is launched first and overlaps the input-gradient matmul; the
-input gradient's reduce-scatter overlaps the weight-gradient matmul.
+input gradient's reduce-scatter overlaps the weight-gradient matmul. Inside a compiled layer
+(`--compile`) both run as blocking functional collectives in the traced graph instead (the
+compiler orders them), since a launched collective's `Work` breaks the graph.
 
 The weight gradient goes straight into the optimizer's bucket when the weight offers
 `accumulate_wgrad` (see grad_fusion.py).
@@ -16,12 +18,14 @@ import torch
 import torch.nn.functional as F
 
 from . import collectives as C
-from .collectives import all_gather
+from .collectives import all_gather, reduce_scatter
 from .grad_fusion import weight_grad
 from .param_spec import spec_of
 
 
 def _gather_launch(x_local: torch.Tensor, group) -> tuple[torch.Tensor, C.Pending]:
+    if torch.compiler.is_compiling():
+        return all_gather(x_local, group, dim=0), C.Pending()
     n = C.group_size(group)
     x_local = x_local.contiguous()
     full = torch.empty((n * x_local.shape[0],) + tuple(x_local.shape[1:]), dtype=x_local.dtype,
@@ -34,7 +38,8 @@ class _SequenceGatheredLinear(torch.autograd.Function):
     def forward(ctx, x_local, weight, bias, group):
         ctx.save_for_backward(x_local, weight)
         ctx.group, ctx.has_bias = group, bias is not None
-        ctx.accumulate_wgrad = spec_of(weight).accumulate_wgrad
+        # compiled: autograd's own weight gradient, which the bucket's hook takes (grad_fusion.linear)
+        ctx.accumulate_wgrad = None if torch.compiler.is_compiling() else spec_of(weight).accumulate_wgrad
         return F.linear(all_gather(x_local, group, dim=0), weight, bias)
 
     @staticmethod
@@ -46,7 +51,10 @@ class _SequenceGatheredLinear(torch.autograd.Function):
             grad_full = (grad_out @ weight).contiguous()  # partial sums: this rank's weight shard
             grad_x = torch.empty_like(x_local)
             gathering.wait()
-            scattering = C.reduce_scatter_into(grad_x.view(-1), grad_full.view(-1), ctx.group)
+            if torch.compiler.is_compiling():
+                grad_x, scattering = reduce_scatter(grad_full, ctx.group, dim=0), C.Pending()
+            else:
+                scattering = C.reduce_scatter_into(grad_x.view(-1), grad_full.view(-1), ctx.group)
         else:
             gathering.wait()
             scattering = C.Pending()

@@ -94,8 +94,9 @@ class Trainer:
                                       timeout_s=backend_timeout(run.health.collective_timeout))
         self.rng = model_parallel_seed(run.seed, topo)
         self.chunks = build_chunks(model_provider, run, topo, self.rng)
+        self.graph_breaks: dict[str, int] = {}  # per compiled layer, after the first step
         self.compiled = compile_layers(self.chunks, run.compile_backend) \
-            if run.compile_backend else 0  # reported after the first step: report_graph_breaks
+            if run.compile_backend else None  # reported after the first step: report_graph_breaks
         self.opt = build_optimizer(self.chunks, topo, run.optimizer, run.model.dtype)
         self.lock = storage.SaveLock(run.checkpoint.save) \
             if run.checkpoint.save and topo.rank == 0 else None
@@ -217,9 +218,10 @@ class Trainer:
         self.window.add(loss, batch * run.data.seq_length, elapsed, timings["ready"] - step_begin,
                         time.perf_counter() - step_begin)
         self.last_step, self.batch = step, batch
-        if self.compiled:  # the first step compiled the layers: say what it broke, once
-            report_graph_breaks(self.journal, topo.rank, self.compiled, run.compile_backend)
-            self.compiled = 0
+        if self.compiled is not None:  # the first step compiled the layers: say what broke, once
+            self.graph_breaks = self.compiled.breaks()
+            report_graph_breaks(self.journal, topo.rank, self.compiled)
+            self.compiled = None
         return True
 
     def log_if_due(self) -> None:
