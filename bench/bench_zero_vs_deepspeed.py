@@ -1,4 +1,5 @@
-"""megazoo ZeRO vs DeepSpeed ZeRO: the same GPT, ranks and batch, side by side, on CPU (gloo).
+"""megazoo ZeRO vs DeepSpeed ZeRO (and ZeRO-3 vs PyTorch FSDP2): the same GPT, ranks and batch,
+side by side, on CPU (gloo).
 
 DeepSpeed is not a megazoo dependency. Install it in a separate virtual environment that sees
 the system torch, without building its C++/CUDA ops:
@@ -8,9 +9,14 @@ the system torch, without building its C++/CUDA ops:
     DS_ACCELERATOR=cpu python -m bench.bench_zero_vs_deepspeed --ds-python /tmp/dsvenv/bin/python
 
 Each (side, stage) runs as its own world of `--world` processes, one thread each. Both sides
-train `TransformerLanguageModel` from the same seed on the same token stream with bf16 weights,
-fp32 master weights, torch's AdamW (weight decay 0; DS_BUILD_OPS=0 leaves DeepSpeed no fused
-Adam) and gradient clipping 1.0. Reported per stage: tokens/s over the timed steps (after
+train `TransformerLanguageModel` from the same seed on the same token stream with `--dtype`
+weights (bf16: fp32 master weights), torch's AdamW (weight decay 0; DS_BUILD_OPS=0 leaves
+DeepSpeed no fused Adam) and gradient clipping 1.0. `--fsdp2` adds, at stage 3, PyTorch's
+FSDP2 (`fully_shard` on each transformer layer and on the model, what a user would pick
+instead; bf16: `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)` over fp32 weights,
+torch's default AdamW, `clip_grad_norm_`). Each rank also measures the single-thread GEMM peak
+(square 1024 matmuls in the run's dtype) after its steps, and the model FLOP/s per rank
+(3x forward FLOPs x tokens/s / ranks) is reported against it. Reported per stage: tokens/s over the timed steps (after
 warm-up, slowest rank), peak RSS per rank (max over ranks) and its growth over the RSS just
 before the model was built, and the final loss of each side as a sanity check. Each side runs
 `--repeats` times in alternating order and the best throughput is kept (a shared host's other
@@ -36,13 +42,21 @@ def _rss_now() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _model(args, topo):
+def _config(args):
     from megazoo.models.config import TransformerConfig
-    from megazoo.models.language_model import TransformerLanguageModel
-    cfg = TransformerConfig(vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers,
+    return TransformerConfig(vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers,
                             num_attention_heads=args.heads, max_position_embeddings=args.seq,
                             make_vocab_size_divisible_by=128, seed=1234)
-    return TransformerLanguageModel(cfg, topo)
+
+
+def _model(args, topo):
+    from megazoo.models.language_model import TransformerLanguageModel
+    return TransformerLanguageModel(_config(args), topo)
+
+
+def _dtype(args):
+    import torch
+    return torch.bfloat16 if args.dtype == "bf16" else torch.float32
 
 
 def _tokens(args, step: int, rank: int):
@@ -65,8 +79,10 @@ def _train(args, rank: int, backward_step) -> dict:
     dist.barrier()
     elapsed = time.perf_counter() - start
     tokens = args.steps * args.micro_batch * args.seq * dist.get_world_size()
-    return dict(tokens_per_s=tokens / elapsed, peak_rss=resource.getrusage(
-        resource.RUSAGE_SELF).ru_maxrss * 1024, final_loss=losses[-1])
+    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    from bench.bench_train_step import matmul_peak  # after the steps: not in the RSS
+    return dict(tokens_per_s=tokens / elapsed, peak_rss=peak_rss, final_loss=losses[-1],
+                gemm_peak_flops=matmul_peak(_dtype(args)))
 
 
 def _megazoo_rank(args):
@@ -78,7 +94,7 @@ def _megazoo_rank(args):
     model = _model(args, topo)
     opt = build_optimizer(model, topo, OptimizerConfig(
         zero_stage=args.stage, lr=args.lr, weight_decay=0.0, clip_grad=1.0,
-        bucket_numel=args.bucket_numel), torch.bfloat16)
+        bucket_numel=args.bucket_numel), _dtype(args))
 
     def step(ids, labels):
         loss = model(ids, labels=labels).float().mean()
@@ -100,7 +116,7 @@ def _deepspeed_rank(args):
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     config = {"train_micro_batch_size_per_gpu": args.micro_batch,
               "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
-              "bf16": {"enabled": True}, "zero_allow_untested_optimizer": True,
+              "bf16": {"enabled": args.dtype == "bf16"}, "zero_allow_untested_optimizer": True,
               "zero_optimization": {"stage": args.stage,
                                     "reduce_bucket_size": args.bucket_numel,
                                     "allgather_bucket_size": args.bucket_numel},
@@ -111,6 +127,31 @@ def _deepspeed_rank(args):
         loss = engine(ids, labels=labels).float().mean()
         engine.backward(loss)
         engine.step()
+        return loss.item()
+    out = _train(args, int(os.environ["RANK"]), step)
+    out.update(base_rss=base)
+    return out
+
+
+def _fsdp2_rank(args):
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from megazoo.parallel.topology import ParallelTopology
+    base = _rss_now()
+    model = _model(args, ParallelTopology.single())
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+        if args.dtype == "bf16" else MixedPrecisionPolicy()
+    for layer in model.layers.values():
+        fully_shard(layer, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+
+    def step(ids, labels):
+        loss = model(ids, labels=labels).float().mean()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
         return loss.item()
     out = _train(args, int(os.environ["RANK"]), step)
     out.update(base_rss=base)
@@ -130,7 +171,7 @@ def _rank_main(rank, args, port, queue):
         queue.put((rank, _deepspeed_rank(args)))
     else:
         dist.init_process_group("gloo", rank=rank, world_size=args.world)
-        queue.put((rank, _megazoo_rank(args)))
+        queue.put((rank, (_fsdp2_rank if args.worker == "fsdp2" else _megazoo_rank)(args)))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -156,9 +197,10 @@ def _run_side(args, side: str, stage: int) -> list[dict] | str:
     python = args.ds_python if side == "deepspeed" else sys.executable
     cmd = [python, os.path.abspath(__file__), "--worker", side, "--stage", str(stage)]
     for k in ("world", "steps", "warmup", "hidden", "layers", "heads", "vocab", "seq",
-              "micro_batch", "lr", "bucket_numel", "timeout"):
+              "micro_batch", "lr", "bucket_numel", "timeout", "dtype"):
         cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
-    env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=ROOT)
+    path = [ROOT] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])
+    env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=os.pathsep.join(path))
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
@@ -166,16 +208,21 @@ def _run_side(args, side: str, stage: int) -> list[dict] | str:
     return f"failed (exit {proc.returncode}): {proc.stderr.strip()[-400:]}"
 
 
-def _summary(ranks: list[dict]) -> dict:
-    return dict(tokens_per_s=min(r["tokens_per_s"] for r in ranks),
+def _summary(ranks: list[dict], flops_per_token: float) -> dict:
+    tokens_per_s = min(r["tokens_per_s"] for r in ranks)
+    peak = min(r["gemm_peak_flops"] for r in ranks)
+    per_rank = flops_per_token * tokens_per_s / len(ranks)  # one thread (core) per rank
+    return dict(tokens_per_s=tokens_per_s,
                 peak_rss_mib=max(r["peak_rss"] for r in ranks) / 2 ** 20,
                 rss_growth_mib=max(r["peak_rss"] - r["base_rss"] for r in ranks) / 2 ** 20,
-                final_loss=sum(r["final_loss"] for r in ranks) / len(ranks))
+                final_loss=sum(r["final_loss"] for r in ranks) / len(ranks),
+                model_gflops_per_rank=per_rank / 1e9, gemm_peak_gflops=peak / 1e9,
+                fraction_of_gemm_peak=per_rank / peak)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--worker", choices=["megazoo", "deepspeed"], help=argparse.SUPPRESS)
+    p.add_argument("--worker", choices=["megazoo", "deepspeed", "fsdp2"], help=argparse.SUPPRESS)
     p.add_argument("--stage", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3])
     p.add_argument("--world", type=int, default=2)
@@ -189,6 +236,9 @@ def main() -> None:
     p.add_argument("--micro-batch", type=int, default=4)
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--bucket-numel", type=int, default=5_000_000)
+    p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    p.add_argument("--fsdp2", action="store_true", help="at stage 3, PyTorch FSDP2 as a third side")
+    p.add_argument("--no-deepspeed", action="store_true", help="megazoo against FSDP2 only")
     p.add_argument("--repeats", type=int, default=2, help="runs per side; best throughput kept")
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--ds-python", default="/tmp/dsvenv/bin/python")
@@ -203,28 +253,34 @@ def main() -> None:
 
     rows = []
     load_before = os.getloadavg()
+    flops_per_token = _config(args).model_flops_per_token(args.seq)
     for stage in args.stages:
         row = {"stage": stage}
-        runs: dict[str, list] = {"megazoo": [], "deepspeed": []}
+        sides = ["megazoo"] + ([] if args.no_deepspeed else ["deepspeed"]) + \
+            (["fsdp2"] if args.fsdp2 and stage == 3 else [])
+        runs: dict[str, list] = {side: [] for side in sides}
         for rep in range(args.repeats):
-            # Alternate the order so that a change in background load hits both sides alike.
-            for side in ("megazoo", "deepspeed") if rep % 2 == 0 else ("deepspeed", "megazoo"):
+            # Rotate the order so that a change in background load hits every side alike.
+            for side in sides[rep % len(sides):] + sides[:rep % len(sides)]:
                 got = _run_side(args, side, stage)
-                runs[side].append(_summary(got) if isinstance(got, list) else got)
+                runs[side].append(_summary(got, flops_per_token) if isinstance(got, list) else got)
                 print(f"zero-{stage} {side} run {rep}: {runs[side][-1]}", flush=True)
         for side, got in runs.items():
             ok = [g for g in got if isinstance(g, dict)]
             # Best of the repeats: throughput is only ever lowered by other load on the host.
             row[side] = max(ok, key=lambda g: g["tokens_per_s"]) if ok else got[-1]
-        if all(isinstance(row[s], dict) for s in ("megazoo", "deepspeed")):
-            mz, ds = row["megazoo"], row["deepspeed"]
-            row["throughput_ratio"] = mz["tokens_per_s"] / ds["tokens_per_s"]
-            row["peak_rss_ratio"] = mz["peak_rss_mib"] / ds["peak_rss_mib"]
+            if ok:
+                row[side]["tokens_per_s_all"] = [g["tokens_per_s"] for g in ok]
+        for side, key in (("deepspeed", ""), ("fsdp2", "_fsdp2")):
+            if side in row and all(isinstance(row[s], dict) for s in ("megazoo", side)):
+                mz, other = row["megazoo"], row[side]
+                row["throughput_ratio" + key] = mz["tokens_per_s"] / other["tokens_per_s"]
+                row["peak_rss_ratio" + key] = mz["peak_rss_mib"] / other["peak_rss_mib"]
         rows.append(row)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     setup = {k: getattr(args, k) for k in ("world", "steps", "warmup", "hidden", "layers", "heads",
                                            "vocab", "seq", "micro_batch", "bucket_numel",
-                                           "repeats")}
+                                           "repeats", "dtype")}
     setup.update(cpus=os.cpu_count(), load_avg_before=load_before[0],
                  load_avg_after=os.getloadavg()[0])
     with open(args.out + ".json", "w") as f:
@@ -235,27 +291,35 @@ def main() -> None:
     print(_markdown(setup, rows))
 
 
+PEERS = (("deepspeed", "DeepSpeed", "", "tab:gray"), ("fsdp2", "FSDP2", "_fsdp2", "tab:olive"))
+
+
 def plot(rows: list[dict], path: str) -> None:
-    """Tokens/s and peak RSS per rank, megazoo next to DeepSpeed, per ZeRO stage."""
+    """Tokens/s and peak RSS per rank, megazoo next to each peer measured, per ZeRO stage."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    rows = [r for r in rows if "throughput_ratio" in r]
-    x = range(len(rows))
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
-    for ax, key, label in ((axes[0], "tokens_per_s", "tokens/s (2 ranks)"),
-                           (axes[1], "peak_rss_mib", "peak RSS per rank, MiB")):
-        for k, (side, color) in enumerate((("megazoo", "tab:blue"), ("deepspeed", "tab:gray"))):
-            ax.bar([i + 0.4 * k for i in x], [r[side][key] for r in rows], 0.4, color=color,
-                   label=side)
-        ratio = "throughput_ratio" if key == "tokens_per_s" else "peak_rss_ratio"
-        for i, r in zip(x, rows):
-            ax.text(i + 0.2, max(r["megazoo"][key], r["deepspeed"][key]), f"{r[ratio]:.2f}x",
+    bars = [(r, side, color, key) for r in rows for side, _, key, color in PEERS
+            if "throughput_ratio" + key in r]
+    if not bars:
+        return
+    x = range(len(bars))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
+    for ax, field, label in ((axes[0], "tokens_per_s", "tokens/s (all ranks)"),
+                             (axes[1], "peak_rss_mib", "peak RSS per rank, MiB")):
+        ax.bar([i for i in x], [r["megazoo"][field] for r, *_ in bars], 0.4, color="tab:blue",
+               label="megazoo")
+        ax.bar([i + 0.4 for i in x], [r[side][field] for r, side, *_ in bars], 0.4,
+               color=[c for *_, c, _ in bars], label="peer")
+        ratio = "throughput_ratio" if field == "tokens_per_s" else "peak_rss_ratio"
+        for i, (r, side, _, key) in zip(x, bars):
+            ax.text(i + 0.2, max(r["megazoo"][field], r[side][field]), f"{r[ratio + key]:.2f}x",
                     ha="center", va="bottom", fontsize=8)
-        ax.set_xticks([i + 0.2 for i in x], [f"ZeRO-{r['stage']}" for r in rows])
+        ax.set_xticks([i + 0.2 for i in x], [f"ZeRO-{r['stage']}\nvs {side}" for r, side, *_ in bars],
+                      fontsize=8)
         ax.set_ylabel(label)
     axes[0].legend(fontsize=8)
-    fig.suptitle("megazoo vs DeepSpeed, same model and batch, bf16 (labels: megazoo / DeepSpeed)",
+    fig.suptitle("megazoo vs DeepSpeed / FSDP2, same model and batch (labels: megazoo / peer)",
                  fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -263,19 +327,26 @@ def plot(rows: list[dict], path: str) -> None:
 
 def _markdown(setup: dict, rows: list[dict]) -> str:
     lines = [f"setup: {json.dumps(setup)}", "",
-             "| stage | megazoo tok/s | DeepSpeed tok/s | ratio | megazoo peak RSS MiB "
-             "(growth) | DeepSpeed peak RSS MiB (growth) | RSS ratio | final loss mz / ds |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| stage | peer | megazoo tok/s | peer tok/s | ratio | megazoo peak RSS MiB (growth) | "
+             "peer peak RSS MiB (growth) | RSS ratio | megazoo / peer share of GEMM peak | "
+             "final loss mz / peer |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        mz, ds = r["megazoo"], r["deepspeed"]
-        if not (isinstance(mz, dict) and isinstance(ds, dict)):
-            lines.append(f"| {r['stage']} | {mz} | {ds} | | | | | |")
-            continue
-        lines.append(
-            f"| {r['stage']} | {mz['tokens_per_s']:.0f} | {ds['tokens_per_s']:.0f} | "
-            f"{r['throughput_ratio']:.2f} | {mz['peak_rss_mib']:.0f} ({mz['rss_growth_mib']:.0f}) | "
-            f"{ds['peak_rss_mib']:.0f} ({ds['rss_growth_mib']:.0f}) | {r['peak_rss_ratio']:.2f} | "
-            f"{mz['final_loss']:.4f} / {ds['final_loss']:.4f} |")
+        mz = r["megazoo"]
+        for side, name, key, _ in PEERS:
+            if side not in r:
+                continue
+            other = r[side]
+            if not (isinstance(mz, dict) and isinstance(other, dict)):
+                lines.append(f"| {r['stage']} | {name} | {mz} | {other} | | | | | | |")
+                continue
+            lines.append(
+                f"| {r['stage']} | {name} | {mz['tokens_per_s']:.0f} | {other['tokens_per_s']:.0f} | "
+                f"{r['throughput_ratio' + key]:.2f} | {mz['peak_rss_mib']:.0f} ({mz['rss_growth_mib']:.0f}) | "
+                f"{other['peak_rss_mib']:.0f} ({other['rss_growth_mib']:.0f}) | "
+                f"{r['peak_rss_ratio' + key]:.2f} | {100 * mz['fraction_of_gemm_peak']:.0f}% / "
+                f"{100 * other['fraction_of_gemm_peak']:.0f}% | "
+                f"{mz['final_loss']:.4f} / {other['final_loss']:.4f} |")
     return "\n".join(lines) + "\n"
 
 

@@ -34,9 +34,18 @@ for script in bench/bench_*.py; do
   echo "== $name $(date +%H:%M:%S)"
   start=$SECONDS
   if ! "$PY" -m "bench.$name" "${args[@]}"; then failed+=("$name"); fi
+  if [[ $name == bench_zero_vs_deepspeed ]]; then  # fp32, and ZeRO-3 against FSDP2 in both dtypes
+    "$PY" -m "bench.$name" "${args[@]}" --dtype fp32 --stages 2 3 --fsdp2 \
+      --out bench/results/zero_vs_peers_fp32 || failed+=("$name (fp32)")
+    "$PY" -m "bench.$name" "${args[@]}" --dtype bf16 --stages 3 --fsdp2 --no-deepspeed \
+      --out bench/results/zero3_vs_fsdp2_bf16 || failed+=("$name (fsdp2 bf16)")
+  fi
   if [[ $name == bench_train_step ]]; then  # and at a GPT-2-sized vocabulary and width
     "$PY" -m "bench.$name" --hidden 768 --layers 6 --heads 12 --vocab 50257 --seq 512 --batch 1 \
       --rounds 3 --out bench/results/train_step_gpt2_vocab || failed+=("$name (gpt2 vocab)")
+    # the loss-heavy shape: narrow model, GPT-2 vocabulary, 2048 tokens a step
+    "$PY" -m "bench.$name" --hidden 256 --layers 4 --heads 8 --vocab 50257 --seq 256 --batch 8 \
+      --rounds 5 --out bench/results/train_step_h256_gpt2_vocab || failed+=("$name (h256)")
   fi
   echo "== $name done in $((SECONDS - start)) s"
 done

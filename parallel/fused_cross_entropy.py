@@ -28,6 +28,7 @@ import torch.distributed as dist
 from .collectives import all_reduce, group_rank, group_size
 from .mappings import copy_to_tp, gather_from_sequence
 from .grad_fusion import weight_grad
+from .kernels.host_memory import empty_large
 from .kernels.lm_head_loss import chunk_tokens
 from .param_spec import spec_of
 from .topology import ParallelTopology
@@ -45,29 +46,44 @@ class _LMHeadCrossEntropy(torch.autograd.Function):
         local_t = local_t.clamp(0, v_local - 1).unsqueeze(1)
         # fp16 would flush small probabilities to zero before the loss scale reaches them
         store = torch.float32 if weight.dtype == torch.float16 else weight.dtype
-        grad_logits = torch.empty(n if need_grad else 0, v_local, dtype=store, device=hidden.device)
-        row_max = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        device = hidden.device
+        grad_logits = empty_large((n if need_grad else 0, v_local), store, device)
+        row_max = torch.empty(n, dtype=torch.float32, device=device)
         sum_exp = torch.empty_like(row_max)
         picked = torch.empty_like(row_max)
         w_t, step = weight.t(), chunk_tokens(weight.device, weight.dtype)
-
-        # fp32: the matmul writes straight into the stored tensor and everything after is in place
-        direct = need_grad and store == weight.dtype == hidden.dtype == torch.float32
+        rows_max = min(step, n)
+        # Scratch for one chunk, allocated once per call (a fresh [chunk, vocab] tensor per chunk
+        # costs its page faults every time, more than the softmax on it): the matmul writes
+        # straight into the stored rows when they have its dtype, else into `mm_out`; the fp32
+        # work is done in place on those rows (fp32 and fp16 storage) or on `work32`.
+        into_store = need_grad and store == weight.dtype
+        mm_out = None if into_store else empty_large((rows_max, v_local), weight.dtype, device)
+        work_in_store = need_grad and store == torch.float32
+        work32 = None if work_in_store or weight.dtype == torch.float32 else \
+            empty_large((rows_max, v_local), torch.float32, device)
 
         def store_rows(rows, values):
             if values.data_ptr() != grad_logits[rows].data_ptr():
-                grad_logits[rows] = values
+                grad_logits[rows].copy_(values)
 
         def subtract_onehot_and_store(rows, probs):
             probs.scatter_add_(1, local_t[rows], -inside[rows].unsqueeze(1).to(probs.dtype))
             store_rows(rows, probs)
 
+        def as_fp32(rows, values):
+            """`values` in fp32: itself, the stored rows, or the fp32 scratch."""
+            if values.dtype == torch.float32:
+                return values
+            return (grad_logits[rows] if work_in_store else work32[:values.shape[0]]).copy_(values)
+
         for i in range(0, n, step):
             rows = slice(i, min(i + step, n))
-            logits = torch.mm(hidden[rows], w_t, out=grad_logits[rows] if direct else None)
-            f = logits.float()  # the same tensor when fp32: it is a scratch chunk either way
+            out = grad_logits[rows] if into_store else mm_out[:rows.stop - rows.start]
+            logits = torch.mm(hidden[rows], w_t, out=out)
             if pad_from < v_local:  # padded rows must never enter the softmax
-                f[:, pad_from:] = float("-inf")
+                logits[:, pad_from:] = float("-inf")
+            f = as_fp32(rows, logits)  # a scratch chunk, or the stored rows themselves
             picked[rows] = f.gather(1, local_t[rows]).squeeze(1)
             row_max[rows] = m = f.amax(1)
             finite_max = m.clamp_min(torch.finfo(m.dtype).min)  # a shard of padding only: -inf
@@ -75,9 +91,8 @@ class _LMHeadCrossEntropy(torch.autograd.Function):
                 f.sub_(m.unsqueeze(1)).exp_()
                 sum_exp[rows] = total = f.sum(1)
                 subtract_onehot_and_store(rows, f.div_(total.unsqueeze(1)))
-            elif need_grad:  # keep the logits (exact: they came out of the matmul in this dtype)
+            elif need_grad:  # the logits stay stored (exact: they came out of the matmul in this dtype)
                 sum_exp[rows] = torch.exp(f - finite_max.unsqueeze(1)).sum(1)
-                store_rows(rows, f)
             else:  # the loss alone
                 sum_exp[rows] = f.sub_(finite_max.unsqueeze(1)).exp_().sum(1)
         if tp == 1:
@@ -88,7 +103,7 @@ class _LMHeadCrossEntropy(torch.autograd.Function):
             lse = global_max + sum_exp.log()
             for i in range(0, n if need_grad else 0, step):  # exp(x - max) / sum, as tp = 1 does
                 rows = slice(i, min(i + step, n))
-                f = grad_logits[rows].float().sub_(global_max[rows].unsqueeze(1)).exp_()
+                f = as_fp32(rows, grad_logits[rows]).sub_(global_max[rows].unsqueeze(1)).exp_()
                 subtract_onehot_and_store(rows, f.div_(sum_exp[rows].unsqueeze(1)))
         picked = picked.masked_fill(~inside, 0.0)
         if tp > 1:

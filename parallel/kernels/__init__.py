@@ -7,5 +7,6 @@ modules and hold no `device.type` branch of their own (docs/kernels.md).
     attention_block.py  one ring-attention block with its log-sum-exp, forward and backward
     grouped_matmul.py   the MoE experts' grouped matmul
     lm_head_loss.py     tokens per chunk of the fused LM head + cross-entropy
+    host_memory.py      large short-lived CPU buffers on transparent huge pages
     choice_log.py       each fallback logged once per process
 """

@@ -45,8 +45,9 @@ def test_matches_unfused(dtype, padded, chunk, monkeypatch):
 
 def test_evaluation_computes_the_loss_alone(monkeypatch):
     """Without gradients (evaluation) the loss takes the short path, bitwise the same, and no
-    [tokens, vocabulary] gradient is allocated."""
+    [tokens, vocabulary] gradient is allocated: one chunk's scratch at most."""
     from megazoo.parallel.topology import ParallelTopology
+    monkeypatch.setattr(fused, "chunk_tokens", lambda device, dtype: 8)
     g = torch.Generator().manual_seed(1)
     hidden = torch.randn(30, 1, 16, generator=g).requires_grad_()
     weight = torch.randn(104, 16, generator=g).requires_grad_()  # as a model's parameter
@@ -61,3 +62,15 @@ def test_evaluation_computes_the_loss_alone(monkeypatch):
         alone = fused.lm_head_cross_entropy(hidden, weight, target, topo, 100)
     torch.testing.assert_close(alone, with_grad.detach(), rtol=0, atol=0)
     assert shapes and all(s[0] * s[-1] < 30 * 104 for s in shapes if len(s) == 2), shapes
+
+
+def test_large_host_buffers():
+    """The fused loss's large CPU buffers (kernels/host_memory.py) are ordinary tensors of the
+    asked shape and dtype whatever the huge-page hint does; small ones skip the hint."""
+    from megazoo.parallel.kernels.host_memory import MIN_BYTES, empty_large
+    cpu = torch.device("cpu")
+    for shape, dtype in (((3, 5), torch.bfloat16), ((MIN_BYTES // 4 + 3, 2), torch.float32)):
+        t = empty_large(shape, dtype, cpu)
+        assert t.shape == shape and t.dtype == dtype and t.is_contiguous()
+        t.fill_(1.5)
+        assert t.sum().item() == 1.5 * t.numel()
