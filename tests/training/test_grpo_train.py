@@ -8,6 +8,7 @@ off (equal to an explicit frozen copy); the flags GRPO cannot honour are refused
 from __future__ import annotations
 
 import json
+import re
 import os
 
 import pytest
@@ -106,3 +107,75 @@ def test_tp2_and_dp2_zero1_zero2_equal_the_single_process(root):
                 assert abs(g - w) <= 1e-5 * max(1.0, abs(w)), (got, want)
                 worst = max(worst, abs(g - w))
     print(f"largest difference to the single process: {worst:.2e}")
+
+
+LORA = ("--lora-rank", 4, "--lora-alpha", 8, "--lora-target-modules",
+        "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj")
+
+
+def test_lora_reference_is_the_base_with_the_adapters_off(root):
+    import dataclasses
+
+    from megazoo.data.tokenizers import build_tokenizer
+    from megazoo.models.registry import build_model
+    from megazoo.training.config.flags import to_run_config
+    from megazoo.training.config.parser import build_parser
+    from megazoo.training.run.dpo import build_reference
+    from megazoo.training.run.trainer import Trainer
+    # through the trainer: the adapters start at B = 0, so the first step's KL is 0
+    lora = run_llama(grpo_argv(root, 2, *LORA), 1)
+    assert lora.grpo[0]["kl"] == 0.0 and lora.grpo[1]["kl"] > 0
+    args = build_parser().parse_args(grpo_argv(root, 1, *LORA))
+    tok = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=os.path.join(root, "hf"))
+    run = to_run_config(args, world_size=1, vocab_size=tok.vocab_size, eod_token=tok.eod)
+    trainer = Trainer(build_model, run)
+    try:
+        chunk, reference = trainer.chunks[0], trainer.grpo.reference
+        assert reference.frozen is None  # no second copy of the model
+        g = torch.Generator().manual_seed(3)
+        with torch.no_grad():  # adapters away from their start, so they change the logits
+            for p in chunk.parameters():
+                if p.requires_grad:
+                    p.add_(0.3 * torch.randn(p.shape, generator=g))
+        copy = build_reference(dataclasses.replace(run, lora=None), trainer.topo, trainer.chunks,
+                               build_model, os.path.join(root, "ckpt")).frozen[0]
+        tokens = torch.randint(0, tok.vocab_size, (3, 12), generator=g)
+        base = reference.per_token(chunk, tokens[:, :-1], tokens[:, 1:])
+        frozen = copy(tokens[:, :-1], labels=tokens[:, 1:])
+        with torch.no_grad():
+            policy = chunk(tokens[:, :-1], labels=tokens[:, 1:])
+        gap = (base - frozen).abs().max().item()
+        print(f"adapters-off reference vs frozen copy: {gap:.2e} (adapters move the loss by "
+              f"{(policy - frozen).abs().max().item():.2f})")
+        assert gap <= 1e-6 and (policy - frozen).abs().max() > 1e-2
+    finally:
+        trainer.close()
+
+
+@pytest.mark.parametrize("extra, message", [
+    (("--pipeline-model-parallel-size", 2), "--pipeline-model-parallel-size 1"),
+    (("--tensor-model-parallel-size", 2, "--sequence-parallel"), "no --sequence-parallel"),
+    (("--zero-stage", 3), "--zero-stage 1 or 2"),
+    (("--micro-batch-size", 1), "must equal --num-generations"),
+    (("--health-policy", "rollback", "--save", "x", "--save-interval", 1), "rollback"),
+    (("--data-path", "x"), "drop --data-path"),
+    (("--lora-rank", 4, "--grpo-reference", "x"), "drop --grpo-reference"),
+])
+def test_flags_grpo_cannot_honour_are_refused(root, extra, message):
+    from megazoo.training.config.errors import ArgumentError
+    from megazoo.training.config.flags import to_run_config
+    from megazoo.training.config.parser import build_parser
+    args = build_parser().parse_args(grpo_argv(root, 1, *[str(a) for a in extra]))
+    with pytest.raises(ArgumentError, match=re.escape(message)):
+        to_run_config(args, world_size=2, vocab_size=21, eod_token=0)
+
+
+def test_grpo_flags_need_grpo_prompts(root):
+    from megazoo.training.config.errors import ArgumentError
+    from megazoo.training.config.flags import to_run_config
+    from megazoo.training.config.parser import build_parser
+    argv = grpo_argv(root, 1)
+    i = argv.index("--grpo-prompts")
+    args = build_parser().parse_args(argv[:i] + argv[i + 2:] + ["--data-path", "x"])
+    with pytest.raises(ArgumentError, match="needs --grpo-prompts"):
+        to_run_config(args, world_size=1, vocab_size=21, eod_token=0)
