@@ -1,7 +1,7 @@
 """GRPO on CPU in a few minutes: a tiny random Llama, prompted "a + b =", learns to answer 7s
 (--reward sevens, the default: mean reward 0.06 to 1.0 within 10 steps) or the last digit of
 a + b (--reward sum_digit: conditioned on the prompt, not learned in 150 steps); rewards in
-examples/grpo/rewards.py, training by tools/grpo.py; prints the mean reward per tenth of the run.
+examples/grpo/rewards.py, training by tools/grpo.py (train_llama.py --grpo-prompts); prints the mean reward per tenth of the run.
 
     PYTHONPATH=<a folder where `megazoo` imports> python examples/grpo/run_example.py [--steps 60]
 """
@@ -56,13 +56,17 @@ def main() -> int:
         for a, b in pairs:
             f.write(json.dumps({"prompt": f"{a} + {b} =", "answer": (a + b) % 10}) + "\n")
     save = os.path.join(work, "run")
-    rc = grpo(["--load", os.path.join(work, "ckpt"), "--prompts", os.path.join(work, "prompts.jsonl"),
-               "--reward", f"rewards:{args.reward}", "--save", save, "--train-iters", str(args.steps),
-               "--prompts-per-step", "8", "--grpo-num-generations", "8", "--grpo-max-completion-length", "3",
-               "--lr", str(args.lr), "--seed", "0"])
+    rc = grpo(["--load", os.path.join(work, "ckpt"), "--finetune", "--grpo-prompts",
+               os.path.join(work, "prompts.jsonl"), "--reward", f"rewards:{args.reward}", "--save", save,
+               "--train-iters", str(args.steps), "--num-generations", "8", "--max-completion-length", "3",
+               "--micro-batch-size", "8", "--global-batch-size", "64", "--seq-length", "32",
+               "--lr", str(args.lr), "--lr-decay-style", "constant", "--lr-warmup-iters", "0",
+               "--weight-decay", "0", "--clip-grad", "0", "--seed", "0", "--log-interval", "1",
+               "--eval-iters", "0", "--hidden-dropout", "0", "--attention-dropout", "0"])
     if rc:
         return rc
     rows = [json.loads(line) for line in open(os.path.join(save, "metrics.jsonl"))]
+    rows = [r for r in rows if r.get("split") == "grpo"]
     tenth = max(1, len(rows) // 10)
     curve = [sum(r["reward_mean"] for r in rows[i:i + tenth]) / len(rows[i:i + tenth])
              for i in range(0, len(rows), tenth)]

@@ -179,3 +179,12 @@ def test_grpo_flags_need_grpo_prompts(root):
     args = build_parser().parse_args(argv[:i] + argv[i + 2:] + ["--data-path", "x"])
     with pytest.raises(ArgumentError, match="needs --grpo-prompts"):
         to_run_config(args, world_size=1, vocab_size=21, eod_token=0)
+
+
+def test_tool_is_an_alias_of_the_training_script(root):
+    from megazoo.tools.grpo import alias_argv, main
+    family, argv = alias_argv(["--load", os.path.join(root, "ckpt"), "--grpo-prompts", "p.jsonl"])
+    assert family == "llama"
+    assert argv[-4:] == ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model",
+                         os.path.join(root, "ckpt", "tokenizer")]
+    assert main(["--load", os.path.join(root, "ckpt")]) == 2  # no --grpo-prompts: one line
