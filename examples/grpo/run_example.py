@@ -39,7 +39,10 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--lr", type=float, default=1e-2)
-    p.add_argument("--reward", choices=("sevens", "sum_digit"), default="sevens",
+    p.add_argument("--max-operand", type=int, default=9, help="a and b in 0..this")
+    p.add_argument("--generations", type=int, default=8, help="completions per prompt")
+    p.add_argument("--prompts-per-step", type=int, default=8)
+    p.add_argument("--reward", choices=("sevens", "sum_digit", "sum_first"), default="sevens",
                    help="sum_digit: the last digit of a + b first (conditioned on the prompt, "
                         "slow to learn); sevens: the share of words that are 7 (fast)")
     p.add_argument("--work", help="folder for the model and metrics (default: a temporary one)")
@@ -50,16 +53,17 @@ def main() -> int:
     work = args.work or tempfile.mkdtemp(prefix="grpo_example_")
     tiny_llama(os.path.join(work, "hf"))
     import_hf(os.path.join(work, "hf"), os.path.join(work, "ckpt"), make_vocab_size_divisible_by=1)
-    pairs = [(a, b) for a in range(10) for b in range(10)]
+    pairs = [(a, b) for a in range(args.max_operand + 1) for b in range(args.max_operand + 1)]
     random.Random(0).shuffle(pairs)
     with open(os.path.join(work, "prompts.jsonl"), "w") as f:
         for a, b in pairs:
-            f.write(json.dumps({"prompt": f"{a} + {b} =", "answer": (a + b) % 10}) + "\n")
+            f.write(json.dumps({"prompt": f"{a} + {b} =", "answer": (a + b) % 10, "total": a + b}) + "\n")
     save = os.path.join(work, "run")
     rc = grpo(["--load", os.path.join(work, "ckpt"), "--finetune", "--grpo-prompts",
                os.path.join(work, "prompts.jsonl"), "--reward", f"rewards:{args.reward}", "--save", save,
-               "--train-iters", str(args.steps), "--num-generations", "8", "--max-completion-length", "3",
-               "--micro-batch-size", "8", "--global-batch-size", "64", "--seq-length", "32",
+               "--train-iters", str(args.steps), "--num-generations", str(args.generations), "--max-completion-length", "3",
+               "--micro-batch-size", str(args.generations),
+               "--global-batch-size", str(args.generations * args.prompts_per_step), "--seq-length", "32",
                "--lr", str(args.lr), "--lr-decay-style", "constant", "--lr-warmup-iters", "0",
                "--weight-decay", "0", "--clip-grad", "0", "--seed", "0", "--log-interval", "1",
                "--eval-iters", "0", "--hidden-dropout", "0", "--attention-dropout", "0"])
