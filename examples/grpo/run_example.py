@@ -35,6 +35,29 @@ def tiny_llama(folder: str) -> None:
     tok.save_pretrained(folder)
 
 
+def warm_up(folder: str, pairs, steps: int, lr: float = 3e-3) -> None:
+    """A short supervised warm-up of the HF model on "a + b = <digits of a + b> <eos>" (the loss
+    on the answer's tokens), so GRPO starts from a policy that answers now and then."""
+    from transformers import AutoTokenizer, LlamaForCausalLM
+    tok = AutoTokenizer.from_pretrained(folder)
+    model = LlamaForCausalLM.from_pretrained(folder)
+    rows = [tok.encode(f"{a} + {b} = {' '.join(str(a + b))} <eos>") for a, b in pairs]
+    width = max(map(len, rows))
+    ids = torch.tensor([r + [0] * (width - len(r)) for r in rows])
+    labels = torch.full_like(ids, -100)
+    for i, r in enumerate(rows):
+        labels[i, 4:len(r)] = ids[i, 4:len(r)]  # the answer and its eos
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    torch.manual_seed(0)
+    for _ in range(steps):
+        batch = torch.randint(0, len(rows), (32,))
+        loss = model(input_ids=ids[batch], labels=labels[batch]).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    model.save_pretrained(folder)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=60)
@@ -45,6 +68,8 @@ def main() -> int:
     p.add_argument("--reward", choices=("sevens", "sum_digit", "sum_first"), default="sevens",
                    help="sum_digit: the last digit of a + b first (conditioned on the prompt, "
                         "slow to learn); sevens: the share of words that are 7 (fast)")
+    p.add_argument("--warmup-steps", type=int, default=0,
+                   help="supervised steps on the right answers before GRPO (batch 32, lr 3e-3)")
     p.add_argument("--work", help="folder for the model and metrics (default: a temporary one)")
     args = p.parse_args()
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
@@ -52,9 +77,11 @@ def main() -> int:
     from megazoo.tools.grpo import main as grpo
     work = args.work or tempfile.mkdtemp(prefix="grpo_example_")
     tiny_llama(os.path.join(work, "hf"))
-    import_hf(os.path.join(work, "hf"), os.path.join(work, "ckpt"), make_vocab_size_divisible_by=1)
     pairs = [(a, b) for a in range(args.max_operand + 1) for b in range(args.max_operand + 1)]
     random.Random(0).shuffle(pairs)
+    if args.warmup_steps:
+        warm_up(os.path.join(work, "hf"), pairs, args.warmup_steps)
+    import_hf(os.path.join(work, "hf"), os.path.join(work, "ckpt"), make_vocab_size_divisible_by=1)
     with open(os.path.join(work, "prompts.jsonl"), "w") as f:
         for a, b in pairs:
             f.write(json.dumps({"prompt": f"{a} + {b} =", "answer": (a + b) % 10, "total": a + b}) + "\n")

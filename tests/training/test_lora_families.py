@@ -1,0 +1,118 @@
+"""LoRA beyond the Llama-shaped families, against PEFT on tiny random Hugging Face models: GPT-2
+(c_attn, c_proj, c_fc: Conv1D, PEFT's fan_in_fan_out), BLOOM (query_key_value, dense,
+dense_h_to_4h, dense_4h_to_h) and Mixtral's attention projections. PEFT's random adapter
+(init_lora_weights=False) is loaded with --lora-init's reader, three AdamW steps on both sides
+give the same losses, megazoo's adapter written in PEFT's format and loaded by
+`PeftModel.from_pretrained` gives megazoo's logits, and the merge equals `merge_and_unload`.
+The expert MLPs of the MoE families are refused in one line.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tests.helpers import one_thread  # noqa: F401 (autouse fixture)
+
+STEPS, LR = 3, 1e-2
+
+
+def hf_model(family: str):
+    from transformers import (BloomConfig, BloomForCausalLM, GPT2Config, GPT2LMHeadModel,
+                              MixtralConfig, MixtralForCausalLM)
+    torch.manual_seed(0)
+    if family == "gpt2":
+        return GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=4,
+                                          resid_pdrop=0, embd_pdrop=0, attn_pdrop=0))
+    if family == "bloom":
+        return BloomForCausalLM(BloomConfig(vocab_size=64, hidden_size=32, n_layer=2, n_head=4))
+    return MixtralForCausalLM(MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=48,
+                                            num_hidden_layers=2, num_attention_heads=4,
+                                            num_key_value_heads=2, num_local_experts=4,
+                                            num_experts_per_tok=2, max_position_embeddings=32,
+                                            router_aux_loss_coef=0.0, tie_word_embeddings=False))
+
+
+TARGETS = {"gpt2": ["c_attn", "c_proj", "c_fc"],
+           "bloom": ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"],
+           "mixtral": ["q_proj", "k_proj", "v_proj", "o_proj"]}
+
+
+def megazoo_adapters(chunk) -> dict:
+    """Full adapter tensors by megazoo name (one process: the parameters are whole)."""
+    return {n[n.index("layers."):]: p.detach().clone() for n, p in chunk.named_parameters()
+            if ".lora." in n}
+
+
+@pytest.mark.parametrize("family", ["gpt2", "bloom", "mixtral"])
+def test_lora_equals_peft(tmp_path, family):
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    from megazoo.models import peft_format
+    from megazoo.models.lora import apply_lora
+    from megazoo.models.lora_targets import LoRASettings
+    from megazoo.models.registry import family as family_of
+    from megazoo.parallel.topology import ParallelTopology
+    from tests.hf_models import hf_converted
+    hf = hf_model(family)
+    base_dir, adapter_dir, out_dir = (str(tmp_path / n) for n in ("base", "adapter", "out"))
+    hf.save_pretrained(base_dir)
+    torch.manual_seed(1)
+    peft = get_peft_model(hf, LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS[family],
+                                         init_lora_weights=False, lora_dropout=0.0))
+    peft.save_pretrained(adapter_dir)
+    adapter = family_of(family, "test").adapter
+    topo = ParallelTopology.single()
+    fresh = type(hf).from_pretrained(base_dir)
+    cfg, chunk = hf_converted(fresh, adapter, topo)
+    assert cfg.family == family
+    saved = peft_format.read_adapter_config(adapter_dir, family)
+    lora = LoRASettings(init_dir=adapter_dir, **saved)
+    apply_lora([chunk], lora, cfg, topo, None, 0)
+    tokens = torch.randint(0, 64, (4, 12), generator=torch.Generator().manual_seed(2))
+    vocab = 64
+
+    def ours():
+        return chunk(tokens[:, :-1], labels=tokens[:, 1:]).float().mean()
+
+    peft.eval()
+    chunk.eval()
+    with torch.no_grad():
+        start = (chunk(tokens)[..., :vocab] - peft(input_ids=tokens).logits).abs().max().item()
+    opt_a = torch.optim.AdamW([p for p in chunk.parameters() if p.requires_grad], lr=LR, weight_decay=0.0)
+    opt_b = torch.optim.AdamW([p for p in peft.parameters() if p.requires_grad], lr=LR, weight_decay=0.0)
+    assert sum(p.numel() for g in opt_a.param_groups for p in g["params"]) == \
+        sum(p.numel() for g in opt_b.param_groups for p in g["params"])
+    worst = 0.0
+    for _ in range(STEPS):
+        a = ours()
+        b = peft(input_ids=tokens, labels=tokens).loss
+        worst = max(worst, abs(a.item() - b.item()) / abs(b.item()))
+        a.backward()
+        b.backward()
+        for opt in (opt_a, opt_b):
+            opt.step()
+            opt.zero_grad()
+    # export: PEFT loads megazoo's trained adapter; the merge equals merge_and_unload
+    peft_format.write_adapter(out_dir, lora.record(), megazoo_adapters(chunk), cfg, torch.float32)
+    loaded = PeftModel.from_pretrained(type(hf).from_pretrained(base_dir), out_dir).eval()
+    with torch.no_grad():
+        mine = chunk(tokens)[..., :vocab]
+        export = (mine - loaded(input_ids=tokens).logits).abs().max().item()
+        sd = {k: v.clone() for k, v in type(hf).from_pretrained(base_dir).state_dict().items()}
+        peft_format.merge_into(sd, lora.record(), megazoo_adapters(chunk), cfg)
+        merged = loaded.merge_and_unload().state_dict()
+        merge = max((sd[k] - merged[k]).abs().max().item() for k in merged)
+        moved = (mine - fresh(input_ids=tokens).logits).abs().max().item()
+    print(f"{family}: start logits {start:.1e}, losses {worst:.1e} relative over {STEPS} steps, "
+          f"exported adapter's logits {export:.1e}, merge {merge:.1e} (the adapters move the "
+          f"logits by {moved:.2f})")
+    assert start < 1e-5 and worst < 1e-5 and export < 1e-5 and merge < 1e-5 and moved > 1e-2
+
+
+def test_moe_expert_mlps_are_refused():
+    from megazoo.models.lora_targets import parse_targets
+    with pytest.raises(ValueError, match="expert MLPs are not LoRA targets"):
+        parse_targets("q_proj,gate_proj", "mixtral")
+    assert parse_targets("all-linear", "qwen3_moe") == ("q_proj", "k_proj", "v_proj", "o_proj")
