@@ -8,7 +8,6 @@ The expert MLPs of the MoE families are refused in one line.
 """
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
