@@ -4,7 +4,8 @@ dense_h_to_4h, dense_4h_to_h) and Mixtral's attention projections. PEFT's random
 (init_lora_weights=False) is loaded with --lora-init's reader, three AdamW steps on both sides
 give the same losses, megazoo's adapter written in PEFT's format and loaded by
 `PeftModel.from_pretrained` gives megazoo's logits, and the merge equals `merge_and_unload`.
-The expert MLPs of the MoE families are refused in one line.
+GPT-2 and BLOOM at tp2 give PEFT's logits; the expert MLPs of the MoE families are refused in one
+line.
 """
 from __future__ import annotations
 
@@ -44,33 +45,86 @@ def megazoo_adapters(chunk) -> dict:
             if ".lora." in n}
 
 
-@pytest.mark.parametrize("family", ["gpt2", "bloom", "mixtral"])
-def test_lora_equals_peft(tmp_path, family):
-    from peft import LoraConfig, PeftModel, get_peft_model
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """family -> (base folder, PEFT adapter folder): a random model and PEFT's random adapter."""
+    from peft import LoraConfig, get_peft_model
+    out = {}
+    for family in TARGETS:
+        root = tmp_path_factory.mktemp(family)
+        hf = hf_model(family)
+        hf.save_pretrained(str(root / "base"))
+        torch.manual_seed(1)
+        get_peft_model(hf, LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS[family],
+                                      init_lora_weights=False, lora_dropout=0.0)
+                       ).save_pretrained(str(root / "adapter"))
+        out[family] = (str(root / "base"), str(root / "adapter"))
+    return out
+
+
+def lora_model(family: str, base_dir: str, adapter_dir: str, topo):
+    """(config, megazoo model with PEFT's adapter, its LoRASettings) from the saved folders."""
+    from transformers import AutoModelForCausalLM
 
     from megazoo.models import peft_format
     from megazoo.models.lora import apply_lora
     from megazoo.models.lora_targets import LoRASettings
     from megazoo.models.registry import family as family_of
-    from megazoo.parallel.topology import ParallelTopology
     from tests.hf_models import hf_converted
-    hf = hf_model(family)
-    base_dir, adapter_dir, out_dir = (str(tmp_path / n) for n in ("base", "adapter", "out"))
-    hf.save_pretrained(base_dir)
-    torch.manual_seed(1)
-    peft = get_peft_model(hf, LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS[family],
-                                         init_lora_weights=False, lora_dropout=0.0))
-    peft.save_pretrained(adapter_dir)
-    adapter = family_of(family, "test").adapter
-    topo = ParallelTopology.single()
-    fresh = type(hf).from_pretrained(base_dir)
-    cfg, chunk = hf_converted(fresh, adapter, topo)
-    assert cfg.family == family
-    saved = peft_format.read_adapter_config(adapter_dir, family)
-    lora = LoRASettings(init_dir=adapter_dir, **saved)
+    cfg, chunk = hf_converted(AutoModelForCausalLM.from_pretrained(base_dir),
+                              family_of(family, "test").adapter, topo)
+    lora = LoRASettings(init_dir=adapter_dir, **peft_format.read_adapter_config(adapter_dir, family))
     apply_lora([chunk], lora, cfg, topo, None, 0)
-    tokens = torch.randint(0, 64, (4, 12), generator=torch.Generator().manual_seed(2))
-    vocab = 64
+    return cfg, chunk.eval(), lora
+
+
+TOKENS = torch.randint(0, 64, (4, 12), generator=torch.Generator().manual_seed(2))
+
+
+def _tp2_logits(rank, saved):
+    from megazoo.models.language_model import gather_logits
+    from megazoo.parallel.topology import ParallelConfig, ParallelTopology
+    topo = ParallelTopology.from_config(ParallelConfig(tp=2))
+    out = []
+    for family in ("gpt2", "bloom"):
+        cfg, chunk, _ = lora_model(family, *saved[family], topo)
+        with torch.no_grad():
+            out.append(gather_logits(chunk(TOKENS), topo, 64).numpy())
+    return out
+
+
+def test_lora_at_tp2_equals_peft(saved):
+    """GPT-2's and BLOOM's adapters sharded with their layers over 2 tensor-parallel ranks."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from tests.distributed import run_distributed
+    ranks = run_distributed(_tp2_logits, 2, saved)
+    for family, logits in zip(("gpt2", "bloom"), ranks[0]):
+        base, adapter = saved[family]
+        with torch.no_grad():
+            want = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), adapter).eval()(
+                input_ids=TOKENS).logits
+        gap = (torch.from_numpy(logits) - want).abs().max().item()
+        print(f"{family} tp2 logits vs PEFT: {gap:.1e}")
+        assert gap < 1e-5
+
+
+@pytest.mark.parametrize("family", ["gpt2", "bloom", "mixtral"])
+def test_lora_equals_peft(tmp_path, saved, family):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from megazoo.models import peft_format
+    from megazoo.parallel.topology import ParallelTopology
+    base_dir, adapter_dir = saved[family]
+    out_dir = str(tmp_path / "out")
+    hf = AutoModelForCausalLM.from_pretrained(base_dir)
+    peft = PeftModel.from_pretrained(hf, adapter_dir, is_trainable=True)
+    fresh = AutoModelForCausalLM.from_pretrained(base_dir)
+    cfg, chunk, lora = lora_model(family, base_dir, adapter_dir, ParallelTopology.single())
+    assert cfg.family == family
+    tokens, vocab = TOKENS, 64
 
     def ours():
         return chunk(tokens[:, :-1], labels=tokens[:, 1:]).float().mean()
@@ -95,11 +149,11 @@ def test_lora_equals_peft(tmp_path, family):
             opt.zero_grad()
     # export: PEFT loads megazoo's trained adapter; the merge equals merge_and_unload
     peft_format.write_adapter(out_dir, lora.record(), megazoo_adapters(chunk), cfg, torch.float32)
-    loaded = PeftModel.from_pretrained(type(hf).from_pretrained(base_dir), out_dir).eval()
+    loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), out_dir).eval()
     with torch.no_grad():
         mine = chunk(tokens)[..., :vocab]
         export = (mine - loaded(input_ids=tokens).logits).abs().max().item()
-        sd = {k: v.clone() for k, v in type(hf).from_pretrained(base_dir).state_dict().items()}
+        sd = {k: v.clone() for k, v in AutoModelForCausalLM.from_pretrained(base_dir).state_dict().items()}
         peft_format.merge_into(sd, lora.record(), megazoo_adapters(chunk), cfg)
         merged = loaded.merge_and_unload().state_dict()
         merge = max((sd[k] - merged[k]).abs().max().item() for k in merged)
