@@ -1,7 +1,11 @@
-"""GRPO on CPU in a few minutes: a tiny random Llama, prompted "a + b =", learns to answer 7s
-(--reward sevens, the default: mean reward 0.06 to 1.0 within 10 steps) or the last digit of
-a + b (--reward sum_digit: conditioned on the prompt, not learned in 150 steps); rewards in
-examples/grpo/rewards.py, training by tools/grpo.py (train_llama.py --grpo-prompts); prints the mean reward per tenth of the run.
+"""GRPO on CPU in a few minutes: a tiny Llama, prompted "a + b =" (a, b in 0..4), after a short
+supervised warm-up (30 steps: it answers right about a quarter of the time) learns to add: the
+reward is 1 for the right number first (--reward sum_first, the default), and the mean reward
+rises from 0.28 to 0.68 within 60 GRPO steps (docs/post_training.md). --reward sevens
+--warmup-steps 0 --max-operand 9 --lr 1e-2 (the share of 7s in the answer) is learned in 10
+steps; --reward sum_digit (the last digit of a + b for a, b in 0..9, from scratch) is not
+learned in 150. Rewards in examples/grpo/rewards.py, training by tools/grpo.py
+(train_llama.py --grpo-prompts); prints the mean reward per tenth of the run.
 
     PYTHONPATH=<a folder where `megazoo` imports> python examples/grpo/run_example.py [--steps 60]
 """
@@ -61,14 +65,14 @@ def warm_up(folder: str, pairs, steps: int, lr: float = 3e-3) -> None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=60)
-    p.add_argument("--lr", type=float, default=1e-2)
-    p.add_argument("--max-operand", type=int, default=9, help="a and b in 0..this")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--max-operand", type=int, default=4, help="a and b in 0..this")
     p.add_argument("--generations", type=int, default=8, help="completions per prompt")
     p.add_argument("--prompts-per-step", type=int, default=8)
-    p.add_argument("--reward", choices=("sevens", "sum_digit", "sum_first"), default="sevens",
-                   help="sum_digit: the last digit of a + b first (conditioned on the prompt, "
-                        "slow to learn); sevens: the share of words that are 7 (fast)")
-    p.add_argument("--warmup-steps", type=int, default=0,
+    p.add_argument("--reward", choices=("sevens", "sum_digit", "sum_first"), default="sum_first",
+                   help="sum_first: 1 for the digits of a + b first; sum_digit: the last digit of "
+                        "a + b first (slow to learn from scratch); sevens: the share of 7s (fast)")
+    p.add_argument("--warmup-steps", type=int, default=30,
                    help="supervised steps on the right answers before GRPO (batch 32, lr 3e-3)")
     p.add_argument("--work", help="folder for the model and metrics (default: a temporary one)")
     args = p.parse_args()
