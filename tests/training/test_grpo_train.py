@@ -1,9 +1,10 @@
 """GRPO inside the trainer (train_llama.py --grpo-prompts, training/run/grpo_train.py) on a tiny
 imported Llama: three iterations with megazoo's optimizer and checkpoints, the KL to the
 imported start; a run resumed at iteration 2 continues bit for bit; tp2 and dp2 with ZeRO-1 and
-ZeRO-2 (one spawned 2-rank world) sample the same completions, get the same rewards and log the
-same losses and KL as the single process; with LoRA the reference is the base with the adapters
-off (equal to an explicit frozen copy); the flags GRPO cannot honour are refused in one line.
+ZeRO-2, and LoRA at tp2 and at dp2 with ZeRO-1 (one spawned 2-rank world) sample the same
+completions, get the same rewards and log the same losses and KL as the single process; with
+LoRA the reference is the base with the adapters off (equal to an explicit frozen copy); the
+flags GRPO cannot honour are refused in one line.
 """
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ from tests.tokenizer_data import CHATML_PLAIN
 
 WORDS = "a b c d e f g h i j k l m n o p"
 KEYS = ("loss", "reward_mean", "reward_std", "kl", "completion_length_mean")
+LORA = ("--lora-rank", 4, "--lora-alpha", 8, "--lora-target-modules",
+        "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj")
 
 
 def count_target(prompts, completions, target, **kw):
@@ -93,24 +96,26 @@ def test_run_logs_every_metric_and_resumes_bit_for_bit(root):
 
 def test_tp2_and_dp2_zero1_zero2_equal_the_single_process(root):
     single = history(run_llama(grpo_argv(root, 3), 1))
+    single_lora = history(run_llama(grpo_argv(root, 3, *LORA), 1))
     layouts = [grpo_argv(root, 3, "--tensor-model-parallel-size", 2),
                grpo_argv(root, 3, "--zero-stage", 1),
-               grpo_argv(root, 3, "--zero-stage", 2)]
+               grpo_argv(root, 3, "--zero-stage", 2),
+               grpo_argv(root, 3, "--tensor-model-parallel-size", 2, *LORA),
+               grpo_argv(root, 3, "--zero-stage", 1, *LORA)]
     ranks = run_distributed(_layouts, 2, layouts)
     assert ranks[0] == ranks[1]  # every rank logs the whole batch's metrics
-    worst = 0.0
-    for run in ranks[0]:
-        assert len(run) == len(single) == 3
-        for got, want in zip(run, single):
+    worst = []
+    for run, want_run in zip(ranks[0], [single] * 3 + [single_lora] * 2):
+        assert len(run) == len(want_run) == 3
+        worst.append(0.0)
+        for got, want in zip(run, want_run):
             assert got[1] == want[1] and got[4] == want[4]  # rewards and lengths: the same samples
             for g, w in zip(got, want):
                 assert abs(g - w) <= 1e-5 * max(1.0, abs(w)), (got, want)
-                worst = max(worst, abs(g - w))
-    print(f"largest difference to the single process: {worst:.2e}")
+                worst[-1] = max(worst[-1], abs(g - w))
+    print("largest difference to the single process (tp2, dp2 ZeRO-1, dp2 ZeRO-2, LoRA tp2, "
+          "LoRA dp2 ZeRO-1):", " ".join(f"{w:.1e}" for w in worst))
 
-
-LORA = ("--lora-rank", 4, "--lora-alpha", 8, "--lora-target-modules",
-        "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj")
 
 
 def test_lora_reference_is_the_base_with_the_adapters_off(root):
