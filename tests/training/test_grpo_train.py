@@ -51,8 +51,9 @@ def grpo_argv(root: str, iters: int, *extra, finetune: bool = True) -> list[str]
                            "--num-generations", 3, "--max-completion-length", 6, "--beta", 0.04,
                            "--micro-batch-size", 3, "--global-batch-size", 6, "--train-iters", iters,
                            "--lr", 1e-2, "--log-interval", 1, "--seed", 7, *extra)
-    i = argv.index("--data-path")
-    argv = argv[:i] + argv[i + 2:]
+    for flag in ("--data-path", "--split"):  # no dataset
+        i = argv.index(flag)
+        argv = argv[:i] + argv[i + 2:]
     if not finetune:
         argv.remove("--finetune")
     return argv
@@ -164,6 +165,8 @@ def test_lora_reference_is_the_base_with_the_adapters_off(root):
     (("--micro-batch-size", 1), "must equal --num-generations"),
     (("--health-policy", "rollback", "--save", "x", "--save-interval", 1), "rollback"),
     (("--data-path", "x"), "drop --data-path"),
+    (("--split", "98,2,0"), "drop --split"),
+    (("--rampup-batch-size", 2, 2, 10), "drop --rampup-batch-size"),
     (("--lora-rank", 4, "--grpo-reference", "x"), "drop --grpo-reference"),
 ])
 def test_flags_grpo_cannot_honour_are_refused(root, extra, message):
@@ -193,3 +196,17 @@ def test_tool_is_an_alias_of_the_training_script(root):
     assert argv[-4:] == ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model",
                          os.path.join(root, "ckpt", "tokenizer")]
     assert main(["--load", os.path.join(root, "ckpt")]) == 2  # no --grpo-prompts: one line
+
+
+def test_a_bad_reward_or_prompts_file_is_one_line(root):
+    from megazoo.training.config.errors import ArgumentError
+    argv = grpo_argv(root, 1)
+    i = argv.index("--reward")
+    with pytest.raises(ArgumentError, match="--reward 'nomodule:fn': No module named 'nomodule'"):
+        run_llama(argv[:i + 1] + ["nomodule:fn"] + argv[i + 2:], 1)
+    bad = os.path.join(root, "bad.jsonl")
+    with open(bad, "w") as f:
+        f.write('{"text": "a"}\n')
+    i = argv.index("--grpo-prompts")
+    with pytest.raises(ArgumentError, match="bad.jsonl line 1: need a `prompt` string or `messages`"):
+        run_llama(argv[:i + 1] + [bad] + argv[i + 2:], 1)

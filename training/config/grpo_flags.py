@@ -63,6 +63,15 @@ def grpo_settings(args: argparse.Namespace, parallel, lora, zero_stage: int) -> 
     if args.micro_batch_size != args.num_generations:
         raise ValueError(f"--grpo-prompts: --micro-batch-size {args.micro_batch_size} must equal "
                          f"--num-generations {args.num_generations} (a microbatch is one prompt's group)")
+    if args.rampup_batch_size:
+        raise ValueError("--grpo-prompts takes a fixed number of prompts per step: drop "
+                         "--rampup-batch-size")
+    given = getattr(args, "given_flags", None) or ()
+    held_out = [f for f in ("eval_interval", "split") if f in given]
+    if held_out or ("eval_iters" in given and args.eval_iters):
+        flag = (held_out or ["eval_iters"])[0].replace("_", "-")
+        raise ValueError(f"--grpo-prompts has no held-out evaluation: drop --{flag} (--eval-tasks "
+                         f"runs lm-eval tasks)")
     if args.health_policy == "rollback":
         raise ValueError("--grpo-prompts: --health-policy rollback replays a dataset's samples; use "
                          "warn or skip")

@@ -20,6 +20,7 @@ import torch
 from megazoo.data.tokenizers import build_tokenizer
 from megazoo.training.checkpoint import format as ckpt
 from megazoo.training.checkpoint.tokenizer import eos_token_ids
+from megazoo.training.config.errors import ArgumentError
 from megazoo.training.run.dpo import Reference, build_reference
 from megazoo.training.run.grpo_online import grpo_step, load_reward
 from megazoo.training.run.grpo_prompts import read_prompts
@@ -48,19 +49,13 @@ class GRPOTraining:
     iteration's sampling, scoring and backward."""
 
     def __init__(self, run, topo, chunks, model_provider):
-        settings = self.settings = run.grpo
-        d = run.data
-        self.tok = build_tokenizer(d.tokenizer_type, vocab_file=d.vocab_file, merge_file=d.merge_file,
-                                   tokenizer_model=d.tokenizer_model)
-        self.records, self.prompts = read_prompts(settings.prompts, self.tok, settings.chat)
-        self.reward_fn = load_reward(settings.reward)
-        self.eos = run_eos(run, self.tok)
-        self.topo, self.chunks, self.seed = topo, chunks, run.seed
-        self.per_step = run.schedule.global_batch_size // settings.num_generations
-        if self.per_step % topo.dp:
-            raise ValueError(f"--global-batch-size {run.schedule.global_batch_size} / --num-generations "
-                             f"{settings.num_generations} = {self.per_step} prompts per step: "
-                             f"the data-parallel size {topo.dp} must divide it")
+        try:  # a bad prompts file, reward or length: one line naming the flag (entry.USER_ERRORS)
+            self._read(run, topo)
+        except ArgumentError:
+            raise
+        except ValueError as e:
+            raise ArgumentError(str(e)) from None
+        settings, self.chunks = self.settings, chunks
         self.reference = None
         if settings.beta > 0:
             if run.lora is not None:
@@ -76,6 +71,27 @@ class GRPOTraining:
                         "off" if self.reference is None else
                         f"beta {settings.beta} to the base with the adapters off" if run.lora
                         else f"beta {settings.beta} to {settings.reference}")
+
+    def _read(self, run, topo) -> None:
+        settings = self.settings = run.grpo
+        d = run.data
+        self.tok = build_tokenizer(d.tokenizer_type, vocab_file=d.vocab_file, merge_file=d.merge_file,
+                                   tokenizer_model=d.tokenizer_model)
+        self.records, self.prompts = read_prompts(settings.prompts, self.tok, settings.chat)
+        self.reward_fn = load_reward(settings.reward)
+        self.eos = run_eos(run, self.tok)
+        model = run.model
+        longest = max(map(len, self.prompts)) + settings.max_completion_length
+        if model.position_embedding == "learned" and longest > model.max_position_embeddings:
+            raise ValueError(f"--grpo-prompts {settings.prompts}: the longest prompt plus "
+                             f"--max-completion-length is {longest} tokens, beyond the model's "
+                             f"{model.max_position_embeddings} learned positions; shorten them")
+        self.topo, self.seed = topo, run.seed
+        self.per_step = run.schedule.global_batch_size // settings.num_generations
+        if self.per_step % topo.dp:
+            raise ValueError(f"--global-batch-size {run.schedule.global_batch_size} / --num-generations "
+                             f"{settings.num_generations} = {self.per_step} prompts per step: "
+                             f"the data-parallel size {topo.dp} must divide it")
 
     def forward_backward(self, iteration: int, optimizer, poison: bool = False) -> float:
         """Iteration `iteration` (1-based): sample, score, backward into the optimizer's buckets
