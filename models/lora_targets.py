@@ -16,6 +16,9 @@ both the attention's output and the MLP's down projection, as PEFT matches it).
 - Mixtral, Qwen2-MoE, Qwen3-MoE: the attention projections (q, k, v, o) as Llama's; their
   expert MLPs are refused (PEFT reaches transformers' fused expert tensors only through
   `target_parameters`, a different adapter: not modelled).
+- DeepSeek-V3: multi-latent attention's up-projections and output (`q_b_proj` or `q_proj`,
+  `kv_b_proj`, `o_proj`, HF's layouts are megazoo's); the down-projections `q_a_proj` and
+  `kv_a_proj_with_mqa` (replicated weights, not linears in megazoo) and the MLPs are refused.
 """
 from __future__ import annotations
 
@@ -64,8 +67,20 @@ _EXPERTS = ("the expert MLPs are not LoRA targets in megazoo (PEFT adapts transf
             "expert tensors through target_parameters); target q_proj,k_proj,v_proj,o_proj")
 MOE = FamilyTargets(dict(_LLAMA_ATTENTION), ("q_proj", "v_proj"),
                     refused={n: _EXPERTS for n in _LLAMA_MLP})
+_MLA_DOWN = ("the latent down-projections are not LoRA targets in megazoo; target q_b_proj, "
+             "kv_b_proj, o_proj")
+DEEPSEEK = FamilyTargets({"q_proj": (("attention.q_proj", "self_attn.q_proj"),),
+                          "q_b_proj": (("attention.q_up", "self_attn.q_b_proj"),),
+                          "kv_b_proj": (("attention.kv_up", "self_attn.kv_b_proj"),),
+                          "o_proj": (("attention.dense", "self_attn.o_proj"),)},
+                         ("q_b_proj", "kv_b_proj"),
+                         refused={"q_a_proj": _MLA_DOWN, "kv_a_proj_with_mqa": _MLA_DOWN,
+                                  **{n: "the MLPs (dense and expert) are not LoRA targets of "
+                                        "DeepSeek-V3 in megazoo; target q_b_proj, kv_b_proj, o_proj"
+                                     for n in _LLAMA_MLP}})
 TABLES = {"llama": LLAMA, "mistral": LLAMA, "qwen2": LLAMA, "qwen3": LLAMA, "bloom": BLOOM,
-          "gpt2": GPT2, "mixtral": MOE, "qwen2_moe": MOE, "qwen3_moe": MOE}
+          "gpt2": GPT2, "mixtral": MOE, "qwen2_moe": MOE, "qwen3_moe": MOE,
+          "deepseek_v3": DEEPSEEK}
 FAMILIES = tuple(TABLES)
 TARGETS = LLAMA.targets  # the Llama-shaped families' (flag help)
 DEFAULT = LLAMA.default
@@ -101,12 +116,18 @@ class LoRASettings:
                    rslora=bool(record.get("rslora", False)))
 
 
-def parse_targets(value: str | list[str], family: str | None) -> tuple[str, ...]:
-    """PEFT target names (comma-separated or a list, or 'all-linear'), checked, in table order."""
+def parse_targets(value: str | list[str], family: str | None,
+                  q_lora_rank: int | None = None) -> tuple[str, ...]:
+    """PEFT target names (comma-separated or a list, or 'all-linear'), checked, in table order.
+    DeepSeek-V3 has q_b_proj with a query latent (`q_lora_rank`), else q_proj."""
     t = table(family)
+    absent = ("q_proj" if q_lora_rank else "q_b_proj") if family == "deepseek_v3" else None
     names = [n.strip() for n in (value.split(",") if isinstance(value, str) else value) if n.strip()]
     if names == [ALL_LINEAR]:
-        return tuple(t.targets)
+        return tuple(n for n in t.targets if n != absent)
+    if absent in names:
+        raise ValueError(f"--lora-target-modules {absent}: this DeepSeek-V3 has "
+                         f"{'q_b_proj (a query latent)' if q_lora_rank else 'q_proj (no query latent)'}")
     for n in names:
         if n in t.refused:
             raise ValueError(f"--lora-target-modules {n} ({family}): {t.refused[n]}")
@@ -115,6 +136,15 @@ def parse_targets(value: str | list[str], family: str | None) -> tuple[str, ...]
         raise ValueError(f"--lora-target-modules {','.join(names)}: unknown {unknown or 'empty'}; "
                          f"choose from {', '.join(t.targets)} or {ALL_LINEAR} ({family})")
     return tuple(n for n in t.targets if n in names)
+
+
+def default_targets(family: str | None, q_lora_rank: int | None = None) -> tuple[str, ...]:
+    """PEFT's default target_modules for the model type (where PEFT has none: the Llama-shaped
+    attention's q and v, DeepSeek-V3's query and key/value up-projections)."""
+    names = table(family).default
+    if family == "deepseek_v3" and not q_lora_rank:
+        names = ("q_proj", "kv_b_proj")
+    return parse_targets(list(names), family, q_lora_rank)
 
 
 def sites(family: str, targets) -> list[tuple[str, str, str]]:
@@ -129,6 +159,16 @@ def module_parts(config: TransformerConfig, module: str) -> tuple[list[tuple[str
                            config.num_query_groups)
     f = config.ffn_hidden_size
     t = table(config.family)
+    if t is DEEPSEEK:
+        heads, qk = config.num_attention_heads, config.qk_nope_head_dim + config.qk_rope_head_dim
+        name = {"attention.q_proj": "q_proj", "attention.q_up": "q_b_proj",
+                "attention.kv_up": "kv_b_proj", "attention.dense": "o_proj"}[module]
+        rows, fan_in = {"attention.q_proj": (heads * qk, h),
+                        "attention.q_up": (heads * qk, config.q_lora_rank),
+                        "attention.kv_up": (heads * (config.qk_nope_head_dim + config.v_head_dim),
+                                            config.kv_lora_rank),
+                        "attention.dense": (h, heads * config.v_head_dim)}[module]
+        return [(name, rows)], 1, fan_in
     if t in (LLAMA, MOE):
         if module == "attention.qkv":
             return [("q_proj", heads * d), ("k_proj", groups * d), ("v_proj", groups * d)], groups, h

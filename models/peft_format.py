@@ -31,7 +31,7 @@ class AdapterError(ValueError):
     """A PEFT adapter folder megazoo cannot use (the message names the file and the field)."""
 
 
-def read_adapter_config(folder: str, family: str = "llama") -> dict:
+def read_adapter_config(folder: str, family: str = "llama", q_lora_rank: int | None = None) -> dict:
     """{rank, alpha, dropout, targets, rslora} of a PEFT LoRA folder, every field checked."""
     path = os.path.join(folder, CONFIG)
     if not os.path.isfile(path) or not os.path.isfile(os.path.join(folder, WEIGHTS)):
@@ -56,7 +56,7 @@ def read_adapter_config(folder: str, family: str = "llama") -> dict:
                            f"{', '.join(table.targets)}")
     try:
         chosen = lt.parse_targets(lt.ALL_LINEAR if targets == lt.ALL_LINEAR else list(targets or []),
-                                  family)
+                                  family, q_lora_rank)
     except ValueError as e:
         raise AdapterError(f"{path}: {e}") from None
     return dict(rank=int(cfg["r"]), alpha=float(cfg.get("lora_alpha", 8)),

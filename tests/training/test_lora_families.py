@@ -19,6 +19,9 @@ STEPS, LR = 3, 1e-2
 
 
 def hf_model(family: str):
+    if family == "deepseek_v3":
+        from tests.hf_models import hf_deepseek_v3
+        return hf_deepseek_v3(vocab_size=64)
     from transformers import (BloomConfig, BloomForCausalLM, GPT2Config, GPT2LMHeadModel,
                               MixtralConfig, MixtralForCausalLM)
     torch.manual_seed(0)
@@ -36,7 +39,8 @@ def hf_model(family: str):
 
 TARGETS = {"gpt2": ["c_attn", "c_proj", "c_fc"],
            "bloom": ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"],
-           "mixtral": ["q_proj", "k_proj", "v_proj", "o_proj"]}
+           "mixtral": ["q_proj", "k_proj", "v_proj", "o_proj"],
+           "deepseek_v3": ["q_b_proj", "kv_b_proj", "o_proj"]}
 
 
 def megazoo_adapters(chunk) -> dict:
@@ -73,7 +77,8 @@ def lora_model(family: str, base_dir: str, adapter_dir: str, topo):
     from tests.hf_models import hf_converted
     cfg, chunk = hf_converted(AutoModelForCausalLM.from_pretrained(base_dir),
                               family_of(family, "test").adapter, topo)
-    lora = LoRASettings(init_dir=adapter_dir, **peft_format.read_adapter_config(adapter_dir, family))
+    lora = LoRASettings(init_dir=adapter_dir,
+                        **peft_format.read_adapter_config(adapter_dir, family, cfg.q_lora_rank))
     apply_lora([chunk], lora, cfg, topo, None, 0)
     return cfg, chunk.eval(), lora
 
@@ -110,7 +115,7 @@ def test_lora_at_tp2_equals_peft(saved):
         assert gap < 1e-5
 
 
-@pytest.mark.parametrize("family", ["gpt2", "bloom", "mixtral"])
+@pytest.mark.parametrize("family", ["gpt2", "bloom", "mixtral", "deepseek_v3"])
 def test_lora_equals_peft(tmp_path, saved, family):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -169,3 +174,6 @@ def test_moe_expert_mlps_are_refused():
     with pytest.raises(ValueError, match="expert MLPs are not LoRA targets"):
         parse_targets("q_proj,gate_proj", "mixtral")
     assert parse_targets("all-linear", "qwen3_moe") == ("q_proj", "k_proj", "v_proj", "o_proj")
+    with pytest.raises(ValueError, match="latent down-projections are not LoRA targets"):
+        parse_targets("q_a_proj", "deepseek_v3", 10)
+    assert parse_targets("all-linear", "deepseek_v3", 10) == ("q_b_proj", "kv_b_proj", "o_proj")

@@ -45,12 +45,12 @@ def lora_settings(args: argparse.Namespace, model: TransformerConfig, tp: int) -
                              f"--lora-rank R (or --lora-init DIR)")
         return None
     if given["targets"] is not None:
-        given["targets"] = lt.parse_targets(given["targets"], model.family)
+        given["targets"] = lt.parse_targets(given["targets"], model.family, model.q_lora_rank)
     fields = dict(rank=_DEFAULTS.rank, alpha=_DEFAULTS.alpha, dropout=_DEFAULTS.dropout,
-                  targets=lt.parse_targets(list(lt.table(model.family).default), model.family))
+                  targets=lt.default_targets(model.family, model.q_lora_rank))
     if args.lora_init:
         try:
-            saved = read_adapter_config(args.lora_init, model.family)
+            saved = read_adapter_config(args.lora_init, model.family, model.q_lora_rank)
         except AdapterError as e:
             raise ValueError(str(e)) from None
         for k, v in given.items():
@@ -60,6 +60,9 @@ def lora_settings(args: argparse.Namespace, model: TransformerConfig, tp: int) -
                                  f"adapter_config.json ({saved[k]}); drop {flag}")
         fields = saved
     fields.update({k: v for k, v in given.items() if v is not None})
+    if model.mtp_num_layers:
+        raise ValueError("LoRA with multi-token prediction layers (--mtp-num-layers) is not "
+                         "supported (PEFT's model has no such layers); drop one of them")
     if fields["rank"] < 1:
         raise ValueError(f"--lora-rank must be >= 1, got {fields['rank']}")
     if not 0.0 <= fields["dropout"] < 1.0:
