@@ -210,3 +210,23 @@ def test_a_bad_reward_or_prompts_file_is_one_line(root):
     i = argv.index("--grpo-prompts")
     with pytest.raises(ArgumentError, match="bad.jsonl line 1: need a `prompt` string or `messages`"):
         run_llama(argv[:i + 1] + [bad] + argv[i + 2:], 1)
+
+
+def test_example_learns_its_reward(tmp_path, monkeypatch):
+    """examples/grpo through tools/grpo.py (the trainer): the prompt-free reward (the share of
+    7s) rises within 8 steps; the arithmetic task itself takes minutes (docs/post_training.md)."""
+    import runpy
+    import sys
+    here = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                        "examples", "grpo")
+    monkeypatch.syspath_prepend(here)
+    monkeypatch.setattr(sys, "argv", ["run_example.py", "--reward", "sevens", "--warmup-steps", "0",
+                                      "--max-operand", "9", "--lr", "1e-2", "--steps", "8",
+                                      "--work", str(tmp_path)])
+    try:
+        runpy.run_path(os.path.join(here, "run_example.py"), run_name="__main__")
+    except SystemExit as e:
+        assert not e.code
+    rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    rewards = [r["reward_mean"] for r in rows if r.get("split") == "grpo"]
+    assert len(rewards) == 8 and sum(rewards[-2:]) / 2 > sum(rewards[:2]) / 2 + 0.3, rewards
