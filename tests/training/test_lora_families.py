@@ -4,8 +4,8 @@ dense_h_to_4h, dense_4h_to_h) and Mixtral's attention projections. PEFT's random
 (init_lora_weights=False) is loaded with --lora-init's reader, three AdamW steps on both sides
 give the same losses, megazoo's adapter written in PEFT's format and loaded by
 `PeftModel.from_pretrained` gives megazoo's logits, and the merge equals `merge_and_unload`.
-GPT-2 and BLOOM at tp2 give PEFT's logits; the expert MLPs of the MoE families are refused in one
-line.
+GPT-2 and BLOOM at tp2 give PEFT's logits; GPT-2 LoRA through the trainer at tp2 and dp2 with
+ZeRO-1 equals the single process; the expert MLPs of the MoE families are refused in one line.
 """
 from __future__ import annotations
 
@@ -177,3 +177,30 @@ def test_moe_expert_mlps_are_refused():
     with pytest.raises(ValueError, match="latent down-projections are not LoRA targets"):
         parse_targets("q_a_proj", "deepseek_v3", 10)
     assert parse_targets("all-linear", "deepseek_v3", 10) == ("q_b_proj", "kv_b_proj", "o_proj")
+
+
+GPT2_LORA = ["--train-iters", "3", "--lora-rank", "4", "--lora-alpha", "8",
+             "--lora-target-modules", "c_attn,c_proj,c_fc", "--hidden-dropout", "0",
+             "--attention-dropout", "0"]
+
+
+def _gpt2_lora_layouts(rank):
+    from tests.helpers import TINY, pretrain_gpt
+    return [pretrain_gpt(TINY + GPT2_LORA + extra, 2).losses
+            for extra in (["--tensor-model-parallel-size", "2"], ["--zero-stage", "1"])]
+
+
+def test_gpt2_lora_through_the_trainer_at_tp2_and_dp2_zero1():
+    """GPT-2 LoRA (fresh adapters, mock data) at tp2 and at dp2 with ZeRO-1 gives the single
+    process's losses (the adapters alone train)."""
+    from tests.distributed import run_distributed
+    from tests.helpers import TINY, pretrain_gpt
+    single = pretrain_gpt(TINY + GPT2_LORA, 1)
+    assert single.losses[-1] != single.losses[0]
+    gaps = []
+    for losses in run_distributed(_gpt2_lora_layouts, 2)[0]:
+        assert len(losses) == 3
+        gaps.append(max(abs(a - b) / abs(b) for a, b in zip(losses, single.losses)))
+        assert gaps[-1] <= 1e-5, (losses, single.losses)
+    print(f"GPT-2 LoRA through the trainer, relative loss differences tp2 {gaps[0]:.1e}, "
+          f"dp2 ZeRO-1 {gaps[1]:.1e}")
