@@ -21,13 +21,13 @@ def starting_tensors(lora: LoRASettings, config, seed: int, layers) -> dict[str,
     """Full starting A and B of the adapters of global `layers`, by megazoo name (a fresh B is
     a broadcast zero: no memory)."""
     if lora.init_dir:
-        return read_adapter(lora.init_dir, lora.targets, config.num_layers)
+        return read_adapter(lora.init_dir, lora.targets, config)
     out = {}
     for i in layers:
-        for target in lora.targets:
-            parts, _, fan_in = lt.module_parts(config, lt.TARGETS[target][0])
+        for target, module, _ in lt.sites(config.family, lora.targets):
+            parts, _, fan_in = lt.module_parts(config, module)
             rows = dict(parts)[target]
-            a_name, b_name = (lt.megazoo_name(i, target, w) for w in "AB")
+            a_name, b_name = (lt.megazoo_name(i, module, target, w) for w in "AB")
             a = torch.empty(lora.rank, fan_in)
             kaiming_uniform(a_name, seed)(a)
             out[a_name], out[b_name] = a, torch.zeros(()).expand(rows, lora.rank)
@@ -37,15 +37,15 @@ def starting_tensors(lora: LoRASettings, config, seed: int, layers) -> dict[str,
 def apply_lora(chunks, lora: LoRASettings, config, topo, rng, seed: int) -> None:
     """Attach the adapters to every chunk's targeted linears and freeze the rest."""
     start = starting_tensors(lora, config, seed, [int(i) for c in chunks for i in c.layers])
-    modules = sorted({lt.TARGETS[t][0] for t in lora.targets})
+    modules = sorted({module for _, module, _ in lt.sites(config.family, lora.targets)})
     for chunk in chunks:
         for index, layer in chunk.layers.items():
             for module in modules:
                 parts, groups, fan_in = lt.module_parts(config, module)
                 base = layer.get_submodule(module)
                 chosen = {n for n, _ in parts if n in lora.targets}
-                part_start = {n: (start[lt.megazoo_name(int(index), n, "A")],
-                                  start[lt.megazoo_name(int(index), n, "B")]) for n in chosen}
+                part_start = {n: (start[lt.megazoo_name(int(index), module, n, "A")],
+                                  start[lt.megazoo_name(int(index), module, n, "B")]) for n in chosen}
                 attach(base, LoRAAdapter(
                     row_parallel=module in lt.ROW_PARALLEL, in_features=fan_in, parts=parts,
                     groups=groups, targeted=chosen, rank=lora.rank, alpha=lora.alpha,

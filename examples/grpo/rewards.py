@@ -16,3 +16,13 @@ def sum_digit(prompts, completions, answer, **kw):
 def sevens(prompts, completions, **kw):
     """The share of the completion's words that are "7" (a reward on the completion alone)."""
     return [sum(w == "7" for w in c.split()) / max(len(c.split()), 1) for c in completions]
+
+
+def sum_first(prompts, completions, total, **kw):
+    """1 when the completion starts with the digits of a + b (the record's `total`, "1 2" for
+    12), else 0: the answer is checked, nothing else."""
+    out = []
+    for text, want in zip(completions, total):
+        digits = list(str(want))
+        out.append(1.0 if text.split()[:len(digits)] == digits else 0.0)
+    return out

@@ -50,12 +50,13 @@ def test_refused_in_one_line(extra, match):
         _config(*extra, world=4 if "--tensor-model-parallel-size" in extra else 1)
 
 
-def test_gpt_family_refuses_lora():
-    with pytest.raises(ArgumentError, match="LoRA is supported for the llama, mistral, qwen2, qwen3 families"):
-        to_run_config(build_parser().parse_args(["--num-layers", "2", "--hidden-size", "32",
-                                                 "--num-attention-heads", "4", "--seq-length", "16",
-                                                 "--max-position-embeddings", "16", "--vocab-size", "61",
-                                                 "--mock-data", "--lora-rank", "4"]), world_size=1)
+def test_gpt2_lora_takes_peft_gpt2_names():
+    gpt = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+           "--max-position-embeddings", "16", "--vocab-size", "61", "--mock-data", "--lora-rank", "4",
+           "--train-iters", "1"]
+    assert to_run_config(build_parser().parse_args(gpt), world_size=1).lora.targets == ("c_attn",)
+    with pytest.raises(ArgumentError, match=r"unknown \['q_proj'\]; choose from c_attn, c_proj, c_fc"):
+        to_run_config(build_parser().parse_args(gpt + ["--lora-target-modules", "q_proj"]), world_size=1)
 
 
 def test_planner_counts_the_adapters_only_as_trained():

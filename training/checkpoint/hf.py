@@ -311,7 +311,7 @@ def export_hf(load: str, save: str, *, tokenizer_dir: str | None = None,
     sd = module.to_hf_state_dict(weights, config)
     check_complete(module, config, hf, weights, sd, f"{folder} as {config.family}")
     if lora and merge_lora:
-        peft_format.merge_into(sd, meta["lora"], lora, config.num_layers)
+        peft_format.merge_into(sd, meta["lora"], lora, config)
     # the model's special tokens, recorded at import and carried by the tokenizer folder
     recorded = {**(meta.get("hf_config") or {}), **read_record(checkpoint_tokenizer_dir(folder))}
     for k in TOKEN_IDS:  # ids outside the vocabulary are dropped
@@ -330,7 +330,7 @@ def export_hf(load: str, save: str, *, tokenizer_dir: str | None = None,
     logger.info("exported %s to %s (%d tensors; tokenizer files: %s)", folder, save, len(sd),
                 copied or "none")
     if lora and adapter_dir:
-        peft_format.write_adapter(adapter_dir, meta["lora"], lora, config.num_layers,
+        peft_format.write_adapter(adapter_dir, meta["lora"], lora, config,
                                   getattr(torch, dtype), base=os.path.abspath(save))
         logger.info("LoRA adapters of %s written to %s (PEFT's format)", folder, adapter_dir)
     return save

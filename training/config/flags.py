@@ -23,6 +23,7 @@ from megazoo.parallel.zero.config import LossScaleConfig, OptimizerConfig
 from megazoo.training.config.errors import ArgumentError
 from megazoo.training.config.layout_flags import parallel_config_of
 from megazoo.training.config.dpo_flags import dpo_settings
+from megazoo.training.config.grpo_flags import grpo_settings
 from megazoo.training.config.lora_flags import lora_settings
 from megazoo.training.config.muon_flags import muon_settings, qk_clip_settings
 from megazoo.training.config.megatron_compat import (check_model, resolve_megatron_compat, samples_to_iterations,
@@ -197,9 +198,11 @@ def to_run_config(args: argparse.Namespace, vocab_size: int | None = None,
     compat = resolve_megatron_compat(args, eod_token)
     model, seq = model_config(args, vocab_size, loaded)
     parallel, dp, gbs = layout_config(args, model, seq, world)
+    optimizer = optimizer_config(args, model, parallel, compat)
     try:
         lora = lora_settings(args, model, parallel.tp)
         dpo = dpo_settings(args, parallel, lora)
+        grpo = grpo_settings(args, parallel, lora, optimizer.zero_stage)
     except ValueError as e:
         _fail(str(e))
     schedule = schedule_config(args, parallel, dp, gbs)
@@ -211,8 +214,8 @@ def to_run_config(args: argparse.Namespace, vocab_size: int | None = None,
         _fail(f"--compile-backend {args.compile_backend} chooses how --compile compiles; add --compile")
     return RunConfig(
         compile_backend=(args.compile_backend or "inductor") if args.compile else None,
-        model=model, parallel=parallel, optimizer=optimizer_config(args, model, parallel, compat),
-        seed=args.seed, health=health_config(args), schedule=schedule, lora=lora, dpo=dpo,
+        model=model, parallel=parallel, optimizer=optimizer,
+        seed=args.seed, health=health_config(args), schedule=schedule, lora=lora, dpo=dpo, grpo=grpo,
         data=data_config(args, seq, compat, eod_token),
         checkpoint=from_flags(CheckpointConfig, args, load_optim=not args.no_load_optim,
                               load_rng=not args.no_load_rng),
@@ -363,7 +366,7 @@ def health_config(args) -> HealthConfig:
 
 
 def data_config(args, seq: int, compat, eod_token: int | None) -> DataConfig:
-    if not args.data_path and not args.mock_data:
+    if not args.data_path and not args.mock_data and not args.grpo_prompts:
         _fail("give --data-path PREFIX (from tools/preprocess_data.py) or --mock-data")
     if args.sft and (args.mock_data or len(args.data_path) != 1):
         _fail("--sft needs one --data-path PREFIX (the --output-prefix of tools/preprocess_sft.py)")

@@ -27,7 +27,8 @@ def add_lora_flags(p: argparse.ArgumentParser) -> None:
                    help=f"dropout on the adapters' input (default {_DEFAULTS.dropout:g})")
     g.add_argument("--lora-target-modules",
                    help="comma-separated PEFT names: " + ",".join(lt.TARGETS) + f" or {lt.ALL_LINEAR}"
-                        f" (default {','.join(lt.DEFAULT)}, PEFT's for Llama)")
+                        f" (default {','.join(lt.DEFAULT)}, PEFT's for Llama); GPT-2: c_attn,c_proj,"
+                        f"c_fc; BLOOM: query_key_value,dense,dense_h_to_4h,dense_4h_to_h")
     g.add_argument("--lora-init", metavar="DIR",
                    help="start the adapters from a PEFT adapter folder (adapter_config.json, "
                         "adapter_model.safetensors)")
@@ -44,12 +45,12 @@ def lora_settings(args: argparse.Namespace, model: TransformerConfig, tp: int) -
                              f"--lora-rank R (or --lora-init DIR)")
         return None
     if given["targets"] is not None:
-        given["targets"] = lt.parse_targets(given["targets"], model.family)
+        given["targets"] = lt.parse_targets(given["targets"], model.family, model.q_lora_rank)
     fields = dict(rank=_DEFAULTS.rank, alpha=_DEFAULTS.alpha, dropout=_DEFAULTS.dropout,
-                  targets=lt.parse_targets(list(lt.DEFAULT), model.family))
+                  targets=lt.default_targets(model.family, model.q_lora_rank))
     if args.lora_init:
         try:
-            saved = read_adapter_config(args.lora_init)
+            saved = read_adapter_config(args.lora_init, model.family, model.q_lora_rank)
         except AdapterError as e:
             raise ValueError(str(e)) from None
         for k, v in given.items():
@@ -59,11 +60,14 @@ def lora_settings(args: argparse.Namespace, model: TransformerConfig, tp: int) -
                                  f"adapter_config.json ({saved[k]}); drop {flag}")
         fields = saved
     fields.update({k: v for k, v in given.items() if v is not None})
+    if model.mtp_num_layers:
+        raise ValueError("LoRA with multi-token prediction layers (--mtp-num-layers) is not "
+                         "supported (PEFT's model has no such layers); drop one of them")
     if fields["rank"] < 1:
         raise ValueError(f"--lora-rank must be >= 1, got {fields['rank']}")
     if not 0.0 <= fields["dropout"] < 1.0:
         raise ValueError(f"--lora-dropout must be in [0, 1), got {fields['dropout']}")
-    qkv = {"q_proj", "k_proj", "v_proj"} & set(fields["targets"])
+    qkv = {"q_proj", "k_proj", "v_proj", "query_key_value", "c_attn"} & set(fields["targets"])
     if qkv and tp > model.num_query_groups:
         raise ValueError(f"LoRA on {','.join(sorted(qkv))} with --tensor-model-parallel-size {tp} "
                          f"> {model.num_query_groups} key/value groups is not supported (the "

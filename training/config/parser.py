@@ -13,6 +13,7 @@ from megazoo.training.config.flag_help import HelpFormatter, apply_help
 from megazoo.training.config.layout_flags import BY_FIELD, add_layout_flags
 from megazoo.training.config.megatron_compat import add_megatron_compat_flags, translate
 from megazoo.training.config.dpo_flags import add_dpo_flags
+from megazoo.training.config.grpo_flags import add_grpo_flags
 from megazoo.training.config.lora_flags import add_lora_flags
 from megazoo.training.config.muon_flags import add_muon_flags
 from megazoo.training.config.run_config import COMPILE_BACKENDS, HealthConfig
@@ -205,6 +206,7 @@ def build_parser(default_model: str | None = None) -> argparse.ArgumentParser:
     add_muon_flags(p)
     add_lora_flags(p)
     add_dpo_flags(p)
+    add_grpo_flags(p)
     add_megatron_compat_flags(p)
     apply_help(p)
     return p

@@ -97,6 +97,33 @@ class DPOSettings:
     reference: str | None = None  # the frozen reference's checkpoint (None: LoRA's base)
 
 
+@dataclass(frozen=True)
+class GRPOSettings:
+    """--grpo-prompts: the online GRPO loop (training/run/grpo_online.py); TRL's names."""
+
+    num_generations: int = 4
+    max_completion_length: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    beta: float = 0.0
+    epsilon_low: float = 0.2
+    epsilon_high: float = 0.2
+    loss_type: str = "dapo"  # grpo | bnpo | dr_grpo | dapo
+    scale_rewards: str = "group"  # group | batch | none
+    prompts: str | None = None  # the jsonl of prompts (--grpo-prompts)
+    reward: str | None = None  # module:function (--reward)
+    chat: bool = False  # `prompt` strings through the chat template (--grpo-chat)
+    reference: str | None = None  # the KL reference's checkpoint (None: LoRA's base, or no KL)
+
+    def __post_init__(self):
+        if self.num_generations < 2:
+            raise ValueError("--num-generations must be >= 2 (advantages compare a group)")
+        if self.max_completion_length < 1:
+            raise ValueError("--max-completion-length must be >= 1")
+        if self.temperature <= 0 or not 0 < self.top_p <= 1:
+            raise ValueError("need --temperature > 0 and 0 < --top-p <= 1")
+
+
 POLICIES = ("warn", "skip", "rollback")
 # --compile-backend: inductor compiles (training/run/compile.py); the others only trace
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
@@ -136,6 +163,7 @@ class RunConfig:
     compile_backend: str | None = None  # --compile (--compile-backend): layers compiled; None: eager
     lora: LoRASettings | None = None  # --lora-rank > 0
     dpo: DPOSettings | None = None  # --dpo
+    grpo: GRPOSettings | None = None  # --grpo-prompts
 
     @property
     def run_dir(self) -> str | None:

@@ -57,8 +57,7 @@ def lora_parameters(cfg: TransformerConfig, lora, tp: int, layers) -> int:
     LoRASettings): per target, A [r, in] and B [out, r], B split over TP with a column-parallel
     base, A with a row-parallel one (parallel/lora.py)."""
     per_layer = 0
-    for target in lora.targets:
-        module = lt.TARGETS[target][0]
+    for target, module, _ in lt.sites(cfg.family, lora.targets):
         parts, _, fan_in = lt.module_parts(cfg, module)
         rows = dict(parts)[target]
         if module in lt.ROW_PARALLEL:

@@ -81,9 +81,9 @@ class Reference:
         return self.frozen[self.chunks.index(chunk)](tokens, labels=labels)
 
 
-def build_reference(run, topo, chunks, model_provider) -> Reference:
+def build_reference(run, topo, chunks, model_provider, path: str | None = None) -> Reference:
     """LoRA: the training chunks with their adapters off; else a frozen copy of the reference
-    checkpoint (any layout), built like the training chunks."""
+    checkpoint `path` (default --dpo's; any layout), built like the training chunks."""
     if run.lora is not None:
         return Reference(chunks)
     from megazoo.training.checkpoint import format as ckpt
@@ -92,7 +92,7 @@ def build_reference(run, topo, chunks, model_provider) -> Reference:
     frozen = [model_provider(run.model, topo, rng=None, **spec.kwargs()) for spec in specs]
     for c in frozen:
         c.requires_grad_(False)
-    load_weights(ckpt.require_verified(ckpt.resolve(run.dpo.reference)), frozen, topo)
+    load_weights(ckpt.require_verified(ckpt.resolve(path or run.dpo.reference)), frozen, topo)
     return Reference(chunks, frozen)
 
 

@@ -14,7 +14,8 @@ KL penalty to a reference, normalised per token by one of TRL's loss types.
 
 The per-token log-probabilities are minus the per-token losses of megazoo's model
 (`completion_logps`), so the objective runs under any tensor-parallel layout. The online loop
-(sampling groups with the training weights, a reward function) is not part of megazoo yet.
+(sampling groups with the training weights, a reward function) is training/run/grpo_online.py,
+run by the trainer with --grpo-prompts (training/run/grpo_train.py).
 """
 from __future__ import annotations
 

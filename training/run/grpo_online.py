@@ -13,34 +13,13 @@ from __future__ import annotations
 
 import importlib
 import time
-from dataclasses import dataclass
 
 import torch
 
 from megazoo.models.generation import SamplingConfig, generate
 from megazoo.parallel import collectives as C
+from megazoo.training.config.run_config import GRPOSettings
 from megazoo.training.run.grpo import completion_logps, group_advantages, grpo_loss
-
-
-@dataclass(frozen=True)
-class GRPOSettings:
-    num_generations: int = 4
-    max_completion_length: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    beta: float = 0.0
-    epsilon_low: float = 0.2
-    epsilon_high: float = 0.2
-    loss_type: str = "dapo"
-    scale_rewards: str = "group"
-
-    def __post_init__(self):
-        if self.num_generations < 2:
-            raise ValueError("--grpo-num-generations must be >= 2 (advantages compare a group)")
-        if self.max_completion_length < 1:
-            raise ValueError("--grpo-max-completion-length must be >= 1")
-        if self.temperature <= 0 or not 0 < self.top_p <= 1:
-            raise ValueError("need --grpo-temperature > 0 and 0 < --grpo-top-p <= 1")
 
 
 def load_reward(spec: str):
@@ -79,13 +58,16 @@ def sample_group(chunk, topo, prompt: list[int], settings: GRPOSettings, eos: tu
 
 
 def grpo_step(chunk, topo, records: list[dict], prompts: list[list[int]], reward_fn, decode,
-              settings: GRPOSettings, eos: tuple[int, ...], reference=None, generators=None) -> dict:
+              settings: GRPOSettings, eos: tuple[int, ...], reference=None, generators=None,
+              backward=None) -> dict:
     """Sample, score and backpropagate this data-parallel rank's share of one batch (every
     rank the same number of prompts; gradients accumulate in `chunk`, summed over data
     parallelism, so the caller steps its optimizer). records[i]: the prompt's jsonl record (its
     other fields go to the reward function); decode: token ids -> text; generators[i]: the
     prompt's sampling generator (one per prompt: the samples do not depend on the layout).
-    Returns the step's metrics over the whole batch."""
+    `backward(loss)`: how each group's loss enters the gradients (default: `loss.backward()`,
+    then the gradients summed over data parallelism here; the trainer passes its optimizer's,
+    which reduces them itself). Returns the step's metrics over the whole batch."""
     t0 = time.perf_counter()
     generators = generators or [None] * len(prompts)
     groups = [sample_group(chunk, topo, p, settings, eos, g) for p, g in zip(prompts, generators)]
@@ -125,12 +107,15 @@ def grpo_step(chunk, topo, records: list[dict], prompts: list[list[int]], reward
                                     epsilon_low=settings.epsilon_low, epsilon_high=settings.epsilon_high,
                                     loss_type=settings.loss_type, max_completion_length=T)
             loss = loss / n_groups
-        loss.backward()
+        if backward is None:
+            loss.backward()
+        else:
+            backward(loss)
         share = float(mask.sum()) / max(tokens_total, 1.0)
         loss_sum += loss.item()
         kl_sum += stats["kl"] * share
         clip_sum += stats["clip_ratio"] * share
-    for p in chunk.parameters():  # the batch's gradient: the sum of the ranks' weighted parts
+    for p in chunk.parameters() if backward is None else ():  # the sum of the ranks' parts
         if p.grad is not None:
             C.all_reduce(p.grad, topo.dp_group)
     sums = torch.tensor([loss_sum, kl_sum, clip_sum], dtype=torch.float64, device=topo.device)

@@ -31,6 +31,7 @@ from megazoo.training.resilience.health import HealthMonitor, ProgressGuard, aft
 from megazoo.training.monitor.journal import LogWriteError, RunJournal
 from megazoo.training.monitor.console import Progress, RunLogger
 from megazoo.training.run.dpo import PreferenceStats, build_reference, make_dpo_forward_fn
+from megazoo.training.run.grpo_train import GRPOTraining
 from megazoo.training.run.lr_schedule import global_batch_size, learning_rate
 from megazoo.training.monitor.metrics import device_peak_flops, moe_metrics, mtp_metrics
 from megazoo.training.planning.planner import Layout, PlanError, memory_per_gpu
@@ -53,6 +54,7 @@ class TrainResult:
     stop_signal: int = 0  # SIGTERM or SIGINT that stopped the run early (0: none)
     task_scores: list[tuple[int, dict]] = dataclasses.field(default_factory=list)  # --eval-tasks
     dpo: list[dict] = dataclasses.field(default_factory=list)  # --dpo: each step's rewards etc.
+    grpo: list[dict] = dataclasses.field(default_factory=list)  # --grpo-prompts: each step's metrics
     valid_dpo: list[tuple[int, dict]] = dataclasses.field(default_factory=list)  # and held out
 
 
@@ -115,19 +117,25 @@ class Trainer:
             if run.checkpoint.load:
                 with self.watchdog.collective("checkpoint load (read, verify, agree)", patient=True):
                     self.state = load(run, topo, self.chunks, self.opt, self.rng)
-            with self.watchdog.collective("data index build (rank 0 builds, the others wait)",
-                                          patient=True):
-                train_ds, self.valid_ds, _ = build_datasets(
-                    run.data, seed=run.seed, vocab_size=mcfg.vocab_size,
-                    num_samples=(self.sched.train_iters * gbs, evals * run.logging.eval_iters * gbs, 0))
+            self.grpo, self.valid_ds = None, None
+            if run.grpo is not None:  # samples its own batches: no dataset
+                self.grpo = GRPOTraining(run, topo, self.chunks, model_provider)
+            else:
+                with self.watchdog.collective("data index build (rank 0 builds, the others wait)",
+                                              patient=True):
+                    train_ds, self.valid_ds, _ = build_datasets(
+                        run.data, seed=run.seed, vocab_size=mcfg.vocab_size,
+                        num_samples=(self.sched.train_iters * gbs, evals * run.logging.eval_iters * gbs, 0))
         except BaseException:
             self.watchdog.close()  # no beats from a run that never started
             raise
-        self.data = TrainData(train_ds, journal.skipped_samples(), micro_batch_size=self.sched.micro_batch_size,
-                              dp_rank=topo.dp_rank, dp=topo.dp, device=topo.device,
-                              num_workers=run.data.num_workers, eod_mask_token=run.data.eod_mask_token,
-                              cp=topo.cp, cp_rank=topo.cp_rank, documents=document_flags(run.data))
-        self.data.restart(self.state.consumed_samples)
+        if self.grpo is None:
+            self.data = TrainData(train_ds, journal.skipped_samples(),
+                                  micro_batch_size=self.sched.micro_batch_size, dp_rank=topo.dp_rank,
+                                  dp=topo.dp, device=topo.device, num_workers=run.data.num_workers,
+                                  eod_mask_token=run.data.eod_mask_token, cp=topo.cp, cp_rank=topo.cp_rank,
+                                  documents=document_flags(run.data))
+            self.data.restart(self.state.consumed_samples)
         self.dpo_forward = self.dpo_eval_forward = None
         self.dpo_stats, self.dpo_eval_stats = PreferenceStats(), PreferenceStats()
         if run.dpo is not None:
@@ -171,15 +179,22 @@ class Trainer:
         self.watchdog.at_iteration(it)
         step_begin, timings = time.perf_counter(), {}
         batch = global_batch_size(self.sched, state.consumed_samples)
-        microbatch_list = self.data.next_global_batch(batch)
+        microbatch_list = self.data.next_global_batch(batch) if self.grpo is None else None
         opt.lr = learning_rate(self.sched, state.iteration)
         maybe_hang(health, topo.rank, it)
         poison = health.inject_nan_at == it and not self.nan_injected
         self.nan_injected |= poison
         start = time.perf_counter()
-        loss = forward_backward(self.chunks, microbatch_list, topo, opt, schedule=self.sched.pipeline_schedule,
-                                shape=self.shape, watchdog=self.watchdog, poison=poison, timings=timings,
-                                per_token_loss=run.data.per_token_loss, forward_fn=self.dpo_forward)
+        if self.grpo is not None:
+            with self.watchdog.collective("GRPO sampling and forward/backward (tensor- and "
+                                          "data-parallel collectives)"):
+                loss = self.grpo.forward_backward(it, opt, poison)
+            timings["ready"] = time.perf_counter()
+        else:
+            loss = forward_backward(self.chunks, microbatch_list, topo, opt,
+                                    schedule=self.sched.pipeline_schedule, shape=self.shape,
+                                    watchdog=self.watchdog, poison=poison, timings=timings,
+                                    per_token_loss=run.data.per_token_loss, forward_fn=self.dpo_forward)
         verdict, step = self.monitor.check(loss), None
         if verdict.healthy or health.policy == "warn":
             with self.watchdog.collective("optimizer step (dp reduce, grad norm, all-gather)"):
@@ -196,7 +211,7 @@ class Trainer:
         self.guard.count(step is not None and not step.skipped, it,
                          verdict.detail or (step.reason if step else ""))
         if not verdict.healthy:
-            samples = self.data.physical_ranges(state.consumed_samples, batch)
+            samples = self.data.physical_ranges(state.consumed_samples, batch) if self.data else []
             report_unhealthy(self.journal, topo, it, verdict, samples, health.policy)
             if health.policy == "rollback":
                 if self.writer is not None:  # roll back to the newest checkpoint, committed
@@ -215,6 +230,8 @@ class Trainer:
         if run.dpo is not None:
             with self.watchdog.collective("DPO metrics all-reduce"):
                 self.result.dpo.append(self.dpo_stats.reduce(topo))
+        if self.grpo is not None:
+            self.result.grpo.append(self.grpo.history[-1])
         self.window.add(loss, batch * run.data.seq_length, elapsed, timings["ready"] - step_begin,
                         time.perf_counter() - step_begin)
         self.last_step, self.batch = step, batch
@@ -242,6 +259,10 @@ class Trainer:
             if self.run.dpo is not None and self.window.n:  # the window's steps' mean
                 recent = self.result.dpo[-self.window.n:]
                 self.log.log({k: sum(d[k] for d in recent) / len(recent) for k in recent[0]}, it, "dpo")
+            if self.grpo is not None and self.window.n:  # the window's steps' mean (max: max)
+                recent = self.result.grpo[-self.window.n:]
+                self.log.log({k: (max(d[k] for d in recent) if k.endswith("_max") else
+                                  sum(d[k] for d in recent) / len(recent)) for k in recent[0]}, it, "grpo")
             self.window.check_stragglers(self.run.health.straggler_threshold, self.journal, it)
         self.window.reset()
 

@@ -1,0 +1,46 @@
+"""GRPO's prompts: a jsonl of `prompt` (a string, encoded as is or, with chat, through the
+tokenizer's chat template) or `messages` (a chat, always templated, ready for the assistant's
+turn); each record's other fields reach the reward function by name."""
+from __future__ import annotations
+
+import json
+
+from megazoo.data.tokenizers import TokenizerError
+
+
+def render(tok, record: dict, chat: bool, where: str) -> list[int]:
+    if "messages" in record or chat:
+        template = getattr(tok, "chat_template", None)
+        if not template:
+            raise TokenizerError(f"{where}: the tokenizer has no chat template; give plain "
+                                 f"`prompt` strings without the chat flag")
+        from transformers.utils.chat_template_utils import render_jinja_template
+        chat_ = record.get("messages") or [{"role": "user", "content": record["prompt"]}]
+        rendered, _ = render_jinja_template([chat_], chat_template=template, add_generation_prompt=True,
+                                            **tok.special_tokens())
+        return tok.encode(rendered[0])
+    return tok.encode(record["prompt"])
+
+
+def read_prompts(path: str, tok, chat: bool, flag: str = "--grpo-prompts"
+                 ) -> tuple[list[dict], list[list[int]]]:
+    """(records, their token ids); ValueError naming `flag`, the file and the line otherwise."""
+    records, encoded = [], []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{flag} {path} line {n}: not JSON ({e})") from e
+            if not isinstance(rec, dict) or not ("prompt" in rec or "messages" in rec):
+                raise ValueError(f"{flag} {path} line {n}: need a `prompt` string or `messages`")
+            ids = render(tok, rec, chat, f"{flag} {path} line {n}")
+            if not ids:
+                raise ValueError(f"{flag} {path} line {n}: the prompt encodes to no tokens")
+            records.append(rec)
+            encoded.append(ids)
+    if not records:
+        raise ValueError(f"{flag} {path}: no prompts")
+    return records, encoded
