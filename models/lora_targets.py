@@ -1,4 +1,5 @@
-"""Which megazoo linear each PEFT LoRA target names, family by family, and PEFT's tensor names.
+"""Which megazoo linear each PEFT LoRA target names, by layer kind (a family folder's rules.py
+names its kind as LORA), and PEFT's tensor names.
 
 A family's table maps PEFT's target name (the HF module's last name) to its sites: (megazoo
 module in a layer, HF module in a layer). One name may have several sites (GPT-2's `c_proj` is
@@ -27,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .config import TransformerConfig
+from .family_folders import load
 
 ALL_LINEAR = "all-linear"  # PEFT's shorthand: every linear but the output head
 ROW_PARALLEL = {"attention.dense", "mlp.fc2"}
@@ -78,10 +80,17 @@ DEEPSEEK = FamilyTargets({"q_proj": (("attention.q_proj", "self_attn.q_proj"),),
                                   **{n: "the MLPs (dense and expert) are not LoRA targets of "
                                         "DeepSeek-V3 in megazoo; target q_b_proj, kv_b_proj, o_proj"
                                      for n in _LLAMA_MLP}})
-TABLES = {"llama": LLAMA, "mistral": LLAMA, "qwen2": LLAMA, "qwen3": LLAMA, "bloom": BLOOM,
-          "gpt2": GPT2, "mixtral": MOE, "qwen2_moe": MOE, "qwen3_moe": MOE,
-          "deepseek_v3": DEEPSEEK}
-FAMILIES = tuple(TABLES)
+KINDS = {"llama_like": LLAMA, "fused_qkv": BLOOM, "conv1d": GPT2, "moe_attention": MOE, "mla": DEEPSEEK}
+
+
+def _tables() -> dict[str, FamilyTargets]:
+    """family -> its table: the kind its folder's rules.py names as LORA (no LORA: no LoRA)."""
+    return {name: KINDS[rules.LORA] for name, rules in load("rules").items()
+            if getattr(rules, "LORA", None) is not None}
+
+
+TABLES = _tables()
+FAMILIES = tuple(sorted(TABLES))
 TARGETS = LLAMA.targets  # the Llama-shaped families' (flag help)
 DEFAULT = LLAMA.default
 
@@ -121,7 +130,7 @@ def parse_targets(value: str | list[str], family: str | None,
     """PEFT target names (comma-separated or a list, or 'all-linear'), checked, in table order.
     DeepSeek-V3 has q_b_proj with a query latent (`q_lora_rank`), else q_proj."""
     t = table(family)
-    absent = ("q_proj" if q_lora_rank else "q_b_proj") if family == "deepseek_v3" else None
+    absent = ("q_proj" if q_lora_rank else "q_b_proj") if t is DEEPSEEK else None
     names = [n.strip() for n in (value.split(",") if isinstance(value, str) else value) if n.strip()]
     if names == [ALL_LINEAR]:
         return tuple(n for n in t.targets if n != absent)
@@ -142,7 +151,7 @@ def default_targets(family: str | None, q_lora_rank: int | None = None) -> tuple
     """PEFT's default target_modules for the model type (where PEFT has none: the Llama-shaped
     attention's q and v, DeepSeek-V3's query and key/value up-projections)."""
     names = table(family).default
-    if family == "deepseek_v3" and not q_lora_rank:
+    if table(family) is DEEPSEEK and not q_lora_rank:
         names = ("q_proj", "kv_b_proj")
     return parse_targets(list(names), family, q_lora_rank)
 
@@ -207,12 +216,12 @@ def _qkv_rows(t: torch.Tensor, heads: int, to_megazoo: bool) -> torch.Tensor:
 
 def to_megazoo_rows(config: TransformerConfig, module: str, which: str, t: torch.Tensor) -> torch.Tensor:
     """An HF-layout adapter tensor in megazoo's layout (GPT-2's c_attn B: per head)."""
-    if config.family == "gpt2" and module == "attention.qkv" and which == "B":
+    if table(config.family) is GPT2 and module == "attention.qkv" and which == "B":
         return _qkv_rows(t, config.num_attention_heads, True)
     return t
 
 
 def to_hf_rows(config: TransformerConfig, module: str, which: str, t: torch.Tensor) -> torch.Tensor:
-    if config.family == "gpt2" and module == "attention.qkv" and which == "B":
+    if table(config.family) is GPT2 and module == "attention.qkv" and which == "B":
         return _qkv_rows(t, config.num_attention_heads, False)
     return t

@@ -6,3 +6,4 @@ SHAPE = dict(MHA, **ROPE, **FULL, add_qkv_bias=False, qk_layernorm=False)
 INFER_BEFORE = ("mistral",)  # a Llama config fits Mistral's rules too (no window)
 MOE = False
 MEGATRON = True  # whether the Megatron-core tensor layout (training/checkpoint/foreign) covers it
+LORA = "llama_like"  # which PEFT target table (models/lora_targets.py) fits its layers

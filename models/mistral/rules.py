@@ -6,3 +6,4 @@ SHAPE = dict(MHA, **ROPE, add_qkv_bias=False, qk_layernorm=False, bias=False,
              full_attention_layers=())
 MOE = False
 MEGATRON = False  # whether the Megatron-core tensor layout (training/checkpoint/foreign) covers it
+LORA = "llama_like"  # which PEFT target table (models/lora_targets.py) fits its layers

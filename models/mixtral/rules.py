@@ -8,3 +8,4 @@ SHAPE = dict(SOFTMAX_ROUTER, **ROPE, add_qkv_bias=False, qk_layernorm=False,
 INFER_BEFORE = ("qwen2_moe",)  # a Mixtral config without window or bias fits Qwen2-MoE's too
 MOE = True
 MEGATRON = True  # whether the Megatron-core tensor layout (training/checkpoint/foreign) covers it
+LORA = "moe_attention"  # which PEFT target table (models/lora_targets.py) fits its layers

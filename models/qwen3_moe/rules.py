@@ -6,3 +6,4 @@ SHAPE = dict(SOFTMAX_ROUTER, **ROPE, **FULL, add_qkv_bias=False, qk_layernorm=Tr
              bias=False)
 MOE = True
 MEGATRON = False  # whether the Megatron-core tensor layout (training/checkpoint/foreign) covers it
+LORA = "moe_attention"  # which PEFT target table (models/lora_targets.py) fits its layers

@@ -25,7 +25,7 @@ PARTS = ("__init__", "rules", "presets", "family")  # family.py names the model 
 ADAPTER = ("config_from_hf", "hf_config", "from_hf_state_dict", "to_hf_state_dict")
 # code outside the folders that may name several families: the console commands' script ->
 # default family map (each train_*.py names its one default too) and LoRA's per-family names
-NAMED_ELSEWHERE = {"training/run/cli.py", "models/lora_targets.py"}
+NAMED_ELSEWHERE = {"training/run/cli.py"}
 
 
 def test_the_registry_rules_and_presets_are_the_folders():
