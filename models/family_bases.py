@@ -26,6 +26,16 @@ SOFTMAX_ROUTER = dict(MHA, moe_router_score_function="softmax", moe_router_bias=
                       moe_router_enable_expert_bias=False, moe_router_num_groups=None,
                       moe_router_topk_scaling_factor=None, moe_first_dense_layers=0)
 
+# Qwen3.5's layers (Gated DeltaNet and gated attention), shared by Qwen3.5 text and Qwen3-Next
+QWEN35_LAYERS = dict(position_embedding="rope", normalization="rmsnorm_offset", activation="swiglu",
+                     embedding_layernorm=False, post_norms=False, embedding_scale=False,
+                     qk_layernorm=True, bias=False, add_qkv_bias=False, attention_sinks=False,
+                     kv_lora_rank=None, mtp_num_layers=0, sliding_window=None,
+                     rope_local_theta=None, query_pre_attn_scalar=None,
+                     attn_logit_softcapping=None, final_logit_softcapping=None,
+                     scale_attn_weights=True, scale_attn_by_inverse_layer_idx=False,
+                     rope_scaling=None, mamba_num_heads=None)
+
 # ---- presets (models/<family>/presets.py PRESETS) --------------------------------------------
 
 # the fields every Llama-shaped preset sets (each names its family on top)

@@ -90,6 +90,24 @@ def stacked_experts(sd: dict[str, torch.Tensor], mlp: str, num_experts: int):
             torch.stack([sd[x + "down_proj.weight"] for x in expert]))
 
 
+def shared_expert_from_hf(sd: dict[str, torch.Tensor], m: str, h: str) -> dict[str, torch.Tensor]:
+    """A layer's gated shared expert, HF layer prefix `h` -> megazoo layer prefix `m`."""
+    s = h + "shared_expert."
+    return {m + "shared_expert.fc1.weight": torch.cat([sd[s + "gate_proj.weight"],
+                                                       sd[s + "up_proj.weight"]]),
+            m + "shared_expert.fc2.weight": sd[s + "down_proj.weight"],
+            m + "shared_expert_gate": sd[h + "shared_expert_gate.weight"]}
+
+
+def shared_expert_to_hf(full: dict[str, torch.Tensor], m: str, h: str) -> dict[str, torch.Tensor]:
+    """A layer's gated shared expert, megazoo layer prefix `m` -> HF layer prefix `h`."""
+    s = h + "shared_expert."
+    gate, up = full[m + "shared_expert.fc1.weight"].chunk(2)
+    return {s + "gate_proj.weight": gate, s + "up_proj.weight": up,
+            s + "down_proj.weight": full[m + "shared_expert.fc2.weight"],
+            h + "shared_expert_gate.weight": full[m + "shared_expert_gate"]}
+
+
 def from_hf_state_dict(sd: dict[str, torch.Tensor], config: TransformerConfig) -> dict[str, torch.Tensor]:
     """HF Qwen2MoeForCausalLM / Qwen3MoeForCausalLM tensors (file or in-memory form) -> full
     megazoo tensors."""
@@ -99,11 +117,7 @@ def from_hf_state_dict(sd: dict[str, torch.Tensor], config: TransformerConfig) -
         out[m + "router"] = sd[h + "gate.weight"]
         out[m + "experts.weight1"], out[m + "experts.weight2"] = stacked_experts(sd, h, config.num_experts)
         if config.moe_shared_expert_intermediate_size:
-            s = h + "shared_expert."
-            out[m + "shared_expert.fc1.weight"] = torch.cat([sd[s + "gate_proj.weight"],
-                                                             sd[s + "up_proj.weight"]])
-            out[m + "shared_expert.fc2.weight"] = sd[s + "down_proj.weight"]
-            out[m + "shared_expert_gate"] = sd[h + "shared_expert_gate.weight"]
+            out.update(shared_expert_from_hf(sd, m, h))
     return {k: v.contiguous() for k, v in out.items()}
 
 
@@ -119,9 +133,5 @@ def to_hf_state_dict(full: dict[str, torch.Tensor], config: TransformerConfig) -
                 full[m + "experts.weight1"][e].chunk(2)
             out[x + "down_proj.weight"] = full[m + "experts.weight2"][e]
         if config.moe_shared_expert_intermediate_size:
-            s = h + "shared_expert."
-            out[s + "gate_proj.weight"], out[s + "up_proj.weight"] = \
-                full[m + "shared_expert.fc1.weight"].chunk(2)
-            out[s + "down_proj.weight"] = full[m + "shared_expert.fc2.weight"]
-            out[h + "shared_expert_gate.weight"] = full[m + "shared_expert_gate"]
+            out.update(shared_expert_to_hf(full, m, h))
     return {k: v.contiguous() for k, v in out.items()}

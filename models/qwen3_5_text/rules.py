@@ -1,12 +1,6 @@
 """The fields a Qwen3.5 text config fixes (models/family_rules.py reads SHAPE and MOE); its
 layers are "gated_deltanet" and "gated_attention" token mixers (checked by Qwen35Model)."""
+from ..family_bases import QWEN35_LAYERS
 
-SHAPE = dict(position_embedding="rope", normalization="rmsnorm_offset", activation="swiglu",
-             embedding_layernorm=False, post_norms=False, embedding_scale=False, qk_layernorm=True,
-             bias=False, add_qkv_bias=False, attention_sinks=False, kv_lora_rank=None,
-             mtp_num_layers=0, sliding_window=None, rope_local_theta=None,
-             query_pre_attn_scalar=None, attn_logit_softcapping=None,
-             final_logit_softcapping=None, scale_attn_weights=True,
-             scale_attn_by_inverse_layer_idx=False, rope_scaling=None, layer_mlps=None,
-             mamba_num_heads=None)
+SHAPE = dict(QWEN35_LAYERS, layer_mlps=None)
 MOE = False

@@ -13,7 +13,7 @@ import torch
 
 from ..config import TransformerConfig
 from ..hf_fields import refuse
-from ..qwen_moe_like import stacked_experts
+from ..qwen_moe_like import shared_expert_from_hf, shared_expert_to_hf, stacked_experts
 from ..qwen35_like import layers_from_hf, layers_to_hf, standalone_fields, transformer_fields
 from . import hf
 from .model import Qwen3NextConfig
@@ -73,11 +73,7 @@ def from_hf_state_dict(sd: dict[str, torch.Tensor], config: TransformerConfig) -
         # transformers' in-memory 3-D form, or the files' per-expert tensors
         out[m + "experts.weight1"], out[m + "experts.weight2"] = stacked_experts(
             sd, h, config.num_experts)
-        s = h + "shared_expert."
-        out[m + "shared_expert.fc1.weight"] = torch.cat([sd[s + "gate_proj.weight"],
-                                                         sd[s + "up_proj.weight"]])
-        out[m + "shared_expert.fc2.weight"] = sd[s + "down_proj.weight"]
-        out[m + "shared_expert_gate"] = sd[h + "shared_expert_gate.weight"]
+        out.update(shared_expert_from_hf(sd, m, h))
     return {k: v.contiguous() for k, v in out.items()}
 
 
@@ -88,11 +84,7 @@ def to_hf_state_dict(full: dict[str, torch.Tensor], config: TransformerConfig) -
         out[h + "gate.weight"] = full[m + "router"]
         out[h + "experts.gate_up_proj"] = full[m + "experts.weight1"]
         out[h + "experts.down_proj"] = full[m + "experts.weight2"]
-        s = h + "shared_expert."
-        out[s + "gate_proj.weight"], out[s + "up_proj.weight"] = \
-            full[m + "shared_expert.fc1.weight"].chunk(2)
-        out[s + "down_proj.weight"] = full[m + "shared_expert.fc2.weight"]
-        out[h + "shared_expert_gate.weight"] = full[m + "shared_expert_gate"]
+        out.update(shared_expert_to_hf(full, m, h))
     standalone = _standalone(config)
     # the linear layers' projections fused back as transformers stores them (in_proj_qkvz, _ba)
     out = hf.to_hf_state_dict(out, standalone)
