@@ -9,4 +9,4 @@ SHAPE = dict(position_embedding="none", normalization="rmsnorm", activation="rel
              final_logit_softcapping=None, scale_attn_weights=True,
              scale_attn_by_inverse_layer_idx=False, linear_num_key_heads=None,
              rotary_fraction=1.0)
-MOE = False
+MOE = "mixed"  # dense or MoE per layer (layers_block_type "moe")
