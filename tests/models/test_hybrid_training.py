@@ -196,6 +196,14 @@ def _hf_models():
             num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=48,
             mamba_num_heads=6, mamba_head_dim=6, ssm_state_size=8, n_groups=2, chunk_size=8,
             tie_word_embeddings=False)),
+        # MoE ("E") layers beside dense ones: sigmoid routing, correction bias, groups, shared MLP
+        "nemotron_h moe": (NemotronHForCausalLM, NemotronHConfig(
+            vocab_size=96, hidden_size=32, hybrid_override_pattern="ME*-E",
+            num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=48,
+            mamba_num_heads=6, mamba_head_dim=6, ssm_state_size=8, n_groups=2, chunk_size=8,
+            tie_word_embeddings=False, n_routed_experts=6, num_experts_per_tok=2,
+            moe_intermediate_size=16, moe_shared_expert_intermediate_size=24, n_group=3,
+            topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True)),
     }
 
 
@@ -209,12 +217,16 @@ def test_adapters_equal_transformers_and_export_bit_identical(tmp_path):
     from megazoo.training.checkpoint.hf import import_hf, load_model_chunks
     topo = ParallelTopology.from_config(ParallelConfig())
     ids = torch.randint(0, 96, (2, 20), generator=torch.Generator().manual_seed(1))
-    for name, (cls, hf_config) in _hf_models().items():
+    for what, (cls, hf_config) in _hf_models().items():
+        name = what.split()[0]
         torch.manual_seed(0)
         hf = cls(hf_config).eval()
         with torch.no_grad():
             for p in hf.parameters():
                 p.add_(torch.randn_like(p) * 0.05)
+            for bname, b in hf.named_buffers():  # the MoE correction bias steers the choice
+                if bname.endswith("e_score_correction_bias"):
+                    b.add_(torch.randn_like(b) * 0.05)
         adapter = family(name).adapter
         reference = hf_config.to_dict()  # (saving the model below records its dtype there)
         config = adapter.config_from_hf(hf_config).replace(linear_chunk_size=8)
@@ -225,7 +237,7 @@ def test_adapters_equal_transformers_and_export_bit_identical(tmp_path):
         model.eval()
         with torch.no_grad():
             torch.testing.assert_close(gather_logits(model(ids), topo, 96), hf(ids).logits,
-                                       **TOL, msg=name)
+                                       **TOL, msg=what)
         # greedy generation (constant-size states for linear layers, KV for attention) against
         # greedy decoding by transformers' full forward (its cached Nemotron-H generate departs
         # from its own forward here: token 10 of row 0)
@@ -234,22 +246,22 @@ def test_adapters_equal_transformers_and_export_bit_identical(tmp_path):
             for _ in range(6):
                 want = torch.cat([want, hf(want).logits[:, -1].argmax(-1, keepdim=True)], 1)
         torch.testing.assert_close(generate(model, topo, prompt, 6), want, rtol=0, atol=0,
-                                   msg=f"{name} greedy")
+                                   msg=f"{what} greedy")
         back, state = adapter.to_hf_state_dict(full, config), hf.state_dict()
-        assert back.keys() == state.keys(), name
-        assert all(torch.equal(back[k], state[k]) for k in state), name
+        assert back.keys() == state.keys(), what
+        assert all(torch.equal(back[k], state[k]) for k in state), what
         # the real import path from a saved folder (Qwen3-Next's experts in the file form)
-        hf.save_pretrained(tmp_path / name)
-        import_hf(str(tmp_path / name), str(tmp_path / f"{name}-ckpt"))
-        imported, (chunk,) = load_model_chunks(resolve(str(tmp_path / f"{name}-ckpt")), topo)
+        hf.save_pretrained(tmp_path / what.replace(' ', '_'))
+        import_hf(str(tmp_path / what.replace(' ', '_')), str(tmp_path / f"{what.replace(' ', '_')}-ckpt"))
+        imported, (chunk,) = load_model_chunks(resolve(str(tmp_path / f"{what.replace(' ', '_')}-ckpt")), topo)
         assert imported.family == name
         with torch.no_grad():
             torch.testing.assert_close(gather_logits(chunk.eval()(ids), topo, 96),
-                                       hf(ids).logits, **TOL, msg=f"{name} imported")
+                                       hf(ids).logits, **TOL, msg=f"{what} imported")
         written = adapter.hf_config(config).to_dict()
         for key, value in reference.items():
             if key not in ("architectures", "chunk_size", "transformers_version"):
-                assert written[key] == value, (name, key, written[key], value)
+                assert written[key] == value, (what, key, written[key], value)
 
 
 def test_presets_equal_the_importers_and_fields_are_refused_where_unused():
