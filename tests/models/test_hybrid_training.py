@@ -8,7 +8,8 @@ attention, docs/hybrid.md) through megazoo's registry, adapters and real trainer
 - One 2-rank world: the trainer (training/run/loop.py, what train_*.py runs) on each family's
   tiny preset under tp2 + sequence parallelism, pp2 (each stage holds two layer kinds), cp2
   (linear layers by state passing, attention by the ring), dp2 with ZeRO-3, and ep2 for
-  Qwen3-Next's experts: every iteration's loss equal to the unsharded run's (1e-5). Then a
+  Qwen3-Next's experts, and Nemotron-H with MoE layers at ep2 and tp2 + SP: every iteration's
+  loss equal to the unsharded run's (1e-5). Then a
   Qwen3.5 checkpoint written at tp2 + SP resumes at pp2 and continues the unsharded curve. And
   packed documents at cp2, model level: loss and every gradient equal the unsharded model's.
 - One 4-rank world: the trainer at cp4 for each family, Qwen3-Next at tp2 + SP + cp2 and
@@ -34,6 +35,9 @@ LAYOUTS_2 = {"tp2 sp": ["--tensor-model-parallel-size", "2", "--sequence-paralle
              "cp2": ["--context-parallel-size", "2"],
              "dp2 zero3": ["--zero-stage", "3", "--use-distributed-optimizer"]}
 EP2 = {"qwen3-next-tiny": ["--expert-model-parallel-size", "2"]}
+# Nemotron-H with MoE layers beside dense ones (unsharded reference too): ep2, tp2 + SP
+MOE_2 = {"nemotron-h-moe-tiny": {"ep2": ["--expert-model-parallel-size", "2"],
+                                 "tp2 sp": LAYOUTS_2["tp2 sp"]}}
 # cp with tp + SP (the mixers' sequence gather before the state chain), cp with pp
 COMBINED = {"qwen3-next-tiny": ["--tensor-model-parallel-size", "2", "--sequence-parallel",
                                 "--context-parallel-size", "2"],
@@ -119,6 +123,9 @@ def _world2(rank, packed, run_dir):
     for name in PRESETS:
         for layout, flags in {**LAYOUTS_2, **({"ep2": EP2[name]} if name in EP2 else {})}.items():
             losses[f"{name} {layout}"] = _train(["--model", name] + flags, 2)
+    for name, layouts in MOE_2.items():
+        for layout, flags in layouts.items():
+            losses[f"{name} {layout}"] = _train(["--model", name] + flags, 2)
     # a checkpoint written at tp2 + SP after 2 iterations, resumed at pp2 for the third
     tp = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
     _train(["--model", "qwen3.5-tiny", "--train-iters", "2", "--save", run_dir,
@@ -142,7 +149,8 @@ def references():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # (module scope: before the autouse one_thread applies)
     try:
-        return {name: _train(["--model", name], 1) for name in PRESETS}, _packed_references()
+        return ({name: _train(["--model", name], 1) for name in PRESETS + tuple(MOE_2)},
+                _packed_references())
     finally:
         torch.set_num_threads(threads)
 
@@ -164,7 +172,8 @@ def test_trainer_layouts_equal_the_unsharded_run(references):
     with tempfile.TemporaryDirectory() as run_dir:
         out = run_distributed(_world2, 2, packed, run_dir, timeout=600)
     losses, checked = out[0]
-    assert len(losses) == 3 * len(LAYOUTS_2) + len(EP2) + 1 and len(checked) == 3
+    assert len(losses) == 3 * len(LAYOUTS_2) + len(EP2) + 1 + sum(map(len, MOE_2.values()))
+    assert len(checked) == 3
     assert _assert_curves(losses, refs) < 1e-5
 
 
