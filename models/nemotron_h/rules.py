@@ -1,5 +1,5 @@
 """The fields a Nemotron-H config fixes (models/family_rules.py reads SHAPE and MOE); its layers
-are single mixers: "mamba2" or "attention" without MLP, or a squared-ReLU MLP alone."""
+are single mixers: "mamba2" or "attention" without MLP, or a squared-ReLU MLP or MoE MLP alone."""
 
 SHAPE = dict(position_embedding="none", normalization="rmsnorm", activation="relu2",
              embedding_layernorm=False, post_norms=False, embedding_scale=False,
