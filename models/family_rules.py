@@ -15,7 +15,8 @@ from .family_folders import load
 
 # models/<family>/rules.py of every family folder: SHAPE (the fields whose value the family
 # fixes; dense families also refuse every MoE field that differs from its default, `moe_fields`),
-# MOE (a mixture-of-experts family: it needs --num-experts), MEGATRON (optional: the Megatron-core
+# MOE (a mixture-of-experts family: it needs --num-experts; "mixed": its layers may be dense or
+# MoE, config.layer_mlps names which, so the MoE fields are allowed but not needed), MEGATRON (optional: the Megatron-core
 # tensor layout covers it) and INFER_BEFORE (optional: families a config that fits both is
 # inferred not to be, e.g. a Llama config fits Mistral's rules too).
 _FOLDERS = load("rules")
@@ -33,8 +34,10 @@ def _inference_order(names: list[str]) -> tuple[str, ...]:
     return tuple(order)
 
 
-MOE_FAMILIES = _inference_order([n for n, rules in _FOLDERS.items() if rules.MOE])  # tried in order
+MOE_FAMILIES = _inference_order([n for n, rules in _FOLDERS.items() if rules.MOE is True])  # tried in order
 DENSE_FAMILIES = _inference_order([n for n in SHAPES if n not in MOE_FAMILIES])
+# dense or MoE per layer: inferred for configs with or without experts
+MIXED_FAMILIES = tuple(n for n, rules in _FOLDERS.items() if rules.MOE == "mixed")
 MEGATRON_FAMILIES = tuple(n for n, rules in _FOLDERS.items() if getattr(rules, "MEGATRON", False))
 
 
@@ -52,6 +55,8 @@ def problem(config, family: str) -> str | None:
         got = getattr(config, field)
         if got != want:
             return f"family {family!r} needs {field}={want!r}, got {got!r}"
+    if getattr(_FOLDERS[family], "MOE", False) == "mixed":
+        return None
     if family in MOE_FAMILIES:
         if not config.num_experts:
             return (f"family {family!r} is a mixture of experts: it needs num_experts "
@@ -70,7 +75,7 @@ def infer_family(config) -> str | None:
     """The first family whose rules `config` satisfies (None: a plain language model that no
     family describes). Used when a config names none: built from flags without a preset, or read
     from a checkpoint written before families were recorded."""
-    order = MOE_FAMILIES if config.num_experts else DENSE_FAMILIES
+    order = MOE_FAMILIES + MIXED_FAMILIES if config.num_experts else DENSE_FAMILIES
     return next((name for name in order if problem(config, name) is None), None)
 
 

@@ -1,7 +1,10 @@
 """Nemotron-H <-> transformers for megazoo's trainable stack (the family folder's adapter): the
 config through hf.py's checks (every field mapped, recorded, neutral or refused there), then a
 `TransformerConfig` of single-mixer layers: "M" a "mamba2" mixer without MLP, "*" attention
-without positions or MLP, "-" a squared-ReLU MLP without mixer (`token_mixers` "none").
+without positions or MLP, "-" a squared-ReLU MLP without mixer (`token_mixers` "none"), "E"
+megazoo's MoE layer without mixer (`layer_mlps` "moe": sigmoid routing with the correction bias
+as `expert_bias`, group-limited top-k, squared-ReLU experts `experts.up_proj` / `down_proj` as
+weight1 / weight2, the shared expert as `shared_expert`).
 Each layer's one norm is `input_norm` before a mixer, `post_attention_norm` before an MLP.
 
 Not carried through megazoo's config (so an export writes transformers' defaults for them):
@@ -18,13 +21,15 @@ from ..llama_like import fuse_qkv, split_qkv
 from . import hf
 from .model import NemotronHConfig
 
-MIXERS = {"linear_attention": "mamba2", "full_attention": "attention", "mlp": "none"}
-MLPS = {"linear_attention": "none", "full_attention": "none", "mlp": "dense"}
+MIXERS = {"linear_attention": "mamba2", "full_attention": "attention", "mlp": "none",
+          "moe": "none"}
+MLPS = {"linear_attention": "none", "full_attention": "none", "mlp": "dense", "moe": "moe"}
 
 
 def config_from_hf(hf_cfg) -> TransformerConfig:
     """A TransformerConfig from a `transformers.NemotronHConfig` (every field checked)."""
-    c = hf.config_from_hf(hf_cfg)
+    c = hf.config_from_hf(hf_cfg, moe=True)
+    moe = hf.moe_fields(hf_cfg) if "moe" in c.layer_types else {}
     for name in ("attention_bias", "mlp_bias"):
         if getattr(c, name):
             raise refuse(hf.FAMILY, name, True, "False (not modelled in megazoo's layers)")
@@ -42,17 +47,19 @@ def config_from_hf(hf_cfg) -> TransformerConfig:
         mamba_head_dim=c.mamba_head_dim, mamba_state_size=c.ssm_state_size,
         mamba_groups=c.n_groups, linear_conv_kernel=c.conv_kernel, linear_chunk_size=c.chunk_size,
         mamba_time_step_min=c.time_step_min, mamba_conv_bias=c.use_conv_bias,
-        mamba_proj_bias=c.use_bias)
+        mamba_proj_bias=c.use_bias, **moe)
 
 
 def _layer_types(config: TransformerConfig) -> tuple[str, ...]:
     kinds = {("mamba2", "none"): "linear_attention", ("attention", "none"): "full_attention",
-             ("none", "dense"): "mlp"}
+             ("none", "dense"): "mlp", ("none", "moe"): "moe"}
     return tuple(kinds[m, p] for m, p in zip(config.token_mixers, config.layer_mlps))
 
 
 def hf_config(config: TransformerConfig, **extra):
     """The `transformers.NemotronHConfig` of a megazoo Nemotron-H config (for export)."""
+    if config.num_experts:
+        extra = {**_moe_hf_fields(config), **extra}
     c = NemotronHConfig(
         vocab_size=config.vocab_size, hidden_size=config.hidden_size,
         layer_types=_layer_types(config), num_attention_heads=config.num_attention_heads,
@@ -68,6 +75,25 @@ def hf_config(config: TransformerConfig, **extra):
     return hf.hf_config(c)
 
 
+def _moe_hf_fields(config: TransformerConfig) -> dict:
+    """The HF MoE fields of megazoo's (the inverse of hf.moe_fields; refused where it cannot be)."""
+    for what, bad in (("softmax routing", config.moe_router_score_function != "sigmoid"),
+                      ("no expert bias", not config.moe_router_enable_expert_bias),
+                      ("no shared expert", not config.moe_shared_expert_intermediate_size),
+                      ("a gated shared expert", config.moe_shared_expert_gate),
+                      ("a router bias", config.moe_router_bias)):
+        if bad:
+            raise ValueError(f"{hf.FAMILY} export: MoE layers with {what} have no transformers "
+                             f"form (NemotronHTopkRouter: sigmoid, correction bias, shared MLP)")
+    return dict(n_routed_experts=config.num_experts, num_experts_per_tok=config.moe_router_topk,
+                moe_intermediate_size=config.moe_ffn_hidden_size,
+                moe_shared_expert_intermediate_size=config.moe_shared_expert_intermediate_size,
+                norm_topk_prob=config.moe_norm_topk_prob,
+                n_group=config.moe_router_num_groups or 1,
+                topk_group=config.moe_router_group_topk or 1,
+                routed_scaling_factor=config.moe_router_topk_scaling_factor or 1.0)
+
+
 def _pairs(config: TransformerConfig):
     yield WORD_EMBEDDINGS, "model.embeddings.weight"
     yield "final_norm.weight", "model.norm_f.weight"
@@ -75,7 +101,7 @@ def _pairs(config: TransformerConfig):
         yield "head_weight", "lm_head.weight"
     for i, kind in enumerate(_layer_types(config)):
         m, h = f"layers.{i}.", f"model.layers.{i}."
-        yield m + ("post_attention_norm" if kind == "mlp" else "input_norm") + ".weight", \
+        yield m + ("post_attention_norm" if kind in ("mlp", "moe") else "input_norm") + ".weight", \
             h + "norm.weight"
         x = h + "mixer."
         if kind == "linear_attention":
@@ -90,6 +116,13 @@ def _pairs(config: TransformerConfig):
                 yield m + "attention." + mz, x + name
         elif kind == "full_attention":
             yield m + "attention.dense.weight", x + "o_proj.weight"
+        elif kind == "moe":  # experts stacked [E, out, in] in both (the files' form: from_hf_...)
+            for mz, name in (("router", "gate.weight"), ("expert_bias", "gate.e_score_correction_bias"),
+                             ("experts.weight1", "experts.up_proj"),
+                             ("experts.weight2", "experts.down_proj"),
+                             ("shared_expert.fc1.weight", "shared_experts.up_proj.weight"),
+                             ("shared_expert.fc2.weight", "shared_experts.down_proj.weight")):
+                yield m + "mlp." + mz, x + name
         else:
             yield m + "mlp.fc1.weight", x + "up_proj.weight"
             yield m + "mlp.fc2.weight", x + "down_proj.weight"
@@ -98,6 +131,12 @@ def _pairs(config: TransformerConfig):
 def from_hf_state_dict(sd: dict[str, torch.Tensor], config: TransformerConfig) -> dict[str, torch.Tensor]:
     """transformers' NemotronHForCausalLM tensors (or NVIDIA's `backbone.` names) -> megazoo's."""
     sd = hf.from_hf_state_dict(sd, NemotronHConfig(**_shape(config)))
+    for i, kind in enumerate(_layer_types(config)):
+        x = f"model.layers.{i}.mixer.experts."
+        if kind == "moe" and x + "up_proj" not in sd:  # the files' per-expert tensors
+            for proj in ("up_proj", "down_proj"):
+                sd[x + proj] = torch.stack([sd[f"{x}{e}.{proj}.weight"]
+                                            for e in range(config.num_experts)])
     out = {mz: sd[name] for mz, name in _pairs(config)}
     for i, kind in enumerate(_layer_types(config)):
         if kind == "full_attention":

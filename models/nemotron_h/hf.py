@@ -4,7 +4,9 @@ all: written back unchanged), neutral (models/hf_fields.py) or refused in one li
 transformers' names, so export is bit-identical to the import.
 
 transformers' Mamba-2 clamps dt to (time_step_min, inf) and never reads time_step_limit; megazoo
-computes the same. MoE layers ("E") and multi-token prediction are refused (not modelled).
+computes the same. Multi-token prediction is refused (not modelled). MoE layers ("E") are
+modelled by megazoo's trainable stack only (adapter.py reads their fields with `moe_fields`);
+this single-device model refuses them.
 """
 from __future__ import annotations
 
@@ -32,12 +34,40 @@ RECORDED = ("max_position_embeddings", "use_mamba_kernels", "expand", "time_step
 IGNORED = frozenset(RECORDED) | {"is_encoder_decoder"}
 
 
-def config_from_hf(hf) -> NemotronHConfig:
-    """A NemotronHConfig from a `transformers.NemotronHConfig` (every field checked)."""
+def moe_fields(hf) -> dict:
+    """megazoo's MoE config fields of an HF config with "moe" layers: sigmoid routing with the
+    correction bias (megazoo's expert bias), group-limited top-k, renormalised, scaled;
+    squared-ReLU experts without a gate and one shared squared-ReLU MLP."""
+    for name, value, want in (("moe_latent_size", hf.moe_latent_size, None),
+                              ("mlp_hidden_act", hf.mlp_hidden_act, "relu2")):
+        if value != want:
+            raise refuse(FAMILY, name, value, want)
+    if not hf.moe_shared_expert_intermediate_size:
+        raise refuse(FAMILY, "moe_shared_expert_intermediate_size",
+                     hf.moe_shared_expert_intermediate_size, ">= 1 (transformers always builds one)")
+    if hf.n_routed_experts % hf.n_group or not 1 <= hf.topk_group <= hf.n_group:
+        raise refuse(FAMILY, "n_group", (hf.n_group, hf.topk_group),
+                     "n_group dividing n_routed_experts, 1 <= topk_group <= n_group")
+    grouped = hf.n_group > 1
+    return dict(num_experts=hf.n_routed_experts, moe_router_topk=hf.num_experts_per_tok,
+                moe_ffn_hidden_size=hf.moe_intermediate_size,
+                moe_shared_expert_intermediate_size=hf.moe_shared_expert_intermediate_size,
+                moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                moe_norm_topk_prob=bool(hf.norm_topk_prob),
+                moe_router_num_groups=hf.n_group if grouped else None,
+                moe_router_group_topk=hf.topk_group if grouped else None,
+                moe_router_topk_scaling_factor=float(hf.routed_scaling_factor))
+
+
+def config_from_hf(hf, moe: bool = False) -> NemotronHConfig:
+    """A NemotronHConfig from a `transformers.NemotronHConfig` (every field checked). `moe`:
+    the caller models "moe" layers itself (adapter.py); else they are refused."""
     check_fields(hf, FAMILY, MAPPED, IGNORED)
     types = list(hf.layers_block_type)
-    if "moe" in types:
-        raise refuse(FAMILY, "layers_block_type", "'moe' (E) layers", list(LAYER_TYPES))
+    if "moe" in types and not moe:
+        raise refuse(FAMILY, "layers_block_type", "'moe' (E) layers in the single-device model",
+                     f"{list(LAYER_TYPES)}; megazoo's trainable stack (the registry's "
+                     f"adapter) models them")
     for name, value, want in (("mlp_hidden_act", hf.mlp_hidden_act, "relu2"),
                               ("mamba_hidden_act", hf.mamba_hidden_act, "silu"),
                               ("sliding_window", hf.sliding_window, None),

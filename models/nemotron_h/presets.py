@@ -13,12 +13,12 @@ nemotron-h-tiny for CPUs and tests."""
 from __future__ import annotations
 
 PATTERN_52 = "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-"
-_MIXER = {"M": "mamba2", "*": "attention", "-": "none"}
-_MLP = {"M": "none", "*": "none", "-": "dense"}
+_MIXER = {"M": "mamba2", "*": "attention", "-": "none", "E": "none"}
+_MLP = {"M": "none", "*": "none", "-": "dense", "E": "moe"}
 
 
 def _layers(pattern: str) -> dict:
-    """token_mixers and layer_mlps of a hybrid_override_pattern ("E" layers are refused)."""
+    """token_mixers and layer_mlps of a hybrid_override_pattern."""
     return dict(num_layers=len(pattern), token_mixers=tuple(_MIXER[c] for c in pattern),
                 layer_mlps=tuple(_MLP[c] for c in pattern))
 
@@ -60,6 +60,19 @@ PRESETS = {
                             ffn_hidden_size=64, max_position_embeddings=256, mamba_num_heads=4,
                             mamba_head_dim=8, mamba_state_size=8, mamba_groups=2,
                             linear_conv_kernel=4, linear_chunk_size=8),
+    # the same with MoE layers ("E", as in NVIDIA's Nemotron-3 Nano MoE release) beside a dense
+    # one: 4 squared-ReLU experts, top-2 of 2 groups' best 1, sigmoid with the correction bias
+    "nemotron-h-moe-tiny": dict(_NEMOTRON_H, **_layers("ME*-E"), vocab_size=128, hidden_size=32,
+                                num_attention_heads=4, num_query_groups=2, kv_channels=8,
+                                ffn_hidden_size=64, max_position_embeddings=256,
+                                mamba_num_heads=4, mamba_head_dim=8, mamba_state_size=8,
+                                mamba_groups=2, linear_conv_kernel=4, linear_chunk_size=8,
+                                num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=16,
+                                moe_shared_expert_intermediate_size=24,
+                                moe_router_score_function="sigmoid",
+                                moe_router_enable_expert_bias=True, moe_norm_topk_prob=True,
+                                moe_router_num_groups=2, moe_router_group_topk=1,
+                                moe_router_topk_scaling_factor=2.5),
 }
 
 HF_PRESETS = {

@@ -1,5 +1,5 @@
 """The fields a Nemotron-H config fixes (models/family_rules.py reads SHAPE and MOE); its layers
-are single mixers: "mamba2" or "attention" without MLP, or a squared-ReLU MLP alone."""
+are single mixers: "mamba2" or "attention" without MLP, or a squared-ReLU MLP or MoE MLP alone."""
 
 SHAPE = dict(position_embedding="none", normalization="rmsnorm", activation="relu2",
              embedding_layernorm=False, post_norms=False, embedding_scale=False,
@@ -9,4 +9,4 @@ SHAPE = dict(position_embedding="none", normalization="rmsnorm", activation="rel
              final_logit_softcapping=None, scale_attn_weights=True,
              scale_attn_by_inverse_layer_idx=False, linear_num_key_heads=None,
              rotary_fraction=1.0)
-MOE = False
+MOE = "mixed"  # dense or MoE per layer (layers_block_type "moe")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ..language_model import TransformerLanguageModel
 
-LAYERS = {("mamba2", "none"), ("attention", "none"), ("none", "dense")}
+LAYERS = {("mamba2", "none"), ("attention", "none"), ("none", "dense"), ("none", "moe")}
 
 
 class NemotronHModel(TransformerLanguageModel):

@@ -8,7 +8,8 @@ attention, docs/hybrid.md) through megazoo's registry, adapters and real trainer
 - One 2-rank world: the trainer (training/run/loop.py, what train_*.py runs) on each family's
   tiny preset under tp2 + sequence parallelism, pp2 (each stage holds two layer kinds), cp2
   (linear layers by state passing, attention by the ring), dp2 with ZeRO-3, and ep2 for
-  Qwen3-Next's experts: every iteration's loss equal to the unsharded run's (1e-5). Then a
+  Qwen3-Next's experts, and Nemotron-H with MoE layers at ep2 and tp2 + SP: every iteration's
+  loss equal to the unsharded run's (1e-5). Then a
   Qwen3.5 checkpoint written at tp2 + SP resumes at pp2 and continues the unsharded curve. And
   packed documents at cp2, model level: loss and every gradient equal the unsharded model's.
 - One 4-rank world: the trainer at cp4 for each family, Qwen3-Next at tp2 + SP + cp2 and
@@ -34,6 +35,9 @@ LAYOUTS_2 = {"tp2 sp": ["--tensor-model-parallel-size", "2", "--sequence-paralle
              "cp2": ["--context-parallel-size", "2"],
              "dp2 zero3": ["--zero-stage", "3", "--use-distributed-optimizer"]}
 EP2 = {"qwen3-next-tiny": ["--expert-model-parallel-size", "2"]}
+# Nemotron-H with MoE layers beside dense ones (unsharded reference too): ep2, tp2 + SP
+MOE_2 = {"nemotron-h-moe-tiny": {"ep2": ["--expert-model-parallel-size", "2"],
+                                 "tp2 sp": LAYOUTS_2["tp2 sp"]}}
 # cp with tp + SP (the mixers' sequence gather before the state chain), cp with pp
 COMBINED = {"qwen3-next-tiny": ["--tensor-model-parallel-size", "2", "--sequence-parallel",
                                 "--context-parallel-size", "2"],
@@ -119,6 +123,9 @@ def _world2(rank, packed, run_dir):
     for name in PRESETS:
         for layout, flags in {**LAYOUTS_2, **({"ep2": EP2[name]} if name in EP2 else {})}.items():
             losses[f"{name} {layout}"] = _train(["--model", name] + flags, 2)
+    for name, layouts in MOE_2.items():
+        for layout, flags in layouts.items():
+            losses[f"{name} {layout}"] = _train(["--model", name] + flags, 2)
     # a checkpoint written at tp2 + SP after 2 iterations, resumed at pp2 for the third
     tp = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
     _train(["--model", "qwen3.5-tiny", "--train-iters", "2", "--save", run_dir,
@@ -142,7 +149,8 @@ def references():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # (module scope: before the autouse one_thread applies)
     try:
-        return {name: _train(["--model", name], 1) for name in PRESETS}, _packed_references()
+        return ({name: _train(["--model", name], 1) for name in PRESETS + tuple(MOE_2)},
+                _packed_references())
     finally:
         torch.set_num_threads(threads)
 
@@ -164,7 +172,8 @@ def test_trainer_layouts_equal_the_unsharded_run(references):
     with tempfile.TemporaryDirectory() as run_dir:
         out = run_distributed(_world2, 2, packed, run_dir, timeout=600)
     losses, checked = out[0]
-    assert len(losses) == 3 * len(LAYOUTS_2) + len(EP2) + 1 and len(checked) == 3
+    assert len(losses) == 3 * len(LAYOUTS_2) + len(EP2) + 1 + sum(map(len, MOE_2.values()))
+    assert len(checked) == 3
     assert _assert_curves(losses, refs) < 1e-5
 
 
@@ -196,6 +205,14 @@ def _hf_models():
             num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=48,
             mamba_num_heads=6, mamba_head_dim=6, ssm_state_size=8, n_groups=2, chunk_size=8,
             tie_word_embeddings=False)),
+        # MoE ("E") layers beside dense ones: sigmoid routing, correction bias, groups, shared MLP
+        "nemotron_h moe": (NemotronHForCausalLM, NemotronHConfig(
+            vocab_size=96, hidden_size=32, hybrid_override_pattern="ME*-E",
+            num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=48,
+            mamba_num_heads=6, mamba_head_dim=6, ssm_state_size=8, n_groups=2, chunk_size=8,
+            tie_word_embeddings=False, n_routed_experts=6, num_experts_per_tok=2,
+            moe_intermediate_size=16, moe_shared_expert_intermediate_size=24, n_group=3,
+            topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True)),
     }
 
 
@@ -209,12 +226,16 @@ def test_adapters_equal_transformers_and_export_bit_identical(tmp_path):
     from megazoo.training.checkpoint.hf import import_hf, load_model_chunks
     topo = ParallelTopology.from_config(ParallelConfig())
     ids = torch.randint(0, 96, (2, 20), generator=torch.Generator().manual_seed(1))
-    for name, (cls, hf_config) in _hf_models().items():
+    for what, (cls, hf_config) in _hf_models().items():
+        name = what.split()[0]
         torch.manual_seed(0)
         hf = cls(hf_config).eval()
         with torch.no_grad():
             for p in hf.parameters():
                 p.add_(torch.randn_like(p) * 0.05)
+            for bname, b in hf.named_buffers():  # the MoE correction bias steers the choice
+                if bname.endswith("e_score_correction_bias"):
+                    b.add_(torch.randn_like(b) * 0.05)
         adapter = family(name).adapter
         reference = hf_config.to_dict()  # (saving the model below records its dtype there)
         config = adapter.config_from_hf(hf_config).replace(linear_chunk_size=8)
@@ -225,7 +246,7 @@ def test_adapters_equal_transformers_and_export_bit_identical(tmp_path):
         model.eval()
         with torch.no_grad():
             torch.testing.assert_close(gather_logits(model(ids), topo, 96), hf(ids).logits,
-                                       **TOL, msg=name)
+                                       **TOL, msg=what)
         # greedy generation (constant-size states for linear layers, KV for attention) against
         # greedy decoding by transformers' full forward (its cached Nemotron-H generate departs
         # from its own forward here: token 10 of row 0)
@@ -234,22 +255,22 @@ def test_adapters_equal_transformers_and_export_bit_identical(tmp_path):
             for _ in range(6):
                 want = torch.cat([want, hf(want).logits[:, -1].argmax(-1, keepdim=True)], 1)
         torch.testing.assert_close(generate(model, topo, prompt, 6), want, rtol=0, atol=0,
-                                   msg=f"{name} greedy")
+                                   msg=f"{what} greedy")
         back, state = adapter.to_hf_state_dict(full, config), hf.state_dict()
-        assert back.keys() == state.keys(), name
-        assert all(torch.equal(back[k], state[k]) for k in state), name
+        assert back.keys() == state.keys(), what
+        assert all(torch.equal(back[k], state[k]) for k in state), what
         # the real import path from a saved folder (Qwen3-Next's experts in the file form)
-        hf.save_pretrained(tmp_path / name)
-        import_hf(str(tmp_path / name), str(tmp_path / f"{name}-ckpt"))
-        imported, (chunk,) = load_model_chunks(resolve(str(tmp_path / f"{name}-ckpt")), topo)
+        hf.save_pretrained(tmp_path / what.replace(' ', '_'))
+        import_hf(str(tmp_path / what.replace(' ', '_')), str(tmp_path / f"{what.replace(' ', '_')}-ckpt"))
+        imported, (chunk,) = load_model_chunks(resolve(str(tmp_path / f"{what.replace(' ', '_')}-ckpt")), topo)
         assert imported.family == name
         with torch.no_grad():
             torch.testing.assert_close(gather_logits(chunk.eval()(ids), topo, 96),
-                                       hf(ids).logits, **TOL, msg=f"{name} imported")
+                                       hf(ids).logits, **TOL, msg=f"{what} imported")
         written = adapter.hf_config(config).to_dict()
         for key, value in reference.items():
             if key not in ("architectures", "chunk_size", "transformers_version"):
-                assert written[key] == value, (name, key, written[key], value)
+                assert written[key] == value, (what, key, written[key], value)
 
 
 def test_presets_equal_the_importers_and_fields_are_refused_where_unused():

@@ -14,7 +14,7 @@ import os
 
 from megazoo.data.blended import check_blend
 from megazoo.models.config import TransformerConfig
-from megazoo.models.family_rules import DENSE_FAMILIES, MOE_FAMILIES, problem
+from megazoo.models.family_rules import DENSE_FAMILIES, MIXED_FAMILIES, MOE_FAMILIES, problem
 from megazoo.models.presets import PRESETS, preset
 from megazoo.parallel.context_parallel import check_attention
 from megazoo.parallel.layout import LayoutError, microbatches_per_step
@@ -148,7 +148,7 @@ def _preset_with_flags(name: str, overrides: dict) -> TransformerConfig:
         except ValueError as invalid:  # the fields are wrong whatever the family
             raise invalid from None
         if model.family is None:  # say why each family of its kind does not fit
-            order = MOE_FAMILIES if model.num_experts else DENSE_FAMILIES
+            order = MOE_FAMILIES + MIXED_FAMILIES if model.num_experts else DENSE_FAMILIES
             raise ValueError(f"--model {name} with these flags fits no model family: "
                              + "; ".join(problem(model, f) for f in order)) from refused
     logger.info("--model %s is family %r; with these flags the model is family %r",
