@@ -19,7 +19,7 @@ from megazoo.data.indexed import IndexedDatasetError
 from megazoo.data.token_stats import VocabularyMismatch
 from megazoo.data.tokenizers import TokenizerError
 from megazoo.models.config import TransformerConfig
-from megazoo.models.family_rules import MOE_FAMILIES
+from megazoo.models.family_rules import MIXED_FAMILIES, MOE_FAMILIES
 from megazoo.models.registry import build_model, family
 from megazoo.parallel import collectives as C
 from megazoo.parallel.topology import LayoutError
@@ -86,14 +86,14 @@ def _fail(message: str, code: int, every_rank: bool = False, silent: bool = Fals
 
 def check_script_family(run_family: str | None, default_family: str) -> None:
     """A training script trains models of its kind: an MoE script MoE families, a dense one dense
-    families; a config no family describes is refused (it could not be exported or resumed by
-    family)."""
+    families, either script a family that mixes dense and MoE layers (Nemotron-H); a config no
+    family describes is refused (it could not be exported or resumed by family)."""
     if run_family is None:
         raise ArgumentError("the model flags describe no registered family "
                             "(models/family_rules.py); give a preset with --model or flags of "
                             "one family")
     moe = default_family in MOE_FAMILIES
-    if (run_family in MOE_FAMILIES) != moe:
+    if run_family not in MIXED_FAMILIES and (run_family in MOE_FAMILIES) != moe:
         script = os.path.basename(sys.argv[0]) or "this script"
         raise ArgumentError(f"{script} trains {'mixture-of-experts' if moe else 'dense'} families; "
                             f"the model is family {run_family!r}: "
