@@ -49,7 +49,8 @@ def parse_args(argv=None):
         m.add_argument(flag, type=int)
     c = p.add_argument_group("cluster")
     c.add_argument("--cluster", default="dgx-a100-80gb", choices=sorted(CLUSTERS))
-    c.add_argument("--gpus", type=int, help="number of GPUs (default: one node)")
+    c.add_argument("--gpus", "--world-size", dest="gpus", type=int,
+                   help="number of GPUs (default: one node)")
     c.add_argument("--gpus-per-node", type=int)
     c.add_argument("--gpu-memory-gb", type=float, help="GiB per GPU")
     c.add_argument("--peak-tflops", type=float, help="dense 16-bit peak per GPU")
@@ -254,6 +255,7 @@ def main(argv=None) -> None:
                      flash_attention=a.flash_attention, overlap_dp=a.overlap_dp,
                      first_stage_layers=given(a, "first_stage_layers"),
                      last_stage_layers=given(a, "last_stage_layers"),
+                     stage_layout=given(a, "stage_layout"),
                      global_batch_size=a.global_batch_size, seq_length=a.seq_length)
     if cfg.num_experts:
         print(f"mixture of experts: {cfg.num_parameters(active=True) / 1e9:.2f}B of the "
@@ -292,6 +294,10 @@ def main(argv=None) -> None:
     for p in plans[:a.top]:
         print(row(p))
     best = plans[0].layout
+    if best.parallel.stage_layout is not None:
+        from megazoo.training.planning.hybrid_balance import describe_split
+        print(f"pipeline split at balanced cost (layer kinds by their FLOPs): "
+              f"{describe_split(cfg, best)}")
     print(f"launch the fastest (the first row, {best.world} GPUs):\n"
           f"{launch_command(a, cfg, best, cluster)}")
 
