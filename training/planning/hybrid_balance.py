@@ -75,6 +75,18 @@ def with_balanced_split(shape, layout: Layout) -> Layout:
                           last_stage_layers=None)
 
 
+def proposed_split(cfg, layout: Layout) -> Layout:
+    """What the planner plans: a hybrid model at pp > 1 whose layout names no split gets the
+    balanced one; anything else (a transformer, a split the user gave) stays as it is."""
+    from megazoo.models.hybrid_counts import is_hybrid
+    par = layout.parallel
+    given = par.stage_layout is not None or par.first_stage_layers is not None or \
+        par.last_stage_layers is not None
+    if given or not is_hybrid(cfg) or not 1 < layout.pp * layout.vpp <= cfg.num_layers:
+        return layout
+    return with_balanced_split(cfg, layout)
+
+
 def describe_split(shape, layout: Layout) -> str:
     """One line: the balanced split as the flag, with each block's share of the FLOPs."""
     shape = hybrid.shape_of(shape)

@@ -85,11 +85,7 @@ def candidate_layouts(cfg: TransformerConfig, cluster: Cluster, base: Layout,
         raise PlanError(f"cannot pin {sorted(unknown)}: the searched fields are {sorted(axes)}")
     axes.update({k: [v] for k, v in fixed.items() if k in axes})
     cp = base.cp
-    from megazoo.models.hybrid_counts import is_hybrid
-    from megazoo.training.planning.hybrid_balance import with_balanced_split
-    split_given = base.parallel.stage_layout is not None or \
-        base.parallel.first_stage_layers is not None or base.parallel.last_stage_layers is not None
-    balance = is_hybrid(cfg) and not split_given  # mixed layer kinds: stages at equal cost
+    from megazoo.training.planning.hybrid_balance import proposed_split
     for values in itertools.product(*axes.values()):
         pick = dict(zip(axes, values))
         tp, pp = pick["tp"], pick["pp"]
@@ -101,8 +97,7 @@ def candidate_layouts(cfg: TransformerConfig, cluster: Cluster, base: Layout,
             continue  # ZeRO over one replica is stage 0
         layout = base.replace(dp=dp, **pick)
         try:
-            if balance and pp * pick["vpp"] <= cfg.num_layers:
-                layout = with_balanced_split(cfg, layout)
+            layout = proposed_split(cfg, layout)  # mixed layer kinds: stages at equal cost
             check_layout(cfg, layout, cluster)
         except PlanError:
             continue
