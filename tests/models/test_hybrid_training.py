@@ -139,10 +139,11 @@ def _uneven(rank, losses, run_dir):
     import torch.distributed as dist
 
     from megazoo.tools.reshard import reshard
-    for name, layout in UNEVEN.items():
-        losses[f"{name} pp2 layout {layout}"] = _train(
-            ["--model", name, "--pipeline-model-parallel-size", "2",
-             "--pipeline-model-parallel-layout", layout], 2)
+    name, layout = "qwen3-tiny", UNEVEN["qwen3-tiny"]
+    losses[f"{name} pp2 layout {layout}"] = _train(
+        ["--model", name, "--pipeline-model-parallel-size", "2",
+         "--pipeline-model-parallel-layout", layout], 2)
+    # Nemotron-H: two iterations at the layout, saved, resharded, the third at pp1 x dp2
     name, layout = "nemotron-h-tiny", UNEVEN["nemotron-h-tiny"]
     losses[f"{name} pp2 layout saved"] = _train(
         ["--model", name, "--pipeline-model-parallel-size", "2", "--pipeline-model-parallel-layout",
@@ -195,7 +196,7 @@ def test_trainer_layouts_equal_the_unsharded_run(references):
     with tempfile.TemporaryDirectory() as run_dir:
         out = run_distributed(_world2, 2, packed, run_dir, timeout=600)
     losses, checked = out[0]
-    assert len(losses) == 3 * len(LAYOUTS_2) + len(EP2) + 1 + len(UNEVEN) + 2
+    assert len(losses) == 3 * len(LAYOUTS_2) + len(EP2) + 1 + 3
     assert len(checked) == 3
     assert _assert_curves(losses, refs) < 1e-5
 
