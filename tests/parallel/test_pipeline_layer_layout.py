@@ -61,6 +61,9 @@ def test_flags_partition_and_record_carry_the_layout():
     argv = layout_argv(parallel)
     assert argv[argv.index("--pipeline-model-parallel-layout") + 1] == "Et|t*3L"
     assert parallel_of_record(layout_record(parallel, dp=1, zero_stage=0)) == parallel
+    from megazoo.parallel.zero.config import OptimizerConfig
+    from megazoo.training.planning.twin import twin_layout  # the preflight's twin: uneven too
+    assert twin_layout(parallel, OptimizerConfig(), 1)[0].first_stage_layers == 1
     # pp x vpp stages: interleaved, the stage count sets vpp
     run = to_run_config(build_parser().parse_args(
         base + ["--pipeline-model-parallel-size", "2", "--pipeline-model-parallel-layout",

@@ -87,7 +87,7 @@ def add_layout_flags(parser: argparse.ArgumentParser, *, fields=None, searched: 
             group.add_argument(*flag.names, dest=flag.dest, choices=flag.kind, default=default,
                                help=flag.help)
         elif flag.kind is not int:
-            group.add_argument(*flag.names, dest=flag.dest, type=_parser(flag.kind),
+            group.add_argument(*flag.names, dest=flag.dest, type=_parser(flag.kind, flag.names),
                                default=default, help=flag.help)
         else:
             group.add_argument(*flag.names, dest=flag.dest, type=flag.kind, default=default,
@@ -160,12 +160,16 @@ def layout_argv(parallel: ParallelConfig, *, dp: int | None = None,
     return argv
 
 
-def _parser(parse):
-    """`parse` for argparse: its one-line refusal becomes the usage error."""
+def _parser(parse, names):
+    """`parse` for argparse: its one-line refusal becomes the usage error (which names the flag
+    already)."""
     def convert(text):
         try:
             return parse(text)
         except LayoutError as e:
-            raise argparse.ArgumentTypeError(str(e)) from None
+            message = str(e)
+            for name in names:
+                message = message.removeprefix(name + " ")
+            raise argparse.ArgumentTypeError(message) from None
     convert.__name__ = parse.__name__
     return convert
