@@ -48,6 +48,7 @@ class ParallelConfig:
     ep: int = 1  # --expert-model-parallel-size
     first_stage_layers: int | None = None  # --decoder-first-pipeline-num-layers
     last_stage_layers: int | None = None  # --decoder-last-pipeline-num-layers
+    stage_layout: tuple[int, ...] | None = None  # --pipeline-model-parallel-layout: layers per block
 
     # ---- against the world size ----------------------------------------------------------
     @classmethod
@@ -84,6 +85,10 @@ class ParallelConfig:
                 and self.pp == 1:
             raise LayoutError("--decoder-first/last-pipeline-num-layers need "
                               "--pipeline-model-parallel-size > 1")
+        if self.stage_layout is not None and len(self.stage_layout) != self.pp * self.vpp:
+            raise LayoutError(f"--pipeline-model-parallel-layout lists {len(self.stage_layout)} "
+                              f"stages; --pipeline-model-parallel-size {self.pp} x virtual "
+                              f"{self.vpp} needs {self.pp * self.vpp}")
         dp = world_size // model_parallel
         if (dp * self.cp) % self.ep != 0:
             raise LayoutError(
@@ -140,12 +145,13 @@ class ParallelConfig:
     def layers_per_block(self, num_layers: int) -> list[int]:
         """Layers in each of the pp * vpp pipeline blocks, in model order (see partition.py)."""
         return block_sizes(num_layers, self.pp, self.vpp, first_stage_layers=self.first_stage_layers,
-                           last_stage_layers=self.last_stage_layers)
+                           last_stage_layers=self.last_stage_layers, stage_layout=self.stage_layout)
 
     def chunk_specs(self, num_layers: int, pp_rank: int) -> list:
         """The model chunks (`ChunkSpec`s) pipeline rank `pp_rank` builds, in chunk order."""
         return partition(num_layers, self.pp, self.vpp, first_stage_layers=self.first_stage_layers,
-                         last_stage_layers=self.last_stage_layers)[pp_rank]
+                         last_stage_layers=self.last_stage_layers,
+                         stage_layout=self.stage_layout)[pp_rank]
 
     def grid(self, world_size: int) -> "Grid":
         return Grid(tp=self.tp, cp=self.cp, dp=self.validate(world_size), pp=self.pp, ep=self.ep)

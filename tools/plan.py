@@ -37,6 +37,7 @@ from megazoo.training.planning.planner import (MATMUL_EFFICIENCY, Cluster, Layou
 from megazoo.training.config.flags import DTYPE_FLAGS, to_run_config
 from megazoo.training.config.layout_flags import BY_FIELD, add_layout_flags, given, layout_argv
 from megazoo.training.config.parser import build_parser
+from megazoo.training.planning.hybrid_balance import describe_split, proposed_split
 from megazoo.training.planning.reference_runs import CLUSTERS, GiB, published_runs
 
 
@@ -49,7 +50,8 @@ def parse_args(argv=None):
         m.add_argument(flag, type=int)
     c = p.add_argument_group("cluster")
     c.add_argument("--cluster", default="dgx-a100-80gb", choices=sorted(CLUSTERS))
-    c.add_argument("--gpus", type=int, help="number of GPUs (default: one node)")
+    c.add_argument("--gpus", "--world-size", dest="gpus", type=int,
+                   help="number of GPUs (default: one node)")
     c.add_argument("--gpus-per-node", type=int)
     c.add_argument("--gpu-memory-gb", type=float, help="GiB per GPU")
     c.add_argument("--peak-tflops", type=float, help="dense 16-bit peak per GPU")
@@ -233,6 +235,14 @@ def published_table() -> str:
     return "\n".join(lines)
 
 
+def print_split(cfg: TransformerConfig, lay: Layout) -> None:
+    """The balanced pipeline split the planner chose for a hybrid model, as the flag."""
+    if lay.parallel.stage_layout is not None and proposed_split(
+            cfg, lay.replace(stage_layout=None)) == lay:
+        print(f"pipeline split at balanced cost (layer kinds by their FLOPs): "
+              f"{describe_split(cfg, lay)}")
+
+
 def main(argv=None) -> None:
     a = parse_args(argv)
     if a.published:
@@ -254,6 +264,7 @@ def main(argv=None) -> None:
                      flash_attention=a.flash_attention, overlap_dp=a.overlap_dp,
                      first_stage_layers=given(a, "first_stage_layers"),
                      last_stage_layers=given(a, "last_stage_layers"),
+                     stage_layout=given(a, "stage_layout"),
                      global_batch_size=a.global_batch_size, seq_length=a.seq_length)
     if cfg.num_experts:
         print(f"mixture of experts: {cfg.num_parameters(active=True) / 1e9:.2f}B of the "
@@ -266,7 +277,7 @@ def main(argv=None) -> None:
     if {"tp", "pp", "zero_stage", "recompute_granularity", "micro_batch_size"} <= set(fixed) and \
             ("ep" in fixed or not cfg.num_experts):
         dp = cluster.num_gpus // (fixed["tp"] * fixed["pp"] * cp)
-        layout = base.replace(dp=dp, **fixed)
+        layout = proposed_split(cfg, base.replace(dp=dp, **fixed))
         try:
             p = plan(cfg, layout, cluster)
         except PlanError as e:
@@ -277,6 +288,7 @@ def main(argv=None) -> None:
               f"{t.tp_comm:.2f}, CP ring {t.cp_comm:.2f}, EP all-to-all {t.ep_comm:.2f}, PP p2p "
               f"{t.pp_comm:.2f}, bubble {t.bubble:.2f}, DP {t.dp_comm:.2f}, "
               f"optimizer {t.optimizer:.3f};  {t.tokens_per_s:,.0f} tokens/s")
+        print_split(cfg, layout)
         refusal = trainer_refusal(cfg, layout)
         if refusal:
             print(f"note: train_*.py refuses this layout: {refusal}")
@@ -292,6 +304,7 @@ def main(argv=None) -> None:
     for p in plans[:a.top]:
         print(row(p))
     best = plans[0].layout
+    print_split(cfg, best)
     print(f"launch the fastest (the first row, {best.world} GPUs):\n"
           f"{launch_command(a, cfg, best, cluster)}")
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megazoo.parallel.errors import LayoutError
+from megazoo.parallel.pipeline.layer_layout import check_layout
 
 
 @dataclass(frozen=True)
@@ -33,16 +34,22 @@ class ChunkSpec:
 
 
 def block_sizes(num_layers: int, pp: int, vpp: int = 1, *, first_stage_layers: int | None = None,
-                last_stage_layers: int | None = None) -> list[int]:
+                last_stage_layers: int | None = None, stage_layout: tuple | None = None) -> list[int]:
     """Layers per block in model order (block s goes to rank s % pp, chunk s // pp).
 
     Without options every block gets num_layers / (pp*vpp) layers and anything else is an error.
     `first_stage_layers` / `last_stage_layers` fix the total on rank 0 / rank pp-1 (split evenly
     over that rank's vpp chunks, as Megatron does); the remaining layers are split evenly over the
-    other ranks' blocks.
+    other ranks' blocks. `stage_layout` (--pipeline-model-parallel-layout, parsed): the layers of
+    every block, given outright.
     """
     if pp < 1 or vpp < 1:
         raise LayoutError(f"pipeline sizes must be >= 1, got pp={pp} vpp={vpp}")
+    if stage_layout is not None:
+        if first_stage_layers is not None or last_stage_layers is not None:
+            raise LayoutError("give one of --pipeline-model-parallel-layout and "
+                              "--decoder-first/last-pipeline-num-layers")
+        return check_layout(stage_layout, num_layers, pp, vpp)
     blocks = pp * vpp
     if first_stage_layers is None and last_stage_layers is None:
         if num_layers % blocks != 0:
@@ -84,10 +91,11 @@ def block_sizes(num_layers: int, pp: int, vpp: int = 1, *, first_stage_layers: i
 
 
 def partition(num_layers: int, pp: int, vpp: int = 1, *, first_stage_layers: int | None = None,
-              last_stage_layers: int | None = None) -> list[list[ChunkSpec]]:
+              last_stage_layers: int | None = None,
+              stage_layout: tuple | None = None) -> list[list[ChunkSpec]]:
     """`specs[rank][chunk]` for every rank of a pipeline (pure; the same on every process)."""
     sizes = block_sizes(num_layers, pp, vpp, first_stage_layers=first_stage_layers,
-                        last_stage_layers=last_stage_layers)
+                        last_stage_layers=last_stage_layers, stage_layout=stage_layout)
     starts = [sum(sizes[:s]) for s in range(len(sizes))]
     last = pp * vpp - 1
     def spec(r: int, v: int) -> ChunkSpec:

@@ -10,7 +10,11 @@ attention, docs/hybrid.md) through megazoo's registry, adapters and real trainer
   (linear layers by state passing, attention by the ring), dp2 with ZeRO-3, and ep2 for
   Qwen3-Next's experts, and Nemotron-H with MoE layers at ep2 and tp2 + SP: every iteration's
   loss equal to the unsharded run's (1e-5). Then a
-  Qwen3.5 checkpoint written at tp2 + SP resumes at pp2 and continues the unsharded curve. And
+  Qwen3.5 checkpoint written at tp2 + SP resumes at pp2 and continues the unsharded curve.
+  Uneven stages from Megatron-core's --pipeline-model-parallel-layout: Nemotron-H (one Mamba-2
+  layer on the first stage, the attention, Mamba-2 and MLP layers on the last) and a dense Qwen3
+  equal the unsharded run; the Nemotron-H checkpoint at that layout, resharded offline to pp1 x
+  dp2 (tools/reshard.py), continues the curve. And
   packed documents at cp2, model level: loss and every gradient equal the unsharded model's.
 - One 4-rank world: the trainer at cp4 for each family, Qwen3-Next at tp2 + SP + cp2 and
   Nemotron-H at pp2 + cp2, and packed documents at cp4.
@@ -42,6 +46,8 @@ MOE_2 = {"nemotron-h-moe-tiny": {"ep2": ["--expert-model-parallel-size", "2"],
 COMBINED = {"qwen3-next-tiny": ["--tensor-model-parallel-size", "2", "--sequence-parallel",
                                 "--context-parallel-size", "2"],
             "nemotron-h-tiny": ["--pipeline-model-parallel-size", "2", "--context-parallel-size", "2"]}
+# uneven pipeline stages (Megatron-core's layout string): a hybrid and a dense model
+UNEVEN = {"nemotron-h-tiny": "Et|t*3L", "qwen3-tiny": "Et*3|tL"}
 SEQ, BATCH = 32, 2
 
 
@@ -132,7 +138,30 @@ def _world2(rank, packed, run_dir):
             "--save-interval", "2"] + tp, 2)
     losses["qwen3.5-tiny tp2 sp -> pp2 resume"] = _train(
         ["--model", "qwen3.5-tiny", "--load", run_dir, "--pipeline-model-parallel-size", "2"], 2)
+    _uneven(rank, losses, run_dir + "-uneven")
     return losses, _packed(*packed, cp=2)
+
+
+def _uneven(rank, losses, run_dir):
+    import torch.distributed as dist
+
+    from megazoo.tools.reshard import reshard
+    name, layout = "qwen3-tiny", UNEVEN["qwen3-tiny"]
+    losses[f"{name} pp2 layout {layout}"] = _train(
+        ["--model", name, "--pipeline-model-parallel-size", "2",
+         "--pipeline-model-parallel-layout", layout], 2)
+    # Nemotron-H: two iterations at the layout, saved, resharded, the third at pp1 x dp2
+    name, layout = "nemotron-h-tiny", UNEVEN["nemotron-h-tiny"]
+    losses[f"{name} pp2 layout saved"] = _train(
+        ["--model", name, "--pipeline-model-parallel-size", "2", "--pipeline-model-parallel-layout",
+         layout, "--train-iters", "2", "--save", run_dir, "--save-interval", "2"], 2)
+    if rank == 0:
+        from megazoo.training.checkpoint import format as ckpt
+        assert ckpt.read_meta(ckpt.resolve(run_dir))["layout"]["stage_layout"] == [1, 3]
+        reshard(run_dir, run_dir + "-pp1", dp=2)
+    dist.barrier()
+    losses[f"{name} pp2 layout -> pp1 dp2 resume"] = _train(
+        ["--model", name, "--load", run_dir + "-pp1"], 2)
 
 
 def _world4(rank, packed):
@@ -149,7 +178,8 @@ def references():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # (module scope: before the autouse one_thread applies)
     try:
-        return ({name: _train(["--model", name], 1) for name in PRESETS + tuple(MOE_2)},
+        return ({name: _train(["--model", name], 1)
+                 for name in PRESETS + tuple(MOE_2) + ("qwen3-tiny",)},
                 _packed_references())
     finally:
         torch.set_num_threads(threads)
@@ -161,6 +191,8 @@ def _assert_curves(losses: dict, refs: dict) -> float:
         want = refs[what.split()[0]]
         if "resume" in what:  # the resumed run logs its third iteration only
             want = want[2:]
+        if "saved" in what:  # the run that writes the checkpoint stops after two
+            want = want[:2]
         assert len(got) == len(want) > 0, (what, got, want)
         torch.testing.assert_close(torch.tensor(got), torch.tensor(want), **TOL, msg=what)
         worst = max(worst, max(abs(a - b) for a, b in zip(got, want)))
@@ -172,7 +204,7 @@ def test_trainer_layouts_equal_the_unsharded_run(references):
     with tempfile.TemporaryDirectory() as run_dir:
         out = run_distributed(_world2, 2, packed, run_dir, timeout=600)
     losses, checked = out[0]
-    assert len(losses) == 3 * len(LAYOUTS_2) + len(EP2) + 1 + sum(map(len, MOE_2.values()))
+    assert len(losses) == 3 * len(LAYOUTS_2) + len(EP2) + 1 + sum(map(len, MOE_2.values())) + 3
     assert len(checked) == 3
     assert _assert_curves(losses, refs) < 1e-5
 

@@ -17,6 +17,8 @@ def layout_record(parallel: ParallelConfig, *, dp: int, zero_stage: int) -> dict
     layout.update({k: v for k, v in dict(first_stage_layers=parallel.first_stage_layers,
                                          last_stage_layers=parallel.last_stage_layers).items()
                    if v is not None})
+    if parallel.stage_layout is not None:
+        layout["stage_layout"] = list(parallel.stage_layout)
     return layout
 
 
@@ -26,4 +28,6 @@ def parallel_of_record(layout: dict) -> ParallelConfig:
     return ParallelConfig(tp=layout["tp"], pp=layout.get("pp", 1), vpp=layout.get("vpp", 1),
                           cp=layout.get("cp", 1), ep=layout.get("ep", 1),
                           first_stage_layers=layout.get("first_stage_layers"),
-                          last_stage_layers=layout.get("last_stage_layers"))
+                          last_stage_layers=layout.get("last_stage_layers"),
+                          stage_layout=tuple(layout["stage_layout"])
+                          if layout.get("stage_layout") is not None else None)

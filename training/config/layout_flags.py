@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from megazoo.parallel.context_parallel import COMM_TYPES
 from megazoo.parallel.layout import LayoutError, ParallelConfig, virtual_stages
+from megazoo.parallel.pipeline.layer_layout import format_layout, parse_layout
 
 
 @dataclass(frozen=True)
@@ -22,7 +23,7 @@ class LayoutFlag:
     names: tuple[str, ...]  # Megatron-LM's spelling, then aliases
     field: str  # a ParallelConfig field, or dp / zero_stage / layers_per_virtual_stage
     help: str
-    kind: object = int  # int, "switch" (store_true), or a tuple of choices
+    kind: object = int  # int, "switch" (store_true), a tuple of choices, or a parse function
 
     @property
     def dest(self) -> str:
@@ -42,6 +43,11 @@ LAYOUT_FLAGS = (
                "the other stages share the rest evenly"),
     LayoutFlag(("--decoder-last-pipeline-num-layers",), "last_stage_layers",
                "layers on the last pipeline stage (it also holds the head and loss)"),
+    LayoutFlag(("--pipeline-model-parallel-layout",), "stage_layout",
+               "layers of every pipeline stage in model order, Megatron-core's syntax: stages "
+               "separated by '|', 'E' embedding (opens the first), 't' a decoder layer, 'L' loss "
+               "(closes the last), 't*3' repeats, e.g. 'Et*3|t*5L'; pp x vpp stages set vpp",
+               parse_layout),
     LayoutFlag(("--sequence-parallel",), "sequence_parallel",
                "shard norms and dropout activations along the sequence over tp", "switch"),
     LayoutFlag(("--context-parallel-size", "--cp"), "cp",
@@ -62,6 +68,7 @@ BY_FIELD = {f.field: f for f in LAYOUT_FLAGS}
 _PARALLEL = {f.name for f in dataclasses.fields(ParallelConfig)}
 _DEFAULTS = {**{f.name: f.default for f in dataclasses.fields(ParallelConfig)},
              "dp": 1, "zero_stage": 0, "layers_per_virtual_stage": None}
+_FORMAT = {"stage_layout": format_layout}  # fields written back as something other than str()
 
 
 def add_layout_flags(parser: argparse.ArgumentParser, *, fields=None, searched: bool = False,
@@ -79,6 +86,9 @@ def add_layout_flags(parser: argparse.ArgumentParser, *, fields=None, searched: 
         elif isinstance(flag.kind, tuple):
             group.add_argument(*flag.names, dest=flag.dest, choices=flag.kind, default=default,
                                help=flag.help)
+        elif flag.kind is not int:
+            group.add_argument(*flag.names, dest=flag.dest, type=_parser(flag.kind, flag.names),
+                               default=default, help=flag.help)
         else:
             group.add_argument(*flag.names, dest=flag.dest, type=flag.kind, default=default,
                                help=flag.help)
@@ -115,6 +125,19 @@ def parallel_config_of(args, num_layers: int | None, *,
                               f"contradicts --num-layers-per-virtual-pipeline-stage {per_stage} "
                               f"({vpp} virtual stages); give one of them")
         fields["vpp"] = vpp
+    layout = fields.get("stage_layout")
+    if layout is not None:
+        if stage_layers not in (None, (None, None)):
+            raise LayoutError("give one of --pipeline-model-parallel-layout and "
+                              "--decoder-first/last-pipeline-num-layers (or --pp-partition-method)")
+        if len(layout) % fields["pp"]:
+            raise LayoutError(f"--pipeline-model-parallel-layout lists {len(layout)} stages, not a "
+                              f"multiple of --pipeline-model-parallel-size {fields['pp']}")
+        vpp = len(layout) // fields["pp"]
+        if (given(args, "vpp") or 1) not in (1, vpp) or (per_stage and fields["vpp"] != vpp):
+            raise LayoutError(f"--pipeline-model-parallel-layout lists {vpp} virtual stages per "
+                              f"rank; drop the virtual pipeline size flag or make it {vpp}")
+        fields["vpp"] = vpp
     return ParallelConfig(**fields)
 
 
@@ -133,5 +156,20 @@ def layout_argv(parallel: ParallelConfig, *, dp: int | None = None,
         if flag.kind == "switch":
             argv += [flag.names[0]] if value else []
         else:
-            argv += [flag.names[0], str(value)]
+            argv += [flag.names[0], _FORMAT.get(flag.field, str)(value)]
     return argv
+
+
+def _parser(parse, names):
+    """`parse` for argparse: its one-line refusal becomes the usage error (which names the flag
+    already)."""
+    def convert(text):
+        try:
+            return parse(text)
+        except LayoutError as e:
+            message = str(e)
+            for name in names:
+                message = message.removeprefix(name + " ")
+            raise argparse.ArgumentTypeError(message) from None
+    convert.__name__ = parse.__name__
+    return convert

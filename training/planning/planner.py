@@ -70,7 +70,8 @@ def candidate_layouts(cfg: TransformerConfig, cluster: Cluster, base: Layout,
     """Every valid layout of the cluster's GPUs: `base` with the searched fields replaced (its
     cp, dtype, batch, sequence, optimizer and kernels stay); `fixed` pins searched fields by
     name (e.g. {"tp": 8, "zero_stage": 1}); MoE models also search the expert-parallel size
-    (the powers of two dividing num_experts)."""
+    (the powers of two dividing num_experts). A hybrid model's pipeline stages get the split of
+    its layers at balanced cost (hybrid_balance.py) unless `base` gives a split."""
     fixed = fixed or {}
     pow2 = [x for x in (1, 2, 4, 8, 16) if x <= cluster.gpus_per_node]
     axes = dict(tp=pow2, pp=[x for x in range(1, min(cfg.num_layers, cluster.num_gpus) + 1)
@@ -84,6 +85,7 @@ def candidate_layouts(cfg: TransformerConfig, cluster: Cluster, base: Layout,
         raise PlanError(f"cannot pin {sorted(unknown)}: the searched fields are {sorted(axes)}")
     axes.update({k: [v] for k, v in fixed.items() if k in axes})
     cp = base.cp
+    from megazoo.training.planning.hybrid_balance import proposed_split
     for values in itertools.product(*axes.values()):
         pick = dict(zip(axes, values))
         tp, pp = pick["tp"], pick["pp"]
@@ -95,6 +97,7 @@ def candidate_layouts(cfg: TransformerConfig, cluster: Cluster, base: Layout,
             continue  # ZeRO over one replica is stage 0
         layout = base.replace(dp=dp, **pick)
         try:
+            layout = proposed_split(cfg, layout)  # mixed layer kinds: stages at equal cost
             check_layout(cfg, layout, cluster)
         except PlanError:
             continue

@@ -8,7 +8,8 @@ The twin keeps what decides the numerics of a layout and shrinks what only decid
   (hidden, heads, head dims, latents, FFN and expert widths, experts, layers, vocabulary) shrunk so
   that every split of the twin layout stays legal;
 * the layout: each dimension above 1 kept at 2 (tensor parallelism with sequence parallelism,
-  pipeline with its interleaving and uneven split, context parallelism with its comm type, expert
+  pipeline with its interleaving and uneven split (a --pipeline-model-parallel-layout string: one
+  layer on the first stage), context parallelism with its comm type, expert
   parallelism), data parallelism at 2 where ZeRO shards over it or experts split it, the ZeRO
   stage as given;
 * the run: mock tokens, a few steps at the run's peak learning rate, no dropout.
@@ -41,7 +42,8 @@ def twin_layout(parallel: ParallelConfig, optimizer: OptimizerConfig,
         tp=two(parallel.tp), pp=pp, vpp=two(parallel.vpp) if pp > 1 else 1,
         sequence_parallel=parallel.sequence_parallel and parallel.tp > 1, cp=two(parallel.cp),
         cp_comm_type=parallel.cp_comm_type, ep=two(parallel.ep),
-        first_stage_layers=1 if pp > 1 and parallel.first_stage_layers is not None else None,
+        first_stage_layers=1 if pp > 1 and (parallel.first_stage_layers is not None
+                                            or parallel.stage_layout is not None) else None,
         last_stage_layers=1 if pp > 1 and parallel.last_stage_layers is not None else None)
     sharded = optimizer.zero_stage > 0 if dp is None else dp > 1
     twin_dp = 2 if sharded else 1

@@ -41,6 +41,7 @@ def _check_unmodelled(args, where: str) -> None:
          "transformer_engine", "the legacy GroupedMLP weight layout"),
         ("decoder_first_pipeline_num_layers", bool, "uneven pipeline stages"),
         ("decoder_last_pipeline_num_layers", bool, "uneven pipeline stages"),
+        ("pipeline_model_parallel_layout", bool, "uneven pipeline stages (a layout string)"),
         ("multi_latent_attention", bool, "multi-latent attention"),
         ("mtp_num_layers", bool, "multi-token prediction (its mtp.* weights are not mapped)"),
         ("apply_residual_connection_post_layernorm", bool, "post-norm residuals"),
