@@ -16,7 +16,7 @@ from .spec import ACTIVATIONS, MIXER_KINDS, NORMS, LayerSpec, NormKind, layer_sp
 logger = logging.getLogger(__name__)
 
 # The rotary scalings models/rope.py computes (transformers' `rope_type` names).
-ROPE_TYPES = ("default", "linear", "llama3", "dynamic", "yarn", "longrope")
+ROPE_TYPES = ("default", "linear", "llama3", "dynamic", "yarn", "longrope", "proportional")
 
 PARAMS_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -132,6 +132,8 @@ class TransformerConfig(ModelCounts):
     attn_logit_softcapping: float | None = None  # attention scores -> c * tanh(scores / c)
     final_logit_softcapping: float | None = None  # logits -> c * tanh(logits / c)
     attention_sinks: bool = False  # a learned sink logit per head in each softmax (gpt-oss)
+    value_norm: bool = False  # a weightless RMSNorm over head_dim on each value head (Gemma 4)
+    layer_scalar: bool = False  # a learned scalar per layer multiplying its output (Gemma 4)
     swiglu_alpha: float = 1.702  # activation "swiglu_clamped" (gpt-oss): gate * sigmoid(alpha gate)
     swiglu_limit: float | None = None  # its clamp of gate (above) and up (both sides)
     moe_router_bias: bool = False  # a learned bias on the router logits (gpt-oss)

@@ -76,6 +76,7 @@ class ModelCounts:
             attention = self.latent_attention_parameters(tp)
         attention += self.num_attention_heads / tp if self.attention_sinks else 0
         norms = (4 if self.post_norms else 2) * self.norm_parameters()
+        norms += 1 if self.layer_scalar else 0
         return attention + self.mlp_parameters(layer, tp, ep, active) + norms
 
     def latent_attention_parameters(self, tp: int = 1) -> float:
