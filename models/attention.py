@@ -83,6 +83,8 @@ class ParallelAttention(nn.Module):
         super().__init__()
         h, heads, groups, d = (config.hidden_size, config.num_attention_heads,
                                config.num_query_groups, config.head_dim)
+        if spec is not None and spec.head_dim is not None:
+            d = spec.head_dim  # this layer's own head size (Gemma 4's full layers)
         self.heads_local, self.head_dim = heads // topo.tp, d
         self.groups_local = max(groups // topo.tp, 1)  # 1 when KV heads are replicated
         self.q_per_group_local = self.heads_local // self.groups_local
@@ -121,7 +123,7 @@ class ParallelAttention(nn.Module):
         self.rotary = None
         if spec is not None and spec.rope_theta is not None:
             self.rotary = RotaryEmbedding(config, topo.device, theta=spec.rope_theta,
-                                          scaling=spec.rope_scaling)
+                                          scaling=spec.rope_scaling, head_dim=d)
         elif spec is None and config.position_embedding == "rope":
             self.rotary = RotaryEmbedding(config, topo.device)
         # gpt-oss: a learned sink logit per head (this rank's heads), in every softmax

@@ -134,6 +134,8 @@ class TransformerConfig(ModelCounts):
     attention_sinks: bool = False  # a learned sink logit per head in each softmax (gpt-oss)
     value_norm: bool = False  # a weightless RMSNorm over head_dim on each value head (Gemma 4)
     layer_scalar: bool = False  # a learned scalar per layer multiplying its output (Gemma 4)
+    global_kv_channels: int | None = None  # full-attention layers' own head_dim (Gemma 4's
+    #   global_head_dim); None: kv_channels, as every other layer
     swiglu_alpha: float = 1.702  # activation "swiglu_clamped" (gpt-oss): gate * sigmoid(alpha gate)
     swiglu_limit: float | None = None  # its clamp of gate (above) and up (both sides)
     moe_router_bias: bool = False  # a learned bias on the router logits (gpt-oss)
@@ -217,6 +219,9 @@ class TransformerConfig(ModelCounts):
         if any(not 0 <= i < self.num_layers for i in self.full_attention_layers):
             raise ValueError(f"full_attention_layers {list(self.full_attention_layers)} name layers "
                              f"outside 0..{self.num_layers - 1}")
+        if self.global_kv_channels is not None and (self.kv_lora_rank or self.token_mixers):
+            raise ValueError("global_kv_channels (full layers' own head_dim) is for attention "
+                             "layers only: drop it, or kv_lora_rank / token_mixers")
         self.family = resolve_family(self)
         if self.rope_scaling is not None:
             kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))

@@ -18,7 +18,7 @@ FULL = dict(sliding_window=None)
 CLASSIC = dict(rope_local_theta=None, post_norms=False, embedding_scale=False,
                query_pre_attn_scalar=None, attn_logit_softcapping=None,
                final_logit_softcapping=None, attention_sinks=False, value_norm=False,
-               layer_scalar=False, swiglu_alpha=1.702,
+               layer_scalar=False, global_kv_channels=None, swiglu_alpha=1.702,
                swiglu_limit=None, token_mixers=None)
 # no multi-head latent attention, no multi-token prediction (DeepSeek-V3 has both)
 MHA = dict(CLASSIC, kv_lora_rank=None, mtp_num_layers=0)

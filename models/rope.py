@@ -156,18 +156,19 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 class RotaryEmbedding(nn.Module):
     """Rotates queries and keys [b, heads, s, head_dim] by their absolute positions; with the
-    config's rope_theta and rope_scaling, or a layer's own (`theta`, `scaling`: its layer spec)."""
+    config's rope_theta and rope_scaling, or a layer's own (`theta`, `scaling`, `head_dim`: its
+    layer spec)."""
 
     def __init__(self, config: TransformerConfig, device=None, *, theta: float | None = None,
-                 scaling: dict | None = None):
+                 scaling: dict | None = None, head_dim: int | None = None):
         super().__init__()
         if theta is None:
             theta, scaling = config.rope_theta, config.rope_scaling
-        self.head_dim, self.theta = config.head_dim, theta
+        self.head_dim, self.theta = head_dim or config.head_dim, theta
         self.scaling, self.max_positions = scaling, config.max_position_embeddings
         self.by_length = rope_type(scaling) in ("dynamic", "longrope")
         self.factor = attention_factor(scaling, config.max_position_embeddings)
-        inv_freq = inverse_frequencies(config.head_dim, theta, scaling,
+        inv_freq = inverse_frequencies(self.head_dim, theta, scaling,
                                        config.max_position_embeddings)
         # Not persistent: recomputed from the config, never stored in checkpoints.
         self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)

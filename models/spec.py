@@ -115,6 +115,7 @@ class MixerSpec:
     softcap: float | None = None  # scores -> softcap * tanh(scores / softcap)
     scale: float | None = None  # softmax scale (None: 1 / sqrt(head_dim))
     v_norm: bool = False  # a weightless RMSNorm over head_dim on each value head (Gemma 4)
+    head_dim: int | None = None  # this layer's own head size (None: the config's head_dim)
 
 
 @dataclass(frozen=True)
@@ -159,6 +160,7 @@ def layer_spec(config, layer: int) -> LayerSpec:
         rope_theta=theta, rope_scaling=scaling, qk_norm=config.qk_layernorm,
         sinks=config.attention_sinks, softcap=config.attn_logit_softcapping,
         v_norm=config.value_norm,
+        head_dim=config.global_kv_channels if window is None else None,
         scale=None if config.query_pre_attn_scalar is None else config.query_pre_attn_scalar ** -0.5)
     mlp_kind = "moe" if config.is_moe_layer(layer) else "dense"
     if config.layer_mlps is not None and layer < len(config.layer_mlps):

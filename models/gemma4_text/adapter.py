@@ -1,7 +1,8 @@
 """Gemma 4 text <-> Hugging Face `Gemma4ForCausalLM` (`Gemma4TextConfig`): every config field
 mapped both ways or refused, and the tensors (Gemma 3's layout, models/gemma3_text/adapter.py,
-plus each layer's `layer_scalar`). Not modelled, each refused in one line naming the field:
-full layers with their own head_dim or key/value heads, per-layer input embeddings, KV sharing,
+plus each layer's `layer_scalar`). Full layers may have their own head size (global_head_dim -> global_kv_channels).
+Not modelled, each refused in one line naming the field: full layers with their own key/value
+heads, per-layer input embeddings, KV sharing,
 attention_k_eq_v, the MoE block beside the MLP, bidirectional attention, attention bias."""
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 from ..config import ROPE_TYPES, TransformerConfig, canonical_rope_scaling
 from ..hf_fields import check_fields, refuse
 from ..language_model import WORD_EMBEDDINGS
-from ..llama_like import fuse_qkv, split_qkv
+from ..llama_like import fuse_qkv
 from ..rope import rope_type
 
 FAMILY = "Gemma4"
@@ -58,20 +59,22 @@ def _rope(hf) -> tuple[float, dict | None, float]:
     return float(theta), (full if kind != "default" else None), float(local_theta)
 
 
-def _check_full_layers(hf, full: tuple[int, ...]) -> None:
-    """Full layers must share the sliding layers' attention shape (one shape per model)."""
+def _full_head_dim(hf, full: tuple[int, ...]) -> int | None:
+    """The full layers' own head size (global_head_dim) where it differs from head_dim, else None;
+    their key/value heads must be the sliding layers'."""
     fields = hf.to_dict()  # (transformers refuses hf.head_dim itself when layers differ)
     head_dim, kv_heads = fields["head_dim"], fields["num_key_value_heads"]
+    sizes = {hf.per_layer_config[i].head_dim for i in full}
+    if len(sizes) > 1:
+        raise refuse(FAMILY, "per_layer_config", sorted(sizes), "one head_dim for the full layers")
     for i in full:
         layer = hf.per_layer_config[i]
-        if layer.head_dim != head_dim:
-            raise refuse(FAMILY, "global_head_dim", layer.head_dim,
-                         f"global_head_dim={head_dim} (= head_dim; full layers with their own "
-                         f"head size are not modelled)")
         if layer.num_key_value_heads != kv_heads:
             raise refuse(FAMILY, "num_global_key_value_heads", layer.num_key_value_heads,
                          f"num_global_key_value_heads=None or {kv_heads} "
                          f"(= num_key_value_heads)")
+    size = sizes.pop() if sizes else head_dim
+    return size if size != head_dim else None
 
 
 def config_from_hf(hf) -> TransformerConfig:
@@ -87,13 +90,15 @@ def config_from_hf(hf) -> TransformerConfig:
         raise refuse(FAMILY, "layer_types", types,
                      f"{hf.num_hidden_layers} entries of {list(LAYER_TYPES)}")
     full = tuple(i for i, t in enumerate(types) if t == "full_attention")
-    _check_full_layers(hf, full)
+    global_head_dim = _full_head_dim(hf, full)
     window = hf.sliding_window if len(full) < len(types) else None
     theta, scaling, local_theta = _rope(hf)
+    fields = hf.to_dict()
     return TransformerConfig(
         family="gemma4_text", vocab_size=hf.vocab_size, hidden_size=hf.hidden_size,
         num_layers=hf.num_hidden_layers, num_attention_heads=hf.num_attention_heads,
-        num_query_groups=hf.num_key_value_heads, kv_channels=hf.head_dim,
+        num_query_groups=fields["num_key_value_heads"], kv_channels=fields["head_dim"],
+        global_kv_channels=global_head_dim,
         ffn_hidden_size=hf.intermediate_size, max_position_embeddings=hf.max_position_embeddings,
         position_embedding="rope", rope_theta=theta, rope_scaling=scaling,
         rope_local_theta=local_theta, sliding_window=window,
@@ -120,7 +125,7 @@ def hf_config(config: TransformerConfig, **extra):
         intermediate_size=config.ffn_hidden_size, num_hidden_layers=config.num_layers,
         num_attention_heads=config.num_attention_heads,
         num_key_value_heads=config.num_query_groups, head_dim=config.head_dim,
-        global_head_dim=config.head_dim, hidden_activation="gelu_pytorch_tanh",
+        global_head_dim=config.global_kv_channels or config.head_dim, hidden_activation="gelu_pytorch_tanh",
         max_position_embeddings=config.max_position_embeddings,
         initializer_range=config.init_method_std, rms_norm_eps=config.layernorm_epsilon,
         tie_word_embeddings=config.tie_word_embeddings,
@@ -155,7 +160,7 @@ def from_hf_state_dict(sd: dict[str, torch.Tensor], config: TransformerConfig) -
     out = {mz: sd[hf] for mz, hf in _pairs(config)}
     for i in range(config.num_layers):
         m, h = f"layers.{i}.", f"model.layers.{i}."
-        q, k, v = (sd[h + f"self_attn.{x}_proj.weight"] for x in "qkv")
+        q, k, v = (sd[h + f"self_attn.{x}_proj.weight"] for x in "qkv")  # (k, v: any head size)
         out[m + "attention.qkv.weight"] = fuse_qkv(q, k, v, config.num_query_groups)
         out[m + "mlp.fc1.weight"] = torch.cat([sd[h + "mlp.gate_proj.weight"],
                                                sd[h + "mlp.up_proj.weight"]])
@@ -167,8 +172,16 @@ def to_hf_state_dict(full: dict[str, torch.Tensor], config: TransformerConfig) -
     out = {hf: full[mz] for mz, hf in _pairs(config)}
     for i in range(config.num_layers):
         m, h = f"layers.{i}.", f"model.layers.{i}."
-        for x, t in zip("qkv", split_qkv(full[m + "attention.qkv.weight"], config)):
+        for x, t in zip("qkv", _split_qkv(full[m + "attention.qkv.weight"], config, i)):
             out[h + f"self_attn.{x}_proj.weight"] = t
         gate, up = full[m + "mlp.fc1.weight"].chunk(2)
         out[h + "mlp.gate_proj.weight"], out[h + "mlp.up_proj.weight"] = gate, up
     return {k: v.contiguous() for k, v in out.items()}
+
+
+def _split_qkv(t: torch.Tensor, config: TransformerConfig, layer: int) -> list[torch.Tensor]:
+    """The fused [q heads of the group, k, v] per group rows -> HF q, k, v (layer's head size)."""
+    groups, d = config.num_query_groups, config.layer_head_dim(layer)
+    q_rows = config.num_attention_heads // groups * d
+    q, k, v = t.reshape(groups, -1, *t.shape[1:]).split([q_rows, d, d], dim=1)
+    return [x.reshape(-1, *t.shape[1:]) for x in (q, k, v)]

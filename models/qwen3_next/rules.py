@@ -2,7 +2,7 @@
 layers with a softmax-router mixture of experts and a gated shared expert."""
 
 SHAPE = dict(position_embedding="rope", normalization="rmsnorm_offset", activation="swiglu",
-             embedding_layernorm=False, post_norms=False, value_norm=False, layer_scalar=False, embedding_scale=False, qk_layernorm=True,
+             embedding_layernorm=False, post_norms=False, value_norm=False, layer_scalar=False, global_kv_channels=None, embedding_scale=False, qk_layernorm=True,
              bias=False, add_qkv_bias=False, attention_sinks=False, kv_lora_rank=None,
              mtp_num_layers=0, sliding_window=None, rope_local_theta=None,
              query_pre_attn_scalar=None, attn_logit_softcapping=None,

@@ -1,7 +1,7 @@
 """Gemma 4 text, a family folder (models/gemma4_text/), against transformers' Gemma4ForCausalLM:
 a random model with odd sizes and the features megazoo models on (5:1 sliding/full layers with
 two RoPE bases, "proportional" partial RoPE on the full ones, grouped-query attention with a
-decoupled head_dim, value norm, per-layer scalars (perturbed away from 1), softmax scale 1,
+decoupled head_dim and the full layers' own (global_head_dim), value norm, per-layer scalars (perturbed away from 1), softmax scale 1,
 final logit softcapping, untied head), fp32; each unmodelled feature is refused in one line.
 Logits within 1e-5, greedy generation equal, export back bit-identical; in one 2-rank world the
 tp2 and pp2 logits equal the unsharded model's."""
@@ -26,7 +26,7 @@ def _hf_config(**overrides):
     fields = dict(
         vocab_size=VOCAB, hidden_size=44, intermediate_size=70, num_hidden_layers=7,
         num_attention_heads=4, num_key_value_heads=2, head_dim=10, max_position_embeddings=64,
-        rms_norm_eps=1e-6, sliding_window=5, global_head_dim=10,
+        rms_norm_eps=1e-6, sliding_window=5, global_head_dim=14,
         layer_types=["sliding_attention"] * 2 + ["full_attention"] + ["sliding_attention"] * 3
         + ["full_attention"],
         hidden_size_per_layer_input=0,
@@ -60,13 +60,15 @@ def test_config_maps_every_field_both_ways(pair):
     assert cfg.layer_spec(0).mixer.rope_theta == 777.0 and cfg.layer_spec(0).mixer.rope_scaling is None
     assert cfg.layer_spec(6).mixer.rope_scaling == {"rope_type": "proportional",
                                                     "partial_rotary_factor": 0.5}
+    assert cfg.global_kv_channels == 14 and cfg.layer_spec(6).mixer.head_dim == 14
+    assert cfg.layer_spec(0).mixer.head_dim is None
     spec = cfg.layer_spec(0)
     assert spec.mixer.v_norm and spec.scalar and spec.mixer.scale == 1.0
     assert_config_round_trip(hf, cfg, adapter)
     for field, value in (("hidden_activation", "silu"), ("attention_bias", True),
                          ("hidden_size_per_layer_input", 8), ("num_kv_shared_layers", 2),
                          ("attention_k_eq_v", True), ("enable_moe_block", True),
-                         ("use_bidirectional_attention", "all"), ("global_head_dim", 20)):
+                         ("use_bidirectional_attention", "all")):
         with pytest.raises(ValueError, match=f"^Gemma4 config.json: {field}="):
             adapter.config_from_hf(_hf_config(**{field: value}))
 
