@@ -219,9 +219,10 @@ class TransformerConfig(ModelCounts):
         if any(not 0 <= i < self.num_layers for i in self.full_attention_layers):
             raise ValueError(f"full_attention_layers {list(self.full_attention_layers)} name layers "
                              f"outside 0..{self.num_layers - 1}")
-        if self.global_kv_channels is not None and (self.kv_lora_rank or self.token_mixers):
-            raise ValueError("global_kv_channels (full layers' own head_dim) is for attention "
-                             "layers only: drop it, or kv_lora_rank / token_mixers")
+        for name in ("global_kv_channels", "value_norm"):  # options of ParallelAttention only
+            if getattr(self, name) not in (None, False) and (self.kv_lora_rank or self.token_mixers):
+                raise ValueError(f"{name} is an option of attention layers only: drop it, or "
+                                 f"kv_lora_rank / token_mixers")
         self.family = resolve_family(self)
         if self.rope_scaling is not None:
             kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
