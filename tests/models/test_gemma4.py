@@ -31,7 +31,8 @@ def _hf_config(**overrides):
         + ["full_attention"],
         hidden_size_per_layer_input=0,
         rope_parameters={"full_attention": {"rope_type": "proportional",
-                                            "partial_rotary_factor": 0.5, "rope_theta": 50000.0},
+                                            "partial_rotary_factor": 0.5, "factor": 2.0,
+                                            "rope_theta": 50000.0},
                          "sliding_attention": {"rope_type": "default", "rope_theta": 777.0}},
         final_logit_softcapping=7.0, tie_word_embeddings=False,
         initializer_range=0.05, pad_token_id=0, bos_token_id=1, eos_token_id=2)
@@ -59,7 +60,7 @@ def test_config_maps_every_field_both_ways(pair):
     assert cfg.full_attention_layers == (2, 6) and cfg.sliding_window == 5
     assert cfg.layer_spec(0).mixer.rope_theta == 777.0 and cfg.layer_spec(0).mixer.rope_scaling is None
     assert cfg.layer_spec(6).mixer.rope_scaling == {"rope_type": "proportional",
-                                                    "partial_rotary_factor": 0.5}
+                                                    "partial_rotary_factor": 0.5, "factor": 2.0}
     assert cfg.global_kv_channels == 14 and cfg.layer_spec(6).mixer.head_dim == 14
     assert cfg.layer_spec(0).mixer.head_dim is None
     spec = cfg.layer_spec(0)
