@@ -83,6 +83,8 @@ class ParallelAttention(nn.Module):
         super().__init__()
         h, heads, groups, d = (config.hidden_size, config.num_attention_heads,
                                config.num_query_groups, config.head_dim)
+        if spec is not None and spec.head_dim is not None:
+            d = spec.head_dim  # this layer's own head size (Gemma 4's full layers)
         self.heads_local, self.head_dim = heads // topo.tp, d
         self.groups_local = max(groups // topo.tp, 1)  # 1 when KV heads are replicated
         self.q_per_group_local = self.heads_local // self.groups_local
@@ -116,10 +118,12 @@ class ParallelAttention(nn.Module):
         if qk_norm:
             self.q_norm = build_norm(config, topo, in_sequence_region=False, size=d, over_tp_heads=True)
             self.k_norm = build_norm(config, topo, in_sequence_region=False, size=d, over_tp_heads=True)
+        # Gemma 4: values normalised per head (no weight), as x / rms(x)
+        self.v_norm_eps = config.layernorm_epsilon if spec is not None and spec.v_norm else None
         self.rotary = None
         if spec is not None and spec.rope_theta is not None:
             self.rotary = RotaryEmbedding(config, topo.device, theta=spec.rope_theta,
-                                          scaling=spec.rope_scaling)
+                                          scaling=spec.rope_scaling, head_dim=d)
         elif spec is None and config.position_embedding == "rope":
             self.rotary = RotaryEmbedding(config, topo.device)
         # gpt-oss: a learned sink logit per head (this rank's heads), in every softmax
@@ -198,6 +202,9 @@ class ParallelAttention(nn.Module):
         k, v = k.squeeze(3).permute(1, 2, 0, 3), v.squeeze(3).permute(1, 2, 0, 3)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        if self.v_norm_eps is not None:
+            v32 = v.float()
+            v = (v32 * torch.rsqrt(v32.pow(2).mean(-1, keepdim=True) + self.v_norm_eps)).to(v.dtype)
         if self.rotary is not None:
             offset = cache.offset if cache is not None else 0
             positions = documents.positions if documents is not None and documents.positions is not None \

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megazoo.parallel.random import RNGStreams
+from megazoo.parallel.tensor_parallel import sequence_parallel_param
 from megazoo.parallel.topology import ParallelTopology
 
 from .attention import KVCache, ParallelAttention, alibi_slopes  # noqa: F401 - re-exported
@@ -53,7 +54,8 @@ assert tuple(TOKEN_MIXERS) == MIXER_KINDS and tuple(MLPS) == MLP_KINDS, "models/
 
 class TransformerLayer(nn.Module):
     """Pre-norm block: x + drop(mixer(norm(x))), then x + drop(mlp(norm(x))); with the spec's
-    post_norms a norm also follows the mixer and the MLP (before each residual add)."""
+    post_norms a norm also follows the mixer and the MLP (before each residual add); with its
+    scalar the output (residual included) is multiplied by a learned per-layer scalar."""
 
     def __init__(self, config: TransformerConfig, topo: ParallelTopology, init: Initializer,
                  layer_number: int, rng: RNGStreams | None, spec: LayerSpec | None = None):
@@ -73,6 +75,10 @@ class TransformerLayer(nn.Module):
         if spec.post_norms:
             self.attention_output_norm = build_norm(config, topo)
             self.mlp_output_norm = build_norm(config, topo)
+        # Gemma 4: one learned scalar times the layer's output (TP-replicated, like a norm weight)
+        self.layer_scalar = None
+        if spec.scalar:
+            self.layer_scalar = nn.Parameter(torch.ones(1, device=topo.device, dtype=config.dtype))
 
     def residual_dropout(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.dropout == 0:
@@ -87,9 +93,11 @@ class TransformerLayer(nn.Module):
             if self.attention_output_norm is not None:
                 y = self.attention_output_norm(y)
             x = x + self.residual_dropout(y)
-        if self.mlp is None:
-            return x
-        y = self.mlp(self.post_attention_norm(x))
-        if self.mlp_output_norm is not None:
-            y = self.mlp_output_norm(y)
-        return x + self.residual_dropout(y)
+        if self.mlp is not None:
+            y = self.mlp(self.post_attention_norm(x))
+            if self.mlp_output_norm is not None:
+                y = self.mlp_output_norm(y)
+            x = x + self.residual_dropout(y)
+        if self.layer_scalar is not None:
+            x = x * sequence_parallel_param(self.layer_scalar, self.topo)
+        return x

@@ -16,7 +16,7 @@ from .spec import ACTIVATIONS, MIXER_KINDS, NORMS, LayerSpec, NormKind, layer_sp
 logger = logging.getLogger(__name__)
 
 # The rotary scalings models/rope.py computes (transformers' `rope_type` names).
-ROPE_TYPES = ("default", "linear", "llama3", "dynamic", "yarn", "longrope")
+ROPE_TYPES = ("default", "linear", "llama3", "dynamic", "yarn", "longrope", "proportional")
 
 PARAMS_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -132,6 +132,10 @@ class TransformerConfig(ModelCounts):
     attn_logit_softcapping: float | None = None  # attention scores -> c * tanh(scores / c)
     final_logit_softcapping: float | None = None  # logits -> c * tanh(logits / c)
     attention_sinks: bool = False  # a learned sink logit per head in each softmax (gpt-oss)
+    value_norm: bool = False  # a weightless RMSNorm over head_dim on each value head (Gemma 4)
+    layer_scalar: bool = False  # a learned scalar per layer multiplying its output (Gemma 4)
+    global_kv_channels: int | None = None  # full-attention layers' own head_dim (Gemma 4's
+    #   global_head_dim); None: kv_channels, as every other layer
     swiglu_alpha: float = 1.702  # activation "swiglu_clamped" (gpt-oss): gate * sigmoid(alpha gate)
     swiglu_limit: float | None = None  # its clamp of gate (above) and up (both sides)
     moe_router_bias: bool = False  # a learned bias on the router logits (gpt-oss)
@@ -215,6 +219,10 @@ class TransformerConfig(ModelCounts):
         if any(not 0 <= i < self.num_layers for i in self.full_attention_layers):
             raise ValueError(f"full_attention_layers {list(self.full_attention_layers)} name layers "
                              f"outside 0..{self.num_layers - 1}")
+        for name in ("global_kv_channels", "value_norm"):  # options of ParallelAttention only
+            if getattr(self, name) not in (None, False) and (self.kv_lora_rank or self.token_mixers):
+                raise ValueError(f"{name} is an option of attention layers only: drop it, or "
+                                 f"kv_lora_rank / token_mixers")
         self.family = resolve_family(self)
         if self.rope_scaling is not None:
             kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))

@@ -65,7 +65,7 @@ class ModelCounts:
         shape = self._hybrid()
         if shape is not None and layer < shape.num_layers:
             return sum(hybrid_counts.layer_parameters(shape, layer, tp, ep, active))
-        h, d = self.hidden_size, self.head_dim
+        h, d = self.hidden_size, self.layer_head_dim(layer)
         attn = self.num_attention_heads * d  # = h unless kv_channels decouples the head size
         qkv = (self.num_attention_heads + 2 * max(self.num_query_groups, tp)) * d
         bias = 1 if self.bias else 0
@@ -76,7 +76,14 @@ class ModelCounts:
             attention = self.latent_attention_parameters(tp)
         attention += self.num_attention_heads / tp if self.attention_sinks else 0
         norms = (4 if self.post_norms else 2) * self.norm_parameters()
+        norms += 1 if self.layer_scalar else 0
         return attention + self.mlp_parameters(layer, tp, ep, active) + norms
+
+    def layer_head_dim(self, layer: int) -> int:
+        """Layer `layer`'s head size: head_dim, or global_kv_channels on full-attention layers."""
+        if self.global_kv_channels is not None and self.attention_window(layer) is None:
+            return self.global_kv_channels
+        return self.head_dim
 
     def latent_attention_parameters(self, tp: int = 1) -> float:
         """Multi-latent attention (models/mla.py) on one TP rank: the down-projections and latent

@@ -17,7 +17,8 @@ FULL = dict(sliding_window=None)
 # before them refuse each.
 CLASSIC = dict(rope_local_theta=None, post_norms=False, embedding_scale=False,
                query_pre_attn_scalar=None, attn_logit_softcapping=None,
-               final_logit_softcapping=None, attention_sinks=False, swiglu_alpha=1.702,
+               final_logit_softcapping=None, attention_sinks=False, value_norm=False,
+               layer_scalar=False, global_kv_channels=None, swiglu_alpha=1.702,
                swiglu_limit=None, token_mixers=None)
 # no multi-head latent attention, no multi-token prediction (DeepSeek-V3 has both)
 MHA = dict(CLASSIC, kv_lora_rank=None, mtp_num_layers=0)
@@ -34,7 +35,8 @@ QWEN35_LAYERS = dict(position_embedding="rope", normalization="rmsnorm_offset", 
                      rope_local_theta=None, query_pre_attn_scalar=None,
                      attn_logit_softcapping=None, final_logit_softcapping=None,
                      scale_attn_weights=True, scale_attn_by_inverse_layer_idx=False,
-                     rope_scaling=None, mamba_num_heads=None)
+                     rope_scaling=None, mamba_num_heads=None, value_norm=False,
+                     layer_scalar=False, global_kv_channels=None)
 
 # ---- presets (models/<family>/presets.py PRESETS) --------------------------------------------
 

@@ -1,7 +1,8 @@
 """Rotary position embeddings (Su et al. 2021) with Hugging Face's conventions.
 
 Frequencies follow `transformers.modeling_rope_utils` for every `rope_type` the Llama-shaped
-families take: default, linear (position interpolation), llama3, dynamic (NTK-aware, the base
+families take: default, proportional (Gemma 4: a leading share of the frequencies, the rest 0), linear
+(position interpolation), llama3, dynamic (NTK-aware, the base
 grown with the sequence), yarn (Peng et al. 2023: interpolated and extrapolated frequencies
 blended over a ramp, cos/sin multiplied by the attention factor) and longrope (per-frequency
 factors, the long set past the original length, with its attention factor). Rotation uses
@@ -70,6 +71,14 @@ def attention_factor(scaling: dict | None, max_position_embeddings: int) -> floa
         return float(scaling["attention_factor"])
     old_len = _original_length(scaling, max_position_embeddings)
     factor = scaling.get("factor") or max_position_embeddings / old_len
+    if kind == "proportional":
+        # Gemma 4's full layers: the first partial_rotary_factor of the frequencies rotate (with
+        # exponents over the whole head_dim), the rest are 0 (those channels stay put)
+        angles = int(scaling.get("partial_rotary_factor", 1.0) * head_dim // 2)
+        inv_freq = 1.0 / (theta ** (torch.arange(0, 2 * angles, 2, dtype=torch.int64).float()
+                                    / head_dim))
+        inv_freq = torch.cat([inv_freq, torch.zeros(head_dim // 2 - angles)])
+        return inv_freq / scaling.get("factor", 1.0)
     if kind == "longrope":
         return 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(old_len))
 
@@ -104,6 +113,14 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: dict | None = None
         return _base_frequencies(head_dim, theta)
     if kind == "yarn":
         return _yarn(head_dim, theta, scaling, max_position_embeddings)
+    if kind == "proportional":
+        # Gemma 4's full layers: the first partial_rotary_factor of the frequencies rotate (with
+        # exponents over the whole head_dim), the rest are 0 (those channels stay put)
+        angles = int(scaling.get("partial_rotary_factor", 1.0) * head_dim // 2)
+        inv_freq = 1.0 / (theta ** (torch.arange(0, 2 * angles, 2, dtype=torch.int64).float()
+                                    / head_dim))
+        inv_freq = torch.cat([inv_freq, torch.zeros(head_dim // 2 - angles)])
+        return inv_freq / scaling.get("factor", 1.0)
     if kind == "longrope":
         old_len = _original_length(scaling, max_position_embeddings)
         ext = scaling["long_factor"] if seq_len and seq_len > old_len else scaling["short_factor"]
@@ -139,18 +156,19 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 class RotaryEmbedding(nn.Module):
     """Rotates queries and keys [b, heads, s, head_dim] by their absolute positions; with the
-    config's rope_theta and rope_scaling, or a layer's own (`theta`, `scaling`: its layer spec)."""
+    config's rope_theta and rope_scaling, or a layer's own (`theta`, `scaling`, `head_dim`: its
+    layer spec)."""
 
     def __init__(self, config: TransformerConfig, device=None, *, theta: float | None = None,
-                 scaling: dict | None = None):
+                 scaling: dict | None = None, head_dim: int | None = None):
         super().__init__()
         if theta is None:
             theta, scaling = config.rope_theta, config.rope_scaling
-        self.head_dim, self.theta = config.head_dim, theta
+        self.head_dim, self.theta = head_dim or config.head_dim, theta
         self.scaling, self.max_positions = scaling, config.max_position_embeddings
         self.by_length = rope_type(scaling) in ("dynamic", "longrope")
         self.factor = attention_factor(scaling, config.max_position_embeddings)
-        inv_freq = inverse_frequencies(config.head_dim, theta, scaling,
+        inv_freq = inverse_frequencies(self.head_dim, theta, scaling,
                                        config.max_position_embeddings)
         # Not persistent: recomputed from the config, never stored in checkpoints.
         self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)

@@ -4,7 +4,7 @@ A model is the embedding, one `LayerSpec` per layer, the final norm and the head
 names its norm kind, its token mixer (attention with its window, RoPE base and scaling, q/k norm,
 sinks and softcap; or multi-head latent attention; later linear attention), its MLP (dense or
 mixture of experts, with its activation) and whether norms also follow the mixer and the MLP
-(Gemma's sandwich). Alternating and hybrid layer patterns are therefore data, and the shared
+(Gemma's sandwich) and whether a learned scalar scales its output (Gemma 4). Alternating and hybrid layer patterns are therefore data, and the shared
 blocks (models/blocks.py, norms.py, mlp.py, moe.py, attention.py) take their choices from the
 spec through the tables here and the builder table in models/blocks.py, never by comparing a
 family name or a string.
@@ -114,6 +114,8 @@ class MixerSpec:
     sinks: bool = False  # a learned per-head sink logit in the softmax (gpt-oss)
     softcap: float | None = None  # scores -> softcap * tanh(scores / softcap)
     scale: float | None = None  # softmax scale (None: 1 / sqrt(head_dim))
+    v_norm: bool = False  # a weightless RMSNorm over head_dim on each value head (Gemma 4)
+    head_dim: int | None = None  # this layer's own head size (None: the config's head_dim)
 
 
 @dataclass(frozen=True)
@@ -135,6 +137,7 @@ class LayerSpec:
     mixer: MixerSpec
     mlp: MLPSpec
     post_norms: bool = False  # norms after the mixer and the MLP too, before each residual add
+    scalar: bool = False  # a learned scalar multiplying the layer's output, residual included
 
     def check(self) -> "LayerSpec":
         lookup(NORMS, self.norm, "normalization")
@@ -156,6 +159,8 @@ def layer_spec(config, layer: int) -> LayerSpec:
         kind=kind, window=window,
         rope_theta=theta, rope_scaling=scaling, qk_norm=config.qk_layernorm,
         sinks=config.attention_sinks, softcap=config.attn_logit_softcapping,
+        v_norm=config.value_norm,
+        head_dim=config.global_kv_channels if window is None else None,
         scale=None if config.query_pre_attn_scalar is None else config.query_pre_attn_scalar ** -0.5)
     mlp_kind = "moe" if config.is_moe_layer(layer) else "dense"
     if config.layer_mlps is not None and layer < len(config.layer_mlps):
@@ -163,4 +168,4 @@ def layer_spec(config, layer: int) -> LayerSpec:
     mlp = MLPSpec(kind=mlp_kind,
                   activation=config.activation)
     return LayerSpec(norm=config.normalization, mixer=mixer, mlp=mlp,
-                     post_norms=config.post_norms).check()
+                     post_norms=config.post_norms, scalar=config.layer_scalar).check()

@@ -37,6 +37,7 @@ FLAGS = {  # family: its default preset shrunk (heads 4 need key/value groups di
     "qwen2_moe": ["--num-query-groups", "2", "--moe-shared-expert-intermediate-size", "40"] + MOE,
     "qwen3_moe": ["--num-query-groups", "2", "--kv-channels", "16"] + MOE,
     "gemma3_text": ["--num-query-groups", "2", "--kv-channels", "16"],  # window 4 < 9 tokens
+    "gemma4_text": ["--num-query-groups", "2", "--kv-channels", "16"],
     "gpt_oss": ["--num-query-groups", "2", "--kv-channels", "16"] + MOE,
     "deepseek_v3": MOE + ["--moe-router-num-groups", "2", "--moe-router-group-topk", "1",
                           "--moe-shared-expert-intermediate-size", "24"],

@@ -1,0 +1,187 @@
+"""Gemma 4 text <-> Hugging Face `Gemma4ForCausalLM` (`Gemma4TextConfig`): every config field
+mapped both ways or refused, and the tensors (Gemma 3's layout, models/gemma3_text/adapter.py,
+plus each layer's `layer_scalar`). Full layers may have their own head size (global_head_dim -> global_kv_channels).
+Not modelled, each refused in one line naming the field: full layers with their own key/value
+heads, per-layer input embeddings, KV sharing,
+attention_k_eq_v, the MoE block beside the MLP, bidirectional attention, attention bias."""
+from __future__ import annotations
+
+import torch
+
+from ..config import ROPE_TYPES, TransformerConfig, canonical_rope_scaling
+from ..hf_fields import check_fields, refuse
+from ..language_model import WORD_EMBEDDINGS
+from ..llama_like import fuse_qkv
+from ..rope import rope_type
+
+FAMILY = "Gemma4"
+MAPPED = frozenset({
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "hidden_activation", "max_position_embeddings",
+    "initializer_range", "rms_norm_eps", "tie_word_embeddings", "rope_parameters",
+    "attention_bias", "attention_dropout", "sliding_window", "layer_types",
+    "final_logit_softcapping", "use_bidirectional_attention", "hidden_size_per_layer_input",
+    "attention_k_eq_v", "num_kv_shared_layers", "enable_moe_block", "per_layer_config"})
+# read by transformers only with a feature refused above: per-layer inputs' vocabulary, the
+# KV-sharing layers' wide MLP, the MoE block's shape
+IGNORED = frozenset({"vocab_size_per_layer_input", "use_double_wide_mlp", "num_experts",
+                     "top_k_experts", "moe_intermediate_size"})
+LAYER_TYPES = ("sliding_attention", "full_attention")
+TANH_GELU = ("gelu_pytorch_tanh", "gelu_tanh")  # ACT2FN's tanh-approximated GELU names
+# Gemma's four norms per layer and the q/k norms (the value norm has no weight)
+_NORMS = (("input_norm", "input_layernorm"), ("attention_output_norm", "post_attention_layernorm"),
+          ("post_attention_norm", "pre_feedforward_layernorm"),
+          ("mlp_output_norm", "post_feedforward_layernorm"),
+          ("attention.q_norm", "self_attn.q_norm"), ("attention.k_norm", "self_attn.k_norm"))
+_OFF = (("hidden_size_per_layer_input", (0, None), "0 (no per-layer input embeddings)"),
+        ("num_kv_shared_layers", (0, None), "0 (every layer its own keys and values)"),
+        ("attention_k_eq_v", (False, None), "False (values projected apart from keys)"),
+        ("enable_moe_block", (False, None), "False (a dense MLP only)"),
+        ("use_bidirectional_attention", (False, None), "None (causal attention)"),
+        ("attention_bias", (False,), "False"))
+
+
+def _rope(hf) -> tuple[float, dict | None, float]:
+    """(full layers' rope_theta, their scaling or None, sliding layers' theta)."""
+    params = hf.rope_parameters or {}
+    full = dict(canonical_rope_scaling(params.get("full_attention")) or {})
+    local = dict(canonical_rope_scaling(params.get("sliding_attention")) or {})
+    theta, local_theta = full.pop("rope_theta", 1e6), local.pop("rope_theta", 1e4)
+    if rope_type(local) != "default" or set(local) - {"rope_type"}:
+        raise refuse(FAMILY, "rope_parameters.sliding_attention", params.get("sliding_attention"),
+                     "rope_type 'default' with a rope_theta (sliding layers rotate unscaled)")
+    kind = rope_type(full)
+    if kind not in ROPE_TYPES or (kind != "proportional"
+                                  and full.get("partial_rotary_factor", 1.0) != 1.0):
+        raise refuse(FAMILY, "rope_parameters.full_attention", params.get("full_attention"),
+                     f"rope_type one of {list(ROPE_TYPES)}, partial_rotary_factor with "
+                     f"'proportional' only")
+    return float(theta), (full if kind != "default" else None), float(local_theta)
+
+
+def _full_head_dim(hf, full: tuple[int, ...]) -> int | None:
+    """The full layers' own head size (global_head_dim) where it differs from head_dim, else None;
+    their key/value heads must be the sliding layers'."""
+    fields = hf.to_dict()  # (transformers refuses hf.head_dim itself when layers differ)
+    head_dim, kv_heads = fields["head_dim"], fields["num_key_value_heads"]
+    sizes = {hf.per_layer_config[i].head_dim for i in full}
+    if len(sizes) > 1:
+        raise refuse(FAMILY, "per_layer_config", sorted(sizes), "one head_dim for the full layers")
+    for i in full:
+        layer = hf.per_layer_config[i]
+        if layer.num_key_value_heads != kv_heads:
+            raise refuse(FAMILY, "num_global_key_value_heads", layer.num_key_value_heads,
+                         f"num_global_key_value_heads=None or {kv_heads} "
+                         f"(= num_key_value_heads)")
+    size = sizes.pop() if sizes else head_dim
+    return size if size != head_dim else None
+
+
+def config_from_hf(hf) -> TransformerConfig:
+    """A TransformerConfig from a `transformers.Gemma4TextConfig` (every field checked)."""
+    for field, want, say in _OFF:
+        if getattr(hf, field, None) not in want:
+            raise refuse(FAMILY, field, getattr(hf, field), say)
+    check_fields(hf, FAMILY, MAPPED, IGNORED)
+    if hf.hidden_activation not in TANH_GELU:
+        raise refuse(FAMILY, "hidden_activation", hf.hidden_activation, list(TANH_GELU))
+    types = list(hf.layer_types)
+    if len(types) != hf.num_hidden_layers or set(types) - set(LAYER_TYPES):
+        raise refuse(FAMILY, "layer_types", types,
+                     f"{hf.num_hidden_layers} entries of {list(LAYER_TYPES)}")
+    full = tuple(i for i, t in enumerate(types) if t == "full_attention")
+    global_head_dim = _full_head_dim(hf, full)
+    window = hf.sliding_window if len(full) < len(types) else None
+    theta, scaling, local_theta = _rope(hf)
+    fields = hf.to_dict()
+    return TransformerConfig(
+        family="gemma4_text", vocab_size=hf.vocab_size, hidden_size=hf.hidden_size,
+        num_layers=hf.num_hidden_layers, num_attention_heads=hf.num_attention_heads,
+        num_query_groups=fields["num_key_value_heads"], kv_channels=fields["head_dim"],
+        global_kv_channels=global_head_dim,
+        ffn_hidden_size=hf.intermediate_size, max_position_embeddings=hf.max_position_embeddings,
+        position_embedding="rope", rope_theta=theta, rope_scaling=scaling,
+        rope_local_theta=local_theta, sliding_window=window,
+        full_attention_layers=full if window is not None else (),
+        normalization="rmsnorm", layernorm_epsilon=hf.rms_norm_eps,
+        activation="geglu_tanh", qk_layernorm=True, post_norms=True, embedding_scale=True,
+        value_norm=True, layer_scalar=True, query_pre_attn_scalar=1.0,
+        final_logit_softcapping=hf.final_logit_softcapping,
+        bias=False, tie_word_embeddings=bool(hf.tie_word_embeddings),
+        hidden_dropout=0.0, attention_dropout=float(hf.attention_dropout or 0.0),
+        init_method_std=hf.initializer_range)
+
+
+def hf_config(config: TransformerConfig, **extra):
+    """The `transformers.Gemma4TextConfig` of a megazoo Gemma 4 text config (for export)."""
+    from transformers import Gemma4TextConfig
+    types = ["full_attention" if config.attention_window(i) is None else "sliding_attention"
+             for i in range(config.num_layers)]
+    full = {"rope_type": "default", **(config.rope_scaling or {}), "rope_theta": config.rope_theta}
+    local_theta = config.rope_local_theta if config.rope_local_theta is not None \
+        else config.rope_theta
+    return Gemma4TextConfig(
+        vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+        intermediate_size=config.ffn_hidden_size, num_hidden_layers=config.num_layers,
+        num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_query_groups, head_dim=config.head_dim,
+        global_head_dim=config.global_kv_channels or config.head_dim, hidden_activation="gelu_pytorch_tanh",
+        max_position_embeddings=config.max_position_embeddings,
+        initializer_range=config.init_method_std, rms_norm_eps=config.layernorm_epsilon,
+        tie_word_embeddings=config.tie_word_embeddings,
+        rope_parameters={"full_attention": full,
+                         "sliding_attention": {"rope_type": "default", "rope_theta": local_theta}},
+        attention_bias=False, attention_dropout=config.attention_dropout,
+        sliding_window=config.sliding_window or 512, layer_types=types,
+        final_logit_softcapping=config.final_logit_softcapping,
+        hidden_size_per_layer_input=0, num_kv_shared_layers=0, attention_k_eq_v=False,
+        enable_moe_block=False,
+        **{"architectures": ["Gemma4ForCausalLM"], **extra})
+
+
+def _pairs(config: TransformerConfig):
+    """(megazoo name, HF name) of the tensors mapped one to one."""
+    yield WORD_EMBEDDINGS, "model.embed_tokens.weight"
+    yield "final_norm.weight", "model.norm.weight"
+    if not config.tie_word_embeddings:
+        yield "head_weight", "lm_head.weight"
+    for i in range(config.num_layers):
+        m, h = f"layers.{i}.", f"model.layers.{i}."
+        for mz, hf in _NORMS:
+            yield m + mz + ".weight", h + hf + ".weight"
+        yield m + "attention.dense.weight", h + "self_attn.o_proj.weight"
+        yield m + "mlp.fc2.weight", h + "mlp.down_proj.weight"
+        yield m + "layer_scalar", h + "layer_scalar"
+
+
+def from_hf_state_dict(sd: dict[str, torch.Tensor], config: TransformerConfig) -> dict[str, torch.Tensor]:
+    """HF Gemma4ForCausalLM tensors -> full megazoo tensors."""
+    sd = {k if k.startswith(("model.", "lm_head.")) else "model." + k: v for k, v in sd.items()}
+    out = {mz: sd[hf] for mz, hf in _pairs(config)}
+    for i in range(config.num_layers):
+        m, h = f"layers.{i}.", f"model.layers.{i}."
+        q, k, v = (sd[h + f"self_attn.{x}_proj.weight"] for x in "qkv")  # (k, v: any head size)
+        out[m + "attention.qkv.weight"] = fuse_qkv(q, k, v, config.num_query_groups)
+        out[m + "mlp.fc1.weight"] = torch.cat([sd[h + "mlp.gate_proj.weight"],
+                                               sd[h + "mlp.up_proj.weight"]])
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def to_hf_state_dict(full: dict[str, torch.Tensor], config: TransformerConfig) -> dict[str, torch.Tensor]:
+    """Full megazoo tensors -> HF Gemma4ForCausalLM tensors (no lm_head when tied)."""
+    out = {hf: full[mz] for mz, hf in _pairs(config)}
+    for i in range(config.num_layers):
+        m, h = f"layers.{i}.", f"model.layers.{i}."
+        for x, t in zip("qkv", _split_qkv(full[m + "attention.qkv.weight"], config, i)):
+            out[h + f"self_attn.{x}_proj.weight"] = t
+        gate, up = full[m + "mlp.fc1.weight"].chunk(2)
+        out[h + "mlp.gate_proj.weight"], out[h + "mlp.up_proj.weight"] = gate, up
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def _split_qkv(t: torch.Tensor, config: TransformerConfig, layer: int) -> list[torch.Tensor]:
+    """The fused [q heads of the group, k, v] per group rows -> HF q, k, v (layer's head size)."""
+    groups, d = config.num_query_groups, config.layer_head_dim(layer)
+    q_rows = config.num_attention_heads // groups * d
+    q, k, v = t.reshape(groups, -1, *t.shape[1:]).split([q_rows, d, d], dim=1)
+    return [x.reshape(-1, *t.shape[1:]) for x in (q, k, v)]
