@@ -35,20 +35,15 @@ def add_grpo_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-generations", type=int, default=DEFAULTS["num_generations"],
                    help="completions sampled per prompt (a group); --micro-batch-size must equal it "
                         "and --global-batch-size counts completions")
-    g.add_argument("--max-completion-length", type=int, default=DEFAULTS["max_completion_length"],
-                   help="tokens sampled per completion at most")
-    g.add_argument("--temperature", type=float, default=DEFAULTS["temperature"],
-                   help="sampling temperature")
-    g.add_argument("--top-p", type=float, default=DEFAULTS["top_p"],
-                   help="nucleus sampling: the smallest set of tokens of this probability")
+    g.add_argument("--max-completion-length", type=int, default=DEFAULTS["max_completion_length"])
+    g.add_argument("--temperature", type=float, default=DEFAULTS["temperature"])
+    g.add_argument("--top-p", type=float, default=DEFAULTS["top_p"])
     g.add_argument("--beta", type=float, default=DEFAULTS["beta"],
                    help="KL strength (0: no reference model)")
     g.add_argument("--epsilon", type=float, default=DEFAULTS["epsilon"], help="clip range below 1")
     g.add_argument("--epsilon-high", type=float, help="clip range above 1 (default: --epsilon)")
-    g.add_argument("--loss-type", choices=LOSS_TYPES, default=DEFAULTS["loss_type"],
-                   help="TRL's per-token normalisation of the loss (docs/post_training.md)")
-    g.add_argument("--scale-rewards", choices=SCALES, default=DEFAULTS["scale_rewards"],
-                   help="advantages divided by the group's or the batch's reward std, or not")
+    g.add_argument("--loss-type", choices=LOSS_TYPES, default=DEFAULTS["loss_type"])
+    g.add_argument("--scale-rewards", choices=SCALES, default=DEFAULTS["scale_rewards"])
     g.add_argument("--grpo-reference", metavar="DIR",
                    help="--beta > 0 without LoRA: the KL reference's checkpoint (default: --load "
                         "with --finetune; needed to resume)")
