@@ -159,6 +159,10 @@ def parse(argv=None):
         args = p.parse_args(argv)
         if args.world_size < 1:
             raise ArgumentError(f"--world-size must be >= 1, got {args.world_size}")
+        if args.grpo_prompts:
+            raise ArgumentError("--grpo-prompts: the dry run rehearses a training step on mock data, "
+                                "not GRPO's sampling; drop it (docs/post_training.md lists what "
+                                "GRPO adds to the memory)")
         run = to_run_config(args, world_size=args.world_size)
         if args.arch is not None:  # refused in one line when the model flags do not fit it
             run = dataclasses.replace(run, model=run.model.replace(family=args.arch))

@@ -96,7 +96,9 @@ def test_command_line_prints_and_refuses(capsys):
         _check_rank(r)
     for argv, message in ((["--ranks", "first,9"], "rank 9 is outside the world of 8"),
                           (["--tensor-model-parallel-size", "3"], "world size 8 is not divisible"),
-                          (["--no-such-flag"], "unrecognized arguments: --no-such-flag")):
+                          (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+                          (["--grpo-prompts", "p.jsonl", "--reward", "m:f"],
+                           "--grpo-prompts: the dry run rehearses a training step on mock data")):
         with pytest.raises(SystemExit) as done:
             D.main(["--model", "gpt2", "--world-size", "8", *argv])
         err = capsys.readouterr().err

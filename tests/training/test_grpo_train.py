@@ -168,6 +168,8 @@ def test_lora_reference_is_the_base_with_the_adapters_off(root):
     (("--split", "98,2,0"), "drop --split"),
     (("--rampup-batch-size", 2, 2, 10), "drop --rampup-batch-size"),
     (("--lora-rank", 4, "--grpo-reference", "x"), "drop --grpo-reference"),
+    (("--reward-weights", 1.0, 2.0), "--reward-weights gives 2 weights for 1 --reward functions"),
+    (("--num-iterations", 0), "--num-iterations must be >= 1"),
 ])
 def test_flags_grpo_cannot_honour_are_refused(root, extra, message):
     from megazoo.training.config.errors import ArgumentError
@@ -230,3 +232,28 @@ def test_example_learns_its_reward(tmp_path, monkeypatch):
     rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
     rewards = [r["reward_mean"] for r in rows if r.get("split") == "grpo"]
     assert len(rewards) == 8 and sum(rewards[-2:]) / 2 > sum(rewards[:2]) / 2 + 0.3, rewards
+
+
+def always_half(prompts, completions, **kw):
+    return [0.5] * len(completions)
+
+
+def test_num_iterations_reuse_the_batch_and_clip(root):
+    """--num-iterations 2: iterations 1 and 2 train on the same sampled batch (same rewards and
+    lengths), the second against the sampling policy's log-probabilities, so its ratio moves and
+    the clip fraction is > 0 (0 on the first); iteration 3 samples anew. Two rewards with
+    --reward-weights are summed and each logged; --mask-truncated-completions logs its fraction."""
+    argv = grpo_argv(root, 3, "--num-iterations", 2, "--mask-truncated-completions",
+                     "--reward-weights", 2.0, 1.0)
+    i = argv.index("--reward")
+    argv[i + 1] = "tests.training.test_grpo_train:count_target,tests.training.test_grpo_train:always_half"
+    h = run_llama([str(a) for a in argv], 1).grpo
+    assert h[0]["reward_mean"] == h[1]["reward_mean"] and h[0]["reward_std"] == h[1]["reward_std"]
+    assert h[0]["completion_length_mean"] == h[1]["completion_length_mean"]
+    print("clip fraction per iteration:", [round(d["clip_ratio"], 3) for d in h],
+          "truncated fraction:", [round(d["truncated_fraction"], 3) for d in h])
+    assert h[0]["clip_ratio"] == 0.0 and h[1]["clip_ratio"] > 0.0, [d["clip_ratio"] for d in h]
+    for d in h:
+        assert d["reward_mean"] == pytest.approx(2.0 * d["reward_0_mean"] + 0.5, abs=1e-6)
+        assert d["reward_1_mean"] == 0.5 and 0.0 <= d["truncated_fraction"] <= 1.0
+

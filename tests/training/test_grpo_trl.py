@@ -84,3 +84,58 @@ def test_loss_and_head_gradient_equal_trl(setup, loss_type):
     assert abs(ours.item() - theirs.item()) <= 1e-6 * max(abs(theirs.item()), 1.0), (ours.item(), theirs.item())
     torch.testing.assert_close(chunk.head_weight.grad, trainer.model.lm_head.weight.grad, rtol=1e-5, atol=1e-6)
     assert 0.0 < stats["clip_ratio"] < 1.0 and stats["kl"] > 0.0
+
+
+def first_word(prompts, completions, **kw):
+    return [1.0 if c.startswith("a") else 0.0 for c in completions]
+
+
+def length_or_none(prompts, completions, **kw):
+    return [None if len(c) > 3 else float(len(c)) for c in completions]
+
+
+def test_weighted_rewards_equal_trl(setup):
+    """Two reward functions (one answering None for some completions) with --reward-weights:
+    TRL's _calculate_rewards per function, weighted as TRL sums them."""
+    from megazoo.training.run.grpo_online import combine_rewards
+    trainer = setup["trainer"]
+    funcs, weights = [first_word, length_or_none], [0.7, -0.25]
+    trainer.reward_funcs, trainer.reward_processing_classes = funcs, [None, None]
+    trainer.reward_func_names = ["first_word", "length_or_none"]
+    completions = ["a b", "b c d e", "a", "c d e f g"]
+    per_func = trainer._calculate_rewards([{"prompt": "x"}] * 4, ["x"] * 4, completions, [[1]] * 4)
+    theirs = (per_func * torch.tensor(weights).unsqueeze(0)).nansum(dim=1)
+    ours_cols = torch.tensor([[float("nan") if x is None else x for x in f(prompts=None, completions=completions)]
+                              for f in funcs]).T
+    torch.testing.assert_close(ours_cols, per_func.cpu(), equal_nan=True)
+    torch.testing.assert_close(combine_rewards(ours_cols, weights), theirs.cpu(), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="--reward-weights gives 1 weights for 2"):
+        combine_rewards(ours_cols, [1.0])
+
+
+def test_truncated_completions_masked_as_trl(setup):
+    """--mask-truncated-completions: a completion whose kept tokens hold no eos loses its loss
+    mask (TRL: its last token is not eos); the loss then equals TRL's on the masked batch."""
+    from megazoo.training.run.grpo import completion_logps, grpo_loss
+    from megazoo.training.run.grpo_online import truncated
+    eos = 2
+    completion = setup["tokens"][:, PROMPT:].clone()
+    mask = setup["mask"]
+    ends = mask.sum(1) - 1
+    completion[0, ends[0]] = eos  # rows 0 and 2 end with eos; rows 1 and 3 are cut off
+    completion[2, ends[2]] = eos
+    completion[1:2] = torch.where(completion[1:2] == eos, 3, completion[1:2])
+    completion[3:4] = torch.where(completion[3:4] == eos, 3, completion[3:4])
+    cut = truncated(mask, completion, (eos,))
+    kept = [row[:m.sum()].tolist() for row, m in zip(completion, mask)]
+    assert cut.tolist() == [ids[-1] not in (eos,) for ids in kept] == [False, True, False, True]
+    masked = mask * (~cut).long().unsqueeze(1)
+    tokens = torch.cat([setup["tokens"][:, :PROMPT], completion], 1)
+    trainer, chunk = setup["trainer"], setup["chunk"]
+    trainer.loss_type = "dapo"
+    inputs = dict(setup["inputs"], completion_ids=completion, completion_mask=masked,
+                  num_items_in_batch=masked.sum().float())
+    theirs = trainer._compute_loss(trainer.model, inputs)
+    ours, _ = grpo_loss(completion_logps(chunk, tokens, COMPLETION), setup["old"], setup["advantages"], masked,
+                        ref_logps=setup["ref"], beta=BETA, epsilon_low=0.2, epsilon_high=0.28)
+    assert abs(ours.item() - theirs.item()) <= 1e-6 * max(abs(theirs.item()), 1.0), (ours.item(), theirs.item())

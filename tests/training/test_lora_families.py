@@ -204,3 +204,48 @@ def test_gpt2_lora_through_the_trainer_at_tp2_and_dp2_zero1():
         assert gaps[-1] <= 1e-5, (losses, single.losses)
     print(f"GPT-2 LoRA through the trainer, relative loss differences tp2 {gaps[0]:.1e}, "
           f"dp2 ZeRO-1 {gaps[1]:.1e}")
+
+
+FAMILY_LORA = {
+    "bloom": ["--model", "bloom-560m", "--lora-target-modules",
+              "query_key_value,dense,dense_h_to_4h,dense_4h_to_h"],
+    "mixtral": ["--model", "moe-tiny", "--lora-target-modules", "q_proj,k_proj,v_proj,o_proj"],
+    "deepseek_v3": ["--model", "deepseek-v3-tiny", "--lora-target-modules", "q_b_proj,kv_b_proj,o_proj"]}
+FAMILY_LAYOUTS = {"tp2": ["--tensor-model-parallel-size", "2"], "dp2 zero1": ["--zero-stage", "1"],
+                  "dp2 zero2": ["--zero-stage", "2"]}
+MOE_LAYOUTS = {"dp2 ep2 zero1": ["--expert-model-parallel-size", "2", "--zero-stage", "1"]}
+
+
+def family_argv(family: str) -> list[str]:
+    from tests.helpers import TINY
+    return TINY + ["--train-iters", "3", "--lora-rank", "4", "--lora-alpha", "8", "--hidden-dropout", "0",
+                   "--attention-dropout", "0", "--num-layers", "2"] + FAMILY_LORA[family]
+
+
+def family_layouts(family: str) -> dict:
+    return {**FAMILY_LAYOUTS, **(MOE_LAYOUTS if family != "bloom" else {})}
+
+
+def _family_lora_layouts(rank):
+    from tests.helpers import pretrain_gpt
+    return {(family, name): pretrain_gpt(family_argv(family) + extra, 2).losses
+            for family in FAMILY_LORA for name, extra in family_layouts(family).items()}
+
+
+def test_family_lora_through_the_trainer_at_tp2_dp2_zero_and_ep2():
+    """BLOOM, Mixtral and DeepSeek-V3 LoRA (fresh adapters, mock data) through the trainer at tp2,
+    dp2 with ZeRO-1 and ZeRO-2 and, for the MoE families, dp2 with ep2 (the attention adapters
+    replicated over the expert-parallel group) give the single process's losses."""
+    from tests.distributed import run_distributed
+    from tests.helpers import pretrain_gpt
+    single = {}
+    for family in FAMILY_LORA:
+        single[family] = pretrain_gpt(family_argv(family), 1).losses
+        assert single[family][-1] != single[family][0]
+    report = []
+    for (family, name), losses in run_distributed(_family_lora_layouts, 2)[0].items():
+        assert len(losses) == 3
+        gap = max(abs(a - b) / abs(b) for a, b in zip(losses, single[family]))
+        report.append(f"{family} {name} {gap:.1e}")
+        assert gap <= 1e-5, (family, name, losses, single[family])
+    print("LoRA through the trainer, relative loss differences: " + ", ".join(report))

@@ -11,7 +11,8 @@ LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 SCALES = ("group", "batch", "none")
 DEFAULTS = dict(num_generations=8, max_completion_length=256, temperature=1.0, top_p=1.0, beta=0.0,
                 epsilon=0.2, epsilon_high=None, loss_type="dapo", scale_rewards="group",
-                grpo_chat=False, grpo_reference=None, reward=None)
+                grpo_chat=False, grpo_reference=None, reward=None, num_iterations=1,
+                mask_truncated_completions=False, reward_weights=None)
 
 
 def add_grpo_flags(p: argparse.ArgumentParser) -> None:
@@ -20,7 +21,15 @@ def add_grpo_flags(p: argparse.ArgumentParser) -> None:
                    help="online GRPO: `prompt` (a string) or `messages` per line, its other fields "
                         "passed to --reward; no --data-path")
     g.add_argument("--reward", metavar="MODULE:FUNCTION",
-                   help="fn(prompts=, completions=, **fields) -> one float per completion")
+                   help="fn(prompts=, completions=, **fields) -> one float (or None) per "
+                        "completion; several, comma-separated, are summed with --reward-weights")
+    g.add_argument("--reward-weights", type=float, nargs="+", metavar="W",
+                   help="one weight per --reward function (TRL's reward_weights; default all 1)")
+    g.add_argument("--num-iterations", type=int, default=DEFAULTS["num_iterations"],
+                   help="optimizer steps on each generation batch (TRL's num_iterations): the "
+                        "ratio is taken against the sampling policy's log-probabilities")
+    g.add_argument("--mask-truncated-completions", action="store_true",
+                   help="no loss on completions that reach --max-completion-length without an eos")
     g.add_argument("--grpo-chat", action="store_true",
                    help="put `prompt` strings through the tokenizer's chat template")
     g.add_argument("--num-generations", type=int, default=DEFAULTS["num_generations"],
@@ -80,6 +89,12 @@ def grpo_settings(args: argparse.Namespace, parallel, lora, zero_stage: int) -> 
     if args.health_policy == "rollback":
         raise ValueError("--grpo-prompts: --health-policy rollback replays a dataset's samples; use "
                          "warn or skip")
+    if args.num_iterations < 1:
+        raise ValueError(f"--num-iterations must be >= 1, got {args.num_iterations}")
+    n_rewards = len([r for r in args.reward.split(",") if r.strip()])
+    if args.reward_weights is not None and len(args.reward_weights) != n_rewards:
+        raise ValueError(f"--reward-weights gives {len(args.reward_weights)} weights for {n_rewards} "
+                         f"--reward functions: give one per function")
     if args.beta < 0:
         raise ValueError(f"--beta must be >= 0, got {args.beta}")
     reference = args.grpo_reference
@@ -99,4 +114,7 @@ def grpo_settings(args: argparse.Namespace, parallel, lora, zero_stage: int) -> 
                         epsilon_low=args.epsilon, epsilon_high=args.epsilon_high or args.epsilon,
                         loss_type=args.loss_type, scale_rewards=args.scale_rewards,
                         prompts=args.grpo_prompts, reward=args.reward, chat=args.grpo_chat,
-                        reference=reference if lora is None else None)
+                        reference=reference if lora is None else None,
+                        num_iterations=args.num_iterations,
+                        mask_truncated_completions=args.mask_truncated_completions,
+                        reward_weights=tuple(args.reward_weights) if args.reward_weights else None)

@@ -114,6 +114,9 @@ class GRPOSettings:
     reward: str | None = None  # module:function (--reward)
     chat: bool = False  # `prompt` strings through the chat template (--grpo-chat)
     reference: str | None = None  # the KL reference's checkpoint (None: LoRA's base, or no KL)
+    num_iterations: int = 1  # updates per generation batch (--num-iterations, TRL's num_iterations)
+    mask_truncated_completions: bool = False  # no loss on completions cut off before an eos
+    reward_weights: tuple[float, ...] | None = None  # one per --reward function (default all 1)
 
     def __post_init__(self):
         if self.num_generations < 2:

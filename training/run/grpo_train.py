@@ -9,7 +9,9 @@ data-parallel ranks taking equal consecutive shares; each prompt is sampled with
 generator seeded from --seed and its position in the run, so the samples depend neither on the
 layout nor on where a run was resumed. The optimizer averages gradients over data parallelism:
 each rank's loss is multiplied by the data-parallel size, so the step's gradient is that of the
-whole batch's loss.
+whole batch's loss. With --num-iterations k, a generation batch is sampled every k iterations
+(prompts advance per generation batch) and each of the k updates reuses it with the sampling
+policy's log-probabilities as the old ones (TRL's num_iterations).
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from megazoo.training.checkpoint import format as ckpt
 from megazoo.training.checkpoint.tokenizer import eos_token_ids
 from megazoo.training.config.errors import ArgumentError
 from megazoo.training.run.dpo import Reference, build_reference
-from megazoo.training.run.grpo_online import grpo_step, load_reward
+from megazoo.training.run.grpo_online import load_rewards, sample_batch, train_batch
 from megazoo.training.run.grpo_prompts import read_prompts
 
 logger = logging.getLogger(__name__)
@@ -64,6 +66,7 @@ class GRPOTraining:
                 self.reference = build_reference(run, topo, chunks, model_provider,
                                                  settings.reference)
         self.history: list[dict] = []
+        self._batch: tuple[int, dict] | None = None  # (generation index, its sampled batch)
         if topo.rank == 0:
             logger.info("GRPO: %d prompts from %s, %d per step x %d completions (at most %d tokens); "
                         "reward %s; KL %s", len(self.records), settings.prompts, self.per_step,
@@ -78,7 +81,7 @@ class GRPOTraining:
         self.tok = build_tokenizer(d.tokenizer_type, vocab_file=d.vocab_file, merge_file=d.merge_file,
                                    tokenizer_model=d.tokenizer_model)
         self.records, self.prompts = read_prompts(settings.prompts, self.tok, settings.chat)
-        self.reward_fn = load_reward(settings.reward)
+        self.reward_fns = load_rewards(settings.reward)
         self.eos = run_eos(run, self.tok)
         model = run.model
         longest = max(map(len, self.prompts)) + settings.max_completion_length
@@ -94,24 +97,33 @@ class GRPOTraining:
                              f"the data-parallel size {topo.dp} must divide it")
 
     def forward_backward(self, iteration: int, optimizer, poison: bool = False) -> float:
-        """Iteration `iteration` (1-based): sample, score, backward into the optimizer's buckets
-        (reduced over data parallelism, launched before this returns); returns the loss of the
-        whole batch and keeps its metrics in `history`."""
+        """Iteration `iteration` (1-based): sample and score (every --num-iterations iterations;
+        between, the same batch again), backward into the optimizer's buckets (reduced over data
+        parallelism, launched before this returns); returns the loss of the whole batch and
+        keeps its metrics in `history`."""
         topo, n = self.topo, self.per_step
-        share = n // topo.dp
-        slots = [(iteration - 1) * n + topo.dp_rank * share + j for j in range(share)]
-        idx = [k % len(self.records) for k in slots]
-        generators = [torch.Generator(device=topo.device).manual_seed(self.seed * SEED_STRIDE + k)
-                      for k in slots]
+        gen = (iteration - 1) // self.settings.num_iterations
+        if self._batch is None or self._batch[0] != gen:
+            if (iteration - 1) % self.settings.num_iterations and topo.rank == 0:
+                logger.warning("GRPO: iteration %d resumes inside a generation batch of "
+                               "--num-iterations %d: sampling it anew with the current weights",
+                               iteration, self.settings.num_iterations)
+            share = n // topo.dp
+            slots = [gen * n + topo.dp_rank * share + j for j in range(share)]
+            idx = [k % len(self.records) for k in slots]
+            generators = [torch.Generator(device=topo.device).manual_seed(self.seed * SEED_STRIDE + k)
+                          for k in slots]
+            self._batch = (gen, sample_batch(self.chunks[0], topo, [self.records[i] for i in idx],
+                                             [self.prompts[i] for i in idx], self.reward_fns,
+                                             self.tok.decode, self.settings, self.eos, generators))
         factor = optimizer.loss_scale * topo.dp * (float("nan") if poison else 1.0)
 
         def backward(loss):
             (loss * factor).backward()
 
         with optimizer.no_sync():  # stages 0-1: one reduction after the last group
-            metrics = grpo_step(self.chunks[0], topo, [self.records[i] for i in idx],
-                                [self.prompts[i] for i in idx], self.reward_fn, self.tok.decode,
-                                self.settings, self.eos, self.reference, generators, backward=backward)
+            metrics = train_batch(self.chunks[0], topo, self._batch[1], self.settings, self.reference,
+                                  backward=backward)
         optimizer.grad_sync.launch_remaining()
         metrics.pop("_batch")
         self.history.append(metrics)
