@@ -9,7 +9,8 @@ the kernel picked by device and dtype (`choose_grouped_matmul`).
                    expert, so dropless routing costs the rows it routes, not experts x the
                    busiest expert's)
   meta             `torch._grouped_mm` over the unpadded groups: shapes only (the dry run,
-                   training/run/dry_run.py), sized as the CUDA bf16 kernel runs
+                   training/run/dry_run.py), sized as the CUDA bf16 kernel runs (fp32/fp16,
+                   which torch's meta kernel refuses: one expert's matmul of the same shapes)
   elsewhere        one matmul per expert (CUDA fp32/fp16 or before sm90, torch < 2.8), logged once
 
 `torch._grouped_mm` needs every row of its operands to start on a 16-byte boundary (an fp32
@@ -157,6 +158,11 @@ class ExpertMatmuls:
             # torch's compile-time (fake) `_grouped_mm` takes bf16 only: the experts run eager
             # inside a compiled layer (a graph break --compile reports)
             return _eager_grouped_linear(x, w, self._offs)
+        if self.choice.kernel == "grouped_mm" and x.device.type == "meta" and \
+                x.dtype != torch.bfloat16:
+            # torch's meta `_grouped_mm` takes bf16 only: a dry run in fp32/fp16 sizes the
+            # product by one expert's matmul (the same rows in and out, the same input saved)
+            return x @ w[0].t()
         if self.choice.kernel == "grouped_mm":
             return grouped_linear(x, w, self._offs)
         pieces = x.split(self._sizes)
