@@ -54,9 +54,15 @@ class DenseMLP:
 class MoEMLP:
     experts: int
     topk: int
-    size: int  # each routed expert's width (SwiGLU)
+    size: int  # each routed expert's width
     shared: int = 0  # the shared expert's width (0: none)
     shared_gate: bool = False
+    gated: bool = True  # SwiGLU experts (gate, up, down) or squared ReLU (up, down: Nemotron-H)
+
+    @property
+    def mats(self) -> int:
+        """Weight matrices per expert (and in the shared expert)."""
+        return 3 if self.gated else 2
 
 
 @dataclass(frozen=True)
@@ -167,7 +173,7 @@ def _layer_specs(c) -> HybridShape:
             if mlp_kind == "dense" else MoEMLP(c.num_experts, c.moe_router_topk,
                                                c.moe_ffn_hidden_size,
                                                c.moe_shared_expert_intermediate_size or 0,
-                                               c.moe_shared_expert_gate)
+                                               c.moe_shared_expert_gate, gated)
         mixer = mixers[kind]
         layers.append(HybridLayer(mixer, mlp, norms=2 if (mixer is not None and mlp is not None) else 1))
     return HybridShape(c.vocab_size, h, c.tie_word_embeddings, tuple(layers))
@@ -217,8 +223,8 @@ def mlp_parameters(m, h: int, tp: int = 1, ep: int = 1, active: bool = False) ->
         mats = (3 if m.gated else 2) * h * m.size
         return mats / tp + ((m.size / tp + h) if m.bias else 0), 0.0
     experts = m.topk if active else m.experts / ep
-    dense = m.experts * h + 3 * h * m.shared / tp + (h if m.shared_gate else 0)
-    return dense, experts * 3 * h * m.size
+    dense = m.experts * h + m.mats * h * m.shared / tp + (h if m.shared_gate else 0)
+    return dense, experts * m.mats * h * m.size
 
 
 def layer_parameters(shape: HybridShape, i: int, tp: int = 1, ep: int = 1,
@@ -270,8 +276,8 @@ def mlp_flops_per_token(m, h: int) -> tuple[float, float]:
         return 0.0, 0.0
     if isinstance(m, DenseMLP):
         return 2.0 * (3 if m.gated else 2) * h * m.size, 0.0
-    shared = 2.0 * (3 * h * m.shared + (h if m.shared_gate else 0))
-    return shared, 2.0 * (m.experts * h + m.topk * 3 * h * m.size)
+    shared = 2.0 * (m.mats * h * m.shared + (h if m.shared_gate else 0))
+    return shared, 2.0 * (m.experts * h + m.topk * m.mats * h * m.size)
 
 
 def layer_flops_per_token(shape: HybridShape, i: int, seq_length: int) -> tuple[float, float, float]:
@@ -345,7 +351,8 @@ def mlp_activation_elements(m, h: int, tp: int = 1) -> float:
         return 0.0
     if isinstance(m, DenseMLP):
         return (4 if m.gated else 2) * m.size / tp
-    return 2 * m.experts + 2 * m.topk + m.topk * (3 * h + 4 * m.size) + 4 * m.shared / tp + 2
+    per = 4 if m.gated else 2  # the expert's own elements, as a dense MLP of its kind
+    return 2 * m.experts + 2 * m.topk + m.topk * (3 * h + per * m.size) + per * m.shared / tp + 2
 
 
 def layer_activation_bytes(shape: HybridShape, i: int, tp: int = 1, sp: bool = False,

@@ -42,6 +42,9 @@ CASES = {  # name: (world, flags)
                                        "--mtp-num-layers", "1", "--recompute-granularity", "full"]),
     # fp32: torch's meta grouped matmul takes bf16 only (parallel/kernels/grouped_matmul.py)
     "mixtral ep2 fp32": (2, ["--model", "moe-tiny", "--expert-model-parallel-size", "2"]),
+    # Mamba-2, attention, squared-ReLU dense and MoE layers in one stack
+    "nemotron-h moe ep2 tp2": (4, ["--model", "nemotron-h-moe-tiny", "--tensor-model-parallel-size",
+                                   "2", "--expert-model-parallel-size", "2"]),
 }
 
 
