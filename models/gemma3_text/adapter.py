@@ -7,8 +7,7 @@ import torch
 
 from ..config import ROPE_TYPES, TransformerConfig, canonical_rope_scaling
 from ..hf_fields import check_fields, refuse
-from ..language_model import WORD_EMBEDDINGS
-from ..llama_like import fuse_qkv, split_qkv
+from .. import gemma_like
 from ..rope import rope_type
 
 FAMILY = "Gemma3"
@@ -110,46 +109,11 @@ def _integral(x: float):
     return int(x) if float(x).is_integer() else x
 
 
-_NORMS = (("input_norm", "input_layernorm"), ("attention_output_norm", "post_attention_layernorm"),
-          ("post_attention_norm", "pre_feedforward_layernorm"),
-          ("mlp_output_norm", "post_feedforward_layernorm"),
-          ("attention.q_norm", "self_attn.q_norm"), ("attention.k_norm", "self_attn.k_norm"))
-
-
-def _pairs(config: TransformerConfig):
-    """(megazoo name, HF name) of the tensors mapped one to one."""
-    yield WORD_EMBEDDINGS, "model.embed_tokens.weight"
-    yield "final_norm.weight", "model.norm.weight"
-    if not config.tie_word_embeddings:
-        yield "head_weight", "lm_head.weight"
-    for i in range(config.num_layers):
-        m, h = f"layers.{i}.", f"model.layers.{i}."
-        for mz, hf in _NORMS:
-            yield m + mz + ".weight", h + hf + ".weight"
-        yield m + "attention.dense.weight", h + "self_attn.o_proj.weight"
-        yield m + "mlp.fc2.weight", h + "mlp.down_proj.weight"
-
-
 def from_hf_state_dict(sd: dict[str, torch.Tensor], config: TransformerConfig) -> dict[str, torch.Tensor]:
-    """HF Gemma3ForCausalLM tensors -> full megazoo tensors."""
-    sd = {k if k.startswith(("model.", "lm_head.")) else "model." + k: v for k, v in sd.items()}
-    out = {mz: sd[hf] for mz, hf in _pairs(config)}
-    for i in range(config.num_layers):
-        m, h = f"layers.{i}.", f"model.layers.{i}."
-        q, k, v = (sd[h + f"self_attn.{x}_proj.weight"] for x in "qkv")
-        out[m + "attention.qkv.weight"] = fuse_qkv(q, k, v, config.num_query_groups)
-        out[m + "mlp.fc1.weight"] = torch.cat([sd[h + "mlp.gate_proj.weight"],
-                                               sd[h + "mlp.up_proj.weight"]])
-    return {k: v.contiguous() for k, v in out.items()}
+    """HF Gemma3ForCausalLM tensors -> full megazoo tensors (models/gemma_like.py)."""
+    return gemma_like.from_hf_state_dict(sd, config)
 
 
 def to_hf_state_dict(full: dict[str, torch.Tensor], config: TransformerConfig) -> dict[str, torch.Tensor]:
     """Full megazoo tensors -> HF Gemma3ForCausalLM tensors (no lm_head when tied)."""
-    out = {hf: full[mz] for mz, hf in _pairs(config)}
-    for i in range(config.num_layers):
-        m, h = f"layers.{i}.", f"model.layers.{i}."
-        for x, t in zip("qkv", split_qkv(full[m + "attention.qkv.weight"], config)):
-            out[h + f"self_attn.{x}_proj.weight"] = t
-        gate, up = full[m + "mlp.fc1.weight"].chunk(2)
-        out[h + "mlp.gate_proj.weight"], out[h + "mlp.up_proj.weight"] = gate, up
-    return {k: v.contiguous() for k, v in out.items()}
+    return gemma_like.to_hf_state_dict(full, config)

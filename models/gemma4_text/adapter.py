@@ -1,5 +1,5 @@
 """Gemma 4 text <-> Hugging Face `Gemma4ForCausalLM` (`Gemma4TextConfig`): every config field
-mapped both ways or refused, and the tensors (Gemma 3's layout, models/gemma3_text/adapter.py,
+mapped both ways or refused, and the tensors (Gemma 3's layout, models/gemma_like.py,
 plus each layer's `layer_scalar`). Full layers may have their own head size (global_head_dim -> global_kv_channels).
 Not modelled, each refused in one line naming the field: full layers with their own key/value
 heads, per-layer input embeddings, KV sharing,
@@ -10,8 +10,7 @@ import torch
 
 from ..config import ROPE_TYPES, TransformerConfig, canonical_rope_scaling
 from ..hf_fields import check_fields, refuse
-from ..language_model import WORD_EMBEDDINGS
-from ..llama_like import fuse_qkv
+from .. import gemma_like
 from ..rope import rope_type
 
 FAMILY = "Gemma4"
@@ -28,11 +27,6 @@ IGNORED = frozenset({"vocab_size_per_layer_input", "use_double_wide_mlp", "num_e
                      "top_k_experts", "moe_intermediate_size"})
 LAYER_TYPES = ("sliding_attention", "full_attention")
 TANH_GELU = ("gelu_pytorch_tanh", "gelu_tanh")  # ACT2FN's tanh-approximated GELU names
-# Gemma's four norms per layer and the q/k norms (the value norm has no weight)
-_NORMS = (("input_norm", "input_layernorm"), ("attention_output_norm", "post_attention_layernorm"),
-          ("post_attention_norm", "pre_feedforward_layernorm"),
-          ("mlp_output_norm", "post_feedforward_layernorm"),
-          ("attention.q_norm", "self_attn.q_norm"), ("attention.k_norm", "self_attn.k_norm"))
 _OFF = (("hidden_size_per_layer_input", (0, None), "0 (no per-layer input embeddings)"),
         ("num_kv_shared_layers", (0, None), "0 (every layer its own keys and values)"),
         ("attention_k_eq_v", (False, None), "False (values projected apart from keys)"),
@@ -139,49 +133,11 @@ def hf_config(config: TransformerConfig, **extra):
         **{"architectures": ["Gemma4ForCausalLM"], **extra})
 
 
-def _pairs(config: TransformerConfig):
-    """(megazoo name, HF name) of the tensors mapped one to one."""
-    yield WORD_EMBEDDINGS, "model.embed_tokens.weight"
-    yield "final_norm.weight", "model.norm.weight"
-    if not config.tie_word_embeddings:
-        yield "head_weight", "lm_head.weight"
-    for i in range(config.num_layers):
-        m, h = f"layers.{i}.", f"model.layers.{i}."
-        for mz, hf in _NORMS:
-            yield m + mz + ".weight", h + hf + ".weight"
-        yield m + "attention.dense.weight", h + "self_attn.o_proj.weight"
-        yield m + "mlp.fc2.weight", h + "mlp.down_proj.weight"
-        yield m + "layer_scalar", h + "layer_scalar"
-
-
 def from_hf_state_dict(sd: dict[str, torch.Tensor], config: TransformerConfig) -> dict[str, torch.Tensor]:
-    """HF Gemma4ForCausalLM tensors -> full megazoo tensors."""
-    sd = {k if k.startswith(("model.", "lm_head.")) else "model." + k: v for k, v in sd.items()}
-    out = {mz: sd[hf] for mz, hf in _pairs(config)}
-    for i in range(config.num_layers):
-        m, h = f"layers.{i}.", f"model.layers.{i}."
-        q, k, v = (sd[h + f"self_attn.{x}_proj.weight"] for x in "qkv")  # (k, v: any head size)
-        out[m + "attention.qkv.weight"] = fuse_qkv(q, k, v, config.num_query_groups)
-        out[m + "mlp.fc1.weight"] = torch.cat([sd[h + "mlp.gate_proj.weight"],
-                                               sd[h + "mlp.up_proj.weight"]])
-    return {k: v.contiguous() for k, v in out.items()}
+    """HF Gemma4ForCausalLM tensors -> full megazoo tensors (models/gemma_like.py)."""
+    return gemma_like.from_hf_state_dict(sd, config)
 
 
 def to_hf_state_dict(full: dict[str, torch.Tensor], config: TransformerConfig) -> dict[str, torch.Tensor]:
     """Full megazoo tensors -> HF Gemma4ForCausalLM tensors (no lm_head when tied)."""
-    out = {hf: full[mz] for mz, hf in _pairs(config)}
-    for i in range(config.num_layers):
-        m, h = f"layers.{i}.", f"model.layers.{i}."
-        for x, t in zip("qkv", _split_qkv(full[m + "attention.qkv.weight"], config, i)):
-            out[h + f"self_attn.{x}_proj.weight"] = t
-        gate, up = full[m + "mlp.fc1.weight"].chunk(2)
-        out[h + "mlp.gate_proj.weight"], out[h + "mlp.up_proj.weight"] = gate, up
-    return {k: v.contiguous() for k, v in out.items()}
-
-
-def _split_qkv(t: torch.Tensor, config: TransformerConfig, layer: int) -> list[torch.Tensor]:
-    """The fused [q heads of the group, k, v] per group rows -> HF q, k, v (layer's head size)."""
-    groups, d = config.num_query_groups, config.layer_head_dim(layer)
-    q_rows = config.num_attention_heads // groups * d
-    q, k, v = t.reshape(groups, -1, *t.shape[1:]).split([q_rows, d, d], dim=1)
-    return [x.reshape(-1, *t.shape[1:]) for x in (q, k, v)]
+    return gemma_like.to_hf_state_dict(full, config)

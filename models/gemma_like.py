@@ -1,0 +1,66 @@
+"""Gemma's tensors <-> transformers, shared by the Gemma 3 and Gemma 4 text family folders: the
+embedding, four norms per layer (before and after attention and MLP) and the q/k norms mapped one
+to one, q/k/v fused per key/value group as megazoo's attention holds them (each layer at its own
+head size: Gemma 4's full layers may have a wider one), gate and up fused as [gate; up], and each
+layer's stored output scalar where the config has one (Gemma 4)."""
+from __future__ import annotations
+
+import torch
+
+from .config import TransformerConfig
+from .language_model import WORD_EMBEDDINGS
+from .llama_like import fuse_qkv
+
+NORMS = (("input_norm", "input_layernorm"), ("attention_output_norm", "post_attention_layernorm"),
+         ("post_attention_norm", "pre_feedforward_layernorm"),
+         ("mlp_output_norm", "post_feedforward_layernorm"),
+         ("attention.q_norm", "self_attn.q_norm"), ("attention.k_norm", "self_attn.k_norm"))
+
+
+def _pairs(config: TransformerConfig):
+    """(megazoo name, HF name) of the tensors mapped one to one."""
+    yield WORD_EMBEDDINGS, "model.embed_tokens.weight"
+    yield "final_norm.weight", "model.norm.weight"
+    if not config.tie_word_embeddings:
+        yield "head_weight", "lm_head.weight"
+    for i in range(config.num_layers):
+        m, h = f"layers.{i}.", f"model.layers.{i}."
+        for mz, hf in NORMS:
+            yield m + mz + ".weight", h + hf + ".weight"
+        yield m + "attention.dense.weight", h + "self_attn.o_proj.weight"
+        yield m + "mlp.fc2.weight", h + "mlp.down_proj.weight"
+        if config.layer_scalar:
+            yield m + "layer_scalar", h + "layer_scalar"
+
+
+def _split_qkv(t: torch.Tensor, config: TransformerConfig, layer: int) -> list[torch.Tensor]:
+    """The fused [q heads of the group, k, v] per group rows -> HF q, k, v (the layer's head size)."""
+    groups, d = config.num_query_groups, config.layer_head_dim(layer)
+    q_rows = config.num_attention_heads // groups * d
+    q, k, v = t.reshape(groups, -1, *t.shape[1:]).split([q_rows, d, d], dim=1)
+    return [x.reshape(-1, *t.shape[1:]) for x in (q, k, v)]
+
+
+def from_hf_state_dict(sd: dict[str, torch.Tensor], config: TransformerConfig) -> dict[str, torch.Tensor]:
+    """HF Gemma*ForCausalLM tensors -> full megazoo tensors."""
+    sd = {k if k.startswith(("model.", "lm_head.")) else "model." + k: v for k, v in sd.items()}
+    out = {mz: sd[hf] for mz, hf in _pairs(config)}
+    for i in range(config.num_layers):
+        m, h = f"layers.{i}.", f"model.layers.{i}."
+        q, k, v = (sd[h + f"self_attn.{x}_proj.weight"] for x in "qkv")  # (any head size)
+        out[m + "attention.qkv.weight"] = fuse_qkv(q, k, v, config.num_query_groups)
+        out[m + "mlp.fc1.weight"] = torch.cat([sd[h + "mlp.gate_proj.weight"],
+                                               sd[h + "mlp.up_proj.weight"]])
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def to_hf_state_dict(full: dict[str, torch.Tensor], config: TransformerConfig) -> dict[str, torch.Tensor]:
+    """Full megazoo tensors -> HF Gemma*ForCausalLM tensors (no lm_head when tied)."""
+    out = {hf: full[mz] for mz, hf in _pairs(config)}
+    for i in range(config.num_layers):
+        m, h = f"layers.{i}.", f"model.layers.{i}."
+        for x, t in zip("qkv", _split_qkv(full[m + "attention.qkv.weight"], config, i)):
+            out[h + f"self_attn.{x}_proj.weight"] = t
+        gate, up = full[m + "mlp.fc1.weight"].chunk(2)
+        out[h + "mlp.gate_proj.weight"], out[h + "mlp.up_proj.weight"] = gate, up
+    return {k: v.contiguous() for k, v in out.items()}
