@@ -48,6 +48,12 @@ COMBINED = {"qwen3-next-tiny": ["--tensor-model-parallel-size", "2", "--sequence
             "nemotron-h-tiny": ["--pipeline-model-parallel-size", "2", "--context-parallel-size", "2"]}
 # uneven pipeline stages (Megatron-core's layout string): a hybrid and a dense model
 UNEVEN = {"nemotron-h-tiny": "Et|t*3L", "qwen3-tiny": "Et*3|tL"}
+# packed documents, model level: the presets' linear layers split by heads at cp2 and cp4 (cp4:
+# Qwen's 2 key heads and Nemotron-H's 2 groups repeated); these variants' heads (3) do not
+# divide, so their linear layers keep the state-passing chain
+CHAIN = {"qwen3.5-tiny chain": ("qwen3.5-tiny", dict(linear_num_key_heads=1,
+                                                     linear_num_value_heads=3)),
+         "nemotron-h-tiny chain": ("nemotron-h-tiny", dict(mamba_num_heads=3, mamba_groups=1))}
 SEQ, BATCH = 32, 2
 
 
@@ -77,9 +83,10 @@ def _packed_references() -> dict:
             docs[row, s:] += 1
     topo = ParallelTopology.from_config(ParallelConfig())
     out = {}
-    for name in PRESETS:
+    configs = {name: preset(name) for name in PRESETS}
+    configs.update({name: preset(base).replace(**fields) for name, (base, fields) in CHAIN.items()})
+    for name, config in configs.items():
         torch.manual_seed(0)
-        config = preset(name)
         model = build_model(config, topo)
         with torch.no_grad():  # move the norms and decays off their initial values
             for p in model.parameters():
@@ -108,6 +115,8 @@ def _packed(refs, ids, labels, docs, cp: int) -> list[str]:
     for name, (config, full, ref_loss, ref_grads) in refs.items():
         model = build_model(config, topo)
         load_full_state_dict(model, full, topo)
+        paths = {m.by_heads for m in model.modules() if hasattr(m, "by_heads")}
+        assert paths == {name not in CHAIN}, (name, cp, paths)  # by heads, or the chain
         documents = Documents(docs, local(positions_in_documents(docs)))
         loss = model(local(ids), labels=local(labels), documents=documents).mean()
         loss.backward()
@@ -205,14 +214,14 @@ def test_trainer_layouts_equal_the_unsharded_run(references):
         out = run_distributed(_world2, 2, packed, run_dir, timeout=600)
     losses, checked = out[0]
     assert len(losses) == 3 * len(LAYOUTS_2) + len(EP2) + 1 + sum(map(len, MOE_2.values())) + 3
-    assert len(checked) == 3
+    assert len(checked) == 3 + len(CHAIN)
     assert _assert_curves(losses, refs) < 1e-5
 
 
 def test_trainer_cp4_and_combined_layouts_equal_the_unsharded_run(references):
     refs, packed = references
     losses, checked = run_distributed(_world4, 4, packed, timeout=600)[0]
-    assert len(losses) == 3 + len(COMBINED) and len(checked) == 3
+    assert len(losses) == 3 + len(COMBINED) and len(checked) == 3 + len(CHAIN)
     assert _assert_curves(losses, refs) < 1e-5
 
 
