@@ -51,6 +51,11 @@ class GatedDeltaNetShape:
                                   self.key_head_dim, self.value_head_dim, self.conv_kernel,
                                   self.eps, self.chunk_size)
 
+    def context_heads(self) -> dict:
+        """What context parallelism by heads splits (parallel/context_heads.py): the value heads,
+        in groups of their key head."""
+        return {"value heads": (self.value_heads, self.key_heads)}
+
 
 @dataclass
 class LinearState:

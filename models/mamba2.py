@@ -50,6 +50,11 @@ class Mamba2Shape:
                            self.groups // tp, self.conv_kernel, self.eps, self.chunk_size,
                            self.time_step_min, self.conv_bias, self.bias)
 
+    def context_heads(self) -> dict:
+        """What context parallelism by heads splits (parallel/context_heads.py): the heads, in
+        their groups."""
+        return {"Mamba heads": (self.heads, self.groups)}
+
 
 class GroupedGatedRMSNorm(nn.Module):
     """weight * rmsnorm(x * silu(gate)) with the mean over each group's channels (Nemotron-H:

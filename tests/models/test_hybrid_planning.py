@@ -149,6 +149,50 @@ def test_published_sizes_plan():
     assert checked == 5
 
 
+def test_cp_linear_layers_by_heads_or_chain(monkeypatch):
+    """Context parallelism's time for linear layers: by heads (the trainer's rule) a layer takes
+    one slot of s/cp tokens, so a rank's compute at cp4 is a quarter of cp1's exactly, plus the
+    all-to-alls (counted by hand here); where the heads do not split, the chain's wavefront
+    (n + cp - 1 slots per run of n linear layers)."""
+    from megazoo.models import hybrid_counts as hc
+    from megazoo.models.gated_deltanet import GatedDeltaNetShape
+    from megazoo.models.mamba2 import Mamba2Shape
+    from megazoo.models.qwen3_5.presets import preset_config as qwen35
+    from megazoo.training.planning import hybrid
+    from megazoo.training.planning.layout import Layout
+    g = GatedDeltaNetShape(64, key_heads=2, value_heads=4, key_head_dim=16, value_head_dim=8)
+    m = Mamba2Shape(64, heads=8, head_dim=16, state_size=8, groups=2)
+    # the rule: heads over tp x cp, groups divided or repeated (Gated DeltaNet's key heads at cp4,
+    # Mamba-2's 2 groups at tp2 x cp2: one per TP rank, repeated on both context ranks)
+    assert [hybrid.by_heads(g, 1, c) for c in (1, 2, 4, 8)] == [False, True, True, False]
+    assert hybrid.by_heads(m, 2, 2) and hybrid.by_heads(m, 2, 4) and not hybrid.by_heads(m, 2, 8)
+    assert not hybrid.by_heads(GatedDeltaNetShape(64, 1, 3, 16, 8), 1, 2)
+    # the all-to-alls by hand, per pass, 1024 tokens, bf16: Gated DeltaNet at cp4 sends q and k
+    # (its 2 key heads repeated: 4 x 16 each), v 32, b and a 4 each, and gets its output (32)
+    assert hybrid.heads_exchange_bytes(g, 1024, 1, 4, 2) == 3 / 4 * 256 * (
+        (2 * 64 + 32 + 8) * 2 + 32 * 2)
+    # Mamba-2 at tp2 x cp2: x 64, B and C 8 each (one group per TP rank, repeated), dt 4; the
+    # scan's fp32 output 64
+    assert hybrid.heads_exchange_bytes(m, 1024, 2, 2, 2) == 1 / 2 * 512 * (
+        (64 + 2 * 16 + 4) * 2 + 64 * 4)
+    # Qwen3.5-9B (3 Gated DeltaNet + 1 attention, 16 key heads) at tp2: by heads at cp4
+    config, cluster = qwen35("qwen3.5-9b"), _h100(32)
+    shape = hc.describe(config)
+    base = Layout.of(tp=2, dp=4, zero_stage=1, params_dtype="bfloat16", micro_batch_size=1,
+                     global_batch_size=16, seq_length=32768, flash_attention=True)
+    one, four = (hybrid.step_time(shape, base.replace(cp=c), cluster) for c in (1, 4))
+    assert four.compute * 4 == pytest.approx(one.compute, rel=1e-12)
+    attention = [i for i, layer in enumerate(shape.layers) if layer.kind == "attention"]
+    assert hybrid._wavefront(shape, list(range(shape.num_layers)), 4, 2) == shape.num_layers
+    # the chain where the heads do not split: each run of 3 linear layers takes 3 + 3 slots
+    monkeypatch.setattr(hybrid, "by_heads", lambda *args: False)
+    chain = hybrid.step_time(shape, base.replace(cp=4), cluster)
+    assert hybrid._wavefront(shape, list(range(shape.num_layers)), 4, 2) == \
+        shape.num_layers + 3 * len(attention)
+    assert chain.compute > four.compute and chain.cp_comm < four.cp_comm
+    assert chain.total > four.total
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_dry_run_meta_measured_equals_planned(dtype):
     """One cp rank of Nemotron-H-8B and Qwen3.5-9B at 4K / cp2 on meta: parameters as built equal

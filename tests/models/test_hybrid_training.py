@@ -7,7 +7,7 @@ attention, docs/hybrid.md) through megazoo's registry, adapters and real trainer
   transformers' config fields.
 - One 2-rank world: the trainer (training/run/loop.py, what train_*.py runs) on each family's
   tiny preset under tp2 + sequence parallelism, pp2 (each stage holds two layer kinds), cp2
-  (linear layers by state passing, attention by the ring), dp2 with ZeRO-3, and ep2 for
+  (linear layers by heads, attention by the ring), dp2 with ZeRO-3, and ep2 for
   Qwen3-Next's experts, and Nemotron-H with MoE layers at ep2 and tp2 + SP: every iteration's
   loss equal to the unsharded run's (1e-5). Then a
   Qwen3.5 checkpoint written at tp2 + SP resumes at pp2 and continues the unsharded curve.
@@ -15,9 +15,12 @@ attention, docs/hybrid.md) through megazoo's registry, adapters and real trainer
   layer on the first stage, the attention, Mamba-2 and MLP layers on the last) and a dense Qwen3
   equal the unsharded run; the Nemotron-H checkpoint at that layout, resharded offline to pp1 x
   dp2 (tools/reshard.py), continues the curve. And
-  packed documents at cp2, model level: loss and every gradient equal the unsharded model's.
-- One 4-rank world: the trainer at cp4 for each family, Qwen3-Next at tp2 + SP + cp2 and
-  Nemotron-H at pp2 + cp2, and packed documents at cp4.
+  packed documents at cp2, model level: loss and every gradient equal the unsharded model's,
+  for the presets (linear layers by heads) and for variants with 3 heads (the state-passing
+  chain); the path each layer took is the one the planner assumes.
+- One 4-rank world: the trainer at cp4 for each family (linear layers by heads, Qwen's key heads
+  and Nemotron-H's groups repeated over pairs of ranks), Qwen3-Next at tp2 + SP + cp2 and
+  Nemotron-H at pp2 + cp2, and packed documents at cp4 (by heads, and the chain variants).
 """
 from __future__ import annotations
 
@@ -105,18 +108,23 @@ def _packed(refs, ids, labels, docs, cp: int) -> list[str]:
     import torch.distributed as dist
 
     from megazoo.data.packing import positions_in_documents
+    from megazoo.models.hybrid_counts import describe
     from megazoo.models.registry import build_model
     from megazoo.parallel.context_split import Documents, split_sequence
     from megazoo.parallel.sharding import full_tensor, load_full_state_dict
     from megazoo.parallel.topology import ParallelConfig, ParallelTopology
+    from megazoo.training.planning.hybrid import by_heads
     topo = ParallelTopology.from_config(ParallelConfig(cp=cp))
     local = lambda t: split_sequence(t, 1, cp, topo.cp_rank)  # noqa: E731
     checked = []
     for name, (config, full, ref_loss, ref_grads) in refs.items():
         model = build_model(config, topo)
         load_full_state_dict(model, full, topo)
+        # by heads, or the chain; the planner's rule says the same
         paths = {m.by_heads for m in model.modules() if hasattr(m, "by_heads")}
-        assert paths == {name not in CHAIN}, (name, cp, paths)  # by heads, or the chain
+        planned = {by_heads(layer.mixer, 1, cp) for layer in describe(config).layers
+                   if layer.kind in ("gated_deltanet", "mamba2")}
+        assert paths == planned == {name not in CHAIN}, (name, cp, paths, planned)
         documents = Documents(docs, local(positions_in_documents(docs)))
         loss = model(local(ids), labels=local(labels), documents=documents).mean()
         loss.backward()

@@ -9,12 +9,16 @@ What differs from a transformer's plan:
   kinds: a pipeline stage of Mamba-2 layers weighs differently from one of MLP layers, so every
   stage is costed (`stage_costs`) and the slowest sets the pipeline's slot.
 * Context parallelism (cp = C): every layer keeps activations of s/C tokens. A full-attention layer
-  runs ring attention as in a transformer; a linear layer (Gated DeltaNet, Mamba-2) passes its
-  state from rank to rank in sequence order (parallel/state_passing.py), so the ranks of one layer
-  run one after another. Between two attention layers (which line all ranks up) a run of n linear
-  layers is a wavefront: rank r starts layer j once rank r - 1 has finished it, so the run takes
-  n + C - 1 layer slots of s/C tokens instead of n. The message is the constant-size state
-  (`hybrid_counts.state_bytes`), once per layer and rank pair in forward and again in backward.
+  runs ring attention as in a transformer. A linear layer (Gated DeltaNet, Mamba-2) whose heads
+  split over tp x C (parallel/context_heads.py's rule, `by_heads`) runs by heads: all ranks at
+  once, one layer slot, plus two all-to-alls per pass (the in-projection's features but the
+  gate, out; the scan's output, back: `heads_exchange_bytes`), in forward, backward and a full
+  recompute's second forward. Otherwise it passes its state from rank to rank in sequence order
+  (parallel/state_passing.py), so the ranks of one layer run one after another: between two
+  layers that line all ranks up (attention, linear layers by heads) a run of n such layers is a
+  wavefront, rank r starting layer j once rank r - 1 has finished it, n + C - 1 layer slots of
+  s/C tokens instead of n. Its message is the constant-size state (`hybrid_counts.state_bytes`),
+  once per layer and rank pair in forward and again in backward.
 * Generation: the linear layers' state is constant; only attention layers hold a KV cache
   (`hybrid_counts.generation_cache_bytes`).
 
@@ -27,6 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megazoo.models import hybrid_counts as hc
+from megazoo.parallel.context_heads import Segment, head_split_problem
 from megazoo.parallel.layout import microbatches_per_step
 
 from megazoo.training.planning.hybrid_memory import (activation_bytes, layer_activation_bytes,  # noqa: F401
@@ -129,15 +134,41 @@ def layer_flops(shape: hc.HybridShape, layout: Layout, i: int) -> float:
     return per_token * b * s / layout.cp
 
 
-def _wavefront(shape: hc.HybridShape, ids: list[int], cp: int) -> float:
-    """Layer slots a stage's layers take under cp: each run of consecutive linear layers (between
-    attention layers, MLP-only layers riding along) n + cp - 1 slots for n layers."""
+def by_heads(m, tp: int, cp: int) -> bool:
+    """Whether linear mixer `m` runs by heads under cp (else the state-passing chain): the
+    trainer's rule (models/linear_mixers.py, parallel/context_heads.py)."""
+    return cp > 1 and m is not None and not isinstance(m, hc.AttentionShape) and \
+        head_split_problem(m.context_heads(), tp, cp) is None
+
+
+def heads_exchange_bytes(m, tokens: float, tp: int, cp: int, element_bytes: int) -> float:
+    """Bytes one rank sends in one pass's two all-to-alls of linear layer `m` by heads, for
+    `tokens` tokens of the whole sequence: the in-projection's features without the gate (groups
+    repeated when fewer than the ranks), then the scan's output (Gated DeltaNet's in the model's
+    dtype, Mamba-2's fp32); (cp - 1) / cp of each leaves the rank."""
+    if isinstance(m, hc.AttentionShape) or m is None:
+        return 0.0
+    if type(m).__name__ == "GatedDeltaNetShape":
+        key = Segment(m.key_heads * m.key_head_dim // tp, m.key_heads // tp)
+        sent = 2 * key.width * key.replicas(cp) + m.value_heads * (m.value_head_dim + 2) / tp
+        back = m.value_heads * m.value_head_dim / tp * element_bytes
+    else:
+        inner = m.heads * m.head_dim / tp
+        bc = Segment(m.groups * m.state_size // tp, m.groups // tp)
+        sent, back = inner + 2 * bc.width * bc.replicas(cp) + m.heads / tp, inner * 4
+    return (cp - 1) / cp * tokens / cp * (sent * element_bytes + back)
+
+
+def _wavefront(shape: hc.HybridShape, ids: list[int], cp: int, tp: int = 1) -> float:
+    """Layer slots a stage's layers take under cp: each run of consecutive state-passing linear
+    layers (between attention layers and linear layers by heads, which line the ranks up; MLP-only
+    layers riding along) n + cp - 1 slots for n layers."""
     if cp == 1:
         return float(len(ids))
     slots, run = 0.0, 0
     for i in ids:
-        kind = shape.layers[i].kind
-        if kind == "attention":
+        layer = shape.layers[i]
+        if layer.kind == "attention" or by_heads(layer.mixer, tp, cp):
             slots += (run + cp - 1 if run else 0) + 1
             run = 0
         else:
@@ -179,7 +210,8 @@ def memory_per_gpu(shape: hc.HybridShape, layout: Layout, stages: list[StageCost
 def step_time(shape: hc.HybridShape, layout: Layout, cluster: Cluster,
               stages: list[StageCost] | None = None, efficiency: float = MATMUL_EFFICIENCY) -> StepTime:
     """One iteration: the slowest stage's microbatch slot (its compute stretched by the cp
-    wavefront of its linear layers, TP all-reduces, state and ring messages, p2p) times
+    wavefront of its state-passing linear layers, TP all-reduces, state, all-to-all and ring
+    messages, p2p) times
     (m + (p - 1)/v), then the data-parallel reduction and the optimizer, as step_time.py."""
     stages = stages or stage_costs(shape, layout)
     s, b, h, t, p, v, c = (layout.seq_length, layout.micro_batch_size, shape.hidden_size,
@@ -193,7 +225,7 @@ def step_time(shape: hc.HybridShape, layout: Layout, cluster: Cluster,
     slots, comm, cp_comm = [], [], []
     for st in stages:
         n = max(len(st.layers), 1)
-        stretch = _wavefront(shape, st.layers, c) / n
+        stretch = _wavefront(shape, st.layers, c, t) / n
         slots.append(st.flops_per_microbatch / rate * stretch)
         n_ar = 6 if layout.recompute_granularity == "full" else 4
         comm.append(n_ar * len(st.layers) * 2 * (t - 1) / t * act / tp_bw if t > 1 else 0.0)
@@ -203,6 +235,9 @@ def step_time(shape: hc.HybridShape, layout: Layout, cluster: Cluster,
             if c > 1 and isinstance(mixer, hc.AttentionShape):
                 kv = 2 * b * s / c * max(mixer.kv_heads // t, 1) * mixer.head_dim
                 msg += 2 * (c - 1) * kv * e + c * kv * 4
+            elif by_heads(mixer, t, c):  # forward, backward (and full recompute's forward)
+                msg += (3 if layout.recompute_granularity == "full" else 2) * \
+                    heads_exchange_bytes(mixer, b * s, t, c, e)
             elif c > 1:
                 msg += 2 * b * hc.state_bytes(mixer, t, e)  # forward state, backward its gradient
         cp_comm.append(msg / cp_bw)
