@@ -7,7 +7,12 @@ model run unsharded in the same process:
        conv tail passed from rank 0 to rank 1 and their gradients back: the same; again with
        packed documents (one starting at rank 1's first token: the passed state is not read);
   pp2  a Nemotron-H with Mamba-2 + attention on stage 0 and MLP + Mamba-2 on stage 1, activations
-       and their gradients sent between the stages: loss and every gradient within 1e-5."""
+       and their gradients sent between the stages: loss and every gradient within 1e-5;
+  cp2 by heads  parallel/context_heads.py's all-to-alls: each rank's load-balanced tokens in,
+       the whole sequence in order for its share of each segment out (a segment of one group
+       repeated on both ranks, the gate's segment kept back), and back; their gradients, and
+       `HeadPart.take`'s rows. (The layers by heads against the unsharded model:
+       tests/models/test_hybrid_training.py.)"""
 from __future__ import annotations
 
 from tests.distributed import run_distributed
@@ -105,7 +110,35 @@ def _world(rank):
             torch.testing.assert_close(got, gp_ref[n], **TOL, msg=f"cp2 documents {name} {n}")
         done.append(f"cp2 documents {name}")
     done.append(_pp2(rank))
+    done.append(_by_heads(rank))
     return done
+
+
+def _by_heads(rank):
+    import torch
+
+    from megazoo.parallel.context_heads import (HeadPart, Segment, heads_to_sequence,
+                                                sequence_to_heads)
+    from megazoo.parallel.context_split import split_sequence
+    gen = torch.Generator().manual_seed(9)
+    full, v = torch.randn(8, 2, 9, generator=gen), torch.randn(8, 2, 2, generator=gen)
+    w = torch.randn(8, 2, 4, generator=gen)
+    # [a: 4 wide, 2 groups | b: 2 wide, 1 group (repeated) | z: 3, stays here]
+    segments = [Segment(4, 2), Segment(2, 1), Segment(3, 0)]
+    x = split_sequence(full, 0, 2, rank).requires_grad_(True)
+    got = sequence_to_heads(x, segments, None)
+    want = torch.cat([full[..., 2 * rank:2 * rank + 2], full[..., 4:6]], dim=-1)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    back = heads_to_sequence(got[..., :2], None)
+    torch.testing.assert_close(back, split_sequence(full[..., :4], 0, 2, rank), rtol=0, atol=0)
+    (back * split_sequence(w, 0, 2, rank)).sum().add((got[..., 2:] * v).sum()).backward()
+    # a's gradient its own weights; b's from both ranks' copies; z's none
+    want = torch.cat([split_sequence(w, 0, 2, rank), 2 * split_sequence(v, 0, 2, rank),
+                      torch.zeros(4, 2, 3)], dim=-1)
+    torch.testing.assert_close(x.grad, want, **TOL)
+    rows = HeadPart(rank, 2).take(torch.arange(6.0), segments[:2])
+    assert rows.tolist() == [2.0 * rank, 2.0 * rank + 1, 4.0, 5.0]
+    return "cp2 by heads"
 
 
 def _pp2(rank):
@@ -164,4 +197,4 @@ def test_tp2_cp2_pp2_equal_unsharded():
     for rank, done in enumerate(results):
         assert done[:6] == [f"{c} {m}" for m in ("gated_deltanet", "mamba2")
                             for c in ("tp2", "cp2", "cp2 documents")]
-        assert done[6].startswith(f"pp2 stage {rank}")
+        assert done[6].startswith(f"pp2 stage {rank}") and done[7] == "cp2 by heads"
