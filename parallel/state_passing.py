@@ -1,5 +1,7 @@
-"""Context parallelism for linear token mixers (Gated DeltaNet, Mamba-2): each rank holds a
-contiguous slice of the sequence, in rank order; a linear layer on rank r starts from the state
+"""Context parallelism for linear token mixers (Gated DeltaNet, Mamba-2) whose heads do not split
+over the context ranks (those that do run by heads, all ranks at once: parallel/context_heads.py;
+models/linear_mixers.py chooses). Each rank holds a contiguous slice of the sequence, in rank
+order; a linear layer on rank r starts from the state
 rank r - 1 ended with (its recurrent state and its convolution's last inputs) and hands its own
 final state to rank r + 1. Backward runs the chain the other way: the gradient of a rank's
 initial state is sent back to the rank that produced it.
