@@ -51,7 +51,7 @@ def head_split_problem(counts: dict, tp: int, cp: int) -> str | None:
             return (f"its {heads} {what} over --tensor-model-parallel-size {tp} x "
                     f"--context-parallel-size {cp} do not divide")
         per_tp = groups // tp
-        if per_tp % cp and cp % per_tp:
+        if not per_tp or (per_tp % cp and cp % per_tp):
             return (f"its {groups // tp} groups of {what} per tensor-parallel rank and "
                     f"--context-parallel-size {cp}: neither divides the other")
     return None
