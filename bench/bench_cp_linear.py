@@ -9,6 +9,11 @@ alternate `--repeats` times (3); each timing is rank 0's wall time of one forwar
 between two barriers, and each rank's CPU time. The machine is shared (2 cores for 2 ranks and
 other work), so wall times carry other people's load; run it twice and compare.
 
+Second, in one process (no load from the other rank): the CPU time of the scans one rank runs
+each way, forward + backward (best of 5): by heads, the whole sequence for half of the heads;
+on the chain, its two quarter-sequence chunks for all heads, which the chain runs one rank after
+the other (its critical path: 2 ranks x that), so the comparison does not hang on the load.
+
     python -m bench.bench_cp_linear            # ~1 min on 2 cores
 """
 from __future__ import annotations
@@ -68,6 +73,42 @@ def _worker(rank, seq, repeats):
     return diffs, times
 
 
+def scan_costs(seq: int) -> tuple[float, float]:
+    """CPU s of one rank's scans, forward + backward: (by heads, on the chain)."""
+    import torch
+
+    from megazoo.models.init import Initializer
+    from megazoo.models.linear_mixers import ParallelGatedDeltaNet
+    from megazoo.models.presets import preset
+    from megazoo.parallel.context_heads import HeadPart
+    from megazoo.parallel.topology import ParallelConfig, ParallelTopology
+    torch.set_num_threads(1)
+    config = preset("qwen3.5-tiny", **SHAPE)
+    layer = ParallelGatedDeltaNet(config, ParallelTopology.from_config(ParallelConfig()),
+                                  Initializer(config), "layers.0.attention.", None, None)
+    part = HeadPart(0, 2)
+    whole = torch.randn(seq, 1, sum(part.width(s) for s in layer.segments if s.groups),
+                        requires_grad=True)
+    chunks = [torch.randn(seq // 4, 1, layer.in_proj.weight.shape[0], requires_grad=True)
+              for _ in range(2)]
+
+    def best(fn):
+        times = []
+        for _ in range(5):
+            cpu = time.process_time()
+            fn()
+            times.append(time.process_time() - cpu)
+        return min(times)
+
+    def heads():
+        layer.scan(whole, None, None, part)[0].sum().backward()
+
+    def chain():
+        for x in chunks:
+            layer.scan(x, None, None)[0].sum().backward()
+    return best(heads), best(chain)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq", type=int, default=2048)
@@ -87,6 +128,10 @@ def main(argv=None):
     ratio = statistics.median(w for w, _ in times["chain"]) / \
         statistics.median(w for w, _ in times["heads"])
     print(f"chain / heads, median wall: {ratio:.2f}x")
+    heads, chain = scan_costs(args.seq)
+    print(f"one rank's scans, CPU s (one process): by heads {heads:.3f}; chain {chain:.3f}, "
+          f"critical path 2 x {chain:.3f} = {2 * chain:.3f}; chain path / heads "
+          f"{2 * chain / heads:.2f}x")
 
 
 if __name__ == "__main__":
