@@ -2,7 +2,8 @@
 embedding, four norms per layer (before and after attention and MLP) and the q/k norms mapped one
 to one, q/k/v fused per key/value group as megazoo's attention holds them (each layer at its own
 head size: Gemma 4's full layers may have a wider one), gate and up fused as [gate; up], and each
-layer's stored output scalar where the config has one (Gemma 4)."""
+layer's stored output scalar where the config has one (Gemma 4). Also the two configs' shared
+export fields: each layer's type and the RoPE of each type (`hf_layer_fields`)."""
 from __future__ import annotations
 
 import torch
@@ -15,6 +16,21 @@ NORMS = (("input_norm", "input_layernorm"), ("attention_output_norm", "post_atte
          ("post_attention_norm", "pre_feedforward_layernorm"),
          ("mlp_output_norm", "post_feedforward_layernorm"),
          ("attention.q_norm", "self_attn.q_norm"), ("attention.k_norm", "self_attn.k_norm"))
+
+
+def hf_layer_fields(config: TransformerConfig) -> dict:
+    """`layer_types` and `rope_parameters` of a Gemma 3 / Gemma 4 text HF config: each layer
+    sliding or full, the full layers' RoPE (scaling and theta), the sliding layers' theta
+    unscaled (`rope_local_theta`, else the full layers')."""
+    types = ["full_attention" if config.attention_window(i) is None else "sliding_attention"
+             for i in range(config.num_layers)]
+    full = {"rope_type": "default", **(config.rope_scaling or {}), "rope_theta": config.rope_theta}
+    local_theta = config.rope_local_theta if config.rope_local_theta is not None \
+        else config.rope_theta
+    return {"layer_types": types,
+            "rope_parameters": {"full_attention": full,
+                                "sliding_attention": {"rope_type": "default",
+                                                      "rope_theta": local_theta}}}
 
 
 def _pairs(config: TransformerConfig):

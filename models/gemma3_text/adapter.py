@@ -80,11 +80,6 @@ def config_from_hf(hf) -> TransformerConfig:
 def hf_config(config: TransformerConfig, **extra):
     """The `transformers.Gemma3TextConfig` of a megazoo Gemma 3 text config (for export)."""
     from transformers import Gemma3TextConfig
-    types = ["full_attention" if config.attention_window(i) is None else "sliding_attention"
-             for i in range(config.num_layers)]
-    full = {"rope_type": "default", **(config.rope_scaling or {}), "rope_theta": config.rope_theta}
-    local_theta = config.rope_local_theta if config.rope_local_theta is not None \
-        else config.rope_theta
     return Gemma3TextConfig(
         vocab_size=config.vocab_size, hidden_size=config.hidden_size,
         intermediate_size=config.ffn_hidden_size, num_hidden_layers=config.num_layers,
@@ -94,13 +89,12 @@ def hf_config(config: TransformerConfig, **extra):
         max_position_embeddings=config.max_position_embeddings,
         initializer_range=config.init_method_std, rms_norm_eps=config.layernorm_epsilon,
         tie_word_embeddings=config.tie_word_embeddings,
-        rope_parameters={"full_attention": full,
-                         "sliding_attention": {"rope_type": "default", "rope_theta": local_theta}},
         attention_bias=False, attention_dropout=config.attention_dropout,
         query_pre_attn_scalar=_integral(config.query_pre_attn_scalar or config.head_dim),
-        sliding_window=config.sliding_window or 4096, layer_types=types,
+        sliding_window=config.sliding_window or 4096,
         final_logit_softcapping=config.final_logit_softcapping,
         attn_logit_softcapping=None,
+        **gemma_like.hf_layer_fields(config),
         **{"architectures": ["Gemma3ForCausalLM"], **extra})
 
 

@@ -109,11 +109,6 @@ def config_from_hf(hf) -> TransformerConfig:
 def hf_config(config: TransformerConfig, **extra):
     """The `transformers.Gemma4TextConfig` of a megazoo Gemma 4 text config (for export)."""
     from transformers import Gemma4TextConfig
-    types = ["full_attention" if config.attention_window(i) is None else "sliding_attention"
-             for i in range(config.num_layers)]
-    full = {"rope_type": "default", **(config.rope_scaling or {}), "rope_theta": config.rope_theta}
-    local_theta = config.rope_local_theta if config.rope_local_theta is not None \
-        else config.rope_theta
     return Gemma4TextConfig(
         vocab_size=config.vocab_size, hidden_size=config.hidden_size,
         intermediate_size=config.ffn_hidden_size, num_hidden_layers=config.num_layers,
@@ -123,13 +118,12 @@ def hf_config(config: TransformerConfig, **extra):
         max_position_embeddings=config.max_position_embeddings,
         initializer_range=config.init_method_std, rms_norm_eps=config.layernorm_epsilon,
         tie_word_embeddings=config.tie_word_embeddings,
-        rope_parameters={"full_attention": full,
-                         "sliding_attention": {"rope_type": "default", "rope_theta": local_theta}},
         attention_bias=False, attention_dropout=config.attention_dropout,
-        sliding_window=config.sliding_window or 512, layer_types=types,
+        sliding_window=config.sliding_window or 512,
         final_logit_softcapping=config.final_logit_softcapping,
         hidden_size_per_layer_input=0, num_kv_shared_layers=0, attention_k_eq_v=False,
         enable_moe_block=False,
+        **gemma_like.hf_layer_fields(config),
         **{"architectures": ["Gemma4ForCausalLM"], **extra})
 
 
