@@ -10,6 +10,7 @@ import torch
 from .counts import ModelCounts
 from .family_rules import resolve_family
 from .hybrid_fields import check_hybrid, check_hybrid_layout
+from .moe_fields import check_moe
 from .recompute import resolve_recompute
 from .spec import ACTIVATIONS, MIXER_KINDS, NORMS, LayerSpec, NormKind, layer_spec, lookup
 
@@ -92,7 +93,8 @@ class TransformerConfig(ModelCounts):
     qk_rope_head_dim: int | None = None  # decoupled RoPE channels (one key part shared by all heads)
     v_head_dim: int | None = None  # per-head value channels
     rope_interleave: bool = True  # RoPE channels in pairs (2i, 2i+1) (DeepSeek) or halves (HF's)
-    # ---- mixture of experts (models/moe.py; docs/moe.md). num_experts None: dense MLPs ----
+    # ---- mixture of experts (models/moe.py, checked by models/moe_fields.py; docs/moe.md) ----
+    # num_experts None: dense MLPs
     num_experts: int | None = None  # --num-experts
     moe_router_topk: int = 2  # --moe-router-topk
     moe_ffn_hidden_size: int | None = None  # --moe-ffn-hidden-size; default ffn_hidden_size
@@ -189,7 +191,7 @@ class TransformerConfig(ModelCounts):
             self.recompute_granularity, self.recompute_method, self.recompute_num_layers,
             self.num_layers)
         if self.num_experts is not None:
-            self._check_moe()
+            check_moe(self)
         if self.kv_lora_rank is not None:
             self._check_latent_attention()
         if not isinstance(self.mtp_num_layers, int) or self.mtp_num_layers < 0 \
@@ -249,71 +251,6 @@ class TransformerConfig(ModelCounts):
                 or self.qk_layernorm or self.kv_channels:
             raise ValueError("multi-latent attention has no key/value groups, attention biases, "
                              "q/k norms or --kv-channels; drop them")
-
-    def _check_moe(self) -> None:
-        if self.moe_ffn_hidden_size is None:
-            self.moe_ffn_hidden_size = self.ffn_hidden_size
-        for flag, value in (("--num-experts", self.num_experts), ("--moe-router-topk", self.moe_router_topk),
-                            ("--moe-layer-freq", self.moe_layer_freq),
-                            ("--moe-ffn-hidden-size", self.moe_ffn_hidden_size)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{flag} must be an integer >= 1, got {value}")
-        if self.moe_router_topk > self.num_experts:
-            raise ValueError(f"--moe-router-topk {self.moe_router_topk} exceeds --num-experts "
-                             f"{self.num_experts}")
-        if self.moe_expert_capacity_factor is not None and self.moe_expert_capacity_factor <= 0:
-            raise ValueError(f"--moe-expert-capacity-factor must be > 0 (omit it for dropless "
-                             f"routing), got {self.moe_expert_capacity_factor}")
-        if self.moe_aux_loss_coeff < 0 or self.moe_z_loss_coeff < 0:
-            raise ValueError("--moe-aux-loss-coeff and --moe-z-loss-coeff must be >= 0")
-        self._check_router()
-        if not isinstance(self.moe_first_dense_layers, int) or self.moe_first_dense_layers < 0:
-            raise ValueError(f"moe_first_dense_layers must be an integer >= 0, got "
-                             f"{self.moe_first_dense_layers}")
-        if self.moe_shared_expert_gate and not self.moe_shared_expert_intermediate_size:
-            raise ValueError("moe_shared_expert_gate needs --moe-shared-expert-intermediate-size")
-
-    def _check_router(self) -> None:
-        sigmoid = self.moe_router_score_function == "sigmoid"
-        for name, value, allowed in (
-                ("--moe-router-score-function", self.moe_router_score_function, ("softmax", "sigmoid")),
-                ("--moe-router-load-balancing-type", self.moe_router_load_balancing_type,
-                 ("aux_loss", "seq_aux_loss"))):
-            if value not in allowed:
-                raise ValueError(f"{name} {value!r} is not supported; choose one of {allowed}")
-        if self.moe_norm_topk_prob and not (self.moe_router_pre_softmax or sigmoid):
-            raise ValueError("moe_norm_topk_prob applies to --moe-router-pre-softmax or "
-                             "--moe-router-score-function sigmoid only (top-k then softmax is "
-                             "normalised already)")
-        if sigmoid and self.moe_router_pre_softmax:
-            raise ValueError("--moe-router-pre-softmax applies to --moe-router-score-function "
-                             "softmax only; drop one")
-        if self.moe_router_enable_expert_bias and not sigmoid:
-            raise ValueError("--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid")
-        if not self.moe_router_bias_update_rate >= 0:
-            raise ValueError(f"--moe-router-bias-update-rate must be >= 0, got "
-                             f"{self.moe_router_bias_update_rate}")
-        if self.moe_router_topk_scaling_factor is not None and not self.moe_router_topk_scaling_factor > 0:
-            raise ValueError(f"--moe-router-topk-scaling-factor must be > 0, got "
-                             f"{self.moe_router_topk_scaling_factor}")
-        groups, group_topk = self.moe_router_num_groups, self.moe_router_group_topk
-        if (groups is None) != (group_topk is None):
-            raise ValueError("--moe-router-num-groups and --moe-router-group-topk go together; "
-                             "pass both or neither")
-        if groups is None:
-            return
-        if not sigmoid:
-            raise ValueError("--moe-router-num-groups needs --moe-router-score-function sigmoid "
-                             "(group-limited routing is modelled as DeepSeek-V3's)")
-        if groups < 1 or self.num_experts % groups or self.num_experts // groups < 2:
-            raise ValueError(f"--moe-router-num-groups {groups} must divide --num-experts "
-                             f"{self.num_experts} into groups of at least 2 experts (a group "
-                             f"scores as its two best experts)")
-        per_group = self.num_experts // groups
-        if not 1 <= group_topk <= groups or self.moe_router_topk > group_topk * per_group:
-            raise ValueError(f"--moe-router-group-topk {group_topk} must be in 1..{groups} and "
-                             f"its groups hold --moe-router-topk {self.moe_router_topk} experts "
-                             f"({per_group} per group)")
 
     def is_moe_layer(self, layer_number: int) -> bool:
         """Whether global layer `layer_number` (0-based) has experts instead of a dense MLP."""

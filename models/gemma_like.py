@@ -2,19 +2,73 @@
 embedding, four norms per layer (before and after attention and MLP) and the q/k norms mapped one
 to one, q/k/v fused per key/value group as megazoo's attention holds them (each layer at its own
 head size: Gemma 4's full layers may have a wider one), gate and up fused as [gate; up], and each
-layer's stored output scalar where the config has one (Gemma 4)."""
+layer's stored output scalar where the config has one (Gemma 4). Also the two configs' shared
+fields: each layer's type and the RoPE of each type, read (`layers_from_hf`, `rope_from_hf`) and
+written (`hf_layer_fields`)."""
 from __future__ import annotations
 
 import torch
 
-from .config import TransformerConfig
+from .config import ROPE_TYPES, TransformerConfig, canonical_rope_scaling
+from .hf_fields import refuse
 from .language_model import WORD_EMBEDDINGS
 from .llama_like import fuse_qkv
+from .rope import rope_type
 
 NORMS = (("input_norm", "input_layernorm"), ("attention_output_norm", "post_attention_layernorm"),
          ("post_attention_norm", "pre_feedforward_layernorm"),
          ("mlp_output_norm", "post_feedforward_layernorm"),
          ("attention.q_norm", "self_attn.q_norm"), ("attention.k_norm", "self_attn.k_norm"))
+
+LAYER_TYPES = ("sliding_attention", "full_attention")
+TANH_GELU = ("gelu_pytorch_tanh", "gelu_tanh")  # ACT2FN's tanh-approximated GELU names
+
+
+def layers_from_hf(hf, family: str) -> tuple[tuple[int, ...], int | None]:
+    """(full-attention layers, sliding window or None when no layer slides) of a Gemma 3 / Gemma 4
+    text HF config; `layer_types` other than one known type per layer refused."""
+    types = list(hf.layer_types)
+    if len(types) != hf.num_hidden_layers or set(types) - set(LAYER_TYPES):
+        raise refuse(family, "layer_types", types,
+                     f"{hf.num_hidden_layers} entries of {list(LAYER_TYPES)}")
+    full = tuple(i for i, t in enumerate(types) if t == "full_attention")
+    return full, (hf.sliding_window if len(full) < len(types) else None)
+
+
+def rope_from_hf(hf, family: str, partial: tuple[str, ...] = ()) -> tuple[float, dict | None, float]:
+    """(full layers' rope_theta, their scaling or None, sliding layers' theta) of a Gemma 3 /
+    Gemma 4 text HF config's `rope_parameters`; `partial`: the full layers' rope types that may
+    rotate part of the head (partial_rotary_factor), none unless named."""
+    params = hf.rope_parameters or {}
+    full = dict(canonical_rope_scaling(params.get("full_attention")) or {})
+    local = dict(canonical_rope_scaling(params.get("sliding_attention")) or {})
+    theta, local_theta = full.pop("rope_theta", 1e6), local.pop("rope_theta", 1e4)
+    if rope_type(local) != "default" or set(local) - {"rope_type"}:
+        raise refuse(family, "rope_parameters.sliding_attention", params.get("sliding_attention"),
+                     "rope_type 'default' with a rope_theta (sliding layers rotate unscaled)")
+    kind = rope_type(full)
+    if kind not in ROPE_TYPES or (kind not in partial
+                                  and full.get("partial_rotary_factor", 1.0) != 1.0):
+        rotated = (f"partial_rotary_factor with {' or '.join(map(repr, partial))} only" if partial
+                   else "the whole head rotated")
+        raise refuse(family, "rope_parameters.full_attention", params.get("full_attention"),
+                     f"rope_type one of {list(ROPE_TYPES)}, {rotated}")
+    return float(theta), (full if kind != "default" else None), float(local_theta)
+
+
+def hf_layer_fields(config: TransformerConfig) -> dict:
+    """`layer_types` and `rope_parameters` of a Gemma 3 / Gemma 4 text HF config: each layer
+    sliding or full, the full layers' RoPE (scaling and theta), the sliding layers' theta
+    unscaled (`rope_local_theta`, else the full layers')."""
+    types = ["full_attention" if config.attention_window(i) is None else "sliding_attention"
+             for i in range(config.num_layers)]
+    full = {"rope_type": "default", **(config.rope_scaling or {}), "rope_theta": config.rope_theta}
+    local_theta = config.rope_local_theta if config.rope_local_theta is not None \
+        else config.rope_theta
+    return {"layer_types": types,
+            "rope_parameters": {"full_attention": full,
+                                "sliding_attention": {"rope_type": "default",
+                                                      "rope_theta": local_theta}}}
 
 
 def _pairs(config: TransformerConfig):

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from ..config import ROPE_TYPES, TransformerConfig, canonical_rope_scaling
+from ..config import TransformerConfig
 from ..hf_fields import check_fields, refuse
 from .. import gemma_like
-from ..rope import rope_type
 
 FAMILY = "Gemma3"
 MAPPED = frozenset({
@@ -18,30 +17,12 @@ MAPPED = frozenset({
     "attention_bias", "attention_dropout", "query_pre_attn_scalar", "sliding_window",
     "layer_types", "final_logit_softcapping", "attn_logit_softcapping",
     "use_bidirectional_attention"})
-TANH_GELU = ("gelu_pytorch_tanh", "gelu_tanh")  # ACT2FN's tanh-approximated GELU names
-LAYER_TYPES = ("sliding_attention", "full_attention")
-
-
-def _rope(hf) -> tuple[float, dict | None, float]:
-    """(full layers' rope_theta, their scaling or None, sliding layers' theta)."""
-    params = hf.rope_parameters or {}
-    full = dict(canonical_rope_scaling(params.get("full_attention")) or {})
-    local = dict(canonical_rope_scaling(params.get("sliding_attention")) or {})
-    theta, local_theta = full.pop("rope_theta", 1e6), local.pop("rope_theta", 1e4)
-    if rope_type(local) != "default" or set(local) - {"rope_type"}:
-        raise refuse(FAMILY, "rope_parameters.sliding_attention", params.get("sliding_attention"),
-                     "rope_type 'default' with a rope_theta (sliding layers rotate unscaled)")
-    kind = rope_type(full)
-    if kind not in ROPE_TYPES or full.get("partial_rotary_factor", 1.0) != 1.0:
-        raise refuse(FAMILY, "rope_parameters.full_attention", params.get("full_attention"),
-                     f"rope_type one of {list(ROPE_TYPES)}, the whole head rotated")
-    return float(theta), (full if kind != "default" else None), float(local_theta)
 
 
 def config_from_hf(hf) -> TransformerConfig:
     """A TransformerConfig from a `transformers.Gemma3TextConfig` (every field checked)."""
     check_fields(hf, FAMILY, MAPPED)
-    for field, value, want in (("hidden_activation", hf.hidden_activation, TANH_GELU),
+    for field, value, want in (("hidden_activation", hf.hidden_activation, gemma_like.TANH_GELU),
                                ("attention_bias", hf.attention_bias, (False,)),
                                ("use_bidirectional_attention",
                                 hf.use_bidirectional_attention, (False, None))):
@@ -52,13 +33,8 @@ def config_from_hf(hf) -> TransformerConfig:
         # config that sets it names two different models (megazoo's spec could compute it)
         raise refuse(FAMILY, "attn_logit_softcapping", hf.attn_logit_softcapping,
                      "None (transformers' Gemma 3 attention does not apply it)")
-    types = list(hf.layer_types)
-    if len(types) != hf.num_hidden_layers or set(types) - set(LAYER_TYPES):
-        raise refuse(FAMILY, "layer_types", types,
-                     f"{hf.num_hidden_layers} entries of {list(LAYER_TYPES)}")
-    full = tuple(i for i, t in enumerate(types) if t == "full_attention")
-    window = hf.sliding_window if len(full) < len(types) else None
-    theta, scaling, local_theta = _rope(hf)
+    full, window = gemma_like.layers_from_hf(hf, FAMILY)
+    theta, scaling, local_theta = gemma_like.rope_from_hf(hf, FAMILY)
     d = hf.head_dim
     return TransformerConfig(
         family="gemma3_text", vocab_size=hf.vocab_size, hidden_size=hf.hidden_size,
@@ -80,11 +56,6 @@ def config_from_hf(hf) -> TransformerConfig:
 def hf_config(config: TransformerConfig, **extra):
     """The `transformers.Gemma3TextConfig` of a megazoo Gemma 3 text config (for export)."""
     from transformers import Gemma3TextConfig
-    types = ["full_attention" if config.attention_window(i) is None else "sliding_attention"
-             for i in range(config.num_layers)]
-    full = {"rope_type": "default", **(config.rope_scaling or {}), "rope_theta": config.rope_theta}
-    local_theta = config.rope_local_theta if config.rope_local_theta is not None \
-        else config.rope_theta
     return Gemma3TextConfig(
         vocab_size=config.vocab_size, hidden_size=config.hidden_size,
         intermediate_size=config.ffn_hidden_size, num_hidden_layers=config.num_layers,
@@ -94,13 +65,12 @@ def hf_config(config: TransformerConfig, **extra):
         max_position_embeddings=config.max_position_embeddings,
         initializer_range=config.init_method_std, rms_norm_eps=config.layernorm_epsilon,
         tie_word_embeddings=config.tie_word_embeddings,
-        rope_parameters={"full_attention": full,
-                         "sliding_attention": {"rope_type": "default", "rope_theta": local_theta}},
         attention_bias=False, attention_dropout=config.attention_dropout,
         query_pre_attn_scalar=_integral(config.query_pre_attn_scalar or config.head_dim),
-        sliding_window=config.sliding_window or 4096, layer_types=types,
+        sliding_window=config.sliding_window or 4096,
         final_logit_softcapping=config.final_logit_softcapping,
         attn_logit_softcapping=None,
+        **gemma_like.hf_layer_fields(config),
         **{"architectures": ["Gemma3ForCausalLM"], **extra})
 
 

@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from ..config import ROPE_TYPES, TransformerConfig, canonical_rope_scaling
+from ..config import TransformerConfig
 from ..hf_fields import check_fields, refuse
 from .. import gemma_like
-from ..rope import rope_type
 
 FAMILY = "Gemma4"
 MAPPED = frozenset({
@@ -25,32 +24,12 @@ MAPPED = frozenset({
 # KV-sharing layers' wide MLP, the MoE block's shape
 IGNORED = frozenset({"vocab_size_per_layer_input", "use_double_wide_mlp", "num_experts",
                      "top_k_experts", "moe_intermediate_size"})
-LAYER_TYPES = ("sliding_attention", "full_attention")
-TANH_GELU = ("gelu_pytorch_tanh", "gelu_tanh")  # ACT2FN's tanh-approximated GELU names
 _OFF = (("hidden_size_per_layer_input", (0, None), "0 (no per-layer input embeddings)"),
         ("num_kv_shared_layers", (0, None), "0 (every layer its own keys and values)"),
         ("attention_k_eq_v", (False, None), "False (values projected apart from keys)"),
         ("enable_moe_block", (False, None), "False (a dense MLP only)"),
         ("use_bidirectional_attention", (False, None), "None (causal attention)"),
         ("attention_bias", (False,), "False"))
-
-
-def _rope(hf) -> tuple[float, dict | None, float]:
-    """(full layers' rope_theta, their scaling or None, sliding layers' theta)."""
-    params = hf.rope_parameters or {}
-    full = dict(canonical_rope_scaling(params.get("full_attention")) or {})
-    local = dict(canonical_rope_scaling(params.get("sliding_attention")) or {})
-    theta, local_theta = full.pop("rope_theta", 1e6), local.pop("rope_theta", 1e4)
-    if rope_type(local) != "default" or set(local) - {"rope_type"}:
-        raise refuse(FAMILY, "rope_parameters.sliding_attention", params.get("sliding_attention"),
-                     "rope_type 'default' with a rope_theta (sliding layers rotate unscaled)")
-    kind = rope_type(full)
-    if kind not in ROPE_TYPES or (kind != "proportional"
-                                  and full.get("partial_rotary_factor", 1.0) != 1.0):
-        raise refuse(FAMILY, "rope_parameters.full_attention", params.get("full_attention"),
-                     f"rope_type one of {list(ROPE_TYPES)}, partial_rotary_factor with "
-                     f"'proportional' only")
-    return float(theta), (full if kind != "default" else None), float(local_theta)
 
 
 def _full_head_dim(hf, full: tuple[int, ...]) -> int | None:
@@ -77,16 +56,11 @@ def config_from_hf(hf) -> TransformerConfig:
         if getattr(hf, field, None) not in want:
             raise refuse(FAMILY, field, getattr(hf, field), say)
     check_fields(hf, FAMILY, MAPPED, IGNORED)
-    if hf.hidden_activation not in TANH_GELU:
-        raise refuse(FAMILY, "hidden_activation", hf.hidden_activation, list(TANH_GELU))
-    types = list(hf.layer_types)
-    if len(types) != hf.num_hidden_layers or set(types) - set(LAYER_TYPES):
-        raise refuse(FAMILY, "layer_types", types,
-                     f"{hf.num_hidden_layers} entries of {list(LAYER_TYPES)}")
-    full = tuple(i for i, t in enumerate(types) if t == "full_attention")
+    if hf.hidden_activation not in gemma_like.TANH_GELU:
+        raise refuse(FAMILY, "hidden_activation", hf.hidden_activation, list(gemma_like.TANH_GELU))
+    full, window = gemma_like.layers_from_hf(hf, FAMILY)
     global_head_dim = _full_head_dim(hf, full)
-    window = hf.sliding_window if len(full) < len(types) else None
-    theta, scaling, local_theta = _rope(hf)
+    theta, scaling, local_theta = gemma_like.rope_from_hf(hf, FAMILY, partial=("proportional",))
     fields = hf.to_dict()
     return TransformerConfig(
         family="gemma4_text", vocab_size=hf.vocab_size, hidden_size=hf.hidden_size,
@@ -109,11 +83,6 @@ def config_from_hf(hf) -> TransformerConfig:
 def hf_config(config: TransformerConfig, **extra):
     """The `transformers.Gemma4TextConfig` of a megazoo Gemma 4 text config (for export)."""
     from transformers import Gemma4TextConfig
-    types = ["full_attention" if config.attention_window(i) is None else "sliding_attention"
-             for i in range(config.num_layers)]
-    full = {"rope_type": "default", **(config.rope_scaling or {}), "rope_theta": config.rope_theta}
-    local_theta = config.rope_local_theta if config.rope_local_theta is not None \
-        else config.rope_theta
     return Gemma4TextConfig(
         vocab_size=config.vocab_size, hidden_size=config.hidden_size,
         intermediate_size=config.ffn_hidden_size, num_hidden_layers=config.num_layers,
@@ -123,13 +92,12 @@ def hf_config(config: TransformerConfig, **extra):
         max_position_embeddings=config.max_position_embeddings,
         initializer_range=config.init_method_std, rms_norm_eps=config.layernorm_epsilon,
         tie_word_embeddings=config.tie_word_embeddings,
-        rope_parameters={"full_attention": full,
-                         "sliding_attention": {"rope_type": "default", "rope_theta": local_theta}},
         attention_bias=False, attention_dropout=config.attention_dropout,
-        sliding_window=config.sliding_window or 512, layer_types=types,
+        sliding_window=config.sliding_window or 512,
         final_logit_softcapping=config.final_logit_softcapping,
         hidden_size_per_layer_input=0, num_kv_shared_layers=0, attention_k_eq_v=False,
         enable_moe_block=False,
+        **gemma_like.hf_layer_fields(config),
         **{"architectures": ["Gemma4ForCausalLM"], **extra})
 
 

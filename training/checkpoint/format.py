@@ -13,7 +13,9 @@ write (no space, I/O error) stops every rank with one line; the previous checkpo
 
 Every rank file records a crc32 per tensor in its header (`training/checkpoint/integrity.py`); every reader
 here verifies what it reads, and a resume falls back to the newest checkpoint that verifies
-(`candidates`). Disk space, retention and the folder lock: `training/checkpoint/storage.py`.
+(`candidates`). The folder names, the `latest` pointer and which folder a resume reads:
+`training/checkpoint/folders.py`; the errors: `training/checkpoint/errors.py` (both re-exported
+here). Disk space, retention and the folder lock: `training/checkpoint/storage.py`.
 """
 from __future__ import annotations
 
@@ -21,7 +23,6 @@ import errno
 import json
 import logging
 import os
-import re
 import shutil
 import dataclasses
 from dataclasses import asdict
@@ -36,16 +37,11 @@ from megazoo.parallel import collectives as C
 
 from megazoo.training.checkpoint import integrity
 from megazoo.training.checkpoint import storage
+from megazoo.training.checkpoint.errors import CheckpointError, IntegrityError
+from megazoo.training.checkpoint.folders import (candidates, iteration_dir,  # noqa: F401 - re-exported
+                                                 latest_checkpoint, rank_file, read_pointer, resolve)
 
 logger = logging.getLogger(__name__)
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used; the message names the file and what to do."""
-
-
-class IntegrityError(CheckpointError):
-    """A damaged checkpoint (missing, truncated or altered bytes): an earlier one may serve."""
 
 
 def _fsync_write(path: str, text: str) -> None:
@@ -55,14 +51,6 @@ def _fsync_write(path: str, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-
-
-def iteration_dir(root: str, iteration: int) -> str:
-    return os.path.join(root, f"iter_{iteration:07d}")
-
-
-def rank_file(folder: str, rank: int) -> str:
-    return os.path.join(folder, f"rank_{rank:05d}.safetensors")
 
 
 def save_checkpoint(root: str, iteration: int, rank: int, world_size: int,
@@ -116,7 +104,7 @@ def _phase(root: str, iteration: int, device, work, cleanup: str | None = None) 
         return
     if cleanup and C.group_rank(C.world()) == 0:
         shutil.rmtree(cleanup, ignore_errors=True)
-    kept = _pointer(root)
+    kept = read_pointer(root)
     raise CheckpointError(f"{error or 'another rank could not write its part'}; checkpoint "
                           f"{iteration} not saved, the previous one is kept "
                           f"({'latest = ' + kept if kept else 'no earlier checkpoint'})")
@@ -194,7 +182,7 @@ def commit(root: str, iteration: int, world_size: int, meta: dict) -> str:
                 files=[os.path.basename(rank_file(tmp, r)) for r in range(world_size)])
     _fsync_write(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1, default=_jsonable))
     if os.path.isdir(final):
-        if _pointer(root) != os.path.basename(old):
+        if read_pointer(root) != os.path.basename(old):
             shutil.rmtree(old, ignore_errors=True)
             _link_tree(final, old)
             _fsync_write(os.path.join(root, "latest"), os.path.basename(old))
@@ -215,22 +203,6 @@ def _link_tree(src: str, dst: str) -> None:
             shutil.copy2(os.path.join(src, name), os.path.join(dst, name))
 
 
-def _shown(name: str | None) -> str:
-    """A pointer's content for a message: garbage bytes are counted, not printed."""
-    if name and name.isprintable() and len(name) <= 80:
-        return repr(name)
-    return f"{len(name or '')} characters that are no folder name"
-
-
-def _pointer(root: str) -> str | None:
-    """The folder name `latest` holds (garbage bytes read as text: they name no folder)."""
-    try:
-        with open(os.path.join(root, "latest"), encoding="utf-8", errors="replace") as f:
-            return f.read(256).strip() or None
-    except OSError:
-        return None
-
-
 def _jsonable(obj):
     """meta.json's encoder for the two non-JSON types a checkpoint records (configs, dtypes); any
     other value is refused, since `str()` of it would not read back as what was saved."""
@@ -249,61 +221,6 @@ def json_tensor(obj) -> torch.Tensor:
 
 def tensor_json(t: torch.Tensor):
     return json.loads(bytes(t.numpy().tobytes()).decode())
-
-
-_FOLDER = re.compile(r"iter_(\d+)(\.tmp|\.old)?")
-
-
-def candidates(root: str) -> list[str]:
-    """Complete checkpoint folders under a --save root, the one to resume from first.
-
-    Normally: the folder `latest` names, then the older complete ones, newest first (the
-    fallbacks when one fails verification). When `latest` names a missing folder (a crash at
-    the wrong moment, a folder deleted by hand), every complete folder, newest first: a
-    `.tmp` folder holding meta.json was complete before its rename, an `.old` one before its
-    replacement."""
-    if not os.path.isdir(root):
-        return []
-    found = []
-    for name in os.listdir(root):
-        m = _FOLDER.fullmatch(name)
-        if m and os.path.isfile(os.path.join(root, name, "meta.json")):
-            found.append((int(m[1]), {None: 2, ".tmp": 1, ".old": 0}[m[2]], name))
-    found.sort(reverse=True)
-    named = _pointer(root)
-    by_name = {name: (it, pref) for it, pref, name in found}
-    if named in by_name:
-        it = by_name[named][0]
-        return [os.path.join(root, named)] + [os.path.join(root, n) for i, _, n in found
-                                               if i < it]
-    if named is not None and found:
-        logger.warning("%s names %s, which is missing or incomplete; using the newest complete "
-                       "checkpoint, %s", os.path.join(root, "latest"), _shown(named), found[0][2])
-    if named is None and found:
-        logger.warning("%s has no 'latest' pointer; using the newest complete checkpoint, %s",
-                       root, found[0][2])
-    return [os.path.join(root, n) for _, _, n in found]
-
-
-def latest_checkpoint(root: str) -> str | None:
-    """The checkpoint a resume starts from (see `candidates`); None when the root has none."""
-    pointer = os.path.join(root, "latest")
-    folders = candidates(root)
-    if folders:
-        return folders[0]
-    if os.path.exists(pointer):
-        raise CheckpointError(f"{pointer} names {_shown(_pointer(root))}, which does not exist, and no "
-                              f"complete iter_* folder is left; point it at a complete checkpoint")
-    return None
-
-
-def resolve(path: str) -> str:
-    """A checkpoint folder from a --save/--load root (through `latest`) or an iter_* folder."""
-    folder = path if os.path.isfile(os.path.join(path, "meta.json")) else latest_checkpoint(path)
-    if folder is None or not os.path.isfile(os.path.join(folder, "meta.json")):
-        raise CheckpointError(f"{path}: no checkpoint here ('latest' or meta.json); pass the "
-                              f"--save folder of a training run or of tools/convert_hf.py import")
-    return folder
 
 
 def read_meta(folder: str) -> dict:

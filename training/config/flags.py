@@ -26,8 +26,8 @@ from megazoo.training.config.dpo_flags import dpo_settings
 from megazoo.training.config.grpo_flags import grpo_settings
 from megazoo.training.config.lora_flags import lora_settings
 from megazoo.training.config.muon_flags import muon_settings, qk_clip_settings
-from megazoo.training.config.megatron_compat import (check_model, resolve_megatron_compat, samples_to_iterations,
-                                             stage_layers, vocab_multiple)
+from megazoo.training.config.megatron_resolve import (check_model, resolve_megatron_compat, samples_to_iterations,
+                                                    stage_layers, vocab_multiple)
 from megazoo.training.config.run_config import (CheckpointConfig, DataConfig, HealthConfig, LoggingConfig, RunConfig,
                                         ScheduleConfig)
 

@@ -8,27 +8,23 @@ flags argparse does not know. docs/megatron.md has the table.
 Implemented where the config they set is read: --exit-interval, --exit-duration-in-mins
 (training/run/stop.py), --no-load-optim, --no-load-rng (training/checkpoint/resume.py), --eod-mask-loss
 (training/run/batches.py, training/run/step.py), --num-workers (training/run/batches.py), --log-throughput
-(training/monitor/console.py), --tokenizer-type NullTokenizer (data/tokenizers.py).
+(training/monitor/console.py), --tokenizer-type NullTokenizer (data/tokenizers.py). The checks that
+need the model or the layout (`resolve_megatron_compat`, `vocab_multiple`, `check_model`, `stage_layers`,
+`samples_to_iterations`): training/config/megatron_resolve.py, re-exported here.
 """
 from __future__ import annotations
 
 import argparse
 import logging
 import os
-from dataclasses import dataclass
 
 from megazoo.training.config.deepspeed_config import DeepSpeedConfigError, contradictions, read_deepspeed_config
-from megazoo.training.config.errors import ArgumentError
+from megazoo.training.config.megatron_resolve import (  # noqa: F401 - re-exported
+    Compat, check_model, resolve_megatron_compat, samples_to_iterations, stage_layers, vocab_multiple)
 from megazoo.training.config.megatron_table import ACCEPTED, MAPPED, REFUSED
 from megazoo.training.config.weighted_split_paths import WeightedSplitError, to_data_path_and_split
 
 logger = logging.getLogger("megazoo.train")
-
-
-@dataclass(frozen=True)
-class Compat:
-    zero_stage: int
-    eod_mask_token: int | None
 
 
 def add_megatron_compat_flags(p: argparse.ArgumentParser) -> None:
@@ -303,106 +299,3 @@ def _sharding(args, given, notes) -> list[str]:
                        f"{'/'.join(sorted(dtypes))}: megazoo accumulates and reduces gradients in one "
                        f"dtype, fp32 or (with --bf16) bf16")
     return refused
-
-
-def _fail(msg: str):
-    raise ArgumentError(msg)
-
-
-def resolve_megatron_compat(args: argparse.Namespace, eod_token: int | None) -> Compat:
-    """Check the compatibility flags' values and return what they set."""
-    for name in ("exit_interval", "num_workers"):
-        value = getattr(args, name)
-        if value is not None and value < (1 if name == "exit_interval" else 0):
-            _fail(f"--{name.replace('_', '-')} must be {'>= 1' if name == 'exit_interval' else '>= 0'}, "
-                  f"got {value}")
-    if args.exit_duration_in_mins is not None and args.exit_duration_in_mins <= 0:
-        _fail(f"--exit-duration-in-mins must be > 0, got {args.exit_duration_in_mins}")
-    if args.lr_warmup_fraction is not None:
-        if not 0 <= args.lr_warmup_fraction <= 1:
-            _fail(f"--lr-warmup-fraction must be in [0, 1], got {args.lr_warmup_fraction}")
-        if args.lr_warmup_iters or args.lr_warmup_samples:
-            _fail("give one of --lr-warmup-fraction, --lr-warmup-iters and --lr-warmup-samples")
-    if args.eod_mask_loss and (args.context_parallel_size or 1) > 1 and not args.calculate_per_token_loss:
-        # each context rank averages over its own unmasked tokens: the mean of those means is
-        # not the sequence's mean once masks differ per rank (the per-token loss counts globally)
-        _fail("--eod-mask-loss with --context-parallel-size > 1 needs --calculate-per-token-loss")
-    if args.eod_mask_loss and getattr(args, "sft", False):
-        _fail("--eod-mask-loss does not combine with --sft (the assistant mask decides, end-of-turn "
-              "included); drop --eod-mask-loss")
-    if args.eod_mask_loss and eod_token is None:
-        _fail("--eod-mask-loss needs a tokenizer to name the end-of-document id (--vocab-file/"
-              "--merge-file, --tokenizer-model, or --tokenizer-type NullTokenizer --vocab-size N)")
-    zero_stage = args.zero_stage
-    if args.use_distributed_optimizer:
-        if zero_stage is None:
-            zero_stage = 1
-            logger.info("--use-distributed-optimizer: megazoo's ZeRO-1 (optimizer state and fp32 master "
-                        "weights sharded over data parallelism; --zero-stage 2/3 shard more)")
-        else:
-            logger.info("--use-distributed-optimizer: --zero-stage %d given, which decides", zero_stage)
-    return Compat(zero_stage=zero_stage or 0, eod_mask_token=eod_token if args.eod_mask_loss else None)
-
-
-def vocab_multiple(args) -> int | None:
-    """--make-vocab-size-divisible-by that pads to exactly --pad-vocab-size-to rows at this tp."""
-    n, tp = args.pad_vocab_size_to, args.tensor_model_parallel_size
-    if n is None:
-        return args.make_vocab_size_divisible_by
-    if n % tp:
-        _fail(f"--pad-vocab-size-to {n} must be divisible by --tensor-model-parallel-size {tp}")
-    if args.make_vocab_size_divisible_by and n % args.make_vocab_size_divisible_by:
-        _fail(f"--pad-vocab-size-to {n} must be divisible by --make-vocab-size-divisible-by "
-              f"{args.make_vocab_size_divisible_by}")
-    return n // tp
-
-
-def check_model(args, model) -> None:
-    """The compatibility flags that depend on the model a preset and the flags made."""
-    length = getattr(args, "moe_layer_pattern_length", None)
-    if length is not None and length != model.num_layers:
-        _fail(f"--moe-layer-freq lists {length} layers, the model has {model.num_layers} (--num-layers)")
-    if args.no_position_embedding and model.position_embedding == "learned":
-        _fail("--no-position-embedding leaves no positions: megazoo needs --position-embedding-type "
-              "rope or alibi with it")
-    if args.pad_vocab_size_to is not None and model.vocab_size > args.pad_vocab_size_to:
-        _fail(f"--pad-vocab-size-to {args.pad_vocab_size_to} is smaller than the vocabulary "
-              f"({model.vocab_size})")
-
-
-def stage_layers(args, num_layers: int) -> tuple[int | None, int | None]:
-    """--decoder-first/last-pipeline-num-layers, or what --pp-partition-method asks for."""
-    first, last, method = (args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers,
-                           args.pp_partition_method)
-    pp = args.pipeline_model_parallel_size
-    if method is None or pp == 1:
-        return first, last
-    kinds = set(method.removeprefix("type:").lower().split("|")) if method.startswith("type:") else None
-    if kinds == {"transformer"}:
-        return first, last  # transformer layers split evenly: megazoo's default
-    if kinds != {"transformer", "embedding"}:
-        _fail(f"--pp-partition-method {method}: megazoo partitions by layer count: give "
-              f"'type:transformer' or 'type:transformer|embedding' (or --decoder-first/last-pipeline-num-layers)")
-    if first is not None or last is not None:
-        _fail("give one of --pp-partition-method and --decoder-first/last-pipeline-num-layers")
-    units = num_layers + 2  # the tied embedding counts as a layer on the first and on the last stage
-    if units % pp:
-        _fail(f"--pp-partition-method {method}: {num_layers} layers + 2 embeddings do not split evenly "
-              f"over {pp} stages; give --decoder-first/last-pipeline-num-layers instead")
-    per_stage = units // pp
-    logger.info("--pp-partition-method %s: %d layers on the first and last stages, %d on the others "
-                "(--decoder-first/last-pipeline-num-layers %d)", method, per_stage - 1, per_stage,
-                per_stage - 1)
-    return per_stage - 1, per_stage - 1
-
-
-def samples_to_iterations(args, gbs: int) -> int | None:
-    """--lr-decay-samples as iterations at the full global batch (as --lr-warmup-samples)."""
-    counts = [f for f in ("train_samples", "lr_warmup_samples", "lr_decay_samples") if getattr(args, f)]
-    if args.rampup_batch_size and counts:
-        logger.info("%s: turned into iterations at the full global batch %d; the smaller batches of "
-                    "--rampup-batch-size make them end at fewer samples than in Megatron",
-                    ", ".join("--" + f.replace("_", "-") for f in counts), gbs)
-    if args.lr_decay_samples is None:
-        return args.lr_decay_iters
-    return -(-args.lr_decay_samples // gbs)

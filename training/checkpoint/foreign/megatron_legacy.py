@@ -11,13 +11,10 @@ Layout (Megatron-LM's training/checkpointing.py):
 Each file is a pickle of {args, checkpoint_version, iteration, model (or model0..N for virtual
 stages), optimizer, opt_param_scheduler, rng_state}; `model` is the stage's Megatron-core
 state dict with layer indices local to the stage (chunk v of pipeline rank p starts at layer
-(v * pp + p) * layers per chunk). The optimizer (not `--use-distributed-optimizer`) is torch's
-Adam state dict, inside Megatron's mixed-precision wrapper ({optimizer, fp32_from_fp16_params,
-grad_scaler}) or as it is in fp32, or a list of both for the dense and expert optimizers; its
-parameter groups carry `wd_mult` and `is_expert_parallel`, which say which of the stage's
-parameters (in module order) each group holds: no weight decay for biases and 1-D tensors, and
-expert weights apart. With `--use-distributed-optimizer` the masters and moments are in
-`distrib_optim.pt` next to the model file instead (megatron_distrib_optim.py).
+(v * pp + p) * layers per chunk). The optimizer is torch's Adam state dict with Megatron's
+parameter groups (megatron_legacy_optim.py reads and writes it); with
+`--use-distributed-optimizer` the masters and moments are in `distrib_optim.pt` next to the model
+file instead (megatron_distrib_optim.py).
 """
 from __future__ import annotations
 
@@ -31,6 +28,8 @@ from megazoo.training.checkpoint import format as ckpt
 from megazoo.training.checkpoint.foreign import megatron_args, names, safe_load
 from megazoo.training.checkpoint.foreign import megatron_distrib_optim as distrib_optim
 from megazoo.training.checkpoint.foreign import megatron_legacy_model as legacy_model
+from megazoo.training.checkpoint.foreign import megatron_legacy_optim as legacy_optim
+from megazoo.training.checkpoint.foreign.megatron_legacy_optim import STATES
 from megazoo.training.checkpoint.foreign.assemble import Pieces, check_shapes, expected_shapes
 from megazoo.training.checkpoint.reshard import FullState
 
@@ -39,7 +38,6 @@ logger = logging.getLogger(__name__)
 TRACKER = "latest_checkpointed_iteration.txt"
 _RANK_DIR = re.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?")
 _MODEL_FILES = ("model_optim_rng.pt", "model_rng.pt")
-_STATES = ("exp_avg", "exp_avg_sq")
 
 
 def iteration_folder(root: str) -> tuple[str, int | None]:
@@ -128,58 +126,6 @@ def _param_items(model: dict):
             if isinstance(v, torch.Tensor) and not names.IGNORED.fullmatch(k)]
 
 
-def _group_key(key: str, t: torch.Tensor) -> tuple[float, bool]:
-    """Megatron's parameter-group key: (weight-decay multiplier, expert-parallel)."""
-    no_wd = key.endswith(".bias") or t.dim() == 1
-    return (0.0 if no_wd else 1.0, ".mlp.experts." in key)
-
-
-def _optimizers(sd: dict, path: str) -> list[tuple[dict, list | None]]:
-    """[(torch optimizer state dict, fp32 masters per group or None)] of a file's optimizer."""
-    opt = sd.get("optimizer")
-    if opt is None:
-        return []
-    parts = opt if isinstance(opt, list) else [opt]
-    out = []
-    for part in parts:
-        if "state" in part and "param_groups" in part:
-            out.append((part, None))
-        elif "optimizer" in part:
-            out.append((part["optimizer"], part.get("fp32_from_fp16_params")))
-        else:
-            raise ckpt.CheckpointError(f"{path}: optimizer state of an unknown form "
-                                       f"({sorted(part)[:5]}); load the weights with --finetune")
-    return out
-
-
-def _assign(params: list[tuple[str, torch.Tensor]], optimizers, path: str):
-    """key -> (state dict of Adam, fp32 master or None) for every parameter the optimizers hold."""
-    out = {}
-    keyed = [(_group_key(k, t), k, t) for k, t in params]
-    for opt, masters in optimizers:
-        groups = opt["param_groups"]
-        for g, group in enumerate(groups):
-            if "wd_mult" in group:
-                want = (float(group["wd_mult"]), bool(group.get("is_expert_parallel", False)))
-                members = [(k, t) for key, k, t in keyed if key == want]
-            else:  # Megatron before parameter-group keys: [weight decay, no weight decay]
-                members = [(k, t) for key, k, t in keyed if (key[0] == 1.0) == (g == 0)]
-            if len(members) != len(group["params"]):
-                raise ckpt.CheckpointError(f"{path}: optimizer group {g} holds "
-                                           f"{len(group['params'])} parameters, the model's "
-                                           f"{len(members)}; load the weights with --finetune")
-            for j, ((k, t), idx) in enumerate(zip(members, group["params"])):
-                state = opt["state"].get(idx, {})
-                master = masters[g][j] if masters is not None else t.float()
-                for name in _STATES:
-                    if name in state and state[name].shape != t.shape:
-                        raise ckpt.CheckpointError(f"{path}: {name} of {k} has shape "
-                                                   f"{tuple(state[name].shape)}, the weight "
-                                                   f"{tuple(t.shape)}; load with --finetune")
-                out[k] = (state, master)
-    return out
-
-
 def read(root: str, vocab_size: int | None = None, *, optimizer: bool = True):
     """(family, config, FullState) of a Megatron-LM legacy checkpoint: full weights, and with
     `optimizer` the fp32 masters and Adam moments where the files hold them, the Adam step
@@ -197,7 +143,7 @@ def read(root: str, vocab_size: int | None = None, *, optimizer: bool = True):
     per_chunk = config.num_layers // (pp * vpp)
     local_experts = (config.num_experts or 0) // ep
     weights = Pieces(folder)
-    states = {s: Pieces(folder) for s in ("master",) + _STATES}
+    states = {s: Pieces(folder) for s in ("master",) + STATES}
     steps, sched, optim_found = set(), first.get("opt_param_scheduler"), []
     for (t, p, e), path in sorted(files.items()):
         sd = first if path == _first_file(folder) else safe_load.load(path)
@@ -210,7 +156,7 @@ def read(root: str, vocab_size: int | None = None, *, optimizer: bool = True):
                 [[(f"{v}:{k}", x) for k, x in _param_items(m)] for v, m in enumerate(models)],
                 sd, path, args, shared_embedding=config.tie_word_embeddings and pp > 1)
         else:
-            assigned = _assign(params, _optimizers(sd, path), path)
+            assigned = legacy_optim.assign(params, sd, path)
         optim_found.append(bool(assigned))
         for v, model in enumerate(models):
             offset = (v * pp + p) * per_chunk
@@ -233,7 +179,7 @@ def read(root: str, vocab_size: int | None = None, *, optimizer: bool = True):
                 if f"{v}:{key}" in assigned:
                     state, master = assigned[f"{v}:{key}"]
                     states["master"].add(canon, split, expert, t, master.float(), copy)
-                    for s in _STATES:
+                    for s in STATES:
                         if s in state:
                             states[s].add(canon, split, expert, t, state[s].float(), copy)
                     if "step" in state:
@@ -359,7 +305,7 @@ def write(full: FullState, config, root: str, *, tp: int, pp: int, vpp: int = 1,
             else:
                 sd.update({f"model{v}": m for v, m in enumerate(models)})
             if full.optim:
-                sd["optimizer"] = _optimizer_state(params, full, config, part, step)
+                sd["optimizer"] = legacy_optim.state_dict(params, full, config, part, step)
             path = os.path.join(folder, f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else ""),
                                 _MODEL_FILES[0])
             os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -369,33 +315,3 @@ def write(full: FullState, config, root: str, *, tp: int, pp: int, vpp: int = 1,
     logger.info("wrote Megatron-LM checkpoint %s (tp=%d pp=%d vpp=%d, iteration %d%s)", folder,
                 tp, pp, vpp, iteration, ", with optimizer" if full.optim else "")
     return folder
-
-
-def _optimizer_state(params, full: FullState, config, part, step: int) -> dict:
-    """Torch Adam's state dict as Megatron-LM saves it (in its mixed-precision wrapper unless
-    fp32), parameters grouped by (weight-decay multiplier, expert) in first-seen order."""
-    groups, order = {}, []
-    for m, z, s, e in params:
-        local = part(full.weights, z, s, e)
-        key = _group_key(m.split(":", 1)[-1], local)
-        if key not in groups:
-            groups[key] = []
-            order.append(key)
-        groups[key].append((z, s, e))
-    state, param_groups, masters, idx = {}, [], [], 0
-    for key in order:
-        ids = []
-        masters.append([])
-        for z, s, e in groups[key]:
-            state[idx] = {"step": torch.tensor(float(step)),
-                          **{n: part(full.optim[n], z, s, e).float() for n in _STATES}}
-            masters[-1].append(part(full.optim["master"], z, s, e).float())
-            ids.append(idx)
-            idx += 1
-        param_groups.append(dict(params=ids, wd_mult=key[0], lr_mult=1.0,
-                                 is_expert_parallel=key[1], is_decoupled_lr=False, lr=0.0,
-                                 weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8, amsgrad=False))
-    adam = {"state": state, "param_groups": param_groups}
-    if config.params_dtype == "float32":
-        return adam
-    return {"optimizer": adam, "fp32_from_fp16_params": masters}
