@@ -108,7 +108,7 @@ def _packed(refs, ids, labels, docs, cp: int) -> list[str]:
     import torch.distributed as dist
 
     from megazoo.data.packing import positions_in_documents
-    from megazoo.models.hybrid_counts import describe
+    from megazoo.models.hybrid_shapes import describe
     from megazoo.models.registry import build_model
     from megazoo.parallel.context_split import Documents, split_sequence
     from megazoo.parallel.sharding import full_tensor, load_full_state_dict
