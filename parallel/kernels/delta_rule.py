@@ -105,10 +105,13 @@ def chunk_delta_rule(q, k, v, g, beta, *, initial_state=None, chunk_size: int = 
     state = (torch.zeros(b, hv, dk, dv, device=q.device) if initial_state is None
              else initial_state.float())
     outs = []
-    for i in range(n):
-        u = W[:, :, i] - Y[:, :, i] @ state
-        outs.append(q_in[:, :, i] @ state + scores[:, :, i] @ u)
-        state = state * chunk_decay[:, :, i] + k_out[:, :, i].transpose(-1, -2) @ u
+    # chunks taken with unbind: indexing chunk i would make backward build a zero gradient of
+    # the whole tensor per chunk (time quadratic in the number of chunks); unbind's is one stack
+    for w, y, q_i, s_i, d_i, k_i in zip(*(x.unbind(2) for x in (W, Y, q_in, scores,
+                                                                chunk_decay, k_out))):
+        u = w - y @ state
+        outs.append(q_i @ state + s_i @ u)
+        state = state * d_i + k_i.transpose(-1, -2) @ u
     o = torch.stack(outs, dim=2).reshape(b, hv, n * chunk_size, dv)[:, :, :t]
     return o.transpose(1, 2).to(dtype), state
 

@@ -88,8 +88,10 @@ def chunk_ssd(x, dt, A, B, C, D, dt_bias, *, limit=(0.0, float("inf")), initial_
     state = (torch.zeros(b, h, p, Bh.shape[-1], device=x.device) if initial_state is None
              else initial_state.float())
     outs = []
-    for i in range(n):
-        outs.append(intra[:, :, i] + c_in[:, :, i] @ state.transpose(-1, -2))
-        state = state * chunk_decay[:, :, i] + u[:, :, i].transpose(-1, -2) @ b_out[:, :, i]
+    # chunks taken with unbind, not indexed: see delta_rule.py (backward linear in the chunks)
+    for in_i, c_i, d_i, u_i, b_i in zip(*(x.unbind(2) for x in (intra, c_in, chunk_decay, u,
+                                                                 b_out))):
+        outs.append(in_i + c_i @ state.transpose(-1, -2))
+        state = state * d_i + u_i.transpose(-1, -2) @ b_i
     y = torch.stack(outs, dim=2).reshape(b, h, n * chunk_size, p)[:, :, :t] + skip
     return y.transpose(1, 2), state
