@@ -53,3 +53,20 @@ def test_missing_reward_module_is_one_line_naming_the_flag(clean_imports):
                                          r"'no_such_reward_module' \(the module is imported by name"):
         load_reward("no_such_reward_module:f")
     assert str(clean_imports) not in sys.path
+
+
+def test_a_reward_argument_no_record_has_is_refused_before_sampling():
+    from megazoo.training.run.grpo_online import check_reward_fields
+
+    def sum_digit(prompts, completions, answer, **kw):
+        return [0.0] * len(completions)
+
+    def optional(prompts, completions, answer=None, **kw):
+        return [0.0] * len(completions)
+
+    records = [{"prompt": "1 + 2 ="}, {"prompt": "3 + 4 =", "total": 7}]
+    check_reward_fields([optional, len], records, "p.jsonl")  # a default, a builtin: nothing to check
+    check_reward_fields([sum_digit], records + [{"prompt": "x", "answer": 1}], "p.jsonl")
+    with pytest.raises(ValueError, match=r"--reward .*:sum_digit needs 'answer', a field no record of "
+                                         r"--grpo-prompts p.jsonl has"):
+        check_reward_fields([optional, sum_digit], records, "p.jsonl")

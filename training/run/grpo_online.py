@@ -14,6 +14,7 @@ and each of the num_iterations updates on it takes its ratio against them.
 from __future__ import annotations
 
 import importlib
+import inspect
 import logging
 import os
 import sys
@@ -47,6 +48,24 @@ def load_reward(spec: str):
     if not callable(fn):
         raise ValueError(f"--reward {spec!r} is not callable")
     return fn
+
+
+def check_reward_fields(fns: list, records: list[dict], path: str) -> None:
+    """Each reward function's required arguments are among what it will get (prompts,
+    completions and the records' fields); ValueError naming the function and the file otherwise."""
+    given = {"prompts", "completions"} | {k for r in records for k in r if k not in ("prompt", "messages")}
+    for fn in fns:
+        try:
+            params = inspect.signature(fn).parameters.values()
+        except (TypeError, ValueError):  # a builtin or C callable: nothing to check
+            continue
+        missing = [p.name for p in params if p.default is p.empty and p.name not in given
+                   and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        if missing:
+            name = f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__name__', fn)}"
+            raise ValueError(f"--reward {name} needs {', '.join(map(repr, missing))}, a field no record "
+                             f"of --grpo-prompts {path} has; add it to the records (each field reaches "
+                             f"the reward by name) or give the argument a default")
 
 
 def import_reward_module(module: str):
