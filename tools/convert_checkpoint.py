@@ -1,8 +1,8 @@
 """Convert other frameworks' checkpoints to megazoo checkpoints of any layout, and back.
 
-    python tools/convert_checkpoint.py import --format megatron --load MEGATRON_SAVE_DIR \
+    python tools/convert_checkpoint.py import --format megatron --load MEGATRON_SAVE_DIR \\
         --save ckpt/run --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2
-    python tools/convert_checkpoint.py export --format megatron --load ckpt/run --save out \
+    python tools/convert_checkpoint.py export --format megatron --load ckpt/run --save out \\
         --tensor-model-parallel-size 4 [--virtual-pipeline-model-parallel-size 2]
     python tools/convert_checkpoint.py import --format hf --load hf_folder --save ckpt/hf
 

@@ -5,7 +5,7 @@ Families: every family in models/registry.py. An imported MoE checkpoint loads u
 --expert-model-parallel-size. FP8 block-scaled releases (quantization_config fp8,
 `<name>_scale_inv` tensors) are dequantized at import; export writes plain weights.
 
-    python tools/convert_hf.py import --hf-dir gpt2_folder --save ckpt/gpt2 \
+    python tools/convert_hf.py import --hf-dir gpt2_folder --save ckpt/gpt2 \\
         --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2
     python tools/convert_hf.py export --load ckpt/run1 --save hf_out [--tokenizer-dir gpt2_folder]
         [--merge-lora | --lora-adapter-dir adapter_out]   (a LoRA checkpoint, docs/post_training.md)

@@ -1,7 +1,7 @@
 """Generate text from a megazoo checkpoint of any layout, with tensor parallelism and a KV cache.
 
     python tools/generate.py --load ckpt/gpt2 --prompt "Hello" --max-new-tokens 32
-    torchrun --nproc_per_node 2 tools/generate.py --load ckpt/gpt2 --prompt "Hello" \
+    torchrun --nproc_per_node 2 tools/generate.py --load ckpt/gpt2 --prompt "Hello" \\
         --top-k 50 --top-p 0.9 --temperature 0.8 --seed 1
     python tools/generate.py --load ckpt/qwen --chat --prompt "What is 2 + 2?"
 

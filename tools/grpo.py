@@ -2,13 +2,16 @@
 family with --grpo-prompts (docs/post_training.md). The optimizer, LR schedule, ZeRO, layouts,
 checkpoints and run log are the trainer's; every flag is a training flag.
 
-    python tools/grpo.py --load ckpt/llama --finetune --grpo-prompts prompts.jsonl \
-        --reward examples.grpo.rewards:sum_digit --num-generations 8 --max-completion-length 16 \
+    python tools/grpo.py --load ckpt/llama --finetune --grpo-prompts prompts.jsonl \\
+        --reward examples.grpo.rewards:sum_digit --num-generations 8 --max-completion-length 16 \\
         --micro-batch-size 8 --global-batch-size 32 --train-iters 50 --lr 1e-5 --save runs/grpo
     torchrun --nproc_per_node 2 tools/grpo.py --tensor-model-parallel-size 2 ...
 
 is `train_<family>.py` with the same flags, plus the checkpoint's tokenizer folder as
---tokenizer-model (HuggingFaceTokenizer) when no tokenizer flag is given.
+--tokenizer-model (HuggingFaceTokenizer) when no tokenizer flag is given. --reward's module is
+imported by name, from PYTHONPATH or the working directory (`examples.grpo.rewards`: run from the
+checkout's root); each record's fields reach the function by name (`sum_digit` reads `answer`,
+the last digit of a + b, as examples/grpo/run_example.py writes its prompts).
 """
 from __future__ import annotations
 

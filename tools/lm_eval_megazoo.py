@@ -1,9 +1,9 @@
 """lm-evaluation-harness's command line with megazoo registered as a model: evaluate a megazoo
 checkpoint of any layout without exporting it.
 
-    python -m megazoo.tools.lm_eval_megazoo run --model megazoo \
+    python -m megazoo.tools.lm_eval_megazoo run --model megazoo \\
         --model_args load=ckpt/run,batch_size=8 --tasks hellaswag --limit 100
-    torchrun --nproc_per_node 4 -m megazoo.tools.lm_eval_megazoo run --model megazoo \
+    torchrun --nproc_per_node 4 -m megazoo.tools.lm_eval_megazoo run --model megazoo \\
         --model_args load=ckpt/run,tp=2,pp=2 --tasks tests/fixtures/lm_eval/tiny_mc.yaml
 
 lm-eval 0.4.13 discovers models only through its registry (no plugin entry points), so this

@@ -13,7 +13,7 @@ Only layouts the trainer accepts are ranked: each is checked by train_*.py's own
         --gpus 64 --gpus-per-node 8 --gpu-memory-gb 80 --peak-tflops 989 \\
         --intra-node-gbps 370 --inter-node-gbps 50 --global-batch-size 512
     # a mixture of experts: the expert-parallel size is searched unless pinned
-    python tools/plan.py --model mixtral-8x7b --cluster dgx-h100-80gb --gpus 64 \
+    python tools/plan.py --model mixtral-8x7b --cluster dgx-h100-80gb --gpus 64 \\
         --global-batch-size 256 --seq-length 4096 --expert-model-parallel-size 8
     # predicted vs published runs (the table in docs/planner.md)
     python tools/plan.py --published

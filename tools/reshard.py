@@ -1,8 +1,8 @@
 """Rewrite a checkpoint for another layout (tp, pp, vpp, cp, ep, an uneven pipeline split, dp,
 ZeRO stage), optimizer state included.
 
-    python tools/reshard.py --load ckpt/run1 --save ckpt/run1_tp4 \
-        --tensor-model-parallel-size 4 --pipeline-model-parallel-size 1 \
+    python tools/reshard.py --load ckpt/run1 --save ckpt/run1_tp4 \\
+        --tensor-model-parallel-size 4 --pipeline-model-parallel-size 1 \\
         --data-parallel-size 2 --zero-stage 1
 
 Training can also load another layout directly (`--load` reshards in memory); this tool does it

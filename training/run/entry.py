@@ -135,8 +135,23 @@ def main(default_family: str, argv=None):
         if dist.is_initialized():
             dist.destroy_process_group()
     if result.checkpoint and _rank() == 0:
-        logger.info("checkpoint: %s  (resume: add --load %s to the same command)", result.checkpoint,
-                    run.checkpoint.save)
+        logger.info("checkpoint: %s  (resume: %s)", result.checkpoint, resume_hint(run))
     if result.stop_signal:
         sys.exit(exit_code(result.stop_signal))
     return result
+
+
+def resume_hint(run) -> str:
+    """How to resume from --save: what to change in the command that just ran."""
+    ckpt = run.checkpoint
+    save, load = ckpt.save, ckpt.load
+    if load == save and not ckpt.finetune:
+        return f"run the same command (its --load {save} resumes)"
+    steps = [f"add --load {save}" if load is None else
+             f"replace --load {load} with --load {save}" if load != save else None,
+             "drop --finetune" if ckpt.finetune else None]
+    change = " and ".join(s for s in steps if s)
+    grpo = run.grpo
+    if grpo is not None and grpo.reference and grpo.reference == load:
+        change += f" (keep the KL reference with --grpo-reference {load})"
+    return change + " in the same command"

@@ -14,6 +14,10 @@ and each of the num_iterations updates on it takes its ratio against them.
 from __future__ import annotations
 
 import importlib
+import inspect
+import logging
+import os
+import sys
 import time
 
 import torch
@@ -22,6 +26,8 @@ from megazoo.models.generation import SamplingConfig, generate
 from megazoo.parallel import collectives as C
 from megazoo.training.config.run_config import GRPOSettings
 from megazoo.training.run.grpo import completion_logps, group_advantages, grpo_loss
+
+logger = logging.getLogger(__name__)
 
 
 def load_rewards(spec: str) -> list:
@@ -35,12 +41,47 @@ def load_reward(spec: str):
     if not module or not name:
         raise ValueError(f"--reward {spec!r}: give module:function (e.g. examples.grpo.rewards:add)")
     try:
-        fn = getattr(importlib.import_module(module), name)
+        fn = getattr(import_reward_module(module), name)
     except (ImportError, AttributeError) as e:
-        raise ValueError(f"--reward {spec!r}: {e}") from e
+        raise ValueError(f"--reward {spec!r}: {e} (the module is imported by name: a file in the "
+                         f"working directory, or a folder on PYTHONPATH)") from e
     if not callable(fn):
         raise ValueError(f"--reward {spec!r} is not callable")
     return fn
+
+
+def check_reward_fields(fns: list, records: list[dict], path: str) -> None:
+    """Each reward function's required arguments are among what it will get (prompts,
+    completions and the records' fields); ValueError naming the function and the file otherwise."""
+    given = {"prompts", "completions"} | {k for r in records for k in r if k not in ("prompt", "messages")}
+    for fn in fns:
+        try:
+            params = inspect.signature(fn).parameters.values()
+        except (TypeError, ValueError):  # a builtin or C callable: nothing to check
+            continue
+        missing = [p.name for p in params if p.default is p.empty and p.name not in given
+                   and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        if missing:
+            name = f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__name__', fn)}"
+            raise ValueError(f"--reward {name} needs {', '.join(map(repr, missing))}, a field no record "
+                             f"of --grpo-prompts {path} has; add it to the records (each field reaches "
+                             f"the reward by name) or give the argument a default")
+
+
+def import_reward_module(module: str):
+    """`module`, from sys.path or else from the working directory, as TRL's scripts import their
+    reward functions (the script's own folder is on sys.path, the directory it runs in is not)."""
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        cwd = os.getcwd()
+        top = module.split(".")[0]
+        if e.name != top or cwd in sys.path or not (os.path.exists(os.path.join(cwd, top + ".py"))
+                                                    or os.path.isdir(os.path.join(cwd, top))):
+            raise
+        sys.path.append(cwd)
+        logger.info("--reward: %s imported from the working directory %s", module, cwd)
+        return importlib.import_module(module)
 
 
 def sample_group(chunk, topo, prompt: list[int], settings: GRPOSettings, eos: tuple[int, ...],

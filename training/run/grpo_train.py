@@ -24,7 +24,7 @@ from megazoo.training.checkpoint import format as ckpt
 from megazoo.training.checkpoint.tokenizer import eos_token_ids
 from megazoo.training.config.errors import ArgumentError
 from megazoo.training.run.dpo import Reference, build_reference
-from megazoo.training.run.grpo_online import load_rewards, sample_batch, train_batch
+from megazoo.training.run.grpo_online import check_reward_fields, load_rewards, sample_batch, train_batch
 from megazoo.training.run.grpo_prompts import read_prompts
 
 logger = logging.getLogger(__name__)
@@ -82,6 +82,7 @@ class GRPOTraining:
                                    tokenizer_model=d.tokenizer_model)
         self.records, self.prompts = read_prompts(settings.prompts, self.tok, settings.chat)
         self.reward_fns = load_rewards(settings.reward)
+        check_reward_fields(self.reward_fns, self.records, settings.prompts)
         self.eos = run_eos(run, self.tok)
         model = run.model
         longest = max(map(len, self.prompts)) + settings.max_completion_length
