@@ -179,3 +179,58 @@ def test_qwen_shape_flags_map_onto_the_config():
     assert (m.kv_channels, m.head_dim, m.add_qkv_bias, m.qk_layernorm, m.bias) == (32, 32, True, True, False)
     plain = to_run_config(build_parser().parse_args(argv[:-5]), world_size=1).model
     assert (plain.kv_channels, plain.add_qkv_bias, plain.qk_layernorm) == (None, False, False)
+
+
+# Megatron-LM's everyday switches: kernel fusions and what megazoo does anyway log one line each.
+EVERYDAY_ACCEPTED = ["--attention-softmax-in-fp32", "--apply-query-key-layer-scaling", "--use-cpu-initialization",
+                     "--no-bias-gelu-fusion", "--no-bias-swiglu-fusion", "--no-bias-dropout-fusion",
+                     "--no-rope-fusion", "--no-gradient-accumulation-fusion", "--no-persist-layer-norm",
+                     "--accumulate-allreduce-grads-in-fp32", "--check-for-nan-in-loss-and-grad",
+                     "--override-opt_param-scheduler"]
+
+
+def test_everyday_megatron_switches_honoured_or_refused(caplog, tmp_path):
+    plain = _config()
+    with caplog.at_level(logging.INFO, logger="megazoo.train"):
+        c = _config(*EVERYDAY_ACCEPTED, "--dataloader-type", "single", "--weight-decay-incr-style", "constant")
+    lines = [r.getMessage() for r in caplog.records]
+    for flag in EVERYDAY_ACCEPTED:
+        assert sum(line.startswith(flag + ":") for line in lines) == 1, (flag, lines)
+    assert c.model == plain.model and c.schedule == plain.schedule and c.optimizer == plain.optimizer
+    # Megatron's other spelling is the same flag: one line
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="megazoo.train"):
+        _config("--override-opt-param-scheduler")
+    assert sum("override-opt_param-scheduler" in r.getMessage() for r in caplog.records) == 1
+    # honoured: selective recompute, squared ReLU
+    assert _config("--recompute-activations").model.recompute_granularity == "selective"
+    assert plain.model.recompute_granularity is None
+    assert _config("--squared-relu").model.activation == "relu2" != plain.model.activation
+    # --exit-on-missing-checkpoint: refused before any work when --load holds nothing ...
+    with pytest.raises(ArgumentError, match=f"--exit-on-missing-checkpoint: --load {tmp_path} holds no checkpoint"):
+        _config("--load", str(tmp_path), "--exit-on-missing-checkpoint")
+    (tmp_path / "iter_0000002").mkdir()
+    (tmp_path / "iter_0000002" / "meta.json").write_text("{}")
+    # ... and passes once it holds one
+    assert _config("--load", str(tmp_path), "--exit-on-missing-checkpoint").checkpoint.load == str(tmp_path)
+    refusals = [(["--recompute-activations", "--recompute-granularity", "full"],
+                 "--recompute-activations \\(selective recompute\\) contradicts --recompute-granularity full"),
+                (["--squared-relu", "--swiglu"], "--squared-relu contradicts --swiglu"),
+                (["--dataloader-type", "cyclic"], "--dataloader-type cyclic: .*give single"),
+                (["--dataloader-type", "external"], "--dataloader-type external: .*give single"),
+                (["--weight-decay-incr-style", "linear"], "--weight-decay-incr-style linear: .*give constant"),
+                (["--start-weight-decay", "0.1"], "--start-weight-decay 0.1: a weight-decay schedule"),
+                (["--end-weight-decay", "0.1"], "--end-weight-decay 0.1: a weight-decay schedule"),
+                (["--use-checkpoint-opt-param-scheduler"], "--use-checkpoint-opt_param-scheduler: megazoo's "
+                                                           "checkpoints hold no learning-rate schedule"),
+                (["--no-save-optim"], "--no-save-optim: megazoo's checkpoints always hold"),
+                (["--no-save-rng"], "--no-save-rng: megazoo's checkpoints always hold"),
+                (["--bf16", "--grad-reduce-in-bf16", "--accumulate-allreduce-grads-in-fp32"],
+                 "--accumulate-allreduce-grads-in-fp32 contradicts --grad-reduce-in-bf16")]
+    for extra, match in refusals:
+        with pytest.raises(ArgumentError, match=match):
+            _config(*extra)
+    # a command line's refusals come together, one line each
+    with pytest.raises(ArgumentError) as e:
+        _config("--no-save-optim", "--no-save-rng", "--dataloader-type", "cyclic")
+    assert "3 refusals" in str(e.value)

@@ -241,7 +241,7 @@ def model_config(args, vocab_size: int | None, loaded: TransformerConfig | None)
                                                                args.position_embedding_type),
         rope_theta=args.rotary_base, layernorm_epsilon=args.norm_epsilon,
         normalization=args.normalization.lower() if args.normalization else None,
-        activation="swiglu" if args.swiglu else None,
+        activation="swiglu" if args.swiglu else "relu2" if args.squared_relu else None,
         num_query_groups=args.num_query_groups if args.group_query_attention or args.num_query_groups
         else None,
         tie_word_embeddings=False if args.untie_embeddings_and_output_weights else None,

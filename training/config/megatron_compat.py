@@ -21,7 +21,7 @@ import os
 from megazoo.training.config.deepspeed_config import DeepSpeedConfigError, contradictions, read_deepspeed_config
 from megazoo.training.config.megatron_resolve import (  # noqa: F401 - re-exported
     Compat, check_model, resolve_megatron_compat, samples_to_iterations, stage_layers, vocab_multiple)
-from megazoo.training.config.megatron_table import ACCEPTED, MAPPED, REFUSED
+from megazoo.training.config.megatron_table import ACCEPTED, ALIASES, MAPPED, REFUSED
 from megazoo.training.config.weighted_split_paths import WeightedSplitError, to_data_path_and_split
 
 logger = logging.getLogger("megazoo.train")
@@ -50,13 +50,13 @@ def add_megatron_compat_flags(p: argparse.ArgumentParser) -> None:
                    help="add tokens/s, TFLOP/s per rank and MFU to the console line (always in "
                         "metrics.jsonl, TensorBoard and wandb)")
     for flag, (kwargs, why) in MAPPED.items():
-        g.add_argument(flag, help=why, **kwargs)
+        g.add_argument(flag, *ALIASES.get(flag, ()), help=why, **kwargs)
     for flag, (kwargs, why) in ACCEPTED.items():
-        g.add_argument(flag, help="accepted: " + (why or "ZeRO-1 here, unless --zero-stage is given"),
-                       **kwargs)
+        g.add_argument(flag, *ALIASES.get(flag, ()),
+                       help="accepted: " + (why or "ZeRO-1 here, unless --zero-stage is given"), **kwargs)
     g = p.add_argument_group("refused Megatron-LM flags (each says why)")
     for flag, (kwargs, why) in REFUSED.items():
-        g.add_argument(flag, help="refused: " + why, **kwargs)
+        g.add_argument(flag, *ALIASES.get(flag, ()), help="refused: " + why, **kwargs)
 
 
 def _dest(flag: str) -> str:
@@ -208,11 +208,41 @@ def _model_and_training(args, given, notes) -> list[str]:
     elif dispatcher not in (None, "alltoall"):
         refused.append(f"--moe-token-dispatcher-type {dispatcher}: not a Megatron dispatcher; megazoo's "
                        f"is alltoall")
+    refused += _megatron_lm(args, notes)
     if args.ckpt_format is not None:
         notes.info("--ckpt-format %s: megazoo saves its own format (safetensors, any layout loads "
                    "into any other); tools/convert_checkpoint.py converts Megatron-LM checkpoints to "
                    "and from it (docs/megatron.md)", args.ckpt_format)
     return refused + _moe(args, notes) + _sharding(args, given, notes)
+
+
+def _megatron_lm(args, notes) -> list[str]:
+    """Megatron-LM's everyday switches: selective recompute, squared ReLU, the loader, weight decay."""
+    refused = []
+    if args.recompute_activations:
+        if args.recompute_granularity not in (None, "selective"):
+            refused.append(f"--recompute-activations (selective recompute) contradicts "
+                           f"--recompute-granularity {args.recompute_granularity}; give one")
+        else:
+            args.recompute_granularity = "selective"
+            notes.info("--recompute-activations: --recompute-granularity selective (the attention "
+                       "core is recomputed in backward)")
+    if args.squared_relu and args.swiglu:
+        refused.append("--squared-relu contradicts --swiglu (Megatron-LM refuses both too); give one")
+    if args.dataloader_type == "cyclic":
+        refused.append("--dataloader-type cyclic: megazoo walks the samples once in Megatron's shuffled "
+                       "order (single); a new random order per pass is not implemented; give single")
+    elif args.dataloader_type == "external":
+        refused.append("--dataloader-type external: megazoo builds its loader from --data-path (or "
+                       "--mock-data); give single")
+    if args.weight_decay_incr_style not in (None, "constant"):
+        refused.append(f"--weight-decay-incr-style {args.weight_decay_incr_style}: a weight-decay "
+                       f"schedule is not implemented; give constant (--weight-decay throughout)")
+    if args.accumulate_allreduce_grads_in_fp32 and args.grad_reduce_in_bf16:
+        refused.append("--accumulate-allreduce-grads-in-fp32 contradicts --grad-reduce-in-bf16; give one")
+    if args.exit_on_missing_checkpoint and not args.load:
+        notes.info("--exit-on-missing-checkpoint without --load: no checkpoint to look for")
+    return refused
 
 
 def _moe(args, notes) -> list[str]:

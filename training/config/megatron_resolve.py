@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 from dataclasses import dataclass
 
 from megazoo.training.config.errors import ArgumentError
@@ -49,6 +50,9 @@ def resolve_megatron_compat(args: argparse.Namespace, eod_token: int | None) -> 
     if args.eod_mask_loss and eod_token is None:
         _fail("--eod-mask-loss needs a tokenizer to name the end-of-document id (--vocab-file/"
               "--merge-file, --tokenizer-model, or --tokenizer-type NullTokenizer --vocab-size N)")
+    if args.exit_on_missing_checkpoint and args.load and not holds_checkpoint(args.load):
+        _fail(f"--exit-on-missing-checkpoint: --load {args.load} holds no checkpoint (no folder with a "
+              f"meta.json); give the folder --save wrote, or drop the flag to start from scratch")
     zero_stage = args.zero_stage
     if args.use_distributed_optimizer:
         if zero_stage is None:
@@ -58,6 +62,15 @@ def resolve_megatron_compat(args: argparse.Namespace, eod_token: int | None) -> 
         else:
             logger.info("--use-distributed-optimizer: --zero-stage %d given, which decides", zero_stage)
     return Compat(zero_stage=zero_stage or 0, eod_mask_token=eod_token if args.eod_mask_loss else None)
+
+
+def holds_checkpoint(load: str) -> bool:
+    """Whether a --load folder is, or holds, a saved iteration (a folder with its meta.json); the
+    resume itself (training/checkpoint/resume.py) then picks and verifies one."""
+    if os.path.isfile(os.path.join(load, "meta.json")):
+        return True
+    return os.path.isdir(load) and any(os.path.isfile(os.path.join(load, name, "meta.json"))
+                                       for name in os.listdir(load))
 
 
 def vocab_multiple(args) -> int | None:

@@ -13,6 +13,8 @@ SDPA = "attention is torch's scaled_dot_product_attention, which picks the flash
 PROFILE = "megazoo does not start the CUDA profiler at given steps; profile the run under nsys or " \
           "torch.profiler"
 
+NO_FUSION = "megazoo has no fused kernel to turn off: the same math in plain torch ops"
+
 # Accepted: what megazoo does instead, logged once when the flag is given.
 ACCEPTED = {
     "--use-distributed-optimizer": (FLAG, None),  # ZeRO-1 unless --zero-stage: resolve_megatron_compat
@@ -77,11 +79,37 @@ ACCEPTED = {
     "--init-model-with-meta-device": (FLAG, "megazoo builds each rank's shard of the weights directly"),
     "--fsdp-double-buffer": (FLAG, "megazoo's ZeRO-3 keeps one gathered layer and one prefetched"),
     "--use-nccl-ub": (FLAG, "megazoo does not register NCCL user buffers"),
+    "--attention-softmax-in-fp32": (FLAG, SDPA + "; its fused kernels accumulate the softmax in fp32, "
+                                          "and there is no separate switch"),
+    "--apply-query-key-layer-scaling": (FLAG, "Megatron's fp16 overflow guard divides the scores by "
+                                              "the layer number and multiplies them back inside the "
+                                              "softmax: the same attention, which megazoo computes "
+                                              "without it"),
+    "--use-cpu-initialization": (FLAG, "megazoo seeds every weight by its name, so the full weights "
+                                       "are the same at any tensor/pipeline layout (what CPU "
+                                       "initialization gives in Megatron)"),
+    "--no-bias-gelu-fusion": (FLAG, NO_FUSION),
+    "--no-bias-swiglu-fusion": (FLAG, NO_FUSION),
+    "--no-bias-dropout-fusion": (FLAG, NO_FUSION),
+    "--no-rope-fusion": (FLAG, NO_FUSION),
+    "--no-persist-layer-norm": (FLAG, "megazoo's norms are torch ops; there is no persistent "
+                                      "LayerNorm kernel to turn off"),
+    "--accumulate-allreduce-grads-in-fp32": (FLAG, "megazoo accumulates and reduces gradients in fp32 "
+                                                   "buffers already (unless --grad-reduce-in-bf16)"),
+    "--check-for-nan-in-loss-and-grad": (FLAG, "megazoo checks every step's loss and gradients "
+                                               "always; --health-policy decides what follows"),
+    "--override-opt_param-scheduler": (FLAG, "megazoo's learning rate is always the command line's "
+                                             "schedule at the resumed iteration (checkpoints hold no "
+                                             "schedule): what this flag asks for"),
 }
 FP8 = "FP8 needs Transformer Engine on an FP8 GPU (Hopper or newer), which megazoo does not use; " \
       "drop the --fp8-* flags (--bf16 trains in bfloat16)"
 MLA = "Megatron's multi-latent attention flags (and its YaRN RoPE scaling) are not mapped; megazoo " \
       "builds MLA from the model config (--model deepseek-v3, or an imported HF DeepSeek-V3)"
+WD = "a weight-decay schedule is not implemented (--weight-decay-incr-style constant only); give " \
+     "--weight-decay instead"
+NO_SAVE = "megazoo's checkpoints always hold the optimizer state and RNG streams, so a resume " \
+          "continues exactly; drop it (--no-load-optim / --no-load-rng skip them when loading)"
 # Refused: why, and what to give instead.
 REFUSED = {
     "--fp8-format": (VALUE, FP8),
@@ -106,6 +134,14 @@ REFUSED = {
     "--step-batch-size-schedule": (VALUE, "piecewise batch sizes are not implemented (and Megatron-LM "
                                           "refuses them beside --global-batch-size); drop it, or ramp "
                                           "linearly with --rampup-batch-size START INCREMENT SAMPLES"),
+    "--start-weight-decay": (VALUE, WD),
+    "--end-weight-decay": (VALUE, WD),
+    "--use-checkpoint-opt_param-scheduler": (FLAG, "megazoo's checkpoints hold no learning-rate "
+                                                   "schedule: a resume takes --lr, --min-lr, "
+                                                   "--lr-warmup-* and --lr-decay-* from the command "
+                                                   "line; give the saved run's values and drop it"),
+    "--no-save-optim": (FLAG, NO_SAVE),
+    "--no-save-rng": (FLAG, NO_SAVE),
 }
 # Mapped onto megazoo's settings (translate / to_run_config): flag -> (argparse kwargs, help).
 MAPPED = {
@@ -154,4 +190,20 @@ MAPPED = {
     "--megatron-fsdp-grad-comm-dtype": (VALUE, "bf16 (with --megatron-fsdp-main-grads-dtype bf16): "
                                                "--grad-reduce-in-bf16; fp32: megazoo's default"),
     "--megatron-fsdp-main-grads-dtype": (VALUE, "see --megatron-fsdp-grad-comm-dtype"),
+    "--recompute-activations": (FLAG, "Megatron's selective recompute: --recompute-granularity "
+                                      "selective (the attention core)"),
+    "--squared-relu": (FLAG, "the MLP's activation is relu(x)^2 (relu2); not with --swiglu"),
+    "--dataloader-type": ({"choices": ["single", "cyclic", "external"]},
+                          "single: megazoo's sampler walks Megatron's shuffled sample order once; "
+                          "cyclic and external are refused"),
+    "--exit-on-missing-checkpoint": (FLAG, "with --load: refuse to start when it holds no checkpoint "
+                                           "(instead of starting from scratch)"),
+    "--weight-decay-incr-style": ({"choices": ["constant", "linear", "cosine"]},
+                                  "constant only: --weight-decay throughout; linear and cosine "
+                                  "are refused"),
+}
+# Other spellings Megatron-LM takes for a flag of the tables.
+ALIASES = {
+    "--override-opt_param-scheduler": ("--override-opt-param-scheduler",),
+    "--use-checkpoint-opt_param-scheduler": ("--use-checkpoint-opt-param-scheduler",),
 }
