@@ -205,7 +205,9 @@ def test_everyday_megatron_switches_honoured_or_refused(caplog, tmp_path):
     # honoured: selective recompute, squared ReLU
     assert _config("--recompute-activations").model.recompute_granularity == "selective"
     assert plain.model.recompute_granularity is None
-    assert _config("--squared-relu").model.activation == "relu2" != plain.model.activation
+    relu2 = _config("--squared-relu").model
+    assert relu2 == plain.model.replace(activation="relu2") and plain.model.activation != "relu2"
+    _check_squared_relu_mlp(relu2)
     # --exit-on-missing-checkpoint: refused before any work when --load holds nothing ...
     with pytest.raises(ArgumentError, match=f"--exit-on-missing-checkpoint: --load {tmp_path} holds no checkpoint"):
         _config("--load", str(tmp_path), "--exit-on-missing-checkpoint")
@@ -230,7 +232,26 @@ def test_everyday_megatron_switches_honoured_or_refused(caplog, tmp_path):
     for extra, match in refusals:
         with pytest.raises(ArgumentError, match=match):
             _config(*extra)
+    # the command line Megatron-LM itself trained the golden checkpoint with (its kernel switches
+    # included) parses unchanged into the same Llama shape
+    from tests.fixtures.megatron_lm.make_golden import TRAIN_FLAGS
+    golden = to_run_config(build_parser().parse_args(TRAIN_FLAGS), world_size=1).model
+    assert (golden.num_layers, golden.hidden_size, golden.num_query_groups, golden.ffn_hidden_size) == (2, 32, 2, 40)
+    assert (golden.activation, golden.normalization, golden.bias, golden.tie_word_embeddings) == \
+        ("swiglu", "rmsnorm", False, False)
     # a command line's refusals come together, one line each
     with pytest.raises(ArgumentError) as e:
         _config("--no-save-optim", "--no-save-rng", "--dataloader-type", "cyclic")
     assert "3 refusals" in str(e.value)
+
+
+def _check_squared_relu_mlp(cfg):
+    """The MLP the --squared-relu config builds is fc2(relu(fc1(x))^2), by hand on its own weights."""
+    from tests.helpers import topology
+    from megazoo.models.init import Initializer
+    from megazoo.models.mlp import ParallelMLP
+    F = torch.nn.functional
+    mlp = ParallelMLP(cfg, topology(), Initializer(cfg), "layers.0.mlp.")
+    x = torch.randn(5, 2, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    hidden = F.relu(F.linear(x, mlp.fc1.weight, mlp.fc1.bias)).square()
+    torch.testing.assert_close(mlp(x), F.linear(hidden, mlp.fc2.weight, mlp.fc2.bias), rtol=0, atol=0)

@@ -8,7 +8,8 @@ flags argparse does not know. docs/megatron.md has the table.
 Implemented where the config they set is read: --exit-interval, --exit-duration-in-mins
 (training/run/stop.py), --no-load-optim, --no-load-rng (training/checkpoint/resume.py), --eod-mask-loss
 (training/run/batches.py, training/run/step.py), --num-workers (training/run/batches.py), --log-throughput
-(training/monitor/console.py), --tokenizer-type NullTokenizer (data/tokenizers.py). The checks that
+(training/monitor/console.py), --tokenizer-type NullTokenizer (data/tokenizers.py),
+--exit-on-missing-checkpoint (megatron_resolve.py, before anything starts). The checks that
 need the model or the layout (`resolve_megatron_compat`, `vocab_multiple`, `check_model`, `stage_layers`,
 `samples_to_iterations`): training/config/megatron_resolve.py, re-exported here.
 """

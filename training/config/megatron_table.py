@@ -98,6 +98,7 @@ ACCEPTED = {
                                                    "buffers already (unless --grad-reduce-in-bf16)"),
     "--check-for-nan-in-loss-and-grad": (FLAG, "megazoo checks every step's loss and gradients "
                                                "always; --health-policy decides what follows"),
+    "--no-one-logger": (FLAG, "megazoo sends no telemetry (no OneLogger): nothing to turn off"),
     "--override-opt_param-scheduler": (FLAG, "megazoo's learning rate is always the command line's "
                                              "schedule at the resumed iteration (checkpoints hold no "
                                              "schedule): what this flag asks for"),
