@@ -40,6 +40,7 @@ from .loss_scaler import build_loss_scaler
 from .muon import Muon, uses_muon
 from .offload import FileStates, build_states
 from .qk_clip import QKClip
+from .scratch import ScratchPool
 from .zero3 import Unit, Zero3Hooks, split_layers
 
 logger = logging.getLogger(__name__)
@@ -80,6 +81,9 @@ class ZeroOptimizer:
         self.muon_ids = {id(p) for n, p in named
                          if self.muon is not None and uses_muon(n, p, cfg.muon)}
         self.units: list[Unit] = []
+        # ZeRO-2/3: transient full-gradient buckets, reused across micro-batches and steps
+        # (as many as can be alive at once: those in flight plus the one being filled)
+        self.scratch = ScratchPool(cfg.max_inflight_buckets + 1) if self.stage >= 2 else None
         self.buffers = self._build_buffers(named)
         specs = [dict(({"master": b.shard_numel} if self.separate_master else {}),
                       **{n: b.shard_numel for n in self._inner_of(b).state_names})
@@ -128,7 +132,7 @@ class ZeroOptimizer:
                           grad_dtype=self.cfg.grad_torch_dtype(self.dtype), device=self.topo.device,
                           dp_group=group, dp_rank=C.group_rank(group),
                           sharded=self.stage >= 1, shard_grads=self.stage >= 2,
-                          shard_params=self.stage == 3)
+                          shard_params=self.stage == 3, scratch=self.scratch)
 
     def _build_buffers(self, named) -> list[FlatBuffer]:
         indexed = [(i, n, p) for i, (n, p) in enumerate(named)]
@@ -267,6 +271,9 @@ class ZeroOptimizer:
         }
         report["model_states"] = sum(report[k] for k in ("params", "grads", "master_params",
                                                           "optimizer_states", "offload_resident"))
+        # ZeRO-2/3 working buffers kept between steps (the transient gradient buckets' pool):
+        # like activations, not model states; at most max_inflight_buckets + 1 buckets
+        report["grad_scratch"] = self.scratch.held_bytes() if self.scratch is not None else 0
         if self.zero3 is not None:
             report["zero3_peak_gathered"] = self.zero3.peak_gathered_bytes
         return report
