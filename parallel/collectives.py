@@ -249,8 +249,10 @@ def reduce_scatter_consuming(input: torch.Tensor, group,
     the same sums bit for bit, without the allocation and the two copies. Elsewhere it is the
     fused reduce-scatter into `out` (or a new tensor)."""
     n = group_size(group)
+    if n == 1:
+        return Pending(), input
     _check_divisible(input, 0, n)
-    if n > 1 and _on_host(group):
+    if _on_host(group):
         chunk = input.view(n, -1)[group_rank(group)]
         return Pending(dist.all_reduce(input, group=group, async_op=True)), chunk
     if out is None:

@@ -61,10 +61,10 @@ class FlatBuffer:
 
     def __init__(self, named: list[tuple[int, str, torch.nn.Parameter]], key: BucketKey, *,
                  dtype: torch.dtype, grad_dtype: torch.dtype, device: torch.device, dp_group,
-                 dp_rank: int, sharded: bool, shard_grads: bool, shard_params: bool,
-                 scratch: ScratchPool | None = None):
+                 dp_rank: int, sharded: bool, shard_grads: bool, shard_params: bool):
         self.key, self.dtype, self.grad_dtype, self.device = key, dtype, grad_dtype, device
-        self.scratch = scratch  # where transient full gradients come from and go back to
+        # where transient full gradients come from and go back to (the optimizer sets it)
+        self.scratch: ScratchPool | None = None
         self.dp_group = dp_group
         self.dp = C.group_size(dp_group) if sharded else 1
         self.dp_rank = dp_rank if sharded else 0
@@ -142,7 +142,7 @@ class FlatBuffer:
             self._transient_buf = torch.empty(self.padded, dtype=self.grad_dtype,
                                               device=self.device)
         else:
-            self._transient_buf = self.scratch.take(self.padded, self.grad_dtype, self.device)
+            self._transient_buf = self.scratch.take(self.padded)
         self._transient = self._transient_buf[:self.padded]
         return self._transient
 

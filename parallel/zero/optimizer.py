@@ -81,10 +81,14 @@ class ZeroOptimizer:
         self.muon_ids = {id(p) for n, p in named
                          if self.muon is not None and uses_muon(n, p, cfg.muon)}
         self.units: list[Unit] = []
-        # ZeRO-2/3: transient full-gradient buckets, reused across micro-batches and steps
-        # (as many as can be alive at once: those in flight plus the one being filled)
-        self.scratch = ScratchPool(cfg.max_inflight_buckets + 1) if self.stage >= 2 else None
         self.buffers = self._build_buffers(named)
+        # ZeRO-2/3: transient full-gradient buckets, reused across micro-batches and steps
+        self.scratch: ScratchPool | None = None
+        if self.stage >= 2 and self.buffers:
+            self.scratch = ScratchPool(max(b.padded for b in self.buffers),
+                                       cfg.grad_torch_dtype(dtype), topo.device)
+            for b in self.buffers:
+                b.scratch = self.scratch
         specs = [dict(({"master": b.shard_numel} if self.separate_master else {}),
                       **{n: b.shard_numel for n in self._inner_of(b).state_names})
                  for b in self.buffers]
@@ -132,7 +136,7 @@ class ZeroOptimizer:
                           grad_dtype=self.cfg.grad_torch_dtype(self.dtype), device=self.topo.device,
                           dp_group=group, dp_rank=C.group_rank(group),
                           sharded=self.stage >= 1, shard_grads=self.stage >= 2,
-                          shard_params=self.stage == 3, scratch=self.scratch)
+                          shard_params=self.stage == 3)
 
     def _build_buffers(self, named) -> list[FlatBuffer]:
         indexed = [(i, n, p) for i, (n, p) in enumerate(named)]
@@ -271,8 +275,8 @@ class ZeroOptimizer:
         }
         report["model_states"] = sum(report[k] for k in ("params", "grads", "master_params",
                                                           "optimizer_states", "offload_resident"))
-        # ZeRO-2/3 working buffers kept between steps (the transient gradient buckets' pool):
-        # like activations, not model states; at most max_inflight_buckets + 1 buckets
+        # ZeRO-2/3 working buffers kept between steps (the transient gradient buckets' pool,
+        # scratch.py): like activations, not model states
         report["grad_scratch"] = self.scratch.held_bytes() if self.scratch is not None else 0
         if self.zero3 is not None:
             report["zero3_peak_gathered"] = self.zero3.peak_gathered_bytes
