@@ -40,6 +40,7 @@ import socket
 import subprocess
 import sys
 import time
+from queue import Empty
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -201,15 +202,17 @@ def _worker(args) -> None:
              for r in range(args.world)]
     for p in procs:
         p.start()
-    results = {}
-    while len(results) < len(procs):
+    results, waited = {}, 0.0
+    while len(results) < len(procs):  # stop waiting once a rank died without a result
         try:
             r, got = queue.get(timeout=5)
             results[r] = got
-        except Exception:  # queue.Empty: stop waiting once a process died without a result
+        except Empty:
+            waited += 5
             dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-            if dead:
-                raise SystemExit(f"a rank exited with {dead[0]} before reporting")
+            if dead or waited > args.timeout:
+                raise SystemExit(f"a rank exited with {dead[0]} before reporting" if dead
+                                 else f"no result within --timeout {args.timeout:g} s")
     for p in procs:
         p.join()
     print("RESULT " + json.dumps([results[r] for r in range(args.world)]), flush=True)
