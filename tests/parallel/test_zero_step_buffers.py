@@ -4,9 +4,10 @@ zeroed gradient shards.
 One 2-rank world runs every check: `reduce_scatter_consuming` and `all_gather_in_place` give
 the fused verbs' bytes exactly; ZeRO-2 and 3 (many small buckets, so that reductions overlap
 backward and the pool serves buckets of several sizes; two micro-batches, so that a shard is
-first copied into, then added to) end bit for bit equal to each other; the pool allocates in
-the first step only; a step after zero_grad without any backward sees zero gradients. (Parity
-with the unsharded reference is test_zero.py's.)
+first copied into, then added to) end bit for bit where the same runs through the fused verbs
+(the branch NCCL takes, reducing straight into a fresh shard) and freshly allocated buckets
+end; the pool allocates in the first step only; a step after zero_grad without any backward
+sees zero gradients. (Parity with the unsharded reference is test_zero.py's.)
 """
 from __future__ import annotations
 
@@ -57,19 +58,33 @@ def _pool_unit(out):
     out["pool"] = "ok"
 
 
+def _fused_fresh_run(topo, cfg, ocfg):
+    """The same run through the fused verbs (NCCL's branch) and freshly allocated buckets."""
+    on_host, take = C._on_host, ScratchPool.take
+    C._on_host = lambda group: False
+    ScratchPool.take = lambda self, numel: torch.empty(numel, dtype=self.dtype, device=self.device)
+    try:
+        return zero_run(topo, cfg, ocfg, steps=3, microbatches=2)
+    finally:
+        C._on_host, ScratchPool.take = on_host, take
+
+
 def _stages(topo, out):
     cfg = small_gpt()
-    ocfg = dict(bucket_numel=3000)
-    finals, pools = {}, {}
+    pools = {}
     for stage in (2, 3):
+        ocfg = opt_config(zero_stage=stage, bucket_numel=3000)
         created = []
 
         def record(step, model, opt):
-            if opt.scratch is not None:
-                created.append(opt.scratch.created)
-        losses, params, _, opt = zero_run(topo, cfg, opt_config(zero_stage=stage, **ocfg),
-                                          steps=3, microbatches=2, on_step=record)
-        finals[stage] = (losses, params)
+            created.append(opt.scratch.created)
+        losses, params, _, opt = zero_run(topo, cfg, ocfg, steps=3, microbatches=2,
+                                          on_step=record)
+        want_losses, want, _, _ = _fused_fresh_run(topo, cfg, ocfg)
+        assert losses == want_losses, (stage, losses, want_losses)
+        for name, p in want.items():
+            assert torch.equal(params[name], p), (stage, name)
+
         pool = opt.scratch
         held = opt.memory_report()["grad_scratch"]
         assert pool.numel == max(b.padded for b in opt.buffers)
@@ -83,9 +98,6 @@ def _stages(topo, out):
         opt.zero_grad()
         assert opt.step().grad_norm == 0.0
         assert all(not b.grad_shard.any() for b in opt.buffers)
-    assert finals[3][0] == finals[2][0], finals
-    for name, p in finals[2][1].items():
-        assert torch.equal(finals[3][1][name], p), name
     out["stages"] = pools
 
 
