@@ -7,6 +7,7 @@ Two families, named for what they do:
                                        all_to_all(x, g, scatter_dim, gather_dim)
                                        broadcast(x, g, src)  barrier(g)
     launched, on flat buffers          all_reduce_async(t, g)  all_gather_into(out, inp, g)  reduce_scatter_into(out, inp, g)
+                                       reduce_scatter_consuming(inp, g)  all_gather_in_place(buf, g)
                                        ring_shift(send, recv, g)  (to the next rank of g, from the previous)
                                        exchange(sends, recvs, g)  (batched point-to-point)
 
@@ -21,7 +22,10 @@ the default group when one is initialised, else `SINGLE`.
 
 NCCL and gloo (torch >= 2.4) both have the fused reduce-scatter and all-gather into one
 contiguous tensor, and both have `all_to_all_single` with uneven splits (gloo on CPU tensors),
-so there is no fallback path to choose and no backend state to remember.
+so there is no fallback path to choose and no backend state to remember. Two verbs for buffers
+the caller owns whole (ZeRO's gradient and parameter buckets) take gloo's cheaper route, which
+gives the same bytes: `reduce_scatter_consuming` (an in-place all-reduce, as gloo's own
+reduce-scatter does on a clone) and `all_gather_in_place` (a broadcast per rank).
 
 Inside a compiled region (`--compile`, training/run/compile.py) the blocking verbs all_reduce,
 all_gather and reduce_scatter run as torch's functional collectives
@@ -234,6 +238,47 @@ def all_gather_into(output: torch.Tensor, input: torch.Tensor, group) -> Pending
         output.copy_(input)
         return Pending()
     return Pending(_ALL_GATHER(output, input, group=group, async_op=True))
+
+
+def reduce_scatter_consuming(input: torch.Tensor, group,
+                             out: torch.Tensor | None = None) -> tuple[Pending, torch.Tensor]:
+    """Launch: sum the flat `input` over the group; returns the pending reduction and the tensor
+    that holds this rank's chunk once it has landed. The caller gives `input` up (its contents
+    are undefined afterwards). Under gloo, whose own reduce-scatter clones the input, all-reduces
+    the clone and copies one chunk out, that chunk is a view of `input` all-reduced in place:
+    the same sums bit for bit, without the allocation and the two copies. Elsewhere it is the
+    fused reduce-scatter into `out` (or a new tensor)."""
+    n = group_size(group)
+    if n == 1:
+        return Pending(), input
+    _check_divisible(input, 0, n)
+    if _on_host(group):
+        chunk = input.view(n, -1)[group_rank(group)]
+        return Pending(dist.all_reduce(input, group=group, async_op=True)), chunk
+    if out is None:
+        out = torch.empty(input.numel() // n, dtype=input.dtype, device=input.device)
+    return reduce_scatter_into(out, input, group), out
+
+
+def all_gather_in_place(buffer: torch.Tensor, group) -> Pending:
+    """Launch: chunk r of the flat `buffer` holds group rank r's values on rank r; fill in the
+    other ranks' chunks. Under gloo, whose fused all-gather gathers into a new flat tensor and
+    copies it out, every rank broadcasts its own chunk in place instead (same bytes moved, no
+    allocation, no copy). Elsewhere the fused all-gather from a copy of this rank's chunk."""
+    n = group_size(group)
+    if n == 1:
+        return Pending()
+    _check_divisible(buffer, 0, n)
+    chunks = buffer.view(n, -1).unbind(0)
+    if _on_host(group):
+        return Pending(_All([dist.broadcast(c, src=global_rank(group, i), group=group,
+                                            async_op=True) for i, c in enumerate(chunks)]))
+    return all_gather_into(buffer, chunks[group_rank(group)].clone(), group)
+
+
+def _on_host(group) -> bool:
+    """Whether `group`'s collectives run through gloo (host memory, CPU tensors)."""
+    return group is not SINGLE and dist.get_backend(group) == "gloo"
 
 
 def ring_shift(send: torch.Tensor, recv: torch.Tensor, group, tag: int = 0) -> Pending:

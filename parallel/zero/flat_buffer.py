@@ -21,6 +21,7 @@ import torch
 
 from .. import collectives as C
 from ..param_spec import spec_of
+from .scratch import ScratchPool
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +63,8 @@ class FlatBuffer:
                  dtype: torch.dtype, grad_dtype: torch.dtype, device: torch.device, dp_group,
                  dp_rank: int, sharded: bool, shard_grads: bool, shard_params: bool):
         self.key, self.dtype, self.grad_dtype, self.device = key, dtype, grad_dtype, device
+        # where transient full gradients come from and go back to (the optimizer sets it)
+        self.scratch: ScratchPool | None = None
         self.dp_group = dp_group
         self.dp = C.group_size(dp_group) if sharded else 1
         self.dp_rank = dp_rank if sharded else 0
@@ -100,6 +103,10 @@ class FlatBuffer:
             self.grads = torch.zeros(self.padded, dtype=grad_dtype, device=device)
             self.grad_shard = self.grads[self.shard_slice]
         self._transient: torch.Tensor | None = None
+        self._transient_buf: torch.Tensor | None = None  # the scratch buffer it is a view of
+        # ZeRO-2/3: the shard holds nothing since zero_grad; the first reduction to land is
+        # copied in rather than added to zeros (`land`), and `materialize` zeroes it otherwise.
+        self._shard_fresh = False
         # Zeroing is lazy: a slot's first gradient after zero_grad (or in a fresh transient
         # bucket) is copied in instead of added to zeros, which saves a pass over every
         # bucket per step; `materialize` zeroes the slots that got none before anyone reads.
@@ -126,10 +133,18 @@ class FlatBuffer:
         if self.grads is not None:
             return self.grads[slot.offset:slot.offset + slot.numel]
         if self._transient is None:
-            self._transient = torch.empty(self.padded, dtype=self.grad_dtype, device=self.device)
-            self._transient[self.numel:].zero_()  # padding
+            self._new_transient()[self.numel:].zero_()  # padding
             self._unwritten = {s.index for s in self.slots}
         return self._transient[slot.offset:slot.offset + slot.numel]
+
+    def _new_transient(self) -> torch.Tensor:
+        if self.scratch is None:
+            self._transient_buf = torch.empty(self.padded, dtype=self.grad_dtype,
+                                              device=self.device)
+        else:
+            self._transient_buf = self.scratch.take(self.padded)
+        self._transient = self._transient_buf[:self.padded]
+        return self._transient
 
     def accumulate(self, slot: Slot, grad: torch.Tensor) -> None:
         """Add a parameter's gradient (dense, or row-sparse from an embedding) into the bucket."""
@@ -167,21 +182,50 @@ class FlatBuffer:
                     full[s.offset:s.offset + s.numel].zero_()
         self._unwritten.clear()
 
-    def take_transient(self) -> torch.Tensor:
-        """Hand over the transient full gradient bucket (allocating zeros if nothing arrived)."""
+    def take_transient(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hand over the transient full gradient bucket (zeros if nothing arrived) and the
+        scratch buffer it lives in (for `recycle` once the bucket is no longer read)."""
         if self._transient is None:
-            self._transient = torch.zeros(self.padded, dtype=self.grad_dtype, device=self.device)
+            self._new_transient().zero_()
         self.materialize()
-        t, self._transient = self._transient, None
-        return t
+        t, buf = self._transient, self._transient_buf
+        self._transient = self._transient_buf = None
+        return t, buf
+
+    def recycle(self, buf: torch.Tensor) -> None:
+        """A transient bucket's buffer is free again (its reduction has landed)."""
+        if self.scratch is not None:
+            self.scratch.give(buf)
+
+    def claim_shard(self) -> bool:
+        """Called as a reduction into the shard is launched: whether the shard holds nothing
+        yet (then the reduction may be written straight into it, or copied rather than added)."""
+        fresh, self._shard_fresh = self._shard_fresh, False
+        return fresh
+
+    def land(self, chunk: torch.Tensor, fresh: bool) -> None:
+        """Add this rank's reduced chunk into the persistent gradient shard (`fresh`, from
+        `claim_shard`: copy it in; nothing to do when it already is the shard)."""
+        if chunk.data_ptr() == self.grad_shard.data_ptr():
+            return
+        if fresh:
+            self.grad_shard.copy_(chunk)
+        else:
+            self.grad_shard.add_(chunk)
+
+    def materialize_shard(self) -> None:
+        """Zero a shard no reduction has landed in since zero_grad (a step without backward)."""
+        if self._shard_fresh:
+            self.grad_shard.zero_()
+            self._shard_fresh = False
 
     def zero_grad(self) -> None:
         if self.grads is not None:
             self._unwritten = {s.index for s in self.slots}  # padding stays zero throughout
         else:
-            self.grad_shard.zero_()
+            self._shard_fresh = True  # zeroed lazily: see claim_shard / materialize_shard
             self._unwritten = set()
-        self._transient = None
+        self._transient = self._transient_buf = None
         self.synced = False
 
     # ---- parameters (ZeRO-3 gather / release) ---------------------------------------------
@@ -195,7 +239,8 @@ class FlatBuffer:
         self.params.untyped_storage().resize_(self.padded * self.params.element_size())
         # Write through .data: the flat buffer's version counter is not the parameters', so
         # refilling it does not trip autograd's saved-tensor checks.
-        pending = C.all_gather_into(self.params.data, self.param_shard, self.dp_group)
+        self.params.data[self.shard_slice].copy_(self.param_shard)
+        pending = C.all_gather_in_place(self.params.data, self.dp_group)
         if not async_op:
             pending.wait()
         return pending
@@ -212,8 +257,7 @@ class FlatBuffer:
         """Stages 1-2: spread every rank's updated shard into the full parameter buffer."""
         if self.dp == 1 or self.shard_params:
             return C.Pending()
-        mine = self.params.data[self.shard_slice].clone()  # fused all-gather needs no aliasing
-        return C.all_gather_into(self.params.data, mine, self.dp_group)
+        return C.all_gather_in_place(self.params.data, self.dp_group)
 
     # ---- accounting ------------------------------------------------------------------------
     def param_bytes(self) -> int:

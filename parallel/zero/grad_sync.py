@@ -12,7 +12,13 @@ backward carries on with earlier layers:
     stage 0      all-reduce the full bucket (every rank keeps the full mean gradient)
     stage 1      reduce-scatter; the full buffer persists for accumulation, only my shard is valid
     stage 2, 3   reduce-scatter every micro-batch into a persistent shard; the full bucket is
-                 transient and at most `max_inflight` of them are alive at once
+                 transient and at most `max_inflight` of them are in flight at once; their
+                 buffers come from (and return to) a `ScratchPool` shared by the buckets, so
+                 they are not allocated afresh every step
+
+Reductions use `collectives.reduce_scatter_consuming` (gloo: an in-place all-reduce of the
+bucket, the same sums its own reduce-scatter computes on a clone). A ZeRO-2/3 shard is zeroed
+lazily: the first reduction after zero_grad lands by copy (or, off gloo, straight into it).
 
 Gradients are divided by the DP size before the collective (a mean, as in DDP). Each bucket is
 reduced over its own group (`FlatBuffer.dp_group`): data parallelism, or for MoE expert weights
@@ -143,21 +149,23 @@ class GradSync:
             self._deferred.append(i)
             return
         b.materialize()
-        full = b.grads if b.grads is not None else b.take_transient()
+        full, buf = (b.grads, None) if b.grads is not None else b.take_transient()
         if tied:
             C.all_reduce(full, self.embedding_group)
         if self.dp > 1:
             full.div_(self.dp)
         if self.stage == 0:
             self._inflight[i] = C.all_reduce_async(full, b.dp_group)
-        else:
-            out = torch.empty(b.shard_numel, dtype=full.dtype, device=full.device)
-            pending = C.reduce_scatter_into(out, full, b.dp_group)
-            if self.stage == 1:
-                then = lambda b=b, out=out: _land_stage1(b, out, self.dp)  # noqa: E731
-            else:  # `full` stays referenced by the closure until the reduction has landed
-                then = lambda b=b, out=out, full=full: b.grad_shard.add_(out)  # noqa: E731
-            self._inflight[i] = C.Pending(pending, then)
+        elif self.stage == 1:  # the full buffer is zeroed outside the shard once it lands
+            pending, chunk = C.reduce_scatter_consuming(full, b.dp_group)
+            self._inflight[i] = C.Pending(pending, functools.partial(_land_stage1, b, chunk,
+                                                                     self.dp))
+        else:  # the transient bucket goes back to the pool once the reduction has landed
+            fresh = b.claim_shard()
+            pending, chunk = C.reduce_scatter_consuming(
+                full, b.dp_group, out=b.grad_shard if fresh else None)
+            self._inflight[i] = C.Pending(pending, functools.partial(_land_sharded, b, chunk,
+                                                                     fresh, buf))
             while self.stage >= 2 and len(self._inflight) > self.max_inflight:
                 self._wait(next(iter(self._inflight)))
         for fn in self.on_launched:
@@ -197,6 +205,7 @@ class GradSync:
             self._wait(i)
         for b in self.buffers:
             b.materialize()  # a step without any backward still reads zeros
+            b.materialize_shard()
             if b.synced:  # stage 1: shards were left at dp x the mean (see _land_stage1)
                 b.grad_shard.div_(self.dp)
                 b.synced = False
@@ -220,12 +229,21 @@ def _zero_rows(param: torch.Tensor) -> torch.Tensor:
                                    check_invariants=False)
 
 
-def _land_stage1(b: FlatBuffer, out: torch.Tensor, dp: int) -> None:
+def _land_sharded(b: FlatBuffer, chunk: torch.Tensor, fresh: bool, buf) -> None:
+    b.land(chunk, fresh)
+    b.recycle(buf)
+
+
+def _land_stage1(b: FlatBuffer, chunk: torch.Tensor, dp: int) -> None:
     # Stage 1 keeps one full gradient buffer across micro-batches. Outside my shard it holds
     # local gradients that are now reduced into other ranks' shards: zero them so a later
     # reduction does not count them twice. My shard keeps dp x the mean, so that if another
     # micro-batch adds its local gradient and reduces again (dividing by dp first), the earlier
-    # mean survives intact; finish() divides by dp once at the end.
-    b.grads.zero_()
-    b.grad_shard.copy_(out).mul_(dp)
+    # mean survives intact; finish() divides by dp once at the end. (`chunk` may be the shard
+    # itself: reduced in place.)
+    b.grads[:b.shard_start].zero_()
+    b.grads[b.shard_start + b.shard_numel:].zero_()
+    if chunk.data_ptr() != b.grad_shard.data_ptr():
+        b.grad_shard.copy_(chunk)
+    b.grad_shard.mul_(dp)
     b.synced = True

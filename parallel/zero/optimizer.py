@@ -40,6 +40,7 @@ from .loss_scaler import build_loss_scaler
 from .muon import Muon, uses_muon
 from .offload import FileStates, build_states
 from .qk_clip import QKClip
+from .scratch import ScratchPool
 from .zero3 import Unit, Zero3Hooks, split_layers
 
 logger = logging.getLogger(__name__)
@@ -81,6 +82,13 @@ class ZeroOptimizer:
                          if self.muon is not None and uses_muon(n, p, cfg.muon)}
         self.units: list[Unit] = []
         self.buffers = self._build_buffers(named)
+        # ZeRO-2/3: transient full-gradient buckets, reused across micro-batches and steps
+        self.scratch: ScratchPool | None = None
+        if self.stage >= 2 and self.buffers:
+            self.scratch = ScratchPool(max(b.padded for b in self.buffers),
+                                       cfg.grad_torch_dtype(dtype), topo.device)
+            for b in self.buffers:
+                b.scratch = self.scratch
         specs = [dict(({"master": b.shard_numel} if self.separate_master else {}),
                       **{n: b.shard_numel for n in self._inner_of(b).state_names})
                  for b in self.buffers]
@@ -267,6 +275,9 @@ class ZeroOptimizer:
         }
         report["model_states"] = sum(report[k] for k in ("params", "grads", "master_params",
                                                           "optimizer_states", "offload_resident"))
+        # ZeRO-2/3 working buffers kept between steps (the transient gradient buckets' pool,
+        # scratch.py): like activations, not model states
+        report["grad_scratch"] = self.scratch.held_bytes() if self.scratch is not None else 0
         if self.zero3 is not None:
             report["zero3_peak_gathered"] = self.zero3.peak_gathered_bytes
         return report
