@@ -4,6 +4,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -37,15 +38,28 @@ def _interrupt_after(cmd, line_marker, sig, whole_group):
     return p.returncode, "".join(out)
 
 
-@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
-def test_signal_saves_and_exits_with_the_signal_code(tmp_path, sig, code):
-    argv = TINY + ["--train-iters", "1000", "--log-interval", "1", "--save", str(tmp_path)]
-    rc, out = _interrupt_after([sys.executable, os.path.join(REPO, "train_gpt.py"), *argv], "train iter 2/",
-                               sig, whole_group=False)
-    assert rc == code, out
-    assert "Traceback" not in out and "KeyboardInterrupt" not in out, out
-    stopped = open(os.path.join(tmp_path, "latest")).read().strip()
-    assert f"stopping at iteration {int(stopped[5:])}, checkpoint written" in out, out
+def test_signal_saves_and_exits_with_the_signal_code(tmp_path):
+    """SIGINT -> 130 and SIGTERM -> 143, each run in its own process, both at once (each is
+    one process: the two fill the machine's cores instead of waiting for each other)."""
+    cases = {"SIGINT": (signal.SIGINT, 130), "SIGTERM": (signal.SIGTERM, 143)}
+    done = {}
+
+    def run(name, sig):
+        argv = TINY + ["--train-iters", "1000", "--log-interval", "1", "--save", str(tmp_path / name)]
+        done[name] = _interrupt_after([sys.executable, os.path.join(REPO, "train_gpt.py"), *argv],
+                                      "train iter 2/", sig, whole_group=False)
+
+    threads = [threading.Thread(target=run, args=(name, sig)) for name, (sig, _) in cases.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for name, (sig, code) in cases.items():
+        rc, out = done[name]
+        assert rc == code, (name, out)
+        assert "Traceback" not in out and "KeyboardInterrupt" not in out, (name, out)
+        stopped = open(os.path.join(tmp_path / name, "latest")).read().strip()
+        assert f"stopping at iteration {int(stopped[5:])}, checkpoint written" in out, (name, out)
 
 
 def test_ctrl_c_under_torchrun_saves_once_on_every_rank(tmp_path):
@@ -62,13 +76,17 @@ def test_ctrl_c_under_torchrun_saves_once_on_every_rank(tmp_path):
 
 
 def test_flag_typo_and_bad_config_print_one_line_once():
-    typo = subprocess.run(_torchrun(2, TINY + ["--train-iters", "1", "--seq-len", "8"]), cwd=REPO, env=ENV,
-                          capture_output=True, text=True)
+    # both launches at once (they are independent; each waits mostly on its own start-up)
+    typo = subprocess.Popen(_torchrun(2, TINY + ["--train-iters", "1", "--seq-len", "8"]), cwd=REPO, env=ENV,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    single = subprocess.Popen([sys.executable, os.path.join(REPO, "train_gpt.py"), *TINY, "--train-iters", "1",
+                               "--global-batch-size", "7"], cwd=REPO, env=ENV, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    _, typo_err = typo.communicate(timeout=120)
+    _, single_err = single.communicate(timeout=120)
     assert typo.returncode != 0
-    assert typo.stderr.count("error: unrecognized arguments: --seq-len 8") == 1, typo.stderr
-    assert "usage:" not in typo.stderr
-    single = subprocess.run([sys.executable, os.path.join(REPO, "train_gpt.py"), *TINY, "--train-iters", "1",
-                             "--global-batch-size", "7"], cwd=REPO, env=ENV, capture_output=True, text=True)
-    assert single.returncode == 2 and "Traceback" not in single.stderr
-    assert single.stderr.strip().splitlines() == [
+    assert typo_err.count("error: unrecognized arguments: --seq-len 8") == 1, typo_err
+    assert "usage:" not in typo_err
+    assert single.returncode == 2 and "Traceback" not in single_err
+    assert single_err.strip().splitlines() == [
         "error: --global-batch-size 7 is not divisible by --micro-batch-size 2 x data-parallel size 1"]
