@@ -262,3 +262,17 @@ def sum_tied_embedding_grads(chunks, topo) -> None:
         if p.grad is None:  # a stage whose loss did not reach it still takes part in the sum
             p.grad = torch.zeros_like(p)
         C.all_reduce(p.grad, group)
+
+
+def all_reduce_each(tensors, group) -> None:
+    """Sum each tensor over `group` in place with one collective for all of them (a world's
+    cost is mostly its collectives' round trips: one per parameter adds up); the same sums as
+    one all-reduce per tensor, up to the order in which more than two ranks' values are added."""
+    import torch
+    from megazoo.parallel import collectives as C
+    tensors = list(tensors)
+    if not tensors or C.group_size(group) == 1:
+        return
+    flat = C.all_reduce(torch.cat([t.reshape(-1) for t in tensors]), group)
+    for t, part in zip(tensors, flat.split([t.numel() for t in tensors])):
+        t.copy_(part.view_as(t))

@@ -21,12 +21,11 @@ import torch
 
 from megazoo.models.language_model import TransformerLanguageModel
 from megazoo.models.moe import moe_layers, set_aux_loss_scale
-from megazoo.parallel import collectives as C
 from megazoo.parallel.pipeline.partition import chunk_prefix, partition
 from megazoo.parallel.sharding import full_tensor
 from megazoo.parallel.topology import ParallelTopology
 from megazoo.parallel.zero import build_optimizer
-from tests.distributed import run_distributed
+from tests.distributed import all_reduce_each, run_distributed
 from tests.helpers import (HYPER, SEQ, STEPS, batch, checked_step, dp_mean, initial_parameters,
                            opt_config, topology)
 from tests.hf_models import moe_config
@@ -78,8 +77,8 @@ def reference(topo, cfg, microbatches: int):
             loss = model(i, labels=y).mean()
             (loss / microbatches).backward()
             total += loss.item() / microbatches
+        all_reduce_each([p.grad for _, p in named], topo.dp_group)
         for _, p in named:
-            C.all_reduce(p.grad, topo.dp_group)
             p.grad /= topo.dp
         if step == 0:
             grads = {n: full_tensor(p, single, p.grad).clone() for n, p in named}
