@@ -124,7 +124,8 @@ class _Pool:
         # pool's first world and every later new rank start in well under a second instead of
         # seconds each); nothing runs in the server but those imports
         self.ctx = mp.get_context("forkserver")
-        self.ctx.set_forkserver_preload(["torch", "tests.distributed", "tests.helpers"])
+        self.ctx.set_forkserver_preload(["torch", "tests.distributed", "tests.helpers",
+                                         "megazoo.training.run.loop", "megazoo.models.registry"])
         self.ranks: list[_Rank] = []
         self.count = 0
 
