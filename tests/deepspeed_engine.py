@@ -10,6 +10,10 @@ Run by tests/training/test_checkpoint_deepspeed_engine.py under torchrun (2 rank
     python -m torch.distributed.run --nproc_per_node 2 -m tests.deepspeed_engine resume OUT
         for each folder OUT/<case>-universal: a fresh engine loads it with
         `checkpoint: {load_universal: true}` and records its next losses (OUT/<case>-universal.json)
+    python -m torch.distributed.run --nproc_per_node 2 -m tests.deepspeed_engine session OUT
+        train, then OUT/trained; then, once the test has written the universal folders and
+        OUT/resume.go, resume (OUT/resume.skip or no word within WAIT_S seconds: exit without):
+        one launch (one start of DeepSpeed and transformers) for both
 
 Every case starts from the same random model; every step's data is a function of (step, rank),
 so a run of another program at any layout can be fed the same global batch (`batch`).
@@ -17,6 +21,7 @@ so a run of another program at any layout can be fed the same global batch (`bat
 import json
 import os
 import sys
+import time
 
 import torch
 
@@ -114,6 +119,34 @@ def resume(out: str) -> None:
         del engine
 
 
+WAIT_S = 900
+
+
+def _told_to_resume(out: str) -> bool:
+    """Rank 0 waits for the test's word (OUT/resume.go or OUT/resume.skip); every rank gets it."""
+    word = torch.zeros(1)
+    if torch.distributed.get_rank() == 0:
+        deadline = time.monotonic() + WAIT_S
+        while time.monotonic() < deadline and not word.item():
+            if os.path.exists(os.path.join(out, "resume.go")):
+                word.fill_(1)
+            elif os.path.exists(os.path.join(out, "resume.skip")):
+                break
+            else:
+                time.sleep(0.05)
+    torch.distributed.broadcast(word, 0)
+    return bool(word.item())
+
+
+def session(out: str) -> None:
+    train(out)
+    torch.distributed.barrier()
+    if torch.distributed.get_rank() == 0:
+        open(os.path.join(out, "trained"), "w").close()
+    if _told_to_resume(out):
+        resume(out)
+
+
 if __name__ == "__main__":
     import deepspeed
     torch.set_num_threads(1)
@@ -121,6 +154,6 @@ if __name__ == "__main__":
     # (a C++ build of a minute) on the first run of a machine
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     deepspeed.init_distributed(dist_backend="gloo")
-    {"train": train, "resume": resume}[sys.argv[1]](sys.argv[2])
+    {"train": train, "resume": resume, "session": session}[sys.argv[1]](sys.argv[2])
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()

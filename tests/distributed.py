@@ -4,8 +4,9 @@ Every rank runs `fn(topo_or_rank, *args)`; results come back as a list indexed b
 exception on any rank fails the test with that rank's traceback; a rank that neither returns
 nor fails within `timeout` seconds fails it too, and every child is killed: nothing hangs.
 The processes are kept for the session's next world (spawning them and importing torch costs
-seconds; see `run_distributed`); building a world's models still costs time, so tests put many
-assertions into one world.
+seconds; see `run_distributed`; new ones are forked from a server that imported torch and the test
+helpers once), and a world that fails takes only its own processes down;
+building a world's models still costs time, so tests put many assertions into one world.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import time
 import traceback
 
 import torch.multiprocessing as mp
+from multiprocessing.connection import wait
 
 
 def free_port() -> int:
@@ -73,7 +75,8 @@ def _child(rank: int, world_size: int, port: int, fn, args, results) -> None:
 
 def _pooled(tasks, results) -> None:
     """A process kept for many worlds: each task is one rank of one world (starting a process
-    and importing torch costs seconds; joining a new gloo group costs milliseconds)."""
+    and importing torch costs seconds; joining a new gloo group costs milliseconds). `results`
+    is this process's own pipe: a process killed mid-write corrupts nothing the others use."""
     import torch
     torch.set_num_threads(1)
     while True:
@@ -85,56 +88,72 @@ def _pooled(tasks, results) -> None:
             fn, args = tasks.get()  # unpickled here: an import error is this rank's failure
             _enter_world(rank, world_size, port, env, cwd)
             out = fn(rank, *args)
-            results.put((task_id, rank, "ok", out))
+            results.send((task_id, rank, "ok", out))
         except BaseException:  # noqa: BLE001 - report everything, including KeyboardInterrupt
-            results.put((task_id, rank, "error", traceback.format_exc()))
+            results.send((task_id, rank, "error", traceback.format_exc()))
         finally:
             _leave_world()
 
 
-class _Pool:
-    """Spawned ranks reused from world to world. A world that fails or times out takes every
-    process down with it (ranks may be stuck in a collective); the next world spawns new ones."""
+class _Rank:
+    """One kept process: its task queue and the reading end of its own result pipe."""
 
-    def __init__(self):
-        self.ctx = mp.get_context("spawn")
-        self.procs: list = []
-        self.tasks: list = []
-        self.results = None
-        self.count = 0
-
-    def ranks(self, n: int):
-        if any(not p.is_alive() for p in self.procs):
-            self.close()
-        if self.results is None:
-            self.results = self.ctx.Queue()
-        while len(self.procs) < n:
-            q = self.ctx.Queue()
-            p = self.ctx.Process(target=_pooled, args=(q, self.results), daemon=True)
-            p.start()
-            self.procs.append(p)
-            self.tasks.append(q)
-        return self.procs[:n]
-
-    def submit(self, world_size: int, fn, args):
-        procs = self.ranks(world_size)
-        self.count += 1
-        port, env, cwd = free_port(), dict(os.environ), os.getcwd()
-        for r in range(world_size):
-            self.tasks[r].put((self.count, r, world_size, port, env, cwd))
-            self.tasks[r].put((fn, args))
-        return procs, self.count
+    def __init__(self, ctx):
+        self.tasks = ctx.Queue()
+        self.results, writer = ctx.Pipe(duplex=False)
+        self.proc = ctx.Process(target=_pooled, args=(self.tasks, writer), daemon=True)
+        self.proc.start()
+        writer.close()  # the child holds the only writer: its death reads as end of file here
 
     def close(self) -> None:
-        for p in self.procs:
-            if p.is_alive():
-                p.kill()
-        for p in self.procs:
-            p.join(timeout=5)
-        for q in self.tasks + ([self.results] if self.results is not None else []):
-            q.close()
-            q.cancel_join_thread()
-        self.procs, self.tasks, self.results = [], [], None
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.proc.join(timeout=5)
+        self.tasks.close()
+        self.tasks.cancel_join_thread()
+        self.results.close()
+
+
+class _Pool:
+    """Spawned ranks reused from world to world. A world that fails or times out takes its own
+    processes down (they may be stuck in a collective); the session's other kept processes took
+    no part in it and serve the next worlds, which spawn replacements only for the ranks lost."""
+
+    def __init__(self):
+        # forked from one server process that imported torch and the test helpers once (the
+        # pool's first world and every later new rank start in well under a second instead of
+        # seconds each); nothing runs in the server but those imports
+        self.ctx = mp.get_context("forkserver")
+        self.ctx.set_forkserver_preload(["torch", "tests.distributed", "tests.helpers",
+                                         "megazoo.training.run.loop", "megazoo.models.registry"])
+        self.ranks: list[_Rank] = []
+        self.count = 0
+
+    def take(self, n: int) -> list[_Rank]:
+        for r in [r for r in self.ranks if not r.proc.is_alive()]:
+            r.close()
+            self.ranks.remove(r)
+        while len(self.ranks) < n:
+            self.ranks.append(_Rank(self.ctx))
+        return self.ranks[:n]
+
+    def submit(self, world_size: int, fn, args):
+        ranks = self.take(world_size)
+        self.count += 1
+        port, env, cwd = free_port(), dict(os.environ), os.getcwd()
+        for r, kept in enumerate(ranks):
+            kept.tasks.put((self.count, r, world_size, port, env, cwd))
+            kept.tasks.put((fn, args))
+        return ranks, self.count
+
+    def discard(self, ranks: list[_Rank]) -> None:
+        for r in ranks:
+            r.close()
+            if r in self.ranks:
+                self.ranks.remove(r)
+
+    def close(self) -> None:
+        self.discard(list(self.ranks))
 
 
 _POOL: list[_Pool] = []  # the test session's reused ranks (created on first use)
@@ -147,7 +166,14 @@ def _pool() -> _Pool:
     return _POOL[0]
 
 
+def _check(rank: int, world_size: int, status: str, payload):
+    if status == "error":
+        raise RuntimeError(f"rank {rank} of {world_size} failed:\n{payload}")
+    return payload
+
+
 def _collect(procs, results, task_id, world_size: int, timeout: float) -> list:
+    """The fresh world's results (one queue shared by its ranks)."""
     outputs: dict[int, object] = {}
     deadline = time.monotonic() + timeout
     while len(outputs) < world_size:
@@ -156,19 +182,44 @@ def _collect(procs, results, task_id, world_size: int, timeout: float) -> list:
         except queue.Empty:
             dead = [r for r, p in enumerate(procs)
                     if r not in outputs and p.exitcode not in (None, 0)]
-            if dead:
-                raise RuntimeError(f"ranks {dead} died (exit codes "
-                                   f"{[procs[r].exitcode for r in dead]})") from None
-            if time.monotonic() > deadline:
-                missing = sorted(set(range(world_size)) - set(outputs))
-                raise TimeoutError(f"ranks {missing} did not finish within {timeout:.0f} s") \
-                    from None
+            _raise_if_lost(dead, [procs[r].exitcode for r in dead], outputs, world_size, deadline,
+                           timeout)
             continue
-        if got != task_id:
-            continue
-        if status == "error":
-            raise RuntimeError(f"rank {rank} of {world_size} failed:\n{payload}")
-        outputs[rank] = payload
+        if got == task_id:
+            outputs[rank] = _check(rank, world_size, status, payload)
+    return [outputs[r] for r in range(world_size)]
+
+
+def _raise_if_lost(dead, codes, outputs, world_size, deadline, timeout) -> None:
+    if dead:
+        raise RuntimeError(f"ranks {dead} died (exit codes {codes})") from None
+    if time.monotonic() > deadline:
+        missing = sorted(set(range(world_size)) - set(outputs))
+        raise TimeoutError(f"ranks {missing} did not finish within {timeout:.0f} s") from None
+
+
+def _collect_pooled(ranks: list[_Rank], task_id, timeout: float) -> list:
+    """The kept ranks' results, each from its own pipe."""
+    world_size = len(ranks)
+    outputs: dict[int, object] = {}
+    ended: set[int] = set()  # ranks whose pipe closed without a result
+    deadline = time.monotonic() + timeout
+    while len(outputs) < world_size:
+        waiting = {ranks[r].results: r for r in range(world_size) if r not in outputs}
+        for conn in wait(list(waiting), timeout=0.5):
+            r = waiting[conn]
+            try:
+                got, rank, status, payload = conn.recv()
+            except (EOFError, OSError):  # the process ended without a result
+                ranks[r].proc.join(timeout=5)
+                ended.add(r)
+                continue
+            if got == task_id:
+                outputs[rank] = _check(rank, world_size, status, payload)
+        dead = [r for r in range(world_size) if r not in outputs and
+                (r in ended or ranks[r].proc.exitcode not in (None, 0))]
+        _raise_if_lost(dead, [ranks[r].proc.exitcode for r in dead], outputs, world_size,
+                       deadline, timeout)
     return [outputs[r] for r in range(world_size)]
 
 
@@ -196,11 +247,11 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 180.0, fresh: b
                 if p.is_alive():
                     p.kill()
     pool = _pool()
-    procs, task_id = pool.submit(world_size, fn, args)
+    ranks, task_id = pool.submit(world_size, fn, args)
     try:
-        return _collect(procs, pool.results, task_id, world_size, timeout)
+        return _collect_pooled(ranks, task_id, timeout)
     except BaseException:
-        pool.close()
+        pool.discard(ranks)  # this world's processes only: the others took no part in it
         raise
 
 
@@ -217,3 +268,17 @@ def sum_tied_embedding_grads(chunks, topo) -> None:
         if p.grad is None:  # a stage whose loss did not reach it still takes part in the sum
             p.grad = torch.zeros_like(p)
         C.all_reduce(p.grad, group)
+
+
+def all_reduce_each(tensors, group) -> None:
+    """Sum each tensor over `group` in place with one collective for all of them (a world's
+    cost is mostly its collectives' round trips: one per parameter adds up); the same sums as
+    one all-reduce per tensor, up to the order in which more than two ranks' values are added."""
+    import torch
+    from megazoo.parallel import collectives as C
+    tensors = list(tensors)
+    if not tensors or C.group_size(group) == 1:
+        return
+    flat = C.all_reduce(torch.cat([t.reshape(-1) for t in tensors]), group)
+    for t, part in zip(tensors, flat.split([t.numel() for t in tensors])):
+        t.copy_(part.view_as(t))

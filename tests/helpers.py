@@ -24,7 +24,7 @@ from megazoo.parallel import collectives as C
 from megazoo.parallel.sharding import full_tensor
 from megazoo.parallel.topology import ParallelConfig, ParallelTopology
 from megazoo.parallel.zero import OptimizerConfig, build_optimizer
-from tests.distributed import run_distributed
+from tests.distributed import all_reduce_each, run_distributed
 
 
 # ---- In-process training runs ----------------------------------------------------------------
@@ -95,8 +95,9 @@ def microbatches(tokens, labels, m: int, dp_topo=None) -> list[dict]:
 
 def data_parallel_mean(tensors, topo) -> None:
     """What the data-parallel optimizer will do (not the pipeline's job): average over replicas."""
+    tensors = list(tensors)
+    all_reduce_each(tensors, topo.dp_group)
     for t in tensors:
-        C.all_reduce(t, topo.dp_group)
         t /= topo.dp
 
 

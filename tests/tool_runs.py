@@ -25,6 +25,20 @@ def tool_module(name):
     return module
 
 
+def tool_output(name, *argv) -> tuple[int, str, str]:
+    """tools/<name>.py's main in this process, `sys.argv` set as its command line would set it:
+    (exit status, stdout, stderr). An interpreter start and an import of the training stack less
+    than running the script (one test per tool still runs the script itself)."""
+    out, err, argv_before = io.StringIO(), io.StringIO(), sys.argv
+    sys.argv = [os.path.join(REPO, "tools", f"{name}.py"), *map(str, argv)]
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            rc = tool_module(name).main()
+    finally:
+        sys.argv = argv_before
+    return rc, out.getvalue(), err.getvalue()
+
+
 def convert_hf_tool(*argv):
     return tool_module("convert_hf").main(list(argv))
 

@@ -17,23 +17,24 @@ from tests.distributed import run_distributed
 from tests.hf_models import NEW_TOKENS, round_trip_cases
 
 VOCAB = 101
+LAYERS = 2  # one per stage at pp2: still a stage whose layers do not start at 0
 LOAD_LAYOUTS = [(2, 2, 1), (4, 1, 1)]  # (tp, pp, vpp)
 
 
 def _gpt2(**kw):
     from transformers import GPT2Config, GPT2LMHeadModel
-    base = dict(vocab_size=VOCAB, n_positions=32, n_embd=48, n_layer=4, n_head=4, resid_pdrop=0,
+    base = dict(vocab_size=VOCAB, n_positions=32, n_embd=48, n_layer=LAYERS, n_head=4, resid_pdrop=0,
                 embd_pdrop=0, attn_pdrop=0, bos_token_id=0, eos_token_id=0)
     return GPT2LMHeadModel(GPT2Config(**{**base, **kw}))
 
 
 def _bloom(**kw):
     from transformers import BloomConfig, BloomForCausalLM
-    return BloomForCausalLM(BloomConfig(**{**dict(vocab_size=VOCAB, hidden_size=48, n_layer=4,
+    return BloomForCausalLM(BloomConfig(**{**dict(vocab_size=VOCAB, hidden_size=48, n_layer=LAYERS,
                                                   n_head=4, bos_token_id=0, eos_token_id=0), **kw}))
 
 
-_LLAMA_BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=80, num_hidden_layers=4,
+_LLAMA_BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=80, num_hidden_layers=LAYERS,
                    num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=64,
                    rope_parameters={"rope_type": "default", "rope_theta": 1000.0},
                    bos_token_id=None, eos_token_id=None, pad_token_id=None)
@@ -81,7 +82,7 @@ REFUSED = {  # name: (builder, fields, the field the error must name)
     "llama-gelu": (_llama, dict(hidden_act="gelu"), "hidden_act"),
     "llama-mlp-bias-only": (_llama, dict(mlp_bias=True), "mlp_bias"),
     "llama-pruned-heads": (_llama, dict(pruned_heads={0: [1]}), "pruned_heads"),
-    "qwen2-chunked-layer": (_qwen2, dict(layer_types=["chunked_attention"] * 4), "layer_types"),
+    "qwen2-chunked-layer": (_qwen2, dict(layer_types=["chunked_attention"] * LAYERS), "layer_types"),
     "qwen3-attention-bias": (_qwen3, dict(attention_bias=True), "attention_bias"),
     "qwen3-yarn-partial-rotary": (_qwen3, dict(rope_parameters={
         "rope_type": "yarn", "rope_theta": 1e3, "factor": 2.0,

@@ -29,7 +29,7 @@ import tempfile
 import pytest
 import torch
 
-from tests.distributed import run_distributed
+from tests.distributed import all_reduce_each, run_distributed
 from tests.helpers import one_thread  # noqa: F401 - autouse
 
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -105,8 +105,6 @@ def _packed_references() -> dict:
 
 def _packed(refs, ids, labels, docs, cp: int) -> list[str]:
     """Packed documents at context-parallel size `cp` (this world's size): loss and gradients."""
-    import torch.distributed as dist
-
     from megazoo.data.packing import positions_in_documents
     from megazoo.models.hybrid_shapes import describe
     from megazoo.models.registry import build_model
@@ -128,11 +126,13 @@ def _packed(refs, ids, labels, docs, cp: int) -> list[str]:
         documents = Documents(docs, local(positions_in_documents(docs)))
         loss = model(local(ids), labels=local(labels), documents=documents).mean()
         loss.backward()
-        for t in [loss.detach()] + [p.grad for p in model.parameters()]:
-            dist.all_reduce(t, group=topo.cp_group)
+        loss = loss.detach()
+        reduced = [loss] + [p.grad for p in model.parameters()]
+        all_reduce_each(reduced, topo.cp_group)
+        for t in reduced:
             t.div_(cp)
         where = f"{name} cp{cp} packed"
-        torch.testing.assert_close(loss.detach(), ref_loss, **TOL, msg=where)
+        torch.testing.assert_close(loss, ref_loss, **TOL, msg=where)
         for pname, p in model.named_parameters():
             torch.testing.assert_close(full_tensor(p, topo, p.grad),
                                        ref_grads[model.canonical_name(pname)], **TOL,

@@ -64,7 +64,9 @@ def test_installed_wheel_trains_from_an_empty_directory(wheel, tmp_path):
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target",
                     str(target), str(wheel)], check=True, capture_output=True, text=True)
     env = dict(os.environ, PYTHONPATH=str(target), OMP_NUM_THREADS="1")
-    where = subprocess.run([sys.executable, "-c", "import megazoo.models.registry as r; print(r.__file__)"],
+    # where the import system finds the package (the console script below imports it for real)
+    where = subprocess.run([sys.executable, "-c", "import importlib.util as u; "
+                            "print(u.find_spec('megazoo.models.registry').origin)"],
                            cwd=work, env=env, check=True, capture_output=True, text=True).stdout
     assert where.startswith(str(target)), where
     run = subprocess.run([str(target / "bin" / "megazoo-train-gpt"), "--num-layers", "2",

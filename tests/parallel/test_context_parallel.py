@@ -28,7 +28,6 @@ import torch
 
 from megazoo.models.config import TransformerConfig
 from megazoo.models.language_model import TransformerLanguageModel
-from megazoo.parallel import collectives as C
 from megazoo.parallel.context_split import local_positions, split_sequence
 from megazoo.parallel.layout import LayoutError, ParallelConfig
 from megazoo.parallel.pipeline.engine import PipelineStats, run_pipeline
@@ -37,7 +36,7 @@ from megazoo.parallel.pipeline.schedules import build_schedule
 from megazoo.parallel.pipeline.tied import broadcast_tied_embedding
 from megazoo.parallel.sharding import full_tensor
 from megazoo.parallel.topology import ParallelTopology
-from tests.distributed import run_distributed, sum_tied_embedding_grads
+from tests.distributed import all_reduce_each, run_distributed, sum_tied_embedding_grads
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 BATCH, SEQ, MICRO = 4, 16, 2
@@ -76,8 +75,9 @@ class _Tokens:
 
 
 def _dp_cp_mean(tensors, topo) -> None:
+    tensors = list(tensors)
+    all_reduce_each(tensors, topo.dp_cp_group)
     for t in tensors:
-        C.all_reduce(t, topo.dp_cp_group)
         t /= topo.dp * topo.cp
 
 

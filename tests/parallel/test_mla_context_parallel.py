@@ -25,7 +25,7 @@ import torch
 
 from megazoo.parallel.context_split import local_positions, split_sequence
 from megazoo.parallel.topology import ParallelConfig, ParallelTopology
-from tests.distributed import run_distributed
+from tests.distributed import all_reduce_each, run_distributed
 from tests.helpers import HYPER, one_thread, opt_config  # noqa: F401
 from tests.hf_models import hf_converted, hf_deepseek_v3
 from tests.tolerances import assert_trained_close
@@ -121,8 +121,6 @@ def _logits_error(model, ids, hf_logits, topo, vocab, where) -> float:
 def _check_mla(ref: dict, topo, where: str) -> float:
     """Logits, loss and gradients, and the parameters after STEPS ZeRO-1 steps; the worst
     logits error."""
-    import torch.distributed as dist
-
     from megazoo.models.registry import build_model
     from megazoo.parallel.sharding import full_tensor, load_full_state_dict
     from megazoo.parallel.zero import build_optimizer
@@ -134,8 +132,9 @@ def _check_mla(ref: dict, topo, where: str) -> float:
     model.train()
     loss = model(_local(ids, topo), labels=_local(labels, topo)).mean()
     loss.backward()
-    for t in [loss.detach()] + [p.grad for p in model.parameters() if p.grad is not None]:
-        dist.all_reduce(t, group=topo.cp_group)  # equal token counts: the mean of the ranks' means
+    reduced = [loss.detach()] + [p.grad for p in model.parameters() if p.grad is not None]
+    all_reduce_each(reduced, topo.cp_group)  # equal token counts: the mean of the ranks' means
+    for t in reduced:
         t.div_(topo.cp)
     torch.testing.assert_close(loss.detach(), ref["loss"], **TOL, msg=f"{where} loss")
     for name, p in model.named_parameters():

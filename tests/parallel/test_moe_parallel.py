@@ -12,6 +12,8 @@ For every layout and ZeRO stage, dropless and with capacity dropping, over 3 opt
 
 equal the reference within rtol = atol = 1e-5 (fp32), in two 4-rank worlds and one 8-rank world
 (tp2 + SP, pp2, ep2, dp2; ZeRO-1, capacity dropping). AdamW's eps is 1e-6 as in test_zero.py.
+Every layer is an MoE layer: 4 under pipeline parallelism (one per virtual stage at pp2 x vpp2),
+2 otherwise.
 """
 from __future__ import annotations
 
@@ -19,12 +21,11 @@ import torch
 
 from megazoo.models.language_model import TransformerLanguageModel
 from megazoo.models.moe import moe_layers, set_aux_loss_scale
-from megazoo.parallel import collectives as C
 from megazoo.parallel.pipeline.partition import chunk_prefix, partition
 from megazoo.parallel.sharding import full_tensor
 from megazoo.parallel.topology import ParallelTopology
 from megazoo.parallel.zero import build_optimizer
-from tests.distributed import run_distributed
+from tests.distributed import all_reduce_each, run_distributed
 from tests.helpers import (HYPER, SEQ, STEPS, batch, checked_step, dp_mean, initial_parameters,
                            opt_config, topology)
 from tests.hf_models import moe_config
@@ -34,9 +35,14 @@ from megazoo.training.run.step import activation_shape
 TOL = dict(rtol=1e-5, atol=1e-5)
 
 
-def _config(**kw):
-    return moe_config(num_layers=4, vocab_size=101, moe_shared_expert_intermediate_size=16,
+def _config(layers: int, **kw):
+    return moe_config(num_layers=layers, vocab_size=101, moe_shared_expert_intermediate_size=16,
                       moe_shared_expert_gate=True, seed=11, **kw)
+
+
+def _moe_names(model) -> dict[int, str]:
+    ids = {id(m) for m in moe_layers(model)}
+    return {id(l): n for n, l in model.named_modules() if id(l) in ids}
 
 
 def _aux(model, dropped: list | None = None) -> dict[int, float]:
@@ -62,7 +68,7 @@ def reference(topo, cfg, microbatches: int):
                              {"params": [p for _, p in named if p.dim() < 2], "weight_decay": 0.0}],
                             lr=HYPER["lr"], betas=HYPER["betas"], eps=HYPER["eps"])
     set_aux_loss_scale([model], 1.0 / microbatches)
-    names = {id(l): n for n, l in model.named_modules() if l in moe_layers(model)}
+    names = _moe_names(model)
     losses, norms, auxes, grads = [], [], [], None
     for step in range(STEPS):
         ids, labels = batch(step, topo)
@@ -71,8 +77,8 @@ def reference(topo, cfg, microbatches: int):
             loss = model(i, labels=y).mean()
             (loss / microbatches).backward()
             total += loss.item() / microbatches
+        all_reduce_each([p.grad for _, p in named], topo.dp_group)
         for _, p in named:
-            C.all_reduce(p.grad, topo.dp_group)
             p.grad /= topo.dp
         if step == 0:
             grads = {n: full_tensor(p, single, p.grad).clone() for n, p in named}
@@ -90,7 +96,7 @@ def parallel_run(topo, cfg, stage: int, microbatches: int, ref, tag: str,
     specs = partition(cfg.num_layers, topo.pp, topo.vpp)[topo.pp_rank]
     chunks = [TransformerLanguageModel(cfg, topo, **s.kwargs()) for s in specs]
     opt = build_optimizer(chunks, topo, opt_config(zero_stage=stage))
-    names = {id(l): n for c in chunks for n, l in c.named_modules() if l in moe_layers(c)}
+    names = {k: n for c in chunks for k, n in _moe_names(c).items()}
     shape = activation_shape(topo, SEQ, batch(0, topo)[0].shape[0] // microbatches, cfg.hidden_size)
     grads_checked, dropped = 0, []
     for step in range(STEPS):
@@ -114,7 +120,8 @@ def _world(rank, layouts):
     out = []
     for kw, stages, capacity, microbatches, schedule in layouts:
         topo = topology(**kw)
-        cfg = _config(moe_expert_capacity_factor=capacity)
+        # 4 layers where a pipeline splits them (pp2 x vpp2: one per chunk), else 2
+        cfg = _config(4 if topo.pp > 1 else 2, moe_expert_capacity_factor=capacity)
         ref = reference(topo, cfg, microbatches)
         for stage in stages:
             tag = f"{kw} dp={topo.dp} zero={stage} capacity={capacity} mb={microbatches}"

@@ -6,14 +6,15 @@ tiny Hugging Face Llama under ZeRO-1, 2 and 3 in fp32 and ZeRO-1 and 3 in bf16, 
 Checked here: every file loads through the unpickling allowlist; imported at tp=2 the logits
 equal DeepSpeed's within 1e-5 and the fp32 masters equal DeepSpeed's own `zero_to_fp32` reader's
 bit for bit; megazoo's resumed run (tp=2) continues with DeepSpeed's next losses; megazoo's
-universal export, loaded by a second DeepSpeed launch (`checkpoint: {load_universal: true}`),
-continues with megazoo's next losses and imports back bit for bit; DeepSpeed's own
+universal export, loaded by fresh DeepSpeed engines of the same launch (it waits for the export;
+`checkpoint: {load_universal: true}`), continues with megazoo's next losses and imports back bit for bit; DeepSpeed's own
 ds_to_universal.py output of the ZeRO-3 run imports with the same state.
 """
 import json
 import os
 import subprocess
 import sys
+import time
 import zipfile
 import pickletools
 
@@ -32,28 +33,66 @@ RESUMED = ("zero2", "zero3")
 _ABORT_TRIES = 3
 
 
-def _launch(mode: str, out: str) -> None:
-    """tests/deepspeed_engine.py under torchrun; a start-up SIGABRT (DeepSpeed on CPU, now
-    and then) is retried, any other failure fails the test with the output's tail."""
+def _start(out: str) -> subprocess.Popen:
+    """tests/deepspeed_engine.py's session under torchrun, returned once DeepSpeed's training
+    runs are written (OUT/trained); it then waits for `_resume`. A start-up SIGABRT (DeepSpeed
+    on CPU, now and then) is retried, any other failure fails the test with the output's tail."""
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
            "--nproc_per_node", str(WORLD), "--master_port", str(free_port()),
-           "-m", "tests.deepspeed_engine", mode, out]
+           "-m", "tests.deepspeed_engine", "session", out]
     for attempt in range(_ABORT_TRIES):
-        run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-        if run.returncode == 0:
-            return
-        text = run.stdout + run.stderr
+        log = open(os.path.join(out, f"launch{attempt}.log"), "w+")
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+        deadline = time.monotonic() + 600
+        while proc.poll() is None and not os.path.exists(os.path.join(out, "trained")) \
+                and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if os.path.exists(os.path.join(out, "trained")):
+            proc.log = log
+            return proc
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        log.seek(0)
+        text = log.read()
         if "SIGABRT" not in text and "Signal 6" not in text:
             break
-    pytest.fail(f"DeepSpeed's {mode} run failed (exit {run.returncode}):\n{text[-4000:]}")
+    pytest.fail(f"DeepSpeed's training runs failed (exit {proc.returncode}):\n{text[-4000:]}")
+
+
+def _resume(out: str, proc: subprocess.Popen) -> None:
+    """The waiting session resumes from OUT/<case>-universal (written by the test)."""
+    open(os.path.join(out, "resume.go"), "w").close()
+    try:
+        proc.wait(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    proc.log.seek(0)
+    assert proc.returncode == 0, \
+        f"DeepSpeed's resume run failed (exit {proc.returncode}):\n{proc.log.read()[-4000:]}"
 
 
 @pytest.fixture(scope="module")
-def deepspeed_run(tmp_path_factory):
+def deepspeed_session(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("deepspeed"))
-    _launch("train", out)
+    proc = _start(out)
+    yield out, proc
+    if proc.poll() is None:  # the resume test did not run: the session ends without it
+        open(os.path.join(out, "resume.skip"), "w").close()
+        try:
+            proc.wait(timeout=120)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    proc.log.close()
+
+
+@pytest.fixture(scope="module")
+def deepspeed_run(deepspeed_session):
+    out, _ = deepspeed_session
     llama_config().save_pretrained(os.path.join(out, "hf"))
     return out
 
@@ -186,7 +225,8 @@ def test_megazoo_resumes_with_deepspeeds_next_losses(deepspeed_run, megazoo_next
     assert abs(fresh[1] - kept[1]) > 10 * LOSS["rtol"] * abs(kept[1])  # measured: 30x
 
 
-def test_universal_export_continues_in_deepspeed(deepspeed_run, imported, megazoo_next):
+def test_universal_export_continues_in_deepspeed(deepspeed_session, deepspeed_run, imported,
+                                                 megazoo_next):
     """megazoo's universal export (Hugging Face names) loaded by DeepSpeed's engine under ZeRO-2
     and ZeRO-3 continues with megazoo's next losses."""
     from megazoo.training.checkpoint.foreign.convert import export_checkpoint, import_checkpoint
@@ -197,7 +237,7 @@ def test_universal_export_continues_in_deepspeed(deepspeed_run, imported, megazo
     assert tool_module("convert_checkpoint").main([  # the command line, as docs/conversion.md
         "export", "--format", "deepspeed", "--universal-names", "hf", "--load", imported["zero3"],
         "--save", os.path.join(deepspeed_run, "zero3-universal")]) == 0
-    _launch("resume", deepspeed_run)
+    _resume(*deepspeed_session)
     for case in RESUMED:
         back = read_full_state(import_checkpoint(
             "deepspeed", os.path.join(deepspeed_run, case + "-universal"),
@@ -221,19 +261,19 @@ def _assert_same_state(got, want, where):
     assert got.meta["iteration"] == TRAIN_STEPS and got.meta["consumed_samples"] == 12
 
 
-def test_deepspeeds_own_universal_conversion_imports(deepspeed_run, imported, tmp_path):
+def test_deepspeeds_own_universal_conversion_imports(deepspeed_run, imported, tmp_path,
+                                                     monkeypatch):
     """DeepSpeed's ds_to_universal.py output of the ZeRO-3 run (whole states under Hugging Face
     names, saved flat) imports with the masters, moments and step of the ZeRO import."""
     from megazoo.training.checkpoint.foreign.convert import import_checkpoint
     from megazoo.training.checkpoint.reshard import read_full_state
     out = tmp_path / "universal" / f"global_step{TRAIN_STEPS}"
     source = os.path.join(deepspeed_run, "zero3", f"global_step{TRAIN_STEPS}")
-    run = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
-                          "--input_folder", source,
-                          "--output_folder", str(out), "--num_extract_workers", "1",
-                          "--num_merge_workers", "1"], env=dict(os.environ, DS_ACCELERATOR="cpu"),
-                         capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
+    from deepspeed.checkpoint import ds_to_universal  # its command line, in this process
+    monkeypatch.setattr(sys, "argv", ["ds_to_universal.py", "--input_folder", source,
+                                      "--output_folder", str(out), "--num_extract_workers", "1",
+                                      "--num_merge_workers", "1"])
+    ds_to_universal.main(ds_to_universal.parse_arguments())
     got = read_full_state(import_checkpoint("deepspeed", str(out), str(tmp_path / "mz"), dp=2,
                                             hf_config=os.path.join(deepspeed_run, "hf")))
     _assert_same_state(got, read_full_state(imported["zero3"]), "ds_to_universal")

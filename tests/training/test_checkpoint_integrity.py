@@ -14,7 +14,7 @@ import torch
 import megazoo.training.checkpoint.format as ckpt
 from tests.distributed import run_distributed
 from tests.helpers import TINY, one_thread, pretrain_gpt  # noqa: F401 - one_thread: autouse
-from tests.tool_runs import REPO
+from tests.tool_runs import REPO, tool_output
 from megazoo.training.checkpoint import storage
 
 
@@ -149,14 +149,13 @@ def test_resume_falls_back_to_the_newest_checkpoint_that_verifies(tmp_path):
     root, hf = str(tmp_path / "run"), str(tmp_path / "hf")
     steps, master = run_distributed(_fallback_worker, 2, root, hf, timeout=300)[0]
     assert steps == 4  # resumed from iteration 2, not 4
-    tool = [sys.executable, os.path.join(REPO, "tools", "inspect_checkpoint.py"),
-            os.path.join(root, "iter_0000004"), "--verify"]
-    out = subprocess.run(tool, capture_output=True, text=True)
-    assert out.returncode == 1
+    rc, out, _ = tool_output("inspect_checkpoint", os.path.join(root, "iter_0000004"), "--verify")
+    assert rc == 1
     assert f"PROBLEM {root}/iter_0000004/rank_00001.safetensors: tensor {master} fails its " \
-           f"checksum" in out.stdout
-    tool[-2] = root
-    ok = subprocess.run(tool, capture_output=True, text=True)
+           f"checksum" in out
+    # the script itself (its entry point), as a user runs it
+    ok = subprocess.run([sys.executable, os.path.join(REPO, "tools", "inspect_checkpoint.py"), root,
+                         "--verify"], capture_output=True, text=True)
     assert ok.returncode == 0 and "every tensor matches its checksum" in ok.stdout, ok.stdout
     from megazoo.training.checkpoint.hf import export_hf
     with pytest.raises(ckpt.IntegrityError, match=rf"rank_00001.safetensors: tensor {master} fails"):

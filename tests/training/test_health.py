@@ -3,15 +3,13 @@ straggler reports, the run report and checkpoint inspection."""
 import json
 import math
 import os
-import subprocess
-import sys
 import time
 
 from safetensors.torch import load_file
 
 from tests.distributed import run_distributed
 from tests.helpers import TINY, hang_detail, pretrain_gpt, record_hang_start
-from tests.tool_runs import REPO
+from tests.tool_runs import tool_output
 from megazoo.training.config.run_config import HealthConfig
 from megazoo.training.resilience.health import HealthMonitor
 from megazoo.training.run.batches import SkippingDataset, merge_ranges
@@ -91,16 +89,15 @@ def test_hung_collective_ends_the_job_naming_the_rank(tmp_path):
 
 def test_inspect_checkpoint_verifies_and_flags_truncation(tmp_path):
     run_distributed(_save_worker, 2, str(tmp_path), timeout=120)
-    tool = [sys.executable, os.path.join(REPO, "tools", "inspect_checkpoint.py"), str(tmp_path)]
-    ok = subprocess.run(tool, capture_output=True, text=True)
-    assert ok.returncode == 0, ok.stderr
-    assert "iteration 2" in ok.stdout and "tp=1 pp=1 dp=2" in ok.stdout and "all 2 shards readable" in ok.stdout
+    rc, out, err = tool_output("inspect_checkpoint", tmp_path)
+    assert rc == 0, err
+    assert "iteration 2" in out and "tp=1 pp=1 dp=2" in out and "all 2 shards readable" in out
     shard = os.path.join(tmp_path, "iter_0000002", "rank_00001.safetensors")
     with open(shard, "r+b") as f:
         f.truncate(os.path.getsize(shard) // 2)
-    bad = subprocess.run(tool, capture_output=True, text=True)
-    assert bad.returncode == 1
-    assert "rank_00001.safetensors" in bad.stdout + bad.stderr and "truncated" in bad.stdout + bad.stderr
+    rc, out, err = tool_output("inspect_checkpoint", tmp_path)
+    assert rc == 1
+    assert "rank_00001.safetensors" in out + err and "truncated" in out + err
 
 
 def _save_worker(rank, root):

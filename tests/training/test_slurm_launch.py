@@ -40,9 +40,10 @@ def test_the_script_runs_the_readme_command_under_slurm_and_on_one_node(tmp_path
         "torchrun", "--nnodes", "1", "--nproc_per_node", "8", "--rdzv_backend", "c10d",
         "--rdzv_endpoint", "localhost:29500"]
 
-    bin_dir = tmp_path / "bin"  # Slurm's scontrol, as the job's nodes see it
-    bin_dir.mkdir()
-    (bin_dir / "scontrol").write_text("#!/usr/bin/env bash\nprintf 'gpu-a17\\ngpu-a18\\n'\n")
+    bin_dir = tmp_path / "bin"  # Slurm's scontrol, as the job's nodes see it (a line at a time:
+    bin_dir.mkdir()               # a reader that stops after the first must not fail the script)
+    (bin_dir / "scontrol").write_text("#!/usr/bin/env bash\nprintf 'gpu-a17\\n'\nsleep 0.2\n"
+                                      "printf 'gpu-a18\\n'\n")
     (bin_dir / "scontrol").chmod(0o755)
     slurm = _dry(local, SLURM_JOB_ID="4242", SLURM_JOB_NUM_NODES="2",
                  SLURM_JOB_NODELIST="gpu-a[17-18]", PATH=f"{bin_dir}:{os.environ['PATH']}")
