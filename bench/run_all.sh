@@ -34,11 +34,11 @@ for script in bench/bench_*.py; do
   echo "== $name $(date +%H:%M:%S)"
   start=$SECONDS
   if ! "$PY" -m "bench.$name" "${args[@]}"; then failed+=("$name"); fi
-  if [[ $name == bench_zero_vs_deepspeed ]]; then  # fp32, and ZeRO-3 against FSDP2 in both dtypes
+  if [[ $name == bench_zero_vs_deepspeed ]]; then  # ZeRO-2/3 against DeepSpeed and FSDP2, fp32 and bf16
     "$PY" -m "bench.$name" "${args[@]}" --dtype fp32 --stages 2 3 --fsdp2 \
       --out bench/results/zero_vs_peers_fp32 || failed+=("$name (fp32)")
-    "$PY" -m "bench.$name" "${args[@]}" --dtype bf16 --stages 3 --fsdp2 --no-deepspeed \
-      --out bench/results/zero3_vs_fsdp2_bf16 || failed+=("$name (fsdp2 bf16)")
+    "$PY" -m "bench.$name" "${args[@]}" --dtype bf16 --stages 2 3 --fsdp2 \
+      --out bench/results/zero_vs_peers_bf16 || failed+=("$name (bf16)")
   fi
   if [[ $name == bench_train_step ]]; then  # and at a GPT-2-sized vocabulary and width
     "$PY" -m "bench.$name" --hidden 768 --layers 6 --heads 12 --vocab 50257 --seq 512 --batch 1 \
