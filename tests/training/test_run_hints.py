@@ -44,7 +44,7 @@ def test_reward_module_from_the_working_directory(clean_imports):
         "def two(prompts, completions, **kw):\n    return [2.0 for _ in completions]\n")
     fns = load_rewards("docaudit_reward:my_reward, docaudit_pkg.sub.r:two")
     assert [f(prompts=["p"], completions=["c"]) for f in fns] == [[1.0], [2.0]]
-    assert sys.path[-1] == str(clean_imports)
+    assert str(clean_imports) not in sys.path  # found there without editing sys.path
 
 
 def test_missing_reward_module_is_one_line_naming_the_flag(clean_imports):

@@ -14,6 +14,8 @@ and each of the num_iterations updates on it takes its ratio against them.
 from __future__ import annotations
 
 import importlib
+import importlib.machinery
+import importlib.util
 import inspect
 import logging
 import os
@@ -76,10 +78,19 @@ def import_reward_module(module: str):
     except ModuleNotFoundError as e:
         cwd = os.getcwd()
         top = module.split(".")[0]
-        if e.name != top or cwd in sys.path or not (os.path.exists(os.path.join(cwd, top + ".py"))
+        if e.name != top or not (os.path.exists(os.path.join(cwd, top + ".py"))
                                                     or os.path.isdir(os.path.join(cwd, top))):
             raise
-        sys.path.append(cwd)
+        # the top-level module or package found in the working directory alone (sys.path is
+        # left as it is); a dotted name's submodules then resolve through the package's __path__
+        spec = importlib.machinery.PathFinder.find_spec(top, [cwd])
+        loaded = importlib.util.module_from_spec(spec)
+        sys.modules[top] = loaded
+        try:
+            spec.loader.exec_module(loaded)
+        except BaseException:
+            del sys.modules[top]
+            raise
         logger.info("--reward: %s imported from the working directory %s", module, cwd)
         return importlib.import_module(module)
 
