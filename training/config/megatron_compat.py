@@ -161,14 +161,21 @@ def _data(args, given, notes) -> list[str]:
     return refused
 
 
+def _recompute_shorthand(args, flag: str, granularity: str, refused: list[str]) -> bool:
+    """`flag` stands for --recompute-granularity `granularity`: set it, or refuse `flag` when
+    another granularity was given (False)."""
+    if args.recompute_granularity not in (None, granularity):
+        refused.append(f"{flag} ({granularity} recompute) contradicts --recompute-granularity "
+                       f"{args.recompute_granularity}; give one")
+        return False
+    args.recompute_granularity = granularity
+    return True
+
+
 def _model_and_training(args, given, notes) -> list[str]:
     refused = []
     if args.checkpoint_activations:
-        if args.recompute_granularity not in (None, "full"):
-            refused.append(f"--checkpoint-activations (full recompute) contradicts --recompute-granularity "
-                           f"{args.recompute_granularity}; give one")
-        else:
-            args.recompute_granularity = "full"
+        if _recompute_shorthand(args, "--checkpoint-activations", "full", refused):
             args.recompute_method = args.recompute_method or "uniform"
             args.recompute_num_layers = args.recompute_num_layers or args.checkpoint_num_layers or 1
             notes.info("--checkpoint-activations: --recompute-granularity full --recompute-method %s "
@@ -221,11 +228,7 @@ def _megatron_lm(args, notes) -> list[str]:
     """Megatron-LM's everyday switches: selective recompute, squared ReLU, the loader, weight decay."""
     refused = []
     if args.recompute_activations:
-        if args.recompute_granularity not in (None, "selective"):
-            refused.append(f"--recompute-activations (selective recompute) contradicts "
-                           f"--recompute-granularity {args.recompute_granularity}; give one")
-        else:
-            args.recompute_granularity = "selective"
+        if _recompute_shorthand(args, "--recompute-activations", "selective", refused):
             notes.info("--recompute-activations: --recompute-granularity selective (the attention "
                        "core is recomputed in backward)")
     if args.squared_relu and args.swiglu:
