@@ -9,8 +9,8 @@ released (their flat buffer's storage has size 0); hooks bring them back:
     output-grad hook     gather this layer before its backward runs, prefetch the previous one
     buckets reduced      (all of the unit's gradients are in) release it again
 
-The root stays gathered from its forward until its gradients are in, since the head runs last in
-forward and first in backward. With activation checkpointing the recompute runs inside backward,
+The root and the last layer stay gathered from their forward until their gradients are in, since
+they run last in forward and first in backward. With activation checkpointing the recompute runs inside backward,
 after the output-grad hook; the forward hook then leaves the layer gathered. (With reentrant
 checkpointing the recompute comes first and releases the layer; the output-grad hook then gathers
 it again before its backward: one extra all-gather, same values, views stay valid.)
@@ -119,8 +119,11 @@ class Zero3Hooks:
                 t.register_hook(lambda g, u=unit: self._before_backward(u))
         if unit.in_backward:
             return  # a recompute inside backward: the layer's backward comes next
-        if unit.is_root and needs_grad:
-            return  # the head's backward runs first: keep the root until its grads are in
+        if needs_grad and (unit.is_root or self._neighbour(unit, +1) is None):
+            # The head's backward runs first, then the last layer's: keep both gathered until
+            # their gradients are in (the last layer is gathered next to the root at the end
+            # of forward anyway, so this saves an all-gather and adds nothing to the peak).
+            return
         unit.release()
 
     def _before_backward(self, unit: Unit) -> None:
