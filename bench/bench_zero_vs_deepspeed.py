@@ -16,11 +16,13 @@ FSDP2 (`fully_shard` on each transformer layer and on the model, what a user wou
 instead; bf16: `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)` over fp32 weights,
 torch's default AdamW, `clip_grad_norm_`). Each rank also measures the single-thread GEMM peak
 (square 1024 matmuls in the run's dtype) after its steps, and the model FLOP/s per rank
-(3x forward FLOPs x tokens/s / ranks) is reported against it. Reported per stage: tokens/s over the timed steps (after
-warm-up, slowest rank), peak RSS per rank (max over ranks) and its growth over the RSS just
-before the model was built, and the final loss of each side as a sanity check. Each side runs
-`--repeats` times in alternating order and the best throughput is kept (a shared host's other
-load only ever slows a run down); the load average is recorded.
+(3x forward FLOPs x tokens/s / ranks) is reported against it. Reported per stage: tokens/s
+from the slowest rank's median step after warm-up (a step stalled by the host's other load
+does not count; the mean over the timed steps is kept as `tokens_per_s_mean`), peak RSS per
+rank (max over ranks) and its growth over the RSS just before the model was built, and the
+final loss of each side as a sanity check. Each side runs `--repeats` times in alternating
+order and the best throughput is kept (a shared host's other load only ever slows a run down);
+the load average is recorded.
 
 The machine's ceiling is measured as a side of its own, `bound`: `--world` processes with the
 same threads, each training the same model on its own data in a world of its own (megazoo at
@@ -37,6 +39,7 @@ import json
 import os
 import resource
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -79,20 +82,23 @@ def _train(args, rank: int, backward_step, barrier=None) -> dict:
     `barrier` lines the `--world` processes up around the timed steps (default: their world's)."""
     import torch.distributed as dist
     barrier = barrier or dist.barrier
-    losses = []
+    losses, step_times = [], []
     for step in range(args.warmup + args.steps):
         if step == args.warmup:
             barrier()
             start = time.perf_counter()
         ids, labels = _tokens(args, step, rank)
+        begun = time.perf_counter()
         losses.append(backward_step(ids, labels))
+        step_times.append(time.perf_counter() - begun)
     barrier()
     elapsed = time.perf_counter() - start
-    tokens = args.steps * args.micro_batch * args.seq * args.world
+    tokens = args.micro_batch * args.seq * args.world  # a step, all ranks
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     from bench.bench_train_step import matmul_peak  # after the steps: not in the RSS
-    return dict(tokens_per_s=tokens / elapsed, peak_rss=peak_rss, final_loss=losses[-1],
-                gemm_peak_flops=matmul_peak(_dtype(args)))
+    return dict(tokens_per_s=tokens / statistics.median(step_times[args.warmup:]),
+                tokens_per_s_mean=tokens * args.steps / elapsed, peak_rss=peak_rss,
+                final_loss=losses[-1], gemm_peak_flops=matmul_peak(_dtype(args)))
 
 
 def _megazoo_rank(args, rank: int | None = None, barrier=None):
@@ -244,6 +250,7 @@ def _summary(ranks: list[dict], flops_per_token: float) -> dict:
     peak = min(r["gemm_peak_flops"] for r in ranks)
     per_rank = flops_per_token * tokens_per_s / len(ranks)  # one thread (core) per rank
     return dict(tokens_per_s=tokens_per_s,
+                tokens_per_s_mean=min(r["tokens_per_s_mean"] for r in ranks),
                 peak_rss_mib=max(r["peak_rss"] for r in ranks) / 2 ** 20,
                 rss_growth_mib=max(r["peak_rss"] - r["base_rss"] for r in ranks) / 2 ** 20,
                 final_loss=sum(r["final_loss"] for r in ranks) / len(ranks),
@@ -258,7 +265,7 @@ def main() -> None:
     p.add_argument("--stage", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3])
     p.add_argument("--world", type=int, default=2)
-    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--layers", type=int, default=4)

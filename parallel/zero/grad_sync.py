@@ -16,13 +16,15 @@ backward carries on with earlier layers:
                  buffers come from (and return to) a `ScratchPool` shared by the buckets, so
                  they are not allocated afresh every step
 
-Reductions use `collectives.reduce_scatter_consuming` (gloo: an in-place all-reduce of the
-bucket, the same sums its own reduce-scatter computes on a clone). A ZeRO-2/3 shard is zeroed
-lazily: the first reduction after zero_grad lands by copy (or, off gloo, straight into it).
+Reductions use `collectives.reduce_scatter_consuming` (gloo: between two ranks one exchange of
+half buckets, among more an in-place all-reduce; the same sums gloo's own reduce-scatter computes
+on a clone). A ZeRO-2/3 shard is zeroed lazily: the first reduction after zero_grad lands
+straight in it (among more than two gloo ranks by copy).
 
-Gradients are divided by the DP size before the collective (a mean, as in DDP). Each bucket is
-reduced over its own group (`FlatBuffer.dp_group`): data parallelism, or for MoE expert weights
-the expert-data-parallel ranks; experts still divide by the full DP size, because an expert's
+Gradients are divided by the DP size (a mean, as in DDP): before the collective at stages 0-1
+and for fp16, after it (this rank's chunk only) at stages 2-3. Each bucket is reduced over its
+own group (`FlatBuffer.dp_group`): data parallelism, or for MoE expert weights the
+expert-data-parallel ranks; experts still divide by the full DP size, because an expert's
 gradient already sums the tokens of its whole expert-parallel group. The tied word
 embedding's bucket is first summed over the embedding group (first + last pipeline stage).
 Collectives are launched in the order backward completes buckets, which is the same on every
@@ -152,7 +154,11 @@ class GradSync:
         full, buf = (b.grads, None) if b.grads is not None else b.take_transient()
         if tied:
             C.all_reduce(full, self.embedding_group)
-        if self.dp > 1:
+        # Stages 2-3 divide by dp after the reduction, this rank's chunk only (1/dp of the pass;
+        # for dp a power of two the same bits). fp16 divides first: a sum over ranks may
+        # overflow where the mean does not.
+        later = self.dp if self.stage >= 2 and b.grad_dtype != torch.float16 else 1
+        if self.dp > 1 and later == 1:
             full.div_(self.dp)
         if self.stage == 0:
             self._inflight[i] = C.all_reduce_async(full, b.dp_group)
@@ -165,7 +171,7 @@ class GradSync:
             pending, chunk = C.reduce_scatter_consuming(
                 full, b.dp_group, out=b.grad_shard if fresh else None)
             self._inflight[i] = C.Pending(pending, functools.partial(_land_sharded, b, chunk,
-                                                                     fresh, buf))
+                                                                     fresh, buf, later))
             while self.stage >= 2 and len(self._inflight) > self.max_inflight:
                 self._wait(next(iter(self._inflight)))
         for fn in self.on_launched:
@@ -229,7 +235,9 @@ def _zero_rows(param: torch.Tensor) -> torch.Tensor:
                                    check_invariants=False)
 
 
-def _land_sharded(b: FlatBuffer, chunk: torch.Tensor, fresh: bool, buf) -> None:
+def _land_sharded(b: FlatBuffer, chunk: torch.Tensor, fresh: bool, buf, dp: int) -> None:
+    if dp > 1:
+        chunk.div_(dp)
     b.land(chunk, fresh)
     b.recycle(buf)
 
