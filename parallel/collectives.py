@@ -257,7 +257,7 @@ def reduce_scatter_consuming(input: torch.Tensor, group,
     if _on_host(group):
         r = group_rank(group)
         chunks = input.view(n, -1)
-        if n > 2:
+        if n > 2 or input.device.type != "cpu":  # (gloo's send and recv take host memory)
             return Pending(dist.all_reduce(input, group=group, async_op=True)), chunks[r]
         got = out if out is not None else torch.empty_like(chunks[r])
         peer = global_rank(group, 1 - r)
