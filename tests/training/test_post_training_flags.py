@@ -86,3 +86,26 @@ def test_planner_counts_the_adapters_only_as_trained():
         assert (rep["grads"], rep["master_params"] + rep["optimizer_states"]) == (g, o)
         frozen = sum(rank_params(run.model, layout, 0)) * layout.dtype.itemsize
         assert math.isclose(w, rep["params"] + frozen)
+
+
+def test_planner_counts_a_loaded_reference_as_frozen_weights(tmp_path):
+    """DPO without LoRA (and GRPO with a KL reference) hold a second, frozen copy of the model's
+    weights: the planner's weights grow by exactly the model's parameter bytes, nothing else."""
+    import math
+
+    from megazoo.models.registry import build_model
+    from megazoo.parallel.topology import ParallelConfig, ParallelTopology
+    from megazoo.training.planning.layout import Layout
+    from megazoo.training.planning.memory import rank_state_bytes
+    (tmp_path / "p_preference.json").write_text("{}")
+    dpo = ["--data-path", tmp_path / "p", "--dpo", "--eval-iters", 0]
+    full = _config(*dpo, "--dpo-reference", tmp_path)
+    adapters = _config(*dpo, "--lora-rank", 2)
+    plain = _config("--mock-data")
+    assert [Layout.of_run(r, 1).reference for r in (full, adapters, plain)] == [True, False, False]
+    model = build_model(full.model, ParallelTopology.from_config(ParallelConfig()))
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    for a, b in ((full, plain), (adapters, adapters)):
+        with_ref, without = (rank_state_bytes(r.model, Layout.of_run(r, 1), 0) for r in (a, b))
+        extra = weight_bytes if a is full else 0
+        assert math.isclose(with_ref[0], without[0] + extra) and with_ref[1:] == without[1:]

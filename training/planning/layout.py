@@ -37,6 +37,9 @@ class Layout:
     flash_attention: bool = False  # attention scores never stored (SDPA / FlashAttention)
     overlap_dp: bool = False  # the data-parallel reduction hidden behind backward
     lora: object | None = None  # RunConfig's LoRASettings: the base frozen, adapters trained
+    # DPO / GRPO's KL reference loaded beside the policy (no LoRA: its weights are a second,
+    # frozen copy, sharded like the policy's by TP and PP, whole over DP)
+    reference: bool = False
 
     @classmethod
     def of(cls, **fields) -> "Layout":
@@ -51,7 +54,9 @@ class Layout:
                    global_batch_size=run.schedule.global_batch_size,
                    seq_length=run.data.seq_length, params_dtype=run.model.params_dtype,
                    recompute_granularity=run.model.recompute_granularity, flash_attention=True,
-                   lora=getattr(run, "lora", None))
+                   lora=getattr(run, "lora", None),
+                   reference=any(getattr(getattr(run, kind, None), "reference", None) is not None
+                                 for kind in ("dpo", "grpo")))
 
     def replace(self, **changes) -> "Layout":
         """This layout with fields changed by name, each where it lives: the layout's own

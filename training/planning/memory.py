@@ -157,15 +157,18 @@ def model_state_bytes(n_params: float, layout: Layout, expert_params: float = 0.
 
 
 def rank_state_bytes(cfg: TransformerConfig, layout: Layout, pp_rank: int) -> tuple[float, float, float]:
-    """(weights, gradients, optimizer) bytes pipeline rank `pp_rank` holds (the dry run's check)."""
+    """(weights, gradients, optimizer) bytes pipeline rank `pp_rank` holds (the dry run's check);
+    a DPO/GRPO reference model (`layout.reference`) counts as frozen weights."""
     dense, expert = rank_params(cfg, layout, pp_rank)
+    frozen = (dense + expert) * layout.dtype.itemsize  # one whole copy of this rank's weights
     if layout.lora is not None:  # the base frozen (weights only, whole), the adapters trained
         adapters = lora_parameters(cfg, layout.lora, layout.tp, rank_layer_ids(cfg, layout, pp_rank))
         w, g, o = model_state_bytes(adapters, layout)
-        return w + (dense + expert) * layout.dtype.itemsize, g, o
+        return w + frozen * (1 + layout.reference), g, o
     muon = rank_muon_params(cfg, layout, rank_layer_ids(cfg, layout, pp_rank),
                             stage_name(pp_rank, layout.pp))
-    return model_state_bytes(dense, layout, expert, muon)
+    w, g, o = model_state_bytes(dense, layout, expert, muon)
+    return w + frozen * layout.reference, g, o
 
 
 def activation_element_bytes(layout: Layout) -> int:
