@@ -24,8 +24,9 @@ NCCL and gloo (torch >= 2.4) both have the fused reduce-scatter and all-gather i
 contiguous tensor, and both have `all_to_all_single` with uneven splits (gloo on CPU tensors),
 so there is no fallback path to choose and no backend state to remember. Two verbs for buffers
 the caller owns whole (ZeRO's gradient and parameter buckets) take gloo's cheaper route, which
-gives the same bytes: `reduce_scatter_consuming` (between two ranks one exchange of the halves
-each needs, among more an in-place all-reduce, as gloo's own reduce-scatter does on a clone) and
+gives the same bytes: `reduce_scatter_consuming` (between two ranks into a given output one
+exchange of the halves each needs, else an in-place all-reduce, as gloo's own reduce-scatter does
+on a clone) and
 `all_gather_in_place` (a broadcast per rank).
 
 Inside a compiled region (`--compile`, training/run/compile.py) the blocking verbs all_reduce,
@@ -246,10 +247,11 @@ def reduce_scatter_consuming(input: torch.Tensor, group,
     """Launch: sum the flat `input` over the group; returns the pending reduction and the tensor
     that holds this rank's chunk once it has landed (`out` where given). The caller gives `input`
     up (its contents are undefined afterwards). Under gloo, whose own reduce-scatter clones the
-    input, all-reduces the clone and copies one chunk out: between two ranks, one exchange (each
-    sends the other's chunk and adds the one it receives: half the all-reduce's bytes, the same
-    sums bit for bit, since a + b == b + a); among more, the all-reduce in place, the chunk a view
-    of `input`. Elsewhere it is the fused reduce-scatter into `out` (or a new tensor)."""
+    input, all-reduces the clone and copies one chunk out: between two ranks and given `out`, one
+    exchange (each sends the other's chunk and receives its own into `out`, then adds: half the
+    all-reduce's bytes, the same sums bit for bit, since a + b == b + a); otherwise the
+    all-reduce in place, the chunk a view of `input` (no buffer to allocate). Elsewhere it is the
+    fused reduce-scatter into `out` (or a new tensor)."""
     n = group_size(group)
     if n == 1:
         return Pending(), input
@@ -257,12 +259,11 @@ def reduce_scatter_consuming(input: torch.Tensor, group,
     if _on_host(group):
         r = group_rank(group)
         chunks = input.view(n, -1)
-        if n > 2 or input.device.type != "cpu":  # (gloo's send and recv take host memory)
+        if n > 2 or out is None or input.device.type != "cpu":  # (gloo's p2p: host memory)
             return Pending(dist.all_reduce(input, group=group, async_op=True)), chunks[r]
-        got = out if out is not None else torch.empty_like(chunks[r])
         peer = global_rank(group, 1 - r)
-        sent = exchange([(chunks[1 - r], peer)], [(got, peer)], group, tag=_REDUCE_SCATTER_TAG)
-        return Pending(sent, lambda: got.add_(chunks[r])), got
+        sent = exchange([(chunks[1 - r], peer)], [(out, peer)], group, tag=_REDUCE_SCATTER_TAG)
+        return Pending(sent, lambda: out.add_(chunks[r])), out
     if out is None:
         out = torch.empty(input.numel() // n, dtype=input.dtype, device=input.device)
     return reduce_scatter_into(out, input, group), out

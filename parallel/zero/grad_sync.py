@@ -16,10 +16,10 @@ backward carries on with earlier layers:
                  buffers come from (and return to) a `ScratchPool` shared by the buckets, so
                  they are not allocated afresh every step
 
-Reductions use `collectives.reduce_scatter_consuming` (gloo: between two ranks one exchange of
-half buckets, among more an in-place all-reduce; the same sums gloo's own reduce-scatter computes
-on a clone). A ZeRO-2/3 shard is zeroed lazily: the first reduction after zero_grad lands
-straight in it (among more than two gloo ranks by copy).
+Reductions use `collectives.reduce_scatter_consuming` (gloo: between two ranks, for a shard's
+first reduction after zero_grad, one exchange of half buckets straight into the shard; else an
+in-place all-reduce; the same sums gloo's own reduce-scatter computes on a clone). A ZeRO-2/3
+shard is zeroed lazily: that first reduction lands in it (by copy where it was all-reduced).
 
 Gradients are divided by the DP size (a mean, as in DDP): before the collective at stages 0-1
 and for fp16, after it (this rank's chunk only) at stages 2-3. Each bucket is reduced over its

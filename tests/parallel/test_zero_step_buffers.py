@@ -1,10 +1,11 @@
 """The ZeRO step's buffers: gloo's in-place reduction verbs, the transient-bucket pool, lazily
 zeroed gradient shards.
 
-One 2-rank world runs every check: `reduce_scatter_consuming` (one exchange between two gloo
-ranks) and `all_gather_in_place` give the fused verbs' bytes exactly; ZeRO-2 and 3 (many small buckets, so that reductions overlap
-backward and the pool serves buckets of several sizes; two micro-batches, so that a shard is
-first copied into, then added to) end bit for bit where the same runs through the fused verbs
+One 2-rank world runs every check: `reduce_scatter_consuming` (in place, or with an output one
+exchange between the two gloo ranks) and `all_gather_in_place` give the fused verbs' bytes
+exactly; ZeRO-2 and 3 (many small buckets, so that reductions overlap backward and the pool
+serves buckets of several sizes; two micro-batches, so that a shard is first copied into, then
+added to) end bit for bit where the same runs through the fused verbs
 (the branch NCCL takes, reducing straight into a fresh shard) and freshly allocated buckets
 end; the pool allocates in the first step only; a step after zero_grad without any backward
 sees zero gradients. (Parity with the unsharded reference is test_zero.py's.)
@@ -25,9 +26,11 @@ def _verbs(rank, out):
         x = torch.randn(2 * 777, generator=g).to(dtype)
         want = torch.empty(777, dtype=dtype)
         C.reduce_scatter_into(want, x.clone(), None).wait()
-        pending, chunk = C.reduce_scatter_consuming(x.clone(), None)
+        inp = x.clone()
+        pending, chunk = C.reduce_scatter_consuming(inp, None)
         pending.wait()
         assert torch.equal(chunk, want), dtype
+        assert chunk.data_ptr() == inp[rank * 777:].data_ptr()  # no output: in place, no buffer
         shard = torch.full((777,), float("nan"), dtype=dtype)
         pending, chunk = C.reduce_scatter_consuming(x.clone(), None, out=shard)
         pending.wait()
