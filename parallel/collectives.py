@@ -26,8 +26,7 @@ so there is no fallback path to choose and no backend state to remember. Two ver
 the caller owns whole (ZeRO's gradient and parameter buckets) take gloo's cheaper route, which
 gives the same bytes: `reduce_scatter_consuming` (between two ranks into a given output one
 exchange of the halves each needs, else an in-place all-reduce, as gloo's own reduce-scatter does
-on a clone) and
-`all_gather_in_place` (a broadcast per rank).
+on a clone) and `all_gather_in_place` (a broadcast per rank).
 
 Inside a compiled region (`--compile`, training/run/compile.py) the blocking verbs all_reduce,
 all_gather and reduce_scatter run as torch's functional collectives

@@ -10,8 +10,8 @@ released (their flat buffer's storage has size 0); hooks bring them back:
     buckets reduced      (all of the unit's gradients are in) release it again
 
 The root and the last layer stay gathered from their forward until their gradients are in, since
-they run last in forward and first in backward. With activation checkpointing the recompute runs inside backward,
-after the output-grad hook; the forward hook then leaves the layer gathered. (With reentrant
+they run last in forward and first in backward. With activation checkpointing the recompute runs
+inside backward, after the output-grad hook; the forward hook then leaves the layer gathered. (With reentrant
 checkpointing the recompute comes first and releases the layer; the output-grad hook then gathers
 it again before its backward: one extra all-gather, same values, views stay valid.)
 """
