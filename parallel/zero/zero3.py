@@ -11,9 +11,10 @@ released (their flat buffer's storage has size 0); hooks bring them back:
 
 The root and the last layer stay gathered from their forward until their gradients are in, since
 they run last in forward and first in backward. With activation checkpointing the recompute runs
-inside backward, after the output-grad hook; the forward hook then leaves the layer gathered. (With reentrant
-checkpointing the recompute comes first and releases the layer; the output-grad hook then gathers
-it again before its backward: one extra all-gather, same values, views stay valid.)
+inside backward, after the output-grad hook; the forward hook then leaves the layer gathered.
+(With reentrant checkpointing the recompute comes first and releases the layer; the output-grad
+hook then gathers it again before its backward: one extra all-gather, same values, views stay
+valid.)
 """
 from __future__ import annotations
 
