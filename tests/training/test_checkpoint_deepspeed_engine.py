@@ -64,12 +64,7 @@ def _start(out: str) -> subprocess.Popen:
 
 def _resume(out: str, proc: subprocess.Popen) -> None:
     """The waiting session resumes from OUT/<case>-universal (written by the test)."""
-    open(os.path.join(out, "resume.go"), "w").close()
-    try:
-        proc.wait(timeout=600)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    _signal_and_wait(out, "resume.go", proc, timeout=600)
     proc.log.seek(0)
     assert proc.returncode == 0, \
         f"DeepSpeed's resume run failed (exit {proc.returncode}):\n{proc.log.read()[-4000:]}"
@@ -81,13 +76,18 @@ def deepspeed_session(tmp_path_factory):
     proc = _start(out)
     yield out, proc
     if proc.poll() is None:  # the resume test did not run: the session ends without it
-        open(os.path.join(out, "resume.skip"), "w").close()
-        try:
-            proc.wait(timeout=120)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
+        _signal_and_wait(out, "resume.skip", proc, timeout=120)
     proc.log.close()
+
+
+def _signal_and_wait(out: str, name: str, proc: subprocess.Popen, timeout: float) -> None:
+    """Tell the waiting session what to do (the file OUT/<name>) and wait for it to end."""
+    open(os.path.join(out, name), "w").close()
+    try:
+        proc.wait(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
 
 
 @pytest.fixture(scope="module")
