@@ -29,7 +29,7 @@ from .collectives import all_reduce, group_rank, group_size
 from .mappings import copy_to_tp, gather_from_sequence
 from .grad_fusion import weight_grad
 from .kernels.host_memory import empty_large
-from .kernels.lm_head_loss import chunk_tokens
+from .kernels.lm_head_loss import chunk_tokens, row_softmax
 from .param_spec import spec_of
 from .topology import ParallelTopology
 
@@ -52,6 +52,7 @@ class _LMHeadCrossEntropy(torch.autograd.Function):
         sum_exp = torch.empty_like(row_max)
         picked = torch.empty_like(row_max)
         w_t, step = weight.t(), chunk_tokens(weight.device, weight.dtype)
+        fused_softmax = row_softmax(weight.device, store)
         rows_max = min(step, n)
         # Scratch for one chunk, allocated once per call (a fresh [chunk, vocab] tensor per chunk
         # costs its page faults every time, more than the softmax on it): the matmul writes
@@ -87,7 +88,12 @@ class _LMHeadCrossEntropy(torch.autograd.Function):
             picked[rows] = f.gather(1, local_t[rows]).squeeze(1)
             row_max[rows] = m = f.amax(1)
             finite_max = m.clamp_min(torch.finfo(m.dtype).min)  # a shard of padding only: -inf
-            if tp == 1 and need_grad:  # finish the chunk while it is in cache
+            if tp == 1 and need_grad and fused_softmax:  # see kernels/lm_head_loss.py
+                torch.ops.aten._softmax.out(f, 1, False, out=f)  # exp(x - max) / sum, row by row
+                # the largest logit's probability is exp(0) / sum: the sum without an exp pass
+                sum_exp[rows] = f.amax(1).reciprocal()
+                subtract_onehot_and_store(rows, f)
+            elif tp == 1 and need_grad:  # finish the chunk while it is in cache
                 f.sub_(m.unsqueeze(1)).exp_()
                 sum_exp[rows] = total = f.sum(1)
                 subtract_onehot_and_store(rows, f.div_(total.unsqueeze(1)))

@@ -23,3 +23,18 @@ def chunk_tokens(device: torch.device, dtype: torch.dtype) -> int:
     if torch.device(device).type == "cpu" and dtype != torch.float32:
         return min(CHUNK_TOKENS, CPU_LOW_PRECISION_CHUNK_TOKENS)
     return CHUNK_TOKENS
+
+
+def row_softmax(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the chunk's softmax runs as ATen's row-wise softmax, in place on the fp32 scratch,
+    instead of max, subtract, exp, sum and divide as separate passes over the whole chunk.
+
+    Taken on the CPU when the stored gradient is bf16. Row by row, a 50k-entry row stays in cache
+    for all of its passes, and ATen's vectorised exp is cheaper. On one AMD EPYC core, 256 x
+    50,304 fp32 took 5.5 ms against 8.7 ms for the exp pass alone and about 17 ms for the five
+    passes. That exp is accurate to about 4e-6 relative (a few fp32 ulps, against 1 ulp for
+    `exp_`), which is far below the bf16 rounding of the stored gradient (4e-3). The loss keeps
+    fp32 precision to the same 4e-6. fp32 keeps the separate passes and their 1-ulp exp. So does
+    the GPU: the in-place use of the softmax kernel is checked on the CPU kernel only.
+    """
+    return torch.device(device).type == "cpu" and dtype == torch.bfloat16

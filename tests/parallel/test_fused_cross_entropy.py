@@ -17,8 +17,12 @@ TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("padded,chunk", [(0, 1024), (24, 1024), (24, 7)])
-def test_matches_unfused(dtype, padded, chunk, monkeypatch):
+@pytest.mark.parametrize("row_softmax", [True, False])
+def test_matches_unfused(dtype, padded, chunk, row_softmax, monkeypatch):
+    """Both softmax paths (kernels/lm_head_loss.py `row_softmax`: the CPU's bf16 one, and the
+    separate passes every other device and dtype takes) in every dtype."""
     monkeypatch.setattr(lm_head_loss, "CHUNK_TOKENS", chunk)  # several chunks, the last one ragged
+    monkeypatch.setattr(fused, "row_softmax", lambda device, dtype: row_softmax)
     g = torch.Generator().manual_seed(0)
     vocab, n, h = 1000, 45, 64
     hidden = torch.randn(n, h, generator=g).to(dtype)
