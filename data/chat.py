@@ -105,16 +105,38 @@ class ChatRenderer:
         self._special |= {i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items()
                           if getattr(t, "special", False)}
         self._logged: set[str] = set()
+        self.trims_marks = self.marks_generation and self.locates and self._marks_overreach()
 
     @property
     def method(self) -> str:
         """How assistant spans are found, in words (for summaries)."""
         if self.marks_generation:
-            return "the template's {% generation %} marks"
+            return ("the template's {% generation %} marks" + (", cut to the located replies"
+                                                               if self.trims_marks else ""))
         if self.locates:
             return ("each reply located in the whole rendering (prefix renderings where it "
                     "cannot be)")
         return "rendered prefixes (a slow tokenizer gives no character offsets)"
+
+    def _marks_overreach(self) -> bool:
+        """Whether the template's {% generation %} spans cover tokens outside the located replies
+        (SmolLM3's cover the role header and the newline after the end-of-turn token), checked
+        on one probe conversation; such marks are then cut to the located replies per record."""
+        probe = [{"role": "user", "content": "hi there"}, {"role": "assistant", "content": "hello you"},
+                 {"role": "user", "content": "and now"}, {"role": "assistant", "content": "bye"}]
+        try:
+            marked = self._apply(probe, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+            tokens, located = self._locate(probe)
+        except (SkipRecord, Unlocatable):
+            return False
+        if list(marked["input_ids"]) != tokens:
+            return False
+        over = sum(m and not k for m, k in zip(marked["assistant_masks"], located))
+        if over:
+            log.warning("%s: the template's {%% generation %%} spans cover %d tokens outside the "
+                        "assistant replies of a probe conversation (e.g. the role header); the "
+                        "masks keep only the marked tokens inside each located reply", self.name, over)
+        return bool(over)
 
     def _once(self, key: str, msg: str) -> None:
         if key not in self._logged:
@@ -160,6 +182,12 @@ class ChatRenderer:
             out = self._apply(messages, tokenize=True, return_dict=True,
                               return_assistant_tokens_mask=True)
             tokens, mask = list(out["input_ids"]), list(out["assistant_masks"])
+            if self.trims_marks:
+                try:
+                    located = self._locate(messages)[1]
+                    mask = [m & k for m, k in zip(mask, located)]
+                except Unlocatable as e:
+                    self._once("untrimmed", f"{e}; such records keep the template's marks as they are")
         elif self.locates:
             tokens, mask = self._located_spans(messages)
         else:
@@ -178,7 +206,7 @@ class ChatRenderer:
                 todo.append((i, conversation_of(record)))
             except SkipRecord as e:
                 out[i] = e
-        if self.marks_generation and todo:
+        if self.marks_generation and not self.trims_marks and todo:
             try:
                 batch = self.tok.apply_chat_template([m for _, m in todo], tokenize=True, return_dict=True,
                                                      return_assistant_tokens_mask=True)
@@ -210,12 +238,8 @@ class ChatRenderer:
     def _located_spans(self, messages: list[dict]) -> tuple[list[int], list[int]]:
         """Each reply located in the whole rendering (data/chat_spans.py); where it cannot be,
         the prefix renderings, and where those disagree too, the record is skipped."""
-        full = self._text(messages)
-        enc = self.tok(full, add_special_tokens=False, return_offsets_mapping=True)
-        tokens, offsets = list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
         try:
-            spans, dropped = reply_spans(self._text, messages, full)
-            mask = token_mask(spans, offsets, [t in self._special for t in tokens], full)
+            tokens, mask = self._locate(messages)
         except Unlocatable as e:
             try:
                 prefix_tokens, mask = self._prefix_spans(messages)
@@ -224,6 +248,16 @@ class ChatRenderer:
                                  f"(TRL's training templates do)") from None
             self._once("prefix", f"{e}; its assistant spans come from prefix renderings")
             return prefix_tokens, mask
+        return tokens, mask
+
+    def _locate(self, messages: list[dict]) -> tuple[list[int], list[int]]:
+        """Tokens of the whole rendering and the mask of the replies located in it (raises
+        `Unlocatable`); a template that renders nothing of some message is logged once."""
+        full = self._text(messages)
+        enc = self.tok(full, add_special_tokens=False, return_offsets_mapping=True)
+        tokens, offsets = list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
+        spans, dropped = reply_spans(self._text, messages, full)
+        mask = token_mask(spans, offsets, [t in self._special for t in tokens], full)
         if dropped:
             roles = sorted({messages[k]["role"] for k in dropped})
             self._once("dropped:" + ",".join(roles),
