@@ -37,7 +37,6 @@ CASES = {
     "mistral_nemo_instruct_2407": (*MISTRAL, "as-is", "</s>"),
     "mistral_small_3.2_24b_instruct_2506": (*MISTRAL, "as-is", "</s>"),
     "gemma3_it": ("<bos>", "<eos>", "as-is", "<end_of_turn>"),
-    "gemma3_it_rev1": ("<bos>", "<eos>", "as-is", "<end_of_turn>"),
     "deepseek_v3": (*DS, "as-is", DS[1]),
     "deepseek_v3_rev2": (*DS, "r1", DS[1]),
     "deepseek_r1": (*DS, "r1", DS[1]),
