@@ -122,10 +122,12 @@ class ChatRenderer:
         """Whether the template's {% generation %} spans cover tokens outside the located replies
         (SmolLM3's cover the role header and the newline after the end-of-turn token), checked
         on one probe conversation; such marks are then cut to the located replies per record."""
-        probe = [{"role": "user", "content": "hi there"}, {"role": "assistant", "content": "hello you"},
-                 {"role": "user", "content": "and now"}, {"role": "assistant", "content": "bye"}]
+        probe = [{"role": role, "content": text} for role, text in
+                 [("user", "hi there"), ("assistant", "hello you"), ("user", "and now"),
+                  ("assistant", "bye")]]
         try:
-            marked = self._apply(probe, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+            marked = self._apply(probe, tokenize=True, return_dict=True,
+                                 return_assistant_tokens_mask=True)
             tokens, located = self._locate(probe)
         except (SkipRecord, Unlocatable):
             return False
@@ -135,7 +137,8 @@ class ChatRenderer:
         if over:
             log.warning("%s: the template's {%% generation %%} spans cover %d tokens outside the "
                         "assistant replies of a probe conversation (e.g. the role header); the "
-                        "masks keep only the marked tokens inside each located reply", self.name, over)
+                        "masks keep only the marked tokens inside each located reply",
+                        self.name, over)
         return bool(over)
 
     def _once(self, key: str, msg: str) -> None:
@@ -187,7 +190,8 @@ class ChatRenderer:
                     located = self._locate(messages)[1]
                     mask = [m & k for m, k in zip(mask, located)]
                 except Unlocatable as e:
-                    self._once("untrimmed", f"{e}; such records keep the template's marks as they are")
+                    self._once("untrimmed", f"{e}; such records keep the template's marks "
+                                            f"as they are")
         elif self.locates:
             tokens, mask = self._located_spans(messages)
         else:

@@ -60,7 +60,8 @@ def conversation(reasoning: str | None) -> list[dict]:
     for user, (thought, answer) in zip(USERS, REPLIES):
         out.append({"role": "user", "content": user})
         if reasoning == "inline":
-            out.append({"role": "assistant", "content": f"<think>\n{thought}\n</think>\n\n{answer}"})
+            out.append({"role": "assistant",
+                        "content": f"<think>\n{thought}\n</think>\n\n{answer}"})
         elif reasoning == "field":
             out.append({"role": "assistant", "content": answer, "thinking": thought})
         else:
@@ -153,14 +154,16 @@ def test_refusals_dropped_messages_and_fallbacks_say_so(folder, caplog):
     caplog.set_level("WARNING", logger="megazoo.data.chat")
     twice = {"messages": [{"role": "user", "content": "hi"}, {"role": "user", "content": "again"},
                           {"role": "assistant", "content": "hello"}]}
-    for name in ("mistral_nemo_instruct_2407", "gemma3_it"):  # the template raises; one line says so
-        with pytest.raises(SkipRecord, match="(?i)refuses the conversation: .*conversation roles must alternate"):
+    refused = "(?i)refuses the conversation: .*conversation roles must alternate"
+    for name in ("mistral_nemo_instruct_2407", "gemma3_it"):  # the template raises: one line
+        with pytest.raises(SkipRecord, match=refused):
             ChatRenderer(tokenizer(folder, name), name=name).render(twice)
     # Mistral Nemo renders the system prompt only with a user turn that is the last message
     nemo = ChatRenderer(tokenizer(folder, "mistral_nemo_instruct_2407"), name="nemo")
     nemo.render({"messages": conversation(None)})
     nemo.render({"messages": conversation(None)})
-    dropped = [r.getMessage() for r in caplog.records if "renders nothing of some system" in r.getMessage()]
+    dropped = [r.getMessage() for r in caplog.records
+               if "renders nothing of some system" in r.getMessage()]
     assert len(dropped) == 1, dropped  # logged once per renderer
     # SmolLM3's {% generation %} spans include the role header: cut to the replies, and said
     caplog.clear()
@@ -176,8 +179,9 @@ def test_refusals_dropped_messages_and_fallbacks_say_so(folder, caplog):
     caplog.clear()
     r = ChatRenderer(tok, name="plain").render({"messages": conversation(None)})
     assert r.assistant_mask.any()
-    assert any("no special end-of-turn token" in x.getMessage() and "prefix renderings" in x.getMessage()
-               for x in caplog.records)
+    assert any("no special end-of-turn token" in x.getMessage()
+               and "prefix renderings" in x.getMessage() for x in caplog.records)
     tok.chat_template = "{{ messages | length }}" + tok.chat_template
-    with pytest.raises(SkipRecord, match=r"no special end-of-turn token.*mark the replies with \{% generation %\}"):
+    both = r"no special end-of-turn token.*mark the replies with \{% generation %\}"
+    with pytest.raises(SkipRecord, match=both):
         ChatRenderer(tok, name="counted").render({"messages": conversation(None)})
