@@ -6,7 +6,9 @@ template from reading it (Qwen3 drops the reasoning of turns before the last use
 DeepSeek-R1 family drops all of it, gpt-oss keeps only the last turn's analysis channel) and
 located in the rendered text by search; the expected mask is the tokens overlapping them (the
 tokenizer's offsets). Each template's tokenizer is the 301-token byte-level BPE of
-tests/fixtures with the template's control tokens added as special tokens."""
+tests/fixtures with the template's control tokens added as special tokens; the Mistral and Gemma
+templates run over a SentencePiece BPE too. Then: templates that refuse a conversation, drop a
+message, or mark more than the replies, and the fallbacks when a reply cannot be located."""
 from __future__ import annotations
 
 import re
@@ -129,9 +131,8 @@ def folder(tmp_path_factory):
     return tmp_path_factory.mktemp("tok")
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_released_template_masks_each_reply_and_its_end_of_turn(folder, name, caplog):
-    tok = tokenizer(folder, name)
+def check(tok, name: str) -> None:
+    """ChatRenderer's tokens and mask of the plain and the reasoning conversation under `name`."""
     renderer = ChatRenderer(tok, name=name)
     assert renderer.marks_generation == (name == "smollm3_3b")  # the one that marks its replies
     style, eot = CASES[name][2], CASES[name][3]
@@ -148,6 +149,30 @@ def test_released_template_masks_each_reply_and_its_end_of_turn(folder, name, ca
             bad = [j for j in range(len(mask)) if got[j] != mask[j]]
             pytest.fail(f"{name} ({reasoning}): mask differs at tokens {bad[:8]}: "
                         f"{tok.decode(r.tokens[bad[0]:bad[0] + 6].tolist())!r}")
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_released_template_masks_each_reply_and_its_end_of_turn(folder, name):
+    check(tokenizer(folder, name), name)
+
+
+def test_sentencepiece_tokenizer_with_the_mistral_and_gemma_templates():
+    """The same over a SentencePiece BPE (a word-initial '▁', as Mistral's and Gemma's own
+    tokenizers): offsets of '▁'-prefixed pieces still cover exactly the replies."""
+    from transformers import LlamaTokenizerFast
+
+    from tests.fixtures import SENTENCEPIECE_MODELS
+    model = next(m for m in SENTENCEPIECE_MODELS if m.name == "botchan_en_bpe_1000.model")
+    tok = LlamaTokenizerFast(vocab_file=str(model), legacy=False)
+    names = ["mistral_7b_instruct_v0.3", "mistral_nemo_instruct_2407", "gemma3_it"]
+    controls = set()
+    for name in names:
+        controls |= set(CONTROL.findall((TEMPLATES / f"{name}.jinja").read_text()))
+    tok.add_special_tokens({"additional_special_tokens": sorted(controls | {"<bos>", "<eos>"})})
+    for name in names:
+        tok.bos_token, tok.eos_token = CASES[name][:2]
+        tok.chat_template = (TEMPLATES / f"{name}.jinja").read_text()
+        check(tok, name)
 
 
 def test_refusals_dropped_messages_and_fallbacks_say_so(folder, caplog):
