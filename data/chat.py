@@ -134,6 +134,11 @@ class ChatRenderer:
         if list(marked["input_ids"]) != tokens:
             return False
         over = sum(m and not k for m, k in zip(marked["assistant_masks"], located))
+        under = sum(k and not m for m, k in zip(marked["assistant_masks"], located))
+        if under:
+            log.warning("%s: the template's {%% generation %%} spans leave out %d tokens of the "
+                        "assistant replies of a probe conversation (e.g. the end-of-turn token); "
+                        "the model does not learn those tokens", self.name, under)
         if over:
             log.warning("%s: the template's {%% generation %%} spans cover %d tokens outside the "
                         "assistant replies of a probe conversation (e.g. the role header); the "

@@ -67,6 +67,19 @@ def _common(a: str, b: str) -> int:
     return i
 
 
+def _opening(render, full: str, end: int) -> int:
+    """Start of a reply that opens the conversation: after the last generation prompt (as the
+    template writes it after one user turn) before `end`; 0 where there is none."""
+    probe = [{"role": "user", "content": "\ue002"}]
+    try:
+        bare, prompted = render(probe, False), render(probe, True)
+    except ValueError:  # the template refuses the probe
+        return 0
+    prompt = prompted[len(bare):] if prompted.startswith(bare) else ""
+    k = full.rfind(prompt, 0, end) if prompt else -1
+    return k + len(prompt) if k >= 0 else 0
+
+
 def reply_spans(render, messages: list[dict], full: str) -> tuple[list[tuple[int, int]], list[int]]:
     """Character spans (start of reply, end of its text) of the assistant messages in `full`, the
     plain rendering of `messages`; `render(messages, add_generation_prompt)` renders text. Also
@@ -83,7 +96,9 @@ def reply_spans(render, messages: list[dict], full: str) -> tuple[list[tuple[int
         if len(ends) != 1:
             raise Unlocatable("the template does not render an assistant reply's text exactly once")
         start = 0
-        if i:
+        if not i:
+            start = _opening(render, full, ends[0])
+        else:
             anchor = where.get(i - 1, [])
             before, at = _markers(render(marked(messages[:i]), True))
             if len(anchor) != 1 or len(at.get(i - 1, [])) != 1:

@@ -190,12 +190,29 @@ def test_refusals_dropped_messages_and_fallbacks_say_so(folder, caplog):
     dropped = [r.getMessage() for r in caplog.records
                if "renders nothing of some system" in r.getMessage()]
     assert len(dropped) == 1, dropped  # logged once per renderer
+    # generation marks that leave out the end-of-turn token are kept, and said
+    caplog.clear()
+    short = tokenizer(folder, "qwen2.5_7b_instruct")
+    short.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['role'] == "
+                           "'assistant' %}{% generation %}{{ m['content'] }}{% endgeneration %}"
+                           "{% else %}{{ m['content'] }}{% endif %}<|im_end|>\n{% endfor %}"
+                           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    assert not ChatRenderer(short, name="short").trims_marks
+    assert any("leave out 2 tokens" in r.getMessage() for r in caplog.records)
     # SmolLM3's {% generation %} spans include the role header: cut to the replies, and said
     caplog.clear()
     smol = ChatRenderer(tokenizer(folder, "smollm3_3b"), name="smollm3")
     assert smol.trims_marks and "cut to the located replies" in smol.method
     assert any("cover" in r.getMessage() and "outside the assistant replies" in r.getMessage()
                for r in caplog.records)
+    # a reply that opens the conversation starts after the generation prompt (Qwen2.5 writes
+    # its default system prompt first)
+    qwen = tokenizer(folder, "qwen2.5_7b_instruct")
+    opening = ChatRenderer(qwen).render({"messages": [{"role": "assistant", "content": "hello you"},
+                                                      {"role": "user", "content": "hi"},
+                                                      {"role": "assistant", "content": "bye"}]})
+    learned = [t for t, m in zip(opening.tokens.tolist(), opening.assistant_mask.tolist()) if m]
+    assert qwen.decode(learned) == "hello you<|im_end|>bye<|im_end|>"
     # a template with no special token after the reply: prefix renderings, logged; when those
     # disagree too, the record is skipped with both reasons and the fix
     tok = tokenizer(folder, "qwen2.5_7b_instruct")
