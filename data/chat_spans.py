@@ -23,6 +23,7 @@ overlaps a span. Anything that cannot be located raises `Unlocatable` with the r
 """
 from __future__ import annotations
 
+import bisect
 import re
 
 _MARK = re.compile("\ue000([0-9]+)\ue001")
@@ -113,16 +114,18 @@ def reply_spans(render, messages: list[dict], full: str) -> tuple[list[tuple[int
 
 def token_mask(spans: list[tuple[int, int]], offsets: list[tuple[int, int]], special: list[bool],
                full: str) -> list[int]:
-    """The learned-token mask of a rendering tokenized with `offsets` (per token, into `full`):
-    each span extended through the first special token after it (white space only in between)."""
+    """The learned-token mask of a rendering tokenized with `offsets` (per token, into `full`, in
+    order): each span extended through the first special token after it (white space only in
+    between); a token is learned when it overlaps a span."""
     mask = [0] * len(offsets)
+    starts, ends = [s for s, _ in offsets], [e for _, e in offsets]
     for start, end in spans:
-        close = next((j for j, (s, _) in enumerate(offsets) if special[j] and s >= end), None)
-        if close is None or full[end:offsets[close][0]].strip():
+        close = next((j for j in range(bisect.bisect_left(starts, end), len(offsets))
+                      if special[j]), None)
+        if close is None or full[end:starts[close]].strip():
             raise Unlocatable("no special end-of-turn token right after an assistant reply (the "
                               "template closes the turn with text)")
-        end = offsets[close][1]
-        for j, (s, e) in enumerate(offsets):
-            if (e > start and s < end) or (s == e and start <= s < end):
+        for j in range(bisect.bisect_left(ends, start), close + 1):
+            if ends[j] > start or starts[j] == ends[j]:
                 mask[j] = 1
     return mask
