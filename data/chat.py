@@ -4,23 +4,38 @@ A record is either ``{"messages": [{"role": ..., "content": ...}, ...]}`` (roles
 assistant) or a prompt/completion pair: ``{"prompt": str | messages, "completion": str |
 messages}`` (strings become one user turn and one assistant turn).
 
-The assistant mask marks the tokens the model learns to produce: with a template that marks
-them (``{% generation %}...{% endgeneration %}``), transformers' own
-``return_assistant_tokens_mask``; otherwise each assistant turn's span is derived by rendering
-prefixes: the conversation up to the turn with the generation prompt, then up to and including
-the turn; the tokens in between (the reply and its end-of-turn token) are the span. Either way
-the end-of-turn token is learned. The mask is aligned with the tokens; the label shift
-(labels = tokens[1:], loss mask = mask[1:]) happens when samples are cut (data/sft_dataset.py).
+The tokens are those of the whole conversation's rendering (``apply_chat_template``: what the
+model sees at inference). The assistant mask marks the tokens the model learns to produce:
+
+- with a template that marks them (``{% generation %}...{% endgeneration %}``), transformers' own
+  ``return_assistant_tokens_mask``;
+- otherwise, with a fast tokenizer, each reply located in the whole rendering
+  (`megazoo.data.chat_spans`): from the end of the generation prompt through the end-of-turn
+  token after the reply's text. Released templates that render an earlier turn differently once
+  later turns follow (reasoning dropped, system prompt moved) are handled so;
+- failing that (a slow tokenizer, or a turn that cannot be located), by rendering prefixes: the
+  conversation up to the turn with the generation prompt, then up to and including the turn;
+  the tokens in between are the span, and a prefix rendering that is not a token prefix of the
+  whole rendering skips the record with the reason.
+
+The mask is aligned with the tokens; the label shift (labels = tokens[1:], loss mask =
+mask[1:]) happens when samples are cut (data/sft_dataset.py).
 
 Records that cannot train raise `SkipRecord` with a short reason, counted and listed by the
-preprocessing tool (tools/preprocess_sft.py).
+preprocessing tool (tools/preprocess_sft.py); so does a conversation the template itself refuses
+(e.g. Mistral's and Gemma's "roles must alternate").
 """
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass
 
 import numpy as np
+
+from megazoo.data.chat_spans import Unlocatable, reply_spans, token_mask
+
+log = logging.getLogger(__name__)
 
 ROLES = ("system", "user", "assistant")
 GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
@@ -84,6 +99,57 @@ class ChatRenderer:
                                     f"checkpoint's template to the folder")
         self.tok, self.max_tokens, self.overlong = tokenizer, max_tokens, overlong
         self.marks_generation = bool(GENERATION_TAG.search(template))
+        self.locates = bool(getattr(tokenizer, "is_fast", False))
+        self.name = name
+        self._special = set(getattr(tokenizer, "all_special_ids", []) or [])
+        self._special |= {i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items()
+                          if getattr(t, "special", False)}
+        self._logged: set[str] = set()
+        self.trims_marks = self.marks_generation and self.locates and self._marks_overreach()
+
+    @property
+    def method(self) -> str:
+        """How assistant spans are found, in words (for summaries)."""
+        if self.marks_generation:
+            return ("the template's {% generation %} marks" + (", cut to the located replies"
+                                                               if self.trims_marks else ""))
+        if self.locates:
+            return ("each reply located in the whole rendering (prefix renderings where it "
+                    "cannot be)")
+        return "rendered prefixes (a slow tokenizer gives no character offsets)"
+
+    def _marks_overreach(self) -> bool:
+        """Whether the template's {% generation %} spans cover tokens outside the located replies
+        (SmolLM3's cover the role header and the newline after the end-of-turn token), checked
+        on one probe conversation; such marks are then cut to the located replies per record."""
+        probe = [{"role": role, "content": text} for role, text in
+                 [("user", "hi there"), ("assistant", "hello you"), ("user", "and now"),
+                  ("assistant", "bye")]]
+        try:
+            marked = self._apply(probe, tokenize=True, return_dict=True,
+                                 return_assistant_tokens_mask=True)
+            tokens, located = self._locate(probe)
+        except (SkipRecord, Unlocatable):
+            return False
+        if list(marked["input_ids"]) != tokens:
+            return False
+        over = sum(m and not k for m, k in zip(marked["assistant_masks"], located))
+        under = sum(k and not m for m, k in zip(marked["assistant_masks"], located))
+        if under:
+            log.warning("%s: the template's {%% generation %%} spans leave out %d tokens of the "
+                        "assistant replies of a probe conversation (e.g. the end-of-turn token); "
+                        "the model does not learn those tokens", self.name, under)
+        if over:
+            log.warning("%s: the template's {%% generation %%} spans cover %d tokens outside the "
+                        "assistant replies of a probe conversation (e.g. the role header); the "
+                        "masks keep only the marked tokens inside each located reply",
+                        self.name, over)
+        return bool(over)
+
+    def _once(self, key: str, msg: str) -> None:
+        if key not in self._logged:
+            self._logged.add(key)
+            log.warning("%s: %s", self.name, msg)
 
     @classmethod
     def from_folder(cls, folder: str, **kw) -> "ChatRenderer":
@@ -95,9 +161,19 @@ class ChatRenderer:
                                     f"the checkpoint's tokenizer folder") from None
         return cls(tok, name=folder, **kw)
 
+    def _apply(self, messages, **kw):
+        """apply_chat_template, a conversation the template refuses skipped with its message."""
+        from jinja2.exceptions import TemplateError
+        try:
+            return self.tok.apply_chat_template(messages, **kw)
+        except TemplateError as e:
+            raise SkipRecord(f"the chat template refuses the conversation: {e}") from None
+
     def _ids(self, messages: list[dict], **kw) -> list[int]:
-        out = self.tok.apply_chat_template(messages, tokenize=True, return_dict=True, **kw)
-        return list(out["input_ids"])
+        return list(self._apply(messages, tokenize=True, return_dict=True, **kw)["input_ids"])
+
+    def _text(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+        return self._apply(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
     def token_ids(self, messages: list[dict], **kw) -> list[int]:
         """The template's token ids of `messages` (kw: e.g. add_generation_prompt=True)."""
@@ -111,9 +187,18 @@ class ChatRenderer:
     def render(self, record: dict) -> Rendered:
         messages = conversation_of(record)
         if self.marks_generation:
-            out = self.tok.apply_chat_template(messages, tokenize=True, return_dict=True,
-                                               return_assistant_tokens_mask=True)
+            out = self._apply(messages, tokenize=True, return_dict=True,
+                              return_assistant_tokens_mask=True)
             tokens, mask = list(out["input_ids"]), list(out["assistant_masks"])
+            if self.trims_marks:
+                try:
+                    located = self._locate(messages)[1]
+                    mask = [m & k for m, k in zip(mask, located)]
+                except Unlocatable as e:
+                    self._once("untrimmed", f"{e}; such records keep the template's marks "
+                                            f"as they are")
+        elif self.locates:
+            tokens, mask = self._located_spans(messages)
         else:
             tokens, mask = self._prefix_spans(messages)
         return self._bounded(tokens, mask)
@@ -130,7 +215,7 @@ class ChatRenderer:
                 todo.append((i, conversation_of(record)))
             except SkipRecord as e:
                 out[i] = e
-        if self.marks_generation and todo:
+        if self.marks_generation and not self.trims_marks and todo:
             try:
                 batch = self.tok.apply_chat_template([m for _, m in todo], tokenize=True, return_dict=True,
                                                      return_assistant_tokens_mask=True)
@@ -158,6 +243,37 @@ class ChatRenderer:
                                  f"after truncation")
         return Rendered(np.asarray(tokens, dtype=np.int64), np.asarray(mask, dtype=np.uint8),
                         truncated)
+
+    def _located_spans(self, messages: list[dict]) -> tuple[list[int], list[int]]:
+        """Each reply located in the whole rendering (data/chat_spans.py); where it cannot be,
+        the prefix renderings, and where those disagree too, the record is skipped."""
+        try:
+            tokens, mask = self._locate(messages)
+        except Unlocatable as e:
+            try:
+                prefix_tokens, mask = self._prefix_spans(messages)
+            except SkipRecord:
+                raise SkipRecord(f"{e}; mark the replies with {{% generation %}} in the template "
+                                 f"(TRL's training templates do)") from None
+            self._once("prefix", f"{e}; its assistant spans come from prefix renderings")
+            return prefix_tokens, mask
+        return tokens, mask
+
+    def _locate(self, messages: list[dict]) -> tuple[list[int], list[int]]:
+        """Tokens of the whole rendering and the mask of the replies located in it (raises
+        `Unlocatable`); a template that renders nothing of some message is logged once."""
+        full = self._text(messages)
+        enc = self.tok(full, add_special_tokens=False, return_offsets_mapping=True)
+        tokens, offsets = list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
+        spans, dropped = reply_spans(self._text, messages, full)
+        mask = token_mask(spans, offsets, [t in self._special for t in tokens], full)
+        if dropped:
+            roles = sorted({messages[k]["role"] for k in dropped})
+            self._once("dropped:" + ",".join(roles),
+                       f"the chat template renders nothing of some {'/'.join(roles)} messages' "
+                       f"content (e.g. message {dropped[0]}); the model trains without them, "
+                       f"as it would be prompted")
+        return tokens, mask
 
     def _prefix_spans(self, messages: list[dict]) -> tuple[list[int], list[int]]:
         tokens = self._ids(messages)

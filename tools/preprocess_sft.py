@@ -139,8 +139,7 @@ def preprocess(args) -> dict:
         f.write("".join(s + "\n" for s in listed))
     return {"conversations": kept, "tokens": n_tokens, "assistant_tokens": n_assistant,
             "notes": dict(reasons), "listed_in": skipped_file,
-            "spans": ("the template's {% generation %} marks" if _renderer.marks_generation
-                      else "rendered prefixes (the template marks no generation span)")}
+            "spans": _renderer.method}
 
 
 def main(argv=None) -> None:

@@ -1,6 +1,6 @@
 """Chat rendering in batches (what tools/preprocess_sft.py's workers do): every record gets the
 tokens, mask, truncation flag or skip reason that rendering it alone gives, whatever its
-neighbours in the batch, with generation marks and with rendered prefixes; and the tool writes
+neighbours in the batch, with generation marks and with located replies; and the tool writes
 the same files with 1 and 2 workers."""
 from __future__ import annotations
 

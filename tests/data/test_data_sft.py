@@ -1,5 +1,6 @@
-"""Chat SFT data: assistant spans from a template's generation marks and from rendered prefixes,
-bad input counted and listed, the indexed token + mask pair, padded and packed samples."""
+"""Chat SFT data: assistant spans from a template's generation marks and from replies located in
+the rendering (the same spans), bad input counted and listed, the indexed token + mask pair,
+padded and packed samples."""
 from __future__ import annotations
 
 import json

@@ -1,0 +1,229 @@
+"""Released chat templates (tests/fixtures/chat_templates/, copied unchanged; sources in
+tests/fixtures/README.md) through ChatRenderer: the tokens are transformers'
+`apply_chat_template` of the whole conversation, and the mask is exactly each assistant reply as
+that rendering shows it plus its end-of-turn token. The expected replies are written out per
+template from reading it (Qwen3 drops the reasoning of turns before the last user turn, the
+DeepSeek-R1 family drops all of it, gpt-oss keeps only the last turn's analysis channel) and
+located in the rendered text by search; the expected mask is the tokens overlapping them (the
+tokenizer's offsets). Each template's tokenizer is the 301-token byte-level BPE of
+tests/fixtures with the template's control tokens added as special tokens; the Mistral and Gemma
+templates run over a SentencePiece BPE too. Then: templates that refuse a conversation, drop a
+message, or mark more than the replies, and the fallbacks when a reply cannot be located."""
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+from megazoo.data.chat import ChatRenderer, SkipRecord
+from tests.fixtures import HERE, small_gpt2
+
+TEMPLATES = HERE / "chat_templates"
+CONTROL = re.compile(r"<\|[A-Za-z_]+\|>|<｜[^｜<>]+｜>|\[/?[A-Z_]+\]|<(?:start|end)_of_turn>")
+
+DS = ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>")
+LLAMA = ("<|begin_of_text|>", "<|eot_id|>")
+MISTRAL = ("<s>", "</s>")
+CHATML = (None, "<|im_end|>")
+# template file -> (bos, eos, how it renders an assistant turn (below), end-of-turn token)
+CASES = {
+    "llama3.1_8b_instruct": (*LLAMA, "as-is", "<|eot_id|>"),
+    "llama3.2_3b_instruct": (*LLAMA, "as-is", "<|eot_id|>"),
+    "qwen2.5_7b_instruct": (*CHATML, "as-is", "<|im_end|>"),
+    "qwen3_0.6b": (*CHATML, "qwen3", "<|im_end|>"),
+    "qwen3_rev2": (*CHATML, "qwen3", "<|im_end|>"),
+    "smollm2_135m_instruct": (*CHATML, "as-is", "<|im_end|>"),
+    "smollm3_3b": (*CHATML, "as-is", "<|im_end|>"),
+    "mistral_7b_instruct_v0.3": (*MISTRAL, "spaced", "</s>"),
+    "mistral_nemo_instruct_2407": (*MISTRAL, "as-is", "</s>"),
+    "mistral_small_3.2_24b_instruct_2506": (*MISTRAL, "as-is", "</s>"),
+    "gemma3_it": ("<bos>", "<eos>", "as-is", "<end_of_turn>"),
+    "deepseek_v3": (*DS, "as-is", DS[1]),
+    "deepseek_v3_rev2": (*DS, "r1", DS[1]),
+    "deepseek_r1": (*DS, "r1", DS[1]),
+    "deepseek_r1_distill": (*DS, "r1", DS[1]),
+    "deepseek_r1_0528_qwen3_8b": (*DS, "r1", DS[1]),
+    "gpt_oss_120b": ("<|startoftext|>", "<|return|>", "harmony-final", None),
+    "gpt_oss_rev2": ("<|startoftext|>", "<|return|>", "harmony", None),
+    "phi3_mini_instruct": ("<s>", "<|endoftext|>", "as-is", "<|end|>"),
+    "phi3.5_mini_instruct": ("<s>", "<|endoftext|>", "as-is", "<|end|>"),
+    "phi4": (None, "<|im_end|>", "as-is", "<|im_end|>"),
+}
+
+REPLIES = [("step one", "hello you"), ("step two", "fine thanks"), ("step three", "bye now")]
+USERS = ["hi there", "how are things", "and now"]
+
+
+def conversation(reasoning: str | None) -> list[dict]:
+    """System + 3 user/assistant turns; reasoning None (plain replies), "inline"
+    (<think>...</think> in the content) or "field" (gpt-oss's `thinking`)."""
+    out = [{"role": "system", "content": "be brief"}]
+    for user, (thought, answer) in zip(USERS, REPLIES):
+        out.append({"role": "user", "content": user})
+        if reasoning == "inline":
+            out.append({"role": "assistant",
+                        "content": f"<think>\n{thought}\n</think>\n\n{answer}"})
+        elif reasoning == "field":
+            out.append({"role": "assistant", "content": answer, "thinking": thought})
+        else:
+            out.append({"role": "assistant", "content": answer})
+    return out
+
+
+def expected_replies(style: str, eot: str | None, reasoning: str | None) -> list[str]:
+    """Each assistant reply as the template renders it in the whole conversation, after the
+    generation prompt, through the end-of-turn token (from reading each template)."""
+    out = []
+    for k, (thought, answer) in enumerate(REPLIES):
+        last = k == len(REPLIES) - 1
+        inline = f"<think>\n{thought}\n</think>\n\n{answer}"
+        if style == "as-is":
+            out.append((inline if reasoning == "inline" else answer) + eot)
+        elif style == "spaced":  # ' ' + content + ' ' + eos, after ' [/INST]'
+            out.append(" " + (inline if reasoning == "inline" else answer) + " " + eot)
+        elif style == "qwen3":  # reasoning only after the last user turn; the last turn always
+            # has a (possibly empty) think block
+            if last:
+                out.append(f"<think>\n{thought if reasoning else ''}\n</think>\n\n{answer}" + eot)
+            else:
+                out.append(answer + eot)
+        elif style == "r1":  # content after </think>, every turn
+            out.append(("\n\n" if reasoning == "inline" else "") + answer + eot)
+        elif style.startswith("harmony"):  # analysis of the last turn only; final ends <|return|>
+            # (harmony-final: the generation prompt already opens the final channel)
+            head = "" if style == "harmony-final" else "<|channel|>final<|message|>"
+            end = "<|return|>" if last else "<|end|>"
+            if last and reasoning == "field":
+                head = ("analysis" if style == "harmony-final" else "<|channel|>analysis")
+                head += f"<|message|>{thought}<|end|><|start|>assistant<|channel|>final<|message|>"
+            out.append(head + answer + end)
+    return out
+
+
+def tokenizer(folder, name: str):
+    from transformers import GPT2TokenizerFast
+    bos, eos, _, _ = CASES[name]
+    template = (TEMPLATES / f"{name}.jinja").read_text()
+    tok = GPT2TokenizerFast(*small_gpt2(folder))
+    controls = sorted(set(CONTROL.findall(template)) | {"<s>", "</s>"} - {None, bos, eos})
+    tok.add_special_tokens({"bos_token": bos or "<|endoftext|>", "eos_token": eos,
+                            "additional_special_tokens": controls})
+    if bos is None:
+        tok.bos_token = None
+    tok.chat_template = template
+    return tok
+
+
+def expected_mask(tok, text: str, replies: list[str]) -> list[int]:
+    offsets = tok(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    mask, cursor = [0] * len(offsets), 0
+    for reply in replies:
+        start = text.index(reply, cursor)
+        cursor = start + len(reply)
+        for j, (s, e) in enumerate(offsets):
+            mask[j] |= int(e > start and s < cursor)
+    return mask
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return tmp_path_factory.mktemp("tok")
+
+
+def check(tok, name: str) -> None:
+    """ChatRenderer's tokens and mask of the plain and the reasoning conversation under `name`."""
+    renderer = ChatRenderer(tok, name=name)
+    assert renderer.marks_generation == (name == "smollm3_3b")  # the one that marks its replies
+    style, eot = CASES[name][2], CASES[name][3]
+    kinds = (None, "field") if style.startswith("harmony") else (None, "inline")
+    for reasoning in kinds:
+        messages = conversation(reasoning)
+        r = renderer.render({"messages": messages})
+        want = tok.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"]
+        assert r.tokens.tolist() == list(want), (name, reasoning)
+        text = tok.apply_chat_template(messages, tokenize=False)
+        mask = expected_mask(tok, text, expected_replies(style, eot, reasoning))
+        got = r.assistant_mask.tolist()
+        if got != mask:
+            bad = [j for j in range(len(mask)) if got[j] != mask[j]]
+            pytest.fail(f"{name} ({reasoning}): mask differs at tokens {bad[:8]}: "
+                        f"{tok.decode(r.tokens[bad[0]:bad[0] + 6].tolist())!r}")
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_released_template_masks_each_reply_and_its_end_of_turn(folder, name):
+    check(tokenizer(folder, name), name)
+
+
+def test_sentencepiece_tokenizer_with_the_mistral_and_gemma_templates():
+    """The same over a SentencePiece BPE (a word-initial '▁', as Mistral's and Gemma's own
+    tokenizers): offsets of '▁'-prefixed pieces still cover exactly the replies."""
+    from transformers import LlamaTokenizerFast
+
+    from tests.fixtures import SENTENCEPIECE_MODELS
+    model = next(m for m in SENTENCEPIECE_MODELS if m.name == "botchan_en_bpe_1000.model")
+    tok = LlamaTokenizerFast(vocab_file=str(model), legacy=False)
+    names = ["mistral_7b_instruct_v0.3", "mistral_nemo_instruct_2407", "gemma3_it"]
+    controls = set()
+    for name in names:
+        controls |= set(CONTROL.findall((TEMPLATES / f"{name}.jinja").read_text()))
+    tok.add_special_tokens({"additional_special_tokens": sorted(controls | {"<bos>", "<eos>"})})
+    for name in names:
+        tok.bos_token, tok.eos_token = CASES[name][:2]
+        tok.chat_template = (TEMPLATES / f"{name}.jinja").read_text()
+        check(tok, name)
+
+
+def test_refusals_dropped_messages_and_fallbacks_say_so(folder, caplog):
+    caplog.set_level("WARNING", logger="megazoo.data.chat")
+    twice = {"messages": [{"role": "user", "content": "hi"}, {"role": "user", "content": "again"},
+                          {"role": "assistant", "content": "hello"}]}
+    refused = "(?i)refuses the conversation: .*conversation roles must alternate"
+    for name in ("mistral_nemo_instruct_2407", "gemma3_it"):  # the template raises: one line
+        with pytest.raises(SkipRecord, match=refused):
+            ChatRenderer(tokenizer(folder, name), name=name).render(twice)
+    # Mistral Nemo renders the system prompt only with a user turn that is the last message
+    nemo = ChatRenderer(tokenizer(folder, "mistral_nemo_instruct_2407"), name="nemo")
+    nemo.render({"messages": conversation(None)})
+    nemo.render({"messages": conversation(None)})
+    dropped = [r.getMessage() for r in caplog.records
+               if "renders nothing of some system" in r.getMessage()]
+    assert len(dropped) == 1, dropped  # logged once per renderer
+    # generation marks that leave out the end-of-turn token are kept, and said
+    caplog.clear()
+    short = tokenizer(folder, "qwen2.5_7b_instruct")
+    short.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['role'] == "
+                           "'assistant' %}{% generation %}{{ m['content'] }}{% endgeneration %}"
+                           "{% else %}{{ m['content'] }}{% endif %}<|im_end|>\n{% endfor %}"
+                           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    assert not ChatRenderer(short, name="short").trims_marks
+    assert any("leave out 2 tokens" in r.getMessage() for r in caplog.records)
+    # SmolLM3's {% generation %} spans include the role header: cut to the replies, and said
+    caplog.clear()
+    smol = ChatRenderer(tokenizer(folder, "smollm3_3b"), name="smollm3")
+    assert smol.trims_marks and "cut to the located replies" in smol.method
+    assert any("cover" in r.getMessage() and "outside the assistant replies" in r.getMessage()
+               for r in caplog.records)
+    # a reply that opens the conversation starts after the generation prompt (Qwen2.5 writes
+    # its default system prompt first)
+    qwen = tokenizer(folder, "qwen2.5_7b_instruct")
+    opening = ChatRenderer(qwen).render({"messages": [{"role": "assistant", "content": "hello you"},
+                                                      {"role": "user", "content": "hi"},
+                                                      {"role": "assistant", "content": "bye"}]})
+    learned = [t for t, m in zip(opening.tokens.tolist(), opening.assistant_mask.tolist()) if m]
+    assert qwen.decode(learned) == "hello you<|im_end|>bye<|im_end|>"
+    # a template with no special token after the reply: prefix renderings, logged; when those
+    # disagree too, the record is skipped with both reasons and the fix
+    tok = tokenizer(folder, "qwen2.5_7b_instruct")
+    tok.chat_template = ("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+                         "{% if add_generation_prompt %}assistant:{% endif %}")
+    caplog.clear()
+    r = ChatRenderer(tok, name="plain").render({"messages": conversation(None)})
+    assert r.assistant_mask.any()
+    assert any("no special end-of-turn token" in x.getMessage()
+               and "prefix renderings" in x.getMessage() for x in caplog.records)
+    tok.chat_template = "{{ messages | length }}" + tok.chat_template
+    both = r"no special end-of-turn token.*mark the replies with \{% generation %\}"
+    with pytest.raises(SkipRecord, match=both):
+        ChatRenderer(tok, name="counted").render({"messages": conversation(None)})
