@@ -22,6 +22,8 @@ import pytest
 import torch
 
 from megazoo.data.blended import build_train_valid_test_datasets
+from megazoo.data.gpt_dataset import GPTDatasetConfig, build_split_datasets
+from megazoo.data.gpt_indices import build_document_index, build_sample_index, plan_epochs
 from megazoo.data.indexed import IndexedDataset, IndexedDatasetBuilder
 from tests.fixtures import small_gpt2
 from tests.tool_runs import preprocess
@@ -209,6 +211,13 @@ def compare(data_path, split, sizes, seed, cache, samples=True):
 # ---- the cases ---------------------------------------------------------------------------------
 
 
+def test_sizes_as_megatron_training_asks_for_them():
+    from megazoo.training.run.batches import dataset_num_samples
+    assert dataset_num_samples(TRAIN_ITERS, None, GBS, EVAL_INTERVAL, EVAL_ITERS) == (*SIZES[:2], 0)
+    # --train-samples 30, gbs 4: Megatron asks 30 samples and counts 30 // 4 = 7 iterations
+    assert dataset_num_samples(8, 30, 4, 4, 2) == (30, (7 // 4 + 1) * 2 * 4, 0)
+
+
 @pytest.mark.parametrize("split", ["969,30,1", "98,2,0", "1,0,0"])
 def test_one_prefix_splits(corpora, split):
     ours, _ = compare([corpora["a"]], split, SIZES, 1234, str(corpora["root"] / "cache_a"))
@@ -216,13 +225,41 @@ def test_one_prefix_splits(corpora, split):
 
 
 def test_epochs_separate_or_not_and_documents_longer_than_a_sample(corpora):
-    a, cache = corpora["b"], str(corpora["root"] / "cache_epochs")
-    tokens = int(IndexedDataset(a).sequence_lengths.sum())
+    prefix, cache = corpora["b"], str(corpora["root"] / "cache_epochs")
+    tokens = int(IndexedDataset(prefix).sequence_lengths.sum())
     per_epoch = (tokens - 1) // SEQ
     # the last of three epochs gives 10% of an epoch's samples (separated) or 90% (not)
     for fraction in (0.1, 0.9):
         n = 2 * per_epoch + int(fraction * per_epoch)
-        compare([a], "1", (n, 0, 0), 5, cache)
+        plan = plan_epochs(tokens, n, SEQ)
+        assert plan.num_epochs == 3 and plan.separate_last_epoch == (fraction < 0.8)
+        compare([prefix], "1", (n, 0, 0), 5, cache)
+    # samples of SEQ tokens without the extra label token (add_extra_token_to_sequence False)
+    n = 2 * per_epoch + per_epoch // 2
+    ours = build_split_datasets(prefix, "1", (n, 0, 0), GPTDatasetConfig(SEQ, 5, os.path.join(cache, "megazoo"), add_extra_token=0))
+    theirs = megatron_build([prefix], "1", (n, 0, 0), 5, os.path.join(cache, "megatron"), add_extra_token=False)
+    assert_same_indices(ours[0], theirs[0], "add_extra_token_to_sequence=False")
+    assert all(np.array_equal(ours[0][i]["tokens"], theirs[0][i]["tokens"]) for i in range(len(ours[0])))
+
+
+def test_sample_index_against_the_cpp_helper():
+    """The searchsorted sample index against helpers.cpp's loop on random cases: empty documents,
+    documents longer than a sample, add_extra_token 0, and a kept partial last sample."""
+    from megatron.core.datasets import helpers
+    for case in range(60):
+        rng = np.random.default_rng(case)
+        n_docs = int(rng.integers(1, 40))
+        sizes = rng.integers(0, 30, size=n_docs).astype(np.int32)  # includes empty documents
+        sizes[rng.integers(0, n_docs)] += 1  # at least one token
+        seq_length, num_epochs, tokens = int(rng.integers(1, 50)), int(rng.integers(1, 4)), int(sizes.sum())
+        add_extra, drop_last = int(case % 3 != 0), case % 5 != 0
+        if num_epochs * tokens - add_extra < seq_length and drop_last:
+            num_epochs = seq_length // tokens + 2
+        doc_idx = build_document_index(np.arange(n_docs), num_epochs, np.random.RandomState(case), False)
+        got = build_sample_index(sizes, doc_idx, seq_length, num_epochs, tokens, drop_last, add_extra)
+        want = helpers.build_sample_idx(sizes, doc_idx, seq_length, num_epochs, tokens, drop_last, bool(add_extra))
+        assert got.dtype == want.dtype, case
+        np.testing.assert_array_equal(got, want, err_msg=f"case {case}")
 
 
 def test_weighted_and_unweighted_blends(corpora):
