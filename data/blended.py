@@ -68,13 +68,13 @@ def check_blend(data_path: list[str] | str) -> tuple[list[float], list[str]] | N
 
 
 def parse_data_path(data_path: list[str] | str) -> Blend:
-    """Megatron ``--data-path`` tokens -> prefixes and normalised weights (None for several
-    prefixes without weights: they are blended by their sample counts)."""
+    """Megatron ``--data-path`` tokens -> prefixes and normalised weights (None without weights:
+    several prefixes are then blended by their sample counts)."""
     tokens = _tokens(data_path)
     if not tokens:
         raise ValueError("--data-path is empty; pass a prefix such as my-corpus_text_document")
     if len(tokens) == 1:
-        return Blend([tokens[0]], [1.0])
+        return Blend([tokens[0]], None)
     blend = check_blend(tokens)
     if blend is None:
         return Blend(tokens, None)
@@ -159,7 +159,7 @@ def build_train_valid_test_datasets(
     if vocab_size is not None:
         check_vocabulary(blend.prefixes, vocab_size)
     config = GPTDatasetConfig(seq_length=seq_length, seed=seed, cache_dir=cache_dir)
-    if len(blend.prefixes) == 1:
+    if len(blend.prefixes) == 1 and blend.weights is None:  # "--data-path 1 a" is a blend of one
         return tuple(build_split_datasets(blend.prefixes[0], split, tuple(num_samples), config))
     if blend.weights is None:  # one epoch of each, blended by their sample counts
         per_prefix = [build_split_datasets(p, split, tuple(None if n else 0 for n in num_samples), config)

@@ -267,6 +267,7 @@ def test_weighted_and_unweighted_blends(corpora):
     compare(["0.3", a, "0.7", b], "969,30,1", SIZES, 1234, cache)
     compare(["2", a, "1", b, "1", c], "98,2,0", SIZES, 3, cache)
     compare([b, c], "98,2,0", SIZES, 1234, cache)  # without weights: by sample counts
+    compare(["1", a], "969,30,1", SIZES, 1234, cache)  # one weighted prefix: still a blend
 
 
 @pytest.mark.parametrize("flags", [
