@@ -162,13 +162,12 @@ def build_train_valid_test_datasets(
     if len(blend.prefixes) == 1 and blend.weights is None:  # "--data-path 1 a" is a blend of one
         return tuple(build_split_datasets(blend.prefixes[0], split, tuple(num_samples), config))
     if blend.weights is None:  # one epoch of each, blended by their sample counts
-        per_prefix = [build_split_datasets(p, split, tuple(None if n else 0 for n in num_samples), config)
-                      for p in blend.prefixes]
         targets = None
-    else:
+        wanted = [tuple(None if n else 0 for n in num_samples)] * len(blend.prefixes)
+    else:  # each split's target share, built with the surplus
         targets = [[math.ceil(n * w) for n in num_samples] for w in blend.weights]
-        per_prefix = [build_split_datasets(p, split, tuple(math.ceil(t * (1 + BLEND_SURPLUS)) for t in ts), config)
-                      for p, ts in zip(blend.prefixes, targets)]
+        wanted = [tuple(math.ceil(t * (1 + BLEND_SURPLUS)) for t in ts) for ts in targets]
+    per_prefix = [build_split_datasets(p, split, n, config) for p, n in zip(blend.prefixes, wanted)]
     blend_cache = cache_dir or os.path.join(os.path.dirname(os.path.abspath(blend.prefixes[0])), "cache", "BlendedDataset_indices")
     out = []
     for i, name in enumerate(("train", "valid", "test")):

@@ -319,7 +319,8 @@ def schedule_config(args, parallel, dp: int, gbs: int) -> ScheduleConfig:
     return ScheduleConfig(
         micro_batch_size=mbs, global_batch_size=gbs,
         rampup_batch_size=tuple(args.rampup_batch_size) if args.rampup_batch_size else None,
-        train_iters=train_iters, train_samples=args.train_samples, lr=args.lr, min_lr=args.min_lr, lr_decay_style=args.lr_decay_style,
+        train_iters=train_iters, train_samples=args.train_samples, lr=args.lr, min_lr=args.min_lr,
+        lr_decay_style=args.lr_decay_style,
         lr_warmup_iters=warmup, lr_decay_iters=lr_decay_iters,
         pipeline_schedule="interleaved" if parallel.vpp > 1 else args.pipeline_schedule,
         exit_interval=args.exit_interval, exit_duration_mins=args.exit_duration_in_mins)
