@@ -215,8 +215,8 @@ def compare(data_path, split, sizes, seed, cache, samples=True):
 def test_sizes_as_megatron_training_asks_for_them():
     from megazoo.training.run.batches import dataset_num_samples
     assert dataset_num_samples(TRAIN_ITERS, None, GBS, EVAL_INTERVAL, EVAL_ITERS) == (*SIZES[:2], 0)
-    # --train-samples 30, gbs 4: Megatron asks 30 samples and counts 30 // 4 = 7 iterations
-    assert dataset_num_samples(8, 30, 4, 4, 2) == (30, (7 // 4 + 1) * 2 * 4, 0)
+    # --train-samples 30, gbs 4: Megatron asks 30 samples and trains 30 // 4 = 7 iterations
+    assert dataset_num_samples(7, 30, 4, 4, 2) == (30, (7 // 4 + 1) * 2 * 4, 0)
 
 
 @pytest.mark.parametrize("split", ["969,30,1", "98,2,0", "1,0,0"])

@@ -302,7 +302,10 @@ def schedule_config(args, parallel, dp: int, gbs: int) -> ScheduleConfig:
     """Iterations, the learning-rate schedule (samples turned into iterations) and the batch ramp."""
     if args.train_iters is None and args.train_samples is None:
         _fail("give --train-iters or --train-samples")
-    train_iters = args.train_iters or -(-args.train_samples // gbs)
+    train_iters = args.train_iters or args.train_samples // gbs  # Megatron's update_train_iters
+    if not train_iters:
+        _fail(f"--train-samples {args.train_samples} is less than one global batch ({gbs}): nothing "
+              f"to train; give at least {gbs}")
     lr_decay_iters = samples_to_iterations(args, gbs)
     warmup = args.lr_warmup_iters
     if args.lr_warmup_samples:

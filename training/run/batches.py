@@ -51,13 +51,11 @@ def dataset_num_samples(train_iters: int, train_samples: int | None, global_batc
                         eval_interval: int, eval_iters: int) -> tuple[int, int, int]:
     """Samples asked of the (train, valid, test) datasets, as Megatron-LM's training asks for
     them (training.py get_train_valid_test_num_samples): --train-samples itself, else
-    train_iters x gbs; (iterations // eval_interval + 1) x eval_iters x gbs for validation, the
-    iterations being Megatron's --train-samples // gbs under --train-samples. Test: 0, megazoo
-    never evaluates on it (Megatron builds eval_iters x gbs; the other splits do not depend on it).
-    """
-    iterations = train_samples // global_batch_size if train_samples else train_iters
+    train_iters x gbs; (train_iters // eval_interval + 1) x eval_iters x gbs for validation.
+    Test: 0, megazoo never evaluates on it (Megatron builds eval_iters x gbs; the other splits do
+    not depend on it)."""
     train = train_samples or train_iters * global_batch_size
-    evals = iterations // max(eval_interval, 1) + 1
+    evals = train_iters // max(eval_interval, 1) + 1
     return train, evals * eval_iters * global_batch_size, 0
 
 
