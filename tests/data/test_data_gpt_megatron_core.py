@@ -31,8 +31,8 @@ from tests.tool_runs import preprocess
 SEQ = 32
 EOD = 300  # small_gpt2's <|endoftext|>
 # Sizes as Megatron-LM's training computes them (megatron/training/training.py
-# get_train_valid_test_num_samples): train_iters * gbs, (train_iters // eval_interval + 1) *
-# eval_iters * gbs, eval_iters * gbs.
+# get_train_valid_test_num_samples, read at Megatron-LM d98e8a64; not installed here):
+# train_iters * gbs, (train_iters // eval_interval + 1) * eval_iters * gbs, eval_iters * gbs.
 TRAIN_ITERS, GBS, EVAL_INTERVAL, EVAL_ITERS = 8, 4, 4, 2
 SIZES = (TRAIN_ITERS * GBS, (TRAIN_ITERS // EVAL_INTERVAL + 1) * EVAL_ITERS * GBS, EVAL_ITERS * GBS)
 
