@@ -1,9 +1,12 @@
 """Weighted blending of several GPT datasets and the train/valid/test entry point.
 
 ``--data-path`` in Megatron's form: one prefix, or ``0.3 prefixA 0.7 prefixB`` (weights are
-normalised). Each prefix is split with the same split string; each split of each prefix is built
-with ``ceil(target * weight * 1.005)`` samples (Megatron's margin, so that the greedy blend never
-runs past a component's end), then interleaved by the blending index.
+normalised). Each prefix is split with the same split string. As megatron-core's
+BlendedMegatronDatasetBuilder: a split asked for ``n`` samples targets ``ceil(n * w)`` samples of
+each component and builds ``ceil(ceil(n * w) * 1.005)`` of them (the surplus keeps the greedy blend
+from running past a component's end); the blend holds the sum of the targets (a little more than
+``n``). Several prefixes without weights: each split of each is built for one epoch and the blend
+weighs them by those sample counts, holding ``min(n, their sum)`` samples.
 """
 from __future__ import annotations
 
@@ -16,18 +19,23 @@ import numpy as np
 
 from megazoo.data.gpt_dataset import GPTDataset, GPTDatasetConfig, build_split_datasets
 from megazoo.data.index_cache import CachedIndices
-from megazoo.data.indexed import IndexedDataset
 from megazoo.data.token_stats import check_vocabulary
 
 logger = logging.getLogger(__name__)
 
-BLEND_MARGIN = 1.005
+BLEND_SURPLUS = 0.005  # megatron-core's default mid_level_dataset_surplus
 
 
 @dataclass(frozen=True)
 class Blend:
     prefixes: list[str]
-    weights: list[float]  # normalised to sum to 1
+    weights: list[float] | None  # normalised to sum to 1; None: by the components' sample counts
+
+
+def normalize(weights) -> list[float]:
+    """Weights divided by their sum in float64, as megatron-core does (the same rounding)."""
+    w = np.asarray(weights, dtype=np.float64)
+    return (w / np.sum(w)).tolist()
 
 
 def _tokens(data_path: list[str] | str) -> list[str]:
@@ -60,26 +68,18 @@ def check_blend(data_path: list[str] | str) -> tuple[list[float], list[str]] | N
 
 
 def parse_data_path(data_path: list[str] | str) -> Blend:
-    """Megatron ``--data-path`` tokens -> prefixes and normalised weights.
-
-    Without weights, several prefixes are weighted by their token counts (plain concatenation).
-    """
+    """Megatron ``--data-path`` tokens -> prefixes and normalised weights (None without weights:
+    several prefixes are then blended by their sample counts)."""
     tokens = _tokens(data_path)
     if not tokens:
         raise ValueError("--data-path is empty; pass a prefix such as my-corpus_text_document")
     if len(tokens) == 1:
-        return Blend([tokens[0]], [1.0])
+        return Blend([tokens[0]], None)
     blend = check_blend(tokens)
-    weighted = blend is not None
-    if weighted:
-        weights, prefixes = blend
-    else:
-        prefixes = tokens
-        weights = [float(IndexedDataset(p).sequence_lengths.sum(dtype=np.int64)) for p in prefixes]
-    if any(w < 0 for w in weights) or sum(weights) <= 0:
-        raise ValueError(f"--data-path weights {weights} must be non-negative and not all zero")
-    total = sum(weights)
-    return Blend(prefixes, [w / total for w in weights])
+    if blend is None:
+        return Blend(tokens, None)
+    weights, prefixes = blend
+    return Blend(prefixes, normalize(weights))
 
 
 def build_blending_indices(weights: list[float], size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -150,7 +150,8 @@ def build_train_valid_test_datasets(
     cache_dir: str | None = None,
     vocab_size: int | None = None,
 ):
-    """(train, valid, test) datasets for Megatron-style arguments; None for a split with no share.
+    """(train, valid, test) datasets for Megatron-style arguments; None for a split with no share
+    or no samples asked for.
 
     With `vocab_size`, every prefix is first checked against the model's vocabulary (token ids
     and .idx dtype, `data/token_stats.py`)."""
@@ -158,20 +159,27 @@ def build_train_valid_test_datasets(
     if vocab_size is not None:
         check_vocabulary(blend.prefixes, vocab_size)
     config = GPTDatasetConfig(seq_length=seq_length, seed=seed, cache_dir=cache_dir)
-    if len(blend.prefixes) == 1:
+    if len(blend.prefixes) == 1 and blend.weights is None:  # "--data-path 1 a" is a blend of one
         return tuple(build_split_datasets(blend.prefixes[0], split, tuple(num_samples), config))
-    per_prefix = []
-    for prefix, w in zip(blend.prefixes, blend.weights):
-        wanted = tuple(math.ceil(n * w * BLEND_MARGIN) if n else 0 for n in num_samples)
-        per_prefix.append(build_split_datasets(prefix, split, wanted, config))
+    if blend.weights is None:  # one epoch of each, blended by their sample counts
+        targets = None
+        wanted = [tuple(None if n else 0 for n in num_samples)] * len(blend.prefixes)
+    else:  # each split's target share, built with the surplus
+        targets = [[math.ceil(n * w) for n in num_samples] for w in blend.weights]
+        wanted = [tuple(math.ceil(t * (1 + BLEND_SURPLUS)) for t in ts) for ts in targets]
+    per_prefix = [build_split_datasets(p, split, n, config) for p, n in zip(blend.prefixes, wanted)]
     blend_cache = cache_dir or os.path.join(os.path.dirname(os.path.abspath(blend.prefixes[0])), "cache", "BlendedDataset_indices")
     out = []
     for i, name in enumerate(("train", "valid", "test")):
-        parts = [(ds[i], w) for ds, w in zip(per_prefix, blend.weights) if ds[i] is not None]
+        parts = [(ds[i], k) for k, ds in enumerate(per_prefix) if ds[i] is not None]
         if not parts or not num_samples[i]:
             out.append(None)
             continue
-        total_w = sum(w for _, w in parts)
-        weights = [w / total_w for _, w in parts]
-        out.append(BlendedDataset([d for d, _ in parts], weights, num_samples[i], blend_cache, name))
+        if targets is None:
+            weights = [len(d) for d, _ in parts]
+            size = min(num_samples[i], sum(weights))
+        else:
+            weights = [blend.weights[k] for _, k in parts]
+            size = sum(targets[k][i] for _, k in parts)
+        out.append(BlendedDataset([d for d, _ in parts], normalize(weights), size, blend_cache, name))
     return tuple(out)

@@ -28,22 +28,25 @@ class GPTDatasetConfig:
 
 
 def parse_split(split: str) -> list[float]:
-    """'969,30,1' -> normalised train/valid/test fractions (missing parts are 0)."""
+    """'969,30,1' -> normalised train/valid/test fractions (missing parts are 0), in float64 as
+    megatron-core normalises them."""
     parts = [float(x) for x in re.findall(r"[.0-9]+", split)]
     if not parts or len(parts) > 3 or sum(parts) <= 0:
         raise ValueError(f"split {split!r}: give up to three non-negative weights like '969,30,1'")
     parts += [0.0] * (3 - len(parts))
-    total = sum(parts)
-    return [p / total for p in parts]
+    weights = np.array(parts, dtype=np.float64)
+    return (weights / np.sum(weights)).tolist()
 
 
 def split_boundaries(fractions: list[float], num_elements: int) -> list[int]:
-    """Document boundaries of each split; rounding error is taken off the later splits, as Megatron does."""
-    bounds = [0]
+    """Sequence boundaries of the splits: split ``i`` is ``[bounds[i], bounds[i + 1])``.
+
+    As megatron-core: each boundary is the cumulative fraction times the count, rounded (Python's
+    round, half to even), so every split takes its share of the rounding."""
+    bounds, cumulative = [0], 0.0
     for frac in fractions:
-        bounds.append(bounds[-1] + int(round(frac * float(num_elements))))
-    excess = bounds[-1] - num_elements
-    bounds[1:] = [b - excess for b in bounds[1:]]
+        cumulative += frac
+        bounds.append(int(round(cumulative * float(num_elements))))
     return bounds
 
 

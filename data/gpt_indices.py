@@ -10,7 +10,7 @@
 
 Megatron builds the sample index with a C++ loop (helpers.cpp ``build_sample_idx``); here each
 boundary is located directly with ``searchsorted`` over the cumulative token counts, which gives
-the same rows (tests/data/test_data_gpt_indices.py checks it against a transcription of that loop).
+the same rows (tests/data/test_data_gpt_megatron_core.py checks it against that compiled loop).
 """
 from __future__ import annotations
 

@@ -6,6 +6,7 @@ import pytest
 
 from megazoo.data.blended import build_blending_indices, build_train_valid_test_datasets, parse_data_path
 from megazoo.data.gpt_dataset import GPTDataset, GPTDatasetConfig, parse_split, split_boundaries
+from megazoo.data.gpt_indices import plan_epochs
 from megazoo.data.indexed import IndexedDataset, IndexedDatasetBuilder
 from megazoo.data.samplers import PretrainingSampler
 from tests.distributed import run_distributed
@@ -94,9 +95,20 @@ def test_split_parsing():
     assert parse_split("969,30,1") == pytest.approx([0.969, 0.03, 0.001])
     assert parse_split("1") == [1.0, 0.0, 0.0]
     assert split_boundaries(parse_split("969,30,1"), 1000) == [0, 969, 999, 1000]
-    assert split_boundaries(parse_split("1,1,1"), 10) == [0, 4, 7, 10]  # rounding excess comes off the later splits
+    assert split_boundaries(parse_split("1,1,1"), 10) == [0, 3, 7, 10]  # round(1/3 * 10), round(2/3 * 10)
     with pytest.raises(ValueError):
         parse_split("a,b")
+
+
+def test_epoch_plan():
+    # 100 tokens per epoch, seq 10: 9 samples per epoch ((100-1)//10).
+    assert plan_epochs(100, 5, 10).num_epochs == 1
+    plan = plan_epochs(100, 21, 10)  # needs 211 tokens -> 3 epochs, 19 samples before the last
+    assert (plan.num_epochs, plan.samples_before_last_epoch, plan.separate_last_epoch) == (3, 19, True)
+    plan = plan_epochs(100, 27, 10)  # 8 of 9 samples from the last epoch: above the 80% threshold
+    assert plan.num_epochs == 3 and not plan.separate_last_epoch
+    with pytest.raises(ValueError, match="no tokens"):
+        plan_epochs(0, 5, 10)
 
 
 def test_empty_split_is_a_clear_error(tmp_path):

@@ -203,7 +203,7 @@ def test_llama3_8b_fp8_refuses_fp8_and_decoupled_lr_together(caplog):
     assert (m.num_query_groups, m.kv_channels, m.activation, m.normalization, m.tie_word_embeddings) == \
         (2, None, "swiglu", "rmsnorm", False)  # kv_channels 16 = 64 / 4, the default spelled out
     assert (s.train_iters, s.lr_decay_iters, s.lr_warmup_iters) == \
-        (math.ceil(1953125000 / 128), math.ceil(1949218748 / 128), math.ceil(3906252 / 128))
+        (1953125000 // 128, math.ceil(1949218748 / 128), math.ceil(3906252 / 128))  # iterations: Megatron's floor
     assert (o.zero_stage, m.params_dtype, o.grad_dtype) == (1, "bfloat16", "model")
     assert run.health.collective_timeout == 3600.0 and run.data.tokenizer_type == "NullTokenizer"
     assert parse_split(run.data.split) == [0.99, 0.01, 0.0] and run.data.num_workers == 1
@@ -241,7 +241,7 @@ def test_bloom_176b_megatron_deepspeed_parses_unchanged(tmp_path, caplog):
         ("adamw", (0.9, 0.95), 0, "bfloat16", 1.0)
     assert (s.micro_batch_size, s.global_batch_size, s.rampup_batch_size) == (2, 2048, (192, 16, 9765625))
     assert (s.train_iters, s.lr_decay_iters, s.lr_warmup_iters) == \
-        (math.ceil(220e6 / 2048), math.ceil(200e6 / 2048), math.ceil(183105 / 2048))
+        (220_000_000 // 2048, math.ceil(200e6 / 2048), math.ceil(183105 / 2048))
     assert d.data_path == ["0.3", "/data/en_text_document", "0.7", "/data/fr_text_document"]
     assert parse_split(d.split) == pytest.approx([0.95, 0.05, 0.0])
     assert (d.tokenizer_type, d.tokenizer_model) == ("HuggingFaceTokenizer", str(tmp_path / "tokenizer"))

@@ -302,7 +302,10 @@ def schedule_config(args, parallel, dp: int, gbs: int) -> ScheduleConfig:
     """Iterations, the learning-rate schedule (samples turned into iterations) and the batch ramp."""
     if args.train_iters is None and args.train_samples is None:
         _fail("give --train-iters or --train-samples")
-    train_iters = args.train_iters or -(-args.train_samples // gbs)
+    train_iters = args.train_iters or args.train_samples // gbs  # Megatron's update_train_iters
+    if not train_iters:
+        _fail(f"--train-samples {args.train_samples} is less than one global batch ({gbs}): nothing "
+              f"to train; give at least {gbs}")
     lr_decay_iters = samples_to_iterations(args, gbs)
     warmup = args.lr_warmup_iters
     if args.lr_warmup_samples:
@@ -319,7 +322,8 @@ def schedule_config(args, parallel, dp: int, gbs: int) -> ScheduleConfig:
     return ScheduleConfig(
         micro_batch_size=mbs, global_batch_size=gbs,
         rampup_batch_size=tuple(args.rampup_batch_size) if args.rampup_batch_size else None,
-        train_iters=train_iters, lr=args.lr, min_lr=args.min_lr, lr_decay_style=args.lr_decay_style,
+        train_iters=train_iters, train_samples=args.train_samples, lr=args.lr, min_lr=args.min_lr,
+        lr_decay_style=args.lr_decay_style,
         lr_warmup_iters=warmup, lr_decay_iters=lr_decay_iters,
         pipeline_schedule="interleaved" if parallel.vpp > 1 else args.pipeline_schedule,
         exit_interval=args.exit_interval, exit_duration_mins=args.exit_duration_in_mins)

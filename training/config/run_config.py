@@ -22,6 +22,7 @@ class ScheduleConfig:
     global_batch_size: int = 8
     rampup_batch_size: tuple[int, int, int] | None = None  # (start, increment, ramp samples)
     train_iters: int = 100
+    train_samples: int | None = None  # --train-samples as given (train_iters: // the global batch)
     lr: float = 1e-3
     min_lr: float = 0.0
     lr_decay_style: str = "cosine"  # constant | linear | cosine

@@ -47,6 +47,18 @@ class MockGPTDataset:
         return {"tokens": tokens.astype(np.int64)}
 
 
+def dataset_num_samples(train_iters: int, train_samples: int | None, global_batch_size: int,
+                        eval_interval: int, eval_iters: int) -> tuple[int, int, int]:
+    """Samples asked of the (train, valid, test) datasets, as Megatron-LM's training asks for
+    them (training.py get_train_valid_test_num_samples): --train-samples itself, else
+    train_iters x gbs; (train_iters // eval_interval + 1) x eval_iters x gbs for validation.
+    Test: 0, megazoo never evaluates on it (Megatron builds eval_iters x gbs; the other splits do
+    not depend on it)."""
+    train = train_samples or train_iters * global_batch_size
+    evals = train_iters // max(eval_interval, 1) + 1
+    return train, evals * eval_iters * global_batch_size, 0
+
+
 def build_datasets(cfg: DataConfig, *, seed: int, vocab_size: int, num_samples: tuple[int, int, int]):
     """(train, valid, test); valid/test may be None (a warning says so when evaluation was asked).
     --sft: --split cuts the conversations (data/sft_dataset.py `split_sft_datasets`)."""

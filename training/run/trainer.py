@@ -24,7 +24,7 @@ from megazoo.training.checkpoint.async_writer import AsyncCheckpointWriter
 from megazoo.training.checkpoint import storage
 from megazoo.training.checkpoint.tokenizer import store_training_tokenizer
 from megazoo.training.config.run_config import RunConfig
-from megazoo.training.run.batches import TrainData, build_datasets, document_flags
+from megazoo.training.run.batches import TrainData, build_datasets, dataset_num_samples, document_flags
 from megazoo.training.run.compile import compile_layers, report_graph_breaks
 from megazoo.training.resilience.faults import maybe_hang, report_unhealthy, roll_back
 from megazoo.training.resilience.health import HealthMonitor, ProgressGuard, after_step
@@ -111,7 +111,6 @@ class Trainer:
             run.health.collective_timeout, topo.rank, topo.world_size,
             on_timeout=lambda msg: journal.event("hang", rank=topo.rank, detail=msg))
         mcfg, seq, gbs = run.model, run.data.seq_length, self.sched.global_batch_size
-        evals = self.sched.train_iters // max(run.logging.eval_interval, 1) + 1
         try:  # watched: a rank frozen while the others wait is named (patient: one may work long)
             self.state = TrainState()
             if run.checkpoint.load:
@@ -125,7 +124,8 @@ class Trainer:
                                               patient=True):
                     train_ds, self.valid_ds, _ = build_datasets(
                         run.data, seed=run.seed, vocab_size=mcfg.vocab_size,
-                        num_samples=(self.sched.train_iters * gbs, evals * run.logging.eval_iters * gbs, 0))
+                        num_samples=dataset_num_samples(self.sched.train_iters, self.sched.train_samples, gbs,
+                                                        run.logging.eval_interval, run.logging.eval_iters))
         except BaseException:
             self.watchdog.close()  # no beats from a run that never started
             raise
