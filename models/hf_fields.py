@@ -33,7 +33,7 @@ NEUTRAL = frozenset({
     "length_penalty", "no_repeat_ngram_size", "encoder_no_repeat_ngram_size", "bad_words_ids",
     "num_return_sequences", "output_scores", "return_dict_in_generate", "forced_bos_token_id",
     "forced_eos_token_id", "remove_invalid_values", "exponential_decay_length_penalty",
-    "suppress_tokens", "begin_suppress_tokens",
+    "suppress_tokens", "begin_suppress_tokens", "cache_implementation",
     # computes the same function (feed-forward chunking)
     "chunk_size_feed_forward",
 })
