@@ -43,8 +43,10 @@ MAPPED = frozenset({
     "qk_head_dim", "head_dim"})
 # output_router_logits only adds outputs; pretraining_tp is not used by the modelling code;
 # ep_size (the released files' expert-parallel degree for DeepSeek's own inference code) changes
-# no number
-IGNORED = frozenset({"output_router_logits", "pretraining_tp", "ep_size"})
+# no number; aux_loss_alpha and seq_aux (Kimi K2's files) are training settings of that code,
+# which transformers does not read either: megazoo's aux loss is its --moe-aux-loss-coeff
+IGNORED = frozenset({"output_router_logits", "pretraining_tp", "ep_size", "aux_loss_alpha",
+                     "seq_aux"})
 # the released files' routing settings for DeepSeek's own modelling code: transformers always
 # routes by sigmoid scores with the bias-corrected group top-k, every layer after the first
 # first_k_dense_replace sparse
