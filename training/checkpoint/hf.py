@@ -1,6 +1,7 @@
 """Hugging Face folders <-> megazoo checkpoints of any layout.
 
-Import reads `config.json` and the weights (`model.safetensors`, `pytorch_model.bin`, or their
+Import reads `config.json` (a multimodal release's language model, or Kimi K2's as DeepSeek-V3's:
+hf_releases.py) and the weights (`model.safetensors`, `pytorch_model.bin`, or their
 sharded `*.index.json` forms; `.bin` files with `torch.load(weights_only=True)`, so nothing
 arbitrary is unpickled; an FP8 release's block-scaled tensors dequantized: hf_fp8.py), maps
 them to megazoo's full tensors with the family's `from_hf_state_dict` (GPT-2's Conv1D transposes and [q|k|v] -> per-head QKV order live there)
