@@ -9,7 +9,10 @@ each against transformers' own model of the folder, fp32, logits within 1e-5:
   `mtp.*` head transformers does not load) imports its language model likewise;
 * a Kimi K2 folder (a DeepSeek-V3 saved by transformers, config.json as Moonshot ships it:
   model_type kimi_k2, auto_map to its own code, its aux-loss fields) imports as DeepSeek-V3,
-  nothing of the release run.
+  nothing of the release run;
+* a gpt-oss folder with its experts in MXFP4 as released (`*_blocks` / `*_scales`, random codes
+  and scales; training/checkpoint/hf_mxfp4.py) imports to the model transformers' own MXFP4
+  loader dequantizes (logits equal); a missing half of a pair is refused in one line.
 """
 from __future__ import annotations
 
@@ -120,3 +123,40 @@ def test_kimi_k2_config_reads_as_deepseek_v3(tmp_path):
     model_type, got = _imported_logits(tmp_path / "hf")
     assert model_type == "deepseek_v3"
     torch.testing.assert_close(got, _logits(hf), rtol=0, atol=1e-5)
+
+
+def test_mxfp4_gpt_oss_release_imports_as_transformers_dequantizes_it(tmp_path):
+    import pytest
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM, GptOssConfig, GptOssForCausalLM, Mxfp4Config
+
+    from megazoo.training.checkpoint.hf import ConversionError
+    torch.manual_seed(3)
+    hf = perturbed(GptOssForCausalLM(GptOssConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+        num_experts_per_tok=2, sliding_window=4, layer_types=["sliding_attention", "full_attention"],
+        tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)))
+    folder = tmp_path / "hf"
+    hf.save_pretrained(folder)
+    sd, g = load_file(str(folder / "model.safetensors")), torch.Generator().manual_seed(4)
+    for name in [k for k in sd if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        experts, columns, rows = sd.pop(name).shape  # in memory [experts, in, out]
+        sd[name + "_blocks"] = torch.randint(0, 256, (experts, rows, columns // 32, 16),
+                                             generator=g, dtype=torch.uint8)
+        sd[name + "_scales"] = torch.randint(120, 126, (experts, rows, columns // 32),
+                                             generator=g, dtype=torch.uint8)
+    save_file(sd, str(folder / "model.safetensors"))
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (folder / "config.json").write_text(json.dumps(config))
+    ref = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32,
+                                               quantization_config=Mxfp4Config(dequantize=True))
+    model_type, got = _imported_logits(folder)
+    assert model_type == "gpt_oss"
+    torch.testing.assert_close(got, _logits(ref.eval()), rtol=0, atol=1e-5)
+    del sd["model.layers.1.mlp.experts.down_proj_scales"]
+    save_file(sd, str(folder / "model.safetensors"))
+    with pytest.raises(ConversionError, match=r"^[^\n]*down_proj_scales is missing[^\n]*$"):
+        _imported_logits(folder)

@@ -3,7 +3,8 @@
 Import reads `config.json` (a multimodal release's language model, or Kimi K2's as DeepSeek-V3's:
 hf_releases.py) and the weights (`model.safetensors`, `pytorch_model.bin`, or their
 sharded `*.index.json` forms; `.bin` files with `torch.load(weights_only=True)`, so nothing
-arbitrary is unpickled; an FP8 release's block-scaled tensors dequantized: hf_fp8.py), maps
+arbitrary is unpickled; an FP8 release's block-scaled tensors dequantized: hf_fp8.py; an MXFP4
+one's: hf_mxfp4.py), maps
 them to megazoo's full tensors with the family's `from_hf_state_dict` (GPT-2's Conv1D transposes and [q|k|v] -> per-head QKV order live there)
 and writes a weights-only checkpoint for the target (tp, pp, vpp). Tokenizer files are copied
 into the checkpoint's `tokenizer/` folder with the special-token ids of config.json and
@@ -36,6 +37,7 @@ from megazoo.parallel.layout import ParallelConfig
 
 from megazoo.training.checkpoint import format as ckpt
 from megazoo.training.checkpoint.hf_fp8 import dequantize, read_quantization
+from megazoo.training.checkpoint.hf_mxfp4 import dequantize as dequantize_mxfp4
 from megazoo.training.checkpoint.hf_releases import alias_config, is_wrapped, text_config, text_weights
 from megazoo.training.checkpoint.tokenizer import TOKEN_IDS, copy_tokenizer, hf_token_record, read_record
 from megazoo.training.checkpoint.tokenizer import tokenizer_dir as checkpoint_tokenizer_dir
@@ -129,7 +131,11 @@ def read_hf_weights(folder: str) -> dict[str, torch.Tensor]:
                                   f"({str(e).splitlines()[0][:200]}); download it again") from None
     try:
         quantized = read_quantization(folder)
-        return sd if quantized is None else dequantize(sd, quantized, folder)
+        if quantized is None:
+            return sd
+        if quantized["quant_method"] == "mxfp4":
+            return dequantize_mxfp4(sd, folder)
+        return dequantize(sd, quantized, folder)
     except ValueError as e:
         raise ConversionError(str(e)) from None
 
