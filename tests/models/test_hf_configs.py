@@ -284,3 +284,25 @@ def test_shrunk_released_configs_match_transformers(tmp_path):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-5, msg=name)
     print("max |logits - transformers|:", errors)
     assert len(errors) == len(SHRUNK)
+
+
+def test_release_fields_other_than_what_transformers_computes_are_refused():
+    """Fields released config.json files carry for their authors' own code, which transformers
+    does not read (it always computes one value): accepted at that value (the released files
+    above), refused in one line at any other."""
+    from transformers import (DeepseekV3Config, GptOssConfig, NemotronHConfig, Qwen3_5TextConfig,
+                              Qwen3MoeConfig)
+
+    from megazoo.models.hf_fields import UnsupportedConfigError
+    from megazoo.models.registry import family
+    cases = [("qwen3_moe", Qwen3MoeConfig(use_qk_norm=False), "use_qk_norm"),
+             ("qwen3_moe", Qwen3MoeConfig(shared_expert_intermediate_size=64),
+              "shared_expert_intermediate_size"),
+             ("deepseek_v3", DeepseekV3Config(scoring_func="softmax"), "scoring_func"),
+             ("deepseek_v3", DeepseekV3Config(moe_layer_freq=2), "moe_layer_freq"),
+             ("nemotron_h", NemotronHConfig(attention_head_dim=64), "attention_head_dim"),
+             ("gpt_oss", GptOssConfig(experts_per_token=3), "experts_per_token"),
+             ("qwen3_5_text", Qwen3_5TextConfig(attn_output_gate=False), "attn_output_gate")]
+    for name, hf, field in cases:
+        with pytest.raises(UnsupportedConfigError, match=rf"^[^\n]*{field}=[^\n]*$"):
+            family(name).adapter.config_from_hf(hf)
