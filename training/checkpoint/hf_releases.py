@@ -41,7 +41,10 @@ def text_config(hf, supported) -> tuple[str, object] | None:
     if sub is None or kind not in supported or kind == hf.model_type:
         return None
     tied = hf.to_dict().get("tie_word_embeddings")
-    if tied is not None:
+    if tied is not None and tied != sub.tie_word_embeddings:
+        logger.info("config.json: the %s wrapper's tie_word_embeddings=%s applies (text_config "
+                    "says %s; transformers ties the wrapper's head)", hf.model_type, tied,
+                    sub.tie_word_embeddings)
         sub.tie_word_embeddings = tied
     return kind, sub
 
