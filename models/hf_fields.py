@@ -33,7 +33,7 @@ NEUTRAL = frozenset({
     "length_penalty", "no_repeat_ngram_size", "encoder_no_repeat_ngram_size", "bad_words_ids",
     "num_return_sequences", "output_scores", "return_dict_in_generate", "forced_bos_token_id",
     "forced_eos_token_id", "remove_invalid_values", "exponential_decay_length_penalty",
-    "suppress_tokens", "begin_suppress_tokens",
+    "suppress_tokens", "begin_suppress_tokens", "cache_implementation",
     # computes the same function (feed-forward chunking)
     "chunk_size_feed_forward",
 })
@@ -51,11 +51,20 @@ def refuse(family: str, field: str, value, supported) -> UnsupportedConfigError:
                                   f"(supported: {supported}); megazoo would compute another model")
 
 
-def check_fields(hf, family: str, mapped: frozenset, ignored: frozenset = frozenset()) -> None:
+def check_fields(hf, family: str, mapped: frozenset, ignored: frozenset = frozenset(),
+                 fixed: dict | None = None) -> None:
     """Refuse the first field of `hf` that is neither mapped, neutral, ignored by transformers
-    for this family, nor equal to the family default (`type(hf)()`)."""
+    for this family, nor equal to the family default (`type(hf)()`). `fixed`: fields released
+    config.json files carry for the authors' own modelling code that transformers does not read,
+    because it always computes one value (a value, or a function of `hf`); another value is
+    refused, since those files' authors meant another model."""
     default = type(hf)().to_dict()
     for field, value in hf.to_dict().items():
+        if field in (fixed or {}):
+            want = fixed[field](hf) if callable(fixed[field]) else fixed[field]
+            if value != want:
+                raise refuse(family, field, value, f"{want!r}, what transformers always computes")
+            continue
         if field in mapped or field in NEUTRAL or field in ignored or field.startswith("_"):
             continue
         if field in default:

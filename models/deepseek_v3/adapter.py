@@ -41,8 +41,16 @@ MAPPED = frozenset({
     "num_nextn_predict_layers",
     # derived by transformers from the fields above
     "qk_head_dim", "head_dim"})
-# output_router_logits only adds outputs; pretraining_tp is not used by the modelling code
-IGNORED = frozenset({"output_router_logits", "pretraining_tp"})
+# output_router_logits only adds outputs; pretraining_tp is not used by the modelling code;
+# ep_size (the released files' expert-parallel degree for DeepSeek's own inference code) changes
+# no number; aux_loss_alpha and seq_aux (Kimi K2's files) are training settings of that code,
+# which transformers does not read either: megazoo's aux loss is its --moe-aux-loss-coeff
+IGNORED = frozenset({"output_router_logits", "pretraining_tp", "ep_size", "aux_loss_alpha",
+                     "seq_aux"})
+# the released files' routing settings for DeepSeek's own modelling code: transformers always
+# routes by sigmoid scores with the bias-corrected group top-k, every layer after the first
+# first_k_dense_replace sparse
+FIXED = {"scoring_func": "sigmoid", "topk_method": "noaux_tc", "moe_layer_freq": 1}
 LATENT_NORM_EPS = 1e-6  # transformers' q_a_layernorm / kv_a_layernorm take the default eps
 # RoPE scalings multi-latent attention models (models/mla.py: not the length-dependent ones);
 # a partial_rotary_factor record (rope_type default) has no meaning for MLA's rope channels
@@ -51,7 +59,7 @@ SCALINGS = ("yarn", "linear", "llama3")
 
 def config_from_hf(hf) -> TransformerConfig:
     """A TransformerConfig from a `transformers.DeepseekV3Config` (every field checked)."""
-    check_fields(hf, FAMILY, MAPPED, IGNORED)
+    check_fields(hf, FAMILY, MAPPED, IGNORED, FIXED)
     theta, scaling = llama_like.rope_from_hf(hf, FAMILY)
     if scaling is not None and rope_type(scaling) not in SCALINGS:
         raise refuse(FAMILY, "rope_parameters.rope_type", rope_type(scaling),

@@ -17,11 +17,14 @@ MAPPED = frozenset({
     "attention_bias", "attention_dropout", "query_pre_attn_scalar", "sliding_window",
     "layer_types", "final_logit_softcapping", "attn_logit_softcapping",
     "use_bidirectional_attention"})
+# older released files give the layer pattern as sliding_window_pattern; transformers turns it
+# into layer_types (mapped) and reads it no further
+IGNORED = frozenset({"sliding_window_pattern"})
 
 
 def config_from_hf(hf) -> TransformerConfig:
     """A TransformerConfig from a `transformers.Gemma3TextConfig` (every field checked)."""
-    check_fields(hf, FAMILY, MAPPED)
+    check_fields(hf, FAMILY, MAPPED, IGNORED)
     for field, value, want in (("hidden_activation", hf.hidden_activation, gemma_like.TANH_GELU),
                                ("attention_bias", hf.attention_bias, (False,)),
                                ("use_bidirectional_attention",

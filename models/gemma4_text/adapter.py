@@ -28,7 +28,9 @@ _OFF = (("hidden_size_per_layer_input", (0, None), "0 (no per-layer input embedd
         ("num_kv_shared_layers", (0, None), "0 (every layer its own keys and values)"),
         ("attention_k_eq_v", (False, None), "False (values projected apart from keys)"),
         ("enable_moe_block", (False, None), "False (a dense MLP only)"),
-        ("use_bidirectional_attention", (False, None), "None (causal attention)"),
+        # "vision" (the releases' value) opens the mask among image tokens only: text is causal
+        ("use_bidirectional_attention", (False, None, "vision"),
+         "None or 'vision' (causal attention over text)"),
         ("attention_bias", (False,), "False"))
 
 

@@ -19,11 +19,16 @@ MAPPED = frozenset({
     "attention_dropout", "num_local_experts", "num_experts_per_tok", "swiglu_alpha",
     "swiglu_limit", "router_aux_loss_coef", "output_router_logits", "sliding_window",
     "layer_types", "attention_bias"})
+# OpenAI's released config.json repeats two numbers under its own code's names (transformers reads
+# num_experts_per_tok and the YaRN original length only): accepted where they agree
+FIXED = {"experts_per_token": lambda hf: hf.num_experts_per_tok,
+         "initial_context_length":
+             lambda hf: (hf.rope_parameters or {}).get("original_max_position_embeddings")}
 
 
 def config_from_hf(hf) -> TransformerConfig:
     """A TransformerConfig from a `transformers.GptOssConfig` (every field checked)."""
-    check_fields(hf, FAMILY, MAPPED)
+    check_fields(hf, FAMILY, MAPPED, fixed=FIXED)
     if hf.attention_bias is not True:
         raise refuse(FAMILY, "attention_bias", hf.attention_bias, True)
     if hf.hidden_act not in llama_like.SILU_NAMES:  # transformers' experts compute their own SwiGLU

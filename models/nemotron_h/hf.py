@@ -31,7 +31,15 @@ RECORDED = ("max_position_embeddings", "use_mamba_kernels", "expand", "time_step
             "moe_intermediate_size", "moe_shared_expert_intermediate_size", "moe_latent_size",
             "moe_shared_expert_overlap", "num_experts_per_tok", "routed_scaling_factor", "n_group",
             "topk_group", "norm_topk_prob", "bos_token_id", "eos_token_id", "pad_token_id")
-IGNORED = frozenset(RECORDED) | {"is_encoder_decoder"}
+# time_step_rank (a Mamba-1 size) and the RoPE fields of NVIDIA's own code: transformers' Mamba-2
+# and position-free attention read none of them
+IGNORED = frozenset(RECORDED) | {"is_encoder_decoder", "time_step_rank", "rope_theta",
+                                 "partial_rotary_factor"}
+# other names NVIDIA's released files give head_dim and the norms' epsilon (transformers reads
+# head_dim and layer_norm_epsilon only): accepted where they agree with those
+FIXED = {"attention_head_dim": lambda hf: hf.head_dim,
+         "rms_norm_eps": lambda hf: hf.layer_norm_epsilon,
+         "norm_eps": lambda hf: hf.layer_norm_epsilon}
 
 
 def moe_fields(hf) -> dict:
@@ -62,7 +70,7 @@ def moe_fields(hf) -> dict:
 def config_from_hf(hf, moe: bool = False) -> NemotronHConfig:
     """A NemotronHConfig from a `transformers.NemotronHConfig` (every field checked). `moe`:
     the caller models "moe" layers itself (adapter.py); else they are refused."""
-    check_fields(hf, FAMILY, MAPPED, IGNORED)
+    check_fields(hf, FAMILY, MAPPED, IGNORED, FIXED)
     types = list(hf.layers_block_type)
     if "moe" in types and not moe:
         raise refuse(FAMILY, "layers_block_type", "'moe' (E) layers in the single-device model",

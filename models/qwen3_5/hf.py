@@ -27,8 +27,13 @@ MAPPED = frozenset({
     "rms_norm_eps", "tie_word_embeddings", "rope_parameters", "attention_bias", "attention_dropout",
     "head_dim", "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
     "linear_num_key_heads", "linear_num_value_heads", "layer_types"})
-# transformers' text model reads no encoder-decoder setting
-IGNORED = frozenset({"is_encoder_decoder"})
+# transformers' text model reads no encoder-decoder setting; the released text_config's
+# full_attention_interval is folded into layer_types (mapped), its MTP sizes describe the `mtp.*`
+# tensors left out (as transformers leaves them), mamba_ssm_dtype is the inference cache's dtype
+IGNORED = frozenset({"is_encoder_decoder", "full_attention_interval", "mtp_num_hidden_layers",
+                     "mtp_use_dedicated_embeddings", "mamba_ssm_dtype"})
+# Qwen's own code's switches that transformers' Qwen3.5 has fixed: gated attention, every MLP dense
+FIXED = {"attn_output_gate": True, "mlp_only_layers": []}
 TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 RELEASE_PREFIX = "model.language_model."  # the text model inside the released VL checkpoint
 NOT_MODELLED = ("model.visual.", "mtp.")  # its vision tower and multi-token-prediction head
@@ -41,7 +46,7 @@ def config_from_hf(hf) -> Qwen35Config:
     release's `Qwen3_5Config` (its `text_config`; the vision part left out, logged)."""
     if hasattr(hf, "text_config"):
         hf = text_config_of(hf)
-    check_fields(hf, FAMILY, MAPPED, IGNORED)
+    check_fields(hf, FAMILY, MAPPED, IGNORED, FIXED)
     return base_config(hf, FAMILY)
 
 

@@ -16,11 +16,14 @@ FAMILY = "Qwen3-MoE"
 # released config.json files carry. Qwen3MoeConfig stores num_experts as num_local_experts.
 MAPPED = (LLAMA_MAPPED - {"mlp_bias"}) | MOE_MAPPED | {"num_local_experts"}
 IGNORED = QWEN_MOE_IGNORED | {"max_window_layers"}
+# Qwen3-Coder's config.json fields for Qwen's own code: transformers' Qwen3-MoE always normalises
+# q and k, has no q/k/v bias and no shared expert
+FIXED = {"use_qk_norm": True, "qkv_bias": False, "shared_expert_intermediate_size": 0}
 
 
 def config_from_hf(hf) -> TransformerConfig:
     """A TransformerConfig from a `transformers.Qwen3MoeConfig` (every field checked)."""
-    check_fields(hf, FAMILY, MAPPED, IGNORED)
+    check_fields(hf, FAMILY, MAPPED, IGNORED, FIXED)
     if hf.attention_bias:  # q, k, v and o biased, the MLP not: megazoo has no o-only bias
         raise refuse(FAMILY, "attention_bias", hf.attention_bias, False)
     return llama_like_config(hf, FAMILY, family="qwen3_moe", qk_layernorm=True,

@@ -125,3 +125,16 @@ def test_presets_build_the_hf_parameter_count(name):
     scalars = sum(b.numel() for n, b in hf.named_buffers() if n.endswith("layer_scalar"))
     assert sum(p.numel() for p in hf.parameters()) + scalars == cfg.num_parameters()
     assert adapter.config_from_hf(adapter.hf_config(cfg)).computed_fields() == cfg.computed_fields()
+
+
+def test_released_vision_bidirectional_setting_is_causal_over_text(pair):
+    """The releases' use_bidirectional_attention "vision" opens the mask among image tokens only:
+    on text transformers computes the causal model, which the import builds."""
+    from transformers import Gemma4ForCausalLM
+    hf, cfg, model = pair
+    vision = Gemma4ForCausalLM(_hf_config(use_bidirectional_attention="vision")).eval()
+    vision.load_state_dict(hf.state_dict())
+    assert adapter.config_from_hf(vision.config).replace(make_vocab_size_divisible_by=8) == cfg
+    ids = torch.randint(3, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids)[..., :VOCAB], vision(ids).logits, **TOL)

@@ -8,13 +8,15 @@ through `import_hf` -> `export_hf`: the exported tensors equal HF's bit for bit 
 imported checkpoint under (tp2, pp2) and (tp4): logits within 1e-5 of transformers; at tp4, greedy
 generation equals `generate(do_sample=False)`; Qwen3's (replicated) q/k-norm gradients under tp2
 and tp4 (with sequence parallelism) equal the unsharded model's. Fields that change the math and
-are not modelled are refused in one line naming the field.
+are not modelled are refused in one line naming the field. The config.json files of 45 released
+checkpoints (every family) import with transformers' parameter counts or are refused in one line;
+one shrunk copy per released structure gives transformers' logits within 1e-5 (one process).
 """
 import pytest
 import torch
 
 from tests.distributed import run_distributed
-from tests.hf_models import NEW_TOKENS, round_trip_cases
+from tests.hf_models import NEW_TOKENS, perturbed, round_trip_cases
 
 VOCAB = 101
 LAYERS = 2  # one per stage at pp2: still a stage whose layers do not start at 0
@@ -118,19 +120,27 @@ def test_real_config_files_with_training_leftovers_are_accepted():
 
 
 def test_released_config_files_are_accepted(tmp_path):
-    """config.json files of released checkpoints (GPT-2, DistilGPT2, BLOOM-560m, LLaMA-1, Llama 2,
-    Llama 3.1, SmolLM2-Instruct, Qwen2.5-Instruct, Qwen3; tests/fixtures/released_hf_configs.json)
-    import without a refusal and give the released parameter counts."""
+    """config.json files of released checkpoints, every supported family
+    (tests/fixtures/released_hf_configs.json, sources in tests/fixtures/README.md) import without a
+    refusal and give the parameter count transformers' own class has; those marked `refused` are
+    refused in one line naming that field."""
     import json
     import os
 
-    from megazoo.training.checkpoint.hf import read_hf_config
+    from megazoo.models.hf_fields import UnsupportedConfigError
+    from megazoo.training.checkpoint.hf import ConversionError, read_hf_config
     fixture = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "released_hf_configs.json")
     for name, entry in json.load(open(fixture)).items():
         (tmp_path / name).mkdir()
         (tmp_path / name / "config.json").write_text(json.dumps(entry["config"]))
-        _, module, hf = read_hf_config(str(tmp_path / name))
-        assert module.config_from_hf(hf).num_parameters() == entry["parameters"], name
+        if "refused" not in entry:
+            _, module, hf = read_hf_config(str(tmp_path / name))
+            assert module.config_from_hf(hf).num_parameters() == entry["parameters"], name
+            continue
+        with pytest.raises((ConversionError, UnsupportedConfigError),
+                           match=rf"^[^\n]*{entry['refused']}[^\n]*$"):
+            _, module, hf = read_hf_config(str(tmp_path / name))
+            module.config_from_hf(hf)
 
 
 def _worker(rank, cases):
@@ -186,3 +196,113 @@ def test_import_layout_errors_name_the_flag_and_field(tmp_path, capsys):
         err = capsys.readouterr().err
         assert expected in err and err.count("\n") == 1, err
     assert not (tmp_path / "mz").exists()
+
+
+# Released configs shrunk: sizes reduced, every structural field as released (rope scaling, tied
+# embeddings, biases, head_dim against hidden/heads, windows, MoE layout, layer patterns).
+_SMALL = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+              bos_token_id=None, eos_token_id=None, pad_token_id=None)  # None: left out
+SHRUNK = {  # fixture entry: overrides
+    "llama3.1-70b": dict(_SMALL, num_attention_heads=8, num_key_value_heads=2),
+    "llama3.3-70b-instruct": dict(_SMALL, num_attention_heads=8, num_key_value_heads=1),
+    "llama3.2-1b-instruct": dict(_SMALL, num_attention_heads=4, num_key_value_heads=2,
+                                 head_dim=16),
+    "mistral-7b-v0.1": dict(_SMALL, num_attention_heads=4, num_key_value_heads=2,
+                            sliding_window=5),
+    "mistral-7b-v0.3": dict(_SMALL, num_attention_heads=4, num_key_value_heads=2),
+    "mistral-nemo-base-2407": dict(_SMALL, num_attention_heads=4, num_key_value_heads=2,
+                                   head_dim=24),
+    "gemma-3-1b-it": dict(_SMALL, num_hidden_layers=6, num_attention_heads=4,
+                          num_key_value_heads=1, head_dim=16, sliding_window=5),
+    "qwen1.5-moe-a2.7b-chat": dict(_SMALL, num_attention_heads=4, num_key_value_heads=4,
+                                   num_experts=8, num_experts_per_tok=4,
+                                   moe_intermediate_size=32, shared_expert_intermediate_size=48),
+    "qwen2.5-1.5b": dict(_SMALL, num_attention_heads=4, num_key_value_heads=2),
+    "qwen3-8b": dict(_SMALL, num_attention_heads=4, num_key_value_heads=2, head_dim=16),
+    "mixtral-8x7b": dict(_SMALL, num_attention_heads=4, num_key_value_heads=2,
+                         num_local_experts=4),
+    "qwen2-57b-a14b": dict(_SMALL, num_attention_heads=4, num_key_value_heads=2, num_experts=8,
+                           num_experts_per_tok=4, moe_intermediate_size=32,
+                           shared_expert_intermediate_size=48),
+    "qwen3-30b-a3b": dict(_SMALL, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                          num_experts=8, num_experts_per_tok=4, moe_intermediate_size=32),
+    "qwen3-next-80b-a3b-thinking": dict(
+        _SMALL, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=16, linear_value_head_dim=16),
+    "deepseek-v3": dict(
+        _SMALL, num_attention_heads=4, num_key_value_heads=4, first_k_dense_replace=1,
+        n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=2,
+        moe_intermediate_size=32, kv_lora_rank=32, q_lora_rank=48, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=16, num_nextn_predict_layers=0,
+        quantization_config=None),
+    "gpt-oss-20b": dict(
+        _SMALL, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+        num_experts_per_tok=2, experts_per_token=2, sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"], quantization_config=None),
+    "nemotron-h-56b-base-8k": dict(
+        _SMALL, num_hidden_layers=5, hybrid_override_pattern="M-M*-", num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, attention_head_dim=16, mamba_num_heads=8,
+        mamba_head_dim=8, n_groups=2, ssm_state_size=16, chunk_size=8),
+    "nemotron-3-nano-30b-a3b": dict(
+        _SMALL, num_hidden_layers=5, hybrid_override_pattern="MEM*E", num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, mamba_num_heads=8, mamba_head_dim=8, n_groups=2,
+        ssm_state_size=16, chunk_size=8, n_routed_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=32, moe_shared_expert_intermediate_size=48),
+}
+
+
+def test_shrunk_released_configs_match_transformers(tmp_path):
+    """Each released structure above, shrunk, read as megazoo reads a checkpoint folder: the
+    parameter count of transformers' own model, and fp32 logits within 1e-5 of it on the same
+    (perturbed random) weights."""
+    import json
+    import os
+
+    from transformers import AutoModelForCausalLM
+
+    from megazoo.training.checkpoint.hf import read_hf_config
+    from tests.hf_models import hf_converted
+    fixture = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "released_hf_configs.json")
+    released = json.load(open(fixture))
+    ids = torch.randint(0, 96, (2, 17), generator=torch.Generator().manual_seed(1))
+    errors = {}
+    for i, (name, overrides) in enumerate(sorted(SHRUNK.items())):
+        config = {k: v for k, v in {**released[name]["config"], **overrides}.items() if v is not None}
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
+        _, module, hf_config = read_hf_config(str(tmp_path / name))
+        hf_config._attn_implementation = "eager"
+        torch.manual_seed(i)
+        hf = perturbed(AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32), seed=i)
+        cfg, model = hf_converted(hf, module)
+        assert cfg.num_parameters() == sum(p.numel() for p in hf.parameters()), name
+        with torch.no_grad():
+            want, got = hf(ids).logits, model(ids)[..., :96]
+        errors[name] = (got - want).abs().max().item()
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5, msg=name)
+    print("max |logits - transformers|:", errors)
+    assert len(errors) == len(SHRUNK)
+
+
+def test_release_fields_other_than_what_transformers_computes_are_refused():
+    """Fields released config.json files carry for their authors' own code, which transformers
+    does not read (it always computes one value): accepted at that value (the released files
+    above), refused in one line at any other."""
+    from transformers import (DeepseekV3Config, GptOssConfig, NemotronHConfig, Qwen3_5TextConfig,
+                              Qwen3MoeConfig)
+
+    from megazoo.models.hf_fields import UnsupportedConfigError
+    from megazoo.models.registry import family
+    cases = [("qwen3_moe", Qwen3MoeConfig(use_qk_norm=False), "use_qk_norm"),
+             ("qwen3_moe", Qwen3MoeConfig(shared_expert_intermediate_size=64),
+              "shared_expert_intermediate_size"),
+             ("deepseek_v3", DeepseekV3Config(scoring_func="softmax"), "scoring_func"),
+             ("deepseek_v3", DeepseekV3Config(moe_layer_freq=2), "moe_layer_freq"),
+             ("nemotron_h", NemotronHConfig(attention_head_dim=64), "attention_head_dim"),
+             ("gpt_oss", GptOssConfig(experts_per_token=3), "experts_per_token"),
+             ("qwen3_5_text", Qwen3_5TextConfig(attn_output_gate=False), "attn_output_gate")]
+    for name, hf, field in cases:
+        with pytest.raises(UnsupportedConfigError, match=rf"^[^\n]*{field}=[^\n]*$"):
+            family(name).adapter.config_from_hf(hf)

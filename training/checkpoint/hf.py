@@ -1,8 +1,10 @@
 """Hugging Face folders <-> megazoo checkpoints of any layout.
 
-Import reads `config.json` and the weights (`model.safetensors`, `pytorch_model.bin`, or their
+Import reads `config.json` (a multimodal release's language model, or Kimi K2's as DeepSeek-V3's:
+hf_releases.py) and the weights (`model.safetensors`, `pytorch_model.bin`, or their
 sharded `*.index.json` forms; `.bin` files with `torch.load(weights_only=True)`, so nothing
-arbitrary is unpickled; an FP8 release's block-scaled tensors dequantized: hf_fp8.py), maps
+arbitrary is unpickled; an FP8 release's block-scaled tensors dequantized: hf_fp8.py; an MXFP4
+one's: hf_mxfp4.py), maps
 them to megazoo's full tensors with the family's `from_hf_state_dict` (GPT-2's Conv1D transposes and [q|k|v] -> per-head QKV order live there)
 and writes a weights-only checkpoint for the target (tp, pp, vpp). Tokenizer files are copied
 into the checkpoint's `tokenizer/` folder with the special-token ids of config.json and
@@ -30,11 +32,13 @@ from megazoo.models.lora import apply_lora
 from megazoo.models.lora_targets import LoRASettings
 from megazoo.models.config import TransformerConfig
 from megazoo.models.language_model import WORD_EMBEDDINGS
-from megazoo.models.registry import build_model, family
+from megazoo.models.registry import FAMILIES, build_model, family
 from megazoo.parallel.layout import ParallelConfig
 
 from megazoo.training.checkpoint import format as ckpt
 from megazoo.training.checkpoint.hf_fp8 import dequantize, read_quantization
+from megazoo.training.checkpoint.hf_mxfp4 import dequantize as dequantize_mxfp4
+from megazoo.training.checkpoint.hf_releases import alias_config, is_wrapped, text_config, text_weights
 from megazoo.training.checkpoint.tokenizer import TOKEN_IDS, copy_tokenizer, hf_token_record, read_record
 from megazoo.training.checkpoint.tokenizer import tokenizer_dir as checkpoint_tokenizer_dir
 from megazoo.training.checkpoint.tokenizer import write_record
@@ -51,29 +55,46 @@ class ConversionError(ValueError):
 
 
 def read_hf_config(folder: str):
+    """(model_type, family adapter, transformers config) of a folder's config.json; a
+    multimodal release's text model or a remote-code alias read through its family
+    (hf_releases.py)."""
     path = os.path.join(folder, "config.json")
     if not os.path.isfile(path):
         raise ConversionError(f"{path} is missing; pass a Hugging Face model folder "
                               f"(save_pretrained output)")
     from transformers import AutoConfig
     try:
-        model_type = json.load(open(path)).get("model_type")
-    except (json.JSONDecodeError, OSError) as e:
+        raw = json.load(open(path))
+        model_type = raw.get("model_type")
+    except (json.JSONDecodeError, OSError, AttributeError) as e:
         raise ConversionError(f"{path}: unreadable config ({e})") from None
     try:
         module = family(model_type, path).adapter
     except ValueError as e:
-        raise ConversionError(str(e)) from None
+        module, unsupported = None, str(e)
+        if "text_config" not in raw and alias_config(raw) is None:
+            raise ConversionError(unsupported) from None
     try:
         quantized = read_quantization(folder)
     except ValueError as e:
         raise ConversionError(str(e)) from None
     try:
-        hf = AutoConfig.from_pretrained(folder, local_files_only=True)
+        aliased = alias_config(raw) if module is None else None
+        hf = aliased[1] if aliased else AutoConfig.from_pretrained(
+            folder, local_files_only=True, trust_remote_code=False)
     except (ValueError, OSError) as e:
         raise ConversionError(f"{path}: unreadable config ({e})") from None
     if quantized is not None and hasattr(hf, "quantization_config"):
         del hf.quantization_config  # the weights are dequantized as they are read
+    if module is None:
+        found = aliased or text_config(hf, FAMILIES)
+        if found is None:
+            text = getattr(getattr(hf, "text_config", None), "model_type", None)
+            raise ConversionError(unsupported if text is None else
+                                  f"{unsupported} (a multimodal model whose language model, "
+                                  f"{text!r}, is not a megazoo family either)")
+        model_type, hf = found
+        module = family(model_type, path).adapter
     return model_type, module, hf
 
 
@@ -110,7 +131,11 @@ def read_hf_weights(folder: str) -> dict[str, torch.Tensor]:
                                   f"({str(e).splitlines()[0][:200]}); download it again") from None
     try:
         quantized = read_quantization(folder)
-        return sd if quantized is None else dequantize(sd, quantized, folder)
+        if quantized is None:
+            return sd
+        if quantized["quant_method"] == "mxfp4":
+            return dequantize_mxfp4(sd, folder)
+        return dequantize(sd, quantized, folder)
     except ValueError as e:
         raise ConversionError(str(e)) from None
 
@@ -121,6 +146,8 @@ def hf_to_full(folder: str, parsed: tuple | None = None) -> tuple[str, Transform
     model_type, module, hf = parsed or read_hf_config(folder)
     config = module.config_from_hf(hf)
     sd = read_hf_weights(folder)
+    if is_wrapped(sd):
+        sd = text_weights(sd, folder)
     config, record = _without_missing_depths(module, config, sd, folder)
     try:
         full = module.from_hf_state_dict(sd, config)

@@ -36,6 +36,7 @@ _FP8 = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e4m3fnuz", "fl
 # are quantized is read from the files: a tensor with a scale is)
 _BOOKKEEPING = {"quant_method", "fmt", "activation_scheme", "weight_block_size", "scale_fmt",
                 "modules_to_not_convert", "modules_to_convert", "dequantize"}
+_MXFP4_BOOKKEEPING = {"quant_method", "modules_to_not_convert", "dequantize"}
 
 
 def read_quantization(folder: str) -> dict | None:
@@ -48,10 +49,17 @@ def read_quantization(folder: str) -> dict | None:
     if quant is None:
         return None
     where = f"{path}: quantization_config"
-    if not isinstance(quant, dict) or quant.get("quant_method") != "fp8":
+    if not isinstance(quant, dict) or quant.get("quant_method") not in ("fp8", "mxfp4"):
         method = quant.get("quant_method") if isinstance(quant, dict) else quant
         raise ValueError(f"{where} quant_method {method!r} is not supported (megazoo imports FP8 "
-                         f"block-scaled releases, quant_method 'fp8'); import an unquantized folder")
+                         f"block-scaled releases, quant_method 'fp8', and MXFP4 ones, 'mxfp4'); "
+                         f"import an unquantized folder")
+    if quant["quant_method"] == "mxfp4":  # hf_mxfp4.py: the files say which tensors are packed
+        unknown = sorted(set(quant) - _MXFP4_BOOKKEEPING)
+        if unknown:
+            raise ValueError(f"{where} has fields megazoo does not model ({', '.join(unknown)}); "
+                             f"supported: {sorted(_MXFP4_BOOKKEEPING)}")
+        return quant
     if quant.get("fmt", "e4m3") != "e4m3":
         raise ValueError(f"{where} fmt {quant['fmt']!r} is not supported (e4m3 only)")
     if quant.get("activation_scheme", "dynamic") != "dynamic":
