@@ -165,10 +165,11 @@ def eval_step(chunks, microbatches: list[dict], topo: ParallelTopology, *, shape
 
 
 def evaluate(chunks, dataset, topo: ParallelTopology, run, shape, dtype, *, watchdog=None,
-             interrupted=None, forward_fn=None) -> tuple[float, int, int]:
-    """Validation loss over --eval-iters global batches (the same batches at every evaluation),
-    how many batches it took and how many it was to take. `interrupted()` (collective, the same
-    on every rank) is asked after each batch: True ends the evaluation early (a stop request).
+             interrupted=None, forward_fn=None, consumed_samples: int = 0) -> tuple[float, int, int]:
+    """Validation loss over --eval-iters global batches from sample `consumed_samples` of the
+    validation set (wrapping around its end), how many batches it took and how many it was to
+    take. `interrupted()` (collective, the same on every rank) is asked after each batch: True
+    ends the evaluation early (a stop request).
 
     With the per-token loss (--sft, --calculate-per-token-loss) the loss is the mean over every
     counted token of those batches (each batch weighed by its tokens), and --sft reads each
@@ -180,7 +181,8 @@ def evaluate(chunks, dataset, topo: ParallelTopology, run, shape, dtype, *, watc
     if run.data.sft:
         planned = min(planned, math.ceil(len(dataset) / gbs))
         dataset = OnePass(dataset, planned * gbs)
-    it = microbatches(dataset, consumed_samples=0, micro_batch_size=mbs, dp_rank=topo.dp_rank,
+    it = microbatches(dataset, consumed_samples=consumed_samples, micro_batch_size=mbs,
+                      dp_rank=topo.dp_rank,
                       dp=topo.dp, device=topo.device, eod_mask_token=run.data.eod_mask_token,
                       cp=topo.cp, cp_rank=topo.cp_rank, documents=document_flags(run.data))
     per_step = gbs // (mbs * topo.dp)

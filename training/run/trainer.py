@@ -276,7 +276,8 @@ class Trainer:
         vloss, batches, planned = evaluate(self.chunks, self.valid_ds, self.topo, self.run,
                                            self.shape, self.opt.dtype,
                                            watchdog=self.watchdog, interrupted=interrupted,
-                                           forward_fn=self.dpo_eval_forward)
+                                           forward_fn=self.dpo_eval_forward,
+                                           consumed_samples=self.validation_consumed(it))
         dpo = {}
         if self.run.dpo is not None:  # the held-out pairs' rewards (collective)
             with self.watchdog.collective("DPO evaluation metrics all-reduce"):
@@ -291,6 +292,17 @@ class Trainer:
             self.result.valid_dpo.append((it, dpo))
         self.log.log(dict(loss=vloss, **dpo) if dpo else dict(loss=vloss, ppl=math.exp(min(vloss, 50))),
                      it, "valid")
+
+    def validation_consumed(self, it: int) -> int:
+        """Where the evaluation at iteration `it` starts in the validation set. As Megatron-LM's
+        validation iterator, pretraining moves on: the k-th evaluation (at k x --eval-interval)
+        reads the k-th run of --eval-iters global batches, which the validation set is sized for
+        (training/run/batches.py `dataset_num_samples`), so a resumed run continues where the
+        uninterrupted one would be. --sft and --dpo read the same held-out set every time."""
+        if self.run.data.sft or self.run.dpo is not None:
+            return 0
+        evaluations_before = it // self.run.logging.eval_interval - 1
+        return evaluations_before * self.run.logging.eval_iters * self.run.schedule.global_batch_size
 
     def evaluate_tasks_if_due(self) -> None:
         """--eval-tasks every --eval-tasks-interval iterations and after the last: the scores
