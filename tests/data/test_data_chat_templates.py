@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from megazoo.data.chat import ChatRenderer, SkipRecord
+from megazoo.data.preference import render_pair
 from tests.fixtures import HERE, small_gpt2
 
 TEMPLATES = HERE / "chat_templates"
@@ -55,50 +56,59 @@ REPLIES = [("step one", "hello you"), ("step two", "fine thanks"), ("step three"
 USERS = ["hi there", "how are things", "and now"]
 
 
+def assistant(reasoning: str | None, thought: str, answer: str) -> dict:
+    """An assistant message: reasoning None (the answer alone), "inline" (<think>...</think> in
+    the content) or "field" (gpt-oss's `thinking`)."""
+    if reasoning == "inline":
+        return {"role": "assistant", "content": f"<think>\n{thought}\n</think>\n\n{answer}"}
+    if reasoning == "field":
+        return {"role": "assistant", "content": answer, "thinking": thought}
+    return {"role": "assistant", "content": answer}
+
+
 def conversation(reasoning: str | None) -> list[dict]:
-    """System + 3 user/assistant turns; reasoning None (plain replies), "inline"
-    (<think>...</think> in the content) or "field" (gpt-oss's `thinking`)."""
+    """System + 3 user/assistant turns, the replies with `reasoning` (see `assistant`)."""
     out = [{"role": "system", "content": "be brief"}]
     for user, (thought, answer) in zip(USERS, REPLIES):
-        out.append({"role": "user", "content": user})
-        if reasoning == "inline":
-            out.append({"role": "assistant",
-                        "content": f"<think>\n{thought}\n</think>\n\n{answer}"})
-        elif reasoning == "field":
-            out.append({"role": "assistant", "content": answer, "thinking": thought})
-        else:
-            out.append({"role": "assistant", "content": answer})
+        out += [{"role": "user", "content": user}, assistant(reasoning, thought, answer)]
     return out
+
+
+def prompts(reasoning: str | None) -> list[list[dict]]:
+    """A 1-turn prompt, and a 2-turn one: system, user, an assistant turn with `reasoning`,
+    user."""
+    return [[{"role": "user", "content": USERS[1]}], conversation(reasoning)[:4]]
+
+
+def expected_reply(style: str, eot: str | None, reasoning: str | None, thought: str, answer: str,
+                   last: bool) -> str:
+    """An assistant reply as the template renders it in the whole conversation, after the
+    generation prompt, through the end-of-turn token (from reading each template); `last`: the
+    conversation's final turn."""
+    inline = f"<think>\n{thought}\n</think>\n\n{answer}"
+    if style == "as-is":
+        return (inline if reasoning == "inline" else answer) + eot
+    if style == "spaced":  # ' ' + content + ' ' + eos, after ' [/INST]'
+        return " " + (inline if reasoning == "inline" else answer) + " " + eot
+    if style == "qwen3":  # reasoning only after the last user turn; the last turn always has a
+        # (possibly empty) think block
+        return (f"<think>\n{thought if reasoning else ''}\n</think>\n\n{answer}" if last
+                else answer) + eot
+    if style == "r1":  # content after </think>, every turn
+        return ("\n\n" if reasoning == "inline" else "") + answer + eot
+    # harmony: analysis of the last turn only; the final ends <|return|> (harmony-final: the
+    # generation prompt already opens the final channel)
+    head = "" if style == "harmony-final" else "<|channel|>final<|message|>"
+    if last and reasoning == "field":
+        head = ("analysis" if style == "harmony-final" else "<|channel|>analysis")
+        head += f"<|message|>{thought}<|end|><|start|>assistant<|channel|>final<|message|>"
+    return head + answer + ("<|return|>" if last else "<|end|>")
 
 
 def expected_replies(style: str, eot: str | None, reasoning: str | None) -> list[str]:
-    """Each assistant reply as the template renders it in the whole conversation, after the
-    generation prompt, through the end-of-turn token (from reading each template)."""
-    out = []
-    for k, (thought, answer) in enumerate(REPLIES):
-        last = k == len(REPLIES) - 1
-        inline = f"<think>\n{thought}\n</think>\n\n{answer}"
-        if style == "as-is":
-            out.append((inline if reasoning == "inline" else answer) + eot)
-        elif style == "spaced":  # ' ' + content + ' ' + eos, after ' [/INST]'
-            out.append(" " + (inline if reasoning == "inline" else answer) + " " + eot)
-        elif style == "qwen3":  # reasoning only after the last user turn; the last turn always
-            # has a (possibly empty) think block
-            if last:
-                out.append(f"<think>\n{thought if reasoning else ''}\n</think>\n\n{answer}" + eot)
-            else:
-                out.append(answer + eot)
-        elif style == "r1":  # content after </think>, every turn
-            out.append(("\n\n" if reasoning == "inline" else "") + answer + eot)
-        elif style.startswith("harmony"):  # analysis of the last turn only; final ends <|return|>
-            # (harmony-final: the generation prompt already opens the final channel)
-            head = "" if style == "harmony-final" else "<|channel|>final<|message|>"
-            end = "<|return|>" if last else "<|end|>"
-            if last and reasoning == "field":
-                head = ("analysis" if style == "harmony-final" else "<|channel|>analysis")
-                head += f"<|message|>{thought}<|end|><|start|>assistant<|channel|>final<|message|>"
-            out.append(head + answer + end)
-    return out
+    """Each assistant reply of `conversation(reasoning)` as the template renders it."""
+    return [expected_reply(style, eot, reasoning, thought, answer, k == len(REPLIES) - 1)
+            for k, (thought, answer) in enumerate(REPLIES)]
 
 
 def tokenizer(folder, name: str):
@@ -131,8 +141,17 @@ def folder(tmp_path_factory):
     return tmp_path_factory.mktemp("tok")
 
 
+def same_mask(tok, tokens, got, want, what) -> None:
+    got = got.tolist()
+    if got != want:
+        bad = [j for j in range(len(want)) if got[j] != want[j]]
+        pytest.fail(f"{what}: mask differs at tokens {bad[:8]}: "
+                    f"{tok.decode(tokens[bad[0]:bad[0] + 6].tolist())!r}")
+
+
 def check(tok, name: str) -> None:
-    """ChatRenderer's tokens and mask of the plain and the reasoning conversation under `name`."""
+    """ChatRenderer's tokens and mask of the plain and the reasoning conversation under `name`,
+    then preference pairs after a 1-turn and a 2-turn prompt (`check_pairs`)."""
     renderer = ChatRenderer(tok, name=name)
     assert renderer.marks_generation == (name == "smollm3_3b")  # the one that marks its replies
     style, eot = CASES[name][2], CASES[name][3]
@@ -144,16 +163,52 @@ def check(tok, name: str) -> None:
         assert r.tokens.tolist() == list(want), (name, reasoning)
         text = tok.apply_chat_template(messages, tokenize=False)
         mask = expected_mask(tok, text, expected_replies(style, eot, reasoning))
-        got = r.assistant_mask.tolist()
-        if got != mask:
-            bad = [j for j in range(len(mask)) if got[j] != mask[j]]
-            pytest.fail(f"{name} ({reasoning}): mask differs at tokens {bad[:8]}: "
-                        f"{tok.decode(r.tokens[bad[0]:bad[0] + 6].tolist())!r}")
+        same_mask(tok, r.tokens, r.assistant_mask, mask, f"{name} ({reasoning})")
+    check_pairs(renderer, tok, name, kinds[1])
+
+
+def check_pairs(renderer, tok, name: str, reasoning: str) -> None:
+    """DPO's pairs (chosen: a reply with reasoning, rejected: a plain one) after each of
+    `prompts(reasoning)`: the tokens are apply_chat_template of prompt + reply, the mask exactly
+    the final reply and its end-of-turn token (not the prompt's assistant turn)."""
+    style, eot = CASES[name][2], CASES[name][3]
+    thought, answer = REPLIES[2]
+    replies = [(assistant(reasoning, thought, answer), reasoning, thought, answer),
+               (assistant(None, "", "no idea"), None, "", "no idea")]
+    for prompt in prompts(reasoning):
+        pair = render_pair(renderer, {"prompt": prompt, "chosen": [replies[0][0]],
+                                      "rejected": [replies[1][0]]})
+        for r, (reply, kind, think, text) in zip(pair, replies):
+            messages = prompt + [reply]
+            what = f"{name} pair after {len(prompt)} messages ({kind})"
+            want = tok.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"]
+            assert r.tokens.tolist() == list(want), what
+            rendered = tok.apply_chat_template(messages, tokenize=False)
+            mask = expected_mask(tok, rendered, [expected_reply(style, eot, kind, think, text, True)])
+            same_mask(tok, r.tokens, r.assistant_mask, mask, what)
+
+
+def check_generation_prompts(tok, name: str, folder) -> None:
+    """GRPO's prompt tokens (training/run/grpo_prompts.py, through the tokenizer folder as the
+    trainer loads it) equal apply_chat_template(prompt, add_generation_prompt=True)."""
+    from megazoo.data.tokenizers import HFTokenizer
+    from megazoo.training.run.grpo_prompts import render
+    tok.save_pretrained(folder / name)
+    loaded = HFTokenizer(str(folder / name))
+    reasoning = "field" if CASES[name][2].startswith("harmony") else "inline"
+    for prompt in prompts(reasoning):
+        want = list(tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True,
+                                            return_dict=True)["input_ids"])
+        assert render(loaded, {"messages": prompt}, True, name) == want, (name, len(prompt))
+        if len(prompt) == 1:  # a string prompt with --grpo-chat: one user turn
+            assert render(loaded, {"prompt": prompt[0]["content"]}, True, name) == want, name
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_released_template_masks_each_reply_and_its_end_of_turn(folder, name):
-    check(tokenizer(folder, name), name)
+    tok = tokenizer(folder, name)
+    check(tok, name)
+    check_generation_prompts(tok, name, folder)
 
 
 def test_sentencepiece_tokenizer_with_the_mistral_and_gemma_templates():
