@@ -12,6 +12,7 @@ message, or mark more than the replies, and the fallbacks when a reply cannot be
 from __future__ import annotations
 
 import re
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -211,6 +212,46 @@ def test_released_template_masks_each_reply_and_its_end_of_turn(folder, name):
     check_generation_prompts(tok, name, folder)
 
 
+# What TRL 1.16's DPOTrainer learns beyond each reply and its end-of-turn token: its mask is
+# every token after the common prefix of the prompt (with the generation prompt) and both
+# renderings of prompt + reply. (template, prompt messages, reply) -> text; "*" any.
+TRL_EXTRA = {**{(n, "*", "*"): "\n" for n in ("qwen2.5_7b_instruct", "qwen3_0.6b", "qwen3_rev2",
+                                              "smollm2_135m_instruct", "smollm3_3b", "gemma3_it")},
+             ("phi3_mini_instruct", "*", "*"): "\n<|endoftext|>",
+             ("phi3.5_mini_instruct", "*", "*"): "\n<|endoftext|>",
+             # the prompt alone ends the final-channel header the reasoning reply replaces
+             ("gpt_oss_120b", "*", "rejected"): "final<|message|>",
+             # the system prompt moves to the last user turn of the prompt alone
+             ("mistral_nemo_instruct_2407", 4, "*"): "how are things[/INST]"}
+
+
+def test_trl_dpo_trainer_gives_the_same_tokens_and_masks_that_differ_as_documented(folder):
+    """TRL's own DPO tokenization (`DPOTrainer._prepare_dataset`, called without a model) of the
+    pairs `check_pairs` renders: the tokens equal megazoo's for every template, and its mask
+    covers megazoo's plus exactly `TRL_EXTRA` (docs/post_training.md)."""
+    import datasets
+    from trl.trainer.dpo_trainer import DPOTrainer
+    args = SimpleNamespace(dataset_num_proc=None, max_length=None, truncation_mode="keep_start")
+    for name in sorted(CASES):
+        tok = tokenizer(folder, name)
+        renderer = ChatRenderer(tok, name=name)
+        reasoning = "field" if CASES[name][2].startswith("harmony") else "inline"
+        records = [{"prompt": prompt, "chosen": [assistant(reasoning, *REPLIES[2])],
+                    "rejected": [assistant(None, "", "no idea")]} for prompt in prompts(reasoning)]
+        theirs = DPOTrainer._prepare_dataset(SimpleNamespace(_tokenizer=tok),
+                                             datasets.Dataset.from_list(records), tok, args, name)
+        for record, trl in zip(records, theirs):
+            for key, ours in zip(("chosen", "rejected"), render_pair(renderer, record)):
+                what = (name, len(record["prompt"]), key)
+                assert trl["prompt_ids"] + trl[key + "_ids"] == ours.tokens.tolist(), what
+                start, mask = len(trl["prompt_ids"]), ours.assistant_mask.tolist()
+                assert not any(mask[:start]), what  # TRL learns all megazoo learns
+                extra = [t for t, m in zip(ours.tokens[start:].tolist(), mask[start:]) if not m]
+                want = next((v for k, v in TRL_EXTRA.items()
+                             if all(a in ("*", b) for a, b in zip(k, what))), "")
+                assert tok.decode(extra) == want, what
+
+
 def test_sentencepiece_tokenizer_with_the_mistral_and_gemma_templates():
     """The same over a SentencePiece BPE (a word-initial '▁', as Mistral's and Gemma's own
     tokenizers): offsets of '▁'-prefixed pieces still cover exactly the replies."""
@@ -271,14 +312,30 @@ def test_refusals_dropped_messages_and_fallbacks_say_so(folder, caplog):
     # a template with no special token after the reply: prefix renderings, logged; when those
     # disagree too, the record is skipped with both reasons and the fix
     tok = tokenizer(folder, "qwen2.5_7b_instruct")
-    tok.chat_template = ("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
-                         "{% if add_generation_prompt %}assistant:{% endif %}")
+    plain = ("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+             "{% if add_generation_prompt %}assistant:{% endif %}")
+    tok.chat_template = plain
     caplog.clear()
     r = ChatRenderer(tok, name="plain").render({"messages": conversation(None)})
     assert r.assistant_mask.any()
     assert any("no special end-of-turn token" in x.getMessage()
                and "prefix renderings" in x.getMessage() for x in caplog.records)
-    tok.chat_template = "{{ messages | length }}" + tok.chat_template
+    # DPO's pairs take the same fallback; the prompt's assistant turn is not learned, neither
+    # through the prefix renderings nor through a template's own {% generation %} marks
+    pair = {"prompt": conversation(None)[:4], "chosen": "bye now", "rejected": "no idea"}
+    learned = [tok.decode(r.tokens[r.assistant_mask == 1].tolist())
+               for r in render_pair(ChatRenderer(tok), pair)]
+    assert learned == [" bye now\n", " no idea\n"]
+    marked = tok.chat_template.replace("{{ m.content }}", "{% if m.role == 'assistant' %}{% generation %}"
+                                       "{{ m.content }}{% endgeneration %}{% else %}{{ m.content }}"
+                                       "{% endif %}")
+    tok.chat_template = marked.replace(": ", ":\n").replace("assistant:", "assistant:\n")
+    learned = [tok.decode(r.tokens[r.assistant_mask == 1].tolist())
+               for r in render_pair(ChatRenderer(tok), pair)]
+    assert learned == ["bye now", "no idea"]
+    with pytest.raises(SkipRecord, match="'rejected' has no assistant message"):
+        render_pair(ChatRenderer(tok), {**pair, "rejected": [{"role": "user", "content": "no"}]})
+    tok.chat_template = "{{ messages | length }}" + plain
     both = r"no special end-of-turn token.*mark the replies with \{% generation %\}"
     with pytest.raises(SkipRecord, match=both):
         ChatRenderer(tok, name="counted").render({"messages": conversation(None)})
