@@ -18,6 +18,9 @@ model sees at inference). The assistant mask marks the tokens the model learns t
   the tokens in between are the span, and a prefix rendering that is not a token prefix of the
   whole rendering skips the record with the reason.
 
+`render(record, context=k)` learns only the assistant messages from message k on: the first k
+are context (DPO's prompt, data/preference.py), rendered but not learned.
+
 The mask is aligned with the tokens; the label shift (labels = tokens[1:], loss mask =
 mask[1:]) happens when samples are cut (data/sft_dataset.py).
 
