@@ -7,8 +7,12 @@ DeepSeek-R1 family drops all of it, gpt-oss keeps only the last turn's analysis 
 located in the rendered text by search; the expected mask is the tokens overlapping them (the
 tokenizer's offsets). Each template's tokenizer is the 301-token byte-level BPE of
 tests/fixtures with the template's control tokens added as special tokens; the Mistral and Gemma
-templates run over a SentencePiece BPE too. Then: templates that refuse a conversation, drop a
-message, or mark more than the replies, and the fallbacks when a reply cannot be located."""
+templates run over a SentencePiece BPE too. Under each template also DPO's preference pairs
+(data/preference.py) after a 1-turn and a 2-turn prompt, only the final reply learned; GRPO's
+prompt tokens (training/run/grpo_prompts.py) against `apply_chat_template(...,
+add_generation_prompt=True)`; and TRL's own DPO tokenization of the same pairs. Then: templates
+that refuse a conversation, drop a message, or mark more than the replies, and the fallbacks
+when a reply cannot be located (DPO's pairs included)."""
 from __future__ import annotations
 
 import re
@@ -185,7 +189,8 @@ def check_pairs(renderer, tok, name: str, reasoning: str) -> None:
             want = tok.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"]
             assert r.tokens.tolist() == list(want), what
             rendered = tok.apply_chat_template(messages, tokenize=False)
-            mask = expected_mask(tok, rendered, [expected_reply(style, eot, kind, think, text, True)])
+            reply_text = expected_reply(style, eot, kind, think, text, True)
+            mask = expected_mask(tok, rendered, [reply_text])
             same_mask(tok, r.tokens, r.assistant_mask, mask, what)
 
 
@@ -207,6 +212,7 @@ def check_generation_prompts(tok, name: str, folder) -> None:
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_released_template_masks_each_reply_and_its_end_of_turn(folder, name):
+    """SFT's conversations, DPO's pairs and GRPO's prompts under the template."""
     tok = tokenizer(folder, name)
     check(tok, name)
     check_generation_prompts(tok, name, folder)
@@ -326,9 +332,8 @@ def test_refusals_dropped_messages_and_fallbacks_say_so(folder, caplog):
     learned = [tok.decode(r.tokens[r.assistant_mask == 1].tolist())
                for r in render_pair(ChatRenderer(tok), pair)]
     assert learned == [" bye now\n", " no idea\n"]
-    marked = tok.chat_template.replace("{{ m.content }}", "{% if m.role == 'assistant' %}{% generation %}"
-                                       "{{ m.content }}{% endgeneration %}{% else %}{{ m.content }}"
-                                       "{% endif %}")
+    marked = plain.replace("{{ m.content }}", "{% if m.role == 'assistant' %}{% generation %}"
+                           "{{ m.content }}{% endgeneration %}{% else %}{{ m.content }}{% endif %}")
     tok.chat_template = marked.replace(": ", ":\n").replace("assistant:", "assistant:\n")
     learned = [tok.decode(r.tokens[r.assistant_mask == 1].tolist())
                for r in render_pair(ChatRenderer(tok), pair)]
