@@ -187,9 +187,7 @@ class ChatRenderer:
                               return_assistant_tokens_mask=True)
             tokens, mask = list(out["input_ids"]), list(out["assistant_masks"])
             if any(m["role"] == "assistant" for m in messages[:context]):
-                replies = (self._located_spans(messages, context) if self.locates
-                           else self._prefix_spans(messages, context))[1]
-                mask = [m & k for m, k in zip(mask, replies)]
+                mask = [m & k for m, k in zip(mask, self._replies_after(messages, context))]
             elif self.trims_marks:
                 try:
                     located = self._locate(messages, context)[1]
@@ -243,6 +241,25 @@ class ChatRenderer:
                                  f"after truncation")
         return Rendered(np.asarray(tokens, dtype=np.int64), np.asarray(mask, dtype=np.uint8),
                         truncated)
+
+    def _replies_after(self, messages: list[dict], context: int) -> list[int]:
+        """The mask of the replies from message `context` on, to cut {% generation %} marks that
+        also cover a prompt's assistant turns: located, else from the prefix renderings."""
+        reason = "a slow tokenizer gives no character offsets"
+        if self.locates:
+            try:
+                return self._locate(messages, context)[1]
+            except Unlocatable as e:
+                reason = str(e)
+        try:
+            mask = self._prefix_spans(messages, context)[1]
+        except SkipRecord:
+            raise SkipRecord(f"{reason}, and the prefix renderings disagree, so the template's "
+                             f"{{% generation %}} marks cannot be cut to the reply after a prompt "
+                             f"with assistant turns; give a template that closes each turn with a special "
+                             f"token, or prompts without assistant turns") from None
+        self._once("prefix", f"{reason}; its assistant spans come from prefix renderings")
+        return mask
 
     def _located_spans(self, messages: list[dict], context: int = 0
                        ) -> tuple[list[int], list[int]]:

@@ -49,13 +49,13 @@ def render_pair(renderer: ChatRenderer, record: dict) -> tuple[Rendered, Rendere
     if not all(k in record for k in ("prompt", "chosen", "rejected")):
         raise SkipRecord("not a preference record (prompt, chosen, rejected)")
     prompt = _messages(record["prompt"], "user", "prompt")
-    out = []
-    for key in ("chosen", "rejected"):
-        reply = _messages(record[key], "assistant", key)
+    replies = [_messages(record[key], "assistant", key) for key in ("chosen", "rejected")]
+    for key, reply in zip(("chosen", "rejected"), replies):
         if not any(isinstance(m, dict) and m.get("role") == "assistant" for m in reply):
             raise SkipRecord(f"'{key}' has no assistant message")
-        out.append(renderer.render({"messages": prompt + reply}, context=len(prompt)))
-    return out[0], out[1]
+    chosen, rejected = (renderer.render({"messages": prompt + reply}, context=len(prompt))
+                        for reply in replies)
+    return chosen, rejected
 
 
 def split_preference_datasets(prefix: str, split: str, seq_length: int, seed: int, *,

@@ -338,6 +338,10 @@ def test_refusals_dropped_messages_and_fallbacks_say_so(folder, caplog):
     learned = [tok.decode(r.tokens[r.assistant_mask == 1].tolist())
                for r in render_pair(ChatRenderer(tok), pair)]
     assert learned == ["bye now", "no idea"]
+    tok.chat_template = "{{ messages | length }}" + tok.chat_template  # prefixes disagree too
+    with pytest.raises(SkipRecord, match=r"no special end-of-turn token.*prefix renderings "
+                                         r"disagree.*marks cannot be cut to the reply"):
+        render_pair(ChatRenderer(tok), pair)
     with pytest.raises(SkipRecord, match="'rejected' has no assistant message"):
         render_pair(ChatRenderer(tok), {**pair, "rejected": [{"role": "user", "content": "no"}]})
     tok.chat_template = "{{ messages | length }}" + plain
