@@ -256,8 +256,8 @@ class ChatRenderer:
         except SkipRecord:
             raise SkipRecord(f"{reason}, and the prefix renderings disagree, so the template's "
                              f"{{% generation %}} marks cannot be cut to the reply after a prompt "
-                             f"with assistant turns; give a template that closes each turn with a special "
-                             f"token, or prompts without assistant turns") from None
+                             f"with assistant turns; give a template that closes each turn with "
+                             f"a special token, or prompts without assistant turns") from None
         self._once("prefix", f"{reason}; its assistant spans come from prefix renderings")
         return mask
 
