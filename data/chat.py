@@ -18,6 +18,9 @@ model sees at inference). The assistant mask marks the tokens the model learns t
   the tokens in between are the span, and a prefix rendering that is not a token prefix of the
   whole rendering skips the record with the reason.
 
+`render(record, context=k)` learns only the assistant messages from message k on: the first k
+are context (DPO's prompt, data/preference.py), rendered but not learned.
+
 The mask is aligned with the tokens; the label shift (labels = tokens[1:], loss mask =
 mask[1:]) happens when samples are cut (data/sft_dataset.py).
 
@@ -175,32 +178,27 @@ class ChatRenderer:
     def _text(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
         return self._apply(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
-    def token_ids(self, messages: list[dict], **kw) -> list[int]:
-        """The template's token ids of `messages` (kw: e.g. add_generation_prompt=True)."""
-        return self._ids(messages, **kw)
-
-    def bounded(self, tokens: list[int], mask: list[int]) -> Rendered:
-        """`tokens` and their learned-token `mask`, checked and cut to `max_tokens` (the
-        record skipped, or truncated, as `overlong` says)."""
-        return self._bounded(tokens, mask)
-
-    def render(self, record: dict) -> Rendered:
+    def render(self, record: dict, *, context: int = 0) -> Rendered:
+        """The record's tokens and learned-token mask. The first `context` messages are context
+        only: their assistant turns are rendered but not learned (DPO's multi-turn prompts)."""
         messages = conversation_of(record)
         if self.marks_generation:
             out = self._apply(messages, tokenize=True, return_dict=True,
                               return_assistant_tokens_mask=True)
             tokens, mask = list(out["input_ids"]), list(out["assistant_masks"])
-            if self.trims_marks:
+            if any(m["role"] == "assistant" for m in messages[:context]):
+                mask = [m & k for m, k in zip(mask, self._replies_after(messages, context))]
+            elif self.trims_marks:
                 try:
-                    located = self._locate(messages)[1]
+                    located = self._locate(messages, context)[1]
                     mask = [m & k for m, k in zip(mask, located)]
                 except Unlocatable as e:
                     self._once("untrimmed", f"{e}; such records keep the template's marks "
                                             f"as they are")
         elif self.locates:
-            tokens, mask = self._located_spans(messages)
+            tokens, mask = self._located_spans(messages, context)
         else:
-            tokens, mask = self._prefix_spans(messages)
+            tokens, mask = self._prefix_spans(messages, context)
         return self._bounded(tokens, mask)
 
     def render_batch(self, records: list) -> list:
@@ -244,14 +242,35 @@ class ChatRenderer:
         return Rendered(np.asarray(tokens, dtype=np.int64), np.asarray(mask, dtype=np.uint8),
                         truncated)
 
-    def _located_spans(self, messages: list[dict]) -> tuple[list[int], list[int]]:
-        """Each reply located in the whole rendering (data/chat_spans.py); where it cannot be,
-        the prefix renderings, and where those disagree too, the record is skipped."""
+    def _replies_after(self, messages: list[dict], context: int) -> list[int]:
+        """The mask of the replies from message `context` on, to cut {% generation %} marks that
+        also cover a prompt's assistant turns: located, else from the prefix renderings."""
+        reason = "a slow tokenizer gives no character offsets"
+        if self.locates:
+            try:
+                return self._locate(messages, context)[1]
+            except Unlocatable as e:
+                reason = str(e)
         try:
-            tokens, mask = self._locate(messages)
+            mask = self._prefix_spans(messages, context)[1]
+        except SkipRecord:
+            raise SkipRecord(f"{reason}, and the prefix renderings disagree, so the template's "
+                             f"{{% generation %}} marks cannot be cut to the reply after a prompt "
+                             f"with assistant turns; give a template that closes each turn with "
+                             f"a special token, or prompts without assistant turns") from None
+        self._once("prefix", f"{reason}; its assistant spans come from prefix renderings")
+        return mask
+
+    def _located_spans(self, messages: list[dict], context: int = 0
+                       ) -> tuple[list[int], list[int]]:
+        """Each reply from message `context` on located in the whole rendering
+        (data/chat_spans.py); where it cannot be, the prefix renderings, and where those disagree
+        too, the record is skipped."""
+        try:
+            tokens, mask = self._locate(messages, context)
         except Unlocatable as e:
             try:
-                prefix_tokens, mask = self._prefix_spans(messages)
+                prefix_tokens, mask = self._prefix_spans(messages, context)
             except SkipRecord:
                 raise SkipRecord(f"{e}; mark the replies with {{% generation %}} in the template "
                                  f"(TRL's training templates do)") from None
@@ -259,13 +278,16 @@ class ChatRenderer:
             return prefix_tokens, mask
         return tokens, mask
 
-    def _locate(self, messages: list[dict]) -> tuple[list[int], list[int]]:
-        """Tokens of the whole rendering and the mask of the replies located in it (raises
-        `Unlocatable`); a template that renders nothing of some message is logged once."""
+    def _locate(self, messages: list[dict], context: int = 0) -> tuple[list[int], list[int]]:
+        """Tokens of the whole rendering and the mask of the replies from message `context` on
+        located in it (raises `Unlocatable`); a template that renders nothing of some message is
+        logged once."""
         full = self._text(messages)
         enc = self.tok(full, add_special_tokens=False, return_offsets_mapping=True)
         tokens, offsets = list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
         spans, dropped = reply_spans(self._text, messages, full)
+        replies = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        spans = [span for i, span in zip(replies, spans) if i >= context]
         mask = token_mask(spans, offsets, [t in self._special for t in tokens], full)
         if dropped:
             roles = sorted({messages[k]["role"] for k in dropped})
@@ -275,11 +297,11 @@ class ChatRenderer:
                        f"as it would be prompted")
         return tokens, mask
 
-    def _prefix_spans(self, messages: list[dict]) -> tuple[list[int], list[int]]:
+    def _prefix_spans(self, messages: list[dict], context: int = 0) -> tuple[list[int], list[int]]:
         tokens = self._ids(messages)
         mask = [0] * len(tokens)
         for i, m in enumerate(messages):
-            if m["role"] != "assistant":
+            if m["role"] != "assistant" or i < context:
                 continue
             before = self._ids(messages[:i], add_generation_prompt=True) if i else []
             through = self._ids(messages[:i + 1])

@@ -2,10 +2,13 @@
 read in pairs.
 
 A record is ``{"prompt", "chosen", "rejected"}``, each a string or a list of messages (a string
-prompt is one user turn, a string reply one assistant turn). As TRL's DPOTrainer does, the
-prompt is rendered alone with the generation prompt and then with each reply; the reply's tokens
-are those after the longest common prefix of the three renderings (so the end-of-turn token is
-learned), and they are the mask (1) of the sequence.
+prompt is one user turn, a string reply one assistant turn). Each reply is rendered after the
+prompt as one conversation (`ChatRenderer.render` with the prompt as context): the tokens are
+`apply_chat_template(prompt + reply)`, what the model sees at inference, and the mask (1) is the
+reply's assistant messages located in that rendering plus their end-of-turn tokens, exactly as
+SFT masks a reply (data/chat.py, data/chat_spans.py), with SFT's fallback and skip reasons.
+Assistant turns inside a multi-turn prompt are context, not learned. docs/post_training.md says
+where this differs from TRL's DPOTrainer.
 
 On disk a preference set is a chat set (data/sft_dataset.py's two indexed files) whose
 documents alternate chosen, rejected (document 2i and 2i + 1 are pair i), plus
@@ -21,7 +24,7 @@ import os
 
 import numpy as np
 
-from .chat import ChatRenderer, Rendered, SkipRecord, conversation_of
+from .chat import ChatRenderer, Rendered, SkipRecord
 from .gpt_dataset import parse_split, split_boundaries
 from .indexed import IndexedDatasetError
 from .sft_dataset import SFTDataset, open_pair
@@ -41,31 +44,18 @@ def _messages(value, role: str, what: str) -> list[dict]:
     raise SkipRecord(f"'{what}' is neither a string nor a list of messages")
 
 
-def _common(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def render_pair(renderer: ChatRenderer, record: dict) -> tuple[Rendered, Rendered]:
     """(chosen, rejected) sequences of one record, each with its reply mask; see the docstring."""
     if not all(k in record for k in ("prompt", "chosen", "rejected")):
         raise SkipRecord("not a preference record (prompt, chosen, rejected)")
     prompt = _messages(record["prompt"], "user", "prompt")
-    replies = [_messages(record[k], "assistant", k) for k in ("chosen", "rejected")]
-    for reply in replies:  # roles and contents checked as a conversation
-        conversation_of({"messages": prompt + reply})
-    before = renderer.token_ids(prompt, add_generation_prompt=True)
-    full = [renderer.token_ids(prompt + reply) for reply in replies]
-    start = min(_common(before, f) for f in full)
-    out = []
-    for ids in full:
-        mask = [0] * start + [1] * (len(ids) - start)
-        out.append(renderer.bounded(ids, mask))
-    return out[0], out[1]
+    replies = [_messages(record[key], "assistant", key) for key in ("chosen", "rejected")]
+    for key, reply in zip(("chosen", "rejected"), replies):
+        if not any(isinstance(m, dict) and m.get("role") == "assistant" for m in reply):
+            raise SkipRecord(f"'{key}' has no assistant message")
+    chosen, rejected = (renderer.render({"messages": prompt + reply}, context=len(prompt))
+                        for reply in replies)
+    return chosen, rejected
 
 
 def split_preference_datasets(prefix: str, split: str, seq_length: int, seed: int, *,

@@ -4,7 +4,9 @@ tools/preprocess_sft.py, documents alternating chosen, rejected, plus <output-pr
 
 Input: jsonl files of {"prompt", "chosen", "rejected"} records, each a string or a list of
 {"role", "content"} messages, rendered with the chat template of --tokenizer-model (the
-checkpoint's tokenizer folder) as TRL's DPOTrainer renders them. Records that cannot train (bad
+checkpoint's tokenizer folder): each reply after the prompt as one conversation, the reply's
+assistant messages and their end-of-turn tokens learned, as in SFT (data/preference.py;
+docs/post_training.md compares with TRL's DPOTrainer). Records that cannot train (bad
 JSON, missing fields, over-long with --overlong drop) are skipped, counted by reason and listed
 with their file and line in <output-prefix>_skipped.txt; truncated ones (keep the start, as TRL)
 are kept.

@@ -7,16 +7,22 @@ DeepSeek-R1 family drops all of it, gpt-oss keeps only the last turn's analysis 
 located in the rendered text by search; the expected mask is the tokens overlapping them (the
 tokenizer's offsets). Each template's tokenizer is the 301-token byte-level BPE of
 tests/fixtures with the template's control tokens added as special tokens; the Mistral and Gemma
-templates run over a SentencePiece BPE too. Then: templates that refuse a conversation, drop a
-message, or mark more than the replies, and the fallbacks when a reply cannot be located."""
+templates run over a SentencePiece BPE too. Under each template also DPO's preference pairs
+(data/preference.py) after a 1-turn and a 2-turn prompt, only the final reply learned; GRPO's
+prompt tokens (training/run/grpo_prompts.py) against `apply_chat_template(...,
+add_generation_prompt=True)`; and TRL's own DPO tokenization of the same pairs. Then: templates
+that refuse a conversation, drop a message, or mark more than the replies, and the fallbacks
+when a reply cannot be located (DPO's pairs included)."""
 from __future__ import annotations
 
 import re
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from megazoo.data.chat import ChatRenderer, SkipRecord
+from megazoo.data.preference import render_pair
 from tests.fixtures import HERE, small_gpt2
 
 TEMPLATES = HERE / "chat_templates"
@@ -55,50 +61,59 @@ REPLIES = [("step one", "hello you"), ("step two", "fine thanks"), ("step three"
 USERS = ["hi there", "how are things", "and now"]
 
 
+def assistant(reasoning: str | None, thought: str, answer: str) -> dict:
+    """An assistant message: reasoning None (the answer alone), "inline" (<think>...</think> in
+    the content) or "field" (gpt-oss's `thinking`)."""
+    if reasoning == "inline":
+        return {"role": "assistant", "content": f"<think>\n{thought}\n</think>\n\n{answer}"}
+    if reasoning == "field":
+        return {"role": "assistant", "content": answer, "thinking": thought}
+    return {"role": "assistant", "content": answer}
+
+
 def conversation(reasoning: str | None) -> list[dict]:
-    """System + 3 user/assistant turns; reasoning None (plain replies), "inline"
-    (<think>...</think> in the content) or "field" (gpt-oss's `thinking`)."""
+    """System + 3 user/assistant turns, the replies with `reasoning` (see `assistant`)."""
     out = [{"role": "system", "content": "be brief"}]
     for user, (thought, answer) in zip(USERS, REPLIES):
-        out.append({"role": "user", "content": user})
-        if reasoning == "inline":
-            out.append({"role": "assistant",
-                        "content": f"<think>\n{thought}\n</think>\n\n{answer}"})
-        elif reasoning == "field":
-            out.append({"role": "assistant", "content": answer, "thinking": thought})
-        else:
-            out.append({"role": "assistant", "content": answer})
+        out += [{"role": "user", "content": user}, assistant(reasoning, thought, answer)]
     return out
+
+
+def prompts(reasoning: str | None) -> list[list[dict]]:
+    """A 1-turn prompt, and a 2-turn one: system, user, an assistant turn with `reasoning`,
+    user."""
+    return [[{"role": "user", "content": USERS[1]}], conversation(reasoning)[:4]]
+
+
+def expected_reply(style: str, eot: str | None, reasoning: str | None, thought: str, answer: str,
+                   last: bool) -> str:
+    """An assistant reply as the template renders it in the whole conversation, after the
+    generation prompt, through the end-of-turn token (from reading each template); `last`: the
+    conversation's final turn."""
+    inline = f"<think>\n{thought}\n</think>\n\n{answer}"
+    if style == "as-is":
+        return (inline if reasoning == "inline" else answer) + eot
+    if style == "spaced":  # ' ' + content + ' ' + eos, after ' [/INST]'
+        return " " + (inline if reasoning == "inline" else answer) + " " + eot
+    if style == "qwen3":  # reasoning only after the last user turn; the last turn always has a
+        # (possibly empty) think block
+        return (f"<think>\n{thought if reasoning else ''}\n</think>\n\n{answer}" if last
+                else answer) + eot
+    if style == "r1":  # content after </think>, every turn
+        return ("\n\n" if reasoning == "inline" else "") + answer + eot
+    # harmony: analysis of the last turn only; the final ends <|return|> (harmony-final: the
+    # generation prompt already opens the final channel)
+    head = "" if style == "harmony-final" else "<|channel|>final<|message|>"
+    if last and reasoning == "field":
+        head = ("analysis" if style == "harmony-final" else "<|channel|>analysis")
+        head += f"<|message|>{thought}<|end|><|start|>assistant<|channel|>final<|message|>"
+    return head + answer + ("<|return|>" if last else "<|end|>")
 
 
 def expected_replies(style: str, eot: str | None, reasoning: str | None) -> list[str]:
-    """Each assistant reply as the template renders it in the whole conversation, after the
-    generation prompt, through the end-of-turn token (from reading each template)."""
-    out = []
-    for k, (thought, answer) in enumerate(REPLIES):
-        last = k == len(REPLIES) - 1
-        inline = f"<think>\n{thought}\n</think>\n\n{answer}"
-        if style == "as-is":
-            out.append((inline if reasoning == "inline" else answer) + eot)
-        elif style == "spaced":  # ' ' + content + ' ' + eos, after ' [/INST]'
-            out.append(" " + (inline if reasoning == "inline" else answer) + " " + eot)
-        elif style == "qwen3":  # reasoning only after the last user turn; the last turn always
-            # has a (possibly empty) think block
-            if last:
-                out.append(f"<think>\n{thought if reasoning else ''}\n</think>\n\n{answer}" + eot)
-            else:
-                out.append(answer + eot)
-        elif style == "r1":  # content after </think>, every turn
-            out.append(("\n\n" if reasoning == "inline" else "") + answer + eot)
-        elif style.startswith("harmony"):  # analysis of the last turn only; final ends <|return|>
-            # (harmony-final: the generation prompt already opens the final channel)
-            head = "" if style == "harmony-final" else "<|channel|>final<|message|>"
-            end = "<|return|>" if last else "<|end|>"
-            if last and reasoning == "field":
-                head = ("analysis" if style == "harmony-final" else "<|channel|>analysis")
-                head += f"<|message|>{thought}<|end|><|start|>assistant<|channel|>final<|message|>"
-            out.append(head + answer + end)
-    return out
+    """Each assistant reply of `conversation(reasoning)` as the template renders it."""
+    return [expected_reply(style, eot, reasoning, thought, answer, k == len(REPLIES) - 1)
+            for k, (thought, answer) in enumerate(REPLIES)]
 
 
 def tokenizer(folder, name: str):
@@ -131,8 +146,17 @@ def folder(tmp_path_factory):
     return tmp_path_factory.mktemp("tok")
 
 
+def same_mask(tok, tokens, got, want, what) -> None:
+    got = got.tolist()
+    if got != want:
+        bad = [j for j in range(len(want)) if got[j] != want[j]]
+        pytest.fail(f"{what}: mask differs at tokens {bad[:8]}: "
+                    f"{tok.decode(tokens[bad[0]:bad[0] + 6].tolist())!r}")
+
+
 def check(tok, name: str) -> None:
-    """ChatRenderer's tokens and mask of the plain and the reasoning conversation under `name`."""
+    """ChatRenderer's tokens and mask of the plain and the reasoning conversation under `name`,
+    then preference pairs after a 1-turn and a 2-turn prompt (`check_pairs`)."""
     renderer = ChatRenderer(tok, name=name)
     assert renderer.marks_generation == (name == "smollm3_3b")  # the one that marks its replies
     style, eot = CASES[name][2], CASES[name][3]
@@ -144,16 +168,94 @@ def check(tok, name: str) -> None:
         assert r.tokens.tolist() == list(want), (name, reasoning)
         text = tok.apply_chat_template(messages, tokenize=False)
         mask = expected_mask(tok, text, expected_replies(style, eot, reasoning))
-        got = r.assistant_mask.tolist()
-        if got != mask:
-            bad = [j for j in range(len(mask)) if got[j] != mask[j]]
-            pytest.fail(f"{name} ({reasoning}): mask differs at tokens {bad[:8]}: "
-                        f"{tok.decode(r.tokens[bad[0]:bad[0] + 6].tolist())!r}")
+        same_mask(tok, r.tokens, r.assistant_mask, mask, f"{name} ({reasoning})")
+    check_pairs(renderer, tok, name, kinds[1])
+
+
+def check_pairs(renderer, tok, name: str, reasoning: str) -> None:
+    """DPO's pairs (chosen: a reply with reasoning, rejected: a plain one) after each of
+    `prompts(reasoning)`: the tokens are apply_chat_template of prompt + reply, the mask exactly
+    the final reply and its end-of-turn token (not the prompt's assistant turn)."""
+    style, eot = CASES[name][2], CASES[name][3]
+    thought, answer = REPLIES[2]
+    replies = [(assistant(reasoning, thought, answer), reasoning, thought, answer),
+               (assistant(None, "", "no idea"), None, "", "no idea")]
+    for prompt in prompts(reasoning):
+        pair = render_pair(renderer, {"prompt": prompt, "chosen": [replies[0][0]],
+                                      "rejected": [replies[1][0]]})
+        for r, (reply, kind, think, text) in zip(pair, replies):
+            messages = prompt + [reply]
+            what = f"{name} pair after {len(prompt)} messages ({kind})"
+            want = tok.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"]
+            assert r.tokens.tolist() == list(want), what
+            rendered = tok.apply_chat_template(messages, tokenize=False)
+            reply_text = expected_reply(style, eot, kind, think, text, True)
+            mask = expected_mask(tok, rendered, [reply_text])
+            same_mask(tok, r.tokens, r.assistant_mask, mask, what)
+
+
+def check_generation_prompts(tok, name: str, folder) -> None:
+    """GRPO's prompt tokens (training/run/grpo_prompts.py, through the tokenizer folder as the
+    trainer loads it) equal apply_chat_template(prompt, add_generation_prompt=True)."""
+    from megazoo.data.tokenizers import HFTokenizer
+    from megazoo.training.run.grpo_prompts import render
+    tok.save_pretrained(folder / name)
+    loaded = HFTokenizer(str(folder / name))
+    reasoning = "field" if CASES[name][2].startswith("harmony") else "inline"
+    for prompt in prompts(reasoning):
+        want = list(tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True,
+                                            return_dict=True)["input_ids"])
+        assert render(loaded, {"messages": prompt}, True, name) == want, (name, len(prompt))
+        if len(prompt) == 1:  # a string prompt with --grpo-chat: one user turn
+            assert render(loaded, {"prompt": prompt[0]["content"]}, True, name) == want, name
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_released_template_masks_each_reply_and_its_end_of_turn(folder, name):
-    check(tokenizer(folder, name), name)
+    """SFT's conversations, DPO's pairs and GRPO's prompts under the template."""
+    tok = tokenizer(folder, name)
+    check(tok, name)
+    check_generation_prompts(tok, name, folder)
+
+
+# What TRL 1.16's DPOTrainer learns beyond each reply and its end-of-turn token: its mask is
+# every token after the common prefix of the prompt (with the generation prompt) and both
+# renderings of prompt + reply. (template, prompt messages, reply) -> text; "*" any.
+TRL_EXTRA = {**{(n, "*", "*"): "\n" for n in ("qwen2.5_7b_instruct", "qwen3_0.6b", "qwen3_rev2",
+                                              "smollm2_135m_instruct", "smollm3_3b", "gemma3_it")},
+             ("phi3_mini_instruct", "*", "*"): "\n<|endoftext|>",
+             ("phi3.5_mini_instruct", "*", "*"): "\n<|endoftext|>",
+             # the prompt alone ends the final-channel header the reasoning reply replaces
+             ("gpt_oss_120b", "*", "rejected"): "final<|message|>",
+             # the system prompt moves to the last user turn of the prompt alone
+             ("mistral_nemo_instruct_2407", 4, "*"): "how are things[/INST]"}
+
+
+def test_trl_dpo_trainer_gives_the_same_tokens_and_masks_that_differ_as_documented(folder):
+    """TRL's own DPO tokenization (`DPOTrainer._prepare_dataset`, called without a model) of the
+    pairs `check_pairs` renders: the tokens equal megazoo's for every template, and its mask
+    covers megazoo's plus exactly `TRL_EXTRA` (docs/post_training.md)."""
+    import datasets
+    from trl.trainer.dpo_trainer import DPOTrainer
+    args = SimpleNamespace(dataset_num_proc=None, max_length=None, truncation_mode="keep_start")
+    for name in sorted(CASES):
+        tok = tokenizer(folder, name)
+        renderer = ChatRenderer(tok, name=name)
+        reasoning = "field" if CASES[name][2].startswith("harmony") else "inline"
+        records = [{"prompt": prompt, "chosen": [assistant(reasoning, *REPLIES[2])],
+                    "rejected": [assistant(None, "", "no idea")]} for prompt in prompts(reasoning)]
+        theirs = DPOTrainer._prepare_dataset(SimpleNamespace(_tokenizer=tok),
+                                             datasets.Dataset.from_list(records), tok, args, name)
+        for record, trl in zip(records, theirs):
+            for key, ours in zip(("chosen", "rejected"), render_pair(renderer, record)):
+                what = (name, len(record["prompt"]), key)
+                assert trl["prompt_ids"] + trl[key + "_ids"] == ours.tokens.tolist(), what
+                start, mask = len(trl["prompt_ids"]), ours.assistant_mask.tolist()
+                assert not any(mask[:start]), what  # TRL learns all megazoo learns
+                extra = [t for t, m in zip(ours.tokens[start:].tolist(), mask[start:]) if not m]
+                want = next((v for k, v in TRL_EXTRA.items()
+                             if all(a in ("*", b) for a, b in zip(k, what))), "")
+                assert tok.decode(extra) == want, what
 
 
 def test_sentencepiece_tokenizer_with_the_mistral_and_gemma_templates():
@@ -216,14 +318,33 @@ def test_refusals_dropped_messages_and_fallbacks_say_so(folder, caplog):
     # a template with no special token after the reply: prefix renderings, logged; when those
     # disagree too, the record is skipped with both reasons and the fix
     tok = tokenizer(folder, "qwen2.5_7b_instruct")
-    tok.chat_template = ("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
-                         "{% if add_generation_prompt %}assistant:{% endif %}")
+    plain = ("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+             "{% if add_generation_prompt %}assistant:{% endif %}")
+    tok.chat_template = plain
     caplog.clear()
     r = ChatRenderer(tok, name="plain").render({"messages": conversation(None)})
     assert r.assistant_mask.any()
     assert any("no special end-of-turn token" in x.getMessage()
                and "prefix renderings" in x.getMessage() for x in caplog.records)
-    tok.chat_template = "{{ messages | length }}" + tok.chat_template
+    # DPO's pairs take the same fallback; the prompt's assistant turn is not learned, neither
+    # through the prefix renderings nor through a template's own {% generation %} marks
+    pair = {"prompt": conversation(None)[:4], "chosen": "bye now", "rejected": "no idea"}
+    learned = [tok.decode(r.tokens[r.assistant_mask == 1].tolist())
+               for r in render_pair(ChatRenderer(tok), pair)]
+    assert learned == [" bye now\n", " no idea\n"]
+    marked = plain.replace("{{ m.content }}", "{% if m.role == 'assistant' %}{% generation %}"
+                           "{{ m.content }}{% endgeneration %}{% else %}{{ m.content }}{% endif %}")
+    tok.chat_template = marked.replace(": ", ":\n").replace("assistant:", "assistant:\n")
+    learned = [tok.decode(r.tokens[r.assistant_mask == 1].tolist())
+               for r in render_pair(ChatRenderer(tok), pair)]
+    assert learned == ["bye now", "no idea"]
+    tok.chat_template = "{{ messages | length }}" + tok.chat_template  # prefixes disagree too
+    with pytest.raises(SkipRecord, match=r"no special end-of-turn token.*prefix renderings "
+                                         r"disagree.*marks cannot be cut to the reply"):
+        render_pair(ChatRenderer(tok), pair)
+    with pytest.raises(SkipRecord, match="'rejected' has no assistant message"):
+        render_pair(ChatRenderer(tok), {**pair, "rejected": [{"role": "user", "content": "no"}]})
+    tok.chat_template = "{{ messages | length }}" + plain
     both = r"no special end-of-turn token.*mark the replies with \{% generation %\}"
     with pytest.raises(SkipRecord, match=both):
         ChatRenderer(tok, name="counted").render({"messages": conversation(None)})
