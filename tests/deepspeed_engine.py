@@ -109,19 +109,34 @@ def _model(kind: str = "llama"):
     return model
 
 
-def _param_groups(model, groups: int):
-    """All parameters, or the Hugging Face Trainer's two groups (its own decay rule: biases and
-    norm weights without weight decay)."""
-    if groups == 1:
+def _decay_names(out: str, kinds) -> dict:
+    """Per model kind, the parameters the Hugging Face Trainer gives weight decay (its own rule:
+    not biases nor norm weights). Rank 0 asks the Trainer and keeps the answer in OUT/decay.json
+    (the Trainer's import costs seconds a process: a later launch given the file skips it)."""
+    path, names = os.path.join(out, "decay.json"), [None]
+    if torch.distributed.get_rank() == 0:
+        known = json.load(open(path)) if os.path.isfile(path) else {}
+        if not set(kinds) <= set(known):
+            from transformers import Trainer
+            known = {k: Trainer.get_decay_parameter_names(None, _model(k))
+                     for k in sorted(set(kinds) | set(known))}
+            with open(path, "w") as f:
+                json.dump(known, f)
+        names = [known]
+    torch.distributed.broadcast_object_list(names, 0)
+    return names[0]
+
+
+def _param_groups(model, decay):
+    """All parameters (decay None), or the Trainer's two groups: weight decay and none."""
+    if decay is None:
         return model.parameters()
-    from transformers import Trainer
-    decay = set(Trainer.get_decay_parameter_names(None, model))
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     return [{"params": [p for n, p in named if n in decay], "weight_decay": 0.1},
             {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
 
 
-def _engine(stage: int, dtype: str, universal: bool = False, kind: str = "llama", groups: int = 1):
+def _engine(stage: int, dtype: str, universal: bool = False, kind: str = "llama", decay=None):
     import deepspeed
     model = _model(kind)
     config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1,
@@ -130,7 +145,7 @@ def _engine(stage: int, dtype: str, universal: bool = False, kind: str = "llama"
               "steps_per_print": 10 ** 6, "wall_clock_breakdown": False}
     if universal:
         config["checkpoint"] = {"load_universal": True}
-    opt = torch.optim.AdamW(_param_groups(model, groups), lr=LR, betas=(0.9, 0.95), eps=1e-8,
+    opt = torch.optim.AdamW(_param_groups(model, decay), lr=LR, betas=(0.9, 0.95), eps=1e-8,
                             weight_decay=0.0)
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
     return engine
@@ -178,9 +193,11 @@ def train(out: str) -> None:
     """The cases of this launch's world size: CASES and MATRIX at 2 ranks, MATRIX's at 3."""
     world = torch.distributed.get_world_size()
     names = [n for n in (*CASES, *MATRIX) if case(n).world == world]
+    decay = _decay_names(out, {c.model for c in map(case, names) if c.groups == 2})
     for name in names:
         c = case(name)
-        engine = _engine(c.stage, c.dtype, kind=c.model, groups=c.groups)
+        engine = _engine(c.stage, c.dtype, kind=c.model,
+                         decay=set(decay[c.model]) if c.groups == 2 else None)
         losses = [_step(engine, s) for s in range(TRAIN_STEPS)]
         engine.save_checkpoint(checkpoint_root(out, name))  # tag: global_step<N>, as the Trainer
         record = dict(stage=c.stage, dtype=c.dtype, losses=losses, logits=_logits(engine))

@@ -292,3 +292,32 @@ def test_deepspeed_zero_checkpoint_imports_masters_and_moments(stage, tmp_path):
         t = (lambda x: x.t()) if mz.endswith("fc2.weight") else (lambda x: x)  # GPT-2's Conv1D
         assert torch.equal(full.optim["exp_avg"][mz], t(moments[0][name]))
         assert torch.equal(full.optim["exp_avg_sq"][mz], t(moments[1][name]))
+
+
+def test_deepspeed_trainer_output_folder_and_frozen_parameters_are_refused(tmp_path):
+    """A Hugging Face Trainer output folder (checkpoint-N folders, no `latest`) names the newest
+    checkpoint to pass; a ZeRO run with frozen parameters (no masters nor moments for them) is
+    refused by its model-state file, before the optimizer files are read."""
+    from collections import OrderedDict
+    from megazoo.training.checkpoint.foreign.convert import import_checkpoint
+    from megazoo.training.checkpoint.format import CheckpointError
+    from tests.deepspeed_engine import llama_config
+    run = tmp_path / "trainer_out"
+    for step in (500, 1000):
+        (run / f"checkpoint-{step}" / f"global_step{step}").mkdir(parents=True)
+    with pytest.raises(CheckpointError, match=r"Hugging Face Trainer output folder holding "
+                                              r"checkpoint-500, checkpoint-1000; pass one of them, "
+                                              r"e\.g\. .*trainer_out/checkpoint-1000"):
+        import_checkpoint("deepspeed", str(run), str(tmp_path / "mz"))
+    folder = tmp_path / "frozen" / "global_step3"
+    folder.mkdir(parents=True)
+    (tmp_path / "frozen" / "latest").write_text("global_step3")
+    torch.save({"param_shapes": [OrderedDict(w=torch.Size([4, 4]))],
+                "frozen_param_shapes": OrderedDict(v=torch.Size([4]))},
+               folder / "mp_rank_00_model_states.pt")
+    (folder / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"not read")
+    llama_config().save_pretrained(str(tmp_path / "hf"))
+    with pytest.raises(CheckpointError, match=r"mp_rank_00_model_states\.pt: 1 parameters were "
+                                              r"not trained \(frozen_param_shapes, e\.g\. v\)"):
+        import_checkpoint("deepspeed", str(tmp_path / "frozen"), str(tmp_path / "mz"),
+                          hf_config=str(tmp_path / "hf"))

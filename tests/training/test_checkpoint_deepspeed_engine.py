@@ -19,6 +19,7 @@ bit, and (fp32) the engine's logits.
 import json
 import os
 import pickletools
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -252,9 +253,11 @@ def test_deepspeeds_own_universal_conversion_imports(deepspeed_run, imported, tm
 
 
 @pytest.fixture(scope="module")
-def deepspeed_world3(tmp_path_factory):
-    """MATRIX's 3-rank cases: the second launch."""
+def deepspeed_world3(deepspeed_run, tmp_path_factory):
+    """MATRIX's 3-rank cases: the second launch (given the first's answer of the Trainer's
+    weight-decay rule)."""
     out = str(tmp_path_factory.mktemp("deepspeed3"))
+    shutil.copy(os.path.join(deepspeed_run, "decay.json"), out)
     start(out, "train", 3).log.close()
     return out
 

@@ -126,6 +126,13 @@ def read(folder: str, optimizer: bool, hf_config: str | None):
     if not shapes:
         raise ckpt.CheckpointError(f"{path} records no param_shapes; it is not a ZeRO checkpoint")
     shapes = shapes if isinstance(shapes, list) else [shapes]
+    frozen = states.get("frozen_param_shapes") or {}
+    if frozen:  # DeepSpeed's "frozen": not in the optimizer (requires_grad False, or empty)
+        raise ckpt.CheckpointError(
+            f"{path}: {len(frozen)} parameters were not trained (frozen_param_shapes, e.g. "
+            f"{next(iter(frozen))}), so they have no fp32 master nor Adam moments; megazoo imports "
+            f"ZeRO runs that train every parameter: write the weights with DeepSpeed's "
+            f"zero_to_fp32.py, save them as a Hugging Face folder and import that (--format hf)")
     osds = [safe_load.load(p)["optimizer_state_dict"] for p in optim_files(folder)]
     stage = int(value(osds[0].get("zero_stage", 0)))
     count = osds[0].get("partition_count")
@@ -149,8 +156,10 @@ def read(folder: str, optimizer: bool, hf_config: str | None):
         try:
             full[state] = {k: v.float() for k, v in module.from_hf_state_dict(flat, config).items()}
         except KeyError as e:
-            raise ckpt.CheckpointError(f"{folder}: the parameters lack {e}; they do not match "
-                                       f"{hf_config}/config.json ({model_type})") from None
+            raise ckpt.CheckpointError(
+                f"{folder}: the parameters lack {e}; they do not match {hf_config}/config.json "
+                f"({model_type}), or the run saved with exclude_frozen_parameters=True (as the "
+                f"Trainer does for PEFT models), which megazoo does not import") from None
     steps = {int(st["step"]) for o in osds for st in _group_states(o, stage, groups) if "step" in st}
     iteration = int(states.get("global_steps") or _STEP.fullmatch(os.path.basename(folder))[1])
     step = max(steps) if steps else iteration
