@@ -40,6 +40,7 @@ class Case(NamedTuple):
     groups: int = 1  # 2: the Hugging Face Trainer's weight-decay / no-decay parameter groups
     trainer: bool = False  # saved as the Trainer does: <case>/checkpoint-N/global_stepN
     world: int = WORLD
+    frozen: bool = False  # the embedding not trained; saved again without it (<case>-exclude-frozen)
 
 
 MATRIX = {
@@ -49,6 +50,7 @@ MATRIX = {
     "zero3-tied": Case(3, model="llama-tied"), "zero3-gpt2": Case(3, model="gpt2", groups=2),
     "zero2-moe": Case(2, model="qwen2_moe", groups=2),
     "zero2-world3": Case(2, groups=2, world=3), "zero3-world3": Case(3, groups=2, world=3),
+    "zero2-frozen": Case(2, frozen=True), "zero3-frozen": Case(3, frozen=True),
 }
 
 
@@ -130,15 +132,17 @@ def _decay_names(out: str, kinds) -> dict:
 def _param_groups(model, decay):
     """All parameters (decay None), or the Trainer's two groups: weight decay and none."""
     if decay is None:
-        return model.parameters()
+        return [p for p in model.parameters() if p.requires_grad]
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     return [{"params": [p for n, p in named if n in decay], "weight_decay": 0.1},
             {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
 
 
-def _engine(stage: int, dtype: str, universal: bool = False, kind: str = "llama", decay=None):
+def _engine(stage: int, dtype: str, universal: bool = False, kind: str = "llama", decay=None,
+            frozen: bool = False):
     import deepspeed
     model = _model(kind)
+    model.get_input_embeddings().weight.requires_grad_(not frozen)
     config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1,
               "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
               "bf16": {"enabled": dtype == "bf16"}, "gradient_clipping": 0.0,
@@ -197,11 +201,14 @@ def train(out: str) -> None:
     for name in names:
         c = case(name)
         engine = _engine(c.stage, c.dtype, kind=c.model,
-                         decay=set(decay[c.model]) if c.groups == 2 else None)
+                         decay=set(decay[c.model]) if c.groups == 2 else None, frozen=c.frozen)
         losses = [_step(engine, s) for s in range(TRAIN_STEPS)]
         engine.save_checkpoint(checkpoint_root(out, name))  # tag: global_step<N>, as the Trainer
+        if c.frozen:  # as the Trainer saves PEFT models
+            engine.save_checkpoint(os.path.join(out, name + "-exclude-frozen"),
+                                   exclude_frozen_parameters=True)
         record = dict(stage=c.stage, dtype=c.dtype, losses=losses, logits=_logits(engine))
-        states = None if name in CASES else _full_states(engine)
+        states = None if name in CASES or c.frozen else _full_states(engine)
         if name in CASES:  # the resume tests' cases
             record["next"] = [_step(engine, s) for s in range(TRAIN_STEPS, TRAIN_STEPS + NEXT_STEPS)]
         if torch.distributed.get_rank() == 0:

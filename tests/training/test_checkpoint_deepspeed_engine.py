@@ -262,7 +262,7 @@ def deepspeed_world3(deepspeed_run, tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("name", list(MATRIX))
+@pytest.mark.parametrize("name", [n for n, c in MATRIX.items() if not c.frozen])
 def test_matrix_imports_as_deepspeed_reads_it(name, request, tmp_path):
     """Masters equal to zero_to_fp32's and to the engine's own (safe_get_full_fp32_param), Adam
     moments to the engine's (safe_get_full_optimizer_state), bit for bit; fp32 logits within 1e-5
@@ -301,3 +301,35 @@ def test_matrix_imports_as_deepspeed_reads_it(name, request, tmp_path):
             "deepspeed", os.path.join(root, f"global_step{TRAIN_STEPS}"), str(tmp_path / "mz2"),
             tp=1))
         _assert_same_state(again, full, name)
+
+
+@pytest.mark.parametrize("name", [n for n, c in MATRIX.items() if c.frozen])
+def test_frozen_parameters_import_as_weights_only(name, deepspeed_run, tmp_path):
+    """A run whose embedding was frozen (no master nor moments for it): refused with the optimizer
+    by name; with --no-optimizer the weights (the frozen one from the model-state records) equal
+    zero_to_fp32's bit for bit and give the engine's logits. Saved with
+    exclude_frozen_parameters=True, the missing parameter is named with that cause."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from megazoo.models.llama import adapter as llama
+    from megazoo.training.checkpoint.foreign.convert import import_checkpoint
+    from megazoo.training.checkpoint.format import CheckpointError
+    from megazoo.training.checkpoint.reshard import read_full_state
+    root, hf = os.path.join(deepspeed_run, name), os.path.join(deepspeed_run, name + "-hf")
+    with pytest.raises(CheckpointError, match=r"1 parameters were not trained \(frozen_param_"
+                                              r"shapes, e\.g\. model\.embed_tokens\.weight\).*"
+                                              r"--no-optimizer"):
+        import_checkpoint("deepspeed", root, str(tmp_path / "refused"), hf_config=hf)
+    folder = import_checkpoint("deepspeed", root, str(tmp_path / "mz"), tp=2, hf_config=hf,
+                               optimizer=False)
+    full = read_full_state(folder)
+    want = llama.from_hf_state_dict(get_fp32_state_dict_from_zero_checkpoint(root),
+                                    llama.config_from_hf(llama_config()))
+    assert set(want) == set(full.weights) and not full.optim
+    for tensor_name, tensor in want.items():
+        assert torch.equal(full.weights[tensor_name], tensor.float()), tensor_name
+    torch.testing.assert_close(megazoo_logits(folder, IDS),
+                               torch.tensor(_record(deepspeed_run, name)["logits"]), **FP32)
+    with pytest.raises(CheckpointError, match=r"lack 'model\.embed_tokens\.weight'.*"
+                                              r"exclude_frozen_parameters=True"):
+        import_checkpoint("deepspeed", os.path.join(deepspeed_run, name + "-exclude-frozen"),
+                          str(tmp_path / "excluded"), hf_config=hf, optimizer=False)

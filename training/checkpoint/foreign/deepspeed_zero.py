@@ -101,6 +101,26 @@ def _unflatten_zero3(per_rank: list[torch.Tensor], shapes, where: str) -> dict:
     return out
 
 
+def _frozen_weights(folder: str, states: dict, stage: int, world: int) -> dict:
+    """The parameters outside the optimizer, from the model-state records: whole in ZeRO-1/2's
+    one file, split in ceil(numel / ranks) pieces over ZeRO-3's per-rank files."""
+    shapes = states["frozen_param_shapes"]
+    if stage < 3:
+        pieces = [states.get("frozen_param_fragments") or {}]
+    else:
+        pieces = [(safe_load.load(os.path.join(
+            folder, f"zero_pp_rank_{r}_mp_rank_00_model_states.pt")).get("frozen_param_fragments")
+            or {}) for r in range(world)]
+    out = {}
+    for name, shape in shapes.items():
+        if any(name not in p for p in pieces):
+            raise ckpt.CheckpointError(f"{folder}: the model-state files record the frozen "
+                                       f"parameter {name} without its frozen_param_fragments")
+        whole = torch.cat([p[name].reshape(-1) for p in pieces])
+        out[name] = whole[:math.prod(shape)].view(tuple(shape))
+    return out
+
+
 def trainer_config(folder: str) -> str | None:
     """The folder holding config.json beside `latest` (the Hugging Face Trainer saves the model's
     config in checkpoint-N/ next to DeepSpeed's global_stepN/), if any."""
@@ -127,12 +147,11 @@ def read(folder: str, optimizer: bool, hf_config: str | None):
         raise ckpt.CheckpointError(f"{path} records no param_shapes; it is not a ZeRO checkpoint")
     shapes = shapes if isinstance(shapes, list) else [shapes]
     frozen = states.get("frozen_param_shapes") or {}
-    if frozen:  # DeepSpeed's "frozen": not in the optimizer (requires_grad False, or empty)
+    if frozen and optimizer:  # DeepSpeed's "frozen": not in the optimizer (requires_grad False)
         raise ckpt.CheckpointError(
             f"{path}: {len(frozen)} parameters were not trained (frozen_param_shapes, e.g. "
-            f"{next(iter(frozen))}), so they have no fp32 master nor Adam moments; megazoo imports "
-            f"ZeRO runs that train every parameter: write the weights with DeepSpeed's "
-            f"zero_to_fp32.py, save them as a Hugging Face folder and import that (--format hf)")
+            f"{next(iter(frozen))}), so they have no fp32 master nor Adam moments; import the "
+            f"weights alone with --no-optimizer and train from them with --finetune")
     osds = [safe_load.load(p)["optimizer_state_dict"] for p in optim_files(folder)]
     stage = int(value(osds[0].get("zero_stage", 0)))
     count = osds[0].get("partition_count")
@@ -153,6 +172,8 @@ def read(folder: str, optimizer: bool, hf_config: str | None):
         else:
             merged = [torch.cat([r[g] for r in ranks]) for g in range(groups)]
             flat = _unflatten_zero12(merged, shapes, osds[0].get("param_alignment_paddings"), folder)
+        if frozen:  # weights only (refused above with the optimizer)
+            flat.update(_frozen_weights(folder, states, stage, world))
         try:
             full[state] = {k: v.float() for k, v in module.from_hf_state_dict(flat, config).items()}
         except KeyError as e:
