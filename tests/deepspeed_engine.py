@@ -41,10 +41,11 @@ class Case(NamedTuple):
     trainer: bool = False  # saved as the Trainer does: <case>/checkpoint-N/global_stepN
     world: int = WORLD
     frozen: bool = False  # the embedding not trained; saved again without it (<case>-exclude-frozen)
+    sub_group_size: int | None = None  # ZeRO-3: several optimizer sub-groups per parameter group
 
 
 MATRIX = {
-    "zero1-2groups": Case(1, groups=2), "zero3-2groups": Case(3, groups=2),
+    "zero1-2groups": Case(1, groups=2), "zero3-2groups": Case(3, groups=2, sub_group_size=2000),
     "zero2-2groups-trainer": Case(2, groups=2, trainer=True),
     "zero2-bf16": Case(2, "bf16"),
     "zero3-tied": Case(3, model="llama-tied"), "zero3-gpt2": Case(3, model="gpt2", groups=2),
@@ -139,12 +140,13 @@ def _param_groups(model, decay):
 
 
 def _engine(stage: int, dtype: str, universal: bool = False, kind: str = "llama", decay=None,
-            frozen: bool = False):
+            frozen: bool = False, sub_group_size: int | None = None):
     import deepspeed
     model = _model(kind)
     model.get_input_embeddings().weight.requires_grad_(not frozen)
+    zero = {"stage": stage, **({"sub_group_size": sub_group_size} if sub_group_size else {})}
     config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1,
-              "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
+              "zero_optimization": zero, "zero_allow_untested_optimizer": True,
               "bf16": {"enabled": dtype == "bf16"}, "gradient_clipping": 0.0,
               "steps_per_print": 10 ** 6, "wall_clock_breakdown": False}
     if universal:
@@ -201,7 +203,8 @@ def train(out: str) -> None:
     for name in names:
         c = case(name)
         engine = _engine(c.stage, c.dtype, kind=c.model,
-                         decay=set(decay[c.model]) if c.groups == 2 else None, frozen=c.frozen)
+                         decay=set(decay[c.model]) if c.groups == 2 else None, frozen=c.frozen,
+                         sub_group_size=c.sub_group_size)
         losses = [_step(engine, s) for s in range(TRAIN_STEPS)]
         engine.save_checkpoint(checkpoint_root(out, name))  # tag: global_step<N>, as the Trainer
         if c.frozen:  # as the Trainer saves PEFT models

@@ -16,8 +16,10 @@ configuration of its own (as universal checkpoints under its names: deepspeed_un
 Checked against DeepSpeed 0.19.8's own files (tests/training/test_checkpoint_deepspeed_engine.py):
 one or two parameter groups (the Hugging Face Trainer's weight decay / no decay split), 2 and 3
 ranks (uneven partitions, each group's flat buffer padded at its end), tied and untied
-embeddings, a Qwen2-MoE model, fp32 and bf16, and the Trainer's `checkpoint-N/global_stepN`
-layout, whose config.json beside `latest` stands in for --hf-config.
+embeddings, a Qwen2-MoE model, fp32 and bf16, ZeRO-3 sub-groups, and the Trainer's
+`checkpoint-N/global_stepN` layout, whose config.json beside `latest` stands in for --hf-config.
+Parameters outside the optimizer (`frozen_param_shapes`: requires_grad False) have no master
+nor moments: such a run imports weights only (--no-optimizer), those from the model-state files.
 """
 from __future__ import annotations
 
