@@ -4,9 +4,11 @@ Run by tests/training/test_checkpoint_deepspeed_engine.py under torchrun (2 rank
 `DS_ACCELERATOR=cpu`):
 
     python -m torch.distributed.run --nproc_per_node 2 -m tests.deepspeed_engine train OUT
-        for each case of CASES: DeepSpeed's engine (ZeRO stage, dtype) trains TRAIN_STEPS steps,
-        saves OUT/<case> with engine.save_checkpoint, records the saved model's logits on IDS
-        and the losses of NEXT_STEPS more steps (OUT/<case>.json)
+        for each case of CASES and MATRIX of this world size: DeepSpeed's engine (ZeRO stage,
+        dtype, model, parameter groups) trains TRAIN_STEPS steps, saves OUT/<case> with
+        engine.save_checkpoint, records the saved model's logits on IDS (OUT/<case>.json), for
+        CASES the losses of NEXT_STEPS more steps, for MATRIX the engine's own full masters and
+        moments (OUT/<case>-states.pt); then OUT/trained
     python -m torch.distributed.run --nproc_per_node 2 -m tests.deepspeed_engine resume OUT
         for each folder OUT/<case>-universal: a fresh engine loads it with
         `checkpoint: {load_universal: true}` and records its next losses (OUT/<case>-universal.json)
@@ -223,6 +225,9 @@ def train(out: str) -> None:
             if states is not None:
                 torch.save(states, os.path.join(out, name + "-states.pt"))
         del engine
+    torch.distributed.barrier()
+    if torch.distributed.get_rank() == 0:  # every record written: the tests may read them
+        open(os.path.join(out, "trained"), "w").close()
 
 
 def resume(out: str) -> None:
@@ -261,9 +266,6 @@ def _told_to_resume(out: str) -> bool:
 
 def session(out: str) -> None:
     train(out)
-    torch.distributed.barrier()
-    if torch.distributed.get_rank() == 0:
-        open(os.path.join(out, "trained"), "w").close()
     if _told_to_resume(out):
         resume(out)
 

