@@ -301,6 +301,9 @@ def test_matrix_imports_as_deepspeed_reads_it(name, request, tmp_path):
         torch.testing.assert_close(megazoo_logits(folder, IDS),
                                    torch.tensor(_record(out, name)["logits"]), **FP32)
     if case.trainer:
+        from tests.tool_runs import tool_module
+        line = tool_module("inspect_checkpoint")._foreign(root)
+        assert "import with --hf-config (or the Trainer's config.json beside it)" in line, line
         again = read_full_state(import_checkpoint(
             "deepspeed", os.path.join(root, f"global_step{TRAIN_STEPS}"), str(tmp_path / "mz2"),
             tp=1))
