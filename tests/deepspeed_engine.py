@@ -42,7 +42,7 @@ class Case(NamedTuple):
     groups: int = 1  # 2: the Hugging Face Trainer's weight-decay / no-decay parameter groups
     trainer: bool = False  # saved as the Trainer does: <case>/checkpoint-N/global_stepN
     world: int = WORLD
-    frozen: bool = False  # the embedding not trained; saved again without it (<case>-exclude-frozen)
+    frozen: bool = False  # the embedding not trained; also saved without it: <case>-exclude-frozen
     sub_group_size: int | None = None  # ZeRO-3: several optimizer sub-groups per parameter group
 
 
@@ -215,7 +215,8 @@ def train(out: str) -> None:
         record = dict(stage=c.stage, dtype=c.dtype, losses=losses, logits=_logits(engine))
         states = None if name in CASES or c.frozen else _full_states(engine)
         if name in CASES:  # the resume tests' cases
-            record["next"] = [_step(engine, s) for s in range(TRAIN_STEPS, TRAIN_STEPS + NEXT_STEPS)]
+            record["next"] = [_step(engine, s)
+                              for s in range(TRAIN_STEPS, TRAIN_STEPS + NEXT_STEPS)]
         if torch.distributed.get_rank() == 0:
             CONFIGS[c.model]().save_pretrained(os.path.join(out, name + "-hf"))
             if c.trainer:  # the Trainer saves the model's config.json beside DeepSpeed's files

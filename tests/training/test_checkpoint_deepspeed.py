@@ -250,6 +250,7 @@ def test_deepspeed_zero_checkpoint_imports_masters_and_moments(stage, tmp_path):
     import types
     from transformers import GPT2Config, GPT2LMHeadModel
     from megazoo.training.checkpoint.foreign.convert import import_checkpoint
+    from megazoo.training.checkpoint.format import CheckpointError
     from megazoo.training.checkpoint.reshard import read_full_state
     torch.manual_seed(0)
     hf = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB_BLOOM, n_positions=32, n_embd=32, n_layer=2,
@@ -292,6 +293,14 @@ def test_deepspeed_zero_checkpoint_imports_masters_and_moments(stage, tmp_path):
         t = (lambda x: x.t()) if mz.endswith("fc2.weight") else (lambda x: x)  # GPT-2's Conv1D
         assert torch.equal(full.optim["exp_avg"][mz], t(moments[0][name]))
         assert torch.equal(full.optim["exp_avg_sq"][mz], t(moments[1][name]))
+    # model-state records of another model: a group's flat buffer left over is refused
+    for path in folder.glob("*model_states.pt"):
+        record = torch.load(path, weights_only=True)
+        record["param_shapes"][1].popitem()
+        torch.save(record, path)
+    with pytest.raises(CheckpointError, match=r"param_shapes account for \d+; the files disagree"):
+        import_checkpoint("deepspeed", str(tmp_path / "ds"), str(tmp_path / "mz_bad"),
+                          hf_config=str(tmp_path / "hf"))
 
 
 def test_deepspeed_trainer_output_folder_and_frozen_parameters_are_refused(tmp_path):

@@ -76,8 +76,17 @@ def _group_states(osd: dict, stage: int, groups: int) -> list[dict]:
     return [state.get(g, {}) for g in range(groups)]
 
 
-def _unflatten_zero12(flats: list[torch.Tensor], shapes, paddings, where: str) -> dict:
-    out = {}
+def _check_groups(shapes, groups: int, where: str) -> None:
+    if len(shapes) != groups:
+        raise ckpt.CheckpointError(f"{where}: param_shapes records {len(shapes)} parameter groups, "
+                                   f"the optimizer files {groups}; the files disagree")
+
+
+def _unflatten_zero12(flats: list[torch.Tensor], shapes, paddings, world: int, where: str) -> dict:
+    """Each group's flat buffer (every rank's piece joined): its parameters in order, each
+    followed by its alignment padding, the buffer's end padded to a multiple of 2 x ranks."""
+    _check_groups(shapes, len(flats), where)
+    out, align = {}, 2 * world
     for g, (names, flat) in enumerate(zip(shapes, flats)):
         offset = 0
         for j, (name, shape) in enumerate(names.items()):
@@ -87,10 +96,15 @@ def _unflatten_zero12(flats: list[torch.Tensor], shapes, paddings, where: str) -
                                            f"its param_shapes need more; the files disagree")
             out[name] = flat[offset:offset + n].view(tuple(shape))
             offset += n + (paddings[g][j] if paddings else 0)
+        if -(-offset // align) != -(-flat.numel() // align):
+            raise ckpt.CheckpointError(f"{where}: group {g} holds {flat.numel()} elements, its "
+                                       f"param_shapes account for {offset}; the files disagree")
     return out
 
 
 def _unflatten_zero3(per_rank: list[torch.Tensor], shapes, where: str) -> dict:
+    """Every parameter split in ceil(numel / ranks) pieces, one per rank, in param_shapes' order
+    over all (sub-)groups."""
     world, out, offset = len(per_rank), {}, 0
     for name, shape in ((k, v) for names in shapes for k, v in names.items()):
         n = math.prod(shape)
@@ -100,6 +114,10 @@ def _unflatten_zero3(per_rank: list[torch.Tensor], shapes, where: str) -> dict:
             raise ckpt.CheckpointError(f"{where}: the ranks' fp32_flat_groups end before {name}")
         out[name] = full[:n].view(tuple(shape))
         offset += part
+    if offset != per_rank[0].numel():
+        raise ckpt.CheckpointError(f"{where}: each rank's fp32_flat_groups hold "
+                                   f"{per_rank[0].numel()} elements, param_shapes account for "
+                                   f"{offset}; the files disagree")
     return out
 
 
@@ -173,7 +191,8 @@ def read(folder: str, optimizer: bool, hf_config: str | None):
             flat = _unflatten_zero3([torch.cat(list(r)) for r in ranks], shapes, folder)
         else:
             merged = [torch.cat([r[g] for r in ranks]) for g in range(groups)]
-            flat = _unflatten_zero12(merged, shapes, osds[0].get("param_alignment_paddings"), folder)
+            flat = _unflatten_zero12(merged, shapes, osds[0].get("param_alignment_paddings"),
+                                     world, folder)
         if frozen:  # weights only (refused above with the optimizer)
             flat.update(_frozen_weights(folder, states, stage, world))
         try:
