@@ -1,9 +1,9 @@
-"""DeepSpeed's own engine training a tiny Hugging Face Llama on CPU processes (not a test module).
+"""DeepSpeed's own engine training tiny Hugging Face models on CPU processes (not a test module).
 
-Run by tests/training/test_checkpoint_deepspeed_engine.py under torchrun (2 ranks, gloo,
-`DS_ACCELERATOR=cpu`):
+Run by tests/training/test_checkpoint_deepspeed_engine.py under torchrun (gloo,
+`DS_ACCELERATOR=cpu`; 2 ranks, and 3 for MATRIX's uneven cases):
 
-    python -m torch.distributed.run --nproc_per_node 2 -m tests.deepspeed_engine train OUT
+    python -m torch.distributed.run --nproc_per_node 2|3 -m tests.deepspeed_engine train OUT
         for each case of CASES and MATRIX of this world size: DeepSpeed's engine (ZeRO stage,
         dtype, model, parameter groups) trains TRAIN_STEPS steps, saves OUT/<case> with
         engine.save_checkpoint, records the saved model's logits on IDS (OUT/<case>.json), for
@@ -13,7 +13,7 @@ Run by tests/training/test_checkpoint_deepspeed_engine.py under torchrun (2 rank
         for each folder OUT/<case>-universal: a fresh engine loads it with
         `checkpoint: {load_universal: true}` and records its next losses (OUT/<case>-universal.json)
     python -m torch.distributed.run --nproc_per_node 2 -m tests.deepspeed_engine session OUT
-        train, then OUT/trained; then, once the test has written the universal folders and
+        train; then, once the test has written the universal folders and
         OUT/resume.go, resume (OUT/resume.skip or no word within WAIT_S seconds: exit without):
         one launch (one start of DeepSpeed and transformers) for both
 
@@ -120,7 +120,10 @@ def _decay_names(out: str, kinds) -> dict:
     (the Trainer's import costs seconds a process: a later launch given the file skips it)."""
     path, names = os.path.join(out, "decay.json"), [None]
     if torch.distributed.get_rank() == 0:
-        known = json.load(open(path)) if os.path.isfile(path) else {}
+        known = {}
+        if os.path.isfile(path):
+            with open(path) as f:
+                known = json.load(f)
         if not set(kinds) <= set(known):
             from transformers import Trainer
             known = {k: Trainer.get_decay_parameter_names(None, _model(k))
