@@ -1,17 +1,19 @@
-"""DeepSpeed's own engine training a tiny Hugging Face Llama on CPU processes (not a test module).
+"""DeepSpeed's own engine training tiny Hugging Face models on CPU processes (not a test module).
 
-Run by tests/training/test_checkpoint_deepspeed_engine.py under torchrun (2 ranks, gloo,
-`DS_ACCELERATOR=cpu`):
+Run by tests/training/test_checkpoint_deepspeed_engine.py under torchrun (gloo,
+`DS_ACCELERATOR=cpu`; 2 ranks, and 3 for MATRIX's uneven cases):
 
-    python -m torch.distributed.run --nproc_per_node 2 -m tests.deepspeed_engine train OUT
-        for each case of CASES: DeepSpeed's engine (ZeRO stage, dtype) trains TRAIN_STEPS steps,
-        saves OUT/<case> with engine.save_checkpoint, records the saved model's logits on IDS
-        and the losses of NEXT_STEPS more steps (OUT/<case>.json)
+    python -m torch.distributed.run --nproc_per_node 2|3 -m tests.deepspeed_engine train OUT
+        for each case of CASES and MATRIX of this world size: DeepSpeed's engine (ZeRO stage,
+        dtype, model, parameter groups) trains TRAIN_STEPS steps, saves OUT/<case> with
+        engine.save_checkpoint, records the saved model's logits on IDS (OUT/<case>.json), for
+        CASES the losses of NEXT_STEPS more steps, for MATRIX the engine's own full masters and
+        moments (OUT/<case>-states.pt); then OUT/trained
     python -m torch.distributed.run --nproc_per_node 2 -m tests.deepspeed_engine resume OUT
         for each folder OUT/<case>-universal: a fresh engine loads it with
         `checkpoint: {load_universal: true}` and records its next losses (OUT/<case>-universal.json)
     python -m torch.distributed.run --nproc_per_node 2 -m tests.deepspeed_engine session OUT
-        train, then OUT/trained; then, once the test has written the universal folders and
+        train; then, once the test has written the universal folders and
         OUT/resume.go, resume (OUT/resume.skip or no word within WAIT_S seconds: exit without):
         one launch (one start of DeepSpeed and transformers) for both
 
@@ -22,6 +24,7 @@ import json
 import os
 import sys
 import time
+from typing import NamedTuple
 
 import torch
 
@@ -31,12 +34,65 @@ CASES = {"zero1": (1, "fp32"), "zero2": (2, "fp32"), "zero3": (3, "fp32"),
          "zero1-bf16": (1, "bf16"), "zero3-bf16": (3, "bf16")}
 
 
-def llama_config():
+class Case(NamedTuple):
+    """One checkpoint of the matrix: how DeepSpeed's users write them."""
+    stage: int
+    dtype: str = "fp32"
+    model: str = "llama"  # a key of CONFIGS
+    groups: int = 1  # 2: the Hugging Face Trainer's weight-decay / no-decay parameter groups
+    trainer: bool = False  # saved as the Trainer does: <case>/checkpoint-N/global_stepN
+    world: int = WORLD
+    frozen: bool = False  # the embedding not trained; also saved without it: <case>-exclude-frozen
+    sub_group_size: int | None = None  # ZeRO-3: several optimizer sub-groups per parameter group
+
+
+MATRIX = {
+    "zero1-2groups": Case(1, groups=2), "zero3-2groups": Case(3, groups=2, sub_group_size=2000),
+    "zero2-2groups-trainer": Case(2, groups=2, trainer=True),
+    "zero2-bf16": Case(2, "bf16"),
+    "zero3-tied": Case(3, model="llama-tied"), "zero3-gpt2": Case(3, model="gpt2", groups=2),
+    "zero2-moe": Case(2, model="qwen2_moe", groups=2),
+    "zero2-world3": Case(2, groups=2, world=3), "zero3-world3": Case(3, groups=2, world=3),
+    "zero2-frozen": Case(2, frozen=True), "zero3-frozen": Case(3, frozen=True),
+}
+
+
+def llama_config(tied: bool = False):
     from transformers import LlamaConfig
     return LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64,
                        num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2,
-                       max_position_embeddings=64, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                       max_position_embeddings=64, rms_norm_eps=1e-6, tie_word_embeddings=tied,
                        attention_dropout=0.0)
+
+
+def gpt2_config():
+    from transformers import GPT2Config
+    return GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=HIDDEN, n_layer=LAYERS, n_head=4,
+                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+
+
+def qwen2_moe_config():
+    from transformers import Qwen2MoeConfig
+    return Qwen2MoeConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64,
+                          moe_intermediate_size=24, shared_expert_intermediate_size=48,
+                          num_experts=4, num_experts_per_tok=2, num_hidden_layers=LAYERS,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                          rms_norm_eps=1e-6, tie_word_embeddings=False, decoder_sparse_step=1,
+                          mlp_only_layers=[], output_router_logits=False, attention_dropout=0.0)
+
+
+CONFIGS = {"llama": llama_config, "llama-tied": lambda: llama_config(tied=True),
+           "gpt2": gpt2_config, "qwen2_moe": qwen2_moe_config}
+
+
+def case(name: str) -> Case:
+    return Case(*CASES[name]) if name in CASES else MATRIX[name]
+
+
+def checkpoint_root(out: str, name: str) -> str:
+    """The folder engine.save_checkpoint wrote (holding `latest`)."""
+    return os.path.join(out, name, f"checkpoint-{TRAIN_STEPS}") if case(name).trainer \
+        else os.path.join(out, name)
 
 
 def batch(step: int, rank: int) -> torch.Tensor:
@@ -48,26 +104,59 @@ def batch(step: int, rank: int) -> torch.Tensor:
 IDS = torch.arange(2 * SEQ).reshape(2, SEQ) * 7 % VOCAB  # the logits' input
 
 
-def _model():
-    from transformers import LlamaForCausalLM
+def _model(kind: str = "llama"):
+    from transformers import AutoModelForCausalLM
     torch.manual_seed(0)
-    model = LlamaForCausalLM(llama_config())
+    model = AutoModelForCausalLM.from_config(CONFIGS[kind]())
     with torch.no_grad():  # norms at 1 would hide a mixed-up norm
         for p in model.parameters():
             p.add_(torch.randn(p.shape) * 0.05)
     return model
 
 
-def _engine(stage: int, dtype: str, universal: bool = False):
+def _decay_names(out: str, kinds) -> dict:
+    """Per model kind, the parameters the Hugging Face Trainer gives weight decay (its own rule:
+    not biases nor norm weights). Rank 0 asks the Trainer and keeps the answer in OUT/decay.json
+    (the Trainer's import costs seconds a process: a later launch given the file skips it)."""
+    path, names = os.path.join(out, "decay.json"), [None]
+    if torch.distributed.get_rank() == 0:
+        known = {}
+        if os.path.isfile(path):
+            with open(path) as f:
+                known = json.load(f)
+        if not set(kinds) <= set(known):
+            from transformers import Trainer
+            known = {k: Trainer.get_decay_parameter_names(None, _model(k))
+                     for k in sorted(set(kinds) | set(known))}
+            with open(path, "w") as f:
+                json.dump(known, f)
+        names = [known]
+    torch.distributed.broadcast_object_list(names, 0)
+    return names[0]
+
+
+def _param_groups(model, decay):
+    """All parameters (decay None), or the Trainer's two groups: weight decay and none."""
+    if decay is None:
+        return [p for p in model.parameters() if p.requires_grad]
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    return [{"params": [p for n, p in named if n in decay], "weight_decay": 0.1},
+            {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
+
+
+def _engine(stage: int, dtype: str, universal: bool = False, kind: str = "llama", decay=None,
+            frozen: bool = False, sub_group_size: int | None = None):
     import deepspeed
-    model = _model()
+    model = _model(kind)
+    model.get_input_embeddings().weight.requires_grad_(not frozen)
+    zero = {"stage": stage, **({"sub_group_size": sub_group_size} if sub_group_size else {})}
     config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1,
-              "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
+              "zero_optimization": zero, "zero_allow_untested_optimizer": True,
               "bf16": {"enabled": dtype == "bf16"}, "gradient_clipping": 0.0,
               "steps_per_print": 10 ** 6, "wall_clock_breakdown": False}
     if universal:
         config["checkpoint"] = {"load_universal": True}
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), eps=1e-8,
+    opt = torch.optim.AdamW(_param_groups(model, decay), lr=LR, betas=(0.9, 0.95), eps=1e-8,
                             weight_decay=0.0)
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
     return engine
@@ -91,24 +180,65 @@ def _logits(engine) -> list:
     return logits.tolist()
 
 
+def _full_states(engine) -> dict:
+    """DeepSpeed's own view of every parameter's fp32 master and Adam moments (Hugging Face
+    names), gathered from the ranks by its safe_get_full_* API: what an import must reproduce."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+    opt = engine.optimizer
+    if getattr(opt, "_hp_optimizer_states_linked", False):
+        # ZeRO-1/2 (DeepSpeed 0.19.8) link the parameters to their Adam moments once, after the
+        # first group's first step, when the later groups have none yet: with two groups
+        # safe_get_full_optimizer_state raises "exp_avg not found in optimizer state fragment"
+        # for the second group's parameters. Linked again here, by DeepSpeed's own function.
+        opt._hp_optimizer_states_linked = False
+        opt._lazy_init_hp_params_optimizer_state()
+    out = {"master": {}, "exp_avg": {}, "exp_avg_sq": {}}
+    for name, p in engine.module.named_parameters():
+        out["master"][name] = safe_get_full_fp32_param(p).float().clone()
+        for state in ("exp_avg", "exp_avg_sq"):
+            out[state][name] = safe_get_full_optimizer_state(p, state).float().clone()
+    return out
+
+
 def train(out: str) -> None:
-    for case, (stage, dtype) in CASES.items():
-        engine = _engine(stage, dtype)
+    """The cases of this launch's world size: CASES and MATRIX at 2 ranks, MATRIX's at 3."""
+    world = torch.distributed.get_world_size()
+    names = [n for n in (*CASES, *MATRIX) if case(n).world == world]
+    decay = _decay_names(out, {c.model for c in map(case, names) if c.groups == 2})
+    for name in names:
+        c = case(name)
+        engine = _engine(c.stage, c.dtype, kind=c.model,
+                         decay=set(decay[c.model]) if c.groups == 2 else None, frozen=c.frozen,
+                         sub_group_size=c.sub_group_size)
         losses = [_step(engine, s) for s in range(TRAIN_STEPS)]
-        engine.save_checkpoint(os.path.join(out, case))
-        record = dict(stage=stage, dtype=dtype, losses=losses, logits=_logits(engine),
-                      next=[_step(engine, s) for s in range(TRAIN_STEPS, TRAIN_STEPS + NEXT_STEPS)])
+        engine.save_checkpoint(checkpoint_root(out, name))  # tag: global_step<N>, as the Trainer
+        if c.frozen:  # as the Trainer saves PEFT models
+            engine.save_checkpoint(os.path.join(out, name + "-exclude-frozen"),
+                                   exclude_frozen_parameters=True)
+        record = dict(stage=c.stage, dtype=c.dtype, losses=losses, logits=_logits(engine))
+        states = None if name in CASES or c.frozen else _full_states(engine)
+        if name in CASES:  # the resume tests' cases
+            record["next"] = [_step(engine, s)
+                              for s in range(TRAIN_STEPS, TRAIN_STEPS + NEXT_STEPS)]
         if torch.distributed.get_rank() == 0:
-            with open(os.path.join(out, case + ".json"), "w") as f:
+            CONFIGS[c.model]().save_pretrained(os.path.join(out, name + "-hf"))
+            if c.trainer:  # the Trainer saves the model's config.json beside DeepSpeed's files
+                CONFIGS[c.model]().save_pretrained(checkpoint_root(out, name))
+            with open(os.path.join(out, name + ".json"), "w") as f:
                 json.dump(record, f)
+            if states is not None:
+                torch.save(states, os.path.join(out, name + "-states.pt"))
         del engine
+    torch.distributed.barrier()
+    if torch.distributed.get_rank() == 0:  # every record written: the tests may read them
+        open(os.path.join(out, "trained"), "w").close()
 
 
 def resume(out: str) -> None:
     for name in sorted(os.listdir(out)):
         if not name.endswith("-universal") or not os.path.isdir(os.path.join(out, name)):
             continue
-        stage, dtype = CASES[name.removesuffix("-universal")]
+        stage, dtype = CASES[name.removesuffix("-universal")]  # the base cases only
         engine = _engine(stage, dtype, universal=True)
         engine.load_checkpoint(os.path.join(out, name))
         record = dict(global_steps=engine.global_steps,
@@ -140,9 +270,6 @@ def _told_to_resume(out: str) -> bool:
 
 def session(out: str) -> None:
     train(out)
-    torch.distributed.barrier()
-    if torch.distributed.get_rank() == 0:
-        open(os.path.join(out, "trained"), "w").close()
     if _told_to_resume(out):
         resume(out)
 

@@ -51,7 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the tokenizer's vocabulary (default: the recorded one; Megatron-LM "
                           "records only the padded size unless --vocab-size was given)")
     imp.add_argument("--hf-config", help="deepspeed ZeRO checkpoints of a Hugging Face model: "
-                                         "the folder with its config.json")
+                                         "the folder with its config.json (default: one beside "
+                                         "`latest`, as in the Hugging Face Trainer's "
+                                         "checkpoint-N folders)")
     imp.add_argument("--make-vocab-size-divisible-by", type=int, help="hf only")
     exp.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                      help="hf only: weights' dtype (default: the checkpoint's; an imported "

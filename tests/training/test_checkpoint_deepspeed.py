@@ -250,6 +250,7 @@ def test_deepspeed_zero_checkpoint_imports_masters_and_moments(stage, tmp_path):
     import types
     from transformers import GPT2Config, GPT2LMHeadModel
     from megazoo.training.checkpoint.foreign.convert import import_checkpoint
+    from megazoo.training.checkpoint.format import CheckpointError
     from megazoo.training.checkpoint.reshard import read_full_state
     torch.manual_seed(0)
     hf = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB_BLOOM, n_positions=32, n_embd=32, n_layer=2,
@@ -292,3 +293,41 @@ def test_deepspeed_zero_checkpoint_imports_masters_and_moments(stage, tmp_path):
         t = (lambda x: x.t()) if mz.endswith("fc2.weight") else (lambda x: x)  # GPT-2's Conv1D
         assert torch.equal(full.optim["exp_avg"][mz], t(moments[0][name]))
         assert torch.equal(full.optim["exp_avg_sq"][mz], t(moments[1][name]))
+    # model-state records of another model: a group's flat buffer left over is refused
+    for path in folder.glob("*model_states.pt"):
+        record = torch.load(path, weights_only=True)
+        record["param_shapes"][1].popitem()
+        torch.save(record, path)
+    with pytest.raises(CheckpointError, match=r"param_shapes account for \d+; the files disagree"):
+        import_checkpoint("deepspeed", str(tmp_path / "ds"), str(tmp_path / "mz_bad"),
+                          hf_config=str(tmp_path / "hf"))
+
+
+def test_deepspeed_trainer_output_folder_and_frozen_parameters_are_refused(tmp_path):
+    """A Hugging Face Trainer output folder (checkpoint-N folders, no `latest`) names the newest
+    checkpoint to pass; a ZeRO run with frozen parameters (no masters nor moments for them) is
+    refused with the optimizer by its model-state file, before the optimizer files are read."""
+    from collections import OrderedDict
+    from megazoo.training.checkpoint.foreign.convert import import_checkpoint
+    from megazoo.training.checkpoint.format import CheckpointError
+    from tests.deepspeed_engine import llama_config
+    run = tmp_path / "trainer_out"
+    for step in (500, 1000):
+        (run / f"checkpoint-{step}" / f"global_step{step}").mkdir(parents=True)
+    with pytest.raises(CheckpointError, match=r"Hugging Face Trainer output folder holding "
+                                              r"checkpoint-500, checkpoint-1000; pass one of them, "
+                                              r"e\.g\. .*trainer_out/checkpoint-1000"):
+        import_checkpoint("deepspeed", str(run), str(tmp_path / "mz"))
+    folder = tmp_path / "frozen" / "global_step3"
+    folder.mkdir(parents=True)
+    (tmp_path / "frozen" / "latest").write_text("global_step3")
+    torch.save({"param_shapes": [OrderedDict(w=torch.Size([4, 4]))],
+                "frozen_param_shapes": OrderedDict(v=torch.Size([4]))},
+               folder / "mp_rank_00_model_states.pt")
+    (folder / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"not read")
+    llama_config().save_pretrained(str(tmp_path / "hf"))
+    with pytest.raises(CheckpointError, match=r"mp_rank_00_model_states\.pt: 1 parameters were "
+                                              r"not trained \(frozen_param_shapes, e\.g\. v\).*"
+                                              r"--no-optimizer"):
+        import_checkpoint("deepspeed", str(tmp_path / "frozen"), str(tmp_path / "mz"),
+                          hf_config=str(tmp_path / "hf"))

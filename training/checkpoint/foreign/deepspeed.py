@@ -24,29 +24,20 @@ the args. Its names are the pipeline module's (`tied_modules.embed.word_embeddin
 `{layer}.input_layernorm.weight`, `{layer}.weight` for the final norm), mapped as above. It
 imports with the fp32 masters and moments, so `--load` continues the run at any layout.
 
-A ZeRO checkpoint, as DeepSpeed's engine.save_checkpoint writes it, has one
-`[bf16_]zero_pp_rank_R_mp_rank_00_optim_states.pt` per data-parallel rank (`bf16_` with bf16
-training) and the engine's records (`param_shapes`, steps, samples) in
-`mp_rank_00_model_states.pt` (ZeRO-1/2) or in one `zero_pp_rank_R_mp_rank_00_model_states.pt`
-per rank (ZeRO-3, whose `module` holds empty placeholders). The optimizer files keep each
-parameter group's fp32 masters and Adam moments flat: ZeRO-1/2 split the group's concatenated
-parameters over the ranks (`single_partition_of_fp32_groups`, padding removed), ZeRO-3 splits
-every parameter into ceil(numel / ranks) pieces (`fp32_flat_groups`). The fp32 masters are
-read whatever the training dtype. Its names are the trained module's, so a Hugging Face model's
-config.json (`--hf-config`) gives the model and the names; a ZeRO checkpoint records no
-configuration of its own (as universal checkpoints under its names: deepspeed_universal_hf.py).
+A ZeRO checkpoint (engine.save_checkpoint's `*_optim_states.pt` per data-parallel rank) is read by
+deepspeed_zero.py.
 """
 from __future__ import annotations
 
 import logging
-import math
 import os
 import re
 
 import torch
 
 from megazoo.training.checkpoint import format as ckpt
-from megazoo.training.checkpoint.foreign import deepspeed_universal_hf, megatron_args, safe_load
+from megazoo.training.checkpoint.foreign import (deepspeed_universal_hf, deepspeed_zero,
+                                                 megatron_args, safe_load)
 from megazoo.training.checkpoint.foreign.assemble import Pieces, check_shapes, expected_shapes
 from megazoo.training.checkpoint.reshard import FullState
 
@@ -54,6 +45,7 @@ logger = logging.getLogger(__name__)
 
 _LAYER_FILE = re.compile(r"layer_(\d+)-model_(\d+)-model_states\.pt")
 _STEP = re.compile(r"global_step(\d+)")
+_TRAINER_DIR = re.compile(r"checkpoint-(\d+)")  # the Hugging Face Trainer's save folders
 # Megatron-DeepSpeed block key -> (megazoo suffix, split)
 BLOCK = {
     "input_layernorm.weight": ("input_norm.weight", "replicated"),
@@ -97,6 +89,12 @@ def step_folder(root: str) -> str:
                                            f"folder") from None
     if _STEP.fullmatch(os.path.basename(os.path.normpath(root))):
         return root
+    trainer = sorted((n for n in os.listdir(root) if _TRAINER_DIR.fullmatch(n)),
+                     key=lambda n: int(n.split("-")[1])) if os.path.isdir(root) else []
+    if trainer:
+        raise ckpt.CheckpointError(f"{root} is a Hugging Face Trainer output folder holding "
+                                   f"{', '.join(trainer)}; pass one of them, e.g. "
+                                   f"{os.path.join(root, trainer[-1])}")
     raise ckpt.CheckpointError(f"{root}: no 'latest' file and not a global_step* folder; pass a "
                                f"DeepSpeed --save folder or one of its global_step* folders")
 
@@ -121,7 +119,7 @@ def is_pipeline_layout(root: str) -> bool:
 def is_zero(root: str) -> bool:
     try:
         folder = step_folder(root)
-        return bool(_optim_files(folder)) and not _layer_files(folder)
+        return bool(deepspeed_zero.optim_files(folder)) and not _layer_files(folder)
     except (ckpt.CheckpointError, OSError):
         return False
 
@@ -149,10 +147,13 @@ def describe(root: str) -> str:
         return (f"DeepSpeed universal checkpoint ({os.path.basename(folder)}): {count} parameters "
                 f"with fp32 masters and Adam moments")
     if is_zero(root):
-        osd = safe_load.load(_optim_files(folder)[0])["optimizer_state_dict"]
-        return (f"DeepSpeed ZeRO-{int(_value(osd.get('zero_stage', 0)))} checkpoint "
-                f"({os.path.basename(folder)}): {len(_optim_files(folder))} data-parallel ranks; "
-                f"import with --hf-config")
+        files = deepspeed_zero.optim_files(folder)
+        stage = int(deepspeed_zero.value(safe_load.load(files[0])["optimizer_state_dict"]
+                                         .get("zero_stage", 0)))
+        return (f"DeepSpeed ZeRO-{stage} checkpoint ({os.path.basename(folder)}): {len(files)} "
+                f"data-parallel ranks; import with --hf-config"
+                + (" (or the Trainer's config.json beside it)"
+                   if deepspeed_zero.trainer_config(folder) else ""))
     files = _layer_files(folder)
     tp = max(len(v) for v in files.values())
     args = _args(folder).get("args")
@@ -170,8 +171,8 @@ def read(root: str, vocab_size: int | None = None, *, optimizer: bool = True,
         if deepspeed_universal_hf.is_hf_named(os.path.join(folder, "zero")):
             return deepspeed_universal_hf.read(folder, optimizer, hf_config)
         return _read_universal(folder, vocab_size, optimizer)
-    if _optim_files(folder) and not _layer_files(folder):
-        return _read_zero(folder, optimizer, hf_config)
+    if deepspeed_zero.optim_files(folder) and not _layer_files(folder):
+        return deepspeed_zero.read(folder, optimizer, hf_config)
     states = _args(folder)
     args = states.get("args")
     family, config = megatron_args.to_config(args, folder, vocab_size)
@@ -281,120 +282,3 @@ def _read_universal(folder: str, vocab_size: int | None, optimizer: bool):
                 skipped_steps=max(iteration - step, 0), seq_length=getattr(args, "seq_length", None),
                 source=dict(format="deepspeed-universal", folder=os.path.abspath(folder)))
     return family, config, FullState(meta, dict(full["master"]), optim, scalars), iteration
-
-
-_OPTIM_FILE = re.compile(r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt")
-
-
-def _optim_files(folder: str) -> list[str]:
-    found = []
-    for name in os.listdir(folder):
-        m = _OPTIM_FILE.fullmatch(name)
-        if m:
-            if int(m[2]) != 0:
-                raise ckpt.CheckpointError(f"{folder}: {name} is a model-parallel rank's ZeRO "
-                                           f"state; convert it with ds_to_universal.py first")
-            found.append((int(m[1]), os.path.join(folder, name)))
-    return [p for _, p in sorted(found)]
-
-
-def _zero_model_states(folder: str) -> str:
-    """The engine's records (param_shapes, steps, samples): ZeRO-1/2's one file, or rank 0's of
-    ZeRO-3's per-rank files (the same records on every rank)."""
-    for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt"):
-        if os.path.isfile(os.path.join(folder, name)):
-            return os.path.join(folder, name)
-    raise ckpt.CheckpointError(f"{folder}: neither mp_rank_00_model_states.pt (ZeRO-1/2) nor "
-                               f"zero_pp_rank_0_mp_rank_00_model_states.pt (ZeRO-3) is there; "
-                               f"copy the model-state files with the optimizer's")
-
-
-def _value(v):
-    return getattr(v, "value", v)
-
-
-def _group_states(osd: dict, stage: int, groups: int) -> list[dict]:
-    """Per parameter group, this rank's flat Adam state ({exp_avg, exp_avg_sq, step})."""
-    base = osd.get("optimizer_state_dict" if stage == 3 else "base_optimizer_state")
-    if isinstance(base, list):  # ZeRO-1/2's elastic form: one lean state per group
-        return base
-    state = (base or {}).get("state", {})
-    return [state.get(g, {}) for g in range(groups)]
-
-
-def _unflatten_zero12(flats: list[torch.Tensor], shapes, paddings, where: str) -> dict:
-    out = {}
-    for g, (names, flat) in enumerate(zip(shapes, flats)):
-        offset = 0
-        for j, (name, shape) in enumerate(names.items()):
-            n = math.prod(shape)
-            if offset + n > flat.numel():
-                raise ckpt.CheckpointError(f"{where}: group {g} holds {flat.numel()} elements, "
-                                           f"its param_shapes need more; the files disagree")
-            out[name] = flat[offset:offset + n].view(tuple(shape))
-            offset += n + (paddings[g][j] if paddings else 0)
-    return out
-
-
-def _unflatten_zero3(per_rank: list[torch.Tensor], shapes, where: str) -> dict:
-    world, out, offset = len(per_rank), {}, 0
-    for name, shape in ((k, v) for names in shapes for k, v in names.items()):
-        n = math.prod(shape)
-        part = -(-n // world)
-        full = torch.cat([flat[offset:offset + part] for flat in per_rank])
-        if full.numel() < n:
-            raise ckpt.CheckpointError(f"{where}: the ranks' fp32_flat_groups end before {name}")
-        out[name] = full[:n].view(tuple(shape))
-        offset += part
-    return out
-
-
-def _read_zero(folder: str, optimizer: bool, hf_config: str | None):
-    if not hf_config:
-        raise ckpt.CheckpointError(f"{folder}: a DeepSpeed ZeRO checkpoint records no model "
-                                   f"configuration; pass --hf-config with the model's "
-                                   f"config.json folder")
-    from megazoo.training.checkpoint.hf import read_hf_config
-    model_type, module, hf = read_hf_config(hf_config)
-    config = module.config_from_hf(hf)
-    path = _zero_model_states(folder)
-    states = safe_load.load(path)
-    shapes = states.get("param_shapes")
-    if not shapes:
-        raise ckpt.CheckpointError(f"{path} records no param_shapes; it is not a ZeRO checkpoint")
-    shapes = shapes if isinstance(shapes, list) else [shapes]
-    osds = [safe_load.load(p)["optimizer_state_dict"] for p in _optim_files(folder)]
-    stage = int(_value(osds[0].get("zero_stage", 0)))
-    count = osds[0].get("partition_count")
-    world = max(count) if isinstance(count, list) else int(count or len(osds))
-    if world != len(osds):
-        raise ckpt.CheckpointError(f"{folder}: {len(osds)} *_optim_states.pt files, the ZeRO "
-                                   f"partition count is {world}; copy every rank's file")
-    key = "fp32_flat_groups" if stage == 3 else "single_partition_of_fp32_groups"
-    groups = len(osds[0][key])
-    per_state = {"master": [o[key] for o in osds]}
-    if optimizer:
-        for s in ("exp_avg", "exp_avg_sq"):
-            per_state[s] = [[st[s] for st in _group_states(o, stage, groups)] for o in osds]
-    full = {}
-    for state, ranks in per_state.items():
-        if stage == 3:
-            flat = _unflatten_zero3([torch.cat(list(r)) for r in ranks], shapes, folder)
-        else:
-            merged = [torch.cat([r[g] for r in ranks]) for g in range(groups)]
-            flat = _unflatten_zero12(merged, shapes, osds[0].get("param_alignment_paddings"), folder)
-        try:
-            full[state] = {k: v.float() for k, v in module.from_hf_state_dict(flat, config).items()}
-        except KeyError as e:
-            raise ckpt.CheckpointError(f"{folder}: the parameters lack {e}; they do not match "
-                                       f"{hf_config}/config.json ({model_type})") from None
-    steps = {int(st["step"]) for o in osds for st in _group_states(o, stage, groups) if "step" in st}
-    iteration = int(states.get("global_steps") or _STEP.fullmatch(os.path.basename(folder))[1])
-    step = max(steps) if steps else iteration
-    meta = dict(consumed_samples=int(states.get("global_samples") or 0),
-                skipped_steps=int(states.get("skipped_steps") or 0),
-                source=dict(format=f"deepspeed-zero{stage}", folder=os.path.abspath(folder)))
-    optim = full if optimizer else {}
-    scalars = {"iteration": torch.tensor(iteration), "applied_steps": torch.tensor(step)} \
-        if optimizer else {}
-    return model_type, config, FullState(meta, dict(full["master"]), optim, scalars), iteration
