@@ -17,7 +17,8 @@ Tensors, per sparse layer (HF `model.layers.{i}.mlp.` -> megazoo `layers.{i}.mlp
     experts.down_proj [E, h, f], or experts.{e}.down_proj -> experts.weight2
     shared_expert.{gate,up,down}_proj, shared_expert_gate -> shared_expert.fc1 / fc2, shared_expert_gate
 
-Export writes transformers' stacked form (what its `save_pretrained` writes for both families).
+Export writes transformers' in-memory stacked form, which its loader reads as it is (its
+`save_pretrained` writes each expert apart; both import).
 """
 from __future__ import annotations
 

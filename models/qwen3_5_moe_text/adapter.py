@@ -9,9 +9,11 @@ models/qwen35_moe_like.py. transformers' Qwen3.5-MoE has no `decoder_sparse_step
 model_type qwen3_5_moe) is read through its text_config, the vision config left out (logged).
 
 Tensors: Qwen3.5's names for the layers (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a: no fused
-projections as in Qwen3-Next; models/qwen35_like.py), the sparse block's as Qwen3-Next's, its
-experts stacked (`experts.gate_up_proj` [E, 2f, h], `experts.down_proj` [E, h, f]: what the
-release files hold and transformers writes; per-expert tensors are read too). A release's
+projections as in Qwen3-Next; models/qwen35_like.py), the sparse block's as Qwen3-Next's
+(models/qwen35_moe_like.py): experts read from the files' per-expert tensors
+(`experts.{e}.gate_proj` ..., what transformers' `save_pretrained` writes) or transformers'
+in-memory stacked form (`experts.gate_up_proj` [E, 2f, h], `experts.down_proj` [E, h, f]),
+written stacked (transformers loads both). A release's
 `model.language_model.*` is renamed `model.*`; its vision tower and multi-token-prediction
 head (`model.visual.*`, `mtp.*`) are left out with one logged line, as transformers'
 `Qwen3_5MoeForCausalLM` leaves them. Export writes the text model (`Qwen3_5MoeForCausalLM`).
