@@ -4,8 +4,9 @@ megazoo's trainable stack.
 Config: Qwen3.5's fields go through models/qwen3_5/hf.py's checks (the same mapped, neutral and
 fixed fields, less `intermediate_size`: there is no dense MLP), the sparse block's through
 models/qwen35_moe_like.py. transformers' Qwen3.5-MoE has no `decoder_sparse_step` or
-`norm_topk_prob` (every layer sparse, the top-k always renormalised); a released text_config's
-`mlp_only_layers` must be [] (transformers ignores it). A release's config (`Qwen3_5MoeConfig`,
+`norm_topk_prob` (every layer sparse, the top-k always renormalised): a config.json carrying
+them, or a released text_config's `mlp_only_layers`, is accepted at that value (1, true, [])
+and refused at any other, since transformers ignores them. A release's config (`Qwen3_5MoeConfig`,
 model_type qwen3_5_moe) is read through its text_config, the vision config left out (logged).
 
 Tensors: Qwen3.5's names for the layers (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a: no fused
@@ -35,6 +36,9 @@ MOE = frozenset({"num_experts", "num_experts_per_tok", "moe_intermediate_size",
                  "shared_expert_intermediate_size", "router_aux_loss_coef"})
 # output_router_logits only adds transformers' own aux loss to its loss; the logits are the same
 MAPPED = (qwen35.MAPPED - {"intermediate_size"}) | MOE | {"output_router_logits"}
+# Qwen3-Next's switches that transformers' Qwen3.5-MoE has fixed (a config.json may carry them):
+# every layer sparse, the top-k renormalised; Qwen3.5's (gated attention, mlp_only_layers [])
+FIXED = {**qwen35.FIXED, "decoder_sparse_step": 1, "norm_topk_prob": True}
 
 
 def config_from_hf(hf_cfg) -> TransformerConfig:
@@ -42,7 +46,7 @@ def config_from_hf(hf_cfg) -> TransformerConfig:
     from a release's `Qwen3_5MoeConfig` (its text_config)."""
     if hasattr(hf_cfg, "text_config"):
         hf_cfg = qwen35.text_config_of(hf_cfg, RELEASE, FAMILY)
-    check_fields(hf_cfg, FAMILY, MAPPED, qwen35.IGNORED, qwen35.FIXED)
+    check_fields(hf_cfg, FAMILY, MAPPED, qwen35.IGNORED, FIXED)
     if hf_cfg.router_aux_loss_coef and hf_cfg.output_router_logits:
         raise refuse(FAMILY, "output_router_logits", True,
                      "False (transformers' auxiliary loss is not what megazoo trains with)")

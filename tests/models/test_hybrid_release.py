@@ -202,14 +202,19 @@ def test_qwen35_moe_vision_language_release(tmp_path, caplog):
     with torch.no_grad():
         torch.testing.assert_close(back.eval()(ids).logits, want, rtol=1e-5, atol=1e-5)
 
-    # refused in one line: a released layer list transformers would ignore, no shared expert,
-    # the dense release given to the MoE family
+    # refused in one line: a released layer list or router switch transformers would ignore, no
+    # shared expert, the dense release given to the MoE family; the fixed values pass
     adapter = family("qwen3_5_moe_text").adapter
+    assert adapter.config_from_hf(Qwen3_5MoeConfig(text_config=dict(
+        text, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[]))) == \
+        adapter.config_from_hf(hf.config)
     dense = Qwen3_5Config(text_config=TEXT, vision_config=vision)
     for release, field in ((Qwen3_5MoeConfig(text_config=dict(text, mlp_only_layers=[1])),
                             "mlp_only_layers"),
                            (Qwen3_5MoeConfig(text_config=dict(text, shared_expert_intermediate_size=0)),
                             "shared_expert_intermediate_size"),
+                           (Qwen3_5MoeConfig(text_config=dict(text, norm_topk_prob=False)),
+                            "norm_topk_prob"),
                            (dense, "model_type")):
         with pytest.raises(UnsupportedConfigError, match=field) as err:
             adapter.config_from_hf(release)
