@@ -3,8 +3,9 @@ layers beside attention, docs/hybrid.md) through megazoo's registry, adapters an
 
 - In process: each family's adapter against transformers (random tiny models: logits within
   1e-5, greedy generation equal, tensors and config back bit-identical, a saved folder through
-  the real import path) and its published presets equal to what the importer makes of
-  transformers' config fields.
+  the real import path; Qwen3-Next's and Qwen3.5-MoE's imported aux-loss coefficient against
+  transformers' load-balancing loss) and its published presets equal to what the importer makes
+  of transformers' config fields.
 - One 2-rank world: the trainer (training/run/loop.py, what train_*.py runs) on each family's
   tiny preset under tp2 + sequence parallelism, pp2 (each stage holds two layer kinds), cp2
   (linear layers by heads, attention by the ring), dp2 with ZeRO-3, and ep2 for
@@ -274,6 +275,20 @@ def _hf_models():
     }
 
 
+def _check_aux_loss_coefficient(config, hf_config):
+    """transformers' load-balancing loss times its coefficient equals megazoo's (Switch: shares
+    of the T x k assignments, models/moe.py; tests/models/test_moe.py checks the router against
+    it) times the imported coefficient, on one layer's router logits."""
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import load_balancing_loss_func
+    e, k, tokens = config.num_experts, config.moe_router_topk, 40
+    logits = torch.randn(tokens, e, generator=torch.Generator().manual_seed(5))
+    counts = torch.bincount(logits.topk(k).indices.flatten(), minlength=e)
+    ours = config.moe_aux_loss_coeff * e * (counts / (tokens * k) * logits.softmax(-1).mean(0)).sum()
+    theirs = hf_config.router_aux_loss_coef * load_balancing_loss_func((logits,), e, k)
+    torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=0)
+    assert ours > 0
+
+
 def test_adapters_equal_transformers_and_export_bit_identical(tmp_path):
     from megazoo.models.generation import generate
     from megazoo.models.language_model import gather_logits
@@ -298,6 +313,8 @@ def test_adapters_equal_transformers_and_export_bit_identical(tmp_path):
         reference = hf_config.to_dict()  # (saving the model below records its dtype there)
         config = adapter.config_from_hf(hf_config).replace(linear_chunk_size=8)
         assert config.family == name
+        if name in ("qwen3_next", "qwen3_5_moe_text"):
+            _check_aux_loss_coefficient(config, hf_config)
         full = adapter.from_hf_state_dict(hf.state_dict(), config)
         model = build_model(config, topo)
         load_full_state_dict(model, full, topo)
