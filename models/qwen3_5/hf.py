@@ -9,7 +9,8 @@ has model_type `qwen3_5` with the text model's fields in `text_config`, and the 
 multi-token-prediction head). The import reads the text config, renames `model.language_model.`
 to `model.` and leaves the vision and MTP tensors out with one logged line, as transformers'
 `Qwen3_5ForCausalLM` does (its conversion mapping for qwen3_5_text; its keys ignored on load).
-A `qwen3_5_moe` release (Qwen3.5's MoE sizes) is refused: megazoo does not model that family.
+A `qwen3_5_moe` release (Qwen3.5's MoE sizes) is another family's: models/qwen3_5_moe_text reads
+it with `text_config_of(release, "qwen3_5_moe")` and `release_text_tensors`.
 """
 from __future__ import annotations
 
@@ -50,25 +51,27 @@ def config_from_hf(hf) -> Qwen35Config:
     return base_config(hf, FAMILY)
 
 
-def text_config_of(release, model_type: str = "qwen3_5"):
+def text_config_of(release, model_type: str = "qwen3_5", family: str = FAMILY):
     """The text config inside a released vision-language config of `model_type`, refusing
-    another model_type (e.g. qwen3_5_moe) or a top-level tie_word_embeddings that contradicts it."""
+    another model_type (qwen3_5_moe is the qwen3_5_moe_text family's) or a top-level
+    tie_word_embeddings that contradicts it."""
     kind = getattr(release, "model_type", None)
     if kind != model_type:
-        raise refuse(FAMILY, "model_type", kind, f"{model_type!r} (Qwen3.5's MoE release, "
-                     f"qwen3_5_moe, is not a megazoo family)")
+        raise refuse(family, "model_type", kind, f"{model_type!r} (a qwen3_5 / qwen3_5_moe release "
+                     f"is read by the qwen3_5_text / qwen3_5_moe_text family)")
     text = release.text_config
     top = getattr(release, "tie_word_embeddings", text.tie_word_embeddings)
     if bool(top) != bool(text.tie_word_embeddings):
-        raise refuse(FAMILY, "tie_word_embeddings", top,
+        raise refuse(family, "tie_word_embeddings", top,
                      f"text_config's value ({text.tie_word_embeddings})")
     logger.info("%s: reading the text model of a %s release; its vision config is not modelled "
-                "and is left out", FAMILY, model_type)
+                "and is left out", family, model_type)
     return text
 
 
-def base_config(hf, family: str) -> Qwen35Config:
-    """The fields Qwen3.5 shares with Qwen3-Next, checked (`family` names it in errors)."""
+def base_config(hf, family: str, intermediate_size: int | None = None) -> Qwen35Config:
+    """The fields Qwen3.5 shares with Qwen3-Next and Qwen3.5-MoE, checked (`family` names it in
+    errors); `intermediate_size` for a config without a dense MLP (Qwen3.5-MoE's has none)."""
     FAMILY = family  # noqa: N806 - the refusals below name the family read
     if hf.hidden_act not in ("silu", "swish"):
         raise refuse(FAMILY, "hidden_act", hf.hidden_act, "silu")
@@ -94,7 +97,8 @@ def base_config(hf, family: str) -> Qwen35Config:
                            if k not in ("rope_theta", "partial_rotary_factor")}
     return Qwen35Config(
         vocab_size=hf.vocab_size, hidden_size=hf.hidden_size,
-        intermediate_size=hf.intermediate_size, layer_types=tuple(hf.layer_types),
+        intermediate_size=hf.intermediate_size if intermediate_size is None else intermediate_size,
+        layer_types=tuple(hf.layer_types),
         num_attention_heads=hf.num_attention_heads, num_key_value_heads=hf.num_key_value_heads,
         head_dim=hf.head_dim, linear_num_key_heads=hf.linear_num_key_heads,
         linear_num_value_heads=hf.linear_num_value_heads,

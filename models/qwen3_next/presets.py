@@ -23,7 +23,8 @@ PRESETS = {
                                linear_num_value_heads=32, linear_key_head_dim=128,
                                linear_value_head_dim=128, linear_conv_kernel=4, num_experts=512,
                                moe_router_topk=10, moe_ffn_hidden_size=512,
-                               moe_shared_expert_intermediate_size=512, moe_aux_loss_coeff=1e-3),
+                               moe_shared_expert_intermediate_size=512,
+                               moe_aux_loss_coeff=1e-3 * 10),  # HF 1e-3 x top-k
     # a tiny Qwen3-Next for CPUs and tests: a dense first layer (mlp_only_layers), then MoE
     "qwen3-next-tiny": dict(_NEXT, vocab_size=128, hidden_size=32, num_layers=4,
                             num_attention_heads=4, num_query_groups=2, kv_channels=8,

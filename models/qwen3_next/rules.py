@@ -7,3 +7,6 @@ SHAPE = dict(QWEN35_LAYERS, moe_router_score_function="softmax", moe_router_pre_
              moe_router_num_groups=None, moe_router_topk_scaling_factor=None,
              moe_shared_expert_gate=True)
 MOE = True
+# a config naming no family whose every MLP is sparse with renormalised top-k fits Qwen3.5-MoE's
+# rules too (the same layers and block): it stays Qwen3-Next, as before that family existed
+INFER_BEFORE = ("qwen3_5_moe_text",)

@@ -10,7 +10,8 @@ generation equals `generate(do_sample=False)`; Qwen3's (replicated) q/k-norm gra
 and tp4 (with sequence parallelism) equal the unsharded model's. Fields that change the math and
 are not modelled are refused in one line naming the field. The config.json files of 45 released
 checkpoints (every family) import with transformers' parameter counts or are refused in one line;
-one shrunk copy per released structure gives transformers' logits within 1e-5 (one process).
+one shrunk copy per released structure (a multimodal release's text model: Qwen3.5-MoE) gives
+transformers' logits within 1e-5 (one process).
 """
 import pytest
 import torch
@@ -250,7 +251,23 @@ SHRUNK = {  # fixture entry: overrides
         num_key_value_heads=2, head_dim=16, mamba_num_heads=8, mamba_head_dim=8, n_groups=2,
         ssm_state_size=16, chunk_size=8, n_routed_experts=8, num_experts_per_tok=2,
         moe_intermediate_size=32, moe_shared_expert_intermediate_size=48),
+    # a multimodal release: its text_config shrunk (no dense MLP: no intermediate_size), the
+    # released head_dim, partial rotary and mrope sections, attention every 4th layer, kept
+    "qwen3.5-35b-a3b": dict(
+        vocab_size=96, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=16, linear_value_head_dim=16, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=32, shared_expert_intermediate_size=48, eos_token_id=None,
+        layer_types=["linear_attention"] * 3 + ["full_attention"]),
 }
+
+
+def _shrunk(config: dict, overrides: dict) -> dict:
+    """A released config.json with `overrides` (a multimodal release's in its text_config);
+    an override None leaves the field out."""
+    if "text_config" in config:
+        return dict(config, text_config=_shrunk(config["text_config"], overrides))
+    return {k: v for k, v in {**config, **overrides}.items() if v is not None}
 
 
 def test_shrunk_released_configs_match_transformers(tmp_path):
@@ -269,7 +286,7 @@ def test_shrunk_released_configs_match_transformers(tmp_path):
     ids = torch.randint(0, 96, (2, 17), generator=torch.Generator().manual_seed(1))
     errors = {}
     for i, (name, overrides) in enumerate(sorted(SHRUNK.items())):
-        config = {k: v for k, v in {**released[name]["config"], **overrides}.items() if v is not None}
+        config = _shrunk(released[name]["config"], overrides)
         (tmp_path / name).mkdir()
         (tmp_path / name / "config.json").write_text(json.dumps(config))
         _, module, hf_config = read_hf_config(str(tmp_path / name))

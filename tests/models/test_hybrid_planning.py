@@ -33,25 +33,23 @@ def test_parameters_equal_transformers_on_meta():
     from megazoo.models import hybrid_counts as hc
     from megazoo.models.nemotron_h import presets as nh
     from megazoo.models.qwen3_5 import presets as q35
-    from megazoo.models.qwen3_next import hf as next_hf, presets as qn
+    from megazoo.models.qwen3_5_moe_text import presets as q35moe
+    from megazoo.models.qwen3_next import presets as qn
     checked = []
     for presets, cls, cfg_cls in ((q35, "Qwen3_5ForCausalLM", "Qwen3_5TextConfig"),
                                   (qn, "Qwen3NextForCausalLM", "Qwen3NextConfig"),
+                                  (q35moe, "Qwen3_5MoeForCausalLM", "Qwen3_5MoeTextConfig"),
                                   (nh, "NemotronHForCausalLM", "NemotronHConfig")):
         for name, fields in getattr(presets, "HF_PRESETS", presets.PRESETS).items():
             hf_config = getattr(transformers, cfg_cls)(**fields)
             counted = hc.num_parameters(hc.describe(presets.preset_config(name)))
             assert counted == _hf_count(getattr(transformers, cls), hf_config), name
             checked.append((name, counted))
-    # Qwen3.5's MoE size (Qwen3.5-35B-A3B, transformers' Qwen3_5MoeTextConfig defaults): the same
-    # layers as Qwen3-Next with MoE on every layer, planned through a Qwen3-Next config
-    moe = transformers.Qwen3_5MoeTextConfig()
-    fields = {k: v for k, v in moe.to_dict().items() if k in transformers.Qwen3NextConfig().to_dict()
-              and k not in ("model_type", "architectures", "transformers_version", "dtype")}
-    as_next = next_hf.config_from_hf(transformers.Qwen3NextConfig(**fields, decoder_sparse_step=1))
-    shape = hc.describe(as_next)
-    assert hc.num_parameters(shape) == _hf_count(transformers.Qwen3_5MoeForCausalLM, moe)
-    checked.append(("qwen3.5-35b-a3b", hc.num_parameters(shape)))
+    # Qwen3.5-35B-A3B (the qwen3_5_moe_text family's released size) and transformers' own
+    # Qwen3_5MoeTextConfig defaults: the same shape
+    shape = hc.describe(q35moe.preset_config("qwen3.5-35b-a3b"))
+    defaults = transformers.Qwen3_5MoeTextConfig()
+    assert hc.num_parameters(shape) == _hf_count(transformers.Qwen3_5MoeForCausalLM, defaults)
     sizes = dict(checked)
     assert round(sizes["nemotron-h-56b"] / 1e9) == 56 and round(sizes["nemotron-h-47b"] / 1e9) == 47
     assert round(sizes["qwen3.5-35b-a3b"] / 1e9) == 35 and round(sizes["qwen3-next-80b-a3b"] / 1e9) == 80

@@ -1,15 +1,16 @@
-"""Qwen3.5, Qwen3-Next and Nemotron-H (the hybrid families: Gated DeltaNet / Mamba-2 layers beside
-attention, docs/hybrid.md) through megazoo's registry, adapters and real trainer.
+"""Qwen3.5, Qwen3-Next, Qwen3.5-MoE and Nemotron-H (the hybrid families: Gated DeltaNet / Mamba-2
+layers beside attention, docs/hybrid.md) through megazoo's registry, adapters and real trainer.
 
 - In process: each family's adapter against transformers (random tiny models: logits within
   1e-5, greedy generation equal, tensors and config back bit-identical, a saved folder through
-  the real import path) and its published presets equal to what the importer makes of
-  transformers' config fields.
+  the real import path; Qwen3-Next's and Qwen3.5-MoE's imported aux-loss coefficient against
+  transformers' load-balancing loss) and its published presets equal to what the importer makes
+  of transformers' config fields.
 - One 2-rank world: the trainer (training/run/loop.py, what train_*.py runs) on each family's
   tiny preset under tp2 + sequence parallelism, pp2 (each stage holds two layer kinds), cp2
   (linear layers by heads, attention by the ring), dp2 with ZeRO-3, and ep2 for
-  Qwen3-Next's experts, and Nemotron-H with MoE layers at ep2 and tp2 + SP: every iteration's
-  loss equal to the unsharded run's (1e-5). Then a
+  Qwen3-Next's experts, and Nemotron-H with MoE layers and Qwen3.5-MoE at ep2 and tp2 + SP:
+  every iteration's loss equal to the unsharded run's (1e-5). Then a
   Qwen3.5 checkpoint written at tp2 + SP resumes at pp2 and continues the unsharded curve.
   Uneven stages from Megatron-core's --pipeline-model-parallel-layout: Nemotron-H (one Mamba-2
   layer on the first stage, the attention, Mamba-2 and MLP layers on the last) and a dense Qwen3
@@ -43,8 +44,11 @@ LAYOUTS_2 = {"tp2 sp": ["--tensor-model-parallel-size", "2", "--sequence-paralle
              "dp2 zero3": ["--zero-stage", "3", "--use-distributed-optimizer"]}
 EP2 = {"qwen3-next-tiny": ["--expert-model-parallel-size", "2"]}
 # Nemotron-H with MoE layers beside dense ones (unsharded reference too): ep2, tp2 + SP
+# and Qwen3.5-MoE (every MLP sparse, a gated shared expert split over TP)
 MOE_2 = {"nemotron-h-moe-tiny": {"ep2": ["--expert-model-parallel-size", "2"],
-                                 "tp2 sp": LAYOUTS_2["tp2 sp"]}}
+                                 "tp2 sp": LAYOUTS_2["tp2 sp"]},
+         "qwen3.5-moe-tiny": {"ep2": ["--expert-model-parallel-size", "2"],
+                              "tp2 sp": LAYOUTS_2["tp2 sp"]}}
 # cp with tp + SP (the mixers' sequence gather before the state chain), cp with pp
 COMBINED = {"qwen3-next-tiny": ["--tensor-model-parallel-size", "2", "--sequence-parallel",
                                 "--context-parallel-size", "2"],
@@ -236,7 +240,8 @@ def test_trainer_cp4_and_combined_layouts_equal_the_unsharded_run(references):
 # ---------------------------------------------------------------- adapters (in process)
 def _hf_models():
     from transformers import (NemotronHConfig, NemotronHForCausalLM, Qwen3_5ForCausalLM,
-                              Qwen3_5TextConfig, Qwen3NextConfig, Qwen3NextForCausalLM)
+                              Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig, Qwen3_5TextConfig,
+                              Qwen3NextConfig, Qwen3NextForCausalLM)
     qwen = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
                 num_attention_heads=4, num_key_value_heads=2, head_dim=8, linear_num_key_heads=2,
                 linear_num_value_heads=6, linear_key_head_dim=8, linear_value_head_dim=6,
@@ -249,6 +254,11 @@ def _hf_models():
         "qwen3_next": (Qwen3NextForCausalLM, Qwen3NextConfig(
             **qwen, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
             shared_expert_intermediate_size=24, mlp_only_layers=[0])),
+        # Qwen3.5's layers and names, every MLP sparse (no intermediate_size), an aux loss
+        "qwen3_5_moe_text": (Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig(
+            **{k: v for k, v in qwen.items() if k != "intermediate_size"}, num_experts=4,
+            num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=24,
+            router_aux_loss_coef=0.01)),
         "nemotron_h": (NemotronHForCausalLM, NemotronHConfig(
             vocab_size=96, hidden_size=32, hybrid_override_pattern="M*M-",
             num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=48,
@@ -263,6 +273,20 @@ def _hf_models():
             moe_intermediate_size=16, moe_shared_expert_intermediate_size=24, n_group=3,
             topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True)),
     }
+
+
+def _check_aux_loss_coefficient(config, hf_config):
+    """transformers' load-balancing loss times its coefficient equals megazoo's (Switch: shares
+    of the T x k assignments, models/moe.py; tests/models/test_moe.py checks the router against
+    it) times the imported coefficient, on one layer's router logits."""
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import load_balancing_loss_func
+    e, k, tokens = config.num_experts, config.moe_router_topk, 40
+    logits = torch.randn(tokens, e, generator=torch.Generator().manual_seed(5))
+    counts = torch.bincount(logits.topk(k).indices.flatten(), minlength=e)
+    ours = config.moe_aux_loss_coeff * e * (counts / (tokens * k) * logits.softmax(-1).mean(0)).sum()
+    theirs = hf_config.router_aux_loss_coef * load_balancing_loss_func((logits,), e, k)
+    torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=0)
+    assert ours > 0
 
 
 def test_adapters_equal_transformers_and_export_bit_identical(tmp_path):
@@ -289,6 +313,8 @@ def test_adapters_equal_transformers_and_export_bit_identical(tmp_path):
         reference = hf_config.to_dict()  # (saving the model below records its dtype there)
         config = adapter.config_from_hf(hf_config).replace(linear_chunk_size=8)
         assert config.family == name
+        if name in ("qwen3_next", "qwen3_5_moe_text"):
+            _check_aux_loss_coefficient(config, hf_config)
         full = adapter.from_hf_state_dict(hf.state_dict(), config)
         model = build_model(config, topo)
         load_full_state_dict(model, full, topo)
@@ -325,16 +351,19 @@ def test_adapters_equal_transformers_and_export_bit_identical(tmp_path):
 def test_presets_equal_the_importers_and_fields_are_refused_where_unused():
     import dataclasses
 
-    from transformers import NemotronHConfig, Qwen3_5TextConfig, Qwen3NextConfig
+    from transformers import (NemotronHConfig, Qwen3_5MoeTextConfig, Qwen3_5TextConfig,
+                              Qwen3NextConfig)
 
     from megazoo.models.config import TransformerConfig
     from megazoo.models.nemotron_h import presets as nemotron
     from megazoo.models.presets import PRESETS, preset
     from megazoo.models.qwen3_5 import presets as qwen35
+    from megazoo.models.qwen3_5_moe_text import presets as qwen35_moe
     from megazoo.models.qwen3_next import presets as qwen3_next
     from megazoo.models.registry import family
     for module, hf_cls, fam in ((qwen35, Qwen3_5TextConfig, "qwen3_5_text"),
                                 (qwen3_next, Qwen3NextConfig, "qwen3_next"),
+                                (qwen35_moe, Qwen3_5MoeTextConfig, "qwen3_5_moe_text"),
                                 (nemotron, NemotronHConfig, "nemotron_h")):
         for name, fields in module.HF_PRESETS.items():
             assert preset(name) == family(fam).adapter.config_from_hf(hf_cls(**fields)), name

@@ -44,6 +44,7 @@ FLAGS = {  # family: its default preset shrunk (heads 4 need key/value groups di
     # hybrid stacks: their presets name each of 4 layers' kind (docs/hybrid.md)
     "qwen3_5_text": ["--num-layers", "4"],
     "qwen3_next": ["--num-layers", "4"],
+    "qwen3_5_moe_text": ["--num-layers", "4"],
     "nemotron_h": ["--num-layers", "4"],
 }
 TRAIN = ["--mock-data", "--micro-batch-size", "2", "--global-batch-size", "2", "--lr", "1e-2",

@@ -1,9 +1,10 @@
 """Released Hugging Face folders whose config.json names a model transformers' registry does not
 map straight to a megazoo family, read through one that it does.
 
-Multimodal wrappers. Released Gemma 3 (4B and up), Gemma 4 and Qwen3.5 checkpoints are
-multimodal: config.json's `model_type` names the wrapper (gemma3, gemma4, qwen3_5) and its
-`text_config` the language model (gemma3_text, gemma4_text, qwen3_5_text). megazoo imports that
+Multimodal wrappers. Released Gemma 3 (4B and up), Gemma 4 and Qwen3.5 (dense and MoE)
+checkpoints are multimodal: config.json's `model_type` names the wrapper (gemma3, gemma4, qwen3_5,
+qwen3_5_moe) and its `text_config` the language model (gemma3_text, gemma4_text, qwen3_5_text,
+qwen3_5_moe_text). megazoo imports that
 language model: the text_config is checked and mapped by its family like any config.json (the
 wrapper's own `tie_word_embeddings` carried into it, since the wrapper's head is what
 transformers ties), and the weights are the text model's under either file layout transformers
