@@ -1,8 +1,13 @@
 """Conversations into tokens and an assistant mask, with the checkpoint's own chat template.
 
 A record is either ``{"messages": [{"role": ..., "content": ...}, ...]}`` (roles system, user,
-assistant) or a prompt/completion pair: ``{"prompt": str | messages, "completion": str |
-messages}`` (strings become one user turn and one assistant turn).
+assistant, tool) or a prompt/completion pair: ``{"prompt": str | messages, "completion": str |
+messages}`` (strings become one user turn and one assistant turn). Tool use as transformers and
+TRL carry it: a record-level ``"tools"`` list of JSON schemas (or its JSON text), passed to the
+template; assistant messages with ``"tool_calls"`` (content "" or None) are learned like any
+reply (the rendered call and its end-of-turn token), ``"tool"`` messages (the tool's output)
+are not. A template that ignores an assistant turn's tool calls skips the record; one that
+renders nothing of ``tools`` is logged once.
 
 The tokens are those of the whole conversation's rendering (``apply_chat_template``: what the
 model sees at inference). The assistant mask marks the tokens the model learns to produce:
@@ -30,17 +35,19 @@ preprocessing tool (tools/preprocess_sft.py); so does a conversation the templat
 """
 from __future__ import annotations
 
+import json
 import logging
 import re
 from dataclasses import dataclass
 
 import numpy as np
 
-from megazoo.data.chat_spans import Unlocatable, reply_spans, token_mask
+from megazoo.data.chat_spans import (ToolCallsNotRendered, Unlocatable, reply_spans, token_mask,
+                                     unrendered_calls)
 
 log = logging.getLogger(__name__)
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 OVERLONG = ("truncate", "drop")
 
@@ -75,12 +82,33 @@ def conversation_of(record: dict) -> list[dict]:
     if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
         raise SkipRecord("messages is not a list of {role, content} objects")
     for m in messages:
-        if m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+        calls = m.get("tool_calls")
+        if calls is not None and (m.get("role") != "assistant" or not isinstance(calls, list)
+                                  or not calls or not all(isinstance(c, dict) for c in calls)):
+            raise SkipRecord(f"a message with role {m.get('role')!r} and 'tool_calls' that are not "
+                             f"an assistant's non-empty list of {{function: {{name, arguments}}}}")
+        if m.get("role") not in ROLES or not (isinstance(m.get("content"), str)
+                                              or calls and m.get("content") is None):
             raise SkipRecord(f"a message with role {m.get('role')!r} and no string content "
-                             f"(roles: {', '.join(ROLES)})")
+                             f"(roles: {', '.join(ROLES)}; content may be None only beside "
+                             f"tool_calls)")
     if not any(m["role"] == "assistant" for m in messages):
         raise SkipRecord("no assistant turn")
     return messages
+
+
+def tools_of(record: dict) -> list | None:
+    """The record's tool schemas (a list, or its JSON text, as TRL accepts), or None."""
+    tools = record.get("tools")
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except ValueError:
+            raise SkipRecord("'tools' is a string that is not JSON") from None
+    if tools is not None and not (isinstance(tools, list)
+                                  and all(isinstance(t, dict) for t in tools)):
+        raise SkipRecord("'tools' is not a list of JSON schema objects")
+    return tools or None
 
 
 class ChatRenderer:
@@ -171,41 +199,63 @@ class ChatRenderer:
             return self.tok.apply_chat_template(messages, **kw)
         except TemplateError as e:
             raise SkipRecord(f"the chat template refuses the conversation: {e}") from None
+        except TypeError as e:  # e.g. DeepSeek's templates add tool-call arguments to strings
+            raise SkipRecord(f"the chat template fails on the record: {e} (DeepSeek's templates "
+                             f"take tool-call arguments as a JSON string)") from None
 
-    def _ids(self, messages: list[dict], **kw) -> list[int]:
-        return list(self._apply(messages, tokenize=True, return_dict=True, **kw)["input_ids"])
+    def _ids(self, messages: list[dict], tools=None, **kw) -> list[int]:
+        return list(self._apply(messages, tokenize=True, return_dict=True, tools=tools,
+                                **kw)["input_ids"])
 
-    def _text(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
-        return self._apply(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    def _text(self, messages: list[dict], add_generation_prompt: bool = False, tools=None) -> str:
+        return self._apply(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                           tools=tools)
+
+    def _check_tools(self, messages: list[dict], tools) -> None:
+        """Skips a record whose tool calls the template does not render (nothing of the turn
+        could be learned; e.g. SmolLM2, Phi-3, Phi-4); logs once a template that renders nothing
+        of the record's tools (the model trains without them, as it would be prompted)."""
+        def render(m, prompt):
+            return self._text(m, prompt, tools)
+        if any(m.get("tool_calls") for m in messages):
+            ignored = unrendered_calls(render, messages)
+            if ignored:
+                raise SkipRecord(_IGNORED_CALLS)
+        if tools and render(messages, False) == self._text(messages):
+            self._once("tools", "the chat template renders nothing of the records' 'tools'; the "
+                                "model trains without the tool schemas, as it would be prompted")
 
     def render(self, record: dict, *, context: int = 0) -> Rendered:
         """The record's tokens and learned-token mask. The first `context` messages are context
         only: their assistant turns are rendered but not learned (DPO's multi-turn prompts)."""
-        messages = conversation_of(record)
+        messages, tools = conversation_of(record), tools_of(record)
+        if tools or any(m.get("tool_calls") for m in messages):
+            self._check_tools(messages, tools)
         if self.marks_generation:
-            out = self._apply(messages, tokenize=True, return_dict=True,
+            out = self._apply(messages, tokenize=True, return_dict=True, tools=tools,
                               return_assistant_tokens_mask=True)
             tokens, mask = list(out["input_ids"]), list(out["assistant_masks"])
             if any(m["role"] == "assistant" for m in messages[:context]):
-                mask = [m & k for m, k in zip(mask, self._replies_after(messages, context))]
+                mask = [m & k for m, k in zip(mask, self._replies_after(messages, context, tools))]
             elif self.trims_marks:
                 try:
-                    located = self._locate(messages, context)[1]
+                    located = self._locate(messages, context, tools)[1]
                     mask = [m & k for m, k in zip(mask, located)]
                 except Unlocatable as e:
                     self._once("untrimmed", f"{e}; such records keep the template's marks "
                                             f"as they are")
         elif self.locates:
-            tokens, mask = self._located_spans(messages, context)
+            tokens, mask = self._located_spans(messages, context, tools)
         else:
-            tokens, mask = self._prefix_spans(messages, context)
+            tokens, mask = self._prefix_spans(messages, context, tools)
         return self._bounded(tokens, mask)
 
     def render_batch(self, records: list) -> list:
         """`render` of each record (a `Rendered`, or the `SkipRecord` it raised), with one
         template call and one batched tokenizer call for the records that pass
         `conversation_of` (the ids and masks of each are those of its own call; per record when
-        the template marks no generation span, or when the batch fails)."""
+        the template marks no generation span, when a record has tools or tool calls, or when
+        the batch fails)."""
         out: list = [None] * len(records)
         todo: list[tuple[int, list[dict]]] = []
         for i, record in enumerate(records):
@@ -213,7 +263,9 @@ class ChatRenderer:
                 todo.append((i, conversation_of(record)))
             except SkipRecord as e:
                 out[i] = e
-        if self.marks_generation and not self.trims_marks and todo:
+        tooled = any("tools" in records[i] or any(m.get("tool_calls") for m in messages)
+                     for i, messages in todo)
+        if self.marks_generation and not self.trims_marks and todo and not tooled:
             try:
                 batch = self.tok.apply_chat_template([m for _, m in todo], tokenize=True, return_dict=True,
                                                      return_assistant_tokens_mask=True)
@@ -242,17 +294,17 @@ class ChatRenderer:
         return Rendered(np.asarray(tokens, dtype=np.int64), np.asarray(mask, dtype=np.uint8),
                         truncated)
 
-    def _replies_after(self, messages: list[dict], context: int) -> list[int]:
+    def _replies_after(self, messages: list[dict], context: int, tools=None) -> list[int]:
         """The mask of the replies from message `context` on, to cut {% generation %} marks that
         also cover a prompt's assistant turns: located, else from the prefix renderings."""
         reason = "a slow tokenizer gives no character offsets"
         if self.locates:
             try:
-                return self._locate(messages, context)[1]
+                return self._locate(messages, context, tools)[1]
             except Unlocatable as e:
                 reason = str(e)
         try:
-            mask = self._prefix_spans(messages, context)[1]
+            mask = self._prefix_spans(messages, context, tools)[1]
         except SkipRecord:
             raise SkipRecord(f"{reason}, and the prefix renderings disagree, so the template's "
                              f"{{% generation %}} marks cannot be cut to the reply after a prompt "
@@ -261,16 +313,16 @@ class ChatRenderer:
         self._once("prefix", f"{reason}; its assistant spans come from prefix renderings")
         return mask
 
-    def _located_spans(self, messages: list[dict], context: int = 0
+    def _located_spans(self, messages: list[dict], context: int = 0, tools=None
                        ) -> tuple[list[int], list[int]]:
         """Each reply from message `context` on located in the whole rendering
         (data/chat_spans.py); where it cannot be, the prefix renderings, and where those disagree
         too, the record is skipped."""
         try:
-            tokens, mask = self._locate(messages, context)
+            tokens, mask = self._locate(messages, context, tools)
         except Unlocatable as e:
             try:
-                prefix_tokens, mask = self._prefix_spans(messages, context)
+                prefix_tokens, mask = self._prefix_spans(messages, context, tools)
             except SkipRecord:
                 raise SkipRecord(f"{e}; mark the replies with {{% generation %}} in the template "
                                  f"(TRL's training templates do)") from None
@@ -278,14 +330,20 @@ class ChatRenderer:
             return prefix_tokens, mask
         return tokens, mask
 
-    def _locate(self, messages: list[dict], context: int = 0) -> tuple[list[int], list[int]]:
+    def _locate(self, messages: list[dict], context: int = 0, tools=None
+                ) -> tuple[list[int], list[int]]:
         """Tokens of the whole rendering and the mask of the replies from message `context` on
         located in it (raises `Unlocatable`); a template that renders nothing of some message is
         logged once."""
-        full = self._text(messages)
+        def render(m, prompt):
+            return self._text(m, prompt, tools)
+        full = render(messages, False)
         enc = self.tok(full, add_special_tokens=False, return_offsets_mapping=True)
         tokens, offsets = list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
-        spans, dropped = reply_spans(self._text, messages, full)
+        try:
+            spans, dropped = reply_spans(render, messages, full)
+        except ToolCallsNotRendered:
+            raise SkipRecord(_IGNORED_CALLS) from None
         replies = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
         spans = [span for i, span in zip(replies, spans) if i >= context]
         mask = token_mask(spans, offsets, [t in self._special for t in tokens], full)
@@ -297,19 +355,24 @@ class ChatRenderer:
                        f"as it would be prompted")
         return tokens, mask
 
-    def _prefix_spans(self, messages: list[dict], context: int = 0) -> tuple[list[int], list[int]]:
-        tokens = self._ids(messages)
+    def _prefix_spans(self, messages: list[dict], context: int = 0, tools=None
+                      ) -> tuple[list[int], list[int]]:
+        tokens = self._ids(messages, tools)
         mask = [0] * len(tokens)
         for i, m in enumerate(messages):
             if m["role"] != "assistant" or i < context:
                 continue
-            before = self._ids(messages[:i], add_generation_prompt=True) if i else []
-            through = self._ids(messages[:i + 1])
+            before = self._ids(messages[:i], tools, add_generation_prompt=True) if i else []
+            through = self._ids(messages[:i + 1], tools)
             if tokens[:len(before)] != before or tokens[:len(through)] != through:
                 raise SkipRecord("the template renders a conversation's prefix differently from "
                                  "the conversation (mark the reply with {% generation %})")
             mask[len(before):len(through)] = [1] * (len(through) - len(before))
         return tokens, mask
+
+
+_IGNORED_CALLS = ("the chat template renders nothing of an assistant turn's tool_calls, so the "
+                  "turn cannot be learned; use the checkpoint's tool-calling template")
 
 
 def _outcome(fn, *args):

@@ -2,7 +2,8 @@
 read in pairs.
 
 A record is ``{"prompt", "chosen", "rejected"}``, each a string or a list of messages (a string
-prompt is one user turn, a string reply one assistant turn). Each reply is rendered after the
+prompt is one user turn, a string reply one assistant turn), and optionally ``"tools"`` (tool
+schemas for the template, as in SFT; replies may be tool calls). Each reply is rendered after the
 prompt as one conversation (`ChatRenderer.render` with the prompt as context): the tokens are
 `apply_chat_template(prompt + reply)`, what the model sees at inference, and the mask (1) is the
 reply's assistant messages located in that rendering plus their end-of-turn tokens, exactly as
@@ -53,7 +54,8 @@ def render_pair(renderer: ChatRenderer, record: dict) -> tuple[Rendered, Rendere
     for key, reply in zip(("chosen", "rejected"), replies):
         if not any(isinstance(m, dict) and m.get("role") == "assistant" for m in reply):
             raise SkipRecord(f"'{key}' has no assistant message")
-    chosen, rejected = (renderer.render({"messages": prompt + reply}, context=len(prompt))
+    tools = {"tools": record["tools"]} if record.get("tools") is not None else {}
+    chosen, rejected = (renderer.render({"messages": prompt + reply, **tools}, context=len(prompt))
                         for reply in replies)
     return chosen, rejected
 
