@@ -96,12 +96,19 @@ def marked(messages: list[dict]) -> list[dict]:
 
 
 def unrendered_calls(render, messages: list[dict]) -> list[int]:
-    """Indices of the assistant messages whose tool calls the template does not render."""
+    """Indices of the assistant messages whose tool calls the template does not render: their
+    marker is missing, or (calls that cannot be marked) the rendering without any tool calls is
+    the same."""
+    calls = [k for k, m in enumerate(messages) if m.get("tool_calls")]
     try:
         _, where = _markers(render(marked(messages), False))
     except Unlocatable:
-        return []  # unmarkable calls: the prefix renderings decide
-    return [k for k, m in enumerate(messages) if m.get("tool_calls") and _call_mark(k) not in where]
+        bare = [{key: v for key, v in m.items() if key != "tool_calls"} for m in messages]
+        try:
+            return calls if render(bare, False) == render(messages, False) else []
+        except ValueError:  # the template refuses the turns without their calls
+            return []
+    return [k for k in calls if _call_mark(k) not in where]
 
 
 def _markers(text: str) -> tuple[str, dict[int, list[int]]]:

@@ -221,3 +221,6 @@ def test_malformed_tool_records_and_unmarkable_calls(folder, caplog):
               expected_mask(tok, text, [call, ANSWER + "<|eot_id|>"]), "unmarkable")
     assert any("no string value" in x.getMessage() and "prefix renderings" in x.getMessage()
                for x in caplog.records)
+    # ... and a template that ignores such calls still skips the record
+    with pytest.raises(SkipRecord, match="renders nothing of an assistant turn's tool_calls"):
+        ChatRenderer(tokenizer(folder, "smollm2_135m_instruct")).render({"messages": numbers})
