@@ -61,8 +61,8 @@ def _mark_arguments(value, mark: str):
     value (after the string itself when it is one); None where it holds no string."""
     if isinstance(value, str):
         return value + mark
-    keys = list(value) if isinstance(value, dict) else range(len(value)) if isinstance(value, list) \
-        else []
+    keys = (list(value) if isinstance(value, dict)
+            else range(len(value)) if isinstance(value, list) else [])
     for key in reversed(keys):
         inner = _mark_arguments(value[key], mark)
         if inner is not None:
@@ -166,7 +166,8 @@ def reply_spans(render, messages: list[dict], full: str
     if text != full:
         raise Unlocatable("the template changes message contents beyond trimming them, so the "
                           "replies cannot be located in its rendering")
-    ignored = [k for k, m in enumerate(messages) if m.get("tool_calls") and _call_mark(k) not in where]
+    ignored = [k for k, m in enumerate(messages)
+               if m.get("tool_calls") and _call_mark(k) not in where]
     if ignored:
         raise ToolCallsNotRendered(f"message {ignored[0]}")
     spans = []

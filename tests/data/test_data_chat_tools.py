@@ -27,8 +27,10 @@ CALL_ID = "call00001"  # Mistral's templates want 9 characters
 ANSWER = "It is sunny."
 DS_CALL = ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
            '{"city": "Paris"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜><｜end▁of▁sentence｜>')
-QWEN_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>'
-HARMONY_CALL = ' to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris"}<|call|>'
+QWEN_CALL = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+             "<|im_end|>")
+HARMONY_CALL = (' to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris"}'
+                "<|call|>")
 MISTRAL_JSON = '[{"name": "get_weather", "arguments": {"city": "Paris"}, "id": "call00001"}]'
 QWEN3_FINAL = f"<think>\n\n</think>\n\n{ANSWER}<|im_end|>"
 # template -> (tool-call arguments as a JSON string (DeepSeek) or a dict, the tool-call turn and
@@ -85,7 +87,8 @@ def conversation(json_args: bool, reasoning: str | None = None) -> list[dict]:
     return [{"role": "system", "content": "be brief"},
             {"role": "user", "content": "weather in Paris?"},
             call_turn(json_args, **think[0]),
-            {"role": "tool", "tool_call_id": CALL_ID, "name": "get_weather", "content": "sunny, 21C"},
+            {"role": "tool", "tool_call_id": CALL_ID, "name": "get_weather",
+             "content": "sunny, 21C"},
             {"role": "assistant", "content": ANSWER, **think[1]}]
 
 
