@@ -3,7 +3,7 @@ tools/preprocess_sft.py, documents alternating chosen, rejected, plus <output-pr
 (data/preference.py).
 
 Input: jsonl files of {"prompt", "chosen", "rejected"} records, each a string or a list of
-{"role", "content"} messages, rendered with the chat template of --tokenizer-model (the
+{"role", "content"} messages (optionally "tools" and tool calls, as in SFT), rendered with the chat template of --tokenizer-model (the
 checkpoint's tokenizer folder): each reply after the prompt as one conversation, the reply's
 assistant messages and their end-of-turn tokens learned, as in SFT (data/preference.py;
 docs/post_training.md compares with TRL's DPOTrainer). Records that cannot train (bad

@@ -2,7 +2,8 @@
 <output-prefix>_assistant_mask_document.{bin,idx} (uint8, 1 on assistant tokens), Megatron's MMIDIDX
 layout, one conversation per document (data/sft_dataset.py reads them).
 
-Input: jsonl files of {"messages": [{"role", "content"}, ...]} or {"prompt", "completion"} records,
+Input: jsonl files of {"messages": [{"role", "content"}, ...]} or {"prompt", "completion"} records
+(with tool use: a record-level "tools", assistant "tool_calls" and "tool" messages; docs/sft.md),
 rendered with the chat template of --tokenizer-model (the checkpoint's tokenizer folder; see
 data/chat.py for how the assistant spans are found). Workers render batches of lines in parallel;
 results are written in input order.
