@@ -132,6 +132,21 @@ def test_tool_calling_conversation_learns_the_call_and_the_answer(folder, name):
                   f"{name} pair after {len(prompt)} messages")
         learned = tok.decode(pair[1].tokens[pair[1].assistant_mask == 1].tolist())
         assert "no idea" in learned and "sunny, 21C" not in learned, (name, learned)
+    check_grpo_prompt(tok, name, folder, messages[:4])
+
+
+def check_grpo_prompt(tok, name, folder, prompt) -> None:
+    """GRPO's prompt tokens (training/run/grpo_prompts.py, the tokenizer folder as the trainer
+    loads it) with the record's tools: apply_chat_template(prompt, tools, generation prompt)."""
+    from megazoo.data.tokenizers import HFTokenizer
+    from megazoo.training.run.grpo_prompts import render
+    tok.save_pretrained(folder / f"{name}_grpo")
+    loaded = HFTokenizer(str(folder / f"{name}_grpo"))
+    want = tok.apply_chat_template(prompt, tools=TOOLS, add_generation_prompt=True,
+                                   tokenize=True, return_dict=True)["input_ids"]
+    assert render(loaded, {"messages": prompt, "tools": TOOLS}, True, name) == list(want), name
+    with pytest.raises(ValueError, match="needs the chat template"):
+        render(loaded, {"prompt": "hi", "tools": TOOLS}, False, name)
 
 
 def test_trl_dpo_tokenizes_tool_records_to_the_same_tokens(folder):

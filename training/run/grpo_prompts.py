@@ -1,10 +1,12 @@
 """GRPO's prompts: a jsonl of `prompt` (a string, encoded as is or, with chat, through the
 tokenizer's chat template) or `messages` (a chat, always templated, ready for the assistant's
-turn); each record's other fields reach the reward function by name."""
+turn); a templated record's `tools` (JSON schemas, or their JSON text, as in chat SFT) are
+passed to the template; each record's other fields reach the reward function by name."""
 from __future__ import annotations
 
 import json
 
+from megazoo.data.chat import SkipRecord, tools_of
 from megazoo.data.tokenizers import TokenizerError
 
 
@@ -16,9 +18,16 @@ def render(tok, record: dict, chat: bool, where: str) -> list[int]:
                                  f"`prompt` strings without the chat flag")
         from transformers.utils.chat_template_utils import render_jinja_template
         chat_ = record.get("messages") or [{"role": "user", "content": record["prompt"]}]
-        rendered, _ = render_jinja_template([chat_], chat_template=template, add_generation_prompt=True,
-                                            **tok.special_tokens())
+        try:
+            tools = tools_of(record)
+        except SkipRecord as e:
+            raise ValueError(f"{where}: {e}") from None
+        rendered, _ = render_jinja_template([chat_], tools=tools, chat_template=template,
+                                            add_generation_prompt=True, **tok.special_tokens())
         return tok.encode(rendered[0])
+    if record.get("tools"):
+        raise ValueError(f"{where}: `tools` needs the chat template (a plain `prompt` string is "
+                         f"encoded as is); give `messages` or the chat flag")
     return tok.encode(record["prompt"])
 
 
