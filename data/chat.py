@@ -69,6 +69,7 @@ class Rendered:
 
 def conversation_of(record: dict) -> list[dict]:
     """The messages of a record (messages, or prompt/completion), checked for roles and content."""
+    refuse_template_kwargs(record)
     if "messages" in record:
         messages = record["messages"]
     elif "prompt" in record and "completion" in record:
@@ -95,6 +96,14 @@ def conversation_of(record: dict) -> list[dict]:
     if not any(m["role"] == "assistant" for m in messages):
         raise SkipRecord("no assistant turn")
     return messages
+
+
+def refuse_template_kwargs(record: dict) -> None:
+    """A record's own template arguments (TRL's `chat_template_kwargs`, e.g. enable_thinking)
+    are not applied: such a record is skipped with the reason rather than rendered otherwise."""
+    if record.get("chat_template_kwargs"):
+        raise SkipRecord("'chat_template_kwargs' (per-record template arguments) are not applied; "
+                         "drop the field to render with the template's defaults")
 
 
 def tools_of(record: dict) -> list | None:

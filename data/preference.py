@@ -25,7 +25,7 @@ import os
 
 import numpy as np
 
-from .chat import ChatRenderer, Rendered, SkipRecord
+from .chat import ChatRenderer, Rendered, SkipRecord, refuse_template_kwargs
 from .gpt_dataset import parse_split, split_boundaries
 from .indexed import IndexedDatasetError
 from .sft_dataset import SFTDataset, open_pair
@@ -49,6 +49,7 @@ def render_pair(renderer: ChatRenderer, record: dict) -> tuple[Rendered, Rendere
     """(chosen, rejected) sequences of one record, each with its reply mask; see the docstring."""
     if not all(k in record for k in ("prompt", "chosen", "rejected")):
         raise SkipRecord("not a preference record (prompt, chosen, rejected)")
+    refuse_template_kwargs(record)
     prompt = _messages(record["prompt"], "user", "prompt")
     replies = [_messages(record[key], "assistant", key) for key in ("chosen", "rejected")]
     for key, reply in zip(("chosen", "rejected"), replies):

@@ -216,6 +216,11 @@ def test_malformed_tool_records_and_unmarkable_calls(folder, caplog):
     for tools in ("not json", {"a": 1}):
         with pytest.raises(SkipRecord, match="'tools'"):
             renderer.render({"messages": good, "tools": tools})
+    kwargs = {"chat_template_kwargs": {"enable_thinking": False}}  # TRL's; not applied: refused
+    with pytest.raises(SkipRecord, match="chat_template_kwargs"):
+        renderer.render({"messages": good, **kwargs})
+    with pytest.raises(SkipRecord, match="chat_template_kwargs"):
+        render_pair(renderer, {"prompt": good[:2], "chosen": [good[2]], "rejected": "no", **kwargs})
     # tools as JSON text (as TRL takes them) render as the list; a missing content key is None
     text = renderer.render({"messages": good, "tools": json.dumps(TOOLS)})
     missing = [m if m is not good[2] else {k: v for k, v in m.items() if k != "content"}
