@@ -21,10 +21,11 @@ import numpy as np
 import pytest
 import torch
 
-from megazoo.data.blended import build_train_valid_test_datasets
+from megazoo.data.blended import build_train_valid_test_datasets, parse_data_path
 from megazoo.data.gpt_dataset import GPTDatasetConfig, build_split_datasets
 from megazoo.data.gpt_indices import build_document_index, build_sample_index, plan_epochs
 from megazoo.data.indexed import IndexedDataset, IndexedDatasetBuilder
+from megazoo.data.per_split import build_per_split_datasets
 from tests.fixtures import small_gpt2
 from tests.tool_runs import preprocess
 
@@ -129,13 +130,17 @@ def test_files_written_by_either_program_read_the_same(corpora):
 
 
 def megatron_build(data_path, split, sizes, seed, cache, *, reset_position_ids=False,
-                   reset_attention_mask=False, eod_mask_loss=False, add_extra_token=True):
+                   reset_attention_mask=False, eod_mask_loss=False, add_extra_token=True,
+                   per_split=None, pad=-1):
+    """megatron-core's datasets; `per_split`: three blends (or None) as blend_per_split, as
+    Megatron-LM's get_blend_and_blend_per_split makes them of --train/valid/test-data-path."""
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
     from megatron.core.datasets.utils import get_blend_from_list
     config = GPTDatasetConfig(
         random_seed=seed, sequence_length=SEQ, blend=get_blend_from_list(data_path), split=split,
-        path_to_cache=cache, tokenizer=TokenizerStub(EOD + 1, EOD, -1),
+        blend_per_split=None if per_split is None else [get_blend_from_list(b) for b in per_split],
+        path_to_cache=cache, tokenizer=TokenizerStub(EOD + 1, EOD, pad),
         reset_position_ids=reset_position_ids, reset_attention_mask=reset_attention_mask,
         eod_mask_loss=eod_mask_loss, create_attention_mask=True,
         add_extra_token_to_sequence=add_extra_token)
@@ -300,3 +305,24 @@ def test_seeds_and_cache_reuse(corpora, monkeypatch):
         ours, _ = compare(["0.4", a, "0.6", b], "969,30,1", SIZES, seed, cache, samples=seed == 1)
         assert not any(d.built_anew for d in ours[0].datasets) and not ours[0].cache.built_anew
         assert_same_indices(ours[0], first[seed][1][0], f"seed {seed}: cached against built")
+
+
+def test_per_split_blends(corpora):
+    """--train/valid/test-data-path against megatron-core's blend_per_split: a weighted blend, an
+    unweighted one, a single prefix (also with a weight: the plain dataset), a split without a path."""
+    a, b, c, cache = corpora["a"], corpora["b"], corpora["c"], str(corpora["root"] / "cache_per_split")
+    cases = [(["0.3", a, "0.7", b], [c], None),  # test: no path, no dataset
+             ([b, c], ["1", a], ["2", c, "1", b]),
+             (["1", b], ["0.5", a, "0.5", c], [a])]
+    for seed, blends in enumerate(cases):
+        ours = build_per_split_datasets(blends, SEQ, 7 + seed, SIZES, os.path.join(cache, "megazoo"), vocab_size=EOD + 1)
+        theirs = megatron_build(None, None, SIZES, 7 + seed, os.path.join(cache, "megatron"), per_split=blends)
+        for name, o, t, blend in zip(("train", "valid", "test"), ours, theirs, blends):
+            where = f"--{name}-data-path {blend}"
+            assert_same_indices(o, t, where)
+            if o is not None:
+                assert_same_samples(o, t, where)
+        assert ours[2] is None if blends[2] is None else ours[2] is not None
+        # a weighted single prefix is the plain dataset, not a blend of one
+        single = [o for o, bl in zip(ours, blends) if bl and len(parse_data_path(bl).prefixes) == 1]
+        assert single and not any(hasattr(o, "datasets") for o in single)
