@@ -20,6 +20,7 @@ from megazoo.parallel.context_parallel import check_attention
 from megazoo.parallel.layout import LayoutError, microbatches_per_step
 from megazoo.parallel.zero.config import LossScaleConfig, OptimizerConfig
 
+from megazoo.training.config.data_sources import per_split_given
 from megazoo.training.config.errors import ArgumentError
 from megazoo.training.config.layout_flags import parallel_config_of
 from megazoo.training.config.dpo_flags import dpo_settings
@@ -370,8 +371,8 @@ def health_config(args) -> HealthConfig:
 
 
 def data_config(args, seq: int, compat, eod_token: int | None) -> DataConfig:
-    if not args.data_path and not args.mock_data and not args.grpo_prompts:
-        _fail("give --data-path PREFIX (from tools/preprocess_data.py) or --mock-data")
+    if not args.data_path and not args.mock_data and not args.grpo_prompts and not per_split_given(args):
+        _fail("give --data-path PREFIX (from tools/preprocess_data.py), --train-data-path PREFIX or --mock-data")
     if args.sft and (args.mock_data or len(args.data_path) != 1):
         _fail("--sft needs one --data-path PREFIX (the --output-prefix of tools/preprocess_sft.py)")
     if args.sft_packing and not args.sft:

@@ -36,6 +36,11 @@ class ScheduleConfig:
 @dataclass
 class DataConfig:
     data_path: list[str] = field(default_factory=list)  # Megatron form: [w1] prefix1 [w2] prefix2
+    # --train/valid/test-data-path: one blend per split, each split whole (None: not given; all
+    # three None: --data-path and --split name the data)
+    train_data_path: list[str] | None = None
+    valid_data_path: list[str] | None = None
+    test_data_path: list[str] | None = None
     split: str = "969,30,1"
     seq_length: int = 128
     tokenizer_type: str = "GPT2BPETokenizer"
@@ -56,6 +61,13 @@ class DataConfig:
     # --calculate-per-token-loss (implied by --sft): the loss is the sum over the global batch's
     # counted tokens / their number, not a mean of per-microbatch means
     per_token_loss: bool = False
+
+    @property
+    def per_split(self) -> tuple | None:
+        """(train, valid, test) blends of --train/valid/test-data-path; None when --data-path
+        names the data."""
+        blends = (self.train_data_path, self.valid_data_path, self.test_data_path)
+        return blends if any(b is not None for b in blends) else None
 
 
 @dataclass

@@ -18,6 +18,7 @@ import torch
 
 from megazoo.data.blended import build_train_valid_test_datasets
 from megazoo.data.indexed import IndexedDatasetError
+from megazoo.data.per_split import build_per_split_datasets
 from megazoo.data.packing import documents_after_eod, positions_in_documents
 from megazoo.data.samplers import PretrainingSampler
 from megazoo.data.preference import split_preference_datasets
@@ -61,7 +62,8 @@ def dataset_num_samples(train_iters: int, train_samples: int | None, global_batc
 
 def build_datasets(cfg: DataConfig, *, seed: int, vocab_size: int, num_samples: tuple[int, int, int]):
     """(train, valid, test); valid/test may be None (a warning says so when evaluation was asked).
-    --sft: --split cuts the conversations (data/sft_dataset.py `split_sft_datasets`)."""
+    --sft: --split cuts the conversations (data/sft_dataset.py `split_sft_datasets`);
+    --train/valid/test-data-path: one blend per split (data/per_split.py)."""
     if cfg.mock_data:
         return tuple(MockGPTDataset(max(n, 1), cfg.seq_length, vocab_size, seed + i)
                      for i, n in enumerate(num_samples))
@@ -80,6 +82,13 @@ def build_datasets(cfg: DataConfig, *, seed: int, vocab_size: int, num_samples: 
             raise IndexedDatasetError(f"--split {cfg.split} leaves no conversation of --data-path "
                                       f"{cfg.data_path[0]} to train on; give the training split a share")
         what = "conversations"
+    elif cfg.per_split is not None:
+        train, valid, test = build_per_split_datasets(cfg.per_split, cfg.seq_length, seed, num_samples,
+                                                      cfg.data_cache_path, vocab_size=vocab_size)
+        if valid is None and num_samples[1] and _first_rank():
+            logger.warning("no --valid-data-path: evaluation is skipped (as Megatron-LM skips it); give "
+                           "--valid-data-path PREFIX, or pass --eval-iters 0")
+        return train, valid, test
     else:
         train, valid, test = build_train_valid_test_datasets(
             cfg.data_path, cfg.split, cfg.seq_length, seed, num_samples, cfg.data_cache_path,
