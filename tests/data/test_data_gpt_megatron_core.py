@@ -166,14 +166,14 @@ def assert_same_indices(ours, theirs, where):
         assert_same_indices(o, t, f"{where} component {i}")
 
 
-def megazoo_batch(ds, reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False):
+def megazoo_batch(ds, reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False, pad=None):
     """All of `ds` as one batch, the way megazoo's training reads it: Megatron's fields."""
     from megazoo.training.run.batches import DocumentFlags, microbatches
     flags = DocumentFlags(EOD, reset_position_ids, reset_attention_mask) \
         if reset_position_ids or reset_attention_mask else None
     stream = microbatches(ds, consumed_samples=0, micro_batch_size=len(ds), dp_rank=0, dp=1,
                           device=torch.device("cpu"), eod_mask_token=EOD if eod_mask_loss else None,
-                          documents=flags)
+                          documents=flags, pad_mask_token=pad)
     mb = next(stream)
     stream.close()
     b, s = mb["tokens"].shape
@@ -326,3 +326,25 @@ def test_per_split_blends(corpora):
         # a weighted single prefix is the plain dataset, not a blend of one
         single = [o for o, bl in zip(ours, blends) if bl and len(parse_data_path(bl).prefixes) == 1]
         assert single and not any(hasattr(o, "datasets") for o in single)
+
+
+def test_pad_id_loss_mask(corpora, tmp_path):
+    """A tokenizer pad id distinct from the end-of-document: megatron-core masks the loss where the
+    label is it and maps it to 0 in tokens and labels; so does megazoo's batch (with the document
+    flags, found before the mapping). The pad id comes from the tokenizer as megatron-core takes it."""
+    from megazoo.data.tokenizers import build_tokenizer, loss_pad_id
+    prefix, cache, pad = corpora["b"], str(corpora["root"] / "cache_pad"), 7  # id 7 occurs in b
+    flags = dict(reset_position_ids=True, reset_attention_mask=True, eod_mask_loss=True)
+    ours = megazoo_build([prefix], "969,30,1", SIZES, 1234, os.path.join(cache, "megazoo"))[0]
+    theirs = megatron_build([prefix], "969,30,1", SIZES, 1234, os.path.join(cache, "megatron"), pad=pad, **flags)[0]
+    assert (megatron_batch(theirs)["loss_mask"] == 0).sum() > (megazoo_batch(ours, **flags)["loss_mask"] == 0).sum()
+    assert_same_samples(ours, theirs, "pad 7", pad=pad, **flags)
+    # pad == eod: megatron-core masks nothing more (its pad falls back to -1)
+    same = megatron_build([prefix], "969,30,1", SIZES, 1234, os.path.join(cache, "megatron"), pad=EOD)[0]
+    assert_same_samples(ours, same, "pad = eod")
+    vocab, merges = small_gpt2(tmp_path / "hf")
+    assert loss_pad_id(build_tokenizer("GPT2BPETokenizer", vocab, merges)) is None
+    for pad_token, want in (("<|endoftext|>", None), ("!", 0), ("a", 64), (None, None)):
+        (tmp_path / "hf" / "tokenizer_config.json").write_text(json.dumps({"pad_token": pad_token}))
+        tok = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=str(tmp_path / "hf"))
+        assert loss_pad_id(tok) == want, pad_token

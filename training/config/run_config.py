@@ -55,6 +55,9 @@ class DataConfig:
     dpo: bool = False  # --dpo: --data-path is a preference set (tools/preprocess_dpo.py)
     sft_packing: bool = False  # --sft-packing: conversations packed with document masks, not padded
     pad_token: int = 0  # --sft padding id (the tokenizer's end-of-document; never learned)
+    # the tokenizer's own pad id, distinct from its end-of-document (data/tokenizers.py
+    # `loss_pad_id`): pretraining labels equal to it get no loss and, with inputs, become id 0
+    pad_mask_token: int | None = None
     eod_token: int | None = None  # the tokenizer's end-of-document id
     reset_position_ids: bool = False  # --reset-position-ids: positions restart after each eod
     reset_attention_mask: bool = False  # --reset-attention-mask: attention stays in each document

@@ -109,7 +109,7 @@ def _first_rank() -> bool:
 def microbatches(dataset, *, consumed_samples: int, micro_batch_size: int, dp_rank: int, dp: int,
                  device: torch.device, num_workers: int = 0,
                  eod_mask_token: int | None = None, cp: int = 1, cp_rank: int = 0,
-                 documents: DocumentFlags | None = None) -> Iterator[dict]:
+                 documents: DocumentFlags | None = None, pad_mask_token: int | None = None) -> Iterator[dict]:
     """Endless stream of {"tokens": [b, s/cp], "labels": [b, s/cp]} for this DP rank (this context
     rank's chunks of the sequence), from `consumed`.
 
@@ -118,7 +118,10 @@ def microbatches(dataset, *, consumed_samples: int, micro_batch_size: int, dp_ra
     samples with an "assistant_mask" (--sft) give "loss_mask" = that mask on the labels. With
     `documents` (or samples with "document_ids": packed SFT), "document_ids" [b, s] (the whole
     sequence on every context rank: attention needs the keys' documents too) and "position_ids"
-    [b, s/cp] (this rank's tokens' positions in their documents, or in the sample).
+    [b, s/cp] (this rank's tokens' positions in their documents, or in the sample). With
+    `pad_mask_token` (the tokenizer's own pad id), pretraining samples get "loss_mask" 0 where the
+    label is that id, and the id becomes 0 in tokens and labels (after the documents are found), as
+    megatron-core's GPTDataset does.
     """
     def indices():
         consumed, total = consumed_samples, len(dataset)
@@ -142,6 +145,11 @@ def microbatches(dataset, *, consumed_samples: int, micro_batch_size: int, dp_ra
             docs = torch.from_numpy(sample["document_ids"][:, :-1].astype(np.int64))
         elif documents is not None:
             docs = documents_after_eod(mb["tokens"], documents.eod)
+        if pad_mask_token is not None and "assistant_mask" not in sample:
+            padded = mb["labels"] == pad_mask_token
+            mb["loss_mask"] = mb.get("loss_mask", torch.ones(padded.shape)).masked_fill(padded, 0.0)
+            mb["tokens"] = mb["tokens"].masked_fill(mb["tokens"] == pad_mask_token, 0)
+            mb["labels"] = mb["labels"].masked_fill(padded, 0)
         out = {k: split_sequence(x, 1, cp, cp_rank).contiguous().to(device) for k, x in mb.items()}
         if docs is not None:
             reset_positions = documents is None or documents.reset_position_ids
@@ -184,10 +192,10 @@ class TrainData:
 
     def __init__(self, dataset, skip, *, micro_batch_size: int, dp_rank: int, dp: int, device,
                  num_workers: int = 0, eod_mask_token: int | None = None, cp: int = 1, cp_rank: int = 0,
-                 documents: DocumentFlags | None = None):
+                 documents: DocumentFlags | None = None, pad_mask_token: int | None = None):
         self.base, self.mbs, self.dp_rank, self.dp, self.device = dataset, micro_batch_size, dp_rank, dp, device
         self.reading = dict(num_workers=num_workers, eod_mask_token=eod_mask_token, cp=cp,
-                            cp_rank=cp_rank, documents=documents)
+                            cp_rank=cp_rank, documents=documents, pad_mask_token=pad_mask_token)
         self.view = SkippingDataset(dataset, list(skip))
         self._it = None
 
