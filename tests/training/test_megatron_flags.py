@@ -287,7 +287,8 @@ def test_per_split_data_flags_files_and_refusals(tmp_path, caplog):
     (tmp_path / "bad.json").write_text("{train: a}")
     (tmp_path / "empty.txt").write_text("\n")
     for extra, match in [
-            (["--data-path", "a", "--train-data-path", "b"], "--data-path and --train/valid/test-data-path name the data twice"),
+            (["--data-path", "a", "--train-data-path", "b"],
+             "--data-path and --train/valid/test-data-path name the data twice"),
             (["--data-path", "a", "--data-args-path", str(tmp_path / "blend.txt")], "--data-path and --data-args-path"),
             (["--data-args-path", str(tmp_path / "blend.txt")], "give --split too"),
             (["--data-args-path", str(tmp_path / "empty.txt"), "--split", "1"], "the file is empty"),
