@@ -10,8 +10,8 @@ them; ``--split`` is not used. As megatron-core's BlendedMegatronDatasetBuilder 
 - several prefixes are blended as ``--data-path`` blends them (data/blended.py), each prefix cut
   whole into this split.
 
-The cache names and sample order are megatron-core's for the same split (a ``valid`` dataset of a
-prefix differs from its ``train`` one: the split name seeds nothing but is part of the key).
+The samples and their order are megatron-core's for the same split; the split's name is part of
+each cache key, so a prefix's ``valid`` and ``train`` datasets are cached apart.
 """
 from __future__ import annotations
 
