@@ -49,33 +49,40 @@ def _number(token: str) -> float | None:
         return None
 
 
-def check_blend(data_path: list[str] | str) -> tuple[list[float], list[str]] | None:
-    """(weights, prefixes) of a weighted ``--data-path``, None for plain prefixes; a malformed
-    blend (odd length, a weight that is nan, inf or negative, all zero) is a ValueError."""
+def check_blend(data_path: list[str] | str, flag: str = "--data-path") -> tuple[list[float], list[str]] | None:
+    """(weights, prefixes) of a weighted ``--data-path`` (or the per-split `flag`), None for plain
+    prefixes; a malformed blend (odd length, a weight that is nan, inf or negative, all zero) is a
+    ValueError."""
     tokens = _tokens(data_path)
     if len(tokens) < 2 or _number(tokens[0]) is None:
         return None
     if len(tokens) % 2:
-        raise ValueError(f"--data-path has {len(tokens)} items; a blend alternates weights and prefixes "
+        raise ValueError(f"{flag} has {len(tokens)} items; a blend alternates weights and prefixes "
                          f"(W1 PREFIX1 W2 PREFIX2 ...)")
     weights, prefixes = [_number(w) for w in tokens[0::2]], tokens[1::2]
     for w, raw, prefix in zip(weights, tokens[0::2], prefixes):
         if w is None or not math.isfinite(w) or w < 0:
-            raise ValueError(f"--data-path weight {raw!r} of {prefix} must be a finite number >= 0")
+            raise ValueError(f"{flag} weight {raw!r} of {prefix} must be a finite number >= 0")
     if sum(weights) <= 0:
-        raise ValueError(f"--data-path weights {weights} are all zero")
+        raise ValueError(f"{flag} weights {weights} are all zero")
     return weights, prefixes
 
 
-def parse_data_path(data_path: list[str] | str) -> Blend:
+def blend_prefixes(data_path: list[str] | str) -> list[str]:
+    """The dataset prefixes of a --data-path (weighted or not)."""
+    blend = check_blend(data_path)
+    return blend[1] if blend else _tokens(data_path)
+
+
+def parse_data_path(data_path: list[str] | str, flag: str = "--data-path") -> Blend:
     """Megatron ``--data-path`` tokens -> prefixes and normalised weights (None without weights:
     several prefixes are then blended by their sample counts)."""
     tokens = _tokens(data_path)
     if not tokens:
-        raise ValueError("--data-path is empty; pass a prefix such as my-corpus_text_document")
+        raise ValueError(f"{flag} is empty; pass a prefix such as my-corpus_text_document")
     if len(tokens) == 1:
         return Blend([tokens[0]], None)
-    blend = check_blend(tokens)
+    blend = check_blend(tokens, flag)
     if blend is None:
         return Blend(tokens, None)
     weights, prefixes = blend
@@ -161,6 +168,12 @@ def build_train_valid_test_datasets(
     config = GPTDatasetConfig(seq_length=seq_length, seed=seed, cache_dir=cache_dir)
     if len(blend.prefixes) == 1 and blend.weights is None:  # "--data-path 1 a" is a blend of one
         return tuple(build_split_datasets(blend.prefixes[0], split, tuple(num_samples), config))
+    return build_blend_splits(blend, split, tuple(num_samples), config)
+
+
+def build_blend_splits(blend: Blend, split: str, num_samples: tuple[int, int, int], config: GPTDatasetConfig):
+    """(train, valid, test) BlendedDatasets of several prefixes (or a weighted one), each prefix cut
+    by `split`, as megatron-core's BlendedMegatronDatasetBuilder blends them."""
     if blend.weights is None:  # one epoch of each, blended by their sample counts
         targets = None
         wanted = [tuple(None if n else 0 for n in num_samples)] * len(blend.prefixes)
@@ -168,7 +181,8 @@ def build_train_valid_test_datasets(
         targets = [[math.ceil(n * w) for n in num_samples] for w in blend.weights]
         wanted = [tuple(math.ceil(t * (1 + BLEND_SURPLUS)) for t in ts) for ts in targets]
     per_prefix = [build_split_datasets(p, split, n, config) for p, n in zip(blend.prefixes, wanted)]
-    blend_cache = cache_dir or os.path.join(os.path.dirname(os.path.abspath(blend.prefixes[0])), "cache", "BlendedDataset_indices")
+    blend_cache = config.cache_dir or os.path.join(os.path.dirname(os.path.abspath(blend.prefixes[0])), "cache",
+                                                   "BlendedDataset_indices")
     out = []
     for i, name in enumerate(("train", "valid", "test")):
         parts = [(ds[i], k) for k, ds in enumerate(per_prefix) if ds[i] is not None]

@@ -141,6 +141,7 @@ class GPT2BPETokenizer:
         self._words = WordCache(tok, [GPT2_EOD])
         self.eod = vocab[GPT2_EOD]
         self.vocab_size = len(vocab)
+        self.pad = None  # GPT-2 has no padding token
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
@@ -264,6 +265,9 @@ class HFTokenizer:
         if eod is None:
             raise TokenizerError(f"{path}: no end-of-document token (<|endoftext|>, </s>, ...) in the vocabulary; add one")
         self.eod = eod
+        # the folder's pad and eos tokens (tokenizer_config.json, special_tokens_map.json), by id
+        specials = {**self.config, **_read_json(os.path.join(self.folder, "special_tokens_map.json"))}
+        self.pad, self.eos = (vocab.get(_token_text(specials.get(k)) or "") for k in ("pad_token", "eos_token"))
 
     def special_tokens(self) -> dict[str, str]:
         """bos_token, eos_token, ... as strings (for chat templates)."""
@@ -300,6 +304,7 @@ class SentencePieceTokenizer:
         if eos < 0:
             raise TokenizerError(f"{model_file}: model has no eos id; retrain with --eos_id set")
         self.eod = eos
+        self.pad = self._sp.pad_id() if self._sp.pad_id() >= 0 else None  # -1: the model has none
 
     def encode(self, text: str) -> list[int]:
         return self._sp.encode(text)
@@ -325,6 +330,7 @@ class NullTokenizer:
             raise TokenizerError("--tokenizer-type NullTokenizer needs --vocab-size N (the ids of the "
                                  "pre-tokenized data are 0 .. N-1; N is the end-of-document id)")
         self.eod, self.vocab_size = vocab_size, vocab_size + 1
+        self.pad = None
 
     def encode(self, text: str) -> list[int]:
         return [int(x) for x in text.split()]
@@ -334,6 +340,20 @@ class NullTokenizer:
 
     def fingerprint(self) -> str:
         return f"null:{self.vocab_size}"
+
+
+def loss_pad_id(tok) -> int | None:
+    """The pad id whose labels megatron-core's GPTDataset leaves out of the loss (and maps to 0):
+    the tokenizer's pad id when it has one and it is not its end-of-document or eos id (megatron-core
+    then falls back to -1, an id no data holds); else None."""
+    pad = getattr(tok, "pad", None)
+    if pad is None or pad < 0:
+        return None
+    if pad in (tok.eod, getattr(tok, "eos", None)):
+        logger.info("the tokenizer's pad id %d is also its end-of-document/eos id: no pad masking "
+                    "(as megatron-core)", pad)
+        return None
+    return pad
 
 
 def build_tokenizer(

@@ -21,10 +21,11 @@ import numpy as np
 import pytest
 import torch
 
-from megazoo.data.blended import build_train_valid_test_datasets
+from megazoo.data.blended import build_train_valid_test_datasets, parse_data_path
 from megazoo.data.gpt_dataset import GPTDatasetConfig, build_split_datasets
 from megazoo.data.gpt_indices import build_document_index, build_sample_index, plan_epochs
 from megazoo.data.indexed import IndexedDataset, IndexedDatasetBuilder
+from megazoo.data.per_split import build_per_split_datasets
 from tests.fixtures import small_gpt2
 from tests.tool_runs import preprocess
 
@@ -129,13 +130,17 @@ def test_files_written_by_either_program_read_the_same(corpora):
 
 
 def megatron_build(data_path, split, sizes, seed, cache, *, reset_position_ids=False,
-                   reset_attention_mask=False, eod_mask_loss=False, add_extra_token=True):
+                   reset_attention_mask=False, eod_mask_loss=False, add_extra_token=True,
+                   per_split=None, pad=-1):
+    """megatron-core's datasets; `per_split`: three blends (or None) as blend_per_split, as
+    Megatron-LM's get_blend_and_blend_per_split makes them of --train/valid/test-data-path."""
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
     from megatron.core.datasets.utils import get_blend_from_list
     config = GPTDatasetConfig(
         random_seed=seed, sequence_length=SEQ, blend=get_blend_from_list(data_path), split=split,
-        path_to_cache=cache, tokenizer=TokenizerStub(EOD + 1, EOD, -1),
+        blend_per_split=None if per_split is None else [get_blend_from_list(b) for b in per_split],
+        path_to_cache=cache, tokenizer=TokenizerStub(EOD + 1, EOD, pad),
         reset_position_ids=reset_position_ids, reset_attention_mask=reset_attention_mask,
         eod_mask_loss=eod_mask_loss, create_attention_mask=True,
         add_extra_token_to_sequence=add_extra_token)
@@ -161,14 +166,14 @@ def assert_same_indices(ours, theirs, where):
         assert_same_indices(o, t, f"{where} component {i}")
 
 
-def megazoo_batch(ds, reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False):
+def megazoo_batch(ds, reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False, pad=None):
     """All of `ds` as one batch, the way megazoo's training reads it: Megatron's fields."""
     from megazoo.training.run.batches import DocumentFlags, microbatches
     flags = DocumentFlags(EOD, reset_position_ids, reset_attention_mask) \
         if reset_position_ids or reset_attention_mask else None
     stream = microbatches(ds, consumed_samples=0, micro_batch_size=len(ds), dp_rank=0, dp=1,
                           device=torch.device("cpu"), eod_mask_token=EOD if eod_mask_loss else None,
-                          documents=flags)
+                          documents=flags, pad_mask_token=pad)
     mb = next(stream)
     stream.close()
     b, s = mb["tokens"].shape
@@ -300,3 +305,49 @@ def test_seeds_and_cache_reuse(corpora, monkeypatch):
         ours, _ = compare(["0.4", a, "0.6", b], "969,30,1", SIZES, seed, cache, samples=seed == 1)
         assert not any(d.built_anew for d in ours[0].datasets) and not ours[0].cache.built_anew
         assert_same_indices(ours[0], first[seed][1][0], f"seed {seed}: cached against built")
+
+
+def test_per_split_blends(corpora):
+    """--train/valid/test-data-path against megatron-core's blend_per_split: a weighted blend, an
+    unweighted one, a single prefix (also with a weight: the plain dataset), a split without a path."""
+    a, b, c, cache = corpora["a"], corpora["b"], corpora["c"], str(corpora["root"] / "cache_per_split")
+    cases = [(["0.3", a, "0.7", b], [c], None),  # test: no path, no dataset
+             ([b, c], ["1", a], ["2", c, "1", b]),
+             (["1", b], ["0.5", a, "0.5", c], [a])]
+    for seed, blends in enumerate(cases):
+        ours = build_per_split_datasets(blends, SEQ, 7 + seed, SIZES, os.path.join(cache, "megazoo"),
+                                        vocab_size=EOD + 1)
+        theirs = megatron_build(None, None, SIZES, 7 + seed, os.path.join(cache, "megatron"), per_split=blends)
+        for name, o, t, blend in zip(("train", "valid", "test"), ours, theirs, blends):
+            where = f"--{name}-data-path {blend}"
+            assert_same_indices(o, t, where)
+            if o is not None:
+                assert_same_samples(o, t, where)
+        assert ours[2] is None if blends[2] is None else ours[2] is not None
+        # a weighted single prefix is the plain dataset, not a blend of one
+        single = [o for o, bl in zip(ours, blends) if bl and len(parse_data_path(bl).prefixes) == 1]
+        assert single and not any(hasattr(o, "datasets") for o in single)
+
+
+def test_pad_id_loss_mask(corpora, tmp_path):
+    """A tokenizer pad id distinct from the end-of-document: megatron-core masks the loss where the
+    label is it and maps it to 0 in tokens and labels; so does megazoo's batch (with the document
+    flags, found before the mapping). The pad id comes from the tokenizer as megatron-core takes it."""
+    from megazoo.data.tokenizers import build_tokenizer, loss_pad_id
+    prefix, cache, pad = corpora["b"], str(corpora["root"] / "cache_pad"), 7  # id 7 occurs in b
+    flags = dict(reset_position_ids=True, reset_attention_mask=True, eod_mask_loss=True)
+    ours = megazoo_build([prefix], "969,30,1", SIZES, 1234, os.path.join(cache, "megazoo"))[0]
+    theirs = megatron_build([prefix], "969,30,1", SIZES, 1234, os.path.join(cache, "megatron"), pad=pad,
+                            **flags)[0]
+    masked = (megatron_batch(theirs)["loss_mask"] == 0).sum()
+    assert masked > (megazoo_batch(ours, **flags)["loss_mask"] == 0).sum()  # the pad id occurs
+    assert_same_samples(ours, theirs, "pad 7", pad=pad, **flags)
+    # pad == eod: megatron-core masks nothing more (its pad falls back to -1)
+    same = megatron_build([prefix], "969,30,1", SIZES, 1234, os.path.join(cache, "megatron"), pad=EOD)[0]
+    assert_same_samples(ours, same, "pad = eod")
+    vocab, merges = small_gpt2(tmp_path / "hf")
+    assert loss_pad_id(build_tokenizer("GPT2BPETokenizer", vocab, merges)) is None
+    for pad_token, want in (("<|endoftext|>", None), ("!", 0), ("a", 64), (None, None)):
+        (tmp_path / "hf" / "tokenizer_config.json").write_text(json.dumps({"pad_token": pad_token}))
+        tok = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=str(tmp_path / "hf"))
+        assert loss_pad_id(tok) == want, pad_token

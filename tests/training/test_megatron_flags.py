@@ -255,3 +255,68 @@ def _check_squared_relu_mlp(cfg):
     x = torch.randn(5, 2, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
     hidden = F.relu(F.linear(x, mlp.fc1.weight, mlp.fc1.bias)).square()
     torch.testing.assert_close(mlp(x), F.linear(hidden, mlp.fc2.weight, mlp.fc2.bias), rtol=0, atol=0)
+
+
+def test_per_split_data_flags_files_and_refusals(tmp_path, caplog):
+    """--train/valid/test-data-path, --data-args-path and --per-split-data-args-path read as
+    Megatron-LM's get_blend_and_blend_per_split reads them; contradictions refused in one line; the
+    vocabulary check and the tokenizer check see every prefix of every split."""
+    import json
+
+    import numpy as np
+
+    from megazoo.data.indexed import IndexedDatasetBuilder
+    from megazoo.data.token_stats import VocabularyMismatch
+    from megazoo.training.checkpoint.tokenizer import data_prefixes
+    from megazoo.training.run.batches import build_datasets
+    base = [a for a in TINY if a != "--mock-data"] + ["--train-iters", "10"]
+
+    def config(*extra):
+        return to_run_config(build_parser().parse_args(base + list(extra)), world_size=1)
+
+    data = config("--train-data-path", "0.3", "a", "0.7", "b", "--valid-data-path", "v").data
+    assert data.per_split == (["0.3", "a", "0.7", "b"], ["v"], None) and data.data_path == []
+    assert data_prefixes(data) == ["a", "b", "v"]
+    (tmp_path / "blend.txt").write_text("0.3 a\n 0.7   b\n")
+    data = config("--data-args-path", str(tmp_path / "blend.txt"), "--split", "98,2,0").data
+    assert (data.data_path, data.split, data.per_split) == (["0.3", "a", "0.7", "b"], "98,2,0", None)
+    (tmp_path / "splits.json").write_text(json.dumps({"train": "0.3 a 0.7 b", "valid": [1, "v"], "test": None}))
+    data = config("--per-split-data-args-path", str(tmp_path / "splits.json")).data
+    assert data.per_split == (["0.3", "a", "0.7", "b"], ["1", "v"], None)
+    (tmp_path / "no_test.json").write_text(json.dumps({"train": ["a"], "valid": None}))
+    (tmp_path / "bad.json").write_text("{train: a}")
+    (tmp_path / "empty.txt").write_text("\n")
+    for extra, match in [
+            (["--data-path", "a", "--train-data-path", "b"],
+             "--data-path and --train/valid/test-data-path name the data twice"),
+            (["--data-path", "a", "--data-args-path", str(tmp_path / "blend.txt")], "--data-path and --data-args-path"),
+            (["--data-args-path", str(tmp_path / "blend.txt")], "give --split too"),
+            (["--data-args-path", str(tmp_path / "empty.txt"), "--split", "1"], "the file is empty"),
+            (["--train-data-path", "a", "--per-split-data-args-path", str(tmp_path / "splits.json")],
+             "name the splits twice"),
+            (["--train-data-path", "a", "--split", "98,2,0"], "megatron-core refuses split with blend_per_split"),
+            (["--valid-data-path", "v"], "without a training path: nothing to train on"),
+            (["--train-data-path", "a", "--mock-data"], "two data sources"),
+            (["--train-data-path", "0.5", "a", "0.5"], "--train-data-path has 3 items"),
+            (["--train-data-path", "a", "--valid-data-path", "v.bin"], "--valid-data-path v.bin: give the prefix"),
+            (["--per-split-data-args-path", str(tmp_path / "no_test.json")], 'missing test'),
+            (["--per-split-data-args-path", str(tmp_path / "bad.json")], "not valid JSON"),
+            (["--train-data-path", "a", "--train-weighted-split-paths-path", str(tmp_path / "blend.txt")],
+             "two ways to name the splits")]:
+        with pytest.raises(ArgumentError, match=match):
+            config(*extra)
+    # the vocabulary check before step 1 reads the test split's prefix too (never trained on)
+    for name, high in (("good", 60), ("bad", 99)):
+        builder = IndexedDatasetBuilder(str(tmp_path / name) + ".bin", dtype=np.uint16)
+        for i in range(40):
+            builder.add_document(high - 1 - (np.arange(12) + i) % 20)
+        builder.finalize(str(tmp_path / name) + ".idx")
+    good, bad = str(tmp_path / "good"), str(tmp_path / "bad")
+    data = config("--train-data-path", good, "--test-data-path", bad).data
+    with pytest.raises(VocabularyMismatch, match="bad: token ids span"):
+        build_datasets(data, seed=1, vocab_size=61, num_samples=(8, 8, 0))
+    data = config("--train-data-path", "1", good, "--data-cache-path", str(tmp_path / "cache")).data
+    with caplog.at_level(logging.WARNING):
+        train, valid, test = build_datasets(data, seed=1, vocab_size=61, num_samples=(8, 8, 0))
+    assert len(train) >= 8 and valid is None and test is None and not hasattr(train, "datasets")
+    assert any("no --valid-data-path: evaluation is skipped" in r.getMessage() for r in caplog.records)

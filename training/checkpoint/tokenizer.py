@@ -16,7 +16,8 @@ import logging
 import os
 import shutil
 
-from megazoo.data.blended import check_blend
+from megazoo.data.blended import blend_prefixes
+from megazoo.data.per_split import per_split_prefixes
 from megazoo.data.indexed import bin_path, idx_path
 from megazoo.data.token_stats import VocabularyMismatch, current_stats, describe_tokenizer
 from megazoo.data.tokenizers import (GPT2_TYPES, HF_TYPES, NULL_TYPES, SENTENCEPIECE_TYPES, TokenizerError,
@@ -147,10 +148,12 @@ def _fingerprint_of(checkpoint: str, kind: str | None) -> str | None:
         return None
 
 
-def data_prefixes(data_path: list[str]) -> list[str]:
-    """The dataset prefixes of a --data-path (weighted or not)."""
-    blend = check_blend(data_path)
-    return blend[1] if blend else [t for item in data_path for t in str(item).split()]
+def data_prefixes(data) -> list[str]:
+    """The dataset prefixes of the run's data (a DataConfig): --data-path (weighted or not), or
+    every prefix of --train/valid/test-data-path."""
+    if data.per_split is not None:
+        return per_split_prefixes(data.per_split)
+    return blend_prefixes(data.data_path)
 
 
 def check_run_tokenizer(tok, data, checkpoint) -> None:
@@ -168,7 +171,7 @@ def check_run_tokenizer(tok, data, checkpoint) -> None:
                 raise TokenizerError(f"{msg}; pass the checkpoint's tokenizer (e.g. --tokenizer-model "
                                      f"{tokenizer_dir(checkpoint.load)}), or --finetune to start anew")
             logger.warning("%s; --finetune: training on with this run's tokenizer", msg)
-    for prefix in ([] if data.mock_data else data_prefixes(data.data_path)):
+    for prefix in ([] if data.mock_data else data_prefixes(data)):
         if not (os.path.isfile(bin_path(prefix)) and os.path.isfile(idx_path(prefix))):
             continue  # a missing file is named where the dataset is opened
         made = (current_stats(prefix) or {}).get("tokenizer") or {}

@@ -20,6 +20,7 @@ from megazoo.parallel.context_parallel import check_attention
 from megazoo.parallel.layout import LayoutError, microbatches_per_step
 from megazoo.parallel.zero.config import LossScaleConfig, OptimizerConfig
 
+from megazoo.training.config.data_sources import per_split_given
 from megazoo.training.config.errors import ArgumentError
 from megazoo.training.config.layout_flags import parallel_config_of
 from megazoo.training.config.dpo_flags import dpo_settings
@@ -187,7 +188,7 @@ def _loaded_with_flags(loaded: TransformerConfig, overrides: dict, args,
 
 def to_run_config(args: argparse.Namespace, vocab_size: int | None = None,
                   world_size: int | None = None, eod_token: int | None = None,
-                  loaded: TransformerConfig | None = None) -> RunConfig:
+                  loaded: TransformerConfig | None = None, pad_mask_token: int | None = None) -> RunConfig:
     """Map parsed flags onto the configs and check that they fit together, one config at a time.
 
     `vocab_size` and `eod_token` come from the tokenizer when there is one (training/run/entry.py).
@@ -216,7 +217,7 @@ def to_run_config(args: argparse.Namespace, vocab_size: int | None = None,
         compile_backend=(args.compile_backend or "inductor") if args.compile else None,
         model=model, parallel=parallel, optimizer=optimizer,
         seed=args.seed, health=health_config(args), schedule=schedule, lora=lora, dpo=dpo, grpo=grpo,
-        data=data_config(args, seq, compat, eod_token),
+        data=data_config(args, seq, compat, eod_token, pad_mask_token),
         checkpoint=from_flags(CheckpointConfig, args, load_optim=not args.no_load_optim,
                               load_rng=not args.no_load_rng),
         logging=from_flags(LoggingConfig, args, eval_tasks=tuple(args.eval_tasks)))
@@ -369,9 +370,9 @@ def health_config(args) -> HealthConfig:
     return health
 
 
-def data_config(args, seq: int, compat, eod_token: int | None) -> DataConfig:
-    if not args.data_path and not args.mock_data and not args.grpo_prompts:
-        _fail("give --data-path PREFIX (from tools/preprocess_data.py) or --mock-data")
+def data_config(args, seq: int, compat, eod_token: int | None, pad_mask_token: int | None = None) -> DataConfig:
+    if not args.data_path and not args.mock_data and not args.grpo_prompts and not per_split_given(args):
+        _fail("give --data-path PREFIX (from tools/preprocess_data.py), --train-data-path PREFIX or --mock-data")
     if args.sft and (args.mock_data or len(args.data_path) != 1):
         _fail("--sft needs one --data-path PREFIX (the --output-prefix of tools/preprocess_sft.py)")
     if args.sft_packing and not args.sft:
@@ -387,6 +388,7 @@ def data_config(args, seq: int, compat, eod_token: int | None) -> DataConfig:
             _fail(f"--data-path {path}: give the prefix without the suffix, --data-path {path[:-4]}")
     return from_flags(DataConfig, args, seq_length=seq, eod_mask_token=compat.eod_mask_token,
                       pad_token=eod_token or 0, eod_token=eod_token,
+                      pad_mask_token=None if args.sft or args.dpo else pad_mask_token,
                       per_token_loss=args.sft or args.calculate_per_token_loss)
 
 

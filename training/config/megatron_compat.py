@@ -19,6 +19,7 @@ import argparse
 import logging
 import os
 
+from megazoo.training.config.data_sources import per_split_given, resolve_data_sources
 from megazoo.training.config.deepspeed_config import DeepSpeedConfigError, contradictions, read_deepspeed_config
 from megazoo.training.config.megatron_resolve import (  # noqa: F401 - re-exported
     Compat, check_model, resolve_megatron_compat, samples_to_iterations, stage_layers, vocab_multiple)
@@ -141,8 +142,12 @@ def _data(args, given, notes) -> list[str]:
     files = {split: (f"--{split}-weighted-split-paths-path", getattr(args, f"{split}_weighted_split_paths_path"))
              for split in ("train", "valid", "test")}
     files = {k: v for k, v in files.items() if v[1]}
+    refused += resolve_data_sources(args, given, notes)
     if files:
-        if args.data_path or "split" in given:
+        if per_split_given(args):
+            refused.append("--train/valid/test-data-path and --*-weighted-split-paths-path are two ways to "
+                           "name the splits; give one")
+        elif args.data_path or "split" in given:
             refused.append("--data-path/--split and --*-weighted-split-paths-path are two ways to name the "
                            "data (Megatron-DeepSpeed refuses both together too); give one")
         else:

@@ -8,6 +8,7 @@ import sys
 
 from megazoo.models.presets import PRESETS
 
+from megazoo.training.config.data_sources import add_data_source_flags
 from megazoo.training.config.errors import ArgumentError
 from megazoo.training.config.flag_help import HelpFormatter, apply_help
 from megazoo.training.config.layout_flags import BY_FIELD, add_layout_flags
@@ -203,6 +204,8 @@ def build_parser(default_model: str | None = None) -> argparse.ArgumentParser:
         group = p.add_argument_group(title)
         for flag, keywords in flags:
             group.add_argument(flag, **keywords)
+        if flags is DATA_FLAGS:
+            add_data_source_flags(group)
     add_muon_flags(p)
     add_lora_flags(p)
     add_dpo_flags(p)

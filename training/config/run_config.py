@@ -36,6 +36,11 @@ class ScheduleConfig:
 @dataclass
 class DataConfig:
     data_path: list[str] = field(default_factory=list)  # Megatron form: [w1] prefix1 [w2] prefix2
+    # --train/valid/test-data-path: one blend per split, each split whole (None: not given; all
+    # three None: --data-path and --split name the data)
+    train_data_path: list[str] | None = None
+    valid_data_path: list[str] | None = None
+    test_data_path: list[str] | None = None
     split: str = "969,30,1"
     seq_length: int = 128
     tokenizer_type: str = "GPT2BPETokenizer"
@@ -50,12 +55,22 @@ class DataConfig:
     dpo: bool = False  # --dpo: --data-path is a preference set (tools/preprocess_dpo.py)
     sft_packing: bool = False  # --sft-packing: conversations packed with document masks, not padded
     pad_token: int = 0  # --sft padding id (the tokenizer's end-of-document; never learned)
+    # the tokenizer's own pad id, distinct from its end-of-document (data/tokenizers.py
+    # `loss_pad_id`): pretraining labels equal to it get no loss and, with inputs, become id 0
+    pad_mask_token: int | None = None
     eod_token: int | None = None  # the tokenizer's end-of-document id
     reset_position_ids: bool = False  # --reset-position-ids: positions restart after each eod
     reset_attention_mask: bool = False  # --reset-attention-mask: attention stays in each document
     # --calculate-per-token-loss (implied by --sft): the loss is the sum over the global batch's
     # counted tokens / their number, not a mean of per-microbatch means
     per_token_loss: bool = False
+
+    @property
+    def per_split(self) -> tuple | None:
+        """(train, valid, test) blends of --train/valid/test-data-path; None when --data-path
+        names the data."""
+        blends = (self.train_data_path, self.valid_data_path, self.test_data_path)
+        return blends if any(b is not None for b in blends) else None
 
 
 @dataclass

@@ -111,7 +111,8 @@ def twin_run(run, dp: int | None, *, steps: int):
         lr_decay_iters=None, exit_interval=None, exit_duration_mins=None)
     documents = run.data.reset_attention_mask or run.data.reset_position_ids
     data = dataclasses.replace(
-        run.data, data_path=[], mock_data=True, seq_length=SEQ_LENGTH, sft=False,
+        run.data, data_path=[], train_data_path=None, valid_data_path=None, test_data_path=None,
+        mock_data=True, seq_length=SEQ_LENGTH, sft=False, pad_mask_token=None,
         sft_packing=False, num_workers=0, eod_token=1 if documents else run.data.eod_token,
         eod_mask_token=None, tokenizer_type="NullTokenizer", vocab_file=None, merge_file=None,
         tokenizer_model=None, data_cache_path=None)

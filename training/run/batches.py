@@ -18,6 +18,7 @@ import torch
 
 from megazoo.data.blended import build_train_valid_test_datasets
 from megazoo.data.indexed import IndexedDatasetError
+from megazoo.data.per_split import build_per_split_datasets
 from megazoo.data.packing import documents_after_eod, positions_in_documents
 from megazoo.data.samplers import PretrainingSampler
 from megazoo.data.preference import split_preference_datasets
@@ -61,7 +62,8 @@ def dataset_num_samples(train_iters: int, train_samples: int | None, global_batc
 
 def build_datasets(cfg: DataConfig, *, seed: int, vocab_size: int, num_samples: tuple[int, int, int]):
     """(train, valid, test); valid/test may be None (a warning says so when evaluation was asked).
-    --sft: --split cuts the conversations (data/sft_dataset.py `split_sft_datasets`)."""
+    --sft: --split cuts the conversations (data/sft_dataset.py `split_sft_datasets`);
+    --train/valid/test-data-path: one blend per split (data/per_split.py)."""
     if cfg.mock_data:
         return tuple(MockGPTDataset(max(n, 1), cfg.seq_length, vocab_size, seed + i)
                      for i, n in enumerate(num_samples))
@@ -80,6 +82,13 @@ def build_datasets(cfg: DataConfig, *, seed: int, vocab_size: int, num_samples: 
             raise IndexedDatasetError(f"--split {cfg.split} leaves no conversation of --data-path "
                                       f"{cfg.data_path[0]} to train on; give the training split a share")
         what = "conversations"
+    elif cfg.per_split is not None:
+        train, valid, test = build_per_split_datasets(cfg.per_split, cfg.seq_length, seed, num_samples,
+                                                      cfg.data_cache_path, vocab_size=vocab_size)
+        if valid is None and num_samples[1] and _first_rank():
+            logger.warning("no --valid-data-path: evaluation is skipped (as Megatron-LM skips it); give "
+                           "--valid-data-path PREFIX, or pass --eval-iters 0")
+        return train, valid, test
     else:
         train, valid, test = build_train_valid_test_datasets(
             cfg.data_path, cfg.split, cfg.seq_length, seed, num_samples, cfg.data_cache_path,
@@ -100,7 +109,7 @@ def _first_rank() -> bool:
 def microbatches(dataset, *, consumed_samples: int, micro_batch_size: int, dp_rank: int, dp: int,
                  device: torch.device, num_workers: int = 0,
                  eod_mask_token: int | None = None, cp: int = 1, cp_rank: int = 0,
-                 documents: DocumentFlags | None = None) -> Iterator[dict]:
+                 documents: DocumentFlags | None = None, pad_mask_token: int | None = None) -> Iterator[dict]:
     """Endless stream of {"tokens": [b, s/cp], "labels": [b, s/cp]} for this DP rank (this context
     rank's chunks of the sequence), from `consumed`.
 
@@ -109,7 +118,10 @@ def microbatches(dataset, *, consumed_samples: int, micro_batch_size: int, dp_ra
     samples with an "assistant_mask" (--sft) give "loss_mask" = that mask on the labels. With
     `documents` (or samples with "document_ids": packed SFT), "document_ids" [b, s] (the whole
     sequence on every context rank: attention needs the keys' documents too) and "position_ids"
-    [b, s/cp] (this rank's tokens' positions in their documents, or in the sample).
+    [b, s/cp] (this rank's tokens' positions in their documents, or in the sample). With
+    `pad_mask_token` (the tokenizer's own pad id), pretraining samples get "loss_mask" 0 where the
+    label is that id, and the id becomes 0 in tokens and labels (after the documents are found), as
+    megatron-core's GPTDataset does.
     """
     def indices():
         consumed, total = consumed_samples, len(dataset)
@@ -133,6 +145,11 @@ def microbatches(dataset, *, consumed_samples: int, micro_batch_size: int, dp_ra
             docs = torch.from_numpy(sample["document_ids"][:, :-1].astype(np.int64))
         elif documents is not None:
             docs = documents_after_eod(mb["tokens"], documents.eod)
+        if pad_mask_token is not None and "assistant_mask" not in sample:
+            padded = mb["labels"] == pad_mask_token
+            mb["loss_mask"] = mb.get("loss_mask", torch.ones(padded.shape)).masked_fill(padded, 0.0)
+            mb["tokens"] = mb["tokens"].masked_fill(mb["tokens"] == pad_mask_token, 0)
+            mb["labels"] = mb["labels"].masked_fill(padded, 0)
         out = {k: split_sequence(x, 1, cp, cp_rank).contiguous().to(device) for k, x in mb.items()}
         if docs is not None:
             reset_positions = documents is None or documents.reset_position_ids
@@ -175,10 +192,10 @@ class TrainData:
 
     def __init__(self, dataset, skip, *, micro_batch_size: int, dp_rank: int, dp: int, device,
                  num_workers: int = 0, eod_mask_token: int | None = None, cp: int = 1, cp_rank: int = 0,
-                 documents: DocumentFlags | None = None):
+                 documents: DocumentFlags | None = None, pad_mask_token: int | None = None):
         self.base, self.mbs, self.dp_rank, self.dp, self.device = dataset, micro_batch_size, dp_rank, dp, device
         self.reading = dict(num_workers=num_workers, eod_mask_token=eod_mask_token, cp=cp,
-                            cp_rank=cp_rank, documents=documents)
+                            cp_rank=cp_rank, documents=documents, pad_mask_token=pad_mask_token)
         self.view = SkippingDataset(dataset, list(skip))
         self._it = None
 

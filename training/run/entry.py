@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from megazoo.data.indexed import IndexedDatasetError
 from megazoo.data.token_stats import VocabularyMismatch
-from megazoo.data.tokenizers import TokenizerError
+from megazoo.data.tokenizers import TokenizerError, loss_pad_id
 from megazoo.models.config import TransformerConfig
 from megazoo.models.family_rules import MIXED_FAMILIES, MOE_FAMILIES
 from megazoo.models.registry import build_model, family
@@ -112,7 +112,8 @@ def main(default_family: str, argv=None):
         args = build_parser(family(default_family, "main").default_preset).parse_args(argv)
         tok = build_run_tokenizer(args)
         run = to_run_config(args, vocab_size=tok.vocab_size if tok else None,
-                            eod_token=tok.eod if tok else None, loaded=loaded_model(args.load))
+                            eod_token=tok.eod if tok else None, loaded=loaded_model(args.load),
+                            pad_mask_token=loss_pad_id(tok) if tok else None)
         check_script_family(run.model.family, default_family)
         if tok is not None:  # same vocabulary size is not the same tokenizer
             check_run_tokenizer(tok, run.data, run.checkpoint)

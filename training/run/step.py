@@ -184,7 +184,8 @@ def evaluate(chunks, dataset, topo: ParallelTopology, run, shape, dtype, *, watc
     it = microbatches(dataset, consumed_samples=consumed_samples, micro_batch_size=mbs,
                       dp_rank=topo.dp_rank,
                       dp=topo.dp, device=topo.device, eod_mask_token=run.data.eod_mask_token,
-                      cp=topo.cp, cp_rank=topo.cp_rank, documents=document_flags(run.data))
+                      cp=topo.cp, cp_rank=topo.cp_rank, documents=document_flags(run.data),
+                      pad_mask_token=run.data.pad_mask_token)
     per_step = gbs // (mbs * topo.dp)
     guard = watchdog.collective if watchdog is not None else _unmonitored
     total, weight, batches = 0.0, 0.0, 0

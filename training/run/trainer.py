@@ -134,7 +134,7 @@ class Trainer:
                                   micro_batch_size=self.sched.micro_batch_size, dp_rank=topo.dp_rank,
                                   dp=topo.dp, device=topo.device, num_workers=run.data.num_workers,
                                   eod_mask_token=run.data.eod_mask_token, cp=topo.cp, cp_rank=topo.cp_rank,
-                                  documents=document_flags(run.data))
+                                  documents=document_flags(run.data), pad_mask_token=run.data.pad_mask_token)
             self.data.restart(self.state.consumed_samples)
         self.dpo_forward = self.dpo_eval_forward = None
         self.dpo_stats, self.dpo_eval_stats = PreferenceStats(), PreferenceStats()
