@@ -1,6 +1,7 @@
 """Evaluations move through the validation set as Megatron-LM's validation iterator does: the
 k-th evaluation reads the k-th run of --eval-iters global batches, and a resumed run reads what
-the uninterrupted one reads."""
+the uninterrupted one reads; a run whose last iteration is not an evaluation's is evaluated at
+its end, on the next run."""
 import megazoo.training.run.step as step
 from megazoo.training.config.flags import to_run_config
 from megazoo.training.config.parser import build_parser
@@ -32,3 +33,5 @@ def test_evaluations_move_on_and_resume_where_they_were(tmp_path, monkeypatch):
     first = _run(["--train-iters", "4", "--save", str(tmp_path)], monkeypatch)
     resumed = _run(["--train-iters", "6", "--load", str(tmp_path)], monkeypatch)
     assert first == whole[:2] and resumed == whole[2:]
+    ended = _run(["--train-iters", "5"], monkeypatch)  # 2, 4, and the end (5): the third run
+    assert ended == whole

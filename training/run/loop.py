@@ -2,7 +2,8 @@
 
     trainer = topology, this rank's model chunks, ZeRO optimizer, data, logging (resumed with --load)
     each iteration: step (health policy) -> log window -> evaluate -> tasks -> stop? -> save
-    at the end: the final checkpoint and the run report
+    at the end: the validation loss (when the last iteration was not evaluated), the final
+    checkpoint and the run report
 
 Resume is exact: the checkpoint holds the weights, optimizer shards, loss scaler, every rank's
 RNG streams, the iteration and the consumed-samples count (the LR and batch-size schedules are
@@ -25,6 +26,7 @@ def pretrain(model_provider, run: RunConfig) -> TrainResult:
     trainer = Trainer(model_provider, run)  # a setup that fails releases what it took itself
     try:
         with StopRequests(run.schedule.exit_interval, run.schedule.exit_duration_mins, start) as stops:
+            stopped = False
             while not trainer.done:
                 if not trainer.step():  # rolled back to the last checkpoint
                     continue
@@ -39,7 +41,10 @@ def pretrain(model_provider, run: RunConfig) -> TrainResult:
                 trainer.save_if_due(stopping=bool(why))
                 if why:
                     trainer.stop(signum, why)
+                    stopped = True
                     break
+            if trainer.done and not stopped:
+                trainer.evaluate_if_due(stops, at_end=True)
             trainer.finish()
     finally:
         trainer.close()

@@ -266,11 +266,14 @@ class Trainer:
             self.window.check_stragglers(self.run.health.straggler_threshold, self.journal, it)
         self.window.reset()
 
-    def evaluate_if_due(self, stops=None) -> None:
-        """Every --eval-interval iterations; a stop request (`stops`: the run's StopRequests)
-        ends the evaluation after its current batch, and nothing of it is logged."""
+    def evaluate_if_due(self, stops=None, at_end: bool = False) -> None:
+        """Every --eval-interval iterations, and `at_end` of training when the last iteration was
+        not one of those (Megatron-LM evaluates at the end of training too); a stop request
+        (`stops`: the run's StopRequests) ends the evaluation after its current batch, and
+        nothing of it is logged."""
         interval, it = self.run.logging.eval_interval, self.state.iteration
-        if self.valid_ds is None or not interval or it % interval:
+        if self.valid_ds is None or not interval or not self.run.logging.eval_iters or not it \
+                or bool(it % interval) != at_end:
             return
         interrupted = (lambda: stops.signalled(self.topo.device) != 0) if stops is not None else None
         vloss, batches, planned = evaluate(self.chunks, self.valid_ds, self.topo, self.run,
@@ -295,13 +298,14 @@ class Trainer:
 
     def validation_consumed(self, it: int) -> int:
         """Where the evaluation at iteration `it` starts in the validation set. As Megatron-LM's
-        validation iterator, pretraining moves on: the k-th evaluation (at k x --eval-interval)
-        reads the k-th run of --eval-iters global batches, which the validation set is sized for
-        (training/run/batches.py `dataset_num_samples`), so a resumed run continues where the
-        uninterrupted one would be. --sft and --dpo read the same held-out set every time."""
+        validation iterator, pretraining moves on: the k-th evaluation (at k x --eval-interval, or
+        at the end of training after k - 1 of them) reads the k-th run of --eval-iters global
+        batches, which the validation set is sized for (training/run/batches.py
+        `dataset_num_samples`), so a resumed run continues where the uninterrupted one would be.
+        --sft and --dpo read the same held-out set every time."""
         if self.run.data.sft or self.run.dpo is not None:
             return 0
-        evaluations_before = it // self.run.logging.eval_interval - 1
+        evaluations_before = (it - 1) // self.run.logging.eval_interval
         return evaluations_before * self.run.logging.eval_iters * self.run.schedule.global_batch_size
 
     def evaluate_tasks_if_due(self) -> None:
