@@ -85,6 +85,12 @@ class ParallelAttention(nn.Module):
                                config.num_query_groups, config.head_dim)
         if spec is not None and spec.head_dim is not None:
             d = spec.head_dim  # this layer's own head size (Gemma 4's full layers)
+        if spec is not None and spec.kv_heads is not None:
+            groups = spec.kv_heads  # this layer's own key/value heads (Gemma 4's full layers)
+        # Gemma 4's full layers with attention_k_eq_v: [q heads, k] per group, values from k
+        self.k_eq_v = spec is not None and spec.k_eq_v
+        kv_rows = 1 if self.k_eq_v else 2
+        self.kv_rows = kv_rows
         self.heads_local, self.head_dim = heads // topo.tp, d
         self.groups_local = max(groups // topo.tp, 1)  # 1 when KV heads are replicated
         self.q_per_group_local = self.heads_local // self.groups_local
@@ -105,8 +111,9 @@ class ParallelAttention(nn.Module):
         self.recompute_core = config.recompute_granularity == "selective"
         per_group = heads // groups
         # Multi-head attention keeps plain contiguous shards (GPT and BLOOM checkpoints as before).
-        layout = None if groups == heads else GroupedLayout(groups, per_group * d, 2 * d)
-        self.qkv = ColumnParallelLinear(h, (heads + 2 * groups) * d, topo, init.normal(prefix + "qkv.weight"),
+        layout = None if groups == heads and not self.k_eq_v \
+            else GroupedLayout(groups, per_group * d, kv_rows * d)
+        self.qkv = ColumnParallelLinear(h, (heads + kv_rows * groups) * d, topo, init.normal(prefix + "qkv.weight"),
                                         bias=config.bias or config.add_qkv_bias, dtype=config.dtype,
                                         layout=layout)
         self.dense = RowParallelLinear(heads * d, h, topo, init.scaled_normal(prefix + "dense.weight"),
@@ -197,7 +204,11 @@ class ParallelAttention(nn.Module):
         g, qg, d = self.groups_local, self.q_per_group_local, self.head_dim
         # split, not three slices: its backward is one concatenation, where slices would each
         # scatter into a zeroed full-size gradient to be summed
-        q, k, v = qkv.view(s, b, g, qg + 2, d).split([qg, 1, 1], dim=3)
+        if self.k_eq_v:  # the values are the keys as projected (normed below apart)
+            q, k = qkv.view(s, b, g, qg + 1, d).split([qg, 1], dim=3)
+            v = k
+        else:
+            q, k, v = qkv.view(s, b, g, qg + 2, d).split([qg, 1, 1], dim=3)
         q = q.reshape(s, b, g * qg, d).permute(1, 2, 0, 3)  # [b, heads, s, d]
         k, v = k.squeeze(3).permute(1, 2, 0, 3), v.squeeze(3).permute(1, 2, 0, 3)
         if self.q_norm is not None:
@@ -228,7 +239,7 @@ class ParallelAttention(nn.Module):
         alone and each query head takes its whole gamma, as QK-clip treats MLA's shared rotary
         key. Values are never scaled."""
         g, qg, d = self.groups_local, self.q_per_group_local, self.head_dim
-        rows = torch.ones(g, qg + 2, dtype=torch.float32, device=gamma.device)
+        rows = torch.ones(g, qg + self.kv_rows, dtype=torch.float32, device=gamma.device)
         per_group = gamma.float().view(g, qg)
         if self.multi_head:
             rows[:, 0], rows[:, 1] = per_group[:, 0] ** alpha, per_group[:, 0] ** (1 - alpha)

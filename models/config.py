@@ -138,6 +138,10 @@ class TransformerConfig(ModelCounts):
     layer_scalar: bool = False  # a learned scalar per layer multiplying its output (Gemma 4)
     global_kv_channels: int | None = None  # full-attention layers' own head_dim (Gemma 4's
     #   global_head_dim); None: kv_channels, as every other layer
+    global_num_query_groups: int | None = None  # full-attention layers' own key/value heads
+    #   (Gemma 4's num_global_key_value_heads); None: num_query_groups, as every other layer
+    attention_k_eq_v: bool = False  # full-attention layers project keys only; their values are
+    #   the key projection's output (before the key norm and RoPE) (Gemma 4)
     swiglu_alpha: float = 1.702  # activation "swiglu_clamped" (gpt-oss): gate * sigmoid(alpha gate)
     swiglu_limit: float | None = None  # its clamp of gate (above) and up (both sides)
     moe_router_bias: bool = False  # a learned bias on the router logits (gpt-oss)
@@ -221,7 +225,13 @@ class TransformerConfig(ModelCounts):
         if any(not 0 <= i < self.num_layers for i in self.full_attention_layers):
             raise ValueError(f"full_attention_layers {list(self.full_attention_layers)} name layers "
                              f"outside 0..{self.num_layers - 1}")
-        for name in ("global_kv_channels", "value_norm"):  # options of ParallelAttention only
+        if self.global_num_query_groups is not None and (
+                not isinstance(self.global_num_query_groups, int) or self.global_num_query_groups < 1
+                or self.num_attention_heads % self.global_num_query_groups):
+            raise ValueError(f"global_num_query_groups {self.global_num_query_groups} must divide "
+                             f"--num-attention-heads {self.num_attention_heads}")
+        for name in ("global_kv_channels", "value_norm", "global_num_query_groups",
+                     "attention_k_eq_v"):  # options of ParallelAttention only
             if getattr(self, name) not in (None, False) and (self.kv_lora_rank or self.token_mixers):
                 raise ValueError(f"{name} is an option of attention layers only: drop it, or "
                                  f"kv_lora_rank / token_mixers")

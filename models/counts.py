@@ -67,7 +67,11 @@ class ModelCounts:
             return sum(hybrid_counts.layer_parameters(shape, layer, tp, ep, active))
         h, d = self.hidden_size, self.layer_head_dim(layer)
         attn = self.num_attention_heads * d  # = h unless kv_channels decouples the head size
-        qkv = (self.num_attention_heads + 2 * max(self.num_query_groups, tp)) * d
+        full = self.attention_window(layer) is None  # (Gemma 4's full layers: own KV heads)
+        groups = self.global_num_query_groups if full and self.global_num_query_groups \
+            else self.num_query_groups
+        kv_rows = 1 if full and self.attention_k_eq_v else 2  # values from the key projection
+        qkv = (self.num_attention_heads + kv_rows * max(groups, tp)) * d
         bias = 1 if self.bias else 0
         qkv_bias = 1 if (self.bias or self.add_qkv_bias) else 0
         qk_norms = 2 * d if self.qk_layernorm else 0

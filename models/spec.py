@@ -116,6 +116,9 @@ class MixerSpec:
     scale: float | None = None  # softmax scale (None: 1 / sqrt(head_dim))
     v_norm: bool = False  # a weightless RMSNorm over head_dim on each value head (Gemma 4)
     head_dim: int | None = None  # this layer's own head size (None: the config's head_dim)
+    kv_heads: int | None = None  # this layer's own key/value heads (None: the config's groups)
+    k_eq_v: bool = False  # keys projected only; values are the key projection's output (before
+    #                       the key norm and RoPE), then the value norm (Gemma 4's full layers)
 
 
 @dataclass(frozen=True)
@@ -161,6 +164,8 @@ def layer_spec(config, layer: int) -> LayerSpec:
         sinks=config.attention_sinks, softcap=config.attn_logit_softcapping,
         v_norm=config.value_norm,
         head_dim=config.global_kv_channels if window is None else None,
+        kv_heads=config.global_num_query_groups if window is None else None,
+        k_eq_v=config.attention_k_eq_v and window is None,
         scale=None if config.query_pre_attn_scalar is None else config.query_pre_attn_scalar ** -0.5)
     mlp_kind = "moe" if config.is_moe_layer(layer) else "dense"
     if config.layer_mlps is not None and layer < len(config.layer_mlps):
