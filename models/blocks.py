@@ -27,6 +27,7 @@ from .init import Initializer
 from .mlp import ParallelMLP
 from .mla import MultiLatentAttention
 from .moe import MoELayer
+from .dense_moe import DenseAndExperts
 from .gated_attention import GatedAttention
 from .linear_mixers import ParallelGatedDeltaNet, ParallelMamba2
 from .norms import LayerNorm, RMSNorm, build_norm  # noqa: F401 - re-exported
@@ -48,7 +49,7 @@ def _absent(*_args):
 TOKEN_MIXERS = {"attention": ParallelAttention, "mla": _latent_attention,
                 "gated_attention": GatedAttention, "gated_deltanet": ParallelGatedDeltaNet,
                 "mamba2": ParallelMamba2, "none": _absent}
-MLPS = {"dense": ParallelMLP, "moe": _moe, "none": _absent}
+MLPS = {"dense": ParallelMLP, "moe": _moe, "none": _absent, "dense_moe": DenseAndExperts}
 assert tuple(TOKEN_MIXERS) == MIXER_KINDS and tuple(MLPS) == MLP_KINDS, "models/spec.py's kinds"
 
 
@@ -94,7 +95,8 @@ class TransformerLayer(nn.Module):
                 y = self.attention_output_norm(y)
             x = x + self.residual_dropout(y)
         if self.mlp is not None:
-            y = self.mlp(self.post_attention_norm(x))
+            normed = self.post_attention_norm(x)
+            y = self.mlp(normed, x) if self.spec.mlp.residual_input else self.mlp(normed)
             if self.mlp_output_norm is not None:
                 y = self.mlp_output_norm(y)
             x = x + self.residual_dropout(y)

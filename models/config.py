@@ -145,6 +145,11 @@ class TransformerConfig(ModelCounts):
     swiglu_alpha: float = 1.702  # activation "swiglu_clamped" (gpt-oss): gate * sigmoid(alpha gate)
     swiglu_limit: float | None = None  # its clamp of gate (above) and up (both sides)
     moe_router_bias: bool = False  # a learned bias on the router logits (gpt-oss)
+    moe_router_input_norm: bool = False  # the router reads rms_norm(x) * a learned scale [h] *
+    #   hidden^-0.5 (no weight in the norm itself) (Gemma 4)
+    moe_per_expert_scale: bool = False  # a learned scale per expert times its routing weight
+    moe_with_dense_mlp: bool = False  # an MoE layer also holds a dense MLP beside its experts,
+    #   each with its own output norm, summed (Gemma 4's enable_moe_block; MLP kind "dense_moe")
     # Each layer's token mixer kind (models/spec.py MIXER_KINDS), for hybrid stacks; None: every
     # layer attention (multi-latent attention with kv_lora_rank)
     token_mixers: tuple[str, ...] | None = None

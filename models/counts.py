@@ -36,6 +36,12 @@ class ModelCounts:
             return (self._mlp_matrices(f) + bias * fc1 * f) / tp + bias * h
         out = self.num_experts * (h + (1 if self.moe_router_bias else 0)) \
             + self.expert_parameters(layer, ep, active)
+        out += (h if self.moe_router_input_norm else 0) \
+            + (self.num_experts if self.moe_per_expert_scale else 0)
+        if self.moe_with_dense_mlp:  # the dense MLP beside the experts and their three norms
+            f = self.ffn_hidden_size
+            out += (self._mlp_matrices(f) + bias * fc1 * f) / tp + bias * h \
+                + 3 * self.norm_parameters()
         if self.moe_shared_expert_intermediate_size:
             s = self.moe_shared_expert_intermediate_size
             out += (self._mlp_matrices(s) + bias * fc1 * s) / tp + bias * h
@@ -139,8 +145,9 @@ class ModelCounts:
         qkv = (self.num_attention_heads + 2 * self.num_query_groups) * d
         mlp = 0
         for i in range(self.num_layers):
-            if not self.is_moe_layer(i):
+            if not self.is_moe_layer(i) or self.moe_with_dense_mlp:
                 mlp += self._mlp_matrices(self.ffn_hidden_size)
+            if not self.is_moe_layer(i):
                 continue
             if self.moe_shared_expert_intermediate_size:
                 mlp += self._mlp_matrices(self.moe_shared_expert_intermediate_size) + \

@@ -130,8 +130,17 @@ class MLPSpec:
     def gated(self) -> bool:
         return lookup(ACTIVATIONS, self.activation, "activation").gated
 
+    @property
+    def residual_input(self) -> bool:
+        """Whether the MLP also takes the layer's un-normed input (its router and experts norm
+        it their own way)."""
+        return self.kind in MLP_RESIDUAL_INPUT
 
-MLP_KINDS = ("dense", "moe", "none")  # none: a layer holding only its token mixer
+
+# none: a layer holding only its token mixer; dense_moe: a dense MLP and routed experts side by
+# side (Gemma 4's MoE block), which also reads the layer's un-normed input (MLP_RESIDUAL_INPUT)
+MLP_KINDS = ("dense", "moe", "none", "dense_moe")
+MLP_RESIDUAL_INPUT = ("dense_moe",)  # kinds called as mlp(normed input, residual stream)
 
 
 @dataclass(frozen=True)
@@ -167,7 +176,8 @@ def layer_spec(config, layer: int) -> LayerSpec:
         kv_heads=config.global_num_query_groups if window is None else None,
         k_eq_v=config.attention_k_eq_v and window is None,
         scale=None if config.query_pre_attn_scalar is None else config.query_pre_attn_scalar ** -0.5)
-    mlp_kind = "moe" if config.is_moe_layer(layer) else "dense"
+    mlp_kind = ("dense_moe" if config.moe_with_dense_mlp else "moe") \
+        if config.is_moe_layer(layer) else "dense"
     if config.layer_mlps is not None and layer < len(config.layer_mlps):
         mlp_kind = config.layer_mlps[layer]
     mlp = MLPSpec(kind=mlp_kind,

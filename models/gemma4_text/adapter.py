@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from ..config import TransformerConfig
-from ..hf_fields import check_fields, refuse
+from ..hf_fields import check_fields, log_unrecorded_moe_settings, refuse
 from .. import gemma_like
 
 FAMILY = "Gemma4"
@@ -19,14 +19,18 @@ MAPPED = frozenset({
     "initializer_range", "rms_norm_eps", "tie_word_embeddings", "rope_parameters",
     "attention_bias", "attention_dropout", "sliding_window", "layer_types",
     "final_logit_softcapping", "use_bidirectional_attention", "hidden_size_per_layer_input",
-    "attention_k_eq_v", "num_global_key_value_heads", "num_kv_shared_layers", "enable_moe_block", "per_layer_config"})
+    "attention_k_eq_v", "num_global_key_value_heads", "num_kv_shared_layers", "enable_moe_block",
+    "per_layer_config", "num_experts", "top_k_experts", "moe_intermediate_size"})
 # read by transformers only with a feature refused above: per-layer inputs' vocabulary, the
-# KV-sharing layers' wide MLP, the MoE block's shape
-IGNORED = frozenset({"vocab_size_per_layer_input", "use_double_wide_mlp", "num_experts",
-                     "top_k_experts", "moe_intermediate_size"})
+# KV-sharing layers' wide MLP
+IGNORED = frozenset({"vocab_size_per_layer_input", "use_double_wide_mlp"})
+# the MoE block (enable_moe_block): Gemma 4's router and a dense MLP beside the experts
+_MOE_BLOCK = dict(moe_router_pre_softmax=True, moe_norm_topk_prob=True,
+                  moe_router_input_norm=True, moe_per_expert_scale=True, moe_with_dense_mlp=True,
+                  moe_layer_freq=1, moe_first_dense_layers=0,
+                  moe_shared_expert_intermediate_size=None, moe_router_bias=False)
 _OFF = (("hidden_size_per_layer_input", (0, None), "0 (no per-layer input embeddings)"),
         ("num_kv_shared_layers", (0, None), "0 (every layer its own keys and values)"),
-        ("enable_moe_block", (False, None), "False (a dense MLP only)"),
         # "vision" (the releases' value) opens the mask among image tokens only: text is causal
         ("use_bidirectional_attention", (False, None, "vision"),
          "None or 'vision' (causal attention over text)"),
@@ -62,7 +66,11 @@ def config_from_hf(hf) -> TransformerConfig:
     global_head_dim, global_kv_heads = _full_layers(hf, full)
     theta, scaling, local_theta = gemma_like.rope_from_hf(hf, FAMILY, partial=("proportional",))
     fields = hf.to_dict()
-    return TransformerConfig(
+    moe = {}
+    if hf.enable_moe_block:  # (the three sizes are read by transformers with it only)
+        moe = dict(_MOE_BLOCK, num_experts=hf.num_experts, moe_router_topk=hf.top_k_experts,
+                   moe_ffn_hidden_size=hf.moe_intermediate_size)
+    return TransformerConfig(**moe,
         family="gemma4_text", vocab_size=hf.vocab_size, hidden_size=hf.hidden_size,
         num_layers=hf.num_hidden_layers, num_attention_heads=hf.num_attention_heads,
         num_query_groups=fields["num_key_value_heads"], kv_channels=fields["head_dim"],
@@ -85,6 +93,15 @@ def hf_config(config: TransformerConfig, **extra):
     """The `transformers.Gemma4TextConfig` of a megazoo Gemma 4 text config (for export)."""
     from transformers import Gemma4TextConfig
     kv_heads = config.global_num_query_groups
+    moe = {}
+    if config.num_experts:
+        for field, want in _MOE_BLOCK.items():
+            if getattr(config, field) != want:
+                raise ValueError(f"Gemma4 export: {field}={getattr(config, field)!r} cannot be "
+                                 f"written (Gemma 4's MoE block has {field}={want!r})")
+        log_unrecorded_moe_settings(config, FAMILY)
+        moe = dict(num_experts=config.num_experts, top_k_experts=config.moe_router_topk,
+                   moe_intermediate_size=config.moe_ffn_hidden_size)
     if kv_heads not in (None, config.num_query_groups) and not config.attention_k_eq_v:
         raise ValueError(f"Gemma4 export: global_num_query_groups={kv_heads} without "
                          f"attention_k_eq_v cannot be written (transformers applies "
@@ -102,16 +119,38 @@ def hf_config(config: TransformerConfig, **extra):
         sliding_window=config.sliding_window or 512,
         final_logit_softcapping=config.final_logit_softcapping,
         hidden_size_per_layer_input=0, num_kv_shared_layers=0, attention_k_eq_v=config.attention_k_eq_v,
-        num_global_key_value_heads=kv_heads, enable_moe_block=False,
+        num_global_key_value_heads=kv_heads, enable_moe_block=bool(config.num_experts), **moe,
         **gemma_like.hf_layer_fields(config),
         **{"architectures": ["Gemma4ForCausalLM"], **extra})
 
 
+# the MoE block's tensors: megazoo (under layers.<i>.mlp.) -> HF (under model.layers.<i>.)
+_MOE_TENSORS = (("moe.router", "router.proj.weight"), ("moe.router_scale", "router.scale"),
+                ("moe.per_expert_scale", "router.per_expert_scale"),
+                ("moe.experts.weight1", "experts.gate_up_proj"),  # [E, 2f, h] = [gate; up]
+                ("moe.experts.weight2", "experts.down_proj"),  # [E, h, f]
+                ("dense_output_norm.weight", "post_feedforward_layernorm_1.weight"),
+                ("experts_input_norm.weight", "pre_feedforward_layernorm_2.weight"),
+                ("experts_output_norm.weight", "post_feedforward_layernorm_2.weight"))
+
+
+def _moe_pairs(config: TransformerConfig):
+    for i in range(config.num_layers if config.num_experts else 0):
+        for mz, hf in _MOE_TENSORS:
+            yield f"layers.{i}.mlp.{mz}", f"model.layers.{i}.{hf}"
+
+
 def from_hf_state_dict(sd: dict[str, torch.Tensor], config: TransformerConfig) -> dict[str, torch.Tensor]:
-    """HF Gemma4ForCausalLM tensors -> full megazoo tensors (models/gemma_like.py)."""
-    return gemma_like.from_hf_state_dict(sd, config)
+    """HF Gemma4ForCausalLM tensors -> full megazoo tensors (models/gemma_like.py, and the MoE
+    block's)."""
+    out = gemma_like.from_hf_state_dict(sd, config)
+    sd = {k if k.startswith(("model.", "lm_head.")) else "model." + k: v for k, v in sd.items()}
+    out.update({mz: sd[hf].contiguous() for mz, hf in _moe_pairs(config)})
+    return out
 
 
 def to_hf_state_dict(full: dict[str, torch.Tensor], config: TransformerConfig) -> dict[str, torch.Tensor]:
     """Full megazoo tensors -> HF Gemma4ForCausalLM tensors (no lm_head when tied)."""
-    return gemma_like.to_hf_state_dict(full, config)
+    out = gemma_like.to_hf_state_dict(full, config)
+    out.update({hf: full[mz].contiguous() for mz, hf in _moe_pairs(config)})
+    return out
