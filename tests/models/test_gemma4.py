@@ -68,7 +68,6 @@ def test_config_maps_every_field_both_ways(pair):
     assert_config_round_trip(hf, cfg, adapter)
     for field, value in (("hidden_activation", "silu"), ("attention_bias", True),
                          ("hidden_size_per_layer_input", 8), ("num_kv_shared_layers", 2),
-                         ("enable_moe_block", True),
                          ("use_bidirectional_attention", "all")):
         with pytest.raises(ValueError, match=f"^Gemma4 config.json: {field}="):
             adapter.config_from_hf(_hf_config(**{field: value}))
@@ -78,16 +77,24 @@ def test_logits_generation_and_export_equal_transformers(pair):
     hf, cfg, model = pair
     assert_equals_transformers(hf, cfg, model, adapter, VOCAB, SEQ, TOL)
 
-def _worker(rank, cfg, full, ids, ref):
+def _worker(rank, cfg, full, ids, ref, released):
     import torch.distributed as dist
 
     from megazoo.models.language_model import gather_logits
-    topo = ParallelTopology.from_config(ParallelConfig(tp=2))
-    model = build_model(cfg, topo).eval()
-    load_full_state_dict(model, full, topo)
-    with torch.no_grad():
-        tp = gather_logits(model(ids), topo, VOCAB)
-    worst = {"tp2": (tp - ref).abs().max().item()}
+    worst = {}
+    layouts = {"tp2": ParallelConfig(tp=2), "tp2sp": ParallelConfig(tp=2, sequence_parallel=True),
+               "ep2": ParallelConfig(ep=2)}
+    for layout, parallel in layouts.items():  # one topology per layout: groups are slow to make
+        topo = ParallelTopology.from_config(parallel)
+        for name, case in [("", (cfg, full, ids, ref))] * (layout == "tp2") + released:
+            c, f, x, r = case
+            if layout != "tp2" and not c.num_experts:
+                continue  # the experts' layouts (dispatch, the router's sequence gather)
+            model = build_model(c, topo).eval()
+            load_full_state_dict(model, f, topo)
+            with torch.no_grad():
+                logits = gather_logits(model(x), topo, VOCAB)
+            worst[f"{name}{layout}"] = (logits - r).abs().max().item()
     topo = ParallelTopology.from_config(ParallelConfig(pp=2, first_stage_layers=4))
     split = 4
     chunk = build_model(cfg, topo, pre_process=rank == 0, post_process=rank == 1,
@@ -103,14 +110,96 @@ def _worker(rank, cfg, full, ids, ref):
     return worst
 
 
-def test_tp2_and_pp2_equal_the_unsharded_model(pair):
-    _, cfg, model = pair
-    ids = torch.randint(3, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
+def _reference(model, seq):
+    ids = torch.randint(3, VOCAB, (2, seq), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         ref = model(ids)[..., :VOCAB]
-    full = gather_full_state_dict(model, ParallelTopology.single())
-    worst = run_distributed(_worker, 2, cfg, full, ids, ref, timeout=300)[1]
-    assert set(worst) == {"tp2", "pp2"} and max(worst.values()) < 1e-5, worst
+    return model.config, gather_full_state_dict(model, ParallelTopology.single()), ids, ref
+
+
+def test_tp2_pp2_and_ep2_equal_the_unsharded_model(pair, released_pairs):
+    """One 2-rank world: the random model at tp2 and pp2; the shrunk releases at tp2, the MoE
+    one also with sequence parallelism (the router's sequence gather) and ep2 (expert dispatch)."""
+    cases = [(name + " ", _reference(model, 16)) for name, (_, _, model) in released_pairs.items()]
+    worst = run_distributed(_worker, 2, *_reference(pair[2], SEQ), cases, timeout=300)[1]
+    assert set(worst) == {"tp2", "pp2", "31b-like tp2", "26b-a4b tp2", "26b-a4b tp2sp",
+                          "26b-a4b ep2"}, worst
+    assert max(worst.values()) < 1e-5, worst
+
+
+def _released_config(**overrides):
+    """The released 26B-A4B text config (tests/fixtures/released_hf_configs.json) with every
+    structural field kept (5 sliding : 1 full layers, attention_k_eq_v with the full layers' own
+    key/value heads and head size, proportional partial RoPE, the MoE block, tied embeddings,
+    softcapping) and its sizes cut."""
+    import json
+    import os
+
+    from transformers import Gemma4TextConfig
+    fixture = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures",
+                           "released_hf_configs.json")
+    text = json.load(open(fixture))["gemma-4-26b-a4b"]["config"]["text_config"]
+    fields = {k: v for k, v in text.items() if k not in ("model_type", "dtype", "use_cache")}
+    fields.update(  # "vision" is causal over text (tested above); None round-trips
+        use_bidirectional_attention=None, vocab_size=VOCAB, vocab_size_per_layer_input=VOCAB,
+        hidden_size=40, intermediate_size=24, moe_intermediate_size=12, num_attention_heads=4,
+        num_key_value_heads=2, num_global_key_value_heads=1, head_dim=8, global_head_dim=16,
+        num_experts=8, top_k_experts=3, num_hidden_layers=6, layer_types=text["layer_types"][:6],
+        sliding_window=5, max_position_embeddings=64, final_logit_softcapping=7.0)
+    return Gemma4TextConfig(**{**fields, **overrides})
+
+
+@pytest.fixture(scope="module")
+def released_pairs():
+    """{name: (HF model, config, megazoo model)}: the shrunk 26B-A4B, and the same without the MoE
+    block (the dense 31B's kind: attention_k_eq_v, 4 global KV heads to 16)."""
+    from transformers import Gemma4ForCausalLM
+    out = {}
+    for name, overrides in (("26b-a4b", {}), ("31b-like", dict(enable_moe_block=False, num_experts=None,
+                                                           top_k_experts=None,
+                                                           moe_intermediate_size=None))):
+        torch.manual_seed(1)
+        hf = perturbed(Gemma4ForCausalLM(_released_config(**overrides)))
+        with torch.no_grad():
+            for i, layer in enumerate(hf.model.layers):
+                layer.layer_scalar.fill_(0.8 + 0.05 * i)
+        cfg = adapter.config_from_hf(hf.config).replace(make_vocab_size_divisible_by=8)
+        topo = ParallelTopology.single()
+        model = build_model(cfg, topo).eval()
+        load_full_state_dict(model, adapter.from_hf_state_dict(hf.state_dict(), cfg), topo)
+        out[name] = hf, cfg, model
+    return out
+
+
+def test_released_shapes_equal_transformers(released_pairs):
+    """attention_k_eq_v (full layers: no v_proj, values = the k projection before its norm and
+    RoPE, then the value norm; their own 1 KV head and head size) and the MoE block (a dense MLP
+    and routed experts summed after their own norms; Gemma 4's router): logits within 1e-5,
+    greedy generation (KV cache) equal, export bit-identical and loaded by transformers, the
+    parameter count transformers' own."""
+    from transformers import Gemma4ForCausalLM
+    for name, (hf, cfg, model) in released_pairs.items():
+        assert cfg.attention_k_eq_v and cfg.global_num_query_groups == 1
+        full, sliding = cfg.layer_spec(5), cfg.layer_spec(0)
+        assert (full.mixer.k_eq_v, full.mixer.kv_heads, full.mixer.head_dim) == (True, 1, 16)
+        assert (sliding.mixer.k_eq_v, sliding.mixer.kv_heads) == (False, None)
+        assert full.mlp.kind == ("dense_moe" if name == "26b-a4b" else "dense")
+        assert_config_round_trip(hf, cfg, adapter)
+        assert_equals_transformers(hf, cfg, model, adapter, VOCAB, SEQ, TOL)
+        back = Gemma4ForCausalLM(adapter.hf_config(cfg)).eval()
+        back.load_state_dict(adapter.to_hf_state_dict(
+            gather_full_state_dict(model, ParallelTopology.single()), cfg), strict=False)
+        ids = torch.randint(3, VOCAB, (1, SEQ), generator=torch.Generator().manual_seed(4))
+        with torch.no_grad():
+            assert torch.equal(back(ids).logits, hf(ids).logits), name
+        scalars = sum(b.numel() for n, b in hf.named_buffers() if n.endswith("layer_scalar"))
+        assert sum(p.numel() for p in hf.parameters()) + scalars == cfg.num_parameters(), name
+    moe = released_pairs["26b-a4b"][1]
+    assert (moe.num_experts, moe.moe_router_topk, moe.moe_ffn_hidden_size) == (8, 3, 12)
+    with pytest.raises(ValueError, match="^Gemma4 export: moe_per_expert_scale=False "):
+        adapter.hf_config(moe.replace(moe_per_expert_scale=False))
+    with pytest.raises(ValueError, match="^Gemma4 export: global_num_query_groups=1 without "):
+        adapter.hf_config(moe.replace(attention_k_eq_v=False))
 
 
 @pytest.mark.parametrize("name", ("gemma4-tiny",))
