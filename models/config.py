@@ -230,6 +230,9 @@ class TransformerConfig(ModelCounts):
         if any(not 0 <= i < self.num_layers for i in self.full_attention_layers):
             raise ValueError(f"full_attention_layers {list(self.full_attention_layers)} name layers "
                              f"outside 0..{self.num_layers - 1}")
+        for name in ("moe_router_input_norm", "moe_per_expert_scale", "moe_with_dense_mlp"):
+            if getattr(self, name) and self.num_experts is None:
+                raise ValueError(f"{name} is an option of MoE layers: set --num-experts or drop it")
         if self.global_num_query_groups is not None and (
                 not isinstance(self.global_num_query_groups, int) or self.global_num_query_groups < 1
                 or self.num_attention_heads % self.global_num_query_groups):

@@ -1,9 +1,11 @@
 """Gemma 4 text <-> Hugging Face `Gemma4ForCausalLM` (`Gemma4TextConfig`): every config field
-mapped both ways or refused, and the tensors (Gemma 3's layout, models/gemma_like.py,
-plus each layer's `layer_scalar`). Full layers may have their own head size (global_head_dim -> global_kv_channels).
-Not modelled, each refused in one line naming the field: full layers with their own key/value
-heads, per-layer input embeddings, KV sharing,
-attention_k_eq_v, the MoE block beside the MLP, bidirectional attention, attention bias."""
+mapped both ways or refused, and the tensors (Gemma 3's layout, models/gemma_like.py, plus each
+layer's `layer_scalar` and the MoE block's). Full layers may have their own head size
+(global_head_dim -> global_kv_channels) and, with attention_k_eq_v (values from the key
+projection), their own key/value heads (num_global_key_value_heads -> global_num_query_groups);
+enable_moe_block -> a dense MLP and routed experts in every layer (models/dense_moe.py).
+Not modelled, each refused in one line naming the field: per-layer input embeddings, KV sharing,
+fully bidirectional attention, attention bias."""
 from __future__ import annotations
 
 import torch

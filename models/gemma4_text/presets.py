@@ -1,5 +1,5 @@
-"""Gemma 4 text presets (`--model NAME`). No released Gemma 4 text shape is among them yet
-(the small ones' per-layer input embeddings and the MoE block are refused by
+"""Gemma 4 text presets (`--model NAME`). No released Gemma 4 text shape is among them yet (the
+26B-A4B imports from its config.json; the small ones' per-layer input embeddings are refused by
 models/gemma4_text/adapter.py)."""
 
 _GEMMA4 = dict(family="gemma4_text", position_embedding="rope", normalization="rmsnorm",
