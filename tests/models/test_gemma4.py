@@ -77,6 +77,38 @@ def test_logits_generation_and_export_equal_transformers(pair):
     hf, cfg, model = pair
     assert_equals_transformers(hf, cfg, model, adapter, VOCAB, SEQ, TOL)
 
+def _grads(model, ids, topo=None):
+    """{name: full gradient} of the mean next-token loss on `ids` (each sequence's first token
+    the last one's target), from the gathered (softcapped) logits (megazoo's fused head-and-loss
+    does not cap)."""
+    from megazoo.models.language_model import gather_logits
+    from megazoo.parallel.sharding import full_tensor
+    model.zero_grad()
+    logits = gather_logits(model(ids), topo or ParallelTopology.single(), VOCAB)
+    targets = ids.roll(-1, dims=1)  # (the whole sequence in: sequence parallelism splits it)
+    torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten()).backward()
+    return {n: p.grad if topo is None else full_tensor(p, topo, p.grad)
+            for n, p in model.named_parameters()}
+
+
+def _grad_error(model, topo, ids, ref) -> float:
+    """The worst gradient error against `ref`, over the model's largest reference gradient entry
+    (a bound for the whole model, not per element: an entry's error is the rounding of sums over
+    every token and layer after it, ~1e-5 of the largest gradient in the dense 31B-like model at
+    tp2 too, and the last layer scalars' gradients are rounding noise near 0, the final norm
+    undoing a scale of the residual stream). Under ep both ranks run the same batch, so each
+    expert's gradient holds it twice."""
+    scale = max(g.abs().max() for g in ref.values())
+    worst = 0.0
+    for n, g in _grads(model, ids, topo).items():
+        g = g / topo.ep if ".experts." in n else g
+        want = ref[n]
+        if g.shape != want.shape:  # the word embedding, padded per tp: its real rows
+            g, want = g[:VOCAB], want[:VOCAB]
+        worst = max(worst, ((g - want).abs().max() / scale).item())
+    return worst
+
+
 def _worker(rank, cfg, full, ids, ref, released):
     import torch.distributed as dist
 
@@ -86,8 +118,8 @@ def _worker(rank, cfg, full, ids, ref, released):
                "ep2": ParallelConfig(ep=2)}
     for layout, parallel in layouts.items():  # one topology per layout: groups are slow to make
         topo = ParallelTopology.from_config(parallel)
-        for name, case in [("", (cfg, full, ids, ref))] * (layout == "tp2") + released:
-            c, f, x, r = case
+        for name, case in [("", (cfg, full, ids, ref, None))] * (layout == "tp2") + released:
+            c, f, x, r, grads = case
             if layout != "tp2" and not c.num_experts:
                 continue  # the experts' layouts (dispatch, the router's sequence gather)
             model = build_model(c, topo).eval()
@@ -95,6 +127,8 @@ def _worker(rank, cfg, full, ids, ref, released):
             with torch.no_grad():
                 logits = gather_logits(model(x), topo, VOCAB)
             worst[f"{name}{layout}"] = (logits - r).abs().max().item()
+            if c.num_experts:  # and every gradient, the experts' through the dispatch
+                worst[f"{name}{layout} grads"] = _grad_error(model, topo, x, grads)
     topo = ParallelTopology.from_config(ParallelConfig(pp=2, first_stage_layers=4))
     split = 4
     chunk = build_model(cfg, topo, pre_process=rank == 0, post_process=rank == 1,
@@ -114,16 +148,19 @@ def _reference(model, seq):
     ids = torch.randint(3, VOCAB, (2, seq), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         ref = model(ids)[..., :VOCAB]
-    return model.config, gather_full_state_dict(model, ParallelTopology.single()), ids, ref
+    grads = _grads(model, ids) if model.config.num_experts else None
+    return model.config, gather_full_state_dict(model, ParallelTopology.single()), ids, ref, grads
 
 
 def test_tp2_pp2_and_ep2_equal_the_unsharded_model(pair, released_pairs):
     """One 2-rank world: the random model at tp2 and pp2; the shrunk releases at tp2, the MoE
-    one also with sequence parallelism (the router's sequence gather) and ep2 (expert dispatch)."""
+    one also with sequence parallelism (the router's sequence gather) and ep2 (expert dispatch),
+    its logits within 1e-5 and every gradient within 1e-5 of the model's largest."""
     cases = [(name + " ", _reference(model, 16)) for name, (_, _, model) in released_pairs.items()]
-    worst = run_distributed(_worker, 2, *_reference(pair[2], SEQ), cases, timeout=300)[1]
+    worst = run_distributed(_worker, 2, *_reference(pair[2], SEQ)[:4], cases, timeout=300)[1]
     assert set(worst) == {"tp2", "pp2", "31b-like tp2", "26b-a4b tp2", "26b-a4b tp2sp",
-                          "26b-a4b ep2"}, worst
+                          "26b-a4b ep2", "26b-a4b tp2 grads", "26b-a4b tp2sp grads",
+                          "26b-a4b ep2 grads"}, worst
     assert max(worst.values()) < 1e-5, worst
 
 
