@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from megazoo.parallel.errors import LayoutError
+
 from .counts import ModelCounts
 from .family_rules import resolve_family
 from .hybrid_fields import check_hybrid, check_hybrid_layout
@@ -361,4 +363,9 @@ class TransformerConfig(ModelCounts):
                              ffn_hidden_size=self.ffn_hidden_size, seq_length=seq_length,
                              num_experts=self.num_experts,
                              shared_expert_size=self.moe_shared_expert_intermediate_size)
+        groups, tp = self.global_num_query_groups, parallel.tp
+        if groups and groups % tp and tp % groups:
+            raise LayoutError(f"global_num_query_groups {groups} (HF num_global_key_value_heads) "
+                              f"and --tensor-model-parallel-size {tp}: one must divide the other "
+                              f"(split the full layers' whole KV heads, or replicate each)")
         check_hybrid_layout(self, parallel)

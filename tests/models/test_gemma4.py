@@ -237,6 +237,11 @@ def test_released_shapes_equal_transformers(released_pairs):
         adapter.hf_config(moe.replace(moe_per_expert_scale=False))
     with pytest.raises(ValueError, match="^Gemma4 export: global_num_query_groups=1 without "):
         adapter.hf_config(moe.replace(attention_k_eq_v=False))
+    with pytest.raises(ValueError, match="^global_num_query_groups 3 .* --tensor-model-parallel"):
+        moe.replace(num_attention_heads=6, global_num_query_groups=3).check_layout(
+            ParallelConfig(tp=2))
+    with pytest.raises(ValueError, match="^moe_router_input_norm is an option of MoE layers: set --num-experts"):
+        moe.replace(num_experts=None)
 
 
 @pytest.mark.parametrize("name", ("gemma4-tiny",))
