@@ -71,12 +71,8 @@ class ModelCounts:
         shape = self._hybrid()
         if shape is not None and layer < shape.num_layers:
             return sum(hybrid_counts.layer_parameters(shape, layer, tp, ep, active))
-        h, d = self.hidden_size, self.layer_head_dim(layer)
+        h, (d, groups, kv_rows) = self.hidden_size, self.layer_attention_shape(layer)
         attn = self.num_attention_heads * d  # = h unless kv_channels decouples the head size
-        full = self.attention_window(layer) is None  # (Gemma 4's full layers: own KV heads)
-        groups = self.global_num_query_groups if full and self.global_num_query_groups \
-            else self.num_query_groups
-        kv_rows = 1 if full and self.attention_k_eq_v else 2  # values from the key projection
         qkv = (self.num_attention_heads + kv_rows * max(groups, tp)) * d
         bias = 1 if self.bias else 0
         qkv_bias = 1 if (self.bias or self.add_qkv_bias) else 0
@@ -88,6 +84,15 @@ class ModelCounts:
         norms = (4 if self.post_norms else 2) * self.norm_parameters()
         norms += 1 if self.layer_scalar else 0
         return attention + self.mlp_parameters(layer, tp, ep, active) + norms
+
+    def layer_attention_shape(self, layer: int) -> tuple[int, int, int]:
+        """(head size, key/value heads, projected rows per key/value head: 2, or 1 where the
+        values are the key projection's output) of layer `layer`'s attention; Gemma 4's full
+        layers may have their own of each."""
+        full = self.attention_window(layer) is None
+        groups = self.global_num_query_groups if full and self.global_num_query_groups \
+            else self.num_query_groups
+        return self.layer_head_dim(layer), groups, 1 if full and self.attention_k_eq_v else 2
 
     def layer_head_dim(self, layer: int) -> int:
         """Layer `layer`'s head size: head_dim, or global_kv_channels on full-attention layers."""
@@ -140,9 +145,12 @@ class ModelCounts:
         shape = self._hybrid()
         if shape is not None:
             return hybrid_counts.forward_flops_per_token(shape, seq_length)
-        h, d = self.hidden_size, self.head_dim
-        attn = self.num_attention_heads * d  # = h unless kv_channels decouples the head size
-        qkv = (self.num_attention_heads + 2 * self.num_query_groups) * d
+        h, heads = self.hidden_size, self.num_attention_heads
+        attention = scores = 0  # per layer: its head size and key/value heads (Gemma 4's full)
+        for i in range(self.num_layers):
+            d, groups, kv_rows = self.layer_attention_shape(i)
+            attention += h * (heads + kv_rows * groups) * d + heads * d * h
+            scores += 4 * seq_length * heads * d
         mlp = 0
         for i in range(self.num_layers):
             if not self.is_moe_layer(i) or self.moe_with_dense_mlp:
@@ -152,14 +160,12 @@ class ModelCounts:
             if self.moe_shared_expert_intermediate_size:
                 mlp += self._mlp_matrices(self.moe_shared_expert_intermediate_size) + \
                     (h if self.moe_shared_expert_gate else 0)
-        attention = h * qkv + attn * h
-        scores = 4 * seq_length * attn
         if self.kv_lora_rank:  # MLA: its projections; scores over nope + rope, values over v
-            attention = self.latent_attention_parameters()
-            scores = 2 * seq_length * self.num_attention_heads * (
+            attention = self.num_layers * self.latent_attention_parameters()
+            scores = self.num_layers * 2 * seq_length * self.num_attention_heads * (
                 self.qk_nope_head_dim + self.qk_rope_head_dim + self.v_head_dim)
-        dense = 2 * (self.num_layers * attention + mlp) + self.routed_flops_per_token()
-        return dense, self.num_layers * scores, 2 * h * self.vocab_size
+        dense = 2 * (attention + mlp) + self.routed_flops_per_token()
+        return dense, scores, 2 * h * self.vocab_size
 
     def routed_flops_per_token(self) -> int:
         """Forward FLOPs per token of the routers and the top-k experts a token visits, over all
