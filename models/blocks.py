@@ -71,7 +71,8 @@ class TransformerLayer(nn.Module):
         self.attention = mixer(config, topo, init, prefix + "attention.", rng, spec.mixer)
         self.post_attention_norm = None if spec.mlp.kind == "none" else build_norm(config, topo)
         mlp = lookup(MLPS, spec.mlp.kind, "MLP kind")
-        self.mlp = mlp(config, topo, init, prefix + "mlp.", spec.mlp.activation)
+        wide = config if spec.mlp.width is None else config.replace(ffn_hidden_size=spec.mlp.width)
+        self.mlp = mlp(wide, topo, init, prefix + "mlp.", spec.mlp.activation)
         self.attention_output_norm = self.mlp_output_norm = None
         if spec.post_norms:
             self.attention_output_norm = build_norm(config, topo)
@@ -88,9 +89,13 @@ class TransformerLayer(nn.Module):
         with self.rng.fork() if (self.rng is not None and self.topo.sequence_parallel) else contextlib.nullcontext():
             return F.dropout(x, self.dropout, training=True)
 
-    def forward(self, x: torch.Tensor, cache: KVCache | None = None, documents=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None, documents=None,
+                shared: dict | None = None) -> torch.Tensor:
+        """`shared`: keys and values reused by later layers (KV sharing), per forward."""
         if self.attention is not None:
-            y = self.attention(self.input_norm(x), cache, self.layer_number, documents)
+            mixer = self.spec.mixer  # (only attention layers share keys and values)
+            extra = {"shared": shared} if mixer.kv_sink or mixer.kv_source is not None else {}
+            y = self.attention(self.input_norm(x), cache, self.layer_number, documents, **extra)
             if self.attention_output_norm is not None:
                 y = self.attention_output_norm(y)
             x = x + self.residual_dropout(y)

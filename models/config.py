@@ -12,6 +12,7 @@ from megazoo.parallel.errors import LayoutError
 from .counts import ModelCounts
 from .family_rules import resolve_family
 from .hybrid_fields import check_hybrid, check_hybrid_layout
+from .kv_sharing import check_kv_sharing, check_kv_sharing_layout, kv_source, producers
 from .moe_fields import check_moe
 from .recompute import resolve_recompute
 from .spec import ACTIVATIONS, MIXER_KINDS, NORMS, LayerSpec, NormKind, layer_spec, lookup
@@ -144,6 +145,10 @@ class TransformerConfig(ModelCounts):
     #   (Gemma 4's num_global_key_value_heads); None: num_query_groups, as every other layer
     attention_k_eq_v: bool = False  # full-attention layers project keys only; their values are
     #   the key projection's output (before the key norm and RoPE) (Gemma 4)
+    kv_shared_layers: int = 0  # the last N layers project no keys/values: each attends with those
+    #   of the last earlier layer of its kind (sliding or full) (Gemma 4's num_kv_shared_layers)
+    kv_shared_double_mlp: bool = False  # those layers' MLPs twice ffn_hidden_size wide (Gemma 4's
+    #   use_double_wide_mlp)
     swiglu_alpha: float = 1.702  # activation "swiglu_clamped" (gpt-oss): gate * sigmoid(alpha gate)
     swiglu_limit: float | None = None  # its clamp of gate (above) and up (both sides)
     moe_router_bias: bool = False  # a learned bias on the router logits (gpt-oss)
@@ -240,8 +245,9 @@ class TransformerConfig(ModelCounts):
                 or self.num_attention_heads % self.global_num_query_groups):
             raise ValueError(f"global_num_query_groups {self.global_num_query_groups} must divide "
                              f"--num-attention-heads {self.num_attention_heads}")
+        check_kv_sharing(self)
         for name in ("global_kv_channels", "value_norm", "global_num_query_groups",
-                     "attention_k_eq_v"):  # options of ParallelAttention only
+                     "attention_k_eq_v", "kv_shared_layers"):  # options of ParallelAttention only
             if getattr(self, name) not in (None, False) and (self.kv_lora_rank or self.token_mixers):
                 raise ValueError(f"{name} is an option of attention layers only: drop it, or "
                                  f"kv_lora_rank / token_mixers")
@@ -251,6 +257,14 @@ class TransformerConfig(ModelCounts):
             if kind not in ROPE_TYPES:
                 raise ValueError(f"rope_scaling type {kind!r} is not supported; choose one of "
                                  f"{ROPE_TYPES}")
+
+    def kv_source(self, layer: int) -> int | None:
+        """The layer whose keys and values layer `layer` attends with (models/kv_sharing.py)."""
+        return kv_source(self, layer)
+
+    def kv_producers(self) -> frozenset[int]:
+        """The layers whose keys and values later layers attend with (models/kv_sharing.py)."""
+        return producers(self)
 
     def _check_latent_attention(self) -> None:
         for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
@@ -363,6 +377,9 @@ class TransformerConfig(ModelCounts):
                              ffn_hidden_size=self.ffn_hidden_size, seq_length=seq_length,
                              num_experts=self.num_experts,
                              shared_expert_size=self.moe_shared_expert_intermediate_size)
+        problem = check_kv_sharing_layout(self, parallel)
+        if problem:
+            raise LayoutError(problem)
         groups, tp = self.global_num_query_groups, parallel.tp
         if groups and groups % tp and tp % groups:
             raise LayoutError(f"global_num_query_groups {groups} (HF num_global_key_value_heads) "

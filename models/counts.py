@@ -32,14 +32,14 @@ class ModelCounts:
         h, bias = self.hidden_size, 1 if self.bias else 0
         fc1 = 2 if self.gated_mlp else 1
         if not self.is_moe_layer(layer):
-            f = self.ffn_hidden_size
+            f = self.layer_ffn_hidden_size(layer)
             return (self._mlp_matrices(f) + bias * fc1 * f) / tp + bias * h
         out = self.num_experts * (h + (1 if self.moe_router_bias else 0)) \
             + self.expert_parameters(layer, ep, active)
         out += (h if self.moe_router_input_norm else 0) \
             + (self.num_experts if self.moe_per_expert_scale else 0)
         if self.moe_with_dense_mlp:  # the dense MLP beside the experts and their three norms
-            f = self.ffn_hidden_size
+            f = self.layer_ffn_hidden_size(layer)
             out += (self._mlp_matrices(f) + bias * fc1 * f) / tp + bias * h \
                 + 3 * self.norm_parameters()
         if self.moe_shared_expert_intermediate_size:
@@ -76,7 +76,7 @@ class ModelCounts:
         qkv = (self.num_attention_heads + kv_rows * max(groups, tp)) * d
         bias = 1 if self.bias else 0
         qkv_bias = 1 if (self.bias or self.add_qkv_bias) else 0
-        qk_norms = 2 * d if self.qk_layernorm else 0
+        qk_norms = (2 if kv_rows else 1) * d if self.qk_layernorm else 0  # (a key norm if keys)
         attention = (qkv * h + attn * h + qkv_bias * qkv) / tp + bias * h + qk_norms
         if self.kv_lora_rank:
             attention = self.latent_attention_parameters(tp)
@@ -92,7 +92,15 @@ class ModelCounts:
         full = self.attention_window(layer) is None
         groups = self.global_num_query_groups if full and self.global_num_query_groups \
             else self.num_query_groups
-        return self.layer_head_dim(layer), groups, 1 if full and self.attention_k_eq_v else 2
+        rows = 0 if self.kv_source(layer) is not None else 1 if full and self.attention_k_eq_v \
+            else 2  # 0: keys and values shared from an earlier layer
+        return self.layer_head_dim(layer), groups, rows
+
+    def layer_ffn_hidden_size(self, layer: int) -> int:
+        """Layer `layer`'s dense MLP width: ffn_hidden_size, or twice it on the KV-sharing layers
+        with kv_shared_double_mlp (Gemma 4's use_double_wide_mlp)."""
+        wide = self.kv_shared_double_mlp and self.kv_source(layer) is not None
+        return self.ffn_hidden_size * (2 if wide else 1)
 
     def layer_head_dim(self, layer: int) -> int:
         """Layer `layer`'s head size: head_dim, or global_kv_channels on full-attention layers."""
@@ -154,7 +162,7 @@ class ModelCounts:
         mlp = 0
         for i in range(self.num_layers):
             if not self.is_moe_layer(i) or self.moe_with_dense_mlp:
-                mlp += self._mlp_matrices(self.ffn_hidden_size)
+                mlp += self._mlp_matrices(self.layer_ffn_hidden_size(i))
             if not self.is_moe_layer(i):
                 continue
             if self.moe_shared_expert_intermediate_size:

@@ -19,7 +19,7 @@ CLASSIC = dict(rope_local_theta=None, post_norms=False, embedding_scale=False,
                query_pre_attn_scalar=None, attn_logit_softcapping=None,
                final_logit_softcapping=None, attention_sinks=False, value_norm=False,
                layer_scalar=False, global_kv_channels=None, global_num_query_groups=None,
-               attention_k_eq_v=False, moe_router_input_norm=False,
+               attention_k_eq_v=False, kv_shared_layers=0, kv_shared_double_mlp=False, moe_router_input_norm=False,
              moe_per_expert_scale=False, moe_with_dense_mlp=False, swiglu_alpha=1.702,
                swiglu_limit=None, token_mixers=None)
 # no multi-head latent attention, no multi-token prediction (DeepSeek-V3 has both)
@@ -39,7 +39,7 @@ QWEN35_LAYERS = dict(position_embedding="rope", normalization="rmsnorm_offset", 
                      scale_attn_weights=True, scale_attn_by_inverse_layer_idx=False,
                      rope_scaling=None, mamba_num_heads=None, value_norm=False,
                      layer_scalar=False, global_kv_channels=None, global_num_query_groups=None,
-                     attention_k_eq_v=False, moe_router_input_norm=False,
+                     attention_k_eq_v=False, kv_shared_layers=0, kv_shared_double_mlp=False, moe_router_input_norm=False,
              moe_per_expert_scale=False, moe_with_dense_mlp=False)
 
 # ---- presets (models/<family>/presets.py PRESETS) --------------------------------------------

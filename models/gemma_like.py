@@ -79,6 +79,8 @@ def _pairs(config: TransformerConfig):
     for i in range(config.num_layers):
         m, h = f"layers.{i}.", f"model.layers.{i}."
         for mz, hf in NORMS:
+            if mz == "attention.k_norm" and config.kv_source(i) is not None:
+                continue  # (KV sharing: no keys of its own)
             yield m + mz + ".weight", h + hf + ".weight"
         yield m + "attention.dense.weight", h + "self_attn.o_proj.weight"
         yield m + "mlp.fc2.weight", h + "mlp.down_proj.weight"
@@ -87,10 +89,12 @@ def _pairs(config: TransformerConfig):
 
 
 def _projections(config: TransformerConfig, layer: int) -> tuple[int, str]:
-    """(key/value heads, the HF projections fused) of layer `layer`: "qkv", or "qk" where the
-    values are the key projection's output (Gemma 4's attention_k_eq_v full layers)."""
+    """(key/value heads, the HF projections fused) of layer `layer`: "qkv", "qk" where the values
+    are the key projection's output (Gemma 4's attention_k_eq_v full layers), or "q" where an
+    earlier layer's keys and values are reused (KV sharing)."""
     mixer = config.layer_spec(layer).mixer
-    return mixer.kv_heads or config.num_query_groups, "qk" if mixer.k_eq_v else "qkv"
+    names = "q" if mixer.kv_source is not None else "qk" if mixer.k_eq_v else "qkv"
+    return mixer.kv_heads or config.num_query_groups, names
 
 
 def _split_qkv(t: torch.Tensor, config: TransformerConfig, layer: int) -> dict[str, torch.Tensor]:

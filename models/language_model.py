@@ -164,12 +164,13 @@ class TransformerLanguageModel(nn.Module):
         h = self.embedding(x, offset, documents) if self.pre_process else x
         layers = list(self.layers.values())
         recompute = self.training and torch.is_grad_enabled() and cache is None
+        shared = {} if self.config.kv_shared_layers else None  # (KV sharing; no recompute)
         for start, end, checkpointed in layer_units(self.config, len(layers)):
             if checkpointed and recompute:
                 h = checkpoint(_run_layers(layers[start:end], documents), self.rng, h)
             else:
                 for layer in layers[start:end]:
-                    h = layer(h, cache, documents)
+                    h = layer(h, cache, documents, shared)
         if cache is not None and self.post_process:
             cache.offset += h.shape[0] * (self.topo.tp if self.topo.sequence_parallel else 1)
         if not self.post_process:

@@ -119,12 +119,15 @@ class MixerSpec:
     kv_heads: int | None = None  # this layer's own key/value heads (None: the config's groups)
     k_eq_v: bool = False  # keys projected only; values are the key projection's output (before
     #                       the key norm and RoPE), then the value norm (Gemma 4's full layers)
+    kv_source: int | None = None  # no keys/values of its own: those of this (earlier) layer
+    kv_sink: bool = False  # later layers attend with this layer's keys and values (KV sharing)
 
 
 @dataclass(frozen=True)
 class MLPSpec:
     kind: str = "dense"  # dense | moe
     activation: str = "gelu_tanh"  # a key of ACTIVATIONS
+    width: int | None = None  # this layer's dense MLP width (None: the config's ffn_hidden_size)
 
     @property
     def gated(self) -> bool:
@@ -175,12 +178,14 @@ def layer_spec(config, layer: int) -> LayerSpec:
         head_dim=config.global_kv_channels if window is None else None,
         kv_heads=config.global_num_query_groups if window is None else None,
         k_eq_v=config.attention_k_eq_v and window is None,
+        kv_source=config.kv_source(layer), kv_sink=layer in config.kv_producers(),
         scale=None if config.query_pre_attn_scalar is None else config.query_pre_attn_scalar ** -0.5)
     mlp_kind = ("dense_moe" if config.moe_with_dense_mlp else "moe") \
         if config.is_moe_layer(layer) else "dense"
     if config.layer_mlps is not None and layer < len(config.layer_mlps):
         mlp_kind = config.layer_mlps[layer]
-    mlp = MLPSpec(kind=mlp_kind,
-                  activation=config.activation)
+    width = config.layer_ffn_hidden_size(layer)
+    mlp = MLPSpec(kind=mlp_kind, activation=config.activation,
+                  width=None if width == config.ffn_hidden_size else width)
     return LayerSpec(norm=config.normalization, mixer=mixer, mlp=mlp,
                      post_norms=config.post_norms, scalar=config.layer_scalar).check()

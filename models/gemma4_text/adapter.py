@@ -22,17 +22,16 @@ MAPPED = frozenset({
     "attention_bias", "attention_dropout", "sliding_window", "layer_types",
     "final_logit_softcapping", "use_bidirectional_attention", "hidden_size_per_layer_input",
     "attention_k_eq_v", "num_global_key_value_heads", "num_kv_shared_layers", "enable_moe_block",
-    "per_layer_config", "num_experts", "top_k_experts", "moe_intermediate_size"})
-# read by transformers only with a feature refused above: per-layer inputs' vocabulary, the
-# KV-sharing layers' wide MLP
-IGNORED = frozenset({"vocab_size_per_layer_input", "use_double_wide_mlp"})
+    "per_layer_config", "num_experts", "top_k_experts", "moe_intermediate_size",
+    "use_double_wide_mlp"})
+# read by transformers only with a feature refused above: per-layer inputs' vocabulary
+IGNORED = frozenset({"vocab_size_per_layer_input"})
 # the MoE block (enable_moe_block): Gemma 4's router and a dense MLP beside the experts
 _MOE_BLOCK = dict(moe_router_pre_softmax=True, moe_norm_topk_prob=True,
                   moe_router_input_norm=True, moe_per_expert_scale=True, moe_with_dense_mlp=True,
                   moe_layer_freq=1, moe_first_dense_layers=0,
                   moe_shared_expert_intermediate_size=None, moe_router_bias=False)
 _OFF = (("hidden_size_per_layer_input", (0, None), "0 (no per-layer input embeddings)"),
-        ("num_kv_shared_layers", (0, None), "0 (every layer its own keys and values)"),
         # "vision" (the releases' value) opens the mask among image tokens only: text is causal
         ("use_bidirectional_attention", (False, None, "vision"),
          "None or 'vision' (causal attention over text)"),
@@ -72,7 +71,10 @@ def config_from_hf(hf) -> TransformerConfig:
     if hf.enable_moe_block:  # (the three sizes are read by transformers with it only)
         moe = dict(_MOE_BLOCK, num_experts=hf.num_experts, moe_router_topk=hf.top_k_experts,
                    moe_ffn_hidden_size=hf.moe_intermediate_size)
-    return TransformerConfig(**moe,
+    shared = hf.num_kv_shared_layers or 0  # (the wide MLP is read on the sharing layers only)
+    return TransformerConfig(
+        **moe, kv_shared_layers=shared,
+        kv_shared_double_mlp=bool(hf.use_double_wide_mlp) and shared > 0,
         family="gemma4_text", vocab_size=hf.vocab_size, hidden_size=hf.hidden_size,
         num_layers=hf.num_hidden_layers, num_attention_heads=hf.num_attention_heads,
         num_query_groups=fields["num_key_value_heads"], kv_channels=fields["head_dim"],
@@ -120,7 +122,8 @@ def hf_config(config: TransformerConfig, **extra):
         attention_bias=False, attention_dropout=config.attention_dropout,
         sliding_window=config.sliding_window or 512,
         final_logit_softcapping=config.final_logit_softcapping,
-        hidden_size_per_layer_input=0, num_kv_shared_layers=0, attention_k_eq_v=config.attention_k_eq_v,
+        hidden_size_per_layer_input=0, num_kv_shared_layers=config.kv_shared_layers,
+        use_double_wide_mlp=config.kv_shared_double_mlp, attention_k_eq_v=config.attention_k_eq_v,
         num_global_key_value_heads=kv_heads, enable_moe_block=bool(config.num_experts), **moe,
         **gemma_like.hf_layer_fields(config),
         **{"architectures": ["Gemma4ForCausalLM"], **extra})

@@ -2,7 +2,7 @@
 
 SHAPE = dict(position_embedding="rope", normalization="rmsnorm", activation="swiglu_clamped",
              embedding_layernorm=False, post_norms=False, value_norm=False, layer_scalar=False, global_kv_channels=None, global_num_query_groups=None,
-             attention_k_eq_v=False, moe_router_input_norm=False,
+             attention_k_eq_v=False, kv_shared_layers=0, kv_shared_double_mlp=False, moe_router_input_norm=False,
              moe_per_expert_scale=False, moe_with_dense_mlp=False, embedding_scale=False,
              qk_layernorm=False, bias=True, add_qkv_bias=False, attention_sinks=True,
              kv_lora_rank=None, mtp_num_layers=0, token_mixers=None, rope_local_theta=None,

@@ -3,7 +3,7 @@ are single mixers: "mamba2" or "attention" without MLP, or a squared-ReLU MLP or
 
 SHAPE = dict(position_embedding="none", normalization="rmsnorm", activation="relu2",
              embedding_layernorm=False, post_norms=False, value_norm=False, layer_scalar=False, global_kv_channels=None, global_num_query_groups=None,
-             attention_k_eq_v=False, moe_router_input_norm=False,
+             attention_k_eq_v=False, kv_shared_layers=0, kv_shared_double_mlp=False, moe_router_input_norm=False,
              moe_per_expert_scale=False, moe_with_dense_mlp=False, embedding_scale=False,
              qk_layernorm=False, bias=False, add_qkv_bias=False, attention_sinks=False,
              kv_lora_rank=None, mtp_num_layers=0, sliding_window=None, rope_local_theta=None,

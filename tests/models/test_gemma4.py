@@ -120,14 +120,14 @@ def _worker(rank, cfg, full, ids, ref, released):
         topo = ParallelTopology.from_config(parallel)
         for name, case in [("", (cfg, full, ids, ref, None))] * (layout == "tp2") + released:
             c, f, x, r, grads = case
-            if layout != "tp2" and not c.num_experts:
-                continue  # the experts' layouts (dispatch, the router's sequence gather)
+            if layout == "ep2" and not c.num_experts or layout == "tp2sp" and grads is None:
+                continue  # the experts' (dispatch, the router's sequence gather), KV sharing's
             model = build_model(c, topo).eval()
             load_full_state_dict(model, f, topo)
             with torch.no_grad():
                 logits = gather_logits(model(x), topo, VOCAB)
             worst[f"{name}{layout}"] = (logits - r).abs().max().item()
-            if c.num_experts:  # and every gradient, the experts' through the dispatch
+            if grads is not None:  # and every gradient (the experts' through the dispatch)
                 worst[f"{name}{layout} grads"] = _grad_error(model, topo, x, grads)
     topo = ParallelTopology.from_config(ParallelConfig(pp=2, first_stage_layers=4))
     split = 4
@@ -148,19 +148,24 @@ def _reference(model, seq):
     ids = torch.randint(3, VOCAB, (2, seq), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         ref = model(ids)[..., :VOCAB]
-    grads = _grads(model, ids) if model.config.num_experts else None
+    cfg = model.config
+    grads = _grads(model, ids) if cfg.num_experts or cfg.kv_shared_layers else None
     return model.config, gather_full_state_dict(model, ParallelTopology.single()), ids, ref, grads
 
 
-def test_tp2_pp2_and_ep2_equal_the_unsharded_model(pair, released_pairs):
+def test_tp2_pp2_and_ep2_equal_the_unsharded_model(pair, released_pairs, shared_pair):
     """One 2-rank world: the random model at tp2 and pp2; the shrunk releases at tp2, the MoE
     one also with sequence parallelism (the router's sequence gather) and ep2 (expert dispatch),
-    its logits within 1e-5 and every gradient within 1e-5 of the model's largest."""
-    cases = [(name + " ", _reference(model, 16)) for name, (_, _, model) in released_pairs.items()]
+    the KV-sharing one at tp2 and with sequence parallelism; logits within 1e-5 and (MoE, KV
+    sharing) every gradient within 1e-5 of the model's largest."""
+    models = {**{name: model for name, (_, _, model) in released_pairs.items()},
+              "kv-shared": shared_pair[2]}
+    cases = [(name + " ", _reference(model, 16)) for name, model in models.items()]
     worst = run_distributed(_worker, 2, *_reference(pair[2], SEQ)[:4], cases, timeout=300)[1]
     assert set(worst) == {"tp2", "pp2", "31b-like tp2", "26b-a4b tp2", "26b-a4b tp2sp",
                           "26b-a4b ep2", "26b-a4b tp2 grads", "26b-a4b tp2sp grads",
-                          "26b-a4b ep2 grads"}, worst
+                          "26b-a4b ep2 grads", "kv-shared tp2", "kv-shared tp2 grads",
+                          "kv-shared tp2sp", "kv-shared tp2sp grads"}, worst
     assert max(worst.values()) < 1e-5, worst
 
 
@@ -242,6 +247,66 @@ def test_released_shapes_equal_transformers(released_pairs):
             ParallelConfig(tp=2))
     with pytest.raises(ValueError, match="^moe_router_input_norm is an option of MoE layers: set --num-experts"):
         moe.replace(num_experts=None)
+
+
+@pytest.fixture(scope="module")
+def shared_pair():
+    """KV sharing: the random model's last 3 layers (two sliding, one full) attend with layer 3's
+    and layer 2's keys and values and have MLPs twice as wide; the full layers attention_k_eq_v."""
+    from transformers import Gemma4ForCausalLM
+    torch.manual_seed(2)
+    hf = perturbed(Gemma4ForCausalLM(_hf_config(
+        num_kv_shared_layers=3, use_double_wide_mlp=True, attention_k_eq_v=True,
+        num_global_key_value_heads=1)))
+    cfg = adapter.config_from_hf(hf.config).replace(make_vocab_size_divisible_by=8)
+    topo = ParallelTopology.single()
+    model = build_model(cfg, topo).eval()
+    load_full_state_dict(model, adapter.from_hf_state_dict(hf.state_dict(), cfg), topo)
+    return hf, cfg, model
+
+
+def test_kv_sharing_equals_transformers(shared_pair):
+    """Logits within 1e-5, greedy generation (the sharing layers read the earlier layers' cached
+    keys and values) equal, export bit-identical, the parameter count and every gradient (within
+    1e-5 of the largest) transformers'. transformers 5.24 runs KV sharing without per-layer inputs
+    only with output_hidden_states on (else `_maybe_slice_kv_shared_inputs` slices their None),
+    which changes nothing else."""
+    from megazoo.models.generation import SamplingConfig, generate
+    from megazoo.parallel.errors import LayoutError
+    hf, cfg, model = shared_pair
+    assert [cfg.kv_source(i) for i in range(7)] == [None] * 4 + [3, 3, 2]
+    assert cfg.kv_producers() == {2, 3} and cfg.kv_shared_double_mlp
+    assert [cfg.layer_spec(i).mlp.width for i in (3, 4)] == [None, 140]
+    assert_config_round_trip(hf, cfg, adapter)
+    ids = torch.randint(3, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids)[..., :VOCAB],
+                                   hf(ids, output_hidden_states=True).logits, **TOL)
+    out = generate(model, ParallelTopology.single(), ids[:, :6], 8, SamplingConfig(greedy=True))
+    want = hf.generate(ids[:, :6], max_new_tokens=8, do_sample=False, min_new_tokens=8,
+                       eos_token_id=None, pad_token_id=0, output_hidden_states=True)
+    assert torch.equal(out, want)
+    back = adapter.to_hf_state_dict(gather_full_state_dict(model, ParallelTopology.single()), cfg)
+    assert back.keys() == hf.state_dict().keys()
+    assert all(torch.equal(back[k], t) for k, t in hf.state_dict().items())
+    scalars = sum(b.numel() for n, b in hf.named_buffers() if n.endswith("layer_scalar"))
+    assert sum(p.numel() for p in hf.parameters()) + scalars == cfg.num_parameters()
+    grads = _grads(model, ids)  # the earlier layers' k projections get the sharing layers' part
+    for name in ("embedding.word_embeddings.weight", "head_weight"):
+        grads[name] = grads[name][:VOCAB]
+    grads = adapter.to_hf_state_dict(grads, cfg)
+    hf.zero_grad()
+    logits = hf(ids, output_hidden_states=True).logits
+    torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids.roll(-1, 1).flatten()).backward()
+    want = {n: p.grad for n, p in hf.named_parameters()}
+    scale = max(g.abs().max() for g in want.values())
+    assert max((grads[n] - g).abs().max() / scale for n, g in want.items()) < 1e-5
+    with pytest.raises(LayoutError, match="^kv_shared_layers 3 needs --pipeline-model-parallel"):
+        cfg.check_layout(ParallelConfig(pp=2, first_stage_layers=4))
+    with pytest.raises(ValueError, match="^kv_shared_layers 5: layer 2 .full attention. has no "):
+        cfg.replace(kv_shared_layers=5)
+    with pytest.raises(ValueError, match="^kv_shared_layers with --recompute-granularity full"):
+        cfg.replace(recompute_granularity="full")
 
 
 @pytest.mark.parametrize("name", ("gemma4-tiny",))
