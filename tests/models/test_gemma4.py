@@ -67,7 +67,7 @@ def test_config_maps_every_field_both_ways(pair):
     assert spec.mixer.v_norm and spec.scalar and spec.mixer.scale == 1.0
     assert_config_round_trip(hf, cfg, adapter)
     for field, value in (("hidden_activation", "silu"), ("attention_bias", True),
-                         ("hidden_size_per_layer_input", 8), ("num_kv_shared_layers", 2),
+                         ("hidden_size_per_layer_input", 8),
                          ("use_bidirectional_attention", "all")):
         with pytest.raises(ValueError, match=f"^Gemma4 config.json: {field}="):
             adapter.config_from_hf(_hf_config(**{field: value}))
