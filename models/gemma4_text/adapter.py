@@ -3,9 +3,10 @@ mapped both ways or refused, and the tensors (Gemma 3's layout, models/gemma_lik
 layer's `layer_scalar` and the MoE block's). Full layers may have their own head size
 (global_head_dim -> global_kv_channels) and, with attention_k_eq_v (values from the key
 projection), their own key/value heads (num_global_key_value_heads -> global_num_query_groups);
-enable_moe_block -> a dense MLP and routed experts in every layer (models/dense_moe.py).
-Not modelled, each refused in one line naming the field: per-layer input embeddings, KV sharing,
-fully bidirectional attention, attention bias."""
+enable_moe_block -> a dense MLP and routed experts in every layer (models/dense_moe.py);
+num_kv_shared_layers -> kv_shared_layers (models/kv_sharing.py), with use_double_wide_mlp.
+Not modelled, each refused in one line naming the field: per-layer input embeddings, fully
+bidirectional attention, attention bias."""
 from __future__ import annotations
 
 import torch
