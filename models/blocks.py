@@ -31,7 +31,8 @@ from .dense_moe import DenseAndExperts
 from .gated_attention import GatedAttention
 from .linear_mixers import ParallelGatedDeltaNet, ParallelMamba2
 from .norms import LayerNorm, RMSNorm, build_norm  # noqa: F401 - re-exported
-from .spec import MIXER_KINDS, MLP_KINDS, LayerSpec, lookup
+from .per_layer_inputs import PER_LAYER_ACTIVATION
+from .spec import ACTIVATIONS, MIXER_KINDS, MLP_KINDS, LayerSpec, lookup
 
 
 def _latent_attention(config, topo, init, prefix, rng, spec):
@@ -51,6 +52,13 @@ TOKEN_MIXERS = {"attention": ParallelAttention, "mla": _latent_attention,
                 "mamba2": ParallelMamba2, "none": _absent}
 MLPS = {"dense": ParallelMLP, "moe": _moe, "none": _absent, "dense_moe": DenseAndExperts}
 assert tuple(TOKEN_MIXERS) == MIXER_KINDS and tuple(MLPS) == MLP_KINDS, "models/spec.py's kinds"
+
+
+def _replicated(config, topo, init, name: str, shape: tuple[int, int]) -> nn.Parameter:
+    """A TP-replicated weight, initialised like the others of its name."""
+    t = torch.empty(shape)
+    init.normal(name)(t)
+    return nn.Parameter(t.to(device=topo.device, dtype=config.dtype))
 
 
 class TransformerLayer(nn.Module):
@@ -77,6 +85,16 @@ class TransformerLayer(nn.Module):
         if spec.post_norms:
             self.attention_output_norm = build_norm(config, topo)
             self.mlp_output_norm = build_norm(config, topo)
+        # Gemma 4: the layer's own per-token input, gated by x and projected back after the MLP
+        # (models/per_layer_inputs.py; TP-replicated weights)
+        self.per_layer_input_gate = self.per_layer_projection = self.post_per_layer_input_norm = None
+        if spec.per_layer_input:
+            self.per_layer_act = lookup(ACTIVATIONS, PER_LAYER_ACTIVATION, "activation").bind(config)
+            self.per_layer_input_gate = _replicated(config, topo, init, prefix + "per_layer_input_gate",
+                                                    (spec.per_layer_input, config.hidden_size))
+            self.per_layer_projection = _replicated(config, topo, init, prefix + "per_layer_projection",
+                                                    (config.hidden_size, spec.per_layer_input))
+            self.post_per_layer_input_norm = build_norm(config, topo)
         # Gemma 4: one learned scalar times the layer's output (TP-replicated, like a norm weight)
         self.layer_scalar = None
         if spec.scalar:
@@ -90,8 +108,9 @@ class TransformerLayer(nn.Module):
             return F.dropout(x, self.dropout, training=True)
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None, documents=None,
-                shared: dict | None = None) -> torch.Tensor:
-        """`shared`: keys and values reused by later layers (KV sharing), per forward."""
+                shared: dict | None = None, per_layer: torch.Tensor | None = None) -> torch.Tensor:
+        """`shared`: keys and values reused by later layers (KV sharing), per forward;
+        `per_layer` [s, b, p]: this layer's own input (with `spec.per_layer_input`)."""
         if self.attention is not None:
             mixer = self.spec.mixer  # (only attention layers share keys and values)
             extra = {"shared": shared} if mixer.kv_sink or mixer.kv_source is not None else {}
@@ -105,6 +124,11 @@ class TransformerLayer(nn.Module):
             if self.mlp_output_norm is not None:
                 y = self.mlp_output_norm(y)
             x = x + self.residual_dropout(y)
+        if self.per_layer_input_gate is not None:
+            gate = F.linear(x, sequence_parallel_param(self.per_layer_input_gate, self.topo))
+            y = F.linear(self.per_layer_act(gate) * per_layer,
+                         sequence_parallel_param(self.per_layer_projection, self.topo))
+            x = x + self.residual_dropout(self.post_per_layer_input_norm(y))
         if self.layer_scalar is not None:
             x = x * sequence_parallel_param(self.layer_scalar, self.topo)
         return x

@@ -13,6 +13,7 @@ from .counts import ModelCounts
 from .family_rules import resolve_family
 from .hybrid_fields import check_hybrid, check_hybrid_layout
 from .kv_sharing import check_kv_sharing, check_kv_sharing_layout, kv_source, producers
+from .per_layer_fields import check_per_layer_inputs, per_layer_inputs_layout
 from .moe_fields import check_moe
 from .recompute import resolve_recompute
 from .spec import ACTIVATIONS, MIXER_KINDS, NORMS, LayerSpec, NormKind, layer_spec, lookup
@@ -149,6 +150,9 @@ class TransformerConfig(ModelCounts):
     #   of the last earlier layer of its kind (sliding or full) (Gemma 4's num_kv_shared_layers)
     kv_shared_double_mlp: bool = False  # those layers' MLPs twice ffn_hidden_size wide (Gemma 4's
     #   use_double_wide_mlp)
+    per_layer_input_size: int = 0  # each layer's own input per token (models/per_layer_inputs.py;
+    #   Gemma 4's hidden_size_per_layer_input); 0: none
+    per_layer_input_vocab_size: int | None = None  # their embedding's vocabulary (None: vocab_size)
     swiglu_alpha: float = 1.702  # activation "swiglu_clamped" (gpt-oss): gate * sigmoid(alpha gate)
     swiglu_limit: float | None = None  # its clamp of gate (above) and up (both sides)
     moe_router_bias: bool = False  # a learned bias on the router logits (gpt-oss)
@@ -246,8 +250,10 @@ class TransformerConfig(ModelCounts):
             raise ValueError(f"global_num_query_groups {self.global_num_query_groups} must divide "
                              f"--num-attention-heads {self.num_attention_heads}")
         check_kv_sharing(self)
+        check_per_layer_inputs(self)
         for name in ("global_kv_channels", "value_norm", "global_num_query_groups",
-                     "attention_k_eq_v", "kv_shared_layers"):  # options of ParallelAttention only
+                     "attention_k_eq_v", "kv_shared_layers",
+                     "per_layer_input_size"):  # options of attention stacks only
             if getattr(self, name) not in (None, False) and (self.kv_lora_rank or self.token_mixers):
                 raise ValueError(f"{name} is an option of attention layers only: drop it, or "
                                  f"kv_lora_rank / token_mixers")
@@ -377,7 +383,7 @@ class TransformerConfig(ModelCounts):
                              ffn_hidden_size=self.ffn_hidden_size, seq_length=seq_length,
                              num_experts=self.num_experts,
                              shared_expert_size=self.moe_shared_expert_intermediate_size)
-        problem = check_kv_sharing_layout(self, parallel)
+        problem = check_kv_sharing_layout(self, parallel) or per_layer_inputs_layout(self, parallel)
         if problem:
             raise LayoutError(problem)
         groups, tp = self.global_num_query_groups, parallel.tp

@@ -83,6 +83,8 @@ class ModelCounts:
         attention += self.num_attention_heads / tp if self.attention_sinks else 0
         norms = (4 if self.post_norms else 2) * self.norm_parameters()
         norms += 1 if self.layer_scalar else 0
+        if self.per_layer_input_size and layer < self.num_layers:  # its gate, projection, norm
+            norms += 2 * h * self.per_layer_input_size + self.norm_parameters()
         return attention + self.mlp_parameters(layer, tp, ep, active) + norms
 
     def layer_attention_shape(self, layer: int) -> tuple[int, int, int]:
@@ -123,7 +125,14 @@ class ModelCounts:
         words = (self.padded_vocab_size(tp) if padded else self.vocab_size) * self.hidden_size / tp
         positions = self.max_position_embeddings * self.hidden_size \
             if self.position_embedding == "learned" else 0
-        return words + positions + (self.norm_parameters() if self.embedding_layernorm else 0)
+        per_layer = 0
+        if self.per_layer_input_size:  # models/per_layer_inputs.py, TP-replicated
+            width = self.num_layers * self.per_layer_input_size
+            vocab = self.per_layer_input_vocab_size or self.vocab_size
+            per_layer = width * (vocab + self.hidden_size) \
+                + self.norm_kind.parameters(self.per_layer_input_size)
+        return words + positions + per_layer + \
+            (self.norm_parameters() if self.embedding_layernorm else 0)
 
     def norm_parameters(self) -> int:
         """Parameters of one norm (LayerNorm has a bias, RMSNorm not)."""

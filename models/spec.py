@@ -153,6 +153,8 @@ class LayerSpec:
     mlp: MLPSpec
     post_norms: bool = False  # norms after the mixer and the MLP too, before each residual add
     scalar: bool = False  # a learned scalar multiplying the layer's output, residual included
+    per_layer_input: int = 0  # the size of its own per-token input (models/per_layer_inputs.py),
+    #                           added after the MLP through a gate and a projection; 0: none
 
     def check(self) -> "LayerSpec":
         lookup(NORMS, self.norm, "normalization")
@@ -188,4 +190,6 @@ def layer_spec(config, layer: int) -> LayerSpec:
     mlp = MLPSpec(kind=mlp_kind, activation=config.activation,
                   width=None if width == config.ffn_hidden_size else width)
     return LayerSpec(norm=config.normalization, mixer=mixer, mlp=mlp,
-                     post_norms=config.post_norms, scalar=config.layer_scalar).check()
+                     post_norms=config.post_norms, scalar=config.layer_scalar,
+                     per_layer_input=config.per_layer_input_size if layer < config.num_layers
+                     else 0).check()

@@ -5,8 +5,9 @@ layer's `layer_scalar` and the MoE block's). Full layers may have their own head
 projection), their own key/value heads (num_global_key_value_heads -> global_num_query_groups);
 enable_moe_block -> a dense MLP and routed experts in every layer (models/dense_moe.py);
 num_kv_shared_layers -> kv_shared_layers (models/kv_sharing.py), with use_double_wide_mlp.
-Not modelled, each refused in one line naming the field: per-layer input embeddings, fully
-bidirectional attention, attention bias."""
+hidden_size_per_layer_input -> per_layer_input_size (models/per_layer_inputs.py).
+Not modelled, each refused in one line naming the field: fully bidirectional attention,
+attention bias."""
 from __future__ import annotations
 
 import torch
@@ -25,16 +26,15 @@ MAPPED = frozenset({
     "attention_k_eq_v", "num_global_key_value_heads", "num_kv_shared_layers", "enable_moe_block",
     "per_layer_config", "num_experts", "top_k_experts", "moe_intermediate_size",
     "use_double_wide_mlp"})
-# read by transformers only with a feature refused above: per-layer inputs' vocabulary
+# read by transformers with per-layer inputs only (then mapped, in config_from_hf)
 IGNORED = frozenset({"vocab_size_per_layer_input"})
 # the MoE block (enable_moe_block): Gemma 4's router and a dense MLP beside the experts
 _MOE_BLOCK = dict(moe_router_pre_softmax=True, moe_norm_topk_prob=True,
                   moe_router_input_norm=True, moe_per_expert_scale=True, moe_with_dense_mlp=True,
                   moe_layer_freq=1, moe_first_dense_layers=0,
                   moe_shared_expert_intermediate_size=None, moe_router_bias=False)
-_OFF = (("hidden_size_per_layer_input", (0, None), "0 (no per-layer input embeddings)"),
-        # "vision" (the releases' value) opens the mask among image tokens only: text is causal
-        ("use_bidirectional_attention", (False, None, "vision"),
+# "vision" (the releases' value) opens the mask among image tokens only: text is causal
+_OFF = (("use_bidirectional_attention", (False, None, "vision"),
          "None or 'vision' (causal attention over text)"),
         ("attention_bias", (False,), "False"))
 
@@ -73,8 +73,11 @@ def config_from_hf(hf) -> TransformerConfig:
         moe = dict(_MOE_BLOCK, num_experts=hf.num_experts, moe_router_topk=hf.top_k_experts,
                    moe_ffn_hidden_size=hf.moe_intermediate_size)
     shared = hf.num_kv_shared_layers or 0  # (the wide MLP is read on the sharing layers only)
+    per_layer = hf.hidden_size_per_layer_input or 0
+    per_layer_vocab = hf.vocab_size_per_layer_input if per_layer else None
     return TransformerConfig(
-        **moe, kv_shared_layers=shared,
+        **moe, kv_shared_layers=shared, per_layer_input_size=per_layer,
+        per_layer_input_vocab_size=None if per_layer_vocab == hf.vocab_size else per_layer_vocab,
         kv_shared_double_mlp=bool(hf.use_double_wide_mlp) and shared > 0,
         family="gemma4_text", vocab_size=hf.vocab_size, hidden_size=hf.hidden_size,
         num_layers=hf.num_hidden_layers, num_attention_heads=hf.num_attention_heads,
@@ -123,9 +126,12 @@ def hf_config(config: TransformerConfig, **extra):
         attention_bias=False, attention_dropout=config.attention_dropout,
         sliding_window=config.sliding_window or 512,
         final_logit_softcapping=config.final_logit_softcapping,
-        hidden_size_per_layer_input=0, num_kv_shared_layers=config.kv_shared_layers,
+        hidden_size_per_layer_input=config.per_layer_input_size,
+        num_kv_shared_layers=config.kv_shared_layers,
         use_double_wide_mlp=config.kv_shared_double_mlp, attention_k_eq_v=config.attention_k_eq_v,
         num_global_key_value_heads=kv_heads, enable_moe_block=bool(config.num_experts), **moe,
+        **({"vocab_size_per_layer_input": config.per_layer_input_vocab_size or config.vocab_size}
+           if config.per_layer_input_size else {}),
         **gemma_like.hf_layer_fields(config),
         **{"architectures": ["Gemma4ForCausalLM"], **extra})
 
@@ -140,10 +146,25 @@ _MOE_TENSORS = (("moe.router", "router.proj.weight"), ("moe.router_scale", "rout
                 ("experts_output_norm.weight", "post_feedforward_layernorm_2.weight"))
 
 
-def _moe_pairs(config: TransformerConfig):
+# per-layer inputs' tensors: the model's, then each layer's
+_PER_LAYER_MODEL = (("per_layer_inputs.embeddings", "model.embed_tokens_per_layer.weight"),
+                    ("per_layer_inputs.projection", "model.per_layer_model_projection.weight"),
+                    ("per_layer_inputs.norm.weight", "model.per_layer_projection_norm.weight"))
+_PER_LAYER = (("per_layer_input_gate", "per_layer_input_gate.weight"),
+              ("per_layer_projection", "per_layer_projection.weight"),
+              ("post_per_layer_input_norm.weight", "post_per_layer_input_norm.weight"))
+
+
+def _extra_pairs(config: TransformerConfig):
+    """(megazoo, HF) names of the MoE block's and the per-layer inputs' tensors."""
     for i in range(config.num_layers if config.num_experts else 0):
         for mz, hf in _MOE_TENSORS:
             yield f"layers.{i}.mlp.{mz}", f"model.layers.{i}.{hf}"
+    if config.per_layer_input_size:
+        yield from _PER_LAYER_MODEL
+        for i in range(config.num_layers):
+            for mz, hf in _PER_LAYER:
+                yield f"layers.{i}.{mz}", f"model.layers.{i}.{hf}"
 
 
 def from_hf_state_dict(sd: dict[str, torch.Tensor], config: TransformerConfig) -> dict[str, torch.Tensor]:
@@ -151,12 +172,12 @@ def from_hf_state_dict(sd: dict[str, torch.Tensor], config: TransformerConfig) -
     block's)."""
     out = gemma_like.from_hf_state_dict(sd, config)
     sd = {k if k.startswith(("model.", "lm_head.")) else "model." + k: v for k, v in sd.items()}
-    out.update({mz: sd[hf].contiguous() for mz, hf in _moe_pairs(config)})
+    out.update({mz: sd[hf].contiguous() for mz, hf in _extra_pairs(config)})
     return out
 
 
 def to_hf_state_dict(full: dict[str, torch.Tensor], config: TransformerConfig) -> dict[str, torch.Tensor]:
     """Full megazoo tensors -> HF Gemma4ForCausalLM tensors (no lm_head when tied)."""
     out = gemma_like.to_hf_state_dict(full, config)
-    out.update({hf: full[mz].contiguous() for mz, hf in _moe_pairs(config)})
+    out.update({hf: full[mz].contiguous() for mz, hf in _extra_pairs(config)})
     return out
