@@ -1,10 +1,13 @@
 """Gemma 4 text, a family folder (models/gemma4_text/), against transformers' Gemma4ForCausalLM:
 a random model with odd sizes and the features megazoo models on (5:1 sliding/full layers with
 two RoPE bases, "proportional" partial RoPE on the full ones, grouped-query attention with a
-decoupled head_dim and the full layers' own (global_head_dim), value norm, per-layer scalars (perturbed away from 1), softmax scale 1,
-final logit softcapping, untied head), fp32; each unmodelled feature is refused in one line.
-Logits within 1e-5, greedy generation equal, export back bit-identical; in one 2-rank world the
-tp2 and pp2 logits equal the unsharded model's."""
+decoupled head_dim and the full layers' own (global_head_dim), value norm, per-layer scalars
+(perturbed away from 1), softmax scale 1, final logit softcapping, untied head), fp32; shrunk
+copies of the released 26B-A4B config (attention_k_eq_v, the full layers' own key/value heads,
+the MoE block) with and without its MoE block; the small releases' kind (KV sharing with wide
+MLPs, per-layer inputs); each unmodelled feature is refused in one line. Logits within 1e-5,
+greedy generation equal, export back bit-identical; in one 2-rank world tp2, pp2, sequence
+parallelism and ep2 equal the unsharded model."""
 from __future__ import annotations
 
 import pytest
