@@ -85,6 +85,15 @@ class ParallelAttention(nn.Module):
                                config.num_query_groups, config.head_dim)
         if spec is not None and spec.head_dim is not None:
             d = spec.head_dim  # this layer's own head size (Gemma 4's full layers)
+        if spec is not None and spec.kv_heads is not None:
+            groups = spec.kv_heads  # this layer's own key/value heads (Gemma 4's full layers)
+        # Gemma 4's full layers with attention_k_eq_v: [q heads, k] per group, values from k;
+        # KV sharing: queries only, keys and values those an earlier layer attended with
+        self.k_eq_v = spec is not None and spec.k_eq_v
+        self.kv_source = spec.kv_source if spec is not None else None
+        self.kv_sink = spec is not None and spec.kv_sink
+        kv_rows = 0 if self.kv_source is not None else 1 if self.k_eq_v else 2
+        self.kv_rows = kv_rows
         self.heads_local, self.head_dim = heads // topo.tp, d
         self.groups_local = max(groups // topo.tp, 1)  # 1 when KV heads are replicated
         self.q_per_group_local = self.heads_local // self.groups_local
@@ -105,8 +114,9 @@ class ParallelAttention(nn.Module):
         self.recompute_core = config.recompute_granularity == "selective"
         per_group = heads // groups
         # Multi-head attention keeps plain contiguous shards (GPT and BLOOM checkpoints as before).
-        layout = None if groups == heads else GroupedLayout(groups, per_group * d, 2 * d)
-        self.qkv = ColumnParallelLinear(h, (heads + 2 * groups) * d, topo, init.normal(prefix + "qkv.weight"),
+        layout = None if (groups == heads and kv_rows == 2) or not kv_rows \
+            else GroupedLayout(groups, per_group * d, kv_rows * d)
+        self.qkv = ColumnParallelLinear(h, (heads + kv_rows * groups) * d, topo, init.normal(prefix + "qkv.weight"),
                                         bias=config.bias or config.add_qkv_bias, dtype=config.dtype,
                                         layout=layout)
         self.dense = RowParallelLinear(heads * d, h, topo, init.scaled_normal(prefix + "dense.weight"),
@@ -117,9 +127,12 @@ class ParallelAttention(nn.Module):
         self.qk_layernorm = qk_norm  # (QK-clip refuses it: the norm undoes a rescaling)
         if qk_norm:
             self.q_norm = build_norm(config, topo, in_sequence_region=False, size=d, over_tp_heads=True)
-            self.k_norm = build_norm(config, topo, in_sequence_region=False, size=d, over_tp_heads=True)
+            if kv_rows:
+                self.k_norm = build_norm(config, topo, in_sequence_region=False, size=d,
+                                         over_tp_heads=True)
         # Gemma 4: values normalised per head (no weight), as x / rms(x)
-        self.v_norm_eps = config.layernorm_epsilon if spec is not None and spec.v_norm else None
+        self.v_norm_eps = config.layernorm_epsilon if spec is not None and spec.v_norm \
+            and kv_rows else None
         self.rotary = None
         if spec is not None and spec.rope_theta is not None:
             self.rotary = RotaryEmbedding(config, topo.device, theta=spec.rope_theta,
@@ -191,17 +204,28 @@ class ParallelAttention(nn.Module):
                              q_document_ids=ids)
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0,
-                documents: Documents | None = None) -> torch.Tensor:
+                documents: Documents | None = None, shared: dict | None = None) -> torch.Tensor:
+        """`shared` (KV sharing): the keys and values of the layers later ones reuse, by layer."""
         qkv = self.qkv(x)  # [s, b, local (q, k, v) features], full sequence even under SP
         s, b, _ = qkv.shape
         g, qg, d = self.groups_local, self.q_per_group_local, self.head_dim
         # split, not three slices: its backward is one concatenation, where slices would each
         # scatter into a zeroed full-size gradient to be summed
-        q, k, v = qkv.view(s, b, g, qg + 2, d).split([qg, 1, 1], dim=3)
+        k = v = None
+        if not self.kv_rows:  # queries only (KV sharing)
+            q = qkv.view(s, b, g, qg, d)
+        elif self.k_eq_v:  # the values are the keys as projected (normed below apart)
+            q, k = qkv.view(s, b, g, qg + 1, d).split([qg, 1], dim=3)
+            v = k
+        else:
+            q, k, v = qkv.view(s, b, g, qg + 2, d).split([qg, 1, 1], dim=3)
         q = q.reshape(s, b, g * qg, d).permute(1, 2, 0, 3)  # [b, heads, s, d]
-        k, v = k.squeeze(3).permute(1, 2, 0, 3), v.squeeze(3).permute(1, 2, 0, 3)
+        if k is not None:
+            k, v = k.squeeze(3).permute(1, 2, 0, 3), v.squeeze(3).permute(1, 2, 0, 3)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+            q = self.q_norm(q)
+        if self.k_norm is not None:
+            k = self.k_norm(k)
         if self.v_norm_eps is not None:
             v32 = v.float()
             v = (v32 * torch.rsqrt(v32.pow(2).mean(-1, keepdim=True) + self.v_norm_eps)).to(v.dtype)
@@ -210,9 +234,15 @@ class ParallelAttention(nn.Module):
             positions = documents.positions if documents is not None and documents.positions is not None \
                 else sequence_positions(s, self.topo, offset)
             # the whole sequence's length (length-dependent RoPE; a CP rank holds s of s x cp)
-            q, k = self.rotary(q, k, positions, seq_len=offset + s * self.topo.cp)
-        if cache is not None:
+            q, rotated = self.rotary(q, q[:, :1] if k is None else k, positions,
+                                     seq_len=offset + s * self.topo.cp)
+            k = rotated if k is not None else None
+        if k is None:  # as the earlier layer attended with them (after its cache)
+            k, v = shared[self.kv_source]
+        elif cache is not None:
             k, v = cache.update(layer, k, v, self.window_of(layer))
+        if self.kv_sink:
+            shared[layer] = k, v
         if self.recompute_core and self.training and torch.is_grad_enabled():
             out = checkpoint(self.core_attention, self.rng, q, k, v, layer, documents)
         else:
@@ -228,7 +258,7 @@ class ParallelAttention(nn.Module):
         alone and each query head takes its whole gamma, as QK-clip treats MLA's shared rotary
         key. Values are never scaled."""
         g, qg, d = self.groups_local, self.q_per_group_local, self.head_dim
-        rows = torch.ones(g, qg + 2, dtype=torch.float32, device=gamma.device)
+        rows = torch.ones(g, qg + self.kv_rows, dtype=torch.float32, device=gamma.device)
         per_group = gamma.float().view(g, qg)
         if self.multi_head:
             rows[:, 0], rows[:, 1] = per_group[:, 0] ** alpha, per_group[:, 0] ** (1 - alpha)

@@ -27,10 +27,12 @@ from .init import Initializer
 from .mlp import ParallelMLP
 from .mla import MultiLatentAttention
 from .moe import MoELayer
+from .dense_moe import DenseAndExperts
 from .gated_attention import GatedAttention
 from .linear_mixers import ParallelGatedDeltaNet, ParallelMamba2
 from .norms import LayerNorm, RMSNorm, build_norm  # noqa: F401 - re-exported
-from .spec import MIXER_KINDS, MLP_KINDS, LayerSpec, lookup
+from .per_layer_inputs import PER_LAYER_ACTIVATION
+from .spec import ACTIVATIONS, MIXER_KINDS, MLP_KINDS, LayerSpec, lookup
 
 
 def _latent_attention(config, topo, init, prefix, rng, spec):
@@ -48,8 +50,15 @@ def _absent(*_args):
 TOKEN_MIXERS = {"attention": ParallelAttention, "mla": _latent_attention,
                 "gated_attention": GatedAttention, "gated_deltanet": ParallelGatedDeltaNet,
                 "mamba2": ParallelMamba2, "none": _absent}
-MLPS = {"dense": ParallelMLP, "moe": _moe, "none": _absent}
+MLPS = {"dense": ParallelMLP, "moe": _moe, "none": _absent, "dense_moe": DenseAndExperts}
 assert tuple(TOKEN_MIXERS) == MIXER_KINDS and tuple(MLPS) == MLP_KINDS, "models/spec.py's kinds"
+
+
+def _replicated(config, topo, init, name: str, shape: tuple[int, int]) -> nn.Parameter:
+    """A TP-replicated weight, initialised like the others of its name."""
+    t = torch.empty(shape)
+    init.normal(name)(t)
+    return nn.Parameter(t.to(device=topo.device, dtype=config.dtype))
 
 
 class TransformerLayer(nn.Module):
@@ -70,11 +79,22 @@ class TransformerLayer(nn.Module):
         self.attention = mixer(config, topo, init, prefix + "attention.", rng, spec.mixer)
         self.post_attention_norm = None if spec.mlp.kind == "none" else build_norm(config, topo)
         mlp = lookup(MLPS, spec.mlp.kind, "MLP kind")
-        self.mlp = mlp(config, topo, init, prefix + "mlp.", spec.mlp.activation)
+        wide = config if spec.mlp.width is None else config.replace(ffn_hidden_size=spec.mlp.width)
+        self.mlp = mlp(wide, topo, init, prefix + "mlp.", spec.mlp.activation)
         self.attention_output_norm = self.mlp_output_norm = None
         if spec.post_norms:
             self.attention_output_norm = build_norm(config, topo)
             self.mlp_output_norm = build_norm(config, topo)
+        # Gemma 4: the layer's own per-token input, gated by x and projected back after the MLP
+        # (models/per_layer_inputs.py; TP-replicated weights)
+        self.per_layer_input_gate = self.per_layer_projection = self.post_per_layer_input_norm = None
+        if spec.per_layer_input:
+            self.per_layer_act = lookup(ACTIVATIONS, PER_LAYER_ACTIVATION, "activation").bind(config)
+            self.per_layer_input_gate = _replicated(config, topo, init, prefix + "per_layer_input_gate",
+                                                    (spec.per_layer_input, config.hidden_size))
+            self.per_layer_projection = _replicated(config, topo, init, prefix + "per_layer_projection",
+                                                    (config.hidden_size, spec.per_layer_input))
+            self.post_per_layer_input_norm = build_norm(config, topo)
         # Gemma 4: one learned scalar times the layer's output (TP-replicated, like a norm weight)
         self.layer_scalar = None
         if spec.scalar:
@@ -87,17 +107,28 @@ class TransformerLayer(nn.Module):
         with self.rng.fork() if (self.rng is not None and self.topo.sequence_parallel) else contextlib.nullcontext():
             return F.dropout(x, self.dropout, training=True)
 
-    def forward(self, x: torch.Tensor, cache: KVCache | None = None, documents=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None, documents=None,
+                shared: dict | None = None, per_layer: torch.Tensor | None = None) -> torch.Tensor:
+        """`shared`: keys and values reused by later layers (KV sharing), per forward;
+        `per_layer` [s, b, p]: this layer's own input (with `spec.per_layer_input`)."""
         if self.attention is not None:
-            y = self.attention(self.input_norm(x), cache, self.layer_number, documents)
+            mixer = self.spec.mixer  # (only attention layers share keys and values)
+            extra = {"shared": shared} if mixer.kv_sink or mixer.kv_source is not None else {}
+            y = self.attention(self.input_norm(x), cache, self.layer_number, documents, **extra)
             if self.attention_output_norm is not None:
                 y = self.attention_output_norm(y)
             x = x + self.residual_dropout(y)
         if self.mlp is not None:
-            y = self.mlp(self.post_attention_norm(x))
+            normed = self.post_attention_norm(x)
+            y = self.mlp(normed, x) if self.spec.mlp.residual_input else self.mlp(normed)
             if self.mlp_output_norm is not None:
                 y = self.mlp_output_norm(y)
             x = x + self.residual_dropout(y)
+        if self.per_layer_input_gate is not None:
+            gate = F.linear(x, sequence_parallel_param(self.per_layer_input_gate, self.topo))
+            y = F.linear(self.per_layer_act(gate) * per_layer,
+                         sequence_parallel_param(self.per_layer_projection, self.topo))
+            x = x + self.residual_dropout(self.post_per_layer_input_norm(y))
         if self.layer_scalar is not None:
             x = x * sequence_parallel_param(self.layer_scalar, self.topo)
         return x

@@ -7,9 +7,13 @@ from dataclasses import dataclass
 
 import torch
 
+from megazoo.parallel.errors import LayoutError
+
 from .counts import ModelCounts
 from .family_rules import resolve_family
 from .hybrid_fields import check_hybrid, check_hybrid_layout
+from .kv_sharing import check_kv_sharing, check_kv_sharing_layout, kv_source, producers
+from .per_layer_fields import check_per_layer_inputs, per_layer_inputs_layout
 from .moe_fields import check_moe
 from .recompute import resolve_recompute
 from .spec import ACTIVATIONS, MIXER_KINDS, NORMS, LayerSpec, NormKind, layer_spec, lookup
@@ -138,9 +142,25 @@ class TransformerConfig(ModelCounts):
     layer_scalar: bool = False  # a learned scalar per layer multiplying its output (Gemma 4)
     global_kv_channels: int | None = None  # full-attention layers' own head_dim (Gemma 4's
     #   global_head_dim); None: kv_channels, as every other layer
+    global_num_query_groups: int | None = None  # full-attention layers' own key/value heads
+    #   (Gemma 4's num_global_key_value_heads); None: num_query_groups, as every other layer
+    attention_k_eq_v: bool = False  # full-attention layers project keys only; their values are
+    #   the key projection's output (before the key norm and RoPE) (Gemma 4)
+    kv_shared_layers: int = 0  # the last N layers project no keys/values: each attends with those
+    #   of the last earlier layer of its kind (sliding or full) (Gemma 4's num_kv_shared_layers)
+    kv_shared_double_mlp: bool = False  # those layers' MLPs twice ffn_hidden_size wide (Gemma 4's
+    #   use_double_wide_mlp)
+    per_layer_input_size: int = 0  # each layer's own input per token (models/per_layer_inputs.py;
+    #   Gemma 4's hidden_size_per_layer_input); 0: none
+    per_layer_input_vocab_size: int | None = None  # their embedding's vocabulary (None: vocab_size)
     swiglu_alpha: float = 1.702  # activation "swiglu_clamped" (gpt-oss): gate * sigmoid(alpha gate)
     swiglu_limit: float | None = None  # its clamp of gate (above) and up (both sides)
     moe_router_bias: bool = False  # a learned bias on the router logits (gpt-oss)
+    moe_router_input_norm: bool = False  # the router reads rms_norm(x) * a learned scale [h] *
+    #   hidden^-0.5 (no weight in the norm itself) (Gemma 4)
+    moe_per_expert_scale: bool = False  # a learned scale per expert times its routing weight
+    moe_with_dense_mlp: bool = False  # an MoE layer also holds a dense MLP beside its experts,
+    #   each with its own output norm, summed (Gemma 4's enable_moe_block; MLP kind "dense_moe")
     # Each layer's token mixer kind (models/spec.py MIXER_KINDS), for hybrid stacks; None: every
     # layer attention (multi-latent attention with kv_lora_rank)
     token_mixers: tuple[str, ...] | None = None
@@ -221,7 +241,19 @@ class TransformerConfig(ModelCounts):
         if any(not 0 <= i < self.num_layers for i in self.full_attention_layers):
             raise ValueError(f"full_attention_layers {list(self.full_attention_layers)} name layers "
                              f"outside 0..{self.num_layers - 1}")
-        for name in ("global_kv_channels", "value_norm"):  # options of ParallelAttention only
+        for name in ("moe_router_input_norm", "moe_per_expert_scale", "moe_with_dense_mlp"):
+            if getattr(self, name) and self.num_experts is None:
+                raise ValueError(f"{name} is an option of MoE layers: set --num-experts or drop it")
+        if self.global_num_query_groups is not None and (
+                not isinstance(self.global_num_query_groups, int) or self.global_num_query_groups < 1
+                or self.num_attention_heads % self.global_num_query_groups):
+            raise ValueError(f"global_num_query_groups {self.global_num_query_groups} must divide "
+                             f"--num-attention-heads {self.num_attention_heads}")
+        check_kv_sharing(self)
+        check_per_layer_inputs(self)
+        for name in ("global_kv_channels", "value_norm", "global_num_query_groups",
+                     "attention_k_eq_v", "kv_shared_layers",
+                     "per_layer_input_size"):  # options of attention stacks only
             if getattr(self, name) not in (None, False) and (self.kv_lora_rank or self.token_mixers):
                 raise ValueError(f"{name} is an option of attention layers only: drop it, or "
                                  f"kv_lora_rank / token_mixers")
@@ -231,6 +263,14 @@ class TransformerConfig(ModelCounts):
             if kind not in ROPE_TYPES:
                 raise ValueError(f"rope_scaling type {kind!r} is not supported; choose one of "
                                  f"{ROPE_TYPES}")
+
+    def kv_source(self, layer: int) -> int | None:
+        """The layer whose keys and values layer `layer` attends with (models/kv_sharing.py)."""
+        return kv_source(self, layer)
+
+    def kv_producers(self) -> frozenset[int]:
+        """The layers whose keys and values later layers attend with (models/kv_sharing.py)."""
+        return producers(self)
 
     def _check_latent_attention(self) -> None:
         for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
@@ -343,4 +383,12 @@ class TransformerConfig(ModelCounts):
                              ffn_hidden_size=self.ffn_hidden_size, seq_length=seq_length,
                              num_experts=self.num_experts,
                              shared_expert_size=self.moe_shared_expert_intermediate_size)
+        problem = check_kv_sharing_layout(self, parallel) or per_layer_inputs_layout(self, parallel)
+        if problem:
+            raise LayoutError(problem)
+        groups, tp = self.global_num_query_groups, parallel.tp
+        if groups and groups % tp and tp % groups:
+            raise LayoutError(f"global_num_query_groups {groups} (HF num_global_key_value_heads) "
+                              f"and --tensor-model-parallel-size {tp}: one must divide the other "
+                              f"(split the full layers' whole KV heads, or replicate each)")
         check_hybrid_layout(self, parallel)

@@ -32,10 +32,16 @@ class ModelCounts:
         h, bias = self.hidden_size, 1 if self.bias else 0
         fc1 = 2 if self.gated_mlp else 1
         if not self.is_moe_layer(layer):
-            f = self.ffn_hidden_size
+            f = self.layer_ffn_hidden_size(layer)
             return (self._mlp_matrices(f) + bias * fc1 * f) / tp + bias * h
         out = self.num_experts * (h + (1 if self.moe_router_bias else 0)) \
             + self.expert_parameters(layer, ep, active)
+        out += (h if self.moe_router_input_norm else 0) \
+            + (self.num_experts if self.moe_per_expert_scale else 0)
+        if self.moe_with_dense_mlp:  # the dense MLP beside the experts and their three norms
+            f = self.layer_ffn_hidden_size(layer)
+            out += (self._mlp_matrices(f) + bias * fc1 * f) / tp + bias * h \
+                + 3 * self.norm_parameters()
         if self.moe_shared_expert_intermediate_size:
             s = self.moe_shared_expert_intermediate_size
             out += (self._mlp_matrices(s) + bias * fc1 * s) / tp + bias * h
@@ -65,19 +71,38 @@ class ModelCounts:
         shape = self._hybrid()
         if shape is not None and layer < shape.num_layers:
             return sum(hybrid_counts.layer_parameters(shape, layer, tp, ep, active))
-        h, d = self.hidden_size, self.layer_head_dim(layer)
+        h, (d, groups, kv_rows) = self.hidden_size, self.layer_attention_shape(layer)
         attn = self.num_attention_heads * d  # = h unless kv_channels decouples the head size
-        qkv = (self.num_attention_heads + 2 * max(self.num_query_groups, tp)) * d
+        qkv = (self.num_attention_heads + kv_rows * max(groups, tp)) * d
         bias = 1 if self.bias else 0
         qkv_bias = 1 if (self.bias or self.add_qkv_bias) else 0
-        qk_norms = 2 * d if self.qk_layernorm else 0
+        qk_norms = (2 if kv_rows else 1) * d if self.qk_layernorm else 0  # (a key norm if keys)
         attention = (qkv * h + attn * h + qkv_bias * qkv) / tp + bias * h + qk_norms
         if self.kv_lora_rank:
             attention = self.latent_attention_parameters(tp)
         attention += self.num_attention_heads / tp if self.attention_sinks else 0
         norms = (4 if self.post_norms else 2) * self.norm_parameters()
         norms += 1 if self.layer_scalar else 0
+        if self.per_layer_input_size and layer < self.num_layers:  # its gate, projection, norm
+            norms += 2 * h * self.per_layer_input_size + self.norm_parameters()
         return attention + self.mlp_parameters(layer, tp, ep, active) + norms
+
+    def layer_attention_shape(self, layer: int) -> tuple[int, int, int]:
+        """(head size, key/value heads, projected rows per key/value head: 2, or 1 where the
+        values are the key projection's output) of layer `layer`'s attention; Gemma 4's full
+        layers may have their own of each."""
+        full = self.attention_window(layer) is None
+        groups = self.global_num_query_groups if full and self.global_num_query_groups \
+            else self.num_query_groups
+        rows = 0 if self.kv_source(layer) is not None else 1 if full and self.attention_k_eq_v \
+            else 2  # 0: keys and values shared from an earlier layer
+        return self.layer_head_dim(layer), groups, rows
+
+    def layer_ffn_hidden_size(self, layer: int) -> int:
+        """Layer `layer`'s dense MLP width: ffn_hidden_size, or twice it on the KV-sharing layers
+        with kv_shared_double_mlp (Gemma 4's use_double_wide_mlp)."""
+        wide = self.kv_shared_double_mlp and self.kv_source(layer) is not None
+        return self.ffn_hidden_size * (2 if wide else 1)
 
     def layer_head_dim(self, layer: int) -> int:
         """Layer `layer`'s head size: head_dim, or global_kv_channels on full-attention layers."""
@@ -100,7 +125,14 @@ class ModelCounts:
         words = (self.padded_vocab_size(tp) if padded else self.vocab_size) * self.hidden_size / tp
         positions = self.max_position_embeddings * self.hidden_size \
             if self.position_embedding == "learned" else 0
-        return words + positions + (self.norm_parameters() if self.embedding_layernorm else 0)
+        per_layer = 0
+        if self.per_layer_input_size:  # models/per_layer_inputs.py, TP-replicated
+            width = self.num_layers * self.per_layer_input_size
+            vocab = self.per_layer_input_vocab_size or self.vocab_size
+            per_layer = width * (vocab + self.hidden_size) \
+                + self.norm_kind.parameters(self.per_layer_input_size)
+        return words + positions + per_layer + \
+            (self.norm_parameters() if self.embedding_layernorm else 0)
 
     def norm_parameters(self) -> int:
         """Parameters of one norm (LayerNorm has a bias, RMSNorm not)."""
@@ -130,25 +162,27 @@ class ModelCounts:
         shape = self._hybrid()
         if shape is not None:
             return hybrid_counts.forward_flops_per_token(shape, seq_length)
-        h, d = self.hidden_size, self.head_dim
-        attn = self.num_attention_heads * d  # = h unless kv_channels decouples the head size
-        qkv = (self.num_attention_heads + 2 * self.num_query_groups) * d
+        h, heads = self.hidden_size, self.num_attention_heads
+        attention = scores = 0  # per layer: its head size and key/value heads (Gemma 4's full)
+        for i in range(self.num_layers):
+            d, groups, kv_rows = self.layer_attention_shape(i)
+            attention += h * (heads + kv_rows * groups) * d + heads * d * h
+            scores += 4 * seq_length * heads * d
         mlp = 0
         for i in range(self.num_layers):
+            if not self.is_moe_layer(i) or self.moe_with_dense_mlp:
+                mlp += self._mlp_matrices(self.layer_ffn_hidden_size(i))
             if not self.is_moe_layer(i):
-                mlp += self._mlp_matrices(self.ffn_hidden_size)
                 continue
             if self.moe_shared_expert_intermediate_size:
                 mlp += self._mlp_matrices(self.moe_shared_expert_intermediate_size) + \
                     (h if self.moe_shared_expert_gate else 0)
-        attention = h * qkv + attn * h
-        scores = 4 * seq_length * attn
         if self.kv_lora_rank:  # MLA: its projections; scores over nope + rope, values over v
-            attention = self.latent_attention_parameters()
-            scores = 2 * seq_length * self.num_attention_heads * (
+            attention = self.num_layers * self.latent_attention_parameters()
+            scores = self.num_layers * 2 * seq_length * self.num_attention_heads * (
                 self.qk_nope_head_dim + self.qk_rope_head_dim + self.v_head_dim)
-        dense = 2 * (self.num_layers * attention + mlp) + self.routed_flops_per_token()
-        return dense, self.num_layers * scores, 2 * h * self.vocab_size
+        dense = 2 * (attention + mlp) + self.routed_flops_per_token()
+        return dense, scores, 2 * h * self.vocab_size
 
     def routed_flops_per_token(self) -> int:
         """Forward FLOPs per token of the routers and the top-k experts a token visits, over all

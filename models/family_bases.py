@@ -15,7 +15,11 @@ ROPE = dict(position_embedding="rope", normalization="rmsnorm", activation="swig
 FULL = dict(sliding_window=None)
 # The layer options newer families brought (models/spec.py), at their defaults: the families
 # before them refuse each.
-CLASSIC = dict(rope_local_theta=None, post_norms=False, embedding_scale=False,
+# Gemma 4's newer options (models/gemma4_text/), off: the other families refuse each
+GEMMA4_OFF = dict(global_num_query_groups=None, attention_k_eq_v=False, kv_shared_layers=0,
+                  kv_shared_double_mlp=False, moe_router_input_norm=False,
+                  moe_per_expert_scale=False, moe_with_dense_mlp=False)
+CLASSIC = dict(GEMMA4_OFF, rope_local_theta=None, post_norms=False, embedding_scale=False,
                query_pre_attn_scalar=None, attn_logit_softcapping=None,
                final_logit_softcapping=None, attention_sinks=False, value_norm=False,
                layer_scalar=False, global_kv_channels=None, swiglu_alpha=1.702,
@@ -36,7 +40,7 @@ QWEN35_LAYERS = dict(position_embedding="rope", normalization="rmsnorm_offset", 
                      attn_logit_softcapping=None, final_logit_softcapping=None,
                      scale_attn_weights=True, scale_attn_by_inverse_layer_idx=False,
                      rope_scaling=None, mamba_num_heads=None, value_norm=False,
-                     layer_scalar=False, global_kv_channels=None)
+                     layer_scalar=False, global_kv_channels=None, **GEMMA4_OFF)
 
 # ---- presets (models/<family>/presets.py PRESETS) --------------------------------------------
 

@@ -12,7 +12,6 @@ import torch
 from .config import ROPE_TYPES, TransformerConfig, canonical_rope_scaling
 from .hf_fields import refuse
 from .language_model import WORD_EMBEDDINGS
-from .llama_like import fuse_qkv
 from .rope import rope_type
 
 NORMS = (("input_norm", "input_layernorm"), ("attention_output_norm", "post_attention_layernorm"),
@@ -80,6 +79,8 @@ def _pairs(config: TransformerConfig):
     for i in range(config.num_layers):
         m, h = f"layers.{i}.", f"model.layers.{i}."
         for mz, hf in NORMS:
+            if mz == "attention.k_norm" and config.kv_source(i) is not None:
+                continue  # (KV sharing: no keys of its own)
             yield m + mz + ".weight", h + hf + ".weight"
         yield m + "attention.dense.weight", h + "self_attn.o_proj.weight"
         yield m + "mlp.fc2.weight", h + "mlp.down_proj.weight"
@@ -87,12 +88,22 @@ def _pairs(config: TransformerConfig):
             yield m + "layer_scalar", h + "layer_scalar"
 
 
-def _split_qkv(t: torch.Tensor, config: TransformerConfig, layer: int) -> list[torch.Tensor]:
-    """The fused [q heads of the group, k, v] per group rows -> HF q, k, v (the layer's head size)."""
-    groups, d = config.num_query_groups, config.layer_head_dim(layer)
+def _projections(config: TransformerConfig, layer: int) -> tuple[int, str]:
+    """(key/value heads, the HF projections fused) of layer `layer`: "qkv", "qk" where the values
+    are the key projection's output (Gemma 4's attention_k_eq_v full layers), or "q" where an
+    earlier layer's keys and values are reused (KV sharing)."""
+    mixer = config.layer_spec(layer).mixer
+    names = "q" if mixer.kv_source is not None else "qk" if mixer.k_eq_v else "qkv"
+    return mixer.kv_heads or config.num_query_groups, names
+
+
+def _split_qkv(t: torch.Tensor, config: TransformerConfig, layer: int) -> dict[str, torch.Tensor]:
+    """The fused [q heads of the group, k(, v)] per group rows -> HF q, k(, v) (the layer's head
+    size and key/value heads)."""
+    (groups, names), d = _projections(config, layer), config.layer_head_dim(layer)
     q_rows = config.num_attention_heads // groups * d
-    q, k, v = t.reshape(groups, -1, *t.shape[1:]).split([q_rows, d, d], dim=1)
-    return [x.reshape(-1, *t.shape[1:]) for x in (q, k, v)]
+    parts = t.reshape(groups, -1, *t.shape[1:]).split([q_rows] + [d] * (len(names) - 1), dim=1)
+    return {x: p.reshape(-1, *t.shape[1:]) for x, p in zip(names, parts)}
 
 
 def from_hf_state_dict(sd: dict[str, torch.Tensor], config: TransformerConfig) -> dict[str, torch.Tensor]:
@@ -101,8 +112,10 @@ def from_hf_state_dict(sd: dict[str, torch.Tensor], config: TransformerConfig) -
     out = {mz: sd[hf] for mz, hf in _pairs(config)}
     for i in range(config.num_layers):
         m, h = f"layers.{i}.", f"model.layers.{i}."
-        q, k, v = (sd[h + f"self_attn.{x}_proj.weight"] for x in "qkv")  # (any head size)
-        out[m + "attention.qkv.weight"] = fuse_qkv(q, k, v, config.num_query_groups)
+        groups, names = _projections(config, i)
+        per = [sd[h + f"self_attn.{x}_proj.weight"] for x in names]  # (any head size)
+        out[m + "attention.qkv.weight"] = torch.cat(
+            [t.reshape(groups, -1, *t.shape[1:]) for t in per], dim=1).reshape(-1, per[0].shape[1])
         out[m + "mlp.fc1.weight"] = torch.cat([sd[h + "mlp.gate_proj.weight"],
                                                sd[h + "mlp.up_proj.weight"]])
     return {k: v.contiguous() for k, v in out.items()}
@@ -113,7 +126,7 @@ def to_hf_state_dict(full: dict[str, torch.Tensor], config: TransformerConfig) -
     out = {hf: full[mz] for mz, hf in _pairs(config)}
     for i in range(config.num_layers):
         m, h = f"layers.{i}.", f"model.layers.{i}."
-        for x, t in zip("qkv", _split_qkv(full[m + "attention.qkv.weight"], config, i)):
+        for x, t in _split_qkv(full[m + "attention.qkv.weight"], config, i).items():
             out[h + f"self_attn.{x}_proj.weight"] = t
         gate, up = full[m + "mlp.fc1.weight"].chunk(2)
         out[h + "mlp.gate_proj.weight"], out[h + "mlp.up_proj.weight"] = gate, up

@@ -18,6 +18,9 @@ def check_hybrid(config) -> None:
                              f"token_mixers and one entry per layer ({config.num_layers})")
         for kind in config.layer_mlps:
             lookup(dict.fromkeys(MLP_KINDS), kind, "MLP kind (layer_mlps)")
+            if kind == "dense_moe":
+                raise ValueError("layer_mlps: 'dense_moe' layers are set by moe_with_dense_mlp "
+                                 "on the MoE layers; name them 'moe'")
         if "moe" in config.layer_mlps and not config.num_experts:
             raise ValueError("layer_mlps names 'moe' layers: set num_experts")
     used = {"rotary_fraction": "gated_attention" in kinds,

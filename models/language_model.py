@@ -29,6 +29,7 @@ from .config import TransformerConfig
 from .init import Initializer
 from .multi_token_prediction import MultiTokenPrediction
 from .norms import build_norm
+from .per_layer_inputs import PerLayerInputs
 from .recompute import layer_units
 
 WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
@@ -104,6 +105,8 @@ class TransformerLanguageModel(nn.Module):
         self.layer_range = layer_range or (0, config.num_layers)
         init = Initializer(config)
         self.embedding = Embedding(config, topo, init, rng) if pre_process else None
+        self.per_layer_inputs = PerLayerInputs(config, topo, init) \
+            if pre_process and config.per_layer_input_size else None
         # the model: embedding, one layer per LayerSpec (models/spec.py), final norm and head
         self.layers = nn.ModuleDict({
             str(i): TransformerLayer(config, topo, init, i, rng, config.layer_spec(i))
@@ -162,14 +165,17 @@ class TransformerLanguageModel(nn.Module):
             raise ValueError("packed documents are for training; decode one sequence per sample")
         offset = cache.offset if cache is not None else 0
         h = self.embedding(x, offset, documents) if self.pre_process else x
+        per_layer = self.per_layer_inputs(x, h) if self.per_layer_inputs is not None else None
         layers = list(self.layers.values())
         recompute = self.training and torch.is_grad_enabled() and cache is None
+        shared = {} if self.config.kv_shared_layers else None  # (KV sharing; no recompute)
         for start, end, checkpointed in layer_units(self.config, len(layers)):
             if checkpointed and recompute:
                 h = checkpoint(_run_layers(layers[start:end], documents), self.rng, h)
             else:
                 for layer in layers[start:end]:
-                    h = layer(h, cache, documents)
+                    mine = None if per_layer is None else per_layer[:, :, layer.layer_number]
+                    h = layer(h, cache, documents, shared, mine)
         if cache is not None and self.post_process:
             cache.offset += h.shape[0] * (self.topo.tp if self.topo.sequence_parallel else 1)
         if not self.post_process:

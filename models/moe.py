@@ -142,6 +142,15 @@ class MoELayer(nn.Module):
         if config.moe_router_bias:
             self.router_bias = nn.Parameter(torch.zeros(config.num_experts, device=topo.device,
                                                         dtype=config.dtype))
+        # Gemma 4: the router reads rms_norm(x) * router_scale * hidden^-0.5, and each chosen
+        # expert's weight is times its per_expert_scale (both TP-replicated, like the router)
+        self.router_scale = self.per_expert_scale = None
+        if config.moe_router_input_norm:
+            self.router_scale = nn.Parameter(torch.ones(config.hidden_size, device=topo.device,
+                                                        dtype=config.dtype))
+        if config.moe_per_expert_scale:
+            self.per_expert_scale = nn.Parameter(torch.ones(config.num_experts, device=topo.device,
+                                                            dtype=config.dtype))
         self.experts = GroupedExperts(config, topo, init, prefix + "experts.")
         self.dispatcher = TokenDispatcher(topo.ep_group)
         self.shared_expert = self.shared_expert_gate = None
@@ -189,7 +198,18 @@ class MoELayer(nn.Module):
             weights = torch.softmax(top, dim=-1)
         if cfg.moe_router_topk_scaling_factor is not None:
             weights = weights * cfg.moe_router_topk_scaling_factor
+        if self.per_expert_scale is not None:
+            weights = weights * self.per_expert_scale[experts]
         return weights, experts
+
+    def router_input(self, tokens: torch.Tensor) -> torch.Tensor:
+        """What the router reads: the tokens, or (router_scale) rms_norm(tokens) * scale *
+        hidden^-0.5, the norm in fp32 without a weight of its own."""
+        if self.router_scale is None:
+            return tokens
+        t = tokens.float()
+        normed = (t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + self.config.layernorm_epsilon))
+        return normed.to(tokens.dtype) * self.router_scale * tokens.shape[-1] ** -0.5
 
     def limit_to_groups(self, choice: torch.Tensor) -> torch.Tensor:
         """`choice` [T, E] with every expert outside each token's best `--moe-router-group-topk`
@@ -243,7 +263,9 @@ class MoELayer(nn.Module):
         return math.ceil(factor * tokens * self.topk / self.num_experts)
 
     # ---- forward -----------------------------------------------------------------------------
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, router_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """The layer's output for x [s, b, h]; `router_tokens` (same shape): what the router reads
+        instead of x (Gemma 4 routes on the un-normed residual stream, the experts read x)."""
         topo = self.topo
         shared = None
         if self.shared_expert is not None:
@@ -253,15 +275,21 @@ class MoELayer(nn.Module):
                 shared = torch.sigmoid(gate) * shared
         full = gather_sequence_replicated(x, topo.tp_group) if topo.sequence_parallel else x
         batch = full.shape[1] if full.dim() == 3 else 1  # [s, b, h]: b sequences
-        out = self.routed(full.reshape(-1, full.shape[-1]), batch).view_as(full)
+        if router_tokens is not None:
+            if topo.sequence_parallel:
+                router_tokens = gather_sequence_replicated(router_tokens, topo.tp_group)
+            router_tokens = router_tokens.reshape(-1, full.shape[-1])
+        out = self.routed(full.reshape(-1, full.shape[-1]), batch, router_tokens).view_as(full)
         if topo.sequence_parallel:
             out = scatter_to_sequence(out, topo.tp_group)
         return out if shared is None else out + shared
 
-    def routed(self, tokens: torch.Tensor, batch: int = 1) -> torch.Tensor:
+    def routed(self, tokens: torch.Tensor, batch: int = 1,
+               router_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """The routed experts' weighted outputs for tokens [T, h] (`batch` sequences, [s, b]
-        flattened)."""
-        logits = F.linear(tokens, self.router, self.router_bias).float()
+        flattened), routed on `router_tokens` [T, h] where given."""
+        logits = F.linear(self.router_input(tokens if router_tokens is None else router_tokens),
+                          self.router, self.router_bias).float()
         weights, experts = self.route(logits)
         flat = experts.reshape(-1)  # assignment i is token i // k's (i % k)-th choice
         counts = torch.bincount(flat, minlength=self.num_experts)
@@ -301,9 +329,9 @@ def update_expert_biases(chunks, num_layers: int, device: torch.device) -> None:
     layers = {}
     for chunk in chunks:
         for layer in chunk.transformer_layers():  # the prediction depths' layers too
-            if isinstance(layer.mlp, MoELayer):
-                table[layer.layer_number] = layer.mlp.expert_load
-                layers[layer.layer_number] = layer.mlp
+            for moe in moe_layers(layer):  # (an MoELayer, or one beside a dense MLP)
+                table[layer.layer_number] = moe.expert_load
+                layers[layer.layer_number] = moe
     reduce_expert_load(table)
     for i, layer in layers.items():
         load = table[i]

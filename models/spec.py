@@ -116,19 +116,34 @@ class MixerSpec:
     scale: float | None = None  # softmax scale (None: 1 / sqrt(head_dim))
     v_norm: bool = False  # a weightless RMSNorm over head_dim on each value head (Gemma 4)
     head_dim: int | None = None  # this layer's own head size (None: the config's head_dim)
+    kv_heads: int | None = None  # this layer's own key/value heads (None: the config's groups)
+    k_eq_v: bool = False  # keys projected only; values are the key projection's output (before
+    #                       the key norm and RoPE), then the value norm (Gemma 4's full layers)
+    kv_source: int | None = None  # no keys/values of its own: those of this (earlier) layer
+    kv_sink: bool = False  # later layers attend with this layer's keys and values (KV sharing)
 
 
 @dataclass(frozen=True)
 class MLPSpec:
     kind: str = "dense"  # dense | moe
     activation: str = "gelu_tanh"  # a key of ACTIVATIONS
+    width: int | None = None  # this layer's dense MLP width (None: the config's ffn_hidden_size)
 
     @property
     def gated(self) -> bool:
         return lookup(ACTIVATIONS, self.activation, "activation").gated
 
+    @property
+    def residual_input(self) -> bool:
+        """Whether the MLP also takes the layer's un-normed input (its router and experts norm
+        it their own way)."""
+        return self.kind in MLP_RESIDUAL_INPUT
 
-MLP_KINDS = ("dense", "moe", "none")  # none: a layer holding only its token mixer
+
+# none: a layer holding only its token mixer; dense_moe: a dense MLP and routed experts side by
+# side (Gemma 4's MoE block), which also reads the layer's un-normed input (MLP_RESIDUAL_INPUT)
+MLP_KINDS = ("dense", "moe", "none", "dense_moe")
+MLP_RESIDUAL_INPUT = ("dense_moe",)  # kinds called as mlp(normed input, residual stream)
 
 
 @dataclass(frozen=True)
@@ -138,6 +153,8 @@ class LayerSpec:
     mlp: MLPSpec
     post_norms: bool = False  # norms after the mixer and the MLP too, before each residual add
     scalar: bool = False  # a learned scalar multiplying the layer's output, residual included
+    per_layer_input: int = 0  # the size of its own per-token input (models/per_layer_inputs.py),
+    #                           added after the MLP through a gate and a projection; 0: none
 
     def check(self) -> "LayerSpec":
         lookup(NORMS, self.norm, "normalization")
@@ -161,11 +178,18 @@ def layer_spec(config, layer: int) -> LayerSpec:
         sinks=config.attention_sinks, softcap=config.attn_logit_softcapping,
         v_norm=config.value_norm,
         head_dim=config.global_kv_channels if window is None else None,
+        kv_heads=config.global_num_query_groups if window is None else None,
+        k_eq_v=config.attention_k_eq_v and window is None,
+        kv_source=config.kv_source(layer), kv_sink=layer in config.kv_producers(),
         scale=None if config.query_pre_attn_scalar is None else config.query_pre_attn_scalar ** -0.5)
-    mlp_kind = "moe" if config.is_moe_layer(layer) else "dense"
+    mlp_kind = ("dense_moe" if config.moe_with_dense_mlp else "moe") \
+        if config.is_moe_layer(layer) else "dense"
     if config.layer_mlps is not None and layer < len(config.layer_mlps):
         mlp_kind = config.layer_mlps[layer]
-    mlp = MLPSpec(kind=mlp_kind,
-                  activation=config.activation)
+    width = config.layer_ffn_hidden_size(layer)
+    mlp = MLPSpec(kind=mlp_kind, activation=config.activation,
+                  width=None if width == config.ffn_hidden_size else width)
     return LayerSpec(norm=config.normalization, mixer=mixer, mlp=mlp,
-                     post_norms=config.post_norms, scalar=config.layer_scalar).check()
+                     post_norms=config.post_norms, scalar=config.layer_scalar,
+                     per_layer_input=config.per_layer_input_size if layer < config.num_layers
+                     else 0).check()

@@ -1,6 +1,5 @@
-"""Gemma 4 text presets (`--model NAME`). No released Gemma 4 text shape is among them yet
-(the small ones' per-layer input embeddings and the MoE block are refused by
-models/gemma4_text/adapter.py)."""
+"""Gemma 4 text presets (`--model NAME`). No released Gemma 4 text shape is among them yet (they
+import from their config.json, models/gemma4_text/adapter.py)."""
 
 _GEMMA4 = dict(family="gemma4_text", position_embedding="rope", normalization="rmsnorm",
                activation="geglu_tanh", post_norms=True, embedding_scale=True, qk_layernorm=True,

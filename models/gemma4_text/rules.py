@@ -6,4 +6,4 @@ SHAPE = dict(position_embedding="rope", normalization="rmsnorm", activation="geg
              bias=False, add_qkv_bias=False, attention_sinks=False, kv_lora_rank=None,
              mtp_num_layers=0, token_mixers=None, attn_logit_softcapping=None,
              scale_attn_weights=True, scale_attn_by_inverse_layer_idx=False)
-MOE = False
+MOE = "mixed"  # dense, or (enable_moe_block) a dense MLP and experts in every layer

@@ -1,7 +1,10 @@
 """The fields a gpt-oss config fixes (models/family_rules.py reads SHAPE and MOE)."""
 
-SHAPE = dict(position_embedding="rope", normalization="rmsnorm", activation="swiglu_clamped",
-             embedding_layernorm=False, post_norms=False, value_norm=False, layer_scalar=False, global_kv_channels=None, embedding_scale=False,
+from ..family_bases import GEMMA4_OFF
+
+SHAPE = dict(GEMMA4_OFF, position_embedding="rope", normalization="rmsnorm", activation="swiglu_clamped",
+             embedding_layernorm=False, post_norms=False, value_norm=False, layer_scalar=False, global_kv_channels=None,
+             embedding_scale=False,
              qk_layernorm=False, bias=True, add_qkv_bias=False, attention_sinks=True,
              kv_lora_rank=None, mtp_num_layers=0, token_mixers=None, rope_local_theta=None,
              query_pre_attn_scalar=None, attn_logit_softcapping=None,

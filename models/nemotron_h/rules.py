@@ -1,8 +1,11 @@
 """The fields a Nemotron-H config fixes (models/family_rules.py reads SHAPE and MOE); its layers
 are single mixers: "mamba2" or "attention" without MLP, or a squared-ReLU MLP or MoE MLP alone."""
 
-SHAPE = dict(position_embedding="none", normalization="rmsnorm", activation="relu2",
-             embedding_layernorm=False, post_norms=False, value_norm=False, layer_scalar=False, global_kv_channels=None, embedding_scale=False,
+from ..family_bases import GEMMA4_OFF
+
+SHAPE = dict(GEMMA4_OFF, position_embedding="none", normalization="rmsnorm", activation="relu2",
+             embedding_layernorm=False, post_norms=False, value_norm=False, layer_scalar=False, global_kv_channels=None,
+             embedding_scale=False,
              qk_layernorm=False, bias=False, add_qkv_bias=False, attention_sinks=False,
              kv_lora_rank=None, mtp_num_layers=0, sliding_window=None, rope_local_theta=None,
              query_pre_attn_scalar=None, attn_logit_softcapping=None,

@@ -8,7 +8,7 @@ through `import_hf` -> `export_hf`: the exported tensors equal HF's bit for bit 
 imported checkpoint under (tp2, pp2) and (tp4): logits within 1e-5 of transformers; at tp4, greedy
 generation equals `generate(do_sample=False)`; Qwen3's (replicated) q/k-norm gradients under tp2
 and tp4 (with sequence parallelism) equal the unsharded model's. Fields that change the math and
-are not modelled are refused in one line naming the field. The config.json files of 45 released
+are not modelled are refused in one line naming the field. The config.json files of 46 released
 checkpoints (every family) import with transformers' parameter counts or are refused in one line;
 one shrunk copy per released structure (a multimodal release's text model: Qwen3.5-MoE) gives
 transformers' logits within 1e-5 (one process).

@@ -68,7 +68,7 @@ def moe_metrics(chunks, num_layers: int, device: torch.device) -> tuple[dict, di
     loss, summed over layers; the share of dropped assignments; the worst layer's load, i.e. its
     busiest expert's tokens over the mean), and per layer: load, dropped share, and each expert's
     share of the assignments)."""
-    from megazoo.models.moe import MoELayer
+    from megazoo.models.moe import moe_layers
     num_experts = chunks[0].config.num_experts  # from the config: every rank joins the sum,
     if not num_experts:  # also a pipeline stage without MoE layers
         return {}, {}
@@ -77,8 +77,8 @@ def moe_metrics(chunks, num_layers: int, device: torch.device) -> tuple[dict, di
     table = torch.zeros(num_layers, 5 + num_experts, dtype=torch.float64, device=device)
     for chunk in chunks:
         for layer in chunk.transformer_layers():
-            if isinstance(layer.mlp, MoELayer):
-                stats = layer.mlp.stats
+            for moe in moe_layers(layer):  # (an MoELayer, or one beside a dense MLP)
+                stats = moe.stats
                 table[layer.layer_number] = torch.cat([stats.totals, stats.tokens_per_expert])
                 stats.reset()
     C.all_reduce(table, C.world())  # TP copies count alike in numerator and denominator
