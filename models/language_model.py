@@ -182,14 +182,14 @@ class TransformerLanguageModel(nn.Module):
             return h
         h = self.final_norm(h)
         softcap = self.config.final_logit_softcapping
-        if labels is not None and softcap is not None:
-            raise ValueError("final_logit_softcapping: the fused head-and-loss does not cap "
-                             "logits, so training such a model is not modelled (its logits are)")
         if labels is not None:  # the head and the loss fused: the logits are never materialised
             loss = lm_head_cross_entropy(h, self.output_weight(), labels.t(), self.topo,
-                                         self.config.vocab_size).t()
+                                         self.config.vocab_size, softcap).t()
             if self.mtp is None:
                 return loss
+            if softcap is not None:
+                raise ValueError("final_logit_softcapping with --mtp-num-layers is not modelled "
+                                 "(the prediction heads' loss does not cap); drop one")
             if documents is not None:
                 raise ValueError("--mtp-num-layers with packed documents is not modelled (the "
                                  "shifted targets would cross documents); drop one")

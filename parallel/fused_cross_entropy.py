@@ -37,7 +37,7 @@ class _LMHeadCrossEntropy(torch.autograd.Function):
     """hidden [N, H], weight [V/tp, H], target [N] (global ids) -> per-token loss [N] in fp32."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, target, group, vocab_size, need_grad):
+    def forward(ctx, hidden, weight, target, group, vocab_size, need_grad, softcap=None):
         n, v_local = hidden.shape[0], weight.shape[0]
         tp, start = group_size(group), group_rank(group) * weight.shape[0]
         pad_from = max(vocab_size - start, 0)  # local columns from here on are vocabulary padding
@@ -63,6 +63,17 @@ class _LMHeadCrossEntropy(torch.autograd.Function):
         work_in_store = need_grad and store == torch.float32
         work32 = None if work_in_store or weight.dtype == torch.float32 else \
             empty_large((rows_max, v_local), torch.float32, device)
+        # --final-logit-softcapping: the loss sees c * tanh(x / c); the stored gradient is taken
+        # through it (times the slope 1 - tanh^2, kept here per chunk), so backward is unchanged
+        slope = None if softcap is None else empty_large((rows_max, v_local), torch.float32, device)
+
+        def cap(rows, f):
+            """f (fp32 logits of `rows`) capped in place; the chunk's slope into `slope`."""
+            t = torch.div(f, softcap, out=slope[:f.shape[0]]).tanh_()
+            torch.mul(t, softcap, out=f)
+            t.square_().neg_().add_(1.0)
+            if pad_from < v_local:
+                f[:, pad_from:] = float("-inf")
 
         def store_rows(rows, values):
             if values.data_ptr() != grad_logits[rows].data_ptr():
@@ -70,6 +81,8 @@ class _LMHeadCrossEntropy(torch.autograd.Function):
 
         def subtract_onehot_and_store(rows, probs):
             probs.scatter_add_(1, local_t[rows], -inside[rows].unsqueeze(1).to(probs.dtype))
+            if softcap is not None:
+                probs.mul_(slope[:probs.shape[0]])
             store_rows(rows, probs)
 
         def as_fp32(rows, values):
@@ -82,9 +95,13 @@ class _LMHeadCrossEntropy(torch.autograd.Function):
             rows = slice(i, min(i + step, n))
             out = grad_logits[rows] if into_store else mm_out[:rows.stop - rows.start]
             logits = torch.mm(hidden[rows], w_t, out=out)
-            if pad_from < v_local:  # padded rows must never enter the softmax
+            if pad_from < v_local and softcap is None:  # padded rows never enter the softmax
                 logits[:, pad_from:] = float("-inf")
             f = as_fp32(rows, logits)  # a scratch chunk, or the stored rows themselves
+            if softcap is not None:
+                cap(rows, f)
+                if tp > 1 and need_grad:  # the second pass below reads the capped logits
+                    store_rows(rows, f)
             picked[rows] = f.gather(1, local_t[rows]).squeeze(1)
             row_max[rows] = m = f.amax(1)
             finite_max = m.clamp_min(torch.finfo(m.dtype).min)  # a shard of padding only: -inf
@@ -109,7 +126,11 @@ class _LMHeadCrossEntropy(torch.autograd.Function):
             lse = global_max + sum_exp.log()
             for i in range(0, n if need_grad else 0, step):  # exp(x - max) / sum, as tp = 1 does
                 rows = slice(i, min(i + step, n))
-                f = as_fp32(rows, grad_logits[rows]).sub_(global_max[rows].unsqueeze(1)).exp_()
+                f = as_fp32(rows, grad_logits[rows])
+                if softcap is not None:  # the slope from the capped logits: 1 - (y / c)^2
+                    torch.div(f, softcap, out=slope[:f.shape[0]]).square_().neg_().add_(1.0)
+                    slope[:f.shape[0], pad_from:] = 0.0  # padding: -inf there, no gradient
+                f.sub_(global_max[rows].unsqueeze(1)).exp_()
                 subtract_onehot_and_store(rows, f.div_(sum_exp[rows].unsqueeze(1)))
         picked = picked.masked_fill(~inside, 0.0)
         if tp > 1:
@@ -129,17 +150,18 @@ class _LMHeadCrossEntropy(torch.autograd.Function):
             scaled = (grad_logits * g).to(weight.dtype)
             grad_hidden = scaled @ weight if need_hidden else None
             grad_weight = scaled.t() @ hidden if need_weight else None
-            return grad_hidden, grad_weight, None, None, None, None
+            return grad_hidden, grad_weight, None, None, None, None, None
         if need_hidden:  # the per-token scale is applied in fp32, rounded once
             grad_hidden = (grad_logits @ weight).float().mul_(g).to(hidden.dtype)
         if need_weight:
             scaled_hidden = (hidden.float() * g).to(hidden.dtype)
             grad_weight = weight_grad(ctx.accumulate_wgrad, grad_logits.t(), scaled_hidden)
-        return grad_hidden, grad_weight, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None
 
 
 def lm_head_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
-                          topo: ParallelTopology, vocab_size: int) -> torch.Tensor:
+                          topo: ParallelTopology, vocab_size: int,
+                          softcap: float | None = None) -> torch.Tensor:
     """Per-token loss [s, b] (fp32) from the final hidden states [s, b(/tp under SP), h], this
     rank's vocabulary shard of the output weight, and target ids [s, b]; never materialises
     the logits of the whole microbatch."""
@@ -150,5 +172,5 @@ def lm_head_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: to
     # which inputs require grad
     need_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     loss = _LMHeadCrossEntropy.apply(hidden.reshape(s * b, h), weight, target.reshape(s * b),
-                                     group, vocab_size, need_grad)
+                                     group, vocab_size, need_grad, softcap)
     return loss.view(s, b)

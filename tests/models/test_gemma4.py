@@ -79,16 +79,19 @@ def test_logits_generation_and_export_equal_transformers(pair):
     hf, cfg, model = pair
     assert_equals_transformers(hf, cfg, model, adapter, VOCAB, SEQ, TOL)
 
-def _grads(model, ids, topo=None):
+def _grads(model, ids, topo=None, fused=False):
     """{name: full gradient} of the mean next-token loss on `ids` (each sequence's first token
-    the last one's target), from the gathered (softcapped) logits (megazoo's fused head-and-loss
-    does not cap)."""
+    the last one's target), from the gathered (softcapped) logits, or `fused`: from megazoo's
+    fused head-and-loss (the training path, which caps inside)."""
     from megazoo.models.language_model import gather_logits
     from megazoo.parallel.sharding import full_tensor
     model.zero_grad()
-    logits = gather_logits(model(ids), topo or ParallelTopology.single(), VOCAB)
     targets = ids.roll(-1, dims=1)  # (the whole sequence in: sequence parallelism splits it)
-    torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten()).backward()
+    if fused:
+        model(ids, labels=targets).mean().backward()
+    else:
+        logits = gather_logits(model(ids), topo or ParallelTopology.single(), VOCAB)
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten()).backward()
     return {n: p.grad if topo is None else full_tensor(p, topo, p.grad)
             for n, p in model.named_parameters()}
 
@@ -96,7 +99,7 @@ def _grads(model, ids, topo=None):
 GRAD_TOL = 3e-5  # of the model's largest gradient entry; see _grad_error
 
 
-def _grad_error(model, topo, ids, ref) -> float:
+def _grad_error(model, topo, ids, ref, fused=False) -> float:
     """The worst gradient error against `ref`, over the model's largest reference gradient entry
     (a bound for the whole model, not per element: the last layer scalars' gradients are rounding
     noise near 0, the final norm undoing a scale of the residual stream). Above the 1e-5 of
@@ -108,12 +111,13 @@ def _grad_error(model, topo, ids, ref) -> float:
     run the same batch, so each expert's gradient holds it twice."""
     scale = max(g.abs().max() for g in ref.values())
     worst = 0.0
-    for n, g in _grads(model, ids, topo).items():
+    for n, g in _grads(model, ids, topo, fused).items():
         g = g / topo.ep if ".experts." in n else g
         want = ref[n]
         if g.shape != want.shape:  # the word embedding, padded per tp: its real rows
             g, want = g[:VOCAB], want[:VOCAB]
-        worst = max(worst, ((g - want).abs().max() / scale).item())
+        error = ((g - want).abs().max() / scale).item()
+        worst = max(worst, error if error == error else float("inf"))  # NaN is no match
     return worst
 
 
@@ -137,6 +141,8 @@ def _worker(rank, cfg, full, ids, ref, released):
             worst[f"{name}{layout}"] = (logits - r).abs().max().item()
             if grads is not None:  # and every gradient (the experts' through the dispatch)
                 worst[f"{name}{layout} grads"] = _grad_error(model, topo, x, grads)
+                if layout == "tp2":  # the training loss: vocabulary-parallel, softcapped inside
+                    worst[f"{name}{layout} fused grads"] = _grad_error(model, topo, x, grads, True)
     topo = ParallelTopology.from_config(ParallelConfig(pp=2, first_stage_layers=4))
     split = 4
     chunk = build_model(cfg, topo, pre_process=rank == 0, post_process=rank == 1,
@@ -173,7 +179,8 @@ def test_tp2_pp2_and_ep2_equal_the_unsharded_model(pair, released_pairs, shared_
     assert set(worst) == {"tp2", "pp2", "31b-like tp2", "26b-a4b tp2", "26b-a4b tp2sp",
                           "26b-a4b ep2", "26b-a4b tp2 grads", "26b-a4b tp2sp grads",
                           "26b-a4b ep2 grads", "kv-shared tp2", "kv-shared tp2 grads",
-                          "kv-shared tp2sp", "kv-shared tp2sp grads"}, worst
+                          "kv-shared tp2sp", "kv-shared tp2sp grads", "26b-a4b tp2 fused grads",
+                          "kv-shared tp2 fused grads"}, worst
     assert max(v for k, v in worst.items() if "grads" not in k) < 1e-5, worst
     assert max(v for k, v in worst.items() if "grads" in k) < GRAD_TOL, worst
 

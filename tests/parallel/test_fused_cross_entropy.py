@@ -17,10 +17,12 @@ TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("padded,chunk", [(0, 1024), (24, 1024), (24, 7)])
-@pytest.mark.parametrize("row_softmax", [True, False])
-def test_matches_unfused(dtype, padded, chunk, row_softmax, monkeypatch):
+@pytest.mark.parametrize("row_softmax,softcap", [(True, None), (False, None), (True, 3.0),
+                                                 (False, 3.0)])
+def test_matches_unfused(dtype, padded, chunk, row_softmax, softcap, monkeypatch):
     """Both softmax paths (kernels/lm_head_loss.py `row_softmax`: the CPU's bf16 one, and the
-    separate passes every other device and dtype takes) in every dtype."""
+    separate passes every other device and dtype takes) in every dtype, with and without a
+    final logit softcap (c * tanh(x / c), Gemma's)."""
     monkeypatch.setattr(lm_head_loss, "CHUNK_TOKENS", chunk)  # several chunks, the last one ragged
     monkeypatch.setattr(fused, "row_softmax", lambda device, dtype: row_softmax)
     g = torch.Generator().manual_seed(0)
@@ -32,11 +34,14 @@ def test_matches_unfused(dtype, padded, chunk, row_softmax, monkeypatch):
     per_token = torch.rand(n, generator=g)  # a loss mask / mean: any per-token weights
 
     x1, w1 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-    loss = fused._LMHeadCrossEntropy.apply(x1, w1, target, C.SINGLE, vocab, True)
+    loss = fused._LMHeadCrossEntropy.apply(x1, w1, target, C.SINGLE, vocab, True, softcap)
     (loss * per_token).sum().backward()
 
     x2, w2 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-    logits = (x2 @ w2.t()).masked_fill(torch.arange(vocab + padded) >= vocab, float("-inf"))
+    logits = x2 @ w2.t()
+    if softcap is not None:
+        logits = torch.tanh(logits.float() / softcap) * softcap
+    logits = logits.masked_fill(torch.arange(vocab + padded) >= vocab, float("-inf"))
     ref = F.cross_entropy(logits.float(), target, reduction="none", ignore_index=-100)
     (ref * per_token).sum().backward()
 
