@@ -231,31 +231,40 @@ TRL_EXTRA = {**{(n, "*", "*"): "\n" for n in ("qwen2.5_7b_instruct", "qwen3_0.6b
              ("mistral_nemo_instruct_2407", 4, "*"): "how are things[/INST]"}
 
 
-def test_trl_dpo_trainer_gives_the_same_tokens_and_masks_that_differ_as_documented(folder):
-    """TRL's own DPO tokenization (`DPOTrainer._prepare_dataset`, called without a model) of the
-    pairs `check_pairs` renders: the tokens equal megazoo's for every template, and its mask
-    covers megazoo's plus exactly `TRL_EXTRA` (docs/post_training.md)."""
+def trl_dpo_pairs(tok, name: str, records: list[dict]):
+    """(record, key, TRL's tokenization, megazoo's `Rendered`) for each reply of each pair:
+    TRL 1.16's own DPO tokenization (`DPOTrainer._prepare_dataset`, called without a model)
+    beside megazoo's `render_pair`, whose tokens must equal TRL's prompt + reply ids."""
     import datasets
     from trl.trainer.dpo_trainer import DPOTrainer
     args = SimpleNamespace(dataset_num_proc=None, max_length=None, truncation_mode="keep_start")
+    renderer = ChatRenderer(tok, name=name)
+    theirs = DPOTrainer._prepare_dataset(SimpleNamespace(_tokenizer=tok),
+                                         datasets.Dataset.from_list(records), tok, args, name)
+    for record, trl in zip(records, theirs):
+        for key, ours in zip(("chosen", "rejected"), render_pair(renderer, record)):
+            assert trl["prompt_ids"] + trl[key + "_ids"] == ours.tokens.tolist(), \
+                (name, len(record["prompt"]), key)
+            yield record, key, trl, ours
+
+
+def test_trl_dpo_trainer_gives_the_same_tokens_and_masks_that_differ_as_documented(folder):
+    """TRL's own DPO tokenization of the pairs `check_pairs` renders: the tokens equal megazoo's
+    for every template, and its mask covers megazoo's plus exactly `TRL_EXTRA`
+    (docs/post_training.md)."""
     for name in sorted(CASES):
         tok = tokenizer(folder, name)
-        renderer = ChatRenderer(tok, name=name)
         reasoning = "field" if CASES[name][2].startswith("harmony") else "inline"
         records = [{"prompt": prompt, "chosen": [assistant(reasoning, *REPLIES[2])],
                     "rejected": [assistant(None, "", "no idea")]} for prompt in prompts(reasoning)]
-        theirs = DPOTrainer._prepare_dataset(SimpleNamespace(_tokenizer=tok),
-                                             datasets.Dataset.from_list(records), tok, args, name)
-        for record, trl in zip(records, theirs):
-            for key, ours in zip(("chosen", "rejected"), render_pair(renderer, record)):
-                what = (name, len(record["prompt"]), key)
-                assert trl["prompt_ids"] + trl[key + "_ids"] == ours.tokens.tolist(), what
-                start, mask = len(trl["prompt_ids"]), ours.assistant_mask.tolist()
-                assert not any(mask[:start]), what  # TRL learns all megazoo learns
-                extra = [t for t, m in zip(ours.tokens[start:].tolist(), mask[start:]) if not m]
-                want = next((v for k, v in TRL_EXTRA.items()
-                             if all(a in ("*", b) for a, b in zip(k, what))), "")
-                assert tok.decode(extra) == want, what
+        for record, key, trl, ours in trl_dpo_pairs(tok, name, records):
+            what = (name, len(record["prompt"]), key)
+            start, mask = len(trl["prompt_ids"]), ours.assistant_mask.tolist()
+            assert not any(mask[:start]), what  # TRL learns all megazoo learns
+            extra = [t for t, m in zip(ours.tokens[start:].tolist(), mask[start:]) if not m]
+            want = next((v for k, v in TRL_EXTRA.items()
+                         if all(a in ("*", b) for a, b in zip(k, what))), "")
+            assert tok.decode(extra) == want, what
 
 
 def test_sentencepiece_tokenizer_with_the_mistral_and_gemma_templates():

@@ -10,13 +10,13 @@ record is skipped with the reason), and malformed records."""
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
 
 import pytest
 
 from megazoo.data.chat import ChatRenderer, SkipRecord
 from megazoo.data.preference import render_pair
-from tests.data.test_data_chat_templates import expected_mask, same_mask, tokenizer
+from tests.data.test_data_chat_templates import (expected_mask, same_mask, tokenizer,
+                                                 trl_dpo_pairs)
 
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Weather of a city",
@@ -153,23 +153,15 @@ def test_trl_dpo_tokenizes_tool_records_to_the_same_tokens(folder):
     """TRL 1.16's DPO tokenization (`DPOTrainer._prepare_dataset`, the record's `tools` passed
     to the template) of the pairs above gives megazoo's tokens under every tool template, and
     learns at least what megazoo learns (docs/post_training.md says what more)."""
-    import datasets
-    from trl.trainer.dpo_trainer import DPOTrainer
-    args = SimpleNamespace(dataset_num_proc=None, max_length=None, truncation_mode="keep_start")
     for name in sorted(SUPPORTED):
         tok = tokenizer(folder, name)
-        renderer = ChatRenderer(tok, name=name)
         messages = conversation(SUPPORTED[name][0])
         records = [{"prompt": messages[:n], "chosen": [messages[n]],
                     "rejected": [{"role": "assistant", "content": "no idea"}],
                     "tools": json.dumps(TOOLS)} for n in (2, 4)]  # TRL takes JSON text too
-        theirs = DPOTrainer._prepare_dataset(SimpleNamespace(_tokenizer=tok),
-                                             datasets.Dataset.from_list(records), tok, args, name)
-        for record, trl in zip(records, theirs):
-            for key, ours in zip(("chosen", "rejected"), render_pair(renderer, record)):
-                what = (name, len(record["prompt"]), key)
-                assert trl["prompt_ids"] + trl[key + "_ids"] == ours.tokens.tolist(), what
-                assert not any(ours.assistant_mask[:len(trl["prompt_ids"])]), what
+        for record, key, trl, ours in trl_dpo_pairs(tok, name, records):
+            assert not any(ours.assistant_mask[:len(trl["prompt_ids"])]), \
+                (name, len(record["prompt"]), key)
 
 
 # templates that cannot render a tool call: they ignore tool_calls (the turn would be an empty
