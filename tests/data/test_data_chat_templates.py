@@ -18,7 +18,6 @@ from __future__ import annotations
 import re
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 
 from megazoo.data.chat import ChatRenderer, SkipRecord
