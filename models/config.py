@@ -218,6 +218,9 @@ class TransformerConfig(ModelCounts):
                 or not self.mtp_loss_scaling_factor >= 0:
             raise ValueError(f"--mtp-num-layers must be an integer >= 0 and --mtp-loss-scaling-factor "
                              f">= 0, got {self.mtp_num_layers} and {self.mtp_loss_scaling_factor}")
+        if self.mtp_num_layers and self.final_logit_softcapping is not None:
+            raise ValueError("final_logit_softcapping with --mtp-num-layers is not modelled (the "
+                             "prediction heads' loss does not cap); drop one")
         if self.position_embedding == "rope" and self.kv_lora_rank is None and self.head_dim % 2:
             source = f"--kv-channels {self.kv_channels}" if self.kv_channels else (
                 f"--hidden-size {self.hidden_size} / --num-attention-heads {self.num_attention_heads}")

@@ -187,9 +187,6 @@ class TransformerLanguageModel(nn.Module):
                                          self.config.vocab_size, softcap).t()
             if self.mtp is None:
                 return loss
-            if softcap is not None:
-                raise ValueError("final_logit_softcapping with --mtp-num-layers is not modelled "
-                                 "(the prediction heads' loss does not cap); drop one")
             if documents is not None:
                 raise ValueError("--mtp-num-layers with packed documents is not modelled (the "
                                  "shifted targets would cross documents); drop one")

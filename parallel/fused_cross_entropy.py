@@ -65,13 +65,19 @@ class _LMHeadCrossEntropy(torch.autograd.Function):
             empty_large((rows_max, v_local), torch.float32, device)
         # --final-logit-softcapping: the loss sees c * tanh(x / c); the stored gradient is taken
         # through it (times the slope 1 - tanh^2, kept here per chunk), so backward is unchanged
-        slope = None if softcap is None else empty_large((rows_max, v_local), torch.float32, device)
+        slope = None if softcap is None or not need_grad else \
+            empty_large((rows_max, v_local), torch.float32, device)
 
-        def cap(rows, f):
-            """f (fp32 logits of `rows`) capped in place; the chunk's slope into `slope`."""
-            t = torch.div(f, softcap, out=slope[:f.shape[0]]).tanh_()
-            torch.mul(t, softcap, out=f)
-            t.square_().neg_().add_(1.0)
+        def cap(f):
+            """f (fp32 logits of a chunk) capped in place; with gradients, the slope into
+            `slope` (zero on the vocabulary padding, where f becomes -inf)."""
+            if slope is None:
+                f.div_(softcap).tanh_().mul_(softcap)
+            else:
+                t = torch.div(f, softcap, out=slope[:f.shape[0]]).tanh_()
+                torch.mul(t, softcap, out=f)
+                t.square_().neg_().add_(1.0)
+                t[:, pad_from:] = 0.0
             if pad_from < v_local:
                 f[:, pad_from:] = float("-inf")
 
@@ -98,10 +104,8 @@ class _LMHeadCrossEntropy(torch.autograd.Function):
             if pad_from < v_local and softcap is None:  # padded rows never enter the softmax
                 logits[:, pad_from:] = float("-inf")
             f = as_fp32(rows, logits)  # a scratch chunk, or the stored rows themselves
-            if softcap is not None:
-                cap(rows, f)
-                if tp > 1 and need_grad:  # the second pass below reads the capped logits
-                    store_rows(rows, f)
+            if softcap is not None:  # (fp32 storage keeps the capped logits for tp > 1's second
+                cap(f)              # pass; bf16 keeps the matmul's exact output, capped again)
             picked[rows] = f.gather(1, local_t[rows]).squeeze(1)
             row_max[rows] = m = f.amax(1)
             finite_max = m.clamp_min(torch.finfo(m.dtype).min)  # a shard of padding only: -inf
@@ -127,7 +131,9 @@ class _LMHeadCrossEntropy(torch.autograd.Function):
             for i in range(0, n if need_grad else 0, step):  # exp(x - max) / sum, as tp = 1 does
                 rows = slice(i, min(i + step, n))
                 f = as_fp32(rows, grad_logits[rows])
-                if softcap is not None:  # the slope from the capped logits: 1 - (y / c)^2
+                if softcap is not None and store != torch.float32:
+                    cap(f)  # the stored matmul output, capped as in the first pass
+                elif softcap is not None:  # capped in place there: the slope is 1 - (y / c)^2
                     torch.div(f, softcap, out=slope[:f.shape[0]]).square_().neg_().add_(1.0)
                     slope[:f.shape[0], pad_from:] = 0.0  # padding: -inf there, no gradient
                 f.sub_(global_max[rows].unsqueeze(1)).exp_()

@@ -145,8 +145,12 @@ def check_grpo_prompt(tok, name, folder, prompt) -> None:
     want = tok.apply_chat_template(prompt, tools=TOOLS, add_generation_prompt=True,
                                    tokenize=True, return_dict=True)["input_ids"]
     assert render(loaded, {"messages": prompt, "tools": TOOLS}, True, name) == list(want), name
-    with pytest.raises(ValueError, match="needs the chat template"):
-        render(loaded, {"prompt": "hi", "tools": TOOLS}, False, name)
+    for tools in (TOOLS, json.dumps(TOOLS)):
+        with pytest.raises(ValueError, match="needs the chat template"):
+            render(loaded, {"prompt": "hi", "tools": tools}, False, name)
+    with pytest.raises(ValueError, match="chat_template_kwargs"):
+        render(loaded, {"messages": prompt, "chat_template_kwargs": {"enable_thinking": False}},
+               True, name)
 
 
 def test_trl_dpo_tokenizes_tool_records_to_the_same_tokens(folder):

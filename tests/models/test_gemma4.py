@@ -121,6 +121,30 @@ def _grad_error(model, topo, ids, ref, fused=False) -> float:
     return worst
 
 
+def _fused_bf16_softcap_error(topo, cap: float = 30.0) -> float:
+    """The vocabulary-parallel fused loss in bf16 with Gemma's cap (c = 30, logits up to ~60, a
+    shard holding padding) against F.cross_entropy of the capped fp32 logits of the same bf16
+    inputs: the worst gradient error over the largest reference entry (6.1e-3: bf16 rounding;
+    gradients taken from bf16-rounded capped logits, an earlier version, were off by 2.0e-2)."""
+    from megazoo.parallel import collectives as C
+    from megazoo.parallel.fused_cross_entropy import _LMHeadCrossEntropy
+    g = torch.Generator().manual_seed(7)
+    n, vocab, padded = 24, 50, 64  # tp2: rank 1 holds 18 real columns and 14 of padding
+    x, w = torch.randn(n, 16, generator=g).bfloat16(), (2 * torch.randn(padded, 16, generator=g)).bfloat16()
+    target = torch.randint(0, vocab, (n,), generator=g)
+    xr, wr = x.float().requires_grad_(), w.float().requires_grad_()
+    logits = (torch.tanh(xr @ wr.t() / cap) * cap).masked_fill(torch.arange(padded) >= vocab,
+                                                                 float("-inf"))
+    torch.nn.functional.cross_entropy(logits, target, reduction="sum").backward()
+    rows = slice(topo.tp_rank * padded // 2, (topo.tp_rank + 1) * padded // 2)
+    xs, ws = x.clone().requires_grad_(), w[rows].clone().requires_grad_()
+    _LMHeadCrossEntropy.apply(xs, ws, target, topo.tp_group, vocab, True, cap).sum().backward()
+    dx = C.all_reduce(xs.grad.float(), topo.tp_group)  # (the model's copy_to_tp does this)
+    scale = max(xr.grad.abs().max(), wr.grad.abs().max())
+    worst = max((dx - xr.grad).abs().max(), (ws.grad.float() - wr.grad[rows]).abs().max())
+    return (worst / scale).item()
+
+
 def _worker(rank, cfg, full, ids, ref, released):
     import torch.distributed as dist
 
@@ -130,6 +154,8 @@ def _worker(rank, cfg, full, ids, ref, released):
                "ep2": ParallelConfig(ep=2)}
     for layout, parallel in layouts.items():  # one topology per layout: groups are slow to make
         topo = ParallelTopology.from_config(parallel)
+        if layout == "tp2":
+            worst["fused bf16 softcap"] = _fused_bf16_softcap_error(topo)
         for name, case in [("", (cfg, full, ids, ref, None))] * (layout == "tp2") + released:
             c, f, x, r, grads = case
             if layout == "ep2" and not c.num_experts or layout == "tp2sp" and grads is None:
@@ -180,7 +206,8 @@ def test_tp2_pp2_and_ep2_equal_the_unsharded_model(pair, released_pairs, shared_
                           "26b-a4b ep2", "26b-a4b tp2 grads", "26b-a4b tp2sp grads",
                           "26b-a4b ep2 grads", "kv-shared tp2", "kv-shared tp2 grads",
                           "kv-shared tp2sp", "kv-shared tp2sp grads", "26b-a4b tp2 fused grads",
-                          "kv-shared tp2 fused grads"}, worst
+                          "kv-shared tp2 fused grads", "fused bf16 softcap"}, worst
+    assert worst.pop("fused bf16 softcap") < 1e-2, worst
     assert max(v for k, v in worst.items() if "grads" not in k) < 1e-5, worst
     assert max(v for k, v in worst.items() if "grads" in k) < GRAD_TOL, worst
 
@@ -356,3 +383,12 @@ def test_released_vision_bidirectional_setting_is_causal_over_text(pair):
     ids = torch.randint(3, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         torch.testing.assert_close(model(ids)[..., :VOCAB], vision(ids).logits, **TOL)
+
+
+def test_softcap_with_prediction_heads_is_refused_at_configuration():
+    """The fused loss caps the main head's logits; the MTP heads' loss does not: refused when the
+    config is made, not at the first training step."""
+    from megazoo.models.config import TransformerConfig
+    with pytest.raises(ValueError, match="final_logit_softcapping with --mtp-num-layers"):
+        TransformerConfig(vocab_size=64, hidden_size=32, num_layers=2, num_attention_heads=4,
+                          mtp_num_layers=1, final_logit_softcapping=30.0)

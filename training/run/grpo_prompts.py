@@ -6,11 +6,16 @@ from __future__ import annotations
 
 import json
 
-from megazoo.data.chat import SkipRecord, tools_of
+from megazoo.data.chat import SkipRecord, refuse_template_kwargs, tools_of
 from megazoo.data.tokenizers import TokenizerError
 
 
 def render(tok, record: dict, chat: bool, where: str) -> list[int]:
+    try:  # (as chat SFT and DPO: a record's own template arguments are not applied)
+        refuse_template_kwargs(record)
+        tools = tools_of(record)
+    except SkipRecord as e:
+        raise ValueError(f"{where}: {e}") from None
     if "messages" in record or chat:
         template = getattr(tok, "chat_template", None)
         if not template:
@@ -18,14 +23,10 @@ def render(tok, record: dict, chat: bool, where: str) -> list[int]:
                                  f"`prompt` strings without the chat flag")
         from transformers.utils.chat_template_utils import render_jinja_template
         chat_ = record.get("messages") or [{"role": "user", "content": record["prompt"]}]
-        try:
-            tools = tools_of(record)
-        except SkipRecord as e:
-            raise ValueError(f"{where}: {e}") from None
         rendered, _ = render_jinja_template([chat_], tools=tools, chat_template=template,
                                             add_generation_prompt=True, **tok.special_tokens())
         return tok.encode(rendered[0])
-    if record.get("tools"):
+    if tools:
         raise ValueError(f"{where}: `tools` needs the chat template (a plain `prompt` string is "
                          f"encoded as is); give `messages` or the chat flag")
     return tok.encode(record["prompt"])

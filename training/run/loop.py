@@ -2,8 +2,8 @@
 
     trainer = topology, this rank's model chunks, ZeRO optimizer, data, logging (resumed with --load)
     each iteration: step (health policy) -> log window -> evaluate -> tasks -> stop? -> save
-    at the end: the validation loss (when the last iteration was not evaluated), the final
-    checkpoint and the run report
+    at the end: the final checkpoint, the validation loss (when the last iteration was not
+    evaluated; after the save, as Megatron-LM), the run report
 
 Resume is exact: the checkpoint holds the weights, optimizer shards, loss scaler, every rank's
 RNG streams, the iteration and the consumed-samples count (the LR and batch-size schedules are
@@ -43,8 +43,12 @@ def pretrain(model_provider, run: RunConfig) -> TrainResult:
                     trainer.stop(signum, why)
                     stopped = True
                     break
-            if trainer.done and not stopped:
+            trainer.save_final()
+            if trainer.done and not stopped:  # as Megatron-LM: after the final save
                 trainer.evaluate_if_due(stops, at_end=True)
+                with trainer.watchdog.collective("all_reduce(stop request)"):
+                    signum, _ = stops.agreed(trainer.state.iteration, trainer.topo.device)
+                trainer.result.stop_signal = signum  # a signal during it: its exit code, no report
             trainer.finish()
     finally:
         trainer.close()

@@ -348,10 +348,8 @@ class Trainer:
             logger.warning("%s: stopping at iteration %d%s", why, self.state.iteration,
                            ", checkpoint written" if self.run.checkpoint.save else "")
 
-    def finish(self) -> None:
-        """The final state saved (unless just saved) and on disk, the run report (not after a stop
-        signal: the scheduler's grace period is for the checkpoint, and drawing takes seconds), the
-        summary."""
+    def save_final(self) -> None:
+        """The final state saved (unless just saved) and on disk."""
         save_dir = self.run.checkpoint.save
         if save_dir and self.result.checkpoint != ckpt.iteration_dir(save_dir, self.state.iteration):
             self.save_now()
@@ -359,6 +357,11 @@ class Trainer:
             with self.watchdog.collective("checkpoint write in the background (wait, commit)",
                                           patient=True):
                 self.writer.wait()
+
+    def finish(self) -> None:
+        """The run report (not after a stop signal: the scheduler's grace period is for the
+        checkpoint, and drawing takes seconds), the summary."""
+        save_dir = self.run.checkpoint.save
         if self.topo.rank == 0 and self.run.run_dir and self.result.stop_signal:
             logger.info("run report not drawn: stopping on a signal; draw it with "
                         "tools/report.py %s", self.run.run_dir)
