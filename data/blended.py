@@ -189,9 +189,19 @@ def build_blend_splits(blend: Blend, split: str, num_samples: tuple[int, int, in
         if not parts or not num_samples[i]:
             out.append(None)
             continue
+        empty = [blend.prefixes[k] for k, ds in enumerate(per_prefix) if ds[i] is None]
+        if empty:  # megatron-core never returns here; megazoo blends the others, and says so
+            logger.warning("--data-path: the %s split of --split %s holds no document of %s; "
+                           "blending the other prefixes alone (give it a larger share or drop "
+                           "it)", name, split, ", ".join(empty))
         if targets is None:
             weights = [len(d) for d, _ in parts]
             size = min(num_samples[i], sum(weights))
+            if size < num_samples[i]:
+                logger.warning("--data-path without weights blends one epoch of each prefix: the "
+                               "%s split holds %d of the %d samples asked, and is read again in "
+                               "the same order; give weights for more epochs", name, size,
+                               num_samples[i])
         else:
             weights = [blend.weights[k] for _, k in parts]
             size = sum(targets[k][i] for _, k in parts)

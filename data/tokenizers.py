@@ -268,6 +268,9 @@ class HFTokenizer:
         # the folder's pad and eos tokens (tokenizer_config.json, special_tokens_map.json), by id
         specials = {**self.config, **_read_json(os.path.join(self.folder, "special_tokens_map.json"))}
         self.pad, self.eos = (vocab.get(_token_text(specials.get(k)) or "") for k in ("pad_token", "eos_token"))
+        self.special_ids = {vocab[t] for k, v in specials.items()  # bos, unk, ... (not pad)
+                            if k.endswith("_token") and k != "pad_token"
+                            and (t := _token_text(v)) is not None and t in vocab}
 
     def special_tokens(self) -> dict[str, str]:
         """bos_token, eos_token, ... as strings (for chat templates)."""
@@ -305,6 +308,7 @@ class SentencePieceTokenizer:
             raise TokenizerError(f"{model_file}: model has no eos id; retrain with --eos_id set")
         self.eod = eos
         self.pad = self._sp.pad_id() if self._sp.pad_id() >= 0 else None  # -1: the model has none
+        self.special_ids = {i for i in (self._sp.bos_id(), self._sp.unk_id(), eos) if i >= 0}
 
     def encode(self, text: str) -> list[int]:
         return self._sp.encode(text)
@@ -344,14 +348,15 @@ class NullTokenizer:
 
 def loss_pad_id(tok) -> int | None:
     """The pad id whose labels megatron-core's GPTDataset leaves out of the loss (and maps to 0):
-    the tokenizer's pad id when it has one and it is not its end-of-document or eos id (megatron-core
-    then falls back to -1, an id no data holds); else None."""
+    the tokenizer's pad id when it has one and it is none of its other special tokens (end of
+    document, eos, bos, unk, ...: megatron-core compares it with every one and then falls back to
+    -1, an id no data holds); else None."""
     pad = getattr(tok, "pad", None)
     if pad is None or pad < 0:
         return None
-    if pad in (tok.eod, getattr(tok, "eos", None)):
-        logger.info("the tokenizer's pad id %d is also its end-of-document/eos id: no pad masking "
-                    "(as megatron-core)", pad)
+    if pad in (tok.eod, getattr(tok, "eos", None)) or pad in getattr(tok, "special_ids", ()):
+        logger.info("the tokenizer's pad id %d is also another of its special tokens: no pad "
+                    "masking (as megatron-core)", pad)
         return None
     return pad
 

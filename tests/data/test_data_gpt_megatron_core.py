@@ -351,3 +351,7 @@ def test_pad_id_loss_mask(corpora, tmp_path):
         (tmp_path / "hf" / "tokenizer_config.json").write_text(json.dumps({"pad_token": pad_token}))
         tok = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=str(tmp_path / "hf"))
         assert loss_pad_id(tok) == want, pad_token
+    # a pad that is also another special token (Llama-2-derived folders: pad = unk or bos): none
+    (tmp_path / "hf" / "tokenizer_config.json").write_text(json.dumps(
+        {"pad_token": "!", "unk_token": "!", "bos_token": "a"}))
+    assert loss_pad_id(build_tokenizer("HuggingFaceTokenizer", tokenizer_model=str(tmp_path / "hf"))) is None

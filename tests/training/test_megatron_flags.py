@@ -202,6 +202,9 @@ def test_everyday_megatron_switches_honoured_or_refused(caplog, tmp_path):
     with caplog.at_level(logging.INFO, logger="megazoo.train"):
         _config("--override-opt-param-scheduler")
     assert sum("override-opt_param-scheduler" in r.getMessage() for r in caplog.records) == 1
+    # --train-iters with --train-samples: refused, as Megatron-LM refuses them together
+    with pytest.raises(ArgumentError, match="--train-iters or --train-samples, not both"):
+        _config("--train-samples", "80")
     # honoured: selective recompute, squared ReLU
     assert _config("--recompute-activations").model.recompute_granularity == "selective"
     assert plain.model.recompute_granularity is None

@@ -303,6 +303,9 @@ def schedule_config(args, parallel, dp: int, gbs: int) -> ScheduleConfig:
     """Iterations, the learning-rate schedule (samples turned into iterations) and the batch ramp."""
     if args.train_iters is None and args.train_samples is None:
         _fail("give --train-iters or --train-samples")
+    if args.train_iters is not None and args.train_samples is not None:
+        _fail(f"give --train-iters or --train-samples, not both (--train-iters {args.train_iters}, "
+              f"--train-samples {args.train_samples}), as Megatron-LM refuses them together")
     train_iters = args.train_iters or args.train_samples // gbs  # Megatron's update_train_iters
     if not train_iters:
         _fail(f"--train-samples {args.train_samples} is less than one global batch ({gbs}): nothing "

@@ -203,7 +203,8 @@ def read(folder: str, optimizer: bool, hf_config: str | None):
                 f"({model_type}), or the run saved with exclude_frozen_parameters=True (as the "
                 f"Trainer does for PEFT models), which megazoo does not import") from None
     steps = {int(st["step"]) for o in osds for st in _group_states(o, stage, groups) if "step" in st}
-    iteration = int(states.get("global_steps") or _STEP.fullmatch(os.path.basename(folder))[1])
+    named = _STEP.fullmatch(os.path.basename(os.path.normpath(folder)))
+    iteration = int(states.get("global_steps") or (named[1] if named else 0))
     step = max(steps) if steps else iteration
     meta = dict(consumed_samples=int(states.get("global_samples") or 0),
                 skipped_steps=int(states.get("skipped_steps") or 0),
