@@ -50,6 +50,11 @@ def pair():
     with torch.no_grad():  # transformers keeps the scalars as buffers (perturbed moves parameters)
         for i, layer in enumerate(hf.model.layers):
             layer.layer_scalar.fill_(0.75 + 0.1 * i)
+    return _with_megazoo(hf)
+
+
+def _with_megazoo(hf):
+    """(hf, megazoo config, megazoo model with hf's weights), unsharded, in eval mode."""
     cfg = adapter.config_from_hf(hf.config).replace(make_vocab_size_divisible_by=8)
     topo = ParallelTopology.single()
     model = build_model(cfg, topo).eval()
@@ -248,11 +253,7 @@ def released_pairs():
         with torch.no_grad():
             for i, layer in enumerate(hf.model.layers):
                 layer.layer_scalar.fill_(0.8 + 0.05 * i)
-        cfg = adapter.config_from_hf(hf.config).replace(make_vocab_size_divisible_by=8)
-        topo = ParallelTopology.single()
-        model = build_model(cfg, topo).eval()
-        load_full_state_dict(model, adapter.from_hf_state_dict(hf.state_dict(), cfg), topo)
-        out[name] = hf, cfg, model
+        out[name] = _with_megazoo(hf)
     return out
 
 
@@ -304,11 +305,7 @@ def shared_pair():
         num_kv_shared_layers=3, use_double_wide_mlp=True, attention_k_eq_v=True,
         num_global_key_value_heads=1, hidden_size_per_layer_input=6,
         vocab_size_per_layer_input=VOCAB + 5)))
-    cfg = adapter.config_from_hf(hf.config).replace(make_vocab_size_divisible_by=8)
-    topo = ParallelTopology.single()
-    model = build_model(cfg, topo).eval()
-    load_full_state_dict(model, adapter.from_hf_state_dict(hf.state_dict(), cfg), topo)
-    return hf, cfg, model
+    return _with_megazoo(hf)
 
 
 def test_kv_sharing_and_per_layer_inputs_equal_transformers(shared_pair):

@@ -284,7 +284,7 @@ def test_matrix_imports_as_deepspeed_reads_it(name, request, tmp_path):
     full = read_full_state(folder)
     _, module, hf_config = read_hf_config(hf)
     config = module.config_from_hf(hf_config)
-    engine = torch.load(os.path.join(out, name + "-states.pt"))
+    engine = torch.load(os.path.join(out, name + "-states.pt"), weights_only=True)
     want = {state: module.from_hf_state_dict(engine[state], config) for state in engine}
     zero_to_fp32 = module.from_hf_state_dict(get_fp32_state_dict_from_zero_checkpoint(root), config)
     assert set(zero_to_fp32) == set(full.optim["master"])
