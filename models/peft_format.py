@@ -31,10 +31,12 @@ class AdapterError(ValueError):
     """A PEFT adapter folder megazoo cannot use (the message names the file and the field)."""
 
 
-def read_adapter_config(folder: str, family: str = "llama", q_lora_rank: int | None = None) -> dict:
-    """{rank, alpha, dropout, targets, rslora} of a PEFT LoRA folder, every field checked."""
+def read_adapter_config(folder: str, family: str = "llama", q_lora_rank: int | None = None,
+                        weights: bool = True) -> dict:
+    """{rank, alpha, dropout, targets, rslora} of a PEFT LoRA folder, every field checked
+    (`weights` False: adapter_config.json alone, the tensors being elsewhere)."""
     path = os.path.join(folder, CONFIG)
-    if not os.path.isfile(path) or not os.path.isfile(os.path.join(folder, WEIGHTS)):
+    if not os.path.isfile(path) or (weights and not os.path.isfile(os.path.join(folder, WEIGHTS))):
         raise AdapterError(f"--lora-init {folder}: needs {CONFIG} and {WEIGHTS} "
                            f"(a folder written by PeftModel.save_pretrained)")
     with open(path) as f:
@@ -74,13 +76,21 @@ def _names(config, targets):
 def read_adapter(folder: str, targets: tuple[str, ...], config) -> dict[str, torch.Tensor]:
     """The adapter's tensors by megazoo name (fp32, megazoo's row layout); every tensor mapped,
     every target present."""
-    sd = {k.replace(".default.weight", ".weight"): v
-          for k, v in load_file(os.path.join(folder, WEIGHTS)).items()}
+    return from_peft_keys(load_file(os.path.join(folder, WEIGHTS)), targets, config,
+                          f"{folder}/{WEIGHTS}")
+
+
+def from_peft_keys(sd: dict[str, torch.Tensor], targets: tuple[str, ...], config,
+                   where: str) -> dict[str, torch.Tensor]:
+    """Adapter tensors under PEFT's keys (saved: `...lora_A.weight`; a live PeftModel's
+    parameters: `...lora_A.default.weight`) by megazoo name (fp32, megazoo's row layout); every
+    key mapped, every target present, else AdapterError naming `where`."""
+    sd = {k.replace(".default.weight", ".weight"): v for k, v in sd.items()}
     names = _names(config, targets)
     unknown = sorted(set(sd) - set(names))
     missing = sorted(set(names) - set(sd))
     if unknown or missing:
-        raise AdapterError(f"{folder}/{WEIGHTS}: does not match its {CONFIG} and the model "
+        raise AdapterError(f"{where}: does not match its {CONFIG} and the model "
                            f"({config.family}, {config.num_layers} layers): missing {missing[:2]}, "
                            f"unexpected {unknown[:2]}")
     return {name: lt.to_megazoo_rows(config, mz, w, sd[key].float())

@@ -44,6 +44,7 @@ class Case(NamedTuple):
     world: int = WORLD
     frozen: bool = False  # the embedding not trained; also saved without it: <case>-exclude-frozen
     sub_group_size: int | None = None  # ZeRO-3: several optimizer sub-groups per parameter group
+    lora: bool = False  # a PEFT LoRA model, saved as the Trainer saves it (adapters only)
 
 
 MATRIX = {
@@ -54,7 +55,17 @@ MATRIX = {
     "zero2-moe": Case(2, model="qwen2_moe", groups=2),
     "zero2-world3": Case(2, groups=2, world=3), "zero3-world3": Case(3, groups=2, world=3),
     "zero2-frozen": Case(2, frozen=True), "zero3-frozen": Case(3, frozen=True),
+    "zero1-fp16": Case(1, "fp16"), "zero2-fp16": Case(2, "fp16"), "zero3-fp16": Case(3, "fp16"),
+    "zero2-lora": Case(2, trainer=True, lora=True), "zero3-lora": Case(3, trainer=True, lora=True),
 }
+# fp16: DeepSpeed's dynamic loss scaling with a short window, so the scale grows within the run
+FP16 = {"enabled": True, "initial_scale_power": 16, "loss_scale_window": 2, "hysteresis": 2,
+        "min_loss_scale": 1}
+# LoRA: PEFT's config (every projection; random B, so the adapters change the logits from the
+# start)
+LORA = dict(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False,
+            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                            "down_proj"])
 
 
 def llama_config(tied: bool = False):
@@ -144,15 +155,31 @@ def _param_groups(model, decay):
             {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
 
 
+def peft_model(model):
+    """PEFT's own LoRA model over `model` (LORA's config, adapters seeded)."""
+    from peft import LoraConfig, get_peft_model
+    torch.manual_seed(1)
+    return get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", **LORA))
+
+
 def _engine(stage: int, dtype: str, universal: bool = False, kind: str = "llama", decay=None,
-            frozen: bool = False, sub_group_size: int | None = None):
+            frozen: bool = False, sub_group_size: int | None = None, lora: bool = False):
     import deepspeed
     model = _model(kind)
     model.get_input_embeddings().weight.requires_grad_(not frozen)
+    if lora:
+        model = peft_model(model)
+    if dtype == "fp16":
+        # DeepSpeed 0.19.8's CPU accelerator says fp16 is unsupported where oneDNN has no fp16
+        # kernels ("ValueError: Type fp16 is not supported on your device."); torch computes
+        # fp16 on any CPU, so the engine's check is lifted for these runs
+        from deepspeed.accelerator import get_accelerator
+        get_accelerator().is_fp16_supported = lambda: True
     zero = {"stage": stage, **({"sub_group_size": sub_group_size} if sub_group_size else {})}
     config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1,
               "zero_optimization": zero, "zero_allow_untested_optimizer": True,
               "bf16": {"enabled": dtype == "bf16"}, "gradient_clipping": 0.0,
+              **({"fp16": FP16} if dtype == "fp16" else {}),
               "steps_per_print": 10 ** 6, "wall_clock_breakdown": False}
     if universal:
         config["checkpoint"] = {"load_universal": True}
@@ -194,6 +221,8 @@ def _full_states(engine) -> dict:
         opt._lazy_init_hp_params_optimizer_state()
     out = {"master": {}, "exp_avg": {}, "exp_avg_sq": {}}
     for name, p in engine.module.named_parameters():
+        if not p.requires_grad:  # a PEFT model's frozen base: not in the optimizer
+            continue
         out["master"][name] = safe_get_full_fp32_param(p).float().clone()
         for state in ("exp_avg", "exp_avg_sq"):
             out[state][name] = safe_get_full_optimizer_state(p, state).float().clone()
@@ -209,20 +238,30 @@ def train(out: str) -> None:
         c = case(name)
         engine = _engine(c.stage, c.dtype, kind=c.model,
                          decay=set(decay[c.model]) if c.groups == 2 else None, frozen=c.frozen,
-                         sub_group_size=c.sub_group_size)
+                         sub_group_size=c.sub_group_size, lora=c.lora)
         losses = [_step(engine, s) for s in range(TRAIN_STEPS)]
-        engine.save_checkpoint(checkpoint_root(out, name))  # tag: global_step<N>, as the Trainer
+        # tag: global_step<N>, as the Trainer; a PEFT model without its frozen base, as the Trainer
+        engine.save_checkpoint(checkpoint_root(out, name), exclude_frozen_parameters=c.lora)
         if c.frozen:  # as the Trainer saves PEFT models
             engine.save_checkpoint(os.path.join(out, name + "-exclude-frozen"),
                                    exclude_frozen_parameters=True)
         record = dict(stage=c.stage, dtype=c.dtype, losses=losses, logits=_logits(engine))
         states = None if name in CASES or c.frozen else _full_states(engine)
-        if name in CASES:  # the resume tests' cases
+        if c.dtype == "fp16":  # DeepSpeed's dynamic loss scaler as saved
+            scaler = engine.optimizer.loss_scaler
+            record["scaler"] = {k: getattr(scaler, k) for k in (
+                "cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")}
+            record["skipped"] = engine.skipped_steps
+        if name in CASES or c.lora:  # the resume tests' cases
             record["next"] = [_step(engine, s)
                               for s in range(TRAIN_STEPS, TRAIN_STEPS + NEXT_STEPS)]
         if torch.distributed.get_rank() == 0:
-            CONFIGS[c.model]().save_pretrained(os.path.join(out, name + "-hf"))
-            if c.trainer:  # the Trainer saves the model's config.json beside DeepSpeed's files
+            if c.lora:  # the base model's folder; PEFT's adapter_config.json in checkpoint-N
+                _model(c.model).save_pretrained(os.path.join(out, name + "-hf"))
+                engine.module.peft_config["default"].save_pretrained(checkpoint_root(out, name))
+            else:
+                CONFIGS[c.model]().save_pretrained(os.path.join(out, name + "-hf"))
+            if c.trainer and not c.lora:  # the Trainer saves config.json beside DeepSpeed's files
                 CONFIGS[c.model]().save_pretrained(checkpoint_root(out, name))
             with open(os.path.join(out, name + ".json"), "w") as f:
                 json.dump(record, f)

@@ -31,7 +31,7 @@ import re
 import torch
 
 from megazoo.training.checkpoint import format as ckpt
-from megazoo.training.checkpoint.foreign import safe_load
+from megazoo.training.checkpoint.foreign import deepspeed_loss_scale, deepspeed_peft, safe_load
 from megazoo.training.checkpoint.reshard import FullState
 
 logger = logging.getLogger(__name__)
@@ -149,7 +149,16 @@ def trainer_config(folder: str) -> str | None:
 
 
 def read(folder: str, optimizer: bool, hf_config: str | None):
-    if not hf_config:
+    path = _zero_model_states(folder)
+    states = safe_load.load(path)
+    shapes = states.get("param_shapes")
+    if not shapes:
+        raise ckpt.CheckpointError(f"{path} records no param_shapes; it is not a ZeRO checkpoint")
+    shapes = shapes if isinstance(shapes, list) else [shapes]
+    peft = deepspeed_peft.is_peft(n for names in shapes for n in names)
+    if peft:  # the adapters of a PEFT model: the base from --hf-config or the frozen records
+        hf_config = deepspeed_peft.base_folder(folder, hf_config, shapes[0])
+    elif not hf_config:
         hf_config = trainer_config(folder)
         if not hf_config:
             raise ckpt.CheckpointError(f"{folder}: a DeepSpeed ZeRO checkpoint records no model "
@@ -160,14 +169,9 @@ def read(folder: str, optimizer: bool, hf_config: str | None):
     from megazoo.training.checkpoint.hf import read_hf_config
     model_type, module, hf = read_hf_config(hf_config)
     config = module.config_from_hf(hf)
-    path = _zero_model_states(folder)
-    states = safe_load.load(path)
-    shapes = states.get("param_shapes")
-    if not shapes:
-        raise ckpt.CheckpointError(f"{path} records no param_shapes; it is not a ZeRO checkpoint")
-    shapes = shapes if isinstance(shapes, list) else [shapes]
+    lora = deepspeed_peft.lora_record(folder, config, shapes[0]) if peft else None
     frozen = states.get("frozen_param_shapes") or {}
-    if frozen and optimizer:  # DeepSpeed's "frozen": not in the optimizer (requires_grad False)
+    if frozen and optimizer and not peft:  # DeepSpeed's "frozen": not in the optimizer
         raise ckpt.CheckpointError(
             f"{path}: {len(frozen)} parameters were not trained (frozen_param_shapes, e.g. "
             f"{next(iter(frozen))}), so they have no fp32 master nor Adam moments; import the "
@@ -185,7 +189,9 @@ def read(folder: str, optimizer: bool, hf_config: str | None):
     if optimizer:
         for s in ("exp_avg", "exp_avg_sq"):
             per_state[s] = [[st[s] for st in _group_states(o, stage, groups)] for o in osds]
-    full = {}
+    full, world_frozen = {}, None
+    if frozen:
+        world_frozen = _frozen_weights(folder, states, stage, world)
     for state, ranks in per_state.items():
         if stage == 3:
             flat = _unflatten_zero3([torch.cat(list(r)) for r in ranks], shapes, folder)
@@ -193,15 +199,18 @@ def read(folder: str, optimizer: bool, hf_config: str | None):
             merged = [torch.cat([r[g] for r in ranks]) for g in range(groups)]
             flat = _unflatten_zero12(merged, shapes, osds[0].get("param_alignment_paddings"),
                                      world, folder)
+        if peft:
+            full[state] = deepspeed_peft.adapters(flat, config, lora, folder)
+            continue
         if frozen:  # weights only (refused above with the optimizer)
-            flat.update(_frozen_weights(folder, states, stage, world))
+            flat.update(world_frozen)
         try:
             full[state] = {k: v.float() for k, v in module.from_hf_state_dict(flat, config).items()}
         except KeyError as e:
             raise ckpt.CheckpointError(
                 f"{folder}: the parameters lack {e}; they do not match {hf_config}/config.json "
-                f"({model_type}), or the run saved with exclude_frozen_parameters=True (as the "
-                f"Trainer does for PEFT models), which megazoo does not import") from None
+                f"({model_type}), or the run saved with exclude_frozen_parameters=True: its "
+                f"frozen parameters are in no file; import a save that kept them") from None
     steps = {int(st["step"]) for o in osds for st in _group_states(o, stage, groups) if "step" in st}
     named = _STEP.fullmatch(os.path.basename(os.path.normpath(folder)))
     iteration = int(states.get("global_steps") or (named[1] if named else 0))
@@ -209,7 +218,11 @@ def read(folder: str, optimizer: bool, hf_config: str | None):
     meta = dict(consumed_samples=int(states.get("global_samples") or 0),
                 skipped_steps=int(states.get("skipped_steps") or 0),
                 source=dict(format=f"deepspeed-zero{stage}", folder=os.path.abspath(folder)))
+    weights = dict(full["master"])
+    if peft:
+        weights.update(deepspeed_peft.base_weights(hf_config, module, config, world_frozen, folder))
+        meta["lora"] = lora
     optim = full if optimizer else {}
-    scalars = {"iteration": torch.tensor(iteration), "applied_steps": torch.tensor(step)} \
-        if optimizer else {}
-    return model_type, config, FullState(meta, dict(full["master"]), optim, scalars), iteration
+    scalars = {"iteration": torch.tensor(iteration), "applied_steps": torch.tensor(step),
+               **deepspeed_loss_scale.scaler_scalars(osds[0], folder)} if optimizer else {}
+    return model_type, config, FullState(meta, weights, optim, scalars), iteration
