@@ -112,6 +112,12 @@ def batch(step: int, rank: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (MICRO, SEQ + 1), generator=g)
 
 
+def record(out: str, name: str) -> dict:
+    """What `train` or `resume` recorded of a case (OUT/<name>.json)."""
+    with open(os.path.join(out, name + ".json")) as f:
+        return json.load(f)
+
+
 IDS = torch.arange(2 * SEQ).reshape(2, SEQ) * 7 % VOCAB  # the logits' input
 
 

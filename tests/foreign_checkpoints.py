@@ -170,12 +170,13 @@ def save_dist(root, model, args, iteration=7):
 
 
 def megazoo_logits(folder, ids):
-    """Logits of a megazoo checkpoint loaded in this process at tp=pp=1 (any saved layout)."""
+    """Logits of a megazoo checkpoint loaded in this process at tp=pp=1 (any saved layout; a
+    LoRA run's with its adapters)."""
     from megazoo.training.checkpoint.hf import checkpoint_config
     from megazoo.training.checkpoint.layout_writer import build_rank_chunks
     from megazoo.training.checkpoint.reshard import load_weights
-    _, config = checkpoint_config(folder)
-    topo, chunks = build_rank_chunks(config, tp=1, pp=1, vpp=1, dp=1, rank=0)
+    meta, config = checkpoint_config(folder)
+    topo, chunks = build_rank_chunks(config, tp=1, pp=1, vpp=1, dp=1, rank=0, lora=meta.get("lora"))
     load_weights(folder, chunks, topo)
     with torch.no_grad():
         return chunks[0].eval()(ids)[..., :config.vocab_size]  # vocabulary padding cut
@@ -185,3 +186,20 @@ def megatron_logits(model, ids):
     mask = torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool), 1)
     with torch.no_grad():
         return model(ids, torch.arange(SEQ).expand(ids.shape[0], SEQ), attention_mask=mask)
+
+
+def pickle_globals(path) -> set:
+    """The classes a torch.save file's pickle names (module.qualname), read without loading it."""
+    import pickletools
+    import zipfile
+    with zipfile.ZipFile(path) as z:
+        data = z.read(next(n for n in z.namelist() if n.endswith("data.pkl")))
+    found, strings = set(), []
+    for op, arg, _ in pickletools.genops(data):
+        if op.name in ("SHORT_BINUNICODE", "BINUNICODE", "UNICODE"):
+            strings.append(arg)
+        elif op.name == "STACK_GLOBAL":
+            found.add(f"{strings[-2]}.{strings[-1]}")
+        elif op.name == "GLOBAL":
+            found.add(arg.replace(" ", "."))
+    return found

@@ -16,22 +16,19 @@ embeddings, GPT-2, Qwen2-MoE, bf16 ZeRO-2, the Trainer's checkpoint-N layout); e
 the masters of DeepSpeed's zero_to_fp32 reader and the masters and moments of its engine bit for
 bit, and (fp32) the engine's logits.
 """
-import json
 import os
-import pickletools
 import shutil
 import subprocess
 import sys
-import zipfile
 
 import pytest
 import torch
 
-from tests.deepspeed_engine import (CASES, IDS, LR, MATRIX, MICRO, NEXT_STEPS, TRAIN_STEPS, WORLD,
-                                    batch, checkpoint_root, llama_config)
+from tests.deepspeed_engine import (CASES, IDS, LORA, LR, MATRIX, MICRO, NEXT_STEPS, TRAIN_STEPS,
+                                    WORLD, batch, checkpoint_root, llama_config, record)
 from tests.deepspeed_launch import aborted, end, finish, start
 from tests.distributed import run_distributed
-from tests.foreign_checkpoints import FP32, megazoo_logits
+from tests.foreign_checkpoints import FP32, megazoo_logits, pickle_globals
 
 EXACT = [c for c, (_, dtype) in CASES.items() if dtype == "fp32"]
 LOSS = dict(rtol=1e-4, atol=0.0)
@@ -78,25 +75,6 @@ def imported(deepspeed_run, tmp_path_factory):
             for case in CASES}
 
 
-def _record(folder, name):
-    with open(os.path.join(folder, name + ".json")) as f:
-        return json.load(f)
-
-
-def _pickle_globals(path) -> set:
-    with zipfile.ZipFile(path) as z:
-        data = z.read(next(n for n in z.namelist() if n.endswith("data.pkl")))
-    found, strings = set(), []
-    for op, arg, _ in pickletools.genops(data):
-        if op.name in ("SHORT_BINUNICODE", "BINUNICODE", "UNICODE"):
-            strings.append(arg)
-        elif op.name == "STACK_GLOBAL":
-            found.add(f"{strings[-2]}.{strings[-1]}")
-        elif op.name == "GLOBAL":
-            found.add(arg.replace(" ", "."))
-    return found
-
-
 def test_deepspeed_files_load_through_the_allowlist(deepspeed_run):
     """The classes DeepSpeed's files pickle, besides torch's and containers, are exactly the
     stand-ins of safe_load.py's allowlist; every file loads with weights_only=True."""
@@ -107,7 +85,7 @@ def test_deepspeed_files_load_through_the_allowlist(deepspeed_run):
         folder = os.path.join(deepspeed_run, case, f"global_step{TRAIN_STEPS}")
         for name in sorted(os.listdir(folder)):
             path = os.path.join(folder, name)
-            foreign |= {g for g in _pickle_globals(path)
+            foreign |= {g for g in pickle_globals(path)
                         if not g.startswith(("torch.", "collections."))}
             safe_load.load(path)
             files += 1
@@ -115,11 +93,12 @@ def test_deepspeed_files_load_through_the_allowlist(deepspeed_run):
     for name in (n for n, c in MATRIX.items() if c.world == WORLD):  # the matrix's files too
         folder = os.path.join(checkpoint_root(deepspeed_run, name), f"global_step{TRAIN_STEPS}")
         for file in sorted(os.listdir(folder)):
-            foreign |= {g for g in _pickle_globals(os.path.join(folder, file))
+            foreign |= {g for g in pickle_globals(os.path.join(folder, file))
                         if not g.startswith(("torch.", "collections."))}
             safe_load.load(os.path.join(folder, file))
     assert foreign == {"deepspeed.runtime.zero.config.ZeroStageEnum",
                        "deepspeed.runtime.fp16.loss_scaler.LossScaler",
+                       "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",  # fp16
                        "deepspeed.utils.tensor_fragment.fragment_address"}
     assert foreign <= set(safe_load.STAND_INS)
 
@@ -133,11 +112,11 @@ def test_deepspeed_zero_checkpoints_import_at_tp2(deepspeed_run, imported):
     from tests.tool_runs import tool_module
     config = None
     for case, (stage, dtype) in CASES.items():
-        record = _record(deepspeed_run, case)
+        saved = record(deepspeed_run, case)
         full = read_full_state(imported[case])
         if dtype == "fp32":
             torch.testing.assert_close(megazoo_logits(imported[case], IDS),
-                                       torch.tensor(record["logits"]), **FP32)
+                                       torch.tensor(saved["logits"]), **FP32)
         ref = get_fp32_state_dict_from_zero_checkpoint(os.path.join(deepspeed_run, case))
         config = config or llama.config_from_hf(llama_config())
         want = llama.from_hf_state_dict(ref, config)
@@ -157,6 +136,8 @@ def _megazoo_next(rank, runs):
     global batches: the losses of NEXT_STEPS steps (fresh moments: the weights alone, Adam
     restarts)."""
     torch.set_num_threads(1)
+    from megazoo.models.lora import apply_lora
+    from megazoo.models.lora_targets import LoRASettings
     from megazoo.models.registry import build_model
     from megazoo.parallel.topology import ParallelConfig, ParallelTopology
     from megazoo.parallel.zero import OptimizerConfig, build_optimizer
@@ -165,8 +146,10 @@ def _megazoo_next(rank, runs):
     topo = ParallelTopology.from_config(ParallelConfig(tp=2))
     out = []
     for folder, fresh_moments in runs:
-        _, config = checkpoint_config(folder)
+        meta, config = checkpoint_config(folder)
         model = build_model(config, topo)
+        if meta.get("lora"):  # an imported PEFT run: megazoo's LoRA, the base frozen
+            apply_lora([model], LoRASettings.from_record(meta["lora"]), config, topo, None, 0)
         opt = build_optimizer(model, topo, OptimizerConfig(lr=LR, betas=(0.9, 0.95), eps=1e-8,
                                                            weight_decay=0.0), torch.float32)
         reshard.load_into(reshard.read_full_state(folder), [model], opt, topo,
@@ -183,17 +166,31 @@ def _megazoo_next(rank, runs):
     return out
 
 
+LORA_CASES = [n for n, c in MATRIX.items() if c.lora]
+
+
 @pytest.fixture(scope="module")
-def megazoo_next(imported):
-    runs = [(imported[c], False) for c in EXACT] + [(imported["zero3"], True)]
+def lora_imported(deepspeed_run, tmp_path_factory):
+    """The PEFT runs (the Trainer's checkpoint-N, adapters only) imported at tp=2."""
+    from megazoo.training.checkpoint.foreign.convert import import_checkpoint
+    mz = tmp_path_factory.mktemp("megazoo-lora")
+    return {n: import_checkpoint("deepspeed", checkpoint_root(deepspeed_run, n), str(mz / n), tp=2,
+                                 hf_config=os.path.join(deepspeed_run, n + "-hf"))
+            for n in LORA_CASES}
+
+
+@pytest.fixture(scope="module")
+def megazoo_next(imported, lora_imported):
+    runs = [(imported[c], False) for c in EXACT] + [(imported["zero3"], True)] + \
+        [(lora_imported[c], False) for c in LORA_CASES]
     ranks = run_distributed(_megazoo_next, 2, runs)
     assert ranks[0] == ranks[1]
-    return dict(zip(EXACT + ["fresh"], ranks[0]))
+    return dict(zip(EXACT + ["fresh"] + LORA_CASES, ranks[0]))
 
 
 def test_megazoo_resumes_with_deepspeeds_next_losses(deepspeed_run, megazoo_next):
     for case in EXACT:
-        want = _record(deepspeed_run, case)["next"]
+        want = record(deepspeed_run, case)["next"]
         assert len(megazoo_next[case]) == len(want) == NEXT_STEPS
         torch.testing.assert_close(torch.tensor(megazoo_next[case]), torch.tensor(want), **LOSS)
     # the moments matter: restarted Adam (the weights alone) takes another second step
@@ -221,10 +218,10 @@ def test_universal_export_continues_in_deepspeed(deepspeed_session, deepspeed_ru
             os.path.join(deepspeed_run, case + "-back"),
             hf_config=os.path.join(deepspeed_run, "hf")))
         _assert_same_state(back, read_full_state(imported[case]), case)
-        record = _record(deepspeed_run, case + "-universal")
-        assert record["global_steps"] == TRAIN_STEPS
-        assert len(record["next"]) == NEXT_STEPS
-        torch.testing.assert_close(torch.tensor(record["next"]), torch.tensor(megazoo_next[case]),
+        resumed = record(deepspeed_run, case + "-universal")
+        assert resumed["global_steps"] == TRAIN_STEPS
+        assert len(resumed["next"]) == NEXT_STEPS
+        torch.testing.assert_close(torch.tensor(resumed["next"]), torch.tensor(megazoo_next[case]),
                                    **LOSS)
 
 
@@ -266,11 +263,12 @@ def deepspeed_world3(deepspeed_run, tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("name", [n for n, c in MATRIX.items() if not c.frozen])
+@pytest.mark.parametrize("name", [n for n, c in MATRIX.items() if not c.frozen and not c.lora])
 def test_matrix_imports_as_deepspeed_reads_it(name, request, tmp_path):
     """Masters equal to zero_to_fp32's and to the engine's own (safe_get_full_fp32_param), Adam
     moments to the engine's (safe_get_full_optimizer_state), bit for bit; fp32 logits within 1e-5
-    of the engine's; step, iteration and samples carried over. The Trainer's layout imports
+    of the engine's; step, iteration and samples carried over; fp16: DeepSpeed's dynamic loss
+    scale (grown once, window 2) as megazoo's scaler state. The Trainer's layout imports
     without --hf-config (its config.json beside `latest`), from checkpoint-N or global_stepN."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     from megazoo.training.checkpoint.foreign.convert import import_checkpoint
@@ -299,7 +297,14 @@ def test_matrix_imports_as_deepspeed_reads_it(name, request, tmp_path):
     assert full.meta["consumed_samples"] == TRAIN_STEPS * MICRO * case.world
     if case.dtype == "fp32":
         torch.testing.assert_close(megazoo_logits(folder, IDS),
-                                   torch.tensor(_record(out, name)["logits"]), **FP32)
+                                   torch.tensor(record(out, name)["logits"]), **FP32)
+    if case.dtype == "fp16":  # 3 clean steps, window 2: grown at the third (DeepSpeed's rule)
+        saved = record(out, name)
+        assert saved["scaler"] == dict(cur_scale=2.0 ** 17, cur_iter=3, last_overflow_iter=-1,
+                                       cur_hysteresis=2) and saved["skipped"] == 0
+        assert {k: float(v) for k, v in full.scalars.items() if k.startswith("scaler.")} == {
+            "scaler.loss_scale": 2.0 ** 17, "scaler.growth_tracker": 0.0,
+            "scaler.hysteresis_tracker": 2.0}
     if case.trainer:
         from tests.tool_runs import tool_module
         line = tool_module("inspect_checkpoint")._foreign(root)
@@ -335,8 +340,61 @@ def test_frozen_parameters_import_as_weights_only(name, deepspeed_run, tmp_path)
     for tensor_name, tensor in want.items():
         assert torch.equal(full.weights[tensor_name], tensor.float()), tensor_name
     torch.testing.assert_close(megazoo_logits(folder, IDS),
-                               torch.tensor(_record(deepspeed_run, name)["logits"]), **FP32)
+                               torch.tensor(record(deepspeed_run, name)["logits"]), **FP32)
     with pytest.raises(CheckpointError, match=r"lack 'model\.embed_tokens\.weight'.*"
                                               r"exclude_frozen_parameters=True"):
         import_checkpoint("deepspeed", os.path.join(deepspeed_run, name + "-exclude-frozen"),
                           str(tmp_path / "excluded"), hf_config=hf, optimizer=False)
+
+
+def test_peft_lora_runs_import_as_megazoo_lora(deepspeed_run, lora_imported, megazoo_next,
+                                               tmp_path):
+    """PEFT's LoRA model (every projection, r 4, alpha 8) trained by DeepSpeed's engine under
+    ZeRO-2 and ZeRO-3 and saved as the Trainer saves it (exclude_frozen_parameters=True, PEFT's
+    adapter_config.json in checkpoint-N): imported as a megazoo LoRA run, the adapters' masters
+    equal zero_to_fp32's and the engine's, the moments the engine's, bit for bit; the base equal
+    to --hf-config's safetensors; the logits the PEFT model's within 1e-5; megazoo's resumed LoRA
+    steps give the engine's next losses. Without --hf-config or adapter_config.json: refused."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from megazoo.models.peft_format import from_peft_keys
+    from megazoo.training.checkpoint.foreign.convert import import_checkpoint
+    from megazoo.training.checkpoint.format import CheckpointError
+    from megazoo.training.checkpoint.hf import hf_to_full
+    from megazoo.training.checkpoint.reshard import read_full_state
+    for name in LORA_CASES:
+        root, hf = checkpoint_root(deepspeed_run, name), os.path.join(deepspeed_run, name + "-hf")
+        full = read_full_state(lora_imported[name])
+        lora = full.meta["lora"]
+        assert lora == dict(rank=LORA["r"], alpha=LORA["lora_alpha"], dropout=0.0, rslora=False,
+                            targets=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                     "up_proj", "down_proj"])
+        _, config, base = hf_to_full(hf)
+        engine = torch.load(os.path.join(deepspeed_run, name + "-states.pt"), weights_only=True)
+        engine["zero_to_fp32"] = get_fp32_state_dict_from_zero_checkpoint(root)
+        for state, tensors in engine.items():
+            want = from_peft_keys(tensors, tuple(lora["targets"]), config, name)
+            got = full.optim["master" if state == "zero_to_fp32" else state]
+            assert set(got) == set(want) and len(want) == 2 * 7 * config.num_layers
+            for tensor_name, tensor in want.items():
+                assert torch.equal(got[tensor_name], tensor), (name, state, tensor_name)
+        assert set(full.weights) == set(base.weights) | set(full.optim["master"])
+        for tensor_name, tensor in base.weights.items():
+            assert torch.equal(full.weights[tensor_name], tensor), (name, tensor_name)
+        assert int(full.scalars["applied_steps"]) == full.meta["iteration"] == TRAIN_STEPS
+        assert full.meta["consumed_samples"] == TRAIN_STEPS * MICRO * WORLD
+        saved = record(deepspeed_run, name)
+        torch.testing.assert_close(megazoo_logits(lora_imported[name], IDS),
+                                   torch.tensor(saved["logits"]), **FP32)
+        assert len(megazoo_next[name]) == len(saved["next"]) == NEXT_STEPS
+        torch.testing.assert_close(torch.tensor(megazoo_next[name]), torch.tensor(saved["next"]),
+                                   **LOSS)
+    root = checkpoint_root(deepspeed_run, LORA_CASES[0])
+    with pytest.raises(CheckpointError, match=r"holds the adapters, not the base model; pass "
+                                              r"--hf-config"):
+        import_checkpoint("deepspeed", root, str(tmp_path / "no-base"))
+    bare = tmp_path / "bare"  # DeepSpeed's files without PEFT's adapter_config.json
+    shutil.copytree(root, bare, ignore=shutil.ignore_patterns("adapter_config.json"))
+    with pytest.raises(CheckpointError, match=r"needs the adapter_config.json PEFT saved beside "
+                                              r"it .* copy it into"):
+        import_checkpoint("deepspeed", str(bare), str(tmp_path / "no-config"),
+                          hf_config=os.path.join(deepspeed_run, LORA_CASES[0] + "-hf"))
