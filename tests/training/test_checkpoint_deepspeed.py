@@ -331,3 +331,42 @@ def test_deepspeed_trainer_output_folder_and_frozen_parameters_are_refused(tmp_p
                                               r"--no-optimizer"):
         import_checkpoint("deepspeed", str(tmp_path / "frozen"), str(tmp_path / "mz"),
                           hf_config=str(tmp_path / "hf"))
+
+
+def test_deepspeed_loss_scale_continues_in_megazoos_scaler(tmp_path, monkeypatch, caplog):
+    """DeepSpeed's own DynamicLossScaler after several histories (fresh, clean steps, overflows,
+    growths), saved and read back as its optimizer files hold it (through the stand-ins), set into
+    megazoo's DynamicLossScaler: over the next clean steps and then overflows both take the same
+    scale at every step. Static scalers (fp32 and bf16 runs' scale 1, a fixed fp16 scale) carry no
+    state; a fixed scale other than 1 is logged with its flag."""
+    import logging
+    from deepspeed.runtime.fp16 import loss_scaler as ds
+    from megazoo.parallel.zero.config import LossScaleConfig
+    from megazoo.parallel.zero.loss_scaler import DynamicLossScaler
+    from megazoo.training.checkpoint.foreign import safe_load
+    from megazoo.training.checkpoint.foreign.deepspeed_loss_scale import scaler_scalars
+    monkeypatch.setattr(ds.dist, "get_rank", lambda: 0)  # its overflow message asks for the rank
+
+    def saved(scaler):
+        torch.save({"loss_scaler": scaler}, tmp_path / "optim.pt")
+        return safe_load.load(str(tmp_path / "optim.pt"))
+
+    window, clean, overflow = 3, False, True
+    histories = [[], [clean] * 2, [clean] * 3, [clean] * 4, [overflow], [overflow, clean],
+                 [clean] * 2 + [overflow] + [clean] * 4, [overflow] * 3, [clean] * 7]
+    for history in histories:
+        theirs = ds.DynamicLossScaler(init_scale=2.0 ** 16, scale_window=window, min_scale=1,
+                                      delayed_shift=2, consecutive_hysteresis=False)
+        for step in history:
+            theirs.update_scale(step)
+        state = scaler_scalars(saved(theirs), "optim.pt")
+        ours = DynamicLossScaler(LossScaleConfig(growth_interval=window, hysteresis=2))
+        ours.load_state_dict({k.removeprefix("scaler."): v for k, v in state.items()})
+        for step in [clean] * (2 * window + 2) + [overflow] * 3:
+            theirs.update_scale(step)
+            ours.update(step)
+            assert ours.scale == theirs.cur_scale, (history, step)
+    with caplog.at_level(logging.INFO):
+        assert scaler_scalars(saved(ds.LossScaler(1)), "fp32") == {}
+        assert scaler_scalars(saved(ds.LossScaler(128)), "static") == {}
+    assert "static loss scale 128; resume with --fp16 --loss-scale 128" in caplog.text
