@@ -79,8 +79,8 @@ def adapters(flat: dict[str, torch.Tensor], config, lora: dict, folder: str) -> 
     trained = {k for k in flat if ".lora_" not in k}
     if trained:
         raise ckpt.CheckpointError(
-            f"{folder}: the PEFT run also trained {sorted(trained)[0]} (modules_to_save or a bias), "
-            f"which megazoo's LoRA keeps frozen; it cannot continue this run")
+            f"{folder}: the PEFT run also trained {sorted(trained)[0]} (modules_to_save or a "
+            f"bias), which megazoo's LoRA keeps frozen; it cannot continue this run")
     try:
         return from_peft_keys(flat, tuple(lora["targets"]), config,
                               f"{folder} (its optimizer's parameters)")

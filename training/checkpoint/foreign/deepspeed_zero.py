@@ -16,10 +16,14 @@ configuration of its own (as universal checkpoints under its names: deepspeed_un
 Checked against DeepSpeed 0.19.8's own files (tests/training/test_checkpoint_deepspeed_engine.py):
 one or two parameter groups (the Hugging Face Trainer's weight decay / no decay split), 2 and 3
 ranks (uneven partitions, each group's flat buffer padded at its end), tied and untied
-embeddings, a Qwen2-MoE model, fp32 and bf16, ZeRO-3 sub-groups, and the Trainer's
-`checkpoint-N/global_stepN` layout, whose config.json beside `latest` stands in for --hf-config.
+embeddings, a Qwen2-MoE model, fp32, bf16 and fp16, ZeRO-3 sub-groups, PEFT LoRA, and the
+Trainer's `checkpoint-N/global_stepN` layout, whose config.json beside `latest` stands in for
+--hf-config.
 Parameters outside the optimizer (`frozen_param_shapes`: requires_grad False) have no master
 nor moments: such a run imports weights only (--no-optimizer), those from the model-state files.
+A PEFT model's run (every parameter named `base_model.model.*`: the adapters alone in the
+optimizer) imports as a megazoo LoRA run instead (deepspeed_peft.py); fp16 runs carry their
+dynamic loss scale over (deepspeed_loss_scale.py).
 """
 from __future__ import annotations
 
