@@ -248,6 +248,8 @@ def train(out: str) -> None:
         losses = [_step(engine, s) for s in range(TRAIN_STEPS)]
         # tag: global_step<N>, as the Trainer; a PEFT model without its frozen base, as the Trainer
         engine.save_checkpoint(checkpoint_root(out, name), exclude_frozen_parameters=c.lora)
+        if c.lora:  # and as engine.save_checkpoint saves it by default: the base in the records
+            engine.save_checkpoint(os.path.join(out, name + "-with-base"))
         if c.frozen:  # as the Trainer saves PEFT models
             engine.save_checkpoint(os.path.join(out, name + "-exclude-frozen"),
                                    exclude_frozen_parameters=True)
@@ -264,7 +266,8 @@ def train(out: str) -> None:
         if torch.distributed.get_rank() == 0:
             if c.lora:  # the base model's folder; PEFT's adapter_config.json in checkpoint-N
                 _model(c.model).save_pretrained(os.path.join(out, name + "-hf"))
-                engine.module.peft_config["default"].save_pretrained(checkpoint_root(out, name))
+                for folder in (checkpoint_root(out, name), os.path.join(out, name + "-with-base")):
+                    engine.module.peft_config["default"].save_pretrained(folder)
             else:
                 CONFIGS[c.model]().save_pretrained(os.path.join(out, name + "-hf"))
             if c.trainer and not c.lora:  # the Trainer saves config.json beside DeepSpeed's files

@@ -354,7 +354,8 @@ def test_peft_lora_runs_import_as_megazoo_lora(deepspeed_run, lora_imported, meg
     adapter_config.json in checkpoint-N): imported as a megazoo LoRA run, the adapters' masters
     equal zero_to_fp32's and the engine's, the moments the engine's, bit for bit; the base equal
     to --hf-config's safetensors; the logits the PEFT model's within 1e-5; megazoo's resumed LoRA
-    steps give the engine's next losses. Without --hf-config or adapter_config.json: refused."""
+    steps give the engine's next losses; saved with the base (DeepSpeed's default), the same
+    state with the base from its records. Without --hf-config or adapter_config.json: refused."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     from megazoo.models.peft_format import from_peft_keys
     from megazoo.training.checkpoint.foreign.convert import import_checkpoint
@@ -388,6 +389,13 @@ def test_peft_lora_runs_import_as_megazoo_lora(deepspeed_run, lora_imported, meg
         assert len(megazoo_next[name]) == len(saved["next"]) == NEXT_STEPS
         torch.testing.assert_close(torch.tensor(megazoo_next[name]), torch.tensor(saved["next"]),
                                    **LOSS)
+        with_base = read_full_state(import_checkpoint(  # the base from frozen_param_fragments
+            "deepspeed", os.path.join(deepspeed_run, name + "-with-base"), str(tmp_path / name),
+            hf_config=hf))
+        _assert_same_state(with_base, full, name)
+        assert set(with_base.weights) == set(full.weights) and with_base.meta["lora"] == lora
+        for tensor_name, tensor in full.weights.items():
+            assert torch.equal(with_base.weights[tensor_name], tensor), (name, tensor_name)
     root = checkpoint_root(deepspeed_run, LORA_CASES[0])
     with pytest.raises(CheckpointError, match=r"holds the adapters, not the base model; pass "
                                               r"--hf-config"):
