@@ -12,9 +12,10 @@ for bit; DeepSpeed's own ds_to_universal.py output of the ZeRO-3 run imports wit
 
 The same launch, and a second one of 3 ranks, also write the matrix of checkpoints real users
 have (MATRIX: the Hugging Face Trainer's two parameter groups, uneven partitions, tied
-embeddings, GPT-2, Qwen2-MoE, bf16 ZeRO-2, the Trainer's checkpoint-N layout); each imports with
-the masters of DeepSpeed's zero_to_fp32 reader and the masters and moments of its engine bit for
-bit, and (fp32) the engine's logits.
+embeddings, GPT-2, Qwen2-MoE, bf16 ZeRO-2, fp16 ZeRO-1/2/3, the Trainer's checkpoint-N layout);
+each imports with the masters of DeepSpeed's zero_to_fp32 reader and the masters and moments of
+its engine bit for bit, and (fp32) the engine's logits. PEFT LoRA runs under ZeRO-2 and 3 (the
+Trainer's adapters-only save) import as megazoo LoRA runs that continue with the engine's losses.
 """
 import os
 import shutil
