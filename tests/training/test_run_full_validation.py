@@ -116,6 +116,8 @@ def test_multiple_validation_sets_each_logged_under_its_name(prefixes, monkeypat
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("valid-")]
     assert [line.split(" | ")[0] for line in lines] == \
         ["valid-wiki iter 2/3", "valid-code iter 2/3", "valid-wiki iter 3/3", "valid-code iter 3/3"]
+    summary = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("run finished"))
+    assert "valid-wiki validation loss" in summary and "valid-code validation loss" in summary
 
 
 def test_exhaustive_blend_is_megatron_cores():

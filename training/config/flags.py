@@ -220,9 +220,7 @@ def to_run_config(args: argparse.Namespace, vocab_size: int | None = None,
         data=data_config(args, seq, compat, eod_token, pad_mask_token),
         checkpoint=from_flags(CheckpointConfig, args, load_optim=not args.no_load_optim,
                               load_rng=not args.no_load_rng),
-        logging=from_flags(LoggingConfig, args, eval_tasks=tuple(args.eval_tasks),
-                           validation_set_names=tuple(getattr(args, "validation_set_names", None) or ())
-                           or None))
+        logging=from_flags(LoggingConfig, args, eval_tasks=tuple(args.eval_tasks)))
 
 
 def from_flags(cls, args: argparse.Namespace, **computed):
@@ -394,9 +392,7 @@ def data_config(args, seq: int, compat, eod_token: int | None, pad_mask_token: i
     return from_flags(DataConfig, args, seq_length=seq, eod_mask_token=compat.eod_mask_token,
                       pad_token=eod_token or 0, eod_token=eod_token,
                       pad_mask_token=None if args.sft or args.dpo else pad_mask_token,
-                      per_token_loss=args.sft or args.calculate_per_token_loss,
-                      full_validation=getattr(args, "full_validation", False),
-                      multiple_validation_sets=getattr(args, "multiple_validation_sets", False))
+                      per_token_loss=args.sft or args.calculate_per_token_loss)
 
 
 __all__ = ["ArgumentError", "LayoutError", "to_run_config"]

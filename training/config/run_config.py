@@ -95,7 +95,7 @@ class LoggingConfig:
     log_interval: int = 10
     eval_interval: int = 100
     eval_iters: int = 10
-    validation_set_names: tuple[str, ...] | None = None  # --validation-set-names (logged valid-NAME)
+    validation_set_names: list[str] | None = None  # --validation-set-names (logged valid-NAME)
     eval_tasks: tuple[str, ...] = ()  # --eval-tasks: lm-eval task names or YAML paths
     eval_tasks_interval: int = 0  # --eval-tasks-interval (0: only after the last iteration)
     eval_tasks_limit: int | None = None  # --eval-tasks-limit: documents per task
