@@ -6,7 +6,9 @@ BlendedMegatronDatasetBuilder: a split asked for ``n`` samples targets ``ceil(n 
 each component and builds ``ceil(ceil(n * w) * 1.005)`` of them (the surplus keeps the greedy blend
 from running past a component's end); the blend holds the sum of the targets (a little more than
 ``n``). Several prefixes without weights: each split of each is built for one epoch and the blend
-weighs them by those sample counts, holding ``min(n, their sum)`` samples.
+weighs them by those sample counts, holding ``min(n, their sum)`` samples; a split asked for
+``None`` samples (--full-validation) holds every sample of each prefix once, interleaved as
+megatron-core's exhaustive blend (weights are refused there, as megatron-core refuses them).
 """
 from __future__ import annotations
 
@@ -200,6 +202,10 @@ def build_blend_splits(blend: Blend, split: str, num_samples: tuple[int, int, in
     if blend.weights is None:  # one epoch of each, blended by their sample counts
         targets = None
         wanted = [tuple(0 if n == 0 else None for n in num_samples)] * len(blend.prefixes)
+    elif None in num_samples:
+        raise ValueError(f"a split read whole (--full-validation) takes no weights (megatron-core: "
+                         f"size_is_none => weights_are_none); give the prefixes {' '.join(blend.prefixes)} "
+                         f"without weights")
     else:  # each split's target share, built with the surplus
         targets = [[math.ceil(n * w) for n in num_samples] for w in blend.weights]
         wanted = [tuple(math.ceil(t * (1 + BLEND_SURPLUS)) for t in ts) for ts in targets]
