@@ -3,8 +3,8 @@ GPT on indexed files: each evaluation reads the whole validation set once (the s
 epoch, --eval-iters not used, the last global batch part filler), and the loss each logs equals
 the mean token loss over every sample of its set computed here directly, sample by sample through
 the same model at the moment of the evaluation; with several validation prefixes each is its own
-set, logged under its own name. The exhaustive blend of an unweighted --data-path against
-megatron-core's own helper; the refusals, listed together in one error."""
+set, logged under its own name. The refusals, listed together in one error. (The datasets
+themselves against megatron-core's: tests/data/test_data_gpt_megatron_core.py.)"""
 from __future__ import annotations
 
 import logging
@@ -118,17 +118,6 @@ def test_multiple_validation_sets_each_logged_under_its_name(prefixes, monkeypat
         ["valid-wiki iter 2/3", "valid-code iter 2/3", "valid-wiki iter 3/3", "valid-code iter 3/3"]
     summary = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("run finished"))
     assert "valid-wiki validation loss" in summary and "valid-code validation loss" in summary
-
-
-def test_exhaustive_blend_is_megatron_cores():
-    from megatron.core.datasets import helpers
-
-    from megazoo.data.blended import build_exhaustive_blending_indices
-    for sizes in ([3, 1], [5, 7, 2], [1, 1, 1, 9]):
-        di, si = np.zeros(sum(sizes), np.int16), np.zeros(sum(sizes), np.int64)
-        helpers.build_exhaustive_blending_indices(di, si, np.array(sizes, np.int64), len(sizes))
-        ours = build_exhaustive_blending_indices(sizes)
-        assert ours[0].tolist() == di.tolist() and ours[1].tolist() == si.tolist(), sizes
 
 
 def test_refusals_are_one_line_each_and_listed_together():
