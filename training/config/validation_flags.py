@@ -65,7 +65,7 @@ def validation_refusals(args, given: set[str]) -> list[str]:
     blend = _valid_blend(args)
     if multiple:
         if getattr(args, "valid_data_path", None) is None:
-            refused.append("--multiple-validation-sets: the sets are the prefixes of --valid-data-path "
+            refused.append("--multiple-validation-sets: give the sets as --valid-data-path PREFIX1 PREFIX2 "
                            "(or \"valid\" of --per-split-data-args-path); --data-path with --split, "
                            "--sft and --dpo cut one validation set")
         elif names and len(names) != len(_prefixes(args.valid_data_path)):
