@@ -6,7 +6,9 @@ BlendedMegatronDatasetBuilder: a split asked for ``n`` samples targets ``ceil(n 
 each component and builds ``ceil(ceil(n * w) * 1.005)`` of them (the surplus keeps the greedy blend
 from running past a component's end); the blend holds the sum of the targets (a little more than
 ``n``). Several prefixes without weights: each split of each is built for one epoch and the blend
-weighs them by those sample counts, holding ``min(n, their sum)`` samples.
+weighs them by those sample counts, holding ``min(n, their sum)`` samples; a split asked for
+``None`` samples (--full-validation) holds every sample of each prefix once, interleaved as
+megatron-core's exhaustive blend (weights are refused there, as megatron-core refuses them).
 """
 from __future__ import annotations
 
@@ -89,6 +91,25 @@ def parse_data_path(data_path: list[str] | str, flag: str = "--data-path") -> Bl
     return Blend(prefixes, normalize(weights))
 
 
+def build_exhaustive_blending_indices(sizes: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """Every sample of each dataset once (`sizes[d]` of dataset d), interleaved by the same
+    greedy rule with weights sizes / sum(sizes), a dataset dropping out once spent: megatron-core's
+    `build_exhaustive_blending_indices` (a blend with no size: --full-validation)."""
+    total = int(sum(sizes))
+    weights = [s / total for s in sizes]
+    dataset_index = np.empty(total, dtype=np.int16)
+    sample_index = np.empty(total, dtype=np.int64)
+    counts, unspent = [0] * len(sizes), [d for d, s in enumerate(sizes) if s > 0]
+    for i in range(total):
+        x = float(max(i, 1))
+        best = max(unspent, key=lambda d: (weights[d] * x - counts[d], -d))
+        dataset_index[i], sample_index[i] = best, counts[best]
+        counts[best] += 1
+        if counts[best] == sizes[best]:
+            unspent.remove(best)
+    return dataset_index, sample_index
+
+
 def build_blending_indices(weights: list[float], size: int) -> tuple[np.ndarray, np.ndarray]:
     """Megatron's greedy blend: each sample goes to the dataset furthest behind its target share.
 
@@ -116,8 +137,11 @@ def build_blending_indices(weights: list[float], size: int) -> tuple[np.ndarray,
 class BlendedDataset:
     """Interleaves component datasets by weight; item ``i`` is an item of one component."""
 
-    def __init__(self, datasets: list[GPTDataset], weights: list[float], size: int, cache_dir: str, name: str) -> None:
-        self.datasets, self.weights, self.size = datasets, weights, size
+    def __init__(self, datasets: list[GPTDataset], weights: list[float], size: int | None, cache_dir: str,
+                 name: str) -> None:
+        """`size` None: every sample of each dataset once, `weights` being their sizes."""
+        self.datasets, self.weights = datasets, weights
+        self.size = int(sum(weights)) if size is None else size
         description = {
             "class": "BlendedDataset",
             "components": [d.cache.description_path for d in datasets],
@@ -127,7 +151,8 @@ class BlendedDataset:
         self.cache = CachedIndices(cache_dir, f"BlendedDataset-{name}", description, ("dataset_index", "dataset_sample_index"))
 
         def build() -> dict[str, np.ndarray]:
-            di, si = build_blending_indices(weights, size)
+            di, si = build_exhaustive_blending_indices([int(w) for w in weights]) if size is None \
+                else build_blending_indices(weights, size)
             for d, ds in enumerate(datasets):  # the margin should make this impossible; check anyway
                 used = si[di == d]
                 if used.size and int(used.max()) >= len(ds):
@@ -176,7 +201,11 @@ def build_blend_splits(blend: Blend, split: str, num_samples: tuple[int, int, in
     by `split`, as megatron-core's BlendedMegatronDatasetBuilder blends them."""
     if blend.weights is None:  # one epoch of each, blended by their sample counts
         targets = None
-        wanted = [tuple(None if n else 0 for n in num_samples)] * len(blend.prefixes)
+        wanted = [tuple(0 if n == 0 else None for n in num_samples)] * len(blend.prefixes)
+    elif None in num_samples:
+        raise ValueError(f"a split read whole (--full-validation) takes no weights (megatron-core: "
+                         f"size_is_none => weights_are_none); give the prefixes {' '.join(blend.prefixes)} "
+                         f"without weights")
     else:  # each split's target share, built with the surplus
         targets = [[math.ceil(n * w) for n in num_samples] for w in blend.weights]
         wanted = [tuple(math.ceil(t * (1 + BLEND_SURPLUS)) for t in ts) for ts in targets]
@@ -186,7 +215,7 @@ def build_blend_splits(blend: Blend, split: str, num_samples: tuple[int, int, in
     out = []
     for i, name in enumerate(("train", "valid", "test")):
         parts = [(ds[i], k) for k, ds in enumerate(per_prefix) if ds[i] is not None]
-        if not parts or not num_samples[i]:
+        if not parts or num_samples[i] == 0:
             out.append(None)
             continue
         empty = [blend.prefixes[k] for k, ds in enumerate(per_prefix) if ds[i] is None]
@@ -194,6 +223,10 @@ def build_blend_splits(blend: Blend, split: str, num_samples: tuple[int, int, in
             logger.warning("--data-path: the %s split of --split %s holds no document of %s; "
                            "blending the other prefixes alone (give it a larger share or drop "
                            "it)", name, split, ", ".join(empty))
+        if targets is None and num_samples[i] is None:  # read whole (--full-validation)
+            out.append(BlendedDataset([d for d, _ in parts], [len(d) for d, _ in parts], None,
+                                      blend_cache, name))
+            continue
         if targets is None:
             weights = [len(d) for d, _ in parts]
             size = min(num_samples[i], sum(weights))

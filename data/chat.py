@@ -2,7 +2,8 @@
 
 A record is either ``{"messages": [{"role": ..., "content": ...}, ...]}`` (roles system, user,
 assistant, tool) or a prompt/completion pair: ``{"prompt": str | messages, "completion": str |
-messages}`` (strings become one user turn and one assistant turn). Tool use as transformers and
+messages}`` (strings become one user turn and one assistant turn; a prompt whose last message is
+the assistant's, a prefix to continue, is skipped: `refuse_assistant_prefix`). Tool use as transformers and
 TRL carry it: a record-level ``"tools"`` list of JSON schemas (or its JSON text), passed to the
 template; assistant messages with ``"tool_calls"`` (content "" or None) are learned like any
 reply (the rendered call and its end-of-turn token), ``"tool"`` messages (the tool's output)
@@ -77,6 +78,7 @@ def conversation_of(record: dict) -> list[dict]:
         prompt = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
         completion = ([{"role": "assistant", "content": completion}] if isinstance(completion, str)
                       else completion)
+        refuse_assistant_prefix(prompt)
         messages = list(prompt) + list(completion)
     else:
         raise SkipRecord("neither 'messages' nor 'prompt' + 'completion'")
@@ -104,6 +106,22 @@ def refuse_template_kwargs(record: dict) -> None:
     if record.get("chat_template_kwargs"):
         raise SkipRecord("'chat_template_kwargs' (per-record template arguments) are not applied; "
                          "drop the field to render with the template's defaults")
+
+
+PREFIX_TO_CONTINUE = (
+    "'prompt' ends with an assistant message, a prefix to continue (transformers' "
+    "continue_final_message), which TRL 1.16 renders as a finished turn followed by a second "
+    "assistant turn; move that text into the reply, or end the prompt with a user or tool message")
+
+
+def refuse_assistant_prefix(prompt) -> None:
+    """A prompt (SFT's prompt/completion, DPO's prompt) whose last message is the assistant's is
+    skipped with the reason: the reply would have to continue that message, and TRL 1.16's
+    SFT and DPO tokenization (the prompt with `add_generation_prompt=True`, then prompt + reply)
+    instead closes it and starts another assistant turn, a context no inference call gives."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[-1], dict) \
+            and prompt[-1].get("role") == "assistant":
+        raise SkipRecord(PREFIX_TO_CONTINUE)
 
 
 def tools_of(record: dict) -> list | None:

@@ -40,9 +40,13 @@ def build_per_split_datasets(
     num_samples: tuple[int, int, int],
     cache_dir: str | None = None,
     vocab_size: int | None = None,
+    multiple_validation_sets: bool = False,
 ):
     """(train, valid, test) from one blend per split (each a --data-path-style list, or None for
-    no dataset); None also where a split is asked for no samples.
+    no dataset); None also where a split is asked for no samples. A split asked for None samples
+    is read whole: one epoch of each prefix (several unweighted prefixes blended exhaustively), as
+    megatron-core builds it for --full-validation. With `multiple_validation_sets`, valid is a
+    list: one dataset per prefix of its blend (--multiple-validation-sets).
 
     With `vocab_size`, every prefix of every split (the test split's too) is first checked against
     the model's vocabulary (data/token_stats.py)."""
@@ -55,12 +59,15 @@ def build_per_split_datasets(
     out = []
     for i, blend in enumerate(parsed):
         sizes = tuple(num_samples[i] if j == i else 0 for j in range(3))
-        if blend is None or not num_samples[i]:
+        if blend is None or num_samples[i] == 0:
             out.append(None)
+        elif i == 1 and multiple_validation_sets:  # each prefix its own set, as megatron-core
+            out.append([build_split_datasets(p, WHOLE_SPLIT[i], sizes, config)[i] for p in blend.prefixes])
         elif len(blend.prefixes) == 1:  # weighted or not: the plain dataset
             out.append(build_split_datasets(blend.prefixes[0], WHOLE_SPLIT[i], sizes, config)[i])
         else:
             out.append(build_blend_splits(blend, WHOLE_SPLIT[i], sizes, config)[i])
     logger.info("per-split blends: %s", ", ".join(
-        f"{name} {'none' if d is None else len(d)}" for name, d in zip(SPLIT_NAMES, out)))
+        f"{name} {'none' if d is None else '+'.join(str(len(x)) for x in d) if isinstance(d, list) else len(d)}"
+        for name, d in zip(SPLIT_NAMES, out)))
     return tuple(out)

@@ -8,7 +8,9 @@ prompt as one conversation (`ChatRenderer.render` with the prompt as context): t
 `apply_chat_template(prompt + reply)`, what the model sees at inference, and the mask (1) is the
 reply's assistant messages located in that rendering plus their end-of-turn tokens, exactly as
 SFT masks a reply (data/chat.py, data/chat_spans.py), with SFT's fallback and skip reasons.
-Assistant turns inside a multi-turn prompt are context, not learned. docs/post_training.md says
+Assistant turns inside a multi-turn prompt are context, not learned; a prompt that ends with
+an assistant message (a prefix to continue) is skipped with the reason (data/chat.py
+`refuse_assistant_prefix`). docs/post_training.md says
 where this differs from TRL's DPOTrainer.
 
 On disk a preference set is a chat set (data/sft_dataset.py's two indexed files) whose
@@ -25,7 +27,7 @@ import os
 
 import numpy as np
 
-from .chat import ChatRenderer, Rendered, SkipRecord, refuse_template_kwargs
+from .chat import ChatRenderer, Rendered, SkipRecord, refuse_assistant_prefix, refuse_template_kwargs
 from .gpt_dataset import parse_split, split_boundaries
 from .indexed import IndexedDatasetError
 from .sft_dataset import SFTDataset, open_pair
@@ -51,6 +53,7 @@ def render_pair(renderer: ChatRenderer, record: dict) -> tuple[Rendered, Rendere
         raise SkipRecord("not a preference record (prompt, chosen, rejected)")
     refuse_template_kwargs(record)
     prompt = _messages(record["prompt"], "user", "prompt")
+    refuse_assistant_prefix(prompt)
     replies = [_messages(record[key], "assistant", key) for key in ("chosen", "rejected")]
     for key, reply in zip(("chosen", "rejected"), replies):
         if not any(isinstance(m, dict) and m.get("role") == "assistant" for m in reply):

@@ -131,7 +131,7 @@ def test_files_written_by_either_program_read_the_same(corpora):
 
 def megatron_build(data_path, split, sizes, seed, cache, *, reset_position_ids=False,
                    reset_attention_mask=False, eod_mask_loss=False, add_extra_token=True,
-                   per_split=None, pad=-1):
+                   per_split=None, pad=-1, **validation):
     """megatron-core's datasets; `per_split`: three blends (or None) as blend_per_split, as
     Megatron-LM's get_blend_and_blend_per_split makes them of --train/valid/test-data-path."""
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
@@ -143,7 +143,7 @@ def megatron_build(data_path, split, sizes, seed, cache, *, reset_position_ids=F
         path_to_cache=cache, tokenizer=TokenizerStub(EOD + 1, EOD, pad),
         reset_position_ids=reset_position_ids, reset_attention_mask=reset_attention_mask,
         eod_mask_loss=eod_mask_loss, create_attention_mask=True,
-        add_extra_token_to_sequence=add_extra_token)
+        add_extra_token_to_sequence=add_extra_token, **validation)
     return BlendedMegatronDatasetBuilder(GPTDataset, list(sizes), lambda: True, config).build()
 
 
@@ -327,6 +327,29 @@ def test_per_split_blends(corpora):
         # a weighted single prefix is the plain dataset, not a blend of one
         single = [o for o, bl in zip(ours, blends) if bl and len(parse_data_path(bl).prefixes) == 1]
         assert single and not any(hasattr(o, "datasets") for o in single)
+
+
+def test_whole_validation_sets(corpora):
+    """--full-validation's validation size None (one epoch of the split; several unweighted
+    prefixes blended exhaustively) and --multiple-validation-sets' one dataset per
+    --valid-data-path prefix, against megatron-core's builder with those config fields."""
+    a, b, c, cache = corpora["a"], corpora["b"], corpora["c"], str(corpora["root"] / "cache_full")
+    sizes = (SIZES[0], None, SIZES[2])
+    full = dict(full_validation=True)
+    for data_path in ([a], [b, c]):
+        ours = megazoo_build(data_path, "90,10,0", sizes, 3, os.path.join(cache, "megazoo"))[1]
+        theirs = megatron_build(data_path, "90,10,0", sizes, 3, os.path.join(cache, "megatron"), **full)[1]
+        assert_same_indices(ours, theirs, f"--data-path {data_path} valid, whole")
+        assert_same_samples(ours, theirs, f"--data-path {data_path} valid, whole")
+    blends = ([a], [b, c], None)
+    ours = build_per_split_datasets(blends, SEQ, 4, sizes, os.path.join(cache, "megazoo"),
+                                    multiple_validation_sets=True)[1]
+    theirs = megatron_build(None, None, sizes, 4, os.path.join(cache, "megatron"), per_split=blends,
+                            multiple_validation_sets=True, **full)[1]
+    assert isinstance(theirs, list) and len(ours) == len(theirs) == 2
+    for k, (o, t) in enumerate(zip(ours, theirs)):
+        assert_same_indices(o, t, f"validation set {k}")
+        assert_same_samples(o, t, f"validation set {k}")
 
 
 def test_pad_id_loss_mask(corpora, tmp_path):

@@ -2,7 +2,8 @@
 ones (--split cuts the set in file order, as pretraining cuts documents), each once, and the
 validation loss it logs is the mean over the held-out assistant tokens, computed here directly:
 every held-out conversation alone (no padding, no packing) through the same model at the moment
-of the evaluation. Padded and packed samples; the last validation batch is part empty."""
+of the evaluation. Padded and packed samples (packed with --full-validation and --eval-iters 1:
+the whole held-out set all the same); the last validation batch is part empty."""
 from __future__ import annotations
 
 import numpy as np
@@ -68,7 +69,9 @@ def test_sft_evaluates_once_on_the_held_out_conversations(tmp_path, monkeypatch,
         seen.append((dataset.conversations, held_out_loss(chunks[0], prefix)))
         return real(chunks, dataset, *a, **kw)
     monkeypatch.setattr(trainer, "evaluate", evaluate)
-    argv = TINY + ["--data-path", prefix] + (["--sft-packing"] if packing else [])
+    # packed: with --full-validation and --eval-iters 1, still every held-out conversation once
+    argv = TINY + ["--data-path", prefix] + (["--sft-packing", "--full-validation", "--eval-iters", "1"]
+                                             if packing else [])
     run = to_run_config(build_parser().parse_args(argv), world_size=1, eod_token=VOCAB - 1)
     result = pretrain(build_model, run)
     held_out = list(range(CONVERSATIONS - HELD_OUT, CONVERSATIONS))

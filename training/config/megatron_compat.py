@@ -24,6 +24,7 @@ from megazoo.training.config.deepspeed_config import DeepSpeedConfigError, contr
 from megazoo.training.config.megatron_resolve import (  # noqa: F401 - re-exported
     Compat, check_model, resolve_megatron_compat, samples_to_iterations, stage_layers, vocab_multiple)
 from megazoo.training.config.megatron_table import ACCEPTED, ALIASES, MAPPED, REFUSED
+from megazoo.training.config.validation_flags import validation_refusals
 from megazoo.training.config.weighted_split_paths import WeightedSplitError, to_data_path_and_split
 
 logger = logging.getLogger("megazoo.train")
@@ -94,6 +95,7 @@ def translate(args: argparse.Namespace, given: set[str], flag_of) -> tuple[list[
         notes.info("--optimizer adam: AdamW (Megatron's adam decouples the weight decay, as AdamW)")
     refused += _deepspeed(args, given, flag_of, notes)
     refused += _data(args, given, notes)
+    refused += validation_refusals(args, given)
     refused += _model_and_training(args, given, notes)
     return refused, notes
 

@@ -18,6 +18,7 @@ from megazoo.training.config.grpo_flags import add_grpo_flags
 from megazoo.training.config.lora_flags import add_lora_flags
 from megazoo.training.config.muon_flags import add_muon_flags
 from megazoo.training.config.run_config import COMPILE_BACKENDS, HealthConfig
+from megazoo.training.config.validation_flags import add_validation_flags
 
 
 class _Parser(argparse.ArgumentParser):
@@ -206,6 +207,8 @@ def build_parser(default_model: str | None = None) -> argparse.ArgumentParser:
             group.add_argument(flag, **keywords)
         if flags is DATA_FLAGS:
             add_data_source_flags(group)
+        if flags is LOGGING_FLAGS:
+            add_validation_flags(group)
     add_muon_flags(p)
     add_lora_flags(p)
     add_dpo_flags(p)

@@ -64,6 +64,10 @@ class DataConfig:
     # --calculate-per-token-loss (implied by --sft): the loss is the sum over the global batch's
     # counted tokens / their number, not a mean of per-microbatch means
     per_token_loss: bool = False
+    # --full-validation: each evaluation reads the whole validation set (built for one epoch)
+    full_validation: bool = False
+    # --multiple-validation-sets: each --valid-data-path prefix a validation set of its own
+    multiple_validation_sets: bool = False
 
     @property
     def per_split(self) -> tuple | None:
@@ -91,6 +95,7 @@ class LoggingConfig:
     log_interval: int = 10
     eval_interval: int = 100
     eval_iters: int = 10
+    validation_set_names: list[str] | None = None  # --validation-set-names (logged valid-NAME)
     eval_tasks: tuple[str, ...] = ()  # --eval-tasks: lm-eval task names or YAML paths
     eval_tasks_interval: int = 0  # --eval-tasks-interval (0: only after the last iteration)
     eval_tasks_limit: int | None = None  # --eval-tasks-limit: documents per task

@@ -99,7 +99,8 @@ class RunLogger:
             text.append(f"{_count(tokens)} tokens seen")
         if p:
             text.append(f"{_clock(p.elapsed())} of training in this run")
-        for split, name in (("train", "training loss"), ("valid", "validation loss")):
+        sets = [(s, f"{s} validation loss") for s in self.losses if s.startswith("valid-")]
+        for split, name in (("train", "training loss"), ("valid", "validation loss"), *sets):
             seen = self.losses.get(split)
             if seen:
                 best = min(seen, key=lambda x: x[1])

@@ -127,9 +127,12 @@ def draw_report(run_dir: str):
             pts = [(r["iteration"], r[key]) for r in rows if r["split"] == "train" and key in r]
             if pts:  # markers: a short run's single point stays visible
                 ax.plot(*zip(*pts), ".-", color=colour, label=f"{name}train", lw=1.2, ms=3)
-            valid = [(r["iteration"], r["loss"]) for r in rows if r["split"] == "valid"]
-            if key == "loss" and valid:
-                ax.plot(*zip(*valid), "o--", color=colour, label=f"{name}validation", ms=4)
+            sets = sorted({r["split"] for r in rows if r["split"].split("-")[0] == "valid"})
+            for split, marker in zip(sets, "osv^D" * len(sets)):  # valid-0, valid-1: one each
+                valid = [(r["iteration"], r["loss"]) for r in rows if r["split"] == split and "loss" in r]
+                if key == "loss" and valid:
+                    ax.plot(*zip(*valid), marker + "--", color=colour, ms=4,
+                            label=f"{name}{'validation' if split == 'valid' else split}")
         if key == "loss":
             ax.legend(fontsize=8)
         ax.set_title(title, fontsize=10)

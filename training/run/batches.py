@@ -49,23 +49,28 @@ class MockGPTDataset:
 
 
 def dataset_num_samples(train_iters: int, train_samples: int | None, global_batch_size: int,
-                        eval_interval: int, eval_iters: int) -> tuple[int, int, int]:
+                        eval_interval: int, eval_iters: int,
+                        full_validation: bool = False) -> tuple[int, int | None, int]:
     """Samples asked of the (train, valid, test) datasets, as Megatron-LM's training asks for
     them (training.py get_train_valid_test_num_samples): --train-samples itself, else
-    train_iters x gbs; (train_iters // eval_interval + 1) x eval_iters x gbs for validation.
-    Test: 0, megazoo never evaluates on it (Megatron builds eval_iters x gbs; the other splits do
-    not depend on it)."""
+    train_iters x gbs; (train_iters // eval_interval + 1) x eval_iters x gbs for validation, or
+    None with --full-validation (the split read whole: one epoch). Test: 0, megazoo never
+    evaluates on it (Megatron builds eval_iters x gbs; the other splits do not depend on it)."""
     train = train_samples or train_iters * global_batch_size
+    if full_validation:
+        return train, None, 0
     evals = train_iters // max(eval_interval, 1) + 1
     return train, evals * eval_iters * global_batch_size, 0
 
 
-def build_datasets(cfg: DataConfig, *, seed: int, vocab_size: int, num_samples: tuple[int, int, int]):
+def build_datasets(cfg: DataConfig, *, seed: int, vocab_size: int, num_samples: tuple[int, int | None, int]):
     """(train, valid, test); valid/test may be None (a warning says so when evaluation was asked).
     --sft: --split cuts the conversations (data/sft_dataset.py `split_sft_datasets`);
-    --train/valid/test-data-path: one blend per split (data/per_split.py)."""
+    --train/valid/test-data-path: one blend per split (data/per_split.py), valid a list of one
+    dataset per prefix with --multiple-validation-sets. A valid size of None reads the split
+    whole (--full-validation)."""
     if cfg.mock_data:
-        return tuple(MockGPTDataset(max(n, 1), cfg.seq_length, vocab_size, seed + i)
+        return tuple(MockGPTDataset(max(n or 0, 1), cfg.seq_length, vocab_size, seed + i)
                      for i, n in enumerate(num_samples))
     if cfg.dpo:
         train, valid, test = split_preference_datasets(cfg.data_path[0], cfg.split, cfg.seq_length,
@@ -84,8 +89,9 @@ def build_datasets(cfg: DataConfig, *, seed: int, vocab_size: int, num_samples: 
         what = "conversations"
     elif cfg.per_split is not None:
         train, valid, test = build_per_split_datasets(cfg.per_split, cfg.seq_length, seed, num_samples,
-                                                      cfg.data_cache_path, vocab_size=vocab_size)
-        if valid is None and num_samples[1] and _first_rank():
+                                                      cfg.data_cache_path, vocab_size=vocab_size,
+                                                      multiple_validation_sets=cfg.multiple_validation_sets)
+        if valid is None and num_samples[1] != 0 and _first_rank():
             logger.warning("no --valid-data-path: evaluation is skipped (as Megatron-LM skips it); give "
                            "--valid-data-path PREFIX, or pass --eval-iters 0")
         return train, valid, test
@@ -94,7 +100,7 @@ def build_datasets(cfg: DataConfig, *, seed: int, vocab_size: int, num_samples: 
             cfg.data_path, cfg.split, cfg.seq_length, seed, num_samples, cfg.data_cache_path,
             vocab_size=vocab_size)
         what = "documents"
-    if valid is None and num_samples[1] and _first_rank():
+    if valid is None and num_samples[1] != 0 and _first_rank():
         logger.warning("--split %s leaves the validation split of --data-path %s with no %s: "
                        "evaluation is skipped; give it a larger share (e.g. --split 969,30,1) or more "
                        "%s, or pass --eval-iters 0", cfg.split, " ".join(map(str, cfg.data_path)), what,
@@ -150,6 +156,9 @@ def microbatches(dataset, *, consumed_samples: int, micro_batch_size: int, dp_ra
             mb["loss_mask"] = mb.get("loss_mask", torch.ones(padded.shape)).masked_fill(padded, 0.0)
             mb["tokens"] = mb["tokens"].masked_fill(mb["tokens"] == pad_mask_token, 0)
             mb["labels"] = mb["labels"].masked_fill(padded, 0)
+        if "counted" in sample:  # WholePass: a filler sample counts no token
+            counted = torch.from_numpy(sample["counted"].astype(np.float32))[:, None]
+            mb["loss_mask"] = mb.get("loss_mask", torch.ones(mb["labels"].shape)) * counted
         out = {k: split_sequence(x, 1, cp, cp_rank).contiguous().to(device) for k, x in mb.items()}
         if docs is not None:
             reset_positions = documents is None or documents.reset_position_ids
@@ -170,6 +179,22 @@ def microbatches(dataset, *, consumed_samples: int, micro_batch_size: int, dp_ra
             ahead.append(pool.submit(read, idx))
             if len(ahead) > 2 * num_workers:
                 yield to_batch(ahead.popleft().result())
+
+
+class WholePass:
+    """A pretraining dataset's samples once, then fillers up to `length` (a whole number of global
+    batches): --full-validation reads each sample once. Every item carries "counted" (1, or 0
+    for a filler: a copy of sample 0 whose tokens count in no loss, `microbatches`)."""
+
+    def __init__(self, dataset, length: int):
+        self.dataset, self.length = dataset, length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, idx: int) -> dict:
+        real = idx < len(self.dataset)
+        return {**self.dataset[idx if real else 0], "counted": np.int64(real)}
 
 
 @dataclass(frozen=True)

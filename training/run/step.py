@@ -22,7 +22,7 @@ from megazoo.parallel.pipeline.engine import run_pipeline
 from megazoo.parallel.pipeline.schedules import build_schedule
 from megazoo.parallel.topology import ParallelTopology
 
-from megazoo.training.run.batches import document_flags, microbatches
+from megazoo.training.run.batches import WholePass, document_flags, microbatches
 
 
 def activation_shape(topo: ParallelTopology, seq_length: int, micro_batch_size: int, hidden: int):
@@ -175,12 +175,17 @@ def evaluate(chunks, dataset, topo: ParallelTopology, run, shape, dtype, *, watc
     counted token of those batches (each batch weighed by its tokens), and --sft reads each
     held-out conversation at most once: at most --eval-iters batches, fewer when the validation
     conversations fill fewer (the last one filled with samples that count no token).
+    --full-validation reads every sample of the set once (ceil(samples / global batch) batches,
+    the last one filled alike) and takes the mean over every counted token, as Megatron-LM sums
+    each sample's loss and token count over the whole set.
     `forward_fn` as in `forward_backward` (--dpo: the preference loss over held-out pairs)."""
     mbs, gbs = run.schedule.micro_batch_size, run.schedule.global_batch_size
-    planned = run.logging.eval_iters
-    if run.data.sft:
-        planned = min(planned, math.ceil(len(dataset) / gbs))
-        dataset = OnePass(dataset, planned * gbs)
+    planned, full = run.logging.eval_iters, run.data.full_validation
+    per_token_loss = run.data.per_token_loss or full
+    if run.data.sft or full:
+        whole = math.ceil(len(dataset) / gbs)
+        planned = whole if full else min(planned, whole)
+        dataset = OnePass(dataset, planned * gbs) if run.data.sft else WholePass(dataset, planned * gbs)
     it = microbatches(dataset, consumed_samples=consumed_samples, micro_batch_size=mbs,
                       dp_rank=topo.dp_rank,
                       dp=topo.dp, device=topo.device, eod_mask_token=run.data.eod_mask_token,
@@ -192,7 +197,7 @@ def evaluate(chunks, dataset, topo: ParallelTopology, run, shape, dtype, *, watc
     for _ in range(planned):
         with guard("evaluation batch (forward, all_reduce(loss))"):
             loss, counted = eval_step(chunks, [next(it) for _ in range(per_step)], topo, shape=shape,
-                                      dtype=dtype, per_token_loss=run.data.per_token_loss,
+                                      dtype=dtype, per_token_loss=per_token_loss,
                                       forward_fn=forward_fn)
             total, weight, batches = total + loss * counted, weight + counted, batches + 1
             if interrupted is not None and interrupted():

@@ -39,6 +39,8 @@ from megazoo.training.monitor.report import write_report
 from megazoo.training.checkpoint.resume import load
 from megazoo.training.checkpoint.save import TrainState, layout_of, save
 from megazoo.training.run.step import activation_shape, evaluate, forward_backward
+from megazoo.training.run.validation import (describe_full_validation, evaluation_due, validation_consumed,
+                                             validation_sets)
 from megazoo.training.resilience.watchdog import CollectiveWatchdog, backend_timeout
 from megazoo.training.monitor.window import LogWindow
 
@@ -56,6 +58,8 @@ class TrainResult:
     dpo: list[dict] = dataclasses.field(default_factory=list)  # --dpo: each step's rewards etc.
     grpo: list[dict] = dataclasses.field(default_factory=list)  # --grpo-prompts: each step's metrics
     valid_dpo: list[tuple[int, dict]] = dataclasses.field(default_factory=list)  # and held out
+    # --multiple-validation-sets: (iteration, split name as logged, loss) of each set
+    valid_sets: list[tuple[int, str, float]] = dataclasses.field(default_factory=list)
 
 
 def build_chunks(model_provider, run: RunConfig, topo, rng):
@@ -125,10 +129,14 @@ class Trainer:
                     train_ds, self.valid_ds, _ = build_datasets(
                         run.data, seed=run.seed, vocab_size=mcfg.vocab_size,
                         num_samples=dataset_num_samples(self.sched.train_iters, self.sched.train_samples, gbs,
-                                                        run.logging.eval_interval, run.logging.eval_iters))
+                                                        run.logging.eval_interval, run.logging.eval_iters,
+                                                        run.data.full_validation))
         except BaseException:
             self.watchdog.close()  # no beats from a run that never started
             raise
+        self.valid_sets = validation_sets(run, self.valid_ds)
+        if run.data.full_validation and topo.rank == 0:
+            describe_full_validation(run, self.valid_sets)
         if self.grpo is None:
             self.data = TrainData(train_ds, journal.skipped_samples(),
                                   micro_batch_size=self.sched.micro_batch_size, dp_rank=topo.dp_rank,
@@ -267,46 +275,38 @@ class Trainer:
         self.window.reset()
 
     def evaluate_if_due(self, stops=None, at_end: bool = False) -> None:
-        """Every --eval-interval iterations, and `at_end` of training when the last iteration was
-        not one of those (Megatron-LM evaluates at the end of training too); a stop request
-        (`stops`: the run's StopRequests) ends the evaluation after its current batch, and
-        nothing of it is logged."""
-        interval, it = self.run.logging.eval_interval, self.state.iteration
-        if self.valid_ds is None or not interval or not self.run.logging.eval_iters or not it \
-                or bool(it % interval) != at_end:
+        """Each validation set (training/run/validation.py) every --eval-interval iterations, and
+        `at_end` of training when the last iteration was not one of those (Megatron-LM evaluates
+        at the end of training too); a stop request (`stops`: the run's StopRequests) ends the
+        evaluation after its current batch, and nothing of that set (nor of the sets after it)
+        is logged."""
+        it = self.state.iteration
+        if not self.valid_sets or not evaluation_due(self.run, it, at_end):
             return
         interrupted = (lambda: stops.signalled(self.topo.device) != 0) if stops is not None else None
-        vloss, batches, planned = evaluate(self.chunks, self.valid_ds, self.topo, self.run,
-                                           self.shape, self.opt.dtype,
-                                           watchdog=self.watchdog, interrupted=interrupted,
-                                           forward_fn=self.dpo_eval_forward,
-                                           consumed_samples=self.validation_consumed(it))
-        dpo = {}
-        if self.run.dpo is not None:  # the held-out pairs' rewards (collective)
-            with self.watchdog.collective("DPO evaluation metrics all-reduce"):
-                dpo = self.dpo_eval_stats.reduce(self.topo)
-        if batches < planned:
-            if self.topo.rank == 0:
-                logger.warning("evaluation at iteration %d stopped after %d of %d batches: a stop "
-                               "was requested", it, batches, planned)
-            return
-        self.result.valid_losses.append((it, vloss))
-        if dpo:
-            self.result.valid_dpo.append((it, dpo))
-        self.log.log(dict(loss=vloss, **dpo) if dpo else dict(loss=vloss, ppl=math.exp(min(vloss, 50))),
-                     it, "valid")
-
-    def validation_consumed(self, it: int) -> int:
-        """Where the evaluation at iteration `it` starts in the validation set. As Megatron-LM's
-        validation iterator, pretraining moves on: the k-th evaluation (at k x --eval-interval, or
-        at the end of training after k - 1 of them) reads the k-th run of --eval-iters global
-        batches, which the validation set is sized for (training/run/batches.py
-        `dataset_num_samples`), so a resumed run continues where the uninterrupted one would be.
-        --sft and --dpo read the same held-out set every time."""
-        if self.run.data.sft or self.run.dpo is not None:
-            return 0
-        evaluations_before = (it - 1) // self.run.logging.eval_interval
-        return evaluations_before * self.run.logging.eval_iters * self.run.schedule.global_batch_size
+        for name, dataset in self.valid_sets:
+            vloss, batches, planned = evaluate(self.chunks, dataset, self.topo, self.run,
+                                               self.shape, self.opt.dtype,
+                                               watchdog=self.watchdog, interrupted=interrupted,
+                                               forward_fn=self.dpo_eval_forward,
+                                               consumed_samples=validation_consumed(self.run, it))
+            dpo = {}
+            if self.run.dpo is not None:  # the held-out pairs' rewards (collective)
+                with self.watchdog.collective("DPO evaluation metrics all-reduce"):
+                    dpo = self.dpo_eval_stats.reduce(self.topo)
+            if batches < planned:
+                if self.topo.rank == 0:
+                    logger.warning("evaluation of %s at iteration %d stopped after %d of %d batches: "
+                                   "a stop was requested", name, it, batches, planned)
+                return
+            if name == "valid":
+                self.result.valid_losses.append((it, vloss))
+            else:
+                self.result.valid_sets.append((it, name, vloss))
+            if dpo:
+                self.result.valid_dpo.append((it, dpo))
+            self.log.log(dict(loss=vloss, **dpo) if dpo else dict(loss=vloss, ppl=math.exp(min(vloss, 50))),
+                         it, name)
 
     def evaluate_tasks_if_due(self) -> None:
         """--eval-tasks every --eval-tasks-interval iterations and after the last: the scores
