@@ -135,6 +135,14 @@ def test_adam_state_follows_the_weights_and_the_counters_carry(imported):
     assert read_full_state(imported["step6"]).optim == {}  # model-only: weights only
 
 
+def test_inspect_names_the_format():
+    for path, want in ((STEP3, "torchtitan checkpoint (step-3): 2 layers, float32 weights, with "
+                               "optimizer state"),
+                       (TORCHTITAN / "checkpoint", "(step-6): 2 layers, bfloat16 weights, model-only")):
+        rc, out, _ = tool_output("inspect_checkpoint", path)
+        assert rc == 0 and want in out and "--format torchtitan" in out, out
+
+
 def test_rope_pairs_must_be_reordered(tmp_path):
     """Read as if torchtitan's llama3 rotated halves (no reordering), the logits are far off."""
     import torch.distributed.checkpoint as dcp

@@ -151,6 +151,18 @@ def is_torchtitan(root: str) -> bool:
     return "tok_embeddings.weight" in metadata
 
 
+def describe(root: str) -> str:
+    folder = step_folder(root)
+    metadata = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
+    layers = {m[1] for m in map(_LAYER_KEY.fullmatch, metadata) if m}
+    optim = any(k.startswith("optimizer.state.") for k in metadata)
+    dtype = metadata["tok_embeddings.weight"].properties.dtype
+    return (f"torchtitan checkpoint ({os.path.basename(os.path.normpath(folder))}): {len(layers)} "
+            f"layers, {str(dtype).removeprefix('torch.')} weights, "
+            + ("with optimizer state" if optim else "model-only")
+            + "; it records no model configuration (import with --hf-config)")
+
+
 class _SafeBytes(DefaultLoadPlanner):
     """Non-tensor entries unpickled with weights_only=True (plain numbers and containers)."""
 
