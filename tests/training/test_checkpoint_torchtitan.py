@@ -202,6 +202,13 @@ def test_bad_input_is_refused_in_one_line(tmp_path):
                   "neither a torchtitan step-N folder"))
     cases.append((["import", "--load", QWEN3, "--hf-config", TORCHTITAN],
                   "the checkpoint holds ['layers.0.attention.k_norm.weight'"))
+    from transformers import Qwen3MoeConfig
+    Qwen3MoeConfig(vocab_size=128, hidden_size=32, intermediate_size=96, moe_intermediate_size=16,
+                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                   num_experts=4, num_experts_per_tok=2).save_pretrained(tmp_path / "moe")
+    cases.append((["import", "--load", QWEN3, "--hf-config", tmp_path / "moe"],
+                  "model_type 'qwen3_moe'; megazoo maps torchtitan's ['llama', 'qwen3']"))
+    cases.append((["export", "--load", STEP3, "--tp", "2"], "drop the layout flags"))
     for argv, message in cases:
         rc, _, err = tool_output("convert_checkpoint", argv[0], "--format", "torchtitan",
                                  *argv[1:], "--save", tmp_path / "out")

@@ -24,6 +24,8 @@ READERS = {"megatron": megatron_legacy.read, "megatron-dist": megatron_dist.read
            "deepspeed": deepspeed.read, "torchtitan": torchtitan.read}
 WRITERS = {"megatron": megatron_legacy.write, "megatron-dist": megatron_dist.write,
            "deepspeed": deepspeed_universal.write, "torchtitan": torchtitan.write}
+# formats whose export takes no layout (refused before the checkpoint is read)
+LAYOUT_CHECKS = {"torchtitan": torchtitan.check_layout}
 # formats whose files record no model configuration: --hf-config gives it
 HF_CONFIG = {"deepspeed", "torchtitan"}
 
@@ -61,6 +63,8 @@ def export_checkpoint(fmt: str, load: str, save: str, *,
     parallel = ParallelConfig.of(parallel, **sizes)
     if fmt not in WRITERS:
         raise ckpt.CheckpointError(f"--format {fmt!r}: export writes {sorted(WRITERS)}")
+    if fmt in LAYOUT_CHECKS:  # before anything is read
+        LAYOUT_CHECKS[fmt](parallel.tp, parallel.pp, parallel.vpp)
     folder = ckpt.require_verified(ckpt.resolve(load))
     meta, config = checkpoint_config(folder)
     full = read_full_state(folder)

@@ -301,12 +301,17 @@ def read(root: str, vocab_size: int | None = None, *, optimizer: bool = True,
     return model_type, config, FullState(meta, full["weights"], optim, scalars), iteration
 
 
-def write(full: FullState, config, root: str, *, tp: int = 1, pp: int = 1, vpp: int = 1,
-          iteration: int = 0) -> str:
-    """A megazoo FullState as torchtitan's model-only save, `root/step-<iteration>/` (fp32)."""
+def check_layout(tp: int, pp: int, vpp: int) -> None:
+    """An export takes no layout: refused before the checkpoint is read."""
     if (tp, pp, vpp) != (1, 1, 1):
         raise ckpt.CheckpointError("--format torchtitan: DCP holds whole tensors (torchtitan "
                                    "shards them as it loads); drop the layout flags")
+
+
+def write(full: FullState, config, root: str, *, tp: int = 1, pp: int = 1, vpp: int = 1,
+          iteration: int = 0) -> str:
+    """A megazoo FullState as torchtitan's model-only save, `root/step-<iteration>/` (fp32)."""
+    check_layout(tp, pp, vpp)
     from megazoo.models.registry import family
     where = f"{root} (a {config.family} model)"
     _, interleaved = _check_model(config, where)
