@@ -13,10 +13,10 @@ checkpoints of a Hugging Face model with --hf-config, universal checkpoints, and
 Megatron-DeepSpeed pipeline layout BLOOM-176B was saved in, weights only; export: a universal
 checkpoint of a GPT or BLOOM run with its optimizer, no layout flags); torchtitan (import: its
 CheckpointManager's step-N DCP folders of Llama 3 / Qwen3 with --hf-config, optimizer included;
-export: a model-only step-N folder torchtitan's initial_load_path reads). A Megatron-LM import carries the weights, and
-where the files hold them the fp32 masters, Adam moments, step count, iteration and consumed
-samples, so `--load ckpt/run` continues the run under any layout (`--no-optimizer`: weights
-only, then train with `--finetune`).
+export: a model-only step-N folder torchtitan's initial_load_path reads). A Megatron-LM import
+carries the weights, and where the files hold them the fp32 masters, Adam moments, step count,
+iteration and consumed samples, so `--load ckpt/run` continues the run under any layout
+(`--no-optimizer`: weights only, then train with `--finetune`).
 """
 from __future__ import annotations
 
@@ -80,7 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
 # flags that apply to some formats only: (command, flag's dest, formats it applies to)
 FORMAT_ONLY = (("import", "make_vocab_size_divisible_by", {"hf"}),
                ("export", "dtype", {"hf"}), ("export", "tokenizer_dir", {"hf"}),
-               ("import", "vocab_size", set(READERS) - HF_CONFIG), ("import", "hf_config", HF_CONFIG),
+               ("import", "vocab_size", set(READERS) - HF_CONFIG),
+               ("import", "hf_config", HF_CONFIG),
                ("export", "universal_names", {"deepspeed"}), ("export", "merge_lora", {"hf"}),
                ("export", "lora_adapter_dir", {"hf"}))
 

@@ -12,8 +12,6 @@ are far off; the export holds torchtitan's own tensors bit for bit under torchti
 torchtitan's CheckpointManager loads such an export with equal logits is make_golden.py
 --check-export); bad input is refused in one line.
 """
-import os
-
 import pytest
 import torch
 
@@ -138,7 +136,8 @@ def test_adam_state_follows_the_weights_and_the_counters_carry(imported):
 def test_inspect_names_the_format():
     for path, want in ((STEP3, "torchtitan checkpoint (step-3): 2 layers, float32 weights, with "
                                "optimizer state"),
-                       (TORCHTITAN / "checkpoint", "(step-6): 2 layers, bfloat16 weights, model-only")):
+                       (TORCHTITAN / "checkpoint",
+                        "(step-6): 2 layers, bfloat16 weights, model-only")):
         rc, out, _ = tool_output("inspect_checkpoint", path)
         assert rc == 0 and want in out and "--format torchtitan" in out, out
 
@@ -153,7 +152,8 @@ def test_rope_pairs_must_be_reordered(tmp_path):
     from megazoo.training.checkpoint.reshard import FullState
     config = adapter.config_from_hf(read_hf_config(str(TORCHTITAN))[2])
     metadata = dcp.FileSystemReader(str(STEP3)).read_metadata().state_dict_metadata
-    keys = [k for k in metadata if k.split(".")[0] in {"tok_embeddings", "layers", "norm", "output"}]
+    model = {"tok_embeddings", "layers", "norm", "output"}
+    keys = [k for k in metadata if k.split(".")[0] in model]
     sd = torchtitan._read(str(STEP3), metadata, keys)
     ref = _reference()
     diffs = []

@@ -35,7 +35,7 @@ import warnings
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from megazoo.training.checkpoint import format as ckpt
 from megazoo.training.checkpoint.foreign.assemble import expected_shapes
@@ -185,14 +185,16 @@ def _read(folder: str, metadata: dict, keys: list[str]) -> dict:
             dcp.load(wanted, storage_reader=dcp.FileSystemReader(folder), no_dist=True,
                      planner=_SafeBytes())
     except Exception as e:  # DCP wraps each read's failure in its own exception type
-        raise ckpt.CheckpointError(f"{folder}: unreadable DCP entries ({str(e).splitlines()[0][:200]})"
-                                   f"; the checkpoint is damaged or incomplete") from None
+        first = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+        raise ckpt.CheckpointError(f"{folder}: unreadable DCP entries ({first}); the checkpoint "
+                                   f"is damaged or incomplete") from None
     return wanted
 
 
 def _expected(config, module, where: str) -> dict[str, tuple]:
     """torchtitan name -> shape of every tensor the configuration calls for."""
-    meta = {k: torch.empty(s, device="meta") for k, s in expected_shapes(config.family, config).items()}
+    meta = {k: torch.empty(s, device="meta")
+            for k, s in expected_shapes(config.family, config).items()}
     out = {}
     for hf_name, t in module.to_hf_state_dict(meta, config).items():
         name = from_hf_name(hf_name)
@@ -246,11 +248,12 @@ def read(root: str, vocab_size: int | None = None, *, optimizer: bool = True,
                   and not k.startswith(("optimizer.", "lr_scheduler.", "dataloader."))}
     extra = sorted(model_keys - set(expected) - ({"output.weight"} if tied_copy else set()))
     missing = sorted(set(expected) - model_keys)
-    if extra or missing:
+    if extra:
         raise ckpt.CheckpointError(f"{where}: the checkpoint holds {extra[:3]} that config.json "
-                                   f"does not call for and lacks {missing[:3]}; they disagree"
-                                   if extra else f"{where}: the checkpoint lacks {missing[:3]} that "
-                                   f"config.json calls for; they disagree")
+                                   f"does not call for (and lacks {missing[:3]}); they disagree")
+    if missing:
+        raise ckpt.CheckpointError(f"{where}: the checkpoint lacks {missing[:3]} that config.json "
+                                   f"calls for; they disagree")
     for key, shape in expected.items():
         if tuple(metadata[key].size) != shape:
             raise ckpt.CheckpointError(f"{where}: {key} has shape {tuple(metadata[key].size)}, "
