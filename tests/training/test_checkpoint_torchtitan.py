@@ -209,6 +209,12 @@ def test_bad_input_is_refused_in_one_line(tmp_path):
     cases.append((["import", "--load", QWEN3, "--hf-config", tmp_path / "moe"],
                   "model_type 'qwen3_moe'; megazoo maps torchtitan's ['llama', 'qwen3']"))
     cases.append((["export", "--load", STEP3, "--tp", "2"], "drop the layout flags"))
+    import collections
+    import pickle
+    (tmp_path / "evil").mkdir()  # a .metadata that would build another class than DCP's
+    (tmp_path / "evil" / ".metadata").write_bytes(pickle.dumps(collections.OrderedDict()))
+    cases.append((["import", "--load", tmp_path / "evil", "--hf-config", TORCHTITAN],
+                  "holds collections.OrderedDict, outside DCP's metadata classes; refused"))
     for argv, message in cases:
         rc, _, err = tool_output("convert_checkpoint", argv[0], "--format", "torchtitan",
                                  *argv[1:], "--save", tmp_path / "out")

@@ -23,6 +23,8 @@ optimizer is there), Adam's moments and step and the iteration (`train_state.ste
 schedule, the optimizer's hyperparameters (logged) and the dataloader's position are not.
 Export writes a model-only `step-N/` folder (fp32), as `last_save_model_only` does, which
 torchtitan loads with `checkpoint.initial_load_path` (model-only, the default for it).
+`.metadata` is unpickled through an allowlist (DCP's metadata classes, paths, sizes, dtypes;
+safe_load.dcp_metadata), other entries with weights_only=True: reading runs no saved code.
 """
 from __future__ import annotations
 
@@ -38,6 +40,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from megazoo.training.checkpoint import format as ckpt
+from megazoo.training.checkpoint.foreign import safe_load
 from megazoo.training.checkpoint.foreign.assemble import expected_shapes
 from megazoo.training.checkpoint.reshard import FullState
 
@@ -145,7 +148,7 @@ def step_folder(root: str) -> str:
 
 def is_torchtitan(root: str) -> bool:
     try:
-        metadata = dcp.FileSystemReader(step_folder(root)).read_metadata().state_dict_metadata
+        metadata = safe_load.dcp_metadata(step_folder(root)).state_dict_metadata
     except (ckpt.CheckpointError, OSError, ValueError, RuntimeError):
         return False
     return "tok_embeddings.weight" in metadata
@@ -153,7 +156,7 @@ def is_torchtitan(root: str) -> bool:
 
 def describe(root: str) -> str:
     folder = step_folder(root)
-    metadata = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
+    metadata = safe_load.dcp_metadata(folder).state_dict_metadata
     layers = {m[1] for m in map(_LAYER_KEY.fullmatch, metadata) if m}
     optim = any(k.startswith("optimizer.state.") for k in metadata)
     dtype = metadata["tok_embeddings.weight"].properties.dtype
@@ -161,6 +164,19 @@ def describe(root: str) -> str:
             f"layers, {str(dtype).removeprefix('torch.')} weights, "
             + ("with optimizer state" if optim else "model-only")
             + "; it records no model configuration (import with --hf-config)")
+
+
+class _Reader(dcp.FileSystemReader):
+    """DCP's reader, its `.metadata` unpickled through safe_load's allowlist."""
+
+    def __init__(self, folder: str):
+        super().__init__(folder)
+        self._metadata = safe_load.dcp_metadata(folder)
+
+    def read_metadata(self, *args, **kwargs):
+        if getattr(self._metadata, "storage_meta", None) is not None:
+            self._metadata.storage_meta.load_id = getattr(self, "load_id", None)
+        return self._metadata
 
 
 class _SafeBytes(DefaultLoadPlanner):
@@ -182,7 +198,7 @@ def _read(folder: str, metadata: dict, keys: list[str]) -> dict:
     try:
         with warnings.catch_warnings():  # DCP warns that no process group is up: none is needed
             warnings.simplefilter("ignore", UserWarning)
-            dcp.load(wanted, storage_reader=dcp.FileSystemReader(folder), no_dist=True,
+            dcp.load(wanted, storage_reader=_Reader(folder), no_dist=True,
                      planner=_SafeBytes())
     except Exception as e:  # DCP wraps each read's failure in its own exception type
         first = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
@@ -241,7 +257,7 @@ def read(root: str, vocab_size: int | None = None, *, optimizer: bool = True,
     config = module.config_from_hf(hf)
     where = f"{folder} with {hf_config}/config.json"
     _, interleaved = _check_model(config, where)
-    metadata = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
+    metadata = safe_load.dcp_metadata(folder).state_dict_metadata
     expected = _expected(config, module, where)
     tied_copy = config.tie_word_embeddings and "output.weight" in metadata
     model_keys = {k for k, v in metadata.items() if isinstance(v, TensorStorageMetadata)
