@@ -80,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
 # flags that apply to some formats only: (command, flag's dest, formats it applies to)
 FORMAT_ONLY = (("import", "make_vocab_size_divisible_by", {"hf"}),
                ("export", "dtype", {"hf"}), ("export", "tokenizer_dir", {"hf"}),
-               ("import", "vocab_size", set(READERS) - HF_CONFIG),
+               ("import", "vocab_size", set(READERS) - {"torchtitan"}),
                ("import", "hf_config", HF_CONFIG),
                ("export", "universal_names", {"deepspeed"}), ("export", "merge_lora", {"hf"}),
                ("export", "lora_adapter_dir", {"hf"}))
