@@ -11,10 +11,12 @@ Formats: megatron (Megatron-LM's legacy `--ckpt-format torch` folders), megatron
 folders; tools/convert_hf.py is this with --format hf), each both ways; deepspeed (import: ZeRO-1/2/3
 checkpoints of a Hugging Face model with --hf-config, universal checkpoints, and the
 Megatron-DeepSpeed pipeline layout BLOOM-176B was saved in, weights only; export: a universal
-checkpoint of a GPT or BLOOM run with its optimizer, no layout flags). A Megatron-LM import carries the weights, and
-where the files hold them the fp32 masters, Adam moments, step count, iteration and consumed
-samples, so `--load ckpt/run` continues the run under any layout (`--no-optimizer`: weights
-only, then train with `--finetune`).
+checkpoint of a GPT or BLOOM run with its optimizer, no layout flags); torchtitan (import: its
+CheckpointManager's step-N DCP folders of Llama 3 / Qwen3 with --hf-config, optimizer included;
+export: a model-only step-N folder torchtitan's initial_load_path reads). A Megatron-LM import
+carries the weights, and where the files hold them the fp32 masters, Adam moments, step count,
+iteration and consumed samples, so `--load ckpt/run` continues the run under any layout
+(`--no-optimizer`: weights only, then train with `--finetune`).
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ import argparse
 import logging
 import sys
 
-from megazoo.training.checkpoint.foreign.convert import READERS, WRITERS
+from megazoo.training.checkpoint.foreign.convert import HF_CONFIG, READERS, WRITERS
 from megazoo.training.checkpoint.foreign.convert import export_checkpoint, import_checkpoint
 from megazoo.training.checkpoint.foreign.safe_load import UnsafeCheckpointError
 from megazoo.training.checkpoint.format import CheckpointError
@@ -50,10 +52,12 @@ def build_parser() -> argparse.ArgumentParser:
     imp.add_argument("--vocab-size", type=int,
                      help="the tokenizer's vocabulary (default: the recorded one; Megatron-LM "
                           "records only the padded size unless --vocab-size was given)")
-    imp.add_argument("--hf-config", help="deepspeed ZeRO checkpoints of a Hugging Face model: "
-                                         "the folder with its config.json (default: one beside "
+    imp.add_argument("--hf-config", help="deepspeed ZeRO checkpoints of a Hugging Face model "
+                                         "and torchtitan checkpoints: the folder with the "
+                                         "model's config.json (deepspeed's default: one beside "
                                          "`latest`, as in the Hugging Face Trainer's "
-                                         "checkpoint-N folders)")
+                                         "checkpoint-N folders; torchtitan's: its "
+                                         "model.hf_assets_path)")
     imp.add_argument("--make-vocab-size-divisible-by", type=int, help="hf only")
     exp.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                      help="hf only: weights' dtype (default: the checkpoint's; an imported "
@@ -76,7 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
 # flags that apply to some formats only: (command, flag's dest, formats it applies to)
 FORMAT_ONLY = (("import", "make_vocab_size_divisible_by", {"hf"}),
                ("export", "dtype", {"hf"}), ("export", "tokenizer_dir", {"hf"}),
-               ("import", "vocab_size", set(READERS)), ("import", "hf_config", {"deepspeed"}),
+               ("import", "vocab_size", set(READERS) - {"torchtitan"}),
+               ("import", "hf_config", HF_CONFIG),
                ("export", "universal_names", {"deepspeed"}), ("export", "merge_lora", {"hf"}),
                ("export", "lora_adapter_dir", {"hf"}))
 

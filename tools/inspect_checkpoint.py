@@ -35,11 +35,13 @@ def _shapes(path: str, verify: bool) -> tuple[dict, int]:
 
 def _foreign(path: str) -> str | None:
     """One line naming another framework's checkpoint format and layout, else None."""
-    from megazoo.training.checkpoint.foreign import deepspeed, megatron_dist, megatron_legacy
+    from megazoo.training.checkpoint.foreign import deepspeed, megatron_dist, megatron_legacy, torchtitan
     if deepspeed.is_universal(path) or deepspeed.is_pipeline_layout(path) or deepspeed.is_zero(path):
         return deepspeed.describe(path) + "; convert with tools/convert_checkpoint.py import --format deepspeed"
     if megatron_dist.is_dist(path):
         return megatron_dist.describe(path) + "; convert with tools/convert_checkpoint.py import --format megatron-dist"
+    if torchtitan.is_torchtitan(path):
+        return torchtitan.describe(path) + "; convert with tools/convert_checkpoint.py import --format torchtitan"
     if megatron_legacy.is_legacy(path):
         return megatron_legacy.describe(path) + "; convert with tools/convert_checkpoint.py import --format megatron"
     return None

@@ -12,7 +12,8 @@ import logging
 from megazoo.parallel.layout import ParallelConfig
 
 from megazoo.training.checkpoint import format as ckpt
-from megazoo.training.checkpoint.foreign import deepspeed, deepspeed_universal, megatron_dist, megatron_legacy
+from megazoo.training.checkpoint.foreign import (deepspeed, deepspeed_universal, megatron_dist,
+                                                 megatron_legacy, torchtitan)
 from megazoo.training.checkpoint.hf import checkpoint_config
 from megazoo.training.checkpoint.layout_writer import write_layout
 from megazoo.training.checkpoint.reshard import read_full_state
@@ -20,9 +21,13 @@ from megazoo.training.checkpoint.reshard import read_full_state
 logger = logging.getLogger(__name__)
 
 READERS = {"megatron": megatron_legacy.read, "megatron-dist": megatron_dist.read,
-           "deepspeed": deepspeed.read}
+           "deepspeed": deepspeed.read, "torchtitan": torchtitan.read}
 WRITERS = {"megatron": megatron_legacy.write, "megatron-dist": megatron_dist.write,
-           "deepspeed": deepspeed_universal.write}
+           "deepspeed": deepspeed_universal.write, "torchtitan": torchtitan.write}
+# formats whose export takes no layout (refused before the checkpoint is read)
+LAYOUT_CHECKS = {"torchtitan": torchtitan.check_layout}
+# formats whose files record no model configuration: --hf-config gives it
+HF_CONFIG = {"deepspeed", "torchtitan"}
 
 
 def import_checkpoint(fmt: str, load: str, save: str, *, parallel: ParallelConfig | None = None,
@@ -37,9 +42,10 @@ def import_checkpoint(fmt: str, load: str, save: str, *, parallel: ParallelConfi
     parallel = ParallelConfig.of(parallel, **sizes)
     dp = dp or max(1, parallel.ep // parallel.cp)
     parallel.validate(parallel.tp * parallel.pp * parallel.cp * dp)
-    extra = {"hf_config": hf_config} if hf_config else {}  # DeepSpeed ZeRO: names and shapes
-    if extra and fmt != "deepspeed":
-        raise ckpt.CheckpointError(f"--hf-config applies to --format deepspeed only, not {fmt}")
+    extra = {"hf_config": hf_config} if hf_config else {}  # DeepSpeed ZeRO, torchtitan: shapes
+    if extra and fmt not in HF_CONFIG:
+        raise ckpt.CheckpointError(f"--hf-config applies to --format "
+                                   f"{'/'.join(sorted(HF_CONFIG))} only, not {fmt}")
     name, config, full, iteration = READERS[fmt](load, vocab_size, optimizer=optimizer, **extra)
     out = write_layout(full, save, config=config, parallel=parallel, dp=dp, zero_stage=zero_stage,
                        iteration=iteration, weights_only=not full.optim)
@@ -57,6 +63,8 @@ def export_checkpoint(fmt: str, load: str, save: str, *,
     parallel = ParallelConfig.of(parallel, **sizes)
     if fmt not in WRITERS:
         raise ckpt.CheckpointError(f"--format {fmt!r}: export writes {sorted(WRITERS)}")
+    if fmt in LAYOUT_CHECKS:  # before anything is read
+        LAYOUT_CHECKS[fmt](parallel.tp, parallel.pp, parallel.vpp)
     folder = ckpt.require_verified(ckpt.resolve(load))
     meta, config = checkpoint_config(folder)
     full = read_full_state(folder)

@@ -11,6 +11,7 @@ refused in one line naming it.
 from __future__ import annotations
 
 import argparse
+import os
 import pickle
 import re
 
@@ -114,3 +115,36 @@ def load(path: str):
         raise UnsafeCheckpointError(f"{path}: unreadable ({str(e).splitlines()[0][:200]}); "
                                     f"the file is damaged or not a torch checkpoint") from None
 
+
+
+# What torch.distributed.checkpoint pickles into a `.metadata` file besides its own metadata
+# classes (module torch.distributed.checkpoint.metadata): the filesystem's storage records, the
+# folder's path, torch sizes, dtypes and layouts.
+_DCP_GLOBALS = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+                ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath"),
+                ("torch", "Size"), ("torch.serialization", "_get_layout")}
+
+
+class _DCPUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        if module == "torch.distributed.checkpoint.metadata" or (module, name) in _DCP_GLOBALS \
+                or module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"global {module}.{name}")
+
+
+def dcp_metadata(folder: str):
+    """A torch.distributed.checkpoint folder's `.metadata`, unpickled with an allowlist (DCP's
+    own reader unpickles it with no restriction)."""
+    path = os.path.join(folder, ".metadata")
+    try:
+        with open(path, "rb") as f:
+            return _DCPUnpickler(f).load()
+    except pickle.UnpicklingError as e:
+        found = _UNSUPPORTED.search(str(e))
+        raise UnsafeCheckpointError(f"{path}: holds {found[1] if found else e}, outside DCP's "
+                                    f"metadata classes; refused (loading it would run its "
+                                    f"code)") from None
+    except (OSError, EOFError, AttributeError, ValueError) as e:
+        raise UnsafeCheckpointError(f"{path}: unreadable ({str(e)[:200]}); not a DCP "
+                                    f"checkpoint folder, or a damaged one") from None
