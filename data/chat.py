@@ -3,7 +3,10 @@
 A record is either ``{"messages": [{"role": ..., "content": ...}, ...]}`` (roles system, user,
 assistant, tool) or a prompt/completion pair: ``{"prompt": str | messages, "completion": str |
 messages}`` (strings become one user turn and one assistant turn; a prompt whose last message is
-the assistant's, a prefix to continue, is skipped: `refuse_assistant_prefix`). Tool use as transformers and
+the assistant's, a prefix to continue, is skipped: `refuse_assistant_prefix`). Of a
+prompt/completion pair only the completion's assistant messages are learned, as TRL 1.16's
+`completion_only_loss`: the prompt's assistant turns are context (docs/sft.md says where the
+masks differ: a completion's tool outputs are not learned). Tool use as transformers and
 TRL carry it: a record-level ``"tools"`` list of JSON schemas (or its JSON text), passed to the
 template; assistant messages with ``"tool_calls"`` (content "" or None) are learned like any
 reply (the rendered call and its end-of-turn token), ``"tool"`` messages (the tool's output)
@@ -68,9 +71,12 @@ class Rendered:
     truncated: bool = False
 
 
-def conversation_of(record: dict) -> list[dict]:
-    """The messages of a record (messages, or prompt/completion), checked for roles and content."""
+def conversation_of(record: dict) -> tuple[list[dict], int]:
+    """The messages of a record (messages, or prompt + completion), checked for roles and content,
+    and how many of them are context only: none of a `messages` record, the prompt's of a
+    prompt/completion pair (only the completion's assistant messages are learned)."""
     refuse_template_kwargs(record)
+    context = 0
     if "messages" in record:
         messages = record["messages"]
     elif "prompt" in record and "completion" in record:
@@ -78,8 +84,13 @@ def conversation_of(record: dict) -> list[dict]:
         prompt = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
         completion = ([{"role": "assistant", "content": completion}] if isinstance(completion, str)
                       else completion)
+        if not isinstance(prompt, list) or not isinstance(completion, list):
+            raise SkipRecord("'prompt' or 'completion' is neither a string nor a list of messages")
         refuse_assistant_prefix(prompt)
-        messages = list(prompt) + list(completion)
+        if not any(isinstance(m, dict) and m.get("role") == "assistant" for m in completion):
+            raise SkipRecord("'completion' has no assistant message (the prompt's assistant "
+                             "turns are context, not learned)")
+        messages, context = list(prompt) + list(completion), len(prompt)
     else:
         raise SkipRecord("neither 'messages' nor 'prompt' + 'completion'")
     if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
@@ -97,7 +108,7 @@ def conversation_of(record: dict) -> list[dict]:
                              f"tool_calls)")
     if not any(m["role"] == "assistant" for m in messages):
         raise SkipRecord("no assistant turn")
-    return messages
+    return messages, context
 
 
 def refuse_template_kwargs(record: dict) -> None:
@@ -254,8 +265,10 @@ class ChatRenderer:
 
     def render(self, record: dict, *, context: int = 0) -> Rendered:
         """The record's tokens and learned-token mask. The first `context` messages are context
-        only: their assistant turns are rendered but not learned (DPO's multi-turn prompts)."""
-        messages, tools = conversation_of(record), tools_of(record)
+        only: their assistant turns are rendered but not learned (DPO's multi-turn prompts; a
+        prompt/completion record's prompt is context too)."""
+        (messages, own), tools = conversation_of(record), tools_of(record)
+        context = max(context, own)
         if tools or any(m.get("tool_calls") for m in messages):
             self._check_tools(messages, tools)
         if self.marks_generation:
@@ -281,28 +294,33 @@ class ChatRenderer:
         """`render` of each record (a `Rendered`, or the `SkipRecord` it raised), with one
         template call and one batched tokenizer call for the records that pass
         `conversation_of` (the ids and masks of each are those of its own call; per record when
-        the template marks no generation span, when a record has tools or tool calls, or when
-        the batch fails)."""
+        the template marks no generation span, when a record has tools or tool calls, when its
+        prompt holds assistant turns, or when the batch fails)."""
         out: list = [None] * len(records)
-        todo: list[tuple[int, list[dict]]] = []
+        todo: list[tuple[int, list[dict], int]] = []
         for i, record in enumerate(records):
             try:
-                todo.append((i, conversation_of(record)))
+                messages, context = conversation_of(record)
+                todo.append((i, messages, context))
             except SkipRecord as e:
                 out[i] = e
         tooled = any("tools" in records[i] or any(m.get("tool_calls") for m in messages)
-                     for i, messages in todo)
-        if self.marks_generation and not self.trims_marks and todo and not tooled:
+                     for i, messages, _ in todo)
+        # the template's marks cover every assistant turn: a prompt's are cut per record
+        whole = [(i, messages) for i, messages, context in todo
+                 if not any(m["role"] == "assistant" for m in messages[:context])]
+        if self.marks_generation and not self.trims_marks and whole and not tooled:
             try:
-                batch = self.tok.apply_chat_template([m for _, m in todo], tokenize=True, return_dict=True,
+                batch = self.tok.apply_chat_template([m for _, m in whole], tokenize=True,
+                                                     return_dict=True,
                                                      return_assistant_tokens_mask=True)
             except Exception:  # noqa: BLE001 - one record's template error: each alone says which
                 batch = None
             if batch is not None:
-                for (i, _), tokens, mask in zip(todo, batch["input_ids"], batch["assistant_masks"]):
+                for (i, _), tokens, mask in zip(whole, batch["input_ids"], batch["assistant_masks"]):
                     out[i] = _outcome(self._bounded, list(tokens), list(mask))
-                return out
-        for i, _ in todo:
+                todo = [t for t in todo if out[t[0]] is None]
+        for i, _, _ in todo:
             out[i] = _outcome(self.render, records[i])
         return out
 
