@@ -6,7 +6,7 @@ token, the mask of TRL's `SFTTrainer` (`completion_only_loss`), apart from what 
 them). A prompt that ends with an assistant message (a prefix meant to be continued,
 transformers' `continue_final_message`): TRL's SFT and DPO tokenization renders the prompt with
 the generation prompt, so the prefix becomes a finished turn and the reply a second assistant
-turn; megazoo skips such a record with one reason (data/chat.py `refuse_assistant_prefix`), in
+turn; megazoo skips such a record with one reason (data/chat_records.py `refuse_assistant_prefix`), in
 SFT's prompt/completion records and in DPO's prompts alike, refuses it in GRPO's prompts, and
 still trains a conversation that ends with an assistant reply."""
 from __future__ import annotations
@@ -17,7 +17,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from megazoo.data.chat import PREFIX_TO_CONTINUE, ChatRenderer, SkipRecord
+from megazoo.data.chat import ChatRenderer
+from megazoo.data.chat_records import PREFIX_TO_CONTINUE, SkipRecord
 from megazoo.data.preference import render_pair
 from tests.fixtures import HERE, small_gpt2
 

@@ -3,14 +3,14 @@ tokenizer's chat template; or a list of messages, TRL's conversational prompt) o
 chat, always templated, ready for the assistant's turn); a templated record's `tools` (JSON
 schemas, or their JSON text, as in chat SFT) are passed to the template; each record's other
 fields reach the reward function by name. A chat whose last message is the assistant's (a prefix
-to continue) is refused, as chat SFT and DPO skip it (data/chat.py `refuse_assistant_prefix`):
+to continue) is refused, as chat SFT and DPO skip it (data/chat_records.py `refuse_assistant_prefix`):
 TRL 1.16's GRPOTrainer renders it with the generation prompt, closing that message and sampling a
 second assistant turn."""
 from __future__ import annotations
 
 import json
 
-from megazoo.data.chat import SkipRecord, refuse_template_kwargs, tools_of
+from megazoo.data.chat_records import SkipRecord, refuse_template_kwargs, tools_of
 from megazoo.data.tokenizers import TokenizerError
 
 
