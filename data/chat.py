@@ -3,7 +3,10 @@
 A record is either ``{"messages": [{"role": ..., "content": ...}, ...]}`` (roles system, user,
 assistant, tool) or a prompt/completion pair: ``{"prompt": str | messages, "completion": str |
 messages}`` (strings become one user turn and one assistant turn; a prompt whose last message is
-the assistant's, a prefix to continue, is skipped: `refuse_assistant_prefix`). Tool use as transformers and
+the assistant's, a prefix to continue, is skipped: `refuse_assistant_prefix`). Of a
+prompt/completion pair only the completion's assistant messages are learned, as TRL 1.16's
+`completion_only_loss`: the prompt's assistant turns are context (docs/sft.md says where the
+masks differ: a completion's tool outputs are not learned). Tool use as transformers and
 TRL carry it: a record-level ``"tools"`` list of JSON schemas (or its JSON text), passed to the
 template; assistant messages with ``"tool_calls"`` (content "" or None) are learned like any
 reply (the rendered call and its end-of-turn token), ``"tool"`` messages (the tool's output)
@@ -30,31 +33,27 @@ are context (DPO's prompt, data/preference.py), rendered but not learned.
 The mask is aligned with the tokens; the label shift (labels = tokens[1:], loss mask =
 mask[1:]) happens when samples are cut (data/sft_dataset.py).
 
-Records that cannot train raise `SkipRecord` with a short reason, counted and listed by the
+The records are read and checked by `megazoo.data.chat_records`. Records that cannot train
+raise `SkipRecord` with a short reason, counted and listed by the
 preprocessing tool (tools/preprocess_sft.py); so does a conversation the template itself refuses
 (e.g. Mistral's and Gemma's "roles must alternate").
 """
 from __future__ import annotations
 
-import json
 import logging
 import re
 from dataclasses import dataclass
 
 import numpy as np
 
+from megazoo.data.chat_records import SkipRecord, conversation_of, tools_of
 from megazoo.data.chat_spans import (ToolCallsNotRendered, Unlocatable, reply_spans, token_mask,
                                      unrendered_calls)
 
 log = logging.getLogger(__name__)
 
-ROLES = ("system", "user", "assistant", "tool")
 GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 OVERLONG = ("truncate", "drop")
-
-
-class SkipRecord(ValueError):
-    """A record that cannot be trained on; the message is the reason (counted per reason)."""
 
 
 class ChatTemplateError(ValueError):
@@ -66,76 +65,6 @@ class Rendered:
     tokens: np.ndarray  # int64 [n]
     assistant_mask: np.ndarray  # uint8 [n]: 1 where the token is produced by the assistant
     truncated: bool = False
-
-
-def conversation_of(record: dict) -> list[dict]:
-    """The messages of a record (messages, or prompt/completion), checked for roles and content."""
-    refuse_template_kwargs(record)
-    if "messages" in record:
-        messages = record["messages"]
-    elif "prompt" in record and "completion" in record:
-        prompt, completion = record["prompt"], record["completion"]
-        prompt = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-        completion = ([{"role": "assistant", "content": completion}] if isinstance(completion, str)
-                      else completion)
-        refuse_assistant_prefix(prompt)
-        messages = list(prompt) + list(completion)
-    else:
-        raise SkipRecord("neither 'messages' nor 'prompt' + 'completion'")
-    if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
-        raise SkipRecord("messages is not a list of {role, content} objects")
-    for m in messages:
-        calls = m.get("tool_calls")
-        if calls is not None and (m.get("role") != "assistant" or not isinstance(calls, list)
-                                  or not calls or not all(isinstance(c, dict) for c in calls)):
-            raise SkipRecord(f"a message with role {m.get('role')!r} and 'tool_calls' that are not "
-                             f"an assistant's non-empty list of {{function: {{name, arguments}}}}")
-        if m.get("role") not in ROLES or not (isinstance(m.get("content"), str)
-                                              or calls and m.get("content") is None):
-            raise SkipRecord(f"a message with role {m.get('role')!r} and no string content "
-                             f"(roles: {', '.join(ROLES)}; content may be None only beside "
-                             f"tool_calls)")
-    if not any(m["role"] == "assistant" for m in messages):
-        raise SkipRecord("no assistant turn")
-    return messages
-
-
-def refuse_template_kwargs(record: dict) -> None:
-    """A record's own template arguments (TRL's `chat_template_kwargs`, e.g. enable_thinking)
-    are not applied: such a record is skipped with the reason rather than rendered otherwise."""
-    if record.get("chat_template_kwargs"):
-        raise SkipRecord("'chat_template_kwargs' (per-record template arguments) are not applied; "
-                         "drop the field to render with the template's defaults")
-
-
-PREFIX_TO_CONTINUE = (
-    "'prompt' ends with an assistant message, a prefix to continue (transformers' "
-    "continue_final_message), which TRL 1.16 renders as a finished turn followed by a second "
-    "assistant turn; move that text into the reply, or end the prompt with a user or tool message")
-
-
-def refuse_assistant_prefix(prompt) -> None:
-    """A prompt (SFT's prompt/completion, DPO's prompt) whose last message is the assistant's is
-    skipped with the reason: the reply would have to continue that message, and TRL 1.16's
-    SFT and DPO tokenization (the prompt with `add_generation_prompt=True`, then prompt + reply)
-    instead closes it and starts another assistant turn, a context no inference call gives."""
-    if isinstance(prompt, list) and prompt and isinstance(prompt[-1], dict) \
-            and prompt[-1].get("role") == "assistant":
-        raise SkipRecord(PREFIX_TO_CONTINUE)
-
-
-def tools_of(record: dict) -> list | None:
-    """The record's tool schemas (a list, or its JSON text, as TRL accepts), or None."""
-    tools = record.get("tools")
-    if isinstance(tools, str):
-        try:
-            tools = json.loads(tools)
-        except ValueError:
-            raise SkipRecord("'tools' is a string that is not JSON") from None
-    if tools is not None and not (isinstance(tools, list)
-                                  and all(isinstance(t, dict) for t in tools)):
-        raise SkipRecord("'tools' is not a list of JSON schema objects")
-    return tools or None
 
 
 class ChatRenderer:
@@ -254,8 +183,10 @@ class ChatRenderer:
 
     def render(self, record: dict, *, context: int = 0) -> Rendered:
         """The record's tokens and learned-token mask. The first `context` messages are context
-        only: their assistant turns are rendered but not learned (DPO's multi-turn prompts)."""
-        messages, tools = conversation_of(record), tools_of(record)
+        only: their assistant turns are rendered but not learned (DPO's multi-turn prompts; a
+        prompt/completion record's prompt is context too)."""
+        (messages, own), tools = conversation_of(record), tools_of(record)
+        context = max(context, own)
         if tools or any(m.get("tool_calls") for m in messages):
             self._check_tools(messages, tools)
         if self.marks_generation:
@@ -281,28 +212,33 @@ class ChatRenderer:
         """`render` of each record (a `Rendered`, or the `SkipRecord` it raised), with one
         template call and one batched tokenizer call for the records that pass
         `conversation_of` (the ids and masks of each are those of its own call; per record when
-        the template marks no generation span, when a record has tools or tool calls, or when
-        the batch fails)."""
+        the template marks no generation span, when a record has tools or tool calls, when its
+        prompt holds assistant turns, or when the batch fails)."""
         out: list = [None] * len(records)
-        todo: list[tuple[int, list[dict]]] = []
+        todo: list[tuple[int, list[dict], int]] = []
         for i, record in enumerate(records):
             try:
-                todo.append((i, conversation_of(record)))
+                messages, context = conversation_of(record)
+                todo.append((i, messages, context))
             except SkipRecord as e:
                 out[i] = e
         tooled = any("tools" in records[i] or any(m.get("tool_calls") for m in messages)
-                     for i, messages in todo)
-        if self.marks_generation and not self.trims_marks and todo and not tooled:
+                     for i, messages, _ in todo)
+        # the template's marks cover every assistant turn: a prompt's are cut per record
+        whole = [(i, messages) for i, messages, context in todo
+                 if not any(m["role"] == "assistant" for m in messages[:context])]
+        if self.marks_generation and not self.trims_marks and whole and not tooled:
             try:
-                batch = self.tok.apply_chat_template([m for _, m in todo], tokenize=True, return_dict=True,
+                batch = self.tok.apply_chat_template([m for _, m in whole], tokenize=True,
+                                                     return_dict=True,
                                                      return_assistant_tokens_mask=True)
             except Exception:  # noqa: BLE001 - one record's template error: each alone says which
                 batch = None
             if batch is not None:
-                for (i, _), tokens, mask in zip(todo, batch["input_ids"], batch["assistant_masks"]):
+                for (i, _), tokens, mask in zip(whole, batch["input_ids"], batch["assistant_masks"]):
                     out[i] = _outcome(self._bounded, list(tokens), list(mask))
-                return out
-        for i, _ in todo:
+                todo = [t for t in todo if out[t[0]] is None]
+        for i, _, _ in todo:
             out[i] = _outcome(self.render, records[i])
         return out
 

@@ -9,7 +9,7 @@ prompt as one conversation (`ChatRenderer.render` with the prompt as context): t
 reply's assistant messages located in that rendering plus their end-of-turn tokens, exactly as
 SFT masks a reply (data/chat.py, data/chat_spans.py), with SFT's fallback and skip reasons.
 Assistant turns inside a multi-turn prompt are context, not learned; a prompt that ends with
-an assistant message (a prefix to continue) is skipped with the reason (data/chat.py
+an assistant message (a prefix to continue) is skipped with the reason (data/chat_records.py
 `refuse_assistant_prefix`). docs/post_training.md says
 where this differs from TRL's DPOTrainer.
 
@@ -27,7 +27,8 @@ import os
 
 import numpy as np
 
-from .chat import ChatRenderer, Rendered, SkipRecord, refuse_assistant_prefix, refuse_template_kwargs
+from .chat import ChatRenderer, Rendered
+from .chat_records import SkipRecord, refuse_assistant_prefix, refuse_template_kwargs
 from .gpt_dataset import parse_split, split_boundaries
 from .indexed import IndexedDatasetError
 from .sft_dataset import SFTDataset, open_pair

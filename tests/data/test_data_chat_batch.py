@@ -1,7 +1,7 @@
 """Chat rendering in batches (what tools/preprocess_sft.py's workers do): every record gets the
 tokens, mask, truncation flag or skip reason that rendering it alone gives, whatever its
-neighbours in the batch, with generation marks and with located replies; and the tool writes
-the same files with 1 and 2 workers."""
+neighbours in the batch, with generation marks and with located replies (a prompt/completion
+record learns only its completion); and the tool writes the same files with 1 and 2 workers."""
 from __future__ import annotations
 
 import json
@@ -16,7 +16,9 @@ RECORDS = [CONVERSATION, {"text": "x"}, {"prompt": "hi", "completion": "hello"},
            {"messages": [{"role": "user", "content": "only a question"}]}, LONG,
            {"messages": [{"role": "user", "content": "naïve <|im_end|> café"},
                          {"role": "assistant", "content": "日本語 😀\n\n  spaced\ttabs"}]},
-           {"messages": [{"role": "bot", "content": "x"}]}, CONVERSATION]
+           {"messages": [{"role": "bot", "content": "x"}]}, CONVERSATION,
+           # a multi-turn prompt: its assistant turn is context, rendered per record under marks
+           {"prompt": CONVERSATION["messages"][:4], "completion": CONVERSATION["messages"][4:]}]
 
 
 def _same(alone, batched) -> str:
@@ -46,6 +48,9 @@ def test_batch_renders_each_record_as_alone():
             batched = renderer.render_batch(RECORDS)
             assert len(batched) == len(RECORDS)
             seen += [_same(_alone(renderer, r), b) for r, b in zip(RECORDS, batched)]
+            if not kw:  # the prompt/completion record learns "bye", not the prompt's "hello you"
+                learned = batched[-1].tokens[batched[-1].assistant_mask == 1].tolist()
+                assert tok.decode(learned) == "bye<|im_end|>"
     # every outcome occurs, so the comparison covers kept, truncated and skipped records
     assert {"skip", "truncated", "kept"} <= set(seen) and len(seen) == 6 * len(RECORDS)
     tok.chat_template = CHATML_TAGGED.replace("'assistant' %}", "'gpt' %}")

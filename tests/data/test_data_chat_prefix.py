@@ -1,17 +1,24 @@
-"""A prompt that ends with an assistant message (a prefix meant to be continued, transformers'
-`continue_final_message`), under two released templates (tests/fixtures/chat_templates/):
-TRL 1.16's own SFT and DPO tokenization renders the prompt with the generation prompt, so the
-prefix becomes a finished turn and the reply a second assistant turn; megazoo skips such a record
-with one reason (data/chat.py `refuse_assistant_prefix`), in SFT's prompt/completion records and
-in DPO's prompts alike, and still trains a conversation that ends with an assistant reply."""
+"""Prompt/completion records against TRL 1.16's own SFT tokenization, under released templates
+(tests/fixtures/chat_templates/). A multi-turn prompt's assistant turns are context: megazoo
+learns only the completion's assistant messages (data/chat.py), with the tokens and, token for
+token, the mask of TRL's `SFTTrainer` (`completion_only_loss`), apart from what docs/sft.md lists
+(the newline after Qwen's end-of-turn token; a completion's tool outputs and the headers around
+them). A prompt that ends with an assistant message (a prefix meant to be continued,
+transformers' `continue_final_message`): TRL's SFT and DPO tokenization renders the prompt with
+the generation prompt, so the prefix becomes a finished turn and the reply a second assistant
+turn; megazoo skips such a record with one reason (data/chat_records.py `refuse_assistant_prefix`), in
+SFT's prompt/completion records and in DPO's prompts alike, refuses it in GRPO's prompts, and
+still trains a conversation that ends with an assistant reply."""
 from __future__ import annotations
 
+import json
 import re
 from types import SimpleNamespace
 
 import pytest
 
-from megazoo.data.chat import PREFIX_TO_CONTINUE, ChatRenderer, SkipRecord
+from megazoo.data.chat import ChatRenderer
+from megazoo.data.chat_records import PREFIX_TO_CONTINUE, SkipRecord
 from megazoo.data.preference import render_pair
 from tests.fixtures import HERE, small_gpt2
 
@@ -21,6 +28,35 @@ TEMPLATES = {
     "llama3.1_8b_instruct": ("<|begin_of_text|>", "<|eot_id|>", "<|eot_id|>",
                              "<|start_header_id|>assistant<|end_header_id|>\n\n"),
 }
+# prompt/completion against TRL's SFT: template -> (bos, eos, what TRL learns beyond megazoo after
+# a multi-turn prompt, and beyond a completion of tool call + tool output + answer: the output)
+COMPLETIONS = {
+    "qwen3_0.6b": (None, "<|im_end|>", "\n", "\n<|im_start|>user\n<tool_response>\nsunny, 21C\n"
+                   "</tool_response><|im_end|>\n<|im_start|>assistant\n\n"),
+    "llama3.1_8b_instruct": ("<|begin_of_text|>", "<|eot_id|>", "",
+                             '<|start_header_id|>ipython<|end_header_id|>\n\n"sunny, 21C"<|eot_id|>'
+                             "<|start_header_id|>assistant<|end_header_id|>\n\n"),
+    "gpt_oss_rev2": ("<|startoftext|>", "<|return|>", "", "<|start|>functions.get_weather "
+                     'to=assistant<|channel|>commentary<|message|>"sunny, 21C"<|end|><|start|>assistant'),
+}
+# what megazoo learns of the tool completion: the call turn and the answer, each through its
+# end-of-turn token (as the template renders them after the generation prompt)
+TOOL_TURNS = {
+    "qwen3_0.6b": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+                  "<|im_end|><think>\n\n</think>\n\nIt is sunny.<|im_end|>",
+    "llama3.1_8b_instruct": '{"name": "get_weather", "parameters": {"city": "Paris"}}<|eot_id|>'
+                            "It is sunny.<|eot_id|>",
+    "gpt_oss_rev2": ' to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris"}'
+                    "<|call|><|channel|>final<|message|>It is sunny.<|return|>",
+}
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+CALL = {"role": "assistant", "content": "", "tool_calls": [
+    {"id": "call00001", "type": "function",
+     "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}
+TOOL_OUTPUT = {"role": "tool", "tool_call_id": "call00001", "name": "get_weather",
+               "content": "sunny, 21C"}
 CONTROL = re.compile(r"<\|[A-Za-z_]+\|>")
 PROMPT = [{"role": "user", "content": "name a colour"},
           {"role": "assistant", "content": "The colour is"}]
@@ -28,7 +64,7 @@ PROMPT = [{"role": "user", "content": "name a colour"},
 
 def tokenizer(folder, name: str):
     from transformers import GPT2TokenizerFast
-    bos, eos = TEMPLATES[name][:2]
+    bos, eos = (TEMPLATES.get(name) or COMPLETIONS[name])[:2]
     template = (HERE / "chat_templates" / f"{name}.jinja").read_text()
     tok = GPT2TokenizerFast(*small_gpt2(folder))
     tok.add_special_tokens({"bos_token": bos or "<|endoftext|>", "eos_token": eos,
@@ -80,3 +116,91 @@ def test_trl_closes_the_prefix_and_megazoo_skips_the_record(template):
     chosen, _ = render_pair(renderer, {**record, "prompt": later})
     assert tok.decode([t for t, m in zip(chosen.tokens, chosen.assistant_mask) if m]) == \
         "blue" + TEMPLATES[name][1]
+
+
+def reply(name: str, thought: str, answer: str) -> dict:
+    """An assistant turn with reasoning where the template takes it (Qwen3 inline, gpt-oss's
+    `thinking`; Qwen3 and gpt-oss drop it from turns before the last user turn)."""
+    if name.startswith("qwen3"):
+        return {"role": "assistant", "content": f"<think>\n{thought}\n</think>\n\n{answer}"}
+    return {"role": "assistant", "content": answer,
+            **({"thinking": thought} if name.startswith("gpt_oss") else {})}
+
+
+def trl_sft(tok, name: str, records: list[dict]):
+    """TRL 1.16's own SFT tokenization (`SFTTrainer._prepare_dataset`, called without a model,
+    `completion_only_loss` on as SFTTrainer sets it for prompt/completion data): the ids and
+    whether each token is learned (its label kept)."""
+    import datasets
+    from trl.trainer.sft_trainer import SFTTrainer
+    args = SimpleNamespace(dataset_num_proc=None, dataset_text_field="text", max_length=None,
+                           assistant_only_loss=False, shuffle_dataset=False)
+    owner = SimpleNamespace(_tokenizer=tok, completion_only_loss=True, chat_template=None)
+    out = SFTTrainer._prepare_dataset(owner, datasets.Dataset.from_list(records), tok, args,
+                                      False, None, name)
+    return [(row["input_ids"], [int(label != -100) for label in row["labels"]]) for row in out]
+
+
+@pytest.mark.parametrize("name", sorted(COMPLETIONS))
+def test_prompt_completion_learns_the_completion_as_trl_sft(tmp_path_factory, name):
+    """A multi-turn prompt (its assistant turns with reasoning where the template takes it) and a
+    completion: the tokens are TRL's, the mask TRL's completion mask less `COMPLETIONS`' extra;
+    the prompt's assistant turns are not learned (the bug: they were). A completion of a tool
+    call, its output and the answer learns the two assistant turns; TRL also the output."""
+    tok = tokenizer(tmp_path_factory.mktemp("tok"), name)
+    eos, extra_prompt, extra_tools = COMPLETIONS[name][1:]
+    chat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"},
+            reply(name, "step one", "hello you"), {"role": "user", "content": "how are things"},
+            reply(name, "step two", "fine thanks"), {"role": "user", "content": "and now"}]
+    records = [{"prompt": chat[:n], "completion": [reply(name, "step three", "bye now")]}
+               for n in (4, 6)]
+    answer = {"role": "assistant", "content": "It is sunny."}
+    tooled = [{"prompt": chat[:2], "completion": [CALL, TOOL_OUTPUT, answer],
+               "tools": json.dumps(TOOLS)}]  # TRL takes JSON text
+    renderer = ChatRenderer(tok, name=name)
+    for group, extra in ((records, extra_prompt), (tooled, extra_tools)):
+        for record, (ids, learned), batched in zip(group, trl_sft(tok, name, group),
+                                                   renderer.render_batch(group)):
+            ours = renderer.render(record)
+            what = (name, len(record["prompt"]), len(record["completion"]))
+            assert ours.tokens.tolist() == ids == batched.tokens.tolist(), what
+            mask = ours.assistant_mask.tolist()
+            assert mask == batched.assistant_mask.tolist(), what
+            assert all(t for m, t in zip(mask, learned) if m), what  # TRL learns all we learn
+            assert tok.decode([i for i, m, t in zip(ids, mask, learned) if t and not m]) == \
+                extra, what
+            text = tok.decode([i for i, m in zip(ids, mask) if m])
+            if record in tooled:
+                assert text == TOOL_TURNS[name], what
+            else:
+                assert text.endswith("bye now" + eos) and "hello" not in text \
+                    and "fine" not in text, what
+    # the same conversation as `messages` learns every assistant turn, the earlier ones too
+    whole = renderer.render({"messages": records[1]["prompt"] + records[1]["completion"]})
+    text = tok.decode(whole.tokens[whole.assistant_mask == 1].tolist())
+    assert "hello you" in text and "fine thanks" in text and text.endswith("bye now" + eos)
+    with pytest.raises(SkipRecord, match="'completion' has no assistant message"):
+        renderer.render({"prompt": chat[:2], "completion": [TOOL_OUTPUT]})
+
+
+def test_grpo_refuses_a_prompt_that_ends_with_an_assistant_message(tmp_path):
+    """GRPO's prompts (training/run/grpo_prompts.py): TRL 1.16's GRPOTrainer renders a chat
+    prompt with `add_generation_prompt=True` whatever its last message, closing an assistant
+    prefix and sampling a second assistant turn; megazoo refuses it in one line, as SFT and DPO
+    skip it. A `prompt` given as a list of messages (TRL's conversational prompt) is a chat."""
+    from megazoo.data.tokenizers import HFTokenizer
+    from megazoo.training.run.grpo_prompts import render
+    tok = tokenizer(tmp_path, "qwen2.5_7b_instruct")
+    tok.save_pretrained(tmp_path / "tok")
+    loaded = HFTokenizer(str(tmp_path / "tok"))
+    closed = tok.apply_chat_template([PROMPT], add_generation_prompt=True, tokenize=False)[0]
+    assert closed.endswith("The colour is<|im_end|>\n<|im_start|>assistant\n")  # TRL's context
+    for record in ({"messages": PROMPT}, {"prompt": PROMPT}):
+        with pytest.raises(ValueError, match=r"^p.jsonl line 3: the chat ends with an assistant "
+                                             r"message, a prefix to continue.*GRPOTrainer"):
+            render(loaded, record, False, "p.jsonl line 3")
+    want = tok.apply_chat_template(PROMPT[:1], add_generation_prompt=True, tokenize=True,
+                                   return_dict=True)["input_ids"]
+    assert render(loaded, {"prompt": PROMPT[:1]}, False, "p") == list(want)
+    with pytest.raises(ValueError, match="`prompt` is neither a string nor a list of messages"):
+        render(loaded, {"prompt": 3}, False, "p")

@@ -210,7 +210,8 @@ def test_a_bad_reward_or_prompts_file_is_one_line(root):
     with open(bad, "w") as f:
         f.write('{"text": "a"}\n')
     i = argv.index("--grpo-prompts")
-    with pytest.raises(ArgumentError, match="bad.jsonl line 1: need a `prompt` string or `messages`"):
+    with pytest.raises(ArgumentError, match=r"bad.jsonl line 1: need a `prompt` \(a string or "
+                                            r"messages\) or `messages`"):
         run_llama(argv[:i + 1] + [bad] + argv[i + 2:], 1)
 
 

@@ -1,28 +1,41 @@
 """GRPO's prompts: a jsonl of `prompt` (a string, encoded as is or, with chat, through the
-tokenizer's chat template) or `messages` (a chat, always templated, ready for the assistant's
-turn); a templated record's `tools` (JSON schemas, or their JSON text, as in chat SFT) are
-passed to the template; each record's other fields reach the reward function by name."""
+tokenizer's chat template; or a list of messages, TRL's conversational prompt) or `messages` (a
+chat, always templated, ready for the assistant's turn); a templated record's `tools` (JSON
+schemas, or their JSON text, as in chat SFT) are passed to the template; each record's other
+fields reach the reward function by name. A chat whose last message is the assistant's (a prefix
+to continue) is refused, as chat SFT and DPO skip it (data/chat_records.py `refuse_assistant_prefix`):
+TRL 1.16's GRPOTrainer renders it with the generation prompt, closing that message and sampling a
+second assistant turn."""
 from __future__ import annotations
 
 import json
 
-from megazoo.data.chat import SkipRecord, refuse_template_kwargs, tools_of
+from megazoo.data.chat_records import SkipRecord, refuse_template_kwargs, tools_of
 from megazoo.data.tokenizers import TokenizerError
 
 
 def render(tok, record: dict, chat: bool, where: str) -> list[int]:
+    prompt = record.get("prompt")
+    conversation = record.get("messages") or (prompt if isinstance(prompt, list) else None)
+    if conversation is None and not isinstance(prompt, str):
+        raise ValueError(f"{where}: `prompt` is neither a string nor a list of messages")
     try:  # (as chat SFT and DPO: a record's own template arguments are not applied)
         refuse_template_kwargs(record)
         tools = tools_of(record)
     except SkipRecord as e:
         raise ValueError(f"{where}: {e}") from None
-    if "messages" in record or chat:
+    if conversation and isinstance(conversation[-1], dict) \
+            and conversation[-1].get("role") == "assistant":
+        raise ValueError(f"{where}: the chat ends with an assistant message, a prefix to continue, "
+                         f"which TRL 1.16's GRPOTrainer closes and follows with a second assistant "
+                         f"turn; end the prompt with a user or tool message")
+    if conversation is not None or chat:
         template = getattr(tok, "chat_template", None)
         if not template:
             raise TokenizerError(f"{where}: the tokenizer has no chat template; give plain "
                                  f"`prompt` strings without the chat flag")
         from transformers.utils.chat_template_utils import render_jinja_template
-        chat_ = record.get("messages") or [{"role": "user", "content": record["prompt"]}]
+        chat_ = conversation or [{"role": "user", "content": prompt}]
         rendered, _ = render_jinja_template([chat_], tools=tools, chat_template=template,
                                             add_generation_prompt=True, **tok.special_tokens())
         return tok.encode(rendered[0])
@@ -45,7 +58,8 @@ def read_prompts(path: str, tok, chat: bool, flag: str = "--grpo-prompts"
             except json.JSONDecodeError as e:
                 raise ValueError(f"{flag} {path} line {n}: not JSON ({e})") from e
             if not isinstance(rec, dict) or not ("prompt" in rec or "messages" in rec):
-                raise ValueError(f"{flag} {path} line {n}: need a `prompt` string or `messages`")
+                raise ValueError(f"{flag} {path} line {n}: need a `prompt` (a string or "
+                                 f"messages) or `messages`")
             ids = render(tok, rec, chat, f"{flag} {path} line {n}")
             if not ids:
                 raise ValueError(f"{flag} {path} line {n}: the prompt encodes to no tokens")
