@@ -111,8 +111,9 @@ def convert(a: argparse.Namespace) -> str:
         return export_checkpoint(a.format, a.load, a.save, parallel=parallel_config_of(a, None),
                                  universal_names=a.universal_names)
     if a.format == "hf-trainer":
+        layers = trainer_model_config(a.load).num_layers  # other savers' folders refused first
         return import_hf_trainer(a.load, a.save, dp=given(a, "dp") or 1,
-                                 parallel=parallel_config_of(a, trainer_model_config(a.load).num_layers),
+                                 parallel=parallel_config_of(a, layers),
                                  zero_stage=given(a, "zero_stage") or 0,
                                  optimizer=not a.no_optimizer, consumed_samples=a.consumed_samples)
     if a.format == "hf":

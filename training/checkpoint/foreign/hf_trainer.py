@@ -33,7 +33,6 @@ from megazoo.parallel.layout import ParallelConfig
 from megazoo.training.checkpoint import format as ckpt
 from megazoo.training.checkpoint.foreign import hf_trainer_optim, safe_load
 from megazoo.training.checkpoint.layout_writer import write_layout
-from megazoo.training.checkpoint.reshard import FullState
 
 logger = logging.getLogger(__name__)
 
@@ -141,7 +140,8 @@ def read(folder: str, *, optimizer: bool = True, consumed_samples: int | None = 
     if not optimizer:
         return model_type, config, full, step
     osd = safe_load.load(os.path.join(folder, OPTIMIZER))
-    moments, applied = hf_trainer_optim.named_states(osd, parsed[2], os.path.join(folder, OPTIMIZER))
+    moments, applied = hf_trainer_optim.named_states(osd, parsed[2],
+                                                     os.path.join(folder, OPTIMIZER))
     module = parsed[1]
     optim = {k: {n: t.float() for n, t in module.from_hf_state_dict(v, config).items()}
              for k, v in moments.items()}
@@ -154,7 +154,8 @@ def read(folder: str, *, optimizer: bool = True, consumed_samples: int | None = 
                                    f"{len(optim['exp_avg'])} tensors, the weights to "
                                    f"{len(optim['master'])}; they are not the same model")
     if applied != step:
-        logger.info("%s: Adam took %d steps in %d iterations (skipped steps)", folder, applied, step)
+        logger.info("%s: Adam took %d steps in %d iterations (skipped steps)", folder, applied,
+                    step)
     full.meta["skipped_steps"] = max(step - applied, 0)
     _schedule(folder, state, osd)
     logger.info("%s: rng_state*.pth not carried (megazoo seeds its own generators); "

@@ -63,7 +63,8 @@ def check_adam(osd: dict, path: str) -> None:
     fields = {k for g in osd["param_groups"] for k in g}
     if keys - ADAM_STATE or not ADAM_FIELDS <= fields:
         raise ckpt.CheckpointError(
-            f"{path}: the optimizer's state holds {sorted(keys)} and its groups {sorted(fields - {'params'})}; "
+            f"{path}: the optimizer's state holds {sorted(keys)} and its groups "
+            f"{sorted(fields - {'params'})}; "
             f"megazoo continues torch Adam/AdamW only (optim='adamw_torch[_fused]'); import the "
             f"weights with --no-optimizer")
     for g in osd["param_groups"]:
@@ -116,7 +117,8 @@ def _note_decay(groups, shapes, param_groups) -> None:
     decay = float(param_groups[0].get("weight_decay", 0.0))
     if not decay:
         return
-    other = [n for n in groups[0] if len(shapes[n]) < 2] + [n for n in groups[1] if len(shapes[n]) >= 2]
+    other = [n for n in groups[0] if len(shapes[n]) < 2] + \
+        [n for n in groups[1] if len(shapes[n]) >= 2]
     if other:
         logger.warning("the Trainer's weight decay (%g) treated %d parameters otherwise than "
                        "megazoo will (matrices decay, vectors do not), e.g. %s", decay,
