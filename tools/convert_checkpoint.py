@@ -5,10 +5,14 @@
     python tools/convert_checkpoint.py export --format megatron --load ckpt/run --save out \\
         --tensor-model-parallel-size 4 [--virtual-pipeline-model-parallel-size 2]
     python tools/convert_checkpoint.py import --format hf --load hf_folder --save ckpt/hf
+    python tools/convert_checkpoint.py import --format hf-trainer --load out/checkpoint-500 \\
+        --save ckpt/run --consumed-samples 16000 --tensor-model-parallel-size 2
 
 Formats: megatron (Megatron-LM's legacy `--ckpt-format torch` folders), megatron-dist
 (Megatron-core's `torch_dist` checkpoints, which Megatron-core loads back), hf (Hugging Face
-folders; tools/convert_hf.py is this with --format hf), each both ways; deepspeed (import: ZeRO-1/2/3
+folders; tools/convert_hf.py is this with --format hf), each both ways; hf-trainer (import: the
+Hugging Face Trainer's checkpoint-N/ with its AdamW state, iteration and step; --format hf reads
+the same folder's weights alone); deepspeed (import: ZeRO-1/2/3
 checkpoints of a Hugging Face model with --hf-config, universal checkpoints, and the
 Megatron-DeepSpeed pipeline layout BLOOM-176B was saved in, weights only; export: a universal
 checkpoint of a GPT or BLOOM run with its optimizer, no layout flags); torchtitan (import: its
@@ -26,12 +30,15 @@ import sys
 
 from megazoo.training.checkpoint.foreign.convert import HF_CONFIG, READERS, WRITERS
 from megazoo.training.checkpoint.foreign.convert import export_checkpoint, import_checkpoint
+from megazoo.training.checkpoint.foreign.hf_trainer import import_hf_trainer, is_trainer_folder
+from megazoo.training.checkpoint.foreign.hf_trainer import model_config as trainer_model_config
 from megazoo.training.checkpoint.foreign.safe_load import UnsafeCheckpointError
 from megazoo.training.checkpoint.format import CheckpointError
 from megazoo.training.checkpoint.hf import ConversionError, export_hf, hf_model_config, import_hf
 from megazoo.training.config.layout_flags import add_layout_flags, given, parallel_config_of
 
 FORMATS = sorted(set(READERS) | set(WRITERS) | {"hf"})
+IMPORT_FORMATS = sorted(set(FORMATS) | {"hf-trainer"})
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,8 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     imp = sub.add_parser("import", help="foreign checkpoint -> megazoo checkpoint")
     exp = sub.add_parser("export", help="megazoo checkpoint -> foreign checkpoint")
-    for s in (imp, exp):
-        s.add_argument("--format", required=True, choices=FORMATS)
+    for s, formats in ((imp, IMPORT_FORMATS), (exp, FORMATS)):
+        s.add_argument("--format", required=True, choices=formats)
         s.add_argument("--load", required=True, help="the checkpoint (or HF folder) to read")
         s.add_argument("--save", required=True, help="the folder to write")
     # import: the megazoo layout to write (dp default: what the experts split over);
@@ -59,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
                                          "checkpoint-N folders; torchtitan's: its "
                                          "model.hf_assets_path)")
     imp.add_argument("--make-vocab-size-divisible-by", type=int, help="hf only")
+    imp.add_argument("--consumed-samples", type=int,
+                     help="hf-trainer only: samples the run consumed (trainer_state.json records "
+                          "the per-device batch, not the global one)")
     exp.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                      help="hf only: weights' dtype (default: the checkpoint's; an imported "
                           "model's own)")
@@ -83,7 +93,8 @@ FORMAT_ONLY = (("import", "make_vocab_size_divisible_by", {"hf"}),
                ("import", "vocab_size", set(READERS) - {"torchtitan"}),
                ("import", "hf_config", HF_CONFIG),
                ("export", "universal_names", {"deepspeed"}), ("export", "merge_lora", {"hf"}),
-               ("export", "lora_adapter_dir", {"hf"}))
+               ("export", "lora_adapter_dir", {"hf"}),
+               ("import", "consumed_samples", {"hf-trainer"}))
 
 
 def inapplicable(a: argparse.Namespace) -> list[str]:
@@ -104,7 +115,17 @@ def convert(a: argparse.Namespace) -> str:
                              merge_lora=a.merge_lora, adapter_dir=a.lora_adapter_dir)
         return export_checkpoint(a.format, a.load, a.save, parallel=parallel_config_of(a, None),
                                  universal_names=a.universal_names)
+    if a.format == "hf-trainer":
+        layers = trainer_model_config(a.load).num_layers  # other savers' folders refused first
+        return import_hf_trainer(a.load, a.save, dp=given(a, "dp") or 1,
+                                 parallel=parallel_config_of(a, layers),
+                                 zero_stage=given(a, "zero_stage") or 0,
+                                 optimizer=not a.no_optimizer, consumed_samples=a.consumed_samples)
     if a.format == "hf":
+        if is_trainer_folder(a.load):
+            logging.getLogger(__name__).info(
+                "%s is a Trainer checkpoint: --format hf imports its weights alone; --format "
+                "hf-trainer carries its AdamW state, iteration and step", a.load)
         parallel = parallel_config_of(a, hf_model_config(a.load).num_layers)
         return import_hf(a.load, a.save, parallel=parallel, dp=given(a, "dp") or 1,
                          make_vocab_size_divisible_by=a.make_vocab_size_divisible_by)

@@ -223,6 +223,16 @@ def hf_model_config(folder: str) -> TransformerConfig:
     return parsed[1].config_from_hf(parsed[2])
 
 
+def save_tokenizer(folder: str, save: str, meta: dict) -> list:
+    """Copy a Hugging Face folder's tokenizer files into checkpoint `save`'s tokenizer/ folder
+    with the model's special-token ids (`meta`: hf_to_full's); returns the files copied."""
+    copied = copy_tokenizer(folder, checkpoint_tokenizer_dir(save))
+    record = {k: v for k, v in meta["hf_config"].items() if k != "dtype"}
+    write_record(checkpoint_tokenizer_dir(save), {"tokenizer_type": "HuggingFaceTokenizer", **record}
+                 if copied else record)
+    return copied
+
+
 def import_hf(folder: str, save: str, *, parallel: ParallelConfig | None = None, dp: int = 1,
               make_vocab_size_divisible_by: int | None = None, **sizes) -> str:
     """Convert a Hugging Face folder into a weights-only megazoo checkpoint for the layout
@@ -237,10 +247,7 @@ def import_hf(folder: str, save: str, *, parallel: ParallelConfig | None = None,
     if make_vocab_size_divisible_by:
         config = config.replace(make_vocab_size_divisible_by=make_vocab_size_divisible_by)
     out = write_layout(full, save, config=config, parallel=parallel, dp=dp, weights_only=True)
-    copied = copy_tokenizer(folder, checkpoint_tokenizer_dir(save))
-    record = {k: v for k, v in full.meta["hf_config"].items() if k != "dtype"}
-    write_record(checkpoint_tokenizer_dir(save), {"tokenizer_type": "HuggingFaceTokenizer", **record}
-                 if copied else record)
+    copied = save_tokenizer(folder, save, full.meta)
     logger.info("imported %s (%s) into %s at %s; tokenizer files: %s", folder, model_type, out,
                 parallel, copied or "none")
     return out
