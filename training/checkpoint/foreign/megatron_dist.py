@@ -233,8 +233,10 @@ def write(full: FullState, config, root: str, *, tp: int = 1, pp: int = 1, vpp: 
     torch.save({"args": args, "checkpoint_version": 3.0, "iteration": iteration,
                 "opt_param_scheduler": scheduler_state((full.meta.get("source") or {}).get(
                     "scheduler"), consumed),
-                "optimizer": {"optimizer": {"state": {"common_step": torch.tensor(float(step))}}}
-                if full.optim else None,
+                "optimizer": dist_optim.common_optimizer(
+                    {k: tuple(t.shape) for k, t in tensors.items() if isinstance(t, torch.Tensor)
+                     and not k.startswith("optimizer.")}, config.num_layers, step,
+                    config.params_dtype == "float32") if full.optim else None,
                 "num_floating_point_operations_so_far": 0}, os.path.join(folder, "common.pt"))
     with open(os.path.join(folder, "metadata.json"), "w") as f:
         json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1,

@@ -85,9 +85,10 @@ def step(common: dict, folder: str, metadata) -> int | None:
     for part in opt if isinstance(opt, list) else [opt]:
         if not isinstance(part, dict):
             continue
-        if part.get("state", {}).get("common_step") is not None:
-            return int(part["state"]["common_step"])
-        groups += (part.get("optimizer") or part).get("param_groups") or []
+        inner = part.get("optimizer") or part  # the mixed-precision wrapper nests it
+        if (inner.get("state") or {}).get("common_step") is not None:
+            return int(inner["state"]["common_step"])
+        groups += inner.get("param_groups") or []
     for key, value in objects(folder, metadata, _OBJECT).items():
         if key.split("/")[0].endswith(".optimizer"):
             for saved in value if isinstance(value, list) else [value]:
@@ -176,3 +177,21 @@ def model_space(folder: str, metadata, args, model: dict[str, torch.Tensor]) -> 
             else:
                 out.setdefault(name, torch.empty(model[key].shape))[layer] = piece
     return out
+
+
+def common_optimizer(shapes: dict[str, tuple], layers: int, step: int, fp32: bool) -> dict:
+    """The optimizer entry of common.pt as Megatron-core's plain optimizer saves it (its state's
+    tensors are the model-space ones): torch Adam's param groups without their `params` (the
+    loading run supplies them), one per weight-decay multiplier in first-seen module order
+    (biases and 1-D tensors without weight decay), the step as `common_step`; nested in the
+    mixed-precision wrapper's `optimizer` unless fp32. No groups (as before) for a model with
+    parameters outside the known module order (routed experts)."""
+    adam = {"state": {"common_step": torch.tensor(float(step))}}
+    order = module_order(shapes, layers, te_spec=False)
+    if {k for k, _, _ in order} == set(shapes):
+        wd = list(dict.fromkeys(0.0 if k.endswith(".bias") or len(shape) == 1 else 1.0
+                                for k, _, shape in order))
+        adam["param_groups"] = [dict(wd_mult=w, lr_mult=1.0, is_expert_parallel=False,
+                                     is_decoupled_lr=False, lr=0.0, weight_decay=0.0,
+                                     betas=(0.9, 0.999), eps=1e-8, amsgrad=False) for w in wd]
+    return adam if fp32 else {"optimizer": adam}
