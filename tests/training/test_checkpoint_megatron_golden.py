@@ -305,8 +305,8 @@ def test_megatron_lm_torch_dist_optimizer_forms_not_read_are_refused(tmp_path):
     from megazoo.training.checkpoint.format import CheckpointError
     root = tmp_path / "src"
     shutil.copytree(MEGATRON_LM / "trained_distopt_dp2", root)
-    cases = [(lambda sd: setattr(sd["args"], "tensor_model_parallel_size", 2),
-              r"dp_reshardable state \(saved at tp=2 pp=1.*--dist-ckpt-optim-fully-reshardable"),
+    cases = [(lambda sd: setattr(sd["args"], "pipeline_model_parallel_size", 2),
+              r"dp_reshardable state \(saved at tp=1 pp=2.*--dist-ckpt-optim-fully-reshardable"),
              (lambda sd: sd["content_metadata"].update(
                  distrib_optim_sharding_type="dp_zero_gather_scatter"),
               r"saved as 'dp_zero_gather_scatter', which megazoo does not read; re-save it with "

@@ -128,18 +128,30 @@ def module_order(shapes: dict[str, tuple], layers: int, te_spec: bool) -> list:
     return order
 
 
+def _split(key: str, swiglu: bool) -> str:
+    """How Megatron splits a sharded key's tensor over TP (names.py's kinds)."""
+    top = {m: split for m, _, split in names.TOP}
+    if key in top:
+        return top[key]
+    suffix = key[len("decoder.layers."):].split(".", 1)[-1] if key[len("decoder.layers."):][
+        :1].isdigit() else key[len("decoder.layers."):]
+    return names.split_for(names.to_megazoo(f"decoder.layers.0.{suffix}")[1], swiglu)
+
+
 def model_space(folder: str, metadata, args, model: dict[str, torch.Tensor]) -> dict:
     """The dp_reshardable buckets as model-space tensors: `optimizer.state.{param,exp_avg,
-    exp_avg_sq}.<model key>` -> tensor of the model key's shape (layers stacked as stored)."""
+    exp_avg_sq}.<model key>` -> tensor of the model key's global shape (layers stacked as
+    stored). Model-parallel rank M = TP rank here (one pipeline stage): its buckets hold the TP
+    shards of every parameter, joined over TP as Megatron splits them."""
     buckets = bucket_keys(metadata)
-    ranks = {v[0] for v in buckets.values()}
     tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
     pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
-    if tp * pp != 1 or ranks != {0} or {v[1] for v in buckets.values()} != {0}:
+    gbufs = {v[1] for v in buckets.values()}
+    if pp != 1 or {v[0] for v in buckets.values()} != set(range(tp)) or gbufs != {0}:
         raise ckpt.CheckpointError(
             f"{folder}: the distributed optimizer's dp_reshardable state (saved at tp={tp} "
-            f"pp={pp}, {len({v[1] for v in buckets.values()})} grad buffer(s)) is read by "
-            f"megazoo for one model-parallel rank and one grad buffer only; {_RESAVE}")
+            f"pp={pp}, {len(gbufs)} grad buffer(s)) is read by megazoo for one pipeline stage "
+            f"and one grad buffer only; {_RESAVE}")
     if any(".mlp.experts." in k or ".mlp.router." in k for k in model):
         raise ckpt.CheckpointError(f"{folder}: the distributed optimizer's dp_reshardable state "
                                    f"of a mixture-of-experts model is not read; {_RESAVE}")
@@ -148,34 +160,42 @@ def model_space(folder: str, metadata, args, model: dict[str, torch.Tensor]) -> 
                for k in buckets}
     import torch.distributed.checkpoint as dcp
     dcp.load(tensors, storage_reader=dcp.FileSystemReader(folder), no_dist=True)
-    flat = {}
+    flat = [{} for _ in range(tp)]  # per TP rank: state -> its buckets joined
     for key in sorted(buckets, key=lambda k: buckets[k][3]):  # buckets in order
-        flat.setdefault(buckets[key][4], []).append(tensors[key].float())
-    flat = {s: torch.cat(parts) for s, parts in flat.items()}
-    lengths = [len(t) for t in flat.values()]
+        flat[buckets[key][0]].setdefault(buckets[key][4], []).append(tensors[key].float())
+    flat = [{s: torch.cat(parts) for s, parts in f.items()} for f in flat]
     order = module_order({k: tuple(t.shape) for k, t in model.items()}, args.num_layers,
                          getattr(args, "transformer_impl", "transformer_engine") != "local")
     placed = {k for k, _, _ in order}
     if placed != set(model):
         raise ckpt.CheckpointError(f"{folder}: no place known in the optimizer's buckets for "
                                    f"{sorted(set(model) - placed)}; {_RESAVE}")
-    numels = [int(torch.Size(shape).numel()) for _, _, shape in order]
-    tied = bool(getattr(args, "untie_embeddings_and_output_weights", True)) is False
-    ranges, total = flat_ranges(numels, bucket_size(args), [False] * len(order))
-    if set(lengths) != {total} or len(flat) != 3:
-        raise ckpt.CheckpointError(
-            f"{folder}: the optimizer's buckets hold {sorted(set(lengths))} values of "
-            f"{sorted(flat)}, the model's parameters at bucket size {bucket_size(args)} lay out "
-            f"{total} (tied embedding: {tied}); {_RESAVE}")
+    swiglu = bool(getattr(args, "swiglu", False))
+    splits = [_split(key, swiglu) for key, _, _ in order]
+    parts: list[dict] = [{} for _ in order]  # per parameter: state -> [TP ranks' pieces]
+    for rank, states in enumerate(flat):
+        local = [names.shard(torch.empty(shape, device="meta"), split, rank, tp,
+                             shape[0]).shape for (_, _, shape), split in zip(order, splits)]
+        ranges, total = flat_ranges([int(s.numel()) for s in local], bucket_size(args),
+                                    [False] * len(order))
+        lengths = {len(t) for t in states.values()}
+        if lengths != {total} or len(states) != 3:
+            raise ckpt.CheckpointError(
+                f"{folder}: TP rank {rank}'s optimizer buckets hold {sorted(lengths)} values of "
+                f"{sorted(states)}, the model's parameters at bucket size {bucket_size(args)} "
+                f"lay out {total}; {_RESAVE}")
+        for p, (shape, (a, b)) in enumerate(zip(local, ranges)):
+            for state, values in states.items():
+                parts[p].setdefault(state, []).append(values[a:b].view(shape))
     out = {}
-    for (key, layer, shape), (a, b) in zip(order, ranges):
-        for state, values in flat.items():
+    for (key, layer, _), split, by_state in zip(order, splits, parts):
+        for state, pieces in by_state.items():
             name = f"{MODEL_SPACE}{state}.{key}"
-            piece = values[a:b].view(shape)
+            whole = names.unshard(pieces, split)
             if layer is None:
-                out[name] = piece
+                out[name] = whole
             else:
-                out.setdefault(name, torch.empty(model[key].shape))[layer] = piece
+                out.setdefault(name, torch.empty(model[key].shape))[layer] = whole
     return out
 
 
