@@ -133,8 +133,9 @@ def _split(key: str, swiglu: bool) -> str:
     top = {m: split for m, _, split in names.TOP}
     if key in top:
         return top[key]
-    suffix = key[len("decoder.layers."):].split(".", 1)[-1] if key[len("decoder.layers."):][
-        :1].isdigit() else key[len("decoder.layers."):]
+    rest = key[len("decoder.layers."):]
+    layer, _, suffix = rest.partition(".")
+    suffix = suffix if layer.isdigit() else rest  # kept per layer, or stacked
     return names.split_for(names.to_megazoo(f"decoder.layers.0.{suffix}")[1], swiglu)
 
 
