@@ -13,6 +13,12 @@ converter is bit for bit; the QKV orders of checkpoint_version 0 and 1.0 (rewrit
 real file, as Megatron-LM's fix_query_key_value_ordering reads them) come back to the same
 weights; a tensor of another legacy model is refused by name; the trained file's Adam moments,
 fp32 weights, step, iteration and consumed samples carry over exactly.
+
+Megatron-LM core_v0.16.1's training loop in its default `--ckpt-format torch_dist` (plain
+optimizer; distributed optimizer on two data-parallel ranks in its `dp_reshardable` and
+`fully_reshardable` forms): imported at tp2 / pp2 with Megatron's logits, masters, moments, step,
+iteration and samples exactly; the export's optimizer entry in Megatron's form; the optimizer
+forms not read refused in one line naming the flag to re-save with.
 """
 import os
 
@@ -194,10 +200,12 @@ DIST = {"trained_dist_tp1": (None, (2, 2)), "trained_distopt_dp2": ("dp_resharda
 # Megatron-core sharded key (layer or None) -> megazoo name; the vocabulary padding is cut
 DIST_NAMES = {("embedding.word_embeddings.weight", None): "embedding.word_embeddings.weight",
               ("decoder.layers.mlp.linear_fc1.weight", 1): "layers.1.mlp.fc1.weight",
-              ("decoder.layers.self_attention.linear_qkv.weight", 0): "layers.0.attention.qkv.weight",
+              ("decoder.layers.self_attention.linear_qkv.weight", 0):
+                  "layers.0.attention.qkv.weight",
               ("decoder.layers.mlp.linear_fc1.layer_norm_weight", 1):
                   "layers.1.post_attention_norm.weight",
-              ("decoder.layers.self_attention.linear_proj.weight", 1): "layers.1.attention.dense.weight",
+              ("decoder.layers.self_attention.linear_proj.weight", 1):
+                  "layers.1.attention.dense.weight",
               ("decoder.final_layernorm.weight", None): "final_norm.weight",
               ("output_layer.weight", None): "head_weight"}
 
@@ -229,7 +237,7 @@ def test_megatron_lm_torch_dist_training_checkpoints_import_with_logits_and_opti
         imported_dist):
     from safetensors.torch import load_file
 
-    from megazoo.training.checkpoint.foreign import megatron_dist_optim, safe_load
+    from megazoo.training.checkpoint.foreign import megatron_dist, megatron_dist_optim, safe_load
     from megazoo.training.checkpoint.reshard import read_full_state
     ref = load_file(str(MEGATRON_LM / "trained_dist_reference.safetensors"))
     full_form = _dist_tensors("trained_distopt_full_dp2", "")  # Megatron's model-space form
@@ -237,6 +245,8 @@ def test_megatron_lm_torch_dist_training_checkpoints_import_with_logits_and_opti
     for name, (kind, _) in DIST.items():
         common = safe_load.load(str(MEGATRON_LM / name / "iter_0000002" / "common.pt"))
         assert megatron_dist_optim.sharding_type(common) == kind
+        assert megatron_dist.describe(str(MEGATRON_LM / name)).endswith(
+            f"distributed optimizer ({kind})" if kind else ", optimizer")
         logits = megazoo_logits(imported_dist[name], ref["input_ids"])
         torch.testing.assert_close(logits, ref[name][..., :logits.shape[-1]], **FP32)
         full = read_full_state(imported_dist[name])
@@ -256,7 +266,8 @@ def test_megatron_lm_torch_dist_training_checkpoints_import_with_logits_and_opti
                                   ("master", master)):
                 want = own[prefix + key]
                 want = want[layer] if layer is not None else want
-                want = want[:100] if canon.endswith(("word_embeddings.weight", "head_weight")) else want
+                if canon.endswith(("word_embeddings.weight", "head_weight")):
+                    want = want[:100]
                 assert torch.equal(full.optim[state][canon], want), (name, state, canon)
                 checked += 1
     assert checked == 3 * len(DIST_NAMES) * 3
@@ -269,7 +280,8 @@ def test_megatron_lm_torch_dist_export_has_megatron_optimizer_groups(imported_di
     from megazoo.training.checkpoint.foreign import safe_load
     from megazoo.training.checkpoint.foreign.convert import export_checkpoint, import_checkpoint
     from megazoo.training.checkpoint.reshard import read_full_state
-    out = export_checkpoint("megatron-dist", imported_dist["trained_dist_tp1"], str(tmp_path / "mg"))
+    out = export_checkpoint("megatron-dist", imported_dist["trained_dist_tp1"],
+                            str(tmp_path / "mg"))
     keys = ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr")
     groups = [[tuple(g[k] for k in keys) for g in safe_load.load(os.path.join(
         folder, "common.pt"))["optimizer"]["param_groups"]]

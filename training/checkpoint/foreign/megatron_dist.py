@@ -75,11 +75,15 @@ def _common(folder: str) -> dict:
 
 def describe(root: str) -> str:
     folder, iteration = _folder(root)
-    args = _common(folder).get("args")
+    common = _common(folder)
+    args = common.get("args")
     tensors = len(dcp.FileSystemReader(folder).read_metadata().state_dict_metadata)
+    optim = ("no optimizer" if not common.get("optimizer") else
+             f"distributed optimizer ({dist_optim.sharding_type(common)})"
+             if dist_optim.sharding_type(common) else "optimizer")
     return (f"Megatron-core torch_dist checkpoint ({'release' if iteration is None else f'iteration {iteration}'}), "
             f"saved at tp={args.tensor_model_parallel_size} pp={args.pipeline_model_parallel_size}: "
-            f"{tensors} tensors, {args.num_layers} layers, hidden {args.hidden_size}")
+            f"{tensors} tensors, {args.num_layers} layers, hidden {args.hidden_size}, {optim}")
 
 
 def _megazoo_name(key: str, layers: int):

@@ -100,7 +100,8 @@ def step(common: dict, folder: str, metadata) -> int | None:
 
 
 def bucket_keys(metadata) -> dict[str, tuple]:
-    """The dp_reshardable bucket tensors: key -> (model-parallel rank, gbuf, dtypes, bucket, state)."""
+    """The dp_reshardable bucket tensors: key -> (model-parallel rank, gbuf, dtypes, bucket,
+    state)."""
     return {k: (int(m[1]), int(m[2]), m[3], int(m[4]), m[5])
             for k in metadata.state_dict_metadata if (m := _BUCKET.fullmatch(k))}
 
@@ -117,8 +118,9 @@ def module_order(shapes: dict[str, tuple], layers: int, te_spec: bool) -> list:
             if (plain and te_spec) or (fused and not te_spec):
                 continue  # the norm sits at the other spec's place
             stored = _STORED_NORMS[plain] + megatron[len(plain):] if plain else megatron
-            if "decoder.layers." + stored in shapes:
-                order.append(("decoder.layers." + stored, i, shapes["decoder.layers." + stored][1:]))
+            stacked = "decoder.layers." + stored
+            if stacked in shapes:
+                order.append((stacked, i, shapes[stacked][1:]))
             elif f"decoder.layers.{i}.{stored}" in shapes:
                 key = f"decoder.layers.{i}.{stored}"
                 order.append((key, None, shapes[key]))
