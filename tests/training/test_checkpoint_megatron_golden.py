@@ -13,6 +13,12 @@ converter is bit for bit; the QKV orders of checkpoint_version 0 and 1.0 (rewrit
 real file, as Megatron-LM's fix_query_key_value_ordering reads them) come back to the same
 weights; a tensor of another legacy model is refused by name; the trained file's Adam moments,
 fp32 weights, step, iteration and consumed samples carry over exactly.
+
+Megatron-LM core_v0.16.1's training loop in its default `--ckpt-format torch_dist` (plain
+optimizer; distributed optimizer on two data-parallel ranks in its `dp_reshardable` and
+`fully_reshardable` forms): imported at tp2 / pp2 with Megatron's logits, masters, moments, step,
+iteration and samples exactly; the export's optimizer entry in Megatron's form; the optimizer
+forms not read refused in one line naming the flag to re-save with.
 """
 import os
 
@@ -183,3 +189,145 @@ def test_megatron_lm_older_qkv_orders_and_foreign_tensors(imported, tmp_path):
     with pytest.raises(CheckpointError, match=r"language_model.pooler.dense.weight is not a "
                                               r"tensor of Megatron-LM's legacy GPT model"):
         import_checkpoint("megatron", str(root), str(tmp_path / "refused"))
+
+
+# Megatron-LM core_v0.16.1's training loop in its default --ckpt-format torch_dist (written by
+# make_golden_dist.py): the plain optimizer, and the distributed optimizer on two data-parallel
+# ranks in its default `dp_reshardable` form and in `fully_reshardable`. The two distributed
+# runs are the same run (seed, data, steps) saved two ways.
+DIST = {"trained_dist_tp1": (None, (2, 2)), "trained_distopt_dp2": ("dp_reshardable", (2, 2)),
+        "trained_distopt_full_dp2": ("fully_reshardable", (1, 2))}
+# Megatron-core sharded key (layer or None) -> megazoo name; the vocabulary padding is cut
+DIST_NAMES = {("embedding.word_embeddings.weight", None): "embedding.word_embeddings.weight",
+              ("decoder.layers.mlp.linear_fc1.weight", 1): "layers.1.mlp.fc1.weight",
+              ("decoder.layers.self_attention.linear_qkv.weight", 0):
+                  "layers.0.attention.qkv.weight",
+              ("decoder.layers.mlp.linear_fc1.layer_norm_weight", 1):
+                  "layers.1.post_attention_norm.weight",
+              ("decoder.layers.self_attention.linear_proj.weight", 1):
+                  "layers.1.attention.dense.weight",
+              ("decoder.final_layernorm.weight", None): "final_norm.weight",
+              ("output_layer.weight", None): "head_weight"}
+
+
+def _dist_tensors(name, prefix):
+    """The tensors of a torch_dist golden folder whose keys start with `prefix`, read with
+    torch.distributed.checkpoint alone (not megazoo's reader)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    folder = str(MEGATRON_LM / name / "iter_0000002")
+    meta = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
+    out = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in meta.items()
+           if isinstance(m, TensorStorageMetadata) and k.startswith(prefix)}
+    dcp.load(out, storage_reader=dcp.FileSystemReader(folder), no_dist=True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def imported_dist(tmp_path_factory):
+    """Each torch_dist golden checkpoint imported once at tp=2 and/or pp=2."""
+    from megazoo.training.checkpoint.foreign.convert import import_checkpoint
+    tmp = tmp_path_factory.mktemp("golden_dist")
+    return {name: import_checkpoint("megatron-dist", str(MEGATRON_LM / name), str(tmp / name),
+                                    tp=tp, pp=pp)
+            for name, (_, (tp, pp)) in DIST.items()}
+
+
+def test_megatron_lm_torch_dist_training_checkpoints_import_with_logits_and_optimizer(
+        imported_dist):
+    from safetensors.torch import load_file
+
+    from megazoo.training.checkpoint.foreign import megatron_dist, megatron_dist_optim, safe_load
+    from megazoo.training.checkpoint.reshard import read_full_state
+    ref = load_file(str(MEGATRON_LM / "trained_dist_reference.safetensors"))
+    full_form = _dist_tensors("trained_distopt_full_dp2", "")  # Megatron's model-space form
+    checked = 0
+    for name, (kind, _) in DIST.items():
+        common = safe_load.load(str(MEGATRON_LM / name / "iter_0000002" / "common.pt"))
+        assert megatron_dist_optim.sharding_type(common) == kind
+        assert megatron_dist.describe(str(MEGATRON_LM / name)).endswith(
+            f"distributed optimizer ({kind})" if kind else ", optimizer")
+        logits = megazoo_logits(imported_dist[name], ref["input_ids"])
+        torch.testing.assert_close(logits, ref[name][..., :logits.shape[-1]], **FP32)
+        full = read_full_state(imported_dist[name])
+        assert (full.meta["iteration"], full.meta["consumed_samples"]) == (2, 4)
+        assert {k: int(v) for k, v in full.scalars.items()} == {"iteration": 2, "applied_steps": 2}
+        assert full.meta["source"]["scheduler"]["lr_decay_style"] == "cosine"
+        # Megatron's own tensors: this file's model-space state, or (dp_reshardable: flat
+        # buckets) the same run's model-space state Megatron wrote with fully_reshardable
+        own = _dist_tensors(name, "") if kind != "dp_reshardable" else full_form
+        if kind == "dp_reshardable":
+            weights = _dist_tensors(name, "embedding.")
+            assert all(torch.equal(weights[k], own[k]) for k in weights)  # the same run
+        master = "optimizer.state.param." if kind else ""  # fp32: the weights are the masters
+        for (key, layer), canon in DIST_NAMES.items():
+            for state, prefix in (("exp_avg", "optimizer.state.exp_avg."),
+                                  ("exp_avg_sq", "optimizer.state.exp_avg_sq."),
+                                  ("master", master)):
+                want = own[prefix + key]
+                want = want[layer] if layer is not None else want
+                if canon.endswith(("word_embeddings.weight", "head_weight")):
+                    want = want[:100]
+                assert torch.equal(full.optim[state][canon], want), (name, state, canon)
+                checked += 1
+    assert checked == 3 * len(DIST_NAMES) * 3
+
+
+def test_megatron_lm_torch_dist_export_has_megatron_optimizer_groups(imported_dist, tmp_path):
+    """megazoo's torch_dist export writes common.pt's optimizer as Megatron-LM's plain optimizer
+    saved it (the groups Megatron matches on load; Megatron-LM's load_checkpoint resuming the
+    export is make_golden_dist.py's one-time check), and reads back bit for bit."""
+    from megazoo.training.checkpoint.foreign import safe_load
+    from megazoo.training.checkpoint.foreign.convert import export_checkpoint, import_checkpoint
+    from megazoo.training.checkpoint.reshard import read_full_state
+    out = export_checkpoint("megatron-dist", imported_dist["trained_dist_tp1"],
+                            str(tmp_path / "mg"))
+    keys = ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr")
+    groups = [[tuple(g[k] for k in keys) for g in safe_load.load(os.path.join(
+        folder, "common.pt"))["optimizer"]["param_groups"]]
+        for folder in (out, str(MEGATRON_LM / "trained_dist_tp1" / "iter_0000002"))]
+    assert groups[0] == groups[1] and len(groups[0]) == 2
+    back = read_full_state(import_checkpoint("megatron-dist", str(tmp_path / "mg"),
+                                             str(tmp_path / "back")))
+    first = read_full_state(imported_dist["trained_dist_tp1"])
+    for part in ("exp_avg", "exp_avg_sq", "master"):
+        assert all(torch.equal(back.optim[part][k], first.optim[part][k]) for k in first.weights)
+    assert back.scalars["applied_steps"] == 2
+
+
+def _rewrite_common(folder, change):
+    """common.pt of a copied torch_dist folder changed by `change(sd)` (args without the
+    allowlist's enum stand-ins, which do not pickle)."""
+    import argparse
+
+    from megazoo.training.checkpoint.foreign import safe_load
+    from megazoo.training.checkpoint.foreign.safe_load import ForeignValue
+    path = os.path.join(folder, "iter_0000002", "common.pt")
+    sd = safe_load.load(path)
+    sd["args"] = argparse.Namespace(**{k: v for k, v in vars(sd["args"]).items()
+                                       if not isinstance(v, ForeignValue)})
+    change(sd)
+    torch.save(sd, path)
+
+
+def test_megatron_lm_torch_dist_optimizer_forms_not_read_are_refused(tmp_path):
+    import shutil
+
+    from megazoo.training.checkpoint.foreign.convert import import_checkpoint
+    from megazoo.training.checkpoint.format import CheckpointError
+    root = tmp_path / "src"
+    shutil.copytree(MEGATRON_LM / "trained_distopt_dp2", root)
+    cases = [(lambda sd: setattr(sd["args"], "pipeline_model_parallel_size", 2),
+              r"dp_reshardable state \(saved at tp=1 pp=2.*--dist-ckpt-optim-fully-reshardable"),
+             (lambda sd: sd["content_metadata"].update(
+                 distrib_optim_sharding_type="dp_zero_gather_scatter"),
+              r"saved as 'dp_zero_gather_scatter', which megazoo does not read; re-save it with "
+              r"Megatron-LM's --dist-ckpt-optim-fully-reshardable")]
+    for i, (change, message) in enumerate(cases):
+        _rewrite_common(root, change)
+        with pytest.raises(CheckpointError, match=message):
+            import_checkpoint("megatron-dist", str(root), str(tmp_path / f"refused{i}"))
+    # weights only still imports, and --format megatron names the format to use
+    import_checkpoint("megatron-dist", str(root), str(tmp_path / "weights"), optimizer=False)
+    with pytest.raises(CheckpointError, match="a torch_dist checkpoint .* --format megatron-dist"):
+        import_checkpoint("megatron", str(root), str(tmp_path / "legacy"))

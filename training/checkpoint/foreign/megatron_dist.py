@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from megazoo.training.checkpoint import format as ckpt
 from megazoo.training.checkpoint.foreign import megatron_args, names, safe_load
+from megazoo.training.checkpoint.foreign import megatron_dist_optim as dist_optim
 from megazoo.training.checkpoint.foreign.assemble import check_shapes, expected_shapes
 from megazoo.training.checkpoint.foreign.megatron_legacy import TRACKER, iteration_folder, scheduler_state
 from megazoo.training.checkpoint.reshard import FullState
@@ -39,6 +40,8 @@ logger = logging.getLogger(__name__)
 _STACKED = "decoder.layers."
 _OPTIM = {"exp_avg": "optimizer.state.exp_avg.", "exp_avg_sq": "optimizer.state.exp_avg_sq.",
           "master": "optimizer.state.fp32_param."}
+# read: the masters are `param.` in the distributed optimizer's model-space forms
+_READ_OPTIM = [(s, p) for s, p in _OPTIM.items()] + [("master", "optimizer.state.param.")]
 # sharded names of the routed experts: [layers, experts, ...] (SequentialMLP's sharded form)
 _EXPERTS = "mlp.experts.experts."
 _BY_EXPERT = {_EXPERTS + m: z for m, z, _ in names.EXPERT}
@@ -72,11 +75,15 @@ def _common(folder: str) -> dict:
 
 def describe(root: str) -> str:
     folder, iteration = _folder(root)
-    args = _common(folder).get("args")
+    common = _common(folder)
+    args = common.get("args")
     tensors = len(dcp.FileSystemReader(folder).read_metadata().state_dict_metadata)
+    optim = ("no optimizer" if not common.get("optimizer") else
+             f"distributed optimizer ({dist_optim.sharding_type(common)})"
+             if dist_optim.sharding_type(common) else "optimizer")
     return (f"Megatron-core torch_dist checkpoint ({'release' if iteration is None else f'iteration {iteration}'}), "
             f"saved at tp={args.tensor_model_parallel_size} pp={args.pipeline_model_parallel_size}: "
-            f"{tensors} tensors, {args.num_layers} layers, hidden {args.hidden_size}")
+            f"{tensors} tensors, {args.num_layers} layers, hidden {args.hidden_size}, {optim}")
 
 
 def _megazoo_name(key: str, layers: int):
@@ -99,41 +106,31 @@ def _megazoo_name(key: str, layers: int):
     return [] if mapped is None else [(mapped[0], None)]
 
 
-def _find(obj, key: str):
-    if isinstance(obj, dict):
-        if key in obj:
-            return obj[key]
-        for v in obj.values():
-            found = _find(v, key)
-            if found is not None:
-                return found
-    elif isinstance(obj, list):
-        for v in obj:
-            found = _find(v, key)
-            if found is not None:
-                return found
-    return None
-
-
 def read(root: str, vocab_size: int | None = None, *, optimizer: bool = True):
     """(family, config, FullState, iteration) of a torch_dist checkpoint (see `megatron_legacy.read`)."""
     folder, iteration = _folder(root)
     common = _common(folder)
     args = common.get("args")
     family, config = megatron_args.to_config(args, folder, vocab_size)
-    metadata = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
+    index = dcp.FileSystemReader(folder).read_metadata()
+    metadata = index.state_dict_metadata
+    kind = dist_optim.check_readable(common, folder) if optimizer else None
     wanted = {k: v for k, v in metadata.items() if isinstance(v, TensorStorageMetadata)}
     model_keys = [k for k in wanted if not k.startswith("optimizer.")]
-    keys = model_keys + ([k for k in wanted if k.startswith(tuple(_OPTIM.values()))]
+    keys = model_keys + ([k for k in wanted if k.startswith(dist_optim.MODEL_SPACE)]
                          if optimizer else [])
     tensors = {k: torch.empty(tuple(wanted[k].size), dtype=wanted[k].properties.dtype)
                for k in keys}
     dcp.load(tensors, storage_reader=dcp.FileSystemReader(folder), no_dist=True)
-    groups = {"weights": ""} | (_OPTIM if optimizer else {})
-    out = {g: {} for g in groups}
+    if kind == "dp_reshardable":  # the optimizer's flat buckets, laid out as the model
+        tensors.update(dist_optim.model_space(folder, index, args,
+                                              {k: tensors[k] for k in model_keys}))
+    prefixes = [("weights", "")] + (_READ_OPTIM if optimizer else [])
+    out = {g: {} for g, _ in prefixes}
     for key, t in tensors.items():
-        group = next((g for g, p in groups.items() if p and key.startswith(p)), "weights")
-        model_key = key[len(groups[group]):]
+        group, prefix = next(((g, p) for g, p in prefixes[1:] if key.startswith(p)),
+                             prefixes[0])
+        model_key = key[len(prefix):]
         try:
             mapped = _megazoo_name(model_key, config.num_layers)
         except KeyError:
@@ -150,6 +147,10 @@ def read(root: str, vocab_size: int | None = None, *, optimizer: bool = True):
                  f"num_attention_heads={args.num_attention_heads}, padded_vocab_size="
                  f"{args.padded_vocab_size})")
     optim = {}
+    if optimizer and common.get("optimizer") and not out.get("exp_avg"):
+        raise ckpt.CheckpointError(f"{folder}: common.pt records an optimizer whose state "
+                                   f"megazoo found no tensors of; import the weights only "
+                                   f"(--no-optimizer)")
     if optimizer and out.get("exp_avg"):
         if not out["master"]:
             out["master"] = dict(out["weights"])  # fp32 training: the weights are the masters
@@ -158,8 +159,8 @@ def read(root: str, vocab_size: int | None = None, *, optimizer: bool = True):
                                        f"import the weights only (--no-optimizer)")
         optim = {s: out[s] for s in _OPTIM}
     it = iteration if iteration is not None else int(common.get("iteration", 0) or 0)
-    step = _find(common.get("optimizer"), "common_step")
-    step = int(step) if step is not None else it
+    step = dist_optim.step(common, folder, index) if optim else None
+    step = step if step is not None else it
     scalars = {"iteration": torch.tensor(it), "applied_steps": torch.tensor(step)} if optim else {}
     meta = dict(consumed_samples=int(getattr(args, "consumed_train_samples", 0) or 0),
                 skipped_steps=max(it - step, 0), seq_length=getattr(args, "seq_length", None),
@@ -236,8 +237,10 @@ def write(full: FullState, config, root: str, *, tp: int = 1, pp: int = 1, vpp: 
     torch.save({"args": args, "checkpoint_version": 3.0, "iteration": iteration,
                 "opt_param_scheduler": scheduler_state((full.meta.get("source") or {}).get(
                     "scheduler"), consumed),
-                "optimizer": {"optimizer": {"state": {"common_step": torch.tensor(float(step))}}}
-                if full.optim else None,
+                "optimizer": dist_optim.common_optimizer(
+                    {k: tuple(t.shape) for k, t in tensors.items() if isinstance(t, torch.Tensor)
+                     and not k.startswith("optimizer.")}, config.num_layers, step,
+                    config.params_dtype == "float32") if full.optim else None,
                 "num_floating_point_operations_so_far": 0}, os.path.join(folder, "common.pt"))
     with open(os.path.join(folder, "metadata.json"), "w") as f:
         json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1,

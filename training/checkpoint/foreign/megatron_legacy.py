@@ -100,6 +100,9 @@ def _first_file(folder: str) -> str:
             for f in _MODEL_FILES:
                 if os.path.isfile(os.path.join(folder, name, f)):
                     return os.path.join(folder, name, f)
+    if os.path.isfile(os.path.join(folder, "metadata.json")):  # Megatron-LM's default format
+        raise ckpt.CheckpointError(f"{folder}: a torch_dist checkpoint (metadata.json, *.distcp), "
+                                   f"not a legacy one; import it with --format megatron-dist")
     raise ckpt.CheckpointError(f"{folder}: no mp_rank_*/model_optim_rng.pt")
 
 

@@ -11,6 +11,7 @@ refused in one line naming it.
 from __future__ import annotations
 
 import argparse
+import io
 import os
 import pickle
 import re
@@ -68,6 +69,8 @@ STAND_INS = (
     "megatron.model.enums.AttnMaskType",
     "megatron.legacy.model.enums.AttnMaskType",
     "megatron.enums.PositionEmbeddingType",
+    # Megatron-LM's args since core_v0.14: `exit_signal` (--exit-signal, default SIGTERM)
+    "signal.Signals",
     "deepspeed.runtime.zero.config.ZeroStageEnum",
     "deepspeed.runtime.fp16.loss_scaler.LossScaler",
     "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
@@ -98,11 +101,13 @@ def _allowlist() -> list:
 _UNSUPPORTED = re.compile(r"(?:GLOBAL|global) ([\w.]+)")
 
 
-def load(path: str):
-    """A framework's `.pt` file as plain data; refuses anything that would run code."""
+def load(path: str, data: bytes | None = None):
+    """A framework's `.pt` file as plain data; refuses anything that would run code. With
+    `data`, those bytes (a pickle stored inside another file, which `path` then names)."""
     try:
         with torch.serialization.safe_globals(_allowlist()):
-            return torch.load(path, map_location="cpu", weights_only=True)
+            return torch.load(path if data is None else io.BytesIO(data), map_location="cpu",
+                              weights_only=True)
     except pickle.UnpicklingError as e:
         text = str(e)
         found = _UNSUPPORTED.search(text)
