@@ -145,15 +145,15 @@ def read(root: str, vocab_size: int | None = None, *, optimizer: bool = True):
             if canon.endswith("word_embeddings.weight") or canon == "head_weight":
                 value = value[:config.vocab_size]
             out[group][canon] = value.float()
-    expected = expected_shapes(family, config)
+    expected, frozen = expected_shapes(family, config, frozen=True)
     check_shapes(out["weights"], expected, folder, f"its args (hidden_size={args.hidden_size}, "
                  f"num_attention_heads={args.num_attention_heads}, padded_vocab_size="
                  f"{args.padded_vocab_size})")
     optim = {}
     if optimizer and out.get("exp_avg"):
-        if not out["master"]:
-            out["master"] = dict(out["weights"])  # fp32 training: the weights are the masters
-        if any(set(out[s]) != set(expected) for s in _OPTIM):
+        if not out["master"]:  # fp32 training: the weights are the masters
+            out["master"] = {k: v for k, v in out["weights"].items() if k not in frozen}
+        if any(set(out[s]) != set(expected) - frozen for s in _OPTIM):
             raise ckpt.CheckpointError(f"{folder}: optimizer state covers only part of the model; "
                                        f"import the weights only (--no-optimizer)")
         optim = {s: out[s] for s in _OPTIM}
