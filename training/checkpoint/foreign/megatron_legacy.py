@@ -137,12 +137,12 @@ def read(root: str, vocab_size: int | None = None, *, optimizer: bool = True):
     args = first.get("args")
     family, config = megatron_args.to_config(args, folder, vocab_size)
     tp, pp, ep, vpp = _layout(args)
+    offsets = megatron_moe.stage_offsets(args, config.num_layers, pp, vpp, folder)
     files = rank_files(folder, pp, ep)
     want = {(t, p, e) for t in range(tp) for p in range(pp) for e in range(ep)}
     if set(files) != want:
         raise ckpt.CheckpointError(f"{folder}: holds rank folders for {sorted(files)}, the recorded "
                                    f"tp={tp} pp={pp} ep={ep} call for {sorted(want)}")
-    offsets = megatron_moe.stage_offsets(args, config.num_layers, pp, vpp, folder)
     local_experts = (config.num_experts or 0) // ep
     weights = Pieces(folder)
     states = {s: Pieces(folder) for s in ("master",) + STATES}

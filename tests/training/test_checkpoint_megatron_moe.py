@@ -1,0 +1,127 @@
+"""Megatron-LM MoE runs in and out: Qwen2-MoE (gated shared expert), DeepSeek-V3-style MoE layers
+(sigmoid routing, expert bias, groups, scaling, shared expert, first layer dense) and Qwen3-MoE
+(q/k norms, legacy GroupedMLP), built by megatron-core 0.16.1's own GPTModel on the CPU
+(tests/foreign_moe_checkpoints.py). The torch_dist files are written by megatron-core's
+`dist_checkpointing.save`; the legacy files are its state dicts in Megatron-LM's file layout
+(written by the test). Imported at tp=2, ep=2 (pp=2 where the layers split evenly), megazoo's
+logits equal megatron-core's forward within 1e-5; the trained run's Adam moments carry over
+exactly; an uneven tp1/pp2 legacy file imports; what does not map is refused in one line.
+"""
+import copy
+
+import pytest
+import torch
+
+from tests.foreign_checkpoints import FP32, megazoo_logits
+from tests.foreign_moe_checkpoints import SHAPES, moe_runs, save_uneven
+
+FAMILY = {"qwen2_moe": "qwen2_moe", "deepseek": "deepseek_v3", "qwen3_moe": "qwen3_moe"}
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory):
+    return moe_runs(tmp_path_factory)
+
+
+def test_megatron_moe_shapes_import_with_megatron_core_logits(moe):
+    from megazoo.training.checkpoint.foreign.convert import import_checkpoint
+    from megazoo.training.checkpoint.reshard import read_full_state
+    checked = []
+    for shape, run in moe["runs"].items():
+        pp = 2 if SHAPES[shape]["num_layers"] % 2 == 0 else 1
+        for fmt, root in (("megatron", run["root"]), ("megatron-dist", run["dist_root"])):
+            folder = import_checkpoint(fmt, root, str(moe["tmp"].mktemp(f"mz_{shape}")),
+                                       tp=2, ep=2, pp=pp)
+            full = read_full_state(folder)
+            assert full.meta["model"]["family"] == FAMILY[shape], (shape, fmt)
+            logits = megazoo_logits(folder, moe["ids"])
+            torch.testing.assert_close(logits, run["logits"], **FP32)
+            checked.append((shape, fmt, (logits - run["logits"]).abs().max().item()))
+            run.setdefault("imported", {})[fmt] = folder
+    assert len(checked) == 6
+    deepseek = read_full_state(moe["runs"]["deepseek"]["imported"]["megatron"])
+    cfg = deepseek.meta["model"]
+    assert (cfg["moe_first_dense_layers"], cfg["moe_layer_freq"], cfg["moe_router_num_groups"],
+            cfg["moe_router_group_topk"], cfg["moe_router_topk_scaling_factor"],
+            cfg["moe_norm_topk_prob"]) == (1, 1, 2, 1, 2.5, True)
+    model = moe["runs"]["deepseek"]["model"]
+    for i in (1, 2):  # the buffer, fp32, as megatron-core holds it
+        assert torch.equal(deepseek.weights[f"layers.{i}.mlp.expert_bias"],
+                           model.decoder.layers[i].mlp.router.expert_bias)
+    assert "layers.0.mlp.fc1.weight" in deepseek.weights  # the dense first layer
+    assert "layers.0.mlp.router" not in deepseek.weights
+
+
+def test_megatron_moe_adam_state_carries_over(moe):
+    """The DeepSeek-shaped run after two AdamW steps: masters and moments of the router, the
+    routed and shared experts and the dense layer equal torch's; the expert bias is a weight
+    without optimizer state; step 2."""
+    from megazoo.training.checkpoint.reshard import read_full_state
+    run = moe["runs"]["deepseek"]
+    full = read_full_state(run["imported"]["megatron"])
+    assert int(full.scalars["applied_steps"]) == 2 and full.meta["iteration"] == 7
+    assert "layers.1.mlp.expert_bias" not in full.optim["exp_avg"]
+    params = dict(run["model"].named_parameters())
+    state = run["opt"].state
+    pairs = [("layers.0.mlp.fc1.weight", "decoder.layers.0.mlp.linear_fc1.weight", None),
+             ("layers.1.mlp.router", "decoder.layers.1.mlp.router.weight", None),
+             ("layers.2.mlp.shared_expert.fc1.weight",
+              "decoder.layers.2.mlp.shared_experts.linear_fc1.weight", None),
+             ("layers.2.mlp.experts.weight2",
+              "decoder.layers.2.mlp.experts.local_experts.3.linear_fc2.weight", 3)]
+    for mz, mg, expert in pairs:
+        p = params[mg]
+        pick = (lambda t: t[expert]) if expert is not None else (lambda t: t)
+        for s in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(pick(full.optim[s][mz]), state[p][s]), (mz, s)
+        assert torch.equal(pick(full.optim["master"][mz]), p.detach()), mz
+    assert len(pairs) == 4
+
+
+def test_megatron_uneven_pipeline_stages(moe, tmp_path):
+    """A legacy tp1/pp2 file with decoder_first_pipeline_num_layers=1 (stage 1's layers numbered
+    from 0) imports with megatron-core's logits; the stage offsets are megatron-core's own."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+    from megazoo.training.checkpoint.foreign import megatron_moe
+    from megazoo.training.checkpoint.foreign.convert import import_checkpoint
+    run = moe["runs"]["deepseek"]
+    save_uneven(str(tmp_path / "mg"), run["model"], run["args"], first=1)
+    folder = import_checkpoint("megatron", str(tmp_path / "mg"), str(tmp_path / "mz"), tp=2)
+    torch.testing.assert_close(megazoo_logits(folder, moe["ids"]), run["logits"], **FP32)
+    checked = 0
+    for layers, pp, first, last in ((3, 2, 1, None), (7, 3, None, 1), (8, 4, 1, 1), (7, 3, 3, 2)):
+        args = copy.copy(run["args"])
+        args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers = first, last
+        ours = megatron_moe.stage_offsets(args, layers, pp, 1, "test")
+        cfg = TransformerConfig(num_layers=layers, hidden_size=32, num_attention_heads=4,
+                                pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32,
+                                num_layers_in_first_pipeline_stage=first,
+                                num_layers_in_last_pipeline_stage=last)
+        assert [ours[(p, 0)] for p in range(pp)] == [
+            get_transformer_layer_offset(cfg, pp_rank=p) for p in range(pp)], (layers, pp)
+        checked += 1
+    assert checked == 4
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(moe_router_group_topk=2, moe_router_num_groups=2, moe_router_topk=2),
+     "moe_router_group_topk=2: Megatron scores a group by its best"),
+    (dict(moe_router_score_function="softmax", moe_router_enable_expert_bias=False),
+     "moe_router_num_groups=2: group-limited routing under softmax"),
+    (dict(moe_layer_freq=[1, 1, 0]), r"moe_layer_freq=\[1, 1, 0\]: megazoo models the first k"),
+    (dict(moe_router_load_balancing_type="sinkhorn"), "moe_router_load_balancing_type='sinkhorn'"),
+    (dict(decoder_first_pipeline_num_layers=1, virtual_pipeline_model_parallel_size=2,
+          pipeline_model_parallel_size=2), "uneven stages with virtual pipeline"),
+])
+def test_megatron_moe_unmapped_settings_are_refused(moe, tmp_path, change, match):
+    from megazoo.training.checkpoint.foreign import megatron_legacy
+    from megazoo.training.checkpoint.format import CheckpointError
+    from tests.foreign_checkpoints import save_legacy
+    run = moe["runs"]["deepseek"]
+    args = copy.copy(run["args"])
+    for k, v in change.items():
+        setattr(args, k, v)
+    save_legacy(str(tmp_path), run["model"], run["opt"], args)
+    with pytest.raises(CheckpointError, match=match):
+        megatron_legacy.read(str(tmp_path))
