@@ -125,3 +125,74 @@ def test_megatron_moe_unmapped_settings_are_refused(moe, tmp_path, change, match
     save_legacy(str(tmp_path), run["model"], run["opt"], args)
     with pytest.raises(CheckpointError, match=match):
         megatron_legacy.read(str(tmp_path))
+
+
+def _load_into(model, state: dict):
+    """Megatron-core's model with every weight zeroed, then `state` loaded (strict but for the
+    FP8 `_extra_state` entries the legacy export leaves out); its logits on the test ids."""
+    from tests.foreign_checkpoints import megatron_logits
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected and all(k.endswith("._extra_state") for k in missing), (missing, unexpected)
+
+
+def test_megatron_moe_export_loads_in_megatron_core(moe):
+    """megazoo -> torch_dist that megatron-core's dist_checkpointing.load reads into each shape's
+    model (the GroupedMLP one included) with equal logits; megazoo -> legacy (tp=1) that its
+    load_state_dict takes with equal logits; the DeepSeek shape's legacy export at tp=2 with its
+    optimizer reads back bit for bit."""
+    import argparse
+    import os
+    from megatron.core import dist_checkpointing
+    from megazoo.training.checkpoint.foreign import megatron_legacy, safe_load
+    from megazoo.training.checkpoint.foreign.convert import export_checkpoint
+    from megazoo.training.checkpoint.reshard import read_full_state
+    from tests.foreign_checkpoints import cpu_stubs, megatron_logits, megatron_world
+    from tests.foreign_moe_checkpoints import moe_stubs
+    checked = []
+    for shape, run in moe["runs"].items():
+        model = run["model"]
+        kept = {n: t.detach().clone() for n, t in model.state_dict().items()
+                if isinstance(t, torch.Tensor)}
+        folder = run["imported"]["megatron"]
+        out = export_checkpoint("megatron-dist", folder, str(moe["tmp"].mktemp(f"d_{shape}")))
+        legacy = str(moe["tmp"].mktemp(f"l_{shape}"))
+        export_checkpoint("megatron", folder, legacy, tp=1, pp=1)
+        try:
+            with megatron_world(), cpu_stubs(), moe_stubs(), \
+                    torch.serialization.safe_globals([argparse.Namespace]):
+                for p in model.parameters():
+                    p.detach().zero_()
+                loaded = dist_checkpointing.load(model.sharded_state_dict(), out)
+                # (loaded in place into the model's own tensors: cloned before they are zeroed)
+                _load_into(model, {k: v.clone() for k, v in loaded.items()
+                                   if k in model.state_dict() and isinstance(v, torch.Tensor)})
+                got = megatron_logits(model, moe["ids"])[..., :run["logits"].shape[-1]]
+                assert torch.equal(got, run["logits"]), shape
+                checked.append((shape, "torch_dist"))
+                if not SHAPES[shape].get("moe_grouped_gemm"):  # written as SequentialMLP
+                    sd = safe_load.load(os.path.join(legacy, "iter_0000007", "mp_rank_00",
+                                                     "model_optim_rng.pt"))
+                    _load_into(model, sd["model"])
+                    got = megatron_logits(model, moe["ids"])[..., :run["logits"].shape[-1]]
+                    assert torch.equal(got, run["logits"]), shape
+                    checked.append((shape, "legacy"))
+        finally:
+            with torch.no_grad():
+                model.load_state_dict(kept, strict=False)
+    assert len(checked) == 5
+    # the trained DeepSeek shape: legacy at tp=2 with its optimizer, read back bit for bit
+    folder = moe["runs"]["deepseek"]["imported"]["megatron"]
+    out = str(moe["tmp"].mktemp("l_deepseek_tp2"))
+    export_checkpoint("megatron", folder, out, tp=2, pp=1)
+    a = read_full_state(folder)
+    _, _, b, _ = megatron_legacy.read(out)
+    assert set(a.weights) == set(b.weights) and set(a.optim["exp_avg"]) == set(b.optim["exp_avg"])
+    for k in a.weights:
+        assert torch.equal(a.weights[k], b.weights[k]), k
+        for s in ("master", "exp_avg", "exp_avg_sq"):
+            if k in a.optim[s]:
+                assert torch.equal(a.optim[s][k], b.optim[s][k]), (s, k)
+    assert int(b.scalars["applied_steps"]) == 2

@@ -144,6 +144,12 @@ def check_exportable(config: TransformerConfig, where: str) -> None:
     if config.family not in MEGATRON_FAMILIES:
         raise ckpt.CheckpointError(f"{where}: family {config.family!r} has no Megatron-core layout "
                                    f"here; export families {', '.join(MEGATRON_FAMILIES)}")
+    for what, bad in (("multi-latent attention (--kv-lora-rank)", config.kv_lora_rank),
+                      ("multi-token prediction (--mtp-num-layers)", config.mtp_num_layers),
+                      (megatron_moe.unexportable(config), config.num_experts
+                       and megatron_moe.unexportable(config))):
+        if bad:
+            raise ckpt.CheckpointError(f"{where}: {what} has no Megatron-core export here")
 
 
 # megazoo position embedding -> Megatron-DeepSpeed's PositionEmbeddingType member name

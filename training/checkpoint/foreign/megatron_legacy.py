@@ -256,12 +256,15 @@ def _stage_entries(full: dict, config, stage: int, stages: int):
     for local in range(per_chunk):
         prefix = f"layers.{stage * per_chunk + local}."
         suffixes = {k[len(prefix):] for k in full if k.startswith(prefix)}
-        out += [(m, prefix + z, names.split_for(s, swiglu), None)
+        keys = [(m, prefix + z, names.split_for(s, swiglu), None)
                 for m, z, s in names.layer_keys(local, suffixes)]
+        # Megatron-core's MoE layer: router, routed experts, then the shared expert
+        out += [k for k in keys if ".shared_experts." not in k[0]]
         if prefix + "mlp.experts.weight1" in full:
             for e in range(config.num_experts):
                 out += [(m, prefix + z, names.split_for(s, swiglu), e)
                         for m, z, s in names.expert_keys(local, e, suffixes)]
+        out += [k for k in keys if ".shared_experts." in k[0]]
     if stage == stages - 1:
         out += [(m, z, s, None) for m, z, s in names.TOP[2:4] if z in full]
         if not config.tie_word_embeddings:
@@ -305,9 +308,12 @@ def write(full: FullState, config, root: str, *, tp: int, pp: int, vpp: int = 1,
             params, models = [], []
             for v in range(vpp):
                 entries = _stage_entries(weights, config, v * pp + p, stages)
-                models.append({m: part(full.weights, z, s, e).to(config.dtype)
-                               for m, z, s, e in entries})
-                params += [(m, z, s, e) for m, z, s, e in entries]
+                # the expert bias: a buffer, fp32 and outside the optimizer
+                models.append({m: part(full.weights, z, s, e).to(
+                    torch.float32 if megatron_moe.BUFFERS.fullmatch(m) else config.dtype)
+                    for m, z, s, e in entries})
+                params += [(m, z, s, e) for m, z, s, e in entries
+                           if not megatron_moe.BUFFERS.fullmatch(m)]
             if vpp == 1:
                 sd["model"] = models[0]
             else:
