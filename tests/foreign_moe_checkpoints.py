@@ -13,8 +13,10 @@ Three shapes are built with megatron-core 0.16.1's own GPTModel on the CPU, loca
                 GroupedMLP (--moe-grouped-gemm without Transformer Engine)
 
 The GroupedMLP needs the `grouped_gemm` CUDA package and asserts bf16 in its forward; here its
-`gmm` is a per-expert matmul and its own config copy says bf16 (the model stays fp32): the
-weights' layout and every view of them are megatron-core's. Megatron-core's router calls
+`gmm` is a per-expert matmul, its activation is not passed through torch.compile (megatron-core's
+`jit_fuser`; inductor's CPU code returned zeros under ATEN_CPU_CAPABILITY=avx2) and its own config
+copy says bf16 (the model stays fp32): the weights' layout and every view of them are
+megatron-core's. Megatron-core's router calls
 Transformer Engine's gemm when importable; it is set to None as in the existing MoE test.
 """
 import argparse
@@ -51,18 +53,20 @@ def _gmm(a, b, batch_sizes, trans_b=False):
 @contextlib.contextmanager
 def moe_stubs():
     """Megatron-core's MoE on the CPU: no TE gemm in the router, grouped_gemm's gmm as matmuls."""
-    from megatron.core.transformer.moe import grouped_gemm_util, moe_utils
+    from megatron.core.transformer.moe import experts, grouped_gemm_util, moe_utils
 
     class Ops:
         gmm = staticmethod(_gmm)
     saved = (getattr(moe_utils, "te_general_gemm", None), grouped_gemm_util.grouped_gemm,
-             grouped_gemm_util.ops)
+             grouped_gemm_util.ops, experts.jit_fuser)
     moe_utils.te_general_gemm = None
     grouped_gemm_util.grouped_gemm, grouped_gemm_util.ops = object(), Ops
+    experts.jit_fuser = lambda fn: fn  # the GroupedMLP's activation uncompiled (same function)
     try:
         yield
     finally:
-        moe_utils.te_general_gemm, grouped_gemm_util.grouped_gemm, grouped_gemm_util.ops = saved
+        (moe_utils.te_general_gemm, grouped_gemm_util.grouped_gemm, grouped_gemm_util.ops,
+         experts.jit_fuser) = saved
 
 
 def build(shape: str, seed: int = 0):

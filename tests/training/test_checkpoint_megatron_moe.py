@@ -196,3 +196,18 @@ def test_megatron_moe_export_loads_in_megatron_core(moe):
             if k in a.optim[s]:
                 assert torch.equal(a.optim[s][k], b.optim[s][k]), (s, k)
     assert int(b.scalars["applied_steps"]) == 2
+
+
+def test_lora_on_deepseek_without_mla_is_refused():
+    import argparse
+    from megazoo.models.config import TransformerConfig
+    from megazoo.training.config.lora_flags import lora_settings
+    config = TransformerConfig(
+        vocab_size=64, hidden_size=32, num_layers=2, num_attention_heads=4, ffn_hidden_size=48,
+        position_embedding="rope", normalization="rmsnorm", activation="swiglu", bias=False,
+        num_experts=4, moe_router_topk=2, moe_router_score_function="sigmoid")
+    assert config.family == "deepseek_v3"
+    args = argparse.Namespace(lora_rank=8, lora_alpha=None, lora_dropout=None,
+                              lora_target_modules=None, lora_init=None)
+    with pytest.raises(ValueError, match="without multi-latent attention .* no LoRA target"):
+        lora_settings(args, config, tp=1)

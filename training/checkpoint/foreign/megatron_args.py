@@ -149,7 +149,8 @@ def check_exportable(config: TransformerConfig, where: str) -> None:
                       (megatron_moe.unexportable(config), config.num_experts
                        and megatron_moe.unexportable(config))):
         if bad:
-            raise ckpt.CheckpointError(f"{where}: {what} has no Megatron-core export here")
+            raise ckpt.CheckpointError(f"{where}: family {config.family!r} has no Megatron-core "
+                                       f"layout here for {what}")
 
 
 # megazoo position embedding -> Megatron-DeepSpeed's PositionEmbeddingType member name

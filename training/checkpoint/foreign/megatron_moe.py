@@ -19,11 +19,14 @@ k dense, then every freq-th", other patterns are refused naming the list.
 """
 from __future__ import annotations
 
+import logging
 import re
 
 import torch
 
 from megazoo.training.checkpoint import format as ckpt
+
+logger = logging.getLogger(__name__)
 
 # Megatron-core buffers saved beside the parameters: weights, but no optimizer state
 BUFFERS = re.compile(r".*\.mlp\.router\.expert_bias$")
@@ -97,6 +100,10 @@ def _routing(args, where: str, topk: int) -> dict:
 
 def config_fields(args, where: str) -> dict:
     """megazoo's MoE config fields of a Megatron-LM run with --num-experts."""
+    router_dtype = getattr(args, "moe_router_dtype", None)
+    if router_dtype and (getattr(args, "bf16", False) or getattr(args, "fp16", False)):
+        logger.info("%s: args.moe_router_dtype=%s: megazoo computes the router's logits in the "
+                    "model's dtype (its routing weights in fp32)", where, router_dtype)
     topk = int(args.moe_router_topk)
     first, freq = layer_pattern(getattr(args, "moe_layer_freq", None) or 1, args.num_layers, where)
     shared = getattr(args, "moe_shared_expert_intermediate_size", None)
@@ -119,7 +126,6 @@ def config_fields(args, where: str) -> dict:
 def args_fields(config) -> dict:
     """Megatron-LM's MoE args of a megazoo config (the inverse of `config_fields`)."""
     pattern = [int(config.is_moe_layer(i)) for i in range(config.num_layers)]
-    sigmoid = config.moe_router_score_function == "sigmoid"
     return dict(
         num_experts=config.num_experts, moe_router_topk=config.moe_router_topk,
         moe_ffn_hidden_size=config.moe_ffn_hidden_size,
@@ -136,8 +142,7 @@ def args_fields(config) -> dict:
         moe_layer_freq=config.moe_layer_freq if not config.moe_first_dense_layers else pattern,
         moe_shared_expert_intermediate_size=config.moe_shared_expert_intermediate_size,
         moe_shared_expert_gate=config.moe_shared_expert_gate,
-        moe_grouped_gemm=False, moe_use_legacy_grouped_gemm=False,
-        **({"moe_router_dtype": "fp32"} if sigmoid else {}))
+        moe_grouped_gemm=False, moe_use_legacy_grouped_gemm=False)
 
 
 def unexportable(config) -> str | None:
