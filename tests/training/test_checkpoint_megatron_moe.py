@@ -129,8 +129,7 @@ def test_megatron_moe_unmapped_settings_are_refused(moe, tmp_path, change, match
 
 def _load_into(model, state: dict):
     """Megatron-core's model with every weight zeroed, then `state` loaded (strict but for the
-    FP8 `_extra_state` entries the legacy export leaves out); its logits on the test ids."""
-    from tests.foreign_checkpoints import megatron_logits
+    FP8 `_extra_state` entries the legacy export leaves out)."""
     with torch.no_grad():
         for p in model.parameters():
             p.zero_()
