@@ -199,3 +199,38 @@ def moe_runs(tmp_path_factory):
             runs[shape] = dict(model=model, args=args, opt=opt, root=root, dist_root=dist_root,
                                logits=megatron_logits(model, ids)[..., :VOCAB])
     return dict(runs=runs, ids=ids, tmp=tmp_path_factory)
+
+
+def save_sharded(rank: int, root: str, ids) -> list:
+    """A spawned rank of a 2-process world: each shape built by megatron-core at tp=2 and
+    again at ep=2 (its own TP split and expert placement), saved as Megatron-LM's legacy files
+    (`mp_rank_0{t}` / `mp_rank_00_00{e}`, stage state dicts as the ranks hold them) under
+    `root/<shape>_<tp2|ep2>`; returns megatron-core's full logits of each."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    out = []
+    for tp, ep in ((2, 1), (1, 2)):
+        parallel_state.initialize_model_parallel(tp, 1, expert_model_parallel_size=ep)
+        try:
+            with cpu_stubs(), moe_stubs():
+                for i, shape in enumerate(SHAPES):
+                    model = build(shape, seed=10 * i)
+                    part = megatron_logits(model, ids).contiguous()
+                    if tp > 1:  # the vocabulary-parallel logits of each TP rank
+                        parts = [torch.empty_like(part) for _ in range(tp)]
+                        dist.all_gather(parts, part)
+                        part = torch.cat(parts, -1)
+                    args = args_of(shape, model)
+                    args.tensor_model_parallel_size, args.expert_model_parallel_size = tp, ep
+                    name = f"mp_rank_{rank:02d}" if tp > 1 else f"mp_rank_00_{rank:03d}"
+                    folder = os.path.join(root, f"{shape}_{'tp2' if tp > 1 else 'ep2'}")
+                    path = os.path.join(folder, "iter_0000007", name, "model_optim_rng.pt")
+                    os.makedirs(os.path.dirname(path), exist_ok=True)
+                    torch.save({"args": args, "checkpoint_version": 3.0, "iteration": 7,
+                                "model": model.state_dict()}, path)
+                    with open(os.path.join(folder, "latest_checkpointed_iteration.txt"), "w") as f:
+                        f.write("7")
+                    out.append((os.path.basename(folder), part[..., :VOCAB].numpy()))
+        finally:
+            parallel_state.destroy_model_parallel()
+    return out

@@ -4,8 +4,10 @@
 (tests/foreign_moe_checkpoints.py). The torch_dist files are written by megatron-core's
 `dist_checkpointing.save`; the legacy files are its state dicts in Megatron-LM's file layout
 (written by the test). Imported at tp=2, ep=2 (pp=2 where the layers split evenly), megazoo's
-logits equal megatron-core's forward within 1e-5; the trained run's Adam moments carry over
-exactly; an uneven tp1/pp2 legacy file imports; what does not map is refused in one line.
+logits equal megatron-core's forward within 1e-5, and so do the legacy files of megatron-core's
+own tp=2 and ep=2 models (a 2-process world); the trained run's Adam moments carry over
+exactly; an uneven tp1/pp2 legacy file imports; what does not map is refused in one line;
+megatron-core loads megazoo's exports with equal logits.
 """
 import copy
 
@@ -50,6 +52,23 @@ def test_megatron_moe_shapes_import_with_megatron_core_logits(moe):
                            model.decoder.layers[i].mlp.router.expert_bias)
     assert "layers.0.mlp.fc1.weight" in deepseek.weights  # the dense first layer
     assert "layers.0.mlp.router" not in deepseek.weights
+
+
+def test_megatron_moe_files_of_tp2_and_ep2_ranks(moe, tmp_path):
+    """Legacy files of megatron-core's own tp=2 and ep=2 models (2 processes: its TP split of
+    the shared expert, experts and QKV, its expert placement, the GroupedMLP's per-rank views)
+    import with megatron-core's logits."""
+    from megazoo.training.checkpoint.foreign.convert import import_checkpoint
+    from tests.distributed import run_distributed
+    from tests.foreign_moe_checkpoints import save_sharded
+    ranks = run_distributed(save_sharded, 2, str(tmp_path), moe["ids"])
+    checked = []
+    for name, want in ranks[0]:
+        folder = import_checkpoint("megatron", str(tmp_path / name), str(tmp_path / f"mz_{name}"))
+        got = megazoo_logits(folder, moe["ids"])
+        torch.testing.assert_close(got, torch.from_numpy(want), **FP32)
+        checked.append((name, (got - torch.from_numpy(want)).abs().max().item()))
+    assert len(checked) == 6
 
 
 def test_megatron_moe_adam_state_carries_over(moe):
