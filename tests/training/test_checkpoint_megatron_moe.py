@@ -229,3 +229,29 @@ def test_lora_on_deepseek_without_mla_is_refused():
                               lora_target_modules=None, lora_init=None)
     with pytest.raises(ValueError, match="without multi-latent attention .* no LoRA target"):
         lora_settings(args, config, tp=1)
+
+
+def test_megatron_moe_layer_patterns_map_both_ways():
+    """moe_layer_freq as Megatron-LM records it (an int, or its evaluated per-layer list) ->
+    (moe_first_dense_layers, moe_layer_freq), and back as the list Megatron-core reads."""
+    from megazoo.models.config import TransformerConfig
+    from megazoo.training.checkpoint.format import CheckpointError
+    from megazoo.training.checkpoint.foreign import megatron_moe
+    cases = {2: (0, 2), 1: (0, 1), (1, 0, 1, 0): (0, 2), (0, 0, 1, 1): (2, 1),
+             (0, 1, 1, 1): (1, 1), (0, 0, 1, 0): (2, 2)}
+    for freq, want in cases.items():
+        got = megatron_moe.layer_pattern(list(freq) if isinstance(freq, tuple) else freq, 4, "a")
+        assert got == want, freq
+        config = TransformerConfig(
+            vocab_size=64, hidden_size=32, num_layers=4, num_attention_heads=4,
+            ffn_hidden_size=48, position_embedding="rope", normalization="rmsnorm",
+            activation="swiglu", bias=False, num_experts=4, moe_router_topk=2,
+            moe_router_score_function="sigmoid", moe_norm_topk_prob=True,
+            moe_first_dense_layers=want[0], moe_layer_freq=want[1])
+        back = megatron_moe.args_fields(config)["moe_layer_freq"]
+        assert back == (list(freq) if want[0] else want[1]) or (
+            isinstance(freq, tuple) and back == want[1] and not want[0]), (freq, back)
+    for bad in ([0, 1, 0, 1], [1, 1, 0], [0, 0, 0, 0], "([0]*1+[1]*3)"):
+        with pytest.raises(CheckpointError, match="args.moe_layer_freq="):
+            megatron_moe.layer_pattern(bad, 4, "a")
+    assert len(cases) == 6
