@@ -251,7 +251,8 @@ def test_megatron_moe_layer_patterns_map_both_ways():
         back = megatron_moe.args_fields(config)["moe_layer_freq"]
         assert back == (list(freq) if want[0] else want[1]) or (
             isinstance(freq, tuple) and back == want[1] and not want[0]), (freq, back)
-    for bad in ([0, 1, 0, 1], [1, 1, 0], [0, 0, 0, 0], "([0]*1+[1]*3)"):
+    assert megatron_moe.layer_pattern("([0]*1+[1]*3)", 4, "a") == (1, 1)  # unevaluated text
+    for bad in ([0, 1, 0, 1], [1, 1, 0], [0, 0, 0, 0], "[0]*1+[1]*5", "[0,1]*2"):
         with pytest.raises(CheckpointError, match="args.moe_layer_freq="):
             megatron_moe.layer_pattern(bad, 4, "a")
     assert len(cases) == 6

@@ -25,6 +25,7 @@ import re
 import torch
 
 from megazoo.training.checkpoint import format as ckpt
+from megazoo.training.config.megatron_compat import moe_layer_freq
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +43,19 @@ def _refuse(where: str, arg: str, value, why: str):
 
 def layer_pattern(freq, num_layers: int, where: str) -> tuple[int, int]:
     """(moe_first_dense_layers, moe_layer_freq) of Megatron's `moe_layer_freq` (an int or the
-    per-layer list of 0 dense / 1 MoE that Megatron-LM's --moe-layer-freq evaluates to)."""
+    per-layer list of 0 dense / 1 MoE that Megatron-LM's --moe-layer-freq evaluates to; its
+    unevaluated text, "[0]*3+[1]*58", is read as the command line's is)."""
+    if isinstance(freq, str):
+        try:
+            text = freq.strip()  # Megatron-LM's examples write "([0]*3+[1]*58)"
+            every, length, first = moe_layer_freq(text[1:-1] if text.startswith("(") and
+                                                  text.endswith(")") else text)
+        except ValueError as e:
+            _refuse(where, "moe_layer_freq", freq, str(e))
+        if length not in (None, num_layers):
+            _refuse(where, "moe_layer_freq", freq, f"it lists {length} layers, the model has "
+                    f"{num_layers}")
+        return first, every
     if isinstance(freq, bool) or not isinstance(freq, (int, list, tuple)):
         _refuse(where, "moe_layer_freq", freq, "megazoo reads an int or a list of 0/1 per layer")
     if isinstance(freq, int):
