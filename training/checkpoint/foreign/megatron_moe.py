@@ -97,18 +97,18 @@ def _routing(args, where: str, topk: int) -> dict:
                     f"best moe_router_topk // moe_router_group_topk = "
                     f"{topk // group_topk if group_topk else '?'} experts, megazoo by its best 2")
     scale = getattr(args, "moe_router_topk_scaling_factor", None)
+    rate = getattr(args, "moe_router_bias_update_rate", None)  # 0 turns the update off
     pre_softmax = bool(getattr(args, "moe_router_pre_softmax", False))
     return dict(moe_router_score_function=score,
                 moe_router_pre_softmax=pre_softmax and not sigmoid,
                 moe_norm_topk_prob=sigmoid and topk > 1,
                 moe_router_enable_expert_bias=bool(getattr(args, "moe_router_enable_expert_bias",
                                                            False)),
-                moe_router_bias_update_rate=float(getattr(args, "moe_router_bias_update_rate",
-                                                          None) or 1e-3),
+                moe_router_bias_update_rate=1e-3 if rate is None else float(rate),
                 moe_router_num_groups=groups or None, moe_router_group_topk=group_topk or None,
                 moe_router_topk_scaling_factor=float(scale) if scale else None,
                 moe_router_load_balancing_type="seq_aux_loss" if balancing == "seq_aux_loss"
-                else "aux_loss")
+                else "aux_loss", no_aux_loss=balancing == "none")
 
 
 def config_fields(args, where: str) -> dict:
@@ -124,6 +124,9 @@ def config_fields(args, where: str) -> dict:
     if isinstance(coeff, (list, tuple)):
         coeff = coeff[0] if len(set(coeff)) == 1 else _refuse(
             where, "moe_aux_loss_coeff", coeff, "several load-balancing losses at once")
+    routing = _routing(args, where, topk)
+    if routing.pop("no_aux_loss"):  # Megatron's "none": no load-balancing loss at any coefficient
+        coeff = 0.0
     return dict(num_experts=args.num_experts, moe_router_topk=topk,
                 moe_ffn_hidden_size=getattr(args, "moe_ffn_hidden_size", None),
                 moe_aux_loss_coeff=float(coeff),
@@ -133,7 +136,7 @@ def config_fields(args, where: str) -> dict:
                 moe_shared_expert_intermediate_size=shared or None,
                 moe_shared_expert_gate=bool(shared and getattr(args, "moe_shared_expert_gate",
                                                                False)),
-                **_routing(args, where, topk))
+                **routing)
 
 
 def args_fields(config) -> dict:
