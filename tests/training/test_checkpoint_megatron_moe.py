@@ -320,3 +320,18 @@ def test_megatron_moe_resume_next_loss_equals_megatron_next_loss(moe):
     with torch.no_grad():
         got = chunks[0](ids, labels=ids).mean().item()
     assert abs(got - want) <= 1e-4 * abs(want), (got, want)
+
+
+def test_megatron_moe_training_settings_map():
+    """Settings that change training, not the forward: balancing 'none' drops the aux loss,
+    seq_aux_loss and a bias update rate of 0 are kept."""
+    from megazoo.training.checkpoint.foreign import megatron_moe
+    from tests.foreign_checkpoints import megatron_args
+    args = megatron_args()
+    args.num_experts, args.moe_router_topk, args.moe_aux_loss_coeff = 4, 2, 0.01
+    args.moe_router_load_balancing_type = "none"
+    assert megatron_moe.config_fields(args, "a")["moe_aux_loss_coeff"] == 0.0
+    args.moe_router_load_balancing_type, args.moe_router_bias_update_rate = ["seq_aux_loss"], 0.0
+    fields = megatron_moe.config_fields(args, "a")
+    assert (fields["moe_router_load_balancing_type"], fields["moe_aux_loss_coeff"],
+            fields["moe_router_bias_update_rate"]) == ("seq_aux_loss", 0.01, 0.0)
