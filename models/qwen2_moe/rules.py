@@ -4,5 +4,5 @@ from ..family_bases import FULL, ROPE, SOFTMAX_ROUTER
 
 SHAPE = dict(SOFTMAX_ROUTER, **ROPE, **FULL, qk_layernorm=False, bias=False)
 MOE = True
-MEGATRON = False  # whether the Megatron-core tensor layout (training/checkpoint/foreign) covers it
+MEGATRON = True  # whether the Megatron-core tensor layout (training/checkpoint/foreign) covers it
 LORA = "moe_attention"  # which PEFT target table (models/lora_targets.py) fits its layers

@@ -42,7 +42,8 @@ def test_the_registry_rules_and_presets_are_the_folders():
                       for n, p in family_folders.load("presets")[name].PRESETS.items()}
     assert folder_presets == PRESETS and all(p["family"] in names for p in PRESETS.values())
     assert set(family_rules.MEGATRON_FAMILIES) == {"gpt2", "bloom", "llama", "qwen2", "qwen3",
-                                                   "mixtral"}
+                                                   "mixtral", "qwen2_moe", "qwen3_moe",
+                                                   "deepseek_v3"}
 
 
 def _sources():

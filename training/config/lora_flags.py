@@ -44,6 +44,10 @@ def lora_settings(args: argparse.Namespace, model: TransformerConfig, tp: int) -
             raise ValueError(f"--lora-{extra[0].replace('targets', 'target-modules')} needs "
                              f"--lora-rank R (or --lora-init DIR)")
         return None
+    if model.family == "deepseek_v3" and not model.kv_lora_rank:
+        raise ValueError("--lora-rank: a DeepSeek-V3 model without multi-latent attention (a "
+                         "Megatron-LM import with GQA attention) has no LoRA target table; "
+                         "train it without --lora-rank")
     if given["targets"] is not None:
         given["targets"] = lt.parse_targets(given["targets"], model.family, model.q_lora_rank)
     fields = dict(rank=_DEFAULTS.rank, alpha=_DEFAULTS.alpha, dropout=_DEFAULTS.dropout,

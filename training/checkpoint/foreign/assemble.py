@@ -77,19 +77,23 @@ def _mean(copies: list[torch.Tensor], canon: str, drift: list) -> torch.Tensor:
     return torch.stack([t.float() for t in copies]).mean(0).to(first.dtype)
 
 
-def expected_shapes(family_name: str, config: TransformerConfig) -> dict[str, tuple]:
-    """canonical name -> full (unpadded) shape of every trained tensor of the model."""
+def expected_shapes(family_name: str, config: TransformerConfig, *, frozen: bool = False):
+    """canonical name -> full (unpadded) shape of every trained tensor of the model; with
+    `frozen`, (that of every tensor, frozen ones included, and the set of frozen names: the
+    router's expert bias, a weight without optimizer state)."""
     if config.family != family_name:
         raise ValueError(f"the checkpoint's settings make a {config.family!r} model, its reader "
                          f"named {family_name!r}")
     _, chunks = build_rank_chunks(config, tp=1, pp=1, vpp=1, dp=1, rank=0)
-    shapes = {}
-    for row in param_table(chunks):
+    shapes, frozen_names = {}, set()
+    for row in param_table(chunks, frozen=frozen):
         shape = list(row.shape)
         if row.tp_dim >= 0:
             shape[row.tp_dim] = row.full_size
         shapes[row.canonical] = tuple(shape)
-    return shapes
+        if row.frozen:
+            frozen_names.add(row.canonical)
+    return (shapes, frozen_names) if frozen else shapes
 
 
 def check_shapes(full: dict[str, torch.Tensor], expected: dict[str, tuple], where: str,

@@ -1,8 +1,8 @@
 """Megatron-LM's recorded `args` (an argparse.Namespace in every checkpoint) <-> megazoo's model
 configuration and family.
 
-Every model field megazoo models is read; a recorded setting megazoo does not model (partial
-RoPE, RoPE scaling, squared ReLU, a shared expert, sigmoid routing, uneven pipeline stages) is
+Every model field megazoo models is read (the MoE ones by megatron_moe.py); a recorded setting
+megazoo does not model (partial RoPE, RoPE scaling, squared ReLU, a pipeline layout string) is
 refused in one line naming the argument, before any weight is read.
 """
 from __future__ import annotations
@@ -14,6 +14,7 @@ from megazoo.models.family_rules import MEGATRON_FAMILIES  # rules.py MEGATRON: 
 from megazoo.models.spec import lookup
 
 from megazoo.training.checkpoint import format as ckpt
+from megazoo.training.checkpoint.foreign import megatron_moe
 
 
 def _get(args, *names, default=None):
@@ -34,13 +35,6 @@ def _check_unmodelled(args, where: str) -> None:
         ("rotary_percent", lambda v: v not in (None, 1.0), "partial rotary embeddings"),
         ("use_rope_scaling", bool, "Llama-3.1 RoPE scaling recorded without its parameters"),
         ("squared_relu", bool, "squared-ReLU MLPs"),
-        ("moe_shared_expert_intermediate_size", bool, "shared experts"),
-        ("moe_router_score_function", lambda v: v not in (None, "softmax"), "sigmoid routing"),
-        ("moe_router_topk_scaling_factor", lambda v: v not in (None, 1.0), "scaled routing"),
-        ("moe_grouped_gemm", lambda v: v and not getattr(args, "transformer_impl", "") ==
-         "transformer_engine", "the legacy GroupedMLP weight layout"),
-        ("decoder_first_pipeline_num_layers", bool, "uneven pipeline stages"),
-        ("decoder_last_pipeline_num_layers", bool, "uneven pipeline stages"),
         ("pipeline_model_parallel_layout", bool, "uneven pipeline stages (a layout string)"),
         ("multi_latent_attention", bool, "multi-latent attention"),
         ("mtp_num_layers", bool, "multi-token prediction (its mtp.* weights are not mapped)"),
@@ -107,9 +101,6 @@ def to_config(args, where: str, vocab_size: int | None = None) -> tuple[str, Tra
         "float16" if getattr(args, "fp16", False) else "float32"
     bias = bool(_get(args, "add_bias_linear", default=True))
     kv = _get(args, "kv_channels")
-    moe_freq = _get(args, "moe_layer_freq", default=1)
-    if not isinstance(moe_freq, int):
-        _refuse(where, "moe_layer_freq", moe_freq, "a per-layer MoE pattern")
     fields = dict(
         vocab_size=vocab, hidden_size=args.hidden_size, num_layers=args.num_layers,
         num_attention_heads=heads, num_query_groups=groups,
@@ -130,13 +121,7 @@ def to_config(args, where: str, vocab_size: int | None = None) -> tuple[str, Tra
         make_vocab_size_divisible_by=int(_get(args, "make_vocab_size_divisible_by", default=128)),
         params_dtype=dtype, seed=int(_get(args, "seed", default=1234)))
     if _get(args, "num_experts"):
-        fields.update(num_experts=args.num_experts, moe_router_topk=int(args.moe_router_topk),
-                      moe_ffn_hidden_size=_get(args, "moe_ffn_hidden_size"),
-                      moe_router_pre_softmax=bool(getattr(args, "moe_router_pre_softmax", False)),
-                      moe_aux_loss_coeff=float(_get(args, "moe_aux_loss_coeff", default=0.0)),
-                      moe_z_loss_coeff=float(_get(args, "moe_z_loss_coeff", default=0.0)),
-                      moe_expert_capacity_factor=_get(args, "moe_expert_capacity_factor"),
-                      moe_layer_freq=moe_freq)
+        fields.update(megatron_moe.config_fields(args, where))
     try:  # the family is inferred from the fields (models/family_rules.py)
         config = TransformerConfig(**fields)
     except ValueError as e:
@@ -159,6 +144,13 @@ def check_exportable(config: TransformerConfig, where: str) -> None:
     if config.family not in MEGATRON_FAMILIES:
         raise ckpt.CheckpointError(f"{where}: family {config.family!r} has no Megatron-core layout "
                                    f"here; export families {', '.join(MEGATRON_FAMILIES)}")
+    for what, bad in (("multi-latent attention (--kv-lora-rank)", config.kv_lora_rank),
+                      ("multi-token prediction (--mtp-num-layers)", config.mtp_num_layers),
+                      (megatron_moe.unexportable(config), config.num_experts
+                       and megatron_moe.unexportable(config))):
+        if bad:
+            raise ckpt.CheckpointError(f"{where}: family {config.family!r} has no Megatron-core "
+                                       f"layout here for {what}")
 
 
 # megazoo position embedding -> Megatron-DeepSpeed's PositionEmbeddingType member name
@@ -212,11 +204,5 @@ def from_config(config: TransformerConfig, *, tp: int, pp: int, vpp: int, iterat
         fields.update(position_embedding_type=_DEEPSPEED_POSITION[config.position_embedding],
                       embed_layernorm=config.embedding_layernorm, use_mcore_models=False)
     if config.num_experts:
-        fields.update(num_experts=config.num_experts, moe_router_topk=config.moe_router_topk,
-                      moe_ffn_hidden_size=config.moe_ffn_hidden_size,
-                      moe_router_pre_softmax=config.moe_router_pre_softmax,
-                      moe_aux_loss_coeff=config.moe_aux_loss_coeff,
-                      moe_z_loss_coeff=config.moe_z_loss_coeff,
-                      moe_expert_capacity_factor=config.moe_expert_capacity_factor,
-                      moe_layer_freq=config.moe_layer_freq, expert_tensor_parallel_size=tp)
+        fields.update(megatron_moe.args_fields(config), expert_tensor_parallel_size=tp)
     return argparse.Namespace(**fields)

@@ -142,7 +142,7 @@ def read(root: str, vocab_size: int | None = None, *, optimizer: bool = True):
             if canon.endswith("word_embeddings.weight") or canon == "head_weight":
                 value = value[:config.vocab_size]
             out[group][canon] = value.float()
-    expected = expected_shapes(family, config)
+    expected, frozen = expected_shapes(family, config, frozen=True)
     check_shapes(out["weights"], expected, folder, f"its args (hidden_size={args.hidden_size}, "
                  f"num_attention_heads={args.num_attention_heads}, padded_vocab_size="
                  f"{args.padded_vocab_size})")
@@ -152,9 +152,9 @@ def read(root: str, vocab_size: int | None = None, *, optimizer: bool = True):
                                    f"megazoo found no tensors of; import the weights only "
                                    f"(--no-optimizer)")
     if optimizer and out.get("exp_avg"):
-        if not out["master"]:
-            out["master"] = dict(out["weights"])  # fp32 training: the weights are the masters
-        if any(set(out[s]) != set(expected) for s in _OPTIM):
+        if not out["master"]:  # fp32 training: the weights are the masters
+            out["master"] = {k: v for k, v in out["weights"].items() if k not in frozen}
+        if any(set(out[s]) != set(expected) - frozen for s in _OPTIM):
             raise ckpt.CheckpointError(f"{folder}: optimizer state covers only part of the model; "
                                        f"import the weights only (--no-optimizer)")
         optim = {s: out[s] for s in _OPTIM}
@@ -189,16 +189,34 @@ _LINEARS = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.line
             "mlp.linear_fc2")
 
 
-def _extra_states(layers: int, experts: int) -> dict[str, list]:
+_SHARED = ("mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2")
+
+
+def _stacked(config) -> bool:
+    """Whether Megatron-core stacks the layers along a leading axis: not when dense and MoE
+    layers alternate (moe_layer_freq > 1 or a per-layer list: its `non_homogeneous_layers`)."""
+    return not (config.num_experts and (config.moe_layer_freq > 1 or config.moe_first_dense_layers))
+
+
+def _extra_states(config) -> dict[str, list]:
     """The `_extra_state` objects every Megatron-core linear layer saves (None outside FP8
     training; stored as the pickled list of a shard's objects), one per layer (and expert),
-    under Megatron-core's `key/shard_{offset}_{shape}` names; its loader requires them."""
-    dense = _LINEARS[:2] if experts else _LINEARS
-    out = {f"{_STACKED}{m}._extra_state/shard_{i}_{layers}": [None]
-           for m in dense for i in range(layers)}
-    out.update({f"{_STACKED}{_EXPERTS}{m}._extra_state/shard_{i}.{e}_{layers}.{experts}": [None]
-                for m in ("linear_fc1", "linear_fc2") for i in range(layers)
-                for e in range(experts)})
+    under Megatron-core's `key/shard_{offsets}_{shape}` names; its loader requires them."""
+    layers, experts, stacked = config.num_layers, config.num_experts or 0, _stacked(config)
+    out = {}
+    for i in range(layers):
+        moe = config.is_moe_layer(i)
+        linears = _LINEARS[:2] if moe else _LINEARS
+        if moe and config.moe_shared_expert_intermediate_size:
+            linears += _SHARED
+        for m in linears:
+            out[f"{_STACKED}{m}._extra_state/shard_{i}_{layers}" if stacked else
+                f"{_STACKED}{i}.{m}._extra_state/shard_0_1"] = [None]
+        for m in ("linear_fc1", "linear_fc2") if moe else ():
+            for e in range(experts):
+                out[f"{_STACKED}{_EXPERTS}{m}._extra_state/shard_{i}.{e}_{layers}.{experts}"
+                    if stacked else
+                    f"{_STACKED}{i}.{_EXPERTS}{m}._extra_state/shard_{e}_{experts}"] = [None]
     out["output_layer._extra_state/shard_0_1"] = [None]
     return out
 
@@ -209,6 +227,7 @@ def write(full: FullState, config, root: str, *, tp: int = 1, pp: int = 1, vpp: 
     `dist_checkpointing.load` reads into a model of any (tp, pp) it was configured with."""
     megatron_args.check_exportable(config, root)
     padded = config.padded_vocab_size(tp)
+    stacked = _stacked(config)
     per_layer: dict[str, list] = {}
     tensors = {}
     sources = {"": full.weights} | ({p: full.optim[s] for s, p in _OPTIM.items()}
@@ -216,7 +235,10 @@ def write(full: FullState, config, root: str, *, tp: int = 1, pp: int = 1, vpp: 
     for prefix, values in sources.items():
         for canon, t in values.items():
             key, layer = _sharded_key(canon)
-            dtype = config.dtype if prefix == "" else torch.float32
+            if layer is not None and not stacked:  # one tensor per layer, numbered globally
+                key, layer = f"{_STACKED}{layer}.{key[len(_STACKED):]}", None
+            # the optimizer's states and the expert bias (a buffer Megatron keeps in fp32)
+            dtype = torch.float32 if prefix or canon.endswith(".expert_bias") else config.dtype
             if key.startswith(("embedding.word", "output_layer")):
                 t = names.shard(t, "vocab", 0, 1, padded)
             if layer is None:
@@ -224,7 +246,7 @@ def write(full: FullState, config, root: str, *, tp: int = 1, pp: int = 1, vpp: 
             else:
                 per_layer.setdefault(prefix + key, [None] * config.num_layers)[layer] = t.to(dtype)
     tensors.update({k: torch.stack(v).contiguous() for k, v in per_layer.items()})
-    tensors.update(_extra_states(config.num_layers, config.num_experts or 0))
+    tensors.update(_extra_states(config))
     folder = os.path.join(root, f"iter_{iteration:07d}")
     os.makedirs(folder, exist_ok=True)
     dcp.save(tensors, storage_writer=dcp.FileSystemWriter(folder), no_dist=True)

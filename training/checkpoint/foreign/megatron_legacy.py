@@ -25,7 +25,7 @@ import re
 import torch
 
 from megazoo.training.checkpoint import format as ckpt
-from megazoo.training.checkpoint.foreign import megatron_args, names, safe_load
+from megazoo.training.checkpoint.foreign import megatron_args, megatron_moe, names, safe_load
 from megazoo.training.checkpoint.foreign import megatron_distrib_optim as distrib_optim
 from megazoo.training.checkpoint.foreign import megatron_legacy_model as legacy_model
 from megazoo.training.checkpoint.foreign import megatron_legacy_optim as legacy_optim
@@ -123,10 +123,12 @@ def _layout(args) -> tuple[int, int, int, int]:
             getattr(args, "virtual_pipeline_model_parallel_size", None) or 1)
 
 
-def _param_items(model: dict):
-    """(key, tensor) of the stage's parameters in module order (buffers and FP8 state left out)."""
+def _param_items(model: dict, buffers: bool = False):
+    """(key, tensor) of the stage's parameters in module order (FP8 state left out, and the
+    router's expert-bias buffer unless `buffers`: the optimizer holds no state for it)."""
     return [(k, v) for k, v in model.items()
-            if isinstance(v, torch.Tensor) and not names.IGNORED.fullmatch(k)]
+            if isinstance(v, torch.Tensor) and not names.IGNORED.fullmatch(k)
+            and (buffers or not megatron_moe.BUFFERS.fullmatch(k))]
 
 
 def read(root: str, vocab_size: int | None = None, *, optimizer: bool = True):
@@ -138,12 +140,12 @@ def read(root: str, vocab_size: int | None = None, *, optimizer: bool = True):
     args = first.get("args")
     family, config = megatron_args.to_config(args, folder, vocab_size)
     tp, pp, ep, vpp = _layout(args)
+    offsets = megatron_moe.stage_offsets(args, config.num_layers, pp, vpp, folder)
     files = rank_files(folder, pp, ep)
     want = {(t, p, e) for t in range(tp) for p in range(pp) for e in range(ep)}
     if set(files) != want:
         raise ckpt.CheckpointError(f"{folder}: holds rank folders for {sorted(files)}, the recorded "
                                    f"tp={tp} pp={pp} ep={ep} call for {sorted(want)}")
-    per_chunk = config.num_layers // (pp * vpp)
     local_experts = (config.num_experts or 0) // ep
     weights = Pieces(folder)
     states = {s: Pieces(folder) for s in ("master",) + STATES}
@@ -162,32 +164,38 @@ def read(root: str, vocab_size: int | None = None, *, optimizer: bool = True):
             assigned = legacy_optim.assign(params, sd, path)
         optim_found.append(bool(assigned))
         for v, model in enumerate(models):
-            offset = (v * pp + p) * per_chunk
-            for key, tensor in _param_items(model):
-                try:
-                    mapped = names.to_megazoo(key, offset)
-                except KeyError:
-                    raise ckpt.CheckpointError(f"{path}: {key} is not a tensor megazoo maps (GPT, "
-                                               f"Llama, Qwen, Mixtral in Megatron-core names)") from None
-                canon, split, expert = mapped
-                split = names.split_for(split, config.gated_mlp)
-                if expert is not None:
-                    expert += e * local_experts
-                elif e > 0:
-                    continue  # dense tensors: every expert rank holds the same copy
-                copy = (p, v)
-                if canon == "head_weight" and config.tie_word_embeddings:
-                    canon = "embedding.word_embeddings.weight"  # the last stage's copy
-                weights.add(canon, split, expert, t, tensor, copy)
-                if f"{v}:{key}" in assigned:
-                    state, master = assigned[f"{v}:{key}"]
-                    states["master"].add(canon, split, expert, t, master.float(), copy)
-                    for s in STATES:
-                        if s in state:
-                            states[s].add(canon, split, expert, t, state[s].float(), copy)
-                    if "step" in state:
-                        steps.add(int(state["step"]))
-    expected = expected_shapes(family, config)
+            offset = offsets[(p, v)]
+            for file_key, file_tensor in _param_items(model, buffers=True):
+                found = assigned.get(f"{v}:{file_key}")
+                if found is not None and "step" in found[0]:
+                    steps.add(int(found[0]["step"]))
+                # a legacy GroupedMLP weight becomes its experts' tensors (states alike)
+                parts = {n: dict(megatron_moe.expand_grouped(file_key, x, local_experts,
+                                                              config.hidden_size))
+                         for n, x in [("weights", file_tensor)] + (
+                             [("master", found[1])] + [(s, found[0][s]) for s in STATES
+                                                       if s in found[0]] if found else [])}
+                for key, tensor in parts["weights"].items():
+                    try:
+                        mapped = names.to_megazoo(key, offset)
+                    except KeyError:
+                        raise ckpt.CheckpointError(
+                            f"{path}: {key} is not a tensor megazoo maps (GPT, Llama, Qwen, "
+                            f"Mixtral, Qwen-MoE, DeepSeek-V3 MoE layers in Megatron-core "
+                            f"names)") from None
+                    canon, split, expert = mapped
+                    split = names.split_for(split, config.gated_mlp)
+                    if expert is not None:
+                        expert += e * local_experts
+                    elif e > 0:
+                        continue  # dense tensors: every expert rank holds the same copy
+                    copy = (p, v)
+                    if canon == "head_weight" and config.tie_word_embeddings:
+                        canon = "embedding.word_embeddings.weight"  # the last stage's copy
+                    weights.add(canon, split, expert, t, tensor, copy)
+                    for s in parts.keys() - {"weights"}:
+                        states[s].add(canon, split, expert, t, parts[s][key].float(), copy)
+    expected, frozen = expected_shapes(family, config, frozen=True)
     recorded = (f"its args (hidden_size={args.hidden_size}, num_attention_heads="
                 f"{args.num_attention_heads}, num_query_groups={config.num_query_groups}, "
                 f"padded_vocab_size={args.padded_vocab_size}, ffn_hidden_size={config.ffn_hidden_size})")
@@ -196,7 +204,7 @@ def read(root: str, vocab_size: int | None = None, *, optimizer: bool = True):
     optim = {}
     if optimizer and all(optim_found) and optim_found:
         optim = {s: pieces.full(tp, config.vocab_size) for s, pieces in states.items()}
-        if any(set(v) != set(expected) for v in optim.values()):
+        if any(set(v) != set(expected) - frozen for v in optim.values()):
             raise ckpt.CheckpointError(f"{folder}: optimizer state covers only part of the "
                                        f"model; import the weights only (--no-optimizer)")
     elif optimizer and any(optim_found):
@@ -251,12 +259,15 @@ def _stage_entries(full: dict, config, stage: int, stages: int):
     for local in range(per_chunk):
         prefix = f"layers.{stage * per_chunk + local}."
         suffixes = {k[len(prefix):] for k in full if k.startswith(prefix)}
-        out += [(m, prefix + z, names.split_for(s, swiglu), None)
+        keys = [(m, prefix + z, names.split_for(s, swiglu), None)
                 for m, z, s in names.layer_keys(local, suffixes)]
+        # Megatron-core's MoE layer: router, routed experts, then the shared expert
+        out += [k for k in keys if ".shared_experts." not in k[0]]
         if prefix + "mlp.experts.weight1" in full:
             for e in range(config.num_experts):
                 out += [(m, prefix + z, names.split_for(s, swiglu), e)
                         for m, z, s in names.expert_keys(local, e, suffixes)]
+        out += [k for k in keys if ".shared_experts." in k[0]]
     if stage == stages - 1:
         out += [(m, z, s, None) for m, z, s in names.TOP[2:4] if z in full]
         if not config.tie_word_embeddings:
@@ -300,9 +311,12 @@ def write(full: FullState, config, root: str, *, tp: int, pp: int, vpp: int = 1,
             params, models = [], []
             for v in range(vpp):
                 entries = _stage_entries(weights, config, v * pp + p, stages)
-                models.append({m: part(full.weights, z, s, e).to(config.dtype)
-                               for m, z, s, e in entries})
-                params += [(m, z, s, e) for m, z, s, e in entries]
+                # the expert bias: a buffer, fp32 and outside the optimizer
+                models.append({m: part(full.weights, z, s, e).to(
+                    torch.float32 if megatron_moe.BUFFERS.fullmatch(m) else config.dtype)
+                    for m, z, s, e in entries})
+                params += [(m, z, s, e) for m, z, s, e in entries
+                           if not megatron_moe.BUFFERS.fullmatch(m)]
             if vpp == 1:
                 sd["model"] = models[0]
             else:

@@ -36,6 +36,14 @@ LAYER = (  # in Megatron-core's module order (the optimizer numbers parameters i
     ("pre_mlp_layernorm.weight", "post_attention_norm.weight", "replicated"),
     ("pre_mlp_layernorm.bias", "post_attention_norm.bias", "replicated"),
     ("mlp.router.weight", "mlp.router", "replicated"),
+    # MoE layers (megatron_moe.py): the router's expert bias (a buffer: no optimizer state) and
+    # the shared expert, an ordinary TP MLP with an optional sigmoid gate
+    ("mlp.router.expert_bias", "mlp.expert_bias", "replicated"),
+    ("mlp.shared_experts.gate_weight", "mlp.shared_expert_gate", "replicated"),
+    ("mlp.shared_experts.linear_fc1.weight", "mlp.shared_expert.fc1.weight", "glu"),
+    ("mlp.shared_experts.linear_fc1.bias", "mlp.shared_expert.fc1.bias", "glu"),
+    ("mlp.shared_experts.linear_fc2.weight", "mlp.shared_expert.fc2.weight", "row"),
+    ("mlp.shared_experts.linear_fc2.bias", "mlp.shared_expert.fc2.bias", "replicated"),
     ("mlp.linear_fc1.layer_norm_weight", "post_attention_norm.weight", "replicated"),
     ("mlp.linear_fc1.layer_norm_bias", "post_attention_norm.bias", "replicated"),
     ("mlp.linear_fc1.weight", "mlp.fc1.weight", "glu"),
