@@ -331,3 +331,22 @@ def test_megatron_lm_torch_dist_optimizer_forms_not_read_are_refused(tmp_path):
     import_checkpoint("megatron-dist", str(root), str(tmp_path / "weights"), optimizer=False)
     with pytest.raises(CheckpointError, match="a torch_dist checkpoint .* --format megatron-dist"):
         import_checkpoint("megatron", str(root), str(tmp_path / "legacy"))
+
+
+def test_megatron_lm_torch_dist_metadata_is_read_through_the_allowlist(tmp_path):
+    """DCP's own reader unpickles `.metadata` with no restriction; the import reads Megatron-LM's
+    (its save plans included) through safe_load's allowlist and refuses any other class."""
+    import collections
+    import pickle
+    import shutil
+
+    from megazoo.training.checkpoint.foreign import safe_load
+    from megazoo.training.checkpoint.foreign.convert import import_checkpoint
+    for name in ("trained_dist_tp1", "trained_distopt_dp2", "trained_distopt_full_dp2"):
+        assert safe_load.dcp_metadata(str(MEGATRON_LM / name / "iter_0000002")).state_dict_metadata
+    root = tmp_path / "src"
+    shutil.copytree(MEGATRON_LM / "trained_dist_tp1", root)
+    (root / "iter_0000002" / ".metadata").write_bytes(pickle.dumps(collections.OrderedDict()))
+    with pytest.raises(safe_load.UnsafeCheckpointError,
+                       match="holds collections.OrderedDict, outside DCP's metadata classes"):
+        import_checkpoint("megatron-dist", str(root), str(tmp_path / "out"))

@@ -77,7 +77,7 @@ def describe(root: str) -> str:
     folder, iteration = _folder(root)
     common = _common(folder)
     args = common.get("args")
-    tensors = len(dcp.FileSystemReader(folder).read_metadata().state_dict_metadata)
+    tensors = len(safe_load.SafeDCPReader(folder).read_metadata().state_dict_metadata)
     optim = ("no optimizer" if not common.get("optimizer") else
              f"distributed optimizer ({dist_optim.sharding_type(common)})"
              if dist_optim.sharding_type(common) else "optimizer")
@@ -112,7 +112,7 @@ def read(root: str, vocab_size: int | None = None, *, optimizer: bool = True):
     common = _common(folder)
     args = common.get("args")
     family, config = megatron_args.to_config(args, folder, vocab_size)
-    index = dcp.FileSystemReader(folder).read_metadata()
+    index = safe_load.SafeDCPReader(folder).read_metadata()
     metadata = index.state_dict_metadata
     kind = dist_optim.check_readable(common, folder) if optimizer else None
     wanted = {k: v for k, v in metadata.items() if isinstance(v, TensorStorageMetadata)}
@@ -121,7 +121,7 @@ def read(root: str, vocab_size: int | None = None, *, optimizer: bool = True):
                          if optimizer else [])
     tensors = {k: torch.empty(tuple(wanted[k].size), dtype=wanted[k].properties.dtype)
                for k in keys}
-    dcp.load(tensors, storage_reader=dcp.FileSystemReader(folder), no_dist=True)
+    dcp.load(tensors, storage_reader=safe_load.SafeDCPReader(folder), no_dist=True)
     if kind == "dp_reshardable":  # the optimizer's flat buckets, laid out as the model
         tensors.update(dist_optim.model_space(folder, index, args,
                                               {k: tensors[k] for k in model_keys}))

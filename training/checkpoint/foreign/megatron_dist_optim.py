@@ -162,7 +162,7 @@ def model_space(folder: str, metadata, args, model: dict[str, torch.Tensor]) -> 
                               dtype=metadata.state_dict_metadata[k].properties.dtype)
                for k in buckets}
     import torch.distributed.checkpoint as dcp
-    dcp.load(tensors, storage_reader=dcp.FileSystemReader(folder), no_dist=True)
+    dcp.load(tensors, storage_reader=safe_load.SafeDCPReader(folder), no_dist=True)
     flat = [{} for _ in range(tp)]  # per TP rank: state -> its buckets joined
     for key in sorted(buckets, key=lambda k: buckets[k][3]):  # buckets in order
         flat[buckets[key][0]].setdefault(buckets[key][4], []).append(tensors[key].float())

@@ -18,6 +18,8 @@ import re
 
 import numpy as np
 import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 
 class ForeignValue:
@@ -124,8 +126,13 @@ def load(path: str, data: bytes | None = None):
 
 # What torch.distributed.checkpoint pickles into a `.metadata` file besides its own metadata
 # classes (module torch.distributed.checkpoint.metadata): the filesystem's storage records, the
-# folder's path, torch sizes, dtypes and layouts.
+# folder's path, torch sizes, dtypes and layouts, and the save plans Megatron-core's torch_dist
+# strategy keeps in the metadata (planner records: plain dataclasses and an enum).
 _DCP_GLOBALS = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+                ("torch.distributed.checkpoint.planner", "SavePlan"),
+                ("torch.distributed.checkpoint.planner", "WriteItem"),
+                ("torch.distributed.checkpoint.planner", "WriteItemType"),
+                ("torch.distributed.checkpoint.planner", "TensorWriteData"),
                 ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath"),
                 ("torch", "Size"), ("torch.serialization", "_get_layout")}
 
@@ -153,3 +160,26 @@ def dcp_metadata(folder: str):
     except (OSError, EOFError, AttributeError, ValueError) as e:
         raise UnsafeCheckpointError(f"{path}: unreadable ({str(e)[:200]}); not a DCP "
                                     f"checkpoint folder, or a damaged one") from None
+
+
+class SafeDCPReader(FileSystemReader):
+    """DCP's reader, its `.metadata` unpickled through safe_load's allowlist."""
+
+    def __init__(self, folder: str):
+        super().__init__(folder)
+        self._metadata = dcp_metadata(folder)
+
+    def read_metadata(self, *args, **kwargs):
+        if getattr(self._metadata, "storage_meta", None) is not None:
+            self._metadata.storage_meta.load_id = getattr(self, "load_id", None)
+        return self._metadata
+
+
+class SafeBytesPlanner(DefaultLoadPlanner):
+    """Non-tensor entries unpickled with weights_only=True (plain numbers and containers)."""
+
+    def __init__(self):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        self.state_dict[read_item.dest_index.fqn] = torch.load(value, weights_only=True)

@@ -36,7 +36,6 @@ import warnings
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from megazoo.training.checkpoint import format as ckpt
@@ -166,29 +165,6 @@ def describe(root: str) -> str:
             + "; it records no model configuration (import with --hf-config)")
 
 
-class _Reader(dcp.FileSystemReader):
-    """DCP's reader, its `.metadata` unpickled through safe_load's allowlist."""
-
-    def __init__(self, folder: str):
-        super().__init__(folder)
-        self._metadata = safe_load.dcp_metadata(folder)
-
-    def read_metadata(self, *args, **kwargs):
-        if getattr(self._metadata, "storage_meta", None) is not None:
-            self._metadata.storage_meta.load_id = getattr(self, "load_id", None)
-        return self._metadata
-
-
-class _SafeBytes(DefaultLoadPlanner):
-    """Non-tensor entries unpickled with weights_only=True (plain numbers and containers)."""
-
-    def __init__(self):
-        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-
-    def load_bytes(self, read_item, value: io.BytesIO) -> None:
-        self.state_dict[read_item.dest_index.fqn] = torch.load(value, weights_only=True)
-
-
 def _read(folder: str, metadata: dict, keys: list[str]) -> dict:
     """The entries `keys` of a DCP folder: tensors in their saved dtype, other entries as plain
     data (refused if they would run code)."""
@@ -198,8 +174,8 @@ def _read(folder: str, metadata: dict, keys: list[str]) -> dict:
     try:
         with warnings.catch_warnings():  # DCP warns that no process group is up: none is needed
             warnings.simplefilter("ignore", UserWarning)
-            dcp.load(wanted, storage_reader=_Reader(folder), no_dist=True,
-                     planner=_SafeBytes())
+            dcp.load(wanted, storage_reader=safe_load.SafeDCPReader(folder), no_dist=True,
+                     planner=safe_load.SafeBytesPlanner())
     except Exception as e:  # DCP wraps each read's failure in its own exception type
         first = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
         raise ckpt.CheckpointError(f"{folder}: unreadable DCP entries ({first}); the checkpoint "
