@@ -350,3 +350,18 @@ def test_megatron_lm_torch_dist_metadata_is_read_through_the_allowlist(tmp_path)
     with pytest.raises(safe_load.UnsafeCheckpointError,
                        match="holds collections.OrderedDict, outside DCP's metadata classes"):
         import_checkpoint("megatron-dist", str(root), str(tmp_path / "out"))
+    # a dotted name inside an allowed module (metadata's own `os`) reaches no further
+    command = f"touch {tmp_path / 'ran'}".encode()
+
+    def text(b):
+        return b"\x8c" + bytes([len(b)]) + b  # SHORT_BINUNICODE
+    (root / "iter_0000002" / ".metadata").write_bytes(
+        b"\x80\x04" + text(b"torch.distributed.checkpoint.metadata") + text(b"os.system")
+        + b"\x93" + text(command) + b"\x85R.")  # STACK_GLOBAL, (command,), REDUCE
+    with pytest.raises(safe_load.UnsafeCheckpointError,
+                       match="holds torch.distributed.checkpoint.metadata.os.system, outside"):
+        import_checkpoint("megatron-dist", str(root), str(tmp_path / "out"))
+    assert not (tmp_path / "ran").exists()
+    (root / "iter_0000002" / ".metadata").write_bytes(pickle.dumps([1, 2]))  # no class at all
+    with pytest.raises(safe_load.UnsafeCheckpointError, match="holds a list, not DCP's Metadata"):
+        import_checkpoint("megatron-dist", str(root), str(tmp_path / "out"))

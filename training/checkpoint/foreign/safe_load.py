@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata
 
 
 class ForeignValue:
@@ -137,10 +138,18 @@ _DCP_GLOBALS = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
                 ("torch", "Size"), ("torch.serialization", "_get_layout")}
 
 
+# DCP's own metadata classes (named one by one: the module also holds `os` and `torch`, which a
+# dotted name such as "os.system" would otherwise reach)
+_DCP_METADATA = {"Metadata", "MetadataIndex", "TensorStorageMetadata", "BytesStorageMetadata",
+                 "ChunkStorageMetadata", "TensorProperties", "StorageMeta", "_MEM_FORMAT_ENCODING"}
+
+
 class _DCPUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
-        if module == "torch.distributed.checkpoint.metadata" or (module, name) in _DCP_GLOBALS \
-                or module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+        if "." not in name and (
+                module == "torch.distributed.checkpoint.metadata" and name in _DCP_METADATA
+                or (module, name) in _DCP_GLOBALS
+                or module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"global {module}.{name}")
 
@@ -151,15 +160,21 @@ def dcp_metadata(folder: str):
     path = os.path.join(folder, ".metadata")
     try:
         with open(path, "rb") as f:
-            return _DCPUnpickler(f).load()
+            metadata = _DCPUnpickler(f).load()
     except pickle.UnpicklingError as e:
         found = _UNSUPPORTED.search(str(e))
-        raise UnsafeCheckpointError(f"{path}: holds {found[1] if found else e}, outside DCP's "
-                                    f"metadata classes; refused (loading it would run its "
-                                    f"code)") from None
-    except (OSError, EOFError, AttributeError, ValueError) as e:
+        if not found:  # a truncated or garbled pickle, not a foreign class
+            raise UnsafeCheckpointError(f"{path}: unreadable ({str(e)[:200]}); the file is "
+                                        f"damaged") from None
+        raise UnsafeCheckpointError(f"{path}: holds {found[1]}, outside DCP's metadata "
+                                    f"classes; refused (loading it would run its code)") from None
+    except (OSError, EOFError, AttributeError, ValueError, TypeError, IndexError, KeyError) as e:
         raise UnsafeCheckpointError(f"{path}: unreadable ({str(e)[:200]}); not a DCP "
                                     f"checkpoint folder, or a damaged one") from None
+    if not isinstance(metadata, Metadata):
+        raise UnsafeCheckpointError(f"{path}: holds a {type(metadata).__name__}, not DCP's "
+                                    f"Metadata; not a DCP checkpoint folder")
+    return metadata
 
 
 class SafeDCPReader(FileSystemReader):
