@@ -230,7 +230,8 @@ def test_grpo_conversational_prompts_are_checked_as_chat_sft_checks_them(tmp_pat
                                                             "and no string content"),
                            ({"messages": [], "prompt": "x"}, "`messages`: messages is an empty list"),
                            ({"messages": user}, "`messages`: messages is not a list of"),
-                           ({"messages": "hi"}, "`messages`: messages is not a list of")]:
+                           ({"messages": "hi"}, "`messages`: messages is not a list of"),
+                           ({"messages": None}, "`messages`: messages is not a list of")]:
         with pytest.raises(ValueError, match="^p.jsonl line 2: " + re.escape(reason)):
             render(Tok(), record, False, "p.jsonl line 2")
     assert render(Tok(), {"messages": [user], "prompt": "x"}, False, "p") == \

@@ -18,14 +18,12 @@ from megazoo.data.tokenizers import TokenizerError
 
 def render(tok, record: dict, chat: bool, where: str) -> list[int]:
     prompt = record.get("prompt")
-    if "messages" in record:  # `messages` is the chat whenever given (an empty one is refused)
-        conversation, field = record["messages"], "messages"
-    else:
-        conversation, field = (prompt, "prompt") if isinstance(prompt, list) else (None, "prompt")
-    if conversation is None and not isinstance(prompt, str):
+    field = "messages" if "messages" in record else "prompt" if isinstance(prompt, list) else None
+    if field is None and not isinstance(prompt, str):
         raise ValueError(f"{where}: `prompt` is neither a string nor a list of messages")
+    conversation = record[field] if field else None  # `messages`: the chat whenever given
     try:  # the messages as chat SFT and DPO check them
-        if conversation is not None:
+        if field:
             check_messages(conversation)
     except SkipRecord as e:
         raise ValueError(f"{where}: `{field}`: {e}") from None
