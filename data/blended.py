@@ -96,6 +96,8 @@ def build_exhaustive_blending_indices(sizes: list[int]) -> tuple[np.ndarray, np.
     greedy rule with weights sizes / sum(sizes), a dataset dropping out once spent: megatron-core's
     `build_exhaustive_blending_indices` (a blend with no size: --full-validation)."""
     total = int(sum(sizes))
+    if total == 0:  # nothing to read (an empty split: the callers build no dataset of it)
+        return np.empty(0, dtype=np.int16), np.empty(0, dtype=np.int64)
     weights = [s / total for s in sizes]
     dataset_index = np.empty(total, dtype=np.int16)
     sample_index = np.empty(total, dtype=np.int64)
@@ -215,7 +217,9 @@ def build_blend_splits(blend: Blend, split: str, num_samples: tuple[int, int, in
     out = []
     for i, name in enumerate(("train", "valid", "test")):
         parts = [(ds[i], k) for k, ds in enumerate(per_prefix) if ds[i] is not None]
-        if not parts or num_samples[i] == 0:
+        exhaustive = targets is None and num_samples[i] is None
+        if not parts or num_samples[i] == 0 or exhaustive and not any(len(d) for d, _ in parts):
+            # (read whole, parts of 0 samples, their documents shorter than --seq-length + 1: empty)
             out.append(None)
             continue
         empty = [blend.prefixes[k] for k, ds in enumerate(per_prefix) if ds[i] is None]
@@ -223,7 +227,7 @@ def build_blend_splits(blend: Blend, split: str, num_samples: tuple[int, int, in
             logger.warning("--data-path: the %s split of --split %s holds no document of %s; "
                            "blending the other prefixes alone (give it a larger share or drop "
                            "it)", name, split, ", ".join(empty))
-        if targets is None and num_samples[i] is None:  # read whole (--full-validation)
+        if exhaustive:  # read whole (--full-validation)
             out.append(BlendedDataset([d for d, _ in parts], [len(d) for d, _ in parts], None,
                                       blend_cache, name))
             continue

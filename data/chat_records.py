@@ -35,8 +35,19 @@ def conversation_of(record: dict) -> tuple[list[dict], int]:
         messages, context = list(prompt) + list(completion), len(prompt)
     else:
         raise SkipRecord("neither 'messages' nor 'prompt' + 'completion'")
+    check_messages(messages)
+    if not any(m["role"] == "assistant" for m in messages):
+        raise SkipRecord("no assistant turn")
+    return messages, context
+
+
+def check_messages(messages) -> None:
+    """A non-empty list of {role, content} objects, each role known and each content a string
+    (None only beside an assistant's `tool_calls`); SkipRecord with the reason otherwise."""
     if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
         raise SkipRecord("messages is not a list of {role, content} objects")
+    if not messages:
+        raise SkipRecord("messages is an empty list")
     for m in messages:
         calls = m.get("tool_calls")
         if calls is not None and (m.get("role") != "assistant" or not isinstance(calls, list)
@@ -48,9 +59,6 @@ def conversation_of(record: dict) -> tuple[list[dict], int]:
             raise SkipRecord(f"a message with role {m.get('role')!r} and no string content "
                              f"(roles: {', '.join(ROLES)}; content may be None only beside "
                              f"tool_calls)")
-    if not any(m["role"] == "assistant" for m in messages):
-        raise SkipRecord("no assistant turn")
-    return messages, context
 
 
 def refuse_template_kwargs(record: dict) -> None:

@@ -68,6 +68,7 @@ class GPTDataset:
         split_name: str = "train",
     ) -> None:
         self.indexed, self.config, self.split_name = indexed, config, split_name
+        self.path_prefix = path_prefix
         documents = np.asarray(documents, dtype=np.int64)
         sizes = indexed.sequence_lengths
         tokens = int(np.sum(sizes[documents], dtype=np.int64)) if len(documents) else 0

@@ -19,6 +19,7 @@ import logging
 
 from megazoo.data.blended import build_blend_splits, parse_data_path
 from megazoo.data.gpt_dataset import SPLIT_NAMES, GPTDatasetConfig, build_split_datasets
+from megazoo.data.indexed import IndexedDatasetError
 from megazoo.data.token_stats import check_vocabulary
 
 logger = logging.getLogger(__name__)
@@ -62,7 +63,13 @@ def build_per_split_datasets(
         if blend is None or num_samples[i] == 0:
             out.append(None)
         elif i == 1 and multiple_validation_sets:  # each prefix its own set, as megatron-core
-            out.append([build_split_datasets(p, WHOLE_SPLIT[i], sizes, config)[i] for p in blend.prefixes])
+            sets = [build_split_datasets(p, WHOLE_SPLIT[i], sizes, config)[i] for p in blend.prefixes]
+            empty = [p for p, d in zip(blend.prefixes, sets) if d is None]
+            if empty:
+                raise IndexedDatasetError(
+                    f"{FLAGS[i]} with --multiple-validation-sets: {', '.join(empty)} holds no "
+                    f"document, so its validation set would be empty; drop it from {FLAGS[i]}")
+            out.append(sets)
         elif len(blend.prefixes) == 1:  # weighted or not: the plain dataset
             out.append(build_split_datasets(blend.prefixes[0], WHOLE_SPLIT[i], sizes, config)[i])
         else:

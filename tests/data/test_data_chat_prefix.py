@@ -204,3 +204,49 @@ def test_grpo_refuses_a_prompt_that_ends_with_an_assistant_message(tmp_path):
     assert render(loaded, {"prompt": PROMPT[:1]}, False, "p") == list(want)
     with pytest.raises(ValueError, match="`prompt` is neither a string nor a list of messages"):
         render(loaded, {"prompt": 3}, False, "p")
+
+
+def test_grpo_conversational_prompts_are_checked_as_chat_sft_checks_them(tmp_path):
+    """A `prompt` list or `messages` goes through data/chat_records.py `check_messages` (as
+    chat SFT's conversation_of): an empty chat, a non-message, a message without content, a
+    dict for a list are each refused in one line naming the file and line; `messages` is the
+    chat whenever present; a template that cannot render a record says so in one line."""
+    from megazoo.data.chat_records import check_messages, conversation_of
+    from megazoo.training.run.grpo_prompts import read_prompts, render
+
+    class Tok:
+        chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+                         "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+        def special_tokens(self):
+            return {}
+
+        def encode(self, text):
+            return [ord(c) for c in text]
+    user = {"role": "user", "content": "a"}
+    for record, reason in [({"prompt": []}, "`prompt`: messages is an empty list"),
+                           ({"prompt": ["hello"]}, "`prompt`: messages is not a list of"),
+                           ({"prompt": [{"role": "user"}]}, "`prompt`: a message with role 'user' "
+                                                            "and no string content"),
+                           ({"messages": [], "prompt": "x"}, "`messages`: messages is an empty list"),
+                           ({"messages": user}, "`messages`: messages is not a list of"),
+                           ({"messages": "hi"}, "`messages`: messages is not a list of"),
+                           ({"messages": None}, "`messages`: messages is not a list of")]:
+        with pytest.raises(ValueError, match="^p.jsonl line 2: " + re.escape(reason)):
+            render(Tok(), record, False, "p.jsonl line 2")
+    assert render(Tok(), {"messages": [user], "prompt": "x"}, False, "p") == \
+        Tok().encode("<user>a<assistant>")
+    with pytest.raises(SkipRecord, match="messages is an empty list"):
+        conversation_of({"messages": []})
+    check_messages([user])
+    broken = Tok()
+    broken.chat_template = "{{ messages[0]['content'] + 1 }}"
+    with pytest.raises(ValueError, match=r"^p line 1: the chat template cannot render this record "
+                                         r"\(TypeError: "):
+        render(broken, {"messages": [user]}, False, "p line 1")
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"prompt": "fine"}) + "\n" + json.dumps({"prompt": ["hello"]}) + "\n")
+    with pytest.raises(ValueError) as e:
+        read_prompts(str(path), Tok(), False)
+    assert str(e.value).startswith(f"--grpo-prompts {path} line 2: `prompt`: messages is not a list")
+    assert len(str(e.value).splitlines()) == 1

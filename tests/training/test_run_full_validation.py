@@ -143,3 +143,63 @@ def test_refusals_are_one_line_each_and_listed_together():
     assert len(got) == 2 and "requires --full-validation" in got[0] and "1 names for 2" in got[1]
     got = refusals("--data-path", "a", "--sft", "--dpo", "--full-validation")
     assert any(line.startswith("--full-validation with --dpo") for line in got)
+
+
+def test_empty_validation_sets_are_skipped_or_refused(prefixes, monkeypatch, tmp_path, caplog):
+    """A validation set of 0 samples (documents shorter than --seq-length + 1) is not evaluated,
+    said once naming it, never logged as NaN (Megatron-LM runs no evaluation of an empty
+    loader); a --multiple-validation-sets prefix of no document is refused in one line; an
+    exhaustive blend of such prefixes is an empty split, said apart from a missing path."""
+    from megazoo.data.blended import build_exhaustive_blending_indices
+    from megazoo.data.indexed import IndexedDatasetError
+    from megazoo.training.config.flags import to_run_config
+    from megazoo.training.config.parser import build_parser
+    from megazoo.training.run.batches import build_datasets
+    from megazoo.training.run.validation import validation_sets
+    caplog.set_level(logging.INFO)
+    (a, _), _ = prefixes
+    short, none = str(tmp_path / "short"), str(tmp_path / "none")
+    for prefix, docs in ((short, [3, 4]), (none, [])):  # 7 tokens: 0 samples of SEQ + 1
+        builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16)
+        for n in docs:
+            builder.add_document(np.arange(n, dtype=np.int32))
+        builder.finalize(prefix + ".idx")
+    result, seen = run(["--train-data-path", a, "--valid-data-path", a, short, "--train-iters", "1",
+                        "--multiple-validation-sets"], monkeypatch, tmp_path)
+    assert [(it, name) for it, name, _ in result.valid_sets] == [(1, "valid-0")] and len(seen) == 1
+    torch.testing.assert_close(result.valid_sets[0][2], seen[0][1], **TOL)
+    messages = [r.getMessage() for r in caplog.records]
+    assert [m for m in messages if "holds 0 samples" in m] == [
+        f"validation set valid-1 ({short}) holds 0 samples of --seq-length {SEQ} + 1 tokens: it is "
+        f"not evaluated; give it longer documents or drop it"]
+    assert not any("nan" in m.lower() for m in messages) and \
+        not any(m.startswith("valid-1") for m in messages)
+
+    def data(*argv):
+        args = build_parser().parse_args(TINY + ["--data-cache-path", str(tmp_path / "cache"),
+                                                 "--train-data-path", a] + list(argv))
+        return to_run_config(args, world_size=1)
+    caplog.clear()
+    cfg = data("--valid-data-path", short)
+    _, valid, _ = build_datasets(cfg.data, seed=5, vocab_size=VOCAB, num_samples=(3, None, 0))
+    assert len(valid) == 0 and validation_sets(cfg, valid) == []
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING][-1] == \
+        "no validation set holds a sample: evaluation is skipped"
+    assert validation_sets(cfg, [valid], log=False) == []  # other ranks: silent
+    caplog.clear()
+    for valid_path in ([short, short], [none, none]):  # an exhaustive blend of nothing: empty
+        cfg = data("--valid-data-path", *valid_path)
+        assert build_datasets(cfg.data, seed=5, vocab_size=VOCAB, num_samples=(3, None, 0))[1] is None
+    cfg = data()
+    assert build_datasets(cfg.data, seed=5, vocab_size=VOCAB, num_samples=(3, None, 0))[1] is None
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert [w.split(" holds")[0] for w in warned[:2]] == [f"--valid-data-path {short} {short}",
+                                                          f"--valid-data-path {none} {none}"]
+    assert "evaluation is skipped" in warned[0] and warned[2].startswith("no --valid-data-path:")
+    cfg = data("--valid-data-path", a, none, "--multiple-validation-sets")
+    with pytest.raises(IndexedDatasetError) as e:
+        build_datasets(cfg.data, seed=5, vocab_size=VOCAB, num_samples=(3, None, 0))
+    assert str(e.value) == (f"--valid-data-path with --multiple-validation-sets: {none} holds no "
+                            f"document, so its validation set would be empty; drop it from "
+                            f"--valid-data-path")
+    assert [len(x) for x in build_exhaustive_blending_indices([0, 0])] == [0, 0]

@@ -92,8 +92,14 @@ def build_datasets(cfg: DataConfig, *, seed: int, vocab_size: int, num_samples: 
                                                       cfg.data_cache_path, vocab_size=vocab_size,
                                                       multiple_validation_sets=cfg.multiple_validation_sets)
         if valid is None and num_samples[1] != 0 and _first_rank():
-            logger.warning("no --valid-data-path: evaluation is skipped (as Megatron-LM skips it); give "
-                           "--valid-data-path PREFIX, or pass --eval-iters 0")
+            if cfg.per_split[1]:
+                logger.warning("--valid-data-path %s holds no validation sample (no document, or "
+                               "none longer than --seq-length): evaluation is skipped; give a "
+                               "larger validation corpus, or pass --eval-iters 0",
+                               " ".join(map(str, cfg.per_split[1])))
+            else:
+                logger.warning("no --valid-data-path: evaluation is skipped (as Megatron-LM skips "
+                               "it); give --valid-data-path PREFIX, or pass --eval-iters 0")
         return train, valid, test
     else:
         train, valid, test = build_train_valid_test_datasets(

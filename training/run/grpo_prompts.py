@@ -1,6 +1,8 @@
 """GRPO's prompts: a jsonl of `prompt` (a string, encoded as is or, with chat, through the
 tokenizer's chat template; or a list of messages, TRL's conversational prompt) or `messages` (a
-chat, always templated, ready for the assistant's turn); a templated record's `tools` (JSON
+chat, always templated, ready for the assistant's turn; it is the chat whenever present, even
+beside a `prompt`); the messages are checked as chat SFT checks them (data/chat_records.py
+`check_messages`: a non-empty list of {role, content}), a bad one refused in one line; a templated record's `tools` (JSON
 schemas, or their JSON text, as in chat SFT) are passed to the template; each record's other
 fields reach the reward function by name. A chat whose last message is the assistant's (a prefix
 to continue) is refused, as chat SFT and DPO skip it (data/chat_records.py `refuse_assistant_prefix`):
@@ -10,15 +12,21 @@ from __future__ import annotations
 
 import json
 
-from megazoo.data.chat_records import SkipRecord, refuse_template_kwargs, tools_of
+from megazoo.data.chat_records import SkipRecord, check_messages, refuse_template_kwargs, tools_of
 from megazoo.data.tokenizers import TokenizerError
 
 
 def render(tok, record: dict, chat: bool, where: str) -> list[int]:
     prompt = record.get("prompt")
-    conversation = record.get("messages") or (prompt if isinstance(prompt, list) else None)
-    if conversation is None and not isinstance(prompt, str):
+    field = "messages" if "messages" in record else "prompt" if isinstance(prompt, list) else None
+    if field is None and not isinstance(prompt, str):
         raise ValueError(f"{where}: `prompt` is neither a string nor a list of messages")
+    conversation = record[field] if field else None  # `messages`: the chat whenever given
+    try:  # the messages as chat SFT and DPO check them
+        if field:
+            check_messages(conversation)
+    except SkipRecord as e:
+        raise ValueError(f"{where}: `{field}`: {e}") from None
     try:  # (as chat SFT and DPO: a record's own template arguments are not applied)
         refuse_template_kwargs(record)
         tools = tools_of(record)
@@ -36,8 +44,12 @@ def render(tok, record: dict, chat: bool, where: str) -> list[int]:
                                  f"`prompt` strings without the chat flag")
         from transformers.utils.chat_template_utils import render_jinja_template
         chat_ = conversation or [{"role": "user", "content": prompt}]
-        rendered, _ = render_jinja_template([chat_], tools=tools, chat_template=template,
-                                            add_generation_prompt=True, **tok.special_tokens())
+        try:
+            rendered, _ = render_jinja_template([chat_], tools=tools, chat_template=template,
+                                                add_generation_prompt=True, **tok.special_tokens())
+        except (TypeError, KeyError) as e:  # a field the template reads, missing or mistyped
+            raise ValueError(f"{where}: the chat template cannot render this record "
+                             f"({type(e).__name__}: {e}); check its messages and tools") from None
         return tok.encode(rendered[0])
     if tools:
         raise ValueError(f"{where}: `tools` needs the chat template (a plain `prompt` string is "

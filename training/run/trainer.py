@@ -134,7 +134,7 @@ class Trainer:
         except BaseException:
             self.watchdog.close()  # no beats from a run that never started
             raise
-        self.valid_sets = validation_sets(run, self.valid_ds)
+        self.valid_sets = validation_sets(run, self.valid_ds, log=topo.rank == 0)
         if run.data.full_validation and topo.rank == 0:
             describe_full_validation(run, self.valid_sets)
         if self.grpo is None:

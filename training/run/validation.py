@@ -19,15 +19,36 @@ from megazoo.training.config.run_config import RunConfig
 logger = logging.getLogger(__name__)
 
 
-def validation_sets(run: RunConfig, valid) -> list[tuple[str, object]]:
+def validation_sets(run: RunConfig, valid, log: bool = True) -> list[tuple[str, object]]:
     """(log split, dataset) of each validation set: `valid` is None, one dataset, or a list of
-    them (--multiple-validation-sets)."""
+    them (--multiple-validation-sets). A set of 0 samples (its documents all shorter than
+    --seq-length + 1) is dropped, with one warning (`log`: this rank says it), as Megatron-LM
+    runs no evaluation of an empty loader; no set left: evaluation is skipped, said once."""
     if valid is None:
         return []
     if not isinstance(valid, list):
-        return [("valid", valid)]
-    names = run.logging.validation_set_names or tuple(str(i) for i in range(len(valid)))
-    return [(f"valid-{name}", ds) for name, ds in zip(names, valid)]
+        sets = [("valid", valid)]
+    else:
+        names = run.logging.validation_set_names or tuple(str(i) for i in range(len(valid)))
+        sets = [(f"valid-{name}", ds) for name, ds in zip(names, valid)]
+    kept = [(name, ds) for name, ds in sets if len(ds) > 0]
+    if log:
+        for name, ds in sets:
+            if len(ds) == 0:
+                logger.warning("validation set %s (%s) holds 0 samples of --seq-length %d + 1 tokens: "
+                               "it is not evaluated; give it longer documents or drop it",
+                               name, source_of(ds), run.data.seq_length)
+        if sets and not kept:
+            logger.warning("no validation set holds a sample: evaluation is skipped")
+    return kept
+
+
+def source_of(dataset) -> str:
+    """The prefix(es) a validation dataset reads."""
+    parts = getattr(dataset, "datasets", None)
+    if parts is not None:
+        return " + ".join(source_of(d) for d in parts)
+    return str(getattr(dataset, "path_prefix", type(dataset).__name__))
 
 
 def evaluation_due(run: RunConfig, iteration: int, at_end: bool) -> bool:
