@@ -16,7 +16,8 @@ from .family_folders import load
 # models/<family>/rules.py of every family folder: SHAPE (the fields whose value the family
 # fixes; dense families also refuse every MoE field that differs from its default, `moe_fields`),
 # MOE (a mixture-of-experts family: it needs --num-experts; "mixed": its layers may be dense or
-# MoE, config.layer_mlps names which, so the MoE fields are allowed but not needed), MEGATRON (optional: the Megatron-core
+# MoE, config.layer_mlps names which, so the MoE fields are allowed but not needed), NEEDS
+# (optional: fields the family needs set, e.g. DeepSeek-V3's kv_lora_rank), MEGATRON (optional: the Megatron-core
 # tensor layout covers it) and INFER_BEFORE (optional: families a config that fits both is
 # inferred not to be, e.g. a Llama config fits Mistral's rules too).
 _FOLDERS = load("rules")
@@ -55,6 +56,9 @@ def problem(config, family: str) -> str | None:
         got = getattr(config, field)
         if got != want:
             return f"family {family!r} needs {field}={want!r}, got {got!r}"
+    for field in getattr(_FOLDERS[family], "NEEDS", ()):
+        if not getattr(config, field):
+            return f"family {family!r} needs {field} set"
     if getattr(_FOLDERS[family], "MOE", False) == "mixed":
         return None
     if family in MOE_FAMILIES:

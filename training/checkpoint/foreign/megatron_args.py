@@ -1,9 +1,10 @@
 """Megatron-LM's recorded `args` (an argparse.Namespace in every checkpoint) <-> megazoo's model
 configuration and family.
 
-Every model field megazoo models is read; a recorded setting megazoo does not model (partial
-RoPE, RoPE scaling, squared ReLU, a shared expert, sigmoid routing, uneven pipeline stages) is
-refused in one line naming the argument, before any weight is read.
+Every model field megazoo models is read (multi-latent attention, RoPE scalings and squared ReLU
+through megatron_mla.py); a recorded setting megazoo does not model (partial RoPE, interleaved
+RoPE outside MLA, a shared expert, sigmoid routing, uneven pipeline stages, multi-token
+prediction) is refused in one line naming the argument, before any weight is read.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from megazoo.models.family_rules import MEGATRON_FAMILIES  # rules.py MEGATRON: 
 from megazoo.models.spec import lookup
 
 from megazoo.training.checkpoint import format as ckpt
+from megazoo.training.checkpoint.foreign import megatron_mla
 
 
 def _get(args, *names, default=None):
@@ -32,8 +34,8 @@ def _refuse(where: str, arg: str, value, why: str):
 def _check_unmodelled(args, where: str) -> None:
     checks = (
         ("rotary_percent", lambda v: v not in (None, 1.0), "partial rotary embeddings"),
-        ("use_rope_scaling", bool, "Llama-3.1 RoPE scaling recorded without its parameters"),
-        ("squared_relu", bool, "squared-ReLU MLPs"),
+        ("rotary_interleaved", lambda v: v and not getattr(args, "multi_latent_attention", False),
+         "interleaved RoPE channels outside multi-latent attention"),
         ("moe_shared_expert_intermediate_size", bool, "shared experts"),
         ("moe_router_score_function", lambda v: v not in (None, "softmax"), "sigmoid routing"),
         ("moe_router_topk_scaling_factor", lambda v: v not in (None, 1.0), "scaled routing"),
@@ -42,7 +44,6 @@ def _check_unmodelled(args, where: str) -> None:
         ("decoder_first_pipeline_num_layers", bool, "uneven pipeline stages"),
         ("decoder_last_pipeline_num_layers", bool, "uneven pipeline stages"),
         ("pipeline_model_parallel_layout", bool, "uneven pipeline stages (a layout string)"),
-        ("multi_latent_attention", bool, "multi-latent attention"),
         ("mtp_num_layers", bool, "multi-token prediction (its mtp.* weights are not mapped)"),
         ("apply_residual_connection_post_layernorm", bool, "post-norm residuals"),
     )
@@ -61,6 +62,8 @@ def _activation(args, where: str) -> str:
     """Megatron's fused bias-GELU (on by default with biases) is the tanh approximation."""
     if getattr(args, "swiglu", False):
         return "swiglu"
+    if getattr(args, "squared_relu", False):
+        return "relu2"
     fused = getattr(args, "bias_gelu_fusion", False) and _get(args, "add_bias_linear", default=True)
     return "gelu_tanh" if getattr(args, "openai_gelu", False) or fused else "gelu"
 
@@ -72,6 +75,8 @@ _POSITION_ENUM = {1: "rope", 2: "learned", 3: "alibi", "rotary": "rope", "absolu
 
 def _position(args, where: str) -> str:
     v = _get(args, "position_embedding_type", default="learned_absolute")
+    if getattr(args, "multi_latent_attention", False) and v in ("rope", "none"):
+        return "rope"  # MLA rotates its own channels (GPTModel builds no RoPE for it)
     if isinstance(v, str) and v in ("learned_absolute", "rope"):
         return {"learned_absolute": "learned", "rope": "rope"}[v]
     key = getattr(v, "value", v) if not isinstance(v, str) else v
@@ -128,7 +133,9 @@ def to_config(args, where: str, vocab_size: int | None = None) -> tuple[str, Tra
         attention_dropout=float(_get(args, "attention_dropout", default=0.0)),
         init_method_std=float(_get(args, "init_method_std", default=0.02)),
         make_vocab_size_divisible_by=int(_get(args, "make_vocab_size_divisible_by", default=128)),
-        params_dtype=dtype, seed=int(_get(args, "seed", default=1234)))
+        params_dtype=dtype, seed=int(_get(args, "seed", default=1234)),
+        rope_scaling=megatron_mla.rope_scaling(args, where) if position == "rope" else None)
+    fields.update(megatron_mla.mla_fields(args, where))
     if _get(args, "num_experts"):
         fields.update(num_experts=args.num_experts, moe_router_topk=int(args.moe_router_topk),
                       moe_ffn_hidden_size=_get(args, "moe_ffn_hidden_size"),
@@ -150,9 +157,10 @@ def to_config(args, where: str, vocab_size: int | None = None) -> tuple[str, Tra
 
 
 # megazoo's MLP activations (models/spec.py ACTIVATIONS) as Megatron-LM's flags
-MEGATRON_ACTIVATIONS = {"swiglu": dict(swiglu=True, openai_gelu=False),
-                        "gelu_tanh": dict(swiglu=False, openai_gelu=True),
-                        "gelu": dict(swiglu=False, openai_gelu=False)}
+MEGATRON_ACTIVATIONS = {"swiglu": dict(swiglu=True, openai_gelu=False, squared_relu=False),
+                        "gelu_tanh": dict(swiglu=False, openai_gelu=True, squared_relu=False),
+                        "gelu": dict(swiglu=False, openai_gelu=False, squared_relu=False),
+                        "relu2": dict(swiglu=False, openai_gelu=False, squared_relu=True)}
 
 def check_exportable(config: TransformerConfig, where: str) -> None:
     """Refuse, in one line, a model whose family Megatron-core's layout does not cover."""

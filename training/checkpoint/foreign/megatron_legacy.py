@@ -25,7 +25,7 @@ import re
 import torch
 
 from megazoo.training.checkpoint import format as ckpt
-from megazoo.training.checkpoint.foreign import megatron_args, names, safe_load
+from megazoo.training.checkpoint.foreign import megatron_args, megatron_mla, names, safe_load
 from megazoo.training.checkpoint.foreign import megatron_distrib_optim as distrib_optim
 from megazoo.training.checkpoint.foreign import megatron_legacy_model as legacy_model
 from megazoo.training.checkpoint.foreign import megatron_legacy_optim as legacy_optim
@@ -168,6 +168,8 @@ def read(root: str, vocab_size: int | None = None, *, optimizer: bool = True):
                                                f"Llama, Qwen, Mixtral in Megatron-core names)") from None
                 canon, split, expert = mapped
                 split = names.split_for(split, config.gated_mlp)
+                if split == "down":
+                    split = megatron_mla.down_split(canon, tensor, config)
                 if expert is not None:
                     expert += e * local_experts
                 elif e > 0:

@@ -9,7 +9,8 @@ in torch_dist). The fused tensors already have megazoo's orders: QKV rows per qu
 `linear_fc1` as [gate_r; up_r] on rank r (each half split separately).
 
 Split kinds: "column" (dim 0 in chunks), "glu" (dim 0, each of [gate; up] in chunks), "row"
-(dim 1), "vocab" (dim 0, padded to a multiple of the vocabulary divisor times TP), "replicated".
+(dim 1), "vocab" (dim 0, padded to a multiple of the vocabulary divisor times TP), "replicated",
+"down" (MLA's down-projections: replicated or column by the spec, megatron_mla.down_split).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import re
 import torch
 
 from megazoo.parallel.tensor_parallel import StridedLayout
+from megazoo.training.checkpoint.foreign import megatron_mla
 
 # (Megatron-core suffix after `decoder.layers.{i}.`, megazoo suffix after `layers.{i}.`, split).
 # Transformer Engine's specs fuse the norms into the next linear (`layer_norm_weight`); the local
@@ -27,6 +29,7 @@ LAYER = (  # in Megatron-core's module order (the optimizer numbers parameters i
     ("input_layernorm.bias", "input_norm.bias", "replicated"),
     ("self_attention.linear_proj.weight", "attention.dense.weight", "row"),
     ("self_attention.linear_proj.bias", "attention.dense.bias", "replicated"),
+    *megatron_mla.LAYER,  # multi-latent attention's projections and latent norms
     ("self_attention.linear_qkv.layer_norm_weight", "input_norm.weight", "replicated"),
     ("self_attention.linear_qkv.layer_norm_bias", "input_norm.bias", "replicated"),
     ("self_attention.linear_qkv.weight", "attention.qkv.weight", "column"),

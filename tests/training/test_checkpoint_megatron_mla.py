@@ -1,0 +1,128 @@
+"""Megatron-core checkpoints with multi-latent attention (YaRN), Llama-3.1 RoPE scaling and squared
+ReLU, in legacy and torch_dist form, imported at tp=2 pp=2 with Megatron-core's own logits.
+
+The models are Megatron-core's GPTModel (tests/foreign_megatron_variants.py), the legacy file
+written as Megatron-LM lays it out and the torch_dist folder by Megatron-core's own
+`dist_checkpointing.save`. Logits cover positions 0..15, twice YaRN's original length 8, and each
+scaling is shown to matter: the same weights without it give other logits.
+"""
+import os
+
+import pytest
+import torch
+
+from tests.foreign_checkpoints import (FP32, VOCAB, cpu_stubs, megatron_world, megazoo_logits,
+                                       save_dist, save_legacy)
+from tests.foreign_megatron_variants import SEQ, VARIANTS, adam_step, build, logits
+
+
+@pytest.fixture(scope="module")
+def megatron(tmp_path_factory):
+    """Every variant built once in one Megatron-core world: its logits and checkpoints."""
+    import megatron.core  # noqa: F401 - installed by the dev extra
+    import warnings
+    warnings.filterwarnings("ignore", module="megatron")
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
+    runs = {}
+    with megatron_world(), cpu_stubs():
+        for seed, name in enumerate(VARIANTS):
+            model, args = build(name, seed)
+            opt = adam_step(model, ids) if name == "mla_yarn" else None
+            root = str(tmp_path_factory.mktemp(name))
+            dist_root = str(tmp_path_factory.mktemp(name + "_dist"))
+            if opt is not None:
+                save_legacy(root, model, opt, args, iteration=5)
+            else:
+                save_legacy(root, model, None, args, iteration=5, optimizer_state={})
+            save_dist(dist_root, model, args, iteration=5)
+            runs[name] = dict(model=model, args=args, opt=opt, root=root, dist_root=dist_root,
+                              logits=logits(model, ids)[..., :VOCAB])
+    return dict(runs=runs, ids=ids, tmp=tmp_path_factory)
+
+
+def _unscaled_logits(folder, ids):
+    """The imported weights under the same config without its rope_scaling."""
+    from megazoo.training.checkpoint.hf import checkpoint_config
+    from megazoo.training.checkpoint.layout_writer import build_rank_chunks
+    from megazoo.training.checkpoint.reshard import load_weights
+    _, config = checkpoint_config(folder)
+    topo, chunks = build_rank_chunks(config.replace(rope_scaling=None), tp=1, pp=1, vpp=1, dp=1,
+                                     rank=0)
+    load_weights(folder, chunks, topo)
+    with torch.no_grad():
+        return chunks[0].eval()(ids)[..., :VOCAB]
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_megatron_variant_imports_with_megatron_logits(megatron, name):
+    """Legacy and torch_dist -> megazoo tp=2 pp=2: the config says what Megatron ran (MLA with
+    and without a query latent, YaRN and its mscales, Llama 3.1's scaling, relu^2), the logits
+    are Megatron-core's; without the scaling they are not."""
+    from megazoo.training.checkpoint.foreign.convert import import_checkpoint
+    from megazoo.training.checkpoint.hf import checkpoint_config
+    run, ids, tmp = megatron["runs"][name], megatron["ids"], megatron["tmp"]
+    checked = []
+    for fmt, root in (("megatron", run["root"]), ("megatron-dist", run["dist_root"])):
+        folder = import_checkpoint(fmt, root, str(tmp.mktemp(f"mz_{name}")), tp=2, pp=2,
+                                   optimizer=False)
+        torch.testing.assert_close(megazoo_logits(folder, ids), run["logits"], **FP32)
+        checked.append(fmt)
+    _, config = checkpoint_config(folder)
+    kind = (config.rope_scaling or {}).get("rope_type")
+    assert kind == {"mla_yarn": "yarn", "mla_no_q_lora": "yarn", "llama3": "llama3"}.get(name)
+    if name.startswith("mla"):
+        assert config.family == "deepseek_v3" and config.num_experts is None
+        assert config.q_lora_rank == (24 if name == "mla_yarn" else None)
+        assert (config.kv_lora_rank, config.qk_nope_head_dim, config.qk_rope_head_dim,
+                config.v_head_dim) == (16, 8, 4, 8)
+    elif name == "relu2":
+        assert (config.family, config.activation) == ("gpt2", "relu2")
+    if kind is not None:  # the scaling changes the logits by far more than the tolerance
+        diff = (_unscaled_logits(folder, ids) - run["logits"]).abs().max().item()
+        assert diff > 1e-3, diff
+        checked.append(kind)
+    assert len(checked) == 2 + (kind is not None)
+
+
+def test_megatron_mla_optimizer_state_carries_over(megatron, tmp_path):
+    """The legacy file's AdamW moments and step land on megazoo's MLA names."""
+    from megazoo.training.checkpoint.foreign import megatron_legacy, names
+    run = megatron["runs"]["mla_yarn"]
+    _, config, full, it = megatron_legacy.read(run["root"])
+    assert it == 5 and int(full.scalars["applied_steps"]) == 1
+    state, checked = run["opt"].state, 0
+    for key, p in run["model"].named_parameters():
+        canon, split, _ = names.to_megazoo(key, 0)
+        canon = "head_weight" if key == "output_layer.weight" else canon
+        rows = slice(0, VOCAB) if split == "vocab" else slice(None)
+        for s in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(full.optim[s][canon], state[p][s][rows]), (key, s)
+        checked += 1
+    assert checked == len(list(run["model"].parameters())) > 15
+
+
+def test_megatron_unmodelled_settings_refused_in_one_line(megatron):
+    """What megazoo does not model stops before any weight is read, naming the argument."""
+    import argparse
+    from megazoo.training.checkpoint import format as ckpt
+    from megazoo.training.checkpoint.foreign import megatron_args
+    base = megatron["runs"]["mla_yarn"]["args"]
+    cases = {"qk_layernorm": False, "rope_type": "longrope", "mla_down_proj_fusion": True}
+    for arg, value in cases.items():
+        args = argparse.Namespace(**vars(base))
+        setattr(args, arg, value)
+        with pytest.raises(ckpt.CheckpointError, match=f"args.{arg}="):
+            megatron_args.to_config(args, "ckpt")
+    plain = megatron["runs"]["llama3"]["args"]
+    for arg, value in (("rotary_percent", 0.5), ("rotary_interleaved", True),
+                       ("rotary_seq_len_interpolation_factor", 2),
+                       ("apply_residual_connection_post_layernorm", True)):
+        args = argparse.Namespace(**vars(plain))
+        setattr(args, arg, value)
+        with pytest.raises(ckpt.CheckpointError, match=f"args.{arg}="):
+            megatron_args.to_config(args, "ckpt")
+    # linear position interpolation alone maps to transformers' "linear"
+    args = argparse.Namespace(**vars(plain))
+    args.use_rope_scaling, args.rotary_seq_len_interpolation_factor = False, 4
+    assert megatron_args.to_config(args, "ckpt")[1].rope_scaling == {"rope_type": "linear",
+                                                                    "factor": 4.0}

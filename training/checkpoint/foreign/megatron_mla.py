@@ -1,0 +1,173 @@
+"""Megatron-core's multi-latent attention, RoPE scalings and squared ReLU <-> megazoo's config and
+tensor names (the parts of a Megatron-LM checkpoint that megatron_args.py and names.py read
+through here).
+
+Multi-latent attention (Megatron-core 0.16 MLASelfAttention, DeepSeek-V2/V3): its sharded and
+state-dict names per layer, under `decoder.layers.{i}.self_attention.`
+
+    linear_q_proj.weight          [heads * (qk_head_dim + qk_pos_emb_head_dim), hidden]  column
+    linear_q_down_proj.weight     [q_lora_rank, hidden]                   see below
+    linear_q_up_proj.weight       [heads * (qk + pos), q_lora_rank]                      column
+    linear_kv_down_proj.weight    [kv_lora_rank + qk_pos_emb_head_dim, hidden]  see below
+    linear_kv_up_proj.weight      [heads * (qk_head_dim + v_head_dim), kv_lora_rank]     column
+    q_layernorm.weight, kv_layernorm.weight  the latent norms (local spec); Transformer Engine's
+                                  spec fuses them: linear_q_up_proj / linear_kv_up_proj
+                                  .layer_norm_weight
+    linear_proj.weight            [hidden, heads * v_head_dim]                           row
+
+The rows per head are [nope; rope] (queries) and [k nope; v] (kv_up), kv_down's [latent; k_pe]:
+megazoo's orders (models/mla.py). The down-projections are replicated under Transformer
+Engine (TELinear, "duplicated") but column-parallel in the local spec (each rank its rows, the
+latent gathered before the norm): `down_split` tells them apart by the part's rows. RoPE
+rotates the pos-emb channels after de-interleaving them ([even | odd]: megazoo's
+`rope_interleave`). The local spec's latent norms exist only with --qk-layernorm (else
+IdentityOp: no norm), which megazoo's MLA always has: without it the model is refused.
+
+RoPE scalings as transformers' `rope_scaling` dicts (models/rope.py computes them):
+- MLA's YaRN (`rope_type` yarn, MLA's default): factor `rotary_scaling_factor`,
+  `original_max_position_embeddings` (default 4096), `beta_fast`/`beta_slow` (32/1), `mscale`,
+  `mscale_all_dim`. Megatron multiplies cos/sin by mscale(s, mscale) / mscale(s, mscale_all_dim)
+  and the softmax scale by mscale(s, mscale_all_dim)^2: transformers' DeepSeek-V3 formulas
+  when both are set; otherwise the cos/sin factor is recorded as `attention_factor`.
+- `--use-rope-scaling`: Llama 3.1's, Megatron-core's RotaryEmbedding._apply_scaling with its
+  fixed low_freq_factor 1, high_freq_factor 4, original length 8192 and `rope_scaling_factor`.
+- `--rotary-seq-len-interpolation-factor`: positions divided by it (transformers' "linear").
+- `--squared-relu`: relu(x)^2, megazoo's activation "relu2".
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from megazoo.training.checkpoint import format as ckpt
+
+# (Megatron-core suffix after `decoder.layers.{i}.`, megazoo suffix after `layers.{i}.`, split), in
+# Megatron-core's module order after linear_proj; split "down": replicated or column (down_split)
+LAYER = (
+    ("self_attention.linear_q_proj.weight", "attention.q_proj.weight", "column"),
+    ("self_attention.linear_q_down_proj.weight", "attention.q_down", "down"),
+    ("self_attention.linear_q_up_proj.layer_norm_weight", "attention.q_norm.weight", "replicated"),
+    ("self_attention.linear_q_up_proj.weight", "attention.q_up.weight", "column"),
+    ("self_attention.linear_kv_down_proj.weight", "attention.kv_down", "down"),
+    ("self_attention.linear_kv_up_proj.layer_norm_weight", "attention.kv_norm.weight", "replicated"),
+    ("self_attention.linear_kv_up_proj.weight", "attention.kv_up.weight", "column"),
+    ("self_attention.q_layernorm.weight", "attention.q_norm.weight", "replicated"),
+    ("self_attention.kv_layernorm.weight", "attention.kv_norm.weight", "replicated"),
+)
+# the linear layers whose `_extra_state` Megatron-core's torch_dist loader asks for
+LINEARS = ("self_attention.linear_q_proj", "self_attention.linear_q_down_proj",
+           "self_attention.linear_q_up_proj", "self_attention.linear_kv_down_proj",
+           "self_attention.linear_kv_up_proj")
+
+# Megatron-core's Llama 3.1 scaling constants (RotaryEmbedding._apply_scaling's defaults)
+LLAMA3 = dict(low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
+
+
+def _refuse(where: str, arg: str, value, why: str):
+    raise ckpt.CheckpointError(f"{where}: args.{arg}={value!r}: {why}; megazoo cannot continue "
+                               f"this model")
+
+
+def down_split(canon: str, part: torch.Tensor, config) -> str:
+    """A down-projection's split in a rank file: replicated (Transformer Engine's spec) when the
+    part holds every row, else column (the local spec)."""
+    rows = config.q_lora_rank if canon.endswith("q_down") else \
+        config.kv_lora_rank + config.qk_rope_head_dim
+    return "replicated" if part.shape[0] == rows else "column"
+
+
+def _mscale(factor: float, m: float) -> float:
+    return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+
+def _yarn(args, where: str) -> dict | None:
+    kind = getattr(args, "rope_type", None) or "yarn"  # Megatron-LM: MLA takes yarn by default
+    factor = float(getattr(args, "rotary_scaling_factor", None) or 1.0)
+    m = float(getattr(args, "mscale", None) or 1.0)
+    m_all = float(getattr(args, "mscale_all_dim", None) or 0.0)
+    if kind == "rope":
+        if m_all and factor > 1:  # Megatron scales the softmax even without YaRN frequencies
+            _refuse(where, "mscale_all_dim", m_all, "a softmax mscale with rope_type 'rope'")
+        return None
+    if kind != "yarn":
+        _refuse(where, "rope_type", kind, "MLA's RoPE is rope or yarn")
+    if factor == 1.0:
+        return None  # YaRN at factor 1 is plain RoPE, both mscales 1
+    scaling = {"rope_type": "yarn", "factor": factor,
+               "original_max_position_embeddings": int(
+                   getattr(args, "original_max_position_embeddings", None) or 4096),
+               "beta_fast": float(getattr(args, "beta_fast", None) or 32),
+               "beta_slow": float(getattr(args, "beta_slow", None) or 1),
+               "mscale": m, "mscale_all_dim": m_all}
+    if not m_all:  # transformers would take 0.1 ln(s) + 1; Megatron's is 0.1 m ln(s) + 1
+        scaling["attention_factor"] = _mscale(factor, m)
+    return scaling
+
+
+def rope_scaling(args, where: str) -> dict | None:
+    """The transformers-style rope_scaling of a Megatron-LM run's args (module docstring)."""
+    if getattr(args, "multi_latent_attention", False):
+        return _yarn(args, where)
+    llama3 = bool(getattr(args, "use_rope_scaling", False))
+    linear = getattr(args, "rotary_seq_len_interpolation_factor", None)
+    if llama3 and linear:
+        _refuse(where, "rotary_seq_len_interpolation_factor", linear,
+                "linear interpolation on top of Llama-3.1 RoPE scaling")
+    if llama3:
+        return {"rope_type": "llama3", "factor": float(getattr(args, "rope_scaling_factor", 8.0)),
+                **LLAMA3}
+    if linear and float(linear) != 1.0:
+        return {"rope_type": "linear", "factor": float(linear)}
+    return None
+
+
+def mla_fields(args, where: str) -> dict:
+    """megazoo config fields of Megatron's multi-latent attention ({} without it)."""
+    if not getattr(args, "multi_latent_attention", False):
+        return {}
+    for arg in ("mla_down_proj_fusion", "cache_mla_latents"):
+        if getattr(args, arg, False):
+            _refuse(where, arg, True, "a fused or cached MLA layout")
+    if not getattr(args, "qk_layernorm", False):
+        _refuse(where, "qk_layernorm", False, "MLA without latent norms (Megatron-core builds "
+                "them with --qk-layernorm only; megazoo's MLA always has them)")
+    q_rank = getattr(args, "q_lora_rank", None)
+    return dict(kv_lora_rank=int(args.kv_lora_rank), q_lora_rank=int(q_rank) if q_rank else None,
+                qk_nope_head_dim=int(args.qk_head_dim),
+                qk_rope_head_dim=int(args.qk_pos_emb_head_dim), v_head_dim=int(args.v_head_dim),
+                rope_interleave=True, num_query_groups=args.num_attention_heads,
+                kv_channels=None, qk_layernorm=False)
+
+
+def mla_args(config) -> dict:
+    """Megatron-LM's args of megazoo's MLA (the inverse of mla_fields and _yarn)."""
+    if not config.kv_lora_rank:
+        return dict(multi_latent_attention=False)
+    scaling = config.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind not in ("default", "yarn") or not config.rope_interleave:
+        raise ckpt.CheckpointError(f"MLA with rope_scaling {kind!r}"
+                                   f"{'' if config.rope_interleave else ' and halves-layout RoPE'}"
+                                   f" has no Megatron-core form (its MLA rotates interleaved "
+                                   f"channels with rope or yarn)")
+    out = dict(multi_latent_attention=True, q_lora_rank=config.q_lora_rank,
+               kv_lora_rank=config.kv_lora_rank, qk_head_dim=config.qk_nope_head_dim,
+               qk_pos_emb_head_dim=config.qk_rope_head_dim, v_head_dim=config.v_head_dim,
+               qk_layernorm=True, rope_type="rope", rotary_scaling_factor=1.0, mscale=1.0,
+               mscale_all_dim=0.0, group_query_attention=False,
+               num_query_groups=config.num_attention_heads)
+    if kind == "yarn":
+        factor, m = scaling["factor"], scaling.get("mscale") or 1.0
+        m_all = scaling.get("mscale_all_dim") or 0.0
+        cos_sin = scaling.get("attention_factor")
+        megatron = _mscale(factor, m) / _mscale(factor, m_all)
+        if cos_sin is not None and abs(cos_sin - megatron) > 1e-12 or cos_sin is None and not (
+                m and m_all) and abs(_mscale(factor, 1.0) - megatron) > 1e-12:
+            raise ckpt.CheckpointError(f"YaRN attention factor {cos_sin} is not Megatron's "
+                                       f"mscale(factor, mscale) / mscale(factor, mscale_all_dim)")
+        out.update(rope_type="yarn", rotary_scaling_factor=factor, mscale=m, mscale_all_dim=m_all,
+                   original_max_position_embeddings=scaling.get(
+                       "original_max_position_embeddings") or config.max_position_embeddings,
+                   beta_fast=scaling.get("beta_fast") or 32, beta_slow=scaling.get("beta_slow") or 1)
+    return out
