@@ -126,3 +126,66 @@ def test_megatron_unmodelled_settings_refused_in_one_line(megatron):
     args.use_rope_scaling, args.rotary_seq_len_interpolation_factor = False, 4
     assert megatron_args.to_config(args, "ckpt")[1].rope_scaling == {"rope_type": "linear",
                                                                     "factor": 4.0}
+
+
+def _load_into(model, state):
+    """Megatron-core's model with `state`'s weights (its own keys only); the previous weights."""
+    kept = {k: v.clone() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+    model.load_state_dict({k: v for k, v in state.items() if k in model.state_dict()})
+    return kept
+
+
+def test_megatron_mla_exports_for_megatron_core(megatron):
+    """megazoo's MLA model -> legacy (tp=1) that Megatron-core's GPTModel loads with
+    load_state_dict, and torch_dist that its dist_checkpointing.load reads: equal logits; legacy
+    at tp=2 pp=2 (down-projections column-split as the local spec) read back bit for bit, with
+    the optimizer state. The Llama 3.1 scaling's args round-trip too."""
+    import argparse
+    from megatron.core import dist_checkpointing
+    from megazoo.training.checkpoint.foreign import megatron_args, safe_load
+    from megazoo.training.checkpoint.foreign.convert import export_checkpoint, import_checkpoint
+    from megazoo.training.checkpoint.reshard import read_full_state
+    from tests.foreign_megatron_variants import logits as megatron_logits
+    run, ids, tmp = megatron["runs"]["mla_yarn"], megatron["ids"], megatron["tmp"]
+    folder = import_checkpoint("megatron", run["root"], str(tmp.mktemp("mla_mz")), tp=2)
+    model, checked = run["model"], []
+    legacy = export_checkpoint("megatron", folder, str(tmp.mktemp("mla_out")), tp=1)
+    sd = safe_load.load(os.path.join(legacy, "mp_rank_00", "model_optim_rng.pt"))
+    from megazoo.training.checkpoint.hf import checkpoint_config
+    assert megatron_args.to_config(sd["args"], "export")[1].computed_fields() == \
+        checkpoint_config(folder)[1].computed_fields()  # YaRN and its mscales written back
+    with megatron_world(), cpu_stubs():
+        kept = _load_into(model, sd["model"])
+        assert torch.equal(megatron_logits(model, ids)[..., :VOCAB], run["logits"])
+        checked.append("legacy")
+        out = export_checkpoint("megatron-dist", folder, str(tmp.mktemp("mla_dist_out")))
+        with torch.no_grad():
+            for p in model.parameters():
+                p.zero_()
+        with torch.serialization.safe_globals([argparse.Namespace]):
+            loaded = dist_checkpointing.load(model.sharded_state_dict(), out)
+        _load_into(model, loaded)
+        assert torch.equal(megatron_logits(model, ids)[..., :VOCAB], run["logits"])
+        checked.append("torch_dist")
+        model.load_state_dict(kept)
+    split = export_checkpoint("megatron", folder, str(tmp.mktemp("mla_tp2")), tp=2, pp=2)
+    rank = safe_load.load(os.path.join(split, "mp_rank_01_001", "model_optim_rng.pt"))["model"]
+    down = model.decoder.layers[1].self_attention.linear_q_down_proj.weight.detach()
+    assert torch.equal(rank["decoder.layers.0.self_attention.linear_q_down_proj.weight"], down[12:])
+    a, b = read_full_state(folder), read_full_state(import_checkpoint(
+        "megatron", os.path.dirname(split), str(tmp.mktemp("mla_back"))))
+    assert set(a.weights) == set(b.weights) and int(b.scalars["applied_steps"]) == 1
+    for k in a.weights:
+        assert torch.equal(a.weights[k], b.weights[k]), k
+        for s in ("master", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(a.optim[s][k], b.optim[s][k]), (s, k)
+    checked.append("tp2 pp2")
+    llama = megatron["runs"]["llama3"]
+    mz = import_checkpoint("megatron", llama["root"], str(tmp.mktemp("l3")), optimizer=False)
+    out = export_checkpoint("megatron", mz, str(tmp.mktemp("l3_out")))
+    args = safe_load.load(os.path.join(out, "mp_rank_00", "model_optim_rng.pt"))["args"]
+    assert (args.use_rope_scaling, args.rope_scaling_factor) == (True, 8.0)
+    assert megatron_args.to_config(args, "l3")[1].rope_scaling == \
+        megatron_args.to_config(llama["args"], "l3")[1].rope_scaling
+    checked.append("llama3 args")
+    assert len(checked) == 4

@@ -163,8 +163,13 @@ MEGATRON_ACTIVATIONS = {"swiglu": dict(swiglu=True, openai_gelu=False, squared_r
                         "relu2": dict(swiglu=False, openai_gelu=False, squared_relu=True)}
 
 def check_exportable(config: TransformerConfig, where: str) -> None:
-    """Refuse, in one line, a model whose family Megatron-core's layout does not cover."""
-    if config.family not in MEGATRON_FAMILIES:
+    """Refuse, in one line, a model whose family Megatron-core's layout does not cover (of
+    DeepSeek-V3, the dense MLA models without multi-token prediction)."""
+    if config.family == "deepseek_v3" and (config.num_experts or config.mtp_num_layers):
+        raise ckpt.CheckpointError(f"{where}: a DeepSeek-V3 model with experts or multi-token "
+                                   f"prediction has no Megatron-core layout here; dense MLA "
+                                   f"models export")
+    if config.family not in MEGATRON_FAMILIES + ("deepseek_v3",):
         raise ckpt.CheckpointError(f"{where}: family {config.family!r} has no Megatron-core layout "
                                    f"here; export families {', '.join(MEGATRON_FAMILIES)}")
 
@@ -195,7 +200,7 @@ def from_config(config: TransformerConfig, *, tp: int, pp: int, vpp: int, iterat
         seq_length=seq_length or config.max_position_embeddings,
         position_embedding_type={"learned": "learned_absolute", "rope": "rope"}.get(
             config.position_embedding),
-        rotary_base=config.rope_theta, rotary_percent=1.0,
+        rotary_base=config.rope_theta, rotary_percent=1.0, rotary_interleaved=False,
         normalization={"layernorm": "LayerNorm", "rmsnorm": "RMSNorm"}[config.normalization],
         norm_epsilon=config.layernorm_epsilon,
         **lookup(MEGATRON_ACTIVATIONS, config.activation, "activation (for Megatron-LM's flags)"),
@@ -216,6 +221,8 @@ def from_config(config: TransformerConfig, *, tp: int, pp: int, vpp: int, iterat
         # Megatron-LM's converter (tools/checkpoint) refuses args without a tokenizer type;
         # megazoo's models take Hugging Face tokenizers
         tokenizer_type="HuggingFaceTokenizer")
+    fields.update(megatron_mla.rope_args(config) if config.position_embedding == "rope" else {})
+    fields.update(megatron_mla.mla_args(config))
     if megatron_deepspeed:
         fields.update(position_embedding_type=_DEEPSPEED_POSITION[config.position_embedding],
                       embed_layernorm=config.embedding_layernorm, use_mcore_models=False)

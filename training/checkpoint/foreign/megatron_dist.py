@@ -29,7 +29,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from megazoo.training.checkpoint import format as ckpt
-from megazoo.training.checkpoint.foreign import megatron_args, names, safe_load
+from megazoo.training.checkpoint.foreign import megatron_args, megatron_mla, names, safe_load
 from megazoo.training.checkpoint.foreign.assemble import check_shapes, expected_shapes
 from megazoo.training.checkpoint.foreign.megatron_legacy import TRACKER, iteration_folder, scheduler_state
 from megazoo.training.checkpoint.reshard import FullState
@@ -168,14 +168,15 @@ def read(root: str, vocab_size: int | None = None, *, optimizer: bool = True):
     return family, config, FullState(meta, out["weights"], optim, scalars), it
 
 
-def _sharded_key(canon: str) -> tuple[str, int | None]:
-    """(sharded key, layer or None) of a megazoo canonical name."""
+def _sharded_key(canon: str, mla: bool = False) -> tuple[str, int | None]:
+    """(sharded key, layer or None) of a megazoo canonical name; `mla`: Megatron-core's local MLA
+    spec, which keeps its norms' own names in the sharded state dict."""
     top = {z: m for m, z, _ in names.TOP}
     if canon in top:
         return top[canon], None
     _, layer, rest = canon.split(".", 2)
     base, _, kind = rest.rpartition(".")
-    if base in _SHARDED_NORMS:
+    if base in _SHARDED_NORMS and not mla:
         return _STACKED + _SHARDED_NORMS[base] + kind, int(layer)
     experts = {z: m for m, z in _BY_EXPERT.items()}
     if rest in experts:
@@ -188,11 +189,12 @@ _LINEARS = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.line
             "mlp.linear_fc2")
 
 
-def _extra_states(layers: int, experts: int) -> dict[str, list]:
+def _extra_states(layers: int, experts: int, written) -> dict[str, list]:
     """The `_extra_state` objects every Megatron-core linear layer saves (None outside FP8
     training; stored as the pickled list of a shard's objects), one per layer (and expert),
-    under Megatron-core's `key/shard_{offset}_{shape}` names; its loader requires them."""
-    dense = _LINEARS[:2] if experts else _LINEARS
+    under Megatron-core's `key/shard_{offset}_{shape}` names; its loader requires them. The
+    dense linears are those whose weights are `written`."""
+    dense = [m for m in _LINEARS + megatron_mla.LINEARS if f"{_STACKED}{m}.weight" in written]
     out = {f"{_STACKED}{m}._extra_state/shard_{i}_{layers}": [None]
            for m in dense for i in range(layers)}
     out.update({f"{_STACKED}{_EXPERTS}{m}._extra_state/shard_{i}.{e}_{layers}.{experts}": [None]
@@ -214,7 +216,7 @@ def write(full: FullState, config, root: str, *, tp: int = 1, pp: int = 1, vpp: 
                                     if full.optim else {})
     for prefix, values in sources.items():
         for canon, t in values.items():
-            key, layer = _sharded_key(canon)
+            key, layer = _sharded_key(canon, bool(config.kv_lora_rank))
             dtype = config.dtype if prefix == "" else torch.float32
             if key.startswith(("embedding.word", "output_layer")):
                 t = names.shard(t, "vocab", 0, 1, padded)
@@ -223,7 +225,7 @@ def write(full: FullState, config, root: str, *, tp: int = 1, pp: int = 1, vpp: 
             else:
                 per_layer.setdefault(prefix + key, [None] * config.num_layers)[layer] = t.to(dtype)
     tensors.update({k: torch.stack(v).contiguous() for k, v in per_layer.items()})
-    tensors.update(_extra_states(config.num_layers, config.num_experts or 0))
+    tensors.update(_extra_states(config.num_layers, config.num_experts or 0, tensors))
     folder = os.path.join(root, f"iter_{iteration:07d}")
     os.makedirs(folder, exist_ok=True)
     dcp.save(tensors, storage_writer=dcp.FileSystemWriter(folder), no_dist=True)

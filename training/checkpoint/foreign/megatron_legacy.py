@@ -250,7 +250,8 @@ def _stage_entries(full: dict, config, stage: int, stages: int):
     for local in range(per_chunk):
         prefix = f"layers.{stage * per_chunk + local}."
         suffixes = {k[len(prefix):] for k in full if k.startswith(prefix)}
-        out += [(m, prefix + z, names.split_for(s, swiglu), None)
+        # MLA's down-projections as the local spec splits them (args.transformer_impl "local")
+        out += [(m, prefix + z, "column" if s == "down" else names.split_for(s, swiglu), None)
                 for m, z, s in names.layer_keys(local, suffixes)]
         if prefix + "mlp.experts.weight1" in full:
             for e in range(config.num_experts):

@@ -122,6 +122,21 @@ def rope_scaling(args, where: str) -> dict | None:
     return None
 
 
+def rope_args(config) -> dict:
+    """Megatron-LM's args of a megazoo RoPE scaling outside MLA (the inverse of rope_scaling)."""
+    scaling = config.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    out = dict(use_rope_scaling=False, rotary_seq_len_interpolation_factor=None)
+    if config.kv_lora_rank or kind == "default":
+        return out
+    if kind == "linear":
+        return dict(out, rotary_seq_len_interpolation_factor=scaling["factor"])
+    if kind == "llama3" and all(scaling.get(k) == v for k, v in LLAMA3.items()):
+        return dict(out, use_rope_scaling=True, rope_scaling_factor=scaling["factor"])
+    raise ckpt.CheckpointError(f"rope_scaling {scaling} has no Megatron-LM form (it has linear "
+                               f"interpolation and Llama 3.1's scaling with {LLAMA3})")
+
+
 def mla_fields(args, where: str) -> dict:
     """megazoo config fields of Megatron's multi-latent attention ({} without it)."""
     if not getattr(args, "multi_latent_attention", False):

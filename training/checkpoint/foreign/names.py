@@ -67,6 +67,9 @@ IGNORED = re.compile(r".*(\._extra_state|rotary_pos_emb\.inv_freq)$")
 _LAYER_KEY = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
 _EXPERT_KEY = re.compile(r"mlp\.experts\.(?:local_experts\.(\d+)\.(.+)|(linear_fc[12]\.(?:weight|bias))(\d+))")
 _BY_MEGATRON = {m: (z, s) for m, z, s in LAYER}
+_MLA_ROWS = range(LAYER.index(megatron_mla.LAYER[0]),
+                  LAYER.index(megatron_mla.LAYER[0]) + len(megatron_mla.LAYER))
+_MLA_KEYS = {m for m, _, _ in megatron_mla.LAYER}
 _BY_EXPERT = {m: (z, s) for m, z, s in EXPERT}
 _TOP = {m: (z, s) for m, z, s in TOP}
 
@@ -97,8 +100,12 @@ def layer_keys(local: int, megazoo_suffixes, *, te_norms: bool = False):
     [(megatron key, megazoo suffix, split)] in Megatron-core's module order; the norms under
     Transformer Engine's fused names with `te_norms`, else the local spec's."""
     wanted = set(megazoo_suffixes)
+    # MLA's rows in its module order; q_layernorm is also Qwen3's, after linear_qkv
+    mla = "attention.kv_down" in wanted
     out = []
-    for m, z, s in LAYER:
+    for i, (m, z, s) in enumerate(LAYER):
+        if (i in _MLA_ROWS) != mla and m in _MLA_KEYS:
+            continue
         fused = ".layer_norm_" in m
         plain = m.startswith(("input_layernorm", "pre_mlp_layernorm"))
         if z in wanted and not (plain if te_norms else fused):
