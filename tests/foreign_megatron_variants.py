@@ -1,4 +1,5 @@
-"""Megatron-core GPTModels with multi-latent attention, RoPE scalings and squared ReLU, and their
+"""Megatron-core GPTModels with multi-latent attention, RoPE scalings, partial RoPE and squared
+ReLU, and their
 Megatron-LM checkpoints (not a test module; tests/training/test_checkpoint_megatron_mla.py).
 
 Each model is Megatron-core's own GPTModel built on the CPU with the local (non-Transformer
@@ -36,6 +37,8 @@ VARIANTS = {
     "llama3": (None, dict(position_embedding_type="rope", rotary_base=500000, rope_scaling=True,
                           rope_scaling_factor=8.0),
                dict(use_rope_scaling=True, rope_scaling_factor=8.0, rotary_base=500000)),
+    "partial_rotary": (None, dict(position_embedding_type="rope", rotary_percent=0.5),
+                       dict(rotary_percent=0.5)),
     "relu2": (None, dict(position_embedding_type="learned_absolute"),
               dict(squared_relu=True, swiglu=False, normalization="LayerNorm",
                    group_query_attention=False, add_bias_linear=True,
@@ -110,7 +113,7 @@ def build(name: str, seed: int):
         args.group_query_attention, args.num_query_groups, args.kv_channels = False, 4, 8
         for k, v in mla.items():
             setattr(args, k, v)
-    elif name == "llama3":
+    elif name in ("llama3", "partial_rotary"):
         args.kv_channels = 16
     vars(args).update(extra)
     return model.eval(), args

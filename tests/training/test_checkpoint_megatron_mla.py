@@ -1,5 +1,6 @@
-"""Megatron-core checkpoints with multi-latent attention (YaRN), Llama-3.1 RoPE scaling and squared
-ReLU, in legacy and torch_dist form, imported at tp=2 pp=2 with Megatron-core's own logits.
+"""Megatron-core checkpoints with multi-latent attention (YaRN), Llama-3.1 RoPE scaling, partial
+RoPE and squared ReLU, in legacy and torch_dist form, imported at tp=2 pp=2 with Megatron-core's
+own logits; dense MLA exported back for Megatron-core.
 
 The models are Megatron-core's GPTModel (tests/foreign_megatron_variants.py), the legacy file
 written as Megatron-LM lays it out and the torch_dist folder by Megatron-core's own
@@ -40,14 +41,13 @@ def megatron(tmp_path_factory):
     return dict(runs=runs, ids=ids, tmp=tmp_path_factory)
 
 
-def _unscaled_logits(folder, ids):
-    """The imported weights under the same config without its rope_scaling."""
+def _logits_with(folder, ids, **changes):
+    """The imported weights under the same config with `changes` (a scaling taken away)."""
     from megazoo.training.checkpoint.hf import checkpoint_config
     from megazoo.training.checkpoint.layout_writer import build_rank_chunks
     from megazoo.training.checkpoint.reshard import load_weights
     _, config = checkpoint_config(folder)
-    topo, chunks = build_rank_chunks(config.replace(rope_scaling=None), tp=1, pp=1, vpp=1, dp=1,
-                                     rank=0)
+    topo, chunks = build_rank_chunks(config.replace(**changes), tp=1, pp=1, vpp=1, dp=1, rank=0)
     load_weights(folder, chunks, topo)
     with torch.no_grad():
         return chunks[0].eval()(ids)[..., :VOCAB]
@@ -77,11 +77,16 @@ def test_megatron_variant_imports_with_megatron_logits(megatron, name):
                 config.v_head_dim) == (16, 8, 4, 8)
     elif name == "relu2":
         assert (config.family, config.activation) == ("gpt2", "relu2")
-    if kind is not None:  # the scaling changes the logits by far more than the tolerance
-        diff = (_unscaled_logits(folder, ids) - run["logits"]).abs().max().item()
+    elif name == "partial_rotary":
+        assert (config.family, config.rotary_fraction) == ("llama", 0.5)
+    # the scaling (or partial RoPE) changes the logits by far more than the tolerance
+    changes = dict(rope_scaling=None) if kind else dict(rotary_fraction=1.0) \
+        if name == "partial_rotary" else None
+    if changes:
+        diff = (_logits_with(folder, ids, **changes) - run["logits"]).abs().max().item()
         assert diff > 1e-3, diff
-        checked.append(kind)
-    assert len(checked) == 2 + (kind is not None)
+        checked.append(changes)
+    assert len(checked) == 2 + bool(changes)
 
 
 def test_megatron_mla_optimizer_state_carries_over(megatron, tmp_path):
@@ -114,7 +119,7 @@ def test_megatron_unmodelled_settings_refused_in_one_line(megatron):
         with pytest.raises(ckpt.CheckpointError, match=f"args.{arg}="):
             megatron_args.to_config(args, "ckpt")
     plain = megatron["runs"]["llama3"]["args"]
-    for arg, value in (("rotary_percent", 0.5), ("rotary_interleaved", True),
+    for arg, value in (("rotary_percent", 0.3), ("rotary_interleaved", True),
                        ("rotary_seq_len_interpolation_factor", 2),
                        ("apply_residual_connection_post_layernorm", True)):
         args = argparse.Namespace(**vars(plain))

@@ -1,8 +1,8 @@
 """Megatron-LM's recorded `args` (an argparse.Namespace in every checkpoint) <-> megazoo's model
 configuration and family.
 
-Every model field megazoo models is read (multi-latent attention, RoPE scalings and squared ReLU
-through megatron_mla.py); a recorded setting megazoo does not model (partial RoPE, interleaved
+Every model field megazoo models is read (multi-latent attention, RoPE scalings, partial RoPE and
+squared ReLU through megatron_mla.py); a recorded setting megazoo does not model (interleaved
 RoPE outside MLA, a shared expert, sigmoid routing, uneven pipeline stages, multi-token
 prediction) is refused in one line naming the argument, before any weight is read.
 """
@@ -33,7 +33,6 @@ def _refuse(where: str, arg: str, value, why: str):
 
 def _check_unmodelled(args, where: str) -> None:
     checks = (
-        ("rotary_percent", lambda v: v not in (None, 1.0), "partial rotary embeddings"),
         ("rotary_interleaved", lambda v: v and not getattr(args, "multi_latent_attention", False),
          "interleaved RoPE channels outside multi-latent attention"),
         ("moe_shared_expert_intermediate_size", bool, "shared experts"),
@@ -134,7 +133,9 @@ def to_config(args, where: str, vocab_size: int | None = None) -> tuple[str, Tra
         init_method_std=float(_get(args, "init_method_std", default=0.02)),
         make_vocab_size_divisible_by=int(_get(args, "make_vocab_size_divisible_by", default=128)),
         params_dtype=dtype, seed=int(_get(args, "seed", default=1234)),
-        rope_scaling=megatron_mla.rope_scaling(args, where) if position == "rope" else None)
+        rope_scaling=megatron_mla.rope_scaling(args, where) if position == "rope" else None,
+        rotary_fraction=megatron_mla.rotary_fraction(args, kv or args.hidden_size // heads, where)
+        if position == "rope" else 1.0)
     fields.update(megatron_mla.mla_fields(args, where))
     if _get(args, "num_experts"):
         fields.update(num_experts=args.num_experts, moe_router_topk=int(args.moe_router_topk),
@@ -200,7 +201,8 @@ def from_config(config: TransformerConfig, *, tp: int, pp: int, vpp: int, iterat
         seq_length=seq_length or config.max_position_embeddings,
         position_embedding_type={"learned": "learned_absolute", "rope": "rope"}.get(
             config.position_embedding),
-        rotary_base=config.rope_theta, rotary_percent=1.0, rotary_interleaved=False,
+        rotary_base=config.rope_theta, rotary_percent=config.rotary_fraction,
+        rotary_interleaved=False,
         normalization={"layernorm": "LayerNorm", "rmsnorm": "RMSNorm"}[config.normalization],
         norm_epsilon=config.layernorm_epsilon,
         **lookup(MEGATRON_ACTIVATIONS, config.activation, "activation (for Megatron-LM's flags)"),

@@ -32,6 +32,8 @@ RoPE scalings as transformers' `rope_scaling` dicts (models/rope.py computes the
 - `--use-rope-scaling`: Llama 3.1's, Megatron-core's RotaryEmbedding._apply_scaling with its
   fixed low_freq_factor 1, high_freq_factor 4, original length 8192 and `rope_scaling_factor`.
 - `--rotary-seq-len-interpolation-factor`: positions divided by it (transformers' "linear").
+- `--rotary-percent`: partial RoPE over each head's leading channels ([first half | second
+  half] of that part, its own frequencies), megazoo's `rotary_fraction`.
 - `--squared-relu`: relu(x)^2, megazoo's activation "relu2".
 """
 from __future__ import annotations
@@ -120,6 +122,22 @@ def rope_scaling(args, where: str) -> dict | None:
     if linear and float(linear) != 1.0:
         return {"rope_type": "linear", "factor": float(linear)}
     return None
+
+
+def rotary_fraction(args, head_dim: int, where: str) -> float:
+    """Megatron's `rotary_percent`: RoPE over the leading int(kv_channels * percent) channels of
+    each head, its frequencies over those channels, the rest passed through: megazoo's
+    `rotary_fraction` (models/attention.py), when that is a whole, even channel count."""
+    percent = float(getattr(args, "rotary_percent", None) or 1.0)
+    if percent == 1.0:
+        return 1.0
+    if getattr(args, "multi_latent_attention", False):
+        _refuse(where, "rotary_percent", percent, "partial RoPE inside multi-latent attention")
+    rotated = head_dim * percent
+    if rotated != int(rotated) or int(rotated) % 2 or not 0 < percent < 1:
+        _refuse(where, "rotary_percent", percent, f"a rotated part of {rotated} of {head_dim} "
+                f"channels (megazoo rotates a whole, even count)")
+    return percent
 
 
 def rope_args(config) -> dict:
