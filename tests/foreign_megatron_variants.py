@@ -34,6 +34,9 @@ VARIANTS = {
                            original_max_position_embeddings=8, mscale=0.7, mscale_all_dim=0.0,
                            beta_fast=16, beta_slow=2),
                       dict(position_embedding_type="rope"), {}),
+    "mla_mtp": (dict(q_lora_rank=None, kv_lora_rank=16, qk_head_dim=8, qk_pos_emb_head_dim=4,
+                     v_head_dim=8, rope_type="rope", mtp_num_layers=1, mtp_loss_scaling_factor=0.3),
+                dict(position_embedding_type="rope"), {}),
     "llama3": (None, dict(position_embedding_type="rope", rotary_base=500000, rope_scaling=True,
                           rope_scaling_factor=8.0),
                dict(use_rope_scaling=True, rope_scaling_factor=8.0, rotary_base=500000)),
@@ -95,6 +98,10 @@ def build(name: str, seed: int):
     else:
         cfg = TransformerConfig(**BASE, **LLAMA, kv_channels=16, num_query_groups=2)
         spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    if getattr(cfg, "mtp_num_layers", None):  # its depth: the decoder's layer spec
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+        keywords = dict(keywords, mtp_block_spec=get_gpt_mtp_block_spec(
+            cfg, spec, use_transformer_engine=False))
     with no_transformer_engine():
         model = GPTModel(cfg, spec, vocab_size=PADDED, max_sequence_length=32,
                          share_embeddings_and_output_weights=False, **keywords)
@@ -124,6 +131,24 @@ def logits(model, ids):
     mask = torch.triu(torch.ones(1, 1, seq, seq, dtype=torch.bool), 1)
     with torch.no_grad():
         return model(ids, torch.arange(seq).expand(ids.shape[0], seq), attention_mask=mask)
+
+
+def mtp_losses(model, ids, labels):
+    """Megatron-core's per-token main loss [b, s] and each MTP depth's mean loss, as its training
+    forward records them (MTPLossLoggingHelper's tracker; no dropout in these models)."""
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+    seq = ids.shape[1]
+    mask = torch.triu(torch.ones(1, 1, seq, seq, dtype=torch.bool), 1)
+    model.train()
+    try:
+        with torch.no_grad():
+            main = model(ids, torch.arange(seq).expand(ids.shape[0], seq), attention_mask=mask,
+                         labels=labels)
+        depths = MTPLossLoggingHelper.tracker["values"].clone()
+    finally:
+        MTPLossLoggingHelper.tracker.clear()
+        model.eval()
+    return main, depths
 
 
 def adam_step(model, ids):

@@ -14,7 +14,8 @@ import torch
 
 from tests.foreign_checkpoints import (FP32, VOCAB, cpu_stubs, megatron_world, megazoo_logits,
                                        save_dist, save_legacy)
-from tests.foreign_megatron_variants import SEQ, VARIANTS, adam_step, build, logits
+from tests.foreign_megatron_variants import (SEQ, VARIANTS, adam_step, build, logits,
+                                             mtp_losses)
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +24,8 @@ def megatron(tmp_path_factory):
     import megatron.core  # noqa: F401 - installed by the dev extra
     import warnings
     warnings.filterwarnings("ignore", module="megatron")
-    ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
+    tokens = torch.randint(0, VOCAB, (2, SEQ + 1), generator=torch.Generator().manual_seed(3))
+    ids, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
     runs = {}
     with megatron_world(), cpu_stubs():
         for seed, name in enumerate(VARIANTS):
@@ -36,9 +38,12 @@ def megatron(tmp_path_factory):
             else:
                 save_legacy(root, model, None, args, iteration=5, optimizer_state={})
             save_dist(dist_root, model, args, iteration=5)
-            runs[name] = dict(model=model, args=args, opt=opt, root=root, dist_root=dist_root,
-                              logits=logits(model, ids)[..., :VOCAB])
-    return dict(runs=runs, ids=ids, tmp=tmp_path_factory)
+            runs[name] = dict(model=model, args=args, opt=opt, root=root, dist_root=dist_root)
+            if name == "mla_mtp":  # Megatron-core's MTP forward needs labels: its losses
+                runs[name]["losses"] = mtp_losses(model, ids, labels)
+            else:
+                runs[name]["logits"] = logits(model, ids)[..., :VOCAB]
+    return dict(runs=runs, ids=ids, labels=labels, tmp=tmp_path_factory)
 
 
 def _logits_with(folder, ids, **changes):
@@ -53,7 +58,7 @@ def _logits_with(folder, ids, **changes):
         return chunks[0].eval()(ids)[..., :VOCAB]
 
 
-@pytest.mark.parametrize("name", list(VARIANTS))
+@pytest.mark.parametrize("name", [n for n in VARIANTS if n != "mla_mtp"])
 def test_megatron_variant_imports_with_megatron_logits(megatron, name):
     """Legacy and torch_dist -> megazoo tp=2 pp=2: the config says what Megatron ran (MLA with
     and without a query latent, YaRN and its mscales, Llama 3.1's scaling, relu^2), the logits
@@ -87,6 +92,35 @@ def test_megatron_variant_imports_with_megatron_logits(megatron, name):
         assert diff > 1e-3, diff
         checked.append(changes)
     assert len(checked) == 2 + bool(changes)
+
+
+def test_megatron_mtp_imports_with_megatron_losses(megatron):
+    """MLA with one MTP depth (Megatron-core's MultiTokenPredictionLayer), legacy and torch_dist
+    -> megazoo tp=2 pp=2: the main per-token loss and the depth's loss equal Megatron-core's
+    training forward's (vocabulary kept padded: Megatron's softmax includes the padding rows)."""
+    from megazoo.training.checkpoint.foreign.convert import import_checkpoint
+    from megazoo.training.checkpoint.hf import checkpoint_config
+    from megazoo.training.checkpoint.layout_writer import build_rank_chunks
+    from megazoo.training.checkpoint.reshard import load_weights
+    from tests.foreign_checkpoints import PADDED
+    run, tmp = megatron["runs"]["mla_mtp"], megatron["tmp"]
+    main, depths = run["losses"]
+    checked = []
+    for fmt, root in (("megatron", run["root"]), ("megatron-dist", run["dist_root"])):
+        folder = import_checkpoint(fmt, root, str(tmp.mktemp("mz_mtp")), tp=2, pp=2,
+                                   optimizer=False, vocab_size=PADDED)
+        _, config = checkpoint_config(folder)
+        assert (config.mtp_num_layers, config.mtp_loss_scaling_factor) == (1, 0.3)
+        topo, chunks = build_rank_chunks(config, tp=1, pp=1, vpp=1, dp=1, rank=0)
+        load_weights(folder, chunks, topo)
+        model = chunks[0].train()  # no dropout: training mode records the depth's loss
+        with torch.no_grad():
+            per_token = model(megatron["ids"], labels=megatron["labels"])
+        torch.testing.assert_close(per_token, main, **FP32)
+        torch.testing.assert_close(model.mtp.stats.totals[1:].float(), depths, **FP32)
+        assert model.mtp.stats.totals[0] == 1
+        checked.append(fmt)
+    assert len(checked) == 2
 
 
 def test_megatron_mla_optimizer_state_carries_over(megatron, tmp_path):

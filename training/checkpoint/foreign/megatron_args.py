@@ -3,8 +3,8 @@ configuration and family.
 
 Every model field megazoo models is read (multi-latent attention, RoPE scalings, partial RoPE and
 squared ReLU through megatron_mla.py); a recorded setting megazoo does not model (interleaved
-RoPE outside MLA, a shared expert, sigmoid routing, uneven pipeline stages, multi-token
-prediction) is refused in one line naming the argument, before any weight is read.
+RoPE outside MLA, a shared expert, sigmoid routing, uneven pipeline stages, post-norm residuals)
+is refused in one line naming the argument, before any weight is read.
 """
 from __future__ import annotations
 
@@ -43,7 +43,6 @@ def _check_unmodelled(args, where: str) -> None:
         ("decoder_first_pipeline_num_layers", bool, "uneven pipeline stages"),
         ("decoder_last_pipeline_num_layers", bool, "uneven pipeline stages"),
         ("pipeline_model_parallel_layout", bool, "uneven pipeline stages (a layout string)"),
-        ("mtp_num_layers", bool, "multi-token prediction (its mtp.* weights are not mapped)"),
         ("apply_residual_connection_post_layernorm", bool, "post-norm residuals"),
     )
     for arg, bad, why in checks:
@@ -136,7 +135,7 @@ def to_config(args, where: str, vocab_size: int | None = None) -> tuple[str, Tra
         rope_scaling=megatron_mla.rope_scaling(args, where) if position == "rope" else None,
         rotary_fraction=megatron_mla.rotary_fraction(args, kv or args.hidden_size // heads, where)
         if position == "rope" else 1.0)
-    fields.update(megatron_mla.mla_fields(args, where))
+    fields.update(megatron_mla.mla_fields(args, where), **megatron_mla.mtp_fields(args))
     if _get(args, "num_experts"):
         fields.update(num_experts=args.num_experts, moe_router_topk=int(args.moe_router_topk),
                       moe_ffn_hidden_size=_get(args, "moe_ffn_hidden_size"),

@@ -35,6 +35,12 @@ RoPE scalings as transformers' `rope_scaling` dicts (models/rope.py computes the
 - `--rotary-percent`: partial RoPE over each head's leading channels ([first half | second
   half] of that part, its own frequencies), megazoo's `rotary_fraction`.
 - `--squared-relu`: relu(x)^2, megazoo's activation "relu2".
+
+Multi-token prediction (`--mtp-num-layers`, Megatron-core's MultiTokenPredictionLayer: megazoo's
+models/multi_token_prediction.py computes the same depths, embedding first in the concatenation,
+the shared embedding and head): `mtp.layers.{k}.` enorm, hnorm, eh_proj (column-parallel),
+transformer_layer.* (a decoder layer's names) and final_layernorm are megazoo's
+`mtp.depths.{k}.` enorm, hnorm, eh_proj, layer.* and final_norm.
 """
 from __future__ import annotations
 
@@ -57,6 +63,13 @@ LAYER = (
     ("self_attention.q_layernorm.weight", "attention.q_norm.weight", "replicated"),
     ("self_attention.kv_layernorm.weight", "attention.kv_norm.weight", "replicated"),
 )
+# Megatron-core's MTP depth names (after `mtp.layers.{k}.`) -> megazoo's (after `mtp.depths.{k}.`)
+MTP = (("enorm.weight", "enorm.weight", "replicated"), ("hnorm.weight", "hnorm.weight", "replicated"),
+       ("eh_proj.weight", "eh_proj.weight", "column"),
+       ("final_layernorm.weight", "final_norm.weight", "replicated"))
+_MTP = {m: (z, s) for m, z, s in MTP}
+_MTP_LAYER = "transformer_layer."
+
 # the linear layers whose `_extra_state` Megatron-core's torch_dist loader asks for
 LINEARS = ("self_attention.linear_q_proj", "self_attention.linear_q_down_proj",
            "self_attention.linear_q_up_proj", "self_attention.linear_kv_down_proj",
@@ -77,6 +90,30 @@ def down_split(canon: str, part: torch.Tensor, config) -> str:
     rows = config.q_lora_rank if canon.endswith("q_down") else \
         config.kv_lora_rank + config.qk_rope_head_dim
     return "replicated" if part.shape[0] == rows else "column"
+
+
+def mtp_to_megazoo(key: str, layer_name):
+    """(megazoo name, split, expert) of an `mtp.layers.{k}.` key; `layer_name` maps a decoder
+    layer's key (names.to_megazoo) for the depth's transformer layer. KeyError if unknown."""
+    depth, _, rest = key[len("mtp.layers."):].partition(".")
+    if not depth.isdigit():
+        raise KeyError(key)
+    if rest in _MTP:
+        return (f"mtp.depths.{depth}.{_MTP[rest][0]}", _MTP[rest][1], None)
+    if not rest.startswith(_MTP_LAYER):
+        raise KeyError(key)
+    mapped = layer_name(f"decoder.layers.0.{rest[len(_MTP_LAYER):]}")
+    if mapped is None:
+        return None
+    name, split, expert = mapped
+    return f"mtp.depths.{depth}.layer.{name[len('layers.0.'):]}", split, expert
+
+
+def mtp_fields(args) -> dict:
+    """megazoo's multi-token prediction fields of Megatron-LM's args."""
+    return dict(mtp_num_layers=int(getattr(args, "mtp_num_layers", None) or 0),
+                mtp_loss_scaling_factor=float(getattr(args, "mtp_loss_scaling_factor", None)
+                                              or 0.1))
 
 
 def _mscale(factor: float, m: float) -> float:

@@ -81,6 +81,8 @@ def to_megazoo(key: str, layer_offset: int = 0):
         return None
     if key in _TOP:
         return (*_TOP[key], None)
+    if key.startswith("mtp.layers."):  # multi-token prediction depths (megatron_mla.MTP)
+        return megatron_mla.mtp_to_megazoo(key, to_megazoo)
     m = _LAYER_KEY.fullmatch(key)
     if m is None:
         raise KeyError(key)
