@@ -174,6 +174,11 @@ def check_exportable(config: TransformerConfig, where: str) -> None:
                                    f"here; export families {', '.join(MEGATRON_FAMILIES)}")
 
 
+# Megatron-LM flags an export writes only when set (their defaults are off; its loader reads a
+# missing one as its default)
+_OFF_BY_DEFAULT = ("squared_relu", "rotary_interleaved", "multi_latent_attention",
+                   "use_rope_scaling", "rotary_seq_len_interpolation_factor")
+
 # megazoo position embedding -> Megatron-DeepSpeed's PositionEmbeddingType member name
 _DEEPSPEED_POSITION = {"rope": "rotary", "learned": "absolute", "alibi": "alibi"}
 
@@ -224,6 +229,9 @@ def from_config(config: TransformerConfig, *, tp: int, pp: int, vpp: int, iterat
         tokenizer_type="HuggingFaceTokenizer")
     fields.update(megatron_mla.rope_args(config) if config.position_embedding == "rope" else {})
     fields.update(megatron_mla.mla_args(config))
+    for name in _OFF_BY_DEFAULT:  # recorded when on only (as exports before them recorded)
+        if not fields.get(name):
+            fields.pop(name, None)
     if megatron_deepspeed:
         fields.update(position_embedding_type=_DEEPSPEED_POSITION[config.position_embedding],
                       embed_layernorm=config.embedding_layernorm, use_mcore_models=False)

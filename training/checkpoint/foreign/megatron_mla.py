@@ -58,13 +58,15 @@ LAYER = (
     ("self_attention.linear_q_up_proj.layer_norm_weight", "attention.q_norm.weight", "replicated"),
     ("self_attention.linear_q_up_proj.weight", "attention.q_up.weight", "column"),
     ("self_attention.linear_kv_down_proj.weight", "attention.kv_down", "down"),
-    ("self_attention.linear_kv_up_proj.layer_norm_weight", "attention.kv_norm.weight", "replicated"),
+    ("self_attention.linear_kv_up_proj.layer_norm_weight", "attention.kv_norm.weight",
+     "replicated"),
     ("self_attention.linear_kv_up_proj.weight", "attention.kv_up.weight", "column"),
     ("self_attention.q_layernorm.weight", "attention.q_norm.weight", "replicated"),
     ("self_attention.kv_layernorm.weight", "attention.kv_norm.weight", "replicated"),
 )
 # Megatron-core's MTP depth names (after `mtp.layers.{k}.`) -> megazoo's (after `mtp.depths.{k}.`)
-MTP = (("enorm.weight", "enorm.weight", "replicated"), ("hnorm.weight", "hnorm.weight", "replicated"),
+MTP = (("enorm.weight", "enorm.weight", "replicated"),
+       ("hnorm.weight", "hnorm.weight", "replicated"),
        ("eh_proj.weight", "eh_proj.weight", "column"),
        ("final_layernorm.weight", "final_norm.weight", "replicated"))
 _MTP = {m: (z, s) for m, z, s in MTP}
@@ -239,5 +241,6 @@ def mla_args(config) -> dict:
         out.update(rope_type="yarn", rotary_scaling_factor=factor, mscale=m, mscale_all_dim=m_all,
                    original_max_position_embeddings=scaling.get(
                        "original_max_position_embeddings") or config.max_position_embeddings,
-                   beta_fast=scaling.get("beta_fast") or 32, beta_slow=scaling.get("beta_slow") or 1)
+                   beta_fast=scaling.get("beta_fast") or 32,
+                   beta_slow=scaling.get("beta_slow") or 1)
     return out
