@@ -155,7 +155,8 @@ def test_megatron_unmodelled_settings_refused_in_one_line(megatron):
     plain = megatron["runs"]["llama3"]["args"]
     for arg, value in (("rotary_percent", 0.3), ("rotary_interleaved", True),
                        ("rotary_seq_len_interpolation_factor", 2),
-                       ("apply_residual_connection_post_layernorm", True)):
+                       ("apply_residual_connection_post_layernorm", True),
+                       ("quick_geglu", True)):
         args = argparse.Namespace(**vars(plain))
         setattr(args, arg, value)
         with pytest.raises(ckpt.CheckpointError, match=f"args.{arg}="):
@@ -227,4 +228,17 @@ def test_megatron_mla_exports_for_megatron_core(megatron):
     assert megatron_args.to_config(args, "l3")[1].rope_scaling == \
         megatron_args.to_config(llama["args"], "l3")[1].rope_scaling
     checked.append("llama3 args")
-    assert len(checked) == 4
+    # YaRN with mscale but no mscale_all_dim (imported as an attention_factor) goes back as the
+    # Megatron mscale giving that factor
+    other = megatron["runs"]["mla_no_q_lora"]
+    mz = import_checkpoint("megatron", other["root"], str(tmp.mktemp("nq")), optimizer=False)
+    out = export_checkpoint("megatron", mz, str(tmp.mktemp("nq_out")))
+    sd = safe_load.load(os.path.join(out, "mp_rank_00", "model_optim_rng.pt"))
+    assert abs(sd["args"].mscale - 0.7) < 1e-12 and sd["args"].mscale_all_dim == 0.0
+    with megatron_world(), cpu_stubs():
+        kept = _load_into(other["model"], sd["model"])
+        torch.testing.assert_close(megatron_logits(other["model"], ids)[..., :VOCAB],
+                                   other["logits"], **FP32)
+        other["model"].load_state_dict(kept)
+    checked.append("yarn mscale")
+    assert len(checked) == 5

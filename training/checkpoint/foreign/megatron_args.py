@@ -35,6 +35,7 @@ def _check_unmodelled(args, where: str) -> None:
     checks = (
         ("rotary_interleaved", lambda v: v and not getattr(args, "multi_latent_attention", False),
          "interleaved RoPE channels outside multi-latent attention"),
+        ("quick_geglu", bool, "quick-GeGLU MLPs"),
         ("moe_shared_expert_intermediate_size", bool, "shared experts"),
         ("moe_router_score_function", lambda v: v not in (None, "softmax"), "sigmoid routing"),
         ("moe_router_topk_scaling_factor", lambda v: v not in (None, 1.0), "scaled routing"),

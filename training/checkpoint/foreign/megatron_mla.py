@@ -171,6 +171,8 @@ def rotary_fraction(args, head_dim: int, where: str) -> float:
     if percent == 1.0:
         return 1.0
     if getattr(args, "multi_latent_attention", False):
+        if (getattr(args, "rope_type", None) or "yarn") == "yarn":
+            return 1.0  # Megatron-core's MLA YaRN rotates every pos-emb channel whatever it says
         _refuse(where, "rotary_percent", percent, "partial RoPE inside multi-latent attention")
     rotated = head_dim * percent
     if rotated != int(rotated) or int(rotated) % 2 or not 0 < percent < 1:
@@ -218,8 +220,9 @@ def mla_args(config) -> dict:
         return dict(multi_latent_attention=False)
     scaling = config.rope_scaling or {}
     kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind not in ("default", "yarn") or not config.rope_interleave:
-        raise ckpt.CheckpointError(f"MLA with rope_scaling {kind!r}"
+    if kind not in ("default", "yarn") or not config.rope_interleave or \
+            scaling.get("truncate", True) is False:
+        raise ckpt.CheckpointError(f"MLA with rope_scaling {scaling}"
                                    f"{'' if config.rope_interleave else ' and halves-layout RoPE'}"
                                    f" has no Megatron-core form (its MLA rotates interleaved "
                                    f"channels with rope or yarn)")
@@ -230,14 +233,16 @@ def mla_args(config) -> dict:
                mscale_all_dim=0.0, group_query_attention=False,
                num_query_groups=config.num_attention_heads)
     if kind == "yarn":
-        factor, m = scaling["factor"], scaling.get("mscale") or 1.0
-        m_all = scaling.get("mscale_all_dim") or 0.0
+        factor, m = scaling["factor"], scaling.get("mscale")
+        m_all = scaling.get("mscale_all_dim") or 0.0  # also the softmax's: Megatron's as it is
+        # megazoo's cos/sin factor (models/rope.py attention_factor), and the Megatron mscale
+        # whose ratio mscale(s, m) / mscale(s, m_all) gives it
         cos_sin = scaling.get("attention_factor")
-        megatron = _mscale(factor, m) / _mscale(factor, m_all)
-        if cos_sin is not None and abs(cos_sin - megatron) > 1e-12 or cos_sin is None and not (
-                m and m_all) and abs(_mscale(factor, 1.0) - megatron) > 1e-12:
-            raise ckpt.CheckpointError(f"YaRN attention factor {cos_sin} is not Megatron's "
-                                       f"mscale(factor, mscale) / mscale(factor, mscale_all_dim)")
+        if cos_sin is None and not (m and m_all):
+            cos_sin = _mscale(factor, 1.0)
+        if cos_sin is not None:  # (else both set: transformers' formula is Megatron's)
+            m = (cos_sin * _mscale(factor, m_all) - 1) / (0.1 * math.log(factor)) \
+                if factor > 1 else 1.0
         out.update(rope_type="yarn", rotary_scaling_factor=factor, mscale=m, mscale_all_dim=m_all,
                    original_max_position_embeddings=scaling.get(
                        "original_max_position_embeddings") or config.max_position_embeddings,
