@@ -92,7 +92,10 @@ def build(name: str, seed: int):
         spec.submodules.self_attention.submodules.core_attention = ModuleSpec(
             module=StandInCoreAttention)
     elif name == "relu2":
-        cfg = TransformerConfig(**BASE, normalization="LayerNorm", activation_func=squared_relu,
+        # Megatron-core's own squared_relu, as Python: its torch.compile'd form computes garbage
+        # on the CPU under ATEN_CPU_CAPABILITY=avx2 (torch 2.13's inductor; eager is exact)
+        relu2 = getattr(squared_relu, "_torchdynamo_orig_callable", squared_relu)
+        cfg = TransformerConfig(**BASE, normalization="LayerNorm", activation_func=relu2,
                                 add_bias_linear=True)
         spec = get_gpt_layer_local_spec(normalization="LayerNorm")
     else:
