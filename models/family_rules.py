@@ -18,8 +18,8 @@ from .family_folders import load
 # MOE (a mixture-of-experts family: it needs --num-experts; "mixed": its layers may be dense or
 # MoE, config.layer_mlps names which, so the MoE fields are allowed but not needed), NEEDS
 # (optional: fields the family needs set, e.g. DeepSeek-V3's kv_lora_rank), MEGATRON
-# (optional: the Megatron-core tensor layout covers it) and INFER_BEFORE (optional: families a config that fits both is
-# inferred not to be, e.g. a Llama config fits Mistral's rules too).
+# (optional: the Megatron-core tensor layout covers it) and INFER_BEFORE (optional: families a
+# config that fits both is inferred not to be, e.g. a Llama config fits Mistral's rules too).
 _FOLDERS = load("rules")
 SHAPES: dict[str, dict] = {name: dict(rules.SHAPE) for name, rules in _FOLDERS.items()}
 
