@@ -94,10 +94,11 @@ def test_megatron_variant_imports_with_megatron_logits(megatron, name):
     assert len(checked) == 2 + bool(changes)
 
 
-def test_megatron_mtp_imports_with_megatron_losses(megatron):
+def test_megatron_mtp_imports_and_exports_with_megatron_losses(megatron):
     """MLA with one MTP depth (Megatron-core's MultiTokenPredictionLayer), legacy and torch_dist
     -> megazoo tp=2 pp=2: the main per-token loss and the depth's loss equal Megatron-core's
-    training forward's (vocabulary kept padded: Megatron's softmax includes the padding rows)."""
+    training forward's (vocabulary kept padded: Megatron's softmax includes the padding rows);
+    exported back (legacy at pp=1, torch_dist), Megatron-core loads it with the same losses."""
     from megazoo.training.checkpoint.foreign.convert import import_checkpoint
     from megazoo.training.checkpoint.hf import checkpoint_config
     from megazoo.training.checkpoint.layout_writer import build_rank_chunks
@@ -120,7 +121,35 @@ def test_megatron_mtp_imports_with_megatron_losses(megatron):
         torch.testing.assert_close(model.mtp.stats.totals[1:].float(), depths, **FP32)
         assert model.mtp.stats.totals[0] == 1
         checked.append(fmt)
-    assert len(checked) == 2
+    # and back: legacy (pp=1) and torch_dist that Megatron-core loads with the same losses
+    import argparse
+    from megatron.core import dist_checkpointing
+    from megazoo.training.checkpoint import format as ckpt
+    from megazoo.training.checkpoint.foreign import safe_load
+    from megazoo.training.checkpoint.foreign.convert import export_checkpoint
+    legacy = export_checkpoint("megatron", folder, str(tmp.mktemp("mtp_out")))
+    sd = safe_load.load(os.path.join(legacy, "mp_rank_00", "model_optim_rng.pt"))
+    assert (sd["args"].mtp_num_layers, sd["args"].mtp_loss_scaling_factor) == (1, 0.3)
+    dist = export_checkpoint("megatron-dist", folder, str(tmp.mktemp("mtp_dist_out")))
+    source = run["model"]
+    with megatron_world(), cpu_stubs():
+        kept = _load_into(source, sd["model"])
+        again = mtp_losses(source, megatron["ids"], megatron["labels"])
+        torch.testing.assert_close(again[0], main, **FP32)
+        torch.testing.assert_close(again[1], depths, **FP32)
+        with torch.no_grad():
+            for p in source.parameters():
+                p.zero_()
+        with torch.serialization.safe_globals([argparse.Namespace]):
+            _load_into(source, dist_checkpointing.load(source.sharded_state_dict(), dist))
+        again = mtp_losses(source, megatron["ids"], megatron["labels"])
+        torch.testing.assert_close(again[0], main, **FP32)
+        torch.testing.assert_close(again[1], depths, **FP32)
+        source.load_state_dict(kept)
+    checked += ["legacy out", "torch_dist out"]
+    with pytest.raises(ckpt.CheckpointError, match="export at pp=1"):
+        export_checkpoint("megatron", folder, str(tmp.mktemp("mtp_pp2")), pp=2)
+    assert len(checked) == 4
 
 
 def test_megatron_mla_optimizer_state_carries_over(megatron, tmp_path):

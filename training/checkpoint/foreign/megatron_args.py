@@ -165,11 +165,10 @@ MEGATRON_ACTIVATIONS = {"swiglu": dict(swiglu=True, openai_gelu=False, squared_r
 
 def check_exportable(config: TransformerConfig, where: str) -> None:
     """Refuse, in one line, a model whose family Megatron-core's layout does not cover (of
-    DeepSeek-V3, the dense MLA models without multi-token prediction)."""
-    if config.family == "deepseek_v3" and (config.num_experts or config.mtp_num_layers):
-        raise ckpt.CheckpointError(f"{where}: a DeepSeek-V3 model with experts or multi-token "
-                                   f"prediction has no Megatron-core layout here; dense MLA "
-                                   f"models export")
+    DeepSeek-V3, the dense MLA models, with or without multi-token prediction)."""
+    if config.family == "deepseek_v3" and config.num_experts:
+        raise ckpt.CheckpointError(f"{where}: a DeepSeek-V3 model with experts has no "
+                                   f"Megatron-core layout here; dense MLA models export")
     if config.family not in MEGATRON_FAMILIES + ("deepseek_v3",):
         raise ckpt.CheckpointError(f"{where}: family {config.family!r} has no Megatron-core layout "
                                    f"here; export families {', '.join(MEGATRON_FAMILIES)}")
@@ -230,6 +229,9 @@ def from_config(config: TransformerConfig, *, tp: int, pp: int, vpp: int, iterat
         tokenizer_type="HuggingFaceTokenizer")
     fields.update(megatron_mla.rope_args(config) if config.position_embedding == "rope" else {})
     fields.update(megatron_mla.mla_args(config))
+    if config.mtp_num_layers:
+        fields.update(mtp_num_layers=config.mtp_num_layers,
+                      mtp_loss_scaling_factor=config.mtp_loss_scaling_factor)
     for name in _OFF_BY_DEFAULT:  # recorded when on only (as exports before them recorded)
         if not fields.get(name):
             fields.pop(name, None)

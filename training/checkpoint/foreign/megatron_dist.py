@@ -174,6 +174,13 @@ def _sharded_key(canon: str, mla: bool = False) -> tuple[str, int | None]:
     top = {z: m for m, z, _ in names.TOP}
     if canon in top:
         return top[canon], None
+    if canon.startswith("mtp.depths."):  # an MTP depth's tensors: kept per depth, not stacked
+        _, _, depth, rest = canon.split(".", 3)
+        own = {z: m for m, z, _ in megatron_mla.MTP}
+        if rest in own:
+            return f"mtp.layers.{depth}.{own[rest]}", None
+        key, _ = _sharded_key("layers.0." + rest[len("layer."):], mla)
+        return f"mtp.layers.{depth}.transformer_layer.{key[len(_STACKED):]}", None
     _, layer, rest = canon.split(".", 2)
     base, _, kind = rest.rpartition(".")
     if base in _SHARDED_NORMS and not mla:
@@ -201,6 +208,11 @@ def _extra_states(layers: int, experts: int, written) -> dict[str, list]:
                 for m in ("linear_fc1", "linear_fc2") for i in range(layers)
                 for e in range(experts)})
     out["output_layer._extra_state/shard_0_1"] = [None]
+    for key in written:  # MTP depths: eh_proj and their layer's linears, one shard each
+        if key.startswith("mtp.layers.") and key.endswith(".weight") and any(
+                key[:-len(".weight")].endswith(m) for m in ("eh_proj",) + _LINEARS
+                + megatron_mla.LINEARS):
+            out[f"{key[:-len('.weight')]}._extra_state/shard_0_1"] = [None]
     return out
 
 

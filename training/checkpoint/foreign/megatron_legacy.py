@@ -259,6 +259,9 @@ def _stage_entries(full: dict, config, stage: int, stages: int):
                         for m, z, s in names.expert_keys(local, e, suffixes)]
     if stage == stages - 1:
         out += [(m, z, s, None) for m, z, s in names.TOP[2:4] if z in full]
+        for depth in range(config.mtp_num_layers):  # the MTP depths (megatron_mla.MTP)
+            out += [(m, z, "column" if s == "down" else names.split_for(s, swiglu), None)
+                    for m, z, s in megatron_mla.mtp_keys(depth, full, names.layer_keys)]
         if not config.tie_word_embeddings:
             out.append(("output_layer.weight", "head_weight", "vocab", None))
         elif stages > 1:  # the last stage's copy of the tied embedding
@@ -280,6 +283,10 @@ def write(full: FullState, config, root: str, *, tp: int, pp: int, vpp: int = 1,
         raise ckpt.CheckpointError(f"{config.num_query_groups} query groups do not split over "
                                    f"tp={tp}; Megatron-LM needs whole groups per rank")
     megatron_args.check_exportable(config, root)
+    if config.mtp_num_layers and stages > 1:
+        raise ckpt.CheckpointError(f"multi-token prediction with pp={pp} x vpp={vpp} stages: "
+                                   f"Megatron's last stage also holds an embedding copy for it, "
+                                   f"which this export does not write; export at pp=1")
     meta = full.meta
     consumed = int(meta.get("consumed_samples", 0) or 0)
     args = megatron_args.from_config(config, tp=tp, pp=pp, vpp=vpp, iteration=iteration,

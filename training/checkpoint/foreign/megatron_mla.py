@@ -111,6 +111,19 @@ def mtp_to_megazoo(key: str, layer_name):
     return f"mtp.depths.{depth}.layer.{name[len('layers.0.'):]}", split, expert
 
 
+def mtp_keys(depth: int, full: dict, layer_keys) -> list[tuple[str, str, str]]:
+    """[(Megatron key, megazoo name, split)] of MTP depth `depth` in Megatron-core's module order
+    (enorm, hnorm, eh_proj, the layer, final_layernorm); `layer_keys` lists a decoder layer's
+    (names.layer_keys)."""
+    mine, theirs = f"mtp.depths.{depth}.", f"mtp.layers.{depth}."
+    inner = mine + "layer."
+    suffixes = {k[len(inner):] for k in full if k.startswith(inner)}
+    layer = [(theirs + _MTP_LAYER + m[len("decoder.layers.0."):], inner + z, s)
+             for m, z, s in layer_keys(0, suffixes)]
+    head = [(theirs + m, mine + z, s) for m, z, s in MTP]
+    return head[:3] + layer + head[3:]
+
+
 def mtp_fields(args) -> dict:
     """megazoo's multi-token prediction fields of Megatron-LM's args."""
     return dict(mtp_num_layers=int(getattr(args, "mtp_num_layers", None) or 0),
