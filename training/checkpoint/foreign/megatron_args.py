@@ -167,8 +167,9 @@ def check_exportable(config: TransformerConfig, where: str) -> None:
     """Refuse, in one line, a model whose family Megatron-core's layout does not cover (of
     DeepSeek-V3, the dense MLA models, with or without multi-token prediction)."""
     if config.family == "deepseek_v3" and config.num_experts:
-        raise ckpt.CheckpointError(f"{where}: a DeepSeek-V3 model with experts has no "
-                                   f"Megatron-core layout here; dense MLA models export")
+        raise ckpt.CheckpointError(f"{where}: family 'deepseek_v3' has no Megatron-core layout "
+                                   f"here with experts (its router and shared experts); dense "
+                                   f"MLA models export")
     if config.family not in MEGATRON_FAMILIES + ("deepseek_v3",):
         raise ckpt.CheckpointError(f"{where}: family {config.family!r} has no Megatron-core layout "
                                    f"here; export families {', '.join(MEGATRON_FAMILIES)}")
