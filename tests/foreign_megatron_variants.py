@@ -13,7 +13,7 @@ import contextlib
 
 import torch
 
-from tests.foreign_checkpoints import PADDED, VOCAB, cpu_stubs, megatron_args
+from tests.foreign_checkpoints import PADDED, megatron_args
 
 SEQ = 16  # YaRN's original length below is 8: positions 8..15 lie beyond it
 BASE = dict(hidden_size=32, num_attention_heads=4, ffn_hidden_size=48, use_cpu_initialization=True,

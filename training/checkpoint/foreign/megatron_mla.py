@@ -1,5 +1,5 @@
-"""Megatron-core's multi-latent attention, RoPE scalings and squared ReLU <-> megazoo's config and
-tensor names (the parts of a Megatron-LM checkpoint that megatron_args.py and names.py read
+"""Megatron-core's multi-latent attention, RoPE scalings, partial RoPE, squared ReLU and
+multi-token prediction <-> megazoo's config and tensor names (the parts of a Megatron-LM checkpoint that megatron_args.py and names.py read
 through here).
 
 Multi-latent attention (Megatron-core 0.16 MLASelfAttention, DeepSeek-V2/V3): its sharded and
