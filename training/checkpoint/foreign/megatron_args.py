@@ -155,9 +155,7 @@ def check_exportable(config: TransformerConfig, where: str) -> None:
     if config.family not in MEGATRON_FAMILIES:
         raise ckpt.CheckpointError(f"{where}: family {config.family!r} has no Megatron-core layout "
                                    f"here; export families {', '.join(MEGATRON_FAMILIES)}")
-    for what, bad in (("multi-latent attention with experts (--kv-lora-rank with --num-experts)",
-                       config.kv_lora_rank and config.num_experts),
-                      ("multi-token prediction with experts (--mtp-num-layers with "
+    for what, bad in (("multi-token prediction with experts (--mtp-num-layers with "
                        "--num-experts)", config.mtp_num_layers and config.num_experts),
                       (megatron_moe.unexportable(config), config.num_experts
                        and megatron_moe.unexportable(config))):
