@@ -134,11 +134,13 @@ class ParallelAttention(nn.Module):
         self.v_norm_eps = config.layernorm_epsilon if spec is not None and spec.v_norm \
             and kv_rows else None
         self.rotary = None
+        # partial RoPE (rotary_fraction): the leading channels of each head turn, the rest stay
+        self.rotated = round(d * config.rotary_fraction)
         if spec is not None and spec.rope_theta is not None:
             self.rotary = RotaryEmbedding(config, topo.device, theta=spec.rope_theta,
-                                          scaling=spec.rope_scaling, head_dim=d)
+                                          scaling=spec.rope_scaling, head_dim=self.rotated)
         elif spec is None and config.position_embedding == "rope":
-            self.rotary = RotaryEmbedding(config, topo.device)
+            self.rotary = RotaryEmbedding(config, topo.device, head_dim=self.rotated)
         # gpt-oss: a learned sink logit per head (this rank's heads), in every softmax
         self.sinks = None
         if spec is not None and spec.sinks:
@@ -234,8 +236,11 @@ class ParallelAttention(nn.Module):
             positions = documents.positions if documents is not None and documents.positions is not None \
                 else sequence_positions(s, self.topo, offset)
             # the whole sequence's length (length-dependent RoPE; a CP rank holds s of s x cp)
-            q, rotated = self.rotary(q, q[:, :1] if k is None else k, positions,
-                                     seq_len=offset + s * self.topo.cp)
+            keys, r = q[:, :1] if k is None else k, self.rotated
+            q_r, k_r = self.rotary(q[..., :r], keys[..., :r], positions,
+                                   seq_len=offset + s * self.topo.cp)
+            q = torch.cat([q_r, q[..., r:]], -1) if r < q.shape[-1] else q_r
+            rotated = torch.cat([k_r, keys[..., r:]], -1) if r < keys.shape[-1] else k_r
             k = rotated if k is not None else None
         if k is None:  # as the earlier layer attended with them (after its cache)
             k, v = shared[self.kv_source]

@@ -168,7 +168,8 @@ class TransformerConfig(ModelCounts):
     # Each layer's MLP kind (models/spec.py MLP_KINDS, "none": a mixer-only layer); None: dense,
     # or MoE where num_experts / moe_layer_freq put experts
     layer_mlps: tuple[str, ...] | None = None
-    rotary_fraction: float = 1.0  # gated_attention layers rotate head_dim x this channels
+    rotary_fraction: float = 1.0  # RoPE attention and gated_attention layers rotate the leading
+    #                               head_dim x this channels of each head (Megatron's rotary_percent)
     linear_num_key_heads: int | None = None  # gated_deltanet layers: key heads
     linear_num_value_heads: int | None = None  # value heads (a multiple of the key heads)
     linear_key_head_dim: int | None = None

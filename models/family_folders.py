@@ -1,8 +1,8 @@
 """Family folders: a family is one folder `models/<family>/`, named by its Hugging Face
 `model_type`, holding what makes it itself:
 
-    rules.py    SHAPE (the config fields the family fixes), MOE, optional MEGATRON, LORA (its
-                PEFT target table, models/lora_targets.py) and
+    rules.py    SHAPE (the config fields the family fixes), MOE, optional NEEDS and MEGATRON,
+                LORA (its PEFT target table, models/lora_targets.py) and
                 INFER_BEFORE; data only (it may start from models/family_bases.py)
     presets.py  PRESETS (name -> TransformerConfig fields, each naming the family)
     adapter.py  the Hugging Face adapter (config_from_hf, hf_config, from_hf_state_dict,

@@ -16,9 +16,11 @@ from .family_folders import load
 # models/<family>/rules.py of every family folder: SHAPE (the fields whose value the family
 # fixes; dense families also refuse every MoE field that differs from its default, `moe_fields`),
 # MOE (a mixture-of-experts family: it needs --num-experts; "mixed": its layers may be dense or
-# MoE, config.layer_mlps names which, so the MoE fields are allowed but not needed), MEGATRON (optional: the Megatron-core
-# tensor layout covers it) and INFER_BEFORE (optional: families a config that fits both is
-# inferred not to be, e.g. a Llama config fits Mistral's rules too).
+# MoE, config.layer_mlps names which, so the MoE fields are allowed but not needed), NEEDS
+# (optional: fields the family needs set; a tuple of fields: one of them, e.g. DeepSeek-V3's
+# kv_lora_rank or num_experts), MEGATRON (optional: the Megatron-core tensor layout covers it)
+# and INFER_BEFORE (optional: families a config that fits both is inferred not to be, e.g. a
+# Llama config fits Mistral's rules too).
 _FOLDERS = load("rules")
 SHAPES: dict[str, dict] = {name: dict(rules.SHAPE) for name, rules in _FOLDERS.items()}
 
@@ -55,6 +57,10 @@ def problem(config, family: str) -> str | None:
         got = getattr(config, field)
         if got != want:
             return f"family {family!r} needs {field}={want!r}, got {got!r}"
+    for need in getattr(_FOLDERS[family], "NEEDS", ()):
+        either = need if isinstance(need, tuple) else (need,)  # a tuple: one of them suffices
+        if not any(getattr(config, field) for field in either):
+            return f"family {family!r} needs {' or '.join(either)} set"
     if getattr(_FOLDERS[family], "MOE", False) == "mixed":
         return None
     if family in MOE_FAMILIES:

@@ -23,7 +23,9 @@ def check_hybrid(config) -> None:
                                  "on the MoE layers; name them 'moe'")
         if "moe" in config.layer_mlps and not config.num_experts:
             raise ValueError("layer_mlps names 'moe' layers: set num_experts")
-    used = {"rotary_fraction": "gated_attention" in kinds,
+    rope_attention = config.position_embedding == "rope" and not config.kv_lora_rank and (
+        not kinds or "attention" in kinds)  # plain attention layers with RoPE take it too
+    used = {"rotary_fraction": "gated_attention" in kinds or rope_attention,
             "linear_num_key_heads": "gated_deltanet" in kinds,
             "mamba_num_heads": "mamba2" in kinds}
     groups = {"linear_num_key_heads": ("linear_num_value_heads", "linear_key_head_dim",
@@ -32,8 +34,8 @@ def check_hybrid(config) -> None:
     for lead, needed in used.items():
         if lead == "rotary_fraction":
             if not needed and config.rotary_fraction != 1.0:
-                raise ValueError("rotary_fraction applies to gated_attention layers only; "
-                                 "drop it or name such layers in token_mixers")
+                raise ValueError("rotary_fraction applies to RoPE attention and gated_attention "
+                                 "layers only; drop it")
             if not 0 < config.rotary_fraction <= 1 or (
                     round(config.head_dim * config.rotary_fraction) % 2):
                 raise ValueError(f"rotary_fraction {config.rotary_fraction} must be in (0, 1] "

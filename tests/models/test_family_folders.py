@@ -85,7 +85,15 @@ def test_a_config_naming_no_family_is_inferred_as_before():
     assert mixtral.family == "mixtral"
     assert family_rules.problem(mixtral.replace(family="qwen2_moe"), "qwen2_moe") is None
     assert preset("qwen3-moe-30b-a3b", family=None).family == "qwen3_moe"
-    assert preset("deepseek-v3-tiny", family=None).family == "deepseek_v3"
+    deepseek = preset("deepseek-v3-tiny", family=None)
+    assert deepseek.family == "deepseek_v3"
+    # DeepSeek-V3's forms: dense MLA, MoE under GQA; a config with neither MLA nor experts is not
+    # one, and a softmax MoE config is inferred as the softmax-router family first
+    assert deepseek.replace(family=None, num_experts=None).family == "deepseek_v3"
+    assert deepseek.replace(family=None, kv_lora_rank=None, q_lora_rank=None).family == \
+        "deepseek_v3"
+    assert family_rules.problem(llama, "deepseek_v3") == \
+        "family 'deepseek_v3' needs kv_lora_rank or num_experts set"
     assert preset("mistral-tiny", family=None).family == "mistral"  # its window: not Llama
     order = family_rules.DENSE_FAMILIES
     assert order.index("llama") < order.index("mistral")

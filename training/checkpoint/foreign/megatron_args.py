@@ -1,9 +1,11 @@
 """Megatron-LM's recorded `args` (an argparse.Namespace in every checkpoint) <-> megazoo's model
 configuration and family.
 
-Every model field megazoo models is read (the MoE ones by megatron_moe.py); a recorded setting
-megazoo does not model (partial RoPE, RoPE scaling, squared ReLU, a pipeline layout string) is
-refused in one line naming the argument, before any weight is read.
+Every model field megazoo models is read (the MoE ones by megatron_moe.py; multi-latent
+attention, RoPE scalings, partial RoPE, squared ReLU and multi-token prediction by
+megatron_mla.py); a recorded setting megazoo does not model (interleaved RoPE outside MLA,
+quick-GeGLU, a pipeline layout string, post-norm residuals) is refused in one line naming the
+argument, before any weight is read.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from megazoo.models.family_rules import MEGATRON_FAMILIES  # rules.py MEGATRON: 
 from megazoo.models.spec import lookup
 
 from megazoo.training.checkpoint import format as ckpt
-from megazoo.training.checkpoint.foreign import megatron_moe
+from megazoo.training.checkpoint.foreign import megatron_mla, megatron_moe
 
 
 def _get(args, *names, default=None):
@@ -32,12 +34,10 @@ def _refuse(where: str, arg: str, value, why: str):
 
 def _check_unmodelled(args, where: str) -> None:
     checks = (
-        ("rotary_percent", lambda v: v not in (None, 1.0), "partial rotary embeddings"),
-        ("use_rope_scaling", bool, "Llama-3.1 RoPE scaling recorded without its parameters"),
-        ("squared_relu", bool, "squared-ReLU MLPs"),
+        ("rotary_interleaved", lambda v: v and not getattr(args, "multi_latent_attention", False),
+         "interleaved RoPE channels outside multi-latent attention"),
+        ("quick_geglu", bool, "quick-GeGLU MLPs"),
         ("pipeline_model_parallel_layout", bool, "uneven pipeline stages (a layout string)"),
-        ("multi_latent_attention", bool, "multi-latent attention"),
-        ("mtp_num_layers", bool, "multi-token prediction (its mtp.* weights are not mapped)"),
         ("apply_residual_connection_post_layernorm", bool, "post-norm residuals"),
     )
     for arg, bad, why in checks:
@@ -55,6 +55,8 @@ def _activation(args, where: str) -> str:
     """Megatron's fused bias-GELU (on by default with biases) is the tanh approximation."""
     if getattr(args, "swiglu", False):
         return "swiglu"
+    if getattr(args, "squared_relu", False):
+        return "relu2"
     fused = getattr(args, "bias_gelu_fusion", False) and _get(args, "add_bias_linear", default=True)
     return "gelu_tanh" if getattr(args, "openai_gelu", False) or fused else "gelu"
 
@@ -66,6 +68,8 @@ _POSITION_ENUM = {1: "rope", 2: "learned", 3: "alibi", "rotary": "rope", "absolu
 
 def _position(args, where: str) -> str:
     v = _get(args, "position_embedding_type", default="learned_absolute")
+    if getattr(args, "multi_latent_attention", False) and v in ("rope", "none"):
+        return "rope"  # MLA rotates its own channels (GPTModel builds no RoPE for it)
     if isinstance(v, str) and v in ("learned_absolute", "rope"):
         return {"learned_absolute": "learned", "rope": "rope"}[v]
     key = getattr(v, "value", v) if not isinstance(v, str) else v
@@ -119,7 +123,11 @@ def to_config(args, where: str, vocab_size: int | None = None) -> tuple[str, Tra
         attention_dropout=float(_get(args, "attention_dropout", default=0.0)),
         init_method_std=float(_get(args, "init_method_std", default=0.02)),
         make_vocab_size_divisible_by=int(_get(args, "make_vocab_size_divisible_by", default=128)),
-        params_dtype=dtype, seed=int(_get(args, "seed", default=1234)))
+        params_dtype=dtype, seed=int(_get(args, "seed", default=1234)),
+        rope_scaling=megatron_mla.rope_scaling(args, where) if position == "rope" else None,
+        rotary_fraction=megatron_mla.rotary_fraction(args, kv or args.hidden_size // heads, where)
+        if position == "rope" else 1.0)
+    fields.update(megatron_mla.mla_fields(args, where), **megatron_mla.mtp_fields(args))
     if _get(args, "num_experts"):
         fields.update(megatron_moe.config_fields(args, where))
     try:  # the family is inferred from the fields (models/family_rules.py)
@@ -135,23 +143,31 @@ def to_config(args, where: str, vocab_size: int | None = None) -> tuple[str, Tra
 
 
 # megazoo's MLP activations (models/spec.py ACTIVATIONS) as Megatron-LM's flags
-MEGATRON_ACTIVATIONS = {"swiglu": dict(swiglu=True, openai_gelu=False),
-                        "gelu_tanh": dict(swiglu=False, openai_gelu=True),
-                        "gelu": dict(swiglu=False, openai_gelu=False)}
+MEGATRON_ACTIVATIONS = {"swiglu": dict(swiglu=True, openai_gelu=False, squared_relu=False),
+                        "gelu_tanh": dict(swiglu=False, openai_gelu=True, squared_relu=False),
+                        "gelu": dict(swiglu=False, openai_gelu=False, squared_relu=False),
+                        "relu2": dict(swiglu=False, openai_gelu=False, squared_relu=True)}
 
 def check_exportable(config: TransformerConfig, where: str) -> None:
-    """Refuse, in one line, a model whose family Megatron-core's layout does not cover."""
+    """Refuse, in one line, a model whose family Megatron-core's layout does not cover, or a
+    setting of it that has no export here (of DeepSeek-V3: dense MLA models with or without
+    multi-token prediction, and DeepSeek-style MoE layers under grouped-query attention)."""
     if config.family not in MEGATRON_FAMILIES:
         raise ckpt.CheckpointError(f"{where}: family {config.family!r} has no Megatron-core layout "
                                    f"here; export families {', '.join(MEGATRON_FAMILIES)}")
-    for what, bad in (("multi-latent attention (--kv-lora-rank)", config.kv_lora_rank),
-                      ("multi-token prediction (--mtp-num-layers)", config.mtp_num_layers),
+    for what, bad in (("multi-token prediction with experts (--mtp-num-layers with "
+                       "--num-experts)", config.mtp_num_layers and config.num_experts),
                       (megatron_moe.unexportable(config), config.num_experts
                        and megatron_moe.unexportable(config))):
         if bad:
             raise ckpt.CheckpointError(f"{where}: family {config.family!r} has no Megatron-core "
                                        f"layout here for {what}")
 
+
+# Megatron-LM flags an export writes only when set (their defaults are off; its loader reads a
+# missing one as its default)
+_OFF_BY_DEFAULT = ("squared_relu", "rotary_interleaved", "multi_latent_attention",
+                   "use_rope_scaling", "rotary_seq_len_interpolation_factor")
 
 # megazoo position embedding -> Megatron-DeepSpeed's PositionEmbeddingType member name
 _DEEPSPEED_POSITION = {"rope": "rotary", "learned": "absolute", "alibi": "alibi"}
@@ -179,7 +195,8 @@ def from_config(config: TransformerConfig, *, tp: int, pp: int, vpp: int, iterat
         seq_length=seq_length or config.max_position_embeddings,
         position_embedding_type={"learned": "learned_absolute", "rope": "rope"}.get(
             config.position_embedding),
-        rotary_base=config.rope_theta, rotary_percent=1.0,
+        rotary_base=config.rope_theta, rotary_percent=config.rotary_fraction,
+        rotary_interleaved=False,
         normalization={"layernorm": "LayerNorm", "rmsnorm": "RMSNorm"}[config.normalization],
         norm_epsilon=config.layernorm_epsilon,
         **lookup(MEGATRON_ACTIVATIONS, config.activation, "activation (for Megatron-LM's flags)"),
@@ -200,6 +217,14 @@ def from_config(config: TransformerConfig, *, tp: int, pp: int, vpp: int, iterat
         # Megatron-LM's converter (tools/checkpoint) refuses args without a tokenizer type;
         # megazoo's models take Hugging Face tokenizers
         tokenizer_type="HuggingFaceTokenizer")
+    fields.update(megatron_mla.rope_args(config) if config.position_embedding == "rope" else {})
+    fields.update(megatron_mla.mla_args(config))
+    if config.mtp_num_layers:
+        fields.update(mtp_num_layers=config.mtp_num_layers,
+                      mtp_loss_scaling_factor=config.mtp_loss_scaling_factor)
+    for name in _OFF_BY_DEFAULT:  # recorded when on only (as exports before them recorded)
+        if not fields.get(name):
+            fields.pop(name, None)
     if megatron_deepspeed:
         fields.update(position_embedding_type=_DEEPSPEED_POSITION[config.position_embedding],
                       embed_layernorm=config.embedding_layernorm, use_mcore_models=False)

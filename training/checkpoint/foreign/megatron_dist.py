@@ -29,7 +29,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from megazoo.training.checkpoint import format as ckpt
-from megazoo.training.checkpoint.foreign import megatron_args, names, safe_load
+from megazoo.training.checkpoint.foreign import megatron_args, megatron_mla, names, safe_load
 from megazoo.training.checkpoint.foreign import megatron_dist_optim as dist_optim
 from megazoo.training.checkpoint.foreign.assemble import check_shapes, expected_shapes
 from megazoo.training.checkpoint.foreign.megatron_legacy import TRACKER, iteration_folder, scheduler_state
@@ -169,14 +169,22 @@ def read(root: str, vocab_size: int | None = None, *, optimizer: bool = True):
     return family, config, FullState(meta, out["weights"], optim, scalars), it
 
 
-def _sharded_key(canon: str) -> tuple[str, int | None]:
-    """(sharded key, layer or None) of a megazoo canonical name."""
+def _sharded_key(canon: str, mla: bool = False) -> tuple[str, int | None]:
+    """(sharded key, layer or None) of a megazoo canonical name; `mla`: Megatron-core's local MLA
+    spec, which keeps its norms' own names in the sharded state dict."""
     top = {z: m for m, z, _ in names.TOP}
     if canon in top:
         return top[canon], None
+    if canon.startswith("mtp.depths."):  # an MTP depth's tensors: kept per depth, not stacked
+        _, _, depth, rest = canon.split(".", 3)
+        own = {z: m for m, z, _ in megatron_mla.MTP}
+        if rest in own:
+            return f"mtp.layers.{depth}.{own[rest]}", None
+        key, _ = _sharded_key("layers.0." + rest[len("layer."):], mla)
+        return f"mtp.layers.{depth}.transformer_layer.{key[len(_STACKED):]}", None
     _, layer, rest = canon.split(".", 2)
     base, _, kind = rest.rpartition(".")
-    if base in _SHARDED_NORMS:
+    if base in _SHARDED_NORMS and not mla:
         return _STACKED + _SHARDED_NORMS[base] + kind, int(layer)
     experts = {z: m for m, z in _BY_EXPERT.items()}
     if rest in experts:
@@ -198,26 +206,32 @@ def _stacked(config) -> bool:
     return not (config.num_experts and (config.moe_layer_freq > 1 or config.moe_first_dense_layers))
 
 
-def _extra_states(config) -> dict[str, list]:
+def _extra_states(config, written) -> dict[str, list]:
     """The `_extra_state` objects every Megatron-core linear layer saves (None outside FP8
     training; stored as the pickled list of a shard's objects), one per layer (and expert),
-    under Megatron-core's `key/shard_{offsets}_{shape}` names; its loader requires them."""
+    under Megatron-core's `key/shard_{offsets}_{shape}` names; its loader requires them. The
+    dense linears (attention, MLA's projections, dense MLP, shared expert) are those whose
+    weights are `written`."""
     layers, experts, stacked = config.num_layers, config.num_experts or 0, _stacked(config)
     out = {}
     for i in range(layers):
         moe = config.is_moe_layer(i)
-        linears = _LINEARS[:2] if moe else _LINEARS
-        if moe and config.moe_shared_expert_intermediate_size:
-            linears += _SHARED
-        for m in linears:
-            out[f"{_STACKED}{m}._extra_state/shard_{i}_{layers}" if stacked else
-                f"{_STACKED}{i}.{m}._extra_state/shard_0_1"] = [None]
+        for m in _LINEARS + megatron_mla.LINEARS + _SHARED:
+            if stacked and f"{_STACKED}{m}.weight" in written:
+                out[f"{_STACKED}{m}._extra_state/shard_{i}_{layers}"] = [None]
+            elif not stacked and f"{_STACKED}{i}.{m}.weight" in written:
+                out[f"{_STACKED}{i}.{m}._extra_state/shard_0_1"] = [None]
         for m in ("linear_fc1", "linear_fc2") if moe else ():
             for e in range(experts):
                 out[f"{_STACKED}{_EXPERTS}{m}._extra_state/shard_{i}.{e}_{layers}.{experts}"
                     if stacked else
                     f"{_STACKED}{i}.{_EXPERTS}{m}._extra_state/shard_{e}_{experts}"] = [None]
     out["output_layer._extra_state/shard_0_1"] = [None]
+    for key in written:  # MTP depths: eh_proj and their layer's linears, one shard each
+        if key.startswith("mtp.layers.") and key.endswith(".weight") and any(
+                key[:-len(".weight")].endswith(m) for m in ("eh_proj",) + _LINEARS
+                + megatron_mla.LINEARS):
+            out[f"{key[:-len('.weight')]}._extra_state/shard_0_1"] = [None]
     return out
 
 
@@ -234,7 +248,7 @@ def write(full: FullState, config, root: str, *, tp: int = 1, pp: int = 1, vpp: 
                                     if full.optim else {})
     for prefix, values in sources.items():
         for canon, t in values.items():
-            key, layer = _sharded_key(canon)
+            key, layer = _sharded_key(canon, bool(config.kv_lora_rank))
             if layer is not None and not stacked:  # one tensor per layer, numbered globally
                 key, layer = f"{_STACKED}{layer}.{key[len(_STACKED):]}", None
             # the optimizer's states and the expert bias (a buffer Megatron keeps in fp32)
@@ -246,7 +260,7 @@ def write(full: FullState, config, root: str, *, tp: int = 1, pp: int = 1, vpp: 
             else:
                 per_layer.setdefault(prefix + key, [None] * config.num_layers)[layer] = t.to(dtype)
     tensors.update({k: torch.stack(v).contiguous() for k, v in per_layer.items()})
-    tensors.update(_extra_states(config))
+    tensors.update(_extra_states(config, tensors))
     folder = os.path.join(root, f"iter_{iteration:07d}")
     os.makedirs(folder, exist_ok=True)
     dcp.save(tensors, storage_writer=dcp.FileSystemWriter(folder), no_dist=True)

@@ -25,7 +25,8 @@ import re
 import torch
 
 from megazoo.training.checkpoint import format as ckpt
-from megazoo.training.checkpoint.foreign import megatron_args, megatron_moe, names, safe_load
+from megazoo.training.checkpoint.foreign import megatron_args, megatron_mla, megatron_moe, names
+from megazoo.training.checkpoint.foreign import safe_load
 from megazoo.training.checkpoint.foreign import megatron_distrib_optim as distrib_optim
 from megazoo.training.checkpoint.foreign import megatron_legacy_model as legacy_model
 from megazoo.training.checkpoint.foreign import megatron_legacy_optim as legacy_optim
@@ -181,10 +182,12 @@ def read(root: str, vocab_size: int | None = None, *, optimizer: bool = True):
                     except KeyError:
                         raise ckpt.CheckpointError(
                             f"{path}: {key} is not a tensor megazoo maps (GPT, Llama, Qwen, "
-                            f"Mixtral, Qwen-MoE, DeepSeek-V3 MoE layers in Megatron-core "
-                            f"names)") from None
+                            f"Mixtral, Qwen-MoE, DeepSeek-V3 MLA and MoE layers in "
+                            f"Megatron-core names)") from None
                     canon, split, expert = mapped
                     split = names.split_for(split, config.gated_mlp)
+                    if split == "down":
+                        split = megatron_mla.down_split(canon, tensor, config)
                     if expert is not None:
                         expert += e * local_experts
                     elif e > 0:
@@ -259,7 +262,7 @@ def _stage_entries(full: dict, config, stage: int, stages: int):
     for local in range(per_chunk):
         prefix = f"layers.{stage * per_chunk + local}."
         suffixes = {k[len(prefix):] for k in full if k.startswith(prefix)}
-        keys = [(m, prefix + z, names.split_for(s, swiglu), None)
+        keys = [(m, prefix + z, "column" if s == "down" else names.split_for(s, swiglu), None)
                 for m, z, s in names.layer_keys(local, suffixes)]
         # Megatron-core's MoE layer: router, routed experts, then the shared expert
         out += [k for k in keys if ".shared_experts." not in k[0]]
@@ -270,6 +273,9 @@ def _stage_entries(full: dict, config, stage: int, stages: int):
         out += [k for k in keys if ".shared_experts." in k[0]]
     if stage == stages - 1:
         out += [(m, z, s, None) for m, z, s in names.TOP[2:4] if z in full]
+        for depth in range(config.mtp_num_layers):  # the MTP depths (megatron_mla.MTP)
+            out += [(m, z, "column" if s == "down" else names.split_for(s, swiglu), None)
+                    for m, z, s in megatron_mla.mtp_keys(depth, full, names.layer_keys)]
         if not config.tie_word_embeddings:
             out.append(("output_layer.weight", "head_weight", "vocab", None))
         elif stages > 1:  # the last stage's copy of the tied embedding
@@ -291,6 +297,10 @@ def write(full: FullState, config, root: str, *, tp: int, pp: int, vpp: int = 1,
         raise ckpt.CheckpointError(f"{config.num_query_groups} query groups do not split over "
                                    f"tp={tp}; Megatron-LM needs whole groups per rank")
     megatron_args.check_exportable(config, root)
+    if config.mtp_num_layers and stages > 1:
+        raise ckpt.CheckpointError(f"multi-token prediction with pp={pp} x vpp={vpp} stages: "
+                                   f"Megatron's last stage also holds an embedding copy for it, "
+                                   f"which this export does not write; export at pp=1")
     meta = full.meta
     consumed = int(meta.get("consumed_samples", 0) or 0)
     args = megatron_args.from_config(config, tp=tp, pp=pp, vpp=vpp, iteration=iteration,

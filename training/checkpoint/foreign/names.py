@@ -9,7 +9,8 @@ in torch_dist). The fused tensors already have megazoo's orders: QKV rows per qu
 `linear_fc1` as [gate_r; up_r] on rank r (each half split separately).
 
 Split kinds: "column" (dim 0 in chunks), "glu" (dim 0, each of [gate; up] in chunks), "row"
-(dim 1), "vocab" (dim 0, padded to a multiple of the vocabulary divisor times TP), "replicated".
+(dim 1), "vocab" (dim 0, padded to a multiple of the vocabulary divisor times TP), "replicated",
+"down" (MLA's down-projections: replicated or column by the spec, megatron_mla.down_split).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import re
 import torch
 
 from megazoo.parallel.tensor_parallel import StridedLayout
+from megazoo.training.checkpoint.foreign import megatron_mla
 
 # (Megatron-core suffix after `decoder.layers.{i}.`, megazoo suffix after `layers.{i}.`, split).
 # Transformer Engine's specs fuse the norms into the next linear (`layer_norm_weight`); the local
@@ -27,6 +29,7 @@ LAYER = (  # in Megatron-core's module order (the optimizer numbers parameters i
     ("input_layernorm.bias", "input_norm.bias", "replicated"),
     ("self_attention.linear_proj.weight", "attention.dense.weight", "row"),
     ("self_attention.linear_proj.bias", "attention.dense.bias", "replicated"),
+    *megatron_mla.LAYER,  # multi-latent attention's projections and latent norms
     ("self_attention.linear_qkv.layer_norm_weight", "input_norm.weight", "replicated"),
     ("self_attention.linear_qkv.layer_norm_bias", "input_norm.bias", "replicated"),
     ("self_attention.linear_qkv.weight", "attention.qkv.weight", "column"),
@@ -72,6 +75,9 @@ IGNORED = re.compile(r".*(\._extra_state|rotary_pos_emb\.inv_freq)$")
 _LAYER_KEY = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
 _EXPERT_KEY = re.compile(r"mlp\.experts\.(?:local_experts\.(\d+)\.(.+)|(linear_fc[12]\.(?:weight|bias))(\d+))")
 _BY_MEGATRON = {m: (z, s) for m, z, s in LAYER}
+_MLA_ROWS = range(LAYER.index(megatron_mla.LAYER[0]),
+                  LAYER.index(megatron_mla.LAYER[0]) + len(megatron_mla.LAYER))
+_MLA_KEYS = {m for m, _, _ in megatron_mla.LAYER}
 _BY_EXPERT = {m: (z, s) for m, z, s in EXPERT}
 _TOP = {m: (z, s) for m, z, s in TOP}
 
@@ -83,6 +89,8 @@ def to_megazoo(key: str, layer_offset: int = 0):
         return None
     if key in _TOP:
         return (*_TOP[key], None)
+    if key.startswith("mtp.layers."):  # multi-token prediction depths (megatron_mla.MTP)
+        return megatron_mla.mtp_to_megazoo(key, to_megazoo)
     m = _LAYER_KEY.fullmatch(key)
     if m is None:
         raise KeyError(key)
@@ -102,8 +110,12 @@ def layer_keys(local: int, megazoo_suffixes, *, te_norms: bool = False):
     [(megatron key, megazoo suffix, split)] in Megatron-core's module order; the norms under
     Transformer Engine's fused names with `te_norms`, else the local spec's."""
     wanted = set(megazoo_suffixes)
+    # MLA's rows in its module order; q_layernorm is also Qwen3's, after linear_qkv
+    mla = "attention.kv_down" in wanted
     out = []
-    for m, z, s in LAYER:
+    for i, (m, z, s) in enumerate(LAYER):
+        if (i in _MLA_ROWS) != mla and m in _MLA_KEYS:
+            continue
         fused = ".layer_norm_" in m
         plain = m.startswith(("input_layernorm", "pre_mlp_layernorm"))
         if z in wanted and not (plain if te_norms else fused):
