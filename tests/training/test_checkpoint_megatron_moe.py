@@ -132,6 +132,9 @@ def test_megatron_uneven_pipeline_stages(moe, tmp_path):
     (dict(moe_router_load_balancing_type="sinkhorn"), "moe_router_load_balancing_type='sinkhorn'"),
     (dict(decoder_first_pipeline_num_layers=1, virtual_pipeline_model_parallel_size=2,
           pipeline_model_parallel_size=2), "uneven stages with virtual pipeline"),
+    (dict(moe_expert_capacity_factor=1.0), "moe_token_drop_policy='probs': megazoo drops the "
+     "tokens over capacity by position"),
+    (dict(moe_input_jitter_eps=0.01), "moe_input_jitter_eps=0.01: jitter on the router's input"),
 ])
 def test_megatron_moe_unmapped_settings_are_refused(moe, tmp_path, change, match):
     from megazoo.training.checkpoint.foreign import megatron_legacy

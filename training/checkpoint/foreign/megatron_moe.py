@@ -124,6 +124,7 @@ def config_fields(args, where: str) -> dict:
     if isinstance(coeff, (list, tuple)):
         coeff = coeff[0] if len(set(coeff)) == 1 else _refuse(
             where, "moe_aux_loss_coeff", coeff, "several load-balancing losses at once")
+    _check_dispatch(args, where)
     routing = _routing(args, where, topk)
     if routing.pop("no_aux_loss"):  # Megatron's "none": no load-balancing loss at any coefficient
         coeff = 0.0
@@ -137,6 +138,25 @@ def config_fields(args, where: str) -> dict:
                 moe_shared_expert_gate=bool(shared and getattr(args, "moe_shared_expert_gate",
                                                                False)),
                 **routing)
+
+
+def _check_dispatch(args, where: str) -> None:
+    """Token-dispatch settings that change which tokens an expert computes: megazoo drops the
+    tokens over an expert's capacity by position (Megatron's "position" policy), pads nothing and
+    adds no jitter."""
+    capacity = getattr(args, "moe_expert_capacity_factor", None)
+    policy = getattr(args, "moe_token_drop_policy", None) or "probs"  # megatron-core's default
+    if capacity is not None and policy != "position":
+        _refuse(where, "moe_token_drop_policy", policy,
+                "megazoo drops the tokens over capacity by position (Megatron's 'position' "
+                "policy), not by routing probability")
+    for arg, bad, why in (
+            ("moe_pad_expert_input_to_capacity", bool, "expert inputs padded to capacity"),
+            ("moe_input_jitter_eps", bool, "jitter on the router's input"),
+            ("moe_apply_probs_on_input", bool, "routing weights applied to the expert's input")):
+        value = getattr(args, arg, None)
+        if value is not None and bad(value):
+            _refuse(where, arg, value, why)
 
 
 def args_fields(config) -> dict:
@@ -155,6 +175,7 @@ def args_fields(config) -> dict:
         moe_router_load_balancing_type=config.moe_router_load_balancing_type,
         moe_aux_loss_coeff=config.moe_aux_loss_coeff, moe_z_loss_coeff=config.moe_z_loss_coeff,
         moe_expert_capacity_factor=config.moe_expert_capacity_factor,
+        moe_token_drop_policy="position",
         moe_layer_freq=config.moe_layer_freq if not config.moe_first_dense_layers else pattern,
         moe_shared_expert_intermediate_size=config.moe_shared_expert_intermediate_size,
         moe_shared_expert_gate=config.moe_shared_expert_gate,
