@@ -230,3 +230,51 @@ def test_other_folders_and_optimizers_are_refused(trainer_run, tmp_path, caplog)
     with caplog.at_level("INFO"):
         tool.convert(a)
     assert "--format hf-trainer carries its AdamW state" in caplog.text
+
+
+def _grad_scaler_steps(scaler, overflows):
+    """torch's GradScaler (the Trainer's fp16 scaler) through steps, an inf gradient where
+    `overflows` says: the scale after each step."""
+    p = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([p], lr=0.0)
+    scales = []
+    for inf in overflows:
+        scaler.scale(p.sum()).backward()
+        if inf:
+            p.grad.fill_(float("inf"))
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        scales.append(scaler.get_scale())
+    return scales
+
+
+def test_fp16_loss_scale_carries(trainer_run, tmp_path, caplog):
+    """The Trainer's scaler.pt (torch GradScaler's own state_dict) becomes megazoo's scaler
+    state: resumed with the logged flags, megazoo's scale follows GradScaler's step for step
+    across growths and overflows. A scaler.pt of another shape is refused in one line."""
+    from megazoo.parallel.zero.config import LossScaleConfig
+    from megazoo.parallel.zero.loss_scaler import DynamicLossScaler
+    from megazoo.training.checkpoint.format import CheckpointError
+    from megazoo.training.checkpoint.foreign.hf_trainer import read
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=3)
+    _grad_scaler_steps(scaler, [False, False, False, True, False])  # grew, lowered, 1 clean
+    ckpt = _variant(os.path.join(trainer_run[0], "checkpoint-2"), tmp_path / "fp16")
+    torch.save(scaler.state_dict(), os.path.join(ckpt, "scaler.pt"))
+    with caplog.at_level("INFO"):
+        full = read(str(ckpt), consumed_samples=4)[2]
+    assert "--fp16 --loss-scale-window 3 --hysteresis 1" in caplog.text
+    ours = DynamicLossScaler(LossScaleConfig(initial_scale=1.0, growth_interval=3, hysteresis=1))
+    ours.load_state_dict({k[len("scaler."):]: v for k, v in full.scalars.items()
+                          if k.startswith("scaler.")})
+    assert ours.scale == scaler.get_scale() == 2.0 ** 10
+    then = [False, False, False, True, True, False, False, False, False]
+    want, got = _grad_scaler_steps(scaler, then), []
+    for inf in then:
+        ours.update(inf)
+        got.append(ours.scale)
+    assert got == want and len(set(want)) > 2, (got, want)
+    torch.save({"scale": 2.0}, os.path.join(ckpt, "scaler.pt"))
+    with pytest.raises(CheckpointError, match="not torch GradScaler's state_dict") as e:
+        read(str(ckpt), consumed_samples=4)
+    assert "\n" not in str(e.value)

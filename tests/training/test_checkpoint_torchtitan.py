@@ -209,6 +209,12 @@ def test_bad_input_is_refused_in_one_line(tmp_path):
     cases.append((["import", "--load", QWEN3, "--hf-config", tmp_path / "moe"],
                   "model_type 'qwen3_moe'; megazoo maps torchtitan's ['llama', 'qwen3']"))
     cases.append((["export", "--load", STEP3, "--tp", "2"], "drop the layout flags"))
+    (tmp_path / "rope").mkdir()  # torchtitan's llama3 always scales RoPE as Llama 3.1
+    (tmp_path / "rope" / "config.json").write_text(json.dumps(
+        {**config, "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}}))
+    cases.append((["import", "--load", STEP3, "--hf-config", tmp_path / "rope"],
+                  'applies Llama 3.1\'s scaling to every model (RoPEScalingArgs): put '
+                  '"rope_parameters": {"rope_type": "llama3", "factor": 8.0'))
     import collections
     import pickle
     (tmp_path / "evil").mkdir()  # a .metadata that would build another class than DCP's
@@ -219,3 +225,75 @@ def test_bad_input_is_refused_in_one_line(tmp_path):
         rc, _, err = tool_output("convert_checkpoint", argv[0], "--format", "torchtitan",
                                  *argv[1:], "--save", tmp_path / "out")
         assert rc == 1 and message in err and len(err.strip().splitlines()) == 1, (argv, err)
+
+
+def _rewrite(dst, **group):
+    """A copy of step-3 written again by DCP with its optimizer's group fields set to `group`
+    (as torchtitan records another optimizer's settings, e.g. optimizer.name Adam)."""
+    import warnings
+    import torch.distributed.checkpoint as dcp
+    from megazoo.training.checkpoint.foreign import safe_load, torchtitan
+    metadata = safe_load.dcp_metadata(str(STEP3)).state_dict_metadata
+    sd = torchtitan._read(str(STEP3), metadata, sorted(metadata))
+    for k in sd:
+        field = k.rsplit(".", 1)[-1]
+        if k.startswith("optimizer.param_groups.") and field in group:
+            sd[k] = group[field]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(dst)), no_dist=True)
+    return dst
+
+
+def test_other_adam_settings_are_refused_and_a_decay_is_said(tmp_path, caplog):
+    """torchtitan's Adam (L2 decay) and amsgrad are refused; AdamW's decay, which torchtitan
+    applies to every parameter, is imported with a warning saying so."""
+    from megazoo.training.checkpoint.foreign import torchtitan
+    refused = ((dict(decoupled_weight_decay=False, weight_decay=0.1),
+                "torch Adam with weight_decay=0.1 (L2 in the gradient"),
+               (dict(amsgrad=True), "AdamW with amsgrad/maximize"))
+    for i, (group, message) in enumerate(refused):
+        rc, _, err = tool_output("convert_checkpoint", "import", "--format", "torchtitan",
+                                 "--load", _rewrite(tmp_path / f"bad{i}", **group),
+                                 "--hf-config", TORCHTITAN, "--save", tmp_path / "out")
+        assert rc == 1 and message in err and len(err.strip().splitlines()) == 1, err
+    decayed = _rewrite(tmp_path / "decayed", weight_decay=0.1)
+    with caplog.at_level("INFO"):
+        _, _, full, _ = torchtitan.read(str(decayed), hf_config=str(TORCHTITAN))
+    assert sorted(full.optim) == ["exp_avg", "exp_avg_sq", "master"]
+    said = [r for r in caplog.records if "decayed every parameter by 0.1" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelname == "WARNING"
+
+
+def test_newest_step_with_metadata_is_read(tmp_path, caplog):
+    """As torchtitan's loader: step-N folders without .metadata are skipped (logged); an HF save
+    newest is refused, naming it and --format hf."""
+    import shutil
+    from megazoo.training.checkpoint.format import CheckpointError
+    from megazoo.training.checkpoint.foreign.torchtitan import step_folder
+    root = tmp_path / "checkpoint"
+    shutil.copytree(STEP3, root / "step-3")
+    (root / "step-10").mkdir()  # an unfinished save
+    with caplog.at_level("INFO"):
+        assert step_folder(str(root)) == str(root / "step-3")
+    assert f"{root / 'step-10'}: no .metadata" in caplog.text
+    (root / "step-12").mkdir()
+    (root / "step-12" / "model.safetensors.index.json").write_text("{}")
+    for where in (root, root / "step-12"):
+        with pytest.raises(CheckpointError, match="import it with --format hf") as e:
+            step_folder(str(where))
+        assert str(root / "step-12") in str(e.value)
+
+
+def test_export_never_overwrites_a_save(imported, tmp_path):
+    """An existing step-N is refused in one line and left as it was; the export is written in a
+    temporary sibling then renamed (none left behind)."""
+    argv = ("convert_checkpoint", "export", "--format", "torchtitan", "--load",
+            imported["step3"], "--save", tmp_path)
+    assert tool_output(*argv)[0] == 0
+    before = sorted(p.name for p in (tmp_path / "step-3").iterdir())
+    rc, _, err = tool_output(*argv)
+    assert rc == 1 and "step-3 exists (a torchtitan save is not overwritten)" in err \
+        and len(err.strip().splitlines()) == 1, err
+    assert sorted(p.name for p in (tmp_path / "step-3").iterdir()) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-3"]

@@ -5,6 +5,7 @@
     checkpoint-N/scheduler.pt        LambdaLR's state: last_epoch, base_lrs, _last_lr
     checkpoint-N/trainer_state.json  global_step, log_history, train_batch_size, ...
     checkpoint-N/training_args.bin   a pickled TrainingArguments: never read (unpickling runs code)
+    checkpoint-N/scaler.pt           fp16 runs: torch GradScaler's state (scale, growth tracker)
     checkpoint-N/rng_state*.pth      not carried: megazoo seeds its own generators
 
 The model is read as a Hugging Face folder (hf.py). The Trainer trains the weights it saved:
@@ -16,6 +17,10 @@ iteration. trainer_state.json records the per-device batch, not the global one (
 gradient accumulation and the process count, which live in training_args.bin), so the consumed
 samples come from `--consumed-samples`, or the import is refused. The learning-rate schedule is
 megazoo's command line's: the scheduler's state is logged with the flags that continue it.
+An fp16 run's `scaler.pt` (read with weights_only) becomes megazoo's dynamic loss scaler state:
+the scale and the growth tracker carry as they are (both count clean steps and grow at the
+window), the hysteresis is 1 (GradScaler lowers the scale on every overflow); the flags that
+match GradScaler's settings are logged.
 
 Refused in one line: FSDP and DeepSpeed folders (DeepSpeed: `--format deepspeed`), PEFT adapter
 folders, optimizers other than torch Adam/AdamW, a save without optimizer.pt.
@@ -37,6 +42,7 @@ from megazoo.training.checkpoint.layout_writer import write_layout
 logger = logging.getLogger(__name__)
 
 STATE, OPTIMIZER, SCHEDULER = "trainer_state.json", "optimizer.pt", "scheduler.pt"
+SCALER = "scaler.pt"
 
 
 def is_trainer_folder(folder: str) -> bool:
@@ -119,6 +125,34 @@ def _schedule(folder: str, state: dict, osd: dict) -> None:
                 f"{flags} --clip-grad as its max_grad_norm (the Trainer's default: 1.0)")
 
 
+def scaler_scalars(folder: str) -> dict[str, torch.Tensor]:
+    """The `scaler.*` scalars of megazoo's optimizer state from the Trainer's scaler.pt (torch
+    GradScaler.state_dict(); empty when there is none or the scaler was disabled)."""
+    path = os.path.join(folder, SCALER)
+    if not os.path.isfile(path):
+        return {}
+    sd = safe_load.load(path)
+    if not sd:
+        return {}
+    try:
+        scale, tracker = float(sd["scale"]), int(sd["_growth_tracker"])
+        window = int(sd["growth_interval"])
+        factors = float(sd["growth_factor"]), float(sd["backoff_factor"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise ckpt.CheckpointError(f"{path}: not torch GradScaler's state_dict ({e!r} missing or "
+                                   f"malformed); move it away to import without the loss "
+                                   f"scale") from None
+    logger.info("%s: the Trainer's fp16 loss scale %g (growth tracker %d) carried over; resume "
+                "with --fp16 --loss-scale-window %d --hysteresis 1 as its GradScaler", path, scale,
+                tracker, window)
+    if factors != (2.0, 0.5):
+        logger.warning("%s: GradScaler's growth / backoff factors %g / %g; megazoo grows by 2 "
+                       "and lowers by 0.5", path, *factors)
+    return {"scaler.loss_scale": torch.tensor(scale, dtype=torch.float64),
+            "scaler.growth_tracker": torch.tensor(tracker),
+            "scaler.hysteresis_tracker": torch.tensor(1)}
+
+
 def read(folder: str, *, optimizer: bool = True, consumed_samples: int | None = None):
     """(family, config, FullState, iteration) of a Trainer checkpoint-N folder."""
     from megazoo.training.checkpoint.hf import hf_to_full, read_hf_config
@@ -161,7 +195,8 @@ def read(folder: str, *, optimizer: bool = True, consumed_samples: int | None = 
     logger.info("%s: rng_state*.pth not carried (megazoo seeds its own generators); "
                 "training_args.bin not read", folder)
     full.optim.update(optim)
-    full.scalars.update(iteration=torch.tensor(step), applied_steps=torch.tensor(applied))
+    full.scalars.update(iteration=torch.tensor(step), applied_steps=torch.tensor(applied),
+                        **scaler_scalars(folder))
     return model_type, config, full, step
 
 

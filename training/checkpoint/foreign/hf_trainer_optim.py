@@ -54,8 +54,9 @@ def trainer_groups(hf_config) -> tuple[list[list[str]], dict[str, tuple]]:
     return groups, shapes
 
 
-def check_adam(osd: dict, path: str) -> None:
-    """Refuse anything but torch's Adam/AdamW state (one line naming what it is)."""
+def check_adam(osd: dict, path: str, which: str = "optim='adamw_torch[_fused]'") -> None:
+    """Refuse anything but torch's Adam/AdamW state (one line naming what it is; `which` names
+    the saver's setting that gives AdamW)."""
     if not isinstance(osd, dict) or not {"state", "param_groups"} <= set(osd):
         raise ckpt.CheckpointError(f"{path}: not a torch optimizer state_dict (no state / "
                                    f"param_groups); was the run's optimizer wrapped?")
@@ -65,7 +66,7 @@ def check_adam(osd: dict, path: str) -> None:
         raise ckpt.CheckpointError(
             f"{path}: the optimizer's state holds {sorted(keys)} and its groups "
             f"{sorted(fields - {'params'})}; "
-            f"megazoo continues torch Adam/AdamW only (optim='adamw_torch[_fused]'); import the "
+            f"megazoo continues torch Adam/AdamW only ({which}); import the "
             f"weights with --no-optimizer")
     for g in osd["param_groups"]:
         if g.get("amsgrad") or g.get("maximize"):

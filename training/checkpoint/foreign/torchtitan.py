@@ -21,17 +21,25 @@ reordered per head from pairs to halves on the way in, and back on the way out. 
 torchtitan rotates halves already. An import carries the weights (the fp32 masters when an
 optimizer is there), Adam's moments and step and the iteration (`train_state.step`); the LR
 schedule, the optimizer's hyperparameters (logged) and the dataloader's position are not.
-Export writes a model-only `step-N/` folder (fp32), as `last_save_model_only` does, which
-torchtitan loads with `checkpoint.initial_load_path` (model-only, the default for it).
+Only torch AdamW state continues (torchtitan's `Adam` with weight decay, amsgrad or maximize are
+refused, as hf_trainer_optim.check_adam refuses them); a decay is said once (torchtitan decays
+every parameter, megazoo matrices only). From a checkpoint folder the newest step-N holding
+.metadata is read (others skipped, logged), as torchtitan's loader picks it; an HF save newest is
+refused (`--format hf`). llama3's config.json must give torchtitan's RoPE scaling (refused
+otherwise). Export writes a model-only `step-N/` folder (fp32), as `last_save_model_only` does,
+into `step-N.tmp/` then renamed, never over an existing save; torchtitan loads it with
+`checkpoint.initial_load_path` (model-only, the default for it).
 `.metadata` is unpickled through an allowlist (DCP's metadata classes, paths, sizes, dtypes;
 safe_load.dcp_metadata), other entries with weights_only=True: reading runs no saved code.
 """
 from __future__ import annotations
 
 import io
+import json
 import logging
 import os
 import re
+import shutil
 import warnings
 
 import torch
@@ -39,7 +47,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from megazoo.training.checkpoint import format as ckpt
-from megazoo.training.checkpoint.foreign import safe_load
+from megazoo.training.checkpoint.foreign import hf_trainer_optim, safe_load
 from megazoo.training.checkpoint.foreign.assemble import expected_shapes
 from megazoo.training.checkpoint.reshard import FullState
 
@@ -68,6 +76,8 @@ OPTIM = ("exp_avg", "exp_avg_sq")
 _LAYER_KEY = re.compile(r"layers\.(\d+)\.(.+)")
 _STEP_DIR = re.compile(r"step-(\d+)")
 _HYPER = ("lr", "betas", "eps", "weight_decay")
+_GROUP = _HYPER + ("amsgrad", "maximize", "decoupled_weight_decay")
+HF_INDEX = "model.safetensors.index.json"
 
 
 def to_hf_name(key: str) -> str | None:
@@ -130,17 +140,27 @@ def from_hf(sd: dict, config, interleaved: bool) -> dict:
 
 
 def step_folder(root: str) -> str:
-    """A step-N folder (its .metadata), or the newest step-N in a torchtitan checkpoint folder
-    (or in a dump folder's checkpoint/)."""
+    """A step-N folder (its .metadata), or the newest step-N holding .metadata in a torchtitan
+    checkpoint folder (or in a dump folder's checkpoint/), as torchtitan's own loader picks it;
+    an HF save (`model.safetensors.index.json`) newest is refused, naming it."""
     if os.path.isfile(os.path.join(root, ".metadata")):
         return root
+    if os.path.isfile(os.path.join(root, HF_INDEX)):
+        raise ckpt.CheckpointError(f"{root}: torchtitan's Hugging Face save ({HF_INDEX}); "
+                                   f"import it with --format hf")
     for base in (root, os.path.join(root, "checkpoint")):
         steps = sorted((int(m[1]), m[0]) for m in map(_STEP_DIR.fullmatch, os.listdir(base))
                        if m) if os.path.isdir(base) else []
-        if steps:
-            folder = os.path.join(base, steps[-1][1])
-            logger.info("%s: reading the newest torchtitan save, %s", root, folder)
-            return folder
+        for _, name in reversed(steps):
+            folder = os.path.join(base, name)
+            if os.path.isfile(os.path.join(folder, ".metadata")):
+                logger.info("%s: reading the newest torchtitan save, %s", root, folder)
+                return folder
+            if os.path.isfile(os.path.join(folder, HF_INDEX)):
+                raise ckpt.CheckpointError(f"{folder}: the newest save is torchtitan's Hugging "
+                                           f"Face save ({HF_INDEX}); import it with --format hf, "
+                                           f"or pass an older step-N folder")
+            logger.warning("%s: no .metadata (an unfinished or foreign save); skipped", folder)
     raise ckpt.CheckpointError(f"{root}: neither a torchtitan step-N folder (with .metadata) nor "
                                f"a checkpoint folder holding step-N folders; pass one")
 
@@ -211,10 +231,26 @@ def _check_model(config, where: str) -> tuple[str, bool]:
                                        f"llama3 has hidden_size / num_attention_heads")
         scaling = config.rope_scaling or {}
         if {k: scaling.get(k) for k in LLAMA3_ROPE} != LLAMA3_ROPE:
-            logger.warning("%s: rope_scaling %s; torchtitan 0.2's llama3 applies %s to every "
-                           "model (RoPEScalingArgs), so logits differ unless its run changed "
-                           "them likewise", where, config.rope_scaling, LLAMA3_ROPE)
+            raise ckpt.CheckpointError(
+                f"{where}: rope_scaling {config.rope_scaling}; torchtitan 0.2's llama3 applies "
+                f"Llama 3.1's scaling to every model (RoPEScalingArgs): put \"rope_parameters\": "
+                f"{json.dumps({**LLAMA3_ROPE, 'rope_theta': config.rope_theta})} in config.json")
     return name, interleaved
+
+
+def _check_adam(folder: str, metadata: dict, got: dict, first: str, name: str) -> None:
+    """torchtitan's one parameter group (its first parameter's fields) and state keys as a torch
+    optimizer state_dict, checked as the Trainer's is: Adam with L2 decay, amsgrad, maximize and
+    other optimizers refused. Its decay (if any) covers every parameter: said once."""
+    state = f"optimizer.state.{name}."
+    group = {h: got[first + h] for h in _GROUP if first + h in got}
+    osd = {"state": {0: {k[len(state):]: None for k in metadata if k.startswith(state)}},
+           "param_groups": [group]}
+    hf_trainer_optim.check_adam(osd, folder, "torchtitan's optimizer.name AdamW")
+    if group.get("weight_decay"):
+        logger.warning("%s: torchtitan decayed every parameter by %g (norms too, one group); "
+                       "megazoo decays matrices only (not norms nor other vectors)", folder,
+                       group["weight_decay"])
 
 
 def read(root: str, vocab_size: int | None = None, *, optimizer: bool = True,
@@ -264,8 +300,10 @@ def read(root: str, vocab_size: int | None = None, *, optimizer: bool = True,
                  f"optimizer.state.{k}.step" in metadata]
     keys += [k for k in ("train_state.step", "train_state.ntokens_seen") if k in metadata]
     first = f"optimizer.param_groups.{next(iter(expected))}."
-    keys += [first + h for h in _HYPER if optimizer and first + h in metadata]
+    keys += [first + h for h in _GROUP if optimizer and first + h in metadata]
     got = _read(folder, metadata, keys)
+    if optimizer:
+        _check_adam(folder, metadata, got, first, next(iter(expected)))
     if tied_copy and not torch.equal(got.pop("output.weight"), got["tok_embeddings.weight"]):
         raise ckpt.CheckpointError(f"{where}: config.json ties the embeddings but output.weight "
                                    f"differs from tok_embeddings.weight; set tie_word_embeddings "
@@ -320,10 +358,18 @@ def write(full: FullState, config, root: str, *, tp: int = 1, pp: int = 1, vpp: 
     if "output.weight" not in sd:  # tied: torchtitan's model keeps both names
         sd["output.weight"] = sd["tok_embeddings.weight"].clone()
     folder = os.path.join(root, f"step-{iteration}")
-    os.makedirs(folder, exist_ok=True)
+    if os.path.exists(folder) and (not os.path.isdir(folder) or os.listdir(folder)):
+        raise ckpt.CheckpointError(f"{folder} exists (a torchtitan save is not overwritten); "
+                                   f"pass another --save or move it away")
+    tmp = folder + ".tmp"  # written whole, then renamed: no half-written step-N
+    shutil.rmtree(tmp, ignore_errors=True)  # left by a crash during an earlier export
+    os.makedirs(tmp)
     with warnings.catch_warnings():  # DCP warns that no process group is up: none is needed
         warnings.simplefilter("ignore", UserWarning)
-        dcp.save(sd, storage_writer=dcp.FileSystemWriter(folder), no_dist=True)
+        dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp), no_dist=True)
+    if os.path.isdir(folder):
+        os.rmdir(folder)  # empty
+    os.rename(tmp, folder)
     logger.info("exported %d tensors to %s (torchtitan's model-only save; load it with "
                 "--checkpoint.initial_load_path %s)", len(sd), folder, folder)
     return folder
