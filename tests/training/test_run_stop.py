@@ -34,6 +34,6 @@ def test_sigterm_during_evaluation_stops_after_the_batch_and_skips_the_report(tm
     assert result.checkpoint == os.path.join(str(tmp_path), "iter_0000002")
     assert open(os.path.join(tmp_path, "latest")).read().strip() == "iter_0000002"
     assert not os.path.exists(os.path.join(tmp_path, "report.png"))
-    assert "evaluation at iteration 2 stopped after 2 of 40 batches: a stop was requested" in caplog.text
+    assert "evaluation of valid at iteration 2 stopped after 2 of 40 batches: a stop was requested" in caplog.text
     assert f"run report not drawn: stopping on a signal; draw it with tools/report.py {tmp_path}" \
            in caplog.text
