@@ -203,3 +203,29 @@ def pickle_globals(path) -> set:
         elif op.name == "GLOBAL":
             found.add(arg.replace(" ", "."))
     return found
+
+
+def megazoo_resumes_like_megatron(run_config, ids, first: float, want: float):
+    """megazoo's run loaded as `run_config` says (its --load), one process: the loss on `ids`
+    equals Megatron's `first` (1e-5 relative) and, after one step on the same batch, its `want`
+    (1e-4 relative). Returns the loaded training state."""
+    from megazoo.models.registry import build_model as model_provider
+    from megazoo.parallel.random import model_parallel_seed
+    from megazoo.parallel.topology import ParallelTopology
+    from megazoo.parallel.zero.optimizer import build_optimizer
+    from megazoo.training.checkpoint.resume import load
+    from megazoo.training.run.loop import build_chunks
+    topo = ParallelTopology.single()
+    seed = model_parallel_seed(run_config.seed, topo)
+    chunks = build_chunks(model_provider, run_config, topo, seed)
+    zero = build_optimizer(chunks, topo, run_config.optimizer)
+    state = load(run_config, topo, chunks, zero, None)
+    zero.zero_grad()
+    loss = chunks[0](ids, labels=ids).mean()
+    assert abs(loss.item() - first) <= 1e-5 * abs(first), (loss.item(), first)
+    zero.backward(loss)
+    assert not zero.step(loss).skipped
+    with torch.no_grad():
+        got = chunks[0](ids, labels=ids).mean().item()
+    assert abs(got - want) <= 1e-4 * abs(want), (got, want)
+    return state

@@ -17,7 +17,8 @@ import torch
 
 from tests.foreign_checkpoints import (FP32, LAYERS, PADDED, SEQ, VOCAB, cpu_stubs,
                                        megatron_args, megatron_run, megatron_world,
-                                       megazoo_logits, save_legacy)
+                                       megazoo_logits, megazoo_resumes_like_megatron,
+                                       save_legacy)
 from tests.tool_runs import tool_module
 
 
@@ -128,14 +129,8 @@ def test_megatron_resume_next_loss_equals_megatron_next_loss(megatron):
     with torch's AdamW from its saved state; megazoo's optimizer from the imported moments and
     step count), the next losses agree within 1e-4 relative. Megatron's softmax runs over the
     padded vocabulary, so the import keeps the padding rows as tokens (--vocab-size 64)."""
-    from megazoo.models.registry import build_model as model_provider
-    from megazoo.parallel.random import model_parallel_seed
-    from megazoo.parallel.topology import ParallelTopology
-    from megazoo.parallel.zero.optimizer import build_optimizer
-    from megazoo.training.checkpoint.resume import load
     from megazoo.training.config.flags import to_run_config
     from megazoo.training.config.parser import build_parser
-    from megazoo.training.run.loop import build_chunks
     from megazoo.training.checkpoint.foreign.convert import import_checkpoint
     save = str(megatron["tmp"].mktemp("mz_resume"))
     import_checkpoint("megatron", megatron["root"], save, tp=2, pp=2, vocab_size=PADDED)
@@ -170,16 +165,5 @@ def test_megatron_resume_next_loss_equals_megatron_next_loss(megatron):
              "--untie-embeddings-and-output-weights", "--position-embedding-type", "rope",
              "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear"]
     run = to_run_config(build_parser().parse_args(flags), world_size=1)
-    topo = ParallelTopology.single()
-    chunks = build_chunks(model_provider, run, topo, model_parallel_seed(run.seed, topo))
-    zero = build_optimizer(chunks, topo, run.optimizer)
-    state = load(run, topo, chunks, zero, None)
+    state = megazoo_resumes_like_megatron(run, ids, first, want)
     assert (state.iteration, state.consumed_samples) == (7, 56)
-    zero.zero_grad()
-    loss = chunks[0](ids, labels=ids).mean()
-    assert abs(loss.item() - first) <= 1e-5 * abs(first), (loss.item(), first)
-    zero.backward(loss)
-    assert not zero.step(loss).skipped
-    with torch.no_grad():
-        got = chunks[0](ids, labels=ids).mean().item()
-    assert abs(got - want) <= 1e-4 * abs(want), (got, want)

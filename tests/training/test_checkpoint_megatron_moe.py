@@ -14,7 +14,7 @@ import copy
 import pytest
 import torch
 
-from tests.foreign_checkpoints import FP32, megazoo_logits
+from tests.foreign_checkpoints import FP32, megazoo_logits, megazoo_resumes_like_megatron
 from tests.foreign_moe_checkpoints import SHAPES, moe_runs, save_uneven
 
 FAMILY = {"qwen2_moe": "qwen2_moe", "deepseek": "deepseek_v3", "qwen3_moe": "qwen3_moe"}
@@ -267,16 +267,10 @@ def test_megatron_moe_resume_next_loss_equals_megatron_next_loss(moe):
     state; megazoo's optimizer from the imported moments and step) the next losses agree within
     1e-4 relative. Megatron-core's training loop, which updates the expert bias, is not in its
     wheel, so megazoo's update is off here (--moe-router-bias-update-rate 0)."""
-    from megazoo.models.registry import build_model as model_provider
-    from megazoo.parallel.random import model_parallel_seed
-    from megazoo.parallel.topology import ParallelTopology
-    from megazoo.parallel.zero.optimizer import build_optimizer
     from megazoo.training.checkpoint.foreign.convert import import_checkpoint
     from megazoo.training.checkpoint.hf import checkpoint_config
-    from megazoo.training.checkpoint.resume import load
     from megazoo.training.config.flags import to_run_config
     from megazoo.training.config.parser import build_parser
-    from megazoo.training.run.loop import build_chunks
     from tests.foreign_checkpoints import PADDED, SEQ, cpu_stubs, megatron_world
     from tests.foreign_moe_checkpoints import moe_stubs
     run, ids = moe["runs"]["deepseek"], moe["ids"]
@@ -310,19 +304,8 @@ def test_megatron_moe_resume_next_loss_equals_megatron_next_loss(moe):
              "--moe-router-bias-update-rate", "0"]
     _, loaded = checkpoint_config(folder)
     run_config = to_run_config(build_parser().parse_args(flags), world_size=1, loaded=loaded)
-    topo = ParallelTopology.single()
-    chunks = build_chunks(model_provider, run_config, topo, model_parallel_seed(run_config.seed, topo))
-    zero = build_optimizer(chunks, topo, run_config.optimizer)
-    state = load(run_config, topo, chunks, zero, None)
+    state = megazoo_resumes_like_megatron(run_config, ids, first, want)
     assert state.iteration == 7
-    zero.zero_grad()
-    loss = chunks[0](ids, labels=ids).mean()
-    assert abs(loss.item() - first) <= 1e-5 * abs(first), (loss.item(), first)
-    zero.backward(loss)
-    assert not zero.step(loss).skipped
-    with torch.no_grad():
-        got = chunks[0](ids, labels=ids).mean().item()
-    assert abs(got - want) <= 1e-4 * abs(want), (got, want)
 
 
 def test_megatron_moe_training_settings_map():
